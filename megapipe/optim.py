@@ -1,0 +1,83 @@
+"""AdamW with weight-decay groups, warmup + cosine LR, and the global gradient-norm clip."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.config import TrainConfig
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay; biases, norm gains and other vectors do not (GPT-3 / Megatron practice).
+
+    Embedding tables are matrices and decay, as in Megatron-LM.
+    """
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        decay_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=1e-8,
+        foreach=True,
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then cosine decay to `min_lr` at `steps`.
+
+    `step` counts optimizer steps already taken (0 for the first update).
+    """
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    decay_steps = max(cfg.steps - cfg.warmup, 1)
+    progress = min((step - cfg.warmup) / decay_steps, 1.0)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def global_grad_norm(
+    local_params: Iterable[nn.Parameter],
+    group=None,
+) -> torch.Tensor:
+    """L2 norm of all gradients of the model.
+
+    `local_params` must hold each logical parameter's elements exactly once across the ranks
+    of `group` (a replicated parameter is listed on one rank only); the squared sums are then
+    all-reduced over `group`, so the norm is that of the one-process model.
+    """
+    grads = [p.grad for p in local_params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32)
+    if grads:
+        total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by max_norm / norm when the norm exceeds max_norm (Pascanu et al. 2013)."""
+    if max_norm <= 0:
+        return
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)

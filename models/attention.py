@@ -1,0 +1,75 @@
+"""Causal self-attention with fused q|k|v, RoPE and grouped-query heads, split by head over tp."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.recompute import maybe_checkpoint
+from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
+
+try:  # the flash-attn package (GPU extra); scaled_dot_product_attention otherwise
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+    """cos, sin of shape (T, hd) for the given positions (RoPE, Su et al. 2021, eq. 34)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hd): the rotate-half layout of HF Llama
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) by position; pairs are (i, i + hd/2) as in HF's rotate_half."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
+    """Causal attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys/values."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = flash_attn_func(  # flash-attn wants (B, T, H, hd) and handles GQA itself
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal=True
+        )
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, n_kv_heads: int, tp: TPInfo = NO_TP, selective=False):
+        super().__init__()
+        hd = cfg.d_model // cfg.n_heads
+        bias = cfg.arch == "gpt2"
+        self.head_dim, self.dropout, self.selective = hd, cfg.dropout, selective
+        self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
+        q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
+        self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
+        self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)
+        # Heads on this tp rank; kv heads are replicated when there are fewer than tp.
+        self.local_heads = cfg.n_heads // tp.size
+        self.local_kv_heads = max(n_kv_heads // tp.size, 1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd, h, hkv = self.head_dim, self.local_heads, self.local_kv_heads
+        q, k, v = self.qkv(x).split([h * hd, hkv * hd, hkv * hd], dim=-1)
+        q = q.view(B, T, h, hd).transpose(1, 2)  # (B, H/tp, T, hd)
+        k = k.view(B, T, hkv, hd).transpose(1, 2)  # (B, Hkv/tp, T, hd)
+        v = v.view(B, T, hkv, hd).transpose(1, 2)
+        if self.rope_theta is not None:
+            cos, sin = rope_tables(positions, hd, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
+        y = maybe_checkpoint(self.selective, attention_core, q, k, v, p)
+        y = y.transpose(1, 2).reshape(B, T, h * hd)  # (B, T, H/tp·hd)
+        return self.proj(y)

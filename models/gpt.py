@@ -1,0 +1,169 @@
+"""GPT as an ordered list of blocks: [embedding, layer_0 … layer_{L-1}, final norm + LM head].
+
+Block b of a model with L layers is: 0 the embedding, 1..L the transformer layers, L+1 the head.
+`GPT(cfg, blocks=range(i, j))` builds any contiguous range, which is what a pipeline stage holds.
+Parameter names are logical (`layers.5.mlp.fc1.weight`) whatever the range, and every parameter
+is initialised from (seed, name), so the weights do not depend on how the model is split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
+from megapipe.recompute import layer_mode, maybe_checkpoint
+from megapipe.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    ReplicatedEmbedding,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
+from models.attention import Attention
+from models.init import init_parameters
+
+
+def make_norm(cfg: ModelConfig, tp: TPInfo) -> nn.Module:
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.d_model, cfg.norm_eps, tp)
+    return LayerNorm(cfg.d_model, cfg.norm_eps, tp)
+
+
+class MLP(nn.Module):
+    """GPT-2: fc2(gelu_tanh(fc1 x)). Llama: fc2(silu(gate x) · up x) with fc1 = [gate | up]."""
+
+    def __init__(self, cfg: ModelConfig, d_ff: int, tp: TPInfo = NO_TP) -> None:
+        super().__init__()
+        self.swiglu = cfg.arch == "llama"
+        bias = not self.swiglu
+        fc1_out = [d_ff, d_ff] if self.swiglu else d_ff
+        self.fc1 = ColumnParallelLinear(cfg.d_model, fc1_out, bias, tp)
+        self.fc2 = RowParallelLinear(d_ff, cfg.d_model, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)  # (B, T, d_ff/tp) or (B, T, 2·d_ff/tp)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class Embedding(nn.Module):
+    """Block 0: token embedding (+ learned positions for GPT-2), then dropout."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP) -> None:
+        super().__init__()
+        self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp)
+        self.pos = ReplicatedEmbedding(cfg.seq_len, cfg.d_model, tp) if cfg.arch == "gpt2" else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)  # (B, T, d)
+        if self.pos is not None:
+            h = h + self.pos(positions)
+        return self.drop(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm1 x), then + mlp(norm2 x)."""
+
+    def __init__(self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str) -> None:
+        super().__init__()
+        self.norm1 = make_norm(cfg, tp)
+        self.attn = Attention(cfg, d.n_kv_heads, tp, selective=recompute == "selective")
+        self.norm2 = make_norm(cfg, tp)
+        self.mlp = MLP(cfg, d.d_ff, tp)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.full_recompute = recompute == "full"
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return maybe_checkpoint(self.full_recompute, self._forward, x, positions)
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), positions))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Head(nn.Module):
+    """Block L+1: final norm, LM head (the embedding matrix when tied) and the loss."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg, tp)
+        self.out = None
+        if not cfg.tie_embeddings:
+            self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, bias=False, tp=tp)
+
+    def logits(self, h: torch.Tensor, tied_weight: torch.Tensor | None) -> torch.Tensor:
+        h = self.norm(h)
+        return self.out(h) if self.out is not None else F.linear(h, tied_weight)
+
+    def forward(self, h, targets=None, tied_weight=None) -> torch.Tensor:
+        """Logits (B, T, V), or with targets the summed cross entropy over all tokens."""
+        logits = self.logits(h, tied_weight)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        blocks: range | None = None,
+        seed: int = 0,
+        tp: TPInfo = NO_TP,
+        recompute: RecomputeConfig | None = None,
+        init: bool = True,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        n_blocks = cfg.n_layers + 2
+        self.blocks = blocks if blocks is not None else range(n_blocks)
+        if not (0 <= self.blocks.start < self.blocks.stop <= n_blocks and self.blocks.step == 1):
+            raise ValueError(f"blocks {self.blocks} is not a contiguous range of 0..{n_blocks}")
+        recompute = recompute or RecomputeConfig()
+        derived = Config(model=cfg).derived
+        self.embed = Embedding(cfg, tp) if 0 in self.blocks else None
+        self.layers = nn.ModuleDict()  # keyed by global layer index: names stay logical
+        for b in self.blocks:
+            if 1 <= b <= cfg.n_layers:
+                mode = layer_mode(recompute, b - 1)
+                self.layers[str(b - 1)] = TransformerLayer(cfg, derived, tp, mode)
+        self.head = Head(cfg, tp) if n_blocks - 1 in self.blocks else None
+        if self.head is not None and cfg.tie_embeddings and self.embed is None:
+            raise NotImplementedError("a tied head without the embedding needs the pipeline sync")
+        if init:  # False for shape-only models (dry run on the meta device)
+            init_parameters(self, seed, cfg.n_layers)
+
+    def forward(self, x: torch.Tensor, targets=None, positions=None) -> torch.Tensor:
+        """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out."""
+        T = x.shape[1]
+        if positions is None:
+            positions = torch.arange(T, device=x.device)
+        if self.embed is not None:
+            x = self.embed(x, positions)
+        for layer in self.layers.values():
+            x = layer(x, positions)
+        if self.head is None:
+            return x
+        tied = self.embed.tok.weight if self.cfg.tie_embeddings else None
+        return self.head(x, targets, tied)
+
+    @classmethod
+    def from_hf(cls, hf_model) -> GPT:
+        from models.hf import from_hf
+
+        return from_hf(hf_model)
+
+    def to_hf(self, out_dir: str) -> None:
+        from models.hf import to_hf
+
+        to_hf(self, out_dir)
+

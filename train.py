@@ -1,0 +1,108 @@
+"""Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`.
+
+The steps of main() follow design.md's "One training step": config -> model -> optimizer ->
+resume -> loop (batch, step, log, validate, checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from megapipe import checkpoint
+from megapipe.config import Config, ConfigError, load_config, write_config
+from megapipe.data import DataError, build_data
+from megapipe.dry_run import describe
+from megapipe.metrics import MetricsLog, flops_per_token, peak_tflops
+from megapipe.optim import build_optimizer
+from megapipe.trainer import evaluate, train_step
+from models.gpt import GPT
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args, rest = parser.parse_known_args(argv)
+    for item in rest:
+        if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
+            raise ConfigError(f"argument '{item}' is not --section.key=value")
+    return args, rest
+
+
+def build_model(cfg: Config, device: torch.device) -> GPT:
+    model = GPT(cfg.model, seed=cfg.train.seed, recompute=cfg.recompute)
+    return model.to(device)
+
+
+def run(cfg: Config) -> list[dict]:
+    """Train (or resume) per `cfg`; returns the logged records of this invocation."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(model, cfg.train)
+    start = 0
+    resume = checkpoint.resume_path(cfg)
+    if resume is not None:
+        start = checkpoint.load(resume, cfg, model, optimizer)["step"]
+    write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
+    return _loop(cfg, model, optimizer, data, start, device)
+
+
+def _loop(cfg, model, optimizer, data, start: int, device) -> list[dict]:
+    t, derived = cfg.train, cfg.derived
+    last = t.stop_at_step or t.steps
+    flops_tok, peak = flops_per_token(cfg), peak_tflops(cfg, device)
+    log = MetricsLog(cfg, start)
+    records = []
+    for step in range(start, last):
+        began = time.perf_counter()
+        result = train_step(model, optimizer, data.batch(step, t.global_batch), step, cfg)
+        seconds = time.perf_counter() - began
+        done = step + 1
+        tokens_per_s = derived.tokens_per_step / seconds
+        tflops = flops_tok * tokens_per_s / 1e12
+        record = {
+            "step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_s": tokens_per_s, "tflops": tflops,
+            "mfu": tflops / peak if peak else None, "consumed_tokens": done * derived.tokens_per_step,
+        }  # fmt: skip
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+            record["val_loss"] = evaluate(model, data, cfg)
+        if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
+            log.log(record)
+        log.progress(done, result.loss, tokens_per_s)
+        records.append(record)
+        interval = cfg.checkpoint.interval
+        if (interval and done % interval == 0) or done == t.stop_at_step:
+            extra = {
+                "consumed_tokens": record["consumed_tokens"], "sampler_next_step": done,
+                "lr_schedule": {"lr": t.lr, "min_lr": t.min_lr, "warmup": t.warmup,
+                                "steps": t.steps, "next_lr_step": done},
+            }  # fmt: skip
+            checkpoint.save(cfg, done, model, optimizer, extra)
+    log.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(args.config, overrides)
+        if args.dry_run:
+            print(describe(cfg))
+            return 0
+        run(cfg)
+    except (ConfigError, DataError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
