@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from megapipe.config import Config, ConfigError, write_config
@@ -181,7 +182,7 @@ def _load_tensors(path: str, tensors: dict) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(tensors, checkpoint_id=path, no_dist=_no_dist())
-    except Exception as e:  # DCP raises many types (CheckpointException, OSError, pickle errors)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "

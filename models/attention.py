@@ -57,6 +57,18 @@ class Attention(nn.Module):
         # Heads on this tp rank; kv heads are replicated when there are fewer than tp.
         self.local_heads = cfg.n_heads // tp.size
         self.local_kv_heads = max(n_kv_heads // tp.size, 1)
+        if bias:
+            self.qkv.bias.register_hook(self._zero_key_bias_grad)
+
+    def _zero_key_bias_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The key bias adds q·b_k to every score of a row, which softmax cancels: its exact
+        gradient is 0. Computed, it is round-off (~1e-12) that AdamW scales up to real steps,
+        making runs that differ only in summation order (microbatches, meshes) drift apart."""
+        lo = self.local_heads * self.head_dim
+        hi = lo + self.local_kv_heads * self.head_dim
+        grad = grad.clone()
+        grad[lo:hi] = 0
+        return grad
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

@@ -55,12 +55,17 @@ class MLP(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Block 0: token embedding (+ learned positions for GPT-2), then dropout."""
+    """Block 0: token embedding (+ learned positions for GPT-2), then dropout.
 
-    def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP) -> None:
+    `table_only` builds just the token table: a last pipeline stage with a tied head keeps its
+    own copy under the same logical name (Megatron's shared word embeddings, synced by grads).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP, table_only: bool = False) -> None:
         super().__init__()
         self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp)
-        self.pos = ReplicatedEmbedding(cfg.seq_len, cfg.d_model, tp) if cfg.arch == "gpt2" else None
+        learned_pos = cfg.arch == "gpt2" and not table_only
+        self.pos = ReplicatedEmbedding(cfg.seq_len, cfg.d_model, tp) if learned_pos else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -130,15 +135,16 @@ class GPT(nn.Module):
             raise ValueError(f"blocks {self.blocks} is not a contiguous range of 0..{n_blocks}")
         recompute = recompute or RecomputeConfig()
         derived = Config(model=cfg).derived
-        self.embed = Embedding(cfg, tp) if 0 in self.blocks else None
+        self.has_embedding = 0 in self.blocks
+        self.head = Head(cfg, tp) if n_blocks - 1 in self.blocks else None
+        self.embed = None
+        if self.has_embedding or (self.head is not None and cfg.tie_embeddings):
+            self.embed = Embedding(cfg, tp, table_only=not self.has_embedding)
         self.layers = nn.ModuleDict()  # keyed by global layer index: names stay logical
         for b in self.blocks:
             if 1 <= b <= cfg.n_layers:
                 mode = layer_mode(recompute, b - 1)
                 self.layers[str(b - 1)] = TransformerLayer(cfg, derived, tp, mode)
-        self.head = Head(cfg, tp) if n_blocks - 1 in self.blocks else None
-        if self.head is not None and cfg.tie_embeddings and self.embed is None:
-            raise NotImplementedError("a tied head without the embedding needs the pipeline sync")
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)
 
@@ -147,7 +153,7 @@ class GPT(nn.Module):
         T = x.shape[1]
         if positions is None:
             positions = torch.arange(T, device=x.device)
-        if self.embed is not None:
+        if self.has_embedding:
             x = self.embed(x, positions)
         for layer in self.layers.values():
             x = layer(x, positions)

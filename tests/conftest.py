@@ -1,0 +1,28 @@
+"""Test-wide settings: nothing may reach for the network; one thread, as in CI."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path):
+    """Build a tiny config (configs/tiny.yaml) writing into tmp_path, with extra overrides."""
+    from megapipe.config import load_config
+
+    def make(*overrides: str):
+        return load_config(TINY, [f"run.dir={tmp_path / 'run'}", *overrides])
+
+    return make
