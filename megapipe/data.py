@@ -1,0 +1,232 @@
+"""Runtime data: tokenizers, the packed token memmap and a deterministic, stateless sampler.
+
+A dataset directory (written by tools/prepare_data.py) holds `train.bin` and `val.bin`, flat
+arrays of token ids with an EOS after every document, and `meta.json`. The sequences of global
+step s are drawn from a generator keyed by (seed, split, s) alone, so they never depend on the
+mesh, and resuming at step s needs no sampler state: step s is recomputed from its key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+META_FILE = "meta.json"
+SPLITS = {"train": 0, "val": 1}  # the split's number is part of the sampler key
+DTYPES = ("uint16", "uint32")
+SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its largest id
+
+
+class DataError(ValueError):
+    """Bad data or data config: the message is one line naming the file or key and the fix."""
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece `.model` file."""
+
+    def __init__(self, path: Path):
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer directory (never fetched from the hub)."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        # Documents are separated by EOS; fall back to SEP for BERT-style tokenizers.
+        eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else self.hf.sep_token_id
+        if eos is None:
+            raise DataError(f"tokenizer {path} has no eos_token; add one to its config")
+        self.eos_id = int(eos)
+        self.vocab_size = len(self.hf)  # counts added tokens, unlike hf.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(list(ids))
+
+
+Tokenizer = SentencePieceTokenizer | HFTokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A sentencepiece `.model` file or a local HF tokenizer directory."""
+    path = Path(path)
+    if path.is_dir():
+        return HFTokenizer(path)
+    if path.is_file():
+        return SentencePieceTokenizer(path)
+    raise DataError(f"tokenizer '{path}' not found; give a sentencepiece .model file or HF dir")
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _rng(seed: int, split: str, step: int) -> np.random.Generator:
+    """The generator for one (seed, split, step): a pure function of the three, no state."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return np.random.default_rng([seed, SPLITS[split], step])
+
+
+class TokenData:
+    """Batches of `seq_len + 1` tokens (inputs and shifted targets) for any global step."""
+
+    def __init__(self, seq_len: int, vocab_size: int, seed: int):
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.tokenizer_path: Path | None = None
+
+    def batch(self, step: int, size: int, split: str = "train") -> torch.Tensor:
+        """The global batch of `step`: LongTensor [size, seq_len + 1]."""
+        rows = self._draw(_rng(self.seed, split, step), size, split)
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+class SyntheticData(TokenData):
+    """Uniform random tokens in [0, vocab_size): no files, for tests and benchmarks."""
+
+    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        return rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
+
+
+class MemmapData(TokenData):
+    """Random windows of a packed token memmap (`train.bin` / `val.bin`)."""
+
+    def __init__(self, root: Path, meta: dict[str, Any], seq_len: int, vocab_size: int, seed: int):
+        super().__init__(seq_len, vocab_size, seed)
+        self.root = root
+        self.meta = meta
+        self._maps: dict[str, np.memmap] = {}
+        self._checked: set[str] = set()  # splits already passed check_split
+
+    def n_tokens(self, split: str) -> int:
+        return int(self.meta[f"n_{split}_tokens"])
+
+    def memmap(self, split: str) -> np.memmap:
+        """The split's tokens, opened read-only on first use and kept open."""
+        if split not in self._maps:
+            path = self.root / f"{split}.bin"
+            if not path.is_file():
+                raise DataError(f"{path} not found; rerun python tools/prepare_data.py")
+            n, dtype = self.n_tokens(split), np.dtype(self.meta["dtype"])
+            if path.stat().st_size != n * dtype.itemsize:
+                raise DataError(
+                    f"{path} holds {path.stat().st_size} bytes but {META_FILE} says {n} "
+                    f"{dtype} tokens; rerun python tools/prepare_data.py"
+                )
+            # np.memmap of an empty file fails; an empty split is a valid zero-length array.
+            self._maps[split] = np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+        return self._maps[split]
+
+    def check_split(self, split: str) -> None:
+        """Fail early on a split too short for one sequence or holding out-of-vocab ids."""
+        path, tokens = self.root / f"{split}.bin", self.memmap(split)
+        if len(tokens) < self.seq_len + 1:
+            raise DataError(
+                f"{path} has {len(tokens)} tokens, fewer than model.seq_len+1 = "
+                f"{self.seq_len + 1}; lower model.seq_len or add data"
+            )
+        # Chunked so a multi-GB memmap is never pulled into memory at once.
+        chunks = range(0, len(tokens), SCAN_CHUNK)
+        largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
+        if largest >= self.vocab_size:
+            raise DataError(
+                f"{path} holds token id {largest} >= model.vocab_size {self.vocab_size}; "
+                f"set model.vocab_size >= {largest + 1}"
+            )
+        self._checked.add(split)
+
+    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        tokens = self.memmap(split)
+        if split not in self._checked:
+            self.check_split(split)
+        starts = rng.integers(0, len(tokens) - self.seq_len, size)  # start + seq_len + 1 <= n
+        return tokens[starts[:, None] + np.arange(self.seq_len + 1)]  # (size, seq_len + 1)
+
+
+# ---------------------------------------------------------------- building
+
+
+def read_meta(root: Path) -> dict[str, Any]:
+    """`meta.json` of a dataset directory, with its required keys checked."""
+    path = root / META_FILE
+    if not path.is_file():
+        raise DataError(f"{path} not found; run python tools/prepare_data.py --out {root}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is corrupt ({err}); rerun python tools/prepare_data.py") from None
+    required = ("vocab_size", "dtype", "n_train_tokens", "n_val_tokens", "eos_id", "tokenizer")
+    missing = [key for key in required if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}; rerun python tools/prepare_data.py")
+    if meta["dtype"] not in DTYPES:
+        raise DataError(f"{path} has dtype {meta['dtype']!r}, expected one of {DTYPES}")
+    return meta
+
+
+def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData:
+    """The TokenData that `data.source` names, validated against the model before training."""
+    seq_len, vocab_size = model_cfg.seq_len, model_cfg.vocab_size
+    if data_cfg.source == "synthetic":
+        return SyntheticData(seq_len, vocab_size, seed)
+    if data_cfg.source != "memmap":
+        raise DataError(f"data.source {data_cfg.source!r} unknown; use synthetic or memmap")
+    root = Path(data_cfg.path)
+    if not data_cfg.path or not root.is_dir():
+        raise DataError(
+            f"data.path '{data_cfg.path}' not found; run python tools/prepare_data.py "
+            "or set data.path"
+        )
+    meta = read_meta(root)
+    if meta["vocab_size"] > vocab_size:
+        raise DataError(
+            f"{root / META_FILE} has vocab_size {meta['vocab_size']} > model.vocab_size "
+            f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}"
+        )
+    data = MemmapData(root, meta, seq_len, vocab_size, seed)
+    data.tokenizer_path = _tokenizer_path(data_cfg.tokenizer, root, meta)
+    data.check_split("train")  # val is checked on its first batch: training may never use it
+    return data
+
+
+def _tokenizer_path(configured: str, root: Path, meta: dict[str, Any]) -> Path:
+    """`data.tokenizer` if set, else the tokenizer the dataset was made with (relative to it)."""
+    if not configured:
+        return root / meta["tokenizer"]
+    if not Path(configured).exists():
+        raise DataError(f"data.tokenizer '{configured}' not found; fix it or leave it empty")
+    return Path(configured)
