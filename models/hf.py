@@ -1,0 +1,237 @@
+"""Import and export of Hugging Face GPT-2 and Llama causal LMs (the whole model, tp=1).
+
+Weights move by name through one table per architecture: our logical name -> the HF names whose
+tensors it holds. A fused tensor of ours (q|k|v, gate|up) is the row-wise concatenation of several
+HF tensors; GPT-2's Conv1D weights are stored as [in, out] and are transposed on the way.
+A config either side cannot represent exactly is a one-line ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megapipe.config import Config, ModelConfig
+from models.gpt import GPT
+
+# Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
+GPT2_TOP = {
+    "embed.tok.weight": ("transformer.wte.weight",),
+    "embed.pos.weight": ("transformer.wpe.weight",),
+    "head.norm.weight": ("transformer.ln_f.weight",),
+    "head.norm.bias": ("transformer.ln_f.bias",),
+    "head.out.weight": ("lm_head.weight",),
+}
+GPT2_LAYER = {
+    "norm1.weight": ("ln_1.weight",),
+    "norm1.bias": ("ln_1.bias",),
+    "attn.qkv.weight": ("attn.c_attn.weight",),  # Conv1D [d, 3d], columns q|k|v
+    "attn.qkv.bias": ("attn.c_attn.bias",),
+    "attn.proj.weight": ("attn.c_proj.weight",),
+    "attn.proj.bias": ("attn.c_proj.bias",),
+    "norm2.weight": ("ln_2.weight",),
+    "norm2.bias": ("ln_2.bias",),
+    "mlp.fc1.weight": ("mlp.c_fc.weight",),
+    "mlp.fc1.bias": ("mlp.c_fc.bias",),
+    "mlp.fc2.weight": ("mlp.c_proj.weight",),
+    "mlp.fc2.bias": ("mlp.c_proj.bias",),
+}
+LLAMA_TOP = {
+    "embed.tok.weight": ("model.embed_tokens.weight",),
+    "head.norm.weight": ("model.norm.weight",),
+    "head.out.weight": ("lm_head.weight",),
+}
+LLAMA_LAYER = {
+    "norm1.weight": ("input_layernorm.weight",),
+    "attn.qkv.weight": tuple(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "attn.proj.weight": ("self_attn.o_proj.weight",),
+    "norm2.weight": ("post_attention_layernorm.weight",),
+    "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.fc2.weight": ("mlp.down_proj.weight",),
+}
+TABLES = {
+    "gpt2": (GPT2_TOP, GPT2_LAYER, "transformer.h."),
+    "llama": (LLAMA_TOP, LLAMA_LAYER, "model.layers."),
+}
+GPT2_CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def hf_names(arch: str, name: str) -> tuple[tuple[str, ...], bool]:
+    """The HF names that our parameter `name` concatenates, and whether they are transposed."""
+    top, layer, prefix = TABLES[arch]
+    if not name.startswith("layers."):
+        return top[name], False
+    _, index, leaf = name.split(".", 2)
+    return tuple(
+        f"{prefix}{index}.{n}" for n in layer[leaf]
+    ), arch == "gpt2" and leaf in GPT2_CONV1D
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+# ---------------------------------------------------------------- import
+
+
+def config_from_hf(hf) -> ModelConfig:
+    """The ModelConfig of an HF GPT2Config or LlamaConfig; unsupported fields raise ValueError."""
+    kind = getattr(hf, "model_type", None)
+    if kind == "gpt2":
+        return _gpt2_config(hf)
+    if kind == "llama":
+        return _llama_config(hf)
+    raise ValueError(f"HF model_type {kind!r} is not supported; use a gpt2 or llama model")
+
+
+def _gpt2_config(hf) -> ModelConfig:
+    act = hf.activation_function
+    _require(act in GPT2_TANH_GELUS, f"HF activation_function={act!r} unsupported (tanh GELU only)")
+    _require(hf.scale_attn_weights, "HF scale_attn_weights=False is unsupported")
+    _require(
+        not hf.scale_attn_by_inverse_layer_idx, "HF scale_attn_by_inverse_layer_idx unsupported"
+    )
+    _require(not hf.add_cross_attention, "HF add_cross_attention=True is unsupported")
+    drops = {hf.resid_pdrop, hf.embd_pdrop, hf.attn_pdrop}
+    _require(len(drops) == 1, "HF resid_pdrop, embd_pdrop, attn_pdrop must be equal (one dropout)")
+    return ModelConfig(
+        arch="gpt2",
+        n_layers=hf.n_layer,
+        d_model=hf.n_embd,
+        n_heads=hf.n_head,
+        n_kv_heads=hf.n_head,
+        d_ff=hf.n_inner or 4 * hf.n_embd,
+        vocab_size=hf.vocab_size,
+        seq_len=hf.n_positions,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        dropout=float(drops.pop()),
+        norm_eps=hf.layer_norm_epsilon,
+    )
+
+
+def _llama_config(hf) -> ModelConfig:
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    _require(
+        rope_type == "default", f"HF rope_parameters/rope_scaling type {rope_type!r} unsupported"
+    )
+    _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
+    _require(not hf.attention_bias, "HF attention_bias=True is unsupported")
+    _require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
+    _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    _require(
+        head_dim * hf.num_attention_heads == hf.hidden_size,
+        f"HF head_dim={head_dim} must be hidden_size / num_attention_heads",
+    )
+    theta = rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
+    return ModelConfig(
+        arch="llama",
+        n_layers=hf.num_hidden_layers,
+        d_model=hf.hidden_size,
+        n_heads=hf.num_attention_heads,
+        n_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+        d_ff=hf.intermediate_size,
+        vocab_size=hf.vocab_size,
+        seq_len=hf.max_position_embeddings,  # sets no weights for llama; crops the sampling context
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        dropout=0.0,
+        norm_eps=hf.rms_norm_eps,
+        rope_theta=float(theta),
+    )
+
+
+@torch.no_grad()
+def from_hf(model) -> GPT:
+    """A GPT with the config and weights of an HF GPT2LMHeadModel or LlamaForCausalLM."""
+    _require(
+        hasattr(model, "lm_head"), f"{type(model).__name__} has no lm_head; pass a *ForCausalLM"
+    )
+    cfg = config_from_hf(model.config)
+    gpt = GPT(cfg)
+    hf_state = model.state_dict()
+    for name, param in gpt.named_parameters():
+        names, transpose = hf_names(cfg.arch, name)
+        parts = [hf_state[n].t() if transpose else hf_state[n] for n in names]
+        value = torch.cat(parts, dim=0)
+        _require(
+            value.shape == param.shape, f"HF {names} has shape {value.shape}, not {param.shape}"
+        )
+        param.copy_(value)
+    return gpt.train(model.training)
+
+
+# ---------------------------------------------------------------- export
+
+
+def hf_config(cfg: ModelConfig, eos_id: int | None = None):
+    """The transformers config of a ModelConfig; fields HF cannot represent raise ValueError."""
+    from transformers import GPT2Config, LlamaConfig
+
+    d = Config(model=cfg).derived
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings}
+    common |= {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None}
+    if cfg.arch == "gpt2":
+        _require(d.n_kv_heads == cfg.n_heads, "model.n_kv_heads != n_heads: GPT-2 has no GQA")
+        return GPT2Config(
+            n_positions=cfg.seq_len,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_inner=d.d_ff,
+            activation_function="gelu_new",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            **common,
+        )
+    _require(cfg.arch == "llama", f"model.arch={cfg.arch!r} has no HF export")
+    _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
+    return LlamaConfig(
+        hidden_size=cfg.d_model,
+        intermediate_size=d.d_ff,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=d.n_kv_heads,
+        head_dim=d.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **common,
+    )
+
+
+def _check_whole(gpt: GPT) -> None:
+    n_blocks = gpt.cfg.n_layers + 2
+    _require(gpt.blocks == range(n_blocks), f"to_hf needs all {n_blocks} blocks, not {gpt.blocks}")
+    _require(gpt.embed.tok.tp.size == 1, "to_hf needs the tp=1 model; gather the shards first")
+
+
+@torch.no_grad()
+def to_hf(gpt: GPT, out_dir: str, eos_id: int | None = None):
+    """Write `gpt` as an HF checkpoint (config.json + model.safetensors); returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    _check_whole(gpt)
+    cfg = gpt.cfg
+    model = AutoModelForCausalLM.from_config(hf_config(cfg, eos_id), dtype=torch.float32)
+    hf_params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
+    written = set()
+    for name, param in gpt.named_parameters():
+        names, transpose = hf_names(cfg.arch, name)
+        value = param.detach().float()
+        sizes = [hf_params[n].shape[-1 if transpose else 0] for n in names]
+        for n, part in zip(names, value.split(sizes, dim=0), strict=True):
+            part = part.t() if transpose else part
+            _require(part.shape == hf_params[n].shape, f"{name} does not fit HF {n}")
+            hf_params[n].copy_(part)
+            written.add(n)
+    _require(written == set(hf_params), f"HF weights not written: {set(hf_params) - written}")
+    model.eval().save_pretrained(out_dir)
+    return model
