@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -59,7 +60,7 @@ def timed(step_fn, model, opt, batch, steps: int) -> float:
     return (time.perf_counter() - began) / steps
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in [("layers", 4), ("d-model", 256), ("heads", 4), ("seq-len", 256),
                           ("vocab", 8192), ("batch", 8), ("rounds", 5), ("steps", 3),
@@ -88,7 +89,8 @@ def main(argv=None) -> None:
     for name, value in tps.items():
         print(f"| {name} | {value:,.0f} |")
     print(f"ratio megapipe / transformers: {tps['megapipe'] / tps['transformers']:.2f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

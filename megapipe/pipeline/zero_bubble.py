@@ -1,0 +1,111 @@
+"""Zero Bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ICLR 2024).
+
+The backward is split into B (input-grad, on the critical path) and W (weight-grad, free to move).
+ZB-H1 and ZB-H2 are the handcrafted schedules of §3.1; ZB-V is the V-placement schedule of the
+follow-up (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", §4), built here with the
+greedy heuristic of the Zero Bubble paper §3.2 under a 1F1B memory limit.
+"""
+
+from __future__ import annotations
+
+from megapipe.pipeline.actions import (
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+    Schedule,
+    one_f_one_b_order,
+)
+from megapipe.pipeline.validate import produced_events, required_events
+
+
+def _split_backward_order(microbatches: int, warmup: int, w_lag: int) -> list[Action]:
+    """1F1B with B/W split where each W trails its B by ``w_lag`` backward steps."""
+    forwards = [Action(FORWARD, mb) for mb in range(microbatches)]
+    backwards = []
+    for mb in range(microbatches):
+        group = [Action(INPUT_GRAD, mb)]
+        if mb >= w_lag:
+            group.append(Action(WEIGHT_GRAD, mb - w_lag))
+        backwards.append(group)
+    # cool-down tail: the W's still owed, oldest first, fill the last bubbles
+    tail = [Action(WEIGHT_GRAD, mb) for mb in range(max(0, microbatches - w_lag), microbatches)]
+    return one_f_one_b_order(forwards, backwards, warmup, tail)
+
+
+def zb_h1(pp: int, microbatches: int) -> Schedule:
+    """ZB-H1 (§3.1, Fig. 3 top): 1F1B's warm-up (pp−r−1 forwards), rank r delays its W's by r.
+
+    Delaying W's lets B's travel upstream without waiting, and the owed W's fill the cool-down:
+    the bubble shrinks from (p−1)(T_F+T_B+T_W) to (p−1)(T_F+T_B−T_W) with peak memory still pp
+    microbatches (every rank holds pp−r−1 + 1 + r activations until their W).
+    """
+    return {r: _split_backward_order(microbatches, pp - r - 1, r) for r in range(pp)}
+
+
+def zb_h2(pp: int, microbatches: int) -> Schedule:
+    """ZB-H2 (§3.1, Fig. 3 bottom): extra warm-up forwards fill the bubble before the first B.
+
+    Rank r runs 2(pp−r−1) warm-up forwards (the slots it would idle waiting for the first B come
+    back) and delays its W's by up to 2r, so B's race upstream in the cool-down while the owed W's
+    fill it; peak 2(pp−r−1) + 1 + 2r = 2pp−1 in-flight microbatches. With few microbatches
+    (m < pp + r) the lag is cut back towards ZB-H1's r: there are too few later B's to fill with.
+    """
+    schedule = {}
+    for r in range(pp):
+        w_lag = r + min(r, max(0, microbatches - pp))
+        schedule[r] = _split_backward_order(microbatches, 2 * (pp - r - 1), w_lag)
+    return schedule
+
+
+def zb_v(pp: int, microbatches: int, memory_limit: float | None = None) -> Schedule:
+    """ZB-V: two chunks per rank in V placement, built greedily at 1F1B memory.
+
+    Unit-time list scheduling (Zero Bubble §3.2 heuristic): each free rank runs, in this priority,
+    a ready B (critical path), a ready F while below the memory limit (default 2pp chunk
+    activations = pp full microbatches, 1F1B's peak), else the oldest owed W (fills bubbles and
+    frees memory). B's go oldest microbatch first (chunk 1 before chunk 0), F's chunk 1 first,
+    so microbatches leave the pipeline early.
+    """
+    placement = Placement(pp, 2, "v")
+    limit = 2 * pp if memory_limit is None else memory_limit
+    units = [(mb, c) for c in (1, 0) for mb in range(microbatches)]  # priority order
+    state = {r: {"to_forward": list(units), "to_backward": [], "owed_w": []} for r in range(pp)}
+    done: set = set()
+    schedule: Schedule = {r: [] for r in range(pp)}
+    while any(s["to_forward"] or s["to_backward"] or s["owed_w"] for s in state.values()):
+        finished_now = []
+        for rank in range(pp):
+            action = _pick(rank, state[rank], limit, done, placement)
+            if action is not None:
+                schedule[rank].append(action)
+                finished_now += produced_events(action, placement.stage(rank, action.chunk))
+        if not finished_now:
+            raise ValueError(f"zb_v: no progress with memory_limit={limit}")
+        done.update(finished_now)  # unit time: results are visible from the next tick
+    return schedule
+
+
+def _pick(rank: int, state: dict, limit: float, done: set, placement: Placement):
+    """Choose this tick's action for ``rank`` (None to idle) and update its bookkeeping."""
+    def ready(action: Action) -> bool:
+        stage = placement.stage(rank, action.chunk)
+        return all(e in done for e in required_events(action, stage, placement.num_stages, 1))
+
+    for mb, chunk in sorted(state["to_backward"], key=lambda u: (u[0], -u[1])):
+        if ready(Action(INPUT_GRAD, mb, chunk)):  # B first: it is on the critical path
+            state["to_backward"].remove((mb, chunk))
+            state["owed_w"].append((mb, chunk))
+            return Action(INPUT_GRAD, mb, chunk)
+    live = len(state["to_backward"]) + len(state["owed_w"])
+    if live < limit:
+        for mb, chunk in state["to_forward"]:
+            if ready(Action(FORWARD, mb, chunk)):
+                state["to_forward"].remove((mb, chunk))
+                state["to_backward"].append((mb, chunk))
+                return Action(FORWARD, mb, chunk)
+    if state["owed_w"]:  # W last: fills bubbles and frees activation memory
+        mb, chunk = state["owed_w"].pop(0)
+        return Action(WEIGHT_GRAD, mb, chunk)
+    return None

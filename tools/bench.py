@@ -1,0 +1,37 @@
+"""Benchmarks, one subcommand each; submodules are imported only when their subcommand runs.
+
+    python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
+    python tools/bench.py train [--layers 4 --d-model 256 ...]
+    python tools/bench.py tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+# subcommand -> (module under tools/, one-line help); each module exposes main(argv) -> int
+SUBCOMMANDS = {
+    "schedules": ("bench_schedules", "pipeline schedules vs torch.distributed.pipelining"),
+    "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
+    "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="megapipe benchmarks")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""``bench schedules``: our schedules against torch.distributed.pipelining's, and the proof table.
+
+    python tools/bench.py schedules                 # peer comparison (markdown)
+    python tools/bench.py schedules --proofs        # closed forms from the papers vs simulated
+    python tools/bench.py schedules --plots docs    # timeline PNGs for docs/
+
+torch's schedule classes compute their action order in ``_calculate_single_rank_operations``
+from a few attributes; we set those on a bare instance (no process group, no stages), read the
+order, convert it to our Actions and run it through our simulator with the same costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megapipe.pipeline.actions import Action, Placement, Schedule
+from megapipe.pipeline.schedules import build_schedule, placement
+from megapipe.pipeline.simulate import Costs, SimResult, simulate
+from megapipe.pipeline.validate import ScheduleError, validate
+
+# torch class name, its placement style, our schedules to hold against it: (name, vpp, judged).
+# InterleavedZeroBubble is ZB-H1 on 2 interleaved chunks: the fair match is our 2-chunk zb_v at
+# the same 1F1B memory. zb_h1 (v=1) is shown for reference only: no single-chunk schedule can
+# beat m(F+B+W) + (p−1)F, while 2 chunks halve the fill time to (p−1)F/2.
+PEERS = [
+    ("ScheduleInterleaved1F1B", "loop", [("interleaved_1f1b", 2, True)]),
+    ("ScheduleInterleavedZeroBubble", "loop", [("zb_v", 2, True), ("zb_h1", 1, False)]),
+    ("ScheduleZBVZeroBubble", "v", [("zb_v", 2, True)]),
+    ("ScheduleDualPipeV", "v", [("zb_v", 2, True)]),
+]
+TORCH_KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}  # torch "B" is the full backward
+
+
+def torch_order(class_name: str, pp: int, m: int, style: str) -> Schedule:
+    """Action lists of a torch pipelining schedule (2 stages per rank) as our Actions."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    cls = getattr(torch_schedules, class_name)
+    bare = cls.__new__(cls)  # skip __init__: it wants real stages and a process group
+    bare.pp_group_size, bare.n_local_stages, bare._n_microbatches = pp, 2, m
+    bare.number_of_rounds = max(1, m // pp)
+    bare.microbatches_per_round = m // bare.number_of_rounds
+    bare.num_stages = bare._num_stages = 2 * pp
+    bare.pipeline_order = {}
+    where = Placement(pp, 2, style)
+    schedule: Schedule = {}
+    for rank in range(pp):
+        ops = bare._calculate_single_rank_operations(rank)
+        bare.pipeline_order[rank] = ops
+        flat = [sub for op in ops if op is not None for sub in (op.sub_actions or [op])]
+        schedule[rank] = [Action(TORCH_KINDS[op.computation_type.value], op.microbatch_index,
+                                 where.locate(op.stage_index)[1]) for op in flat]
+    return schedule
+
+
+def _ours(name: str, pp: int, m: int, vpp: int, costs: Costs) -> SimResult:
+    schedule = build_schedule(name, pp, m, vpp)
+    return simulate(schedule, costs, placement(name, pp, vpp))
+
+
+def _cell(result: SimResult | None) -> str:
+    if result is None:
+        return "n/a"
+    return f"{result.bubble_fraction:.3f} / {result.makespan:g} / {max(result.peak_inflight):g}"
+
+
+def peer_table(costs: Costs, pps=(2, 4, 8)) -> tuple[str, list[str]]:
+    """Markdown table (cells: bubble / makespan / peak in-flight) and the cells we lose."""
+    header = ("| torch schedule | ours | p | m | torch: bubble / makespan / peak | "
+              "ours: bubble / makespan / peak | ours ≤ torch |")
+    lines = [header, "|---|---|---:|---:|---|---|:-:|"]
+    losses = []
+    for class_name, style, mine in PEERS:
+        for pp in pps:
+            for m in (pp, 2 * pp, 4 * pp):
+                theirs = _torch_result(class_name, pp, m, style, costs)
+                for name, vpp, judged in mine:
+                    ours = _ours(name, pp, m, vpp, costs)
+                    ok = theirs is None or ours.bubble_fraction <= theirs.bubble_fraction + 1e-9
+                    if judged and not ok:
+                        losses.append(f"{class_name} vs {name} p={pp} m={m}")
+                    verdict = ("yes" if ok else "NO") if judged else "(ref.)"
+                    lines.append(f"| {class_name[8:]} | {name} (v={vpp}) | {pp} | {m} | "
+                                 f"{_cell(theirs)} | {_cell(ours)} | {verdict} |")
+    return "\n".join(lines), losses
+
+
+def _torch_result(class_name: str, pp: int, m: int, style: str, costs: Costs):
+    try:
+        schedule = torch_order(class_name, pp, m, style)
+    except (ValueError, RuntimeError):  # e.g. DualPipeV needs m >= 2p
+        return None
+    where = Placement(pp, 2, style)
+    try:
+        validate(schedule, pp, m, 2, 1, where)  # their orders must also pass our validator
+    except ScheduleError:  # DualPipeV with m < 2p names microbatches >= m: torch refuses it
+        return None
+    return simulate(schedule, costs, where)
+
+
+def proof_rows() -> list[tuple[str, str, float, float]]:
+    """(claim, setting, closed form, simulated) for the papers' statements."""
+    unit, uneven = Costs(), Costs(F=1, B=1.2, W=0.8)
+    rows = []
+    for pp, m in [(4, 8), (8, 16), (4, 3)]:
+        for name in ("gpipe", "1f1b"):
+            r = _ours(name, pp, m, 1, unit)
+            rows.append((f"{name} bubble (p−1)/(m+p−1)", f"p={pp} m={m}",
+                         (pp - 1) / (m + pp - 1), r.bubble_fraction))
+        rows.append(("gpipe peak in-flight m", f"p={pp} m={m}", m,
+                     max(_ours("gpipe", pp, m, 1, unit).peak_inflight)))
+        rows.append(("1f1b peak in-flight on rank 0: min(p, m)", f"p={pp} m={m}", min(pp, m),
+                     _ours("1f1b", pp, m, 1, unit).peak_inflight[0]))
+    for pp, m, v in [(4, 8, 2), (4, 16, 4), (8, 16, 2)]:
+        over = (pp - 1) / v
+        rows.append(("interleaved bubble ((p−1)/v)/(m+(p−1)/v)", f"p={pp} m={m} v={v}",
+                     over / (m + over), _ours("interleaved_1f1b", pp, m, v, unit).bubble_fraction))
+    for costs, label in [(unit, "F=B=W=1"), (uneven, "F=1 B=1.2 W=0.8")]:
+        for pp, m in [(4, 8), (8, 24)]:
+            r = _ours("zb_h1", pp, m, 1, costs)
+            rows.append(("zb_h1 idle per rank (p−1)(F+B−W)", f"p={pp} m={m} {label}",
+                         (pp - 1) * (costs.F + costs.B - costs.W), max(r.idle)))
+            r2 = _ours("zb_h2", pp, m, 1, costs)
+            rows.append(("zb_h2 makespan ≥ m(F+B+W)+(p−1)F (bound)", f"p={pp} m={m} {label}",
+                         m * (costs.F + costs.B + costs.W) + (pp - 1) * costs.F, r2.makespan))
+            rows.append(("zb_h2 peak in-flight ≤ 2p−1", f"p={pp} m={m} {label}", 2 * pp - 1,
+                         max(r2.peak_inflight)))
+    for pp, m in [(4, 8), (8, 24)]:
+        rows.append(("zb_h1 peak in-flight = p", f"p={pp} m={m}", pp,
+                     max(_ours("zb_h1", pp, m, 1, unit).peak_inflight)))
+        rows.append(("zb_v makespan ≤ zb_h1's", f"p={pp} m={m}",
+                     _ours("zb_h1", pp, m, 1, unit).makespan,
+                     _ours("zb_v", pp, m, 2, unit).makespan))
+        rows.append(("zb_v peak in-flight ≤ p (1F1B)", f"p={pp} m={m}", pp,
+                     max(_ours("zb_v", pp, m, 2, unit).peak_inflight)))
+        for k in (2, 4):
+            seq = simulate(build_schedule("seq1f1b", pp, m, 1, k), unit, placement("seq1f1b", pp))
+            rows.append((f"seq1f1b k={k} peak (p+k−1)/k", f"p={pp} m={m}", (pp + k - 1) / k,
+                         max(seq.peak_inflight)))
+            rows.append((f"seq1f1b k={k} bubble (p−1)/(mk+p−1) (1f1b: (p−1)/(m+p−1))",
+                         f"p={pp} m={m}", (pp - 1) / (m * k + pp - 1), seq.bubble_fraction))
+    return rows
+
+
+def proof_table() -> str:
+    lines = ["| claim (paper) | setting | closed form / bound | simulated |", "|---|---|---:|---:|"]
+    for claim, setting, expected, simulated in proof_rows():
+        lines.append(f"| {claim} | {setting} | {expected:.4g} | {simulated:.4g} |")
+    return "\n".join(lines)
+
+
+def write_plots(folder: str) -> list[str]:
+    from megapipe.pipeline.plot import save_timelines
+
+    written = []
+    figures = {"schedules_p4_m8.png": ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2",
+                                        "zb_v", "seq1f1b"],
+               "zero_bubble_p4_m8.png": ["1f1b", "zb_h1", "zb_h2", "zb_v"]}
+    for filename, names in figures.items():
+        panels = []
+        for name in names:
+            vpp = {"interleaved_1f1b": 2, "zb_v": 2}.get(name, 1)
+            k = 2 if name == "seq1f1b" else 1
+            r = simulate(build_schedule(name, 4, 8, vpp, k), Costs(), placement(name, 4, vpp))
+            title = f"{name} (v={vpp}, k={k}): makespan {r.makespan:g}, bubble " \
+                    f"{r.bubble_fraction:.3f}, peak {max(r.peak_inflight):g}"
+            panels.append((title, r.timeline, 4))
+        save_timelines(panels, f"{folder}/{filename}")
+        written.append(f"{folder}/{filename}")
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.py schedules", description=__doc__.split("\n")[0])
+    parser.add_argument("--cost", default="F=1,B=1,W=1,comm=0")
+    parser.add_argument("--proofs", action="store_true", help="print the proof table instead")
+    parser.add_argument("--plots", metavar="DIR", help="also write timeline PNGs into DIR")
+    args = parser.parse_args(argv)
+    if args.proofs:
+        print(proof_table())
+    else:
+        table, losses = peer_table(Costs.parse(args.cost))
+        print(table)
+        print(f"\ncells where ours is worse: {', '.join(losses) if losses else 'none'}")
+    for path in write_plots(args.plots) if args.plots else []:
+        print(f"wrote {path}")
+    return 0

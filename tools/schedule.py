@@ -1,0 +1,151 @@
+"""Print, simulate, compare and plot pipeline schedules.
+
+    python tools/schedule.py --schedule zb_h1 --pp 4 --microbatches 8
+    python tools/schedule.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --vpp 2 --json
+    python tools/schedule.py --compare 1f1b,zb_h1,zb_v --pp 4 --microbatches 8 --plot cmp.png
+    python tools/schedule.py --schedule zb_v --pp 4 --microbatches 8 --to-csv zbv.csv
+    python tools/schedule.py --from-csv zbv.csv --placement v --json
+
+CSV format (one row per action, header required): ``rank,index,kind,microbatch,chunk,segment,
+version`` where index is the action's position in its rank's list, kind is F, B, W or BW,
+segment and version are empty when unused. pp is the largest rank + 1, vpp the largest chunk + 1;
+``--placement`` (loop or v) says which global stage a chunk holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from megapipe.pipeline.actions import Action, Placement, Schedule, format_grid
+from megapipe.pipeline.schedules import SCHEDULES, build_schedule, placement
+from megapipe.pipeline.simulate import Costs, SimResult, simulate
+from megapipe.pipeline.validate import validate
+
+CSV_COLUMNS = ["rank", "index", "kind", "microbatch", "chunk", "segment", "version"]
+
+
+def write_csv(schedule: Schedule, path: str) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for rank in sorted(schedule):
+            for index, a in enumerate(schedule[rank]):
+                writer.writerow([rank, index, a.kind, a.microbatch, a.chunk,
+                                 "" if a.segment is None else a.segment,
+                                 "" if a.version is None else a.version])
+
+
+def read_csv(path: str) -> Schedule:
+    rows: dict[int, list[tuple[int, Action]]] = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            missing = [c for c in CSV_COLUMNS[:5] if not row.get(c)]
+            if missing:
+                raise ValueError(f"{path}: row {row} lacks column(s) {', '.join(missing)}")
+            action = Action(row["kind"], int(row["microbatch"]), int(row["chunk"]),
+                            int(row["segment"]) if row.get("segment") else None,
+                            int(row["version"]) if row.get("version") else None)
+            rows.setdefault(int(row["rank"]), []).append((int(row["index"]), action))
+    return {rank: [a for _, a in sorted(items)] for rank, items in sorted(rows.items())}
+
+
+def shape_for(name: str, vpp: int, seq_segments: int) -> tuple[int, int]:
+    """(vpp, seq_segments) that ``name`` accepts, so --compare can mix schedules."""
+    if name == "zb_v":
+        return 2, 1
+    if name == "interleaved_1f1b":
+        return max(vpp, 2), 1
+    return 1, seq_segments if name == "seq1f1b" else 1
+
+
+def summary(result: SimResult) -> dict:
+    return {
+        "makespan": round(result.makespan, 6),
+        "bubble_fraction": round(result.bubble_fraction, 6),
+        "idle": [round(x, 6) for x in result.idle],
+        "peak_inflight_microbatches": [round(x, 6) for x in result.peak_inflight],
+    }
+
+
+def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
+    vpp, k = shape_for(name, args.vpp, args.seq_segments) if args.compare else \
+        (args.vpp, args.seq_segments)
+    schedule = build_schedule(name, args.pp, args.microbatches, vpp, k)
+    where = placement(name, args.pp, vpp)
+    validate(schedule, args.pp, args.microbatches, vpp, k, where)
+    return schedule, simulate(schedule, costs, where)
+
+
+def compare_table(rows: list[tuple[str, SimResult]]) -> str:
+    lines = ["| schedule | makespan | bubble | peak in-flight (max) | idle per rank |",
+             "|---|---:|---:|---:|---|"]
+    for name, r in rows:
+        idle = " ".join(f"{x:g}" for x in (round(i, 3) for i in r.idle))
+        lines.append(f"| {name} | {r.makespan:.3f} | {r.bubble_fraction:.4f} | "
+                     f"{max(r.peak_inflight):g} | {idle} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--schedule", choices=sorted(SCHEDULES))
+    what.add_argument("--compare", help="comma-separated schedule names, side by side")
+    what.add_argument("--from-csv", help="simulate an action list written by another tool")
+    parser.add_argument("--pp", type=int, default=None)
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--seq-segments", type=int, default=1)
+    parser.add_argument("--cost", default="F=1,B=1,W=1,comm=0",
+                        help="F,B,W[,BW],comm,first,last; BW defaults to B+W")
+    parser.add_argument("--placement", choices=["loop", "v"], default="loop",
+                        help="stage placement of a --from-csv schedule")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--plot", help="write the timeline as a PNG")
+    parser.add_argument("--to-csv", help="write the action list as CSV")
+    args = parser.parse_args(argv)
+    if not args.from_csv and (args.pp is None or args.microbatches is None):
+        parser.error("--pp and --microbatches are required unless --from-csv is given")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    costs = Costs.parse(args.cost)
+    if args.from_csv:
+        schedule = read_csv(args.from_csv)
+        vpp = 1 + max(a.chunk for acts in schedule.values() for a in acts)
+        results = [(Path(args.from_csv).stem, schedule,
+                    simulate(schedule, costs, Placement(len(schedule), vpp, args.placement)))]
+    else:
+        names = args.compare.split(",") if args.compare else [args.schedule]
+        results = [(name, *run_named(name.strip(), args, costs)) for name in names]
+    if args.to_csv:
+        write_csv(results[0][1], args.to_csv)
+    if args.plot:
+        from megapipe.pipeline.plot import save_timelines
+
+        save_timelines([(f"{name}: makespan {r.makespan:g}, bubble {r.bubble_fraction:.3f}",
+                         r.timeline, len(s)) for name, s, r in results], args.plot)
+    if args.json:
+        out = {name: summary(r) for name, _, r in results}
+        print(json.dumps(out if args.compare else next(iter(out.values()))))
+    elif args.compare:
+        print(compare_table([(name, r) for name, _, r in results]))
+    else:
+        print(format_grid(results[0][1]))
+        print(json.dumps(summary(results[0][2])))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as error:  # one-line errors, no traceback, for bad arguments
+        sys.exit(f"error: {error}")
