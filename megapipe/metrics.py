@@ -38,7 +38,8 @@ def matmul_params(cfg: Config) -> int:
 
 
 def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6N plus attention's 12·L·d·T (PaLM, Chowdhery et al. 2022, App. B)."""
+    """Training FLOPs per token: 6N plus attention's 12·L·d·T (PaLM, Chowdhery et al. 2022,
+    App. B), with N the matmul parameters."""
     m = cfg.model
     return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * m.seq_len
 
