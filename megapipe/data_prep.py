@@ -245,6 +245,9 @@ def prepare(
     seed: int = 0,
 ) -> dict:
     """Write the dataset to `out` (train.bin, val.bin, meta.json, tokenizer) and return its meta."""
+    out, cache_dir = Path(out), Path(cache_dir)
+    inputs = None if inputs is None else [Path(p) for p in inputs]
+    tokenizer_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
