@@ -18,8 +18,11 @@ WANDB_MODES = ("disabled", "offline", "online")
 
 
 def validate(cfg: Config) -> None:
+    from megapipe.pipeline.partition import check_partition
+
     _check_model(cfg)
     _check_parallel(cfg)
+    check_partition(cfg)
     _check_train(cfg)
     _check_rest(cfg)
 

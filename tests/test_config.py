@@ -82,3 +82,14 @@ def test_train_cli_prints_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: model.n_heads=5") and "\n" not in err
+
+
+def test_too_many_pipeline_stages_is_a_config_error():
+    with pytest.raises(ConfigError, match="stages") as err:
+        load_config(TINY, ["parallel.pp=3", "parallel.vpp=2"])  # 6 stages, 2 layers + E + L
+    assert "\n" not in str(err.value)
+
+
+def test_bad_balance_layout_is_a_config_error():
+    with pytest.raises(ConfigError, match="E,t"):
+        load_config(TINY, ["parallel.pp=2", "parallel.balance=E,t|L"])  # drops a layer
