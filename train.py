@@ -1,7 +1,8 @@
-"""Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`.
+"""Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`,
+on one process or under `torchrun --nproc_per_node=N` with dp·pp·cp·tp = N.
 
-The steps of main() follow design.md's "One training step": config -> model -> optimizer ->
-resume -> loop (batch, step, log, validate, checkpoint).
+The steps of run() follow design.md's "One training step": config -> mesh -> model ->
+optimizer -> resume -> loop (batch, step, log, validate, checkpoint).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from megapipe import checkpoint
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.data import DataError, build_data
 from megapipe.dry_run import describe
+from megapipe.mesh import init_distributed
 from megapipe.metrics import MetricsLog, flops_per_token, peak_tflops
 from megapipe.optim import build_optimizer
-from megapipe.trainer import evaluate, train_step
-from models.gpt import GPT
+from megapipe.trainer import Parallel, build_model, evaluate, train_step
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -34,35 +35,35 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def build_model(cfg: Config, device: torch.device) -> GPT:
-    model = GPT(cfg.model, seed=cfg.train.seed, recompute=cfg.recompute)
-    return model.to(device)
-
-
 def run(cfg: Config) -> list[dict]:
     """Train (or resume) per `cfg`; returns the logged records of this invocation."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = init_distributed(cfg)  # checks the world size before any collective
+    device = torch.device(
+        f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    )
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
-    model = build_model(cfg, device)
+    model = build_model(cfg, mesh, device)
     optimizer = build_optimizer(model, cfg.train)
+    par = Parallel.build(mesh, model)
     start = 0
     resume = checkpoint.resume_path(cfg)
     if resume is not None:
         start = checkpoint.load(resume, cfg, model, optimizer)["step"]
-    write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-    return _loop(cfg, model, optimizer, data, start, device)
+    if checkpoint.is_rank0():
+        write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
+    return _loop(cfg, model, optimizer, data, start, device, par)
 
 
-def _loop(cfg, model, optimizer, data, start: int, device) -> list[dict]:
+def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel) -> list[dict]:
     t, derived = cfg.train, cfg.derived
     last = t.stop_at_step or t.steps
     flops_tok, peak = flops_per_token(cfg), peak_tflops(cfg, device)
-    log = MetricsLog(cfg, start)
+    log = MetricsLog(cfg, start, enabled=checkpoint.is_rank0())  # only rank 0 writes
     records = []
     for step in range(start, last):
         began = time.perf_counter()
-        result = train_step(model, optimizer, data.batch(step, t.global_batch), step, cfg)
+        result = train_step(model, optimizer, data.batch(step, t.global_batch), step, cfg, par)
         seconds = time.perf_counter() - began
         done = step + 1
         tokens_per_s = derived.tokens_per_step / seconds
@@ -70,10 +71,11 @@ def _loop(cfg, model, optimizer, data, start: int, device) -> list[dict]:
         record = {
             "step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
-            "mfu": tflops / peak if peak else None, "consumed_tokens": done * derived.tokens_per_step,
+            "mfu": tflops / peak if peak else None,
+            "consumed_tokens": done * derived.tokens_per_step,
         }  # fmt: skip
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-            record["val_loss"] = evaluate(model, data, cfg)
+            record["val_loss"] = evaluate(model, data, cfg, par)
         if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
             log.log(record)
         log.progress(done, result.loss, tokens_per_s)

@@ -55,20 +55,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def global_grad_norm(
-    local_params: Iterable[nn.Parameter],
+    local_params: Iterable[nn.Parameter | torch.Tensor],
     group=None,
 ) -> torch.Tensor:
     """L2 norm of all gradients of the model.
 
-    `local_params` must hold each logical parameter's elements exactly once across the ranks
-    of `group` (a replicated parameter is listed on one rank only); the squared sums are then
-    all-reduced over `group`, so the norm is that of the one-process model.
+    `local_params` (parameters, or gradient tensors / slices of them) must hold each logical
+    gradient element exactly once across the ranks of `group`: tp-replicated parameters on tp
+    rank 0 only, replicated kv-head copies once (tensor_parallel.grad_sync.grads_counted_once);
+    dp replicas are not in `group` at all (the mesh's norm group spans pp × tp). The squared
+    sums are all-reduced over `group`, so the norm is that of the one-process model.
     """
-    grads = [p.grad for p in local_params if p.grad is not None]
+    items = [p.grad if isinstance(p, nn.Parameter) else p for p in local_params]
+    grads = [g for g in items if g is not None]
     total = torch.zeros((), dtype=torch.float32)
     if grads:
         total = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    if group is not None:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
 

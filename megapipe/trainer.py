@@ -1,8 +1,9 @@
-"""One training step and one validation pass, for a model held whole by this process.
+"""One training step and one validation pass, on one process or on a dp × tp mesh.
 
 Loss is the mean over every target token of the global batch: each microbatch's summed cross
 entropy is divided by the global token count before backward, so gradient accumulation over
-microbatches equals one large batch (GPipe §2.2's micro-batching with exact normalisation).
+microbatches (GPipe §2.2) and the dp sum of gradients both equal one large batch. DP rank r
+takes rows [r·B/dp, (r+1)·B/dp) of the global batch; tp ranks see the same rows (design.md).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.data_parallel import GradReducer, finish_gradients
 from megapipe.optim import clip_gradients, global_grad_norm, lr_at, set_lr
+from megapipe.tensor_parallel.grad_sync import grads_counted_once
 
 
 @dataclass
@@ -22,6 +26,38 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+
+
+@dataclass
+class Parallel:
+    """What a step needs from the mesh: the dp slice, the dp reducer and the norm group."""
+
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: object = None
+    norm_group: object = None
+    reducer: GradReducer | None = None
+
+    @staticmethod
+    def build(mesh, model: nn.Module, bucket_mb: float = 25.0) -> Parallel:
+        if mesh is None:
+            return Parallel()
+        dp = mesh.size("dp")
+        group = mesh.group("dp")
+        reducer = GradReducer(model, group, bucket_mb) if dp > 1 else None
+        return Parallel(dp, mesh.coord("dp"), group, mesh.norm_group, reducer)
+
+    def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This dp rank's slice of the global batch."""
+        return batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
+
+    def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(x, group=self.dp_group)
+        return x
+
+
+SINGLE = Parallel()
 
 
 def autocast(cfg: Config, device: torch.device):
@@ -37,43 +73,65 @@ def split_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, step: int, cfg: Config
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    step: int,
+    cfg: Config,
+    par: Parallel = SINGLE,
 ) -> StepResult:
-    """Forward/backward every microbatch of this rank's `batch`, clip, and take one AdamW step.
+    """Forward/backward every microbatch of this rank's slice of the global `batch`, reduce
+    gradients over the mesh, clip, and take one AdamW step.
 
     `step` is the number of optimizer steps already taken (it picks the learning rate).
     """
     device = next(model.parameters()).device
     global_tokens = cfg.train.global_batch * cfg.model.seq_len
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for micro in batch.to(device).chunk(cfg.parallel.microbatches):
+    micros = par.local_rows(batch.to(device)).chunk(cfg.parallel.microbatches)
+    for i, micro in enumerate(micros):
+        last = i == len(micros) - 1
+        sync = par.reducer.no_sync() if par.reducer and not last else contextlib.nullcontext()
         inputs, targets = split_inputs(micro)
-        with autocast(cfg, device):
-            loss = model(inputs, targets)
-        (loss / global_tokens).backward()
+        with sync:
+            with autocast(cfg, device):
+                loss = model(inputs, targets)
+            (loss / global_tokens).backward()
         loss_sum += loss.detach()
-    params = [p for p in model.parameters()]
-    norm = global_grad_norm(params)
-    clip_gradients(params, norm, cfg.train.grad_clip)
+    finish_gradients(model, par.reducer)
+    norm = global_grad_norm(grads_counted_once(model), par.norm_group)
+    clip_gradients(list(model.parameters()), norm, cfg.train.grad_clip)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=(loss_sum / global_tokens).item(), grad_norm=norm.item(), lr=lr)
+    loss = par.dp_sum(loss_sum) / global_tokens
+    return StepResult(loss=loss.item(), grad_norm=norm.item(), lr=lr)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, cfg: Config) -> float:
+def evaluate(model: nn.Module, data, cfg: Config, par: Parallel = SINGLE) -> float:
     """Mean validation loss over `train.eval_batches` fixed batches of `global_batch` rows."""
     device = next(model.parameters()).device
     model.eval()
-    total, count = 0.0, 0
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, token count
     for i in range(cfg.train.eval_batches):
-        batch = data.batch(i, cfg.train.global_batch, split="val").to(device)
+        batch = par.local_rows(data.batch(i, cfg.train.global_batch, split="val").to(device))
         for micro in batch.chunk(cfg.parallel.microbatches):
             inputs, targets = split_inputs(micro)
             with autocast(cfg, device):
-                total += model(inputs, targets).item()
-            count += targets.numel()
+                total[0] += model(inputs, targets).item()
+            total[1] += targets.numel()
     model.train()
-    return total / count
+    total = par.dp_sum(total)
+    return (total[0] / total[1]).item()
+
+
+def build_model(cfg: Config, mesh=None, device: torch.device | str = "cpu") -> nn.Module:
+    """The GPT of `cfg`, sharded over the mesh's tp axis (whole on one process)."""
+    from megapipe.tensor_parallel.sharding import NO_TP
+    from models.gpt import GPT
+
+    tp = NO_TP if mesh is None else mesh.tp_info(cfg.parallel.sequence_parallel, cfg.train.seed)
+    model = GPT(cfg.model, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute)
+    return model.to(device)

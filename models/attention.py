@@ -9,6 +9,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.recompute import maybe_checkpoint
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megapipe.tensor_parallel.random import replayable, sharded_rng
 from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
 
 try:  # the flash-attn package (GPU extra); scaled_dot_product_attention otherwise
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.d_model // cfg.n_heads
         bias = cfg.arch == "gpt2"
-        self.head_dim, self.dropout, self.selective = hd, cfg.dropout, selective
+        self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
@@ -71,9 +72,10 @@ class Attention(nn.Module):
         return grad
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, (H+2·Hkv)/tp·hd); with SP x is (B, T/tp, d), gathered inside
+        B, T, _ = qkv.shape
         hd, h, hkv = self.head_dim, self.local_heads, self.local_kv_heads
-        q, k, v = self.qkv(x).split([h * hd, hkv * hd, hkv * hd], dim=-1)
+        q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], dim=-1)
         q = q.view(B, T, h, hd).transpose(1, 2)  # (B, H/tp, T, hd)
         k = k.view(B, T, hkv, hd).transpose(1, 2)  # (B, Hkv/tp, T, hd)
         v = v.view(B, T, hkv, hd).transpose(1, 2)
@@ -82,6 +84,11 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
-        y = maybe_checkpoint(self.selective, attention_core, q, k, v, p)
+        y = maybe_checkpoint(self.selective, replayable(self._core, self.tp), q, k, v, p)
         y = y.transpose(1, 2).reshape(B, T, h * hd)  # (B, T, H/tp·hd)
-        return self.proj(y)
+        return self.proj(y)  # (B, T, d), or (B, T/tp, d) with SP
+
+    def _core(self, q, k, v, dropout_p: float) -> torch.Tensor:
+        """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron)."""
+        with sharded_rng(self.tp):
+            return attention_core(q, k, v, dropout_p)

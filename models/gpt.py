@@ -8,12 +8,15 @@ is initialised from (seed, name), so the weights do not depend on how the model 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.recompute import layer_mode, maybe_checkpoint
+from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -22,9 +25,17 @@ from megapipe.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from megapipe.tensor_parallel.mappings import enter_column, gather_from_tp
+from megapipe.tensor_parallel.random import replayable, sharded_rng
 from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
 from models.attention import Attention
 from models.init import init_parameters
+
+
+def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:
+    """Dropout on the residual stream: one stream on every tp rank, except under SP, where each
+    rank holds its own sequence chunk and draws from its tp-rank stream (Megatron)."""
+    return sharded_rng(tp) if tp.sp else contextlib.nullcontext()
 
 
 def make_norm(cfg: ModelConfig, tp: TPInfo) -> nn.Module:
@@ -67,12 +78,16 @@ class Embedding(nn.Module):
         learned_pos = cfg.arch == "gpt2" and not table_only
         self.pos = ReplicatedEmbedding(cfg.seq_len, cfg.d_model, tp) if learned_pos else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.tp = tp
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.tok(ids)  # (B, T, d)
+        h = self.tok(ids)  # (B, T, d), or (B, T/tp, d) with SP
         if self.pos is not None:
+            if self.tp.sp:  # this rank's sequence chunk (Korthikanti et al. 2022, §4.2.2)
+                positions = positions.chunk(self.tp.size)[self.tp.rank]
             h = h + self.pos(positions)
-        return self.drop(h)
+        with sp_rng(self.tp):
+            return self.drop(h)
 
 
 class TransformerLayer(nn.Module):
@@ -86,13 +101,19 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg, d.d_ff, tp)
         self.drop = nn.Dropout(cfg.dropout)
         self.full_recompute = recompute == "full"
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return maybe_checkpoint(self.full_recompute, self._forward, x, positions)
+        fn = replayable(self._forward, self.tp)
+        return maybe_checkpoint(self.full_recompute, fn, x, positions)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x), positions))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        x = x + self._dropout(self.attn(self.norm1(x), positions))  # (B, T, d) or (B, T/tp, d)
+        return x + self._dropout(self.mlp(self.norm2(x)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        with sp_rng(self.tp):
+            return self.drop(x)
 
 
 class Head(nn.Module):
@@ -102,19 +123,24 @@ class Head(nn.Module):
         super().__init__()
         self.norm = make_norm(cfg, tp)
         self.out = None
+        self.tp, self.vocab_size = tp, cfg.vocab_size
         if not cfg.tie_embeddings:
-            self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, bias=False, tp=tp)
+            self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, tp, pad=True)
 
     def logits(self, h: torch.Tensor, tied_weight: torch.Tensor | None) -> torch.Tensor:
-        h = self.norm(h)
-        return self.out(h) if self.out is not None else F.linear(h, tied_weight)
+        """This rank's vocab slice of the logits, (B, T, V/tp) (padded when tp ∤ V)."""
+        h = self.norm(h)  # (B, T/tp, d) with SP
+        if self.out is not None:
+            return self.out(h)
+        return F.linear(enter_column(h, self.tp), tied_weight)
 
     def forward(self, h, targets=None, tied_weight=None) -> torch.Tensor:
         """Logits (B, T, V), or with targets the summed cross entropy over all tokens."""
         logits = self.logits(h, tied_weight)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            return gather_from_tp(logits, self.tp)[..., : self.vocab_size]
+        vocab_start = self.tp.rank * logits.shape[-1]
+        return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.vocab_size, self.tp)
 
 
 class GPT(nn.Module):
@@ -172,4 +198,3 @@ class GPT(nn.Module):
         from models.hf import to_hf
 
         to_hf(self, out_dir)
-

@@ -26,3 +26,13 @@ def tiny_cfg(tmp_path):
         return load_config(TINY, [f"run.dir={tmp_path / 'run'}", *overrides])
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gloo_pool():
+    """`gloo_pool(world)`: a tests.parity.WorkerPool of `world` gloo ranks, reused per size."""
+    from tests.parity import Pools
+
+    pools = Pools()
+    yield pools
+    pools.close()

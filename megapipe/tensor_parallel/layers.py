@@ -1,5 +1,9 @@
 """Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al. 2019, §3).
 
+With sequence parallelism (Korthikanti et al. 2022, §4.2.2) the column linear's f becomes an
+all-gather along the sequence and the row linear's g a reduce-scatter along it, so norms and
+dropout between them run on this rank's sequence chunk.
+
 With `TPInfo()` (size 1) each layer is exactly nn.Linear / nn.Embedding, so the single-process
 model is written against these classes and tensor parallelism only changes `tp`.
 Every layer records, per parameter, its logical shape and `ShardSpec`, used by initialisation
@@ -14,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapipe.tensor_parallel.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from megapipe.tensor_parallel.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.tensor_parallel.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
 
@@ -41,8 +45,9 @@ class ColumnParallelLinear(ShardedModule):
 
     `out_features` may be a list of segments (q | k | v, or gate | up); each segment is split
     over tp separately, in units of `unit` rows (a head), so a fused projection shards by head.
-    Input: f (identity fwd / all-reduce bwd). Output: this rank's features, or all of them
-    with `gather_output`.
+    Input: f (identity fwd / all-reduce bwd), or with SP all-gather along the sequence fwd /
+    reduce-scatter bwd. Output: this rank's features, or all of them with `gather_output`.
+    `pad` zero-pads a segment tp does not divide (the LM head over a vocab tp does not divide).
     """
 
     def __init__(
@@ -53,11 +58,12 @@ class ColumnParallelLinear(ShardedModule):
         tp: TPInfo = NO_TP,
         unit: int = 1,
         gather_output: bool = False,
+        pad: bool = False,
     ) -> None:
         super().__init__(tp)
         segments = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.gather_output = gather_output
-        spec = ShardSpec(dim=0, segments=segments, unit=unit)
+        spec = ShardSpec(dim=0, segments=segments, unit=unit, pad=pad)
         self._add_param("weight", (sum(segments), in_features), spec, tp)
         if bias:
             self._add_param("bias", (sum(segments),), spec, tp)
@@ -65,15 +71,15 @@ class ColumnParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        y = F.linear(enter_column(x, self.tp), self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
 class RowParallelLinear(ShardedModule):
     """y = x Aᵀ + b with the columns of A (input features) split over tp.
 
-    Input: this rank's features. Output: g (all-reduce fwd / identity bwd); the bias is added
-    once, after the reduction.
+    Input: this rank's features. Output: g (all-reduce fwd / identity bwd), or with SP
+    reduce-scatter along the sequence fwd / all-gather bwd; the bias is added once, after.
     """
 
     def __init__(
@@ -93,7 +99,7 @@ class RowParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        y = exit_row(F.linear(x, self.weight), self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -101,13 +107,14 @@ class VocabParallelEmbedding(ShardedModule):
     """Token embedding with the vocabulary rows split over tp (Megatron §3).
 
     Each rank looks up the ids in its row range, zeroes the rest, and the partial results are
-    all-reduced (g).
+    all-reduced (g), or with SP reduce-scattered along the sequence. A vocab tp does not divide
+    is zero-padded to ceil(V/tp) rows per rank; padding rows are never looked up.
     """
 
     def __init__(self, vocab_size: int, dim: int, tp: TPInfo = NO_TP) -> None:
         super().__init__(tp)
         self.vocab_size = vocab_size
-        self._add_param("weight", (vocab_size, dim), ShardSpec(0, (vocab_size,)), tp)
+        self._add_param("weight", (vocab_size, dim), ShardSpec(0, (vocab_size,), pad=True), tp)
         self.vocab_start = tp.rank * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -116,7 +123,7 @@ class VocabParallelEmbedding(ShardedModule):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        return exit_row(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
 class ReplicatedEmbedding(ShardedModule):

@@ -1,0 +1,191 @@
+"""Spawned gloo workers for distributed tests: spawn once per world size, run many cases.
+
+`WorkerPool(world)` starts `world` processes (one thread each) joined in one gloo group over a
+TCP store on a free port. `pool.run(fn, *args)` sends an importable module-level function to
+every rank and returns the list of per-rank results; a worker's exception comes back as its
+traceback text in an AssertionError, and a case that does not finish within `timeout` kills the
+pool (the next case respawns it) instead of hanging pytest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 90  # a rank stuck in a collective errors out after this
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )  # fmt: skip
+    while (task := tasks.get()) is not None:
+        module, name, args = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back as text
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results))
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.daemon = True
+            p.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, *args, timeout: float = 180.0) -> list:
+        """fn(*args) on every rank; the per-rank results in rank order."""
+        for q in self.tasks:
+            q.put((fn.__module__, fn.__name__, args))
+        out, errors = [None] * self.world, {}
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(kill=True)
+                raise AssertionError(
+                    f"{fn.__name__}: no result within {timeout:.0f} s from world {self.world}; "
+                    f"errors so far: {errors}"
+                ) from None
+            if ok:
+                out[rank] = value
+            else:
+                errors[rank] = value
+                timeout = min(timeout, COLLECTIVE_TIMEOUT_S + 30)  # the others may be stuck
+        if errors:
+            self.close(kill=True)  # collectives may be out of step: start afresh next time
+            rank = min(errors)
+            raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{errors[rank]}")
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+class Pools:
+    """Session cache: one live pool per world size."""
+
+    def __init__(self) -> None:
+        self.pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world: int) -> WorkerPool:
+        pool = self.pools.get(world)
+        if pool is None or not pool.alive:
+            for other in list(self.pools):  # a machine with 2 cores holds one world at a time
+                self.pools.pop(other).close()
+            pool = self.pools[world] = WorkerPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+# ---- cases: module-level functions run on every rank --------------------------------------
+
+
+def tiny_config(overrides, run_dir: str):
+    from megapipe.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return load_config(
+        os.path.join(root, "configs", "tiny.yaml"), [*overrides, f"run.dir={run_dir}"]
+    )
+
+
+def build_mesh(cfg):
+    """The case's mesh over the already-initialised world, or None on one process."""
+    import torch.distributed as dist
+
+    from megapipe.mesh import MeshSizes, ParallelMesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return ParallelMesh(MeshSizes.of(cfg))
+
+
+def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) -> dict:
+    """Train `steps` steps of the tiny config under its mesh; per-step losses and grad norms,
+    the final weights by logical name (whole on every rank) and the dp-replica spread."""
+    import tempfile
+
+    from megapipe.data import build_data
+    from megapipe.optim import build_optimizer
+    from megapipe.tensor_parallel.gather import gather_logical
+    from megapipe.trainer import Parallel, build_model, train_step
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    mesh = build_mesh(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, mesh)
+    optimizer = build_optimizer(model, cfg.train)
+    par = Parallel.build(mesh, model, bucket_mb)
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    losses, norms, overlapped = [], [], 0
+    for step in range(steps):
+        result = train_step(
+            model, optimizer, data.batch(step, cfg.train.global_batch), step, cfg, par
+        )
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        overlapped = getattr(par.reducer, "overlapped", 0)
+    weights = gather_logical(model)
+    return {
+        "losses": losses, "grad_norms": norms, "weights": weights,
+        "dp_spread": _dp_spread(weights, mesh), "overlapped_buckets": overlapped,
+        "buckets": len(par.reducer.buckets) if par.reducer else 0,
+    }  # fmt: skip
+
+
+def _dp_spread(weights: dict, mesh) -> float:
+    """Largest |difference| between this rank's weights and dp rank 0's (0: replicas agree)."""
+    import torch.distributed as dist
+
+    if mesh is None or mesh.size("dp") == 1:
+        return 0.0
+    flat = torch.cat([w.flatten() for w in weights.values()])
+    copies = [torch.empty_like(flat) for _ in range(mesh.size("dp"))]
+    dist.all_gather(copies, flat, group=mesh.group("dp"))
+    return max((c - copies[0]).abs().max().item() for c in copies)

@@ -1,0 +1,88 @@
+"""The rank grid as pure functions: coordinates, groups and pp neighbours, no process group."""
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from megapipe.mesh import (
+    AXES,
+    MeshSizes,
+    all_meshes,
+    check_world_size,
+    coords,
+    group_ranks,
+    pp_neighbours,
+    rank_at,
+    rank_grid,
+)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 6, 8, 12, 16])
+def test_coords_round_trip_and_tp_fastest(world):
+    for sizes in all_meshes(world):
+        grid = rank_grid(*sizes.shape)
+        for rank in range(world):
+            c = coords(rank, sizes)
+            assert grid[c["pp"], c["dp"], c["cp"], c["tp"]].item() == rank
+            assert rank_at(sizes, **c) == rank
+        if sizes.tp > 1:
+            assert coords(1, sizes)["tp"] == 1  # neighbours in rank are neighbours in tp
+
+
+@pytest.mark.parametrize("world", [4, 8, 12])
+def test_groups_partition_the_world_along_their_axes(world):
+    for sizes in all_meshes(world):
+        for axes in [("tp",), ("dp",), ("pp",), ("dp", "cp"), ("pp", "tp")]:
+            groups = group_ranks(sizes, axes)
+            assert sorted(r for g in groups for r in g) == list(range(world))
+            for g in groups:
+                cs = [coords(r, sizes) for r in g]
+                for axis in AXES:  # members agree on every other axis
+                    if axis not in axes:
+                        assert len({c[axis] for c in cs}) == 1
+
+
+def test_bloom_layout():
+    sizes = MeshSizes(pp=12, dp=8, cp=1, tp=4)  # BLOOM: 8DP · 12PP · 4TP = 384 GPUs
+    assert group_ranks(sizes, ("tp",))[0] == [0, 1, 2, 3]
+    assert group_ranks(sizes, ("dp",))[0] == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert group_ranks(sizes, ("pp",))[0][:3] == [0, 32, 64]
+    assert coords(37, sizes) == {"pp": 1, "dp": 1, "cp": 0, "tp": 1}
+
+
+def test_pp_neighbours_wrap():
+    sizes = MeshSizes(pp=4, dp=1, cp=1, tp=2)
+    assert pp_neighbours(0, sizes) == (6, 2)
+    assert pp_neighbours(3, sizes) == (1, 5)
+    assert pp_neighbours(7, sizes) == (5, 1)
+    assert pp_neighbours(1, MeshSizes(tp=2)) == (1, 1)
+
+
+def test_grid_is_arange_view():
+    assert torch.equal(rank_grid(2, 2, 1, 2).flatten(), torch.arange(8))
+
+
+def test_world_size_mismatch_is_one_line():
+    check_world_size(MeshSizes(dp=2, tp=2), 4)
+    with pytest.raises(ConfigError) as e:
+        check_world_size(MeshSizes(dp=2, tp=2), 3)
+    msg = str(e.value)
+    assert "\n" not in msg and "world size 3" in msg and "4" in msg and "dp=2" in msg
+
+
+def test_dry_run_per_rank_counts_without_process_group():
+    import torch.distributed as dist
+
+    from megapipe.config import load_config
+    from megapipe.dry_run import describe, rank_params
+    from tests.conftest import TINY
+
+    whole, _ = rank_params(load_config(TINY, ["model.vocab_size=97"]), 0, 0)
+    cfg = load_config(TINY, ["parallel.tp=4", "parallel.dp=2", "model.vocab_size=97"])
+    counts = [rank_params(cfg, 0, r)[0] for r in range(4)]
+    d, v, n = 32, 97, 2  # replicated per tp rank: positions 16·d, 2 norms per layer + final,
+    replicated = 16 * d + (2 * n + 1) * 2 * d + n * 2 * d  # row biases (attn proj, fc2)
+    padded_rows = 4 * 25 - v  # vocab 97 over tp=4: 25 rows each, 3 padding rows
+    assert sum(counts) == whole + 3 * replicated + padded_rows * d
+    text = describe(cfg)
+    assert "world size 8" in text and "pp=0 tp=3: " in text and not dist.is_initialized()
