@@ -135,7 +135,9 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, seq_segm
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1:
-        raise ValueError(f"pp and microbatches must be >= 1, got pp={pp} microbatches={microbatches}")
+        raise ValueError(
+            f"pp and microbatches must be >= 1, got pp={pp} microbatches={microbatches}"
+        )
     if seq_segments < 1:
         raise ValueError(f"seq_segments must be >= 1, got {seq_segments}")
     if seq_segments > 1 and name != "seq1f1b":

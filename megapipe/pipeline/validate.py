@@ -28,7 +28,8 @@ class ScheduleError(ValueError):
 
 
 def produced_events(action: Action, stage: int) -> list[Event]:
-    """What finishing ``action`` makes available: activation (F), input-grad (G), weight-grad (W)."""
+    """What finishing ``action`` makes available: activation (F), input-grad (G), weight-grad
+    (W)."""
     mb, seg = action.microbatch, action.seg
     if action.kind == FORWARD:
         return [("F", mb, stage, seg)]
@@ -69,7 +70,8 @@ def _check_complete(schedule: Schedule, pp: int, m: int, v: int, k: int) -> None
                 raise ScheduleError(f"rank {rank}: {a} is outside m={m}, v={v}, k={k}")
             if counts[(a.kind, a.unit)] > 1:
                 raise ScheduleError(f"rank {rank}: {a} appears {counts[(a.kind, a.unit)]} times")
-            if a.kind == FULL_BACKWARD and (counts[(INPUT_GRAD, a.unit)] or counts[(WEIGHT_GRAD, a.unit)]):
+            split_done = counts[(INPUT_GRAD, a.unit)] or counts[(WEIGHT_GRAD, a.unit)]
+            if a.kind == FULL_BACKWARD and split_done:
                 raise ScheduleError(f"rank {rank}: {a} mixes BW with B/W for the same unit")
         for unit in sorted(expected):
             name = Action(FORWARD, unit[0], unit[1], unit[2] if k > 1 else None)
@@ -100,7 +102,8 @@ def _check_versions(schedule: Schedule) -> None:
 
 
 def check_progress(schedule: Schedule, placement: Placement) -> None:
-    """Run every rank's list under the receive-waits semantics; raise on order violation/deadlock."""
+    """Run every rank's list under the receive-waits semantics; raise on an order violation or a
+    deadlock."""
     segments = 1 + max((a.seg for acts in schedule.values() for a in acts), default=0)
     done: set[Event] = set()
     heads = {rank: 0 for rank in schedule}
