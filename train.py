@@ -67,7 +67,7 @@ def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel) -> lis
         seconds = time.perf_counter() - began
         done = step + 1
         tokens_per_s = derived.tokens_per_step / seconds
-        tflops = flops_tok * tokens_per_s / 1e12
+        tflops = flops_tok * tokens_per_s / 1e12 / derived.world_size  # per device, as MFU
         record = {
             "step": done, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
             "tokens_per_s": tokens_per_s, "tflops": tflops,
