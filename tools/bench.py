@@ -3,6 +3,7 @@
     python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
     python tools/bench.py train [--layers 4 --d-model 256 ...]
     python tools/bench.py tp
+    python tools/bench.py cp
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "schedules": ("bench_schedules", "pipeline schedules vs torch.distributed.pipelining"),
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
+    "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
 }
 
 

@@ -1,0 +1,194 @@
+"""Ring attention blocks: which (q chunk, kv chunk) blocks to compute, and kernels that do it.
+
+A ring step attends this rank's queries to one key/value block; the results of all blocks are
+merged by their log-sum-exp (online softmax, Milakov & Gimelshein 2018). The backward of a block
+is the flash-attention one (Dao et al. 2022, Alg. 4): given the *merged* output O and log-sum-exp
+L of the whole row, P = exp(S·scale − L) is the block's slice of the global softmax, and
+dS = P ∘ (dP − rowsum(dO ∘ O)), so per-block gradients add up to the full-attention gradient.
+
+Every kernel takes q (B, H, Tq, hd) and k, v (B, Hkv, Tk, hd) with H a multiple of Hkv (GQA:
+query head h reads kv head h // (H/Hkv), as `scaled_dot_product_attention(enable_gqa=True)`), and
+`causal` means the top-left aligned mask of a square diagonal block. Gradients of k and v come
+back with Hkv heads (summed over each head group).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class BlockKernel(NamedTuple):
+    """forward(q, k, v, causal, scale) -> (out, lse (B, H, Tq), fp32 or fp64);
+    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)."""
+
+    name: str
+    forward: object
+    backward: object
+
+
+# ---------------------------------------------------------------- which blocks to compute
+
+
+class Block(NamedTuple):
+    """One kernel call of a ring step, in local chunk indices [q0, q1) x [k0, k1)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool  # top-left causal mask on a square diagonal block; else no mask
+
+    def slices(self, chunk: int) -> tuple[slice, slice]:
+        """Token ranges of the q and kv sides for chunks of `chunk` tokens."""
+        return slice(self.q0 * chunk, self.q1 * chunk), slice(self.k0 * chunk, self.k1 * chunk)
+
+
+def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[Block]:
+    """Kernel calls for queries holding chunks q_ids against a kv block holding kv_ids.
+
+    Chunk pair (a, b): full when not causal or b < a, causal diagonal when b == a, skipped when
+    b > a. The own block (q_ids == kv_ids, ascending) is one causal call: the top-left mask of
+    the concatenation is exactly that pattern. Elsewhere, query chunks seeing the same run of
+    kv chunks are merged into one call (zigzag: all queries x first half, or the second half of
+    the queries x all keys; Llama 3 §3.3.2).
+    """
+    if causal and q_ids == kv_ids and q_ids == sorted(q_ids):
+        return [Block(0, len(q_ids), 0, len(kv_ids), True)]
+    blocks: list[Block] = []
+    for i, a in enumerate(q_ids):
+        if causal and a in kv_ids:
+            raise ValueError(f"chunk {a} on both sides outside the diagonal block: bad sharding")
+        seen = [j for j, b in enumerate(kv_ids) if not causal or b < a]
+        for k0, k1 in _runs(seen):
+            last = next((n for n, b in enumerate(blocks) if (b.q1, b.k0, b.k1) == (i, k0, k1)), -1)
+            if last >= 0:
+                blocks[last] = blocks[last]._replace(q1=i + 1)
+            else:
+                blocks.append(Block(i, i + 1, k0, k1, False))
+    return blocks
+
+
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """[0, 1, 3] -> [(0, 2), (3, 4)]: maximal runs of consecutive indices as half-open ranges."""
+    runs: list[tuple[int, int]] = []
+    for j in idx:
+        if runs and runs[-1][1] == j:
+            runs[-1] = (runs[-1][0], j + 1)
+        else:
+            runs.append((j, j + 1))
+    return runs
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _causal_mask(tq: int, tk: int, device) -> Tensor:
+    """True where a key is hidden from a query: (Tq, Tk), top-left aligned."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).triu(1)
+
+
+def _grouped_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Scores of each kv head against its group of query heads, computed in ≥ fp32."""
+    B, H, Tq, hd = q.shape
+    hkv, g = k.shape[1], H // k.shape[1]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(dt).reshape(B, hkv, g * Tq, hd)  # (B, Hkv, g·Tq, hd): a kv head's queries stacked
+    s = qg @ k.to(dt).transpose(-1, -2) * scale  # (B, Hkv, g·Tq, Tk)
+    if causal:
+        s = s.masked_fill(_causal_mask(Tq, k.shape[2], q.device).repeat(g, 1), float("-inf"))
+    return qg, s
+
+
+def reference_forward(q, k, v, causal: bool, scale: float):
+    """Plain-matmul attention of one block in fp32 (or fp64): always available, the reference."""
+    B, H, Tq, hd = q.shape
+    _, s = _grouped_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, Hkv, g·Tq, 1)
+    out = torch.exp(s - lse) @ v.to(s.dtype)  # (B, Hkv, g·Tq, hd)
+    return out.reshape(B, H, Tq, hd).to(q.dtype), lse.reshape(B, H, Tq)
+
+
+def reference_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Flash-attention backward of one block from the row's global out and log-sum-exp."""
+    B, H, Tq, hd = q.shape
+    hkv = k.shape[1]
+    qg, s = _grouped_scores(q, k, causal, scale)
+    dt = s.dtype
+    p = torch.exp(s - lse.to(dt).reshape(B, hkv, -1, 1))  # (B, Hkv, g·Tq, Tk)
+    do = dout.to(dt).reshape(B, hkv, -1, hd)  # (B, Hkv, g·Tq, hd)
+    delta = (do * out.to(dt).reshape(B, hkv, -1, hd)).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    dv = p.transpose(-1, -2) @ do  # (B, Hkv, Tk, hd): the group's rows sum here
+    ds = p * (do @ v.to(dt).transpose(-1, -2) - delta)  # (B, Hkv, g·Tq, Tk)
+    dq = (ds @ k.to(dt) * scale).reshape(B, H, Tq, hd)  # (B, H, Tq, hd)
+    dk = ds.transpose(-1, -2) @ qg * scale  # (B, Hkv, Tk, hd)
+    return dq, dk, dv
+
+
+def aten_cpu_forward(q, k, v, causal: bool, scale: float):
+    """torch's CPU flash kernel: handles GQA itself and returns lse (B, H, Tq) in fp32."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+    return out, lse
+
+
+def aten_cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _expand_kv(q: Tensor, x: Tensor) -> Tensor:
+    """(B, Hkv, T, hd) -> (B, H, T, hd): one copy of each kv head per query head of its group."""
+    g = q.shape[1] // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _sum_groups(dx: Tensor, hkv: int) -> Tensor:
+    B, H, T, hd = dx.shape
+    return dx.view(B, hkv, H // hkv, T, hd).sum(2)  # (B, Hkv, T, hd)
+
+
+def aten_cuda_forward(q, k, v, causal: bool, scale: float):
+    """torch's CUDA flash kernel (fp16/bf16). Untested here: written for the GPU machines."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, _expand_kv(q, k), _expand_kv(q, v), 0.0, causal, False, scale=scale
+    )
+    return res[0], res[1]
+
+
+def aten_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    tq, tk, hkv = q.shape[2], k.shape[2], k.shape[1]
+    # Dense (not varlen) inputs: cum_seq_* undefined, max_* the block lengths; no dropout rng.
+    # Row slices of lse/out are strided views: the kernel reads them by pointer, so copy.
+    dout, q, out, lse = (t.contiguous() for t in (dout, q, out, lse))
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, _expand_kv(q, k), _expand_kv(q, v), out, lse,
+        None, None, tq, tk, 0.0, causal, None, None, scale=scale,
+    )  # fmt: skip
+    return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+
+
+KERNELS = {
+    "reference": BlockKernel("reference", reference_forward, reference_backward),
+    "aten_cpu": BlockKernel("aten_cpu", aten_cpu_forward, aten_cpu_backward),
+    "aten_cuda": BlockKernel("aten_cuda", aten_cuda_forward, aten_cuda_backward),
+}
+
+
+def pick_kernel(q: Tensor, name: str | None = None) -> BlockKernel:
+    """The kernel for q's device and dtype, or the one named ("reference", "aten_cpu", ...)."""
+    if name is not None:
+        if name not in KERNELS:
+            raise ValueError(f"ring attention kernel {name!r} unknown; one of {sorted(KERNELS)}")
+        return KERNELS[name]
+    if q.is_cuda:  # flash kernel wants half precision and hd a multiple of 8
+        ok = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+        return KERNELS["aten_cuda" if ok else "reference"]
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return KERNELS["aten_cpu"]
+    return KERNELS["reference"]

@@ -1,0 +1,302 @@
+"""Ring attention (megapipe/context_parallel.py) against full attention on one process.
+
+Pure logic (zigzag sharding, block plans, kernels, cp=1) runs in-process. The distributed cases
+run in gloo workers spawned once per cp size (2 and 4); every worker runs all cases, rank 0
+gathers the shards, and the results come back through files. A stuck world is killed after
+SPAWN_TIMEOUT_S instead of hanging pytest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from megapipe.context_parallel import (
+    RingStats,
+    local_chunks,
+    ring_attention,
+    zigzag_indices,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from megapipe.ring_kernels import KERNELS, pick_kernel, plan_step
+
+SEQS = (16, 32, 64)
+LAYOUTS = [(True, True), (True, False), (False, True), (False, False)]  # (causal, zigzag)
+B, H, HD = 2, 4, 8
+KV_HEADS = (4, 2)  # MHA, GQA
+TOL = 1e-5
+SPAWN_TIMEOUT_S = 150
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, zigzag: bool) -> torch.Tensor:
+    """(B, H, T, hd) -> (B, H, T/cp, hd): this rank's slice of the sequence."""
+    return zigzag_shard(x, cp, rank, 2) if zigzag else x.chunk(cp, dim=2)[rank]
+
+
+def full_attention(seq: int, hkv: int, causal: bool, seed: int):
+    """Inputs, output-grad and one-process attention with its gradients."""
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(B, H, seq, HD, generator=g) for _ in range(2))
+    k, v = (torch.randn(B, hkv, seq, HD, generator=g) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hkv != H)
+    out.backward(dout)
+    return (q, k, v, dout), [out.detach()] + [t.grad for t in leaves]
+
+
+# ---------------------------------------------------------------- in-process
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_indices_partition_and_roundtrip(cp):
+    seq = 6 * cp
+    idx = [zigzag_indices(seq, cp, r) for r in range(cp)]
+    assert torch.equal(torch.cat(idx).sort().values, torch.arange(seq))
+    assert idx[0][: seq // (2 * cp)].tolist() == list(range(seq // (2 * cp)))
+    x = torch.randn(2, seq, 3)
+    parts = [zigzag_shard(x, cp, r, 1) for r in range(cp)]
+    for r in range(cp):
+        assert torch.equal(parts[r], x[:, idx[r]])  # data and RoPE positions agree
+    assert torch.equal(zigzag_unshard(parts, cp, 1), x)
+
+
+def test_zigzag_rejects_bad_length():
+    for call in (
+        lambda: zigzag_indices(30, 4, 0),
+        lambda: zigzag_shard(torch.zeros(1, 12), 4, 0, 1),
+    ):
+        with pytest.raises(ValueError, match=r"seq_len % \(2·cp\) == 0") as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
+def _plan_mask(cp, rank, src, zigzag, causal, chunk):
+    """(Tq, Tk) of scores the plan computes; every score at most once."""
+    q_ids, kv_ids = local_chunks(cp, rank, zigzag), local_chunks(cp, src, zigzag)
+    hits = torch.zeros(len(q_ids) * chunk, len(kv_ids) * chunk, dtype=torch.long)
+    for b in plan_step(q_ids, kv_ids, causal):
+        n, m = (b.q1 - b.q0) * chunk, (b.k1 - b.k0) * chunk
+        block = torch.ones(n, m, dtype=torch.long)
+        hits[b.q0 * chunk : b.q1 * chunk, b.k0 * chunk : b.k1 * chunk] += (
+            block.tril() if b.causal else block
+        )
+    assert hits.max() <= 1
+    return hits.bool()
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal,zigzag", LAYOUTS)
+def test_block_plan_is_exactly_the_mask(cp, causal, zigzag):
+    chunk = 3
+    seq = chunk * cp * (2 if zigzag else 1)
+    pos = [
+        zigzag_indices(seq, cp, r) if zigzag else torch.arange(seq).chunk(cp)[r] for r in range(cp)
+    ]
+    for rank in range(cp):
+        for src in range(cp):
+            want = pos[src][None, :] <= pos[rank][:, None]  # (Tq, Tk) causal
+            want = want if causal else torch.ones_like(want)
+            assert torch.equal(_plan_mask(cp, rank, src, zigzag, causal, chunk), want)
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS.keys() - {"aten_cuda"}))
+@pytest.mark.parametrize("causal,hkv", [(True, 4), (False, 2), (True, 2)])
+def test_block_kernel_matches_sdpa(name, causal, hkv):
+    (q, k, v, dout), want = full_attention(12, hkv, causal, seed=1)
+    kernel, scale = KERNELS[name], HD**-0.5
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal, scale)
+    for got, ref in zip([out, *grads], want):
+        assert rel(got, ref) <= TOL
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hkv", KV_HEADS)
+def test_cp1_is_sdpa(causal, hkv):
+    (q, k, v, _), _ = full_attention(16, hkv, causal, seed=2)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != H)
+    assert torch.equal(ring_attention(q, k, v, None, causal=causal), want)
+
+
+def test_unsupported_variants_are_one_line_errors():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attn_mask is not supported") as err:
+        ring_attention(q, q, q, None, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"want q \(B, H, T, hd\)"):
+        ring_attention(q, torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), None)
+    with pytest.raises(ValueError, match="3 query heads not a multiple of 2"):
+        ring_attention(torch.zeros(1, 3, 4, 8), q, q, None)
+    with pytest.raises(ValueError, match="kernel 'nope' unknown"):
+        pick_kernel(q, "nope")
+
+
+# ---------------------------------------------------------------- spawned gloo workers
+
+
+def _gather_full(x: torch.Tensor, group, cp: int, zigzag: bool) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return zigzag_unshard(parts, cp, 2) if zigzag else torch.cat(parts, dim=2)
+
+
+def _accuracy_cases(rank: int, cp: int, group) -> dict:
+    """Relative errors of out, dq, dk, dv (gathered on every rank) per case."""
+    errors, seed = {}, 0
+    for seq in SEQS:
+        for causal, zigzag in LAYOUTS:
+            for hkv in KV_HEADS:
+                for kernel in ("aten_cpu", "reference"):
+                    seed += 1
+                    (q, k, v, dout), want = full_attention(seq, hkv, causal, seed)
+                    local = [shard(t, cp, rank, zigzag).requires_grad_() for t in (q, k, v)]
+                    out = ring_attention(*local, group, causal, zigzag, kernel=kernel)
+                    out.backward(shard(dout, cp, rank, zigzag))
+                    got = [out.detach()] + [t.grad for t in local]
+                    got = [_gather_full(t, group, cp, zigzag) for t in got]
+                    key = (seq, causal, zigzag, hkv, kernel)
+                    errors[key] = [rel(a, b) for a, b in zip(got, want)]
+    return errors
+
+
+def _saved_bytes(rank: int, cp: int, group, seq: int = 128) -> int:
+    """Bytes autograd saves for backward of one ring attention call on this rank."""
+    (q, k, v, _), _ = full_attention(seq, H, True, seed=7)
+    q, k, v = (t.repeat(1, 1, 1, 4) for t in (q, k, v))  # hd 32: lse is a small share
+    local = [shard(t, cp, rank, True).requires_grad_() for t in (q, k, v)]
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ring_attention(*local, group, True, True)
+    return total[0]
+
+
+def _work_and_errors(rank: int, cp: int, group) -> dict:
+    (q, k, v, _), _ = full_attention(64, H, True, seed=3)
+    res = {}
+    for zigzag in (True, False):
+        stats = RingStats()
+        ring_attention(
+            *(shard(t, cp, rank, zigzag) for t in (q, k, v)), group, True, zigzag, stats=stats
+        )
+        res[("work", zigzag)] = (stats.blocks, stats.scores, stats.calls)
+    for name, kwargs, seq in [("dropout", {"dropout_p": 0.1}, 8 * cp), ("odd", {}, 9 * cp)]:
+        x = torch.zeros(1, 2, seq // cp, 8)
+        try:
+            ring_attention(x, x, x, group, **kwargs)
+            res[name] = "no error"
+        except ValueError as e:
+            res[name] = str(e)
+    return res
+
+
+def _strided_subgroups(rank: int, world: int) -> dict:
+    """cp=2 on global ranks {0, 2} and {1, 3}: group ranks differ from global ranks."""
+    groups = [dist.new_group([r, r + 2]) for r in range(world // 2)]
+    group, cp_rank = groups[rank % 2], rank // 2
+    (q, k, v, dout), want = full_attention(32, 2, True, seed=11 + rank % 2)
+    local = [shard(t, 2, cp_rank, True).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, group)
+    out.backward(shard(dout, 2, cp_rank, True))
+    got = [_gather_full(t, group, 2, True) for t in [out.detach()] + [t.grad for t in local]]
+    return {"strided": [rel(a, b) for a, b in zip(got, want)]}
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    group = dist.group.WORLD
+    res = _accuracy_cases(rank, world, group)
+    res["saved_bytes"] = _saved_bytes(rank, world, group)
+    res.update(_work_and_errors(rank, world, group))
+    if world == 4:
+        res.update(_strided_subgroups(rank, world))
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _spawn(world: int, tmp) -> list[dict]:
+    """Run _worker on `world` gloo ranks; a worker's traceback fails the test, so does a hang."""
+    ctx = mp.spawn(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world, join=False)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ring attention workers (world {world}) hung for {SPAWN_TIMEOUT_S} s")
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(cp) -> per-rank result dicts; spawned once per cp size."""
+    cache: dict[int, list[dict]] = {}
+
+    def get(cp: int) -> list[dict]:
+        if cp not in cache:
+            cache[cp] = _spawn(cp, tmp_path_factory.mktemp(f"cp{cp}"))
+        return cache[cp]
+
+    return get
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_matches_full_attention(runs, cp):
+    errors = runs(cp)[0]
+    cases = [key for key in errors if isinstance(key, tuple) and len(key) == 5]
+    assert len(cases) == len(SEQS) * len(LAYOUTS) * len(KV_HEADS) * 2
+    bad = {key: errors[key] for key in cases if max(errors[key]) > TOL}
+    assert not bad, f"(seq, causal, zigzag, Hkv, kernel): rel err of out, dq, dk, dv: {bad}"
+
+
+def test_strided_cp_subgroups(runs):
+    assert max(runs(4)[0]["strided"]) <= TOL
+    assert max(runs(4)[1]["strided"]) <= TOL
+
+
+def test_saved_memory_falls_as_one_over_cp(runs):
+    one = _saved_bytes(0, 1, None)
+    for cp in (2, 4):
+        per_rank = [res["saved_bytes"] for res in runs(cp)]
+        assert len(set(per_rank)) == 1
+        assert 0.85 <= per_rank[0] * cp / one <= 1.15, (cp, per_rank[0], one)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_balances_work(runs, cp):
+    seq, chunk = 64, 64 // (2 * cp)
+    zig = [res[("work", True)] for res in runs(cp)]
+    contig = [res[("work", False)] for res in runs(cp)]
+    assert len(set(zig)) == 1, zig  # same blocks, scores and kernel calls on every rank
+    assert zig[0][0] == 2 + 1 + 2 * (cp - 1)  # 2 diagonal, 1 + 2(cp-1) full chunk pairs
+    for work in (zig, contig):  # both compute exactly the causal triangle, nothing masked
+        assert sum(w[1] for w in work) == seq * (seq + 1) // 2
+    scores = [w[1] for w in contig]
+    assert scores == sorted(scores) and scores[-1] >= (2 * cp - 1) * scores[0] // 2, scores
+    assert zig[0][1] == (2 * chunk) * (2 * chunk + 1) // 2 + 2 * (cp - 1) * chunk**2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_errors_are_one_line(runs, cp):
+    for res in runs(cp):
+        assert "dropout_p=0.1 is not supported" in res["dropout"]
+        assert "seq_len % (2·cp) == 0" in res["odd"]
+        assert "\n" not in res["dropout"] + res["odd"]
