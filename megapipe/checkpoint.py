@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -40,22 +40,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A missing, corrupt or incompatible checkpoint; the message is one line."""
-
-
-@dataclass
-class MeshShape:  # the order meta.json has always used; megapipe.mesh.MeshSizes is the mesh
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @staticmethod
-    def of(cfg: Config) -> MeshShape:
-        p = cfg.parallel
-        return MeshShape(p.dp, p.pp, p.cp, p.tp)
-
-    def __str__(self) -> str:
-        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp}"
 
 
 def checkpoint_root(cfg: Config) -> str:
@@ -158,7 +142,7 @@ def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> st
     _barrier()
     if _rank() == 0:
         write_config(cfg, os.path.join(tmp, "config.yaml"))
-        meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshShape.of(cfg))}
+        meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
         _write_json(os.path.join(tmp, "meta.json"), {**meta, **extra})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -218,7 +202,7 @@ def read_meta(path: str) -> dict:
 def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG from `path`; returns its meta.json."""
     meta = read_meta(path)
-    saved, current = MeshShape(**meta["mesh"]), MeshShape.of(cfg)
+    saved, current = MeshSizes(**meta["mesh"]), MeshSizes.of(cfg)
     if saved != current:
         raise CheckpointError(
             f"checkpoint '{path}' was written under mesh {saved} but this run uses {current}; "

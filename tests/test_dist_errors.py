@@ -64,4 +64,4 @@ def test_checkpoint_from_other_mesh_under_torchrun(gloo_pool, tmp_path):
     messages = gloo_pool(4).run(other_mesh_case, str(tmp_path))
     for msg in messages:
         assert "\n" not in msg
-        assert "mesh dp=2 pp=1 cp=1 tp=2 but this run uses dp=1 pp=1 cp=1 tp=4" in msg
+        assert "mesh pp=1 dp=2 cp=1 tp=2 but this run uses pp=1 dp=1 cp=1 tp=4" in msg

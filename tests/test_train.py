@@ -100,7 +100,7 @@ def test_checkpoint_from_other_mesh_names_both(tiny_cfg):
     meta = json.load(open(meta_file))
     meta["mesh"]["tp"] = 2
     json.dump(meta, open(meta_file, "w"))
-    with pytest.raises(CheckpointError, match="dp=1 pp=1 cp=1 tp=2.*dp=1 pp=1 cp=1 tp=1"):
+    with pytest.raises(CheckpointError, match="pp=1 dp=1 cp=1 tp=2.*pp=1 dp=1 cp=1 tp=1"):
         train.run(tiny_cfg(f"checkpoint.resume={path}"))
 
 
