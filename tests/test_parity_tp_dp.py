@@ -87,7 +87,6 @@ def test_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world,dp,tp,extra", _params(SLOW))
 def test_mesh_trains_like_one_process_16_ranks(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
