@@ -21,6 +21,7 @@ from megapipe.dry_run import describe
 from megapipe.mesh import init_distributed
 from megapipe.metrics import MetricsLog, flops_per_token, peak_tflops
 from megapipe.optim import build_optimizer
+from megapipe.pipeline.engine import Pipeline, check_pipeline
 from megapipe.trainer import Parallel, build_model, evaluate, train_step
 
 
@@ -37,25 +38,40 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run(cfg: Config) -> list[dict]:
     """Train (or resume) per `cfg`; returns the logged records of this invocation."""
+    check_pipeline(cfg)
     mesh = init_distributed(cfg)  # checks the world size before any collective
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     )
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
-    model = build_model(cfg, mesh, device)
+    model, step_fn, par = _build(cfg, mesh, device)
     optimizer = build_optimizer(model, cfg.train)
-    par = Parallel.build(mesh, model)
     start = 0
     resume = checkpoint.resume_path(cfg)
     if resume is not None:
         start = checkpoint.load(resume, cfg, model, optimizer)["step"]
     if checkpoint.is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-    return _loop(cfg, model, optimizer, data, start, device, par)
+    return _loop(cfg, model, optimizer, data, start, device, par, step_fn)
 
 
-def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel) -> list[dict]:
+def _build(cfg: Config, mesh, device):
+    """(model, step function(optimizer, batch, step), Parallel): this rank's chunks and the
+    pipeline runtime when parallel.pp > 1, else the whole (tp-sharded) model."""
+    if cfg.parallel.pp > 1:
+        pipe = Pipeline.build(cfg, mesh, device)
+        return pipe.model, pipe.train_step, pipe.par
+    model = build_model(cfg, mesh, device)
+    par = Parallel.build(mesh, model)
+
+    def step_fn(optimizer, batch, step):
+        return train_step(model, optimizer, batch, step, cfg, par)
+
+    return model, step_fn, par
+
+
+def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel, step_fn) -> list[dict]:
     t, derived = cfg.train, cfg.derived
     last = t.stop_at_step or t.steps
     flops_tok, peak = flops_per_token(cfg), peak_tflops(cfg, device)
@@ -63,7 +79,7 @@ def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel) -> lis
     records = []
     for step in range(start, last):
         began = time.perf_counter()
-        result = train_step(model, optimizer, data.batch(step, t.global_batch), step, cfg, par)
+        result = step_fn(optimizer, data.batch(step, t.global_batch), step)
         seconds = time.perf_counter() - began
         done = step + 1
         tokens_per_s = derived.tokens_per_step / seconds

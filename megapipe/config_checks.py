@@ -23,6 +23,7 @@ def validate(cfg: Config) -> None:
     _check_model(cfg)
     _check_parallel(cfg)
     check_partition(cfg)
+    _check_chunks(cfg)
     _check_train(cfg)
     _check_rest(cfg)
 
@@ -96,6 +97,23 @@ def _check_parallel(cfg: Config) -> None:
         f"train.global_batch={cfg.train.global_batch} must be divisible by "
         f"parallel.dp·parallel.microbatches={p.dp * p.microbatches}",
     )
+
+
+def _check_chunks(cfg: Config) -> None:
+    """Chunks per rank the schedule needs: interleaved 1F1B loops over vpp >= 2 of them
+    (Narayanan et al. 2021 §2.2), ZB-V folds exactly two into a V (Qi et al. 2024 §4)."""
+    p = cfg.parallel
+    if p.pp == 1:  # no pipeline: the schedule is not used
+        return
+    if p.schedule == "interleaved_1f1b":
+        _require(p.vpp >= 2, f"parallel.schedule=interleaved_1f1b needs parallel.vpp >= 2, "
+                             f"got {p.vpp}")
+    elif p.schedule == "zb_v":
+        _require(p.vpp == 2, f"parallel.schedule=zb_v needs parallel.vpp=2 (two chunks in a V), "
+                             f"got {p.vpp}")
+    else:
+        _require(p.vpp == 1, f"parallel.schedule={p.schedule} runs one chunk per rank: set "
+                             f"parallel.vpp=1 (got {p.vpp})")
 
 
 def _check_train(cfg: Config) -> None:

@@ -127,11 +127,13 @@ def evaluate(model: nn.Module, data, cfg: Config, par: Parallel = SINGLE) -> flo
     return (total[0] / total[1]).item()
 
 
-def build_model(cfg: Config, mesh=None, device: torch.device | str = "cpu") -> nn.Module:
-    """The GPT of `cfg`, sharded over the mesh's tp axis (whole on one process)."""
+def build_model(
+    cfg: Config, mesh=None, device: torch.device | str = "cpu", blocks: range | None = None
+) -> nn.Module:
+    """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis."""
     from megapipe.tensor_parallel.sharding import NO_TP
     from models.gpt import GPT
 
     tp = NO_TP if mesh is None else mesh.tp_info(cfg.parallel.sequence_parallel, cfg.train.seed)
-    model = GPT(cfg.model, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute)
+    model = GPT(cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute)
     return model.to(device)

@@ -56,12 +56,13 @@ def sync_tp_partial_grads(model: torch.nn.Module) -> int:
     return flat.numel()
 
 
-def grads_counted_once(model: torch.nn.Module) -> list[torch.Tensor]:
+def grads_counted_once(model: torch.nn.Module, skip=()) -> list[torch.Tensor]:
     """Each logical gradient element once over the tp group: replicated parameters on tp rank 0
-    only, replicated kv-head copies on their first holder only (for the global grad norm)."""
+    only, replicated kv-head copies on their first holder only (for the global grad norm).
+    Parameters named in `skip` are left out (a pipeline stage's copy of the tied embedding)."""
     out = []
-    for _, param, _, spec, tp in sharded_params(model):
-        if param.grad is None:
+    for name, param, _, spec, tp in sharded_params(model):
+        if param.grad is None or name in skip:
             continue
         if spec.dim is None or tp.size == 1:
             if tp.rank == 0:

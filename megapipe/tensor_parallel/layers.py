@@ -20,6 +20,7 @@ from torch import nn
 
 from megapipe.tensor_parallel.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.tensor_parallel.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
+from megapipe.tensor_parallel.weight_grad import linear
 
 
 class ShardedModule(nn.Module):
@@ -28,6 +29,7 @@ class ShardedModule(nn.Module):
     def __init__(self, tp: TPInfo) -> None:
         super().__init__()
         self.tp = tp
+        self.wgrad_queue: dict = {}  # Zero Bubble: weight-grad work deferred to W (weight_grad)
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self.shard_specs: dict[str, ShardSpec] = {}
 
@@ -47,6 +49,7 @@ class ColumnParallelLinear(ShardedModule):
     over tp separately, in units of `unit` rows (a head), so a fused projection shards by head.
     Input: f (identity fwd / all-reduce bwd), or with SP all-gather along the sequence fwd /
     reduce-scatter bwd. Output: this rank's features, or all of them with `gather_output`.
+    The weight grad can be deferred to a Zero Bubble W action (weight_grad.py).
     `pad` zero-pads a segment tp does not divide (the LM head over a vocab tp does not divide).
     """
 
@@ -71,7 +74,7 @@ class ColumnParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(enter_column(x, self.tp), self.weight, self.bias)
+        y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -99,7 +102,7 @@ class RowParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_row(F.linear(x, self.weight), self.tp)
+        y = exit_row(linear(x, self.weight, None, self), self.tp)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,112 @@
+"""Tensors between pipeline stages: batched isend/irecv to other pp ranks, hand-off on one rank.
+
+Every tensor that crosses a stage boundary is a `Message`: an activation going from stage s to
+s+1, or an input-grad going back from s+1 to s. Its shape is known from the config, so receives
+are posted ahead (prefetch) into fresh buffers and sends are fire-and-forget, waited lazily at the
+end of the step (Megatron's p2p_communication, Narayanan et al. 2021 §4.1: batched isend/irecv
+overlapped with compute). When both stages sit on one rank (the turn of ZB-V's V, Qi et al. 2024
+§4) the tensor is handed over in memory, no p2p.
+
+Each message carries a unique tag, so a receive matches its send whatever order the two ranks
+issue them in (interleaved schedules send activations and grads both ways over one rank pair).
+Gloo matches by tag; NCCL ignores tags and matches in issue order, so the GPU path will need
+receives posted in the sender's order (every rank knows the whole schedule): not done yet.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megapipe.mesh import rank_at
+from megapipe.pipeline.actions import Placement
+
+
+class Message(NamedTuple):
+    """One tensor over the boundary between global stages `boundary` and `boundary + 1`."""
+
+    grad: bool  # False: activation, forward direction; True: input-grad, backward direction
+    microbatch: int
+    boundary: int
+
+    def tag(self, n_stages: int) -> int:
+        return (self.microbatch * n_stages + self.boundary) * 2 + int(self.grad)
+
+    def source_stage(self) -> int:
+        return self.boundary + 1 if self.grad else self.boundary
+
+    def dest_stage(self) -> int:
+        return self.boundary if self.grad else self.boundary + 1
+
+
+class StageLinks:
+    """This rank's p2p endpoints: prefetched receives, pending sends, the local mailbox."""
+
+    def __init__(self, mesh, placement: Placement, shape: tuple[int, ...],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.placement, self.shape, self.dtype, self.device = placement, shape, dtype, device
+        self.pp_rank = mesh.coord("pp")
+        self.peers = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r})
+                      for r in range(mesh.size("pp"))]  # global rank of each pp rank
+        self.receiving: dict[Message, tuple[torch.Tensor, list]] = {}
+        self.sending: list[tuple[torch.Tensor, list]] = []
+        self.local: dict[Message, torch.Tensor] = {}
+
+    def _rank_of(self, stage: int) -> int:
+        return self.placement.locate(stage)[0]
+
+    def is_local(self, msg: Message) -> bool:
+        return self._rank_of(msg.source_stage()) == self._rank_of(msg.dest_stage())
+
+    def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> None:
+        """Post the sends and (not yet posted) receives as one batch; local ones go to memory."""
+        ops, posted = [], []
+        for msg, tensor in sends:
+            if self.is_local(msg):
+                self.local[msg] = tensor
+                continue
+            peer = self.peers[self._rank_of(msg.dest_stage())]
+            ops.append(dist.P2POp(dist.isend, tensor, peer, tag=msg.tag(self.placement.num_stages)))
+            posted.append((None, tensor))
+        for msg in recvs:
+            if self.is_local(msg) or msg in self.receiving:
+                continue
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            peer = self.peers[self._rank_of(msg.source_stage())]
+            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=msg.tag(self.placement.num_stages)))
+            posted.append((msg, buf))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        for (msg, tensor), work in zip(posted, works):
+            if msg is None:
+                self.sending.append((tensor, [work]))
+            else:
+                self.receiving[msg] = (tensor, [work])
+        self._reap()
+
+    def take(self, msg: Message) -> torch.Tensor:
+        """The tensor of `msg`: from the mailbox, or wait for its (posted if need be) receive."""
+        if self.is_local(msg):
+            return self.local.pop(msg)
+        self.exchange([], [msg])
+        buf, works = self.receiving.pop(msg)
+        for work in works:
+            work.wait()
+        return buf
+
+    def _reap(self) -> None:
+        """Drop finished sends, freeing their buffers (the output is only kept for backward)."""
+        self.sending = [(t, w) for t, w in self.sending if not all(x.is_completed() for x in w)]
+
+    def flush(self) -> None:
+        """Wait for every send: end of step, before any buffer could be reused."""
+        for _, works in self.sending:
+            for work in works:
+                work.wait()
+        self.sending.clear()
+        if self.receiving or self.local:
+            raise RuntimeError(f"pipeline step ended with unconsumed messages: "
+                               f"{sorted(self.receiving) + sorted(self.local)}")

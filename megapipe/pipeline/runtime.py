@@ -1,0 +1,134 @@
+"""One runtime for every schedule: walk this pp rank's action list (design.md, "One runtime").
+
+F: take the input (token ids on stage 0, else the previous stage's activation), run the chunk,
+send the output on; the last stage computes the loss (summed cross entropy over the global token
+count, as trainer.train_step). BW: take the output-grad (the last stage starts from its loss),
+backward, send the input-grad back. B/W (Zero Bubble, Qi et al. 2023 §2): B backpropagates the
+input-grad only while the linear layers queue their weight-grad work, W does that work later.
+Sends overlap the next action's compute (Megatron, Narayanan et al. 2021 §4.1); the receive the
+next action needs is posted in the same batch. Each action's start and end are recorded.
+
+Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
+interleaved 1F1B and the V placement of ZB-V run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapipe.pipeline.actions import (
+    FORWARD,
+    FULL_BACKWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+)
+from megapipe.pipeline.p2p import Message, StageLinks
+from megapipe.tensor_parallel.weight_grad import defer_weight_grads, run_weight_grads
+
+GRAD_KINDS = (INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
+
+
+@dataclass
+class MicroBatch:
+    inputs: torch.Tensor  # (b, T) token ids
+    targets: torch.Tensor  # (b, T) next tokens
+
+
+@dataclass
+class Event:
+    """One executed action and its wall-clock span (perf_counter seconds)."""
+
+    action: Action
+    t0: float
+    t1: float
+
+
+class PipelineRuntime:
+    """Runs one rank's action list over its local chunks; holds only what backward still needs."""
+
+    def __init__(self, chunks: list[nn.Module], placement: Placement, pp_rank: int,
+                 links: StageLinks, seq_len: int, autocast=contextlib.nullcontext) -> None:
+        self.chunks, self.placement, self.links = chunks, placement, links
+        self.stages = [placement.stage(pp_rank, c) for c in range(len(chunks))]
+        self.last_stage = placement.num_stages - 1
+        self.autocast = autocast
+        self.positions = torch.arange(seq_len)  # whole sequence: SP stages hold T/tp of it
+        self.events: list[Event] = []
+        self._handlers = {FORWARD: self._forward, INPUT_GRAD: self._input_grad,
+                          FULL_BACKWARD: self._full_backward, WEIGHT_GRAD: self._weight_grad}
+
+    def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
+            reducers: list | None = None) -> torch.Tensor:
+        """Execute `actions`; returns this rank's summed (unscaled) loss, float64 (0 if no head).
+
+        `reducers[c]` (dp gradient buckets of chunk c) syncs only during the chunk's last
+        gradient action, so its buckets all-reduce while that backward still runs.
+        """
+        self.micro, self.loss_scale = micro, loss_scale
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.events, self.deferred_matmuls = [], 0
+        final = {a.chunk: i for i, a in enumerate(actions) if a.kind in GRAD_KINDS}
+        for i, action in enumerate(actions):
+            reducer = reducers[action.chunk] if reducers else None
+            sync = reducer.no_sync() if reducer and final.get(action.chunk) != i else None
+            t0 = time.perf_counter()
+            with sync or contextlib.nullcontext():
+                sends = self._handlers[action.kind](action)
+            upcoming = [m for m in map(self._input_message, actions[i + 1:i + 2]) if m]
+            self.links.exchange(sends, upcoming)  # send now, prefetch the next action's input
+            self.events.append(Event(action, t0, time.perf_counter()))
+        self.links.flush()
+        if self.stash:
+            raise RuntimeError(f"actions left activations without backward: {sorted(self.stash)}")
+        return self.loss_sum
+
+    def _input_message(self, a: Action) -> Message | None:
+        """What `a` must receive: the previous stage's activation or the next stage's grad."""
+        stage = self.stages[a.chunk]
+        if a.kind == FORWARD:
+            return Message(False, a.microbatch, stage - 1) if stage > 0 else None
+        if a.kind == WEIGHT_GRAD or stage == self.last_stage:
+            return None
+        return Message(True, a.microbatch, stage)
+
+    def _forward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
+        stage, micro = self.stages[a.chunk], self.micro[a.microbatch]
+        x = micro.inputs  # (b, T) token ids on stage 0, else the (b, T[/tp], d) activation
+        if stage > 0:
+            x = self.links.take(self._input_message(a)).requires_grad_()
+        last = stage == self.last_stage
+        with self.autocast():
+            out = self.chunks[a.chunk](x, targets=micro.targets if last else None,
+                                       positions=self.positions)
+        if last:  # summed CE over this microbatch; backward starts from sum / global tokens
+            self.loss_sum += out.detach()
+            out = out / self.loss_scale
+        self.stash[(a.microbatch, a.chunk)] = (x if stage > 0 else None, out)
+        return [] if last else [(Message(False, a.microbatch, stage), out.detach())]
+
+    def _backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
+        x, out = self.stash.pop((a.microbatch, a.chunk))
+        message = self._input_message(a)
+        grad = None if message is None else self.links.take(message)
+        torch.autograd.backward(out, grad)
+        stage = self.stages[a.chunk]
+        return [] if x is None else [(Message(True, a.microbatch, stage - 1), x.grad)]
+
+    def _full_backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
+        return self._backward(a)
+
+    def _input_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
+        with defer_weight_grads((a.microbatch, a.chunk)):
+            return self._backward(a)
+
+    def _weight_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
+        self.deferred_matmuls += run_weight_grads(self.chunks[a.chunk], (a.microbatch, a.chunk))
+        return []

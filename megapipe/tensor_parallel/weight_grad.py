@@ -1,0 +1,96 @@
+"""Deferred weight gradients for Zero Bubble's B/W split (Qi et al. 2023, §2).
+
+A linear layer's backward is two matmuls: grad_input = grad_out · W (needed upstream now, on the
+critical path) and grad_W = grad_outᵀ · x (needed only by the optimizer). `linear` computes both
+unless `defer_weight_grads(key)` is active: then backward returns grad_input only and queues
+(x, grad_out) on the module under `key` (the runtime uses (microbatch, chunk)); the W action calls
+`run_weight_grads(model, key)` to do the queued matmuls and accumulate weight.grad. Biases (a sum
+over tokens, and hooked: attention zeroes its key-bias grad), norms and embeddings keep computing
+their small grads in B.
+
+The active key is process state, not a context variable: autograd may run backward on another
+thread (one per CUDA device), which would not see a context variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_active: list = [None]  # the key of the B action now running, or None
+
+
+@contextlib.contextmanager
+def defer_weight_grads(key):
+    """Within: linear layers queue their weight-grad work under `key` instead of doing it."""
+    previous, _active[0] = _active[0], key
+    try:
+        yield
+    finally:
+        _active[0] = previous
+
+
+def _cast(*tensors):
+    """The dtype F.linear would compute in under autocast (bf16 on the GPU path), else as is."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+class _Linear(torch.autograd.Function):
+    """y = x Wᵀ + b; backward: grad_x and grad_b now, grad_W now or queued on `owner`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner):
+        x, weight, bias = _cast(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.owner, ctx.has_bias = owner, bias is not None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.to(weight.dtype)
+        grad_x = grad_out @ weight  # (..., in)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        key = _active[0]
+        if key is not None:
+            ctx.owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
+            return grad_x, None, grad_b, None
+        return grad_x, _weight_grad(x, grad_out), grad_b, None
+
+
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # (N, in|out)
+    return g2.t() @ x2  # (out, in)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           owner: nn.Module) -> torch.Tensor:
+    """F.linear whose weight grad can be deferred; `owner` holds the queue (`wgrad_queue`)."""
+    return _Linear.apply(x, weight, bias, owner)
+
+
+@torch.no_grad()
+def run_weight_grads(model: nn.Module, key) -> int:
+    """W: do the weight-grad work queued under `key` in `model`; returns the matmuls run."""
+    done = 0
+    for module in model.modules():
+        for x, grad_out in getattr(module, "wgrad_queue", {}).pop(key, []):
+            _accumulate(module.weight, _weight_grad(x, grad_out))
+            done += 1
+    return done
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

@@ -1,0 +1,190 @@
+"""Parity: pipeline schedules (alone and mixed with dp or tp) train the same model as one process:
+same per-step loss, grad norm and final logical weights to relative 1e-5 (design.md, Parity).
+
+Each rank returns the logical tensors of its chunks; the union over ranks is the whole model,
+and every tensor held by several ranks (dp and tp replicas, the tied embedding's last-stage copy)
+must agree exactly. Cases are grouped by world size so each size spawns its workers once.
+"""
+
+from functools import cache
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from tests.conftest import TINY
+from tests.parity import tiny_config, train_case
+from tests.util import assert_rel_close, assert_state_close
+
+LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
+GQA2 = [*LLAMA, "model.n_kv_heads=2"]
+SP = ["parallel.sequence_parallel=true"]
+B12 = ["train.global_batch=12"]  # room for 3 or 6 microbatches: m not a multiple of pp
+L4, L6 = ["model.n_layers=4"], ["model.n_layers=6"]
+
+
+def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
+    return [f"parallel.schedule={schedule}", f"parallel.pp={p}", f"parallel.microbatches={m}",
+            f"parallel.vpp={vpp}"]
+
+
+CASES = {  # world -> [(id, dp, tp, overrides)]
+    2: [
+        ("gpipe-m2", 1, 1, pp("gpipe", 2, 2)),
+        ("gpipe-m3-llama", 1, 1, [*pp("gpipe", 2, 3), *B12, *LLAMA]),
+        ("1f1b-m1", 1, 1, pp("1f1b", 2, 1)),
+        ("1f1b-m3", 1, 1, [*pp("1f1b", 2, 3), *B12]),
+        ("1f1b-m4-llama", 1, 1, [*pp("1f1b", 2, 4), *LLAMA]),
+        ("interleaved-m1", 1, 1, pp("interleaved_1f1b", 2, 1, 2)),
+        ("interleaved-m4", 1, 1, pp("interleaved_1f1b", 2, 4, 2)),
+        ("interleaved-m3-llama", 1, 1, [*pp("interleaved_1f1b", 2, 3, 2), *B12, *LLAMA]),
+        ("zb_h1-m4", 1, 1, pp("zb_h1", 2, 4)),
+        ("zb_h1-m1-llama", 1, 1, [*pp("zb_h1", 2, 1), *LLAMA]),
+        ("zb_h2-m3", 1, 1, [*pp("zb_h2", 2, 3), *B12]),
+        ("zb_v-m2", 1, 1, pp("zb_v", 2, 2, 2)),
+        ("zb_v-m3-llama-full-recompute", 1, 1,
+         [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"]),
+    ],
+    4: [
+        ("pp4-gpipe-m2", 1, 1, [*pp("gpipe", 4, 2), *L4]),
+        ("pp4-1f1b-m6-llama", 1, 1, [*pp("1f1b", 4, 6), *B12, *LLAMA, *L4]),
+        ("pp4-1f1b-m8", 1, 1, [*pp("1f1b", 4, 8), *L4]),
+        ("pp4-1f1b-m4-one-block-a-stage", 1, 1, pp("1f1b", 4, 4)),  # E | t | t | L
+        ("pp4-interleaved-m4", 1, 1, [*pp("interleaved_1f1b", 4, 4, 2), *L6]),
+        ("pp4-interleaved-m6-llama", 1, 1, [*pp("interleaved_1f1b", 4, 6, 2), *B12, *LLAMA, *L6]),
+        ("dp2-pp2-1f1b-m2", 2, 1, pp("1f1b", 2, 2)),
+        ("dp2-pp2-interleaved-m3-llama", 2, 1, [*pp("interleaved_1f1b", 2, 3, 2), *B12, *LLAMA]),
+        ("pp2-tp2-1f1b-m2-sp", 1, 2, [*pp("1f1b", 2, 2), *SP]),
+        ("pp2-tp2-interleaved-gqa-sp", 1, 2, [*pp("interleaved_1f1b", 2, 4, 2), *GQA2, *SP]),
+        ("pp4-zb_h1-m4", 1, 1, [*pp("zb_h1", 4, 4), *L4]),
+        ("pp4-zb_h2-m6-llama", 1, 1, [*pp("zb_h2", 4, 6), *B12, *LLAMA, *L4]),
+        ("pp4-zb_v-m4", 1, 1, [*pp("zb_v", 4, 4, 2), *L6]),
+        ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
+        ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
+        ("pp2-tp2-zb_v-gqa-sp", 1, 2, [*pp("zb_v", 2, 4, 2), *GQA2, *SP]),
+    ],
+}
+SLOW = {
+    8: [
+        ("dp2-pp2-tp2-1f1b-gqa-sp", 2, 2, [*pp("1f1b", 2, 2), *GQA2, *SP]),
+        ("pp4-tp2-interleaved-gqa", 1, 2, [*pp("interleaved_1f1b", 4, 4, 2), *GQA2, *L6]),
+        ("pp8-1f1b-m4", 1, 1, [*pp("1f1b", 8, 4), *L6]),
+        ("dp2-pp4-gpipe-llama", 2, 1, [*pp("gpipe", 4, 4), *LLAMA, *L4]),
+        ("dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*pp("zb_v", 2, 2, 2), *GQA2, *SP]),
+        ("pp8-zb_h2-m4", 1, 1, [*pp("zb_h2", 8, 4), *L6]),
+    ]
+}
+
+
+def _params(cases, marks=()):
+    return [
+        pytest.param(world, dp, tp, extra, id=f"w{world}-{name}", marks=marks)
+        for world, group in cases.items()
+        for name, dp, tp, extra in group
+    ]
+
+
+@cache
+def reference(extra: tuple[str, ...], dp: int) -> dict:
+    """One process: the same model and data, no pipeline, in the same microbatches of rows
+    (dp·m of them), so only the order of the sums differs."""
+    keep = [o for o in extra if not o.startswith("parallel.")]
+    (m,) = [int(o.split("=")[1]) for o in extra if o.startswith("parallel.microbatches=")]
+    return train_case([*keep, f"parallel.microbatches={dp * m}"])
+
+
+def union_of_ranks(results: list[dict]) -> dict:
+    """The whole model from every rank's chunks; shared tensors must agree exactly."""
+    out = {}
+    for rank, got in enumerate(results):
+        for name, value in got["weights"].items():
+            if name in out:
+                assert torch.equal(out[name], value), f"rank {rank}: copies of {name} differ"
+            out[name] = value
+    return out
+
+
+def check_parity(gloo_pool, world, dp, tp, extra):
+    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
+    results = gloo_pool(world).run(train_case, [*extra, *mesh])
+    ref = reference(tuple(extra), dp)
+    for rank, got in enumerate(results):
+        assert got["dp_spread"] == 0.0, f"rank {rank}: dp replicas differ"
+        assert got["events"] == got["actions"], f"rank {rank}: ran out of schedule order"
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} != {b}"
+        assert_rel_close(*map(_t, (got["grad_norms"], ref["grad_norms"])), name="grad norms")
+    split = any(a.startswith("W") for a in results[0]["actions"])  # zero bubble: W did matmuls
+    deferred = sum(got["deferred_matmuls"] for got in results)
+    assert (deferred > 0) == split, f"{deferred} weight-grad matmuls deferred to W actions"
+    assert_state_close(union_of_ranks(results), ref["weights"])
+
+
+def _t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("world,dp,tp,extra", _params(CASES))
+def test_pipeline_trains_like_one_process(gloo_pool, world, dp, tp, extra):
+    check_parity(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,dp,tp,extra", _params(SLOW))
+def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extra):
+    check_parity(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
+    (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
+    ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
+    (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
+    (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),
+    (pp("interleaved_1f1b", 2, 2, 4), "8 stages but the model has only 2 layers"),
+])
+def test_bad_pipeline_config_is_one_line_error(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        tiny_config(overrides, str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["seq1f1b", "pipedream_async"])
+def test_schedule_the_runtime_cannot_run_is_one_line_error(tmp_path, capsys, schedule):
+    import train
+
+    code = train.main(["--config", TINY, f"--run.dir={tmp_path}",
+                       *(f"--{o}" for o in pp(schedule, 2, 2))])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert err.startswith(f"error: parallel.schedule={schedule} is not supported by the pipeline")
+
+
+def test_pipelined_eval_and_checkpoints_are_one_line_errors(tmp_path):
+    from megapipe.pipeline.engine import check_pipeline
+
+    for extra, match in [(["train.eval_interval=1"], "eval_interval"),
+                         (["checkpoint.interval=1"], "checkpoints with parallel.pp > 1")]:
+        with pytest.raises(ConfigError, match=match) as err:
+            check_pipeline(tiny_config([*pp("1f1b", 2, 2), *extra], str(tmp_path)))
+        assert "\n" not in str(err.value)
+
+
+def run_train(overrides: list[str], run_dir: str) -> list[float]:
+    """train.run on this rank (a pool worker): the losses it logged."""
+    import train
+
+    return [r["loss"] for r in train.run(tiny_config(overrides, run_dir))]
+
+
+def test_train_py_runs_the_pipeline_and_rank0_logs_the_loss(gloo_pool, tmp_path):
+    import json
+
+    extra = [*pp("interleaved_1f1b", 2, 2, 2), "train.steps=2"]
+    per_rank = gloo_pool(2).run(run_train, extra, str(tmp_path))
+    ref = run_train(["parallel.microbatches=2", "train.steps=2"], str(tmp_path / "one"))
+    assert per_rank[0] == per_rank[1], "every rank logs the same loss"
+    assert_rel_close(_t(per_rank[0]), _t(ref), name="losses")
+    with open(tmp_path / "metrics.jsonl") as f:
+        logged = [json.loads(line)["loss"] for line in f]
+    assert logged == per_rank[0]
