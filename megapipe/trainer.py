@@ -100,13 +100,20 @@ def train_step(
         loss_sum += loss.detach()
     finish_gradients(model, par.reducer)
     norm = global_grad_norm(grads_counted_once(model), par.norm_group)
-    clip_gradients(list(model.parameters()), norm, cfg.train.grad_clip)
+    lr = clip_and_step(optimizer, list(model.parameters()), norm, step, cfg)
+    loss = par.dp_sum(loss_sum) / global_tokens
+    return StepResult(loss=loss.item(), grad_norm=norm.item(), lr=lr)
+
+
+def clip_and_step(optimizer, params: list, norm: torch.Tensor, step: int, cfg: Config) -> float:
+    """Clip to `train.grad_clip` by the global `norm`, set this step's LR, take the AdamW step
+    and clear the grads; returns the LR used. Shared by the plain and the pipelined step."""
+    clip_gradients(params, norm, cfg.train.grad_clip)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss = par.dp_sum(loss_sum) / global_tokens
-    return StepResult(loss=loss.item(), grad_norm=norm.item(), lr=lr)
+    return lr
 
 
 @torch.no_grad()

@@ -126,6 +126,17 @@ class Pools:
 # ---- cases: module-level functions run on every rank --------------------------------------
 
 
+def mesh_params(cases: dict, marks=()) -> list:
+    """pytest params (world, dp, tp, extra) from {world: [(name, dp, tp, extra), ...]}."""
+    import pytest
+
+    return [
+        pytest.param(world, dp, tp, extra, id=f"w{world}-{name}", marks=marks)
+        for world, group in cases.items()
+        for name, dp, tp, extra in group
+    ]
+
+
 def tiny_config(overrides, run_dir: str):
     from megapipe.config import load_config
 

@@ -13,7 +13,7 @@ import torch
 
 from megapipe.config import ConfigError
 from tests.conftest import TINY
-from tests.parity import tiny_config, train_case
+from tests.parity import mesh_params, tiny_config, train_case
 from tests.util import assert_rel_close, assert_state_close
 
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
@@ -76,14 +76,6 @@ SLOW = {
 }
 
 
-def _params(cases, marks=()):
-    return [
-        pytest.param(world, dp, tp, extra, id=f"w{world}-{name}", marks=marks)
-        for world, group in cases.items()
-        for name, dp, tp, extra in group
-    ]
-
-
 @cache
 def reference(extra: tuple[str, ...], dp: int) -> dict:
     """One process: the same model and data, no pipeline, in the same microbatches of rows
@@ -124,13 +116,13 @@ def _t(values):
     return torch.tensor(values, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("world,dp,tp,extra", _params(CASES))
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
 def test_pipeline_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,dp,tp,extra", _params(SLOW))
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(SLOW))
 def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
 

@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from tests.parity import train_case
+from tests.parity import mesh_params, train_case
 from tests.util import assert_rel_close, assert_state_close
 
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
@@ -48,14 +48,6 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
 SLOW = {16: [("dp4-tp4-sp", 4, 4, SP), ("dp4-tp4-llama-gqa", 4, 4, GQA2)]}
 
 
-def _params(cases, marks=()):
-    return [
-        pytest.param(world, dp, tp, extra, id=f"w{world}-{name}", marks=marks)
-        for world, group in cases.items()
-        for name, dp, tp, extra in group
-    ]
-
-
 @cache
 def reference(extra: tuple[str, ...]) -> dict:
     """One process, same config (in the pytest process, no process group)."""
@@ -82,11 +74,11 @@ def _t(values):
     return torch.tensor(values, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("world,dp,tp,extra", _params(CASES))
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
 def test_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
-@pytest.mark.parametrize("world,dp,tp,extra", _params(SLOW))
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(SLOW))
 def test_mesh_trains_like_one_process_16_ranks(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)

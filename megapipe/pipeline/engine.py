@@ -19,13 +19,20 @@ from torch import nn
 from megapipe.config import Config, ConfigError
 from megapipe.data_parallel import finish_gradients
 from megapipe.mesh import rank_at
-from megapipe.optim import clip_gradients, global_grad_norm, lr_at, set_lr
+from megapipe.optim import global_grad_norm
 from megapipe.pipeline.p2p import StageLinks
 from megapipe.pipeline.partition import rank_blocks
 from megapipe.pipeline.runtime import MicroBatch, PipelineRuntime
 from megapipe.pipeline.schedules import build_schedule, placement
 from megapipe.tensor_parallel.grad_sync import grads_counted_once
-from megapipe.trainer import Parallel, StepResult, autocast, build_model, split_inputs
+from megapipe.trainer import (
+    Parallel,
+    StepResult,
+    autocast,
+    build_model,
+    clip_and_step,
+    split_inputs,
+)
 
 UNSUPPORTED = {  # schedules the runtime does not run yet: the feature each one still needs
     "seq1f1b": "sequence segments with the KV of earlier segments kept (Seq1F1B)",
@@ -79,15 +86,16 @@ class Pipeline:
         pp_rank = mesh.coord("pp")
         chunks = [build_model(cfg, mesh, device, blocks)
                   for blocks in rank_blocks(cfg, pp_rank, place)]
-        batch = cfg.train.global_batch // (p.dp * p.microbatches)
         seq = m.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else m.seq_len
-        links = StageLinks(mesh, place, (batch, seq, m.d_model), device=device)
+        shape = (cfg.derived.micro_batch_size, seq, m.d_model)
+        links = StageLinks(mesh, place, shape, device=device)
         runtime = PipelineRuntime(chunks, place, pp_rank, links, m.seq_len,
                                   partial(autocast, cfg, torch.device(device)))
         actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[pp_rank]
-        reducers = [Parallel.build(mesh, c, bucket_mb).reducer for c in chunks]
-        return Pipeline(cfg, mesh, chunks, runtime, actions, Parallel.build(mesh, chunks[0]),
-                        reducers)
+        # One dp reducer per chunk; chunk 0's Parallel also gives the dp slice and dp sum
+        # (building another for that would hook a second, idle reducer onto chunk 0).
+        pars = [Parallel.build(mesh, c, bucket_mb) for c in chunks]
+        return Pipeline(cfg, mesh, chunks, runtime, actions, pars[0], [q.reducer for q in pars])
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         cfg = self.cfg
@@ -100,11 +108,7 @@ class Pipeline:
         self._sync_tied_grads()
         norm = global_grad_norm(self._grads_counted_once(), self.mesh.norm_group)
         params = [q for c in self.chunks for q in c.parameters()]
-        clip_gradients(params, norm, cfg.train.grad_clip)
-        lr = lr_at(step, cfg.train)
-        set_lr(optimizer, lr)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = clip_and_step(optimizer, params, norm, step, cfg)
         dist.all_reduce(loss_sum, group=self.mesh.group("pp"))  # only the last stage's is not 0
         loss = self.par.dp_sum(loss_sum) / global_tokens
         return StepResult(loss=loss.item(), grad_norm=norm.item(), lr=lr)

@@ -62,7 +62,7 @@ class PipelineRuntime:
         self.positions = torch.arange(seq_len)  # whole sequence: SP stages hold T/tp of it
         self.events: list[Event] = []
         self._handlers = {FORWARD: self._forward, INPUT_GRAD: self._input_grad,
-                          FULL_BACKWARD: self._full_backward, WEIGHT_GRAD: self._weight_grad}
+                          FULL_BACKWARD: self._backward, WEIGHT_GRAD: self._weight_grad}
 
     def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
             reducers: list | None = None) -> torch.Tensor:
@@ -82,8 +82,9 @@ class PipelineRuntime:
             t0 = time.perf_counter()
             with sync or contextlib.nullcontext():
                 sends = self._handlers[action.kind](action)
-            upcoming = [m for m in map(self._input_message, actions[i + 1:i + 2]) if m]
-            self.links.exchange(sends, upcoming)  # send now, prefetch the next action's input
+            following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None
+            # Send now, and post the receive the next action needs in the same batch.
+            self.links.exchange(sends, [following] if following else [])
             self.events.append(Event(action, t0, time.perf_counter()))
         self.links.flush()
         if self.stash:
@@ -121,9 +122,6 @@ class PipelineRuntime:
         torch.autograd.backward(out, grad)
         stage = self.stages[a.chunk]
         return [] if x is None else [(Message(True, a.microbatch, stage - 1), x.grad)]
-
-    def _full_backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        return self._backward(a)
 
     def _input_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
         with defer_weight_grads((a.microbatch, a.chunk)):
