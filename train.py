@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from megapipe import checkpoint
 from megapipe.config import Config, ConfigError, load_config, write_config
@@ -45,7 +47,7 @@ def run(cfg: Config) -> list[dict]:
     )
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
-    model, step_fn, par = _build(cfg, mesh, device)
+    model, step_fn, eval_fn = _build(cfg, mesh, device)
     optimizer = build_optimizer(model, cfg.train)
     start = 0
     resume = checkpoint.resume_path(cfg)
@@ -53,25 +55,25 @@ def run(cfg: Config) -> list[dict]:
         start = checkpoint.load(resume, cfg, model, optimizer)["step"]
     if checkpoint.is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-    return _loop(cfg, model, optimizer, data, start, device, par, step_fn)
+    return _loop(cfg, model, optimizer, data, start, device, step_fn, eval_fn)
 
 
 def _build(cfg: Config, mesh, device):
-    """(model, step function(optimizer, batch, step), Parallel): this rank's chunks and the
-    pipeline runtime when parallel.pp > 1, else the whole (tp-sharded) model."""
+    """(model, step function(optimizer, batch, step), eval function(data)): this rank's chunks
+    and the pipeline runtime when parallel.pp > 1, else the whole (tp-sharded) model."""
     if cfg.parallel.pp > 1:
         pipe = Pipeline.build(cfg, mesh, device)
-        return pipe.model, pipe.train_step, pipe.par
+        return pipe.model, pipe.train_step, pipe.evaluate
     model = build_model(cfg, mesh, device)
     par = Parallel.build(mesh, model)
 
     def step_fn(optimizer, batch, step):
         return train_step(model, optimizer, batch, step, cfg, par)
 
-    return model, step_fn, par
+    return model, step_fn, lambda data: evaluate(model, data, cfg, par)
 
 
-def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel, step_fn) -> list[dict]:
+def _loop(cfg, model, optimizer, data, start: int, device, step_fn, eval_fn) -> list[dict]:
     t, derived = cfg.train, cfg.derived
     last = t.stop_at_step or t.steps
     flops_tok, peak = flops_per_token(cfg), peak_tflops(cfg, device)
@@ -91,7 +93,7 @@ def _loop(cfg, model, optimizer, data, start: int, device, par: Parallel, step_f
             "consumed_tokens": done * derived.tokens_per_step,
         }  # fmt: skip
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-            record["val_loss"] = evaluate(model, data, cfg, par)
+            record["val_loss"] = eval_fn(data)
         if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
             log.log(record)
         log.progress(done, result.loss, tokens_per_s)
@@ -119,7 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        cause = _peer_lost(e)
+        if cause is None:
+            raise
+        print(f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
+              "logs (parallel.timeout_s bounds how long a rank waits)", file=sys.stderr)
+        return 3
     return 0
+
+
+PEER_LOST = ("Timed out", "Connection reset", "Connection closed")  # gloo; NCCL: DistError
+
+
+def _peer_lost(e: RuntimeError) -> str | None:
+    """The cause, in one line, when a collective or p2p wait failed on a dead or stuck peer."""
+    line = (str(e).strip() or type(e).__name__).splitlines()[0]
+    if not (isinstance(e, dist.DistError) or any(w in line for w in PEER_LOST)):
+        return None
+    return re.sub(r"^\[[^\]]*\] ", "", line).split(". ")[0]  # gloo prefixes its source path
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         shard as a ShardedTensor (offsets from ShardSpec; padding rows dropped;
                         a replicated kv head and dp/cp replicas written once), and a load reads
                         each logical tensor whole and shards it, so a later reshard is a
-                        relaxation of the mesh check only
-  rng_rank<R>.pt        each rank's RNG states, tp dropout tracker included (replays exactly)
+                        relaxation of the mesh check only. Under pp each rank writes the
+                        tensors of its chunks; the tied embedding that the last stage also
+                        holds (Megatron's shared word embeddings) is written by stage 0 only
+                        and restored into both copies
+  rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
   meta.json             step, mesh, LR schedule, sampler position; written last
 A checkpoint is written under `step_N.tmp` and renamed when complete, so a crash never leaves a
@@ -23,6 +26,7 @@ import os
 import shutil
 import warnings
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,52 +82,75 @@ def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
     return state
 
 
-def training_entries(model: nn.Module, optimizer) -> list[tuple]:
-    """(logical key, local tensor, logical shape, shard spec, tp) of every model and optimizer
-    tensor; optimizer moments share their parameter's sharding, the step count is replicated."""
+class Entry(NamedTuple):
+    """One model or optimizer tensor: its logical key and shape, this rank's local tensor."""
+
+    key: str
+    local: torch.Tensor
+    shape: tuple
+    spec: ShardSpec
+    tp: TPInfo
+    copy: bool  # the last pipeline stage's copy of the tied embedding: restored, not written
+
+
+def _chunks(model: nn.Module) -> list[nn.Module]:
+    """Modules whose parameter names are logical: a pipeline rank's chunks, or the model."""
+    return list(model) if isinstance(model, nn.ModuleList) else [model]
+
+
+def training_entries(model: nn.Module, optimizer) -> list[Entry]:
+    """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
+    chunks); optimizer moments share their parameter's sharding, the step count is replicated.
+    A chunk without the embedding block that holds `embed.*` holds the tied copy."""
     out = []
-    for name, param, shape, spec, tp in sharded_params(model):
-        out.append((f"model.{name}", param.data, shape, spec, tp))
-        for key, value in _ensure_optim_state(param, optimizer).items():
-            sharded = value.shape == param.shape
-            out.append((f"optim.{name}.{key}", value, shape if sharded else value.shape,
-                        spec if sharded else ShardSpec(), tp))  # fmt: skip
+    for chunk in _chunks(model):
+        tied_copy = not getattr(chunk, "has_embedding", True)
+        for name, param, shape, spec, tp in sharded_params(chunk):
+            copy = tied_copy and name.startswith("embed.")
+            out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
+            for key, value in _ensure_optim_state(param, optimizer).items():
+                sharded = value.shape == param.shape
+                out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
+                                 spec if sharded else ShardSpec(), tp, copy))  # fmt: skip
     return out
 
 
 def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Model and optimizer tensors by logical name (one process: the tensors themselves)."""
-    return {key: local for key, local, *_ in training_entries(model, optimizer)}
+    """Model and optimizer tensors by logical name, each once (one process: the tensors)."""
+    return {e.key: e.local for e in training_entries(model, optimizer) if not e.copy}
 
 
-def _sharded(local, shape, spec: ShardSpec, tp: TPInfo, writer: bool):
-    """A ShardedTensor of logical `shape` holding this rank's pieces (none if not a writer)."""
+def _sharded(e: Entry):
+    """A ShardedTensor of the logical shape holding this rank's pieces of `e`. Built over the
+    tp group: the metadata exchange is a collective, and pp ranks hold different keys."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     shards = []
-    for piece in spec.pieces(tp.size, tp.rank) if writer else []:
+    for piece in e.spec.pieces(e.tp.size, e.tp.rank):
         if not (piece.owner and piece.length):
             continue
-        offsets, sizes = [0] * len(shape), list(shape)
-        offsets[spec.dim], sizes[spec.dim] = piece.global_lo, piece.length
-        data = local.narrow(spec.dim, piece.local_lo, piece.length).contiguous()
+        offsets, sizes = [0] * len(e.shape), list(e.shape)
+        offsets[e.spec.dim], sizes[e.spec.dim] = piece.global_lo, piece.length
+        data = e.local.narrow(e.spec.dim, piece.local_lo, piece.length).contiguous()
         placement = f"rank:{dist.get_rank()}/{data.device}"
         shards.append(Shard(data, ShardMetadata(offsets, sizes, placement)))
-    return ShardedTensor._init_from_local_shards(shards, *shape)
+    return ShardedTensor._init_from_local_shards(shards, *e.shape, process_group=e.tp.group)
 
 
 def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
-    """What dcp.save writes: plain tensors where whole (DCP keeps one copy of replicas),
-    ShardedTensors of the owned pieces where tp-sharded (dp/cp rank 0 writes them)."""
+    """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
+    its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
+    ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written."""
     if _no_dist():
         return training_tensors(model, optimizer)
     c = coords(_rank(), MeshSizes.of(cfg))
-    writer = c["dp"] == 0 and c["cp"] == 0
+    if c["dp"] or c["cp"]:
+        return {}  # a replica of what dp/cp rank 0 writes
     state = {}
-    for key, local, shape, spec, tp in training_entries(model, optimizer):
-        whole = spec.dim is None or tp.size == 1
-        state[key] = local if whole else _sharded(local, shape, spec, tp, writer)
+    for e in training_entries(model, optimizer):
+        if not e.copy:
+            state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
     return state
 
 
@@ -212,23 +239,30 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     rng_file = os.path.join(path, f"rng_rank{_rank()}.pt")
     try:
         _set_rng_states(torch.load(rng_file, weights_only=False), model)
-    except (OSError, RuntimeError, KeyError, EOFError) as e:
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
         raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
     return meta
 
 
 @torch.no_grad()
-def _load_sharded(path: str, entries: list[tuple]) -> None:
-    """Read each tp-sharded tensor whole under its logical shape, then keep this rank's shard."""
-    targets, whole = {}, {}
-    for key, local, shape, spec, tp in entries:
-        sharded = spec.dim is not None and tp.size > 1
-        targets[key] = local.new_empty(shape) if sharded else local
-        if sharded:
-            whole[key] = (local, spec, tp)
+def _load_sharded(path: str, entries: list[Entry]) -> None:
+    """Read each tp-sharded tensor whole under its logical shape, then keep this rank's shard;
+    a key held twice on this rank (ZB-V: first and last stage, one tied table) is read once."""
+    targets, sharded, firsts, again = {}, [], {}, []
+    for e in entries:
+        if e.key in firsts:
+            again.append(e)
+            continue
+        firsts[e.key] = e.local
+        whole = e.spec.dim is None or e.tp.size == 1
+        targets[e.key] = e.local if whole else e.local.new_empty(e.shape)
+        if not whole:
+            sharded.append(e)
     _load_tensors(path, targets)
-    for key, (local, spec, tp) in whole.items():
-        local.copy_(spec.shard(targets[key], tp))
+    for e in sharded:
+        e.local.copy_(e.spec.shard(targets[e.key], e.tp))
+    for e in again:
+        e.local.copy_(firsts[e.key])
 
 
 def _load_tensors(path: str, tensors: dict) -> None:
@@ -244,22 +278,21 @@ def _load_tensors(path: str, tensors: dict) -> None:
         ) from None
 
 
-def _tp_tracker(model: nn.Module):
-    """The tp dropout RNG tracker the model's layers share (None with tp size 1)."""
+def _tp_trackers(model: nn.Module) -> list:
+    """The tp dropout RNG trackers of the model (one per pipeline chunk; none with tp size 1)."""
+    found = []
     for module in model.modules():
         rng = getattr(getattr(module, "tp", None), "rng", None)
-        if rng is not None:
-            return rng
-    return None
+        if rng is not None and not any(rng is f for f in found):
+            found.append(rng)
+    return found
 
 
 def _rng_states(model: nn.Module) -> dict:
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
-    tracker = _tp_tracker(model)
-    if tracker is not None:
-        states["tp_tracker"] = tracker.state.clone()
+    states["tp_trackers"] = [t.state.clone() for t in _tp_trackers(model)]
     return states
 
 
@@ -267,9 +300,8 @@ def _set_rng_states(states: dict, model: nn.Module) -> None:
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
-    tracker = _tp_tracker(model)
-    if tracker is not None:
-        tracker.state = states["tp_tracker"]
+    for tracker, state in zip(_tp_trackers(model), states["tp_trackers"], strict=True):
+        tracker.state = state
 
 
 def load_for_inference(path: str):

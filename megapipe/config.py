@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     balance: str = "uniform"  # uniform | llama3 | cost | explicit layout "E,t|t,L"
     seq_segments: int = 1  # Seq1F1B segments per microbatch
+    weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
+    timeout_s: float = 600.0  # a collective or p2p waiting longer on a peer (a dead rank) errors
 
 
 @dataclass
@@ -219,9 +222,14 @@ def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
     setattr(sub, key, _coerce(value, types[key], f"{section}.{key}", source))
 
 
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(value: Any, want: type, name: str, source: str) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if want is float and isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # e.g. checkpoint.resume=100 naming a directory
     is_bool = isinstance(value, bool)

@@ -24,6 +24,8 @@ def validate(cfg: Config) -> None:
     _check_parallel(cfg)
     check_partition(cfg)
     _check_chunks(cfg)
+    _check_segments(cfg)
+    _check_pipedream(cfg)
     _check_train(cfg)
     _check_rest(cfg)
 
@@ -70,6 +72,7 @@ def _check_parallel(cfg: Config) -> None:
     _positive(cfg, "parallel.dp", "parallel.pp", "parallel.cp", "parallel.tp")
     _positive(cfg, "parallel.vpp", "parallel.microbatches", "parallel.seq_segments")
     _one_of("parallel.schedule", p.schedule, SCHEDULES)
+    _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {p.timeout_s}")
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -92,6 +95,17 @@ def _check_parallel(cfg: Config) -> None:
             f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp={2 * p.cp} "
             "(zigzag sharding)",
         )
+        _require(
+            m.dropout == 0.0,
+            f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring attention has no "
+            "attention dropout (it would not match one process); set model.dropout=0",
+        )
+        if p.sequence_parallel:
+            _require(
+                m.seq_len // p.cp % p.tp == 0,
+                f"parallel.sequence_parallel with parallel.cp={p.cp} needs the local sequence "
+                f"model.seq_len/cp={m.seq_len // p.cp} divisible by parallel.tp={p.tp}",
+            )
     _require(
         cfg.train.global_batch % (p.dp * p.microbatches) == 0,
         f"train.global_batch={cfg.train.global_batch} must be divisible by "
@@ -114,6 +128,39 @@ def _check_chunks(cfg: Config) -> None:
     else:
         _require(p.vpp == 1, f"parallel.schedule={p.schedule} runs one chunk per rank: set "
                              f"parallel.vpp=1 (got {p.vpp})")
+
+
+def _check_pipedream(cfg: Config) -> None:
+    """PipeDream (Narayanan et al. SOSP'19 §3.3): each stage steps on its own after every
+    microbatch, so parameters shared by two stages (a tied embedding) cannot stay one tensor."""
+    p = cfg.parallel
+    _one_of("parallel.weight_sync", p.weight_sync, ("stash", "vertical"))
+    _require(p.weight_sync == "stash" or p.schedule == "pipedream_async",
+             f"parallel.weight_sync={p.weight_sync} applies to parallel.schedule=pipedream_async "
+             f"only (got {p.schedule}); remove parallel.weight_sync")
+    _require(not (p.pp > 1 and p.schedule == "pipedream_async" and cfg.model.tie_embeddings),
+             "model.tie_embeddings=true with parallel.schedule=pipedream_async: the first and "
+             "last stage would update their copies at different times; set "
+             "model.tie_embeddings=false")
+
+
+def _check_segments(cfg: Config) -> None:
+    """Seq1F1B (Sun et al. 2024) cuts each sequence into parallel.seq_segments pieces, each a
+    multiple of tp under sequence parallelism; no other schedule reads the key."""
+    p, m = cfg.parallel, cfg.model
+    k, seq1f1b = p.seq_segments, p.schedule == "seq1f1b" and p.pp > 1
+    _require(k == 1 or seq1f1b, f"parallel.seq_segments={k} is only used by "
+                                f"parallel.schedule=seq1f1b with parallel.pp > 1 (got "
+                                f"{p.schedule}, pp={p.pp}); set parallel.seq_segments=1")
+    if not seq1f1b:
+        return
+    _require(p.cp == 1, f"parallel.schedule=seq1f1b with parallel.cp={p.cp}: sequence segments "
+                        "under ring attention are not implemented; set parallel.cp=1")
+    unit = p.tp if p.sequence_parallel else 1
+    _require(m.seq_len >= k * unit,
+             f"parallel.seq_segments={k} needs model.seq_len={m.seq_len} >= {k * unit}: "
+             f"{k} non-empty segments" + (f" of a multiple of parallel.tp={p.tp} tokens "
+                                          "(sequence_parallel)" if unit > 1 else ""))
 
 
 def _check_train(cfg: Config) -> None:

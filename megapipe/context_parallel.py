@@ -75,6 +75,33 @@ def local_chunks(cp: int, rank: int, zigzag: bool) -> list[int]:
     return zigzag_chunks(cp, rank) if zigzag else [rank]
 
 
+@dataclass(frozen=True)
+class CPInfo:
+    """This rank's place on the context-parallel axis (size 1: the whole sequence is local).
+
+    Under cp > 1 every sequence is zigzag-sharded: this rank holds positions
+    `positions(T)` of each sequence, its attention runs the ring over `group`, and gradients
+    are summed over dp × cp (each cp rank saw different tokens of the same rows).
+    """
+
+    size: int = 1
+    rank: int = 0
+    group: object = None  # torch.distributed ProcessGroup when size > 1
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions (T/cp,) of this rank's tokens: RoPE and learned positions use them."""
+        if self.size == 1:
+            return torch.arange(seq_len, device=device)
+        return zigzag_indices(seq_len, self.size, self.rank).to(device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's zigzag slice of full sequences x along `dim` (the data loader's cut)."""
+        return x if self.size == 1 else zigzag_shard(x, self.size, self.rank, dim)
+
+
+NO_CP = CPInfo()
+
+
 @dataclass
 class RingStats:
     """What one rank's ring attention did: work (balance test) and per-step timings (bench).

@@ -21,12 +21,13 @@ def activation_bytes_per_layer(cfg: Config) -> float:
     Korthikanti et al. 2022, eqs. 1-3, at 16-bit: s·b·h·(34 + 5·a·s/h) with no parallelism,
     s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tp = t, s·b·h·(34/t + 5·a·s/(h·t)) with SP too.
     Full recompute keeps only the layer input (2·s·b·h, /t under SP); selective drops the
-    5·a·s/h term. Doubled for float32.
+    5·a·s/h term. Doubled for float32. Under cp each rank holds s/cp tokens, and ring attention
+    keeps q, k, v, out and the log-sum-exp (O(s/cp)) instead of the s² scores: no 5·a·s/h term.
     """
-    m, d, t = cfg.model, cfg.derived, cfg.parallel.tp
+    m, d, t, cp = cfg.model, cfg.derived, cfg.parallel.tp, cfg.parallel.cp
     sp = cfg.parallel.sequence_parallel and t > 1
-    sbh = m.seq_len * d.micro_batch_size * m.d_model
-    attn = 5 * m.n_heads * m.seq_len / m.d_model / t
+    sbh = m.seq_len // cp * d.micro_batch_size * m.d_model
+    attn = 5 * m.n_heads * m.seq_len / m.d_model / t if cp == 1 else 0.0
     linear = 34 / t if sp else 10 + 24 / t
     per_elem = {"none": linear + attn, "selective": linear, "full": 2 / t if sp else 2}
     scale = 2 if cfg.train.dtype == "float32" else 1

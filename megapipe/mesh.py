@@ -8,6 +8,7 @@ is passed explicitly to whatever communicates; nothing here is a module-level gr
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import Config, ConfigError
+from megapipe.context_parallel import NO_CP, CPInfo
 from megapipe.tensor_parallel.random import TPRNGTracker
 from megapipe.tensor_parallel.sharding import TPInfo
 
@@ -98,22 +100,37 @@ def check_world_size(sizes: MeshSizes, world: int) -> None:
 class ParallelMesh:
     """This rank's view of the mesh: coordinates and the groups of each axis."""
 
-    def __init__(self, sizes: MeshSizes, device_type: str = "cpu") -> None:
+    def __init__(self, sizes: MeshSizes, device_type: str = "cpu",
+                 timeout_s: float | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         check_world_size(sizes, dist.get_world_size())
         self.sizes, self.device_type = sizes, device_type
+        # New groups do not inherit the default group's timeout (torch gives them 30 min).
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.rank = dist.get_rank()
         self.coords = coords(self.rank, sizes)
         self.device_mesh = init_device_mesh(device_type, sizes.shape, mesh_dim_names=AXES)
         self.groups = {axis: self.device_mesh[axis].get_group() for axis in AXES}
         self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
         self.norm_group = self._new_group(("pp", "tp"))  # one copy of every parameter
+        self._set_timeouts()
+
+    def _set_timeouts(self) -> None:
+        """A dead peer fails every wait within the timeout, whatever group it waits in.
+        DeviceMesh takes no timeout, so its groups get it set after they exist."""
+        if self.timeout is None:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for group in {*self.groups.values(), self.dp_cp_group}:
+            if group is not dist.group.WORLD:
+                _set_pg_timeout(self.timeout, group)
 
     def _new_group(self, axes: tuple[str, ...]):
         mine = None
         for ranks in group_ranks(self.sizes, axes):  # every rank creates every group, in order
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = group
         return mine
@@ -135,6 +152,12 @@ class ParallelMesh:
         rng = TPRNGTracker(seed, tp_rank, self.device_type)
         return TPInfo(tp_size, tp_rank, self.groups["tp"], sequence_parallel, rng)
 
+    def cp_info(self) -> CPInfo:
+        """CPInfo of this rank: its zigzag slice of every sequence and the ring's group."""
+        if self.sizes.cp == 1:
+            return NO_CP
+        return CPInfo(self.sizes.cp, self.coords["cp"], self.groups["cp"])
+
     def pp_neighbours(self) -> tuple[int, int]:
         return pp_neighbours(self.rank, self.sizes)
 
@@ -148,10 +171,10 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
 
     One process without torchrun and a 1-rank mesh: None (the plain single-process path).
     """
-    sizes = MeshSizes.of(cfg)
+    sizes, timeout_s = MeshSizes.of(cfg), cfg.parallel.timeout_s
     if dist.is_available() and dist.is_initialized():  # e.g. the test workers
         check_world_size(sizes, dist.get_world_size())
-        return ParallelMesh(sizes, "cuda" if torch.cuda.is_available() else "cpu")
+        return ParallelMesh(sizes, "cuda" if torch.cuda.is_available() else "cpu", timeout_s)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_world_size(sizes, world)
     if world == 1:
@@ -160,8 +183,9 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return ParallelMesh(sizes, "cuda" if cuda else "cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
 
 
 def all_meshes(world: int) -> list[MeshSizes]:

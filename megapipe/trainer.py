@@ -4,6 +4,8 @@ Loss is the mean over every target token of the global batch: each microbatch's 
 entropy is divided by the global token count before backward, so gradient accumulation over
 microbatches (GPipe §2.2) and the dp sum of gradients both equal one large batch. DP rank r
 takes rows [r·B/dp, (r+1)·B/dp) of the global batch; tp ranks see the same rows (design.md).
+CP rank c takes its zigzag slice of every row's inputs and targets, so the summed loss and the
+token count over dp × cp are those of the whole batch, and gradients are summed over dp × cp.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.context_parallel import NO_CP, CPInfo
 from megapipe.data_parallel import GradReducer, finish_gradients
 from megapipe.optim import clip_gradients, global_grad_norm, lr_at, set_lr
 from megapipe.tensor_parallel.grad_sync import grads_counted_once
@@ -30,30 +33,38 @@ class StepResult:
 
 @dataclass
 class Parallel:
-    """What a step needs from the mesh: the dp slice, the dp reducer and the norm group."""
+    """What a step needs from the mesh: the dp rows, the cp slice, the reducer over dp × cp and
+    the norm group."""
 
     dp_size: int = 1
     dp_rank: int = 0
-    dp_group: object = None
+    sum_group: object = None  # dp × cp: the ranks that hold the same weights, different tokens
     norm_group: object = None
     reducer: GradReducer | None = None
+    cp: CPInfo = NO_CP
 
     @staticmethod
     def build(mesh, model: nn.Module, bucket_mb: float = 25.0) -> Parallel:
         if mesh is None:
             return Parallel()
-        dp = mesh.size("dp")
-        group = mesh.group("dp")
-        reducer = GradReducer(model, group, bucket_mb) if dp > 1 else None
-        return Parallel(dp, mesh.coord("dp"), group, mesh.norm_group, reducer)
+        dp, cp = mesh.size("dp"), mesh.size("cp")
+        group = mesh.dp_cp_group if cp > 1 else mesh.group("dp")
+        reducer = GradReducer(model, group, bucket_mb) if dp * cp > 1 else None
+        return Parallel(dp, mesh.coord("dp"), group, mesh.norm_group, reducer, mesh.cp_info())
 
     def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This dp rank's slice of the global batch."""
         return batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
 
+    def local_inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, T+1) token rows -> this cp rank's zigzag slice of inputs and targets (b, T/cp)."""
+        inputs, targets = split_inputs(rows)
+        return self.cp.shard(inputs), self.cp.shard(targets)
+
     def dp_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dp_size > 1:
-            dist.all_reduce(x, group=self.dp_group)
+        """Sum over dp × cp: every rank's share of the loss and the token count."""
+        if self.dp_size * self.cp.size > 1:
+            dist.all_reduce(x, group=self.sum_group)
         return x
 
 
@@ -92,7 +103,7 @@ def train_step(
     for i, micro in enumerate(micros):
         last = i == len(micros) - 1
         sync = par.reducer.no_sync() if par.reducer and not last else contextlib.nullcontext()
-        inputs, targets = split_inputs(micro)
+        inputs, targets = par.local_inputs(micro)
         with sync:
             with autocast(cfg, device):
                 loss = model(inputs, targets)
@@ -125,7 +136,7 @@ def evaluate(model: nn.Module, data, cfg: Config, par: Parallel = SINGLE) -> flo
     for i in range(cfg.train.eval_batches):
         batch = par.local_rows(data.batch(i, cfg.train.global_batch, split="val").to(device))
         for micro in batch.chunk(cfg.parallel.microbatches):
-            inputs, targets = split_inputs(micro)
+            inputs, targets = par.local_inputs(micro)
             with autocast(cfg, device):
                 total[0] += model(inputs, targets).item()
             total[1] += targets.numel()
@@ -137,10 +148,12 @@ def evaluate(model: nn.Module, data, cfg: Config, par: Parallel = SINGLE) -> flo
 def build_model(
     cfg: Config, mesh=None, device: torch.device | str = "cpu", blocks: range | None = None
 ) -> nn.Module:
-    """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis."""
+    """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
+    and running ring attention over its cp axis."""
     from megapipe.tensor_parallel.sharding import NO_TP
     from models.gpt import GPT
 
     tp = NO_TP if mesh is None else mesh.tp_info(cfg.parallel.sequence_parallel, cfg.train.seed)
-    model = GPT(cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute)
+    cp = NO_CP if mesh is None else mesh.cp_info()
+    model = GPT(cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp)
     return model.to(device)

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.context_parallel import NO_CP, CPInfo, ring_attention
+from megapipe.pipeline.segments import active_scope
 from megapipe.recompute import maybe_checkpoint
 from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.tensor_parallel.random import replayable, sharded_rng
@@ -34,23 +36,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
-    """Causal attention of (B, H, T, hd) queries over (B, Hkv, T, hd) keys/values."""
+    """Causal attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys/values, S >= T: the
+    queries are the last T positions (S > T for a Seq1F1B segment after the first)."""
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = flash_attn_func(  # flash-attn wants (B, T, H, hd) and handles GQA itself
+        out = flash_attn_func(  # (B, T, H, hd), GQA built in; causal is bottom-right aligned
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal=True
         )
         return out.transpose(1, 2)
+    T, S = q.shape[2], k.shape[2]
+    mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+        enable_gqa=k.shape[1] != q.shape[1],
     )
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, n_kv_heads: int, tp: TPInfo = NO_TP, selective=False):
+    """Heads split over tp; under cp the sequence is split too and the core is ring attention."""
+
+    def __init__(self, cfg: ModelConfig, n_kv_heads: int, tp: TPInfo = NO_TP, selective=False,
+                 cp: CPInfo = NO_CP):
         super().__init__()
         hd = cfg.d_model // cfg.n_heads
         bias = cfg.arch == "gpt2"
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
+        self.cp = cp
         self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
@@ -82,6 +92,8 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rope_tables(positions, hd, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if (scope := active_scope()) is not None:  # Seq1F1B: prepend earlier segments' K/V
+            k, v = scope.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
         y = maybe_checkpoint(self.selective, replayable(self._core, self.tp), q, k, v, p)
@@ -89,6 +101,10 @@ class Attention(nn.Module):
         return self.proj(y)  # (B, T, d), or (B, T/tp, d) with SP
 
     def _core(self, q, k, v, dropout_p: float) -> torch.Tensor:
-        """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron)."""
+        """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron).
+        Under cp the queries of this rank's zigzag slice attend over the whole sequence by the
+        kv ring (context_parallel.py); config checks keep attention dropout off there."""
+        if self.cp.size > 1:
+            return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p)
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p)

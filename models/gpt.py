@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
+from megapipe.context_parallel import NO_CP, CPInfo
 from megapipe.recompute import layer_mode, maybe_checkpoint
 from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megapipe.tensor_parallel.layers import (
@@ -93,10 +94,11 @@ class Embedding(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm1 x), then + mlp(norm2 x)."""
 
-    def __init__(self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str) -> None:
+    def __init__(self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str,
+                 cp: CPInfo = NO_CP) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
-        self.attn = Attention(cfg, d.n_kv_heads, tp, selective=recompute == "selective")
+        self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp)
         self.norm2 = make_norm(cfg, tp)
         self.mlp = MLP(cfg, d.d_ff, tp)
         self.drop = nn.Dropout(cfg.dropout)
@@ -152,9 +154,10 @@ class GPT(nn.Module):
         tp: TPInfo = NO_TP,
         recompute: RecomputeConfig | None = None,
         init: bool = True,
+        cp: CPInfo = NO_CP,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cp = cfg, cp
         n_blocks = cfg.n_layers + 2
         self.blocks = blocks if blocks is not None else range(n_blocks)
         if not (0 <= self.blocks.start < self.blocks.stop <= n_blocks and self.blocks.step == 1):
@@ -170,15 +173,17 @@ class GPT(nn.Module):
         for b in self.blocks:
             if 1 <= b <= cfg.n_layers:
                 mode = layer_mode(recompute, b - 1)
-                self.layers[str(b - 1)] = TransformerLayer(cfg, derived, tp, mode)
+                self.layers[str(b - 1)] = TransformerLayer(cfg, derived, tp, mode, cp)
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)
 
     def forward(self, x: torch.Tensor, targets=None, positions=None) -> torch.Tensor:
-        """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out."""
-        T = x.shape[1]
+        """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out.
+
+        Under cp, x is this rank's zigzag slice (B, T/cp[, d]) and positions default to its
+        global positions; pipeline stages past the first pass the positions explicitly."""
         if positions is None:
-            positions = torch.arange(T, device=x.device)
+            positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
         if self.has_embedding:
             x = self.embed(x, positions)
         for layer in self.layers.values():

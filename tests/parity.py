@@ -123,6 +123,14 @@ class Pools:
         self.pools.clear()
 
 
+# Cases whose parallel split changes float32 rounding inside attention or the sequence (ring
+# attention's log-sum-exp merge, Seq1F1B's per-segment sums) train at lr 3e-4 instead of the tiny
+# config's 3e-3. AdamW maps an element with a near-zero grad (|g| ~ 1e-8 against a median ~1e-3)
+# to a step of lr·g/(|g| + eps), so ~1e-10 of round-off moves the weights by up to ~5e-5 of a
+# tensor's norm after 3 steps at 3e-3: one process measured as much when only SDPA's CPU kernel
+# was swapped (flash vs math, seed 7). At 3e-4 it stays below ~5e-6, under the 1e-5 bar.
+LOW_LR = "train.lr=3e-4"
+
 # ---- cases: module-level functions run on every rank --------------------------------------
 
 

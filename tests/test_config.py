@@ -93,3 +93,11 @@ def test_too_many_pipeline_stages_is_a_config_error():
 def test_bad_balance_layout_is_a_config_error():
     with pytest.raises(ConfigError, match="E,t"):
         load_config(TINY, ["parallel.pp=2", "parallel.balance=E,t|L"])  # drops a layer
+
+
+def test_float_written_without_a_dot_is_a_float(tmp_path):
+    """YAML 1.1 reads `3e-4` as a string; a float key must still take it."""
+    cfg = load_config(TINY, ["train.lr=3e-4", f"run.dir={tmp_path}"])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    with pytest.raises(ConfigError, match="'train.lr' must be float, got str 'fast'"):
+        load_config(TINY, ["train.lr=fast"])

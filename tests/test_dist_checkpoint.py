@@ -1,4 +1,4 @@
-"""Checkpoints under a dp × tp mesh: sharded by logical name, resume bit for bit, readable whole."""
+"""Checkpoints under a dp × cp × tp mesh: sharded by logical name, resume bit for bit, readable whole."""
 
 import os
 
@@ -18,6 +18,15 @@ MESHES = {
         "model.vocab_size=97",
         "model.tie_embeddings=false",
         "recompute.mode=full",
+    ],  # fmt: skip
+    "cp2-tp2-sp-gqa": [  # ring attention has no dropout: cp runs need model.dropout=0
+        "parallel.cp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "model.dropout=0.0",
+        "model.arch=llama",
+        "model.n_kv_heads=2",
+        "model.tie_embeddings=false",
     ],  # fmt: skip
 }
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
+from megapipe.pipeline.engine import UNSUPPORTED
 from tests.conftest import TINY
 from tests.parity import mesh_params, tiny_config, train_case
-from tests.util import assert_rel_close, assert_state_close
+from tests.util import PARITY_REL, assert_rel_close, assert_state_close
 
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 GQA2 = [*LLAMA, "model.n_kv_heads=2"]
@@ -44,6 +45,15 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("zb_v-m2", 1, 1, pp("zb_v", 2, 2, 2)),
         ("zb_v-m3-llama-full-recompute", 1, 1,
          [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"]),
+        ("1f1b-m2-selective-recompute", 1, 1, [*pp("1f1b", 2, 2), "recompute.mode=selective"]),
+        ("zb_h1-m2-llama-selective-recompute", 1, 1,
+         [*pp("zb_h1", 2, 2), *LLAMA, "recompute.mode=selective"]),
+        ("1f1b-m2-balance-llama3", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=llama3"]),
+        ("1f1b-m2-balance-cost", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=cost"]),
+        ("gpipe-m2-layout-uneven", 1, 1,
+         [*pp("gpipe", 2, 2), *L4, "parallel.balance=E,t|t,t,t,L"]),
+        ("interleaved-m2-layout", 1, 1,
+         [*pp("interleaved_1f1b", 2, 2, 2), *L4, "parallel.balance=E,t|t|t|t,L"]),
     ],
     4: [
         ("pp4-gpipe-m2", 1, 1, [*pp("gpipe", 4, 2), *L4]),
@@ -62,6 +72,10 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
         ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
         ("pp2-tp2-zb_v-gqa-sp", 1, 2, [*pp("zb_v", 2, 4, 2), *GQA2, *SP]),
+        ("pp4-1f1b-m4-balance-llama3", 1, 1,
+         [*pp("1f1b", 4, 4), *L6, "parallel.balance=llama3"]),
+        ("pp4-zb_v-m4-balance-cost-selective", 1, 1,
+         [*pp("zb_v", 4, 4, 2), *L6, "parallel.balance=cost", "recompute.mode=selective"]),
     ],
 }
 SLOW = {
@@ -96,7 +110,7 @@ def union_of_ranks(results: list[dict]) -> dict:
     return out
 
 
-def check_parity(gloo_pool, world, dp, tp, extra):
+def check_parity(gloo_pool, world, dp, tp, extra, weight_rel: float = PARITY_REL):
     mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
     results = gloo_pool(world).run(train_case, [*extra, *mesh])
     ref = reference(tuple(extra), dp)
@@ -109,7 +123,7 @@ def check_parity(gloo_pool, world, dp, tp, extra):
     split = any(a.startswith("W") for a in results[0]["actions"])  # zero bubble: W did matmuls
     deferred = sum(got["deferred_matmuls"] for got in results)
     assert (deferred > 0) == split, f"{deferred} weight-grad matmuls deferred to W actions"
-    assert_state_close(union_of_ranks(results), ref["weights"])
+    assert_state_close(union_of_ranks(results), ref["weights"], weight_rel)
 
 
 def _t(values):
@@ -141,7 +155,7 @@ def test_bad_pipeline_config_is_one_line_error(tmp_path, overrides, match):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("schedule", ["seq1f1b", "pipedream_async"])
+@pytest.mark.parametrize("schedule", sorted(UNSUPPORTED))  # none left: skipped
 def test_schedule_the_runtime_cannot_run_is_one_line_error(tmp_path, capsys, schedule):
     import train
 
@@ -150,16 +164,6 @@ def test_schedule_the_runtime_cannot_run_is_one_line_error(tmp_path, capsys, sch
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert err.startswith(f"error: parallel.schedule={schedule} is not supported by the pipeline")
-
-
-def test_pipelined_eval_and_checkpoints_are_one_line_errors(tmp_path):
-    from megapipe.pipeline.engine import check_pipeline
-
-    for extra, match in [(["train.eval_interval=1"], "eval_interval"),
-                         (["checkpoint.interval=1"], "checkpoints with parallel.pp > 1")]:
-        with pytest.raises(ConfigError, match=match) as err:
-            check_pipeline(tiny_config([*pp("1f1b", 2, 2), *extra], str(tmp_path)))
-        assert "\n" not in str(err.value)
 
 
 def run_train(overrides: list[str], run_dir: str) -> list[float]:

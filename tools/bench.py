@@ -4,6 +4,7 @@
     python tools/bench.py train [--layers 4 --d-model 256 ...]
     python tools/bench.py tp
     python tools/bench.py cp
+    python tools/bench.py pipeline [--steps 7 --warmup 2 --out bench_pipeline.json]
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ SUBCOMMANDS = {
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
     "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
+    "pipeline": ("bench_pipeline", "pipelined step time vs torch.distributed.pipelining, "
+                 "simulator fidelity, measured bubbles"),
 }
 
 

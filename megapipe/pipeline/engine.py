@@ -5,6 +5,8 @@ chunk (existing buckets), tp sum of partial grads, the tied embedding's grad sum
 first and last stage (Megatron's shared word embeddings: the last stage keeps its own copy under
 the same logical name), the global grad norm over pp × tp with every logical parameter counted
 once, clip, AdamW. The loss, summed on the last stage, is all-reduced so every rank logs it.
+Validation (`Pipeline.evaluate`) is the same forward pass without a schedule: each microbatch
+walks the stages in order, and the last stage's summed cross entropy is all-reduced likewise.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from megapipe.config import Config, ConfigError
 from megapipe.data_parallel import finish_gradients
 from megapipe.mesh import rank_at
 from megapipe.optim import global_grad_norm
-from megapipe.pipeline.p2p import StageLinks
+from megapipe.pipeline.p2p import Message, StageLinks
 from megapipe.pipeline.partition import rank_blocks
+from megapipe.pipeline.pipedream import PipeDream
 from megapipe.pipeline.runtime import MicroBatch, PipelineRuntime
 from megapipe.pipeline.schedules import build_schedule, placement
+from megapipe.pipeline.segments import segment_bounds
 from megapipe.tensor_parallel.grad_sync import grads_counted_once
 from megapipe.trainer import (
     Parallel,
@@ -31,13 +35,9 @@ from megapipe.trainer import (
     autocast,
     build_model,
     clip_and_step,
-    split_inputs,
 )
 
-UNSUPPORTED = {  # schedules the runtime does not run yet: the feature each one still needs
-    "seq1f1b": "sequence segments with the KV of earlier segments kept (Seq1F1B)",
-    "pipedream_async": "weight versions and stashing without a flush (PipeDream)",
-}
+UNSUPPORTED: dict[str, str] = {}  # schedules the runtime cannot run yet: the feature needed
 TIED_TAG = 1 << 30  # the tied-embedding grad exchange; activation/grad tags stay below it
 TIED = "embed.tok.weight"
 
@@ -52,14 +52,7 @@ def check_pipeline(cfg: Config) -> None:
     if p.schedule in UNSUPPORTED:
         raise ConfigError(f"parallel.schedule={p.schedule} is not supported by the pipeline "
                           f"runtime yet (needs {UNSUPPORTED[p.schedule]}); use gpipe, 1f1b, "
-                          "interleaved_1f1b, zb_h1, zb_h2 or zb_v")
-    if cfg.train.eval_interval:
-        raise ConfigError("train.eval_interval > 0 with parallel.pp > 1: pipelined validation "
-                          "is not implemented yet; set train.eval_interval=0")
-    c = cfg.checkpoint
-    if c.interval or cfg.train.stop_at_step or c.resume not in ("auto", "none"):
-        raise ConfigError("checkpoints with parallel.pp > 1 are not implemented yet; set "
-                          "checkpoint.interval=0, train.stop_at_step=0, checkpoint.resume=none")
+                          "interleaved_1f1b, zb_h1, zb_h2, zb_v, seq1f1b or pipedream_async")
 
 
 @dataclass
@@ -73,6 +66,7 @@ class Pipeline:
     actions: list
     par: Parallel  # dp slice and dp sum
     reducers: list
+    pipedream: PipeDream | None = None  # pipedream_async: weight versions, per-microbatch steps
 
     @property
     def model(self) -> nn.Module:
@@ -86,22 +80,31 @@ class Pipeline:
         pp_rank = mesh.coord("pp")
         chunks = [build_model(cfg, mesh, device, blocks)
                   for blocks in rank_blocks(cfg, pp_rank, place)]
-        seq = m.seq_len // p.tp if p.sequence_parallel and p.tp > 1 else m.seq_len
+        seq = m.seq_len // p.cp  # cp: every stage passes this rank's zigzag slice
+        seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
         shape = (cfg.derived.micro_batch_size, seq, m.d_model)
-        links = StageLinks(mesh, place, shape, device=device)
-        runtime = PipelineRuntime(chunks, place, pp_rank, links, m.seq_len,
-                                  partial(autocast, cfg, torch.device(device)))
-        actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp)[pp_rank]
+        segments = segment_bounds(cfg)  # Seq1F1B: [(s_i, e_i)]; [(0, T)] otherwise
+        lengths = tuple((e - s) * shape[1] // m.seq_len for s, e in segments)  # local n_i
+        links = StageLinks(mesh, place, shape, device=device, segments=lengths)
+        positions = mesh.cp_info().positions(m.seq_len)
+        runtime = PipelineRuntime(chunks, place, pp_rank, links, positions,
+                                  partial(autocast, cfg, torch.device(device)), segments)
+        opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
+        actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments,
+                                 **opts)[pp_rank]
         # One dp reducer per chunk; chunk 0's Parallel also gives the dp slice and dp sum
         # (building another for that would hook a second, idle reducer onto chunk 0).
         pars = [Parallel.build(mesh, c, bucket_mb) for c in chunks]
-        return Pipeline(cfg, mesh, chunks, runtime, actions, pars[0], [q.reducer for q in pars])
+        return Pipeline(cfg, mesh, chunks, runtime, actions, pars[0], [q.reducer for q in pars],
+                        PipeDream(runtime, actions) if opts else None)
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
+        if self.pipedream is not None:  # an optimizer step per microbatch, inside the run
+            return self.pipedream.train_step(self, optimizer, batch, step)
         cfg = self.cfg
         global_tokens = cfg.train.global_batch * cfg.model.seq_len
         rows = self.par.local_rows(batch).chunk(cfg.parallel.microbatches)
-        micro = [MicroBatch(*split_inputs(r)) for r in rows]
+        micro = [MicroBatch(*self.par.local_inputs(r)) for r in rows]
         loss_sum = self.runtime.run(self.actions, micro, global_tokens, self.reducers)
         for chunk, reducer in zip(self.chunks, self.reducers):
             finish_gradients(chunk, reducer)
@@ -112,6 +115,46 @@ class Pipeline:
         dist.all_reduce(loss_sum, group=self.mesh.group("pp"))  # only the last stage's is not 0
         loss = self.par.dp_sum(loss_sum) / global_tokens
         return StepResult(loss=loss.item(), grad_norm=norm.item(), lr=lr)
+
+    @torch.no_grad()
+    def evaluate(self, data) -> float:
+        """Mean validation loss, as trainer.evaluate on one process: forward only, each
+        microbatch through the stages in order over the links; the last stage sums the cross
+        entropy, summed over pp (other stages add 0) and dp × cp so every rank returns it."""
+        cfg, device = self.cfg, next(self.chunks[0].parameters()).device
+        loss, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
+        for chunk in self.chunks:
+            chunk.eval()
+        for i in range(cfg.train.eval_batches):
+            batch = data.batch(i, cfg.train.global_batch, split="val").to(device)
+            for mb, rows in enumerate(self.par.local_rows(batch).chunk(cfg.parallel.microbatches)):
+                inputs, targets = self.par.local_inputs(rows)
+                loss += self._forward_only(mb, inputs, targets)
+                tokens += targets.numel()
+            self.runtime.links.flush()  # every send done before the next batch reuses tags
+        for chunk in self.chunks:
+            chunk.train()
+        dist.all_reduce(loss, group=self.mesh.group("pp"))
+        total = self.par.dp_sum(torch.stack([loss, loss.new_tensor(tokens)]))
+        return (total[0] / total[1]).item()
+
+    def _forward_only(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Microbatch `mb` through this rank's stages in ascending order (every rank walks the
+        stages in one global order, so each receive's send is already posted or next); returns
+        its summed cross entropy on the last stage, else 0."""
+        rt, loss = self.runtime, 0.0
+        for c in sorted(range(len(self.chunks)), key=rt.stages.__getitem__):
+            stage = rt.stages[c]
+            x = inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
+            last = stage == rt.last_stage
+            with rt.autocast():
+                out = self.chunks[c](x, targets=targets if last else None,
+                                     positions=rt.positions)
+            if last:
+                loss += out.item()
+            else:
+                rt.links.exchange([(Message(False, mb, stage), out)], [])
+        return loss
 
     def _tied_copies(self) -> dict[int, nn.Parameter]:
         """{global stage: this rank's copy} of the tied embedding, for the first and last stage."""

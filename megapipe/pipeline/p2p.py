@@ -1,11 +1,11 @@
 """Tensors between pipeline stages: batched isend/irecv to other pp ranks, hand-off on one rank.
 
 Every tensor that crosses a stage boundary is a `Message`: an activation going from stage s to
-s+1, or an input-grad going back from s+1 to s. Its shape is known from the config, so receives
-are posted ahead (prefetch) into fresh buffers and sends are fire-and-forget, waited lazily at the
-end of the step (Megatron's p2p_communication, Narayanan et al. 2021 §4.1: batched isend/irecv
-overlapped with compute). When both stages sit on one rank (the turn of ZB-V's V, Qi et al. 2024
-§4) the tensor is handed over in memory, no p2p.
+s+1, or an input-grad going back from s+1 to s. Its shape is known from the config (per segment
+under Seq1F1B), so receives are posted ahead (prefetch) into fresh buffers and sends are
+fire-and-forget, waited lazily at the end of the step (Megatron's p2p_communication, Narayanan
+et al. 2021 §4.1: batched isend/irecv overlapped with compute). When both stages sit on one rank
+(the turn of ZB-V's V, Qi et al. 2024 §4) the tensor is handed over in memory, no p2p.
 
 Each message carries a unique tag, so a receive matches its send whatever order the two ranks
 issue them in (interleaved schedules send activations and grads both ways over one rank pair).
@@ -15,6 +15,7 @@ receives posted in the sender's order (every rank knows the whole schedule): not
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -30,9 +31,11 @@ class Message(NamedTuple):
     grad: bool  # False: activation, forward direction; True: input-grad, backward direction
     microbatch: int
     boundary: int
+    segment: int | None = None  # Seq1F1B sequence segment; None: the whole sequence
 
-    def tag(self, n_stages: int) -> int:
-        return (self.microbatch * n_stages + self.boundary) * 2 + int(self.grad)
+    def tag(self, n_stages: int, n_segments: int = 1) -> int:
+        unit = self.microbatch * n_segments + (self.segment or 0)
+        return (unit * n_stages + self.boundary) * 2 + int(self.grad)
 
     def source_stage(self) -> int:
         return self.boundary + 1 if self.grad else self.boundary
@@ -45,17 +48,29 @@ class StageLinks:
     """This rank's p2p endpoints: prefetched receives, pending sends, the local mailbox."""
 
     def __init__(self, mesh, placement: Placement, shape: tuple[int, ...],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 segments: tuple[int, ...] = ()) -> None:
+        """`shape`: (b, T, d) of a message; `segments`: Seq1F1B's local T of each segment."""
         self.placement, self.shape, self.dtype, self.device = placement, shape, dtype, device
+        self.segments = segments
         self.pp_rank = mesh.coord("pp")
         self.peers = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r})
                       for r in range(mesh.size("pp"))]  # global rank of each pp rank
         self.receiving: dict[Message, tuple[torch.Tensor, list]] = {}
         self.sending: list[tuple[torch.Tensor, list]] = []
         self.local: dict[Message, torch.Tensor] = {}
+        self.waited = 0.0  # seconds spent in `take` waiting for receives (runtime events)
 
     def _rank_of(self, stage: int) -> int:
         return self.placement.locate(stage)[0]
+
+    def _tag(self, msg: Message) -> int:
+        return msg.tag(self.placement.num_stages, max(len(self.segments), 1))
+
+    def _shape(self, msg: Message) -> tuple[int, ...]:
+        if msg.segment is None:
+            return self.shape
+        return (self.shape[0], self.segments[msg.segment], *self.shape[2:])  # (b, n_i, d)
 
     def is_local(self, msg: Message) -> bool:
         return self._rank_of(msg.source_stage()) == self._rank_of(msg.dest_stage())
@@ -68,14 +83,14 @@ class StageLinks:
                 self.local[msg] = tensor
                 continue
             peer = self.peers[self._rank_of(msg.dest_stage())]
-            ops.append(dist.P2POp(dist.isend, tensor, peer, tag=msg.tag(self.placement.num_stages)))
+            ops.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(msg)))
             posted.append((None, tensor))
         for msg in recvs:
             if self.is_local(msg) or msg in self.receiving:
                 continue
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            buf = torch.empty(self._shape(msg), dtype=self.dtype, device=self.device)
             peer = self.peers[self._rank_of(msg.source_stage())]
-            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=msg.tag(self.placement.num_stages)))
+            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=self._tag(msg)))
             posted.append((msg, buf))
         if not ops:
             return
@@ -93,8 +108,10 @@ class StageLinks:
             return self.local.pop(msg)
         self.exchange([], [msg])
         buf, works = self.receiving.pop(msg)
+        began = time.perf_counter()
         for work in works:
             work.wait()
+        self.waited += time.perf_counter() - began
         return buf
 
     def _reap(self) -> None:

@@ -9,7 +9,9 @@ Sends overlap the next action's compute (Megatron, Narayanan et al. 2021 §4.1);
 next action needs is posted in the same batch. Each action's start and end are recorded.
 
 Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
-interleaved 1F1B and the V placement of ZB-V run unchanged.
+interleaved 1F1B and the V placement of ZB-V run unchanged. Seq1F1B actions (Sun et al. 2024) run
+one sequence segment [s, e) of a microbatch: tokens, positions and messages are the segment's,
+and attention reads the earlier segments' K/V kept in a `SegmentKV` (segments.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megapipe.pipeline.actions import (
     Placement,
 )
 from megapipe.pipeline.p2p import Message, StageLinks
+from megapipe.pipeline.segments import SegmentKV
 from megapipe.tensor_parallel.weight_grad import defer_weight_grads, run_weight_grads
 
 GRAD_KINDS = (INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
@@ -48,21 +51,29 @@ class Event:
     action: Action
     t0: float
     t1: float
+    wait: float = 0.0  # of t1 - t0, seconds spent waiting for the input to arrive (at the start)
 
 
 class PipelineRuntime:
     """Runs one rank's action list over its local chunks; holds only what backward still needs."""
 
     def __init__(self, chunks: list[nn.Module], placement: Placement, pp_rank: int,
-                 links: StageLinks, seq_len: int, autocast=contextlib.nullcontext) -> None:
+                 links: StageLinks, positions: torch.Tensor,
+                 autocast=contextlib.nullcontext,
+                 segments: list[tuple[int, int]] | None = None) -> None:
         self.chunks, self.placement, self.links = chunks, placement, links
         self.stages = [placement.stage(pp_rank, c) for c in range(len(chunks))]
         self.last_stage = placement.num_stages - 1
         self.autocast = autocast
-        self.positions = torch.arange(seq_len)  # whole sequence: SP stages hold T/tp of it
+        self.positions = positions  # this cp rank's (all under cp=1); SP stages hold T/tp of it
+        self.segments = segments or [(0, len(positions))]  # Seq1F1B: [(s_i, e_i)]
         self.events: list[Event] = []
         self._handlers = {FORWARD: self._forward, INPUT_GRAD: self._input_grad,
                           FULL_BACKWARD: self._backward, WEIGHT_GRAD: self._weight_grad}
+        # PipeDream (pipedream.py) hooks: the weight version an action's compute runs under,
+        # and work after its sends are posted (the per-microbatch optimizer step).
+        self.weights = lambda action: contextlib.nullcontext()
+        self.after = lambda action: None
 
     def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
             reducers: list | None = None) -> torch.Tensor:
@@ -73,60 +84,83 @@ class PipelineRuntime:
         """
         self.micro, self.loss_scale = micro, loss_scale
         self.loss_sum = torch.zeros((), dtype=torch.float64)
-        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.stash: dict[tuple[int, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.kv: dict[tuple[int, int], SegmentKV] = {}  # Seq1F1B: per (microbatch, chunk)
         self.events, self.deferred_matmuls = [], 0
         final = {a.chunk: i for i, a in enumerate(actions) if a.kind in GRAD_KINDS}
         for i, action in enumerate(actions):
             reducer = reducers[action.chunk] if reducers else None
             sync = reducer.no_sync() if reducer and final.get(action.chunk) != i else None
-            t0 = time.perf_counter()
-            with sync or contextlib.nullcontext():
+            t0, waited = time.perf_counter(), self.links.waited
+            with sync or contextlib.nullcontext(), self.weights(action):
                 sends = self._handlers[action.kind](action)
             following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None
             # Send now, and post the receive the next action needs in the same batch.
             self.links.exchange(sends, [following] if following else [])
-            self.events.append(Event(action, t0, time.perf_counter()))
+            self.after(action)
+            self.events.append(Event(action, t0, time.perf_counter(), self.links.waited - waited))
         self.links.flush()
-        if self.stash:
-            raise RuntimeError(f"actions left activations without backward: {sorted(self.stash)}")
+        if self.stash or self.kv:
+            raise RuntimeError(f"actions left activations without backward: "
+                               f"{sorted(self.stash) + sorted(self.kv)}")
         return self.loss_sum
 
     def _input_message(self, a: Action) -> Message | None:
         """What `a` must receive: the previous stage's activation or the next stage's grad."""
         stage = self.stages[a.chunk]
         if a.kind == FORWARD:
-            return Message(False, a.microbatch, stage - 1) if stage > 0 else None
+            return Message(False, a.microbatch, stage - 1, a.segment) if stage > 0 else None
         if a.kind == WEIGHT_GRAD or stage == self.last_stage:
             return None
-        return Message(True, a.microbatch, stage)
+        return Message(True, a.microbatch, stage, a.segment)
+
+    def _tokens(self, a: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs, targets (b, n) and positions (n,) of `a`: a segment's [s, e) or all."""
+        micro = self.micro[a.microbatch]
+        if a.segment is None:
+            return micro.inputs, micro.targets, self.positions
+        s, e = self.segments[a.segment]
+        return micro.inputs[:, s:e], micro.targets[:, s:e], self.positions[s:e]
+
+    def _kv(self, a: Action) -> SegmentKV | None:
+        """The kept K/V of `a`'s microbatch and chunk when its sequence is in segments."""
+        if a.segment is None or len(self.segments) == 1:
+            return None
+        return self.kv.setdefault((a.microbatch, a.chunk), SegmentKV())
 
     def _forward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        stage, micro = self.stages[a.chunk], self.micro[a.microbatch]
-        x = micro.inputs  # (b, T) token ids on stage 0, else the (b, T[/tp], d) activation
+        stage, (x, targets, positions) = self.stages[a.chunk], self._tokens(a)
+        # x: (b, T) token ids on stage 0, else the (b, T[/tp], d) activation (T: the segment's)
         if stage > 0:
             x = self.links.take(self._input_message(a)).requires_grad_()
         last = stage == self.last_stage
-        with self.autocast():
-            out = self.chunks[a.chunk](x, targets=micro.targets if last else None,
-                                       positions=self.positions)
+        kv = self._kv(a)
+        with self.autocast(), kv.scope(a.seg, keep=True) if kv else contextlib.nullcontext():
+            out = self.chunks[a.chunk](x, targets=targets if last else None, positions=positions)
         if last:  # summed CE over this microbatch; backward starts from sum / global tokens
             self.loss_sum += out.detach()
             out = out / self.loss_scale
-        self.stash[(a.microbatch, a.chunk)] = (x if stage > 0 else None, out)
-        return [] if last else [(Message(False, a.microbatch, stage), out.detach())]
+        self.stash[a.unit] = (x if stage > 0 else None, out)
+        return [] if last else [(Message(False, a.microbatch, stage, a.segment), out.detach())]
 
     def _backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        x, out = self.stash.pop((a.microbatch, a.chunk))
+        x, out = self.stash.pop(a.unit)
         message = self._input_message(a)
         grad = None if message is None else self.links.take(message)
-        torch.autograd.backward(out, grad)
+        kv = self._kv(a)
+        if kv is None:
+            torch.autograd.backward(out, grad)
+        else:  # also from the K/V later segments read; segment 0 is the last to run
+            kv.backward(a.seg, out, grad)
+            if kv.empty:
+                del self.kv[(a.microbatch, a.chunk)]
         stage = self.stages[a.chunk]
-        return [] if x is None else [(Message(True, a.microbatch, stage - 1), x.grad)]
+        return [] if x is None else [(Message(True, a.microbatch, stage - 1, a.segment), x.grad)]
 
     def _input_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        with defer_weight_grads((a.microbatch, a.chunk)):
+        with defer_weight_grads(a.unit):
             return self._backward(a)
 
     def _weight_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        self.deferred_matmuls += run_weight_grads(self.chunks[a.chunk], (a.microbatch, a.chunk))
+        self.deferred_matmuls += run_weight_grads(self.chunks[a.chunk], a.unit)
         return []

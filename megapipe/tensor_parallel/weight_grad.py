@@ -3,10 +3,10 @@
 A linear layer's backward is two matmuls: grad_input = grad_out · W (needed upstream now, on the
 critical path) and grad_W = grad_outᵀ · x (needed only by the optimizer). `linear` computes both
 unless `defer_weight_grads(key)` is active: then backward returns grad_input only and queues
-(x, grad_out) on the module under `key` (the runtime uses (microbatch, chunk)); the W action calls
-`run_weight_grads(model, key)` to do the queued matmuls and accumulate weight.grad. Biases (a sum
-over tokens, and hooked: attention zeroes its key-bias grad), norms and embeddings keep computing
-their small grads in B.
+(x, grad_out) on the module under `key` (the runtime uses the action's (microbatch, chunk,
+segment)); the W action calls `run_weight_grads(model, key)` to do the queued matmuls and
+accumulate weight.grad. Biases (a sum over tokens, and hooked: attention zeroes its key-bias
+grad), norms and embeddings keep computing their small grads in B.
 
 The active key is process state, not a context variable: autograd may run backward on another
 thread (one per CUDA device), which would not see a context variable.

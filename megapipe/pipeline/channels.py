@@ -1,0 +1,70 @@
+"""Per-channel message order: what a backend that ignores p2p tags (NCCL) needs from a schedule.
+
+Gloo matches a receive to its send by tag, so the runtime may post them in any order. NCCL has
+no tags: between one sender and one receiver, the k-th send matches the k-th receive. The
+runtime sends in its action order (outputs as produced) and receives in its action order (the
+input of the next action), so a schedule runs under NCCL exactly when, for every directed pair
+of ranks, the order in which the sender produces its messages equals the order in which the
+receiver consumes them. Messages between two stages on one rank (ZB-V's turn) are handed over
+in memory and take no channel.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from megapipe.pipeline.actions import FORWARD, WEIGHT_GRAD, Action, Placement, Schedule
+
+Msg = tuple[str, int, int, int]  # (act | grad, microbatch, segment, boundary stage)
+
+
+def sent(a: Action, stage: int, last: int) -> Msg | None:
+    """The message `a` sends when done: its activation forward, or its input-grad backward."""
+    if a.kind == FORWARD:
+        return ("act", a.microbatch, a.seg, stage) if stage < last else None
+    if a.kind == WEIGHT_GRAD or stage == 0:
+        return None
+    return ("grad", a.microbatch, a.seg, stage - 1)
+
+
+def received(a: Action, stage: int, last: int) -> Msg | None:
+    """The message `a` needs before it starts (what `sent` gave on the neighbouring stage)."""
+    if a.kind == FORWARD:
+        return ("act", a.microbatch, a.seg, stage - 1) if stage > 0 else None
+    if a.kind == WEIGHT_GRAD or stage == last:
+        return None
+    return ("grad", a.microbatch, a.seg, stage)
+
+
+def channel_orders(schedule: Schedule, placement: Placement) -> tuple[dict, dict]:
+    """({(src, dst): messages in send order}, {(src, dst): messages in receive order})."""
+    last = placement.num_stages - 1
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for rank, actions in schedule.items():
+        for a in actions:
+            stage = placement.stage(rank, a.chunk)
+            if (msg := sent(a, stage, last)) is not None:
+                dest = stage + 1 if msg[0] == "act" else stage - 1
+                peer = placement.locate(dest)[0]
+                if peer != rank:
+                    sends[(rank, peer)].append(msg)
+            if (msg := received(a, stage, last)) is not None:
+                src = stage - 1 if msg[0] == "act" else stage + 1
+                peer = placement.locate(src)[0]
+                if peer != rank:
+                    recvs[(peer, rank)].append(msg)
+    return dict(sends), dict(recvs)
+
+
+def fifo_mismatch(schedule: Schedule, placement: Placement) -> str | None:
+    """None when every rank pair's receive order equals its send order; else the first
+    mismatch, one line (rank pair, position, the two messages)."""
+    sends, recvs = channel_orders(schedule, placement)
+    for pair in sorted(set(sends) | set(recvs)):
+        out, got = sends.get(pair, []), recvs.get(pair, [])
+        for i, (s, r) in enumerate(zip(out, got)):
+            if s != r:
+                return f"ranks {pair[0]}->{pair[1]}: message {i} sent {s} but received {r}"
+        if len(out) != len(got):
+            return f"ranks {pair[0]}->{pair[1]}: {len(out)} sends but {len(got)} receives"
+    return None

@@ -1,0 +1,166 @@
+"""PipeDream asynchronous pipeline training: weight stashing and vertical sync.
+
+Narayanan et al., PipeDream, SOSP'19 §3.3. The semantics implemented here:
+
+- Every microbatch is one of PipeDream's minibatches: right after a stage's backward of
+  microbatch i, that stage takes its own optimizer step (§3.3: "each stage independently
+  applies weight updates"). The gradient is the mean over microbatch i's tokens (over dp × cp);
+  it is clipped by this stage's own grad norm (over tp; a norm over all stages would need the
+  other stages' gradients of i, i.e. a flush), then AdamW runs at the step's LR, `lr_at(step)`.
+- A training step runs the schedule's M microbatches in 1F1B order with no flush between them;
+  the action list ends with 1F1B's cool-down, so the pipeline drains at the end of the step and
+  checkpoints, eval and logging see one consistent set of weights per stage.
+- Version v of a stage = its weights after v of its own updates in this step (0: at step start),
+  as `schedules.pipedream_async` numbers them. With p stages and the NOAM warm-up of p−1−s
+  forwards on stage s, microbatch i runs on
+    `stash`     (weight stashing): w_s^(i−(p−1−s)), the newest version at its forward, reused by
+                its backward: W(t+1) = W(t) − ν·∇f(w_1^(t−p+1), …, w_p^(t));
+    `vertical`  (vertical sync): w_s^(i−p+1) on every stage, the version stage 0 had when i
+                entered: W(t+1) = W(t) − ν·∇f(w_1^(t−p+1), …, w_p^(t−p+1)),
+  with negative exponents meaning version 0. Each stage updates in microbatch order.
+- A version still needed after the stage's next update is kept as a snapshot (one per in-flight
+  microbatch at most, the stash of §3.3); the action and its backward (and any recompute inside
+  it) run with the snapshot's parameters installed in the chunk, so autograd never sees a
+  parameter the optimizer changed in place. The optimizer only ever updates the live parameters.
+
+Logged `grad_norm`: the mean over the step's microbatches of the whole-model norm of each
+(delayed, unclipped) update gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.data_parallel import finish_gradients
+from megapipe.optim import global_grad_norm, lr_at
+from megapipe.pipeline.actions import FULL_BACKWARD, Action
+from megapipe.pipeline.runtime import MicroBatch
+from megapipe.tensor_parallel.grad_sync import grads_counted_once
+from megapipe.trainer import StepResult, clip_and_step
+
+
+def version_plan(actions: list[Action]) -> tuple[set[int], dict[Action, list[int]]]:
+    """(versions to snapshot, {action: versions no longer needed after it}) for one rank's list.
+
+    A version needs a snapshot when some action uses it after the stage's next update (§3.3)."""
+    updates, last = 0, {}
+    for a in actions:
+        last[a.version] = (a, updates)
+        updates += a.kind == FULL_BACKWARD
+    stashed = {v for v, (_, done) in last.items() if done > v}
+    release = defaultdict(list)
+    for v in stashed:
+        release[last[v][0]].append(v)
+    return stashed, dict(release)
+
+
+class VersionStore:
+    """One chunk's weight versions: the live parameters (newest) and stashed snapshots."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        slots = [(m, name, p) for m in chunk.modules()
+                 for name, p in m._parameters.items() if p is not None]
+        self.live = list(dict.fromkeys(p for _, _, p in slots))  # shared parameters once
+        index = {id(p): k for k, p in enumerate(self.live)}
+        self.slots = [(m, name, index[id(p)]) for m, name, p in slots]
+        self.snapshots: dict[int, list[nn.Parameter]] = {}
+        self.current, self.peak = 0, 0
+
+    def snapshot(self) -> None:
+        """Stash the live weights as version `current`."""
+        self.snapshots[self.current] = [_clone(p) for p in self.live]
+        self.peak = max(self.peak, len(self.snapshots))
+
+    @contextlib.contextmanager
+    def use(self, version: int):
+        """Within: the chunk computes with `version` (a snapshot, or the live weights)."""
+        params = self.snapshots.get(version)
+        if params is None:
+            if version != self.current:
+                raise RuntimeError(f"weight version {version} is gone (live is {self.current})")
+            yield
+            return
+        self._install(params)
+        try:
+            yield
+        finally:
+            self._install(self.live)
+
+    def _install(self, params: list[nn.Parameter]) -> None:
+        for module, name, k in self.slots:
+            module._parameters[name] = params[k]
+
+    def move_grads(self, version: int) -> None:
+        """The backward of `version` left its grads on the snapshot: hand them to the live
+        parameters, which the dp reducer, the tp sum and the optimizer work on."""
+        for live, snap in zip(self.live, self.snapshots.get(version, ())):
+            if snap.grad is not None:
+                live.grad = snap.grad if live.grad is None else live.grad + snap.grad
+                snap.grad = None
+
+
+def _clone(p: nn.Parameter) -> nn.Parameter:
+    """A detached copy that keeps the parameter's grad hooks (e.g. attention's key-bias zeroing)."""
+    copy = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    for hook in (p._backward_hooks or {}).values():
+        copy.register_hook(hook)
+    return copy
+
+
+class PipeDream:
+    """Hooks weight versions and the per-microbatch optimizer step into a PipelineRuntime."""
+
+    def __init__(self, runtime, actions: list[Action]) -> None:
+        if len(runtime.chunks) != 1:
+            raise ValueError("PipeDream runs one chunk per rank (parallel.vpp=1)")
+        self.runtime, self.actions = runtime, actions
+        self.store = VersionStore(runtime.chunks[0])
+        self.stashed, self.release = version_plan(actions)
+        runtime.weights, runtime.after = self._weights, self._after
+
+    def _weights(self, action: Action):
+        return self.store.use(action.version)
+
+    def _after(self, action: Action) -> None:
+        """After an action's sends are posted: update after a backward, drop the versions no
+        longer needed, stash the new live version if it is needed after the next update."""
+        if action.kind == FULL_BACKWARD:
+            self._update(action.version)
+        for v in self.release.get(action, ()):
+            del self.store.snapshots[v]
+        if action.kind == FULL_BACKWARD and self.store.current in self.stashed:
+            self.store.snapshot()
+
+    def _update(self, version: int) -> None:
+        """One optimizer step of this stage on one microbatch's gradient (§3.3)."""
+        store, pipe, chunk = self.store, self.pipe, self.runtime.chunks[0]
+        store.move_grads(version)
+        finish_gradients(chunk, pipe.reducers[0])  # dp × cp sum, tp partial sums
+        norm = global_grad_norm(grads_counted_once(chunk), pipe.mesh.group("tp"))
+        clip_and_step(self.optimizer, store.live, norm, self.step, pipe.cfg)
+        self.sq_norms.append(norm.square())
+        store.current += 1
+
+    def train_step(self, pipe, optimizer, batch: torch.Tensor, step: int) -> StepResult:
+        """`Pipeline.train_step` for pipedream_async: M updates per stage in one step."""
+        cfg, m = pipe.cfg, pipe.cfg.parallel.microbatches
+        global_tokens = cfg.train.global_batch * cfg.model.seq_len
+        rows = pipe.par.local_rows(batch).chunk(m)
+        micro = [MicroBatch(*pipe.par.local_inputs(r)) for r in rows]
+        self.pipe, self.optimizer, self.step, self.sq_norms = pipe, optimizer, step, []
+        self.store.current, self.store.snapshots = 0, {}
+        if 0 in self.stashed:
+            self.store.snapshot()
+        loss_sum = self.runtime.run(self.actions, micro, global_tokens / m)  # mean over i's tokens
+        if self.store.snapshots:
+            raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
+        sq = torch.stack(self.sq_norms)  # (m,) this stage's squared norm of each update
+        dist.all_reduce(sq, group=pipe.mesh.group("pp"))
+        dist.all_reduce(loss_sum, group=pipe.mesh.group("pp"))  # only the last stage's is not 0
+        loss = pipe.par.dp_sum(loss_sum) / global_tokens
+        return StepResult(loss.item(), sq.sqrt().mean().item(), lr_at(step, cfg.train))

@@ -1,0 +1,102 @@
+"""Parity: context parallelism (ring attention over zigzag slices), alone and mixed with dp, tp
+(+SP) and pp, trains the same model as one process: same per-step loss and grad norm, same final
+logical weights to relative 1e-5 (design.md, Parity). Every rank that holds a tensor (cp and dp
+replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
+
+Cases are grouped by world size so each size spawns its gloo workers once.
+
+The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds differently).
+"""
+
+from functools import cache
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from tests.parity import LOW_LR, mesh_params, tiny_config, train_case
+from tests.test_parity_pp import union_of_ranks
+from tests.util import assert_rel_close, assert_state_close
+
+LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
+GQA2 = [*LLAMA, "model.n_kv_heads=2"]
+SP = ["parallel.sequence_parallel=true"]
+MB2 = ["parallel.microbatches=2"]
+L4 = ["model.n_layers=4"]
+
+
+def cp(n: int) -> list[str]:
+    return [f"parallel.cp={n}"]
+
+
+def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
+    return [f"parallel.schedule={schedule}", f"parallel.pp={p}", f"parallel.microbatches={m}",
+            f"parallel.vpp={vpp}"]
+
+
+CASES = {  # world -> [(id, dp, tp, overrides)]
+    2: [
+        ("cp2", 1, 1, cp(2)),
+        ("cp2-llama-gqa", 1, 1, [*cp(2), *GQA2]),
+        ("cp2-full-recompute-m2", 1, 1, [*cp(2), "recompute.mode=full", *MB2]),
+        ("cp2-llama-selective-recompute", 1, 1, [*cp(2), *LLAMA, "recompute.mode=selective"]),
+        ("cp2-seq32", 1, 1, [*cp(2), "model.seq_len=32"]),
+    ],
+    4: [
+        ("cp4", 1, 1, cp(4)),
+        ("cp4-llama-gqa", 1, 1, [*cp(4), *GQA2]),
+        ("dp2-cp2", 2, 1, [*cp(2), *MB2]),
+        ("cp2-tp2", 1, 2, cp(2)),
+        ("cp2-tp2-llama-gqa-sp", 1, 2, [*cp(2), *GQA2, *SP]),
+        ("pp2-cp2-1f1b", 1, 1, [*cp(2), *pp("1f1b", 2, 2)]),
+        ("pp2-cp2-interleaved-llama", 1, 1, [*cp(2), *pp("interleaved_1f1b", 2, 2, 2), *LLAMA]),
+        ("pp2-cp2-zb_v", 1, 1, [*cp(2), *pp("zb_v", 2, 4, 2)]),
+    ],
+    8: [
+        ("dp2-cp2-tp2-sp", 2, 2, [*cp(2), *SP, *MB2]),
+        ("cp2-pp2-tp2-gqa-sp-1f1b", 1, 2, [*cp(2), *pp("1f1b", 2, 2), *GQA2, *SP]),
+        ("dp2-cp2-pp2-zb_h1", 2, 1, [*cp(2), *pp("zb_h1", 2, 2), *L4]),
+        ("cp4-tp2-llama-gqa", 1, 2, [*cp(4), *GQA2]),
+    ],
+}
+
+
+@cache
+def reference(extra: tuple[str, ...], dp: int) -> dict:
+    """One process: same model and data, in dp·m microbatches of rows (only sum order differs)."""
+    keep = [o for o in extra if not o.startswith("parallel.")]
+    m = [int(o.split("=")[1]) for o in extra if o.startswith("parallel.microbatches=")] or [1]
+    return train_case([*keep, f"parallel.microbatches={dp * m[0]}"])
+
+
+def check_parity(gloo_pool, world, dp, tp, extra):
+    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
+    extra = [*extra, LOW_LR]
+    results = gloo_pool(world).run(train_case, [*extra, *mesh])
+    ref = reference(tuple(extra), dp)
+    for rank, got in enumerate(results):
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} != {b}"
+        assert_rel_close(_t(got["grad_norms"]), _t(ref["grad_norms"]), name="grad norms")
+    assert_state_close(union_of_ranks(results), ref["weights"])  # replicas agree exactly too
+
+
+def _t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
+def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extra):
+    check_parity(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ([*cp(3)], r"model.seq_len=16 must be divisible by 2·parallel.cp=6"),
+    ([*cp(2), "model.dropout=0.1"], r"model.dropout=0.1 with parallel.cp=2: ring attention"),
+    ([*cp(4), "parallel.tp=4", *SP, "model.seq_len=24"],
+     r"local sequence model.seq_len/cp=6 divisible by parallel.tp=4"),
+])
+def test_bad_context_parallel_config_is_one_line_error(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        tiny_config(overrides, str(tmp_path))
+    assert "\n" not in str(err.value)
