@@ -1,4 +1,4 @@
-"""Checkpoints under a dp × cp × tp mesh: sharded by logical name, resume bit for bit, readable whole."""
+"""Checkpoints under a dp × cp × tp mesh: sharded by logical name, resume bitwise, read whole."""
 
 import os
 
