@@ -35,6 +35,9 @@ MESHES = {  # world -> {id: overrides}
     4: {
         "pp2-tp2-sp": [*pp("zb_h1", 2), "parallel.tp=2", "parallel.sequence_parallel=true"],
         "dp2-pp2-gpipe": [*pp("gpipe", 2), "parallel.dp=2"],
+        "pp2-tp2-interleaved-vpp2": [  # two tp dropout streams per rank, one per chunk
+            *pp("interleaved_1f1b", 4, 2), *L4, "parallel.tp=2"],
+        "cp2-pp2-1f1b": [*pp("1f1b", 2), "parallel.cp=2", "model.dropout=0.0"],
     },
 }
 CASES = [pytest.param(w, name, id=f"w{w}-{name}") for w, group in MESHES.items() for name in group]
