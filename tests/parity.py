@@ -196,6 +196,7 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
     return {
         "losses": losses, "grad_norms": norms, "weights": weights,
         "dp_spread": _dp_spread(weights, mesh), "overlapped_buckets": overlapped,
+        "adam_reach": cfg.train.lr * steps,
         "buckets": len(par.reducer.buckets) if par.reducer else 0,
     }  # fmt: skip
 
