@@ -4,7 +4,7 @@
     python tools/bench.py train [--layers 4 --d-model 256 ...]
     python tools/bench.py tp
     python tools/bench.py cp
-    python tools/bench.py pipeline [--steps 7 --warmup 2 --out bench_pipeline.json]
+    python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 """
 
 from __future__ import annotations

@@ -37,7 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megapipe.context_parallel import RingComm, RingStats, ring_attention, zigzag_shard  # noqa: E402
+from megapipe.context_parallel import (  # noqa: E402
+    RingComm,
+    RingStats,
+    ring_attention,
+    zigzag_shard,
+)
 
 
 def make_inputs(args, seed: int = 0):

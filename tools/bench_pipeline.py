@@ -1,7 +1,7 @@
 """``bench pipeline``: measured pipeline step time against torch.distributed.pipelining, the
 simulator's fidelity, and measured bubbles.
 
-    python tools/bench.py pipeline [--steps 7] [--warmup 2] [--out bench_pipeline.json]
+    python tools/bench.py pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v] [--out FILE]
 
 Two gloo ranks on this CPU (spawned, one thread each), m=8 microbatches, float32. The model is
 plot_timeline.MODEL: GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global
@@ -21,10 +21,12 @@ batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activation
   simulate.py with those costs (no comm cost) against the measured makespan, per step.
 - Bubble: measured 1 − busy/(p·makespan) from the spans beside the simulated one.
 
-Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019), 1F1B → 1f1b (PipeDream-Flush), Interleaved1F1B
-→ interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2), InterleavedZeroBubble (ZB-H1 on two
-looped chunks, Qi et al. 2023) → zb_v v=2, the two-chunk zero-bubble schedule at the same 1F1B
-memory (zb_h1, one chunk, shown for reference), ZBVZeroBubble → zb_v (Qi et al. 2024).
+Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (PipeDream-Flush);
+Interleaved1F1B → interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2); InterleavedZeroBubble, ZB-H1
+(Qi et al. 2023 §3.1) on two looped chunks → both our zero-bubble schedules at the same 1F1B
+memory: zb_h1 (ZB-H1 as in the paper, one chunk) and zb_v (two chunks, V placement);
+ZBVZeroBubble → zb_v (Qi et al. 2024). Schedules are data, so our runtime also runs torch's own
+action orders (bench_schedules.torch_order): "runtime only" rows, same order on both sides.
 """
 
 from __future__ import annotations
@@ -46,15 +48,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_timeline import MODEL, ROOT, spawn  # noqa: E402
 
 M, PP = 8, 2
-OURS = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2)]
-TORCH = [("ScheduleGPipe", 1, "loop"), ("Schedule1F1B", 1, "loop"),
-         ("ScheduleInterleaved1F1B", 2, "loop"), ("ScheduleInterleavedZeroBubble", 2, "loop"),
-         ("ScheduleZBVZeroBubble", 2, "v")]
-PAIRS = [("ScheduleGPipe", "gpipe", True), ("Schedule1F1B", "1f1b", True),
-         ("ScheduleInterleaved1F1B", "interleaved_1f1b", True),
-         ("ScheduleInterleavedZeroBubble", "zb_v", True),
-         ("ScheduleInterleavedZeroBubble", "zb_h1", False),
-         ("ScheduleZBVZeroBubble", "zb_v", True)]
+OURS = {  # our run -> (schedule giving the config and placement, vpp, torch order it runs)
+    "gpipe": ("gpipe", 1, None), "1f1b": ("1f1b", 1, None),
+    "interleaved_1f1b": ("interleaved_1f1b", 2, None), "zb_h1": ("zb_h1", 1, None),
+    "zb_v": ("zb_v", 2, None),
+    "torch_order:Interleaved1F1B": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
+    "torch_order:InterleavedZeroBubble": ("interleaved_1f1b", 2, "ScheduleInterleavedZeroBubble"),
+    "torch_order:ZBVZeroBubble": ("zb_v", 2, "ScheduleZBVZeroBubble"),
+}
+TORCH = {"ScheduleGPipe": (1, "loop"), "Schedule1F1B": (1, "loop"),
+         "ScheduleInterleaved1F1B": (2, "loop"), "ScheduleInterleavedZeroBubble": (2, "loop"),
+         "ScheduleZBVZeroBubble": (2, "v")}
+BOTH, RUNTIME = "schedule + runtime", "runtime only"
+PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are timed next to it
+    ("ScheduleGPipe", "gpipe", BOTH), ("Schedule1F1B", "1f1b", BOTH),
+    ("ScheduleInterleaved1F1B", "interleaved_1f1b", BOTH),
+    ("ScheduleInterleaved1F1B", "torch_order:Interleaved1F1B", RUNTIME),
+    ("ScheduleInterleavedZeroBubble", "zb_h1", BOTH),
+    ("ScheduleInterleavedZeroBubble", "zb_v", BOTH),
+    ("ScheduleInterleavedZeroBubble", "torch_order:InterleavedZeroBubble", RUNTIME),
+    ("ScheduleZBVZeroBubble", "zb_v", BOTH),
+    ("ScheduleZBVZeroBubble", "torch_order:ZBVZeroBubble", RUNTIME),
+]
+
+
+def our_actions(name: str):
+    """(schedule, placement) of our run `name`: our generator's, or torch's order."""
+    from bench_schedules import torch_order
+
+    from megapipe.pipeline.schedules import build_schedule, placement
+
+    schedule, vpp, torch_class = OURS[name]
+    where = placement(schedule, PP, vpp)
+    if torch_class is None:
+        return build_schedule(schedule, PP, M, vpp), where
+    return torch_order(torch_class, PP, M, where.style), where
 
 
 def make_config(schedule: str, vpp: int):
@@ -92,28 +120,31 @@ class TorchStage(nn.Module):
 
 
 class Ours:
-    def __init__(self, name: str, vpp: int, mesh) -> None:
+    def __init__(self, name: str, mesh) -> None:
         from megapipe.pipeline.engine import Pipeline
 
-        self.name, self.vpp = name, vpp
-        self.pipe = Pipeline.build(make_config(name, vpp), mesh)
+        schedule, self.vpp, _ = OURS[name]
+        self.name, self.pipe = name, Pipeline.build(make_config(schedule, self.vpp), mesh)
+        self.pipe.use_schedule(our_actions(name)[0])
         self.params = [p for c in self.pipe.chunks for p in c.parameters()]
 
     def step(self, inputs, targets, tokens) -> float:
         from megapipe.pipeline.runtime import MicroBatch
 
         micro = [MicroBatch(*mb) for mb in zip(inputs.chunk(M), targets.chunk(M))]
-        return self.pipe.runtime.run(self.pipe.actions, micro, tokens).item()
+        return self.pipe.runtime.run(self.pipe.actions, micro, tokens,
+                                     arrivals=self.pipe.arrivals).item()
 
 
 class Theirs:
-    def __init__(self, class_name: str, vpp: int, style: str, mesh) -> None:
+    def __init__(self, class_name: str, mesh) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
         from megapipe.pipeline.actions import Placement
         from megapipe.pipeline.partition import rank_blocks
         from megapipe.trainer import build_model
 
+        vpp, style = TORCH[class_name]
         self.name, place = class_name, Placement(PP, vpp, style)
         cfg, rank = make_config("1f1b", 1), mesh.coord("pp")
         chunks = [build_model(cfg, mesh, "cpu", b) for b in rank_blocks(cfg, rank, place)]
@@ -139,8 +170,8 @@ class Theirs:
         return sum(loss.item() for loss in losses) * tokens
 
 
-def job(steps: int, warmup: int) -> dict:
-    """On each rank: build every run, warm up, time rounds; rank 0's dict has the figures."""
+def job(steps: int, warmup: int, pairs: list) -> dict:
+    """On each rank: build every run, warm up, time rounds; the figures (rank 0's count)."""
     import torch.distributed as dist
 
     from megapipe.data import build_data
@@ -149,29 +180,45 @@ def job(steps: int, warmup: int) -> dict:
 
     cfg = make_config("1f1b", 1)
     mesh = init_distributed(cfg)
-    runs = [Ours(n, v, mesh) for n, v in OURS] + [Theirs(*t, mesh) for t in TORCH]
+    runs = {}  # paired order: each of ours next to the torch schedule it is held against
+    for t, o, _ in pairs:
+        if o not in runs:
+            runs[o] = Ours(o, mesh)
+        if t not in runs:
+            runs[t] = Theirs(t, mesh)
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
     inputs, targets = batch[:, :-1], batch[:, 1:]
     tokens = cfg.train.global_batch * cfg.model.seq_len
-    times = {r.name: [] for r in runs}
-    spans = {r.name: [] for r in runs if isinstance(r, Ours)}
+    wall, cpu = {name: [] for name in runs}, {name: [] for name in runs}
+    spans = {name: [] for name, run in runs.items() if isinstance(run, Ours)}
     checks = {}
     for round_ in range(warmup + steps):
-        for run in runs:
+        order = list(runs.items())
+        for name, run in order if round_ % 2 else order[::-1]:  # alternate who goes first
             dist.barrier()
-            began = time.perf_counter()
+            began, cpu0 = time.perf_counter(), time.process_time()
             loss = run.step(inputs, targets, tokens)
+            cpu1 = time.process_time()
             dist.barrier()
             elapsed = time.perf_counter() - began
             if round_ == 0:
-                checks[run.name] = _loss_and_norm(loss, run.params)
+                checks[name] = _loss_and_norm(loss, run.params)
             for p in run.params:
                 p.grad = None
             if round_ >= warmup:
-                times[run.name].append(elapsed)
-                if run.name in spans:
-                    spans[run.name].append(timeline.gather_spans(run.pipe.runtime.events))
-    return {"times": times, "spans": spans, "checks": checks}
+                wall[name].append(elapsed)
+                cpu[name].append(_sum_over_ranks(cpu1 - cpu0))
+                if name in spans:
+                    spans[name].append(timeline.gather_spans(run.pipe.runtime.events))
+    return {"wall": wall, "cpu": cpu, "spans": spans, "checks": checks}
+
+
+def _sum_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item()
 
 
 def _loss_and_norm(loss: float, params) -> tuple[float, float]:
@@ -184,42 +231,42 @@ def _loss_and_norm(loss: float, params) -> tuple[float, float]:
     return both[0].item(), both[1].sqrt().item()
 
 
-def summarise(result: dict, steps: int, warmup: int) -> dict:
-    """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch."""
+def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
+    """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch, as the
+    ratio of medians and as the median of per-round ratios (robust to slow load drifts)."""
     from megapipe.pipeline import timeline
-    from megapipe.pipeline.schedules import build_schedule, placement
     from megapipe.pipeline.simulate import simulate
 
+    wall, cpu, med = result["wall"], result["cpu"], statistics.median
     ours = {}
-    for name, vpp in OURS:
+    for name, steps_spans in result["spans"].items():
+        vpp, (schedule, where) = OURS[name][1], our_actions(name)
         sims, gots = [], []
-        for per_rank in result["spans"][name]:
-            costs = timeline.profile_costs([per_rank], vpp)
-            sims.append(simulate(build_schedule(name, PP, M, vpp), costs,
-                                 placement(name, PP, vpp)))
+        for per_rank in steps_spans:  # each step simulated from its own costs
+            sims.append(simulate(schedule, timeline.profile_costs([per_rank], vpp), where))
             gots.append(timeline.measured(per_rank))
-        errors = [s.makespan / g["makespan"] - 1 for s, g in zip(sims, gots)]
         ours[name] = {
-            "vpp": vpp, "step_s": statistics.median(result["times"][name]),
-            "measured_makespan_s": statistics.median(g["makespan"] for g in gots),
-            "simulated_makespan_s": statistics.median(s.makespan for s in sims),
-            "fidelity_error": statistics.median(errors),
-            "measured_bubble": statistics.median(g["bubble_fraction"] for g in gots),
-            "simulated_bubble": statistics.median(s.bubble_fraction for s in sims),
-            "costs_ms": _costs_ms(timeline.profile_costs(result["spans"][name], vpp)),
+            "vpp": vpp, "step_s": med(wall[name]), "cpu_s": med(cpu[name]),
+            "measured_makespan_s": med(g["makespan"] for g in gots),
+            "simulated_makespan_s": med(s.makespan for s in sims),
+            "fidelity_error": med(s.makespan / g["makespan"] - 1 for s, g in zip(sims, gots)),
+            "measured_bubble": med(g["bubble_fraction"] for g in gots),
+            "simulated_bubble": med(s.bubble_fraction for s in sims),
+            "costs_ms": _costs_ms(timeline.profile_costs(steps_spans, vpp)),
         }
-    theirs = {name: statistics.median(result["times"][name]) for name, *_ in TORCH}
-    pairs = [{"torch": t, "ours": o, "judged": judged, "torch_step_s": theirs[t],
-              "ours_step_s": ours[o]["step_s"], "ratio": ours[o]["step_s"] / theirs[t]}
-             for t, o, judged in PAIRS]
-    checks = result["checks"]
-    ref_loss, ref_norm = checks["gpipe"]
-    spread = max(max(abs(loss / ref_loss - 1), abs(norm / ref_norm - 1))
-                 for loss, norm in checks.values())
+    theirs = {t: {"step_s": med(wall[t]), "cpu_s": med(cpu[t])} for t, _, _ in pairs}
+    table = [{"torch": t, "ours": o, "differs": differs, "torch_step_s": theirs[t]["step_s"],
+              "ours_step_s": ours[o]["step_s"], "ratio": ours[o]["step_s"] / theirs[t]["step_s"],
+              "paired_ratio": med(a / b for a, b in zip(wall[o], wall[t])),
+              "cpu_ratio": ours[o]["cpu_s"] / theirs[t]["cpu_s"]}
+             for t, o, differs in pairs]
+    checks = list(result["checks"].values())
+    spread = max(max(abs(loss / checks[0][0] - 1), abs(norm / checks[0][1] - 1))
+                 for loss, norm in checks)
     return {"setup": {"pp": PP, "microbatches": M, "model": MODEL, "threads_per_rank": 1,
                       "steps": steps, "warmup": warmup, "dtype": "float32"},
-            "ours": ours, "torch_step_s": theirs, "pairs": pairs,
-            "loss_and_grad_norm_max_rel_diff": spread, "raw_times_s": result["times"]}
+            "ours": ours, "torch": theirs, "pairs": table,
+            "loss_and_grad_norm_max_rel_diff": spread, "wall_s": wall, "cpu_s": cpu}
 
 
 def _costs_ms(costs) -> dict:
@@ -227,19 +274,24 @@ def _costs_ms(costs) -> dict:
             if isinstance(getattr(costs, k), tuple)}
 
 
+def _label(name: str, s: dict) -> str:
+    if name.startswith("torch_order:"):
+        return f"torch's {name[12:]} order"
+    return f"{name} (v={s['ours'][name]['vpp']})"
+
+
 def markdown(s: dict) -> str:
-    lines = ["| torch schedule | ours | torch step (ms) | ours step (ms) | ours / torch |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| torch schedule | ours | compared | torch step (ms) | ours step (ms) | "
+             "ours / torch | per-round ratio | CPU-time ratio |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for p in s["pairs"]:
-        vpp = s["ours"][p["ours"]]["vpp"]
-        mark = "" if p["judged"] else " (ref.)"
-        lines.append(f"| {p['torch'][8:]} | {p['ours']} (v={vpp}){mark} | "
+        lines.append(f"| {p['torch'][8:]} | {_label(p['ours'], s)} | {p['differs']} | "
                      f"{p['torch_step_s'] * 1e3:.0f} | {p['ours_step_s'] * 1e3:.0f} | "
-                     f"{p['ratio']:.2f} |")
+                     f"{p['ratio']:.2f} | {p['paired_ratio']:.2f} | {p['cpu_ratio']:.2f} |")
     lines += ["", "| ours | measured makespan (ms) | simulated (ms) | sim error | "
               "measured bubble | simulated bubble |", "|---|---:|---:|---:|---:|---:|"]
     for name, o in s["ours"].items():
-        lines.append(f"| {name} (v={o['vpp']}) | {o['measured_makespan_s'] * 1e3:.0f} | "
+        lines.append(f"| {_label(name, s)} | {o['measured_makespan_s'] * 1e3:.0f} | "
                      f"{o['simulated_makespan_s'] * 1e3:.0f} | {o['fidelity_error']:+.1%} | "
                      f"{o['measured_bubble']:.3f} | {o['simulated_bubble']:.3f} |")
     lines.append(f"\nloss and grad norm, all runs: max relative difference "
@@ -249,11 +301,15 @@ def markdown(s: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7, help="timed rounds (medians)")
+    parser.add_argument("--steps", type=int, default=9, help="timed rounds (medians)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--schedules", default=",".join(dict.fromkeys(o for _, o, _ in PAIRS)),
+                        help="ours to run, each with its torch peers")
     parser.add_argument("--out", help="write every figure as JSON here")
     args = parser.parse_args(argv)
-    summary = summarise(spawn(PP, job, args.steps, args.warmup)[0], args.steps, args.warmup)
+    pairs = [p for p in PAIRS if p[1] in args.schedules.split(",")]
+    result = spawn(PP, job, args.steps, args.warmup, pairs)[0]
+    summary = summarise(result, args.steps, args.warmup, pairs)
     print(markdown(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

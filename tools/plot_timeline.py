@@ -86,7 +86,7 @@ def draw(per_rank: list, schedule: str, vpp: int, microbatches: int, png: str) -
     ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in timeline.to_timeline(per_rank)]
     sim_ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in sim.timeline]
     save_timelines([
-        (f"{schedule} measured: {got['makespan'] * 1e3:.0f} ms, bubble "
+        (f"{schedule} measured (time in ms): {got['makespan'] * 1e3:.0f} ms, bubble "
          f"{got['bubble_fraction']:.3f}", ms, pp),
         (f"{schedule} simulated from profiled costs: {sim.makespan * 1e3:.0f} ms, bubble "
          f"{sim.bubble_fraction:.3f}", sim_ms, pp),

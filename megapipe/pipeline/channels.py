@@ -1,12 +1,12 @@
 """Per-channel message order: what a backend that ignores p2p tags (NCCL) needs from a schedule.
 
-Gloo matches a receive to its send by tag, so the runtime may post them in any order. NCCL has
-no tags: between one sender and one receiver, the k-th send matches the k-th receive. The
-runtime sends in its action order (outputs as produced) and receives in its action order (the
-input of the next action), so a schedule runs under NCCL exactly when, for every directed pair
-of ranks, the order in which the sender produces its messages equals the order in which the
-receiver consumes them. Messages between two stages on one rank (ZB-V's turn) are handed over
-in memory and take no channel.
+NCCL has no tags: between one sender and one receiver, the k-th send matches the k-th receive.
+The runtime sends in its action order (outputs as produced) and consumes in its action order (the
+input of the next action). Where, for a directed pair of ranks, those two orders differ
+(`fifo_mismatch`: interleaved 1F1B and ZB-V for some m), the receiver posts its receives in the
+sender's order instead (`arrival_order`, p2p.StageLinks.expect) and holds early arrivals.
+Messages between two stages on one rank (ZB-V's turn) are handed over in memory and take no
+channel.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megapipe.pipeline.actions import FORWARD, WEIGHT_GRAD, Action, Placement, Schedule
+from megapipe.pipeline.p2p import Message
 
 Msg = tuple[str, int, int, int]  # (act | grad, microbatch, segment, boundary stage)
 
@@ -68,3 +69,13 @@ def fifo_mismatch(schedule: Schedule, placement: Placement) -> str | None:
         if len(out) != len(got):
             return f"ranks {pair[0]}->{pair[1]}: {len(out)} sends but {len(got)} receives"
     return None
+
+
+def arrival_order(schedule: Schedule, placement: Placement, rank: int) -> dict[int, list[Message]]:
+    """{source rank: the messages it sends to `rank`, in its send order}: the order in which
+    `rank` must post its receives when matching ignores tags (p2p.StageLinks.expect)."""
+    segmented = any(a.segment is not None for actions in schedule.values() for a in actions)
+    sends, _ = channel_orders(schedule, placement)
+    return {src: [Message(kind == "grad", mb, boundary, seg if segmented else None)
+                  for kind, mb, seg, boundary in msgs]
+            for (src, dst), msgs in sends.items() if dst == rank}

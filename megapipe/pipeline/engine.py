@@ -22,6 +22,7 @@ from megapipe.config import Config, ConfigError
 from megapipe.data_parallel import finish_gradients
 from megapipe.mesh import rank_at
 from megapipe.optim import global_grad_norm
+from megapipe.pipeline.channels import arrival_order
 from megapipe.pipeline.p2p import Message, StageLinks
 from megapipe.pipeline.partition import rank_blocks
 from megapipe.pipeline.pipedream import PipeDream
@@ -63,7 +64,8 @@ class Pipeline:
     mesh: object
     chunks: list[nn.Module]
     runtime: PipelineRuntime
-    actions: list
+    actions: list  # this rank's
+    arrivals: dict  # {peer pp rank: messages in its send order} (channels.arrival_order)
     par: Parallel  # dp slice and dp sum
     reducers: list
     pipedream: PipeDream | None = None  # pipedream_async: weight versions, per-microbatch steps
@@ -90,13 +92,23 @@ class Pipeline:
         runtime = PipelineRuntime(chunks, place, pp_rank, links, positions,
                                   partial(autocast, cfg, torch.device(device)), segments)
         opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
-        actions = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments,
-                                 **opts)[pp_rank]
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments,
+                                  **opts)
         # One dp reducer per chunk; chunk 0's Parallel also gives the dp slice and dp sum
         # (building another for that would hook a second, idle reducer onto chunk 0).
         pars = [Parallel.build(mesh, c, bucket_mb) for c in chunks]
-        return Pipeline(cfg, mesh, chunks, runtime, actions, pars[0], [q.reducer for q in pars],
-                        PipeDream(runtime, actions) if opts else None)
+        pipe = Pipeline(cfg, mesh, chunks, runtime, [], {}, pars[0], [q.reducer for q in pars])
+        pipe.use_schedule(schedule)
+        return pipe
+
+    def use_schedule(self, schedule: dict) -> None:
+        """Run `schedule` ({pp rank: actions}, on this placement): this rank's actions and the
+        order its peers send in (every rank must use the same schedule)."""
+        pp_rank = self.mesh.coord("pp")
+        self.actions = schedule[pp_rank]
+        self.arrivals = arrival_order(schedule, self.runtime.placement, pp_rank)
+        if self.cfg.parallel.schedule == "pipedream_async":
+            self.pipedream = PipeDream(self.runtime, self.actions)
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         if self.pipedream is not None:  # an optimizer step per microbatch, inside the run
@@ -105,7 +117,8 @@ class Pipeline:
         global_tokens = cfg.train.global_batch * cfg.model.seq_len
         rows = self.par.local_rows(batch).chunk(cfg.parallel.microbatches)
         micro = [MicroBatch(*self.par.local_inputs(r)) for r in rows]
-        loss_sum = self.runtime.run(self.actions, micro, global_tokens, self.reducers)
+        loss_sum = self.runtime.run(self.actions, micro, global_tokens, self.reducers,
+                                    self.arrivals)
         for chunk, reducer in zip(self.chunks, self.reducers):
             finish_gradients(chunk, reducer)
         self._sync_tied_grads()
@@ -131,7 +144,7 @@ class Pipeline:
                 inputs, targets = self.par.local_inputs(rows)
                 loss += self._forward_only(mb, inputs, targets)
                 tokens += targets.numel()
-            self.runtime.links.flush()  # every send done before the next batch reuses tags
+            self.runtime.links.flush()  # every send done before its buffer could be reused
         for chunk in self.chunks:
             chunk.train()
         dist.all_reduce(loss, group=self.mesh.group("pp"))

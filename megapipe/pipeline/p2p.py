@@ -7,15 +7,18 @@ fire-and-forget, waited lazily at the end of the step (Megatron's p2p_communicat
 et al. 2021 §4.1: batched isend/irecv overlapped with compute). When both stages sit on one rank
 (the turn of ZB-V's V, Qi et al. 2024 §4) the tensor is handed over in memory, no p2p.
 
-Each message carries a unique tag, so a receive matches its send whatever order the two ranks
-issue them in (interleaved schedules send activations and grads both ways over one rank pair).
-Gloo matches by tag; NCCL ignores tags and matches in issue order, so the GPU path will need
-receives posted in the sender's order (every rank knows the whole schedule): not done yet.
+Messages carry no tag, as under NCCL, which matches the k-th send between two ranks with the
+k-th receive: the receiver must post its receives in the order the sender sends. Every rank knows
+the whole schedule, so `expect` takes, per source rank, the order that rank sends in
+(channels.arrival_order), and asking for a message posts the receives due before it too, into
+fresh buffers (interleaved schedules consume some messages out of their send order). Gloo, with
+one tag, matches in the same order, so the CPU tests run exactly the matching NCCL will.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -32,10 +35,6 @@ class Message(NamedTuple):
     microbatch: int
     boundary: int
     segment: int | None = None  # Seq1F1B sequence segment; None: the whole sequence
-
-    def tag(self, n_stages: int, n_segments: int = 1) -> int:
-        unit = self.microbatch * n_segments + (self.segment or 0)
-        return (unit * n_stages + self.boundary) * 2 + int(self.grad)
 
     def source_stage(self) -> int:
         return self.boundary + 1 if self.grad else self.boundary
@@ -59,13 +58,28 @@ class StageLinks:
         self.receiving: dict[Message, tuple[torch.Tensor, list]] = {}
         self.sending: list[tuple[torch.Tensor, list]] = []
         self.local: dict[Message, torch.Tensor] = {}
+        self.arrivals: dict[int, deque[Message]] = {}  # source pp rank -> messages due, in order
         self.waited = 0.0  # seconds spent in `take` waiting for receives (runtime events)
 
     def _rank_of(self, stage: int) -> int:
         return self.placement.locate(stage)[0]
 
-    def _tag(self, msg: Message) -> int:
-        return msg.tag(self.placement.num_stages, max(len(self.segments), 1))
+    def expect(self, arrivals: dict[int, list[Message]] | None) -> None:
+        """The order each source rank sends in this step (None: receives posted on demand)."""
+        self.arrivals = {src: deque(msgs) for src, msgs in (arrivals or {}).items()}
+
+    def _due(self, msg: Message) -> list[Message]:
+        """`msg` and every message its sender sends before it that is not yet posted."""
+        src = self._rank_of(msg.source_stage())
+        queue = self.arrivals.get(src)
+        if not queue:
+            return [msg]
+        due = []
+        while queue:
+            due.append(queue.popleft())
+            if due[-1] == msg:
+                return due
+        raise RuntimeError(f"pipeline receive {msg} is not in rank {src}'s send order")
 
     def _shape(self, msg: Message) -> tuple[int, ...]:
         if msg.segment is None:
@@ -83,15 +97,16 @@ class StageLinks:
                 self.local[msg] = tensor
                 continue
             peer = self.peers[self._rank_of(msg.dest_stage())]
-            ops.append(dist.P2POp(dist.isend, tensor, peer, tag=self._tag(msg)))
+            ops.append(dist.P2POp(dist.isend, tensor, peer))
             posted.append((None, tensor))
         for msg in recvs:
             if self.is_local(msg) or msg in self.receiving:
                 continue
-            buf = torch.empty(self._shape(msg), dtype=self.dtype, device=self.device)
-            peer = self.peers[self._rank_of(msg.source_stage())]
-            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=self._tag(msg)))
-            posted.append((msg, buf))
+            for due in self._due(msg):
+                buf = torch.empty(self._shape(due), dtype=self.dtype, device=self.device)
+                peer = self.peers[self._rank_of(due.source_stage())]
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                posted.append((due, buf))
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)

@@ -156,7 +156,8 @@ class PipeDream:
         self.store.current, self.store.snapshots = 0, {}
         if 0 in self.stashed:
             self.store.snapshot()
-        loss_sum = self.runtime.run(self.actions, micro, global_tokens / m)  # mean over i's tokens
+        loss_sum = self.runtime.run(self.actions, micro, global_tokens / m,  # mean over i's tokens
+                                    arrivals=pipe.arrivals)
         if self.store.snapshots:
             raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
         sq = torch.stack(self.sq_norms)  # (m,) this stage's squared norm of each update

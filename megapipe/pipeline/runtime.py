@@ -6,7 +6,10 @@ count, as trainer.train_step). BW: take the output-grad (the last stage starts f
 backward, send the input-grad back. B/W (Zero Bubble, Qi et al. 2023 §2): B backpropagates the
 input-grad only while the linear layers queue their weight-grad work, W does that work later.
 Sends overlap the next action's compute (Megatron, Narayanan et al. 2021 §4.1); the receive the
-next action needs is posted in the same batch. Each action's start and end are recorded.
+next action needs is posted in the same batch. Each action's start and end are recorded. Once an
+output is handed to its send, the stash keeps only its autograd node: the (b, T, d) storage goes
+with the send (Megatron's deallocate_output_tensor), since backward starts from the received
+grad and never reads the output's values.
 
 Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
 interleaved 1F1B and the V placement of ZB-V run unchanged. Seq1F1B actions (Sun et al. 2024) run
@@ -31,6 +34,7 @@ from megapipe.pipeline.actions import (
     Action,
     Placement,
 )
+from megapipe.pipeline.outputs import backward_from, release_values
 from megapipe.pipeline.p2p import Message, StageLinks
 from megapipe.pipeline.segments import SegmentKV
 from megapipe.tensor_parallel.weight_grad import defer_weight_grads, run_weight_grads
@@ -76,13 +80,15 @@ class PipelineRuntime:
         self.after = lambda action: None
 
     def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
-            reducers: list | None = None) -> torch.Tensor:
+            reducers: list | None = None, arrivals: dict | None = None) -> torch.Tensor:
         """Execute `actions`; returns this rank's summed (unscaled) loss, float64 (0 if no head).
 
         `reducers[c]` (dp gradient buckets of chunk c) syncs only during the chunk's last
         gradient action, so its buckets all-reduce while that backward still runs.
+        `arrivals` (channels.arrival_order): the order each peer sends in, for tagless matching.
         """
         self.micro, self.loss_scale = micro, loss_scale
+        self.links.expect(arrivals)
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.stash: dict[tuple[int, ...], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.kv: dict[tuple[int, int], SegmentKV] = {}  # Seq1F1B: per (microbatch, chunk)
@@ -140,8 +146,11 @@ class PipelineRuntime:
         if last:  # summed CE over this microbatch; backward starts from sum / global tokens
             self.loss_sum += out.detach()
             out = out / self.loss_scale
+        sent = out.detach()  # shares the storage, which the send (or the next chunk) holds
+        if not last:
+            release_values(out)
         self.stash[a.unit] = (x if stage > 0 else None, out)
-        return [] if last else [(Message(False, a.microbatch, stage, a.segment), out.detach())]
+        return [] if last else [(Message(False, a.microbatch, stage, a.segment), sent)]
 
     def _backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
         x, out = self.stash.pop(a.unit)
@@ -149,7 +158,7 @@ class PipelineRuntime:
         grad = None if message is None else self.links.take(message)
         kv = self._kv(a)
         if kv is None:
-            torch.autograd.backward(out, grad)
+            backward_from(out, grad)
         else:  # also from the K/V later segments read; segment 0 is the last to run
             kv.backward(a.seg, out, grad)
             if kv.empty:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megapipe.pipeline.outputs import backward_from
+
 _active: list = [None]  # the _Scope of the segment forward/backward now running, or None
 
 
@@ -94,7 +96,7 @@ class SegmentKV:
                     roots.append(t)
                     grads.append(leaf.grad)
         with self.scope(segment, keep=False):
-            torch.autograd.backward(roots, grads)
+            backward_from(roots, grads)
 
     @property
     def empty(self) -> bool:
