@@ -128,6 +128,22 @@ def _check_chunks(cfg: Config) -> None:
     else:
         _require(p.vpp == 1, f"parallel.schedule={p.schedule} runs one chunk per rank: set "
                              f"parallel.vpp=1 (got {p.vpp})")
+    _check_schedule_costs(p.schedule_costs)
+
+
+def _check_schedule_costs(text: str) -> None:
+    """zb_v's costs: profile, unit, or positive F, B, W seconds (simulate.Costs.parse)."""
+    if text in ("profile", "unit"):
+        return
+    from megapipe.pipeline.simulate import Costs
+
+    fix = "use profile, unit or F=..,B=..,W=.. (positive numbers)"
+    try:
+        costs = Costs.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"parallel.schedule_costs={text!r}: {err}; {fix}") from None
+    _require(all(isinstance(c, float) and c > 0 for c in (costs.F, costs.B, costs.W)),
+             f"parallel.schedule_costs={text!r} needs F, B and W all > 0; {fix}")
 
 
 def _check_pipedream(cfg: Config) -> None:

@@ -43,6 +43,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("zb_h1-m1-llama", 1, 1, [*pp("zb_h1", 2, 1), *LLAMA]),
         ("zb_h2-m3", 1, 1, [*pp("zb_h2", 2, 3), *B12]),
         ("zb_v-m2", 1, 1, pp("zb_v", 2, 2, 2)),
+        ("zb_v-m6-built-for-costs", 1, 1,
+         [*pp("zb_v", 2, 6, 2), *B12, "parallel.schedule_costs=F=1,B=1.5,W=0.5"]),
         ("zb_v-m3-llama-full-recompute", 1, 1,
          [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"]),
         ("1f1b-m2-selective-recompute", 1, 1, [*pp("1f1b", 2, 2), "recompute.mode=selective"]),
@@ -147,6 +149,9 @@ def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extr
     ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
     (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
     (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),
+    ([*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=fast"],
+     "parallel.schedule_costs='F=1,B=fast': could not convert"),
+    ([*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=0,W=1"], "needs F, B and W all > 0"),
     (pp("interleaved_1f1b", 2, 2, 4), "8 stages but the model has only 2 layers"),
 ])
 def test_bad_pipeline_config_is_one_line_error(tmp_path, overrides, match):

@@ -81,6 +81,30 @@ def test_zb_v_no_worse_than_zb_h1_at_1f1b_memory():
         assert max(v.peak_inflight) <= pp  # 2p chunk activations of 1/2 each = 1F1B's peak
 
 
+@pytest.mark.parametrize("costs", [Costs(F=1, B=1.5, W=0.5), Costs(F=1, B=1.07, W=0.73),
+                                   Costs(F=1, B=2, W=1), Costs(F=1, B=0.8, W=1.2),
+                                   Costs(F=(1.0, 1.1), B=(1.2, 1.3), W=(0.7, 0.8), comm=0.05)])
+def test_zb_v_built_for_the_costs_is_valid_and_no_slower_at_1f1b_memory(costs):
+    """Zero Bubble §3.2 schedules with profiled costs: built for `costs`, ZB-V is a valid
+    schedule at 1F1B memory and no slower under those costs than the unit-time build."""
+    from megapipe.pipeline.validate import validate
+
+    for pp, m in SHAPES:
+        schedule = build_schedule("zb_v", pp, m, 2, costs=costs)
+        validate(schedule, pp, m, 2, 1, placement("zb_v", pp, 2))
+        tuned = simulate(schedule, costs, placement("zb_v", pp, 2))
+        assert tuned.makespan <= run("zb_v", pp, m, 2, costs=costs).makespan + 1e-9, (pp, m)
+        assert max(tuned.peak_inflight) <= pp
+
+
+def test_zb_v_built_for_costs_closes_the_bubble_that_b_greater_than_w_opens():
+    costs = Costs(F=1, B=1.5, W=0.5)
+    unit_built = run("zb_v", 2, 8, 2, costs=costs)
+    tuned = simulate(build_schedule("zb_v", 2, 8, 2, costs=costs), costs, placement("zb_v", 2, 2))
+    assert unit_built.bubble_fraction > 0.2 and tuned.bubble_fraction < 0.04
+    assert build_schedule("zb_v", 4, 8, 2, costs=UNIT) == build_schedule("zb_v", 4, 8, 2)
+
+
 def test_seq1f1b_less_bubble_and_about_1_over_k_memory():
     for pp, m in SHAPES:
         base = run("1f1b", pp, m)

@@ -76,7 +76,8 @@ def summary(result: SimResult) -> dict:
 def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
     vpp, k = shape_for(name, args.vpp, args.seq_segments) if args.compare else \
         (args.vpp, args.seq_segments)
-    schedule = build_schedule(name, args.pp, args.microbatches, vpp, k)
+    opts = {"costs": costs} if name == "zb_v" else {}  # built for these costs, as the runtime
+    schedule = build_schedule(name, args.pp, args.microbatches, vpp, k, **opts)
     where = placement(name, args.pp, vpp)
     validate(schedule, args.pp, args.microbatches, vpp, k, where)
     return schedule, simulate(schedule, costs, where)

@@ -22,6 +22,7 @@ from megapipe.config import Config, ConfigError
 from megapipe.data_parallel import finish_gradients
 from megapipe.mesh import rank_at
 from megapipe.optim import global_grad_norm
+from megapipe.pipeline import timeline
 from megapipe.pipeline.channels import arrival_order
 from megapipe.pipeline.p2p import Message, StageLinks
 from megapipe.pipeline.partition import rank_blocks
@@ -29,6 +30,7 @@ from megapipe.pipeline.pipedream import PipeDream
 from megapipe.pipeline.runtime import MicroBatch, PipelineRuntime
 from megapipe.pipeline.schedules import build_schedule, placement
 from megapipe.pipeline.segments import segment_bounds
+from megapipe.pipeline.simulate import Costs
 from megapipe.tensor_parallel.grad_sync import grads_counted_once
 from megapipe.trainer import (
     Parallel,
@@ -69,6 +71,7 @@ class Pipeline:
     par: Parallel  # dp slice and dp sum
     reducers: list
     pipedream: PipeDream | None = None  # pipedream_async: weight versions, per-microbatch steps
+    profile_next: bool = False  # zb_v: rebuild from the next step's measured costs
 
     @property
     def model(self) -> nn.Module:
@@ -92,6 +95,8 @@ class Pipeline:
         runtime = PipelineRuntime(chunks, place, pp_rank, links, positions,
                                   partial(autocast, cfg, torch.device(device)), segments)
         opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
+        if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+            opts = {"costs": Costs.parse(p.schedule_costs)}
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments,
                                   **opts)
         # One dp reducer per chunk; chunk 0's Parallel also gives the dp slice and dp sum
@@ -99,7 +104,16 @@ class Pipeline:
         pars = [Parallel.build(mesh, c, bucket_mb) for c in chunks]
         pipe = Pipeline(cfg, mesh, chunks, runtime, [], {}, pars[0], [q.reducer for q in pars])
         pipe.use_schedule(schedule)
+        pipe.profile_next = p.schedule == "zb_v" and p.schedule_costs == "profile"
         return pipe
+
+    def _schedule_from_profile(self) -> None:
+        """ZB-V from the costs this step measured (Zero Bubble §3.2 schedules with profiled
+        T_F, T_B, T_W: with B > W the unit-time order idles), agreed on by every rank."""
+        p = self.cfg.parallel
+        costs = timeline.agreed_costs(self.runtime.events, self.mesh, p.vpp)
+        self.use_schedule(build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, costs=costs))
+        self.profile_next = False
 
     def use_schedule(self, schedule: dict) -> None:
         """Run `schedule` ({pp rank: actions}, on this placement): this rank's actions and the
@@ -119,6 +133,8 @@ class Pipeline:
         micro = [MicroBatch(*self.par.local_inputs(r)) for r in rows]
         loss_sum = self.runtime.run(self.actions, micro, global_tokens, self.reducers,
                                     self.arrivals)
+        if self.profile_next:
+            self._schedule_from_profile()
         for chunk, reducer in zip(self.chunks, self.reducers):
             finish_gradients(chunk, reducer)
         self._sync_tied_grads()

@@ -72,6 +72,17 @@ def profile_costs(steps: list[list[list[Span]]], vpp: int) -> Costs:
     return Costs(**values)
 
 
+def agreed_costs(events, mesh, vpp: int) -> Costs:
+    """`profile_costs` of this step over the pp group, the same on every rank of the mesh: the
+    spans are gathered over pp, then the first replica's costs are broadcast along dp, cp and tp
+    (each rank must build the same schedule: dp buckets reduce in its chunk order)."""
+    costs = [profile_costs([gather_spans(events, mesh.group("pp"))], vpp)]
+    for axis in ("dp", "cp", "tp"):
+        if mesh.size(axis) > 1:
+            dist.broadcast_object_list(costs, group=mesh.group(axis), group_src=0)
+    return costs[0]
+
+
 def chrome_trace(per_rank: list[list[Span]], name: str = "", meta: dict | None = None) -> dict:
     """A Chrome trace: one "X" event per action (ts/dur in µs from the step's start) named by
     its action text (F3.c1), pid = rank; the wait for the input is a separate "wait" event.

@@ -17,6 +17,7 @@ from megapipe.pipeline.actions import (
     Schedule,
     one_f_one_b_order,
 )
+from megapipe.pipeline.simulate import Costs, action_cost, simulate
 from megapipe.pipeline.validate import produced_events, required_events
 
 
@@ -59,40 +60,94 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
     return schedule
 
 
-def zb_v(pp: int, microbatches: int, memory_limit: float | None = None) -> Schedule:
+def zb_v(pp: int, microbatches: int, memory_limit: float | None = None,
+         costs: Costs | None = None) -> Schedule:
     """ZB-V: two chunks per rank in V placement, built greedily at 1F1B memory.
 
-    Unit-time list scheduling (Zero Bubble §3.2 heuristic): each free rank runs, in this priority,
-    a ready B (critical path), a ready F while below the memory limit (default 2pp chunk
-    activations = pp full microbatches, 1F1B's peak), else the oldest owed W (fills bubbles and
-    frees memory). B's go oldest microbatch first (chunk 1 before chunk 0), F's chunk 1 first,
-    so microbatches leave the pipeline early.
+    List scheduling over time (Zero Bubble §3.2 heuristic, which schedules with the profiled
+    T_F, T_B, T_W): whenever a rank is free it runs, in this priority, a ready B (critical path),
+    a ready F while below the memory limit (default 2pp chunk activations = pp full
+    microbatches, 1F1B's peak), else the oldest owed W (fills bubbles and frees memory). B's go
+    oldest microbatch first (chunk 1 before chunk 0), F's chunk 1 first, so microbatches leave
+    the pipeline early. Without `costs` the actions take unit time. With `costs` (profiled:
+    B > W is common, and then the unit-time order idles) the greedy also runs on those costs,
+    with and without one memory slot kept for a chunk-1 forward (timed greedy can otherwise
+    fill memory with chunk-0 forwards), and the candidate with the shortest simulated makespan
+    under `costs` wins, like the Zero Bubble paper's pick among its heuristic's variants.
     """
     placement = Placement(pp, 2, "v")
     limit = 2 * pp if memory_limit is None else memory_limit
+    if costs is None:
+        return _greedy(pp, microbatches, limit, Costs(), reserve=False)
+    candidates = []
+    for timing, reserve in ((Costs(), False), (costs, False), (costs, True)):
+        try:
+            candidates.append(_greedy(pp, microbatches, limit, timing, reserve))
+        except ValueError:  # this variant fills memory before the first B: no schedule
+            continue
+    return min(candidates, key=lambda s: simulate(s, costs, placement).makespan)
+
+
+def _greedy(pp: int, microbatches: int, limit: float, costs: Costs, reserve: bool) -> Schedule:
+    """The list schedule of `zb_v` with actions timed by `costs`."""
+    placement = Placement(pp, 2, "v")
     units = [(mb, c) for c in (1, 0) for mb in range(microbatches)]  # priority order
     state = {r: {"to_forward": list(units), "to_backward": [], "owed_w": []} for r in range(pp)}
-    done: set = set()
+    finished: dict = {}  # event -> (end time, producing rank)
+    free_at, idle_since = [0.0] * pp, [None] * pp
     schedule: Schedule = {r: [] for r in range(pp)}
-    while any(s["to_forward"] or s["to_backward"] or s["owed_w"] for s in state.values()):
-        finished_now = []
-        for rank in range(pp):
-            action = _pick(rank, state[rank], limit, done, placement)
-            if action is not None:
-                schedule[rank].append(action)
-                finished_now += produced_events(action, placement.stage(rank, action.chunk))
-        if not finished_now:
-            raise ValueError(f"zb_v: no progress with memory_limit={limit}")
-        done.update(finished_now)  # unit time: results are visible from the next tick
-    return schedule
+    while True:
+        rank, now = _next_rank(state, free_at, idle_since, finished)
+        if rank is None:
+            return schedule
+        ready = _ready_at(rank, now, finished, placement, costs)
+        action = _pick(state[rank], limit, ready, reserve)
+        if action is None:  # wait for the next result anywhere
+            idle_since[rank] = now
+            continue
+        stage = placement.stage(rank, action.chunk)
+        free_at[rank] = now + action_cost(action, stage, costs, placement, [1.0])
+        idle_since[rank] = None
+        schedule[rank].append(action)
+        for event in produced_events(action, stage):
+            finished[event] = (free_at[rank], rank)
 
 
-def _pick(rank: int, state: dict, limit: float, done: set, placement: Placement):
-    """Choose this tick's action for ``rank`` (None to idle) and update its bookkeeping."""
+def _next_rank(state: dict, free_at: list, idle_since: list, finished: dict):
+    """(rank, time) that decides next: the earliest free rank with work, lowest rank on ties;
+    an idle rank wakes at the first result after it went idle. (None, None) when all is done."""
+    results = sorted(end for end, _ in finished.values())
+    best = (None, None)
+    for rank, s in state.items():
+        if not (s["to_forward"] or s["to_backward"] or s["owed_w"]):
+            continue
+        when = free_at[rank]
+        if idle_since[rank] is not None:
+            when = next((t for t in results if t > idle_since[rank]), None)
+            if when is None:
+                continue
+        if best[0] is None or when < best[1]:
+            best = (rank, when)
+    if best[0] is None and any(any(s.values()) for s in state.values()):
+        raise ValueError("zb_v: no progress (memory_limit too small?)")
+    return best
+
+
+def _ready_at(rank: int, now: float, finished: dict, placement: Placement, costs: Costs):
+    """ready(action): every input of `action` is available on `rank` at time `now`."""
     def ready(action: Action) -> bool:
         stage = placement.stage(rank, action.chunk)
-        return all(e in done for e in required_events(action, stage, placement.num_stages, 1))
+        for event in required_events(action, stage, placement.num_stages, 1):
+            end, producer = finished.get(event, (None, rank))
+            if end is None or end + (costs.comm if producer != rank else 0.0) > now:
+                return False
+        return True
 
+    return ready
+
+
+def _pick(state: dict, limit: float, ready, reserve: bool):
+    """Choose a rank's next action (None to idle) and update its bookkeeping."""
     for mb, chunk in sorted(state["to_backward"], key=lambda u: (u[0], -u[1])):
         if ready(Action(INPUT_GRAD, mb, chunk)):  # B first: it is on the critical path
             state["to_backward"].remove((mb, chunk))
@@ -101,7 +156,9 @@ def _pick(rank: int, state: dict, limit: float, done: set, placement: Placement)
     live = len(state["to_backward"]) + len(state["owed_w"])
     if live < limit:
         for mb, chunk in state["to_forward"]:
-            if ready(Action(FORWARD, mb, chunk)):
+            # with `reserve`, chunk 0 leaves a slot for a chunk-1 forward (toward the first B)
+            fits = chunk == 1 or not reserve or live + 1 < limit
+            if fits and ready(Action(FORWARD, mb, chunk)):
                 state["to_forward"].remove((mb, chunk))
                 state["to_backward"].append((mb, chunk))
                 return Action(FORWARD, mb, chunk)
