@@ -13,12 +13,15 @@ batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activation
   outside). torch's stages call them with the built-in linear (F.linear): its B/W split
   (stage_backward_input / stage_backward_weight) walks autograd nodes and a built-in node
   computes only the grads asked for, while ours defers weight grads in its own linear.
-- Timed: one pipelined forward + backward of all microbatches (our `PipelineRuntime.run`,
+- Timed: one pipelined forward + backward of all microbatches (our `Pipeline.forward_backward`,
   torch's `schedule.step`) between two barriers; no optimizer step. Rounds visit every
   schedule in turn so machine noise hits all alike; medians over rounds after warm-up.
 - The losses and the global grad norm of every run must agree (same model, same math).
+- zb_v is built as in training (parallel.schedule_costs=profile): the first warm-up round runs
+  the unit-time order and every later round the order built for the costs it measured.
 - Fidelity: our runtime's spans give mean compute per (kind, chunk) (timeline.profile_costs);
-  simulate.py with those costs (no comm cost) against the measured makespan, per step.
+  simulate.py runs the actions that ran, with those costs (no comm cost), against the measured
+  makespan, per step.
 - Bubble: measured 1 − busy/(p·makespan) from the spans beside the simulated one.
 
 Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (PipeDream-Flush);
@@ -125,15 +128,15 @@ class Ours:
 
         schedule, self.vpp, _ = OURS[name]
         self.name, self.pipe = name, Pipeline.build(make_config(schedule, self.vpp), mesh)
-        self.pipe.use_schedule(our_actions(name)[0])
+        if OURS[name][2] is not None:  # torch's order on our runtime
+            self.pipe.use_schedule(our_actions(name)[0])
         self.params = [p for c in self.pipe.chunks for p in c.parameters()]
 
     def step(self, inputs, targets, tokens) -> float:
         from megapipe.pipeline.runtime import MicroBatch
 
         micro = [MicroBatch(*mb) for mb in zip(inputs.chunk(M), targets.chunk(M))]
-        return self.pipe.runtime.run(self.pipe.actions, micro, tokens,
-                                     arrivals=self.pipe.arrivals).item()
+        return self.pipe.forward_backward(micro, tokens).item()
 
 
 class Theirs:
@@ -235,15 +238,17 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch, as the
     ratio of medians and as the median of per-round ratios (robust to slow load drifts)."""
     from megapipe.pipeline import timeline
+    from megapipe.pipeline.actions import Action
     from megapipe.pipeline.simulate import simulate
 
     wall, cpu, med = result["wall"], result["cpu"], statistics.median
     ours = {}
     for name, steps_spans in result["spans"].items():
-        vpp, (schedule, where) = OURS[name][1], our_actions(name)
+        vpp, where = OURS[name][1], our_actions(name)[1]
         sims, gots = [], []
-        for per_rank in steps_spans:  # each step simulated from its own costs
-            sims.append(simulate(schedule, timeline.profile_costs([per_rank], vpp), where))
+        for per_rank in steps_spans:  # each step simulated from its own costs and actions
+            ran = {r: [Action.parse(span[0]) for span in spans] for r, spans in enumerate(per_rank)}
+            sims.append(simulate(ran, timeline.profile_costs([per_rank], vpp), where))
             gots.append(timeline.measured(per_rank))
         ours[name] = {
             "vpp": vpp, "step_s": med(wall[name]), "cpu_s": med(cpu[name]),

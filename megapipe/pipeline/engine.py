@@ -121,8 +121,17 @@ class Pipeline:
         pp_rank = self.mesh.coord("pp")
         self.actions = schedule[pp_rank]
         self.arrivals = arrival_order(schedule, self.runtime.placement, pp_rank)
+        self.profile_next = False  # a schedule given is the one to run
         if self.cfg.parallel.schedule == "pipedream_async":
             self.pipedream = PipeDream(self.runtime, self.actions)
+
+    def forward_backward(self, micro: list[MicroBatch], loss_scale: float) -> torch.Tensor:
+        """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
+        Under zb_v's `profile` the first call also rebuilds the schedule from its costs."""
+        loss_sum = self.runtime.run(self.actions, micro, loss_scale, self.reducers, self.arrivals)
+        if self.profile_next:
+            self._schedule_from_profile()
+        return loss_sum
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         if self.pipedream is not None:  # an optimizer step per microbatch, inside the run
@@ -131,10 +140,7 @@ class Pipeline:
         global_tokens = cfg.train.global_batch * cfg.model.seq_len
         rows = self.par.local_rows(batch).chunk(cfg.parallel.microbatches)
         micro = [MicroBatch(*self.par.local_inputs(r)) for r in rows]
-        loss_sum = self.runtime.run(self.actions, micro, global_tokens, self.reducers,
-                                    self.arrivals)
-        if self.profile_next:
-            self._schedule_from_profile()
+        loss_sum = self.forward_backward(micro, global_tokens)
         for chunk, reducer in zip(self.chunks, self.reducers):
             finish_gradients(chunk, reducer)
         self._sync_tied_grads()
