@@ -8,7 +8,7 @@ from functools import cache
 
 import pytest
 
-from tests.parity import mesh_params, train_case
+from tests.parity import LOW_LR, mesh_params, train_case
 from tests.util import assert_rel_close, assert_state_close
 
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
@@ -24,7 +24,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2", 1, 2, []),
         ("tp2-sp", 1, 2, SP),
         ("tp2-llama-gqa-sp-full", 1, 2, [*GQA2, *SP, *FULL]),
-        ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1"]),
+        # its one kv head is replicated over tp and the replicas' grads summed: step-0 grads
+        # agree to ~3e-7, which AdamW at 3e-3 carried to 1.05e-5 after 3 steps (parity.LOW_LR)
+        ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
     ],
     4: [

@@ -238,7 +238,6 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch, as the
     ratio of medians and as the median of per-round ratios (robust to slow load drifts)."""
     from megapipe.pipeline import timeline
-    from megapipe.pipeline.actions import Action
     from megapipe.pipeline.simulate import simulate
 
     wall, cpu, med = result["wall"], result["cpu"], statistics.median
@@ -247,8 +246,8 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
         vpp, where = OURS[name][1], our_actions(name)[1]
         sims, gots = [], []
         for per_rank in steps_spans:  # each step simulated from its own costs and actions
-            ran = {r: [Action.parse(span[0]) for span in spans] for r, spans in enumerate(per_rank)}
-            sims.append(simulate(ran, timeline.profile_costs([per_rank], vpp), where))
+            costs = timeline.profile_costs([per_rank], vpp)
+            sims.append(simulate(timeline.ran(per_rank), costs, where))
             gots.append(timeline.measured(per_rank))
         ours[name] = {
             "vpp": vpp, "step_s": med(wall[name]), "cpu_s": med(cpu[name]),

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from megapipe.pipeline import timeline  # noqa: E402
 from megapipe.pipeline.plot import save_timelines  # noqa: E402
-from megapipe.pipeline.schedules import build_schedule, placement  # noqa: E402
+from megapipe.pipeline.schedules import placement  # noqa: E402
 from megapipe.pipeline.simulate import simulate  # noqa: E402
 
 # the bench_pipeline model: compute dominates the 256 KB activations the ranks exchange
@@ -76,12 +76,11 @@ def record(config: str, overrides: list[str], steps: int) -> list:
     return timeline.gather_spans(pipe.runtime.events, mesh.group("pp"))
 
 
-def draw(per_rank: list, schedule: str, vpp: int, microbatches: int, png: str) -> dict:
+def draw(per_rank: list, schedule: str, vpp: int, png: str) -> dict:
     """Measured (ms) over simulated-from-profiled-costs timeline as one PNG; the figures."""
     pp = len(per_rank)
     costs = timeline.profile_costs([per_rank], vpp)
-    sim = simulate(build_schedule(schedule, pp, microbatches, vpp), costs,
-                   placement(schedule, pp, vpp))
+    sim = simulate(timeline.ran(per_rank), costs, placement(schedule, pp, vpp))
     got = timeline.measured(per_rank)
     ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in timeline.to_timeline(per_rank)]
     sim_ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in sim.timeline]
@@ -121,7 +120,7 @@ def main(argv=None) -> int:
         meta = {k: getattr(args, k) for k in ("schedule", "vpp", "microbatches")}
         trace = timeline.chrome_trace(per_rank, args.schedule, meta)
         Path(args.trace).write_text(json.dumps(trace))
-    figures = draw(per_rank, args.schedule, args.vpp, args.microbatches, args.png)
+    figures = draw(per_rank, args.schedule, args.vpp, args.png)
     print(json.dumps({"png": args.png, "trace": args.trace, **figures}))
     return 0
 

@@ -46,6 +46,11 @@ def to_timeline(per_rank: list[list[Span]]) -> Timeline:
             for r, rank in enumerate(per_rank) for text, t0, t1, wait in rank]
 
 
+def ran(per_rank: list[list[Span]]) -> dict[int, list[Action]]:
+    """The schedule that produced the spans: each rank's actions in the order they ran."""
+    return {rank: [Action.parse(span[0]) for span in spans] for rank, spans in enumerate(per_rank)}
+
+
 def measured(per_rank: list[list[Span]]) -> dict:
     """Makespan (first start to last end), busy and idle seconds per rank, bubble fraction."""
     makespan = (max(t1 for rank in per_rank for _, _, t1, _ in rank)
