@@ -17,8 +17,8 @@ batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activation
   torch's `schedule.step`) between two barriers; no optimizer step. Rounds visit every
   schedule in turn so machine noise hits all alike; medians over rounds after warm-up.
 - The losses and the global grad norm of every run must agree (same model, same math).
-- zb_v is built as in training (parallel.schedule_costs=profile): the first warm-up round runs
-  the unit-time order and every later round the order built for the costs it measured.
+- zb_v is built as in training (parallel.schedule_costs=profile): the two warm-up rounds run
+  the unit-time order, and the timed rounds the order built for the costs the second measured.
 - Fidelity: our runtime's spans give mean compute per (kind, chunk) (timeline.profile_costs);
   simulate.py runs the actions that ran, with those costs (no comm cost), against the measured
   makespan, per step.

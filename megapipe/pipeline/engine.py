@@ -71,7 +71,7 @@ class Pipeline:
     par: Parallel  # dp slice and dp sum
     reducers: list
     pipedream: PipeDream | None = None  # pipedream_async: weight versions, per-microbatch steps
-    profile_next: bool = False  # zb_v: rebuild from the next step's measured costs
+    profile_in: int = 0  # zb_v: rebuild from the costs measured in this many steps (0: never)
 
     @property
     def model(self) -> nn.Module:
@@ -104,7 +104,8 @@ class Pipeline:
         pars = [Parallel.build(mesh, c, bucket_mb) for c in chunks]
         pipe = Pipeline(cfg, mesh, chunks, runtime, [], {}, pars[0], [q.reducer for q in pars])
         pipe.use_schedule(schedule)
-        pipe.profile_next = p.schedule == "zb_v" and p.schedule_costs == "profile"
+        # the second step is profiled: the first pays one-off costs (allocations, lazy init)
+        pipe.profile_in = 2 if p.schedule == "zb_v" and p.schedule_costs == "profile" else 0
         return pipe
 
     def _schedule_from_profile(self) -> None:
@@ -113,7 +114,6 @@ class Pipeline:
         p = self.cfg.parallel
         costs = timeline.agreed_costs(self.runtime.events, self.mesh, p.vpp)
         self.use_schedule(build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, costs=costs))
-        self.profile_next = False
 
     def use_schedule(self, schedule: dict) -> None:
         """Run `schedule` ({pp rank: actions}, on this placement): this rank's actions and the
@@ -121,7 +121,7 @@ class Pipeline:
         pp_rank = self.mesh.coord("pp")
         self.actions = schedule[pp_rank]
         self.arrivals = arrival_order(schedule, self.runtime.placement, pp_rank)
-        self.profile_next = False  # a schedule given is the one to run
+        self.profile_in = 0  # a schedule given is the one to run
         if self.cfg.parallel.schedule == "pipedream_async":
             self.pipedream = PipeDream(self.runtime, self.actions)
 
@@ -129,8 +129,10 @@ class Pipeline:
         """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
         Under zb_v's `profile` the first call also rebuilds the schedule from its costs."""
         loss_sum = self.runtime.run(self.actions, micro, loss_scale, self.reducers, self.arrivals)
-        if self.profile_next:
-            self._schedule_from_profile()
+        if self.profile_in:
+            self.profile_in -= 1
+            if not self.profile_in:
+                self._schedule_from_profile()
         return loss_sum
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
