@@ -127,7 +127,7 @@ class Pipeline:
 
     def forward_backward(self, micro: list[MicroBatch], loss_scale: float) -> torch.Tensor:
         """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
-        Under zb_v's `profile` the first call also rebuilds the schedule from its costs."""
+        Under zb_v's `profile` the second call also rebuilds the schedule from its costs."""
         loss_sum = self.runtime.run(self.actions, micro, loss_scale, self.reducers, self.arrivals)
         if self.profile_in:
             self.profile_in -= 1

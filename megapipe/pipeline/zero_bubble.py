@@ -8,6 +8,8 @@ greedy heuristic of the Zero Bubble paper §3.2 under a 1F1B memory limit.
 
 from __future__ import annotations
 
+import bisect
+
 from megapipe.pipeline.actions import (
     FORWARD,
     INPUT_GRAD,
@@ -94,10 +96,11 @@ def _greedy(pp: int, microbatches: int, limit: float, costs: Costs, reserve: boo
     units = [(mb, c) for c in (1, 0) for mb in range(microbatches)]  # priority order
     state = {r: {"to_forward": list(units), "to_backward": [], "owed_w": []} for r in range(pp)}
     finished: dict = {}  # event -> (end time, producing rank)
+    ends: list[float] = []  # every end time in `finished`, sorted
     free_at, idle_since = [0.0] * pp, [None] * pp
     schedule: Schedule = {r: [] for r in range(pp)}
     while True:
-        rank, now = _next_rank(state, free_at, idle_since, finished)
+        rank, now = _next_rank(state, free_at, idle_since, ends)
         if rank is None:
             return schedule
         ready = _ready_at(rank, now, finished, placement, costs)
@@ -111,21 +114,22 @@ def _greedy(pp: int, microbatches: int, limit: float, costs: Costs, reserve: boo
         schedule[rank].append(action)
         for event in produced_events(action, stage):
             finished[event] = (free_at[rank], rank)
+        bisect.insort(ends, free_at[rank])
 
 
-def _next_rank(state: dict, free_at: list, idle_since: list, finished: dict):
+def _next_rank(state: dict, free_at: list, idle_since: list, ends: list[float]):
     """(rank, time) that decides next: the earliest free rank with work, lowest rank on ties;
     an idle rank wakes at the first result after it went idle. (None, None) when all is done."""
-    results = sorted(end for end, _ in finished.values())
     best = (None, None)
     for rank, s in state.items():
         if not (s["to_forward"] or s["to_backward"] or s["owed_w"]):
             continue
         when = free_at[rank]
         if idle_since[rank] is not None:
-            when = next((t for t in results if t > idle_since[rank]), None)
-            if when is None:
+            later = bisect.bisect_right(ends, idle_since[rank])
+            if later == len(ends):
                 continue
+            when = ends[later]
         if best[0] is None or when < best[1]:
             best = (rank, when)
     if best[0] is None and any(any(s.values()) for s in state.values()):
