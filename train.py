@@ -23,7 +23,7 @@ from megapipe.dry_run import describe
 from megapipe.mesh import init_distributed
 from megapipe.metrics import MetricsLog, flops_per_token, peak_tflops
 from megapipe.optim import build_optimizer
-from megapipe.pipeline.engine import Pipeline, check_pipeline
+from megapipe.pipeline.engine import Pipeline
 from megapipe.trainer import Parallel, build_model, evaluate, train_step
 
 
@@ -40,7 +40,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run(cfg: Config) -> list[dict]:
     """Train (or resume) per `cfg`; returns the logged records of this invocation."""
-    check_pipeline(cfg)
     mesh = init_distributed(cfg)  # checks the world size before any collective
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"

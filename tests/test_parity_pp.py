@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
-from megapipe.pipeline.engine import UNSUPPORTED
-from tests.conftest import TINY
 from tests.parity import mesh_params, tiny_config, train_case
 from tests.util import PARITY_REL, assert_rel_close, assert_state_close
 
@@ -158,17 +156,6 @@ def test_bad_pipeline_config_is_one_line_error(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(overrides, str(tmp_path))
     assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("schedule", sorted(UNSUPPORTED))  # none left: skipped
-def test_schedule_the_runtime_cannot_run_is_one_line_error(tmp_path, capsys, schedule):
-    import train
-
-    code = train.main(["--config", TINY, f"--run.dir={tmp_path}",
-                       *(f"--{o}" for o in pp(schedule, 2, 2))])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err
-    assert err.startswith(f"error: parallel.schedule={schedule} is not supported by the pipeline")
 
 
 def run_train(overrides: list[str], run_dir: str) -> list[float]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.config import Config, ConfigError
+from megapipe.config import Config
 from megapipe.data_parallel import finish_gradients
 from megapipe.mesh import rank_at
 from megapipe.optim import global_grad_norm
@@ -40,22 +40,8 @@ from megapipe.trainer import (
     clip_and_step,
 )
 
-UNSUPPORTED: dict[str, str] = {}  # schedules the runtime cannot run yet: the feature needed
-TIED_TAG = 1 << 30  # the tied-embedding grad exchange; activation/grad tags stay below it
+TIED_TAG = 1 << 30  # the tied-embedding grad exchange (pipeline messages go untagged, 0)
 TIED = "embed.tok.weight"
-
-
-def check_pipeline(cfg: Config) -> None:
-    """One-line ConfigError for what pipelined training cannot do yet (before any collective).
-
-    Chunk counts (vpp) per schedule and stage counts are config checks (config_checks.py)."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return
-    if p.schedule in UNSUPPORTED:
-        raise ConfigError(f"parallel.schedule={p.schedule} is not supported by the pipeline "
-                          f"runtime yet (needs {UNSUPPORTED[p.schedule]}); use gpipe, 1f1b, "
-                          "interleaved_1f1b, zb_h1, zb_h2, zb_v, seq1f1b or pipedream_async")
 
 
 @dataclass
@@ -80,7 +66,6 @@ class Pipeline:
     @staticmethod
     def build(cfg: Config, mesh, device="cpu", bucket_mb: float = 25.0) -> Pipeline:
         p, m = cfg.parallel, cfg.model
-        check_pipeline(cfg)
         place = placement(p.schedule, p.pp, p.vpp)
         pp_rank = mesh.coord("pp")
         chunks = [build_model(cfg, mesh, device, blocks)
