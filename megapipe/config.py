@@ -50,7 +50,7 @@ class ParallelConfig:
     balance: str = "uniform"  # uniform | llama3 | cost | explicit layout "E,t|t,L"
     seq_segments: int = 1  # Seq1F1B segments per microbatch
     weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
-    schedule_costs: str = "profile"  # zb_v: profile (first step) | unit | F=..,B=..,W=..
+    schedule_costs: str = "profile"  # zb_v: profile (2nd step) | unit | F=..,B=..,W=..
     timeout_s: float = 600.0  # a collective or p2p waiting longer on a peer (a dead rank) errors
 
 

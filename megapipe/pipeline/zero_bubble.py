@@ -122,7 +122,7 @@ def _next_rank(state: dict, free_at: list, idle_since: list, ends: list[float]):
     an idle rank wakes at the first result after it went idle. (None, None) when all is done."""
     best = (None, None)
     for rank, s in state.items():
-        if not (s["to_forward"] or s["to_backward"] or s["owed_w"]):
+        if not any(s.values()):  # nothing left to forward, backward or weight-grad
             continue
         when = free_at[rank]
         if idle_since[rank] is not None:
