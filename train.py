@@ -16,15 +16,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from megapipe import checkpoint
+from megapipe.train import checkpoint
 from megapipe.config import Config, ConfigError, load_config, write_config
-from megapipe.data import DataError, build_data
-from megapipe.dry_run import describe
-from megapipe.mesh import init_distributed
-from megapipe.metrics import MetricsLog, flops_per_token, peak_tflops
-from megapipe.optim import build_optimizer
+from megapipe.data.loader import DataError, build_data
+from megapipe.train.dry_run import describe
+from megapipe.distributed.mesh import init_distributed
+from megapipe.config.flops import flops_per_token
+from megapipe.train.metrics import MetricsLog, peak_tflops
+from megapipe.train.optim import build_optimizer
 from megapipe.pipeline.engine import Pipeline
-from megapipe.trainer import Parallel, build_model, evaluate, train_step
+from megapipe.train.step import Parallel, build_model, evaluate, train_step
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.context_parallel import NO_CP, CPInfo, ring_attention
-from megapipe.pipeline.segments import active_scope
-from megapipe.recompute import maybe_checkpoint
-from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megapipe.tensor_parallel.random import replayable, sharded_rng
-from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
+from megapipe.parallel.context.ring import ring_attention
+from megapipe.parallel.context.zigzag import NO_CP, CPInfo
+from megapipe.parallel.recompute import maybe_checkpoint
+from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from megapipe.parallel.tensor.random import replayable, sharded_rng
+from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 
 try:  # the flash-attn package (GPU extra); scaled_dot_product_attention otherwise
     from flash_attn import flash_attn_func
@@ -81,7 +81,8 @@ class Attention(nn.Module):
         grad[lo:hi] = 0
         return grad
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None) -> torch.Tensor:
+        """`segment`: a Seq1F1B SegmentScope (parallel/autograd/segment_kv.py) or None."""
         qkv = self.qkv(x)  # (B, T, (H+2·Hkv)/tp·hd); with SP x is (B, T/tp, d), gathered inside
         B, T, _ = qkv.shape
         hd, h, hkv = self.head_dim, self.local_heads, self.local_kv_heads
@@ -92,8 +93,8 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rope_tables(positions, hd, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if (scope := active_scope()) is not None:  # Seq1F1B: prepend earlier segments' K/V
-            k, v = scope.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
+        if segment is not None:  # Seq1F1B: prepend earlier segments' K/V
+            k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
         y = maybe_checkpoint(self.selective, replayable(self._core, self.tp), q, k, v, p)
@@ -103,7 +104,7 @@ class Attention(nn.Module):
     def _core(self, q, k, v, dropout_p: float) -> torch.Tensor:
         """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron).
         Under cp the queries of this rank's zigzag slice attend over the whole sequence by the
-        kv ring (context_parallel.py); config checks keep attention dropout off there."""
+        kv ring (parallel/context/ring.py); config checks keep attention dropout off there."""
         if self.cp.size > 1:
             return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p)
         with sharded_rng(self.tp):

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
-from megapipe.context_parallel import NO_CP, CPInfo
-from megapipe.recompute import layer_mode, maybe_checkpoint
-from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megapipe.tensor_parallel.layers import (
+from megapipe.parallel.context.zigzag import NO_CP, CPInfo
+from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
+from megapipe.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
     LayerNorm,
     ReplicatedEmbedding,
@@ -26,9 +26,9 @@ from megapipe.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from megapipe.tensor_parallel.mappings import enter_column, gather_from_tp
-from megapipe.tensor_parallel.random import replayable, sharded_rng
-from megapipe.tensor_parallel.sharding import NO_TP, TPInfo
+from megapipe.parallel.tensor.mappings import enter_column, gather_from_tp
+from megapipe.parallel.tensor.random import replayable, sharded_rng
+from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from models.attention import Attention
 from models.init import init_parameters
 
@@ -105,12 +105,12 @@ class TransformerLayer(nn.Module):
         self.full_recompute = recompute == "full"
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None) -> torch.Tensor:
         fn = replayable(self._forward, self.tp)
-        return maybe_checkpoint(self.full_recompute, fn, x, positions)
+        return maybe_checkpoint(self.full_recompute, fn, x, positions, segment)
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.norm1(x), positions))  # (B, T, d) or (B, T/tp, d)
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.norm1(x), positions, segment))  # (B, T[/tp], d)
         return x + self._dropout(self.mlp(self.norm2(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,29 +177,19 @@ class GPT(nn.Module):
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)
 
-    def forward(self, x: torch.Tensor, targets=None, positions=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets=None, positions=None, segment=None) -> torch.Tensor:
         """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out.
 
         Under cp, x is this rank's zigzag slice (B, T/cp[, d]) and positions default to its
-        global positions; pipeline stages past the first pass the positions explicitly."""
+        global positions; pipeline stages past the first pass the positions explicitly.
+        `segment` (a Seq1F1B SegmentScope, or None) lets attention read earlier segments' K/V."""
         if positions is None:
             positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
         if self.has_embedding:
             x = self.embed(x, positions)
         for layer in self.layers.values():
-            x = layer(x, positions)
+            x = layer(x, positions, segment)
         if self.head is None:
             return x
-        tied = self.embed.tok.weight if self.cfg.tie_embeddings else None
+        tied = self.embed.tok.weight if self.cfg.tie_embeddings else None  # TIED_EMBEDDING
         return self.head(x, targets, tied)
-
-    @classmethod
-    def from_hf(cls, hf_model) -> GPT:
-        from models.hf import from_hf
-
-        return from_hf(hf_model)
-
-    def to_hf(self, out_dir: str) -> None:
-        from models.hf import to_hf
-
-        to_hf(self, out_dir)

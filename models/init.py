@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from megapipe.parallel.tensor.layers import sharded_params
+
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight")
 STD = 0.02
 
@@ -34,15 +36,6 @@ def logical_init(seed: int, name: str, shape: tuple[int, ...], n_layers: int) ->
     std = STD / math.sqrt(2 * n_layers) if name.endswith(RESIDUAL_PROJECTIONS) else STD
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     return torch.randn(shape, generator=gen) * std
-
-
-def sharded_params(model: nn.Module):
-    """(logical name, parameter, logical shape, shard spec) for every parameter of `model`."""
-    for mod_name, module in model.named_modules():
-        for local, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{local}" if mod_name else local
-            shape, spec = module.logical_shapes[local], module.shard_specs[local]
-            yield name, param, shape, spec, module.tp
 
 
 @torch.no_grad()

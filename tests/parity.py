@@ -158,7 +158,7 @@ def build_mesh(cfg):
     """The case's mesh over the already-initialised world, or None on one process."""
     import torch.distributed as dist
 
-    from megapipe.mesh import MeshSizes, ParallelMesh
+    from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -170,10 +170,10 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
     the final weights by logical name (whole on every rank) and the dp-replica spread."""
     import tempfile
 
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
-    from megapipe.tensor_parallel.gather import gather_logical
-    from megapipe.trainer import Parallel, build_model, train_step
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.step import Parallel, build_model, train_step
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
@@ -203,10 +203,10 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
 
 def pipeline_case(cfg, mesh, steps: int, bucket_mb: float) -> dict:
     """train_case under pp > 1: this rank's chunks; weights are this rank's logical tensors."""
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.engine import Pipeline
-    from megapipe.tensor_parallel.gather import gather_logical
+    from megapipe.parallel.tensor.gather import gather_logical
 
     pipe = Pipeline.build(cfg, mesh, "cpu", bucket_mb)
     optimizer = build_optimizer(pipe.model, cfg.train)

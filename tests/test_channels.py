@@ -2,9 +2,9 @@
 
 import pytest
 
-from megapipe.pipeline.actions import Action, Placement
-from megapipe.pipeline.channels import channel_orders, fifo_mismatch
-from megapipe.pipeline.schedules import build_schedule, placement
+from megapipe.plan.actions import Action, Placement
+from megapipe.plan.channels import channel_orders, fifo_mismatch
+from megapipe.plan.schedules import build_schedule, placement
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])

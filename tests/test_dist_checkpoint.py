@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megapipe import checkpoint
+from megapipe.train import checkpoint
 from tests.parity import tiny_config
 
 COMMON = ["model.dropout=0.1", "train.steps=4", "train.warmup=1", "log.progress=false"]
@@ -50,10 +50,10 @@ def resume_case(overrides: list[str], root: str) -> dict:
 def weights_case(overrides: list[str], root: str) -> dict:
     """Train 2 steps, save; the gathered logical weights."""
     import train
-    from megapipe.mesh import init_distributed
-    from megapipe.optim import build_optimizer
-    from megapipe.tensor_parallel.gather import gather_logical
-    from megapipe.trainer import build_model
+    from megapipe.distributed.mesh import init_distributed
+    from megapipe.train.optim import build_optimizer
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.step import build_model
 
     cfg = tiny_config([*overrides, "train.stop_at_step=2"], f"{root}/w")
     train.run(cfg)

@@ -47,7 +47,7 @@ def test_world_size_mismatch_before_any_collective(tmp_path, monkeypatch, capsys
 
 def other_mesh_case(root: str) -> str:
     """Write a checkpoint under dp=2 tp=2, resume it under tp=4: the error message."""
-    from megapipe.checkpoint import CheckpointError
+    from megapipe.train.checkpoint import CheckpointError
 
     common = ["train.steps=2", "log.progress=false"]
     train.run(

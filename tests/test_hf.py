@@ -87,7 +87,7 @@ def test_from_hf_reads_config_fields():
 def test_export_reloads_with_same_logits(arch, tie, tmp_path):
     hf = hf_model(arch, tie)
     gpt = from_hf(hf)
-    gpt.to_hf(str(tmp_path))
+    to_hf(gpt, str(tmp_path))
     assert (tmp_path / "model.safetensors").is_file()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded) is type(hf)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
-from megapipe.mesh import (
+from megapipe.distributed.mesh import (
     AXES,
     MeshSizes,
     all_meshes,
@@ -74,7 +74,7 @@ def test_dry_run_per_rank_counts_without_process_group():
     import torch.distributed as dist
 
     from megapipe.config import load_config
-    from megapipe.dry_run import describe, rank_params
+    from megapipe.train.dry_run import describe, rank_params
     from tests.conftest import TINY
 
     whole, _ = rank_params(load_config(TINY, ["model.vocab_size=97"]), 0, 0)

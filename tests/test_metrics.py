@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from megapipe.metrics import flops_per_token, matmul_params, peak_tflops
+from megapipe.config.flops import flops_per_token, matmul_params
+from megapipe.train.metrics import peak_tflops
 from models.gpt import GPT
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from megapipe.config import RecomputeConfig
-from megapipe.optim import build_optimizer
-from megapipe.trainer import train_step
+from megapipe.train.optim import build_optimizer
+from megapipe.train.step import train_step
 from models.gpt import GPT
 from tests.util import PARITY_REL, assert_state_close
 

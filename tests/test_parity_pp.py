@@ -183,8 +183,8 @@ def held_output_elements(overrides: list[str]) -> list[int]:
     this rank's stash still holds (Megatron's deallocate_output_tensor frees them once sent)."""
     import tempfile
 
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.engine import Pipeline
     from tests.parity import build_mesh
 

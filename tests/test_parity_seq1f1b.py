@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
-from megapipe.metrics import matmul_params
-from megapipe.pipeline.segments import SegmentKV, segment_bounds
-from megapipe.pipeline.seq1f1b import segment_flops
+from megapipe.config.flops import matmul_params, segment_bounds
+from megapipe.parallel.autograd.segment_kv import SegmentKV
+from megapipe.plan.seq1f1b import segment_flops
 from tests.parity import LOW_LR, mesh_params, tiny_config, train_case
 from tests.test_parity_pp import (
     B12,
@@ -70,8 +70,7 @@ def test_segments_with_kept_kv_equal_full_causal_attention(tmp_path, overrides, 
     kv, leaves, outs = SegmentKV(), [], []
     for i, (s, e) in enumerate(bounds):  # forwards in segment order
         leaves.append(x.detach()[:, s:e].requires_grad_())
-        with kv.scope(i, keep=True):
-            outs.append(model(leaves[-1], positions=torch.arange(s, e)))
+        outs.append(model(leaves[-1], positions=torch.arange(s, e), segment=kv.scope(i)))
     for i in reversed(range(len(bounds))):  # backwards in reverse (seq1f1b.py)
         s, e = bounds[i]
         kv.backward(i, outs[i], w[:, s:e])
@@ -95,8 +94,9 @@ def test_segmented_loss_and_grads_equal_full_sequence(tmp_path, overrides):
     ref = _grads(model)
     kv, bounds, losses = SegmentKV(), [(0, 6), (6, 11), (11, 16)], []
     for i, (s, e) in enumerate(bounds):
-        with kv.scope(i, keep=True):
-            losses.append(model(ids[:, s:e], targets[:, s:e], positions=torch.arange(s, e)))
+        losses.append(
+            model(ids[:, s:e], targets[:, s:e], positions=torch.arange(s, e), segment=kv.scope(i))
+        )
     for i in reversed(range(3)):
         kv.backward(i, losses[i], None)
     assert_rel_close(sum(x.detach() for x in losses), full.detach(), GRAD_REL, "loss")

@@ -6,21 +6,11 @@ import random
 import pytest
 
 from megapipe.config import Config, ConfigError, ModelConfig, ParallelConfig
-from megapipe.metrics import flops_per_token
-from megapipe.pipeline.actions import Placement
-from megapipe.pipeline.partition import (
-    block_costs_from_flops,
-    check_partition,
-    cost_balanced,
-    describe_partition,
-    format_layout,
-    parse_layout,
-    partition,
-    profile_block_costs,
-    rank_blocks,
-    stage_of,
-    stages_for_rank,
-)
+from megapipe.config.flops import block_costs_from_flops, flops_per_token
+from megapipe.config.stages import check_partition, describe_partition, partition, rank_blocks
+from megapipe.pipeline.stages import profile_block_costs
+from megapipe.plan.actions import Placement
+from megapipe.plan.partition import cost_balanced, format_layout, parse_layout
 
 
 def make_cfg(n_layers=8, pp=1, vpp=1, balance="uniform", **model):
@@ -221,7 +211,10 @@ def test_check_partition_raises_config_errors():
 def test_rank_blocks_follow_the_placement():
     cfg = make_cfg(10, pp=2, vpp=2)
     stages = partition(cfg)
-    assert stage_of(1, 1, 2, 2) == 3 and stages_for_rank(1, 2, 2) == [1, 3]
+    def stages_for_rank(rank, pp, vpp, style="loop"):
+        return [Placement(pp, vpp, style).stage(rank, chunk) for chunk in range(vpp)]
+
+    assert Placement(2, 2).stage(1, 1) == 3 and stages_for_rank(1, 2, 2) == [1, 3]
     assert stages_for_rank(0, 2, 2, "v") == [0, 3] and stages_for_rank(1, 2, 2, "v") == [1, 2]
     assert rank_blocks(cfg, 0, Placement(2, 2, "loop")) == [stages[0], stages[2]]
     assert rank_blocks(cfg, 0, Placement(2, 2, "v")) == [stages[0], stages[3]]

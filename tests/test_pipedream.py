@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
-from megapipe.pipeline.schedules import build_schedule
+from megapipe.plan.schedules import build_schedule
 from tests.parity import build_mesh, mesh_params, tiny_config, train_case
 from tests.util import assert_rel_close, assert_state_close, rel_error
 
@@ -72,11 +72,11 @@ def _load(params, values) -> None:
 def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
     """The pipeline's stages as separate models on one process, stepped microbatch by
     microbatch with each stage's gradient taken at its delayed weights (none if not `delayed`)."""
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
-    from megapipe.pipeline.partition import rank_blocks
-    from megapipe.tensor_parallel.gather import gather_logical
-    from megapipe.trainer import build_model, split_inputs
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
+    from megapipe.config.stages import rank_blocks
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.step import build_model, split_inputs
 
     cfg = tiny_config(list(extra), tempfile.mkdtemp())
     p, t = cfg.parallel, cfg.train
@@ -125,10 +125,10 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
 
 def pipedream_case(overrides: list[str]) -> dict:
     """Train STEPS steps under the mesh: losses, norms, this rank's weights, versions stashed."""
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.engine import Pipeline
-    from megapipe.tensor_parallel.gather import gather_logical
+    from megapipe.parallel.tensor.gather import gather_logical
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
@@ -200,9 +200,9 @@ def test_simulation_delays_match_the_schedule_versions():
 def test_stash_keeps_the_forward_weights_for_backward(tmp_path):
     """A backward after an in-place update: with the stash it is the gradient at the forward's
     weights, grad hooks included; without it autograd refuses (the weights changed)."""
-    from megapipe.data import build_data
+    from megapipe.data.loader import build_data
     from megapipe.pipeline.pipedream import VersionStore
-    from megapipe.trainer import build_model, split_inputs
+    from megapipe.train.step import build_model, split_inputs
 
     cfg = tiny_config(UNTIED, str(tmp_path))
     model = build_model(cfg)

@@ -10,7 +10,7 @@ trainer.evaluate on one process. Cases are grouped by world size (one spawn each
 import pytest
 import torch
 
-from megapipe import checkpoint
+from megapipe.train import checkpoint
 from tests.parity import build_mesh, tiny_config
 from tests.util import assert_rel_close
 
@@ -111,10 +111,10 @@ def check_resume(results: list[dict], root: str) -> None:
 def live_case(overrides: list[str], root: str) -> dict:
     """Train 2 steps on the pipeline, save, run validation: the saved path, this rank's
     logical weights (whole under tp) and the validation loss."""
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.engine import Pipeline
-    from megapipe.tensor_parallel.gather import gather_logical
+    from megapipe.parallel.tensor.gather import gather_logical
 
     cfg = tiny_config(overrides, root)
     pipe = Pipeline.build(cfg, build_mesh(cfg))
@@ -132,8 +132,8 @@ def live_case(overrides: list[str], root: str) -> dict:
 def check_live(results: list[dict]) -> None:
     """The pp checkpoint loads whole on one process with every rank's weights, and the
     pipelined validation loss equals trainer.evaluate of that model on one process."""
-    from megapipe.data import build_data
-    from megapipe.trainer import evaluate
+    from megapipe.data.loader import build_data
+    from megapipe.train.step import evaluate
 
     cfg, model = checkpoint.load_for_inference(results[0]["path"])
     loaded = dict(model.named_parameters())

@@ -2,10 +2,10 @@
 
 import pytest
 
-from megapipe.pipeline.actions import Action, Placement, format_grid
-from megapipe.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, build_schedule, placement
-from megapipe.pipeline.seq1f1b import balanced_segments, segment_flops
-from megapipe.pipeline.validate import ScheduleError, validate
+from megapipe.plan.actions import Action, Placement, format_grid
+from megapipe.plan.schedules import SCHEDULES, SPLIT_BACKWARD, build_schedule, placement
+from megapipe.plan.seq1f1b import balanced_segments, segment_flops
+from megapipe.plan.validate import ScheduleError, validate
 
 # (name, vpp values, seq_segments values, extra option sets)
 GRID = [

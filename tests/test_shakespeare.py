@@ -6,7 +6,7 @@ import os
 import pytest
 
 import train
-from megapipe.data_prep import prepare
+from megapipe.data.prepare import prepare
 from tests.conftest import ROOT
 
 QUICKSTART = os.path.join(ROOT, "configs", "shakespeare_tiny.yaml")

@@ -2,11 +2,11 @@
 
 import pytest
 
-from megapipe.pipeline.actions import Action, Placement
-from megapipe.pipeline.schedules import build_schedule, placement
-from megapipe.pipeline.seq1f1b import balanced_segments
-from megapipe.pipeline.simulate import Costs, simulate
-from megapipe.pipeline.validate import ScheduleError
+from megapipe.plan.actions import Action, Placement
+from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.seq1f1b import balanced_segments
+from megapipe.plan.simulate import Costs, simulate
+from megapipe.plan.validate import ScheduleError
 
 UNIT = Costs(F=1, B=1, W=1)  # full backward BW = B + W = 2
 SHAPES = [(pp, m) for pp in (2, 3, 4, 6, 8) for m in (pp, pp + 1, 2 * pp, 3 * pp + 2)]
@@ -87,7 +87,7 @@ def test_zb_v_no_worse_than_zb_h1_at_1f1b_memory():
 def test_zb_v_built_for_the_costs_is_valid_and_no_slower_at_1f1b_memory(costs):
     """Zero Bubble §3.2 schedules with profiled costs: built for `costs`, ZB-V is a valid
     schedule at 1F1B memory and no slower under those costs than the unit-time build."""
-    from megapipe.pipeline.validate import validate
+    from megapipe.plan.validate import validate
 
     for pp, m in SHAPES:
         schedule = build_schedule("zb_v", pp, m, 2, costs=costs)

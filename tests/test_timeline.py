@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from megapipe.pipeline import timeline
-from megapipe.pipeline.schedules import build_schedule, placement
-from megapipe.pipeline.simulate import Costs, simulate
+from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.simulate import Costs, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from tests.util import PARITY_REL, rel_error
 def _tp(sp: bool = False):
     import torch.distributed as dist
 
-    from megapipe.tensor_parallel.random import TPRNGTracker
-    from megapipe.tensor_parallel.sharding import TPInfo
+    from megapipe.parallel.tensor.random import TPRNGTracker
+    from megapipe.parallel.tensor.sharding import TPInfo
 
     size, rank = dist.get_world_size(), dist.get_rank()
     return TPInfo(size, rank, dist.group.WORLD, sp, TPRNGTracker(0, rank))
@@ -24,7 +24,7 @@ def _randn(*shape, seed=0):
 
 
 def _gather(t, dim, tp):
-    from megapipe.tensor_parallel import collectives as C
+    from megapipe.distributed import collectives as C
 
     return C.all_gather(t.detach(), dim, tp.group)
 
@@ -44,8 +44,8 @@ def _load(module, full: dict, tp):
 def linear_case(sp: bool) -> dict:
     """fc2(gelu(fc1 x)) with fc1 column-parallel (q|k|v-like segments by unit) and fc2
     row-parallel, against F.linear with the logical weights."""
-    from megapipe.tensor_parallel.gather import gather_logical
-    from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     tp = _tp(sp)
     col = ColumnParallelLinear(8, [8, 8, 8], bias=True, tp=tp, unit=2)
@@ -81,8 +81,8 @@ def _grad_of(x, w1, b1, w2, b2, weight, which):
 
 def embedding_case(sp: bool, vocab: int) -> dict:
     """VocabParallelEmbedding (padded when tp ∤ vocab) against F.embedding."""
-    from megapipe.tensor_parallel.gather import gather_logical
-    from megapipe.tensor_parallel.layers import VocabParallelEmbedding
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.parallel.tensor.layers import VocabParallelEmbedding
 
     tp = _tp(sp)
     emb = VocabParallelEmbedding(vocab, 6, tp)
@@ -104,8 +104,8 @@ def embedding_case(sp: bool, vocab: int) -> dict:
 
 def cross_entropy_case(vocab: int) -> dict:
     """vocab_parallel_cross_entropy on padded vocab slices against F.cross_entropy (sum)."""
-    from megapipe.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from megapipe.tensor_parallel.sharding import ShardSpec
+    from megapipe.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+    from megapipe.parallel.tensor.sharding import ShardSpec
 
     tp = _tp()
     logits = _randn(2, 8, vocab, seed=10) * 3
@@ -127,7 +127,7 @@ def cross_entropy_case(vocab: int) -> dict:
 
 def collectives_case() -> dict:
     """reduce_scatter native and all-reduce+slice fallback against the reference sum."""
-    from megapipe.tensor_parallel import collectives as C
+    from megapipe.distributed import collectives as C
 
     tp = _tp()
     mine = _randn(3, 4 * tp.size, 2, seed=20 + tp.rank)
@@ -143,7 +143,7 @@ def collectives_case() -> dict:
 def rng_case() -> dict:
     """Dropout in a tp-split region differs across ranks; in a replicated one it agrees, and
     forking leaves the default stream exactly where it was."""
-    from megapipe.tensor_parallel.random import sharded_rng
+    from megapipe.parallel.tensor.random import sharded_rng
 
     tp = _tp()
     torch.manual_seed(0)

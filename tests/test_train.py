@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 import train
-from megapipe import checkpoint
-from megapipe.checkpoint import CheckpointError
+from megapipe.train import checkpoint
+from megapipe.train.checkpoint import CheckpointError
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "consumed_tokens"

@@ -3,8 +3,8 @@ gives the gradients of one full backward, and W does the queued matmuls."""
 
 import torch
 
-from megapipe.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megapipe.tensor_parallel.weight_grad import defer_weight_grads, run_weight_grads
+from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
 
 
 def _model():

@@ -37,12 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from megapipe.context_parallel import (  # noqa: E402
-    RingComm,
-    RingStats,
-    ring_attention,
-    zigzag_shard,
-)
+from megapipe.parallel.context.ring import RingComm, RingStats, ring_attention  # noqa: E402
+from megapipe.parallel.context.zigzag import zigzag_shard  # noqa: E402
 
 
 def make_inputs(args, seed: int = 0):

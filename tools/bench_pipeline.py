@@ -79,7 +79,7 @@ def our_actions(name: str):
     """(schedule, placement) of our run `name`: our generator's, or torch's order."""
     from bench_schedules import torch_order
 
-    from megapipe.pipeline.schedules import build_schedule, placement
+    from megapipe.plan.schedules import build_schedule, placement
 
     schedule, vpp, torch_class = OURS[name]
     where = placement(schedule, PP, vpp)
@@ -99,7 +99,7 @@ def make_config(schedule: str, vpp: int):
 @contextlib.contextmanager
 def builtin_linear():
     """megapipe's layers call F.linear directly (see module docstring: torch's B/W split)."""
-    from megapipe.tensor_parallel import layers
+    from megapipe.parallel.tensor import layers
 
     deferrable = layers.linear
     layers.linear = lambda x, weight, bias, owner: F.linear(x, weight, bias)
@@ -143,9 +143,9 @@ class Theirs:
     def __init__(self, class_name: str, mesh) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        from megapipe.pipeline.actions import Placement
-        from megapipe.pipeline.partition import rank_blocks
-        from megapipe.trainer import build_model
+        from megapipe.plan.actions import Placement
+        from megapipe.config.stages import rank_blocks
+        from megapipe.train.step import build_model
 
         vpp, style = TORCH[class_name]
         self.name, place = class_name, Placement(PP, vpp, style)
@@ -177,8 +177,8 @@ def job(steps: int, warmup: int, pairs: list) -> dict:
     """On each rank: build every run, warm up, time rounds; the figures (rank 0's count)."""
     import torch.distributed as dist
 
-    from megapipe.data import build_data
-    from megapipe.mesh import init_distributed
+    from megapipe.data.loader import build_data
+    from megapipe.distributed.mesh import init_distributed
     from megapipe.pipeline import timeline
 
     cfg = make_config("1f1b", 1)
@@ -238,7 +238,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch, as the
     ratio of medians and as the median of per-round ratios (robust to slow load drifts)."""
     from megapipe.pipeline import timeline
-    from megapipe.pipeline.simulate import simulate
+    from megapipe.plan.simulate import simulate
 
     wall, cpu, med = result["wall"], result["cpu"], statistics.median
     ours = {}

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 
-from megapipe.pipeline.actions import Action, Placement, Schedule
-from megapipe.pipeline.schedules import build_schedule, placement
-from megapipe.pipeline.simulate import Costs, SimResult, simulate
-from megapipe.pipeline.validate import ScheduleError, validate
+from megapipe.plan.actions import Action, Placement, Schedule
+from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.simulate import Costs, SimResult, simulate
+from megapipe.plan.validate import ScheduleError, validate
 
 # torch class name, its placement style, our schedules to hold against it: (name, vpp, judged).
 # InterleavedZeroBubble is ZB-H1 on 2 interleaved chunks: the fair match is our 2-chunk zb_v at

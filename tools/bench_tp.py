@@ -3,7 +3,7 @@
     python tools/bench.py tp [--batch 4 --seq-len 64 --d-model 128 --steps 5]
 
 1. Bytes each transformer layer communicates per training step under tp (gloo workers, one
-   thread each), counted by megapipe.tensor_parallel.collectives.COUNTER, against Megatron's
+   thread each), counted by megapipe.distributed.collectives.COUNTER, against Megatron's
    count (Shoeybi et al. 2019, §3): 4 all-reduces of B·s·h per layer per step (2 fwd, 2 bwd);
    with sequence parallelism (Korthikanti et al. 2022, §4.2.2) 4 all-gathers + 4
    reduce-scatters of B·s·h, the same volume. Per layer = (count at 4 layers − at 2) / 2.
@@ -41,11 +41,11 @@ def make_config(args, n_layers: int, overrides=()):
 
 def _count_step(args, n_layers: int, tp_overrides) -> dict:
     """{(phase, op): bytes} of one training step on this rank."""
-    from megapipe.data import build_data
-    from megapipe.mesh import init_distributed
-    from megapipe.optim import build_optimizer
-    from megapipe.tensor_parallel import collectives
-    from megapipe.trainer import Parallel, build_model, split_inputs
+    from megapipe.data.loader import build_data
+    from megapipe.distributed.mesh import init_distributed
+    from megapipe.train.optim import build_optimizer
+    from megapipe.distributed import collectives
+    from megapipe.train.step import Parallel, build_model, split_inputs
 
     cfg = make_config(args, n_layers, tp_overrides)
     model = build_model(cfg, init_distributed(cfg))
@@ -58,7 +58,7 @@ def _count_step(args, n_layers: int, tp_overrides) -> dict:
             loss = model(inputs, targets)
         else:
             loss.backward()
-            from megapipe.data_parallel import finish_gradients
+            from megapipe.parallel.data.reducer import finish_gradients
 
             finish_gradients(model, Parallel.build(None, model).reducer)
         for op, nbytes in collectives.COUNTER:
@@ -128,9 +128,9 @@ def comm_table(args) -> str:
 
 
 def _time_steps(args, par_mesh) -> float:
-    from megapipe.data import build_data
-    from megapipe.optim import build_optimizer
-    from megapipe.trainer import Parallel, build_model, train_step
+    from megapipe.data.loader import build_data
+    from megapipe.train.optim import build_optimizer
+    from megapipe.train.step import Parallel, build_model, train_step
 
     cfg = make_config(args, args.layers, [f"parallel.dp={2 if par_mesh else 1}"])
     model = build_model(cfg, par_mesh)
@@ -146,7 +146,7 @@ def _time_steps(args, par_mesh) -> float:
 
 
 def dp_job(args, rank):
-    from megapipe.mesh import MeshSizes, ParallelMesh
+    from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 
     return {"dp2": _time_steps(args, ParallelMesh(MeshSizes(dp=2)))}
 

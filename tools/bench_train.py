@@ -21,7 +21,7 @@ import torch
 def build_models(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from models.gpt import GPT
+    from models.hf import from_hf
 
     hf_cfg = GPT2Config(
         vocab_size=args.vocab, n_positions=args.seq_len, n_embd=args.d_model,
@@ -29,12 +29,12 @@ def build_models(args):
         attn_pdrop=0.0, attn_implementation="sdpa",
     )  # fmt: skip
     hf = GPT2LMHeadModel(hf_cfg).train()
-    ours = GPT.from_hf(hf).train()  # same weights, so both do identical math
+    ours = from_hf(hf).train()  # same weights, so both do identical math
     return ours, hf
 
 
 def make_optimizer(model):
-    from megapipe.optim import decay_groups
+    from megapipe.train.optim import decay_groups
 
     return torch.optim.AdamW(decay_groups(model, 0.1), lr=1e-4, foreach=True)
 

@@ -30,8 +30,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from megapipe.pipeline import timeline  # noqa: E402
 from megapipe.pipeline.plot import save_timelines  # noqa: E402
-from megapipe.pipeline.schedules import placement  # noqa: E402
-from megapipe.pipeline.simulate import simulate  # noqa: E402
+from megapipe.plan.schedules import placement  # noqa: E402
+from megapipe.plan.simulate import simulate  # noqa: E402
 
 # the bench_pipeline model: compute dominates the 256 KB activations the ranks exchange
 MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
@@ -61,9 +61,9 @@ def spawn(world: int, fn, *args) -> list:
 def record(config: str, overrides: list[str], steps: int) -> list:
     """On each rank: train `steps` pipelined steps; every rank's spans of the last one."""
     from megapipe.config import load_config
-    from megapipe.data import build_data
-    from megapipe.mesh import init_distributed
-    from megapipe.optim import build_optimizer
+    from megapipe.data.loader import build_data
+    from megapipe.distributed.mesh import init_distributed
+    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.engine import Pipeline
 
     cfg = load_config(config, [*overrides, f"run.dir={tempfile.mkdtemp()}"])

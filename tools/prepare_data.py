@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megapipe.data import META_FILE, DataError
-from megapipe.data_prep import prepare
+from megapipe.data.loader import META_FILE, DataError
+from megapipe.data.prepare import prepare
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

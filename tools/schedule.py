@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megapipe.pipeline.actions import Action, Placement, Schedule, format_grid
-from megapipe.pipeline.schedules import SCHEDULES, build_schedule, placement
-from megapipe.pipeline.simulate import Costs, SimResult, simulate
-from megapipe.pipeline.validate import validate
+from megapipe.plan.actions import Action, Placement, Schedule, format_grid
+from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
+from megapipe.plan.simulate import Costs, SimResult, simulate
+from megapipe.plan.validate import validate
 
 CSV_COLUMNS = ["rank", "index", "kind", "microbatch", "chunk", "segment", "version"]
 

@@ -19,20 +19,20 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.config import Config
-from megapipe.data_parallel import finish_gradients
-from megapipe.mesh import rank_at
-from megapipe.optim import global_grad_norm
+from megapipe.parallel.data.reducer import finish_gradients
+from megapipe.distributed.mesh import rank_at
+from megapipe.train.optim import global_grad_norm
 from megapipe.pipeline import timeline
-from megapipe.pipeline.channels import arrival_order
+from megapipe.plan.channels import arrival_order
 from megapipe.pipeline.p2p import Message, StageLinks
-from megapipe.pipeline.partition import rank_blocks
+from megapipe.plan.partition import rank_blocks
 from megapipe.pipeline.pipedream import PipeDream
 from megapipe.pipeline.runtime import MicroBatch, PipelineRuntime
-from megapipe.pipeline.schedules import build_schedule, placement
-from megapipe.pipeline.segments import segment_bounds
-from megapipe.pipeline.simulate import Costs
-from megapipe.tensor_parallel.grad_sync import grads_counted_once
-from megapipe.trainer import (
+from megapipe.plan.schedules import build_schedule, placement
+from megapipe.parallel.autograd.segment_kv import segment_bounds
+from megapipe.plan.simulate import Costs
+from megapipe.parallel.tensor.grad_sync import grads_counted_once
+from megapipe.train.step import (
     Parallel,
     StepResult,
     autocast,

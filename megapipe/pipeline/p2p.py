@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megapipe.mesh import rank_at
-from megapipe.pipeline.actions import Placement
+from megapipe.distributed.mesh import rank_at
+from megapipe.plan.actions import Placement
 
 
 class Message(NamedTuple):

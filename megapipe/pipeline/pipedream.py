@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.data_parallel import finish_gradients
-from megapipe.optim import global_grad_norm, lr_at
-from megapipe.pipeline.actions import FULL_BACKWARD, Action
+from megapipe.parallel.data.reducer import finish_gradients
+from megapipe.train.optim import global_grad_norm, lr_at
+from megapipe.plan.actions import FULL_BACKWARD, Action
 from megapipe.pipeline.runtime import MicroBatch
-from megapipe.tensor_parallel.grad_sync import grads_counted_once
-from megapipe.trainer import StepResult, clip_and_step
+from megapipe.parallel.tensor.grad_sync import grads_counted_once
+from megapipe.train.step import StepResult, clip_and_step
 
 
 def version_plan(actions: list[Action]) -> tuple[set[int], dict[Action, list[int]]]:

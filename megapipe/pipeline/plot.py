@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from megapipe.pipeline.actions import Action
+from megapipe.plan.actions import Action
 
 Timeline = list[tuple[int, Action, float, float]]  # (rank, action, start, end)
 

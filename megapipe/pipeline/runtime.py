@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megapipe.pipeline.actions import (
+from megapipe.plan.actions import (
     FORWARD,
     FULL_BACKWARD,
     INPUT_GRAD,
@@ -34,10 +34,10 @@ from megapipe.pipeline.actions import (
     Action,
     Placement,
 )
-from megapipe.pipeline.outputs import backward_from, release_values
+from megapipe.parallel.autograd.outputs import backward_from, release_values
 from megapipe.pipeline.p2p import Message, StageLinks
-from megapipe.pipeline.segments import SegmentKV
-from megapipe.tensor_parallel.weight_grad import defer_weight_grads, run_weight_grads
+from megapipe.parallel.autograd.segment_kv import SegmentKV
+from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
 
 GRAD_KINDS = (INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
 

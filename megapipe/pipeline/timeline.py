@@ -20,8 +20,8 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-from megapipe.pipeline.actions import KINDS, Action
-from megapipe.pipeline.simulate import Costs
+from megapipe.plan.actions import KINDS, Action
+from megapipe.plan.simulate import Costs
 
 Span = tuple[str, float, float, float]  # (action text, t0, t1, wait): picklable, JSON-able
 Timeline = list[tuple[int, Action, float, float]]  # (rank, action, start, end), as simulate's

@@ -1,0 +1,201 @@
+"""Validation of a loaded `Config`: each rule raises a one-line `ConfigError` naming key and fix.
+
+All checks run before any process group exists, so bad input never hangs a collective.
+"""
+
+from __future__ import annotations
+
+from megapipe.config.schema import Config, ConfigError
+from megapipe.config.stages import check_partition
+from megapipe.plan.schedules import SCHEDULES
+from megapipe.plan.simulate import Costs
+
+ARCHS = ("gpt2", "llama")
+RECOMPUTE_MODES = ("none", "full", "selective")
+DTYPES = ("float32", "bfloat16")
+DATA_SOURCES = ("synthetic", "memmap")
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+def validate(cfg: Config) -> None:
+    _check_model(cfg)
+    _check_parallel(cfg)
+    check_partition(cfg)
+    _check_chunks(cfg)
+    _check_segments(cfg)
+    _check_pipedream(cfg)
+    _check_train(cfg)
+    _check_rest(cfg)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(cfg: Config, *names: str) -> None:
+    for name in names:
+        section, key = name.split(".")
+        value = getattr(getattr(cfg, section), key)
+        _require(value >= 1, f"{name} must be >= 1, got {value}")
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    _one_of("model.arch", m.arch, ARCHS)
+    _positive(cfg, "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len")
+    _require(m.vocab_size >= 2, f"model.vocab_size must be >= 2, got {m.vocab_size}")
+    _require(
+        m.d_model % m.n_heads == 0,
+        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}",
+    )
+    kv = m.n_kv_heads or m.n_heads
+    _require(
+        kv >= 1 and m.n_heads % kv == 0,
+        f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
+    )
+    if m.arch == "llama":
+        head_dim = m.d_model // m.n_heads
+        _require(head_dim % 2 == 0, f"llama needs an even head dim for RoPE, got {head_dim}")
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    _require(m.d_ff >= 0, f"model.d_ff must be >= 0 (0: default), got {m.d_ff}")
+
+
+def _check_parallel(cfg: Config) -> None:
+    p, m = cfg.parallel, cfg.model
+    _positive(cfg, "parallel.dp", "parallel.pp", "parallel.cp", "parallel.tp")
+    _positive(cfg, "parallel.vpp", "parallel.microbatches", "parallel.seq_segments")
+    _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
+    _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {p.timeout_s}")
+    _require(
+        m.n_heads % p.tp == 0,
+        f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
+    )
+    kv = m.n_kv_heads or m.n_heads
+    _require(
+        kv % p.tp == 0 or p.tp % kv == 0,
+        f"model.n_kv_heads={kv} and parallel.tp={p.tp}: one must divide the other "
+        "(kv heads are split over tp, or replicated when fewer than tp)",
+    )
+    if p.sequence_parallel:
+        _require(
+            m.seq_len % p.tp == 0,
+            f"parallel.sequence_parallel needs model.seq_len={m.seq_len} divisible by "
+            f"parallel.tp={p.tp}",
+        )
+    if p.cp > 1:
+        _require(
+            m.seq_len % (2 * p.cp) == 0,
+            f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp={2 * p.cp} "
+            "(zigzag sharding)",
+        )
+        _require(
+            m.dropout == 0.0,
+            f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring attention has no "
+            "attention dropout (it would not match one process); set model.dropout=0",
+        )
+        if p.sequence_parallel:
+            _require(
+                m.seq_len // p.cp % p.tp == 0,
+                f"parallel.sequence_parallel with parallel.cp={p.cp} needs the local sequence "
+                f"model.seq_len/cp={m.seq_len // p.cp} divisible by parallel.tp={p.tp}",
+            )
+    _require(
+        cfg.train.global_batch % (p.dp * p.microbatches) == 0,
+        f"train.global_batch={cfg.train.global_batch} must be divisible by "
+        f"parallel.dp·parallel.microbatches={p.dp * p.microbatches}",
+    )
+
+
+def _check_chunks(cfg: Config) -> None:
+    """Chunks per rank the schedule needs: its own rule in the schedule registry."""
+    p = cfg.parallel
+    if p.pp == 1:  # no pipeline: the schedule is not used
+        return
+    problem = SCHEDULES[p.schedule].chunk_problem(p.vpp, key="parallel.vpp")
+    _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
+    _check_schedule_costs(p.schedule_costs)
+
+
+def _check_schedule_costs(text: str) -> None:
+    """zb_v's costs: profile, unit, or positive F, B, W seconds (simulate.Costs.parse)."""
+    if text in ("profile", "unit"):
+        return
+    fix = "use profile, unit or F=..,B=..,W=.. (positive numbers)"
+    try:
+        costs = Costs.parse(text)
+    except ValueError as err:
+        raise ConfigError(f"parallel.schedule_costs={text!r}: {err}; {fix}") from None
+    _require(all(isinstance(c, float) and c > 0 for c in (costs.F, costs.B, costs.W)),
+             f"parallel.schedule_costs={text!r} needs F, B and W all > 0; {fix}")
+
+
+def _check_pipedream(cfg: Config) -> None:
+    """PipeDream (Narayanan et al. SOSP'19 §3.3): each stage steps on its own after every
+    microbatch, so parameters shared by two stages (a tied embedding) cannot stay one tensor."""
+    p = cfg.parallel
+    _one_of("parallel.weight_sync", p.weight_sync, ("stash", "vertical"))
+    _require(p.weight_sync == "stash" or "weight_sync" in SCHEDULES[p.schedule].options,
+             f"parallel.weight_sync={p.weight_sync} applies to parallel.schedule=pipedream_async "
+             f"only (got {p.schedule}); remove parallel.weight_sync")
+    _require(not (p.pp > 1 and p.schedule == "pipedream_async" and cfg.model.tie_embeddings),
+             "model.tie_embeddings=true with parallel.schedule=pipedream_async: the first and "
+             "last stage would update their copies at different times; set "
+             "model.tie_embeddings=false")
+
+
+def _check_segments(cfg: Config) -> None:
+    """Seq1F1B (Sun et al. 2024) cuts each sequence into parallel.seq_segments pieces, each a
+    multiple of tp under sequence parallelism; no other schedule reads the key."""
+    p, m = cfg.parallel, cfg.model
+    k, seq1f1b = p.seq_segments, SCHEDULES[p.schedule].segmented and p.pp > 1
+    _require(k == 1 or seq1f1b, f"parallel.seq_segments={k} is only used by "
+                                f"parallel.schedule=seq1f1b with parallel.pp > 1 (got "
+                                f"{p.schedule}, pp={p.pp}); set parallel.seq_segments=1")
+    if not seq1f1b:
+        return
+    _require(p.cp == 1, f"parallel.schedule=seq1f1b with parallel.cp={p.cp}: sequence segments "
+                        "under ring attention are not implemented; set parallel.cp=1")
+    unit = p.tp if p.sequence_parallel else 1
+    _require(m.seq_len >= k * unit,
+             f"parallel.seq_segments={k} needs model.seq_len={m.seq_len} >= {k * unit}: "
+             f"{k} non-empty segments" + (f" of a multiple of parallel.tp={p.tp} tokens "
+                                          "(sequence_parallel)" if unit > 1 else ""))
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    _positive(cfg, "train.steps", "train.global_batch", "train.eval_batches")
+    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _require(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr], got {t.min_lr}")
+    _require(0 <= t.warmup <= t.steps, f"train.warmup must be in [0, train.steps], got {t.warmup}")
+    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: off), got {t.grad_clip}")
+    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _one_of("train.dtype", t.dtype, DTYPES)
+    _require(
+        0 <= t.stop_at_step <= t.steps,
+        f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
+    )
+    _require(t.eval_interval >= 0, f"train.eval_interval must be >= 0, got {t.eval_interval}")
+
+
+def _check_rest(cfg: Config) -> None:
+    r = cfg.recompute
+    _one_of("recompute.mode", r.mode, RECOMPUTE_MODES)
+    _require(
+        0 <= r.layers <= cfg.model.n_layers,
+        f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",
+    )
+    _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    if cfg.data.source == "memmap":
+        _require(bool(cfg.data.path), "data.source=memmap needs data.path (a prepared dataset dir)")
+    c = cfg.checkpoint
+    _require(c.interval >= 0, f"checkpoint.interval must be >= 0 (0: off), got {c.interval}")
+    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
+    _require(bool(c.resume), "checkpoint.resume must be auto, none or a checkpoint path")
+    _one_of("log.wandb", cfg.log.wandb, WANDB_MODES)
+    _positive(cfg, "log.interval")

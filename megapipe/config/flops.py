@@ -1,0 +1,59 @@
+"""FLOP and parameter arithmetic of a config: the one place these formulas live.
+
+Used by the metrics (TFLOP/s, MFU), the cost partition and Seq1F1B's FLOP-balanced segments.
+"""
+
+from __future__ import annotations
+
+from megapipe.config.schema import Config
+from megapipe.plan.seq1f1b import balanced_segments
+
+
+def matmul_params(cfg: Config) -> int:
+    """Parameters that take part in a matmul per token: every layer weight plus the LM head.
+
+    Embedding lookups and norm gains cost no matmul FLOPs.
+    """
+    m, d = cfg.model, cfg.derived
+    hd = d.head_dim
+    attn = m.d_model * (m.n_heads + 2 * d.n_kv_heads) * hd + m.n_heads * hd * m.d_model
+    mlp = m.d_model * d.d_ff * (3 if m.arch == "llama" else 2)
+    return m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token: 6N plus attention's 12·L·d·T (PaLM, Chowdhery et al. 2022,
+    App. B), with N the matmul parameters."""
+    m = cfg.model
+    return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * m.seq_len
+
+
+def block_costs_from_flops(cfg: Config) -> list[float]:
+    """Training FLOPs (forward + backward) per token of each block: [E, layer × L, head].
+
+    A layer is 6·N_layer (matmuls, 2 forward + 4 backward) plus 12·d·T for attention scores and
+    values (PaLM, Chowdhery et al. 2022, App. B), as in flops_per_token. The head is 6·d·V plus
+    softmax + cross entropy (~10 element ops per vocab entry over forward and backward) and its
+    norm; the embedding is a lookup and its scatter-add backward, a few ops per channel: small
+    but not zero. Element-wise ops are memory-bound, so FLOPs understate them; profile
+    (pipeline.stages.profile_block_costs) when the head or embedding matter.
+    """
+    m = cfg.model
+    d, vocab = m.d_model, m.vocab_size
+    layer = 6.0 * (matmul_params(cfg) - d * vocab) / m.n_layers + 12.0 * d * m.seq_len
+    embed = 4.0 * d * (2 if m.arch == "gpt2" else 1)  # GPT-2 adds learned positions
+    head = 6.0 * d * vocab + 10.0 * vocab + 10.0 * d
+    return [embed] + [layer] * m.n_layers + [head]
+
+
+def segment_bounds(cfg: Config) -> list[tuple[int, int]]:
+    """[(s_i, e_i)] of the config's Seq1F1B segments: FLOP-balanced (Seq1F1B §3.3), lengths a
+    multiple of tp under sequence parallelism; [(0, T)] when unsegmented."""
+    m, p = cfg.model, cfg.parallel
+    if p.schedule != "seq1f1b" or p.seq_segments == 1:
+        return [(0, m.seq_len)]
+    granularity = p.tp if p.sequence_parallel else 1
+    split = balanced_segments(m.seq_len, p.seq_segments, matmul_params(cfg), m.n_layers,
+                              m.d_model, granularity)
+    ends = [sum(split.lengths[: i + 1]) for i in range(len(split.lengths))]
+    return list(zip([0, *ends[:-1]], ends))

@@ -1,0 +1,107 @@
+"""Strict YAML load and `--section.key=value` overrides, then validation (checks.py).
+
+An unknown key or a value of the wrong type is a one-line `ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+from typing import Any
+
+import yaml
+
+from megapipe.config.checks import validate
+from megapipe.config.schema import SECTIONS, Config, ConfigError
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (optional) then overrides `section.key=value`, in order; then validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(path)
+    cfg = from_dict(raw, source=path or "<defaults>")
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found; pass an existing --config FILE")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
+        raise ConfigError(f"{path}: invalid YAML near line {line}; fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return raw
+
+
+def from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    cfg = Config()
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section '{section}'; known: {_known(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys")
+        for key, value in values.items():
+            _set(cfg, section, key, value, source)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `section.key=value` (a leading `--` is allowed); the value is parsed as YAML."""
+    text = item[2:] if item.startswith("--") else item
+    name, sep, value_text = text.partition("=")
+    section, dot, key = name.partition(".")
+    if not sep or not dot:
+        raise ConfigError(f"override '{item}' must look like --section.key=value")
+    value = yaml.safe_load(value_text) if value_text.strip() else ""
+    _set(cfg, section, key, value, f"override '{item}'")
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"{source}: unknown section '{section}'; known: {_known(SECTIONS)}")
+    sub = getattr(cfg, section)
+    types = typing.get_type_hints(type(sub))
+    if key not in types:
+        raise ConfigError(f"{source}: unknown key '{section}.{key}'; known: {_known(types)}")
+    setattr(sub, key, _coerce(value, types[key], f"{section}.{key}", source))
+
+
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _coerce(value: Any, want: type, name: str, source: str) -> Any:
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is float and isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # e.g. checkpoint.resume=100 naming a directory
+    is_bool = isinstance(value, bool)
+    ok = is_bool if want is bool else isinstance(value, want) and not is_bool
+    if not ok:
+        raise ConfigError(
+            f"{source}: '{name}' must be {want.__name__}, got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _known(keys: Any) -> str:
+    return ", ".join(sorted(keys))
+
+
+def write_config(cfg: Config, path: str) -> None:
+    """Write the resolved config (atomically, so a crash never leaves half a file)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)
+

@@ -1,0 +1,80 @@
+"""The config's pipeline partition: plan.partition's arithmetic fed from the config, its errors
+as one-line ConfigErrors, and the split as `--dry-run` prints it.
+
+Every consumer (the pipeline's chunks, the dry run, the config checks) asks here, so what the
+dry run reports is the split training uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megapipe.config.flops import block_costs_from_flops
+from megapipe.config.schema import Config, ConfigError
+from megapipe.plan import partition as blocks
+from megapipe.plan.actions import Placement
+from megapipe.plan.schedules import placement as schedule_placement
+
+
+def partition(
+    cfg: Config, n_stages: int | None = None, costs: Sequence[float] | None = None
+) -> list[range]:
+    """One contiguous block range per global stage (default pp·vpp stages), covering 0..L+1."""
+    p = cfg.parallel
+    n_stages = p.pp * p.vpp if n_stages is None else n_stages
+    if costs is None and p.balance.strip() == "cost":
+        costs = block_costs_from_flops(cfg)
+    try:
+        return blocks.partition(cfg.model.n_layers, n_stages, p.balance, costs)
+    except ValueError as err:  # plan's errors already name the key and the fix
+        raise ConfigError(str(err)) from None
+
+
+def placement_of(cfg: Config) -> Placement:
+    """The placement of the configured schedule's chunks."""
+    return schedule_placement(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.vpp)
+
+
+def rank_blocks(
+    cfg: Config, rank: int, placement: Placement | None = None, costs: Sequence[float] | None = None
+) -> list[range]:
+    """Block ranges of each local chunk of pp rank `rank`: build chunk c with
+    `GPT(cfg.model, blocks=ranges[c])`. The placement defaults to the configured schedule's."""
+    placement = placement or placement_of(cfg)
+    stages = partition(cfg, placement.num_stages, costs)
+    return [stages[placement.stage(rank, chunk)] for chunk in range(placement.vpp)]
+
+
+def describe_partition(
+    cfg: Config, costs: Sequence[float] | None = None, placement: Placement | None = None
+) -> str:
+    """For --dry-run: one line per stage with its (rank, chunk), blocks and share of the cost."""
+    placement = placement or placement_of(cfg)
+    stages = partition(cfg, placement.num_stages, costs)
+    costs = block_costs_from_flops(cfg) if costs is None else costs
+    total, head = sum(costs), cfg.model.n_layers + 1
+    shares = [sum(costs[b] for b in stage) / total for stage in stages]
+    lines = [
+        f"partition (parallel.balance={cfg.parallel.balance}): {len(stages)} stages, "
+        f"slowest {max(shares) * len(stages):.2f}x the mean; layout {blocks.format_layout(stages)}"
+    ]
+    for stage, (held, share) in enumerate(zip(stages, shares)):
+        rank, chunk = placement.locate(stage)
+        text = blocks.stage_text(held, head)
+        lines.append(
+            f"  stage {stage:>2} (rank {rank}, chunk {chunk}): {text:<14} "
+            f"blocks {held.start:>3}-{held.stop - 1:<3} cost {share:6.1%}"
+        )
+    return "\n".join(lines)
+
+
+def check_partition(cfg: Config) -> None:
+    """Config check: ConfigError when pp·vpp stages cannot hold the blocks as balance asks."""
+    p = cfg.parallel
+    if p.balance.strip() == "cost":  # the DP always succeeds once the count fits
+        try:
+            blocks.check_stage_count(p.pp * p.vpp, cfg.model.n_layers)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    else:
+        partition(cfg)

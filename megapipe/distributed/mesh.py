@@ -1,0 +1,187 @@
+"""ParallelMesh: sizes, coordinates, process groups and pp neighbours of a DP × PP × CP × TP mesh.
+
+The rank grid is a pure function (picotron: `arange(world).view(pp, dp, cp, tp)`), tp varying
+fastest so a tp group sits on one node (Megatron, Narayanan et al. 2021 §3.3; BLOOM's
+8DP·12PP·4TP). Groups come from torch's DeviceMesh with axes ("pp", "dp", "cp", "tp"). The mesh
+is passed explicitly to whatever communicates; nothing here is a module-level group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import Config, ConfigError
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @staticmethod
+    def of(cfg: Config) -> MeshSizes:
+        p = cfg.parallel
+        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}"
+
+
+def rank_grid(pp: int, dp: int, cp: int, tp: int) -> torch.Tensor:
+    """Global ranks laid out as (pp, dp, cp, tp), tp fastest-varying."""
+    return torch.arange(pp * dp * cp * tp).view(pp, dp, cp, tp)
+
+
+def coords(rank: int, sizes: MeshSizes) -> dict[str, int]:
+    """{axis: coordinate} of `rank`."""
+    out, rest = {}, rank
+    for axis, size in reversed(list(zip(AXES, sizes.shape))):
+        out[axis], rest = rest % size, rest // size
+    return {axis: out[axis] for axis in AXES}
+
+
+def rank_at(sizes: MeshSizes, **where: int) -> int:
+    """The rank at the given coordinates (missing axes: 0)."""
+    rank = 0
+    for axis, size in zip(AXES, sizes.shape):
+        rank = rank * size + where.get(axis, 0)
+    return rank
+
+
+def pp_neighbours(rank: int, sizes: MeshSizes) -> tuple[int, int]:
+    """(previous, next) pipeline rank, wrapping around (interleaved schedules send last -> 0)."""
+    c = coords(rank, sizes)
+    prev = rank_at(sizes, **{**c, "pp": (c["pp"] - 1) % sizes.pp})
+    nxt = rank_at(sizes, **{**c, "pp": (c["pp"] + 1) % sizes.pp})
+    return prev, nxt
+
+
+def group_ranks(sizes: MeshSizes, axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group of ranks that differ only along `axes`, in a fixed order."""
+    grid = rank_grid(*sizes.shape)
+    keep = [i for i, axis in enumerate(AXES) if axis in axes]
+    other = [i for i, axis in enumerate(AXES) if axis not in axes]
+    n = 1
+    for i in keep:
+        n *= sizes.shape[i]
+    return grid.permute(*other, *keep).reshape(-1, n).tolist()
+
+
+def check_world_size(sizes: MeshSizes, world: int) -> None:
+    """One-line error when the launched world does not match the mesh (before any collective)."""
+    if world != sizes.world:
+        raise ConfigError(
+            f"world size {world} != dp·pp·cp·tp = {sizes.world} ({sizes}); launch "
+            f"{sizes.world} processes (torchrun --nproc_per_node) or change parallel.*"
+        )
+
+
+class ParallelMesh:
+    """This rank's view of the mesh: coordinates and the groups of each axis."""
+
+    def __init__(self, sizes: MeshSizes, device_type: str = "cpu",
+                 timeout_s: float | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        check_world_size(sizes, dist.get_world_size())
+        self.sizes, self.device_type = sizes, device_type
+        # New groups do not inherit the default group's timeout (torch gives them 30 min).
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self.rank = dist.get_rank()
+        self.coords = coords(self.rank, sizes)
+        self.device_mesh = init_device_mesh(device_type, sizes.shape, mesh_dim_names=AXES)
+        self.groups = {axis: self.device_mesh[axis].get_group() for axis in AXES}
+        self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        self.norm_group = self._new_group(("pp", "tp"))  # one copy of every parameter
+        self._set_timeouts()
+
+    def _set_timeouts(self) -> None:
+        """A dead peer fails every wait within the timeout, whatever group it waits in.
+        DeviceMesh takes no timeout, so its groups get it set after they exist."""
+        if self.timeout is None:
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for group in {*self.groups.values(), self.dp_cp_group}:
+            if group is not dist.group.WORLD:
+                _set_pg_timeout(self.timeout, group)
+
+    def _new_group(self, axes: tuple[str, ...]):
+        mine = None
+        for ranks in group_ranks(self.sizes, axes):  # every rank creates every group, in order
+            group = dist.new_group(ranks, timeout=self.timeout)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def size(self, axis: str) -> int:
+        return getattr(self.sizes, axis)
+
+    def coord(self, axis: str) -> int:
+        return self.coords[axis]
+
+    def group(self, axis: str):
+        return self.groups[axis]
+
+    @property
+    def replica_group(self):
+        """dp × cp: the ranks that hold the same weights and see different tokens, over which
+        gradients, the loss and the token count are summed."""
+        return self.dp_cp_group if self.sizes.cp > 1 else self.groups["dp"]
+
+    def pp_neighbours(self) -> tuple[int, int]:
+        return pp_neighbours(self.rank, self.sizes)
+
+    def __str__(self) -> str:
+        c = " ".join(f"{a}={self.coords[a]}" for a in AXES)
+        return f"mesh {self.sizes} (world {self.sizes.world}); rank {self.rank}: {c}"
+
+
+def init_distributed(cfg: Config) -> ParallelMesh | None:
+    """Under torchrun: check the world size, init the default group, build the mesh.
+
+    One process without torchrun and a 1-rank mesh: None (the plain single-process path).
+    """
+    sizes, timeout_s = MeshSizes.of(cfg), cfg.parallel.timeout_s
+    if dist.is_available() and dist.is_initialized():  # e.g. the test workers
+        check_world_size(sizes, dist.get_world_size())
+        return ParallelMesh(sizes, "cuda" if torch.cuda.is_available() else "cpu", timeout_s)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(sizes, world)
+    if world == 1:
+        return None
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
+
+
+def all_meshes(world: int) -> list[MeshSizes]:
+    """Every (pp, dp, cp, tp) factorisation of `world` (used by tests and the dry run)."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    return [
+        MeshSizes(pp, dp, cp, tp)
+        for pp, dp, cp, tp in itertools.product(divs, repeat=4)
+        if pp * dp * cp * tp == world
+    ]

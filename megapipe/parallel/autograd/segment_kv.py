@@ -1,0 +1,95 @@
+"""Seq1F1B's sequence segments at run time: the K/V of earlier segments, kept per layer.
+
+Seq1F1B (Sun et al. 2024, "Seq1F1B: Efficient Sequence-Level Pipeline Parallelism for LLM
+Training", §3) cuts each microbatch's sequence into k segments [s_i, e_i) and pipelines the
+(microbatch, segment) units. Under causal attention the queries of segment i (global positions
+[s_i, e_i)) see the keys [0, e_i): their own and those of every earlier segment of the same
+microbatch. So each attention layer keeps, per (microbatch, chunk), the K/V (after RoPE) that
+each segment's forward produced, for the segments after it.
+
+Gradients through the kept K/V (the schedule runs segment backwards k−1..0, seq1f1b.py):
+  - forward of segment j keeps its k_j, v_j (in j's autograd graph) with detached leaf copies
+    that require grad;
+  - forward of segment i > j attends over cat(leaves of segments < i, own k_i), so the
+    backward of i accumulates dK_j, dV_j into the leaves' .grad;
+  - backward of segment j is one autograd.backward over the roots [out_j, k_j, v_j of every
+    layer] with [grad_out_j, leaf grads]: what later segments sent into j's K/V flows through
+    j's own graph, and the parameter grads sum to those of one full-sequence backward.
+The runtime passes a segment's `SegmentScope` to the model's forward as an explicit argument
+(`GPT.forward(..., segment=)`), which hands it to each attention layer: the model knows nothing
+of pipelining. Before the segment's backward its scope stops keeping, so a full-recompute rerun
+of a layer (which replays the forward with the same arguments) reads the same leaves and keeps
+nothing. Under sequence parallelism a segment is a multiple of tp tokens, split over tp like a
+whole sequence; segments under cp (ring attention) are refused by the config checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.parallel.autograd.outputs import backward_from
+
+@dataclass
+class _Kept:
+    """One layer's K/V of one segment: graph tensors (backward roots) and leaves (read later)."""
+
+    k: torch.Tensor  # (B, Hkv/tp, n_j, hd)
+    v: torch.Tensor
+    k_leaf: torch.Tensor
+    v_leaf: torch.Tensor
+
+
+@dataclass
+class SegmentScope:
+    """What attention receives for one segment's forward: `extend` its K/V with the earlier
+    segments' kept leaves."""
+
+    store: SegmentKV
+    segment: int
+    keep: bool = True  # forward: keep this segment's K/V; from its backward on (recompute): read
+
+    def extend(self, layer: object, k: torch.Tensor, v: torch.Tensor):
+        """(B, Hkv, n_i, hd) K/V of this segment -> (B, Hkv, e_i, hd) with earlier segments'."""
+        kept = self.store.layers.setdefault(layer, {})
+        if self.keep:
+            kept[self.segment] = _Kept(k, v, _leaf(k), _leaf(v))
+        earlier = [kept[j] for j in range(self.segment)]
+        if not earlier:
+            return k, v
+        return (torch.cat([e.k_leaf for e in earlier] + [k], dim=2),
+                torch.cat([e.v_leaf for e in earlier] + [v], dim=2))
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
+class SegmentKV:
+    """The kept K/V of one (microbatch, chunk): {attention layer: {segment: _Kept}}."""
+
+    def __init__(self) -> None:
+        self.layers: dict[object, dict[int, _Kept]] = {}
+        self.scopes: dict[int, SegmentScope] = {}
+
+    def scope(self, segment: int) -> SegmentScope:
+        """The context to pass to the model's forward of `segment` (one per segment)."""
+        scope = self.scopes[segment] = SegmentScope(self, segment)
+        return scope
+
+    def backward(self, segment: int, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Backward of `segment` from its output and its K/V (the grads later segments left)."""
+        roots, grads = [out], [grad]
+        for kept in self.layers.values():
+            e = kept.pop(segment)
+            for t, leaf in ((e.k, e.k_leaf), (e.v, e.v_leaf)):
+                if leaf.grad is not None:  # None for the last segment: nothing read it
+                    roots.append(t)
+                    grads.append(leaf.grad)
+        self.scopes.pop(segment).keep = False  # a recompute inside reads, keeps nothing
+        backward_from(roots, grads)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.layers.values())

@@ -1,0 +1,249 @@
+"""Context parallelism: ring attention over the cp group, with zigzag sharding for causal masks.
+
+Each cp rank holds a slice of every sequence: q, k, v of shape (B, H, T/cp, hd). Key/value
+blocks travel around the ring, each rank attending its queries to one block per step; the next
+transfer is started before the current block is computed, so communication hides behind compute
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3; the ring idea is from Li et al.
+2021, "Sequence Parallelism", arXiv 2105.13120). Partial results merge by log-sum-exp (online
+softmax, Milakov & Gimelshein 2018), so a rank holds O(s/cp) attention state, never O(s).
+The backward runs the ring again: dK/dV accumulators travel with the blocks and arrive home
+after cp steps; each block's probabilities are recomputed from the saved log-sum-exp.
+
+Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
+2cp−1−r, so every rank computes the same number of unmasked scores (Brandon et al. 2023,
+"Striped Attention", balance by permutation; this chunk pairing is the one of Llama 3's context
+parallelism, Dubey et al. 2024, §3.3.2). Per (q chunk a, kv chunk b): b < a full, b = a causal
+diagonal, b > a skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megapipe.parallel.context.zigzag import local_chunks
+from megapipe.parallel.context.kernels import Block, BlockKernel, pick_kernel, plan_step
+
+KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
+
+
+@dataclass
+class RingStats:
+    """What one rank's ring attention did: work (balance test) and per-step timings (bench).
+
+    Timings are host wall-clock; on CUDA the device is synchronised at each mark, which
+    serialises the overlap: collect them for benchmarks only.
+    """
+
+    blocks: int = 0  # (q chunk, kv chunk) pairs attended in forward
+    scores: int = 0  # unmasked q·k scores computed in forward (forward FLOPs = 4·hd·scores)
+    calls: int = 0  # kernel calls in forward
+    steps: list = field(default_factory=list)  # (pass, step, compute_s, wait_s) per ring step
+
+    def count(self, block: Block, chunk: int) -> None:
+        nq, nk = block.q1 - block.q0, block.k1 - block.k0
+        self.calls += 1
+        if block.causal:  # ascending ids on both sides: the pairs with b <= a
+            self.blocks += nq * (nq + 1) // 2
+            self.scores += nq * chunk * (nq * chunk + 1) // 2
+        else:
+            self.blocks += nq * nk
+            self.scores += nq * nk * chunk * chunk
+
+    def seconds(self, pass_: str, what: str) -> float:
+        """Total "compute" or "wait" seconds of the "fwd" or "bwd" pass."""
+        col = {"compute": 2, "wait": 3}[what]
+        return sum(s[col] for s in self.steps if s[0] == pass_)
+
+
+# ---------------------------------------------------------------- the ring
+
+
+class RingComm:
+    """Neighbours of this rank on the cp ring: send to rank+1, receive from rank−1."""
+
+    def __init__(self, group, stats: RingStats | None, device: torch.device) -> None:
+        self.group, self.stats, self.device = group, stats, device
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, tensors, tag: int):
+        """Send tensors on and receive the previous rank's into fresh buffers (non-blocking)."""
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in recv]
+        return dist.batch_isend_irecv(ops), recv, tensors  # sent tensors live until the wait
+
+    def wait(self, pending) -> list[torch.Tensor]:
+        works, recv, _ = pending
+        for w in works:
+            w.wait()
+        return recv
+
+    def now(self) -> float:
+        if self.stats is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def record(self, pass_: str, step: int, t0: float, t1: float) -> None:
+        if self.stats is not None:
+            self.stats.steps.append((pass_, step, t1 - t0, self.now() - t1))
+
+
+def _merge(out, lse, blk_out, blk_lse) -> None:
+    """Fold one block into the running (out, lse) of its rows, in place: online softmax."""
+    new = torch.logaddexp(lse, blk_lse)  # (B, H, Tq)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.add_(blk_out.to(out.dtype) * torch.exp(blk_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _ring_forward(q, k, v, ring: RingComm, plans, chunk: int, kernel: BlockKernel, scale: float):
+    """Attend q to every kv block as it passes; returns out (acc dtype) and lse (B, H, T/cp)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, T/cp, hd)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=acc, device=q.device)  # (B, H, T/cp)
+    kv = [k, v]
+    for step, blocks in enumerate(plans):
+        t0 = ring.now()
+        pending = ring.start(kv, KV_TAG) if step < len(plans) - 1 else None  # double buffer
+        for b in blocks:
+            qs, ks = b.slices(chunk)
+            o_b, l_b = kernel.forward(
+                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], b.causal, scale
+            )
+            _merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
+            if ring.stats is not None:
+                ring.stats.count(b, chunk)
+        t1 = ring.now()
+        if pending is not None:
+            kv = ring.wait(pending)
+        ring.record("fwd", step, t0, t1)
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel, scale):
+    """Recompute each block's P from the saved lse; dK/dV ride the ring home (cp hops)."""
+    dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)  # (B, H, T/cp, hd)
+    kv, dkv_pending = [k, v], None
+    for step, blocks in enumerate(plans):
+        t0 = ring.now()
+        kv_pending = ring.start(kv, KV_TAG) if step < len(plans) - 1 else None
+        dkv = [torch.zeros(k.shape, dtype=lse.dtype, device=k.device) for _ in range(2)]
+        for b in blocks:
+            qs, ks = b.slices(chunk)
+            rows = [t[:, :, qs] for t in (dout, q, out, lse)]  # (B, H, n·chunk, ...)
+            cols = [t[:, :, ks] for t in kv]  # (B, Hkv, m·chunk, hd)
+            d_q, d_k, d_v = kernel.backward(*rows[:2], *cols, *rows[2:], b.causal, scale)
+            dq[:, :, qs] += d_q
+            dkv[0][:, :, ks] += d_k
+            dkv[1][:, :, ks] += d_v
+        t1 = ring.now()
+        if dkv_pending is not None:  # this block's accumulators from the ranks before us
+            for d, r in zip(dkv, ring.wait(dkv_pending)):
+                d += r
+        dkv_pending = ring.start(dkv, DKV_TAG)  # overlaps the next step's compute
+        if kv_pending is not None:
+            kv = ring.wait(kv_pending)
+        ring.record("bwd", step, t0, t1)
+    t1 = ring.now()
+    dk, dv = ring.wait(dkv_pending)  # our own block's dK/dV, home after cp hops
+    ring.record("bwd", len(plans), t1, t1)
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    """kv ring + log-sum-exp merge fwd / kv ring + dK,dV ring home bwd (Liu et al. 2023)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, plans, chunk, kernel, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _ring_forward(q, k, v, ring, plans, chunk, kernel, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # all O(T/cp): no rank holds O(T) state
+        ctx.args = (ring, plans, chunk, kernel, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _check_inputs(q, k, v, attn_mask) -> None:
+    if attn_mask is not None:
+        raise ValueError("ring_attention: attn_mask is not supported; use causal=True or False")
+    if (
+        q.dim() != 4
+        or k.shape != v.shape
+        or (q.shape[0], *q.shape[2:]) != (k.shape[0], *k.shape[2:])
+    ):
+        raise ValueError(
+            f"ring_attention: want q (B, H, T, hd), k = v (B, Hkv, T, hd); "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"ring_attention: {q.shape[1]} query heads not a multiple of {k.shape[1]} kv heads"
+        )
+
+
+def _check_ring(q, cp: int, zigzag: bool, dropout_p: float) -> None:
+    if dropout_p > 0:
+        raise ValueError(
+            f"ring_attention: dropout_p={dropout_p} is not supported with cp={cp} "
+            "(blockwise dropout would not match one process); set model.dropout=0"
+        )
+    if zigzag and q.shape[2] % 2:
+        raise ValueError(
+            f"ring_attention: zigzag needs seq_len % (2·cp) == 0, got local "
+            f"T/cp={q.shape[2]} (odd) with cp={cp}"
+        )
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    cp_group,
+    causal: bool = True,
+    zigzag: bool = True,
+    scale=None,
+    *,
+    dropout_p: float = 0.0,
+    attn_mask=None,
+    kernel: str | None = None,
+    stats: RingStats | None = None,
+) -> torch.Tensor:
+    """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
+
+    q, k, v hold this cp rank's slice of the sequence (zigzag chunks r and 2cp−1−r when zigzag,
+    else the r-th contiguous slice); k, v may have fewer heads (GQA). cp_group None or of size 1
+    is `scaled_dot_product_attention` itself. kernel names a `ring_kernels.KERNELS` entry
+    (default: by device and dtype); stats, when given, collects work counts and timings.
+    """
+    _check_inputs(q, k, v, attn_mask)
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if cp == 1:
+        if stats is not None:
+            stats.count(Block(0, 1, 0, 1, causal), q.shape[2])
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    _check_ring(q, cp, zigzag, dropout_p)
+    ring = RingComm(cp_group, stats, q.device)
+    mine = local_chunks(cp, ring.rank, zigzag)
+    plans = [
+        plan_step(mine, local_chunks(cp, (ring.rank - s) % cp, zigzag), causal) for s in range(cp)
+    ]  # step s holds the kv block of rank r − s
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kern = pick_kernel(q, kernel)
+    return _RingAttention.apply(q, k, v, ring, plans, q.shape[2] // len(mine), kern, scale)

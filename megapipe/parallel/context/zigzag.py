@@ -1,0 +1,88 @@
+"""Zigzag sharding of sequences over the cp axis, and this rank's place on that axis.
+
+Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
+2cp−1−r, so every rank computes the same number of unmasked scores (Brandon et al. 2023,
+"Striped Attention"; this pairing is Llama 3's context parallelism, Dubey et al. 2024, §3.3.2).
+The data loader cuts inputs and targets this way; ring.py attends over the cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_zigzag(seq_len: int, cp: int) -> None:
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"zigzag sharding needs seq_len % (2·cp) == 0, got seq_len={seq_len}, cp={cp}: "
+            f"make the sequence length a multiple of {2 * cp}"
+        )
+
+
+def zigzag_chunks(cp: int, rank: int) -> list[int]:
+    """The two of 2·cp chunks a rank holds: r and 2cp−1−r (ascending)."""
+    return [rank, 2 * cp - 1 - rank]
+
+
+def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (T/cp,) held by a cp rank under zigzag sharding; RoPE positions follow these."""
+    _check_zigzag(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunks(cp, rank)])
+
+
+def zigzag_shard(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
+    """This rank's zigzag slice of x along dim: (…, T, …) -> (…, T/cp, …)."""
+    _check_zigzag(x.shape[dim], cp)
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in zigzag_chunks(cp, rank)], dim=dim)
+
+
+def zigzag_unshard(parts: list[torch.Tensor], cp: int, dim: int) -> torch.Tensor:
+    """Inverse of zigzag_shard: the cp rank slices (in rank order) back to the sequence."""
+    chunks: list = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        lo, hi = part.chunk(2, dim=dim)
+        chunks[rank], chunks[2 * cp - 1 - rank] = lo, hi
+    return torch.cat(chunks, dim=dim)
+
+
+def local_chunks(cp: int, rank: int, zigzag: bool) -> list[int]:
+    """Global chunk ids held by a rank: zigzag (2·cp chunks) or contiguous (cp chunks)."""
+    return zigzag_chunks(cp, rank) if zigzag else [rank]
+
+
+@dataclass(frozen=True)
+class CPInfo:
+    """This rank's place on the context-parallel axis (size 1: the whole sequence is local).
+
+    Under cp > 1 every sequence is zigzag-sharded: this rank holds positions
+    `positions(T)` of each sequence, its attention runs the ring over `group`, and gradients
+    are summed over dp × cp (each cp rank saw different tokens of the same rows).
+    """
+
+    size: int = 1
+    rank: int = 0
+    group: object = None  # torch.distributed ProcessGroup when size > 1
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global positions (T/cp,) of this rank's tokens: RoPE and learned positions use them."""
+        if self.size == 1:
+            return torch.arange(seq_len, device=device)
+        return zigzag_indices(seq_len, self.size, self.rank).to(device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's zigzag slice of full sequences x along `dim` (the data loader's cut)."""
+        return x if self.size == 1 else zigzag_shard(x, self.size, self.rank, dim)
+
+
+NO_CP = CPInfo()
+
+
+def cp_info(mesh) -> CPInfo:
+    """CPInfo of this rank of `mesh`: its zigzag slice of every sequence and the ring's group."""
+    if mesh is None or mesh.size("cp") == 1:
+        return NO_CP
+    return CPInfo(mesh.size("cp"), mesh.coord("cp"), mesh.group("cp"))

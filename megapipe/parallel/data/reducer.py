@@ -1,0 +1,108 @@
+"""Data-parallel gradient reduction: flat buckets, all-reduced while backward still runs.
+
+PyTorch DDP (Li et al. 2020, §3.2): parameters are packed in reverse registration order (about
+the order backward produces their grads) into flat float32 buckets of ~`bucket_mb` MB. During
+the last microbatch's backward a post-accumulate-grad hook counts each bucket's arrivals; a full
+bucket (and every bucket before it, so all ranks launch in one order) starts an asynchronous
+all-reduce, overlapping communication with the rest of backward. Earlier microbatches run under
+`no_sync()`: their grads just accumulate. `finish()` waits and writes the sums back.
+Grads are summed, not averaged: the loss is already divided by the global token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.distributed import collectives as C
+from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    arrived: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+    launched_in_backward: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.arrived == len(self.params)
+
+
+@dataclass
+class GradReducer:
+    """Bucketed, overlapped sum of gradients over `group` (the dp or dp×cp group)."""
+
+    model: nn.Module
+    group: object
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    buckets: list[Bucket] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.syncing, self.next_launch = True, 0
+        params = [p for p in self.model.parameters() if p.requires_grad][::-1]
+        limit = self.bucket_mb * 2**20
+        current, size = [], 0
+        for p in params:
+            current.append(p)
+            size += p.numel() * 4
+            if size >= limit:
+                self.buckets.append(Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(Bucket(current))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward without communication (all microbatches but the last)."""
+        self.syncing = False
+        try:
+            yield
+        finally:
+            self.syncing = True
+
+    def _arrived(self, param: nn.Parameter) -> None:
+        if not self.syncing:
+            return
+        self.bucket_of[id(param)].arrived += 1
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].ready:
+            self._launch(self.buckets[self.next_launch], in_backward=True)
+
+    def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.detach().float().flatten() for g in grads])
+        C.count("all_reduce", bucket.flat)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.launched_in_backward = in_backward
+        self.next_launch += 1
+
+    def finish(self) -> None:
+        """Launch what backward did not (unused params), wait, and write the sums back."""
+        while self.next_launch < len(self.buckets):
+            self._launch(self.buckets[self.next_launch], in_backward=False)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            sizes = [p.numel() for p in bucket.params]
+            for p, chunk in zip(bucket.params, bucket.flat.split(sizes)):
+                p.grad = chunk.view_as(p).to(p.dtype)
+        self.overlapped = sum(b.launched_in_backward for b in self.buckets)
+        for bucket in self.buckets:
+            bucket.arrived, bucket.flat, bucket.work = 0, None, None
+        self.next_launch = 0
+
+
+def finish_gradients(model: nn.Module, reducer: GradReducer | None) -> None:
+    """Step 3 of design.md's training step: dp(×cp) sum, then the tp sum of partial grads."""
+    if reducer is not None:
+        reducer.finish()
+    sync_tp_partial_grads(model)

@@ -1,0 +1,29 @@
+"""Logical (unsharded) tensors from tp shards: for parity tests, export and inspection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megapipe.distributed import collectives as C
+from megapipe.parallel.tensor.sharding import unshard
+from megapipe.parallel.tensor.layers import sharded_params
+
+
+@torch.no_grad()
+def gather_logical(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """{logical name: full tensor} of the parameters (or their grads) on every tp rank.
+
+    A collective over each module's tp group: every tp rank must call it.
+    """
+    out = {}
+    for name, param, shape, spec, tp in sharded_params(model):
+        local = param.grad if grads else param.data
+        if local is None:
+            continue
+        if tp.size == 1 or spec.dim is None:
+            out[name] = local.detach().clone()
+            continue
+        shards = C.all_gather(local.detach().unsqueeze(0), 0, tp.group)
+        out[name] = unshard(spec, list(shards.unbind(0)), shape)
+    return out

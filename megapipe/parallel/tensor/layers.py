@@ -1,0 +1,174 @@
+"""Tensor-parallel linear and embedding layers (Megatron-LM, Shoeybi et al. 2019, §3).
+
+With sequence parallelism (Korthikanti et al. 2022, §4.2.2) the column linear's f becomes an
+all-gather along the sequence and the row linear's g a reduce-scatter along it, so norms and
+dropout between them run on this rank's sequence chunk.
+
+With `TPInfo()` (size 1) each layer is exactly nn.Linear / nn.Embedding, so the single-process
+model is written against these classes and tensor parallelism only changes `tp`.
+Every layer records, per parameter, its logical shape and `ShardSpec`, used by initialisation
+and checkpoints to go between logical (unsharded) tensors and this rank's shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
+from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
+from megapipe.parallel.autograd.weight_grad import linear
+
+
+class ShardedModule(nn.Module):
+    """A module whose parameters have logical shapes and shard specs (see sharding.py)."""
+
+    def __init__(self, tp: TPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        self.wgrad_queue: dict = {}  # Zero Bubble: weight-grad work deferred to W (weight_grad)
+        self.logical_shapes: dict[str, tuple[int, ...]] = {}
+        self.shard_specs: dict[str, ShardSpec] = {}
+
+    def _add_param(self, name: str, shape: tuple[int, ...], spec: ShardSpec, tp: TPInfo) -> None:
+        local = list(shape)
+        if spec.dim is not None:
+            local[spec.dim] = spec.local_size(tp.size)
+        self.register_parameter(name, nn.Parameter(torch.empty(local)))
+        self.logical_shapes[name] = tuple(shape)
+        self.shard_specs[name] = spec
+
+
+class ColumnParallelLinear(ShardedModule):
+    """y = x Aᵀ + b with the rows of A (output features) split over tp.
+
+    `out_features` may be a list of segments (q | k | v, or gate | up); each segment is split
+    over tp separately, in units of `unit` rows (a head), so a fused projection shards by head.
+    Input: f (identity fwd / all-reduce bwd), or with SP all-gather along the sequence fwd /
+    reduce-scatter bwd. Output: this rank's features, or all of them with `gather_output`.
+    The weight grad can be deferred to a Zero Bubble W action (weight_grad.py).
+    `pad` zero-pads a segment tp does not divide (the LM head over a vocab tp does not divide).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | Sequence[int],
+        bias: bool = True,
+        tp: TPInfo = NO_TP,
+        unit: int = 1,
+        gather_output: bool = False,
+        pad: bool = False,
+    ) -> None:
+        super().__init__(tp)
+        segments = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        self.gather_output = gather_output
+        spec = ShardSpec(dim=0, segments=segments, unit=unit, pad=pad)
+        self._add_param("weight", (sum(segments), in_features), spec, tp)
+        if bias:
+            self._add_param("bias", (sum(segments),), spec, tp)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(ShardedModule):
+    """y = x Aᵀ + b with the columns of A (input features) split over tp.
+
+    Input: this rank's features. Output: g (all-reduce fwd / identity bwd), or with SP
+    reduce-scatter along the sequence fwd / all-gather bwd; the bias is added once, after.
+    """
+
+    def __init__(
+        self,
+        in_features: int | Sequence[int],
+        out_features: int,
+        bias: bool = True,
+        tp: TPInfo = NO_TP,
+        unit: int = 1,
+    ) -> None:
+        super().__init__(tp)
+        segments = (in_features,) if isinstance(in_features, int) else tuple(in_features)
+        self._add_param("weight", (out_features, sum(segments)), ShardSpec(1, segments, unit), tp)
+        if bias:
+            self._add_param("bias", (out_features,), REPLICATED, tp)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = exit_row(linear(x, self.weight, None, self), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(ShardedModule):
+    """Token embedding with the vocabulary rows split over tp (Megatron §3).
+
+    Each rank looks up the ids in its row range, zeroes the rest, and the partial results are
+    all-reduced (g), or with SP reduce-scattered along the sequence. A vocab tp does not divide
+    is zero-padded to ceil(V/tp) rows per rank; padding rows are never looked up.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPInfo = NO_TP) -> None:
+        super().__init__(tp)
+        self.vocab_size = vocab_size
+        self._add_param("weight", (vocab_size, dim), ShardSpec(0, (vocab_size,), pad=True), tp)
+        self.vocab_start = tp.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return exit_row(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+
+
+class ReplicatedEmbedding(ShardedModule):
+    """An embedding table every tp rank holds whole (learned positions)."""
+
+    def __init__(self, num: int, dim: int, tp: TPInfo = NO_TP) -> None:
+        super().__init__(tp)
+        self._add_param("weight", (num, dim), REPLICATED, tp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LayerNorm(ShardedModule):
+    """LayerNorm (GPT-2) with replicated weight and bias."""
+
+    def __init__(self, dim: int, eps: float, tp: TPInfo = NO_TP) -> None:
+        super().__init__(tp)
+        self.eps = eps
+        self._add_param("weight", (dim,), REPLICATED, tp)
+        self._add_param("bias", (dim,), REPLICATED, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(ShardedModule):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like Llama's reference."""
+
+    def __init__(self, dim: int, eps: float, tp: TPInfo = NO_TP) -> None:
+        super().__init__(tp)
+        self.eps = eps
+        self._add_param("weight", (dim,), REPLICATED, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+
+
+def sharded_params(model: nn.Module):
+    """(logical name, parameter, logical shape, shard spec) for every parameter of `model`."""
+    for mod_name, module in model.named_modules():
+        for local, param in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{local}" if mod_name else local
+            shape, spec = module.logical_shapes[local], module.shard_specs[local]
+            yield name, param, shape, spec, module.tp

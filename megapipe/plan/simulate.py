@@ -1,0 +1,144 @@
+"""Discrete-event simulation of a pipeline schedule: the planner's cost model.
+
+Semantics are walk.py's (shared with validate.py): each rank runs its list in order, sends are
+asynchronous, an action starts when its rank is free and its inputs have arrived (producer end + ``comm`` when
+the producer is another rank). With fixed per-rank orders the start times are a longest-path
+problem, so the result does not depend on the order in which ranks are visited.
+
+Units
+- Costs ``F``, ``B``, ``W`` (and ``BW``, default B+W) are for one microbatch through one rank's
+  whole share of layers; a chunk action costs 1/v of it (or give one value per chunk), a Seq1F1B
+  segment costs its FLOPs share. ``first_stage``/``last_stage`` add the embedding / LM head + loss
+  cost to the F and to the input-grad backward (B or BW) of global stage 0 / the last stage.
+- Activation memory (``peak_inflight``) is in "one microbatch's activations for one full rank
+  share": a chunk counts 1/v, a segment its token fraction. A unit is live from the start of its F
+  to the end of its W (B/W split; the Zero Bubble paper also keeps activations until W, §3.1) or
+  of its BW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megapipe.plan.actions import (
+    FORWARD,
+    FULL_BACKWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+    Schedule,
+)
+from megapipe.plan.walk import walk
+
+Cost = float | tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-action costs (see module docstring for units)."""
+
+    F: Cost = 1.0
+    B: Cost = 1.0
+    W: Cost = 1.0
+    BW: Cost | None = None  # full backward; None means B + W
+    comm: float = 0.0  # p2p latency between different ranks
+    first_stage: float = 0.0  # embedding, added to F and B/BW of stage 0
+    last_stage: float = 0.0  # LM head + loss, added to F and B/BW of the last stage
+
+    def base(self, kind: str, chunk: int, vpp: int) -> float:
+        if kind == FULL_BACKWARD and self.BW is None:
+            return self.base(INPUT_GRAD, chunk, vpp) + self.base(WEIGHT_GRAD, chunk, vpp)
+        value = {FORWARD: self.F, INPUT_GRAD: self.B, WEIGHT_GRAD: self.W, FULL_BACKWARD: self.BW}[
+            kind
+        ]
+        if isinstance(value, tuple):
+            return float(value[chunk])
+        return float(value) / vpp
+
+    @staticmethod
+    def parse(text: str) -> Costs:
+        """``"F=1,B=1.2,W=0.8,comm=0.1"`` -> Costs (keys: F, B, W, BW, comm, first, last)."""
+        names = {"F": "F", "B": "B", "W": "W", "BW": "BW", "comm": "comm",
+                 "first": "first_stage", "last": "last_stage"}
+        values = {}
+        for item in filter(None, text.split(",")):
+            key, _, raw = item.partition("=")
+            if key.strip() not in names:
+                raise ValueError(f"unknown cost key {key!r}: use {', '.join(names)}")
+            values[names[key.strip()]] = float(raw)
+        return Costs(**values)
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]
+    idle: list[float]
+    bubble_fraction: float  # 1 - sum(busy) / (pp * makespan)
+    peak_inflight: list[float]
+    timeline: list[tuple[int, Action, float, float]] = field(repr=False)
+
+
+def _segment_shares(schedule: Schedule, shares: list[float] | None) -> list[float]:
+    k = 1 + max((a.seg for acts in schedule.values() for a in acts), default=0)
+    shares = list(shares) if shares is not None else [1.0 / k] * k
+    if len(shares) != k:
+        raise ValueError(f"{len(shares)} segment shares given for {k} segments")
+    return shares
+
+
+def action_cost(action: Action, stage: int, costs: Costs, placement: Placement,
+                flop_shares: list[float]) -> float:
+    cost = costs.base(action.kind, action.chunk, placement.vpp)
+    if action.kind in (FORWARD, INPUT_GRAD, FULL_BACKWARD):
+        cost += costs.first_stage * (stage == 0)
+        cost += costs.last_stage * (stage == placement.num_stages - 1)
+    return cost * flop_shares[action.seg]
+
+
+def simulate(schedule: Schedule, costs: Costs, placement: Placement,
+             flop_shares: list[float] | None = None,
+             token_shares: list[float] | None = None) -> SimResult:
+    """Simulate ``schedule``; shares are per Seq1F1B segment (default: equal)."""
+    flop_shares = _segment_shares(schedule, flop_shares)
+    token_shares = _segment_shares(schedule, token_shares)
+    free_at = {rank: 0.0 for rank in schedule}
+    timeline: list[tuple[int, Action, float, float]] = []
+
+    def run(rank: int, a: Action, stage: int, needs: list, finished: dict) -> tuple[float, int]:
+        """Start when the rank is free and every input has arrived; record (end, rank)."""
+        ready = max([free_at[rank]] + [
+            finished[e][0] + (costs.comm if finished[e][1] != rank else 0.0) for e in needs])
+        end = ready + action_cost(a, stage, costs, placement, flop_shares)
+        timeline.append((rank, a, ready, end))
+        free_at[rank] = end
+        return end, rank
+
+    walk(schedule, placement, run)
+    return _summarise(schedule, timeline, placement, token_shares)
+
+
+def _summarise(schedule, timeline, placement, token_shares) -> SimResult:
+    pp = len(schedule)
+    makespan = max((end for *_, end in timeline), default=0.0)
+    busy = [0.0] * pp
+    deltas: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    for rank, a, start, end in timeline:
+        busy[rank] += end - start
+        size = token_shares[a.seg] / placement.vpp
+        if a.kind == FORWARD:
+            deltas[rank].append((start, size))
+        elif a.kind in (WEIGHT_GRAD, FULL_BACKWARD):
+            deltas[rank].append((end, -size))
+    peaks = []
+    for events in deltas:
+        live = peak = 0.0
+        for _, delta in sorted(events):  # frees sort before allocations at equal times
+            live += delta
+            peak = max(peak, live)
+        peaks.append(round(peak, 9))
+    idle = [makespan - b for b in busy]
+    bubble = 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0
+    timeline.sort(key=lambda item: (item[2], item[0]))
+    return SimResult(makespan, busy, idle, bubble, peaks, timeline)

@@ -1,0 +1,327 @@
+"""Checkpoints: save and resume everything a run needs to continue bit for bit.
+
+Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
+  .metadata, *.distcp   model and optimizer tensors via torch.distributed.checkpoint, keyed by
+                        logical names (`model.layers.3.attn.qkv.weight`, `optim.<name>.exp_avg`)
+                        with their logical shapes: under tp each rank writes the pieces of its
+                        shard as a ShardedTensor (offsets from ShardSpec; padding rows dropped;
+                        a replicated kv head and dp/cp replicas written once), and a load reads
+                        each logical tensor whole and shards it, so a later reshard is a
+                        relaxation of the mesh check only. Under pp each rank writes the
+                        tensors of its chunks; the tied embedding that the last stage also
+                        holds (Megatron's shared word embeddings) is written by stage 0 only
+                        and restored into both copies
+  rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
+  config.yaml           the resolved config of the run that wrote it
+  meta.json             step, mesh, LR schedule, sampler position; written last
+A checkpoint is written under `step_N.tmp` and renamed when complete, so a crash never leaves a
+half-written `step_N`, and older checkpoints are pruned only after the new one exists.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import warnings
+from dataclasses import asdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megapipe.config import Config, ConfigError, write_config
+from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.parallel.tensor.layers import sharded_params
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt or incompatible checkpoint; the message is one line."""
+
+
+def checkpoint_root(cfg: Config) -> str:
+    return cfg.checkpoint.dir or os.path.join(cfg.run.dir, "checkpoints")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _rank() -> int:
+    return 0 if _no_dist() else dist.get_rank()
+
+
+def is_rank0() -> bool:
+    """The rank that writes run-level files (config, metrics, meta.json)."""
+    return _rank() == 0
+
+
+def _barrier() -> None:
+    if not _no_dist():
+        dist.barrier()
+
+
+def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
+    """AdamW state of `param`, created (zeros) if absent so a load has tensors to fill."""
+    state = optimizer.state[param]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+class Entry(NamedTuple):
+    """One model or optimizer tensor: its logical key and shape, this rank's local tensor."""
+
+    key: str
+    local: torch.Tensor
+    shape: tuple
+    spec: ShardSpec
+    tp: TPInfo
+    copy: bool  # the last pipeline stage's copy of the tied embedding: restored, not written
+
+
+def _chunks(model: nn.Module) -> list[nn.Module]:
+    """Modules whose parameter names are logical: a pipeline rank's chunks, or the model."""
+    return list(model) if isinstance(model, nn.ModuleList) else [model]
+
+
+def training_entries(model: nn.Module, optimizer) -> list[Entry]:
+    """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
+    chunks); optimizer moments share their parameter's sharding, the step count is replicated.
+    A chunk without the embedding block that holds `embed.*` holds the tied copy."""
+    out = []
+    for chunk in _chunks(model):
+        tied_copy = not getattr(chunk, "has_embedding", True)
+        for name, param, shape, spec, tp in sharded_params(chunk):
+            copy = tied_copy and name.startswith("embed.")
+            out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
+            for key, value in _ensure_optim_state(param, optimizer).items():
+                sharded = value.shape == param.shape
+                out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
+                                 spec if sharded else ShardSpec(), tp, copy))  # fmt: skip
+    return out
+
+
+def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Model and optimizer tensors by logical name, each once (one process: the tensors)."""
+    return {e.key: e.local for e in training_entries(model, optimizer) if not e.copy}
+
+
+def _sharded(e: Entry):
+    """A ShardedTensor of the logical shape holding this rank's pieces of `e`. Built over the
+    tp group: the metadata exchange is a collective, and pp ranks hold different keys."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = []
+    for piece in e.spec.pieces(e.tp.size, e.tp.rank):
+        if not (piece.owner and piece.length):
+            continue
+        offsets, sizes = [0] * len(e.shape), list(e.shape)
+        offsets[e.spec.dim], sizes[e.spec.dim] = piece.global_lo, piece.length
+        data = e.local.narrow(e.spec.dim, piece.local_lo, piece.length).contiguous()
+        placement = f"rank:{dist.get_rank()}/{data.device}"
+        shards.append(Shard(data, ShardMetadata(offsets, sizes, placement)))
+    return ShardedTensor._init_from_local_shards(shards, *e.shape, process_group=e.tp.group)
+
+
+def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
+    """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
+    its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
+    ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written."""
+    if _no_dist():
+        return training_tensors(model, optimizer)
+    c = coords(_rank(), MeshSizes.of(cfg))
+    if c["dp"] or c["cp"]:
+        return {}  # a replica of what dp/cp rank 0 writes
+    state = {}
+    for e in training_entries(model, optimizer):
+        if not e.copy:
+            state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
+    return state
+
+
+def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> str:
+    """Write checkpoint `step` atomically and prune old ones; returns its directory."""
+    root = checkpoint_root(cfg)
+    final, tmp = step_dir(root, step), step_dir(root, step) + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
+        dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=_no_dist())
+    torch.save(_rng_states(model), os.path.join(tmp, f"rng_rank{_rank()}.pt"))
+    _barrier()
+    if _rank() == 0:
+        write_config(cfg, os.path.join(tmp, "config.yaml"))
+        meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
+        _write_json(os.path.join(tmp, "meta.json"), {**meta, **extra})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _prune(root, cfg.checkpoint.keep)
+    _barrier()
+    return final
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Finished checkpoints under `root`, oldest first (temporary dirs are not listed)."""
+    found = glob.glob(os.path.join(root, "step_*"))
+    done = [p for p in found if not p.endswith(".tmp") and os.path.isfile(f"{p}/meta.json")]
+    return sorted(done)
+
+
+def _prune(root: str, keep: int) -> None:
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_path(cfg: Config) -> str | None:
+    """The checkpoint to resume from: `auto` takes the newest, `none` nothing, else the path."""
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(checkpoint_root(cfg))
+        return found[-1] if found else None
+    if not os.path.isdir(resume):
+        raise CheckpointError(
+            f"checkpoint.resume='{resume}' not found; give an existing step_* dir, auto or none"
+        )
+    return resume
+
+
+def read_meta(path: str) -> dict:
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        _ = meta["step"], meta["mesh"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint '{path}' is incomplete or corrupt (meta.json: {type(e).__name__}); "
+            "resume from another one with checkpoint.resume=PATH"
+        ) from None
+    return meta
+
+
+def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
+    """Restore model, optimizer and this rank's RNG from `path`; returns its meta.json."""
+    meta = read_meta(path)
+    saved, current = MeshSizes(**meta["mesh"]), MeshSizes.of(cfg)
+    if saved != current:
+        raise CheckpointError(
+            f"checkpoint '{path}' was written under mesh {saved} but this run uses {current}; "
+            "resume with the same parallel sizes"
+        )
+    _load_sharded(path, training_entries(model, optimizer))
+    rng_file = os.path.join(path, f"rng_rank{_rank()}.pt")
+    try:
+        _set_rng_states(torch.load(rng_file, weights_only=False), model)
+    except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+    return meta
+
+
+@torch.no_grad()
+def _load_sharded(path: str, entries: list[Entry]) -> None:
+    """Read each tp-sharded tensor whole under its logical shape, then keep this rank's shard;
+    a key held twice on this rank (ZB-V: first and last stage, one tied table) is read once."""
+    targets, sharded, firsts, again = {}, [], {}, []
+    for e in entries:
+        if e.key in firsts:
+            again.append(e)
+            continue
+        firsts[e.key] = e.local
+        whole = e.spec.dim is None or e.tp.size == 1
+        targets[e.key] = e.local if whole else e.local.new_empty(e.shape)
+        if not whole:
+            sharded.append(e)
+    _load_tensors(path, targets)
+    for e in sharded:
+        e.local.copy_(e.spec.shard(targets[e.key], e.tp))
+    for e in again:
+        e.local.copy_(firsts[e.key])
+
+
+def _load_tensors(path: str, tensors: dict) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
+            "resume from another one with checkpoint.resume=PATH"
+        ) from None
+
+
+def _tp_trackers(model: nn.Module) -> list:
+    """The tp dropout RNG trackers of the model (one per pipeline chunk; none with tp size 1)."""
+    found = []
+    for module in model.modules():
+        rng = getattr(getattr(module, "tp", None), "rng", None)
+        if rng is not None and not any(rng is f for f in found):
+            found.append(rng)
+    return found
+
+
+def _rng_states(model: nn.Module) -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    states["tp_trackers"] = [t.state.clone() for t in _tp_trackers(model)]
+    return states
+
+
+def _set_rng_states(states: dict, model: nn.Module) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    for tracker, state in zip(_tp_trackers(model), states["tp_trackers"], strict=True):
+        tracker.state = state
+
+
+def load_for_inference(path: str):
+    """(Config, GPT in eval mode) from a checkpoint dir, or the newest one under a run dir."""
+    from megapipe.config import load_config
+    from models.gpt import GPT
+
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        found = complete_checkpoints(os.path.join(path, "checkpoints")) or complete_checkpoints(
+            path
+        )
+        if not found:
+            raise CheckpointError(f"no checkpoint found at '{path}'; pass a step_* directory")
+        path = found[-1]
+    read_meta(path)
+    try:
+        cfg = load_config(os.path.join(path, "config.yaml"))
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint '{path}': {e}") from None
+    model = GPT(cfg.model, seed=cfg.train.seed)
+    tensors = {f"model.{name}": p.data for name, p in model.named_parameters()}
+    _load_tensors(path, tensors)
+    return cfg, model.eval()

@@ -1,0 +1,183 @@
+"""The house keeps its layers (docs/architecture.md, "Layers"): every project import points down.
+
+Each module's imports are read from its syntax tree, those inside functions included. A module may
+import its own layer and the layers below it; an import of a higher layer, a function-level import
+of a project module, or a circle among modules fails, with the file and line to fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first: a module may import only packages at its own position or before it.
+LAYERS = (
+    "megapipe.plan",
+    "megapipe.config",
+    "megapipe.data",
+    "megapipe.distributed",
+    "megapipe.parallel",
+    "models",
+    "megapipe.pipeline",
+    "megapipe.train",
+)
+PROJECT = ("megapipe", "models")
+
+
+def layer_of(module: str) -> int | None:
+    """Position of `module` in LAYERS (None: not in a layer, e.g. the `megapipe` package root)."""
+    for i, name in enumerate(LAYERS):
+        if module == name or module.startswith(name + "."):
+            return i
+    return None
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(source: str, module: str, is_package: bool) -> list[tuple[str, int, bool]]:
+    """(imported project module, line, inside a function) for every import of `source`."""
+    found = []
+    tree = ast.parse(source)
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        for name in names:
+            if name.split(".")[0] in PROJECT:
+                found.append((name, node.lineno, id(node) in nested))
+    return found
+
+
+def library_modules(root: Path) -> dict[str, tuple[Path, str]]:
+    """{module: (path, source)} of the library: megapipe/ and models/."""
+    out = {}
+    for package in PROJECT:
+        for path in sorted((root / package).rglob("*.py")):
+            out[module_name(path, root)] = (path, path.read_text())
+    return out
+
+
+def resolve(name: str, known: set[str]) -> str | None:
+    """The longest known module that `name` (a module or module.attribute) refers to."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def violations(modules: dict[str, tuple[Path, str]]) -> list[str]:
+    """Upward imports, function-level project imports and import circles, one line each."""
+    known, problems = set(modules), []
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, (path, source) in modules.items():
+        here, seen = layer_of(module), set()
+        for name, line, in_function in imports(source, module, path.name == "__init__.py"):
+            target = resolve(name, known)
+            if target is None or target == module or (target, line) in seen:
+                continue
+            seen.add((target, line))
+            where = f"{path.relative_to(path.parents[len(module.split('.')) - 1])}:{line}"
+            if in_function:
+                problems.append(f"{where}: function-level import of {target}")
+            there = layer_of(target)
+            if here is not None and there is not None and there > here:
+                problems.append(f"{where}: {LAYERS[here]} imports the higher layer {target}")
+            if not (module.startswith(target + ".") and path.name == "__init__.py"):
+                graph[module].add(target)
+    problems += [f"import circle: {' -> '.join(c)}" for c in circles(graph)]
+    return problems
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One representative circle per strongly connected component of more than one module."""
+    out, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                out.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return out
+
+
+def test_every_library_module_is_in_a_layer():
+    strays = [m for m in library_modules(ROOT) if layer_of(m) is None and m != "megapipe"]
+    assert not strays, f"modules outside the layers (add them to one): {strays}"
+
+
+def test_library_imports_only_downward_without_circles():
+    problems = violations(library_modules(ROOT))
+    assert not problems, "\n".join(problems)
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> list[str]:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return violations(library_modules(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # the plan layer reaching up into the pipeline
+            {"megapipe/plan/a.py": "from megapipe.pipeline.b import x\n",
+             "megapipe/pipeline/b.py": "x = 1\n"},
+            "megapipe.plan imports the higher layer megapipe.pipeline.b",
+        ),
+        (  # a function-level import, even of a lower layer
+            {"megapipe/train/a.py": "def f():\n    from megapipe.plan import b\n",
+             "megapipe/plan/b.py": "x = 1\n"},
+            "function-level import of megapipe.plan.b",
+        ),
+        (  # a circle inside one layer
+            {"megapipe/plan/a.py": "import megapipe.plan.b\n",
+             "megapipe/plan/b.py": "from megapipe.plan import a\n"},
+            "import circle: megapipe.plan.a -> megapipe.plan.b -> megapipe.plan.a",
+        ),
+        (  # a relative import upward is caught too
+            {"megapipe/parallel/a.py": "from ..train import loop\n",
+             "megapipe/train/loop.py": "x = 1\n"},
+            "megapipe.parallel imports the higher layer megapipe.train.loop",
+        ),
+    ],
+)
+def test_planted_violations_are_caught(tmp_path, files, expected):
+    found = _plant(tmp_path, files)
+    assert any(expected in line for line in found), found
+
+
+def test_the_real_tree_with_one_planted_upward_import_fails(tmp_path):
+    """The check is live on the real modules: copy them, plant one upward import, see it fail."""
+    modules = library_modules(ROOT)
+    path, source = modules["megapipe.plan.actions"]
+    modules["megapipe.plan.actions"] = (path, source + "\nfrom megapipe.train import step\n")
+    problems = violations(modules)
+    assert any("megapipe.plan imports the higher layer megapipe.train.step" in p
+               for p in problems), problems
