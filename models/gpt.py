@@ -145,7 +145,12 @@ class Head(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.vocab_size, self.tp)
 
 
+TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied
+
+
 class GPT(nn.Module):
+    """Blocks `blocks` of the model (all by default); parameter names are logical."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -177,6 +182,20 @@ class GPT(nn.Module):
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)
 
+    @property
+    def tied_table(self) -> nn.Parameter | None:
+        """The token table the head reuses, on a chunk with the embedding or a tied head."""
+        if not self.cfg.tie_embeddings or self.embed is None:
+            return None
+        return self.embed.tok.weight
+
+    def tied_copy_names(self) -> tuple[str, ...]:
+        """Names of parameters that copy another stage's (the last stage's tied table): written
+        once by checkpoints, counted once by the grad norm."""
+        if self.embed is not None and not self.has_embedding:
+            return (TIED_EMBEDDING,)
+        return ()
+
     def forward(self, x: torch.Tensor, targets=None, positions=None, segment=None) -> torch.Tensor:
         """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out.
 
@@ -191,5 +210,4 @@ class GPT(nn.Module):
             x = layer(x, positions, segment)
         if self.head is None:
             return x
-        tied = self.embed.tok.weight if self.cfg.tie_embeddings else None  # TIED_EMBEDDING
-        return self.head(x, targets, tied)
+        return self.head(x, targets, self.tied_table)

@@ -166,69 +166,43 @@ def build_mesh(cfg):
 
 
 def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) -> dict:
-    """Train `steps` steps of the tiny config under its mesh; per-step losses and grad norms,
-    the final weights by logical name (whole on every rank) and the dp-replica spread."""
+    """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
+    train.py runs: per-step losses and grad norms, the final weights by logical name (this
+    rank's chunks, whole over tp) and the dp-replica spread."""
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.step import Parallel, build_model, train_step
+    from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    if cfg.parallel.pp > 1:
-        return pipeline_case(cfg, mesh, steps, bucket_mb)
-    model = build_model(cfg, mesh)
-    optimizer = build_optimizer(model, cfg.train)
-    par = Parallel.build(mesh, model, bucket_mb)
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
-    losses, norms, overlapped = [], [], 0
-    for step in range(steps):
-        result = train_step(
-            model, optimizer, data.batch(step, cfg.train.global_batch), step, cfg, par
-        )
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-        overlapped = getattr(par.reducer, "overlapped", 0)
-    weights = gather_logical(model)
-    return {
-        "losses": losses, "grad_norms": norms, "weights": weights,
-        "dp_spread": _dp_spread(weights, mesh), "overlapped_buckets": overlapped,
-        "adam_reach": cfg.train.lr * steps,
-        "buckets": len(par.reducer.buckets) if par.reducer else 0,
-    }  # fmt: skip
-
-
-def pipeline_case(cfg, mesh, steps: int, bucket_mb: float) -> dict:
-    """train_case under pp > 1: this rank's chunks; weights are this rank's logical tensors."""
-    from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
-    from megapipe.pipeline.engine import Pipeline
-    from megapipe.parallel.tensor.gather import gather_logical
-
-    pipe = Pipeline.build(cfg, mesh, "cpu", bucket_mb)
-    optimizer = build_optimizer(pipe.model, cfg.train)
+    job = build(cfg, mesh, "cpu", bucket_mb)
+    optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     losses, norms = [], []
     for step in range(steps):
-        result = pipe.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
+        result = job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    weights = {}
-    for chunk in pipe.chunks:
+    weights, engine = {}, job.engine
+    for chunk in engine.chunks:
         for name, value in gather_logical(chunk).items():
             if name in weights and not torch.equal(weights[name], value):  # the ZB-V tied copy
                 raise AssertionError(f"{name}: the two local copies differ")
             weights[name] = value
-    return {
-        "losses": losses, "grad_norms": norms, "weights": weights,
-        "dp_spread": _dp_spread(weights, mesh), "events": [str(e.action) for e in
-                                                           pipe.runtime.events],
-        "actions": [str(a) for a in pipe.actions],
-        "deferred_matmuls": pipe.runtime.deferred_matmuls,
-    }  # fmt: skip
+    out = {"losses": losses, "grad_norms": norms, "weights": weights,
+           "dp_spread": _dp_spread(weights, mesh), "adam_reach": cfg.train.lr * steps}
+    if cfg.parallel.pp == 1:
+        out["overlapped_buckets"] = getattr(engine.reducer, "overlapped", 0)
+        out["buckets"] = len(engine.reducer.buckets) if engine.reducer else 0
+    else:
+        out["events"] = [str(e.action) for e in engine.runtime.events]
+        out["actions"] = [str(a) for a in engine.actions]
+        out["deferred_matmuls"] = engine.runtime.deferred_matmuls
+    return out
 
 
 def _dp_spread(weights: dict, mesh) -> float:

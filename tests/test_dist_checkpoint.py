@@ -50,10 +50,10 @@ def resume_case(overrides: list[str], root: str) -> dict:
 def weights_case(overrides: list[str], root: str) -> dict:
     """Train 2 steps, save; the gathered logical weights."""
     import train
-    from megapipe.distributed.mesh import init_distributed
+    from megapipe.distributed.launch import init_distributed
     from megapipe.train.optim import build_optimizer
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.step import build_model
+    from megapipe.pipeline.stages import build_model
 
     cfg = tiny_config([*overrides, "train.stop_at_step=2"], f"{root}/w")
     train.run(cfg)

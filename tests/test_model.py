@@ -3,6 +3,8 @@ import torch
 
 from megapipe.config import RecomputeConfig
 from megapipe.train.optim import build_optimizer
+from megapipe.train.batches import BatchSlice
+from megapipe.train.build import replica
 from megapipe.train.step import train_step
 from models.gpt import GPT
 from tests.util import PARITY_REL, assert_state_close
@@ -84,7 +86,8 @@ def test_grad_accumulation_equals_one_batch(tiny_cfg, arch):
         model = GPT(cfg.model, seed=5)
         opt = build_optimizer(model, cfg.train)
         batch = _tokens(cfg, cfg.train.global_batch, seed=2)
-        losses = [train_step(model, opt, batch, step, cfg).loss for step in range(2)]
+        losses = [train_step(replica(cfg, model), BatchSlice(), opt, batch, step, cfg).loss
+                  for step in range(2)]
         results[m] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
     (l1, w1), (l4, w4) = results[1], results[4]
     assert l1 == pytest.approx(l4, rel=PARITY_REL)
@@ -96,7 +99,7 @@ def test_bfloat16_autocast_trains(tiny_cfg):
     model = GPT(cfg.model, seed=5)
     opt = build_optimizer(model, cfg.train)
     before = model.layers["0"].mlp.fc1.weight.detach().clone()
-    result = train_step(model, opt, _tokens(cfg, 8), 0, cfg)
+    result = train_step(replica(cfg, model), BatchSlice(), opt, _tokens(cfg, 8), 0, cfg)
     assert model.layers["0"].mlp.fc1.weight.dtype == torch.float32
     assert torch.isfinite(torch.tensor(result.loss))
     assert not torch.equal(before, model.layers["0"].mlp.fc1.weight)

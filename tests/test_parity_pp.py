@@ -185,16 +185,20 @@ def held_output_elements(overrides: list[str]) -> list[int]:
 
     from megapipe.data.loader import build_data
     from megapipe.train.optim import build_optimizer
-    from megapipe.pipeline.engine import Pipeline
+    from megapipe.pipeline.runtime import Hooks
+    from megapipe.train.build import build
     from tests.parity import build_mesh
 
+    class Held(Hooks):  # after each action: the elements the stash still holds
+        def after(self, action):
+            held.append(sum(out.numel() for _, out in job.engine.runtime.stash.values()))
+
     cfg = tiny_config(overrides, tempfile.mkdtemp())
-    pipe = Pipeline.build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
     held = []
-    pipe.runtime.after = lambda a: held.append(
-        sum(out.numel() for _, out in pipe.runtime.stash.values()))
+    job.engine.hooks = Held()
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
-    pipe.train_step(build_optimizer(pipe.model, cfg.train), batch, 0)
+    job.train_step(build_optimizer(job.model, cfg.train), batch, 0)
     return held
 
 

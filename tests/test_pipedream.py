@@ -76,7 +76,8 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
     from megapipe.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
     from megapipe.config.stages import rank_blocks
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.step import build_model, split_inputs
+    from megapipe.pipeline.stages import build_model
+    from megapipe.train.batches import split_inputs
 
     cfg = tiny_config(list(extra), tempfile.mkdtemp())
     p, t = cfg.parallel, cfg.train
@@ -127,20 +128,21 @@ def pipedream_case(overrides: list[str]) -> dict:
     """Train STEPS steps under the mesh: losses, norms, this rank's weights, versions stashed."""
     from megapipe.data.loader import build_data
     from megapipe.train.optim import build_optimizer
-    from megapipe.pipeline.engine import Pipeline
     from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.build import build
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
-    pipe = Pipeline.build(cfg, mesh, "cpu", 0.01)
-    optimizer = build_optimizer(pipe.model, cfg.train)
+    job = build(cfg, mesh, "cpu", 0.01)
+    pipe = job.engine
+    optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
-    results = [pipe.train_step(optimizer, data.batch(s, cfg.train.global_batch), s)
+    results = [job.train_step(optimizer, data.batch(s, cfg.train.global_batch), s)
                for s in range(STEPS)]
     return {
         "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
         "weights": gather_logical(pipe.chunks[0]), "pp_rank": mesh.coord("pp"),
-        "peak_versions": pipe.pipedream.store.peak,
+        "peak_versions": pipe.store.peak,
         "events": [str(e.action) for e in pipe.runtime.events],
         "actions": [str(a) for a in pipe.actions],
     }  # fmt: skip
@@ -202,7 +204,8 @@ def test_stash_keeps_the_forward_weights_for_backward(tmp_path):
     weights, grad hooks included; without it autograd refuses (the weights changed)."""
     from megapipe.data.loader import build_data
     from megapipe.pipeline.pipedream import VersionStore
-    from megapipe.train.step import build_model, split_inputs
+    from megapipe.pipeline.stages import build_model
+    from megapipe.train.batches import split_inputs
 
     cfg = tiny_config(UNTIED, str(tmp_path))
     model = build_model(cfg)

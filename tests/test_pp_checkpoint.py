@@ -113,27 +113,29 @@ def live_case(overrides: list[str], root: str) -> dict:
     logical weights (whole under tp) and the validation loss."""
     from megapipe.data.loader import build_data
     from megapipe.train.optim import build_optimizer
-    from megapipe.pipeline.engine import Pipeline
     from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.build import build
 
     cfg = tiny_config(overrides, root)
-    pipe = Pipeline.build(cfg, build_mesh(cfg))
-    optimizer = build_optimizer(pipe.model, cfg.train)
+    job = build(cfg, build_mesh(cfg))
+    optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(2):
-        pipe.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
-    path = checkpoint.save(cfg, 2, pipe.model, optimizer, {})
+        job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
+    path = checkpoint.save(cfg, 2, job.model, optimizer, {})
     weights = {}
-    for chunk in pipe.chunks:
+    for chunk in job.engine.chunks:
         weights.update(gather_logical(chunk))
-    return {"path": path, "weights": weights, "val": pipe.evaluate(data)}
+    return {"path": path, "weights": weights, "val": job.evaluate(data)}
 
 
 def check_live(results: list[dict]) -> None:
     """The pp checkpoint loads whole on one process with every rank's weights, and the
     pipelined validation loss equals trainer.evaluate of that model on one process."""
     from megapipe.data.loader import build_data
-    from megapipe.train.step import evaluate
+    from megapipe.train.batches import BatchSlice
+    from megapipe.train.build import replica
+    from megapipe.train.evaluate import evaluate
 
     cfg, model = checkpoint.load_for_inference(results[0]["path"])
     loaded = dict(model.named_parameters())
@@ -141,7 +143,8 @@ def check_live(results: list[dict]) -> None:
         for n, w in r["weights"].items():
             assert torch.equal(loaded[n].detach(), w), n
     assert sorted(loaded) == sorted({n for r in results for n in r["weights"]})
-    ref = evaluate(model, build_data(cfg.data, cfg.model, cfg.train.seed), cfg)  # one process
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    ref = evaluate(replica(cfg, model), BatchSlice(), data, cfg)  # one process
     assert all(r["val"] == results[0]["val"] for r in results), "ranks disagree"
     assert_rel_close(torch.tensor(results[0]["val"]), torch.tensor(ref), name="val_loss")
 

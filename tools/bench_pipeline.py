@@ -124,10 +124,10 @@ class TorchStage(nn.Module):
 
 class Ours:
     def __init__(self, name: str, mesh) -> None:
-        from megapipe.pipeline.engine import Pipeline
+        from megapipe.pipeline.engine import build_pipeline
 
         schedule, self.vpp, _ = OURS[name]
-        self.name, self.pipe = name, Pipeline.build(make_config(schedule, self.vpp), mesh)
+        self.name, self.pipe = name, build_pipeline(make_config(schedule, self.vpp), mesh)
         if OURS[name][2] is not None:  # torch's order on our runtime
             self.pipe.use_schedule(our_actions(name)[0])
         self.params = [p for c in self.pipe.chunks for p in c.parameters()]
@@ -145,7 +145,7 @@ class Theirs:
 
         from megapipe.plan.actions import Placement
         from megapipe.config.stages import rank_blocks
-        from megapipe.train.step import build_model
+        from megapipe.pipeline.stages import build_model
 
         vpp, style = TORCH[class_name]
         self.name, place = class_name, Placement(PP, vpp, style)
@@ -178,7 +178,7 @@ def job(steps: int, warmup: int, pairs: list) -> dict:
     import torch.distributed as dist
 
     from megapipe.data.loader import build_data
-    from megapipe.distributed.mesh import init_distributed
+    from megapipe.distributed.launch import init_distributed
     from megapipe.pipeline import timeline
 
     cfg = make_config("1f1b", 1)

@@ -42,10 +42,12 @@ def make_config(args, n_layers: int, overrides=()):
 def _count_step(args, n_layers: int, tp_overrides) -> dict:
     """{(phase, op): bytes} of one training step on this rank."""
     from megapipe.data.loader import build_data
-    from megapipe.distributed.mesh import init_distributed
+    from megapipe.distributed.launch import init_distributed
     from megapipe.train.optim import build_optimizer
     from megapipe.distributed import collectives
-    from megapipe.train.step import Parallel, build_model, split_inputs
+    from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
+    from megapipe.pipeline.stages import build_model
+    from megapipe.train.batches import split_inputs
 
     cfg = make_config(args, n_layers, tp_overrides)
     model = build_model(cfg, init_distributed(cfg))
@@ -58,9 +60,7 @@ def _count_step(args, n_layers: int, tp_overrides) -> dict:
             loss = model(inputs, targets)
         else:
             loss.backward()
-            from megapipe.parallel.data.reducer import finish_gradients
-
-            finish_gradients(model, Parallel.build(None, model).reducer)
+            sync_tp_partial_grads(model)  # the tp part of finishing the gradients
         for op, nbytes in collectives.COUNTER:
             counts[f"{phase} {op}"] += nbytes
     collectives.COUNTER = None
@@ -130,17 +130,16 @@ def comm_table(args) -> str:
 def _time_steps(args, par_mesh) -> float:
     from megapipe.data.loader import build_data
     from megapipe.train.optim import build_optimizer
-    from megapipe.train.step import Parallel, build_model, train_step
+    from megapipe.train.build import build
 
     cfg = make_config(args, args.layers, [f"parallel.dp={2 if par_mesh else 1}"])
-    model = build_model(cfg, par_mesh)
-    optimizer = build_optimizer(model, cfg.train)
-    par = Parallel.build(par_mesh, model)
+    job = build(cfg, par_mesh)
+    optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, 0)
     times = []
     for step in range(args.steps + 1):  # the first step warms up
         began = time.perf_counter()
-        train_step(model, optimizer, data.batch(step, args.batch), step, cfg, par)
+        job.train_step(optimizer, data.batch(step, args.batch), step)
         times.append(time.perf_counter() - began)
     return sorted(times[1:])[len(times[1:]) // 2]
 

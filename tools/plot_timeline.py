@@ -62,18 +62,18 @@ def record(config: str, overrides: list[str], steps: int) -> list:
     """On each rank: train `steps` pipelined steps; every rank's spans of the last one."""
     from megapipe.config import load_config
     from megapipe.data.loader import build_data
-    from megapipe.distributed.mesh import init_distributed
+    from megapipe.distributed.launch import init_distributed
     from megapipe.train.optim import build_optimizer
-    from megapipe.pipeline.engine import Pipeline
+    from megapipe.train.build import build
 
     cfg = load_config(config, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
     mesh = init_distributed(cfg)
-    pipe = Pipeline.build(cfg, mesh)
-    optimizer = build_optimizer(pipe.model, cfg.train)
+    job = build(cfg, mesh)
+    optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(steps):
-        pipe.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
-    return timeline.gather_spans(pipe.runtime.events, mesh.group("pp"))
+        job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
+    return timeline.gather_spans(job.engine.runtime.events, mesh.group("pp"))
 
 
 def draw(per_rank: list, schedule: str, vpp: int, png: str) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -153,28 +152,6 @@ class ParallelMesh:
     def __str__(self) -> str:
         c = " ".join(f"{a}={self.coords[a]}" for a in AXES)
         return f"mesh {self.sizes} (world {self.sizes.world}); rank {self.rank}: {c}"
-
-
-def init_distributed(cfg: Config) -> ParallelMesh | None:
-    """Under torchrun: check the world size, init the default group, build the mesh.
-
-    One process without torchrun and a 1-rank mesh: None (the plain single-process path).
-    """
-    sizes, timeout_s = MeshSizes.of(cfg), cfg.parallel.timeout_s
-    if dist.is_available() and dist.is_initialized():  # e.g. the test workers
-        check_world_size(sizes, dist.get_world_size())
-        return ParallelMesh(sizes, "cuda" if torch.cuda.is_available() else "cpu", timeout_s)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    check_world_size(sizes, world)
-    if world == 1:
-        return None
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
 
 
 def all_meshes(world: int) -> list[MeshSizes]:

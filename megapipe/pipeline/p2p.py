@@ -1,7 +1,7 @@
 """Tensors between pipeline stages: batched isend/irecv to other pp ranks, hand-off on one rank.
 
-Every tensor that crosses a stage boundary is a `Message`: an activation going from stage s to
-s+1, or an input-grad going back from s+1 to s. Its shape is known from the config (per segment
+Every tensor that crosses a stage boundary is a `Message` (plan/messages.py: the one rule of what
+each action sends and needs). Its shape is known from the config (per segment
 under Seq1F1B), so receives are posted ahead (prefetch) into fresh buffers and sends are
 fire-and-forget, waited lazily at the end of the step (Megatron's p2p_communication, Narayanan
 et al. 2021 §4.1: batched isend/irecv overlapped with compute). When both stages sit on one rank
@@ -19,28 +19,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megapipe.distributed.mesh import rank_at
 from megapipe.plan.actions import Placement
-
-
-class Message(NamedTuple):
-    """One tensor over the boundary between global stages `boundary` and `boundary + 1`."""
-
-    grad: bool  # False: activation, forward direction; True: input-grad, backward direction
-    microbatch: int
-    boundary: int
-    segment: int | None = None  # Seq1F1B sequence segment; None: the whole sequence
-
-    def source_stage(self) -> int:
-        return self.boundary + 1 if self.grad else self.boundary
-
-    def dest_stage(self) -> int:
-        return self.boundary if self.grad else self.boundary + 1
+from megapipe.plan.messages import Message
 
 
 class StageLinks:

@@ -36,12 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.parallel.data.reducer import finish_gradients
-from megapipe.train.optim import global_grad_norm, lr_at
-from megapipe.plan.actions import FULL_BACKWARD, Action
-from megapipe.pipeline.runtime import MicroBatch
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
-from megapipe.train.step import StepResult, clip_and_step
+from megapipe.pipeline.engine import Pipeline
+from megapipe.pipeline.runtime import Hooks, MicroBatch
+from megapipe.plan.actions import FULL_BACKWARD, Action
 
 
 def version_plan(actions: list[Action]) -> tuple[set[int], dict[Action, list[int]]]:
@@ -112,21 +110,22 @@ def _clone(p: nn.Parameter) -> nn.Parameter:
     return copy
 
 
-class PipeDream:
-    """Hooks weight versions and the per-microbatch optimizer step into a PipelineRuntime."""
+class _Versions(Hooks):
+    """The runtime hooks of one step: weight versions around each action, and the stage's own
+    optimizer step (the step core's `update`) after each backward."""
 
-    def __init__(self, runtime, actions: list[Action]) -> None:
-        if len(runtime.chunks) != 1:
-            raise ValueError("PipeDream runs one chunk per rank (parallel.vpp=1)")
-        self.runtime, self.actions = runtime, actions
-        self.store = VersionStore(runtime.chunks[0])
-        self.stashed, self.release = version_plan(actions)
-        runtime.weights, runtime.after = self._weights, self._after
+    def __init__(self, pipe: PipeDreamPipeline, update) -> None:
+        self.pipe, self.update, self.store = pipe, update, pipe.store
+        self.stashed, self.release = version_plan(pipe.actions)
+        self.sq_norms: list[torch.Tensor] = []
+        self.store.current, self.store.snapshots = 0, {}
+        if 0 in self.stashed:
+            self.store.snapshot()
 
-    def _weights(self, action: Action):
+    def weights(self, action: Action):
         return self.store.use(action.version)
 
-    def _after(self, action: Action) -> None:
+    def after(self, action: Action) -> None:
         """After an action's sends are posted: update after a backward, drop the versions no
         longer needed, stash the new live version if it is needed after the next update."""
         if action.kind == FULL_BACKWARD:
@@ -137,31 +136,56 @@ class PipeDream:
             self.store.snapshot()
 
     def _update(self, version: int) -> None:
-        """One optimizer step of this stage on one microbatch's gradient (§3.3)."""
-        store, pipe, chunk = self.store, self.pipe, self.runtime.chunks[0]
-        store.move_grads(version)
-        finish_gradients(chunk, pipe.reducers[0])  # dp × cp sum, tp partial sums
-        norm = global_grad_norm(grads_counted_once(chunk), pipe.mesh.group("tp"))
-        clip_and_step(self.optimizer, store.live, norm, self.step, pipe.cfg)
+        """One optimizer step of this stage on one microbatch's gradient (§3.3), clipped by this
+        stage's own norm over tp."""
+        self.store.move_grads(version)
+        norm, _ = self.update(_StageGrads(self.pipe, self.store.live))
         self.sq_norms.append(norm.square())
-        store.current += 1
+        self.store.current += 1
 
-    def train_step(self, pipe, optimizer, batch: torch.Tensor, step: int) -> StepResult:
-        """`Pipeline.train_step` for pipedream_async: M updates per stage in one step."""
-        cfg, m = pipe.cfg, pipe.cfg.parallel.microbatches
-        global_tokens = cfg.train.global_batch * cfg.model.seq_len
-        rows = pipe.par.local_rows(batch).chunk(m)
-        micro = [MicroBatch(*pipe.par.local_inputs(r)) for r in rows]
-        self.pipe, self.optimizer, self.step, self.sq_norms = pipe, optimizer, step, []
-        self.store.current, self.store.snapshots = 0, {}
-        if 0 in self.stashed:
-            self.store.snapshot()
-        loss_sum = self.runtime.run(self.actions, micro, global_tokens / m,  # mean over i's tokens
-                                    arrivals=pipe.arrivals)
+
+class _StageGrads:
+    """One stage's gradients as the step core's `update` sees them (no tied copies: PipeDream
+    refuses tied embeddings)."""
+
+    def __init__(self, pipe: PipeDreamPipeline, live: list[nn.Parameter]) -> None:
+        self.chunks, self.reducers, self.live = pipe.chunks, pipe.reducers, live
+        self.norm_group = pipe.mesh.group("tp")
+
+    def params(self) -> list[nn.Parameter]:
+        return self.live
+
+    def sync_shared_grads(self) -> None:
+        return None
+
+    def grads_counted_once(self) -> list[torch.Tensor]:
+        return grads_counted_once(self.chunks[0])
+
+
+class PipeDreamPipeline(Pipeline):
+    """pipedream_async: M updates per stage in one step, the optimizer stepped by the hooks."""
+
+    updates_inside = True
+
+    def __post_init__(self) -> None:
+        if len(self.chunks) != 1:
+            raise ValueError("PipeDream runs one chunk per rank (parallel.vpp=1)")
+        self.store = VersionStore(self.chunks[0])
+        self.versions: _Versions | None = None
+
+    def forward_backward(self, micro: list[MicroBatch], loss_scale: float,
+                         update=None) -> torch.Tensor:
+        """Run the step's actions; each microbatch's loss is its mean over its own tokens."""
+        self.versions = _Versions(self, update)
+        loss_sum = self.runtime.run(self.actions, micro, loss_scale / len(micro),
+                                    arrivals=self.arrivals, hooks=self.versions)
         if self.store.snapshots:
             raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
-        sq = torch.stack(self.sq_norms)  # (m,) this stage's squared norm of each update
-        dist.all_reduce(sq, group=pipe.mesh.group("pp"))
-        dist.all_reduce(loss_sum, group=pipe.mesh.group("pp"))  # only the last stage's is not 0
-        loss = pipe.par.dp_sum(loss_sum) / global_tokens
-        return StepResult(loss.item(), sq.sqrt().mean().item(), lr_at(step, cfg.train))
+        return loss_sum
+
+    def step_grad_norm(self) -> float:
+        """The logged norm: mean over the step's microbatches of each update's whole-model
+        norm (the squared stage norms summed over pp)."""
+        sq = torch.stack(self.versions.sq_norms)  # (m,) this stage's squared norm per update
+        dist.all_reduce(sq, group=self.mesh.group("pp"))
+        return sq.sqrt().mean().item()

@@ -14,7 +14,7 @@ grad and never reads the output's values.
 Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
 interleaved 1F1B and the V placement of ZB-V run unchanged. Seq1F1B actions (Sun et al. 2024) run
 one sequence segment [s, e) of a microbatch: tokens, positions and messages are the segment's,
-and attention reads the earlier segments' K/V kept in a `SegmentKV` (segments.py).
+and attention reads the earlier segments' K/V kept in a `SegmentKV` (parallel/autograd/segment_kv.py).
 """
 
 from __future__ import annotations
@@ -22,30 +22,39 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from megapipe.plan.actions import (
-    FORWARD,
-    FULL_BACKWARD,
-    INPUT_GRAD,
-    WEIGHT_GRAD,
-    Action,
-    Placement,
-)
 from megapipe.parallel.autograd.outputs import backward_from, release_values
-from megapipe.pipeline.p2p import Message, StageLinks
 from megapipe.parallel.autograd.segment_kv import SegmentKV
 from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
+from megapipe.pipeline.p2p import StageLinks
+from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Placement
+from megapipe.plan.messages import Message, received, sent
 
 GRAD_KINDS = (INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
 
 
-@dataclass
-class MicroBatch:
-    inputs: torch.Tensor  # (b, T) token ids
+class MicroBatch(NamedTuple):
+    inputs: torch.Tensor  # (b, T) token ids (this cp rank's zigzag slice under cp)
     targets: torch.Tensor  # (b, T) next tokens
+
+
+class Hooks:
+    """What a driver may add to each action (PipeDream, pipedream.py): the weights its compute
+    runs under, and work after its sends are posted (the per-microbatch optimizer step).
+    These defaults add nothing."""
+
+    def weights(self, action: Action) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def after(self, action: Action) -> None:
+        return None
+
+
+NO_HOOKS = Hooks()
 
 
 @dataclass
@@ -74,18 +83,16 @@ class PipelineRuntime:
         self.events: list[Event] = []
         self._handlers = {FORWARD: self._forward, INPUT_GRAD: self._input_grad,
                           FULL_BACKWARD: self._backward, WEIGHT_GRAD: self._weight_grad}
-        # PipeDream (pipedream.py) hooks: the weight version an action's compute runs under,
-        # and work after its sends are posted (the per-microbatch optimizer step).
-        self.weights = lambda action: contextlib.nullcontext()
-        self.after = lambda action: None
 
     def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
-            reducers: list | None = None, arrivals: dict | None = None) -> torch.Tensor:
+            reducers: list | None = None, arrivals: dict | None = None,
+            hooks: Hooks = NO_HOOKS) -> torch.Tensor:
         """Execute `actions`; returns this rank's summed (unscaled) loss, float64 (0 if no head).
 
         `reducers[c]` (dp gradient buckets of chunk c) syncs only during the chunk's last
         gradient action, so its buckets all-reduce while that backward still runs.
         `arrivals` (channels.arrival_order): the order each peer sends in, for tagless matching.
+        `hooks`: a driver's additions to each action (Hooks).
         """
         self.micro, self.loss_scale = micro, loss_scale
         self.links.expect(arrivals)
@@ -98,12 +105,12 @@ class PipelineRuntime:
             reducer = reducers[action.chunk] if reducers else None
             sync = reducer.no_sync() if reducer and final.get(action.chunk) != i else None
             t0, waited = time.perf_counter(), self.links.waited
-            with sync or contextlib.nullcontext(), self.weights(action):
+            with sync or contextlib.nullcontext(), hooks.weights(action):
                 sends = self._handlers[action.kind](action)
             following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None
             # Send now, and post the receive the next action needs in the same batch.
             self.links.exchange(sends, [following] if following else [])
-            self.after(action)
+            hooks.after(action)
             self.events.append(Event(action, t0, time.perf_counter(), self.links.waited - waited))
         self.links.flush()
         if self.stash or self.kv:
@@ -113,12 +120,11 @@ class PipelineRuntime:
 
     def _input_message(self, a: Action) -> Message | None:
         """What `a` must receive: the previous stage's activation or the next stage's grad."""
-        stage = self.stages[a.chunk]
-        if a.kind == FORWARD:
-            return Message(False, a.microbatch, stage - 1, a.segment) if stage > 0 else None
-        if a.kind == WEIGHT_GRAD or stage == self.last_stage:
-            return None
-        return Message(True, a.microbatch, stage, a.segment)
+        return received(a, self.stages[a.chunk], self.last_stage)
+
+    def _output_message(self, a: Action) -> Message | None:
+        """What `a` sends when done: its activation onward or its input-grad back."""
+        return sent(a, self.stages[a.chunk], self.last_stage)
 
     def _tokens(self, a: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, targets (b, n) and positions (n,) of `a`: a segment's [s, e) or all."""
@@ -141,16 +147,17 @@ class PipelineRuntime:
             x = self.links.take(self._input_message(a)).requires_grad_()
         last = stage == self.last_stage
         kv = self._kv(a)
-        with self.autocast(), kv.scope(a.seg, keep=True) if kv else contextlib.nullcontext():
-            out = self.chunks[a.chunk](x, targets=targets if last else None, positions=positions)
+        with self.autocast():
+            out = self.chunks[a.chunk](x, targets=targets if last else None, positions=positions,
+                                       segment=kv.scope(a.seg) if kv else None)
         if last:  # summed CE over this microbatch; backward starts from sum / global tokens
             self.loss_sum += out.detach()
             out = out / self.loss_scale
-        sent = out.detach()  # shares the storage, which the send (or the next chunk) holds
+        values = out.detach()  # shares the storage, which the send (or the next chunk) holds
         if not last:
             release_values(out)
         self.stash[a.unit] = (x if stage > 0 else None, out)
-        return [] if last else [(Message(False, a.microbatch, stage, a.segment), sent)]
+        return [] if last else [(self._output_message(a), values)]
 
     def _backward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
         x, out = self.stash.pop(a.unit)
@@ -163,8 +170,7 @@ class PipelineRuntime:
             kv.backward(a.seg, out, grad)
             if kv.empty:
                 del self.kv[(a.microbatch, a.chunk)]
-        stage = self.stages[a.chunk]
-        return [] if x is None else [(Message(True, a.microbatch, stage - 1, a.segment), x.grad)]
+        return [] if x is None else [(self._output_message(a), x.grad)]
 
     def _input_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
         with defer_weight_grads(a.unit):

@@ -13,7 +13,7 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         and restored into both copies
   rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
-  meta.json             step, mesh, LR schedule, sampler position; written last
+  meta.json             format, step, mesh, consumed tokens; written last
 A checkpoint is written under `step_N.tmp` and renamed when complete, so a crash never leaves a
 half-written `step_N`, and older checkpoints are pruned only after the new one exists.
 """
@@ -34,10 +34,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megapipe.config import Config, ConfigError, write_config
+from megapipe.config import Config, ConfigError, load_config, write_config
+from megapipe.distributed.launch import barrier, distributed, is_rank0, rank
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.parallel.tensor.layers import sharded_params
+from models.gpt import GPT
 
 FORMAT_VERSION = 1
 
@@ -52,24 +54,6 @@ def checkpoint_root(cfg: Config) -> str:
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
-
-
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _rank() -> int:
-    return 0 if _no_dist() else dist.get_rank()
-
-
-def is_rank0() -> bool:
-    """The rank that writes run-level files (config, metrics, meta.json)."""
-    return _rank() == 0
-
-
-def _barrier() -> None:
-    if not _no_dist():
-        dist.barrier()
 
 
 def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
@@ -101,12 +85,12 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
 def training_entries(model: nn.Module, optimizer) -> list[Entry]:
     """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
     chunks); optimizer moments share their parameter's sharding, the step count is replicated.
-    A chunk without the embedding block that holds `embed.*` holds the tied copy."""
+    The last stage's copy of the tied table (GPT.tied_copy_names) is marked `copy`."""
     out = []
     for chunk in _chunks(model):
-        tied_copy = not getattr(chunk, "has_embedding", True)
+        copies = chunk.tied_copy_names()
         for name, param, shape, spec, tp in sharded_params(chunk):
-            copy = tied_copy and name.startswith("embed.")
+            copy = name in copies
             out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
             for key, value in _ensure_optim_state(param, optimizer).items():
                 sharded = value.shape == param.shape
@@ -142,9 +126,9 @@ def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
     ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written."""
-    if _no_dist():
+    if not distributed():
         return training_tensors(model, optimizer)
-    c = coords(_rank(), MeshSizes.of(cfg))
+    c = coords(rank(), MeshSizes.of(cfg))
     if c["dp"] or c["cp"]:
         return {}  # a replica of what dp/cp rank 0 writes
     state = {}
@@ -158,23 +142,23 @@ def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> st
     """Write checkpoint `step` atomically and prune old ones; returns its directory."""
     root = checkpoint_root(cfg)
     final, tmp = step_dir(root, step), step_dir(root, step) + ".tmp"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
-        dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=_no_dist())
-    torch.save(_rng_states(model), os.path.join(tmp, f"rng_rank{_rank()}.pt"))
-    _barrier()
-    if _rank() == 0:
+        dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
+    torch.save(_rng_states(model), os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    barrier()
+    if rank() == 0:
         write_config(cfg, os.path.join(tmp, "config.yaml"))
         meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
         _write_json(os.path.join(tmp, "meta.json"), {**meta, **extra})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _prune(root, cfg.checkpoint.keep)
-    _barrier()
+    barrier()
     return final
 
 
@@ -236,7 +220,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
             "resume with the same parallel sizes"
         )
     _load_sharded(path, training_entries(model, optimizer))
-    rng_file = os.path.join(path, f"rng_rank{_rank()}.pt")
+    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
     try:
         _set_rng_states(torch.load(rng_file, weights_only=False), model)
     except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
@@ -269,7 +253,7 @@ def _load_tensors(path: str, tensors: dict) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, checkpoint_id=path, no_dist=_no_dist())
+            dcp.load(tensors, checkpoint_id=path, no_dist=not distributed())
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -306,9 +290,6 @@ def _set_rng_states(states: dict, model: nn.Module) -> None:
 
 def load_for_inference(path: str):
     """(Config, GPT in eval mode) from a checkpoint dir, or the newest one under a run dir."""
-    from megapipe.config import load_config
-    from models.gpt import GPT
-
     if not os.path.isfile(os.path.join(path, "meta.json")):
         found = complete_checkpoints(os.path.join(path, "checkpoints")) or complete_checkpoints(
             path

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed import collectives as C
-from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -99,10 +98,3 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.arrived, bucket.flat, bucket.work = 0, None, None
         self.next_launch = 0
-
-
-def finish_gradients(model: nn.Module, reducer: GradReducer | None) -> None:
-    """Step 3 of design.md's training step: dp(×cp) sum, then the tp sum of partial grads."""
-    if reducer is not None:
-        reducer.finish()
-    sync_tp_partial_grads(model)

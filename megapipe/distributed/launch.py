@@ -1,0 +1,68 @@
+"""Launch: the default process group, the mesh over it, rank 0, and peer-lost detection.
+
+Under torchrun (or any launcher that sets WORLD_SIZE) the world size is checked against the mesh
+before any collective runs; each group waits at most `parallel.timeout_s` for a peer, so a dead
+or frozen rank brings the others down with one line instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import Config
+from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size
+
+PEER_LOST = ("Timed out", "Connection reset", "Connection closed")  # gloo; NCCL: DistError
+
+
+def init_distributed(cfg: Config) -> ParallelMesh | None:
+    """Under torchrun: check the world size, init the default group, build the mesh.
+
+    One process without torchrun and a 1-rank mesh: None (the plain single-process path).
+    """
+    sizes, timeout_s = MeshSizes.of(cfg), cfg.parallel.timeout_s
+    if dist.is_available() and dist.is_initialized():  # e.g. the test workers
+        check_world_size(sizes, dist.get_world_size())
+        return ParallelMesh(sizes, "cuda" if torch.cuda.is_available() else "cpu", timeout_s)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world_size(sizes, world)
+    if world == 1:
+        return None
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def is_rank0() -> bool:
+    """The rank that writes run-level files (config, metrics, meta.json)."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def peer_lost(e: RuntimeError) -> str | None:
+    """The cause, in one line, when a collective or p2p wait failed on a dead or stuck peer."""
+    line = (str(e).strip() or type(e).__name__).splitlines()[0]
+    if not (isinstance(e, dist.DistError) or any(w in line for w in PEER_LOST)):
+        return None
+    return re.sub(r"^\[[^\]]*\] ", "", line).split(". ")[0]  # gloo prefixes its source path

@@ -1,0 +1,57 @@
+"""The tied embedding under pipelining: one logical table, two copies, one gradient.
+
+With `model.tie_embeddings` the LM head reuses the token table. The first stage holds it in its
+embedding, the last stage keeps its own copy under the same logical name (Megatron's shared word
+embeddings, Shoeybi et al. 2019); after backward the two grads are summed so both copies take the
+same step. Which parameter is the copy is the model's knowledge (models/gpt.py: TIED_EMBEDDING).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.distributed.mesh import rank_at
+from megapipe.plan.actions import Placement
+
+TIED_TAG = 1 << 30  # the tied-embedding grad exchange (pipeline messages go untagged, 0)
+
+
+class TiedEmbedding:
+    """This rank's copies of the tied table: {global stage: parameter} for stages 0 and last."""
+
+    def __init__(self, chunks: list[nn.Module], stages: list[int], placement: Placement,
+                 mesh) -> None:
+        self.placement, self.mesh = placement, mesh
+        self.last = placement.num_stages - 1
+        self.copies: dict[int, nn.Parameter] = {}
+        for stage, chunk in zip(stages, chunks):
+            table = chunk.tied_table
+            if table is not None and stage in (0, self.last):
+                self.copies[stage] = table
+
+    def sync_grads(self) -> None:
+        """Sum the tied embedding's grad over its two holders: local add or a p2p exchange."""
+        if not self.copies or self.last == 0:
+            return
+        grads = {s: w.grad for s, w in self.copies.items()}
+        if len(self.copies) == 1:
+            (mine,) = self.copies
+            other = self.last if mine == 0 else 0
+            grads[other] = self._exchange(grads[mine], self.placement.locate(other)[0])
+        total = grads[0] + grads[self.last]  # one order on both holders: bitwise-equal copies
+        for w in self.copies.values():
+            w.grad = total.clone()
+
+    def _exchange(self, grad: torch.Tensor, peer_pp: int) -> torch.Tensor:
+        """Send this copy's grad to the pp rank holding the other copy; receive its grad."""
+        peer = rank_at(self.mesh.sizes, **{**self.mesh.coords, "pp": peer_pp})
+        theirs = torch.empty_like(grad)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, grad, peer, tag=TIED_TAG),
+            dist.P2POp(dist.irecv, theirs, peer, tag=TIED_TAG),
+        ])
+        for work in works:
+            work.wait()
+        return theirs

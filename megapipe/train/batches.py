@@ -1,0 +1,52 @@
+"""Which tokens of the global batch this rank trains on (docs/architecture.md, step 1).
+
+DP rank r takes rows [r·B/dp, (r+1)·B/dp) of the global batch, cut into microbatches; CP rank c
+takes its zigzag slice of every row's inputs and targets; tp ranks see the same rows. So the
+summed loss and the token count over dp × cp are those of the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.context.zigzag import NO_CP, CPInfo, cp_info
+from megapipe.pipeline.runtime import MicroBatch
+
+
+def split_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T+1) token rows -> inputs (B, T) and next-token targets (B, T)."""
+    return batch[:, :-1], batch[:, 1:]
+
+
+@dataclass(frozen=True)
+class BatchSlice:
+    """This rank's rows (dp) and sequence slice (cp), and the sum over the dp × cp replicas."""
+
+    dp_size: int = 1
+    dp_rank: int = 0
+    cp: CPInfo = NO_CP
+    group: object = None  # dp × cp: the ranks that hold the same weights, different tokens
+
+    @staticmethod
+    def of(mesh) -> BatchSlice:
+        if mesh is None:
+            return BatchSlice()
+        return BatchSlice(mesh.size("dp"), mesh.coord("dp"), cp_info(mesh), mesh.replica_group)
+
+    def microbatches(self, batch: torch.Tensor, count: int) -> list[MicroBatch]:
+        """This rank's `count` microbatches of the global (B, T+1) `batch`."""
+        rows = batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
+        out = []
+        for micro in rows.chunk(count):
+            inputs, targets = split_inputs(micro)
+            out.append(MicroBatch(self.cp.shard(inputs), self.cp.shard(targets)))  # (b, T/cp)
+        return out
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over dp × cp: every rank's share of the loss and the token count."""
+        if self.dp_size * self.cp.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x

@@ -1,0 +1,55 @@
+"""`build(cfg, mesh)`: what one rank trains, wired the same way for train.py and the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapipe.config import Config
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB, GradReducer
+from megapipe.pipeline.engine import Pipeline, build_pipeline
+from megapipe.pipeline.pipedream import PipeDreamPipeline
+from megapipe.pipeline.stages import build_model
+from megapipe.train.batches import BatchSlice
+from megapipe.train.evaluate import evaluate
+from megapipe.train.replica import Replica
+from megapipe.train.step import StepResult, train_step
+
+
+@dataclass
+class Job:
+    """This rank's model (its chunks under pp), the engine that runs them and its batch slice."""
+
+    cfg: Config
+    model: nn.Module  # the GPT, or an nn.ModuleList of this pp rank's chunks
+    engine: object  # Replica | Pipeline | PipeDreamPipeline
+    slice: BatchSlice
+
+    def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
+        return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg)
+
+    def evaluate(self, data) -> float:
+        return evaluate(self.engine, self.slice, data, self.cfg)
+
+
+def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB) -> Job:
+    """This rank's Job: the pipeline of its chunks when parallel.pp > 1, else the whole
+    (tp-sharded) model; mesh None is one process."""
+    if cfg.parallel.pp > 1:
+        kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
+        pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
+        return Job(cfg, nn.ModuleList(pipe.chunks), pipe, BatchSlice.of(mesh))
+    model = build_model(cfg, mesh, device)
+    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh))
+
+
+def replica(cfg: Config, model: nn.Module, mesh=None,
+            bucket_mb: float = DEFAULT_BUCKET_MB) -> Replica:
+    """The plain engine over `model`: dp × cp buckets when there are replicas."""
+    if mesh is None:
+        return Replica(cfg, model)
+    replicas = mesh.size("dp") * mesh.size("cp") > 1
+    reducer = GradReducer(model, mesh.replica_group, bucket_mb) if replicas else None
+    return Replica(cfg, model, reducer, mesh.norm_group)

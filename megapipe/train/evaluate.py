@@ -1,0 +1,29 @@
+"""Validation: the mean loss over fixed batches, one code path for every engine."""
+
+from __future__ import annotations
+
+import torch
+
+from megapipe.config import Config
+from megapipe.train.batches import BatchSlice
+
+
+@torch.no_grad()
+def evaluate(engine, slice_: BatchSlice, data, cfg: Config) -> float:
+    """Mean validation loss over `train.eval_batches` fixed batches of `global_batch` rows:
+    forward only; under pp each microbatch walks the stages in order and the last stage's
+    summed cross entropy is summed over pp (others add 0), then over dp × cp."""
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # summed loss, tokens
+    for chunk in engine.chunks:
+        chunk.eval()
+    for i in range(cfg.train.eval_batches):
+        batch = data.batch(i, cfg.train.global_batch, split="val").to(engine.device)
+        micro = slice_.microbatches(batch, cfg.parallel.microbatches)
+        for loss, m in zip(engine.forward_only(micro), micro):
+            total[0] += loss
+            total[1] += m.targets.numel()
+    for chunk in engine.chunks:
+        chunk.train()
+    total = torch.stack([engine.stage_loss(total[0].clone()), total[1]])
+    total = slice_.sum(total)
+    return (total[0] / total[1]).item()

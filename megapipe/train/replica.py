@@ -1,0 +1,73 @@
+"""The whole (tp-sharded, cp-sliced) model on this rank, as the step core drives it: the
+no-pipeline case of pipeline/engine.Pipeline (one chunk, microbatches one after another)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapipe.config import Config
+from megapipe.parallel.data.reducer import GradReducer
+from megapipe.parallel.precision import autocast
+from megapipe.parallel.tensor.grad_sync import grads_counted_once
+from megapipe.pipeline.runtime import MicroBatch
+
+
+@dataclass
+class Replica:
+    cfg: Config
+    model: nn.Module
+    reducer: GradReducer | None = None  # dp × cp gradient buckets
+    norm_group: object = None  # tp: one copy of every parameter over it
+
+    updates_inside = False
+
+    @property
+    def chunks(self) -> list[nn.Module]:
+        return [self.model]
+
+    @property
+    def reducers(self) -> list:
+        return [self.reducer]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def forward_backward(self, micro: list[MicroBatch], loss_scale: float,
+                         update=None) -> torch.Tensor:
+        """Forward and backward of each microbatch; the dp buckets sync during the last
+        backward only (gradient accumulation, GPipe §2.2). Returns the summed loss."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, m in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
+            with sync:
+                with autocast(self.cfg.train.dtype, self.device):
+                    loss = self.model(m.inputs, m.targets)
+                (loss / loss_scale).backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def sync_shared_grads(self) -> None:
+        return None  # the tied table is one parameter here
+
+    def grads_counted_once(self) -> list[torch.Tensor]:
+        return grads_counted_once(self.model)
+
+    def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def forward_only(self, micro: list[MicroBatch]) -> list[float]:
+        """Each microbatch's summed cross entropy, forward only."""
+        out = []
+        for m in micro:
+            with autocast(self.cfg.train.dtype, self.device):
+                out.append(self.model(m.inputs, m.targets).item())
+        return out
