@@ -1,6 +1,6 @@
 """Parity: context parallelism (ring attention over zigzag slices), alone and mixed with dp, tp
 (+SP) and pp, trains the same model as one process: same per-step loss and grad norm, same final
-logical weights to relative 1e-5 (design.md, Parity). Every rank that holds a tensor (cp and dp
+logical weights to relative 1e-5 (docs/architecture.md, Parity). Every rank that holds a tensor (cp and dp
 replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
 
 Cases are grouped by world size so each size spawns its gloo workers once.

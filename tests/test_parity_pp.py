@@ -1,5 +1,5 @@
 """Parity: pipeline schedules (alone and mixed with dp or tp) train the same model as one process:
-same per-step loss, grad norm and final logical weights to relative 1e-5 (design.md, Parity).
+same per-step loss, grad norm and final logical weights to relative 1e-5 (docs/architecture.md, Parity).
 
 Each rank returns the logical tensors of its chunks; the union over ranks is the whole model,
 and every tensor held by several ranks (dp and tp replicas, the tied embedding's last-stage copy)

@@ -1,5 +1,5 @@
 """Seq1F1B (Sun et al. 2024): sequence segments with the K/V of earlier segments kept train the
-same model as one full-sequence process (design.md, Parity).
+same model as one full-sequence process (docs/architecture.md, Parity).
 
 Unit level (one process): a chunk run segment by segment, forwards 0..k−1 and backwards k−1..0
 through `SegmentKV`, gives the full sequence's outputs, input grads and weight grads. Pipeline

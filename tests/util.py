@@ -2,7 +2,7 @@
 
 import torch
 
-PARITY_REL = 1e-5  # design.md: relative 1e-5 in float32
+PARITY_REL = 1e-5  # docs/architecture.md: relative 1e-5 in float32
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor, reach: float = 0.0) -> float:

@@ -1,4 +1,4 @@
-"""One runtime for every schedule: walk this pp rank's action list (design.md, "One runtime").
+"""One runtime for every schedule: walk this pp rank's action list (docs/architecture.md, "One runtime").
 
 F: take the input (token ids on stage 0, else the previous stage's activation), run the chunk,
 send the output on; the last stage computes the loss (summed cross entropy over the global token
