@@ -17,6 +17,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 
+SPAWNING_FIXTURES = {"gloo_pool", "runs"}  # each starts a group of worker processes
+
+
+def pytest_collection_modifyitems(items):
+    """The quick tier (`-m "not spawn"`) leaves out every test that starts processes: those
+    using a spawning fixture are marked here, the others carry @pytest.mark.spawn."""
+    for item in items:
+        if SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.spawn)
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """Build a tiny config (configs/tiny.yaml) writing into tmp_path, with extra overrides."""

@@ -17,6 +17,8 @@ import pytest
 from tests.conftest import ROOT, TINY
 from tests.parity import free_port
 
+pytestmark = pytest.mark.spawn  # every case starts torchrun-like processes
+
 TIMEOUT_S = 5
 BOUND_S = TIMEOUT_S + 40  # process start and a step or two on a loaded 2-core machine
 

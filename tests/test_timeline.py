@@ -73,6 +73,7 @@ def test_to_timeline_starts_at_the_first_action_and_leaves_out_waits():
     assert timeline.measured(per_rank)["bubble_fraction"] == pytest.approx(1 - 2.0 / 4.0)
 
 
+@pytest.mark.spawn
 def test_plot_timeline_records_a_real_two_rank_step_then_redraws_its_trace(tmp_path):
     png, trace = tmp_path / "zb_v.png", tmp_path / "zb_v.json"
     common = [sys.executable, str(ROOT / "tools" / "plot_timeline.py")]

@@ -116,7 +116,11 @@ def _check_chunks(cfg: Config) -> None:
     p = cfg.parallel
     if p.pp == 1:  # no pipeline: the schedule is not used
         return
-    problem = SCHEDULES[p.schedule].chunk_problem(p.vpp, key="parallel.vpp")
+    spec = SCHEDULES[p.schedule]
+    problem = spec.chunk_problem(p.vpp, key="parallel.vpp")
+    if problem is not None and spec.chunks[0] == spec.chunks[1] > 1:  # the key and fix first
+        problem = (f"needs parallel.vpp={spec.chunks[0]} (exactly {spec.chunks[0]} chunks per "
+                   f"rank), got {p.vpp}")
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
     _check_schedule_costs(p.schedule_costs)
 

@@ -132,9 +132,9 @@ class ScheduleSpec:
         if most == 1 and vpp != 1:
             return f"runs one chunk per rank: set {key}=1 (got {vpp})"
         if least == most and vpp != least:  # ZB-V's V folds exactly two chunks (Qi et al. 2024)
-            return f"needs {key}={least} (exactly {least} chunks per rank, in a V), got {vpp}"
+            return f"needs exactly {least} chunks per rank ({key}={least}), got {key}={vpp}"
         if vpp < least:  # interleaving loops over several chunks (Narayanan et al. 2021 §2.2)
-            return f"needs {key} >= {least}, got {vpp}"
+            return f"needs {key} >= {least}, got {key}={vpp}"
         return None
 
 

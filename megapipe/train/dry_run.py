@@ -1,7 +1,12 @@
-"""`train.py --dry-run`: the mesh, per-rank parameter counts and a memory estimate, no training.
+"""`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and a peak
+memory estimate, no training.
 
-Needs no process group: each (pp, tp) coordinate's shapes come from building that rank's blocks
-on the meta device with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes).
+Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta device from the
+partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
+parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). The peak counts
+the microbatches the configured schedule keeps in flight, from running that schedule through the
+planner's simulator: a pipeline rank's activation memory is its stash of microbatches that went
+forward but not yet backward (Narayanan et al. 2021 §2.2; Qi et al. 2023 §3).
 """
 
 from __future__ import annotations
@@ -9,46 +14,64 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import Config
-from megapipe.config.flops import flops_per_token
+from megapipe.config.flops import flops_per_token, segment_bounds
+from megapipe.config.memory import BYTES_PER_PARAM, activation_bytes_per_layer, peak_bytes
+from megapipe.config.stages import describe_partition, placement_of, rank_blocks
+from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.sharding import TPInfo
-
-BYTES_PER_PARAM = 16  # fp32 weight 4 + grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
-
-
-def activation_bytes_per_layer(cfg: Config) -> float:
-    """Activations kept for backward by one layer for one microbatch on one tp rank.
-
-    Korthikanti et al. 2022, eqs. 1-3, at 16-bit: s·b·h·(34 + 5·a·s/h) with no parallelism,
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tp = t, s·b·h·(34/t + 5·a·s/(h·t)) with SP too.
-    Full recompute keeps only the layer input (2·s·b·h, /t under SP); selective drops the
-    5·a·s/h term. Doubled for float32. Under cp each rank holds s/cp tokens, and ring attention
-    keeps q, k, v, out and the log-sum-exp (O(s/cp)) instead of the s² scores: no 5·a·s/h term.
-    """
-    m, d, t, cp = cfg.model, cfg.derived, cfg.parallel.tp, cfg.parallel.cp
-    sp = cfg.parallel.sequence_parallel and t > 1
-    sbh = m.seq_len // cp * d.micro_batch_size * m.d_model
-    attn = 5 * m.n_heads * m.seq_len / m.d_model / t if cp == 1 else 0.0
-    linear = 34 / t if sp else 10 + 24 / t
-    per_elem = {"none": linear + attn, "selective": linear, "full": 2 / t if sp else 2}
-    scale = 2 if cfg.train.dtype == "float32" else 1
-    return sbh * per_elem[cfg.recompute.mode] * scale
+from megapipe.plan.actions import Schedule
+from megapipe.plan.partition import stage_text
+from megapipe.plan.schedules import build_schedule
+from megapipe.plan.simulate import Costs, simulate
+from models.gpt import GPT
 
 
-def stage_blocks(cfg: Config, pp_rank: int) -> range:
-    """Blocks of pipeline rank `pp_rank` under a uniform split of the L + 2 blocks."""
-    n, pp = cfg.model.n_layers + 2, cfg.parallel.pp
-    return range(pp_rank * n // pp, (pp_rank + 1) * n // pp)
+def rank_chunks(cfg: Config, pp_rank: int, tp_rank: int) -> list[GPT]:
+    """The meta-device chunks of the rank at (pp_rank, tp_rank), in local chunk order."""
+    tp = TPInfo(cfg.parallel.tp, tp_rank, None, cfg.parallel.sequence_parallel)
+    with torch.device("meta"):
+        return [
+            GPT(cfg.model, blocks=blocks, seed=cfg.train.seed, tp=tp, init=False)
+            for blocks in rank_blocks(cfg, pp_rank)
+        ]
 
 
 def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
-    """(parameters held, layers held) by the rank at (pp_rank, tp_rank)."""
-    from models.gpt import GPT
+    """(parameters held, layers held) by the rank at (pp_rank, tp_rank), over all its chunks."""
+    chunks = rank_chunks(cfg, pp_rank, tp_rank)
+    return _count(chunks), sum(len(c.layers) for c in chunks)
 
-    tp = TPInfo(cfg.parallel.tp, tp_rank, None, cfg.parallel.sequence_parallel)
-    blocks = stage_blocks(cfg, pp_rank)
-    with torch.device("meta"):
-        model = GPT(cfg.model, blocks=blocks, seed=cfg.train.seed, tp=tp, init=False)
-    return sum(p.numel() for p in model.parameters()), len(model.layers)
+
+def schedule_costs(cfg: Config) -> Costs:
+    """The costs the schedule is built with: zb_v's given ones, else unit costs (zb_v's
+    `profile` starts from the unit-cost schedule; the one it rebuilds from step 2 may differ)."""
+    p = cfg.parallel
+    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+        return Costs.parse(p.schedule_costs)
+    return Costs()
+
+
+def schedule_of(cfg: Config) -> Schedule:
+    """The configured schedule with the options training passes (pipeline/engine.py
+    `_schedule`): zb_v's given costs, PipeDream's weight sync, Seq1F1B's segments."""
+    p = cfg.parallel
+    opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
+    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+        opts = {"costs": schedule_costs(cfg)}
+    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
+
+
+def peak_inflight(cfg: Config) -> list[float]:
+    """Per pp rank, the most microbatches whose activations it holds at once, in units of one
+    microbatch through the rank's whole share (a vpp chunk counts 1/vpp, a Seq1F1B segment its
+    token share). E.g. 1F1B: pp−r on rank r (warm-up of pp−r−1 forwards, Narayanan et al. 2021
+    §2.2); GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3)."""
+    if cfg.parallel.pp == 1:  # no pipeline: the microbatches run one after another
+        return [1.0]
+    tokens = [(end - start) / cfg.model.seq_len for start, end in segment_bounds(cfg)]
+    result = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg),
+                      token_shares=tokens)
+    return result.peak_inflight
 
 
 def describe(cfg: Config) -> str:
@@ -56,22 +79,53 @@ def describe(cfg: Config) -> str:
     lines = [
         f"mesh: pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} (world size {d.world_size}; "
         "rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank)",
-        f"schedule: {p.schedule}, microbatches={p.microbatches}, "
+        f"schedule: {p.schedule}, vpp={p.vpp}, microbatches={p.microbatches}, "
         f"micro_batch_size={d.micro_batch_size}, sequence_parallel={p.sequence_parallel}",
     ]
-    acts = activation_bytes_per_layer(cfg)
+    if p.pp > 1:
+        lines.append(describe_partition(cfg))
+    inflight = peak_inflight(cfg)
     for pp_rank in range(p.pp):
         for tp_rank in range(p.tp):
-            n, layers = rank_params(cfg, pp_rank, tp_rank)
-            lines.append(
-                f"pp={pp_rank} tp={tp_rank}: {n:,} parameters, {layers} layers; memory "
-                f"weights+grads+AdamW {_size(n * BYTES_PER_PARAM)}, activations "
-                f"~{_size(acts * layers)} per microbatch in flight"
-            )
-    if p.pp > 1:
-        lines.append("(pp stages: uniform split of the blocks; parallel.balance not applied)")
+            lines.append(_rank_line(cfg, pp_rank, tp_rank, inflight[pp_rank]))
+    lines.append(
+        "(memory per rank, Korthikanti et al. 2022: float32 weights+grads+AdamW at "
+        f"{BYTES_PER_PARAM} B/parameter; activations of one microbatch through the rank's layers "
+        f"(embedding and head not counted) times the most microbatches {p.schedule} keeps in "
+        "flight on it, simulated with unit costs)"
+    )
+    if p.schedule == "pipedream_async":
+        lines.append("(pipedream_async's weight snapshots, up to one per in-flight microbatch, "
+                     "PipeDream §3.3, are not counted)")
     lines.append(f"training FLOPs per token: {flops_per_token(cfg):.3e}")
     return "\n".join(lines)
+
+
+def _rank_line(cfg: Config, pp_rank: int, tp_rank: int, inflight: float) -> str:
+    chunks = rank_chunks(cfg, pp_rank, tp_rank)
+    n, layers = _count(chunks), sum(len(c.layers) for c in chunks)
+    head = cfg.model.n_layers + 1
+    held = " | ".join(stage_text(c.blocks, head) for c in chunks)
+    # each layer at its own recompute mode (recompute.layers leaves later layers at "none")
+    acts = sum(
+        activation_bytes_per_layer(cfg, layer_mode(cfg.recompute, int(index)))
+        for c in chunks
+        for index in c.layers
+    )
+    return (
+        f"pp={pp_rank} tp={tp_rank}: {n:,} parameters, {layers} layers (chunks: {held}); "
+        f"memory weights+grads+AdamW {_size(n * BYTES_PER_PARAM)}, activations "
+        f"~{_size(acts)} per microbatch, peak in flight {_amount(inflight)} microbatches "
+        f"-> peak ~{_size(peak_bytes(n, acts, inflight))}"
+    )
+
+
+def _count(chunks: list[GPT]) -> int:
+    return sum(q.numel() for c in chunks for q in c.parameters())
+
+
+def _amount(x: float) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".")
 
 
 def _size(n_bytes: float) -> str:
