@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from megapipe.data.loader import DataError, build_data, load_tokenizer
-from megapipe.data.prepare import check_utf8, prepare, read_plays, split_documents, strip_markdown
+from megapipe.data.prepare import check_utf8, prepare, split_documents
+from megapipe.data.shakespeare import read_plays, strip_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["thou", "art", "the", "king", "of", "night", "and", "day", "my", "lord", "speak",

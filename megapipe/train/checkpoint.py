@@ -35,10 +35,11 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megapipe.config import Config, ConfigError, load_config, write_config
-from megapipe.distributed.launch import barrier, distributed, is_rank0, rank
+from megapipe.distributed.launch import barrier, distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
-from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.parallel.tensor.layers import sharded_params
+from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.rng import rng_states, set_rng_states
 from models.gpt import GPT
 
 FORMAT_VERSION = 1
@@ -149,7 +150,7 @@ def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> st
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
         dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
-    torch.save(_rng_states(model), os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    torch.save(rng_states(model), os.path.join(tmp, f"rng_rank{rank()}.pt"))
     barrier()
     if rank() == 0:
         write_config(cfg, os.path.join(tmp, "config.yaml"))
@@ -222,7 +223,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     _load_sharded(path, training_entries(model, optimizer))
     rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
     try:
-        _set_rng_states(torch.load(rng_file, weights_only=False), model)
+        set_rng_states(torch.load(rng_file, weights_only=False), model)
     except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
         raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
     return meta
@@ -260,32 +261,6 @@ def _load_tensors(path: str, tensors: dict) -> None:
             f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
             "resume from another one with checkpoint.resume=PATH"
         ) from None
-
-
-def _tp_trackers(model: nn.Module) -> list:
-    """The tp dropout RNG trackers of the model (one per pipeline chunk; none with tp size 1)."""
-    found = []
-    for module in model.modules():
-        rng = getattr(getattr(module, "tp", None), "rng", None)
-        if rng is not None and not any(rng is f for f in found):
-            found.append(rng)
-    return found
-
-
-def _rng_states(model: nn.Module) -> dict:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    states["tp_trackers"] = [t.state.clone() for t in _tp_trackers(model)]
-    return states
-
-
-def _set_rng_states(states: dict, model: nn.Module) -> None:
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    for tracker, state in zip(_tp_trackers(model), states["tp_trackers"], strict=True):
-        tracker.state = state
 
 
 def load_for_inference(path: str):

@@ -88,17 +88,28 @@ def describe(cfg: Config) -> str:
     for pp_rank in range(p.pp):
         for tp_rank in range(p.tp):
             lines.append(_rank_line(cfg, pp_rank, tp_rank, inflight[pp_rank]))
-    lines.append(
-        "(memory per rank, Korthikanti et al. 2022: float32 weights+grads+AdamW at "
-        f"{BYTES_PER_PARAM} B/parameter; activations of one microbatch through the rank's layers "
-        f"(embedding and head not counted) times the most microbatches {p.schedule} keeps in "
-        "flight on it, simulated with unit costs)"
-    )
-    if p.schedule == "pipedream_async":
-        lines.append("(pipedream_async's weight snapshots, up to one per in-flight microbatch, "
-                     "PipeDream §3.3, are not counted)")
+    lines += _notes(cfg)
     lines.append(f"training FLOPs per token: {flops_per_token(cfg):.3e}")
     return "\n".join(lines)
+
+
+def _notes(cfg: Config) -> list[str]:
+    """How the per-rank memory lines were worked out, and what they leave out."""
+    p = cfg.parallel
+    if p.pp == 1:
+        flight = "one microbatch at a time (no pipeline)"
+    else:
+        costs = "the given" if schedule_costs(cfg) != Costs() else "unit"
+        flight = f"the most microbatches {p.schedule} keeps in flight on it (simulated, {costs} costs)"
+    notes = [
+        f"(memory per rank: float32 weights+grads+AdamW at {BYTES_PER_PARAM} B/parameter; "
+        "activations of one microbatch through the rank's layers, Korthikanti et al. 2022, "
+        f"embedding and head not counted, times {flight})"
+    ]
+    if p.schedule == "pipedream_async":
+        notes.append("(pipedream_async's weight snapshots, up to one per in-flight microbatch "
+                     "(PipeDream §3.3), are not counted)")
+    return notes
 
 
 def _rank_line(cfg: Config, pp_rank: int, tp_rank: int, inflight: float) -> str:
