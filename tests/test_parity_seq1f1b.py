@@ -167,13 +167,12 @@ def split_train_case(overrides: list[str]) -> dict:
     """train_case (a pool worker) with the schedule's backwards split by `split_backward`."""
     from megapipe.pipeline import engine
 
-    build = engine.build_schedule
-    engine.build_schedule = lambda *a, **k: {r: split_backward(x)
-                                             for r, x in build(*a, **k).items()}
+    build = engine.schedule_of
+    engine.schedule_of = lambda cfg: {r: split_backward(x) for r, x in build(cfg).items()}
     try:
         return train_case(overrides)
     finally:
-        engine.build_schedule = build
+        engine.schedule_of = build
 
 
 def test_seq1f1b_with_split_backward_trains_like_one_process(gloo_pool):

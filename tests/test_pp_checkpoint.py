@@ -122,7 +122,7 @@ def live_case(overrides: list[str], root: str) -> dict:
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(2):
         job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
-    path = checkpoint.save(cfg, 2, job.model, optimizer, {})
+    path = checkpoint.save(cfg, 2, job.model, optimizer)
     weights = {}
     for chunk in job.engine.chunks:
         weights.update(gather_logical(chunk))

@@ -143,7 +143,7 @@ def saved_run(run_dir: Path, dataset_dir: Path) -> GPT:
     with torch.no_grad():
         for param in gpt.parameters():
             param.add_(torch.randn_like(param))
-    checkpoint.save(cfg, 3, gpt, torch.optim.AdamW(gpt.parameters()), {})
+    checkpoint.save(cfg, 3, gpt, torch.optim.AdamW(gpt.parameters()))
     return gpt.eval()
 
 

@@ -156,7 +156,7 @@ class Theirs:
                                 group=mesh.group("pp")) for i, c in enumerate(chunks)]
         self.first = any(s.is_first for s in stages)
         self.last = any(s.is_last for s in stages)
-        self.tokens = cfg.train.global_batch * cfg.model.seq_len
+        self.tokens = cfg.derived.tokens_per_step
         cls = getattr(schedules, class_name)
         self.schedule = cls(stages[0] if vpp == 1 else stages, M, loss_fn=self.loss,
                             scale_grads=False)
@@ -191,7 +191,7 @@ def job(steps: int, warmup: int, pairs: list) -> dict:
             runs[t] = Theirs(t, mesh)
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    tokens = cfg.train.global_batch * cfg.model.seq_len
+    tokens = cfg.derived.tokens_per_step
     wall, cpu = {name: [] for name in runs}, {name: [] for name in runs}
     spans = {name: [] for name, run in runs.items() if isinstance(run, Ours)}
     checks = {}

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from megapipe.config.flops import block_costs_from_flops
 from megapipe.config.schema import Config, ConfigError
 from megapipe.plan import partition as blocks
-from megapipe.plan.actions import Placement
+from megapipe.plan.actions import Placement, Schedule
+from megapipe.plan.schedules import build_schedule
 from megapipe.plan.schedules import placement as schedule_placement
+from megapipe.plan.simulate import Costs
 
 
 def partition(
@@ -33,6 +35,25 @@ def partition(
 def placement_of(cfg: Config) -> Placement:
     """The placement of the configured schedule's chunks."""
     return schedule_placement(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.vpp)
+
+
+def schedule_costs(cfg: Config) -> Costs:
+    """The costs the schedule is built with: zb_v's given ones, else unit costs (zb_v's
+    `profile` starts from the unit-cost schedule and rebuilds from step 2's measurements)."""
+    p = cfg.parallel
+    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+        return Costs.parse(p.schedule_costs)
+    return Costs()
+
+
+def schedule_of(cfg: Config) -> Schedule:
+    """The configured schedule with its options: zb_v's given costs, PipeDream's weight sync,
+    Seq1F1B's segments. The pipeline runs it and the dry run simulates it."""
+    p = cfg.parallel
+    opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
+    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+        opts = {"costs": schedule_costs(cfg)}
+    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
 
 
 def rank_blocks(

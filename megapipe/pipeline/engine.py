@@ -18,6 +18,7 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
+from megapipe.config.stages import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB, GradReducer
 from megapipe.parallel.precision import autocast
@@ -30,7 +31,6 @@ from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
 from megapipe.plan.messages import Message
 from megapipe.plan.schedules import build_schedule, placement
-from megapipe.plan.simulate import Costs
 
 
 @dataclass
@@ -139,7 +139,7 @@ def build_pipeline(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_B
                 for c in chunks]
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
     pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)
-    pipe.use_schedule(_schedule(cfg))
+    pipe.use_schedule(schedule_of(cfg))
     # the second step is profiled: the first pays one-off costs (allocations, lazy init)
     pipe.profile_in = 2 if p.schedule == "zb_v" and p.schedule_costs == "profile" else 0
     return pipe
@@ -157,12 +157,3 @@ def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> Pipel
     positions = cp_info(mesh).positions(m.seq_len)
     return PipelineRuntime(chunks, place, mesh.coord("pp"), links, positions,
                            lambda: autocast(cfg.train.dtype, device), segments)
-
-
-def _schedule(cfg: Config) -> dict:
-    """The configured schedule with its options (zb_v's given costs, PipeDream's weight sync)."""
-    p = cfg.parallel
-    opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
-    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
-        opts = {"costs": Costs.parse(p.schedule_costs)}
-    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)

@@ -13,7 +13,7 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         and restored into both copies
   rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
-  meta.json             format, step, mesh, consumed tokens; written last
+  meta.json             format, step, mesh (all read by `load`); written last
 A checkpoint is written under `step_N.tmp` and renamed when complete, so a crash never leaves a
 half-written `step_N`, and older checkpoints are pruned only after the new one exists.
 """
@@ -139,7 +139,7 @@ def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     return state
 
 
-def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> str:
+def save(cfg: Config, step: int, model: nn.Module, optimizer) -> str:
     """Write checkpoint `step` atomically and prune old ones; returns its directory."""
     root = checkpoint_root(cfg)
     final, tmp = step_dir(root, step), step_dir(root, step) + ".tmp"
@@ -155,7 +155,7 @@ def save(cfg: Config, step: int, model: nn.Module, optimizer, extra: dict) -> st
     if rank() == 0:
         write_config(cfg, os.path.join(tmp, "config.yaml"))
         meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
-        _write_json(os.path.join(tmp, "meta.json"), {**meta, **extra})
+        _write_json(os.path.join(tmp, "meta.json"), meta)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _prune(root, cfg.checkpoint.keep)
@@ -208,6 +208,11 @@ def read_meta(path: str) -> dict:
             f"checkpoint '{path}' is incomplete or corrupt (meta.json: {type(e).__name__}); "
             "resume from another one with checkpoint.resume=PATH"
         ) from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint '{path}' has format {meta.get('format')!r}; this megapipe reads format "
+            f"{FORMAT_VERSION}: resume with the version that wrote it"
+        )
     return meta
 
 

@@ -16,12 +16,16 @@ import torch
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token, segment_bounds
 from megapipe.config.memory import BYTES_PER_PARAM, activation_bytes_per_layer, peak_bytes
-from megapipe.config.stages import describe_partition, placement_of, rank_blocks
+from megapipe.config.stages import (
+    describe_partition,
+    placement_of,
+    rank_blocks,
+    schedule_costs,
+    schedule_of,
+)
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.sharding import TPInfo
-from megapipe.plan.actions import Schedule
 from megapipe.plan.partition import stage_text
-from megapipe.plan.schedules import build_schedule
 from megapipe.plan.simulate import Costs, simulate
 from models.gpt import GPT
 
@@ -42,25 +46,6 @@ def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
     return _count(chunks), sum(len(c.layers) for c in chunks)
 
 
-def schedule_costs(cfg: Config) -> Costs:
-    """The costs the schedule is built with: zb_v's given ones, else unit costs (zb_v's
-    `profile` starts from the unit-cost schedule; the one it rebuilds from step 2 may differ)."""
-    p = cfg.parallel
-    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
-        return Costs.parse(p.schedule_costs)
-    return Costs()
-
-
-def schedule_of(cfg: Config) -> Schedule:
-    """The configured schedule with the options training passes (pipeline/engine.py
-    `_schedule`): zb_v's given costs, PipeDream's weight sync, Seq1F1B's segments."""
-    p = cfg.parallel
-    opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
-    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
-        opts = {"costs": schedule_costs(cfg)}
-    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
-
-
 def peak_inflight(cfg: Config) -> list[float]:
     """Per pp rank, the most microbatches whose activations it holds at once, in units of one
     microbatch through the rank's whole share (a vpp chunk counts 1/vpp, a Seq1F1B segment its
@@ -69,8 +54,7 @@ def peak_inflight(cfg: Config) -> list[float]:
     if cfg.parallel.pp == 1:  # no pipeline: the microbatches run one after another
         return [1.0]
     tokens = [(end - start) / cfg.model.seq_len for start, end in segment_bounds(cfg)]
-    result = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg),
-                      token_shares=tokens)
+    result = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg), token_shares=tokens)
     return result.peak_inflight
 
 
@@ -100,15 +84,19 @@ def _notes(cfg: Config) -> list[str]:
         flight = "one microbatch at a time (no pipeline)"
     else:
         costs = "the given" if schedule_costs(cfg) != Costs() else "unit"
-        flight = f"the most microbatches {p.schedule} keeps in flight on it (simulated, {costs} costs)"
+        flight = (
+            f"the most microbatches {p.schedule} keeps in flight on it (simulated, {costs} costs)"
+        )
     notes = [
         f"(memory per rank: float32 weights+grads+AdamW at {BYTES_PER_PARAM} B/parameter; "
         "activations of one microbatch through the rank's layers, Korthikanti et al. 2022, "
         f"embedding and head not counted, times {flight})"
     ]
     if p.schedule == "pipedream_async":
-        notes.append("(pipedream_async's weight snapshots, up to one per in-flight microbatch "
-                     "(PipeDream §3.3), are not counted)")
+        notes.append(
+            "(pipedream_async's weight snapshots, up to one per in-flight microbatch "
+            "(PipeDream §3.3), are not counted)"
+        )
     return notes
 
 

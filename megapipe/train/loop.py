@@ -59,8 +59,7 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
         records.append(record)
         interval = cfg.checkpoint.interval
         if (interval and done % interval == 0) or done == t.stop_at_step:
-            checkpoint.save(cfg, done, job.model, optimizer,
-                            {"consumed_tokens": record["consumed_tokens"]})
+            checkpoint.save(cfg, done, job.model, optimizer)
     log.close()
     return records
 
