@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         cause = peer_lost(e)
         if cause is None:
             raise
-        print(f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
-              "logs (parallel.timeout_s bounds how long a rank waits)", file=sys.stderr)
+        print(
+            f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
+            "logs (parallel.timeout_s bounds how long a rank waits)",
+            file=sys.stderr,
+        )
         return 3
     return 0
 

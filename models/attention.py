@@ -46,7 +46,12 @@ def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
     T, S = q.shape[2], k.shape[2]
     mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=mask is None,
         enable_gqa=k.shape[1] != q.shape[1],
     )
 
@@ -54,8 +59,14 @@ def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
 class Attention(nn.Module):
     """Heads split over tp; under cp the sequence is split too and the core is ring attention."""
 
-    def __init__(self, cfg: ModelConfig, n_kv_heads: int, tp: TPInfo = NO_TP, selective=False,
-                 cp: CPInfo = NO_CP):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        n_kv_heads: int,
+        tp: TPInfo = NO_TP,
+        selective=False,
+        cp: CPInfo = NO_CP,
+    ):
         super().__init__()
         hd = cfg.d_model // cfg.n_heads
         bias = cfg.arch == "gpt2"

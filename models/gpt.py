@@ -94,8 +94,9 @@ class Embedding(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm1 x), then + mlp(norm2 x)."""
 
-    def __init__(self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str,
-                 cp: CPInfo = NO_CP) -> None:
+    def __init__(
+        self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str, cp: CPInfo = NO_CP
+    ) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
         self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp)

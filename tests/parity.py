@@ -193,8 +193,13 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
             if name in weights and not torch.equal(weights[name], value):  # the ZB-V tied copy
                 raise AssertionError(f"{name}: the two local copies differ")
             weights[name] = value
-    out = {"losses": losses, "grad_norms": norms, "weights": weights,
-           "dp_spread": _dp_spread(weights, mesh), "adam_reach": cfg.train.lr * steps}
+    out = {
+        "losses": losses,
+        "grad_norms": norms,
+        "weights": weights,
+        "dp_spread": _dp_spread(weights, mesh),
+        "adam_reach": cfg.train.lr * steps,
+    }
     if cfg.parallel.pp == 1:
         out["overlapped_buckets"] = getattr(engine.reducer, "overlapped", 0)
         out["buckets"] = len(engine.reducer.buckets) if engine.reducer else 0

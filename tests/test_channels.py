@@ -41,7 +41,9 @@ def test_out_of_order_channels_are_found():
 
 
 def test_swapped_receives_are_a_mismatch():
-    sched = {0: [Action("F", 0), Action("F", 1), Action("BW", 1), Action("BW", 0)],
-             1: [Action("F", 1), Action("F", 0), Action("BW", 1), Action("BW", 0)]}
+    sched = {
+        0: [Action("F", 0), Action("F", 1), Action("BW", 1), Action("BW", 0)],
+        1: [Action("F", 1), Action("F", 0), Action("BW", 1), Action("BW", 0)],
+    }
     msg = fifo_mismatch(sched, Placement(2))
     assert msg == "ranks 0->1: message 0 sent ('act', 0, 0, 0) but received ('act', 1, 0, 0)"

@@ -51,9 +51,9 @@ def weights_case(overrides: list[str], root: str) -> dict:
     """Train 2 steps, save; the gathered logical weights."""
     import train
     from megapipe.distributed.launch import init_distributed
-    from megapipe.train.optim import build_optimizer
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.pipeline.stages import build_model
+    from megapipe.train.optim import build_optimizer
 
     cfg = tiny_config([*overrides, "train.stop_at_step=2"], f"{root}/w")
     train.run(cfg)

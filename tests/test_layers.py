@@ -46,8 +46,13 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[str, int, 
     """(imported project module, line, inside a function) for every import of `source`."""
     found = []
     tree = ast.parse(source)
-    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for n in ast.walk(f) if n is not f}
+    nested = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if n is not f
+    }
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -113,7 +118,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                out.append(stack[stack.index(nxt):] + [nxt])
+                out.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -147,23 +152,31 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> list[str]:
     ("files", "expected"),
     [
         (  # the plan layer reaching up into the pipeline
-            {"megapipe/plan/a.py": "from megapipe.pipeline.b import x\n",
-             "megapipe/pipeline/b.py": "x = 1\n"},
+            {
+                "megapipe/plan/a.py": "from megapipe.pipeline.b import x\n",
+                "megapipe/pipeline/b.py": "x = 1\n",
+            },
             "megapipe.plan imports the higher layer megapipe.pipeline.b",
         ),
         (  # a function-level import, even of a lower layer
-            {"megapipe/train/a.py": "def f():\n    from megapipe.plan import b\n",
-             "megapipe/plan/b.py": "x = 1\n"},
+            {
+                "megapipe/train/a.py": "def f():\n    from megapipe.plan import b\n",
+                "megapipe/plan/b.py": "x = 1\n",
+            },
             "function-level import of megapipe.plan.b",
         ),
         (  # a circle inside one layer
-            {"megapipe/plan/a.py": "import megapipe.plan.b\n",
-             "megapipe/plan/b.py": "from megapipe.plan import a\n"},
+            {
+                "megapipe/plan/a.py": "import megapipe.plan.b\n",
+                "megapipe/plan/b.py": "from megapipe.plan import a\n",
+            },
             "import circle: megapipe.plan.a -> megapipe.plan.b -> megapipe.plan.a",
         ),
         (  # a relative import upward is caught too
-            {"megapipe/parallel/a.py": "from ..train import loop\n",
-             "megapipe/train/loop.py": "x = 1\n"},
+            {
+                "megapipe/parallel/a.py": "from ..train import loop\n",
+                "megapipe/train/loop.py": "x = 1\n",
+            },
             "megapipe.parallel imports the higher layer megapipe.train.loop",
         ),
     ],
@@ -179,5 +192,6 @@ def test_the_real_tree_with_one_planted_upward_import_fails(tmp_path):
     path, source = modules["megapipe.plan.actions"]
     modules["megapipe.plan.actions"] = (path, source + "\nfrom megapipe.train import step\n")
     problems = violations(modules)
-    assert any("megapipe.plan imports the higher layer megapipe.train.step" in p
-               for p in problems), problems
+    assert any(
+        "megapipe.plan imports the higher layer megapipe.train.step" in p for p in problems
+    ), problems

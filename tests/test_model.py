@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from megapipe.config import RecomputeConfig
-from megapipe.train.optim import build_optimizer
 from megapipe.train.batches import BatchSlice
 from megapipe.train.build import replica
+from megapipe.train.optim import build_optimizer
 from megapipe.train.step import train_step
 from models.gpt import GPT
 from tests.util import PARITY_REL, assert_state_close
@@ -86,8 +86,10 @@ def test_grad_accumulation_equals_one_batch(tiny_cfg, arch):
         model = GPT(cfg.model, seed=5)
         opt = build_optimizer(model, cfg.train)
         batch = _tokens(cfg, cfg.train.global_batch, seed=2)
-        losses = [train_step(replica(cfg, model), BatchSlice(), opt, batch, step, cfg).loss
-                  for step in range(2)]
+        losses = [
+            train_step(replica(cfg, model), BatchSlice(), opt, batch, step, cfg).loss
+            for step in range(2)
+        ]
         results[m] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
     (l1, w1), (l4, w4) = results[1], results[4]
     assert l1 == pytest.approx(l4, rel=PARITY_REL)

@@ -1,7 +1,7 @@
 """Parity: context parallelism (ring attention over zigzag slices), alone and mixed with dp, tp
 (+SP) and pp, trains the same model as one process: same per-step loss and grad norm, same final
-logical weights to relative 1e-5 (docs/architecture.md, Parity). Every rank that holds a tensor (cp and dp
-replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
+logical weights to relative 1e-5 (docs/architecture.md, Invariants). Every rank that holds a
+tensor (cp and dp replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
 
 Cases are grouped by world size so each size spawns its gloo workers once.
 
@@ -30,8 +30,12 @@ def cp(n: int) -> list[str]:
 
 
 def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
-    return [f"parallel.schedule={schedule}", f"parallel.pp={p}", f"parallel.microbatches={m}",
-            f"parallel.vpp={vpp}"]
+    return [
+        f"parallel.schedule={schedule}",
+        f"parallel.pp={p}",
+        f"parallel.microbatches={m}",
+        f"parallel.vpp={vpp}",
+    ]
 
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
@@ -90,12 +94,17 @@ def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extr
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ([*cp(3)], r"model.seq_len=16 must be divisible by 2·parallel.cp=6"),
-    ([*cp(2), "model.dropout=0.1"], r"model.dropout=0.1 with parallel.cp=2: ring attention"),
-    ([*cp(4), "parallel.tp=4", *SP, "model.seq_len=24"],
-     r"local sequence model.seq_len/cp=6 divisible by parallel.tp=4"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ([*cp(3)], r"model.seq_len=16 must be divisible by 2·parallel.cp=6"),
+        ([*cp(2), "model.dropout=0.1"], r"model.dropout=0.1 with parallel.cp=2: ring attention"),
+        (
+            [*cp(4), "parallel.tp=4", *SP, "model.seq_len=24"],
+            r"local sequence model.seq_len/cp=6 divisible by parallel.tp=4",
+        ),
+    ],
+)
 def test_bad_context_parallel_config_is_one_line_error(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(overrides, str(tmp_path))

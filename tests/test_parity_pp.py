@@ -1,5 +1,6 @@
 """Parity: pipeline schedules (alone and mixed with dp or tp) train the same model as one process:
-same per-step loss, grad norm and final logical weights to relative 1e-5 (docs/architecture.md, Parity).
+same per-step loss, grad norm and final logical weights to relative 1e-5
+(docs/architecture.md, Invariants).
 
 Each rank returns the logical tensors of its chunks; the union over ranks is the whole model,
 and every tensor held by several ranks (dp and tp replicas, the tied embedding's last-stage copy)
@@ -23,8 +24,12 @@ L4, L6 = ["model.n_layers=4"], ["model.n_layers=6"]
 
 
 def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
-    return [f"parallel.schedule={schedule}", f"parallel.pp={p}", f"parallel.microbatches={m}",
-            f"parallel.vpp={vpp}"]
+    return [
+        f"parallel.schedule={schedule}",
+        f"parallel.pp={p}",
+        f"parallel.microbatches={m}",
+        f"parallel.vpp={vpp}",
+    ]
 
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
@@ -41,19 +46,34 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("zb_h1-m1-llama", 1, 1, [*pp("zb_h1", 2, 1), *LLAMA]),
         ("zb_h2-m3", 1, 1, [*pp("zb_h2", 2, 3), *B12]),
         ("zb_v-m2", 1, 1, pp("zb_v", 2, 2, 2)),
-        ("zb_v-m6-built-for-costs", 1, 1,
-         [*pp("zb_v", 2, 6, 2), *B12, "parallel.schedule_costs=F=1,B=1.5,W=0.5"]),
-        ("zb_v-m3-llama-full-recompute", 1, 1,
-         [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"]),
+        (
+            "zb_v-m6-built-for-costs",
+            1,
+            1,
+            [*pp("zb_v", 2, 6, 2), *B12, "parallel.schedule_costs=F=1,B=1.5,W=0.5"],
+        ),
+        (
+            "zb_v-m3-llama-full-recompute",
+            1,
+            1,
+            [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"],
+        ),
         ("1f1b-m2-selective-recompute", 1, 1, [*pp("1f1b", 2, 2), "recompute.mode=selective"]),
-        ("zb_h1-m2-llama-selective-recompute", 1, 1,
-         [*pp("zb_h1", 2, 2), *LLAMA, "recompute.mode=selective"]),
+        (
+            "zb_h1-m2-llama-selective-recompute",
+            1,
+            1,
+            [*pp("zb_h1", 2, 2), *LLAMA, "recompute.mode=selective"],
+        ),
         ("1f1b-m2-balance-llama3", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=llama3"]),
         ("1f1b-m2-balance-cost", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=cost"]),
-        ("gpipe-m2-layout-uneven", 1, 1,
-         [*pp("gpipe", 2, 2), *L4, "parallel.balance=E,t|t,t,t,L"]),
-        ("interleaved-m2-layout", 1, 1,
-         [*pp("interleaved_1f1b", 2, 2, 2), *L4, "parallel.balance=E,t|t|t|t,L"]),
+        ("gpipe-m2-layout-uneven", 1, 1, [*pp("gpipe", 2, 2), *L4, "parallel.balance=E,t|t,t,t,L"]),
+        (
+            "interleaved-m2-layout",
+            1,
+            1,
+            [*pp("interleaved_1f1b", 2, 2, 2), *L4, "parallel.balance=E,t|t|t|t,L"],
+        ),
     ],
     4: [
         ("pp4-gpipe-m2", 1, 1, [*pp("gpipe", 4, 2), *L4]),
@@ -72,10 +92,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
         ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
         ("pp2-tp2-zb_v-gqa-sp", 1, 2, [*pp("zb_v", 2, 4, 2), *GQA2, *SP]),
-        ("pp4-1f1b-m4-balance-llama3", 1, 1,
-         [*pp("1f1b", 4, 4), *L6, "parallel.balance=llama3"]),
-        ("pp4-zb_v-m4-balance-cost-selective", 1, 1,
-         [*pp("zb_v", 4, 4, 2), *L6, "parallel.balance=cost", "recompute.mode=selective"]),
+        ("pp4-1f1b-m4-balance-llama3", 1, 1, [*pp("1f1b", 4, 4), *L6, "parallel.balance=llama3"]),
+        (
+            "pp4-zb_v-m4-balance-cost-selective",
+            1,
+            1,
+            [*pp("zb_v", 4, 4, 2), *L6, "parallel.balance=cost", "recompute.mode=selective"],
+        ),
     ],
 }
 SLOW = {
@@ -141,17 +164,22 @@ def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extr
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
-    (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
-    ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
-    (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
-    (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),
-    ([*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=fast"],
-     "parallel.schedule_costs='F=1,B=fast': could not convert"),
-    ([*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=0,W=1"], "needs F, B and W all > 0"),
-    (pp("interleaved_1f1b", 2, 2, 4), "8 stages but the model has only 2 layers"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
+        (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
+        ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
+        (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
+        (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),
+        (
+            [*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=fast"],
+            "parallel.schedule_costs='F=1,B=fast': could not convert",
+        ),
+        ([*pp("zb_v", 2, 2, 2), "parallel.schedule_costs=F=1,B=0,W=1"], "needs F, B and W all > 0"),
+        (pp("interleaved_1f1b", 2, 2, 4), "8 stages but the model has only 2 layers"),
+    ],
+)
 def test_bad_pipeline_config_is_one_line_error(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(overrides, str(tmp_path))
@@ -184,9 +212,9 @@ def held_output_elements(overrides: list[str]) -> list[int]:
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
     from megapipe.pipeline.runtime import Hooks
     from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
     from tests.parity import build_mesh
 
     class Held(Hooks):  # after each action: the elements the stash still holds

@@ -1,5 +1,5 @@
 """Seq1F1B (Sun et al. 2024): sequence segments with the K/V of earlier segments kept train the
-same model as one full-sequence process (docs/architecture.md, Parity).
+same model as one full-sequence process (docs/architecture.md, Invariants).
 
 Unit level (one process): a chunk run segment by segment, forwards 0..k−1 and backwards k−1..0
 through `SegmentKV`, gives the full sequence's outputs, input grads and weight grads. Pipeline
@@ -51,12 +51,19 @@ def _grads(model) -> dict:
     return grads
 
 
-@pytest.mark.parametrize("overrides", [[], [*LLAMA, "model.n_kv_heads=2"],
-                                       ["recompute.mode=full"],
-                                       [*LLAMA, "recompute.mode=selective"]],
-                         ids=["gpt2", "llama-gqa", "gpt2-full-recompute", "llama-selective"])
-@pytest.mark.parametrize("bounds", [[(0, 8), (8, 16)], [(0, 5), (5, 7), (7, 16)]],
-                         ids=["k2", "k3-uneven"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [*LLAMA, "model.n_kv_heads=2"],
+        ["recompute.mode=full"],
+        [*LLAMA, "recompute.mode=selective"],
+    ],
+    ids=["gpt2", "llama-gqa", "gpt2-full-recompute", "llama-selective"],
+)
+@pytest.mark.parametrize(
+    "bounds", [[(0, 8), (8, 16)], [(0, 5), (5, 7), (7, 16)]], ids=["k2", "k3-uneven"]
+)
 def test_segments_with_kept_kv_equal_full_causal_attention(tmp_path, overrides, bounds):
     """Layers only (a middle pipeline stage): outputs, input grads and weight grads."""
     torch.manual_seed(0)
@@ -185,13 +192,16 @@ def test_seq1f1b_with_split_backward_trains_like_one_process(gloo_pool):
     assert_state_close(union_of_ranks(results), ref["weights"], reach=ref["adam_reach"])
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ([*pp("1f1b", 2, 2), "parallel.seq_segments=2"], "only used by parallel.schedule=seq1f1b"),
-    (["parallel.schedule=seq1f1b", "parallel.seq_segments=2"], "with parallel.pp > 1"),
-    (seq(2, 2, 17), r"seq_segments=17 needs model.seq_len=16 >= 17"),
-    ([*seq(2, 2, 9), "parallel.tp=2", *SP], "seq_len=16 >= 18: 9 non-empty segments of a mul"),
-    ([*seq(2, 2, 2), "parallel.cp=2"], "seq1f1b with parallel.cp=2"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ([*pp("1f1b", 2, 2), "parallel.seq_segments=2"], "only used by parallel.schedule=seq1f1b"),
+        (["parallel.schedule=seq1f1b", "parallel.seq_segments=2"], "with parallel.pp > 1"),
+        (seq(2, 2, 17), r"seq_segments=17 needs model.seq_len=16 >= 17"),
+        ([*seq(2, 2, 9), "parallel.tp=2", *SP], "seq_len=16 >= 18: 9 non-empty segments of a mul"),
+        ([*seq(2, 2, 2), "parallel.cp=2"], "seq1f1b with parallel.cp=2"),
+    ],
+)
 def test_bad_seq1f1b_config_is_one_line_error(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(overrides, str(tmp_path))

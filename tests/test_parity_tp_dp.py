@@ -1,5 +1,6 @@
 """Parity: dp × tp meshes (sequence parallel, GQA, recompute, padded vocab) train the same model
-as one process: same per-step loss and final weights to relative 1e-5 (docs/architecture.md, Parity).
+as one process: same per-step loss and final weights to relative 1e-5 (docs/architecture.md,
+Invariants).
 
 Cases are grouped by world size so each size spawns its gloo workers once.
 """

@@ -211,6 +211,7 @@ def test_check_partition_raises_config_errors():
 def test_rank_blocks_follow_the_placement():
     cfg = make_cfg(10, pp=2, vpp=2)
     stages = partition(cfg)
+
     def stages_for_rank(rank, pp, vpp, style="loop"):
         return [Placement(pp, vpp, style).stage(rank, chunk) for chunk in range(vpp)]
 

@@ -28,24 +28,37 @@ STEPS = 3
 
 
 def pd(p: int, m: int, sync: str = "stash") -> list[str]:
-    return ["parallel.schedule=pipedream_async", f"parallel.pp={p}",
-            f"parallel.microbatches={m}", f"parallel.weight_sync={sync}", *UNTIED]
+    return [
+        "parallel.schedule=pipedream_async",
+        f"parallel.pp={p}",
+        f"parallel.microbatches={m}",
+        f"parallel.weight_sync={sync}",
+        *UNTIED,
+    ]
 
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
         ("pp2-stash-m4", 1, 1, pd(2, 4)),
         ("pp2-vertical-m4", 1, 1, pd(2, 4, "vertical")),
-        ("pp2-stash-m3-llama-full-recompute", 1, 1,
-         [*pd(2, 3), *B12, *LLAMA, "recompute.mode=full"]),
+        (
+            "pp2-stash-m3-llama-full-recompute",
+            1,
+            1,
+            [*pd(2, 3), *B12, *LLAMA, "recompute.mode=full"],
+        ),
     ],
     4: [
         ("pp4-stash-m6", 1, 1, [*pd(4, 6), *B12, *L4]),
         ("pp4-vertical-m6", 1, 1, [*pd(4, 6, "vertical"), *B12, *L4]),
         ("dp2-pp2-stash-m3", 2, 1, [*pd(2, 3), *B12]),
         ("pp2-tp2-vertical-sp", 1, 2, [*pd(2, 4, "vertical"), *SP]),
-        ("pp2-cp2-vertical-llama-selective", 1, 1,
-         [*pd(2, 4, "vertical"), "parallel.cp=2", *LLAMA, "recompute.mode=selective"]),
+        (
+            "pp2-cp2-vertical-llama-selective",
+            1,
+            1,
+            [*pd(2, 4, "vertical"), "parallel.cp=2", *LLAMA, "recompute.mode=selective"],
+        ),
     ],
 }
 
@@ -72,12 +85,18 @@ def _load(params, values) -> None:
 def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
     """The pipeline's stages as separate models on one process, stepped microbatch by
     microbatch with each stage's gradient taken at its delayed weights (none if not `delayed`)."""
-    from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
     from megapipe.config.stages import rank_blocks
+    from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.pipeline.stages import build_model
     from megapipe.train.batches import split_inputs
+    from megapipe.train.optim import (
+        build_optimizer,
+        clip_gradients,
+        global_grad_norm,
+        lr_at,
+        set_lr,
+    )
 
     cfg = tiny_config(list(extra), tempfile.mkdtemp())
     p, t = cfg.parallel, cfg.train
@@ -127,9 +146,9 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
 def pipedream_case(overrides: list[str]) -> dict:
     """Train STEPS steps under the mesh: losses, norms, this rank's weights, versions stashed."""
     from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
@@ -137,8 +156,9 @@ def pipedream_case(overrides: list[str]) -> dict:
     pipe = job.engine
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
-    results = [job.train_step(optimizer, data.batch(s, cfg.train.global_batch), s)
-               for s in range(STEPS)]
+    results = [
+        job.train_step(optimizer, data.batch(s, cfg.train.global_batch), s) for s in range(STEPS)
+    ]
     return {
         "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
         "weights": gather_logical(pipe.chunks[0]), "pp_rank": mesh.coord("pp"),
@@ -149,8 +169,9 @@ def pipedream_case(overrides: list[str]) -> dict:
 
 
 def _run(gloo_pool, world, dp, tp, extra) -> tuple[list[dict], dict]:
-    results = gloo_pool(world).run(pipedream_case, [*extra, f"parallel.dp={dp}",
-                                                    f"parallel.tp={tp}"])
+    results = gloo_pool(world).run(
+        pipedream_case, [*extra, f"parallel.dp={dp}", f"parallel.tp={tp}"]
+    )
     union = {}
     for rank, got in enumerate(results):
         assert got["events"] == got["actions"], f"rank {rank}: ran out of schedule order"
@@ -236,13 +257,18 @@ def test_stash_keeps_the_forward_weights_for_backward(tmp_path):
         loss.backward()
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ([*pd(2, 2)[:-1]], "model.tie_embeddings=true with parallel.schedule=pipedream_async"),
-    ([*pd(2, 2), "parallel.vpp=2", *L4], "pipedream_async runs one chunk per rank"),
-    (pd(2, 2, "sometimes"), "parallel.weight_sync='sometimes' is not one of stash, vertical"),
-    (["parallel.weight_sync=vertical", "parallel.pp=2", "parallel.microbatches=2"],
-     "weight_sync=vertical applies to parallel.schedule=pipedream_async only"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ([*pd(2, 2)[:-1]], "model.tie_embeddings=true with parallel.schedule=pipedream_async"),
+        ([*pd(2, 2), "parallel.vpp=2", *L4], "pipedream_async runs one chunk per rank"),
+        (pd(2, 2, "sometimes"), "parallel.weight_sync='sometimes' is not one of stash, vertical"),
+        (
+            ["parallel.weight_sync=vertical", "parallel.pp=2", "parallel.microbatches=2"],
+            "weight_sync=vertical applies to parallel.schedule=pipedream_async only",
+        ),
+    ],
+)
 def test_bad_pipedream_config_is_one_line_error(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(overrides, str(tmp_path))

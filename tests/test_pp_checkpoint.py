@@ -36,7 +36,10 @@ MESHES = {  # world -> {id: overrides}
         "pp2-tp2-sp": [*pp("zb_h1", 2), "parallel.tp=2", "parallel.sequence_parallel=true"],
         "dp2-pp2-gpipe": [*pp("gpipe", 2), "parallel.dp=2"],
         "pp2-tp2-interleaved-vpp2": [  # two tp dropout streams per rank, one per chunk
-            *pp("interleaved_1f1b", 4, 2), *L4, "parallel.tp=2"],
+            *pp("interleaved_1f1b", 4, 2),
+            *L4,
+            "parallel.tp=2",
+        ],
         "cp2-pp2-1f1b": [*pp("1f1b", 2), "parallel.cp=2", "model.dropout=0.0"],
     },
 }
@@ -112,9 +115,9 @@ def live_case(overrides: list[str], root: str) -> dict:
     """Train 2 steps on the pipeline, save, run validation: the saved path, this rank's
     logical weights (whole under tp) and the validation loss."""
     from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
 
     cfg = tiny_config(overrides, root)
     job = build(cfg, build_mesh(cfg))

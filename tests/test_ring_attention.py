@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from megapipe.parallel.context.kernels import KERNELS, pick_kernel, plan_step
 from megapipe.parallel.context.ring import RingStats, ring_attention
 from megapipe.parallel.context.zigzag import (
     local_chunks,
@@ -24,7 +25,6 @@ from megapipe.parallel.context.zigzag import (
     zigzag_shard,
     zigzag_unshard,
 )
-from megapipe.parallel.context.kernels import KERNELS, pick_kernel, plan_step
 
 SEQS = (16, 32, 64)
 LAYOUTS = [(True, True), (True, False), (False, True), (False, False)]  # (causal, zigzag)

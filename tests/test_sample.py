@@ -12,10 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from megapipe.train import checkpoint
 from megapipe.config import Config, DataConfig, ModelConfig
 from megapipe.data.loader import load_tokenizer
 from megapipe.data.prepare import train_sentencepiece
+from megapipe.train import checkpoint
 from models.gpt import GPT
 from models.hf import to_hf
 from models.sample import next_token, sample

@@ -9,21 +9,44 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args, tool="tools/schedule.py"):
-    done = subprocess.run([sys.executable, tool, *args], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, tool, *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done
 
 
 def test_grid_printout():
     done = cli("--schedule", "1f1b", "--pp", "2", "--microbatches", "3")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0].split() == ["rank", "0:", "F0", "F1", "BW0", "F2", "BW1",
-                                                   "BW2"]
+    assert done.stdout.splitlines()[0].split() == [
+        "rank",
+        "0:",
+        "F0",
+        "F1",
+        "BW0",
+        "F2",
+        "BW1",
+        "BW2",
+    ]
 
 
 def test_json_summary_has_contract_keys():
-    done = cli("--schedule", "zb_h1", "--pp", "4", "--microbatches", "8",
-               "--cost", "F=1,B=1.2,W=0.8,comm=0", "--json")
+    done = cli(
+        "--schedule",
+        "zb_h1",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--cost",
+        "F=1,B=1.2,W=0.8,comm=0",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert set(out) == {"makespan", "bubble_fraction", "idle", "peak_inflight_microbatches"}
@@ -33,29 +56,61 @@ def test_json_summary_has_contract_keys():
 
 def test_plot_writes_png(tmp_path):
     target = tmp_path / "t.png"
-    done = cli("--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "8",
-               "--vpp", "2", "--plot", str(target))
+    done = cli(
+        "--schedule",
+        "interleaved_1f1b",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--vpp",
+        "2",
+        "--plot",
+        str(target),
+    )
     assert done.returncode == 0, done.stderr
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compare_table_and_stacked_plot(tmp_path):
     target = tmp_path / "cmp.png"
-    done = cli("--compare", "1f1b,zb_h1,zb_v,seq1f1b", "--pp", "4", "--microbatches", "8",
-               "--seq-segments", "2", "--plot", str(target))
+    done = cli(
+        "--compare",
+        "1f1b,zb_h1,zb_v,seq1f1b",
+        "--pp",
+        "4",
+        "--microbatches",
+        "8",
+        "--seq-segments",
+        "2",
+        "--plot",
+        str(target),
+    )
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
     assert [r.split("|")[1].strip() for r in rows] == ["1f1b", "zb_h1", "zb_v", "seq1f1b"]
     assert target.stat().st_size > 10_000
-    as_json = json.loads(cli("--compare", "1f1b,zb_v", "--pp", "4", "--microbatches", "8",
-                             "--json").stdout)
+    as_json = json.loads(
+        cli("--compare", "1f1b,zb_v", "--pp", "4", "--microbatches", "8", "--json").stdout
+    )
     assert as_json["zb_v"]["makespan"] < as_json["1f1b"]["makespan"]
 
 
 def test_csv_round_trip(tmp_path):
     path = tmp_path / "zbv.csv"
-    first = cli("--schedule", "zb_v", "--pp", "4", "--microbatches", "6", "--vpp", "2",
-                "--to-csv", str(path), "--json")
+    first = cli(
+        "--schedule",
+        "zb_v",
+        "--pp",
+        "4",
+        "--microbatches",
+        "6",
+        "--vpp",
+        "2",
+        "--to-csv",
+        str(path),
+        "--json",
+    )
     assert first.returncode == 0, first.stderr
     assert path.read_text().splitlines()[0] == "rank,index,kind,microbatch,chunk,segment,version"
     again = cli("--from-csv", str(path), "--placement", "v", "--json")

@@ -27,8 +27,9 @@ def _cases():
                 for vpp in vpps:
                     for k in ks:
                         for opts in option_sets:
-                            opts = {key: pp + 1 if val == "pp+1" else val
-                                    for key, val in opts.items()}
+                            opts = {
+                                key: pp + 1 if val == "pp+1" else val for key, val in opts.items()
+                            }
                             yield name, pp, m, vpp, k, opts
 
 
@@ -45,8 +46,13 @@ def test_every_generated_schedule_validates():
 
 
 def test_action_format_round_trips():
-    for action in [Action("F", 3), Action("B", 3, 1), Action("BW", 12, 0, 2),
-                   Action("W", 0, 2, 1, 7), Action("F", 3, 0, None, 5)]:
+    for action in [
+        Action("F", 3),
+        Action("B", 3, 1),
+        Action("BW", 12, 0, 2),
+        Action("W", 0, 2, 1, 7),
+        Action("F", 3, 0, None, 5),
+    ]:
         assert Action.parse(str(action)) == action
     assert str(Action("F", 3, 1, 2, 5)) == "F3.c1s2@5"
     with pytest.raises(ValueError, match="bad action"):
@@ -70,15 +76,18 @@ def test_placements_loop_and_v():
         assert sorted(pl.as_dict().values()) == list(range(8))
 
 
-@pytest.mark.parametrize("args, message", [
-    (("nope", 2, 2), "unknown schedule"),
-    (("1f1b", 2, 0), "microbatches must be >= 1"),
-    (("interleaved_1f1b", 2, 4), "needs vpp >= 2"),
-    (("zb_v", 2, 4, 3), "exactly 2 chunks"),
-    (("1f1b", 2, 4, 2), "one chunk per rank"),
-    (("seq1f1b", 2, 4, 1, 0), "seq_segments must be >= 1"),
-    (("1f1b", 2, 4, 1, 2), "needs schedule seq1f1b"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("nope", 2, 2), "unknown schedule"),
+        (("1f1b", 2, 0), "microbatches must be >= 1"),
+        (("interleaved_1f1b", 2, 4), "needs vpp >= 2"),
+        (("zb_v", 2, 4, 3), "exactly 2 chunks"),
+        (("1f1b", 2, 4, 2), "one chunk per rank"),
+        (("seq1f1b", 2, 4, 1, 0), "seq_segments must be >= 1"),
+        (("1f1b", 2, 4, 1, 2), "needs schedule seq1f1b"),
+    ],
+)
 def test_build_schedule_rejects_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message) as info:
         build_schedule(*args)
@@ -112,8 +121,9 @@ def test_pipedream_versions_stash_and_vertical_sync():
             bwd = {a.microbatch: a.version for a in sched[rank] if a.kind == "BW"}
             assert fwd == bwd  # weight stashing: F and B of a microbatch share a version
         # vertical sync: every stage uses the version stage 0 used
-        assert [a.version for a in vertical[rank] if a.kind == "F"] == \
-               [a.version for a in vertical[0] if a.kind == "F"]
+        assert [a.version for a in vertical[rank] if a.kind == "F"] == [
+            a.version for a in vertical[0] if a.kind == "F"
+        ]
     # without vertical sync the last stage has fewer warm-up forwards, so newer weights
     assert [a.version for a in stash[3] if a.kind == "F"] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert [a.version for a in stash[0] if a.kind == "F"] == [0, 0, 0, 0, 1, 2, 3, 4]
@@ -125,14 +135,17 @@ def test_balanced_segments_equalise_flops():
     assert list(split.lengths) == sorted(split.lengths, reverse=True)  # later = more attention
     flops = segment_flops(split.lengths, 1.3e9, 24, 2048)
     assert max(flops) / min(flops) < 1.05
-    assert balanced_segments(10, 3, params=1, layers=0, d_model=1).lengths in {(3, 3, 4),
-                                                                                (3, 4, 3),
-                                                                                (4, 3, 3)}
+    assert balanced_segments(10, 3, params=1, layers=0, d_model=1).lengths in {
+        (3, 3, 4),
+        (3, 4, 3),
+        (4, 3, 3),
+    }
     with pytest.raises(ValueError, match="multiple of 64"):
         balanced_segments(100, 2, 1, 1, 1, granularity=64)
 
 
 # --- negative tests: the validator must catch broken schedules --------------------------------
+
 
 def _one_f_one_b(pp=3, m=4):
     return build_schedule("1f1b", pp, m)
@@ -174,8 +187,9 @@ def test_validator_rejects_deadlocking_order():
     f0, f1, b0, b1 = Action("F", 0), Action("F", 1), Action("BW", 0), Action("BW", 1)
     validate({0: [f0, f1, b0, b1], 1: [f0, b0, f1, b1]}, 2, 2)
     # rank 1 waits for F1, which rank 0 sends only after BW0, which rank 1 sends after F1
-    with pytest.raises(ScheduleError,
-                       match=r"deadlock: no rank can progress \(rank 0 at BW0, rank 1 at F1\)"):
+    with pytest.raises(
+        ScheduleError, match=r"deadlock: no rank can progress \(rank 0 at BW0, rank 1 at F1\)"
+    ):
         validate({0: [f0, b0, f1, b1], 1: [f1, b1, f0, b0]}, 2, 2)
 
 

@@ -81,9 +81,16 @@ def test_zb_v_no_worse_than_zb_h1_at_1f1b_memory():
         assert max(v.peak_inflight) <= pp  # 2p chunk activations of 1/2 each = 1F1B's peak
 
 
-@pytest.mark.parametrize("costs", [Costs(F=1, B=1.5, W=0.5), Costs(F=1, B=1.07, W=0.73),
-                                   Costs(F=1, B=2, W=1), Costs(F=1, B=0.8, W=1.2),
-                                   Costs(F=(1.0, 1.1), B=(1.2, 1.3), W=(0.7, 0.8), comm=0.05)])
+@pytest.mark.parametrize(
+    "costs",
+    [
+        Costs(F=1, B=1.5, W=0.5),
+        Costs(F=1, B=1.07, W=0.73),
+        Costs(F=1, B=2, W=1),
+        Costs(F=1, B=0.8, W=1.2),
+        Costs(F=(1.0, 1.1), B=(1.2, 1.3), W=(0.7, 0.8), comm=0.05),
+    ],
+)
 def test_zb_v_built_for_the_costs_is_valid_and_no_slower_at_1f1b_memory(costs):
     """Zero Bubble §3.2 schedules with profiled costs: built for `costs`, ZB-V is a valid
     schedule at 1F1B memory and no slower under those costs than the unit-time build."""
@@ -124,8 +131,9 @@ def test_seq1f1b_less_bubble_and_about_1_over_k_memory():
 def test_seq1f1b_with_flop_balanced_segments():
     split = balanced_segments(2048, 4, params=3.5e8, layers=24, d_model=1024)
     schedule = build_schedule("seq1f1b", 4, 8, seq_segments=4)
-    result = simulate(schedule, UNIT, Placement(4), list(split.flop_shares),
-                      list(split.token_shares))
+    result = simulate(
+        schedule, UNIT, Placement(4), list(split.flop_shares), list(split.token_shares)
+    )
     assert result.makespan < run("1f1b", 4, 8).makespan
     assert max(result.peak_inflight) < 4 / 2
 
@@ -136,15 +144,26 @@ def test_unequal_chunk_costs_and_stage_extras():
     result = simulate(schedule, costs, Placement(2))
     # F0 [0,1.25] -> comm -> F0 [1.75,3.75] BW0 [3.75,6.75] -> comm -> BW0 [7.25,9.5]
     assert close(result.makespan, 9.5)
-    per_chunk = simulate(build_schedule("interleaved_1f1b", 1, 1, 2),
-                         Costs(F=(1, 3), B=(1, 1), W=(0, 0)), Placement(1, 2))
+    per_chunk = simulate(
+        build_schedule("interleaved_1f1b", 1, 1, 2),
+        Costs(F=(1, 3), B=(1, 1), W=(0, 0)),
+        Placement(1, 2),
+    )
     assert close(per_chunk.makespan, 1 + 3 + 1 + 1)
 
 
 def test_every_schedule_simulates_without_deadlock():
-    names = [("gpipe", 1, 1), ("1f1b", 1, 1), ("interleaved_1f1b", 2, 1),
-             ("interleaved_1f1b", 3, 1), ("zb_h1", 1, 1), ("zb_h2", 1, 1), ("zb_v", 2, 1),
-             ("seq1f1b", 1, 3), ("pipedream_async", 1, 1)]
+    names = [
+        ("gpipe", 1, 1),
+        ("1f1b", 1, 1),
+        ("interleaved_1f1b", 2, 1),
+        ("interleaved_1f1b", 3, 1),
+        ("zb_h1", 1, 1),
+        ("zb_h2", 1, 1),
+        ("zb_v", 2, 1),
+        ("seq1f1b", 1, 3),
+        ("pipedream_async", 1, 1),
+    ]
     for pp in range(1, 9):
         for m in range(1, 2 * pp + 3):
             for name, vpp, k in names:
@@ -152,8 +171,9 @@ def test_every_schedule_simulates_without_deadlock():
                 busy = sum(result.busy)
                 assert close(busy, m * pp * 3.0)
                 assert 0 <= result.bubble_fraction < 1
-                assert len(result.timeline) == sum(len(a) for a in
-                                                   build_schedule(name, pp, m, vpp, k).values())
+                assert len(result.timeline) == sum(
+                    len(a) for a in build_schedule(name, pp, m, vpp, k).values()
+                )
 
 
 def test_simulator_reports_deadlock():

@@ -15,8 +15,9 @@ from megapipe.plan.simulate import Costs, simulate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def simulated_spans(name: str, pp: int, m: int, vpp: int, costs: Costs, wait: float = 0.0,
-                    origin: float = 100.0) -> list:
+def simulated_spans(
+    name: str, pp: int, m: int, vpp: int, costs: Costs, wait: float = 0.0, origin: float = 100.0
+) -> list:
     """A step as the runtime would record it if it ran exactly as simulated: each rank's
     spans in order, every action starting `wait` early (waiting for its input)."""
     sim = simulate(build_schedule(name, pp, m, vpp), costs, placement(name, pp, vpp))
@@ -51,8 +52,9 @@ def test_chrome_trace_has_one_x_event_per_action_named_like_the_schedule():
             assert (a0 + 100, a1 + 100, aw) == pytest.approx((b0, b1, bw))
 
 
-@pytest.mark.parametrize("name,vpp", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2),
-                                      ("zb_v", 2)])
+@pytest.mark.parametrize(
+    "name,vpp", [("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("zb_v", 2)]
+)
 def test_profiled_costs_reproduce_a_step_that_ran_as_simulated(name, vpp):
     costs = Costs(F=1.0, B=1.5, W=0.5, BW=2.0)
     per_rank = simulated_spans(name, 2, 4, vpp, costs, wait=0.1)
@@ -69,7 +71,9 @@ def test_profiled_costs_reproduce_a_step_that_ran_as_simulated(name, vpp):
 def test_to_timeline_starts_at_the_first_action_and_leaves_out_waits():
     per_rank = [[("F0", 10.0, 11.0, 0.0)], [("F0", 10.5, 12.0, 0.5)]]
     assert [(r, str(a), s, e) for r, a, s, e in timeline.to_timeline(per_rank)] == [
-        (0, "F0", 0.0, 1.0), (1, "F0", 1.0, 2.0)]
+        (0, "F0", 0.0, 1.0),
+        (1, "F0", 1.0, 2.0),
+    ]
     assert timeline.measured(per_rank)["bubble_fraction"] == pytest.approx(1 - 2.0 / 4.0)
 
 
@@ -77,9 +81,24 @@ def test_to_timeline_starts_at_the_first_action_and_leaves_out_waits():
 def test_plot_timeline_records_a_real_two_rank_step_then_redraws_its_trace(tmp_path):
     png, trace = tmp_path / "zb_v.png", tmp_path / "zb_v.json"
     common = [sys.executable, str(ROOT / "tools" / "plot_timeline.py")]
-    run = [*common, "--config", str(ROOT / "configs" / "tiny.yaml"), "--model",
-           "--schedule", "zb_v", "--vpp", "2", "--microbatches", "4", "--steps", "1",
-           "--png", str(png), "--trace", str(trace)]
+    run = [
+        *common,
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--model",
+        "--schedule",
+        "zb_v",
+        "--vpp",
+        "2",
+        "--microbatches",
+        "4",
+        "--steps",
+        "1",
+        "--png",
+        str(png),
+        "--trace",
+        str(trace),
+    ]
     out = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     figures = json.loads(out.stdout)
@@ -91,8 +110,13 @@ def test_plot_timeline_records_a_real_two_rank_step_then_redraws_its_trace(tmp_p
         ran = [e["name"] for e in sorted(actions, key=lambda e: e["ts"]) if e["pid"] == rank]
         assert ran == [str(a) for a in build_schedule("zb_v", 2, 4, 2)[rank]]
     again = tmp_path / "again.png"
-    out = subprocess.run([*common, "--from-trace", str(trace), "--png", str(again)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [*common, "--from-trace", str(trace), "--png", str(again)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["measured_ms"] == pytest.approx(figures["measured_ms"])
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,13 +3,14 @@ gives the gradients of one full backward, and W does the queued matmuls."""
 
 import torch
 
-from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
+from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def _model():
-    model = torch.nn.Sequential(ColumnParallelLinear(8, 12), torch.nn.GELU(),
-                                RowParallelLinear(12, 8))
+    model = torch.nn.Sequential(
+        ColumnParallelLinear(8, 12), torch.nn.GELU(), RowParallelLinear(12, 8)
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -22,15 +22,17 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor, reach: float = 0.0) 
     return diff / scale if scale else diff
 
 
-def assert_rel_close(actual, expected, rel: float = PARITY_REL, name: str = "",
-                     reach: float = 0.0) -> None:
+def assert_rel_close(
+    actual, expected, rel: float = PARITY_REL, name: str = "", reach: float = 0.0
+) -> None:
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     err = rel_error(actual, expected, reach)
     assert err <= rel, f"{name}: relative error {err:.3e} > {rel:.0e}"
 
 
-def assert_state_close(actual: dict, expected: dict, rel: float = PARITY_REL,
-                       reach: float = 0.0) -> None:
+def assert_state_close(
+    actual: dict, expected: dict, rel: float = PARITY_REL, reach: float = 0.0
+) -> None:
     """Every tensor within `rel` (see rel_error for `reach`, the most AdamW moves an element)."""
     assert sorted(actual) == sorted(expected)
     for name in expected:

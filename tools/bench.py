@@ -1,10 +1,10 @@
 """Benchmarks, one subcommand each; submodules are imported only when their subcommand runs.
 
-    python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
-    python tools/bench.py train [--layers 4 --d-model 256 ...]
-    python tools/bench.py tp
-    python tools/bench.py cp
-    python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
+python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
+python tools/bench.py train [--layers 4 --d-model 256 ...]
+python tools/bench.py tp
+python tools/bench.py cp
+python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ SUBCOMMANDS = {
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
     "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
-    "pipeline": ("bench_pipeline", "pipelined step time vs torch.distributed.pipelining, "
-                 "simulator fidelity, measured bubbles"),
+    "pipeline": (
+        "bench_pipeline",
+        "pipelined step time vs torch.distributed.pipelining, simulator fidelity, measured bubbles",
+    ),
 }
 
 

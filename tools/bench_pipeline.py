@@ -52,19 +52,26 @@ from plot_timeline import MODEL, ROOT, spawn  # noqa: E402
 
 M, PP = 8, 2
 OURS = {  # our run -> (schedule giving the config and placement, vpp, torch order it runs)
-    "gpipe": ("gpipe", 1, None), "1f1b": ("1f1b", 1, None),
-    "interleaved_1f1b": ("interleaved_1f1b", 2, None), "zb_h1": ("zb_h1", 1, None),
+    "gpipe": ("gpipe", 1, None),
+    "1f1b": ("1f1b", 1, None),
+    "interleaved_1f1b": ("interleaved_1f1b", 2, None),
+    "zb_h1": ("zb_h1", 1, None),
     "zb_v": ("zb_v", 2, None),
     "torch_order:Interleaved1F1B": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
     "torch_order:InterleavedZeroBubble": ("interleaved_1f1b", 2, "ScheduleInterleavedZeroBubble"),
     "torch_order:ZBVZeroBubble": ("zb_v", 2, "ScheduleZBVZeroBubble"),
 }
-TORCH = {"ScheduleGPipe": (1, "loop"), "Schedule1F1B": (1, "loop"),
-         "ScheduleInterleaved1F1B": (2, "loop"), "ScheduleInterleavedZeroBubble": (2, "loop"),
-         "ScheduleZBVZeroBubble": (2, "v")}
+TORCH = {
+    "ScheduleGPipe": (1, "loop"),
+    "Schedule1F1B": (1, "loop"),
+    "ScheduleInterleaved1F1B": (2, "loop"),
+    "ScheduleInterleavedZeroBubble": (2, "loop"),
+    "ScheduleZBVZeroBubble": (2, "v"),
+}
 BOTH, RUNTIME = "schedule + runtime", "runtime only"
 PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are timed next to it
-    ("ScheduleGPipe", "gpipe", BOTH), ("Schedule1F1B", "1f1b", BOTH),
+    ("ScheduleGPipe", "gpipe", BOTH),
+    ("Schedule1F1B", "1f1b", BOTH),
     ("ScheduleInterleaved1F1B", "interleaved_1f1b", BOTH),
     ("ScheduleInterleaved1F1B", "torch_order:Interleaved1F1B", RUNTIME),
     ("ScheduleInterleavedZeroBubble", "zb_h1", BOTH),
@@ -91,9 +98,17 @@ def our_actions(name: str):
 def make_config(schedule: str, vpp: int):
     from megapipe.config import load_config
 
-    return load_config(str(ROOT / "configs" / "tiny.yaml"), [
-        *MODEL, f"parallel.pp={PP}", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}",
-        f"parallel.microbatches={M}", f"run.dir={tempfile.mkdtemp()}"])
+    return load_config(
+        str(ROOT / "configs" / "tiny.yaml"),
+        [
+            *MODEL,
+            f"parallel.pp={PP}",
+            f"parallel.vpp={vpp}",
+            f"parallel.schedule={schedule}",
+            f"parallel.microbatches={M}",
+            f"run.dir={tempfile.mkdtemp()}",
+        ],
+    )
 
 
 @contextlib.contextmanager
@@ -143,33 +158,46 @@ class Theirs:
     def __init__(self, class_name: str, mesh) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        from megapipe.plan.actions import Placement
         from megapipe.config.stages import rank_blocks
         from megapipe.pipeline.stages import build_model
+        from megapipe.plan.actions import Placement
 
         vpp, style = TORCH[class_name]
         self.name, place = class_name, Placement(PP, vpp, style)
         cfg, rank = make_config("1f1b", 1), mesh.coord("pp")
         chunks = [build_model(cfg, mesh, "cpu", b) for b in rank_blocks(cfg, rank, place)]
         self.params = [p for c in chunks for p in c.parameters()]
-        stages = [PipelineStage(TorchStage(c), place.stage(rank, i), PP * vpp, torch.device("cpu"),
-                                group=mesh.group("pp")) for i, c in enumerate(chunks)]
+        stages = [
+            PipelineStage(
+                TorchStage(c),
+                place.stage(rank, i),
+                PP * vpp,
+                torch.device("cpu"),
+                group=mesh.group("pp"),
+            )
+            for i, c in enumerate(chunks)
+        ]
         self.first = any(s.is_first for s in stages)
         self.last = any(s.is_last for s in stages)
         self.tokens = cfg.derived.tokens_per_step
         cls = getattr(schedules, class_name)
-        self.schedule = cls(stages[0] if vpp == 1 else stages, M, loss_fn=self.loss,
-                            scale_grads=False)
+        self.schedule = cls(
+            stages[0] if vpp == 1 else stages, M, loss_fn=self.loss, scale_grads=False
+        )
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / \
-            self.tokens
+        return (
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / self.tokens
+        )
 
     def step(self, inputs, targets, tokens) -> float:
         losses = []
-        self.schedule.step(*([inputs] if self.first else []),
-                           target=targets if self.last else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.step(
+            *([inputs] if self.first else []),
+            target=targets if self.last else None,
+            losses=losses,
+            return_outputs=False,
+        )
         return sum(loss.item() for loss in losses) * tokens
 
 
@@ -250,7 +278,9 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
             sims.append(simulate(timeline.ran(per_rank), costs, where))
             gots.append(timeline.measured(per_rank))
         ours[name] = {
-            "vpp": vpp, "step_s": med(wall[name]), "cpu_s": med(cpu[name]),
+            "vpp": vpp,
+            "step_s": med(wall[name]),
+            "cpu_s": med(cpu[name]),
             "measured_makespan_s": med(g["makespan"] for g in gots),
             "simulated_makespan_s": med(s.makespan for s in sims),
             "fidelity_error": med(s.makespan / g["makespan"] - 1 for s, g in zip(sims, gots)),
@@ -259,23 +289,48 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
             "costs_ms": _costs_ms(timeline.profile_costs(steps_spans, vpp)),
         }
     theirs = {t: {"step_s": med(wall[t]), "cpu_s": med(cpu[t])} for t, _, _ in pairs}
-    table = [{"torch": t, "ours": o, "differs": differs, "torch_step_s": theirs[t]["step_s"],
-              "ours_step_s": ours[o]["step_s"], "ratio": ours[o]["step_s"] / theirs[t]["step_s"],
-              "paired_ratio": med(a / b for a, b in zip(wall[o], wall[t])),
-              "cpu_ratio": ours[o]["cpu_s"] / theirs[t]["cpu_s"]}
-             for t, o, differs in pairs]
+    table = [
+        {
+            "torch": t,
+            "ours": o,
+            "differs": differs,
+            "torch_step_s": theirs[t]["step_s"],
+            "ours_step_s": ours[o]["step_s"],
+            "ratio": ours[o]["step_s"] / theirs[t]["step_s"],
+            "paired_ratio": med(a / b for a, b in zip(wall[o], wall[t])),
+            "cpu_ratio": ours[o]["cpu_s"] / theirs[t]["cpu_s"],
+        }
+        for t, o, differs in pairs
+    ]
     checks = list(result["checks"].values())
-    spread = max(max(abs(loss / checks[0][0] - 1), abs(norm / checks[0][1] - 1))
-                 for loss, norm in checks)
-    return {"setup": {"pp": PP, "microbatches": M, "model": MODEL, "threads_per_rank": 1,
-                      "steps": steps, "warmup": warmup, "dtype": "float32"},
-            "ours": ours, "torch": theirs, "pairs": table,
-            "loss_and_grad_norm_max_rel_diff": spread, "wall_s": wall, "cpu_s": cpu}
+    spread = max(
+        max(abs(loss / checks[0][0] - 1), abs(norm / checks[0][1] - 1)) for loss, norm in checks
+    )
+    return {
+        "setup": {
+            "pp": PP,
+            "microbatches": M,
+            "model": MODEL,
+            "threads_per_rank": 1,
+            "steps": steps,
+            "warmup": warmup,
+            "dtype": "float32",
+        },
+        "ours": ours,
+        "torch": theirs,
+        "pairs": table,
+        "loss_and_grad_norm_max_rel_diff": spread,
+        "wall_s": wall,
+        "cpu_s": cpu,
+    }
 
 
 def _costs_ms(costs) -> dict:
-    return {k: [round(v * 1e3, 2) for v in getattr(costs, k)] for k in ("F", "B", "W", "BW")
-            if isinstance(getattr(costs, k), tuple)}
+    return {
+        k: [round(v * 1e3, 2) for v in getattr(costs, k)]
+        for k in ("F", "B", "W", "BW")
+        if isinstance(getattr(costs, k), tuple)
+    }
 
 
 def _label(name: str, s: dict) -> str:
@@ -285,21 +340,33 @@ def _label(name: str, s: dict) -> str:
 
 
 def markdown(s: dict) -> str:
-    lines = ["| torch schedule | ours | compared | torch step (ms) | ours step (ms) | "
-             "ours / torch | per-round ratio | CPU-time ratio |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| torch schedule | ours | compared | torch step (ms) | ours step (ms) | "
+        "ours / torch | per-round ratio | CPU-time ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for p in s["pairs"]:
-        lines.append(f"| {p['torch'][8:]} | {_label(p['ours'], s)} | {p['differs']} | "
-                     f"{p['torch_step_s'] * 1e3:.0f} | {p['ours_step_s'] * 1e3:.0f} | "
-                     f"{p['ratio']:.2f} | {p['paired_ratio']:.2f} | {p['cpu_ratio']:.2f} |")
-    lines += ["", "| ours | measured makespan (ms) | simulated (ms) | sim error | "
-              "measured bubble | simulated bubble |", "|---|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {p['torch'][8:]} | {_label(p['ours'], s)} | {p['differs']} | "
+            f"{p['torch_step_s'] * 1e3:.0f} | {p['ours_step_s'] * 1e3:.0f} | "
+            f"{p['ratio']:.2f} | {p['paired_ratio']:.2f} | {p['cpu_ratio']:.2f} |"
+        )
+    lines += [
+        "",
+        "| ours | measured makespan (ms) | simulated (ms) | sim error | "
+        "measured bubble | simulated bubble |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, o in s["ours"].items():
-        lines.append(f"| {_label(name, s)} | {o['measured_makespan_s'] * 1e3:.0f} | "
-                     f"{o['simulated_makespan_s'] * 1e3:.0f} | {o['fidelity_error']:+.1%} | "
-                     f"{o['measured_bubble']:.3f} | {o['simulated_bubble']:.3f} |")
-    lines.append(f"\nloss and grad norm, all runs: max relative difference "
-                 f"{s['loss_and_grad_norm_max_rel_diff']:.1e}")
+        lines.append(
+            f"| {_label(name, s)} | {o['measured_makespan_s'] * 1e3:.0f} | "
+            f"{o['simulated_makespan_s'] * 1e3:.0f} | {o['fidelity_error']:+.1%} | "
+            f"{o['measured_bubble']:.3f} | {o['simulated_bubble']:.3f} |"
+        )
+    lines.append(
+        f"\nloss and grad norm, all runs: max relative difference "
+        f"{s['loss_and_grad_norm_max_rel_diff']:.1e}"
+    )
     return "\n".join(lines)
 
 
@@ -307,8 +374,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=9, help="timed rounds (medians)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedules", default=",".join(dict.fromkeys(o for _, o, _ in PAIRS)),
-                        help="ours to run, each with its torch peers")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(dict.fromkeys(o for _, o, _ in PAIRS)),
+        help="ours to run, each with its torch peers",
+    )
     parser.add_argument("--out", help="write every figure as JSON here")
     args = parser.parse_args(argv)
     pairs = [p for p in PAIRS if p[1] in args.schedules.split(",")]

@@ -48,8 +48,14 @@ def torch_order(class_name: str, pp: int, m: int, style: str) -> Schedule:
         ops = bare._calculate_single_rank_operations(rank)
         bare.pipeline_order[rank] = ops
         flat = [sub for op in ops if op is not None for sub in (op.sub_actions or [op])]
-        schedule[rank] = [Action(TORCH_KINDS[op.computation_type.value], op.microbatch_index,
-                                 where.locate(op.stage_index)[1]) for op in flat]
+        schedule[rank] = [
+            Action(
+                TORCH_KINDS[op.computation_type.value],
+                op.microbatch_index,
+                where.locate(op.stage_index)[1],
+            )
+            for op in flat
+        ]
     return schedule
 
 
@@ -66,8 +72,10 @@ def _cell(result: SimResult | None) -> str:
 
 def peer_table(costs: Costs, pps=(2, 4, 8)) -> tuple[str, list[str]]:
     """Markdown table (cells: bubble / makespan / peak in-flight) and the cells we lose."""
-    header = ("| torch schedule | ours | p | m | torch: bubble / makespan / peak | "
-              "ours: bubble / makespan / peak | ours ≤ torch |")
+    header = (
+        "| torch schedule | ours | p | m | torch: bubble / makespan / peak | "
+        "ours: bubble / makespan / peak | ours ≤ torch |"
+    )
     lines = [header, "|---|---|---:|---:|---|---|:-:|"]
     losses = []
     for class_name, style, mine in PEERS:
@@ -80,8 +88,10 @@ def peer_table(costs: Costs, pps=(2, 4, 8)) -> tuple[str, list[str]]:
                     if judged and not ok:
                         losses.append(f"{class_name} vs {name} p={pp} m={m}")
                     verdict = ("yes" if ok else "NO") if judged else "(ref.)"
-                    lines.append(f"| {class_name[8:]} | {name} (v={vpp}) | {pp} | {m} | "
-                                 f"{_cell(theirs)} | {_cell(ours)} | {verdict} |")
+                    lines.append(
+                        f"| {class_name[8:]} | {name} (v={vpp}) | {pp} | {m} | "
+                        f"{_cell(theirs)} | {_cell(ours)} | {verdict} |"
+                    )
     return "\n".join(lines), losses
 
 
@@ -105,40 +115,111 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
     for pp, m in [(4, 8), (8, 16), (4, 3)]:
         for name in ("gpipe", "1f1b"):
             r = _ours(name, pp, m, 1, unit)
-            rows.append((f"{name} bubble (p−1)/(m+p−1)", f"p={pp} m={m}",
-                         (pp - 1) / (m + pp - 1), r.bubble_fraction))
-        rows.append(("gpipe peak in-flight m", f"p={pp} m={m}", m,
-                     max(_ours("gpipe", pp, m, 1, unit).peak_inflight)))
-        rows.append(("1f1b peak in-flight on rank 0: min(p, m)", f"p={pp} m={m}", min(pp, m),
-                     _ours("1f1b", pp, m, 1, unit).peak_inflight[0]))
+            rows.append(
+                (
+                    f"{name} bubble (p−1)/(m+p−1)",
+                    f"p={pp} m={m}",
+                    (pp - 1) / (m + pp - 1),
+                    r.bubble_fraction,
+                )
+            )
+        rows.append(
+            (
+                "gpipe peak in-flight m",
+                f"p={pp} m={m}",
+                m,
+                max(_ours("gpipe", pp, m, 1, unit).peak_inflight),
+            )
+        )
+        rows.append(
+            (
+                "1f1b peak in-flight on rank 0: min(p, m)",
+                f"p={pp} m={m}",
+                min(pp, m),
+                _ours("1f1b", pp, m, 1, unit).peak_inflight[0],
+            )
+        )
     for pp, m, v in [(4, 8, 2), (4, 16, 4), (8, 16, 2)]:
         over = (pp - 1) / v
-        rows.append(("interleaved bubble ((p−1)/v)/(m+(p−1)/v)", f"p={pp} m={m} v={v}",
-                     over / (m + over), _ours("interleaved_1f1b", pp, m, v, unit).bubble_fraction))
+        rows.append(
+            (
+                "interleaved bubble ((p−1)/v)/(m+(p−1)/v)",
+                f"p={pp} m={m} v={v}",
+                over / (m + over),
+                _ours("interleaved_1f1b", pp, m, v, unit).bubble_fraction,
+            )
+        )
     for costs, label in [(unit, "F=B=W=1"), (uneven, "F=1 B=1.2 W=0.8")]:
         for pp, m in [(4, 8), (8, 24)]:
             r = _ours("zb_h1", pp, m, 1, costs)
-            rows.append(("zb_h1 idle per rank (p−1)(F+B−W)", f"p={pp} m={m} {label}",
-                         (pp - 1) * (costs.F + costs.B - costs.W), max(r.idle)))
+            rows.append(
+                (
+                    "zb_h1 idle per rank (p−1)(F+B−W)",
+                    f"p={pp} m={m} {label}",
+                    (pp - 1) * (costs.F + costs.B - costs.W),
+                    max(r.idle),
+                )
+            )
             r2 = _ours("zb_h2", pp, m, 1, costs)
-            rows.append(("zb_h2 makespan ≥ m(F+B+W)+(p−1)F (bound)", f"p={pp} m={m} {label}",
-                         m * (costs.F + costs.B + costs.W) + (pp - 1) * costs.F, r2.makespan))
-            rows.append(("zb_h2 peak in-flight ≤ 2p−1", f"p={pp} m={m} {label}", 2 * pp - 1,
-                         max(r2.peak_inflight)))
+            rows.append(
+                (
+                    "zb_h2 makespan ≥ m(F+B+W)+(p−1)F (bound)",
+                    f"p={pp} m={m} {label}",
+                    m * (costs.F + costs.B + costs.W) + (pp - 1) * costs.F,
+                    r2.makespan,
+                )
+            )
+            rows.append(
+                (
+                    "zb_h2 peak in-flight ≤ 2p−1",
+                    f"p={pp} m={m} {label}",
+                    2 * pp - 1,
+                    max(r2.peak_inflight),
+                )
+            )
     for pp, m in [(4, 8), (8, 24)]:
-        rows.append(("zb_h1 peak in-flight = p", f"p={pp} m={m}", pp,
-                     max(_ours("zb_h1", pp, m, 1, unit).peak_inflight)))
-        rows.append(("zb_v makespan ≤ zb_h1's", f"p={pp} m={m}",
-                     _ours("zb_h1", pp, m, 1, unit).makespan,
-                     _ours("zb_v", pp, m, 2, unit).makespan))
-        rows.append(("zb_v peak in-flight ≤ p (1F1B)", f"p={pp} m={m}", pp,
-                     max(_ours("zb_v", pp, m, 2, unit).peak_inflight)))
+        rows.append(
+            (
+                "zb_h1 peak in-flight = p",
+                f"p={pp} m={m}",
+                pp,
+                max(_ours("zb_h1", pp, m, 1, unit).peak_inflight),
+            )
+        )
+        rows.append(
+            (
+                "zb_v makespan ≤ zb_h1's",
+                f"p={pp} m={m}",
+                _ours("zb_h1", pp, m, 1, unit).makespan,
+                _ours("zb_v", pp, m, 2, unit).makespan,
+            )
+        )
+        rows.append(
+            (
+                "zb_v peak in-flight ≤ p (1F1B)",
+                f"p={pp} m={m}",
+                pp,
+                max(_ours("zb_v", pp, m, 2, unit).peak_inflight),
+            )
+        )
         for k in (2, 4):
             seq = simulate(build_schedule("seq1f1b", pp, m, 1, k), unit, placement("seq1f1b", pp))
-            rows.append((f"seq1f1b k={k} peak (p+k−1)/k", f"p={pp} m={m}", (pp + k - 1) / k,
-                         max(seq.peak_inflight)))
-            rows.append((f"seq1f1b k={k} bubble (p−1)/(mk+p−1) (1f1b: (p−1)/(m+p−1))",
-                         f"p={pp} m={m}", (pp - 1) / (m * k + pp - 1), seq.bubble_fraction))
+            rows.append(
+                (
+                    f"seq1f1b k={k} peak (p+k−1)/k",
+                    f"p={pp} m={m}",
+                    (pp + k - 1) / k,
+                    max(seq.peak_inflight),
+                )
+            )
+            rows.append(
+                (
+                    f"seq1f1b k={k} bubble (p−1)/(mk+p−1) (1f1b: (p−1)/(m+p−1))",
+                    f"p={pp} m={m}",
+                    (pp - 1) / (m * k + pp - 1),
+                    seq.bubble_fraction,
+                )
+            )
     return rows
 
 
@@ -153,17 +234,28 @@ def write_plots(folder: str) -> list[str]:
     from megapipe.pipeline.plot import save_timelines
 
     written = []
-    figures = {"schedules_p4_m8.png": ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_h2",
-                                        "zb_v", "seq1f1b"],
-               "zero_bubble_p4_m8.png": ["1f1b", "zb_h1", "zb_h2", "zb_v"]}
+    figures = {
+        "schedules_p4_m8.png": [
+            "gpipe",
+            "1f1b",
+            "interleaved_1f1b",
+            "zb_h1",
+            "zb_h2",
+            "zb_v",
+            "seq1f1b",
+        ],
+        "zero_bubble_p4_m8.png": ["1f1b", "zb_h1", "zb_h2", "zb_v"],
+    }
     for filename, names in figures.items():
         panels = []
         for name in names:
             vpp = {"interleaved_1f1b": 2, "zb_v": 2}.get(name, 1)
             k = 2 if name == "seq1f1b" else 1
             r = simulate(build_schedule(name, 4, 8, vpp, k), Costs(), placement(name, 4, vpp))
-            title = f"{name} (v={vpp}, k={k}): makespan {r.makespan:g}, bubble " \
-                    f"{r.bubble_fraction:.3f}, peak {max(r.peak_inflight):g}"
+            title = (
+                f"{name} (v={vpp}, k={k}): makespan {r.makespan:g}, bubble "
+                f"{r.bubble_fraction:.3f}, peak {max(r.peak_inflight):g}"
+            )
             panels.append((title, r.timeline, 4))
         save_timelines(panels, f"{folder}/{filename}")
         written.append(f"{folder}/{filename}")

@@ -42,12 +42,12 @@ def make_config(args, n_layers: int, overrides=()):
 def _count_step(args, n_layers: int, tp_overrides) -> dict:
     """{(phase, op): bytes} of one training step on this rank."""
     from megapipe.data.loader import build_data
-    from megapipe.distributed.launch import init_distributed
-    from megapipe.train.optim import build_optimizer
     from megapipe.distributed import collectives
+    from megapipe.distributed.launch import init_distributed
     from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
     from megapipe.pipeline.stages import build_model
     from megapipe.train.batches import split_inputs
+    from megapipe.train.optim import build_optimizer
 
     cfg = make_config(args, n_layers, tp_overrides)
     model = build_model(cfg, init_distributed(cfg))
@@ -129,8 +129,8 @@ def comm_table(args) -> str:
 
 def _time_steps(args, par_mesh) -> float:
     from megapipe.data.loader import build_data
-    from megapipe.train.optim import build_optimizer
     from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
 
     cfg = make_config(args, args.layers, [f"parallel.dp={2 if par_mesh else 1}"])
     job = build(cfg, par_mesh)

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megapipe.train.checkpoint import CheckpointError, load_for_inference
 from megapipe.data.loader import load_tokenizer, read_meta
+from megapipe.train.checkpoint import CheckpointError, load_for_inference
 from models.sample import sample
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -34,16 +34,28 @@ from megapipe.plan.schedules import placement  # noqa: E402
 from megapipe.plan.simulate import simulate  # noqa: E402
 
 # the bench_pipeline model: compute dominates the 256 KB activations the ranks exchange
-MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=4", "model.seq_len=128",
-         "model.vocab_size=256", "model.tie_embeddings=false", "train.global_batch=16"]
+MODEL = [
+    "model.n_layers=8",
+    "model.d_model=256",
+    "model.n_heads=4",
+    "model.seq_len=128",
+    "model.vocab_size=256",
+    "model.tie_embeddings=false",
+    "train.global_batch=16",
+]
 
 
 def _worker(rank: int, world: int, port: int, out: str, fn, args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     torch.save(fn(*args), os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -63,8 +75,8 @@ def record(config: str, overrides: list[str], steps: int) -> list:
     from megapipe.config import load_config
     from megapipe.data.loader import build_data
     from megapipe.distributed.launch import init_distributed
-    from megapipe.train.optim import build_optimizer
     from megapipe.train.build import build
+    from megapipe.train.optim import build_optimizer
 
     cfg = load_config(config, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
     mesh = init_distributed(cfg)
@@ -84,14 +96,29 @@ def draw(per_rank: list, schedule: str, vpp: int, png: str) -> dict:
     got = timeline.measured(per_rank)
     ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in timeline.to_timeline(per_rank)]
     sim_ms = [(r, a, s * 1e3, e * 1e3) for r, a, s, e in sim.timeline]
-    save_timelines([
-        (f"{schedule} measured (time in ms): {got['makespan'] * 1e3:.0f} ms, bubble "
-         f"{got['bubble_fraction']:.3f}", ms, pp),
-        (f"{schedule} simulated from profiled costs: {sim.makespan * 1e3:.0f} ms, bubble "
-         f"{sim.bubble_fraction:.3f}", sim_ms, pp),
-    ], png)
-    return {"measured_ms": got["makespan"] * 1e3, "simulated_ms": sim.makespan * 1e3,
-            "measured_bubble": got["bubble_fraction"], "simulated_bubble": sim.bubble_fraction}
+    save_timelines(
+        [
+            (
+                f"{schedule} measured (time in ms): {got['makespan'] * 1e3:.0f} ms, bubble "
+                f"{got['bubble_fraction']:.3f}",
+                ms,
+                pp,
+            ),
+            (
+                f"{schedule} simulated from profiled costs: {sim.makespan * 1e3:.0f} ms, bubble "
+                f"{sim.bubble_fraction:.3f}",
+                sim_ms,
+                pp,
+            ),
+        ],
+        png,
+    )
+    return {
+        "measured_ms": got["makespan"] * 1e3,
+        "simulated_ms": sim.makespan * 1e3,
+        "measured_bubble": got["bubble_fraction"],
+        "simulated_bubble": sim.bubble_fraction,
+    }
 
 
 def main(argv=None) -> int:
@@ -112,9 +139,13 @@ def main(argv=None) -> int:
         per_rank = timeline.spans_from_trace(trace)
         vars(args).update(trace.get("otherData", {}))  # the schedule it was recorded with
     else:
-        overrides = [*args.model, f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp}",
-                     f"parallel.schedule={args.schedule}",
-                     f"parallel.microbatches={args.microbatches}"]
+        overrides = [
+            *args.model,
+            f"parallel.pp={args.pp}",
+            f"parallel.vpp={args.vpp}",
+            f"parallel.schedule={args.schedule}",
+            f"parallel.microbatches={args.microbatches}",
+        ]
         per_rank = spawn(args.pp, record, args.config, overrides, args.steps)[0]
     if args.trace:
         meta = {k: getattr(args, k) for k in ("schedule", "vpp", "microbatches")}

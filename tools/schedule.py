@@ -36,9 +36,17 @@ def write_csv(schedule: Schedule, path: str) -> None:
         writer.writerow(CSV_COLUMNS)
         for rank in sorted(schedule):
             for index, a in enumerate(schedule[rank]):
-                writer.writerow([rank, index, a.kind, a.microbatch, a.chunk,
-                                 "" if a.segment is None else a.segment,
-                                 "" if a.version is None else a.version])
+                writer.writerow(
+                    [
+                        rank,
+                        index,
+                        a.kind,
+                        a.microbatch,
+                        a.chunk,
+                        "" if a.segment is None else a.segment,
+                        "" if a.version is None else a.version,
+                    ]
+                )
 
 
 def read_csv(path: str) -> Schedule:
@@ -48,9 +56,13 @@ def read_csv(path: str) -> Schedule:
             missing = [c for c in CSV_COLUMNS[:5] if not row.get(c)]
             if missing:
                 raise ValueError(f"{path}: row {row} lacks column(s) {', '.join(missing)}")
-            action = Action(row["kind"], int(row["microbatch"]), int(row["chunk"]),
-                            int(row["segment"]) if row.get("segment") else None,
-                            int(row["version"]) if row.get("version") else None)
+            action = Action(
+                row["kind"],
+                int(row["microbatch"]),
+                int(row["chunk"]),
+                int(row["segment"]) if row.get("segment") else None,
+                int(row["version"]) if row.get("version") else None,
+            )
             rows.setdefault(int(row["rank"]), []).append((int(row["index"]), action))
     return {rank: [a for _, a in sorted(items)] for rank, items in sorted(rows.items())}
 
@@ -74,8 +86,11 @@ def summary(result: SimResult) -> dict:
 
 
 def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
-    vpp, k = shape_for(name, args.vpp, args.seq_segments) if args.compare else \
-        (args.vpp, args.seq_segments)
+    vpp, k = (
+        shape_for(name, args.vpp, args.seq_segments)
+        if args.compare
+        else (args.vpp, args.seq_segments)
+    )
     opts = {"costs": costs} if name == "zb_v" else {}  # built for these costs, as the runtime
     schedule = build_schedule(name, args.pp, args.microbatches, vpp, k, **opts)
     where = placement(name, args.pp, vpp)
@@ -84,12 +99,16 @@ def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
 
 
 def compare_table(rows: list[tuple[str, SimResult]]) -> str:
-    lines = ["| schedule | makespan | bubble | peak in-flight (max) | idle per rank |",
-             "|---|---:|---:|---:|---|"]
+    lines = [
+        "| schedule | makespan | bubble | peak in-flight (max) | idle per rank |",
+        "|---|---:|---:|---:|---|",
+    ]
     for name, r in rows:
         idle = " ".join(f"{x:g}" for x in (round(i, 3) for i in r.idle))
-        lines.append(f"| {name} | {r.makespan:.3f} | {r.bubble_fraction:.4f} | "
-                     f"{max(r.peak_inflight):g} | {idle} |")
+        lines.append(
+            f"| {name} | {r.makespan:.3f} | {r.bubble_fraction:.4f} | "
+            f"{max(r.peak_inflight):g} | {idle} |"
+        )
     return "\n".join(lines)
 
 
@@ -103,10 +122,17 @@ def parse_args(argv):
     parser.add_argument("--microbatches", type=int, default=None)
     parser.add_argument("--vpp", type=int, default=1)
     parser.add_argument("--seq-segments", type=int, default=1)
-    parser.add_argument("--cost", default="F=1,B=1,W=1,comm=0",
-                        help="F,B,W[,BW],comm,first,last; BW defaults to B+W")
-    parser.add_argument("--placement", choices=["loop", "v"], default="loop",
-                        help="stage placement of a --from-csv schedule")
+    parser.add_argument(
+        "--cost",
+        default="F=1,B=1,W=1,comm=0",
+        help="F,B,W[,BW],comm,first,last; BW defaults to B+W",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=["loop", "v"],
+        default="loop",
+        help="stage placement of a --from-csv schedule",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     parser.add_argument("--plot", help="write the timeline as a PNG")
     parser.add_argument("--to-csv", help="write the action list as CSV")
@@ -122,8 +148,13 @@ def main(argv=None) -> int:
     if args.from_csv:
         schedule = read_csv(args.from_csv)
         vpp = 1 + max(a.chunk for acts in schedule.values() for a in acts)
-        results = [(Path(args.from_csv).stem, schedule,
-                    simulate(schedule, costs, Placement(len(schedule), vpp, args.placement)))]
+        results = [
+            (
+                Path(args.from_csv).stem,
+                schedule,
+                simulate(schedule, costs, Placement(len(schedule), vpp, args.placement)),
+            )
+        ]
     else:
         names = args.compare.split(",") if args.compare else [args.schedule]
         results = [(name, *run_named(name.strip(), args, costs)) for name in names]
@@ -132,8 +163,17 @@ def main(argv=None) -> int:
     if args.plot:
         from megapipe.pipeline.plot import save_timelines
 
-        save_timelines([(f"{name}: makespan {r.makespan:g}, bubble {r.bubble_fraction:.3f}",
-                         r.timeline, len(s)) for name, s, r in results], args.plot)
+        save_timelines(
+            [
+                (
+                    f"{name}: makespan {r.makespan:g}, bubble {r.bubble_fraction:.3f}",
+                    r.timeline,
+                    len(s),
+                )
+                for name, s, r in results
+            ],
+            args.plot,
+        )
     if args.json:
         out = {name: summary(r) for name, _, r in results}
         print(json.dumps(out if args.compare else next(iter(out.values()))))

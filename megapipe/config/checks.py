@@ -119,8 +119,10 @@ def _check_chunks(cfg: Config) -> None:
     spec = SCHEDULES[p.schedule]
     problem = spec.chunk_problem(p.vpp, key="parallel.vpp")
     if problem is not None and spec.chunks[0] == spec.chunks[1] > 1:  # the key and fix first
-        problem = (f"needs parallel.vpp={spec.chunks[0]} (exactly {spec.chunks[0]} chunks per "
-                   f"rank), got {p.vpp}")
+        problem = (
+            f"needs parallel.vpp={spec.chunks[0]} (exactly {spec.chunks[0]} chunks per "
+            f"rank), got {p.vpp}"
+        )
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
     _check_schedule_costs(p.schedule_costs)
 
@@ -134,8 +136,10 @@ def _check_schedule_costs(text: str) -> None:
         costs = Costs.parse(text)
     except ValueError as err:
         raise ConfigError(f"parallel.schedule_costs={text!r}: {err}; {fix}") from None
-    _require(all(isinstance(c, float) and c > 0 for c in (costs.F, costs.B, costs.W)),
-             f"parallel.schedule_costs={text!r} needs F, B and W all > 0; {fix}")
+    _require(
+        all(isinstance(c, float) and c > 0 for c in (costs.F, costs.B, costs.W)),
+        f"parallel.schedule_costs={text!r} needs F, B and W all > 0; {fix}",
+    )
 
 
 def _check_pipedream(cfg: Config) -> None:
@@ -143,13 +147,17 @@ def _check_pipedream(cfg: Config) -> None:
     microbatch, so parameters shared by two stages (a tied embedding) cannot stay one tensor."""
     p = cfg.parallel
     _one_of("parallel.weight_sync", p.weight_sync, ("stash", "vertical"))
-    _require(p.weight_sync == "stash" or "weight_sync" in SCHEDULES[p.schedule].options,
-             f"parallel.weight_sync={p.weight_sync} applies to parallel.schedule=pipedream_async "
-             f"only (got {p.schedule}); remove parallel.weight_sync")
-    _require(not (p.pp > 1 and p.schedule == "pipedream_async" and cfg.model.tie_embeddings),
-             "model.tie_embeddings=true with parallel.schedule=pipedream_async: the first and "
-             "last stage would update their copies at different times; set "
-             "model.tie_embeddings=false")
+    _require(
+        p.weight_sync == "stash" or "weight_sync" in SCHEDULES[p.schedule].options,
+        f"parallel.weight_sync={p.weight_sync} applies to parallel.schedule=pipedream_async "
+        f"only (got {p.schedule}); remove parallel.weight_sync",
+    )
+    _require(
+        not (p.pp > 1 and p.schedule == "pipedream_async" and cfg.model.tie_embeddings),
+        "model.tie_embeddings=true with parallel.schedule=pipedream_async: the first and "
+        "last stage would update their copies at different times; set "
+        "model.tie_embeddings=false",
+    )
 
 
 def _check_segments(cfg: Config) -> None:
@@ -157,18 +165,26 @@ def _check_segments(cfg: Config) -> None:
     multiple of tp under sequence parallelism; no other schedule reads the key."""
     p, m = cfg.parallel, cfg.model
     k, seq1f1b = p.seq_segments, SCHEDULES[p.schedule].segmented and p.pp > 1
-    _require(k == 1 or seq1f1b, f"parallel.seq_segments={k} is only used by "
-                                f"parallel.schedule=seq1f1b with parallel.pp > 1 (got "
-                                f"{p.schedule}, pp={p.pp}); set parallel.seq_segments=1")
+    _require(
+        k == 1 or seq1f1b,
+        f"parallel.seq_segments={k} is only used by "
+        f"parallel.schedule=seq1f1b with parallel.pp > 1 (got "
+        f"{p.schedule}, pp={p.pp}); set parallel.seq_segments=1",
+    )
     if not seq1f1b:
         return
-    _require(p.cp == 1, f"parallel.schedule=seq1f1b with parallel.cp={p.cp}: sequence segments "
-                        "under ring attention are not implemented; set parallel.cp=1")
+    _require(
+        p.cp == 1,
+        f"parallel.schedule=seq1f1b with parallel.cp={p.cp}: sequence segments "
+        "under ring attention are not implemented; set parallel.cp=1",
+    )
     unit = p.tp if p.sequence_parallel else 1
-    _require(m.seq_len >= k * unit,
-             f"parallel.seq_segments={k} needs model.seq_len={m.seq_len} >= {k * unit}: "
-             f"{k} non-empty segments" + (f" of a multiple of parallel.tp={p.tp} tokens "
-                                          "(sequence_parallel)" if unit > 1 else ""))
+    _require(
+        m.seq_len >= k * unit,
+        f"parallel.seq_segments={k} needs model.seq_len={m.seq_len} >= {k * unit}: "
+        f"{k} non-empty segments"
+        + (f" of a multiple of parallel.tp={p.tp} tokens (sequence_parallel)" if unit > 1 else ""),
+    )
 
 
 def _check_train(cfg: Config) -> None:

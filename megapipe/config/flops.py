@@ -53,7 +53,8 @@ def segment_bounds(cfg: Config) -> list[tuple[int, int]]:
     if p.schedule != "seq1f1b" or p.seq_segments == 1:
         return [(0, m.seq_len)]
     granularity = p.tp if p.sequence_parallel else 1
-    split = balanced_segments(m.seq_len, p.seq_segments, matmul_params(cfg), m.n_layers,
-                              m.d_model, granularity)
+    split = balanced_segments(
+        m.seq_len, p.seq_segments, matmul_params(cfg), m.n_layers, m.d_model, granularity
+    )
     ends = [sum(split.lengths[: i + 1]) for i in range(len(split.lengths))]
     return list(zip([0, *ends[:-1]], ends))

@@ -15,6 +15,7 @@ import yaml
 from megapipe.config.checks import validate
 from megapipe.config.schema import SECTIONS, Config, ConfigError
 
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """YAML file (optional) then overrides `section.key=value`, in order; then validate."""
     raw: dict[str, Any] = {}
@@ -104,4 +105,3 @@ def write_config(cfg: Config, path: str) -> None:
     with open(tmp, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     os.replace(tmp, path)
-

@@ -96,8 +96,9 @@ def check_world_size(sizes: MeshSizes, world: int) -> None:
 class ParallelMesh:
     """This rank's view of the mesh: coordinates and the groups of each axis."""
 
-    def __init__(self, sizes: MeshSizes, device_type: str = "cpu",
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self, sizes: MeshSizes, device_type: str = "cpu", timeout_s: float | None = None
+    ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         check_world_size(sizes, dist.get_world_size())

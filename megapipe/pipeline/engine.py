@@ -72,12 +72,14 @@ class Pipeline:
         self.arrivals = arrival_order(schedule, self.runtime.placement, pp_rank)
         self.profile_in = 0  # a schedule given is the one to run
 
-    def forward_backward(self, micro: list[MicroBatch], loss_scale: float,
-                         update=None) -> torch.Tensor:
+    def forward_backward(
+        self, micro: list[MicroBatch], loss_scale: float, update=None
+    ) -> torch.Tensor:
         """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
         Under zb_v's `profile` the second call also rebuilds the schedule from its costs."""
-        loss_sum = self.runtime.run(self.actions, micro, loss_scale, self.reducers, self.arrivals,
-                                    self.hooks)
+        loss_sum = self.runtime.run(
+            self.actions, micro, loss_scale, self.reducers, self.arrivals, self.hooks
+        )
         if self.profile_in:
             self.profile_in -= 1
             if not self.profile_in:
@@ -119,8 +121,7 @@ class Pipeline:
             x = inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
             last = stage == rt.last_stage
             with rt.autocast():
-                out = self.chunks[c](x, targets=targets if last else None,
-                                     positions=rt.positions)
+                out = self.chunks[c](x, targets=targets if last else None, positions=rt.positions)
             if last:
                 loss += out.item()
             else:
@@ -128,15 +129,21 @@ class Pipeline:
         return loss
 
 
-def build_pipeline(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB,
-                   kind: type[Pipeline] = Pipeline) -> Pipeline:
+def build_pipeline(
+    cfg: Config,
+    mesh,
+    device="cpu",
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    kind: type[Pipeline] = Pipeline,
+) -> Pipeline:
     """This rank's `kind` of Pipeline for cfg's schedule, on `mesh`."""
     p = cfg.parallel
     place = placement(p.schedule, p.pp, p.vpp)
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)
-    reducers = [GradReducer(c, mesh.replica_group, bucket_mb) if p.dp * p.cp > 1 else None
-                for c in chunks]
+    reducers = [
+        GradReducer(c, mesh.replica_group, bucket_mb) if p.dp * p.cp > 1 else None for c in chunks
+    ]
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
     pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)
     pipe.use_schedule(schedule_of(cfg))
@@ -155,5 +162,12 @@ def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> Pipel
     lengths = tuple((e - s) * shape[1] // m.seq_len for s, e in segments)  # local n_i
     links = StageLinks(mesh, place, shape, device=device, segments=lengths)
     positions = cp_info(mesh).positions(m.seq_len)
-    return PipelineRuntime(chunks, place, mesh.coord("pp"), links, positions,
-                           lambda: autocast(cfg.train.dtype, device), segments)
+    return PipelineRuntime(
+        chunks,
+        place,
+        mesh.coord("pp"),
+        links,
+        positions,
+        lambda: autocast(cfg.train.dtype, device),
+        segments,
+    )

@@ -31,15 +31,22 @@ from megapipe.plan.messages import Message
 class StageLinks:
     """This rank's p2p endpoints: prefetched receives, pending sends, the local mailbox."""
 
-    def __init__(self, mesh, placement: Placement, shape: tuple[int, ...],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 segments: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        mesh,
+        placement: Placement,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        segments: tuple[int, ...] = (),
+    ) -> None:
         """`shape`: (b, T, d) of a message; `segments`: Seq1F1B's local T of each segment."""
         self.placement, self.shape, self.dtype, self.device = placement, shape, dtype, device
         self.segments = segments
         self.pp_rank = mesh.coord("pp")
-        self.peers = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r})
-                      for r in range(mesh.size("pp"))]  # global rank of each pp rank
+        self.peers = [
+            rank_at(mesh.sizes, **{**mesh.coords, "pp": r}) for r in range(mesh.size("pp"))
+        ]  # global rank of each pp rank
         self.receiving: dict[Message, tuple[torch.Tensor, list]] = {}
         self.sending: list[tuple[torch.Tensor, list]] = []
         self.local: dict[Message, torch.Tensor] = {}
@@ -125,5 +132,7 @@ class StageLinks:
                 work.wait()
         self.sending.clear()
         if self.receiving or self.local:
-            raise RuntimeError(f"pipeline step ended with unconsumed messages: "
-                               f"{sorted(self.receiving) + sorted(self.local)}")
+            raise RuntimeError(
+                f"pipeline step ended with unconsumed messages: "
+                f"{sorted(self.receiving) + sorted(self.local)}"
+            )

@@ -61,8 +61,12 @@ class VersionStore:
     """One chunk's weight versions: the live parameters (newest) and stashed snapshots."""
 
     def __init__(self, chunk: nn.Module) -> None:
-        slots = [(m, name, p) for m in chunk.modules()
-                 for name, p in m._parameters.items() if p is not None]
+        slots = [
+            (m, name, p)
+            for m in chunk.modules()
+            for name, p in m._parameters.items()
+            if p is not None
+        ]
         self.live = list(dict.fromkeys(p for _, _, p in slots))  # shared parameters once
         index = {id(p): k for k, p in enumerate(self.live)}
         self.slots = [(m, name, index[id(p)]) for m, name, p in slots]
@@ -173,12 +177,18 @@ class PipeDreamPipeline(Pipeline):
         self.store = VersionStore(self.chunks[0])
         self.versions: _Versions | None = None
 
-    def forward_backward(self, micro: list[MicroBatch], loss_scale: float,
-                         update=None) -> torch.Tensor:
+    def forward_backward(
+        self, micro: list[MicroBatch], loss_scale: float, update=None
+    ) -> torch.Tensor:
         """Run the step's actions; each microbatch's loss is its mean over its own tokens."""
         self.versions = _Versions(self, update)
-        loss_sum = self.runtime.run(self.actions, micro, loss_scale / len(micro),
-                                    arrivals=self.arrivals, hooks=self.versions)
+        loss_sum = self.runtime.run(
+            self.actions,
+            micro,
+            loss_scale / len(micro),
+            arrivals=self.arrivals,
+            hooks=self.versions,
+        )
         if self.store.snapshots:
             raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
         return loss_sum

@@ -33,11 +33,21 @@ def draw_timeline(ax, timeline: Timeline, pp: int, title: str = "") -> None:
     """Draw one schedule's timeline on ``ax``: rank 0 at the top."""
     makespan = max((end for *_, end in timeline), default=1.0)
     for rank, action, start, end in timeline:
-        ax.barh(rank, end - start, left=start, height=0.9, color=_colour(action),
-                edgecolor="white", linewidth=0.5)
+        ax.barh(
+            rank,
+            end - start,
+            left=start,
+            height=0.9,
+            color=_colour(action),
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if (end - start) / makespan > 0.012:  # label only cells wide enough to read
-            label = str(action.microbatch) if action.segment is None else \
-                f"{action.microbatch}.{action.segment}"
+            label = (
+                str(action.microbatch)
+                if action.segment is None
+                else f"{action.microbatch}.{action.segment}"
+            )
             ax.text((start + end) / 2, rank, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(pp), [f"rank {r}" for r in range(pp)])
     ax.set_ylim(pp - 0.5, -0.5)
@@ -50,16 +60,23 @@ def draw_timeline(ax, timeline: Timeline, pp: int, title: str = "") -> None:
 def save_timelines(panels: list[tuple[str, Timeline, int]], path: str) -> None:
     """Stack one subplot per (title, timeline, pp) on a shared time axis and write a PNG."""
     height = sum(0.35 * pp + 0.8 for _, _, pp in panels)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, max(2.0, height)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(12, max(2.0, height)), sharex=True, squeeze=False
+    )
     for ax, (title, timeline, pp) in zip(axes[:, 0], panels):
         draw_timeline(ax, timeline, pp, title)
     longest = max(max((end for *_, end in tl), default=1.0) for _, tl, _ in panels)
     for ax in axes[:, 0]:
         ax.set_xlim(0, longest)
-    handles = [Patch(color=KIND_COLOURS[k][1], label=name) for k, name in
-               [("F", "F forward"), ("B", "B input-grad"), ("W", "W weight-grad"),
-                ("BW", "BW full backward")]]
+    handles = [
+        Patch(color=KIND_COLOURS[k][1], label=name)
+        for k, name in [
+            ("F", "F forward"),
+            ("B", "B input-grad"),
+            ("W", "W weight-grad"),
+            ("BW", "BW full backward"),
+        ]
+    ]
     fig.legend(handles=handles, loc="upper center", fontsize=7, ncol=4, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / max(2.0, height)))
     fig.savefig(path, dpi=120)

@@ -1,4 +1,6 @@
-"""One runtime for every schedule: walk this pp rank's action list (docs/architecture.md, "One runtime").
+"""One runtime for every schedule: walk this pp rank's action list.
+
+See docs/architecture.md, "Invariants" (one runtime).
 
 F: take the input (token ids on stage 0, else the previous stage's activation), run the chunk,
 send the output on; the last stage computes the loss (summed cross entropy over the global token
@@ -14,7 +16,8 @@ grad and never reads the output's values.
 Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
 interleaved 1F1B and the V placement of ZB-V run unchanged. Seq1F1B actions (Sun et al. 2024) run
 one sequence segment [s, e) of a microbatch: tokens, positions and messages are the segment's,
-and attention reads the earlier segments' K/V kept in a `SegmentKV` (parallel/autograd/segment_kv.py).
+and attention reads the earlier segments' K/V kept in a `SegmentKV`
+(parallel/autograd/segment_kv.py).
 """
 
 from __future__ import annotations
@@ -70,10 +73,16 @@ class Event:
 class PipelineRuntime:
     """Runs one rank's action list over its local chunks; holds only what backward still needs."""
 
-    def __init__(self, chunks: list[nn.Module], placement: Placement, pp_rank: int,
-                 links: StageLinks, positions: torch.Tensor,
-                 autocast=contextlib.nullcontext,
-                 segments: list[tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        placement: Placement,
+        pp_rank: int,
+        links: StageLinks,
+        positions: torch.Tensor,
+        autocast=contextlib.nullcontext,
+        segments: list[tuple[int, int]] | None = None,
+    ) -> None:
         self.chunks, self.placement, self.links = chunks, placement, links
         self.stages = [placement.stage(pp_rank, c) for c in range(len(chunks))]
         self.last_stage = placement.num_stages - 1
@@ -81,12 +90,22 @@ class PipelineRuntime:
         self.positions = positions  # this cp rank's (all under cp=1); SP stages hold T/tp of it
         self.segments = segments or [(0, len(positions))]  # Seq1F1B: [(s_i, e_i)]
         self.events: list[Event] = []
-        self._handlers = {FORWARD: self._forward, INPUT_GRAD: self._input_grad,
-                          FULL_BACKWARD: self._backward, WEIGHT_GRAD: self._weight_grad}
+        self._handlers = {
+            FORWARD: self._forward,
+            INPUT_GRAD: self._input_grad,
+            FULL_BACKWARD: self._backward,
+            WEIGHT_GRAD: self._weight_grad,
+        }
 
-    def run(self, actions: list[Action], micro: list[MicroBatch], loss_scale: float,
-            reducers: list | None = None, arrivals: dict | None = None,
-            hooks: Hooks = NO_HOOKS) -> torch.Tensor:
+    def run(
+        self,
+        actions: list[Action],
+        micro: list[MicroBatch],
+        loss_scale: float,
+        reducers: list | None = None,
+        arrivals: dict | None = None,
+        hooks: Hooks = NO_HOOKS,
+    ) -> torch.Tensor:
         """Execute `actions`; returns this rank's summed (unscaled) loss, float64 (0 if no head).
 
         `reducers[c]` (dp gradient buckets of chunk c) syncs only during the chunk's last
@@ -114,8 +133,9 @@ class PipelineRuntime:
             self.events.append(Event(action, t0, time.perf_counter(), self.links.waited - waited))
         self.links.flush()
         if self.stash or self.kv:
-            raise RuntimeError(f"actions left activations without backward: "
-                               f"{sorted(self.stash) + sorted(self.kv)}")
+            raise RuntimeError(
+                f"actions left activations without backward: {sorted(self.stash) + sorted(self.kv)}"
+            )
         return self.loss_sum
 
     def _input_message(self, a: Action) -> Message | None:
@@ -148,8 +168,12 @@ class PipelineRuntime:
         last = stage == self.last_stage
         kv = self._kv(a)
         with self.autocast():
-            out = self.chunks[a.chunk](x, targets=targets if last else None, positions=positions,
-                                       segment=kv.scope(a.seg) if kv else None)
+            out = self.chunks[a.chunk](
+                x,
+                targets=targets if last else None,
+                positions=positions,
+                segment=kv.scope(a.seg) if kv else None,
+            )
         if last:  # summed CE over this microbatch; backward starts from sum / global tokens
             self.loss_sum += out.detach()
             out = out / self.loss_scale

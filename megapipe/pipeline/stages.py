@@ -27,8 +27,9 @@ def build_model(
     """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
     and running ring attention over its cp axis (mesh None: one process)."""
     tp = tp_info(mesh, cfg.parallel.sequence_parallel, cfg.train.seed)
-    model = GPT(cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute,
-                cp=cp_info(mesh))
+    model = GPT(
+        cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
+    )
     return model.to(device)
 
 

@@ -21,8 +21,9 @@ TIED_TAG = 1 << 30  # the tied-embedding grad exchange (pipeline messages go unt
 class TiedEmbedding:
     """This rank's copies of the tied table: {global stage: parameter} for stages 0 and last."""
 
-    def __init__(self, chunks: list[nn.Module], stages: list[int], placement: Placement,
-                 mesh) -> None:
+    def __init__(
+        self, chunks: list[nn.Module], stages: list[int], placement: Placement, mesh
+    ) -> None:
         self.placement, self.mesh = placement, mesh
         self.last = placement.num_stages - 1
         self.copies: dict[int, nn.Parameter] = {}
@@ -48,10 +49,12 @@ class TiedEmbedding:
         """Send this copy's grad to the pp rank holding the other copy; receive its grad."""
         peer = rank_at(self.mesh.sizes, **{**self.mesh.coords, "pp": peer_pp})
         theirs = torch.empty_like(grad)
-        works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, grad, peer, tag=TIED_TAG),
-            dist.P2POp(dist.irecv, theirs, peer, tag=TIED_TAG),
-        ])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, grad, peer, tag=TIED_TAG),
+                dist.P2POp(dist.irecv, theirs, peer, tag=TIED_TAG),
+            ]
+        )
         for work in works:
             work.wait()
         return theirs

@@ -42,8 +42,11 @@ def gather_spans(events, group=None) -> list[list[Span]]:
 def to_timeline(per_rank: list[list[Span]]) -> Timeline:
     """Compute spans in seconds from the step's first start (the waits are left out)."""
     origin = min(t0 for rank in per_rank for _, t0, _, _ in rank)
-    return [(r, Action.parse(text), t0 + wait - origin, t1 - origin)
-            for r, rank in enumerate(per_rank) for text, t0, t1, wait in rank]
+    return [
+        (r, Action.parse(text), t0 + wait - origin, t1 - origin)
+        for r, rank in enumerate(per_rank)
+        for text, t0, t1, wait in rank
+    ]
 
 
 def ran(per_rank: list[list[Span]]) -> dict[int, list[Action]]:
@@ -53,11 +56,16 @@ def ran(per_rank: list[list[Span]]) -> dict[int, list[Action]]:
 
 def measured(per_rank: list[list[Span]]) -> dict:
     """Makespan (first start to last end), busy and idle seconds per rank, bubble fraction."""
-    makespan = (max(t1 for rank in per_rank for _, _, t1, _ in rank)
-                - min(t0 for rank in per_rank for _, t0, _, _ in rank))
+    makespan = max(t1 for rank in per_rank for _, _, t1, _ in rank) - min(
+        t0 for rank in per_rank for _, t0, _, _ in rank
+    )
     busy = [sum(t1 - t0 - wait for _, t0, t1, wait in rank) for rank in per_rank]
-    return {"makespan": makespan, "busy": busy, "idle": [makespan - b for b in busy],
-            "bubble_fraction": 1.0 - sum(busy) / (len(per_rank) * makespan)}
+    return {
+        "makespan": makespan,
+        "busy": busy,
+        "idle": [makespan - b for b in busy],
+        "bubble_fraction": 1.0 - sum(busy) / (len(per_rank) * makespan),
+    }
 
 
 def profile_costs(steps: list[list[list[Span]]], vpp: int) -> Costs:
@@ -95,15 +103,41 @@ def chrome_trace(per_rank: list[list[Span]], name: str = "", meta: dict | None =
     origin = min(t0 for rank in per_rank for _, t0, _, _ in rank)
     events = []
     for r, rank in enumerate(per_rank):
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0,
-                       "args": {"name": f"{name} rank {r}".strip()}})
+        events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": r,
+                "tid": 0,
+                "args": {"name": f"{name} rank {r}".strip()},
+            }
+        )
         for text, t0, t1, wait in rank:
             start = (t0 - origin) * 1e6
             if wait > 0:
-                events.append({"name": "wait", "cat": "wait", "ph": "X", "pid": r, "tid": 0,
-                               "ts": start, "dur": wait * 1e6, "args": {"action": text}})
-            events.append({"name": text, "cat": Action.parse(text).kind, "ph": "X", "pid": r,
-                           "tid": 0, "ts": start + wait * 1e6, "dur": (t1 - t0 - wait) * 1e6})
+                events.append(
+                    {
+                        "name": "wait",
+                        "cat": "wait",
+                        "ph": "X",
+                        "pid": r,
+                        "tid": 0,
+                        "ts": start,
+                        "dur": wait * 1e6,
+                        "args": {"action": text},
+                    }
+                )
+            events.append(
+                {
+                    "name": text,
+                    "cat": Action.parse(text).kind,
+                    "ph": "X",
+                    "pid": r,
+                    "tid": 0,
+                    "ts": start + wait * 1e6,
+                    "dur": (t1 - t0 - wait) * 1e6,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta or {}}
 
 

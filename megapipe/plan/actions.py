@@ -109,8 +109,9 @@ class Placement:
         return {(r, c): self.stage(r, c) for r in range(self.pp) for c in range(self.vpp)}
 
 
-def one_f_one_b_order(forwards: list[Action], backwards: list[list[Action]], warmup: int,
-                      tail: list[Action] = ()) -> list[Action]:
+def one_f_one_b_order(
+    forwards: list[Action], backwards: list[list[Action]], warmup: int, tail: list[Action] = ()
+) -> list[Action]:
     """Warm-up forwards, then one forward + one backward group per step, then the rest."""
     warmup = min(warmup, len(forwards))
     order = list(forwards[:warmup])
@@ -119,7 +120,7 @@ def one_f_one_b_order(forwards: list[Action], backwards: list[list[Action]], war
         order.append(forward)
         order.extend(backwards[step])
     # cool-down: drain the backward groups still outstanding
-    for group in backwards[len(forwards) - warmup:]:
+    for group in backwards[len(forwards) - warmup :]:
         order.extend(group)
     return order + list(tail)
 

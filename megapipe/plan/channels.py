@@ -44,8 +44,10 @@ def fifo_mismatch(schedule: Schedule, placement: Placement) -> str | None:
         out, got = sends.get(pair, []), recvs.get(pair, [])
         for i, (s, r) in enumerate(zip(out, got)):
             if s != r:
-                return (f"ranks {pair[0]}->{pair[1]}: message {i} sent {_text(s)} but received "
-                        f"{_text(r)}")
+                return (
+                    f"ranks {pair[0]}->{pair[1]}: message {i} sent {_text(s)} but received "
+                    f"{_text(r)}"
+                )
         if len(out) != len(got):
             return f"ranks {pair[0]}->{pair[1]}: {len(out)} sends but {len(got)} receives"
     return None

@@ -52,8 +52,9 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     return schedule
 
 
-def interleaved_1f1b(pp: int, microbatches: int, vpp: int,
-                     microbatch_group: int | None = None) -> Schedule:
+def interleaved_1f1b(
+    pp: int, microbatches: int, vpp: int, microbatch_group: int | None = None
+) -> Schedule:
     """Megatron interleaved 1F1B (Narayanan et al. 2021 §2.2) with Llama 3's any-m groups.
 
     Loop placement: chunk c of rank r is stage c·pp + r. Microbatches go in groups: a rank runs a
@@ -72,8 +73,9 @@ def interleaved_1f1b(pp: int, microbatches: int, vpp: int,
     starts = [sum(sizes[:i]) for i in range(rounds)]
     groups = [range(start, start + size) for start, size in zip(starts, sizes)]
     forwards = [Action(FORWARD, mb, c) for g in groups for c in range(vpp) for mb in g]
-    backwards = [[Action(FULL_BACKWARD, mb, c)]
-                 for g in groups for c in reversed(range(vpp)) for mb in g]
+    backwards = [
+        [Action(FULL_BACKWARD, mb, c)] for g in groups for c in reversed(range(vpp)) for mb in g
+    ]
     schedule = {}
     for rank in range(pp):
         # warm-up: enough forwards for the first backward (stage vpp·pp−1) to come back to this
@@ -160,8 +162,9 @@ def placement(name: str, pp: int, vpp: int = 1) -> Placement:
     return Placement(pp, vpp, SCHEDULES[name].placement)
 
 
-def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1, seq_segments: int = 1,
-                   **opts) -> Schedule:
+def build_schedule(
+    name: str, pp: int, microbatches: int, vpp: int = 1, seq_segments: int = 1, **opts
+) -> Schedule:
     """Build schedule ``name``; bad arguments raise a one-line ValueError naming the fix."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")

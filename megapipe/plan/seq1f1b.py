@@ -18,8 +18,9 @@ def seq1f1b(pp: int, microbatches: int, seq_segments: int) -> Schedule:
     """
     k = seq_segments
     forwards = [Action(FORWARD, mb, 0, s) for mb in range(microbatches) for s in range(k)]
-    backwards = [[Action(FULL_BACKWARD, mb, 0, s)]
-                 for mb in range(microbatches) for s in reversed(range(k))]
+    backwards = [
+        [Action(FULL_BACKWARD, mb, 0, s)] for mb in range(microbatches) for s in reversed(range(k))
+    ]
     # warm-up: pp−r−1 as in 1F1B plus k−1 for the segments the first backward depends on
     return {r: one_f_one_b_order(forwards, backwards, (pp - r - 1) + (k - 1)) for r in range(pp)}
 
@@ -40,8 +41,9 @@ def segment_flops(lengths, params: float, layers: int, d_model: int) -> list[flo
     return flops
 
 
-def balanced_segments(seq_len: int, k: int, params: float, layers: int, d_model: int,
-                      granularity: int = 1) -> SegmentSplit:
+def balanced_segments(
+    seq_len: int, k: int, params: float, layers: int, d_model: int, granularity: int = 1
+) -> SegmentSplit:
     """Integer segment lengths summing to ``seq_len`` with (nearly) equal FLOPs (Seq1F1B §3.3).
 
     Solve the continuous problem (equal FLOPs T per segment; each n_i is the positive root of
@@ -51,8 +53,9 @@ def balanced_segments(seq_len: int, k: int, params: float, layers: int, d_model:
     if k < 1:
         raise ValueError(f"seq_segments must be >= 1, got {k}")
     if seq_len % granularity or seq_len < k * granularity:
-        raise ValueError(f"seq_len {seq_len} must be a multiple of {granularity} and hold "
-                         f"{k} segments")
+        raise ValueError(
+            f"seq_len {seq_len} must be a multiple of {granularity} and hold {k} segments"
+        )
     a = 2.0 * layers * d_model
 
     def lengths_for(target: float) -> list[float]:
@@ -78,5 +81,6 @@ def balanced_segments(seq_len: int, k: int, params: float, layers: int, d_model:
     boundaries[-1] = seq_len
     lengths = tuple(b - a_ for a_, b in zip([0] + boundaries[:-1], boundaries))
     flops = segment_flops(lengths, params, layers, d_model)
-    return SegmentSplit(lengths, tuple(f / sum(flops) for f in flops),
-                        tuple(n / seq_len for n in lengths))
+    return SegmentSplit(
+        lengths, tuple(f / sum(flops) for f in flops), tuple(n / seq_len for n in lengths)
+    )

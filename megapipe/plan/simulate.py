@@ -1,9 +1,9 @@
 """Discrete-event simulation of a pipeline schedule: the planner's cost model.
 
 Semantics are walk.py's (shared with validate.py): each rank runs its list in order, sends are
-asynchronous, an action starts when its rank is free and its inputs have arrived (producer end + ``comm`` when
-the producer is another rank). With fixed per-rank orders the start times are a longest-path
-problem, so the result does not depend on the order in which ranks are visited.
+asynchronous, an action starts when its rank is free and its inputs have arrived (producer end +
+``comm`` when the producer is another rank). With fixed per-rank orders the start times are a
+longest-path problem, so the result does not depend on the order in which ranks are visited.
 
 Units
 - Costs ``F``, ``B``, ``W`` (and ``BW``, default B+W) are for one microbatch through one rank's
@@ -59,8 +59,15 @@ class Costs:
     @staticmethod
     def parse(text: str) -> Costs:
         """``"F=1,B=1.2,W=0.8,comm=0.1"`` -> Costs (keys: F, B, W, BW, comm, first, last)."""
-        names = {"F": "F", "B": "B", "W": "W", "BW": "BW", "comm": "comm",
-                 "first": "first_stage", "last": "last_stage"}
+        names = {
+            "F": "F",
+            "B": "B",
+            "W": "W",
+            "BW": "BW",
+            "comm": "comm",
+            "first": "first_stage",
+            "last": "last_stage",
+        }
         values = {}
         for item in filter(None, text.split(",")):
             key, _, raw = item.partition("=")
@@ -88,8 +95,9 @@ def _segment_shares(schedule: Schedule, shares: list[float] | None) -> list[floa
     return shares
 
 
-def action_cost(action: Action, stage: int, costs: Costs, placement: Placement,
-                flop_shares: list[float]) -> float:
+def action_cost(
+    action: Action, stage: int, costs: Costs, placement: Placement, flop_shares: list[float]
+) -> float:
     cost = costs.base(action.kind, action.chunk, placement.vpp)
     if action.kind in (FORWARD, INPUT_GRAD, FULL_BACKWARD):
         cost += costs.first_stage * (stage == 0)
@@ -97,9 +105,13 @@ def action_cost(action: Action, stage: int, costs: Costs, placement: Placement,
     return cost * flop_shares[action.seg]
 
 
-def simulate(schedule: Schedule, costs: Costs, placement: Placement,
-             flop_shares: list[float] | None = None,
-             token_shares: list[float] | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    costs: Costs,
+    placement: Placement,
+    flop_shares: list[float] | None = None,
+    token_shares: list[float] | None = None,
+) -> SimResult:
     """Simulate ``schedule``; shares are per Seq1F1B segment (default: equal)."""
     flop_shares = _segment_shares(schedule, flop_shares)
     token_shares = _segment_shares(schedule, token_shares)
@@ -108,8 +120,10 @@ def simulate(schedule: Schedule, costs: Costs, placement: Placement,
 
     def run(rank: int, a: Action, stage: int, needs: list, finished: dict) -> tuple[float, int]:
         """Start when the rank is free and every input has arrived; record (end, rank)."""
-        ready = max([free_at[rank]] + [
-            finished[e][0] + (costs.comm if finished[e][1] != rank else 0.0) for e in needs])
+        ready = max(
+            [free_at[rank]]
+            + [finished[e][0] + (costs.comm if finished[e][1] != rank else 0.0) for e in needs]
+        )
         end = ready + action_cost(a, stage, costs, placement, flop_shares)
         timeline.append((rank, a, ready, end))
         free_at[rank] = end

@@ -71,8 +71,9 @@ def check_progress(schedule: Schedule, placement: Placement) -> None:
 
     def blocked(rank: int, index: int, needs: list, finished: dict) -> None:
         missing = [e for e in needs if e not in finished]
-        _raise_if_same_rank(rank, schedule[rank][index], missing, schedule[rank][index + 1:],
-                            placement)
+        _raise_if_same_rank(
+            rank, schedule[rank][index], missing, schedule[rank][index + 1 :], placement
+        )
 
     walk(schedule, placement, lambda *_: True, blocked)
 
@@ -90,8 +91,9 @@ def _raise_if_same_rank(rank, action, missing, later, placement) -> None:
                 )
 
 
-def validate(schedule: Schedule, pp: int, m: int, v: int = 1, k: int = 1,
-             placement: Placement | None = None) -> None:
+def validate(
+    schedule: Schedule, pp: int, m: int, v: int = 1, k: int = 1, placement: Placement | None = None
+) -> None:
     """Raise ScheduleError (one line: rank, action, rule) unless the schedule is runnable."""
     placement = placement or Placement(pp, v)
     _check_complete(schedule, pp, m, v, k)

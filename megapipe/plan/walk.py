@@ -1,5 +1,5 @@
 """The runtime's semantics as a walk: each rank runs its list in order, sends are asynchronous
-and buffered, so only receives wait (design: docs/architecture.md, "One runtime").
+and buffered, so only receives wait (docs/architecture.md, Invariants).
 
 An action may start once the events it needs have happened: the message it receives (the one
 rule of messages.py) and the work on its own stage it depends on. `walk` advances every rank

@@ -62,8 +62,9 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
     return schedule
 
 
-def zb_v(pp: int, microbatches: int, memory_limit: float | None = None,
-         costs: Costs | None = None) -> Schedule:
+def zb_v(
+    pp: int, microbatches: int, memory_limit: float | None = None, costs: Costs | None = None
+) -> Schedule:
     """ZB-V: two chunks per rank in V placement, built greedily at 1F1B memory.
 
     List scheduling over time (Zero Bubble §3.2 heuristic, which schedules with the profiled
@@ -139,6 +140,7 @@ def _next_rank(state: dict, free_at: list, idle_since: list, ends: list[float]):
 
 def _ready_at(rank: int, now: float, finished: dict, placement: Placement, costs: Costs):
     """ready(action): every input of `action` is available on `rank` at time `now`."""
+
     def ready(action: Action) -> bool:
         stage = placement.stage(rank, action.chunk)
         for event in required_events(action, stage, placement.num_stages, 1):

@@ -45,8 +45,9 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
     return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh))
 
 
-def replica(cfg: Config, model: nn.Module, mesh=None,
-            bucket_mb: float = DEFAULT_BUCKET_MB) -> Replica:
+def replica(
+    cfg: Config, model: nn.Module, mesh=None, bucket_mb: float = DEFAULT_BUCKET_MB
+) -> Replica:
     """The plain engine over `model`: dp × cp buckets when there are replicas."""
     if mesh is None:
         return Replica(cfg, model)

@@ -48,9 +48,13 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
         began = time.perf_counter()
         result = job.train_step(optimizer, data.batch(step, t.global_batch), step)
         done = step + 1
-        record = {"step": done, "loss": result.loss, "lr": result.lr,
-                  "grad_norm": result.grad_norm,
-                  **throughput.of(done, time.perf_counter() - began)}
+        record = {
+            "step": done,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            **throughput.of(done, time.perf_counter() - began),
+        }
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
             record["val_loss"] = job.evaluate(data)
         if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
@@ -75,6 +79,9 @@ class Throughput:
     def of(self, done: int, seconds: float) -> dict:
         tokens_per_s = self.tokens / seconds
         tflops = self.flops_per_token * tokens_per_s / 1e12 / self.world  # per device, as MFU
-        return {"tokens_per_s": tokens_per_s, "tflops": tflops,
-                "mfu": tflops / self.peak if self.peak else None,
-                "consumed_tokens": done * self.tokens}
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tflops": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "consumed_tokens": done * self.tokens,
+        }

@@ -40,8 +40,9 @@ class Replica:
     def params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
 
-    def forward_backward(self, micro: list[MicroBatch], loss_scale: float,
-                         update=None) -> torch.Tensor:
+    def forward_backward(
+        self, micro: list[MicroBatch], loss_scale: float, update=None
+    ) -> torch.Tensor:
         """Forward and backward of each microbatch; the dp buckets sync during the last
         backward only (gradient accumulation, GPipe §2.2). Returns the summed loss."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

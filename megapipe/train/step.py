@@ -30,8 +30,9 @@ class StepResult:
     lr: float
 
 
-def train_step(engine, slice_: BatchSlice, optimizer, batch: torch.Tensor, step: int,
-               cfg: Config) -> StepResult:
+def train_step(
+    engine, slice_: BatchSlice, optimizer, batch: torch.Tensor, step: int, cfg: Config
+) -> StepResult:
     """Forward/backward every microbatch of this rank's slice of the global `batch`, reduce
     gradients over the mesh, clip, and take one AdamW step (PipeDream: one per microbatch).
 

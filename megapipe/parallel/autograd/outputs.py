@@ -28,4 +28,5 @@ def backward_from(roots, grads) -> None:
     if grads[0] is None:  # the last stage: the root is the (scaled) loss, d loss / d loss = 1
         grads = (torch.ones_like(roots[0]), *grads[1:])
     torch.autograd.Variable._execution_engine.run_backward(
-        roots, grads, False, False, (), True, True)  # keep_graph, create_graph, inputs, ...
+        roots, grads, False, False, (), True, True
+    )  # keep_graph, create_graph, inputs, ...

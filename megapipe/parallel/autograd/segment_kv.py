@@ -31,6 +31,7 @@ import torch
 
 from megapipe.parallel.autograd.outputs import backward_from
 
+
 @dataclass
 class _Kept:
     """One layer's K/V of one segment: graph tensors (backward roots) and leaves (read later)."""
@@ -58,8 +59,10 @@ class SegmentScope:
         earlier = [kept[j] for j in range(self.segment)]
         if not earlier:
             return k, v
-        return (torch.cat([e.k_leaf for e in earlier] + [k], dim=2),
-                torch.cat([e.v_leaf for e in earlier] + [v], dim=2))
+        return (
+            torch.cat([e.k_leaf for e in earlier] + [k], dim=2),
+            torch.cat([e.v_leaf for e in earlier] + [v], dim=2),
+        )
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,9 @@ def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return g2.t() @ x2  # (out, in)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           owner: nn.Module) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, owner: nn.Module
+) -> torch.Tensor:
     """F.linear whose weight grad can be deferred; `owner` holds the queue (`wgrad_queue`)."""
     return _Linear.apply(x, weight, bias, owner)
 

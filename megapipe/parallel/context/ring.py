@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megapipe.parallel.context.zigzag import local_chunks
 from megapipe.parallel.context.kernels import Block, BlockKernel, pick_kernel, plan_step
+from megapipe.parallel.context.zigzag import local_chunks
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
 

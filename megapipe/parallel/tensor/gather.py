@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from megapipe.distributed import collectives as C
-from megapipe.parallel.tensor.sharding import unshard
 from megapipe.parallel.tensor.layers import sharded_params
+from megapipe.parallel.tensor.sharding import unshard
 
 
 @torch.no_grad()

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.parallel.autograd.weight_grad import linear
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
-from megapipe.parallel.autograd.weight_grad import linear
 
 
 class ShardedModule(nn.Module):
