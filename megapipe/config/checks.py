@@ -1,11 +1,21 @@
 """Validation of a loaded `Config`: each rule raises a one-line `ConfigError` naming key and fix.
 
+Two general rules run first, over every key of every section: a float key must be finite, and a
+key declared with `bounded(...)` in schema.py must lie in its range. The rules below them relate
+keys to each other (divisibility, min_lr <= lr, warmup <= steps, ...) or name choices.
 All checks run before any process group exists, so bad input never hangs a collective.
 """
 
 from __future__ import annotations
 
-from megapipe.config.schema import Config, ConfigError
+import dataclasses
+import math
+import os
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
 from megapipe.config.stages import check_partition
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
@@ -15,9 +25,12 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("synthetic", "memmap")
 WANDB_MODES = ("disabled", "offline", "online")
+NONFINITE_ACTIONS = ("skip", "stop")
 
 
 def validate(cfg: Config) -> None:
+    _check_values(cfg)
+    _check_dirs(cfg)
     _check_model(cfg)
     _check_parallel(cfg)
     check_partition(cfg)
@@ -37,40 +50,86 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
 
 
-def _positive(cfg: Config, *names: str) -> None:
-    for name in names:
-        section, key = name.split(".")
-        value = getattr(getattr(cfg, section), key)
-        _require(value >= 1, f"{name} must be >= 1, got {value}")
+def _keys(cfg: Config) -> Iterator[tuple[str, type, dataclasses.Field, Any]]:
+    """Every key of every section: (`section.key`, its type, its field, its value)."""
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        types = typing.get_type_hints(type(sub))
+        for f in dataclasses.fields(sub):
+            yield f"{section.name}.{f.name}", types[f.name], f, getattr(sub, f.name)
+
+
+def _check_values(cfg: Config) -> None:
+    """The general rules: every float key is finite; every bounded key is in its range."""
+    for name, kind, f, value in _keys(cfg):
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number:
+            continue
+        _require(
+            kind is not float or math.isfinite(value),
+            f"{name} must be a finite number, got {value}",
+        )
+        bounds = bounds_of(f)
+        if bounds is not None and value not in bounds:
+            unit = f" {bounds.unit}" if bounds.unit else ""
+            note = f" ({bounds.note})" if bounds.note else ""
+            raise ConfigError(f"{name} must be {_range(bounds)}{unit}{note}, got {value}")
+
+
+def _range(b: Bounds) -> str:
+    """The range in words: `>= 1`, `> 0`, `in [0, 1)`."""
+    if b.low is not None and b.high is not None:
+        left, right = "(" if b.low_open else "[", ")" if b.high_open else "]"
+        return f"in {left}{_number(b.low)}, {_number(b.high)}{right}"
+    if b.low is not None:
+        return f"{'>' if b.low_open else '>='} {_number(b.low)}"
+    return f"{'<' if b.high_open else '<='} {_number(b.high)}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _check_dirs(cfg: Config) -> None:
+    """run.dir and checkpoint.dir are (or will be made) directories: no file on the way."""
+    for name, path in (("run.dir", cfg.run.dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not path:
+            continue
+        _require(not os.path.isfile(path), f"{name} '{path}' is a file; give a directory")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        _require(
+            os.path.isdir(parent),
+            f"{name} '{path}' is inside '{parent}', which is a file; give a directory",
+        )
 
 
 def _check_model(cfg: Config) -> None:
     m = cfg.model
     _one_of("model.arch", m.arch, ARCHS)
-    _positive(cfg, "model.n_layers", "model.d_model", "model.n_heads", "model.seq_len")
-    _require(m.vocab_size >= 2, f"model.vocab_size must be >= 2, got {m.vocab_size}")
     _require(
         m.d_model % m.n_heads == 0,
         f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}",
     )
     kv = m.n_kv_heads or m.n_heads
     _require(
-        kv >= 1 and m.n_heads % kv == 0,
+        m.n_heads % kv == 0,
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
     )
     if m.arch == "llama":
         head_dim = m.d_model // m.n_heads
-        _require(head_dim % 2 == 0, f"llama needs an even head dim for RoPE, got {head_dim}")
-    _require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
-    _require(m.d_ff >= 0, f"model.d_ff must be >= 0 (0: default), got {m.d_ff}")
+        _require(
+            head_dim % 2 == 0,
+            f"model.d_model={m.d_model} / model.n_heads={m.n_heads} gives head dim {head_dim}, "
+            "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
+            f"2·model.n_heads={2 * m.n_heads}",
+        )
 
 
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
-    _positive(cfg, "parallel.dp", "parallel.pp", "parallel.cp", "parallel.tp")
-    _positive(cfg, "parallel.vpp", "parallel.microbatches", "parallel.seq_segments")
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
-    _require(p.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {p.timeout_s}")
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -189,18 +248,18 @@ def _check_segments(cfg: Config) -> None:
 
 def _check_train(cfg: Config) -> None:
     t = cfg.train
-    _positive(cfg, "train.steps", "train.global_batch", "train.eval_batches")
-    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     _require(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr], got {t.min_lr}")
-    _require(0 <= t.warmup <= t.steps, f"train.warmup must be in [0, train.steps], got {t.warmup}")
-    _require(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: off), got {t.grad_clip}")
-    _require(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    _require(
+        t.warmup <= t.steps,
+        f"train.warmup={t.warmup} must be <= train.steps={t.steps}; lower it with "
+        f"--train.warmup={t.steps}",
+    )
     _one_of("train.dtype", t.dtype, DTYPES)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
     )
-    _require(t.eval_interval >= 0, f"train.eval_interval must be >= 0, got {t.eval_interval}")
+    _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
 
 
 def _check_rest(cfg: Config) -> None:
@@ -213,9 +272,7 @@ def _check_rest(cfg: Config) -> None:
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     if cfg.data.source == "memmap":
         _require(bool(cfg.data.path), "data.source=memmap needs data.path (a prepared dataset dir)")
-    c = cfg.checkpoint
-    _require(c.interval >= 0, f"checkpoint.interval must be >= 0 (0: off), got {c.interval}")
-    _require(c.keep >= 1, f"checkpoint.keep must be >= 1, got {c.keep}")
-    _require(bool(c.resume), "checkpoint.resume must be auto, none or a checkpoint path")
+    _require(
+        bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, none or a checkpoint path"
+    )
     _one_of("log.wandb", cfg.log.wandb, WANDB_MODES)
-    _positive(cfg, "log.interval")

@@ -75,14 +75,16 @@ def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
     setattr(sub, key, _coerce(value, types[key], f"{section}.{key}", source))
 
 
-_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# YAML 1.1 reads `3e-4` (no dot) and `inf` / `nan` as strings; a float key takes them, and the
+# checks then reject what is not finite with their own message.
+_FLOAT_RE = re.compile(r"[-+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|infinity|nan)", re.I)
 
 
 def _coerce(value: Any, want: type, name: str, source: str) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if want is float and isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads `3e-4` (no dot) as a string
+        return float(value)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # e.g. checkpoint.resume=100 naming a directory
     is_bool = isinstance(value, bool)

@@ -1,7 +1,9 @@
 """The run configuration's schema: one dataclass per section, every key typed with a default.
 
-Derived values (micro-batch size, tokens per step, ...) are computed once in `Config.derived`
-after validation (checks.py), so no other module re-derives them. Loading is in load.py.
+A key's allowed range is declared here, once, with `bounded(...)` (field metadata); checks.py
+enforces every declared range and keeps the rules that relate two keys. Derived values
+(micro-batch size, tokens per step, ...) are computed once in `Config.derived` after validation
+(checks.py), so no other module re-derives them. Loading is in load.py.
 """
 
 from __future__ import annotations
@@ -15,61 +17,113 @@ class ConfigError(ValueError):
     """A bad config: the message is one line naming the key and the fix."""
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""The largest `parallel.timeout_s`: 7 days (604800 s). torch keeps a process-group timeout as
+int64 nanoseconds, so from 2**63 ns (about 9.2e9 s) on it overflows and the TCP store gives up
+at once ("timed out after ...ms"); with torch 2.13 gloo, 9.2e9 s still worked and 9.3e9 s failed."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed range of a numeric key: `low` and `high` (None: no bound), each closed unless
+    `*_open`; `unit` and `note` only word the error (`note`, e.g. "0: off", goes in brackets)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    unit: str = ""
+    note: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+
+def bounded(
+    default: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    unit: str = "",
+    note: str = "",
+) -> Any:
+    """A dataclass field with `default` whose value must lie in the given `Bounds`."""
+    bounds = Bounds(low, high, low_open, high_open, unit, note)
+    return field(default=default, metadata={"bounds": bounds})
+
+
+def bounds_of(f: dataclasses.Field) -> Bounds | None:
+    """The `Bounds` declared for a schema field, or None."""
+    return f.metadata.get("bounds")
+
+
 @dataclass
 class ModelConfig:
     arch: str = "gpt2"  # gpt2 | llama
-    n_layers: int = 2
-    d_model: int = 64
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0: same as n_heads (multi-head attention)
-    d_ff: int = 0  # 0: 4·d_model (gpt2) or the Llama 2/3·4·d rounded to 64 (llama)
-    vocab_size: int = 256
-    seq_len: int = 32
+    n_layers: int = bounded(2, low=1)
+    d_model: int = bounded(64, low=1)
+    n_heads: int = bounded(4, low=1)
+    n_kv_heads: int = bounded(0, low=0, note="0: model.n_heads")  # 0: same as n_heads (MHA)
+    d_ff: int = bounded(0, low=0, note="0: default")  # 0: 4·d (gpt2), Llama 2/3·4·d to 64
+    vocab_size: int = bounded(256, low=2)
+    seq_len: int = bounded(32, low=1)
     tie_embeddings: bool = True
-    dropout: float = 0.0
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    dropout: float = bounded(0.0, low=0, high=1, high_open=True)
+    norm_eps: float = bounded(1e-5, low=0, low_open=True)
+    rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
 
 
 @dataclass
 class ParallelConfig:
-    dp: int = 1
-    pp: int = 1
-    cp: int = 1
-    tp: int = 1
-    vpp: int = 1  # model chunks (virtual stages) per pipeline rank
+    dp: int = bounded(1, low=1)
+    pp: int = bounded(1, low=1)
+    cp: int = bounded(1, low=1)
+    tp: int = bounded(1, low=1)
+    vpp: int = bounded(1, low=1)  # model chunks (virtual stages) per pipeline rank
     schedule: str = "1f1b"
-    microbatches: int = 1
+    microbatches: int = bounded(1, low=1)
     sequence_parallel: bool = False
     balance: str = "uniform"  # uniform | llama3 | cost | explicit layout "E,t|t,L"
-    seq_segments: int = 1  # Seq1F1B segments per microbatch
+    seq_segments: int = bounded(1, low=1)  # Seq1F1B segments per microbatch
     weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
     schedule_costs: str = "profile"  # zb_v: profile (2nd step) | unit | F=..,B=..,W=..
-    timeout_s: float = 600.0  # a collective or p2p waiting longer on a peer (a dead rank) errors
+    # a collective or p2p waiting longer on a peer (a dead rank) errors
+    timeout_s: float = bounded(
+        600.0, low=0, low_open=True, high=MAX_TIMEOUT_S, unit="seconds", note="at most 7 days"
+    )
 
 
 @dataclass
 class RecomputeConfig:
     mode: str = "none"  # none | full | selective (attention core only)
-    layers: int = 0  # recompute only the first N layers; 0 means all
+    layers: int = bounded(0, low=0, note="0: all")  # only the first N layers; 0 means all
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 10
-    global_batch: int = 8  # sequences per optimizer step, over all dp ranks and microbatches
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    warmup: int = 0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    seed: int = 1234
+    steps: int = bounded(10, low=1)
+    global_batch: int = bounded(8, low=1)  # sequences per step, over all dp ranks and microbatches
+    lr: float = bounded(1e-3, low=0, low_open=True)
+    min_lr: float = 0.0  # in [0, train.lr] (checks.py: it relates two keys)
+    warmup: int = bounded(0, low=0)  # and <= train.steps (checks.py)
+    weight_decay: float = bounded(0.1, low=0)
+    beta1: float = bounded(0.9, low=0, high=1, high_open=True)
+    beta2: float = bounded(0.95, low=0, high=1, high_open=True)
+    seed: int = bounded(
+        1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"
+    )
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights stay float32)
-    grad_clip: float = 1.0  # 0 disables clipping
+    grad_clip: float = bounded(1.0, low=0, note="0: off")  # 0 disables clipping
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
-    eval_interval: int = 0  # validation every N steps (and at the end); 0: never
-    eval_batches: int = 4
+    eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
+    eval_batches: int = bounded(4, low=1)
+    # a step whose loss or grad norm is inf/NaN: skip it (weights untouched) or stop the run
+    on_nonfinite: str = "skip"  # skip | stop
+    max_skipped: int = bounded(3, low=1)  # stop after this many consecutive skipped steps
 
 
 @dataclass
@@ -82,17 +136,17 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # "" : run.dir/checkpoints
-    interval: int = 0  # steps between checkpoints; 0: none (stop_at_step still saves)
-    keep: int = 2
+    interval: int = bounded(0, low=0, note="0: off")  # steps between checkpoints; 0: none
+    keep: int = bounded(2, low=1)
     resume: str = "auto"  # auto | none | PATH
 
 
 @dataclass
 class LogConfig:
-    interval: int = 1
+    interval: int = bounded(1, low=1)
     wandb: str = "disabled"  # disabled | offline | online
     wandb_project: str = "megapipe"
-    peak_tflops: float = 0.0  # 0: look the device up in train.metrics.PEAK_TFLOPS
+    peak_tflops: float = bounded(0.0, low=0, note="0: look the device up")  # metrics.PEAK_TFLOPS
     progress: bool = True
 
 

@@ -122,6 +122,7 @@ class _Versions(Hooks):
         self.pipe, self.update, self.store = pipe, update, pipe.store
         self.stashed, self.release = version_plan(pipe.actions)
         self.sq_norms: list[torch.Tensor] = []
+        self.skipped = 0  # updates the step core refused (non-finite norm over the stage)
         self.store.current, self.store.snapshots = 0, {}
         if 0 in self.stashed:
             self.store.snapshot()
@@ -143,8 +144,9 @@ class _Versions(Hooks):
         """One optimizer step of this stage on one microbatch's gradient (§3.3), clipped by this
         stage's own norm over tp."""
         self.store.move_grads(version)
-        norm, _ = self.update(_StageGrads(self.pipe, self.store.live))
+        norm, _, skipped = self.update(_StageGrads(self.pipe, self.store.live))
         self.sq_norms.append(norm.square())
+        self.skipped += skipped
         self.store.current += 1
 
 
@@ -193,9 +195,12 @@ class PipeDreamPipeline(Pipeline):
             raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
         return loss_sum
 
-    def step_grad_norm(self) -> float:
+    def step_grad_norm(self) -> tuple[float, bool]:
         """The logged norm: mean over the step's microbatches of each update's whole-model
-        norm (the squared stage norms summed over pp)."""
+        norm (the squared stage norms summed over pp); and whether any stage skipped an update
+        (each stage steps on its own, §3.3, so each skips on its own non-finite norm)."""
         sq = torch.stack(self.versions.sq_norms)  # (m,) this stage's squared norm per update
+        skips = sq.new_tensor([float(self.versions.skipped)])
         dist.all_reduce(sq, group=self.mesh.group("pp"))
-        return sq.sqrt().mean().item()
+        dist.all_reduce(skips, group=self.mesh.group("pp"))
+        return sq.sqrt().mean().item(), bool(skips.item())

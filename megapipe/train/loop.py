@@ -7,20 +7,51 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from megapipe.config import Config, write_config
 from megapipe.config.flops import flops_per_token
 from megapipe.data.loader import build_data
-from megapipe.distributed.launch import init_distributed, is_rank0
-from megapipe.train import checkpoint
+from megapipe.distributed.launch import distributed, init_distributed, is_rank0
+from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.optim import build_optimizer
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced non-finite steps past what the config allows; one line."""
+
+
 def run(cfg: Config) -> list[dict]:
     """Train (or resume) per `cfg`; returns the logged records of this invocation."""
     mesh = init_distributed(cfg)  # checks the world size before any collective
+    lock = _lock_run_dir(cfg)
+    try:
+        return _run(cfg, mesh)
+    finally:
+        if lock is not None:
+            runlock.release(lock)
+
+
+def _lock_run_dir(cfg: Config) -> str | None:
+    """Rank 0 takes run.dir's lock; every rank learns the outcome, so all fail alike."""
+    lock, problem = None, None
+    if is_rank0():
+        try:
+            lock = runlock.acquire(cfg.run.dir)
+        except runlock.RunDirBusy as err:
+            problem = str(err)
+    if distributed():
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem is not None:
+        raise runlock.RunDirBusy(problem)
+    return lock
+
+
+def _run(cfg: Config, mesh) -> list[dict]:
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     )
@@ -32,9 +63,19 @@ def run(cfg: Config) -> list[dict]:
     resume = checkpoint.resume_path(cfg)
     if resume is not None:
         start = checkpoint.load(resume, cfg, job.model, optimizer)["step"]
+    last = cfg.train.stop_at_step or cfg.train.steps
+    if start >= last:
+        _say(
+            f"already complete at step {start} (train.steps={cfg.train.steps}); nothing to "
+            f"do: raise --train.steps or set another run.dir"
+        )
+        return []
     if is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
-    return train_loop(cfg, job, optimizer, data, start, device)
+    began = time.perf_counter()
+    records = train_loop(cfg, job, optimizer, data, start, device)
+    _say(summary(cfg, records, time.perf_counter() - began))
+    return records
 
 
 def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> list[dict]:
@@ -42,30 +83,74 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
     t = cfg.train
     last = t.stop_at_step or t.steps
     log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
-    throughput = Throughput(cfg, device)
+    throughput, skips = Throughput(cfg, device), Skips(cfg)
     records = []
-    for step in range(start, last):
-        began = time.perf_counter()
-        result = job.train_step(optimizer, data.batch(step, t.global_batch), step)
-        done = step + 1
-        record = {
-            "step": done,
-            "loss": result.loss,
-            "lr": result.lr,
-            "grad_norm": result.grad_norm,
-            **throughput.of(done, time.perf_counter() - began),
-        }
-        if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-            record["val_loss"] = job.evaluate(data)
-        if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
-            log.log(record)
-        log.progress(done, result.loss, record["tokens_per_s"])
-        records.append(record)
-        interval = cfg.checkpoint.interval
-        if (interval and done % interval == 0) or done == t.stop_at_step:
-            checkpoint.save(cfg, done, job.model, optimizer)
-    log.close()
+    try:
+        for step in range(start, last):
+            began = time.perf_counter()
+            result = job.train_step(optimizer, data.batch(step, t.global_batch), step)
+            done = step + 1
+            record = {
+                "step": done,
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+                **throughput.of(done, time.perf_counter() - began),
+            }
+            if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
+                record["val_loss"] = job.evaluate(data)
+            if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
+                log.log(record)
+            log.progress(done, result.loss, record["tokens_per_s"], skips.total)
+            records.append(record)
+            skips.count(done, result.skipped)
+            interval = cfg.checkpoint.interval
+            if (interval and done % interval == 0) or done == t.stop_at_step:
+                checkpoint.save(cfg, done, job.model, optimizer)
+    finally:
+        log.close()
     return records
+
+
+class Skips:
+    """Counts skipped (non-finite) steps; stops the run as train.on_nonfinite and
+    train.max_skipped say, naming the last good checkpoint."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg, self.total, self.in_a_row = cfg, 0, 0
+
+    def count(self, step: int, skipped: bool) -> None:
+        self.total += skipped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        t = self.cfg.train
+        if skipped and (t.on_nonfinite == "stop" or self.in_a_row >= t.max_skipped):
+            saved = checkpoint.complete_checkpoints(checkpoint.checkpoint_root(self.cfg))
+            where = saved[-1] if saved else "none saved"
+            raise NonFiniteError(
+                f"step {step} had a non-finite loss or grad norm ({self.in_a_row} in a row, "
+                f"train.on_nonfinite={t.on_nonfinite}, train.max_skipped={t.max_skipped}); "
+                f"last good checkpoint: {where}; lower train.lr or check the data"
+            )
+
+
+def summary(cfg: Config, records: list[dict], seconds: float) -> str:
+    """One line at the end of a run: where it got, the last losses, tokens, time, checkpoint."""
+    last = records[-1]
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    ckpts = checkpoint.complete_checkpoints(checkpoint.checkpoint_root(cfg))
+    return (
+        f"done: step {last['step']}/{cfg.train.steps}, loss {last['loss']:.4f}"
+        + (f", val_loss {vals[-1]:.4f}" if vals else "")
+        + f", {last['consumed_tokens']:,} tokens, {seconds:.1f} s, "
+        f"{sum(r['skipped'] for r in records)} steps skipped, last checkpoint "
+        + (ckpts[-1] if ckpts else "none")
+    )
+
+
+def _say(line: str) -> None:
+    if is_rank0():
+        print(line, flush=True)
 
 
 class Throughput:

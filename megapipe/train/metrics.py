@@ -68,10 +68,13 @@ class MetricsLog:
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 
-    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def progress(self, step: int, loss: float, tokens_per_s: float, skipped: int = 0) -> None:
         if self.bar is not None:
             self.bar.n = step
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=True)
+            extra = {"skipped": skipped} if skipped else {}
+            self.bar.set_postfix(
+                loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", **extra, refresh=True
+            )
 
     def close(self) -> None:
         if not self.enabled:

@@ -8,6 +8,12 @@ engine (train/replica.Replica, pipeline/engine.Pipeline or pipeline/pipedream.Pi
 runs the forwards and backwards of this rank's microbatches; `update` then finishes the
 gradients (dp × cp sum, tp partial sums, shared tied copies), takes the global norm, clips and
 steps AdamW. PipeDream calls the same `update` once per microbatch from inside its run.
+
+Non-finite steps (Megatron checks loss and grads every step; Zero Bubble §4 skips such a step):
+the loss and the global grad norm are reduced over the whole mesh before the optimizer runs, so
+every rank sees the same two numbers and takes the same decision without another collective.
+A step with either inf or NaN is skipped: its grads are dropped, weights, AdamW moments and the
+step count stay as they were, and the result says `skipped`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    skipped: bool = False  # non-finite loss or grad norm: the optimizer did not step
 
 
 def train_step(
@@ -42,27 +49,38 @@ def train_step(
     micro = slice_.microbatches(batch.to(engine.device), cfg.parallel.microbatches)
     step_update = partial(update, optimizer=optimizer, step=step, cfg=cfg)
     loss_sum = engine.forward_backward(micro, tokens, step_update)
+    loss = slice_.sum(engine.stage_loss(loss_sum)) / tokens  # the same on every rank
     if engine.updates_inside:  # PipeDream (§3.3): each stage stepped after every microbatch
-        norm, lr = engine.step_grad_norm(), lr_at(step, cfg.train)
+        norm, skipped = engine.step_grad_norm()
+        lr = lr_at(step, cfg.train)
     else:
-        norm_t, lr = step_update(engine)
+        norm_t, lr, skipped = step_update(engine, loss=loss)
         norm = norm_t.item()
-    loss = slice_.sum(engine.stage_loss(loss_sum)) / tokens
-    return StepResult(loss=loss.item(), grad_norm=norm, lr=lr)
+    return StepResult(loss=loss.item(), grad_norm=norm, lr=lr, skipped=skipped)
 
 
-def update(grads, optimizer, step: int, cfg: Config) -> tuple[torch.Tensor, float]:
+def update(
+    grads, optimizer, step: int, cfg: Config, loss: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float, bool]:
     """Step 3 of one training step on `grads` (an engine, or one PipeDream stage): the dp × cp
     sum of each chunk's buckets, then tp partial sums, then shared copies (the tied embedding);
-    the global norm over `grads.norm_group`, clip, AdamW. Returns (norm, lr)."""
+    the global norm over `grads.norm_group`, clip, AdamW. Returns (norm, lr, skipped): with a
+    non-finite norm or `loss` (both agreed over the mesh) the optimizer does not step."""
     for chunk, reducer in zip(grads.chunks, grads.reducers):
         if reducer is not None:
             reducer.finish()
         sync_tp_partial_grads(chunk)
     grads.sync_shared_grads()
     norm = global_grad_norm(grads.grads_counted_once(), grads.norm_group)
-    lr = clip_and_step(optimizer, grads.params(), norm, step, cfg)
-    return norm, lr
+    if not finite(norm, loss):
+        optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
+        return norm, lr_at(step, cfg.train), True
+    return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg), False
+
+
+def finite(*values: torch.Tensor | None) -> bool:
+    """Every given scalar is finite (no inf, no NaN)."""
+    return all(v is None or bool(torch.isfinite(v).all()) for v in values)
 
 
 def clip_and_step(optimizer, params: list, norm: torch.Tensor, step: int, cfg: Config) -> float:
