@@ -2,7 +2,9 @@
 on one process or under `torchrun --nproc_per_node=N` with dp·pp·cp·tp = N.
 
 main() is the steps of docs/architecture.md: parse, load the config, dry run or train
-(megapipe/train/loop.py), and turn every expected failure into one line and an exit code.
+(megapipe/train/loop.py), turn every expected failure into one line and an exit code, and shut
+the process groups down before exiting (megapipe/distributed/launch.shutdown).
+`python tools/launch.py` checks the config once before it starts torchrun.
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ import sys
 
 from megapipe.config import ConfigError, load_config
 from megapipe.data.loader import DataError
-from megapipe.distributed.launch import peer_lost
+from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import describe
-from megapipe.train.loop import run
+from megapipe.train.loop import NonFiniteError, run
+from megapipe.train.runlock import RunDirBusy
+
+ONE_LINE_ERRORS = (ConfigError, DataError, CheckpointError, RunDirBusy, NonFiniteError)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -29,28 +34,62 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def main(argv: list[str] | None = None) -> int:
+def train(argv: list[str]) -> int:
+    """Parse, load the config, then the dry run or the training run."""
+    args, overrides = parse_args(argv)
+    cfg = load_config(args.config, overrides)
+    if args.dry_run:
+        print(describe(cfg))
+        return 0
+    run(cfg)
+    return 0
+
+
+def peer_lost_error(cause: str) -> int:
+    """Every rank that sees a lost peer says so: each rank's own log must tell what it saw."""
+    print(
+        f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
+        "logs (parallel.timeout_s bounds how long a rank waits)",
+        file=sys.stderr,
+    )
+    return 3
+
+
+def close(code: int) -> int:
+    """Shut the process groups down (a barrier only after success); a peer lost there: 3."""
     try:
-        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg = load_config(args.config, overrides)
-        if args.dry_run:
-            print(describe(cfg))
-            return 0
-        run(cfg)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        shutdown(wait=code == 0)
     except RuntimeError as e:
         cause = peer_lost(e)
         if cause is None:
             raise
-        print(
-            f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
-            "logs (parallel.timeout_s bounds how long a rank waits)",
-            file=sys.stderr,
-        )
-        return 3
-    return 0
+        return peer_lost_error(cause)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, then shut down; every expected failure is one line on stderr and an exit code.
+
+    2: bad config, data or checkpoint, a busy run.dir, non-finite steps past the limit. Every
+    rank meets it (same config and files, agreed decisions), so only
+    rank 0 prints it (RANK: the error may come before any process group) and the others exit 2
+    quietly. 3: a peer died or hung, printed by every rank that sees it.
+    """
+    code = 1  # an unexpected exception propagates with its traceback
+    try:
+        code = train(sys.argv[1:] if argv is None else argv)
+    except ONE_LINE_ERRORS as e:
+        if launched_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except RuntimeError as e:
+        cause = peer_lost(e)
+        if cause is None:
+            raise
+        code = peer_lost_error(cause)
+    finally:
+        code = close(code)
+    return code
 
 
 if __name__ == "__main__":

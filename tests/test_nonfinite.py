@@ -20,6 +20,7 @@ import train
 from megapipe.train import build as build_module
 from megapipe.train import checkpoint, runlock
 from megapipe.train.loop import NonFiniteError
+from tests.conftest import TINY
 from tests.parity import LOW_LR, build_mesh, tiny_config
 from tests.util import assert_rel_close, assert_state_close
 
@@ -198,3 +199,20 @@ def test_a_live_run_holds_its_run_dir(tmp_path, tiny_cfg):
         holder.wait()
     assert len(train.run(tiny_cfg())) == 4  # its process is gone: the lock is stale
     assert not lock.exists(), "the lock is released at the end of a run"
+
+
+def test_cli_errors_for_bad_numbers_and_a_busy_run_dir_are_one_line(tmp_path, capsys):
+    args = ["--config", TINY, f"--run.dir={tmp_path}", "--train.on_nonfinite=stop"]
+    with poisoned({0}):
+        assert train.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: step 1 had a non-finite loss or grad norm") and "\n" not in err
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / runlock.LOCK_FILE).write_text(f"{os.uname().nodename} {holder.pid}\n")
+        assert train.main(args) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: run.dir '{tmp_path}' is in use by the run of pid {holder.pid}")

@@ -1,8 +1,9 @@
-"""Launch: the default process group, the mesh over it, rank 0, and peer-lost detection.
+"""Launch: the default process group, the mesh over it, rank 0, peer-lost detection, shutdown.
 
 Under torchrun (or any launcher that sets WORLD_SIZE) the world size is checked against the mesh
 before any collective runs; each group waits at most `parallel.timeout_s` for a peer, so a dead
-or frozen rank brings the others down with one line instead of a hang.
+or frozen rank brings the others down with one line instead of a hang. `shutdown` ends the
+groups before the process exits, so no rank leaves with communication threads still running.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import torch.distributed as dist
 from megapipe.config import Config
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size
 
-PEER_LOST = ("Timed out", "Connection reset", "Connection closed")  # gloo; NCCL: DistError
+PEER_LOST = (  # gloo (a pair closed by a timeout on either side); NCCL: DistError
+    "Timed out",
+    "Connection reset",
+    "Connection closed",
+    "timeout caused pair closure",
+)
 
 
 def init_distributed(cfg: Config) -> ParallelMesh | None:
@@ -50,6 +56,11 @@ def rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (RANK; 0 without one), group or no group yet."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def is_rank0() -> bool:
     """The rank that writes run-level files (config, metrics, meta.json)."""
     return rank() == 0
@@ -66,3 +77,25 @@ def peer_lost(e: RuntimeError) -> str | None:
     if not (isinstance(e, dist.DistError) or any(w in line for w in PEER_LOST)):
         return None
     return re.sub(r"^\[[^\]]*\] ", "", line).split(". ")[0]  # gloo prefixes its source path
+
+
+def shutdown(wait: bool = True) -> None:
+    """Destroy the process groups, if any; with `wait`, after a barrier on the default group.
+
+    The barrier (bounded by the group's timeout, parallel.timeout_s) is where the ranks agree they
+    are done: gloo runs it only after this rank's earlier work on the group, and the pipeline's
+    sends were already waited at the end of each step (pipeline/p2p.StageLinks.flush). Exiting
+    with a live group lets the interpreter tear its threads down in any order, which can abort
+    the process ("terminate called without an active exception") after a successful run.
+    After an error pass wait=False: a peer may be dead or still busy, so a barrier could only
+    hold this rank until the timeout. A failed barrier raises, after the groups are destroyed.
+    """
+    if not distributed():
+        return
+    try:
+        if wait and dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[torch.cuda.current_device()])  # no guessing of the device
+        elif wait:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
