@@ -126,7 +126,7 @@ def test_flop_costs_add_up_to_the_model_flops():
         costs = block_costs_from_flops(cfg)
         assert len(costs) == 6 and all(c > 0 for c in costs)
         assert costs[0] < costs[1] == costs[4] and costs[5] > 0
-        # matmul and attention FLOPs are metrics.flops_per_token; the rest is element-wise
+        # matmul and attention FLOPs are config/flops.flops_per_token; the rest is element-wise
         assert sum(costs) == pytest.approx(flops_per_token(cfg), rel=0.02)
         assert sum(costs) > flops_per_token(cfg)
 

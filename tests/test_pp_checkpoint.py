@@ -4,7 +4,7 @@ Resume: 4 steps straight against 2 + 2 with a checkpoint between (train.stop_at_
 on: losses, validation losses and the final checkpoints (weights and AdamW state) bit for bit.
 Every logical tensor is written once (the tied embedding's last-stage copy is not), a pp
 checkpoint loads whole on one process, and the pipelined validation pass equals
-trainer.evaluate on one process. Cases are grouped by world size (one spawn each).
+train/evaluate.evaluate on one process. Cases are grouped by world size (one spawn each).
 """
 
 import pytest
@@ -134,7 +134,7 @@ def live_case(overrides: list[str], root: str) -> dict:
 
 def check_live(results: list[dict]) -> None:
     """The pp checkpoint loads whole on one process with every rank's weights, and the
-    pipelined validation loss equals trainer.evaluate of that model on one process."""
+    pipelined validation loss equals train/evaluate.evaluate of that model on one process."""
     from megapipe.data.loader import build_data
     from megapipe.train.batches import BatchSlice
     from megapipe.train.build import replica

@@ -1,4 +1,4 @@
-"""Ring attention (megapipe/context_parallel.py) against full attention on one process.
+"""Ring attention (megapipe/parallel/context/ring.py) against full attention on one process.
 
 Pure logic (zigzag sharding, block plans, kernels, cp=1) runs in-process. The distributed cases
 run in gloo workers spawned once per cp size (2 and 4); every worker runs all cases, rank 0

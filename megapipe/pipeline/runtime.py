@@ -4,7 +4,7 @@ See docs/architecture.md, "Invariants" (one runtime).
 
 F: take the input (token ids on stage 0, else the previous stage's activation), run the chunk,
 send the output on; the last stage computes the loss (summed cross entropy over the global token
-count, as trainer.train_step). BW: take the output-grad (the last stage starts from its loss),
+count, as train/step.train_step). BW: take the output-grad (the last stage starts from its loss),
 backward, send the input-grad back. B/W (Zero Bubble, Qi et al. 2023 §2): B backpropagates the
 input-grad only while the linear layers queue their weight-grad work, W does that work later.
 Sends overlap the next action's compute (Megatron, Narayanan et al. 2021 §4.1); the receive the

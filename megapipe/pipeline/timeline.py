@@ -4,7 +4,7 @@ The runtime records each action's span on its rank (`PipelineRuntime.events`: pe
 seconds and the part spent waiting for the input). Here the spans of all ranks become
 
 - a timeline in the simulator's format, (rank, action, start, end), so that a measured step
-  and its simulation (simulate.py) are drawn side by side by plot.py;
+  and its simulation (plan/simulate.py) are drawn side by side by plot.py;
 - a Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev): "X" events, pid = rank;
 - per-action costs for `simulate.Costs`, and the measured makespan and bubble fraction.
 

@@ -7,7 +7,7 @@ Training", §3) cuts each microbatch's sequence into k segments [s_i, e_i) and p
 microbatch. So each attention layer keeps, per (microbatch, chunk), the K/V (after RoPE) that
 each segment's forward produced, for the segments after it.
 
-Gradients through the kept K/V (the schedule runs segment backwards k−1..0, seq1f1b.py):
+Gradients through the kept K/V (the schedule runs segment backwards k−1..0, plan/seq1f1b.py):
   - forward of segment j keeps its k_j, v_j (in j's autograd graph) with detached leaf copies
     that require grad;
   - forward of segment i > j attends over cat(leaves of segments < i, own k_i), so the

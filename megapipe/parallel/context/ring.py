@@ -226,7 +226,7 @@ def ring_attention(
 
     q, k, v hold this cp rank's slice of the sequence (zigzag chunks r and 2cp−1−r when zigzag,
     else the r-th contiguous slice); k, v may have fewer heads (GQA). cp_group None or of size 1
-    is `scaled_dot_product_attention` itself. kernel names a `ring_kernels.KERNELS` entry
+    is `scaled_dot_product_attention` itself. kernel names a `kernels.KERNELS` entry
     (default: by device and dtype); stats, when given, collects work counts and timings.
     """
     _check_inputs(q, k, v, attn_mask)

@@ -49,7 +49,7 @@ class ColumnParallelLinear(ShardedModule):
     over tp separately, in units of `unit` rows (a head), so a fused projection shards by head.
     Input: f (identity fwd / all-reduce bwd), or with SP all-gather along the sequence fwd /
     reduce-scatter bwd. Output: this rank's features, or all of them with `gather_output`.
-    The weight grad can be deferred to a Zero Bubble W action (weight_grad.py).
+    The weight grad can be deferred to a Zero Bubble W action (parallel/autograd/weight_grad.py).
     `pad` zero-pads a segment tp does not divide (the LM head over a vocab tp does not divide).
     """
 
