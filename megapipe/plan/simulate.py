@@ -111,8 +111,11 @@ def simulate(
     placement: Placement,
     flop_shares: list[float] | None = None,
     token_shares: list[float] | None = None,
+    chunk_shares: dict[int, list[float]] | None = None,
 ) -> SimResult:
-    """Simulate ``schedule``; shares are per Seq1F1B segment (default: equal)."""
+    """Simulate ``schedule``; flop and token shares are per Seq1F1B segment (default: equal),
+    `chunk_shares[rank][c]` the part of a rank's activations its chunk c holds for one
+    microbatch (default 1/vpp each; unequal when chunks hold different numbers of layers)."""
     flop_shares = _segment_shares(schedule, flop_shares)
     token_shares = _segment_shares(schedule, token_shares)
     free_at = {rank: 0.0 for rank in schedule}
@@ -130,17 +133,18 @@ def simulate(
         return end, rank
 
     walk(schedule, placement, run)
-    return _summarise(schedule, timeline, placement, token_shares)
+    shares = chunk_shares or {r: [1.0 / placement.vpp] * placement.vpp for r in schedule}
+    return _summarise(schedule, timeline, token_shares, shares)
 
 
-def _summarise(schedule, timeline, placement, token_shares) -> SimResult:
+def _summarise(schedule, timeline, token_shares, chunk_shares) -> SimResult:
     pp = len(schedule)
     makespan = max((end for *_, end in timeline), default=0.0)
     busy = [0.0] * pp
     deltas: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     for rank, a, start, end in timeline:
         busy[rank] += end - start
-        size = token_shares[a.seg] / placement.vpp
+        size = token_shares[a.seg] * chunk_shares[rank][a.chunk]
         if a.kind == FORWARD:
             deltas[rank].append((start, size))
         elif a.kind in (WEIGHT_GRAD, FULL_BACKWARD):

@@ -54,8 +54,30 @@ def peak_inflight(cfg: Config) -> list[float]:
     if cfg.parallel.pp == 1:  # no pipeline: the microbatches run one after another
         return [1.0]
     tokens = [(end - start) / cfg.model.seq_len for start, end in segment_bounds(cfg)]
-    result = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg), token_shares=tokens)
+    shares = {r: _chunk_shares(cfg, rank_chunks(cfg, r, 0)) for r in range(cfg.parallel.pp)}
+    result = simulate(
+        schedule_of(cfg),
+        schedule_costs(cfg),
+        placement_of(cfg),
+        token_shares=tokens,
+        chunk_shares=shares,
+    )
     return result.peak_inflight
+
+
+def _chunk_acts(cfg: Config, chunk: GPT) -> float:
+    """Activation bytes of one microbatch through `chunk`'s layers, each at its recompute mode
+    (recompute.layers leaves later layers at "none")."""
+    modes = (layer_mode(cfg.recompute, int(index)) for index in chunk.layers)
+    return sum(activation_bytes_per_layer(cfg, mode) for mode in modes)
+
+
+def _chunk_shares(cfg: Config, chunks: list[GPT]) -> list[float]:
+    """Each chunk's part of the rank's activations: chunks of a rank may hold different numbers
+    of layers (e.g. E,t,t | t), so an in-flight microbatch weighs what its chunk holds."""
+    acts = [_chunk_acts(cfg, c) for c in chunks]
+    total = sum(acts)
+    return [a / total for a in acts] if total else [1.0 / len(chunks)] * len(chunks)
 
 
 def describe(cfg: Config) -> str:
@@ -105,12 +127,7 @@ def _rank_line(cfg: Config, pp_rank: int, tp_rank: int, inflight: float) -> str:
     n, layers = _count(chunks), sum(len(c.layers) for c in chunks)
     head = cfg.model.n_layers + 1
     held = " | ".join(stage_text(c.blocks, head) for c in chunks)
-    # each layer at its own recompute mode (recompute.layers leaves later layers at "none")
-    acts = sum(
-        activation_bytes_per_layer(cfg, layer_mode(cfg.recompute, int(index)))
-        for c in chunks
-        for index in c.layers
-    )
+    acts = sum(_chunk_acts(cfg, c) for c in chunks)
     return (
         f"pp={pp_rank} tp={tp_rank}: {n:,} parameters, {layers} layers (chunks: {held}); "
         f"memory weights+grads+AdamW {_size(n * BYTES_PER_PARAM)}, activations "
