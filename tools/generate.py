@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from megapipe.config.blend import parse_blend
 from megapipe.data.loader import load_tokenizer, read_meta
 from megapipe.train.checkpoint import CheckpointError, load_for_inference
 from models.sample import sample
@@ -56,11 +57,13 @@ def load_model(args: argparse.Namespace):
 
 
 def run_tokenizer_path(cfg) -> Path | None:
-    """The run's `data.tokenizer`, else the tokenizer in its dataset's meta.json, else None."""
+    """The run's `data.tokenizer`, else the tokenizer in its dataset's meta.json (a blend's
+    datasets share one: the first's), else None."""
     if cfg.data.tokenizer:
         return Path(cfg.data.tokenizer)
-    if cfg.data.path:
-        root = Path(cfg.data.path)
+    path = parse_blend(cfg.data.blend)[0][0] if cfg.data.blend else cfg.data.path
+    if path:
+        root = Path(path)
         return root / read_meta(root)["tokenizer"]
     return None
 

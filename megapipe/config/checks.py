@@ -15,6 +15,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from megapipe.config.blend import parse_blend
 from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
 from megapipe.config.stages import check_partition
 from megapipe.plan.schedules import SCHEDULES
@@ -270,9 +271,16 @@ def _check_rest(cfg: Config) -> None:
         f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",
     )
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
-    if cfg.data.source == "memmap":
+    _check_blend(cfg)
+    if cfg.data.source == "memmap" and not cfg.data.blend:
         _require(bool(cfg.data.path), "data.source=memmap needs data.path (a prepared dataset dir)")
     _require(
         bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, none or a checkpoint path"
     )
     _one_of("log.wandb", cfg.log.wandb, WANDB_MODES)
+
+
+def _check_blend(cfg: Config) -> None:
+    if cfg.data.blend:
+        _require(cfg.data.source == "memmap", "data.blend needs --data.source=memmap")
+        parse_blend(cfg.data.blend)  # raises a one-line ConfigError naming data.blend

@@ -131,6 +131,9 @@ class DataConfig:
     source: str = "synthetic"  # synthetic | memmap
     path: str = ""
     tokenizer: str = ""  # "" : the tokenizer recorded in the dataset's meta.json
+    # "dir:weight,dir:weight": rows drawn from several prepared datasets in proportion (a string,
+    # since config values are scalars); needs data.source=memmap and replaces data.path; "" : off
+    blend: str = ""
 
 
 @dataclass

@@ -4,16 +4,23 @@ A dataset directory (written by tools/prepare_data.py) holds `train.bin` and `va
 arrays of token ids with an EOS after every document, and `meta.json`. The sequences of global
 step s are drawn from a generator keyed by (seed, split, s) alone, so they never depend on the
 mesh, and resuming at step s needs no sampler state: step s is recomputed from its key.
+`data.blend` mixes several datasets by the same key (blend.py); `build_data` builds either.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from megapipe.config.blend import blend_name, parse_blend
+from megapipe.config.schema import ConfigError
+from megapipe.data.blend import BlendData
 
 META_FILE = "meta.json"
 SPLITS = {"train": 0, "val": 1}  # the split's number is part of the sampler key
@@ -108,17 +115,19 @@ class TokenData:
 
     def batch(self, step: int, size: int, split: str = "train") -> torch.Tensor:
         """The global batch of `step`: LongTensor [size, seq_len + 1]."""
-        rows = self._draw(_rng(self.seed, split, step), size, split)
+        rows = self.draw(_rng(self.seed, split, step), size, split)
         return torch.from_numpy(rows.astype(np.int64))
 
-    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        """`size` rows of seq_len + 1 tokens from `split`, drawn with `rng` (the step's
+        generator; a blend passes each dataset a child of it)."""
         raise NotImplementedError
 
 
 class SyntheticData(TokenData):
     """Uniform random tokens in [0, vocab_size): no files, for tests and benchmarks."""
 
-    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
         return rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
 
 
@@ -169,7 +178,7 @@ class MemmapData(TokenData):
             )
         self._checked.add(split)
 
-    def _draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
         tokens = self.memmap(split)
         if split not in self._checked:
             self.check_split(split)
@@ -198,19 +207,43 @@ def read_meta(root: Path) -> dict[str, Any]:
     return meta
 
 
-def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData:
-    """The TokenData that `data.source` names, validated against the model before training."""
+def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData | BlendData:
+    """The TokenData that `data.source` (or `data.blend`) names, validated against the model
+    before training."""
     seq_len, vocab_size = model_cfg.seq_len, model_cfg.vocab_size
-    if data_cfg.source == "synthetic":
+    if data_cfg.source == "synthetic":  # checks.py refuses data.blend without memmap
         return SyntheticData(seq_len, vocab_size, seed)
     if data_cfg.source != "memmap":
         raise DataError(f"data.source {data_cfg.source!r} unknown; use synthetic or memmap")
+    if getattr(data_cfg, "blend", ""):  # tests build a namespace with only the older keys
+        return _build_blend(data_cfg, seq_len, vocab_size, seed)
     root = Path(data_cfg.path)
     if not data_cfg.path or not root.is_dir():
-        raise DataError(
-            f"data.path '{data_cfg.path}' not found; run python tools/prepare_data.py "
-            "or set data.path"
-        )
+        raise DataError(f"data.path '{data_cfg.path}' not found; {prepare_hint(data_cfg.path)}")
+    return _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed)
+
+
+# Corpora the presets name (configs/gpt2_*.yaml, llama_1b.yaml): the dir's basename -> the
+# vocabulary its tokenizer is trained to (GPT-2's 50257, which the models pad to 50304; the
+# Llama preset's 32000). Any other path keeps the plain hint, which makes data/shakespeare.
+PRESET_CORPORA = {"openwebtext": 50257, "openwebtext_32k": 32000}
+
+
+def prepare_hint(path: str) -> str:
+    """How to make the dataset `path` names: for a preset's corpus, the command that prepares
+    that very path from a local copy of the corpus; else the Shakespeare default."""
+    name = Path(path).name if path else ""
+    if name not in PRESET_CORPORA:
+        return "run python tools/prepare_data.py or set data.path"
+    corpus = name.split("_")[0]
+    return (
+        f"prepare it from a local copy of {corpus}: python tools/prepare_data.py --input "
+        f"/path/to/{corpus}/*.parquet --out {path} --vocab-size {PRESET_CORPORA[name]}"
+    )
+
+
+def _memmap(root: Path, tokenizer: str, seq_len: int, vocab_size: int, seed: int) -> MemmapData:
+    """One prepared dataset, its meta checked against the model and its train split scanned."""
     meta = read_meta(root)
     if meta["vocab_size"] > vocab_size:
         raise DataError(
@@ -218,9 +251,48 @@ def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData:
             f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}"
         )
     data = MemmapData(root, meta, seq_len, vocab_size, seed)
-    data.tokenizer_path = _tokenizer_path(data_cfg.tokenizer, root, meta)
+    data.tokenizer_path = _tokenizer_path(tokenizer, root, meta)
     data.check_split("train")  # val is checked on its first batch: training may never use it
     return data
+
+
+def _build_blend(data_cfg: Any, seq_len: int, vocab_size: int, seed: int) -> BlendData:
+    """`data.blend`'s datasets, which must exist and share one tokenizer, mixed by weight."""
+    try:
+        entries = parse_blend(data_cfg.blend)
+    except ConfigError as err:  # validated configs pass; a hand-built one fails here alike
+        raise DataError(str(err)) from None
+    tokenizers = {}  # path -> (vocab_size, tokenizer fingerprint), checked before any scan
+    for path, _ in entries:
+        if not (Path(path) / META_FILE).is_file():
+            raise DataError(
+                f"data.blend dataset '{path}' not found (no {META_FILE}); prepare it with "
+                f"python tools/prepare_data.py --out {path} or fix data.blend"
+            )
+        meta = read_meta(Path(path))
+        tokenizers[path] = (meta["vocab_size"], _fingerprint(Path(path) / meta["tokenizer"]))
+        first = entries[0][0]
+        if tokenizers[path] != tokenizers[first]:
+            raise DataError(
+                f"data.blend: {path} has another tokenizer than {first} (vocab_size or "
+                f"{meta['tokenizer']} differ); prepare every blended dataset with the same "
+                "--tokenizer"
+            )
+    datasets = {
+        blend_name(path): _memmap(Path(path), data_cfg.tokenizer, seq_len, vocab_size, seed)
+        for path, _ in entries
+    }
+    return BlendData(datasets, [weight for _, weight in entries], partial(_rng, seed), seq_len)
+
+
+def _fingerprint(path: Path) -> str:
+    """sha256 of a tokenizer file, or of a tokenizer dir's files (names and bytes, sorted)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        digest.update(file.read_bytes() if file.is_file() else b"")
+    return digest.hexdigest()
 
 
 def _tokenizer_path(configured: str, root: Path, meta: dict[str, Any]) -> Path:

@@ -27,3 +27,10 @@ def evaluate(engine, slice_: BatchSlice, data, cfg: Config) -> float:
     total = torch.stack([engine.stage_loss(total[0].clone()), total[1]])
     total = slice_.sum(total)
     return (total[0] / total[1]).item()
+
+
+def evaluate_datasets(engine, slice_: BatchSlice, data, cfg: Config) -> dict[str, float]:
+    """A blend's validation loss per dataset ({name: loss}), each over its own fixed val
+    batches (`train.eval_batches` of them); {} for data that is not a blend."""
+    datasets = getattr(data, "datasets", {})
+    return {name: evaluate(engine, slice_, one, cfg) for name, one in datasets.items()}

@@ -11,10 +11,12 @@ import torch.distributed as dist
 
 from megapipe.config import Config, write_config
 from megapipe.config.flops import flops_per_token
+from megapipe.data.blend import BlendData, BlendTokens
 from megapipe.data.loader import build_data
 from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
+from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.optim import build_optimizer
 
@@ -84,6 +86,7 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
     last = t.stop_at_step or t.steps
     log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
     throughput, skips = Throughput(cfg, device), Skips(cfg)
+    blend = BlendTokens(data, start, t.global_batch) if isinstance(data, BlendData) else None
     records = []
     try:
         for step in range(start, last):
@@ -97,9 +100,12 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
                 "grad_norm": result.grad_norm,
                 "skipped": result.skipped,
                 **throughput.of(done, time.perf_counter() - began),
+                **(blend.after(step) if blend else {}),
             }
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 record["val_loss"] = job.evaluate(data)
+                for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
+                    record[f"val_loss/{name}"] = loss
             if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
                 log.log(record)
             log.progress(done, result.loss, record["tokens_per_s"], skips.total)
