@@ -5,6 +5,7 @@ python tools/bench.py train [--layers 4 --d-model 256 ...]
 python tools/bench.py tp
 python tools/bench.py cp
 python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
+python tools/bench.py data [--mb 50 --workers 1,2]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
         "bench_pipeline",
         "pipelined step time vs torch.distributed.pipelining, simulator fidelity, measured bubbles",
     ),
+    "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
 }
 
 

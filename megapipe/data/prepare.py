@@ -1,117 +1,64 @@
-"""Corpus to dataset: read documents, train or load a tokenizer, write the packed token memmap.
+"""Corpus to dataset: stream documents, train or load a tokenizer, write the packed token memmap.
 
-The default corpus is the 38 Shakespeare plays of shakespeare.py. Other corpora come from local
-.txt (one document per file), .jsonl or .parquet (one document per row) files. The dataset
-is written to a temporary directory beside `out` and renamed into place at the end, so a failed
-run leaves no half-written dataset behind.
+The default corpus is the 38 Shakespeare plays of shakespeare.py; other corpora are the inputs
+of inputs.py. Documents are read as streams three times: once to count and check them (so a bad
+input fails before any long work), once for the tokenizer's training sample (the first
+`tokenizer_sample_mb` of train documents) and once to encode them, in chunks of `chunk_mb` over
+`workers` processes (workers.py), appended to train.bin / val.bin. Peak memory is therefore
+bounded by chunk size × workers and the sample, plus one byte per document for the split mask,
+whatever the corpus size; the output is the same for every chunk size and worker count.
+
+The dataset is written to `.<out>.tmp` beside `out` and renamed into place at the end, so a
+failed run leaves no half-written dataset behind. An interrupted run (killed, power lost) may
+leave that temp dir: the next preparation of the same `out` removes it first and starts over,
+so only one preparation per `out` may run at a time.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
+import re
 import shutil
-import tempfile
+from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
+from megapipe.data.inputs import TXT_DOCS, check_utf8, expand_inputs, iter_documents
 from megapipe.data.loader import META_FILE, DataError, load_tokenizer
 from megapipe.data.shakespeare import shakespeare_documents
+from megapipe.data.workers import encode_chunks
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+__all__ = ["check_utf8", "prepare", "split_documents", "train_sentencepiece", "val_mask"]
+
 SPM_FILE = "tokenizer.model"
 HF_DIR = "tokenizer"
+MB = 1_000_000  # chunk and sample sizes count characters of text, in millions
+COPY_BLOCK = 1 << 24
 
-# ---------------------------------------------------------------- local input files
-
-
-def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
-    """Raise DataError naming the byte offset of the first invalid UTF-8 sequence."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    with path.open("rb") as f:
-        while True:
-            block = f.read(chunk)
-            try:
-                decoder.decode(block, final=not block)
-            except UnicodeDecodeError as err:
-                # The decoder may hold back a few bytes of an unfinished sequence from before.
-                pending = len(decoder.getstate()[0])
-                raise DataError(
-                    f"{path} is not UTF-8: invalid byte at offset {offset - pending + err.start}"
-                ) from None
-            if not block:
-                return
-            offset += len(block)
+# ---------------------------------------------------------------- split and tokenizer
 
 
-def check_input(path: Path) -> str:
-    """The `datasets` builder for an input file, after checking it exists and decodes."""
-    if not path.is_file():
-        raise DataError(f"input file {path} not found")
-    builder = BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise DataError(f"input file {path}: unknown extension; use one of {sorted(BUILDERS)}")
-    if builder != "parquet":  # parquet strings are checked by arrow itself
-        check_utf8(path)
-    return builder
-
-
-def load_input_documents(paths: list[Path], text_field: str, cache_dir: Path) -> list[str]:
-    """Documents of every input file in order, read through HF `datasets` from local files."""
-    builders = [check_input(path) for path in paths]  # fail on any bad file before reading
-    docs: list[str] = []
-    for path, builder in zip(paths, builders):
-        ds = _load_file(path, builder, cache_dir)
-        field = "text" if builder == "text" else text_field
-        if field not in ds.column_names:
-            raise DataError(f"input file {path} has no field '{field}'; set --text-field")
-        texts = [t for t in ds[field] if t is not None]
-        if not all(isinstance(t, str) for t in texts):
-            raise DataError(f"input file {path}: field '{field}' holds non-string values")
-        if not any(t.strip() for t in texts):
-            raise DataError(f"input file {path} is empty: no text in field '{field}'")
-        docs.extend(t for t in texts if t)
-    return docs
-
-
-def _load_file(path: Path, builder: str, cache_dir: Path):
-    """One local file as a `datasets.Dataset`; a parse failure becomes a one-line DataError."""
-    import pyarrow as pa
-    from datasets import load_dataset
-    from datasets.exceptions import DatasetGenerationError
-
-    if path.stat().st_size == 0:  # the json builder cannot even infer a schema from nothing
-        raise DataError(f"input file {path} is empty")
-    # A .txt file is one document (a play, a book), not one document per line.
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        return load_dataset(
-            builder, data_files=str(path), split="train", cache_dir=str(cache_dir),
-            keep_in_memory=True, **kwargs,
-        )  # fmt: skip
-    except (DatasetGenerationError, pa.ArrowException, ValueError, OSError) as err:
-        # datasets wraps the parser's error; report the innermost one
-        while err.__cause__ is not None:
-            err = err.__cause__
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(f"input file {path} is not valid {builder}: {reason}") from None
-
-
-# ---------------------------------------------------------------- tokenizer and tokens
+def val_mask(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
+    """Which documents are val: a seeded draw of round(n_docs * val_fraction) of them, at least
+    one if n_docs >= 2 and val_fraction > 0, never all. One byte per document."""
+    mask = np.zeros(n_docs, dtype=bool)
+    if n_docs < 2 or val_fraction <= 0:
+        return mask
+    n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
+    mask[np.random.default_rng(seed).permutation(n_docs)[:n_val]] = True
+    return mask
 
 
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Document indices for (train, val): a seeded, sorted draw, at least one val doc if >= 2."""
-    if n_docs < 2 or val_fraction <= 0:
-        return list(range(n_docs)), []
-    n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
-    val = set(np.random.default_rng(seed).permutation(n_docs)[:n_val].tolist())
-    return [i for i in range(n_docs) if i not in val], sorted(val)
+    """Document indices for (train, val) by the rule of val_mask."""
+    mask = val_mask(n_docs, val_fraction, seed)
+    return np.flatnonzero(~mask).tolist(), np.flatnonzero(mask).tolist()
 
 
-def train_sentencepiece(docs: list[str], model_file: Path, vocab_size: int, seed: int) -> None:
+def train_sentencepiece(docs: Iterable[str], model_file: Path, vocab_size: int, seed: int) -> None:
     """BPE with identity normalisation and byte fallback, so any text round-trips exactly."""
     import sentencepiece as spm
 
@@ -131,33 +78,82 @@ def train_sentencepiece(docs: list[str], model_file: Path, vocab_size: int, seed
             )  # fmt: skip
     except RuntimeError as err:  # e.g. "Vocabulary size too high" for a tiny corpus
         reason = str(err).split("] ")[-1]  # drop the C++ source location
+        largest = re.search(r"value <= (\d+)", reason)
+        if largest:  # sentencepiece names the number of pieces this corpus can give
+            reason = (
+                f"Vocabulary size too high ({vocab_size}) for this corpus (or its sample); "
+                f"set --vocab-size <= {largest.group(1)}"
+            )
         raise DataError(f"sentencepiece training failed: {reason}") from None
 
 
-def tokenize(docs: list[str], tokenizer, dtype: np.dtype) -> np.ndarray:
-    """All documents as one flat array, each followed by EOS (the document separator)."""
-    from datasets import Dataset
-
-    if not docs:  # an empty Dataset.map yields no "ids" column at all
-        return np.zeros(0, dtype)
-
-    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        return {"ids": [ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(batch["text"])]}
-
-    ds = Dataset.from_dict({"text": docs})
-    ds = ds.map(encode, batched=True, remove_columns=["text"], keep_in_memory=True)
-    return np.concatenate([np.asarray(row, dtype=dtype) for row in ds["ids"]])
+def _sample(documents: Iterator[str], is_val: np.ndarray, limit: int) -> Iterator[str]:
+    """The first train documents up to `limit` characters (the one crossing it included)."""
+    used = 0
+    for doc, val in zip(documents, is_val):
+        if used >= limit:
+            return
+        if not val:  # the tokenizer learns from train documents only, so val stays unseen
+            used += len(doc)
+            yield doc
 
 
-def tokenize_splits(train_docs: list[str], val_docs: list[str], tokenizer, val_fraction: float):
-    """(train, val) token arrays; with no val document, val is the tail of the train tokens."""
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32)
-    train = tokenize(train_docs, tokenizer, dtype)
-    val = tokenize(val_docs, tokenizer, dtype)
-    if not val_docs and val_fraction > 0 and len(train) > 1:
-        cut = len(train) - max(1, round(len(train) * val_fraction))
-        train, val = train[:cut], train[cut:]
-    return train, val
+def _make_tokenizer(documents, is_val, tmp: Path, tokenizer_dir, vocab_size, seed, sample_mb):
+    """(tokenizer file or dir in tmp, its name in meta): trained on a sample, or copied in."""
+    if tokenizer_dir is None:
+        sample = _sample(documents(), is_val, int(sample_mb * MB))
+        train_sentencepiece(sample, tmp / SPM_FILE, vocab_size, seed)
+        return tmp / SPM_FILE, SPM_FILE
+    load_tokenizer(tokenizer_dir).hf.save_pretrained(str(tmp / HF_DIR))  # self-contained
+    return tmp / HF_DIR, HF_DIR
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def _chunks(documents: Iterator[str], is_val: np.ndarray, chunk_chars: int):
+    """(texts, is_val flags) of consecutive documents, about `chunk_chars` characters each."""
+    texts: list[str] = []
+    flags: list[bool] = []
+    size = 0
+    for i, doc in enumerate(documents):
+        if i >= len(is_val):
+            raise DataError("the inputs changed during preparation; rerun")
+        texts.append(doc)
+        flags.append(bool(is_val[i]))
+        size += len(doc)
+        if size >= chunk_chars:
+            yield texts, flags
+            texts, flags, size = [], [], 0
+    if texts:
+        yield texts, flags
+
+
+def _write_tokens(documents, is_val, tmp: Path, tokenizer_path, dtype: str, opts) -> list[int]:
+    """Encode and append every chunk to train.bin / val.bin; [n_train, n_val] tokens."""
+    counts = [0, 0]
+    chunks = _chunks(documents(), is_val, max(1, int(opts["chunk_mb"] * MB)))
+    with (tmp / "train.bin").open("wb") as train_f, (tmp / "val.bin").open("wb") as val_f:
+        for train, val in encode_chunks(chunks, tokenizer_path, opts["workers"], dtype):
+            train.tofile(train_f)
+            val.tofile(val_f)
+            counts[0] += len(train)
+            counts[1] += len(val)
+    return counts
+
+
+def _move_tail_to_val(tmp: Path, counts: list[int], val_fraction: float, dtype: str) -> None:
+    """With no val document, val is the tail of the train tokens (copied in blocks)."""
+    n_train = counts[0]
+    if counts[1] or val_fraction <= 0 or n_train <= 1:
+        return
+    cut = (n_train - max(1, round(n_train * val_fraction))) * np.dtype(dtype).itemsize
+    with (tmp / "train.bin").open("r+b") as src, (tmp / "val.bin").open("wb") as dst:
+        src.seek(cut)
+        shutil.copyfileobj(src, dst, COPY_BLOCK)
+        src.truncate(cut)
+    counts[1] = n_train - cut // np.dtype(dtype).itemsize
+    counts[0] = n_train - counts[1]
 
 
 # ---------------------------------------------------------------- the whole preparation
@@ -172,35 +168,44 @@ def prepare(
     text_field: str = "text",
     cache_dir: Path = Path("data/cache"),
     seed: int = 0,
+    *,
+    workers: int = 1,
+    chunk_mb: float = 16.0,
+    tokenizer_sample_mb: float = 64.0,
+    txt_doc: str = "file",
 ) -> dict:
-    """Write the dataset to `out` (train.bin, val.bin, meta.json, tokenizer) and return its meta."""
+    """Write the dataset to `out` (train.bin, val.bin, meta.json, tokenizer) and return its meta.
+
+    `workers`, `chunk_mb` and `tokenizer_sample_mb` shape the streaming (module docstring);
+    `txt_doc` is what a .txt document is: the whole file, a paragraph or a line (inputs.py).
+    """
     out, cache_dir = Path(out), Path(cache_dir)
-    inputs = None if inputs is None else [Path(p) for p in inputs]
     tokenizer_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    _check_options(val_fraction, workers, chunk_mb, tokenizer_sample_mb, txt_doc)
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise DataError(f"tokenizer dir {tokenizer_dir} not found; give a local HF tokenizer dir")
     _check_out(out)
+    documents, source = _open_corpus(inputs, text_field, txt_doc, cache_dir)
+    n_docs, n_chars = 0, 0
+    for doc in documents():  # checks every input before any long work
+        n_docs, n_chars = n_docs + 1, n_chars + len(doc)
+    is_val = val_mask(n_docs, val_fraction, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the dataset is an ordinary directory
+    tmp = _fresh_tmp(out)
     try:
-        docs, source = _read_corpus(inputs, text_field, cache_dir, tmp / "hf_cache")
-        train_idx, val_idx = split_documents(len(docs), val_fraction, seed)
-        train_docs, val_docs = [docs[i] for i in train_idx], [docs[i] for i in val_idx]
-        # The tokenizer learns from train documents only, so val stays unseen.
-        tokenizer, tokenizer_name = _make_tokenizer(
-            train_docs, tmp, tokenizer_dir, vocab_size, seed
+        tokenizer_path, tokenizer_name = _make_tokenizer(
+            documents, is_val, tmp, tokenizer_dir, vocab_size, seed, tokenizer_sample_mb
         )
-        train, val = tokenize_splits(train_docs, val_docs, tokenizer, val_fraction)
-        train.tofile(tmp / "train.bin")
-        val.tofile(tmp / "val.bin")
+        tokenizer = load_tokenizer(tokenizer_path)
+        dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
+        opts = {"chunk_mb": chunk_mb, "workers": workers}
+        counts = _write_tokens(documents, is_val, tmp, tokenizer_path, dtype, opts)
+        _move_tail_to_val(tmp, counts, val_fraction, dtype)
         meta = {
-            "vocab_size": tokenizer.vocab_size, "dtype": train.dtype.name,
-            "tokenizer": tokenizer_name, "n_train_tokens": len(train), "n_val_tokens": len(val),
-            "eos_id": tokenizer.eos_id, "n_documents": len(docs),
-            "n_characters": sum(len(d) for d in docs), "source": source,
+            "vocab_size": tokenizer.vocab_size, "dtype": dtype,
+            "tokenizer": tokenizer_name, "n_train_tokens": counts[0], "n_val_tokens": counts[1],
+            "eos_id": tokenizer.eos_id, "n_documents": n_docs,
+            "n_characters": n_chars, "source": source,
         }  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _replace_dir(tmp, out)
@@ -209,23 +214,36 @@ def prepare(
     return meta
 
 
-def _read_corpus(inputs, text_field: str, cache_dir: Path, hf_cache: Path):
-    """(documents, source description): the local inputs if given, else Shakespeare."""
+def _check_options(val_fraction, workers, chunk_mb, sample_mb, txt_doc) -> None:
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if workers < 1:
+        raise DataError(f"--workers {workers} must be >= 1")
+    if chunk_mb <= 0 or sample_mb <= 0:
+        raise DataError(f"--chunk-mb {chunk_mb} and --tokenizer-sample-mb {sample_mb} must be > 0")
+    if txt_doc not in TXT_DOCS:
+        raise DataError(f"--txt-doc {txt_doc!r} unknown; use one of {', '.join(TXT_DOCS)}")
+
+
+def _open_corpus(inputs, text_field: str, txt_doc: str, cache_dir: Path):
+    """(a function returning a fresh document iterator, source description)."""
     if not inputs:
-        return shakespeare_documents(cache_dir)
-    docs = load_input_documents(inputs, text_field, hf_cache)
-    shutil.rmtree(hf_cache, ignore_errors=True)  # documents are in memory now
-    return docs, "local files: " + ", ".join(str(p) for p in inputs)
+        docs, source = shakespeare_documents(cache_dir)  # 5 MB: small enough to hold
+        return (lambda: iter(docs)), source
+    paths = expand_inputs([Path(p) for p in inputs])
+    return partial(iter_documents, paths, text_field, txt_doc), "local files: " + ", ".join(
+        str(p) for p in inputs
+    )
 
 
-def _make_tokenizer(docs, tmp: Path, tokenizer_dir: Path | None, vocab_size: int, seed: int):
-    """Train sentencepiece, or copy the given HF tokenizer in, so the dataset is self-contained."""
-    if tokenizer_dir is None:
-        train_sentencepiece(docs, tmp / SPM_FILE, vocab_size, seed)
-        return load_tokenizer(tmp / SPM_FILE), SPM_FILE
-    tokenizer = load_tokenizer(tokenizer_dir)
-    tokenizer.hf.save_pretrained(str(tmp / HF_DIR))
-    return tokenizer, HF_DIR
+def _fresh_tmp(out: Path) -> Path:
+    """The temp dir beside `out`, emptied of what an interrupted run left there."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for old in out.parent.glob(f".{out.name}.old-*"):  # left by a run killed in _replace_dir
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def _check_out(out: Path) -> None:
