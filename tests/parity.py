@@ -174,13 +174,12 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.build import build
-    from megapipe.train.optim import build_optimizer
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
     job = build(cfg, mesh, "cpu", bucket_mb)
-    optimizer = build_optimizer(job.model, cfg.train)
+    optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     losses, norms = [], []
     for step in range(steps):
@@ -199,6 +198,7 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
         "weights": weights,
         "dp_spread": _dp_spread(weights, mesh),
         "adam_reach": cfg.train.lr * steps,
+        "optim_bytes": _optim_bytes(optimizer),
     }
     if cfg.parallel.pp == 1:
         out["overlapped_buckets"] = getattr(engine.reducer, "overlapped", 0)
@@ -208,6 +208,16 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
         out["actions"] = [str(a) for a in engine.actions]
         out["deferred_matmuls"] = engine.runtime.deferred_matmuls
     return out
+
+
+def _optim_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors (AdamW's moments; the scalar step counts left out)."""
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
 
 
 def _dp_spread(weights: dict, mesh) -> float:

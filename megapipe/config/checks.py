@@ -218,6 +218,12 @@ def _check_pipedream(cfg: Config) -> None:
         "last stage would update their copies at different times; set "
         "model.tie_embeddings=false",
     )
+    _require(
+        not (p.zero and p.pp > 1 and p.schedule == "pipedream_async"),
+        "parallel.zero=1 with parallel.schedule=pipedream_async: each stage steps after every "
+        "microbatch, so the sharded optimizer would gather weights once per microbatch; set "
+        "parallel.zero=0",
+    )
 
 
 def _check_segments(cfg: Config) -> None:

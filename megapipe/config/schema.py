@@ -91,6 +91,8 @@ class ParallelConfig:
     seq_segments: int = bounded(1, low=1)  # Seq1F1B segments per microbatch
     weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
     schedule_costs: str = "profile"  # zb_v: profile (2nd step) | unit | F=..,B=..,W=..
+    # 0: every dp × cp replica keeps the whole AdamW state; 1: distributed optimizer (ZeRO-1)
+    zero: int = bounded(0, low=0, high=1)
     # a collective or p2p waiting longer on a peer (a dead rank) errors
     timeout_s: float = bounded(
         600.0, low=0, low_open=True, high=MAX_TIMEOUT_S, unit="seconds", note="at most 7 days"

@@ -111,6 +111,8 @@ class ParallelMesh:
         self.groups = {axis: self.device_mesh[axis].get_group() for axis in AXES}
         self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
         self.norm_group = self._new_group(("pp", "tp"))  # one copy of every parameter
+        # every rank holding this pp stage's parameters: zero=1 checkpoints write shards over it
+        self.stage_group = self._new_group(("dp", "cp", "tp"))
         self._set_timeouts()
 
     def _set_timeouts(self) -> None:
@@ -146,6 +148,11 @@ class ParallelMesh:
         """dp × cp: the ranks that hold the same weights and see different tokens, over which
         gradients, the loss and the token count are summed."""
         return self.dp_cp_group if self.sizes.cp > 1 else self.groups["dp"]
+
+    @property
+    def world_group(self):
+        """Every rank: the grad norm under zero=1, where each replica holds its own shard."""
+        return dist.group.WORLD
 
     def pp_neighbours(self) -> tuple[int, int]:
         return pp_neighbours(self.rank, self.sizes)

@@ -20,7 +20,8 @@ from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.stages import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB, GradReducer
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.parallel.data.zero import make_reducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
@@ -55,7 +56,10 @@ class Pipeline:
 
     @property
     def norm_group(self):
-        return self.mesh.norm_group  # pp × tp: one copy of every parameter
+        """pp × tp holds one copy of every parameter; under zero=1 each dp × cp replica holds
+        its own shard of the summed grads (zeros elsewhere), so the norm spans every rank."""
+        sharded = self.cfg.parallel.zero and any(self.reducers)
+        return self.mesh.world_group if sharded else self.mesh.norm_group
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +146,8 @@ def build_pipeline(
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)
     reducers = [
-        GradReducer(c, mesh.replica_group, bucket_mb) if p.dp * p.cp > 1 else None for c in chunks
+        make_reducer(c, mesh.replica_group, bucket_mb, p.zero) if p.dp * p.cp > 1 else None
+        for c in chunks
     ]
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
     pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)

@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB, GradReducer
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.parallel.data.zero import make_reducer
 from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.stages import build_model
 from megapipe.train.batches import BatchSlice
 from megapipe.train.evaluate import evaluate
+from megapipe.train.optim import build_optimizer
 from megapipe.train.replica import Replica
 from megapipe.train.step import StepResult, train_step
 
@@ -29,6 +31,11 @@ class Job:
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg)
+
+    def optimizer(self):
+        """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
+        shard of each gradient bucket (parallel/data/zero.py)."""
+        return build_optimizer(self.model, self.cfg.train, self.engine.reducers)
 
     def evaluate(self, data) -> float:
         return evaluate(self.engine, self.slice, data, self.cfg)
@@ -51,6 +58,8 @@ def replica(
     """The plain engine over `model`: dp × cp buckets when there are replicas."""
     if mesh is None:
         return Replica(cfg, model)
-    replicas = mesh.size("dp") * mesh.size("cp") > 1
-    reducer = GradReducer(model, mesh.replica_group, bucket_mb) if replicas else None
-    return Replica(cfg, model, reducer, mesh.norm_group)
+    if mesh.size("dp") * mesh.size("cp") == 1:
+        return Replica(cfg, model, None, mesh.norm_group)
+    zero = cfg.parallel.zero
+    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero)
+    return Replica(cfg, model, reducer, mesh.world_group if zero else mesh.norm_group)

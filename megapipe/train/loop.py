@@ -18,7 +18,6 @@ from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.metrics import MetricsLog, peak_tflops
-from megapipe.train.optim import build_optimizer
 
 
 class NonFiniteError(RuntimeError):
@@ -60,7 +59,7 @@ def _run(cfg: Config, mesh) -> list[dict]:
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
     job = build(cfg, mesh, device)
-    optimizer = build_optimizer(job.model, cfg.train)
+    optimizer = job.optimizer()
     start = 0
     resume = checkpoint.resume_path(cfg)
     if resume is not None:

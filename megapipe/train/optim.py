@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megapipe.config import TrainConfig
+from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -27,14 +29,15 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        decay_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=1e-8,
-        foreach=True,
+def build_optimizer(model: nn.Module, cfg: TrainConfig, reducers=()) -> torch.optim.Optimizer:
+    """AdamW over `model`; over this rank's shards when `reducers` are the distributed
+    optimizer's (parallel/data/zero.ShardedGradReducer, one per chunk)."""
+    groups = decay_groups(model, cfg.weight_decay)
+    adamw = partial(
+        torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True
     )
+    sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
+    return ShardedOptimizer(sharded, groups, adamw) if sharded else adamw(groups)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

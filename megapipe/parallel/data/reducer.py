@@ -30,10 +30,15 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: object = None
     launched_in_backward: bool = False
+    shard: torch.Tensor | None = None  # zero=1: this rank's reduce-scattered part
 
     @property
     def ready(self) -> bool:
         return self.arrived == len(self.params)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
 
 
 @dataclass
@@ -48,18 +53,13 @@ class GradReducer:
     def __post_init__(self) -> None:
         self.syncing, self.next_launch = True, 0
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
-        limit = self.bucket_mb * 2**20
-        current, size = [], 0
-        for p in params:
-            current.append(p)
-            size += p.numel() * 4
-            if size >= limit:
-                self.buckets.append(Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(Bucket(current))
+        self.buckets = [Bucket(b) for b in pack(params, self.bucket_mb * 2**20, self.alone())]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+
+    def alone(self) -> set[int]:
+        """ids of parameters that get a bucket of their own (none here)."""
+        return set()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -91,10 +91,31 @@ class GradReducer:
             self._launch(self.buckets[self.next_launch], in_backward=False)
         for bucket in self.buckets:
             bucket.work.wait()
-            sizes = [p.numel() for p in bucket.params]
-            for p, chunk in zip(bucket.params, bucket.flat.split(sizes)):
-                p.grad = chunk.view_as(p).to(p.dtype)
+            self._write_back(bucket)
         self.overlapped = sum(b.launched_in_backward for b in self.buckets)
         for bucket in self.buckets:
             bucket.arrived, bucket.flat, bucket.work = 0, None, None
         self.next_launch = 0
+
+    def _write_back(self, bucket: Bucket) -> None:
+        """The summed flat bucket back into each parameter's grad."""
+        sizes = [p.numel() for p in bucket.params]
+        for p, chunk in zip(bucket.params, bucket.flat.split(sizes)):
+            p.grad = chunk.view_as(p).to(p.dtype)
+
+
+def pack(params: list[nn.Parameter], limit_bytes: float, alone: set[int]) -> list[list]:
+    """Consecutive float32 buckets of about `limit_bytes`; a parameter in `alone` (by id) gets
+    a bucket of its own, so its place in the flat index space is the same on every rank."""
+    out, current, size = [], [], 0
+    for p in params:
+        if id(p) in alone:
+            out += [current, [p]] if current else [[p]]
+            current, size = [], 0
+            continue
+        current.append(p)
+        size += p.numel() * 4
+        if size >= limit_bytes:
+            out.append(current)
+            current, size = [], 0
+    return out + [current] if current else out

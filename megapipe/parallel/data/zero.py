@@ -1,0 +1,174 @@
+"""The distributed optimizer (ZeRO-1): gradients reduce-scattered in buckets, AdamW state and the
+update only for this rank's shard of each bucket, weights all-gathered after the step.
+
+Rajbhandari et al. 2020 (ZeRO, §5.1 "P_os"): each of the R data-parallel replicas (dp × cp here)
+keeps the optimizer state of 1/R of the parameters. As Megatron's distributed optimizer does,
+the shard is a contiguous range of each flat gradient bucket (the bucket padded to a multiple of
+R), so a bucket's reduce-scatter leaves each rank exactly the summed gradients it steps. The
+weights stay float32 (autocast computes in bf16), so the state per parameter is weight 4 + grad 4
++ AdamW moments 8/R bytes: Megatron's fp32 layout, 8 + 8/d.
+
+The reduce-scatter replaces `GradReducer`'s all-reduce, launched from the same hooks while the
+last backward runs. `finish()` leaves each parameter's full-size `.grad` holding the summed
+gradient on this rank's shard and zeros elsewhere. The later sums over other axes are linear and
+elementwise (tp partial grads, the tied embedding's two copies), and they line up shard for
+shard because the bucket layouts agree across the ranks they sum over: tp ranks hold local
+tensors of equal shapes, and the tied table sits in a bucket of its own on both of its holders.
+The zeros also make the squared-norm sum over every rank count each element once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.distributed import collectives as C
+from megapipe.parallel.data.reducer import Bucket, GradReducer
+
+# torch 2.13 renamed the flat-tensor collectives; older releases (the GPU machine's) have these
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_EMPTY = torch.zeros(0)
+
+
+def make_reducer(model: nn.Module, group, bucket_mb: float, zero: int) -> GradReducer:
+    """The dp × cp gradient reducer for `model`: sharded for the distributed optimizer."""
+    return (ShardedGradReducer if zero else GradReducer)(model, group, bucket_mb)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a parameter's owned elements lie: flat range [lo, hi) of the parameter, at
+    [shard_lo, shard_lo + hi - lo) of this rank's shard of the bucket."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    shard_lo: int
+
+
+class ShardedGradReducer(GradReducer):
+    """GradReducer whose buckets are reduce-scattered: rank r of the replica group owns the
+    contiguous range [r·S, (r+1)·S) of each bucket padded to R·S elements."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.size = dist.get_world_size(self.group)
+        self.index = dist.get_rank(self.group)
+        self.slots = [self._slots(b) for b in self.buckets]
+
+    def alone(self) -> set[int]:
+        table = getattr(self.model, "tied_table", None)
+        return {id(table)} if table is not None else set()
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """This rank's [lo, hi) of the bucket's padded flat index space."""
+        per = -(-bucket.numel // self.size)
+        return self.index * per, (self.index + 1) * per
+
+    def _slots(self, bucket: Bucket) -> list[Slot]:
+        lo, hi = self.shard_range(bucket)
+        out, offset = [], 0
+        for p in bucket.params:
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                out.append(Slot(p, a - offset, b - offset, a - lo))
+            offset += p.numel()
+        return out
+
+    def owned(self) -> list[Slot]:
+        """Every parameter range this rank steps, bucket by bucket."""
+        return [s for slots in self.slots for s in slots]
+
+    def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        lo, hi = self.shard_range(bucket)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.zeros(self.size * (hi - lo), dtype=torch.float32, device=grads[0].device)
+        torch.cat([g.detach().float().flatten() for g in grads], out=flat[: bucket.numel])
+        bucket.flat, bucket.shard = flat, flat.new_empty(hi - lo)
+        C.count("reduce_scatter", flat)
+        bucket.work = _reduce_scatter(bucket.shard, flat, group=self.group, async_op=True)
+        bucket.launched_in_backward = in_backward
+        self.next_launch += 1
+
+    def _write_back(self, bucket: Bucket) -> None:
+        """The send buffer becomes the bucket's grads: this rank's summed shard, zeros around."""
+        lo, hi = self.shard_range(bucket)
+        bucket.flat.zero_()[lo:hi].copy_(bucket.shard)
+        sizes = [p.numel() for p in bucket.params]
+        for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):
+            p.grad = chunk.view_as(p).to(p.dtype)
+        bucket.shard = None
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the step: every rank's updated shard of each bucket, all-gathered into the
+        weights (launched for all buckets before the first wait)."""
+        pending = []
+        for bucket, slots in zip(self.buckets, self.slots):
+            lo, hi = self.shard_range(bucket)
+            mine = torch.zeros(hi - lo, dtype=torch.float32, device=bucket.params[0].device)
+            for s in slots:
+                mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(s.param.view(-1)[s.lo : s.hi])
+            full = mine.new_empty(self.size * (hi - lo))
+            C.count("all_gather", full)
+            pending.append((bucket, full, _all_gather(full, mine, group=self.group, async_op=True)))
+        for bucket, full, work in pending:
+            work.wait()
+            sizes = [p.numel() for p in bucket.params]
+            for p, chunk in zip(bucket.params, full[: bucket.numel].split(sizes)):
+                p.copy_(chunk.view_as(p))
+
+
+class ShardedOptimizer:
+    """An optimizer over this rank's shard of every bucket: each owned range of a parameter is a
+    view of the weight (so the step writes the weight in place) whose grad is the same range of
+    the parameter's grad; `step()` then all-gathers the weights. `param_groups` are the model's
+    (e.g. decay / no decay), each mapped to its owned views."""
+
+    def __init__(self, reducers: list[ShardedGradReducer], groups: list[dict], make) -> None:
+        self.reducers = reducers
+        self.slots = [s for r in reducers for s in r.owned()]
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        self.views = [s.param.detach().view(-1)[s.lo : s.hi] for s in self.slots]
+        shard_groups = [{**g, "params": []} for g in groups]
+        for s, view in zip(self.slots, self.views):
+            shard_groups[group_of[id(s.param)]]["params"].append(view)
+        # a rank that owns nothing (more replicas than elements) still needs an optimizer
+        self.inner = make([g for g in shard_groups if g["params"]] or [{"params": [_EMPTY]}])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        for s, view in zip(self.slots, self.views):
+            view.grad = None if s.param.grad is None else s.param.grad.view(-1)[s.lo : s.hi]
+        self.inner.step()
+        for r in self.reducers:
+            r.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for view in self.views:
+            view.grad = None
+        for r in self.reducers:
+            for p in r.model.parameters():
+                p.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (AdamW: both moments of its shard)."""
+        return sum(
+            t.numel() * t.element_size()
+            for st in self.inner.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
