@@ -28,6 +28,7 @@ class Job:
     model: nn.Module  # the GPT, or an nn.ModuleList of this pp rank's chunks
     engine: object  # Replica | Pipeline | PipeDreamPipeline
     slice: BatchSlice
+    mesh: object = None  # None: one process
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg)
@@ -35,7 +36,8 @@ class Job:
     def optimizer(self):
         """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
         shard of each gradient bucket (parallel/data/zero.py)."""
-        return build_optimizer(self.model, self.cfg.train, self.engine.reducers)
+        group = self.mesh.stage_group if self.mesh is not None else None
+        return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group)
 
     def evaluate(self, data) -> float:
         return evaluate(self.engine, self.slice, data, self.cfg)
@@ -47,9 +49,9 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
     if cfg.parallel.pp > 1:
         kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
         pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
-        return Job(cfg, nn.ModuleList(pipe.chunks), pipe, BatchSlice.of(mesh))
+        return Job(cfg, nn.ModuleList(pipe.chunks), pipe, BatchSlice.of(mesh), mesh)
     model = build_model(cfg, mesh, device)
-    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh))
+    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh), mesh)
 
 
 def replica(

@@ -37,8 +37,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import barrier, distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.checkpoint_zero import load_targets, optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
 from models.gpt import GPT
 
@@ -86,13 +88,16 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
 def training_entries(model: nn.Module, optimizer) -> list[Entry]:
     """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
     chunks); optimizer moments share their parameter's sharding, the step count is replicated.
-    The last stage's copy of the tied table (GPT.tied_copy_names) is marked `copy`."""
+    The last stage's copy of the tied table (GPT.tied_copy_names) is marked `copy`. With
+    `optimizer` None: the model's tensors only (zero=1 writes its state in checkpoint_zero)."""
     out = []
     for chunk in _chunks(model):
         copies = chunk.tied_copy_names()
         for name, param, shape, spec, tp in sharded_params(chunk):
             copy = name in copies
             out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
+            if optimizer is None:
+                continue
             for key, value in _ensure_optim_state(param, optimizer).items():
                 sharded = value.shape == param.shape
                 out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
@@ -126,16 +131,19 @@ def _sharded(e: Entry):
 def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
-    ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written."""
+    ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written.
+    Under zero=1 every replica writes the optimizer moments of its own shard."""
     if not distributed():
         return training_tensors(model, optimizer)
     c = coords(rank(), MeshSizes.of(cfg))
-    if c["dp"] or c["cp"]:
-        return {}  # a replica of what dp/cp rank 0 writes
+    writer = not (c["dp"] or c["cp"])  # else a replica of what dp/cp rank 0 writes
+    zero = isinstance(optimizer, ShardedOptimizer)
     state = {}
-    for e in training_entries(model, optimizer):
+    for e in training_entries(model, None if zero else optimizer) if writer else ():
         if not e.copy:
             state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
+    if zero:
+        state.update(optimizer_state(_chunks(model), optimizer, writer))
     return state
 
 
@@ -225,7 +233,12 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
             f"checkpoint '{path}' was written under mesh {saved} but this run uses {current}; "
             "resume with the same parallel sizes"
         )
-    _load_sharded(path, training_entries(model, optimizer))
+    zero = isinstance(optimizer, ShardedOptimizer)
+    _load_sharded(path, training_entries(model, None if zero else optimizer))
+    if zero:
+        targets, finish = load_targets(_chunks(model), optimizer)
+        _load_tensors(path, targets)
+        finish()
     rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
     try:
         set_rng_states(torch.load(rng_file, weights_only=False), model)

@@ -29,15 +29,18 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, reducers=()) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, reducers=(), stage_group=None
+) -> torch.optim.Optimizer:
     """AdamW over `model`; over this rank's shards when `reducers` are the distributed
-    optimizer's (parallel/data/zero.ShardedGradReducer, one per chunk)."""
+    optimizer's (parallel/data/zero.ShardedGradReducer, one per chunk), whose checkpoints are
+    written over `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(
         torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True
     )
     sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
-    return ShardedOptimizer(sharded, groups, adamw) if sharded else adamw(groups)
+    return ShardedOptimizer(sharded, groups, adamw, stage_group) if sharded else adamw(groups)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

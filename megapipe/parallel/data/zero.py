@@ -131,11 +131,15 @@ class ShardedOptimizer:
     the parameter's grad; `step()` then all-gathers the weights. `param_groups` are the model's
     (e.g. decay / no decay), each mapped to its owned views."""
 
-    def __init__(self, reducers: list[ShardedGradReducer], groups: list[dict], make) -> None:
+    def __init__(
+        self, reducers: list[ShardedGradReducer], groups: list[dict], make, stage_group=None
+    ) -> None:
         self.reducers = reducers
+        self.stage_group = stage_group  # dp × cp × tp: the ranks writing this stage's shards
         self.slots = [s for r in reducers for s in r.owned()]
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         self.views = [s.param.detach().view(-1)[s.lo : s.hi] for s in self.slots]
+        self.slot_of = {id(s.param): (s, v) for s, v in zip(self.slots, self.views)}
         shard_groups = [{**g, "params": []} for g in groups]
         for s, view in zip(self.slots, self.views):
             shard_groups[group_of[id(s.param)]]["params"].append(view)
@@ -163,6 +167,30 @@ class ShardedOptimizer:
         for r in self.reducers:
             for p in r.model.parameters():
                 p.grad = None
+
+    def owned_state(self, param: nn.Parameter) -> tuple[Slot, dict] | None:
+        """(the owned range of `param`, its AdamW state: created as zeros if the optimizer has
+        not stepped yet, so a checkpoint load has tensors to fill); None if none is owned."""
+        if id(param) not in self.slot_of:
+            return None
+        slot, view = self.slot_of[id(param)]
+        state = self.inner.state[view]
+        if not state:
+            state["step"] = self.step_count().clone()
+            state["exp_avg"] = torch.zeros_like(view)
+            state["exp_avg_sq"] = torch.zeros_like(view)
+        return slot, state
+
+    def step_count(self) -> torch.Tensor:
+        """AdamW's step count (every shard steps together)."""
+        steps = [st["step"] for st in self.inner.state.values() if "step" in st]
+        return steps[0] if steps else torch.zeros((), dtype=torch.float32)
+
+    def set_step_count(self, value: torch.Tensor) -> None:
+        for view in self.views:
+            state = self.inner.state[view]
+            if state:
+                state["step"].copy_(value)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (AdamW: both moments of its shard)."""

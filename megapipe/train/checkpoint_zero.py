@@ -1,0 +1,132 @@
+"""Checkpoint pieces of the distributed optimizer (parallel.zero=1): the same logical names and
+shapes as a zero=0 checkpoint, so either loads into the other.
+
+A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-major,
+that range is at most three rectangles of the local tensor: the tail of a first row, whole rows,
+the head of a last row. Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding
+rows dropped, a replicated kv head written by its first holder), is a block of the logical
+tensor at known offsets, so every rank writes only the moments it steps, as a ShardedTensor over
+the ranks holding this pipeline stage (dp × cp × tp). A load reads each logical moment whole,
+keeps this rank's tp shard, and takes its owned range.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.tensor.layers import sharded_params
+from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def flat_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[list, list, int]]:
+    """The flat range [lo, hi) of a row-major tensor of `shape` as rectangles:
+    (offsets, sizes, start in the range) each, in order."""
+    if len(shape) == 1:
+        return [([lo], [hi - lo], 0)] if hi > lo else []
+    cols = math.prod(shape[1:])
+    if len(shape) > 2:
+        raise ValueError(f"zero=1 checkpoints handle 1-D and 2-D parameters, got {shape}")
+    out, at = [], lo
+    if at % cols and at < hi:  # the tail of a first row
+        end = min(hi, (at // cols + 1) * cols)
+        out.append(([at // cols, at % cols], [1, end - at], at - lo))
+        at = end
+    whole = hi // cols * cols
+    if at < whole:
+        out.append(([at // cols, 0], [(whole - at) // cols, cols], at - lo))
+        at = whole
+    if at < hi:  # the head of a last row
+        out.append(([at // cols, 0], [1, hi - at], at - lo))
+    return out
+
+
+def logical_pieces(
+    data: torch.Tensor, shape: tuple, lo: int, hi: int, spec: ShardSpec, tp: TPInfo
+) -> list[tuple[list, torch.Tensor]]:
+    """(logical offsets, block) for the elements [lo, hi) of a local tensor of `shape` whose
+    values are `data` (1-D, hi − lo long) that this rank writes."""
+    out = []
+    for offsets, sizes, start in flat_blocks(shape, lo, hi):
+        block = data[start : start + math.prod(sizes)].view(sizes)
+        if spec.dim is None or tp.size == 1:
+            if spec.dim is None and tp.rank:  # tp replicas: rank 0 writes
+                continue
+            out.append((offsets, block))
+            continue
+        for piece in spec.pieces(tp.size, tp.rank):
+            a = max(offsets[spec.dim], piece.local_lo)
+            b = min(offsets[spec.dim] + sizes[spec.dim], piece.local_lo + piece.length)
+            if piece.owner and a < b:
+                at = list(offsets)
+                at[spec.dim] = piece.global_lo + a - piece.local_lo
+                out.append((at, block.narrow(spec.dim, a - offsets[spec.dim], b - a)))
+    return out
+
+
+def _sharded(pieces: list, shape: tuple, group):
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = []
+    for offsets, block in pieces:
+        placement = f"rank:{dist.get_rank()}/{block.device}"
+        meta = ShardMetadata(offsets, list(block.shape), placement)
+        shards.append(Shard(block.contiguous(), meta))
+    return ShardedTensor._init_from_local_shards(shards, *shape, process_group=group)
+
+
+def _logical(chunks: list[nn.Module]):
+    """(logical name, parameter, logical shape, ShardSpec, TPInfo) of every written parameter:
+    the last stage's copy of the tied table is left out (stage 0 writes the table)."""
+    for chunk in chunks:
+        copies = chunk.tied_copy_names()
+        for name, param, shape, spec, tp in sharded_params(chunk):
+            if name not in copies:
+                yield name, param, shape, spec, tp
+
+
+def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer: bool) -> dict:
+    """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
+    logical names and shapes; the step count (replicated) from `writer` ranks."""
+    state = {}
+    for name, param, shape, spec, tp in _logical(chunks):
+        owned = optimizer.owned_state(param)
+        for key in MOMENTS:
+            pieces = []
+            if owned is not None:
+                slot, st = owned
+                pieces = logical_pieces(st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp)
+            state[f"optim.{name}.{key}"] = _sharded(pieces, shape, optimizer.stage_group)
+        if writer:
+            state[f"optim.{name}.step"] = optimizer.step_count()
+    return state
+
+
+def load_targets(chunks: list[nn.Module], optimizer: ShardedOptimizer):
+    """({key: tensor to read into}, finish): moments read whole under their logical shape;
+    `finish()` then copies this rank's tp shard's owned range into its state."""
+    targets, moves = {}, []
+    for chunk in chunks:  # the tied copy too: it steps like the table and is read from it
+        for name, param, shape, spec, tp in sharded_params(chunk):
+            owned = optimizer.owned_state(param)
+            targets[f"optim.{name}.step"] = step = torch.zeros((), dtype=torch.float32)
+            for key in MOMENTS:
+                whole = targets.setdefault(f"optim.{name}.{key}", param.new_empty(shape))
+                if owned is not None:
+                    moves.append((whole, spec, tp, owned, key))
+
+    @torch.no_grad()
+    def finish() -> None:
+        for whole, spec, tp, (slot, st), key in moves:
+            local = whole if spec.dim is None or tp.size == 1 else spec.shard(whole, tp)
+            st[key].copy_(local.reshape(-1)[slot.lo : slot.hi])
+        optimizer.set_step_count(step)
+
+    return targets, finish
