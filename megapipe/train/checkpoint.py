@@ -10,7 +10,10 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         relaxation of the mesh check only. Under pp each rank writes the
                         tensors of its chunks; the tied embedding that the last stage also
                         holds (Megatron's shared word embeddings) is written by stage 0 only
-                        and restored into both copies
+                        and restored into both copies. Under parallel.zero=1 every replica
+                        writes the AdamW moments of the flat ranges it owns, as blocks of the
+                        same logical tensors (train/checkpoint_zero.py), so zero=0 and zero=1
+                        checkpoints are one format
   rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
   meta.json             format, step, mesh (all read by `load`); written last
