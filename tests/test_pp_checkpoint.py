@@ -46,24 +46,6 @@ MESHES = {  # world -> {id: overrides}
 CASES = [pytest.param(w, name, id=f"w{w}-{name}") for w, group in MESHES.items() for name in group]
 
 
-def other_mesh_case(root: str) -> str:
-    import train
-
-    common = ["train.steps=2", "log.progress=false"]
-    train.run(tiny_config([*common, *pp("1f1b", 1), "train.stop_at_step=1"], root))
-    try:
-        train.run(tiny_config([*common, "parallel.dp=2"], root))
-    except checkpoint.CheckpointError as e:
-        return str(e)
-    return "no error"
-
-
-def test_pp_checkpoint_under_another_mesh_is_one_line_error(gloo_pool, tmp_path):
-    for msg in gloo_pool(2).run(other_mesh_case, str(tmp_path)):
-        assert "\n" not in msg
-        assert "mesh pp=2 dp=1 cp=1 tp=1 but this run uses pp=1 dp=2 cp=1 tp=1" in msg
-
-
 def resume_case(overrides: list[str], root: str) -> dict:
     """4 steps straight, then 2 + 2 resumed: the logged losses and validation losses of both."""
     import train

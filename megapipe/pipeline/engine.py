@@ -146,7 +146,9 @@ def build_pipeline(
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)
     reducers = [
-        make_reducer(c, mesh.replica_group, bucket_mb, p.zero) if p.dp * p.cp > 1 else None
+        make_reducer(c, mesh.replica_group, bucket_mb, p.zero, c.tied_table)
+        if p.dp * p.cp > 1
+        else None
         for c in chunks
     ]
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)

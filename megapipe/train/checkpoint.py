@@ -5,9 +5,9 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         logical names (`model.layers.3.attn.qkv.weight`, `optim.<name>.exp_avg`)
                         with their logical shapes: under tp each rank writes the pieces of its
                         shard as a ShardedTensor (offsets from ShardSpec; padding rows dropped;
-                        a replicated kv head and dp/cp replicas written once), and a load reads
-                        each logical tensor whole and shards it, so a later reshard is a
-                        relaxation of the mesh check only. Under pp each rank writes the
+                        a replicated kv head and dp/cp replicas written once). A load asks DCP
+                        for the blocks this rank holds (train/checkpoint_read.py), so a
+                        checkpoint resumes under any mesh. Under pp each rank writes the
                         tensors of its chunks; the tied embedding that the last stage also
                         holds (Megatron's shared word embeddings) is written by stage 0 only
                         and restored into both copies. Under parallel.zero=1 every replica
@@ -43,7 +43,8 @@ from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
-from megapipe.train.checkpoint_zero import load_targets, optimizer_state
+from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
+from megapipe.train.checkpoint_zero import optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
 from models.gpt import GPT
 
@@ -228,47 +229,72 @@ def read_meta(path: str) -> dict:
 
 
 def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
-    """Restore model, optimizer and this rank's RNG from `path`; returns its meta.json."""
+    """Restore model, optimizer and step from `path`, written under any mesh for the same model
+    and global batch; returns its meta.json plus `bytes_read` by this rank. RNG states are
+    restored where the mesh is the one that wrote them (a bitwise resume); on another mesh the
+    ranks keep the streams seeded at start (dropout draws differ from an uninterrupted run)."""
     meta = read_meta(path)
-    saved, current = MeshSizes(**meta["mesh"]), MeshSizes.of(cfg)
-    if saved != current:
-        raise CheckpointError(
-            f"checkpoint '{path}' was written under mesh {saved} but this run uses {current}; "
-            "resume with the same parallel sizes"
-        )
-    zero = isinstance(optimizer, ShardedOptimizer)
-    _load_sharded(path, training_entries(model, None if zero else optimizer))
-    if zero:
-        targets, finish = load_targets(_chunks(model), optimizer)
-        _load_tensors(path, targets)
-        finish()
-    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
-    try:
-        set_rng_states(torch.load(rng_file, weights_only=False), model)
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
-        raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+    saved = _check_resumable(path, cfg)
+    targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
+    meta["bytes_read"] = _read_blocks(path, targets)
+    targets.finish()
+    same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
+        saved.parallel.vpp == cfg.parallel.vpp
+    )
+    if same_mesh:
+        rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
+        try:
+            set_rng_states(torch.load(rng_file, weights_only=False), model)
+        except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
+            raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+    meta["resharded"] = not same_mesh
     return meta
 
 
-@torch.no_grad()
-def _load_sharded(path: str, entries: list[Entry]) -> None:
-    """Read each tp-sharded tensor whole under its logical shape, then keep this rank's shard;
-    a key held twice on this rank (ZB-V: first and last stage, one tied table) is read once."""
-    targets, sharded, firsts, again = {}, [], {}, []
-    for e in entries:
-        if e.key in firsts:
-            again.append(e)
-            continue
-        firsts[e.key] = e.local
-        whole = e.spec.dim is None or e.tp.size == 1
-        targets[e.key] = e.local if whole else e.local.new_empty(e.shape)
-        if not whole:
-            sharded.append(e)
-    _load_tensors(path, targets)
-    for e in sharded:
-        e.local.copy_(e.spec.shard(targets[e.key], e.tp))
-    for e in again:
-        e.local.copy_(firsts[e.key])
+def _check_resumable(path: str, cfg: Config) -> Config:
+    """The config that wrote `path`, if this run may continue it: the same model, tokenizer and
+    global batch (the data position is the step count); any mesh, schedule or zero setting."""
+    try:
+        saved = load_config(os.path.join(path, "config.yaml"))
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint '{path}': {e}") from None
+    pairs = [(f"model.{k}", v, getattr(cfg.model, k)) for k, v in asdict(saved.model).items()]
+    pairs += [
+        ("train.global_batch", saved.train.global_batch, cfg.train.global_batch),
+        ("data.tokenizer", saved.data.tokenizer, cfg.data.tokenizer),
+    ]
+    for key, was, now in pairs:
+        if was != now:
+            raise CheckpointError(
+                f"checkpoint '{path}' was written with {key}={was} but this run has {key}={now}; "
+                f"resume with {key}={was} or start a new run.dir"
+            )
+    return saved
+
+
+def _read_blocks(path: str, targets) -> int:
+    """Read `targets` from `path` (resharding); returns the bytes this rank read."""
+    reader = CountingReader(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                targets.scalars,
+                storage_reader=reader,
+                planner=BlockLoadPlanner(targets.blocks),
+                no_dist=not distributed(),
+            )
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise _corrupt(path, e) from None
+    return reader.bytes_read
+
+
+def _corrupt(path: str, e: BaseException) -> CheckpointError:
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CheckpointError(
+        f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
+        "resume from another one with checkpoint.resume=PATH"
+    )
 
 
 def _load_tensors(path: str, tensors: dict) -> None:
@@ -277,11 +303,7 @@ def _load_tensors(path: str, tensors: dict) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(tensors, checkpoint_id=path, no_dist=not distributed())
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
-            "resume from another one with checkpoint.resume=PATH"
-        ) from None
+        raise _corrupt(path, e) from None
 
 
 def load_for_inference(path: str):

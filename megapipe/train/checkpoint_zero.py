@@ -6,8 +6,8 @@ that range is at most three rectangles of the local tensor: the tail of a first 
 the head of a last row. Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding
 rows dropped, a replicated kv head written by its first holder), is a block of the logical
 tensor at known offsets, so every rank writes only the moments it steps, as a ShardedTensor over
-the ranks holding this pipeline stage (dp × cp × tp). A load reads each logical moment whole,
-keeps this rank's tp shard, and takes its owned range.
+the ranks holding this pipeline stage (dp × cp × tp). A load asks for the same blocks
+(train/checkpoint_read.py), from a checkpoint written under any mesh and either zero setting.
 """
 
 from __future__ import annotations
@@ -48,22 +48,29 @@ def flat_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[list, list, int]]:
 
 
 def logical_pieces(
-    data: torch.Tensor, shape: tuple, lo: int, hi: int, spec: ShardSpec, tp: TPInfo
+    data: torch.Tensor,
+    shape: tuple,
+    lo: int,
+    hi: int,
+    spec: ShardSpec,
+    tp: TPInfo,
+    every_holder: bool = False,
 ) -> list[tuple[list, torch.Tensor]]:
-    """(logical offsets, block) for the elements [lo, hi) of a local tensor of `shape` whose
-    values are `data` (1-D, hi − lo long) that this rank writes."""
+    """(logical offsets, block: a view of `data`) for the elements [lo, hi) of a local tensor
+    of `shape` whose values are `data` (1-D, hi − lo long): the blocks this rank writes (tp
+    replicas and replicated kv heads once), or with `every_holder` all it holds (to read)."""
     out = []
     for offsets, sizes, start in flat_blocks(shape, lo, hi):
         block = data[start : start + math.prod(sizes)].view(sizes)
         if spec.dim is None or tp.size == 1:
-            if spec.dim is None and tp.rank:  # tp replicas: rank 0 writes
+            if spec.dim is None and tp.rank and not every_holder:  # tp replicas: rank 0
                 continue
             out.append((offsets, block))
             continue
         for piece in spec.pieces(tp.size, tp.rank):
             a = max(offsets[spec.dim], piece.local_lo)
             b = min(offsets[spec.dim] + sizes[spec.dim], piece.local_lo + piece.length)
-            if piece.owner and a < b:
+            if (piece.owner or every_holder) and a < b:
                 at = list(offsets)
                 at[spec.dim] = piece.global_lo + a - piece.local_lo
                 out.append((at, block.narrow(spec.dim, a - offsets[spec.dim], b - a)))
@@ -107,26 +114,3 @@ def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer
         if writer:
             state[f"optim.{name}.step"] = optimizer.step_count()
     return state
-
-
-def load_targets(chunks: list[nn.Module], optimizer: ShardedOptimizer):
-    """({key: tensor to read into}, finish): moments read whole under their logical shape;
-    `finish()` then copies this rank's tp shard's owned range into its state."""
-    targets, moves = {}, []
-    for chunk in chunks:  # the tied copy too: it steps like the table and is read from it
-        for name, param, shape, spec, tp in sharded_params(chunk):
-            owned = optimizer.owned_state(param)
-            targets[f"optim.{name}.step"] = step = torch.zeros((), dtype=torch.float32)
-            for key in MOMENTS:
-                whole = targets.setdefault(f"optim.{name}.{key}", param.new_empty(shape))
-                if owned is not None:
-                    moves.append((whole, spec, tp, owned, key))
-
-    @torch.no_grad()
-    def finish() -> None:
-        for whole, spec, tp, (slot, st), key in moves:
-            local = whole if spec.dim is None or tp.size == 1 else spec.shard(whole, tp)
-            st[key].copy_(local.reshape(-1)[slot.lo : slot.hi])
-        optimizer.set_step_count(step)
-
-    return targets, finish

@@ -14,6 +14,7 @@ from megapipe.config.flops import flops_per_token
 from megapipe.data.blend import BlendData, BlendTokens
 from megapipe.data.loader import build_data
 from megapipe.distributed.launch import distributed, init_distributed, is_rank0
+from megapipe.distributed.mesh import MeshSizes
 from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.evaluate import evaluate_datasets
@@ -63,7 +64,14 @@ def _run(cfg: Config, mesh) -> list[dict]:
     start = 0
     resume = checkpoint.resume_path(cfg)
     if resume is not None:
-        start = checkpoint.load(resume, cfg, job.model, optimizer)["step"]
+        meta = checkpoint.load(resume, cfg, job.model, optimizer)
+        start = meta["step"]
+        if meta["resharded"]:
+            _say(
+                f"resumed step {start} from {resume}, written under mesh "
+                f"{MeshSizes(**meta['mesh'])}: resharded to {MeshSizes.of(cfg)} "
+                "(RNG streams restart from train.seed)"
+            )
     last = cfg.train.stop_at_step or cfg.train.steps
     if start >= last:
         _say(

@@ -48,18 +48,16 @@ class GradReducer:
     model: nn.Module
     group: object
     bucket_mb: float = DEFAULT_BUCKET_MB
+    own_bucket: tuple = ()  # parameters that get a bucket of their own
     buckets: list[Bucket] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.syncing, self.next_launch = True, 0
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
-        self.buckets = [Bucket(b) for b in pack(params, self.bucket_mb * 2**20, self.alone())]
+        alone = {id(p) for p in self.own_bucket}
+        self.buckets = [Bucket(b) for b in pack(params, self.bucket_mb * 2**20, alone)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
-
-    def alone(self) -> set[int]:
-        """ids of parameters that get a bucket of their own (none here)."""
-        return set()
 
     @contextlib.contextmanager
     def no_sync(self):

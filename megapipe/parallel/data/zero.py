@@ -13,7 +13,8 @@ last backward runs. `finish()` leaves each parameter's full-size `.grad` holding
 gradient on this rank's shard and zeros elsewhere. The later sums over other axes are linear and
 elementwise (tp partial grads, the tied embedding's two copies), and they line up shard for
 shard because the bucket layouts agree across the ranks they sum over: tp ranks hold local
-tensors of equal shapes, and the tied table sits in a bucket of its own on both of its holders.
+tensors of equal shapes, and under pp the tied table sits in a bucket of its own on both of its
+holders.
 The zeros also make the squared-norm sum over every rank count each element once.
 """
 
@@ -36,9 +37,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _EMPTY = torch.zeros(0)
 
 
-def make_reducer(model: nn.Module, group, bucket_mb: float, zero: int) -> GradReducer:
-    """The dp × cp gradient reducer for `model`: sharded for the distributed optimizer."""
-    return (ShardedGradReducer if zero else GradReducer)(model, group, bucket_mb)
+def make_reducer(
+    model: nn.Module, group, bucket_mb: float, zero: int, shared: nn.Parameter | None = None
+) -> GradReducer:
+    """The dp × cp gradient reducer for `model`: sharded for the distributed optimizer, where
+    `shared` (a pipeline stage's copy of the tied table, whose grad is summed with another
+    stage's after the reduction) gets a bucket of its own so both copies shard alike."""
+    if not zero:
+        return GradReducer(model, group, bucket_mb)
+    return ShardedGradReducer(
+        model, group, bucket_mb, own_bucket=(shared,) if shared is not None else ()
+    )
 
 
 @dataclass(frozen=True)
@@ -61,10 +70,6 @@ class ShardedGradReducer(GradReducer):
         self.size = dist.get_world_size(self.group)
         self.index = dist.get_rank(self.group)
         self.slots = [self._slots(b) for b in self.buckets]
-
-    def alone(self) -> set[int]:
-        table = getattr(self.model, "tied_table", None)
-        return {id(table)} if table is not None else set()
 
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's [lo, hi) of the bucket's padded flat index space."""

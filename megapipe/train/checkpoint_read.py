@@ -1,0 +1,140 @@
+"""Reading a checkpoint into any mesh: each rank asks DCP for exactly the logical blocks it holds.
+
+A checkpoint stores every tensor under its logical name and shape, as the chunks its writers
+held (train/checkpoint.py). A reader describes what it holds the same way, as blocks of the
+logical tensor at offsets (a tp shard's pieces, ShardSpec; a zero=1 rank's owned flat ranges,
+train/checkpoint_zero.py), each a view of the tensor it fills. DCP's resharding read
+(`create_read_items_for_chunk_list`) then plans, per block, the overlapping saved chunks, and
+the file reader copies each overlap straight into the view: no logical tensor is assembled
+whole, whatever mesh wrote the checkpoint (Megatron-Core dist_checkpointing and torchtitan
+reshard the same way). What a rank reads from disk is the saved chunks that overlap its blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.tensor.layers import sharded_params
+from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces
+
+Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
+
+
+def tp_blocks(local: torch.Tensor, shape: tuple, spec: ShardSpec, tp: TPInfo) -> list:
+    """The logical blocks a tp rank's local tensor holds (padding rows excluded, replicated
+    pieces included: every holder needs them)."""
+    if spec.dim is None or tp.size == 1:
+        return [([0] * len(shape), local)]
+    out = []
+    for piece in spec.pieces(tp.size, tp.rank):
+        if piece.length:
+            offsets = [0] * len(shape)
+            offsets[spec.dim] = piece.global_lo
+            out.append((offsets, local.narrow(spec.dim, piece.local_lo, piece.length)))
+    return out
+
+
+class Targets:
+    """What this rank reads: `blocks` of logical tensors, whole `scalars` (AdamW step counts),
+    and `finish()` for what is set from them after the read."""
+
+    def __init__(self) -> None:
+        self.blocks: Blocks = {}
+        self.scalars: dict[str, torch.Tensor] = {}
+        self.after: list = []
+
+    def add(self, key: str, blocks: list) -> None:
+        self.blocks.setdefault(key, []).extend(blocks)
+
+    def scalar(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """The tensor `key` is read into (one per key: a second holder copies it after)."""
+        if key not in self.scalars:
+            self.scalars[key] = like
+        elif self.scalars[key] is not like:
+            self.after.append(lambda: like.copy_(self.scalars[key]))
+        return self.scalars[key]
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for fn in self.after:
+                fn()
+
+
+def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
+    """Every block of weights and optimizer state this rank holds, for either optimizer:
+    AdamW's moments are blocks like their parameter's (zero=0, `ensure_state(param)` gives the
+    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table."""
+    t = Targets()
+    zero = isinstance(optimizer, ShardedOptimizer)
+    for chunk in chunks:
+        for name, param, shape, spec, tp in sharded_params(chunk):
+            t.add(f"model.{name}", tp_blocks(param.data, shape, spec, tp))
+            if optimizer is None:
+                continue
+            if zero:
+                _zero_state(t, name, param, shape, spec, tp, optimizer)
+                continue
+            for key, value in ensure_state(param).items():
+                if value.shape == param.shape:
+                    t.add(f"optim.{name}.{key}", tp_blocks(value, shape, spec, tp))
+                else:
+                    t.scalar(f"optim.{name}.{key}", value)
+    return t
+
+
+def _zero_state(t: Targets, name, param, shape, spec, tp, optimizer: ShardedOptimizer) -> None:
+    owned = optimizer.owned_state(param)
+    step = t.scalar(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
+    t.after.append(lambda: optimizer.set_step_count(step))
+    if owned is None:
+        return
+    slot, state = owned
+    for key in MOMENTS:
+        local = tuple(param.shape)
+        t.add(
+            f"optim.{name}.{key}",
+            logical_pieces(state[key], local, slot.lo, slot.hi, spec, tp, every_holder=True),
+        )
+
+
+class BlockLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner for the scalars, plus a resharding read of every block."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        for key, blocks in self.blocks.items():
+            saved = self.metadata.state_dict_metadata.get(key)
+            if saved is None:
+                raise KeyError(f"the checkpoint has no tensor {key}")
+            chunks = [ChunkStorageMetadata(torch.Size(o), b.shape) for o, b in blocks]
+            items += create_read_items_for_chunk_list(key, saved, chunks)
+        self.plan = LoadPlan(items, plan.storage_data, plan.planner_data)
+        return self.plan
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        if index.fqn in self.blocks:
+            return self.blocks[index.fqn][index.index][1]
+        return super().lookup_tensor(index)
+
+
+class CountingReader(FileSystemReader):
+    """FileSystemReader that adds up the bytes of saved chunks it reads (`bytes_read`)."""
+
+    bytes_read = 0
+
+    def read_data(self, plan: LoadPlan, planner):
+        self.bytes_read += sum(self.storage_data[r.storage_index].length for r in plan.items)
+        return super().read_data(plan, planner)
