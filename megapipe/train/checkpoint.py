@@ -16,9 +16,11 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         checkpoints are one format
   rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
-  meta.json             format, step, mesh (all read by `load`); written last
-A checkpoint is written under `step_N.tmp` and renamed when complete, so a crash never leaves a
-half-written `step_N`, and older checkpoints are pruned only after the new one exists.
+  meta.json             format, step, mesh, and every file's bytes and CRC-32 (read back by
+                        its writer after fsync); written last (train/checkpoint_files.py)
+A checkpoint is written under `step_N.tmp` and renamed when every rank's files are on disk and
+rank 0 sees them all, so a crash never leaves a half-written `step_N`; older checkpoints are
+pruned only after the new one is in place. A resume verifies sizes and checksums first.
 """
 
 from __future__ import annotations
@@ -43,12 +45,21 @@ from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.checkpoint_files import (
+    FilesError,
+    agreed_problem,
+    check_shared,
+    gather_records,
+    missing,
+    record,
+)
 from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
 from megapipe.train.checkpoint_zero import optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
 from models.gpt import GPT
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json records every file's size and CRC-32
+READABLE = (1, 2)
 
 
 class CheckpointError(RuntimeError):
@@ -163,16 +174,32 @@ def save(cfg: Config, step: int, model: nn.Module, optimizer) -> str:
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
         dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
     torch.save(rng_states(model), os.path.join(tmp, f"rng_rank{rank()}.pt"))
-    barrier()
+    files = gather_records(tmp)  # every rank's files, fsynced and checksummed by their writer
     if rank() == 0:
-        write_config(cfg, os.path.join(tmp, "config.yaml"))
-        meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
-        _write_json(os.path.join(tmp, "meta.json"), meta)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _prune(root, cfg.checkpoint.keep)
+        _finish(cfg, step, tmp, final, files)
     barrier()
     return final
+
+
+def _finish(cfg: Config, step: int, tmp: str, final: str, files: dict) -> None:
+    """Rank 0, once every rank's files are on disk: check it sees them all, record them in
+    meta.json (last), move the checkpoint into place and only then prune older ones."""
+    lost = missing(tmp, files)
+    if lost:
+        raise CheckpointError(
+            f"checkpoint '{final}' is incomplete: {lost} as seen from rank 0; checkpoints "
+            "need a filesystem shared by all nodes: set checkpoint.dir to a path on one"
+        )
+    write_config(cfg, os.path.join(tmp, "config.yaml"))
+    files["config.yaml"] = record(os.path.join(tmp, "config.yaml"))
+    meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
+    _write_json(os.path.join(tmp, "meta.json"), {**meta, "files": files})
+    if os.path.exists(final):  # the same step saved again: the old copy goes only after
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    _prune(os.path.dirname(final), cfg.checkpoint.keep)
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -194,19 +221,57 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def check_shared_dir(cfg: Config) -> None:
+    """At start-up: every rank sees the same checkpoint directory, else a one-line error."""
+    root = checkpoint_root(cfg)
+    os.makedirs(root, exist_ok=True)
+    try:
+        check_shared(root)
+    except FilesError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def resume_path(cfg: Config) -> str | None:
-    """The checkpoint to resume from: `auto` takes the newest, `none` nothing, else the path."""
+    """The checkpoint to resume from, verified (sizes and checksums of every file, the reading
+    split over the ranks): `auto` takes the newest intact one and says which it skipped and
+    why, `none` nothing, else the given path, which must verify."""
     resume = cfg.checkpoint.resume
     if resume == "none":
         return None
     if resume == "auto":
         found = complete_checkpoints(checkpoint_root(cfg))
-        return found[-1] if found else None
+        for path in reversed(found):
+            reason = _unverified(path)
+            if reason is None:
+                return path
+            if rank() == 0:
+                print(f"checkpoint: skipping {path}: {reason}", flush=True)
+        if found:
+            raise CheckpointError(
+                f"no intact checkpoint under '{checkpoint_root(cfg)}' ({len(found)} failed "
+                "verification); set checkpoint.resume=none to start over"
+            )
+        return None
     if not os.path.isdir(resume):
         raise CheckpointError(
             f"checkpoint.resume='{resume}' not found; give an existing step_* dir, auto or none"
         )
+    reason = _unverified(resume)
+    if reason is not None:
+        raise CheckpointError(
+            f"checkpoint '{resume}' failed verification: {reason}; resume from another one "
+            "with checkpoint.resume=PATH"
+        )
     return resume
+
+
+def _unverified(path: str) -> str | None:
+    """Why `path` cannot be trusted (its meta.json, or a file of it), or None."""
+    try:
+        meta = read_meta(path)
+    except CheckpointError:
+        return "meta.json is corrupt or of an unknown format"
+    return agreed_problem(path, meta.get("files", {}))
 
 
 def read_meta(path: str) -> dict:
@@ -220,7 +285,7 @@ def read_meta(path: str) -> dict:
             f"checkpoint '{path}' is incomplete or corrupt (meta.json: {type(e).__name__}); "
             "resume from another one with checkpoint.resume=PATH"
         ) from None
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in READABLE:
         raise CheckpointError(
             f"checkpoint '{path}' has format {meta.get('format')!r}; this megapipe reads format "
             f"{FORMAT_VERSION}: resume with the version that wrote it"

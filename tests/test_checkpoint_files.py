@@ -1,0 +1,129 @@
+"""Checkpoint files: recorded with sizes and checksums, verified on resume (a truncated or
+corrupted newest checkpoint is skipped by `auto`, refused when named), and a checkpoint
+directory that is not shared by every rank is refused before the first step."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import train
+from megapipe.train import checkpoint
+from megapipe.train.checkpoint import CheckpointError
+from tests.conftest import ROOT, TINY
+from tests.parity import tiny_config
+
+BASE = ["train.steps=4", "log.progress=false", "checkpoint.interval=1", "checkpoint.keep=5"]
+
+
+def _run(run_dir, *extra):
+    return train.run(tiny_config([*BASE, *extra], str(run_dir)))
+
+
+def _flip_a_byte(path: str) -> None:
+    """Silent corruption: one byte of a tensor file changed, its size unchanged."""
+    name = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(os.path.getsize(os.path.join(path, name)) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _truncate(path: str) -> None:
+    name = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.truncate(64)
+
+
+def test_meta_records_every_file_with_size_and_checksum(tmp_path):
+    _run(tmp_path, "train.stop_at_step=1")
+    (path,) = checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))
+    files = json.load(open(os.path.join(path, "meta.json")))["files"]
+    on_disk = {f for f in os.listdir(path) if f != "meta.json"}
+    assert set(files) == on_disk
+    for name, rec in files.items():
+        assert rec["bytes"] == os.path.getsize(os.path.join(path, name))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_byte], ids=["truncated", "flipped"])
+def test_auto_skips_a_damaged_newest_checkpoint_with_one_line(tmp_path, capsys, damage):
+    straight = [r["loss"] for r in _run(tmp_path / "straight", "checkpoint.interval=0")]
+    _run(tmp_path / "run", "train.stop_at_step=3")
+    saved = checkpoint.complete_checkpoints(str(tmp_path / "run" / "checkpoints"))
+    damage(saved[-1])  # step 3 damaged: step 2 is the newest intact one
+    capsys.readouterr()
+    resumed = _run(tmp_path / "run")
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
+    assert len(said) == 1 and saved[-1] in said[0], said
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == straight[2:]  # bitwise: same mesh, from step 2
+    assert os.path.isdir(saved[0])  # nothing saved before was deleted by the failure
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_a_byte], ids=["truncated", "flipped"])
+def test_named_damaged_checkpoint_is_one_line_error(tmp_path, damage):
+    _run(tmp_path, "train.stop_at_step=2")
+    path = checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))[-1]
+    damage(path)
+    with pytest.raises(CheckpointError, match="failed verification") as err:
+        _run(tmp_path, f"checkpoint.resume={path}")
+    assert "\n" not in str(err.value)
+    assert os.path.isdir(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path, shared: bool, extra=()) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents on localhost (c10d rendezvous), one rank each, each started in its
+    own working directory; the checkpoint dir is relative (node-local) unless `shared`."""
+    port, procs = _free_port(), []
+    ckpt = str(tmp_path / "shared") if shared else "ckpt"
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"
+        cwd.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+            f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=files", f"{ROOT}/train.py", "--config", TINY, "--parallel.dp=2",
+            "--train.steps=2", "--train.stop_at_step=1", "--log.progress=false",
+            f"--run.dir={tmp_path}/run{node}", f"--checkpoint.dir={ckpt}", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))  # fmt: skip
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.spawn
+def test_node_local_checkpoint_dirs_are_refused_before_the_first_step(tmp_path):
+    done = _two_nodes(tmp_path, shared=False)
+    for node, d in enumerate(done):
+        assert d.returncode != 0, f"node {node} exited 0"
+        assert "not the same directory on every rank" in d.stdout + d.stderr
+        assert not (tmp_path / f"run{node}" / "metrics.jsonl").exists()  # no step ran
+    assert not any("Traceback" in d.stdout for d in done)
+
+
+@pytest.mark.spawn
+def test_shared_checkpoint_dir_saves_and_resumes_on_two_nodes(tmp_path):
+    first = _two_nodes(tmp_path, shared=True)
+    assert [d.returncode for d in first] == [0, 0], first[0].stderr[-2000:]
+    (path,) = checkpoint.complete_checkpoints(str(tmp_path / "shared"))
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    assert {"rng_rank0.pt", "rng_rank1.pt"} <= set(meta["files"])
+    second = _two_nodes(tmp_path, True, ["--train.stop_at_step=0"])
+    assert [d.returncode for d in second] == [0, 0], second[0].stderr[-2000:]
+    logged = (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in logged] == [1, 2]
