@@ -65,7 +65,12 @@ def apply_override(cfg: Config, item: str) -> None:
     _set(cfg, section, key, value, f"override '{item}'")
 
 
+# spellings a key may also be given under (`async` is a Python keyword, so no field's name)
+ALIASES = {("checkpoint", "async"): "async_save"}
+
+
 def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    key = ALIASES.get((section, key), key)
     if section not in SECTIONS:
         raise ConfigError(f"{source}: unknown section '{section}'; known: {_known(SECTIONS)}")
     sub = getattr(cfg, section)

@@ -143,7 +143,7 @@ def _sharded(e: Entry):
     return ShardedTensor._init_from_local_shards(shards, *e.shape, process_group=e.tp.group)
 
 
-def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
+def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
     ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written.
@@ -164,16 +164,28 @@ def _save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
 
 def save(cfg: Config, step: int, model: nn.Module, optimizer) -> str:
     """Write checkpoint `step` atomically and prune old ones; returns its directory."""
+    tmp, final = begin(cfg, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
+        dcp.save(save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
+    return complete(cfg, step, tmp, final, rng_states(model))
+
+
+def begin(cfg: Config, step: int) -> tuple[str, str]:
+    """(temporary, final) directory of checkpoint `step`; the temporary one made empty."""
     root = checkpoint_root(cfg)
     final, tmp = step_dir(root, step), step_dir(root, step) + ".tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
-        dcp.save(_save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
-    torch.save(rng_states(model), os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    return tmp, final
+
+
+def complete(cfg: Config, step: int, tmp: str, final: str, rng: dict) -> str:
+    """After the tensors are written (on every rank): this rank's RNG states, every rank's
+    files recorded, and rank 0 puts the checkpoint in place."""
+    torch.save(rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
     files = gather_records(tmp)  # every rank's files, fsynced and checksummed by their writer
     if rank() == 0:
         _finish(cfg, step, tmp, final, files)
