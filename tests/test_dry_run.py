@@ -1,6 +1,7 @@
 """`train.py --dry-run` reports what training does: the partition training builds its chunks from
 (config/stages.py `rank_blocks`), the microbatches each schedule keeps in flight (as the papers
-state them) and Korthikanti et al. 2022's activation memory. No process groups: quick tier.
+state them), the state bytes per parameter (parallel.zero) and the activations our model saves
+(train/memory.py; tests/test_memory_model.py measures them). No process groups: quick tier.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from tests.conftest import TINY
 
 RANK_LINE = re.compile(
     r"^pp=(\d+) tp=(\d+): ([\d,]+) parameters, (\d+) layers \(chunks: ([^)]*)\); "
-    r"memory weights\+grads\+AdamW ([\d.]+) MiB, activations ~([\d.]+) MiB per microbatch, "
+    r"weights ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer ([\d.]+) MiB \(zero=(\d); states "
+    r"([^)]*)\), activations ~([\d.]+) MiB per microbatch, "
     r"peak in flight ([\d.]+) microbatches -> peak ~([\d.]+) MiB$",
     re.M,
 )
+MAX_LINE = re.compile(r"^max peak ~([\d.]+) MiB on pp=(\d+) tp=(\d+) ", re.M)
 MIB = 2**20
 
 
@@ -32,7 +35,8 @@ def dry_run(capsys, tmp_path, *overrides: str) -> tuple[str, list[dict]]:
     ranks = [
         {"pp": int(m[1]), "tp": int(m[2]), "params": int(m[3].replace(",", "")),
          "layers": int(m[4]), "chunks": m[5].split(" | "), "weights": float(m[6]),
-         "acts": float(m[7]), "inflight": float(m[8]), "peak": float(m[9])}
+         "grads": float(m[7]), "optimizer": float(m[8]), "zero": int(m[9]), "layout": m[10],
+         "acts": float(m[11]), "inflight": float(m[12]), "peak": float(m[13])}
         for m in RANK_LINE.finditer(out)
     ]  # fmt: skip
     return out, ranks
@@ -133,34 +137,61 @@ def test_peak_in_flight_follows_the_schedule(capsys, tmp_path):
     assert peaks(capsys, tmp_path, "gpipe", 1, m) == [1]
 
 
-def test_memory_is_korthikanti_times_in_flight(capsys, tmp_path):
-    _, ranks = dry_run(
-        capsys,
-        tmp_path,
+def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_path):
+    args = (
         "--parallel.pp=4",
         "--model.n_layers=4",
         "--parallel.microbatches=8",
         "--model.d_model=64",
     )
-    cfg = config(tmp_path, "--model.d_model=64")
+    out, ranks = dry_run(capsys, tmp_path, *args)
+    cfg = config(tmp_path, *args)
     m = cfg.model
-    s, b, h, a = m.seq_len, cfg.train.global_batch // 8, m.d_model, m.n_heads
-    # Korthikanti et al. 2022 eq. 1 (no tp, no recompute), 16-bit; train.dtype float32 doubles it
-    per_layer = s * b * h * (34 + 5 * a * s / h) * 2
+    s, b, d, a, v = m.seq_len, cfg.train.global_batch // 8, m.d_model, m.n_heads, m.vocab_size
+    n, ff = s * b, 4 * d  # tokens of a microbatch, GELU MLP width
+    # What the gpt2 float32 model saves (config/memory.py), not Korthikanti et al.'s 16-bit
+    # s·b·h·(34 + 5·a·s/h): per layer the inputs of norm1, norm2 (d each) with their mean and
+    # rstd (2 each), of qkv and fc1 (d each), q|k|v (3d), the attention output = proj input (d),
+    # the GELU input and fc2 input (d_ff each), all float32; the fused kernel's log-sum-exp
+    layer = 4 * n * (d + 2 + d + 3 * d + d + d + 2 + d + ff + ff) + 4 * b * a * s
+    embed = 8 * n  # token ids
+    head = 4 * n * (d + 2) + 4 * n * d + 4 * n * v + 8 * n  # norm, head input, log-probs, targets
+    expected = {0: embed + layer, 1: layer, 2: layer, 3: layer + head}  # E,t | t | t | t,L
     for r in ranks:
-        assert r["acts"] == pytest.approx(r["layers"] * per_layer / MIB, abs=0.006)
-        assert r["weights"] == pytest.approx(r["params"] * 16 / MIB, abs=0.006)
-        peak = r["params"] * 16 + r["layers"] * per_layer * r["inflight"]
+        assert r["layout"] == "16 B/param" and r["zero"] == 0
+        assert r["weights"] == r["grads"] == pytest.approx(r["params"] * 4 / MIB, abs=0.006)
+        assert r["optimizer"] == pytest.approx(r["params"] * 8 / MIB, abs=0.006)
+        assert r["acts"] == pytest.approx(expected[r["pp"]] / MIB, abs=0.006)
+        peak = r["params"] * 16 + expected[r["pp"]] * r["inflight"]
         assert r["peak"] == pytest.approx(peak / MIB, abs=0.006)
-    assert ranks[0]["peak"] > ranks[-1]["peak"]  # 1F1B: rank 0 holds the most
+    assert [r["inflight"] for r in ranks] == [4, 3, 2, 1]
+    top = max(ranks, key=lambda r: r["peak"])
+    assert top["pp"] == 0  # 1F1B: rank 0 holds the most
+    (line,) = MAX_LINE.findall(out)
+    assert (float(line[0]), int(line[1]), int(line[2])) == (top["peak"], top["pp"], top["tp"])
+
+
+def test_zero1_shards_the_optimizer_over_dp_cp(capsys, tmp_path):
+    _, plain = dry_run(capsys, tmp_path, "--parallel.dp=2", "--model.d_model=256")
+    _, zero = dry_run(
+        capsys, tmp_path, "--parallel.dp=2", "--model.d_model=256", "--parallel.zero=1"
+    )
+    _, alone = dry_run(capsys, tmp_path, "--model.d_model=256", "--parallel.zero=1")
+    assert zero[0]["layout"] == "8 + 8/d B/param, d=2" and zero[0]["zero"] == 1
+    assert zero[0]["optimizer"] == pytest.approx(plain[0]["optimizer"] / 2, abs=0.006)
+    assert zero[0]["weights"] == plain[0]["weights"] and zero[0]["grads"] == plain[0]["grads"]
+    assert zero[0]["peak"] == pytest.approx(plain[0]["peak"] - plain[0]["optimizer"] / 2, abs=0.01)
+    # dp·cp = 1: nothing to shard, the whole state as zero=0
+    assert alone[0]["layout"].startswith("16 B/param, nothing to shard")
+    assert alone[0]["optimizer"] == plain[0]["optimizer"]
 
 
 def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
-    """Chunks of one rank with different layer counts: the peak is the most activation bytes
-    live at once, counted here microbatch by microbatch from the simulated action times."""
-    from megapipe.config.memory import activation_bytes_per_layer
+    """Chunks of one rank with different blocks: the peak is the most activation bytes live at
+    once, counted here microbatch by microbatch from the simulated action times."""
     from megapipe.config.stages import placement_of, schedule_of
     from megapipe.plan.simulate import Costs, simulate
+    from megapipe.train.memory import chunk_activations
 
     args = (
         "--model.n_layers=6",
@@ -169,18 +200,18 @@ def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
         "--parallel.schedule=interleaved_1f1b",
         "--parallel.microbatches=4",
         "--parallel.balance=E,t*3|t|t|t,L",
-    )  # rank 0 holds 3 + 1 layers, rank 1 1 + 1
+    )  # rank 0 holds E + 3 layers and 1 layer, rank 1 1 layer and 1 layer + the head
     _, ranks = dry_run(capsys, tmp_path, *args)
     cfg = config(tmp_path, *args)
-    per_layer = activation_bytes_per_layer(cfg)
     timeline = simulate(schedule_of(cfg), Costs(), placement_of(cfg)).timeline
     for r in ranks:
-        layers = [layers_in(b, 6) for b in rank_blocks(cfg, r["pp"])]
+        held = [chunk_activations(cfg, b) for b in rank_blocks(cfg, r["pp"])]
+        assert held[0] != held[1]
         events = sorted(
             (
                 end if a.kind == "BW" else start,
                 a.kind == "F",
-                layers[a.chunk] * per_layer * (1 if a.kind == "F" else -1),
+                held[a.chunk] * (1 if a.kind == "F" else -1),
             )
             for rank, a, start, end in timeline
             if rank == r["pp"]

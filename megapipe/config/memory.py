@@ -1,46 +1,310 @@
-"""Memory arithmetic on the config: bytes of model state per parameter and of the activations one
-transformer layer keeps for backward (Korthikanti et al. 2022), for `--dry-run`'s estimate.
+"""Memory arithmetic on the config: bytes of model state per parameter and of the activations our
+model saves for backward, block by block, for one microbatch (or Seq1F1B segment) on one rank.
 
-Pure arithmetic (no torch): how many microbatches are in flight is the schedule's business
-(plan/simulate.py's `peak_inflight`); this module says what one of them costs.
+Pure arithmetic (no torch): which chunks a rank holds is the partition's (config/stages.py), how
+many microbatches it holds at once the schedule's; train/memory.py puts them together per rank.
+
+Activations follow the structure of Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", §4, eqs. 1-3): per layer, a sum over the ops of the tensors each
+keeps for backward, the norm/dropout region divided by tp under sequence parallelism (§4.2.2),
+only the layer input kept under full recompute, the attention core's tensors dropped under
+selective recompute (§5). The terms are not the paper's 16-bit, dropout-mask, s²-score figure
+but what *this* model's ops save (models/gpt.py, models/attention.py, parallel/tensor/*,
+parallel/context/ring.py, as torch's autograd saves them), each as elements × bytes, one
+storage counted once however many saved tensors view it (tests/test_memory_model.py measures
+every term with saved_tensors_hooks):
+
+  N = b·q tokens (b = micro_batch_size, q = seq_len/cp, or a Seq1F1B segment's length),
+  Nₛ = N/tp under sequence parallelism (else N), H, Hkv, d_ff: this tp rank's share,
+  c = bytes of the compute dtype (2 under bfloat16 autocast, else 4); the residual stream,
+  norms, log-sum-exp and loss are float32 (4 B) whatever train.dtype is (fp32 master weights).
+
+  layer   norm1, norm2 input        2 · Nₛ·d·4
+          LayerNorm mean + rstd     2 · 2·Nₛ·4        (RMSNorm: rstd Nₛ·4 and the
+                                                       normalised x, Nₛ·d·4, kept by ·weight)
+          qkv, fc1 linear inputs    2 · N·d·c         (gathered over tp under SP)
+          attention inputs          q|k|v, N·(H+2·Hkv)·hd·c (the fused qkv output: SDPA's
+                                    q, k, v are views of it; ring attention and selective
+                                    recompute keep as much); RoPE adds its rotated q and k,
+                                    N·(H+Hkv)·hd·c, and cos, sin 2·q·hd·4
+          attention core            fused kernel (flash / memory-efficient / CPU flash): the
+                                    log-sum-exp b·H·q·4, its output is the proj input; ring
+                                    attention (cp > 1): log-sum-exp + its own output N·H·hd·c
+                                    (the proj input is a copy); math (no fused kernel fits):
+                                    q·√scale, k·√scale, v copies N·H·hd·cₘ each (k, v expanded
+                                    to H heads), probabilities b·H·q·s·cₘ and, with dropout, its
+                                    mask and the dropped probabilities, where cₘ is 4 on the
+                                    CPU (it upcasts) and c on CUDA; selective keeps none
+          proj, fc2 linear inputs   N·H·hd·c + N·d_ff·c
+          GELU input                N·d_ff·c          (SwiGLU: fc1's 2·N·d_ff·c output and
+                                                       silu(gate), N·d_ff·c)
+          residual dropout masks    2 · Nₛ·d·mask     (dropout > 0; mask 1 B on CUDA, where
+                                                       native_dropout keeps a bool mask; on
+                                                       the CPU the noise tensor, in the
+                                                       dtype of what is dropped)
+          bf16 weight copies        2 · the layer's linear weights (autocast's casts, saved by
+                                    the linears; float32 saves the parameter itself: nothing)
+          full recompute: only the layer input, Nₛ·d·4. Residual adds save nothing.
+  embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
+  head    final norm as above, the LM head input N·d·c (and under bf16 the head weight's copy,
+          V/tp·d·2), the loss's float32 log-probabilities (tp > 1: softmax) N·V/tp·4, the
+          targets N·8 (tp > 1: the local targets N·8 and their mask N·1).
+  Seq1F1B segment i ending at e_i (s = e_i keys): the core also keeps cat(earlier K/V, own),
+          2·b·Hkv·e_i·hd·c, and on the CPU the causal mask q·e_i·c; the segment store
+          (parallel/autograd/segment_kv.py) holds each segment's k, v, i.e. its qkv output
+          (and RoPE's k), counted where nothing saved them (full recompute, math path).
+  B/W split (Zero Bubble): from B to W a layer keeps its linears' inputs and output grads
+          (layer_deferred, head_deferred); the rest goes at B.
+
+Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
+rank), the loss's scalars, bucket padding. The logits themselves are not kept (their float32
+log-softmax is). The fused kernels' workspace, the recompute's transient layer, grads in flight
+and Seq1F1B's K/V grads waiting for the earlier segment's backward are not saved tensors.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+from megapipe.config.flops import segment_bounds
 from megapipe.config.schema import Config
 
-# Training keeps float32 master weights whatever train.dtype is (autocast computes in bf16):
-# weight 4 + grad 4 + AdamW exp_avg 4 + exp_avg_sq 4 bytes per parameter.
-BYTES_PER_PARAM = 16
+FLOAT32 = 4  # float32 master weights, their grads, and the residual stream (bf16 is autocast)
+WEIGHT_BYTES = GRAD_BYTES = FLOAT32
+ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq per parameter (float32)
+INDEX = 8  # int64 token ids and targets
 
 
-def activation_bytes_per_layer(cfg: Config, mode: str | None = None) -> float:
-    """Activations kept for backward by one layer for one microbatch on one tp rank.
-
-    Korthikanti et al. 2022, eqs. 1-3, at 16-bit: s·b·h·(34 + 5·a·s/h) with no parallelism,
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) with tp = t, s·b·h·(34/t + 5·a·s/(h·t)) with SP too.
-    Full recompute keeps only the layer input (2·s·b·h, /t under SP); selective drops the
-    5·a·s/h term. Doubled for float32. Under cp each rank holds s/cp tokens, and ring attention
-    keeps q, k, v, out and the log-sum-exp (O(s/cp)) instead of the s² scores: no 5·a·s/h term.
-    `mode` is the layer's recompute mode (default cfg.recompute.mode; recompute.layers can leave
-    later layers at "none"). The embedding's and the LM head's activations are not counted.
-    """
-    m, d, t, cp = cfg.model, cfg.derived, cfg.parallel.tp, cfg.parallel.cp
-    sp = cfg.parallel.sequence_parallel and t > 1
-    sbh = m.seq_len // cp * d.micro_batch_size * m.d_model
-    attn = 5 * m.n_heads * m.seq_len / m.d_model / t if cp == 1 else 0.0
-    linear = 34 / t if sp else 10 + 24 / t
-    per_elem = {"none": linear + attn, "selective": linear, "full": 2 / t if sp else 2}
-    scale = 2 if cfg.train.dtype == "float32" else 1
-    return sbh * per_elem[mode or cfg.recompute.mode] * scale
+def compute_bytes(cfg: Config) -> int:
+    """Bytes of an element the matmuls read and write: bf16 under autocast, else float32."""
+    return 2 if cfg.train.dtype == "bfloat16" else FLOAT32
 
 
-def peak_bytes(n_params: int, activations_per_microbatch: float, inflight: float) -> float:
-    """A rank's peak: its model state plus the activations of its peak in-flight microbatches.
+def replicas(cfg: Config) -> int:
+    """The ranks a parameter's optimizer state can be sharded over: dp × cp (R)."""
+    return cfg.parallel.dp * cfg.parallel.cp
 
-    `activations_per_microbatch` is one microbatch through all of the rank's layers (every chunk)
-    and `inflight` is in the same unit (plan/simulate.py's `peak_inflight`): the stash a schedule
-    holds is its warm-up depth, e.g. pp−r for 1F1B's rank r (Narayanan et al. 2021 §2.2), all m
-    for GPipe, more than 1F1B for ZB-H2 (Qi et al. 2023 §3).
-    """
-    return n_params * BYTES_PER_PARAM + activations_per_microbatch * inflight
+
+def zero_shards(cfg: Config) -> int:
+    """How many ways the AdamW state is split: R under parallel.zero=1, else 1 (and zero=1 with
+    R = 1 has nothing to shard, so it keeps the whole state like zero=0)."""
+    return replicas(cfg) if cfg.parallel.zero else 1
+
+
+def optimizer_bytes(n_params: int, cfg: Config) -> float:
+    """AdamW state of a rank holding `n_params`: both float32 moments, 8 B per parameter, for
+    every parameter (zero=0), or for its 1/R shard under the distributed optimizer (zero=1,
+    Megatron's 8 + 8/d bytes per parameter with weights and grads, d = R = dp·cp). Each grad
+    bucket is padded to a multiple of R before it is split, adding < R elements per bucket:
+    left out."""
+    return ADAM_BYTES * math.ceil(n_params / zero_shards(cfg))
+
+
+def state_layout(cfg: Config) -> str:
+    """Weights, grads and AdamW bytes per parameter, as the dry run names them: '16 B/param'
+    (zero=0, or zero=1 with nothing to shard) or '8 + 8/d B/param, d=2' (zero=1, d = dp·cp)."""
+    d = zero_shards(cfg)
+    base = WEIGHT_BYTES + GRAD_BYTES
+    if d == 1:
+        alone = ", nothing to shard at dp·cp=1" if cfg.parallel.zero else ""
+        return f"{base + ADAM_BYTES} B/param{alone}"
+    return f"{base} + {ADAM_BYTES}/d B/param, d={d}"
+
+
+def attention_path(cfg: Config, device: str = "cuda") -> str:
+    """Which attention core runs, as models/attention.py picks it: "ring" (cp > 1), "fused" (a
+    kernel that keeps q, k, v, out and the log-sum-exp: flash-attn, SDPA's flash or
+    memory-efficient backend, the CPU flash kernel) or "math" (SDPA's fallback, which keeps the
+    s² probabilities).
+
+    The CPU flash kernel takes no dropout. On CUDA, bf16 runs the flash-attn package when it is
+    installed, else SDPA's flash backend, either with any head grouping and dropout; float32
+    runs SDPA's memory-efficient backend, which takes no grouped-query heads, so float32 with
+    GQA falls back to math (as do head_dim > 256 and Seq1F1B's masks with GQA: not modelled).
+    The CUDA rules are torch's documented backend constraints, not measured here."""
+    m, d, t = cfg.model, cfg.derived, cfg.parallel.tp
+    if cfg.parallel.cp > 1:
+        return "ring"
+    gqa = m.n_heads // t != max(d.n_kv_heads // t, 1)
+    bf16 = cfg.train.dtype == "bfloat16"
+    if device == "cpu":
+        return "math" if m.dropout > 0 else "fused"
+    return "fused" if bf16 or not gqa else "math"
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """One rank's shapes for one microbatch (or one Seq1F1B segment of it)."""
+
+    b: int  # sequences (micro_batch_size)
+    q: int  # tokens of a sequence this rank computes: seq/cp, or the segment's length
+    kv: int  # keys they attend over: q, or the segment's end under Seq1F1B
+    n: int  # b·q
+    ns: int  # b·q/tp under sequence parallelism (the norm / dropout region), else n
+    h: int  # query heads on this tp rank
+    hkv: int  # kv heads on this tp rank (replicated when there are fewer than tp)
+    hd: int
+    ff: int  # MLP width on this tp rank
+    vocab: int  # vocabulary rows on this tp rank, padded to ceil(V/tp)
+
+
+def _dims(cfg: Config, segment: int | None = None) -> _Dims:
+    m, d, p = cfg.model, cfg.derived, cfg.parallel
+    t = p.tp
+    q = kv = m.seq_len // p.cp  # this cp rank's tokens of a sequence
+    if segment is not None:
+        start, kv = segment_bounds(cfg)[segment]
+        q = kv - start
+    n = d.micro_batch_size * q
+    return _Dims(
+        b=d.micro_batch_size,
+        q=q,
+        kv=kv,
+        n=n,
+        ns=n // t if p.sequence_parallel and t > 1 else n,
+        h=m.n_heads // t,
+        hkv=max(d.n_kv_heads // t, 1),
+        hd=d.head_dim,
+        ff=d.d_ff // t,
+        vocab=-(-m.vocab_size // t),
+    )
+
+
+def segments(cfg: Config) -> list[int | None]:
+    """The Seq1F1B segments of a microbatch ([None]: the whole sequence at once)."""
+    bounds = segment_bounds(cfg)
+    return [None] if len(bounds) == 1 else list(range(len(bounds)))
+
+
+def _mask_bytes(device: str, dropped: int) -> int:
+    """A dropout's saved mask per element: CUDA's native_dropout keeps a bool mask; on the CPU
+    dropout is input · noise and keeps the noise, in the dropped tensor's dtype."""
+    return 1 if device == "cuda" else dropped
+
+
+def _norm(cfg: Config, tokens: int) -> dict[str, float]:
+    """A norm on `tokens` rows: LayerNorm keeps its input, mean and rstd; RMSNorm (computed in
+    float32, then · weight) keeps its input, rstd and the normalised x the product reads."""
+    d = cfg.model.d_model
+    if cfg.model.arch == "llama":
+        return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * FLOAT32}
+    return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32}
+
+
+def layer_terms(
+    cfg: Config, mode: str | None = None, device: str = "cuda", segment: int | None = None
+) -> dict[str, float]:
+    """Bytes one transformer layer saves for backward for one microbatch on one rank, by term
+    (module docstring). `mode` is the layer's recompute mode (default cfg.recompute.mode;
+    recompute.layers leaves later layers at "none"); `device` "cuda" or "cpu" picks the
+    kernels (attention_path, dropout masks); `segment`: only Seq1F1B segment i's tokens, whose
+    queries attend over cat(earlier segments' K/V, their own), new tensors the core keeps."""
+    m, x = cfg.model, _dims(cfg, segment)
+    mode = mode or cfg.recompute.mode
+    c, llama = compute_bytes(cfg), m.arch == "llama"
+    path = attention_path(cfg, device)
+    # Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
+    # segments after it: the qkv output they view, and RoPE's k, whatever else is kept
+    segmented = segment is not None and len(segment_bounds(cfg)) > 1
+    store = x.n * ((x.h + 2 * x.hkv) * x.hd + (x.hkv * x.hd if llama else 0)) * c
+    if mode == "full":  # the checkpoint keeps the layer input alone
+        terms = {"layer input (full recompute)": x.ns * m.d_model * FLOAT32}
+        return terms | ({"segment k, v store": store} if segmented else {})
+    terms: dict[str, float] = {}
+    for name, value in _norm(cfg, x.ns).items():
+        terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
+    terms["qkv input"] = terms["fc1 input"] = x.n * m.d_model * c
+    qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
+    rope = x.n * (x.h + x.hkv) * x.hd * c if llama else 0
+    if llama:
+        terms["rope cos, sin"] = 2 * x.q * x.hd * FLOAT32
+    earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask
+    lse = x.b * x.h * x.q * FLOAT32
+    if mode == "selective" or path == "fused":
+        # q, k, v: views of qkv or RoPE's q, k (selective: the checkpoint's inputs; fused: the
+        # kernel's, whose output is the proj input) and the segments' concatenated K/V
+        terms["q, k, v"] = qkv + rope + (2 * x.b * x.hkv * x.kv * x.hd * c if earlier else 0)
+        if mode != "selective":
+            terms["attention lse"] = lse
+            if earlier and device == "cpu":  # the CPU kernel keeps the bool mask as floats
+                terms["attention mask"] = x.q * x.kv * c
+    elif path == "ring":  # contiguous q, k, v (size of qkv), out, lse; proj reads a copy
+        terms["q, k, v"] = qkv
+        terms["attention out + lse"] = x.n * x.h * x.hd * c + lse
+    else:  # math: scaled q, k, v copies at H heads, the probabilities (+ dropout mask, dropped)
+        cm = FLOAT32 if device == "cpu" else c
+        scores = x.b * x.h * x.q * x.kv
+        terms["q, k, v"] = x.b * x.h * (x.q + 2 * x.kv) * x.hd * cm
+        terms["attention probs"] = scores * cm
+        if m.dropout > 0:
+            terms["attention dropout"] = scores * (_mask_bytes(device, cm) + cm)
+        if segmented:  # the copies leave qkv to the store alone
+            terms["segment k, v store"] = store
+    terms["proj input"] = x.n * x.h * x.hd * c
+    if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
+        terms["swiglu"] = 3 * x.n * x.ff * c
+    else:
+        terms["gelu input"] = x.n * x.ff * c
+    terms["fc2 input"] = x.n * x.ff * c
+    if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is promoted to fp32
+        dropped = FLOAT32 if not llama else c
+        terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)
+    if c != FLOAT32:  # autocast's bf16 copies of the linear weights, saved by the linears
+        qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
+        terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * x.ff * m.d_model) * c
+    return terms
+
+
+def layer_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
+    """Bytes a layer keeps from its B to its W when the schedule splits backward (Zero Bubble,
+    Qi et al. 2023 §2; parallel/autograd/weight_grad.py): each linear's input and output grad,
+    queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
+    recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
+    m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
+    fc1_out = (2 if m.arch == "llama" else 1) * x.ff
+    return {
+        "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
+        "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + 2 * m.d_model + fc1_out) * c,
+    }
+
+
+def head_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
+    """The LM head's part of the B/W split: an untied head is a column-parallel linear, whose
+    input and logits grad wait for W; a tied head (F.linear on the table) does its grad in B."""
+    if cfg.model.tie_embeddings:
+        return {}
+    x, c = _dims(cfg, segment), compute_bytes(cfg)
+    return {"head input": x.n * cfg.model.d_model * c, "logits grad": x.n * x.vocab * c}
+
+
+def embedding_terms(
+    cfg: Config, device: str = "cuda", segment: int | None = None
+) -> dict[str, float]:
+    """Bytes the embedding block saves for one microbatch (or segment): the token ids (under tp
+    the local ids and the out-of-range mask) and the dropout mask."""
+    m, x = cfg.model, _dims(cfg, segment)
+    terms = {"token ids": x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)}
+    if m.dropout > 0:
+        terms["dropout mask"] = x.ns * m.d_model * _mask_bytes(device, FLOAT32)
+    return terms
+
+
+def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) -> dict[str, float]:
+    """Bytes the final norm, LM head and loss save for one microbatch (or segment): the norm's,
+    the head's input (and bf16 weight copy), the float32 log-probabilities (tp > 1: softmax)
+    over this rank's vocabulary slice and the targets."""
+    m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
+    terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns).items()}
+    terms["head input"] = x.n * m.d_model * c
+    if c != FLOAT32:
+        terms["bf16 head weight copy"] = x.vocab * m.d_model * c
+    terms["log-probs"] = x.n * x.vocab * FLOAT32
+    terms["targets"] = x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)
+    return terms
+
+
+def activation_bytes_per_layer(cfg: Config, mode: str | None = None, device: str = "cuda") -> float:
+    """Activations one layer keeps for backward for one microbatch on one rank (layer_terms),
+    over all its Seq1F1B segments."""
+    return sum(sum(layer_terms(cfg, mode, device, i).values()) for i in segments(cfg))

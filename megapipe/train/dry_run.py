@@ -1,83 +1,35 @@
-"""`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and a peak
-memory estimate, no training.
+"""`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and memory
+(train/memory.py), no training.
 
 Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta device from the
 partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
-parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). The peak counts
-the microbatches the configured schedule keeps in flight, from running that schedule through the
-planner's simulator: a pipeline rank's activation memory is its stash of microbatches that went
-forward but not yet backward (Narayanan et al. 2021 §2.2; Qi et al. 2023 §3).
+parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). Its memory is
+float32 weights, grads and AdamW state (sharded over dp × cp under parallel.zero=1) plus the
+activations our model saves for one microbatch times the microbatches the configured schedule
+keeps in flight on the rank, from running that schedule through the planner's simulator: a
+pipeline rank's activation memory is its stash of microbatches that went forward but not yet
+backward (Narayanan et al. 2021 §2.2; Qi et al. 2023 §3), and under a B/W split what W still
+needs.
 """
 
 from __future__ import annotations
 
-import torch
-
 from megapipe.config import Config
-from megapipe.config.flops import flops_per_token, segment_bounds
-from megapipe.config.memory import BYTES_PER_PARAM, activation_bytes_per_layer, peak_bytes
-from megapipe.config.stages import (
-    describe_partition,
-    placement_of,
-    rank_blocks,
-    schedule_costs,
-    schedule_of,
-)
-from megapipe.parallel.recompute import layer_mode
-from megapipe.parallel.tensor.sharding import TPInfo
+from megapipe.config.flops import flops_per_token
+from megapipe.config.memory import attention_path, state_layout
+from megapipe.config.stages import describe_partition, schedule_costs
 from megapipe.plan.partition import stage_text
-from megapipe.plan.simulate import Costs, simulate
-from models.gpt import GPT
+from megapipe.plan.schedules import SCHEDULES
+from megapipe.plan.simulate import Costs
+from megapipe.train.memory import RankMemory, count_params, memory_plan, rank_chunks
 
-
-def rank_chunks(cfg: Config, pp_rank: int, tp_rank: int) -> list[GPT]:
-    """The meta-device chunks of the rank at (pp_rank, tp_rank), in local chunk order."""
-    tp = TPInfo(cfg.parallel.tp, tp_rank, None, cfg.parallel.sequence_parallel)
-    with torch.device("meta"):
-        return [
-            GPT(cfg.model, blocks=blocks, seed=cfg.train.seed, tp=tp, init=False)
-            for blocks in rank_blocks(cfg, pp_rank)
-        ]
+DEVICE = "cuda"  # the dry run plans a training job: its activations are CUDA's kernels'
 
 
 def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
     """(parameters held, layers held) by the rank at (pp_rank, tp_rank), over all its chunks."""
     chunks = rank_chunks(cfg, pp_rank, tp_rank)
-    return _count(chunks), sum(len(c.layers) for c in chunks)
-
-
-def peak_inflight(cfg: Config) -> list[float]:
-    """Per pp rank, the most microbatches whose activations it holds at once, in units of one
-    microbatch through the rank's whole share (a vpp chunk counts 1/vpp, a Seq1F1B segment its
-    token share). E.g. 1F1B: pp−r on rank r (warm-up of pp−r−1 forwards, Narayanan et al. 2021
-    §2.2); GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3)."""
-    if cfg.parallel.pp == 1:  # no pipeline: the microbatches run one after another
-        return [1.0]
-    tokens = [(end - start) / cfg.model.seq_len for start, end in segment_bounds(cfg)]
-    shares = {r: _chunk_shares(cfg, rank_chunks(cfg, r, 0)) for r in range(cfg.parallel.pp)}
-    result = simulate(
-        schedule_of(cfg),
-        schedule_costs(cfg),
-        placement_of(cfg),
-        token_shares=tokens,
-        chunk_shares=shares,
-    )
-    return result.peak_inflight
-
-
-def _chunk_acts(cfg: Config, chunk: GPT) -> float:
-    """Activation bytes of one microbatch through `chunk`'s layers, each at its recompute mode
-    (recompute.layers leaves later layers at "none")."""
-    modes = (layer_mode(cfg.recompute, int(index)) for index in chunk.layers)
-    return sum(activation_bytes_per_layer(cfg, mode) for mode in modes)
-
-
-def _chunk_shares(cfg: Config, chunks: list[GPT]) -> list[float]:
-    """Each chunk's part of the rank's activations: chunks of a rank may hold different numbers
-    of layers (e.g. E,t,t | t), so an in-flight microbatch weighs what its chunk holds."""
-    acts = [_chunk_acts(cfg, c) for c in chunks]
-    total = sum(acts)
-    return [a / total for a in acts] if total else [1.0 / len(chunks)] * len(chunks)
+    return count_params(chunks), sum(len(c.layers) for c in chunks)
 
 
 def describe(cfg: Config) -> str:
@@ -90,10 +42,13 @@ def describe(cfg: Config) -> str:
     ]
     if p.pp > 1:
         lines.append(describe_partition(cfg))
-    inflight = peak_inflight(cfg)
-    for pp_rank in range(p.pp):
-        for tp_rank in range(p.tp):
-            lines.append(_rank_line(cfg, pp_rank, tp_rank, inflight[pp_rank]))
+    plan = memory_plan(cfg, DEVICE)
+    lines += [_rank_line(cfg, r) for r in plan.ranks]
+    top = plan.rank(*plan.argmax)
+    lines.append(
+        f"max peak ~{_size(plan.max)} on pp={top.pp_rank} tp={top.tp_rank} "
+        f"(of {len(plan.ranks)} (pp, tp) ranks; dp and cp replicas hold the same)"
+    )
     lines += _notes(cfg)
     lines.append(f"training FLOPs per token: {flops_per_token(cfg):.3e}")
     return "\n".join(lines)
@@ -109,11 +64,23 @@ def _notes(cfg: Config) -> list[str]:
         flight = (
             f"the most microbatches {p.schedule} keeps in flight on it (simulated, {costs} costs)"
         )
+    attention = {
+        "fused": "a fused kernel keeping q, k, v, out and the log-sum-exp",
+        "ring": "ring attention keeping q, k, v, out and the log-sum-exp",
+        "math": "the math fallback keeping the s² probabilities",
+    }[attention_path(cfg, DEVICE)]
     notes = [
-        f"(memory per rank: float32 weights+grads+AdamW at {BYTES_PER_PARAM} B/parameter; "
-        "activations of one microbatch through the rank's layers, Korthikanti et al. 2022, "
-        f"embedding and head not counted, times {flight})"
+        "(memory per rank: float32 weights and grads 4 B/parameter each, AdamW's two float32 "
+        f"moments 8 B/parameter (/dp·cp under parallel.zero=1); activations: what the model's "
+        f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
+        f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})"
     ]
+    if p.pp > 1 and SCHEDULES[p.schedule].split_backward:
+        notes.append(
+            f"({p.schedule} splits backward: from B to W a microbatch keeps only its linears' "
+            "inputs and output grads, queued for the weight-grad matmuls; the peak in flight "
+            "weighs them by their bytes: a part of a microbatch, several under full recompute)"
+        )
     if p.schedule == "pipedream_async":
         notes.append(
             "(pipedream_async's weight snapshots, up to one per in-flight microbatch "
@@ -122,22 +89,17 @@ def _notes(cfg: Config) -> list[str]:
     return notes
 
 
-def _rank_line(cfg: Config, pp_rank: int, tp_rank: int, inflight: float) -> str:
-    chunks = rank_chunks(cfg, pp_rank, tp_rank)
-    n, layers = _count(chunks), sum(len(c.layers) for c in chunks)
-    head = cfg.model.n_layers + 1
-    held = " | ".join(stage_text(c.blocks, head) for c in chunks)
-    acts = sum(_chunk_acts(cfg, c) for c in chunks)
+def _rank_line(cfg: Config, r: RankMemory) -> str:
+    chunks = rank_chunks(cfg, r.pp_rank, r.tp_rank)
+    layers = sum(len(c.layers) for c in chunks)
+    held = " | ".join(stage_text(c.blocks, cfg.model.n_layers + 1) for c in chunks)
     return (
-        f"pp={pp_rank} tp={tp_rank}: {n:,} parameters, {layers} layers (chunks: {held}); "
-        f"memory weights+grads+AdamW {_size(n * BYTES_PER_PARAM)}, activations "
-        f"~{_size(acts)} per microbatch, peak in flight {_amount(inflight)} microbatches "
-        f"-> peak ~{_size(peak_bytes(n, acts, inflight))}"
+        f"pp={r.pp_rank} tp={r.tp_rank}: {r.params:,} parameters, {layers} layers "
+        f"(chunks: {held}); weights {_size(r.weights)}, grads {_size(r.grads)}, "
+        f"optimizer {_size(r.optimizer)} (zero={cfg.parallel.zero}; states {state_layout(cfg)}), "
+        f"activations ~{_size(r.activations_per_microbatch)} per microbatch, peak in flight "
+        f"{_amount(r.inflight)} microbatches -> peak ~{_size(r.peak)}"
     )
-
-
-def _count(chunks: list[GPT]) -> int:
-    return sum(q.numel() for c in chunks for q in c.parameters())
 
 
 def _amount(x: float) -> str:
