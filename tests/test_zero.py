@@ -152,3 +152,19 @@ def test_flat_range_as_rectangles_covers_it_once(shape):
                 assert start == len(seen)
                 seen += block.flatten().tolist()
             assert seen == list(range(lo, hi)), (lo, hi)
+
+
+def test_zero1_without_replicas_runs_as_zero0(tmp_path):
+    """dp·cp = 1 leaves nothing to shard: zero=1 builds the plain optimizer and trains the
+    same steps as zero=0 (README, parallel.zero)."""
+    import torch
+
+    from megapipe.parallel.data.zero import ShardedOptimizer
+    from megapipe.train.build import build
+
+    runs = {z: train_case([f"parallel.zero={z}", "train.grad_clip=0.05"], 2) for z in (0, 1)}
+    assert runs[1]["losses"] == runs[0]["losses"]
+    for name, value in runs[0]["weights"].items():
+        assert torch.equal(runs[1]["weights"][name], value), name
+    job = build(tiny_config(["parallel.zero=1"], str(tmp_path)), None)
+    assert not isinstance(job.optimizer(), ShardedOptimizer)
