@@ -70,6 +70,8 @@ def close(code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Train, then shut down; every expected failure is one line on stderr and an exit code.
 
+    0: done, or stopped early with a checkpoint saved (train.stop_at_step, or a signal named in
+    checkpoint.signals, as when a cluster preempts the job: megapipe/train/preempt.py).
     2: bad config, data or checkpoint, a busy run.dir, non-finite steps past the limit. Every
     rank meets it (same config and files, agreed decisions), so only
     rank 0 prints it (RANK: the error may come before any process group) and the others exit 2

@@ -45,23 +45,29 @@ def test_world_size_mismatch_before_any_collective(tmp_path, monkeypatch, capsys
     assert not dist.is_initialized()  # refused before the process group existed
 
 
-def other_mesh_case(root: str) -> str:
-    """Write a checkpoint under dp=2 tp=2, resume it under tp=4: the error message."""
+def other_mesh_case(root: str) -> dict:
+    """Write a checkpoint under dp=2 tp=2; resume it under tp=4 (resharded), and under tp=4
+    with another model (the error message, on every rank alike)."""
     from megapipe.train.checkpoint import CheckpointError
 
-    common = ["train.steps=2", "log.progress=false"]
+    common = ["train.steps=3", "log.progress=false"]
     train.run(
         tiny_config([*common, "parallel.dp=2", "parallel.tp=2", "train.stop_at_step=1"], root)
     )
+    out = {}
     try:
-        train.run(tiny_config([*common, "parallel.tp=4"], root))
+        train.run(tiny_config([*common, "parallel.tp=4", "model.n_layers=3"], root))
+        out["error"] = "no error"
     except CheckpointError as e:
-        return str(e)
-    return "no error"
+        out["error"] = str(e)
+    resumed = train.run(tiny_config([*common, "parallel.tp=4", "train.stop_at_step=2"], root))
+    out["steps"] = [r["step"] for r in resumed]
+    return out
 
 
+@pytest.mark.spawn
 def test_checkpoint_from_other_mesh_under_torchrun(gloo_pool, tmp_path):
-    messages = gloo_pool(4).run(other_mesh_case, str(tmp_path))
-    for msg in messages:
-        assert "\n" not in msg
-        assert "mesh pp=1 dp=2 cp=1 tp=2 but this run uses pp=1 dp=1 cp=1 tp=4" in msg
+    for got in gloo_pool(4).run(other_mesh_case, str(tmp_path)):
+        assert "\n" not in got["error"]
+        assert "written with model.n_layers=2 but this run has model.n_layers=3" in got["error"]
+        assert got["steps"] == [2]  # dp=2 × tp=2 resumed under tp=4

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -283,6 +284,7 @@ def _check_rest(cfg: Config) -> None:
     _require(
         bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, none or a checkpoint path"
     )
+    signal_names(cfg.checkpoint.signals)  # raises a one-line ConfigError naming the key
     _one_of("log.wandb", cfg.log.wandb, WANDB_MODES)
 
 
@@ -290,3 +292,26 @@ def _check_blend(cfg: Config) -> None:
     if cfg.data.blend:
         _require(cfg.data.source == "memmap", "data.blend needs --data.source=memmap")
         parse_blend(cfg.data.blend)  # raises a one-line ConfigError naming data.blend
+
+
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def signal_names(text: str) -> list[str]:
+    """`checkpoint.signals` as signal names ("SIGTERM,USR1" -> SIGTERM, SIGUSR1; "" -> none):
+    each one this platform has and a process can catch."""
+    names = []
+    for part in text.split(","):
+        name = part.strip().upper()
+        if not name:
+            continue
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        known = isinstance(getattr(signal, name, None), signal.Signals)
+        _require(
+            known and name not in UNCATCHABLE,
+            f"checkpoint.signals={text!r}: {part.strip()!r} is not a signal a process can "
+            'catch; give names such as SIGTERM,SIGUSR1 (or "" for none)',
+        )
+        if name not in names:
+            names.append(name)
+    return names

@@ -144,6 +144,10 @@ class CheckpointConfig:
     interval: int = bounded(0, low=0, note="0: off")  # steps between checkpoints; 0: none
     keep: int = bounded(2, low=1)
     resume: str = "auto"  # auto | none | PATH
+    # write in the background while training goes on (YAML may spell it checkpoint.async)
+    async_save: bool = False
+    # signals that stop the run at the next step with a checkpoint (preemption); "" : none
+    signals: str = "SIGTERM,SIGUSR1"
 
 
 @dataclass

@@ -25,6 +25,7 @@ pruned only after the new one is in place. A resume verifies sizes and checksums
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -235,12 +236,19 @@ def _prune(root: str, keep: int) -> None:
 
 def check_shared_dir(cfg: Config) -> None:
     """At start-up: every rank sees the same checkpoint directory, else a one-line error."""
+    if not distributed():
+        return
     root = checkpoint_root(cfg)
+    made = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     try:
         check_shared(root)
     except FilesError as e:
         raise CheckpointError(str(e)) from None
+    finally:
+        if made:  # left as it was: a run that never saves makes no directory
+            with contextlib.suppress(OSError):  # another rank's rmdir may come first
+                os.rmdir(root)
 
 
 def resume_path(cfg: Config) -> str | None:

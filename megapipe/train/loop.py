@@ -17,8 +17,10 @@ from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.distributed.mesh import MeshSizes
 from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
+from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.metrics import MetricsLog, peak_tflops
+from megapipe.train.preempt import StopSignals
 
 
 class NonFiniteError(RuntimeError):
@@ -28,12 +30,13 @@ class NonFiniteError(RuntimeError):
 def run(cfg: Config) -> list[dict]:
     """Train (or resume) per `cfg`; returns the logged records of this invocation."""
     mesh = init_distributed(cfg)  # checks the world size before any collective
-    lock = _lock_run_dir(cfg)
-    try:
-        return _run(cfg, mesh)
-    finally:
-        if lock is not None:
-            runlock.release(lock)
+    with StopSignals(cfg, mesh) as stop:  # a stop signal from here on waits for a step boundary
+        lock = _lock_run_dir(cfg)
+        try:
+            return _run(cfg, mesh, stop)
+        finally:
+            if lock is not None:
+                runlock.release(lock)
 
 
 def _lock_run_dir(cfg: Config) -> str | None:
@@ -53,10 +56,11 @@ def _lock_run_dir(cfg: Config) -> str | None:
     return lock
 
 
-def _run(cfg: Config, mesh) -> list[dict]:
+def _run(cfg: Config, mesh, stop: StopSignals) -> list[dict]:
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     )
+    checkpoint.check_shared_dir(cfg)  # before any step: node-local dirs would split a save
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
     job = build(cfg, mesh, device)
@@ -73,27 +77,38 @@ def _run(cfg: Config, mesh) -> list[dict]:
                 "(RNG streams restart from train.seed)"
             )
     last = cfg.train.stop_at_step or cfg.train.steps
-    if start >= last:
+    if start >= last:  # nothing to train, so nothing to save either
         _say(
-            f"already complete at step {start} (train.steps={cfg.train.steps}); nothing to "
-            f"do: raise --train.steps or set another run.dir"
+            f"already at train.stop_at_step={last} (step {start}); nothing to do: remove "
+            "--train.stop_at_step to go on to train.steps"
+            if last < cfg.train.steps
+            else f"already complete at step {start} (train.steps={cfg.train.steps}); nothing "
+            "to do: raise --train.steps or set another run.dir"
         )
         return []
     if is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
     began = time.perf_counter()
-    records = train_loop(cfg, job, optimizer, data, start, device)
+    records = train_loop(cfg, job, optimizer, data, start, device, stop)
     _say(summary(cfg, records, time.perf_counter() - began))
+    if stop.saved_step is not None:
+        _say(f"saved step {stop.saved_step}; run the same command to resume")
     return records
 
 
-def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> list[dict]:
-    """Steps start..stop_at_step (or steps): log, validate and checkpoint as configured."""
+def train_loop(
+    cfg: Config, job: Job, optimizer, data, start: int, device, stop: StopSignals | None = None
+) -> list[dict]:
+    """Steps start..stop_at_step (or steps): log, validate and checkpoint as configured. After
+    each step the ranks agree whether a stop signal came (`stop`); if so, or at
+    train.stop_at_step, they save and end the loop, and `stop.saved_step` says where."""
     t = cfg.train
     last = t.stop_at_step or t.steps
+    stop = stop if stop is not None else StopSignals(cfg)  # not entered: no handlers, no flag
     log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
     throughput, skips = Throughput(cfg, device), Skips(cfg)
     blend = BlendTokens(data, start, t.global_batch) if isinstance(data, BlendData) else None
+    saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
     records = []
     try:
         for step in range(start, last):
@@ -109,20 +124,25 @@ def train_loop(cfg: Config, job: Job, optimizer, data, start: int, device) -> li
                 **throughput.of(done, time.perf_counter() - began),
                 **(blend.after(step) if blend else {}),
             }
+            stopping = stop.agreed() or done == t.stop_at_step  # the same on every rank
             if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
                 record["val_loss"] = job.evaluate(data)
                 for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
                     record[f"val_loss/{name}"] = loss
-            if done % cfg.log.interval == 0 or done == last or "val_loss" in record:
+            if done % cfg.log.interval == 0 or done == last or stopping or "val_loss" in record:
                 log.log(record)
             log.progress(done, result.loss, record["tokens_per_s"], skips.total)
             records.append(record)
             skips.count(done, result.skipped)
             interval = cfg.checkpoint.interval
-            if (interval and done % interval == 0) or done == t.stop_at_step:
-                checkpoint.save(cfg, done, job.model, optimizer)
+            if (interval and done % interval == 0) or stopping:
+                saver.save(done, job.model, optimizer)
+            if stopping:
+                stop.saved_step = done
+                break
     finally:
         log.close()
+    saver.wait()  # a background save finishes before the run reports it
     return records
 
 
