@@ -208,7 +208,7 @@ def prepare(
             "n_characters": n_chars, "source": source,
         }  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
@@ -253,7 +253,7 @@ def _check_out(out: Path) -> None:
         raise DataError(f"--out {out} exists and is not a dataset; remove it or pick another --out")
 
 
-def _replace_dir(new: Path, out: Path) -> None:
+def replace_dir(new: Path, out: Path) -> None:
     """Move `new` to `out`; an older dataset there is removed only once `new` is in place."""
     old = None
     if out.exists():

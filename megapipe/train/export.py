@@ -35,6 +35,7 @@ from megapipe.config import Config
 from megapipe.config.blend import parse_blend
 from megapipe.data.loader import META_FILE, load_tokenizer
 from megapipe.data.loader import read_meta as read_data_meta
+from megapipe.data.prepare import replace_dir
 from megapipe.train.checkpoint import complete_checkpoints, load_for_inference, read_meta
 from models.hf import to_hf
 
@@ -260,19 +261,8 @@ def export_hf(
         to_hf(model, str(tmp), eos_id=eos_id)
         if tok_path is not None:
             notes += save_tokenizer(tok_path, eos_id, tmp, cfg.model.vocab_size)
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     return Exported(out, ckpt, step, cfg, n_params, eos_id, tok_path, notes)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move `new` to `out`; what was at `out` is removed only once `new` is in place."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    new.rename(out)
-    if old is not None:
-        shutil.rmtree(old)
