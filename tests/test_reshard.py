@@ -171,6 +171,14 @@ def test_each_rank_reads_only_the_chunks_of_its_shard(tmp_path):
         )
     finally:
         pools.close()
+    save_case(common, str(tmp_path / "whole"))  # one process: every tensor saved whole
+    try:  # a tp=2 rank needs half of each matrix: it reads each saved tensor once (a fused
+        # q|k|v matrix holds three of its blocks: read once, not three times), no more
+        halves = pools(2).run(read_case, [*common, "parallel.tp=2"], str(tmp_path / "whole"))
+    finally:
+        pools.close()
+    for got in halves:
+        assert got["saved"] * 0.5 < got["read"] <= got["saved"], got
     saved = same[0]["saved"]  # (~1.5 kB of framing per saved chunk: measured 1/4 is 27%)
     for got in same:  # about what the rank holds: weights and both moments
         assert got["read"] < 0.3 * saved and got["read"] < 1.2 * got["held"], got

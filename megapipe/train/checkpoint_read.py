@@ -12,13 +12,17 @@ reshard the same way). What a rank reads from disk is the saved chunks that over
 
 from __future__ import annotations
 
+import io
+
 import torch
 from torch import nn
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
@@ -131,10 +135,43 @@ class BlockLoadPlanner(DefaultLoadPlanner):
 
 
 class CountingReader(FileSystemReader):
-    """FileSystemReader that adds up the bytes of saved chunks it reads (`bytes_read`)."""
+    """FileSystemReader that reads each saved chunk once however many of this rank's blocks
+    overlap it (torch's reads it once per block: a fused q|k|v matrix three times), and adds
+    up the bytes it reads (`bytes_read`)."""
 
     bytes_read = 0
 
     def read_data(self, plan: LoadPlan, planner):
-        self.bytes_read += sum(self.storage_data[r.storage_index].length for r in plan.items)
-        return super().read_data(plan, planner)
+        wanted: dict = {}  # saved chunk -> the reads that copy from it
+        for item in plan.items:
+            wanted.setdefault(item.storage_index, []).append(item)
+        infos = {index: self.storage_data[index] for index in wanted}
+        if any(i.type != LoadItemType.TENSOR for i in plan.items) or any(
+            info.transform_descriptors for info in infos.values()
+        ):  # objects or transformed chunks (not written by megapipe): torch's own path
+            self.bytes_read += sum(infos[i.storage_index].length for i in plan.items)
+            return super().read_data(plan, planner)
+        self.bytes_read += sum(info.length for info in infos.values())
+        by_file: dict = {}
+        for index, info in infos.items():
+            by_file.setdefault(info.relative_path, []).append(index)
+        for relative, indexes in by_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
+                for index in sorted(indexes, key=lambda i: infos[i].offset):
+                    raw = io.BytesIO(self._slice_file(stream, infos[index]).read())
+                    saved = torch.load(raw, map_location="cpu", weights_only=True)
+                    for item in wanted[index]:
+                        _copy_into(planner, item, saved)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def _copy_into(planner, item, saved: torch.Tensor) -> None:
+    """The part of a saved chunk that `item` reads, into the block it fills."""
+    part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != part.size():
+        raise ValueError(f"{item.storage_index.fqn}: {tuple(part.shape)} into {target.shape}")
+    target.copy_(part)
+    planner.commit_tensor(item, target)
