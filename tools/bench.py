@@ -6,6 +6,8 @@ python tools/bench.py tp
 python tools/bench.py cp
 python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python tools/bench.py data [--mb 50 --workers 1,2]
+python tools/bench.py zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out bench_zero.json]
+python tools/bench.py checkpoint [--d-model 256 --vocab 4096 --repeats 5 --rounds 10 --out F.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ SUBCOMMANDS = {
         "pipelined step time vs torch.distributed.pipelining, simulator fidelity, measured bubbles",
     ),
     "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
+    "zero": (
+        "bench_zero",
+        "distributed optimizer (zero=1) vs zero=0: dp=2 step time, bytes per rank, comm volume",
+    ),
+    "checkpoint": (
+        "bench_checkpoint",
+        "checkpoint save/resume time and bytes read per rank across meshes, save step overhead",
+    ),
 }
 
 

@@ -1,0 +1,370 @@
+"""The distributed optimizer (parallel.zero=1, ZeRO-1) against plain data parallelism (zero=0).
+
+    python tools/bench.py zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+
+Gloo workers, one thread each; every world builds a zero=0 and a zero=1 job from the same seed
+with train/build.py's `build()`, as train.py does, and trains them on the same batches.
+
+1. Step time at dp=2: after warmup the two jobs step alternately (zero=0, zero=1, zero=0, ...),
+   each step timed between barriers as the slower rank's time; the median of the per-pair
+   ratios zero1/zero0 and their spread (IQR, min-max).
+2. Bytes per rank for dp in {1, 2, 4}: weights, gradients (the storage the grads live in at the
+   optimizer step, bucket padding included) and the AdamW state tensors (the scalar step left
+   out), against Megatron's distributed-optimizer count for float32 weights and grads,
+   4 + 4 + 8/d bytes per parameter (16 without it). The largest rank is reported.
+3. Bytes communicated per step at dp=2 and dp=4, counted by megapipe.distributed.collectives'
+   COUNTER (all-reduce and reduce-scatter by their full input, all-gather by its full output):
+   zero=0's bucket all-reduces against zero=1's reduce-scatters + all-gathers, with the ring
+   per-rank wire volume (all-reduce of N bytes 2(R-1)/R N; reduce-scatter or all-gather of an
+   N-byte full buffer (R-1)/R N). Checked: reduce-scatter + all-gather moves what one
+   all-reduce does, plus only the padding of each bucket to a multiple of R elements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megapipe.config import load_config  # noqa: E402
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32 = 4
+
+
+def make_config(args, dp: int, zero: int):
+    return load_config(str(ROOT / "configs" / "tiny.yaml"), [
+        f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
+        f"model.n_heads={args.heads}", f"model.seq_len={args.seq_len}",
+        f"model.vocab_size={args.vocab}", f"train.global_batch={args.batch}",
+        f"train.steps={args.warmup + args.steps}", f"parallel.dp={dp}", f"parallel.zero={zero}",
+        f"run.dir={tempfile.mkdtemp()}", "log.progress=false",
+    ])  # fmt: skip
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one flat bucket count once)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(optimizer) -> int:
+    """AdamW's state tensors on this rank (both moments; the scalar step left out)."""
+    return sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+
+
+class Run:
+    """One job (zero=0 or zero=1) on this rank, its optimizer wrapped to see the grads as they
+    are when it steps."""
+
+    def __init__(self, args, mesh, dp: int, zero: int) -> None:
+        from megapipe.train.build import build
+
+        self.cfg = make_config(args, dp, zero)
+        torch.manual_seed(self.cfg.train.seed)
+        self.job = build(self.cfg, mesh, "cpu", args.bucket_mb)
+        self.optimizer = self.job.optimizer()
+        self.grad_bytes = 0
+        inner = self.optimizer.step
+
+        def step():
+            grads = [p.grad for p in self.job.model.parameters() if p.grad is not None]
+            self.grad_bytes = max(self.grad_bytes, _storage_bytes(grads))
+            inner()
+
+        self.optimizer.step = step
+
+    def step(self, batch: torch.Tensor, i: int) -> float:
+        return self.job.train_step(self.optimizer, batch, i).loss
+
+    def memory(self) -> dict:
+        params = list(self.job.model.parameters())
+        reducer = getattr(self.job.engine, "reducer", None)
+        size = getattr(reducer, "size", 1)
+        buckets = [b.numel for b in reducer.buckets] if reducer is not None else []
+        return {
+            "params": sum(p.numel() for p in params),
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "grads": self.grad_bytes,
+            "state": _state_bytes(self.optimizer),
+            "buckets": len(buckets),
+            # zero=1 pads each bucket to a multiple of R elements before the reduce-scatter
+            "pad_bytes": sum(FP32 * (-(-n // size) * size - n) for n in buckets) if size else 0,
+        }
+
+
+def measure(args, world: int) -> dict:
+    """Per rank: both jobs' memory and counted collectives, and (dp=2) the alternated timing."""
+    import torch.distributed as dist
+
+    from megapipe.data.loader import build_data
+    from megapipe.distributed import collectives
+
+    mesh = None
+    if world > 1:
+        from megapipe.distributed.mesh import MeshSizes, ParallelMesh
+
+        mesh = ParallelMesh(MeshSizes(dp=world))
+    runs = {zero: Run(args, mesh, world, zero) for zero in (0, 1)}
+    data = build_data(runs[0].cfg.data, runs[0].cfg.model, runs[0].cfg.train.seed)
+    timed = world == args.time_dp
+    total = args.warmup + args.steps if timed else 1
+    times, losses, comm = defaultdict(list), defaultdict(list), {}
+    for i in range(total):
+        batch = data.batch(i, args.batch)
+        for zero, run in runs.items():
+            if i == 0:
+                collectives.COUNTER = []
+            if world > 1:
+                dist.barrier()
+            began = time.perf_counter()
+            losses[zero].append(run.step(batch, i))
+            times[zero].append(time.perf_counter() - began)
+            if i == 0:
+                counts = defaultdict(lambda: [0, 0])
+                for op, nbytes in collectives.COUNTER:
+                    counts[op][0] += 1
+                    counts[op][1] += nbytes
+                comm[zero] = dict(counts)
+                collectives.COUNTER = None
+    return {
+        "times": {z: t[args.warmup :] for z, t in times.items()} if timed else None,
+        "losses": dict(losses),
+        "memory": {z: r.memory() for z, r in runs.items()},
+        "comm": comm,
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )  # fmt: skip
+    mine = measure(args, world)
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        Path(out_dir, "result.json").write_text(json.dumps(every))
+    dist.destroy_process_group()
+
+
+def run_world(args, world: int) -> list[dict]:
+    """measure() on each of `world` ranks; the per-rank results (JSON keys become strings)."""
+    if world == 1:
+        torch.set_num_threads(1)
+        return [json.loads(json.dumps(measure(args, 1)))]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mkdtemp()
+    mp.spawn(_worker, args=(world, port, out, args), nprocs=world)
+    return json.loads(Path(out, "result.json").read_text())
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+
+def timing_table(ranks: list[dict]) -> tuple[str, dict]:
+    # a step's time is its slowest rank's (the ranks start together after a barrier)
+    t0, t1 = ([max(ts) for ts in zip(*(r["times"][z] for r in ranks))] for z in ("0", "1"))
+    ratios = [b / a for a, b in zip(t0, t1)]
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    loss_gap = max(
+        abs(a - b) for r in ranks for a, b in zip(r["losses"]["0"], r["losses"]["1"])
+    )  # fmt: skip
+    out = {
+        "zero0_ms": [t * 1e3 for t in t0],
+        "zero1_ms": [t * 1e3 for t in t1],
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "iqr": [q1, q3],
+        "min_max": [min(ratios), max(ratios)],
+        "max_loss_gap": loss_gap,
+        "losses": {f"zero{z}": ranks[0]["losses"][z] for z in ("0", "1")},
+    }
+    table = "\n".join([
+        "| dp | zero=0 step (median) | zero=1 step (median) | zero1/zero0 (median of pairs) | "
+        "IQR of pair ratios | min–max | pairs |",
+        "|---|---|---|---|---|---|---|",
+        f"| {len(ranks)} | {statistics.median(t0) * 1e3:.1f} ms | "
+        f"{statistics.median(t1) * 1e3:.1f} ms | {out['median_ratio']:.3f} | "
+        f"{q1:.3f}–{q3:.3f} | {min(ratios):.3f}–{max(ratios):.3f} | {len(ratios)} |",
+    ])  # fmt: skip
+    return table, out
+
+
+def memory_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict]]:
+    lines = [
+        "| dp | zero | weights B/param | grads B/param | AdamW state B/param | state formula | "
+        "state Δ | total B/param | Megatron formula | total Δ |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for dp, ranks in worlds.items():
+        for zero in ("0", "1"):
+            mem = [r["memory"][zero] for r in ranks]
+            n = mem[0]["params"]
+            big = max(mem, key=lambda m: m["weights"] + m["grads"] + m["state"])
+            w, g, s = (big[k] / n for k in ("weights", "grads", "state"))
+            d = dp if zero == "1" else 1  # zero=1 at dp=1 has nothing to shard
+            f_state, f_total = 8 / d, 4 + 4 + 8 / d
+            name = f"4 + 4 + 8/{dp} = {f_total:g}" if zero == "1" else f"{f_total:g}"
+            rows.append({
+                "dp": dp, "zero": int(zero), "params": n, "weights_bytes": big["weights"],
+                "grad_bytes": big["grads"], "state_bytes": big["state"],
+                "state_bytes_per_rank": [m["state"] for m in mem], "buckets": big["buckets"],
+                "state_per_param": s, "total_per_param": w + g + s,
+                "formula_state": f_state, "formula_total": f_total,
+            })  # fmt: skip
+            lines.append(
+                f"| {dp} | {zero} | {w:.4f} | {g:.4f} | {s:.4f} | {f_state:g} | "
+                f"{(s / f_state - 1) * 100:+.4f}% | {w + g + s:.4f} | {name} | "
+                f"{((w + g + s) / f_total - 1) * 100:+.4f}% |"
+            )
+    return "\n".join(lines), rows
+
+
+def _wire(op: str, nbytes: int, r: int) -> float:
+    """Per-rank bytes sent by a ring collective over `r` ranks whose full buffer is `nbytes`."""
+    return (2 if op == "all_reduce" else 1) * (r - 1) / r * nbytes
+
+
+def comm_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict], list[str]]:
+    lines = [
+        "| dp | zero | collective | calls | payload B/step | ring wire B/rank/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    checks, rows, failures = [], [], []
+    for dp, ranks in worlds.items():
+        if dp == 1:
+            continue
+        wire = {}
+        for zero in ("0", "1"):
+            comm = ranks[0]["comm"][zero]
+            if any(r["comm"][zero] != comm for r in ranks):
+                failures.append(f"dp={dp} zero={zero}: ranks counted different collectives")
+            wire[zero] = 0.0
+            for op, (calls, nbytes) in sorted(comm.items()):
+                w = _wire(op, nbytes, dp)
+                wire[zero] += w
+                lines.append(f"| {dp} | {zero} | {op} | {calls} | {nbytes:,} | {w:,.0f} |")
+                rows.append({"dp": dp, "zero": int(zero), "op": op, "calls": calls,
+                             "payload_bytes": nbytes, "wire_bytes": w})  # fmt: skip
+        mem = ranks[0]["memory"]["1"]
+        pad, buckets = mem["pad_bytes"], mem["buckets"]
+        diff = wire["1"] - wire["0"]
+        expected = 2 * (dp - 1) / dp * pad  # the padding goes through both collectives
+        bound = 2 * (dp - 1) / dp * FP32 * (dp - 1) * buckets  # < R elements padded per bucket
+        ok = abs(diff - expected) < 1e-6 and 0 <= diff <= bound
+        if not ok:
+            failures.append(f"dp={dp}: RS+AG - AR wire = {diff:,.0f} B, outside [0, {bound:,.0f}]")
+        checks.append(
+            f"- dp={dp}: zero=1 wire − zero=0 wire = {diff:,.0f} B per rank "
+            f"(= 2·{dp - 1}/{dp} × {pad} B of bucket padding); bound 0 ≤ Δ ≤ "
+            f"2(R−1)/R · 4 B · (R−1) · {buckets} bucket(s) = {bound:,.0f} B: "
+            f"{'ok' if ok else 'VIOLATED'}"
+        )
+    return "\n".join(lines + [""] + checks), rows, failures
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq-len tokens)")
+    p.add_argument("--steps", type=int, default=60, help="timed pairs of steps at --time-dp")
+    p.add_argument("--warmup", type=int, default=5, help="untimed pairs of steps first")
+    p.add_argument("--time-dp", type=int, default=2, help="the world the timing runs at")
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="worlds to measure")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                   help="gradient bucket size (train.py's default)")  # fmt: skip
+    p.add_argument("--out", help="also write the figures here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    print(f"$ {' '.join(['python tools/bench.py zero', *argv])}\n")
+    began = time.perf_counter()
+    worlds = {dp: run_world(args, dp) for dp in sorted(set(args.dp) | {args.time_dp})}
+    n = worlds[min(worlds)][0]["memory"]["0"]["params"]
+    print(
+        f"Model: {args.layers} layers, d={args.d_model}, {args.heads} heads, seq {args.seq_len}, "
+        f"vocab {args.vocab}: {n:,} parameters; global batch {args.batch} × {args.seq_len} "
+        f"tokens; float32; buckets of {args.bucket_mb:g} MB; gloo, 1 thread per process, "
+        f"{os.cpu_count()} cores.\n"
+    )
+    result = {"args": vars(args), "params": n}
+    if args.time_dp in worlds and args.time_dp > 1:
+        table, result["timing"] = timing_table(worlds[args.time_dp])
+        losses = result["timing"]["losses"]["zero0"]
+        print(
+            f"1. Step time at dp={args.time_dp}, zero=1 and zero=0 built once and stepped "
+            f"alternately, {args.steps} pairs after {args.warmup} warmup pairs (a step = the "
+            f"slower rank between barriers):\n"
+        )
+        print(table)
+        print(
+            f"\nLargest |loss(zero=1) − loss(zero=0)| over the {args.warmup + args.steps} "
+            f"steps: {result['timing']['max_loss_gap']:.2e} (zero=0 loss "
+            f"{losses[0]:.3f} → {losses[-1]:.3f})\n"
+        )
+    table, result["memory"] = memory_table(worlds)
+    print("2. Bytes per parameter on the largest rank, measured at the optimizer step:\n")
+    print(table)
+    state = ", ".join(
+        f"dp={r['dp']}: {min(r['state_bytes_per_rank']):,}–{max(r['state_bytes_per_rank']):,}"
+        for r in result["memory"]
+        if r["zero"] == 1
+    )
+    print(
+        f"\nGrads: the storage they live in when the optimizer steps (zero=1: the padded flat "
+        f"bucket, full size, zeros outside this rank's shard). Δ = measured / formula − 1. "
+        f"zero=1 AdamW state bytes per rank, smallest–largest rank: {state}.\n"
+    )
+    table, result["comm"], failures = comm_table(worlds)
+    print(
+        "3. Collectives counted per training step (COUNTER; all-reduce and reduce-scatter by "
+        "full input, all-gather by full output), and the ring model's bytes each rank sends:\n"
+    )
+    print(table)
+    print(f"\n({time.perf_counter() - began:.0f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    for f in failures:
+        print(f"FAILED: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
