@@ -25,6 +25,7 @@ LAYERS = (
     "models",
     "megapipe.pipeline",
     "megapipe.train",
+    "megapipe.perf",
 )
 PROJECT = ("megapipe", "models")
 

@@ -1,0 +1,107 @@
+"""Collectives and point-to-point transfers priced on the link they cross.
+
+Ranks sit on the grid of distributed/mesh.py: (pp, dp, cp, tp) with tp varying fastest, so the
+stride of an axis is the product of the faster axes' sizes (tp 1, cp tp, dp tp·cp, pp
+tp·cp·dp); node n holds ranks n·G .. n·G+G−1. A group whose members share one node talks over
+NVLink/NVSwitch; one spanning nodes crosses the network.
+
+Algorithm: NCCL's ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for
+clusters of workstations"; the NCCL default at large messages). For a group of n ranks and a
+tensor of S bytes, with α the per-step latency and β the per-GPU bandwidth of the slowest hop:
+
+    all-reduce       2(n−1)·α + 2(n−1)/n · S/β     (reduce-scatter then all-gather)
+    reduce-scatter    (n−1)·α +  (n−1)/n · S/β     (S: the full input)
+    all-gather        (n−1)·α +  (n−1)/n · S/β     (S: the full output)
+    p2p                      α +          S/β
+
+Bandwidth of a ring that spans nodes: every GPU of a node runs the same collective at once in
+its own group (all tp ranks reduce their dp groups together, every stage sends its activations
+together), so the node's NICs are shared evenly: a group with g members on each node crosses
+between nodes with g GPUs' share of the NICs (NCCL runs one ring channel per NIC), and inside
+the node over NVLink: β = min(g · network/G, NVLink) (network/G when g = 1).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+
+from megapipe.perf.cluster import Cluster, Link
+
+AXES = ("pp", "dp", "cp", "tp")  # distributed/mesh.py's grid order, tp fastest
+
+
+def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds of one ring collective `kind` (all_reduce, reduce_scatter, all_gather) of
+    `nbytes` (the full tensor) over `n` ranks on `link`."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1}[kind]
+    return steps * link.latency + steps / n * nbytes / link.bandwidth
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    """Seconds of one point-to-point transfer of `nbytes`."""
+    return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+
+def strides(shape: tuple[int, int, int, int]) -> dict[str, int]:
+    """Rank stride of each axis of the (pp, dp, cp, tp) grid (mesh.rank_grid's layout)."""
+    out, step = {}, 1
+    for axis, size in reversed(list(zip(AXES, shape))):
+        out[axis] = step
+        step *= size
+    return out
+
+
+def groups(shape: tuple[int, int, int, int], axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group of ranks that varies `axes` with the other coordinates fixed: tp groups,
+    dp groups, the dp × cp replica group, ..."""
+    sizes, step = dict(zip(AXES, shape)), strides(shape)
+    inside = [0]
+    for axis in axes:
+        inside = [r + i * step[axis] for r in inside for i in range(sizes[axis])]
+    bases = [0]
+    for axis in AXES:
+        if axis not in axes:
+            bases = [r + i * step[axis] for r in bases for i in range(sizes[axis])]
+    return [[b + r for r in inside] for b in bases]
+
+
+@lru_cache(maxsize=4096)
+def _group_link(shape, axes, gpus_per_node, cluster) -> Link:
+    nvlink = cluster.nvlink
+    worst = None
+    for members in groups(shape, axes):
+        per_node = Counter(r // gpus_per_node for r in members)
+        if len(per_node) == 1:
+            link = nvlink
+        else:
+            g = min(per_node.values())
+            net = cluster.network(g)
+            link = net if g == 1 else Link("network", min(net.bandwidth, nvlink.bandwidth),
+                                           net.latency)  # fmt: skip
+        if worst is None or (link.bandwidth, -link.latency) < (worst.bandwidth, -worst.latency):
+            worst = link
+    return worst
+
+
+def group_link(cluster: Cluster, shape: tuple[int, int, int, int], axes: tuple[str, ...]) -> Link:
+    """The link of the slowest group along `axes` (they all run at once and wait for each
+    other): NVLink when each group sits in one node, else the network share (module doc)."""
+    return _group_link(tuple(shape), tuple(axes), cluster.gpus_per_node, cluster)
+
+
+@lru_cache(maxsize=4096)
+def _p2p_link(shape, src, dst, gpus_per_node, cluster) -> Link:
+    step = strides(shape)["pp"]
+    crosses = any(
+        (src * step + r) // gpus_per_node != (dst * step + r) // gpus_per_node for r in range(step)
+    )
+    return cluster.network(1) if crosses else cluster.nvlink
+
+
+def p2p_link(cluster: Cluster, shape: tuple[int, int, int, int], src: int, dst: int) -> Link:
+    """The link between pp ranks `src` and `dst`: each of the dp·cp·tp pairs sends at once, one
+    GPU's share of the NICs when any pair crosses nodes, else NVLink."""
+    return _p2p_link(tuple(shape), src, dst, cluster.gpus_per_node, cluster)

@@ -1,0 +1,402 @@
+"""Seconds of one block's forward (F), input-grad backward (B, recompute included) and
+weight-grad backward (W) for one microbatch (or Seq1F1B segment) on one rank.
+
+Compute. Every matmul is a GEMM (M×K)·(K×N) priced on the GPU's achievable throughput for its
+shape, peak × e(AI), with the arithmetic intensity AI = 2MNK / (c·(MK + KN + MN)) FLOP per
+byte of its operands and output (c bytes per element):
+
+    e(AI) = e_max · AI / (AI + κ · P/B)
+
+a saturating function of AI (1/AI = c/2 · (1/M + 1/N + 1/K), so the smallest dimension rules)
+whose knee sits at κ times the device's ridge point P/B (peak FLOP/s over HBM bytes/s, the
+roofline of Williams et al. 2009): a GEMM of intensity κ·P/B runs at half of e_max. Small
+GEMMs (thin tp shards, small micro-batches, a head dimension as the inner size of attention's
+batched QKᵀ and PV) therefore run below large ones, and more so on GPUs whose peak grew faster
+than their bandwidth. Memory-bound kernels (norms, GeLU, dropout, residual adds, softmax, the
+autocast casts, grad accumulation, the optimizer) take bytes / (μ · B). The three constants
+e_max, κ and μ are the model's only calibrated numbers (Calibration; perf/table1.py fits them).
+
+What each block runs (per tp rank; N = b·q tokens of the microbatch on this rank, d, heads
+h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
+
+  layer F   GEMMs qkv (N, (h+2·hkv)·hd, d), proj (N, d, h·hd), fc1 (N, f or 2f, d), fc2 (N, d, f);
+            attention (fused causal kernel: 4·hd FLOPs per unmasked score, intensity from
+            q, k, v, o only; unfused: the two batched GEMMs over the full s², the softmax and
+            dropout over the s² scores in HBM); elementwise: two norms, two residual adds
+            (+ dropout), the activation, RoPE, and the runtime's casts (runtime.py)
+  layer B   dgrad GEMMs (M, K, N) of each, attention backward (fused: 2.5× its forward FLOPs,
+            the recomputed scores included; unfused: four batched GEMMs, softmax and dropout
+            backward), elementwise backward (twice the forward's bytes: gradient in and saved
+            input read, gradient written); plus the recompute: the whole F under full
+            recompute (with its tp collectives), the attention core under selective
+  layer W   wgrad GEMMs (K, N, M) and the accumulation of the weight grads (runtime.py)
+  embed     the lookup (and learned positions), dropout; backward the scatter-add
+  head      final norm, the LM head GEMM, the vocab-parallel cross entropy (float32
+            log-softmax: 16 B per logit forward, 12 backward); a tied head computes its weight
+            grad in B (config/memory.head_deferred)
+
+Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), priced by
+comm.ring_time on the tp group's link and not overlapped: per layer F two all-reduces of
+N·d·c (SP: two all-gathers and two reduce-scatters), B the same; the vocab-parallel embedding
+an all-reduce of its output, the cross entropy three all-reduces of N floats, the head input
+grad an all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends the
+K, V block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
+max(0, transfer − block compute) per step is exposed; backward sends K, V and dK, dV, and the
+dK, dV home after the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.config import Config
+from megapipe.config.flops import segment_bounds
+from megapipe.config.memory import attention_path
+from megapipe.parallel.recompute import layer_mode
+from megapipe.perf.cluster import Cluster, Link
+from megapipe.perf.comm import group_link, p2p_time, ring_time
+from megapipe.perf.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's calibrated constants (module docstring)."""
+
+    gemm: float  # e_max: fraction of peak that large GEMMs reach
+    knee: float  # κ: AI at half of e_max, in units of the device's ridge point P/B
+    memory: float  # μ: fraction of HBM bandwidth memory-bound kernels reach
+
+
+# Fitted on all ten rows of Megatron-LM's Table 1 (perf/table1.fit: least squares on
+# log(projected / measured hardware TFLOP/s per GPU); the same minimum from every start tried);
+# `python tools/plan.py table1 --refit` fits them again.
+CALIBRATION = Calibration(gemm=0.785, knee=0.889, memory=0.776)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU's achievable throughput: GEMMs by intensity, memory-bound kernels by bytes."""
+
+    peak: float  # FLOP/s
+    bandwidth: float  # HBM bytes/s
+    cal: Calibration
+
+    def matmul(self, flops: float, intensity: float) -> float:
+        """Seconds of `flops` of tensor-core work at arithmetic intensity `intensity`."""
+        if flops <= 0:
+            return 0.0
+        knee = self.cal.knee * self.peak / self.bandwidth
+        return flops * (intensity + knee) / (self.peak * self.cal.gemm * intensity)
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1.0, elt: int = 2) -> float:
+        """Seconds of `batch` GEMMs (m×k)·(k×n) with `elt`-byte elements."""
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k
+        return self.matmul(batch * flops, flops / (elt * (m * k + k * n + m * n)))
+
+    def mem(self, nbytes: float) -> float:
+        """Seconds of a memory-bound kernel moving `nbytes` through HBM."""
+        return max(nbytes, 0.0) / (self.bandwidth * self.cal.memory)
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of an action by what they are spent on (the breakdown's parts)."""
+
+    compute: float = 0.0
+    tp: float = 0.0  # exposed tp/sp collectives
+    cp: float = 0.0  # exposed cp ring transfers
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.compute + other.compute, self.tp + other.tp, self.cp + other.cp)
+
+    def __mul__(self, k: float) -> Work:
+        return Work(self.compute * k, self.tp * k, self.cp * k)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp
+
+
+ZERO = Work()
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One rank's shapes for one microbatch or Seq1F1B segment."""
+
+    b: int  # sequences
+    q: int  # query tokens per sequence on this rank
+    kv: int  # keys they attend over
+    pairs: float  # unmasked (query, key) pairs per sequence and head a causal kernel computes
+    n: int  # b·q
+    ns: int  # n/tp under sequence parallelism, else n
+    h: int
+    hkv: int
+    hd: int
+    ff: int
+    vocab: int
+
+
+def shapes(cfg: Config, segment: int | None = None) -> Shapes:
+    m, d, p = cfg.model, cfg.derived, cfg.parallel
+    t, s = p.tp, m.seq_len
+    if segment is None:
+        q = kv = s // p.cp
+        pairs = s * (s + 1) / 2 / p.cp  # zigzag gives every cp rank the same share
+    else:
+        start, kv = segment_bounds(cfg)[segment]
+        q = kv - start
+        pairs = q * start + q * (q + 1) / 2
+    n = d.micro_batch_size * q
+    return Shapes(
+        b=d.micro_batch_size,
+        q=q,
+        kv=s if p.cp > 1 else kv,
+        pairs=pairs,
+        n=n,
+        ns=n // t if p.sequence_parallel and t > 1 else n,
+        h=m.n_heads // t,
+        hkv=max(d.n_kv_heads // t, 1),
+        hd=d.head_dim,
+        ff=d.d_ff // t,
+        vocab=-(-m.vocab_size // t),
+    )
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """F, B (input grad, recompute included) and W of one block for one microbatch/segment."""
+
+    F: Work
+    B: Work
+    W: Work
+
+
+class CostModel:
+    """Per-block costs of a config on a cluster under a runtime (module docstring)."""
+
+    def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
+        self.cfg, self.cluster, self.rt = cfg, cluster, runtime
+        self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth, cal)
+        p, m = cfg.parallel, cfg.model
+        self.shape = (p.pp, p.dp, p.cp, p.tp)
+        self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
+        self.cp_link: Link = group_link(cluster, self.shape, ("cp",))
+        self.c = 2 if cfg.train.dtype == "bfloat16" else 4
+        self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
+        self.llama = m.arch == "llama"
+        self.dropout = m.dropout > 0
+        if runtime.attention == "auto":
+            self.attention = attention_path(cfg, "cuda")
+        else:
+            self.attention = "ring" if p.cp > 1 else runtime.attention
+        self._cache: dict = {}
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def _tp(self, kind: str, nbytes: float) -> float:
+        return ring_time(kind, nbytes, self.cfg.parallel.tp, self.tp_link)
+
+    def _tp_layer(self, x: Shapes) -> float:
+        """One direction's tp collectives of a layer (F or B: the same volume)."""
+        p = self.cfg.parallel
+        if p.tp == 1:
+            return 0.0
+        act = x.n * self.cfg.model.d_model * self.c
+        if p.sequence_parallel:
+            return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
+        return 2 * self._tp("all_reduce", act)
+
+    # -- a transformer layer -----------------------------------------------------------------
+
+    def _layer_params(self, x: Shapes) -> float:
+        d = self.cfg.model.d_model
+        return d * (x.h + 2 * x.hkv) * x.hd + x.h * x.hd * d + d * x.ff * (3 if self.llama else 2)
+
+    def _gemms(self, x: Shapes) -> list[tuple[int, int, int]]:
+        d = self.cfg.model.d_model
+        return [
+            (x.n, (x.h + 2 * x.hkv) * x.hd, d),
+            (x.n, d, x.h * x.hd),
+            (x.n, x.ff * (2 if self.llama else 1), d),
+            (x.n, d, x.ff),
+        ]
+
+    def _attention(self, x: Shapes) -> tuple[float, float]:
+        """(forward, backward) seconds of the attention core."""
+        dev, c, heads = self.dev, self.c, x.b * x.h
+        if self.attention in ("fused", "ring"):
+            fwd = 4.0 * x.hd * x.pairs * heads
+            moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
+            intensity = 4.0 * x.hd * x.pairs / moved
+            return dev.matmul(fwd, intensity), dev.matmul(2.5 * fwd, intensity)
+        scores = heads * x.q * x.kv  # the unfused path computes the masked half too
+        mask = 1 if self.dropout else 0
+        drop = scores * (2 * c + mask) if self.dropout else 0.0
+        fwd = (
+            dev.gemm(x.q, x.kv, x.hd, heads, c)  # QKᵀ
+            + dev.mem(scores * 2 * c)  # scale, mask, softmax: read and write the scores
+            + dev.mem(drop)
+            + dev.gemm(x.q, x.hd, x.kv, heads, c)  # PV
+        )
+        bwd = (
+            dev.gemm(x.q, x.kv, x.hd, heads, c)  # dP = dO Vᵀ
+            + dev.gemm(x.kv, x.hd, x.q, heads, c)  # dV = Pᵀ dO
+            + dev.mem(drop)
+            + dev.mem(scores * 3 * c)  # softmax backward: P, dP in, dS out
+            + dev.gemm(x.q, x.hd, x.kv, heads, c)  # dQ = dS K
+            + dev.gemm(x.kv, x.hd, x.q, heads, c)  # dK = dSᵀ Q
+        )
+        return fwd, bwd
+
+    def _elementwise(self, x: Shapes) -> float:
+        """HBM bytes of a layer's memory-bound forward kernels (backward moves twice as many)."""
+        d, c, r = self.cfg.model.d_model, self.c, self.r
+        fused = self.rt.fused_elementwise
+        region = x.ns * d  # the norm / residual region (1/tp of the tokens under SP)
+        mask = 1 if self.dropout else 0
+        norm_out = c if fused else 4  # autocast runs norms in float32, the linear casts
+        norm = region * (r + norm_out) + (0 if fused else x.n * d * (4 + c))
+        if fused:  # bias + dropout + add in one kernel
+            residual = region * (c + 2 * r + mask)
+        else:
+            residual = region * (c + 2 * r) + (region * (2 * c + mask) if self.dropout else 0)
+            residual += 0 if self.llama else region * 2 * c  # row-parallel bias after the sum
+        if self.llama:
+            act = x.n * x.ff * (3 if fused else 5) * c  # silu(gate) · up
+            act += x.n * (x.h + x.hkv) * x.hd * c * (2 if fused else 6)  # RoPE on q, k
+        else:
+            act = x.n * x.ff * 2 * c  # GeLU
+        relayout = 0 if fused else x.n * (x.h + 2 * x.hkv + x.h) * x.hd * 2 * c  # to/from heads
+        return 2 * norm + 2 * residual + act + relayout
+
+    def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
+        """Exposed ring seconds of a layer's forward and backward (module docstring)."""
+        cp = self.cfg.parallel.cp
+        if cp == 1:
+            return 0.0, 0.0
+        kv = 2 * x.n * x.hkv * x.hd * self.c
+        step = p2p_time(kv, self.cp_link)
+        fwd = (cp - 1) * max(0.0, step - attn_fwd / cp)
+        bwd_step = p2p_time(2 * kv, self.cp_link)
+        bwd = (cp - 1) * max(0.0, bwd_step - attn_bwd / cp) + step  # dK, dV come home
+        return fwd, bwd
+
+    def layer(self, mode: str, segment: int | None = None) -> BlockCosts:
+        key = ("layer", mode, segment)
+        if key in self._cache:
+            return self._cache[key]
+        x, dev = shapes(self.cfg, segment), self.dev
+        params = self._layer_params(x)
+        attn_f, attn_b = self._attention(x)
+        cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
+        elem = self._elementwise(x)
+        gemms = self._gemms(x)
+        tp = self._tp_layer(x)
+        f = Work(
+            compute=sum(dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms)
+            + attn_f
+            + dev.mem(elem + params * self.rt.weight_cast_bytes),
+            tp=tp,
+            cp=cp_f,
+        )
+        b = Work(
+            compute=sum(dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms)
+            + attn_b
+            + dev.mem(2 * elem),
+            tp=tp,
+            cp=cp_b,
+        )
+        w = Work(
+            compute=sum(dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms)
+            + dev.mem(params * self.rt.grad_accum_bytes)
+        )
+        if mode == "full":
+            b = b + f
+        elif mode == "selective":
+            b = b + Work(compute=attn_f, cp=cp_f)
+        out = self._cache[key] = BlockCosts(f, b, w)
+        return out
+
+    # -- embedding and head ------------------------------------------------------------------
+
+    def embedding(self, segment: int | None = None) -> BlockCosts:
+        key = ("embed", segment)
+        if key in self._cache:
+            return self._cache[key]
+        x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
+        w = 4 if self.rt.weight_cast_bytes else self.c  # the table: float32 weights or not
+        out = x.n * m.d_model * w
+        fwd = 2 * out  # gather the rows, write them
+        if m.arch == "gpt2":
+            fwd += 3 * x.ns * m.d_model * w  # learned positions added
+        if self.dropout:
+            fwd += x.ns * m.d_model * (2 * w + 1)
+        tp = 0.0
+        if p.tp > 1:
+            kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
+            tp = self._tp(kind, out)
+        table = x.vocab * m.d_model
+        f = Work(compute=dev.mem(fwd), tp=tp)
+        b = Work(
+            compute=dev.mem(2 * fwd + table * self.rt.grad_accum_bytes),
+            tp=self._tp("all_gather", out) if p.sequence_parallel else 0.0,
+        )
+        res = self._cache[key] = BlockCosts(f, b, ZERO)
+        return res
+
+    def head(self, segment: int | None = None) -> BlockCosts:
+        key = ("head", segment)
+        if key in self._cache:
+            return self._cache[key]
+        x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
+        d, c = m.d_model, self.c
+        norm_out = c if self.rt.fused_elementwise else 4
+        norm = x.ns * d * (self.r + norm_out)
+        logits = x.n * x.vocab
+        table = x.vocab * d
+        f_tp = b_tp = 0.0
+        if p.tp > 1:
+            f_tp = 3 * self._tp("all_reduce", x.n * 4)  # max, sum of exp, target logit
+            act = x.n * d * c
+            if p.sequence_parallel:
+                f_tp += self._tp("all_gather", act)
+                b_tp = self._tp("reduce_scatter", act)
+            else:
+                b_tp = self._tp("all_reduce", act)
+        f = Work(
+            compute=dev.gemm(x.n, x.vocab, d, 1, c)
+            + dev.mem(norm + 16 * logits + table * self.rt.weight_cast_bytes),
+            tp=f_tp,
+        )
+        wgrad = Work(
+            compute=dev.gemm(d, x.vocab, x.n, 1, c) + dev.mem(table * self.rt.grad_accum_bytes)
+        )
+        b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + dev.mem(2 * norm + 12 * logits), tp=b_tp)
+        # a tied head is F.linear on the table: its weight grad comes in B
+        tied = m.tie_embeddings
+        res = self._cache[key] = BlockCosts(f, b + wgrad, ZERO) if tied else BlockCosts(f, b, wgrad)
+        return res
+
+    def block(self, index: int, segment: int | None = None) -> BlockCosts:
+        """Costs of block `index` of the GPT: 0 the embedding, 1..L layers, L+1 the head."""
+        n_layers = self.cfg.model.n_layers
+        if index == 0:
+            return self.embedding(segment)
+        if index == n_layers + 1:
+            return self.head(segment)
+        return self.layer(layer_mode(self.cfg.recompute, index - 1), segment)
+
+    def stage(self, blocks: range, segment: int | None = None) -> BlockCosts:
+        """Sum over a chunk's blocks."""
+        key = ("stage", blocks.start, blocks.stop, segment)
+        if key in self._cache:
+            return self._cache[key]
+        f = b = w = ZERO
+        for i in blocks:
+            cost = self.block(i, segment)
+            f, b, w = f + cost.F, b + cost.B, w + cost.W
+        res = self._cache[key] = BlockCosts(f, b, w)
+        return res

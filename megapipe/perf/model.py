@@ -1,0 +1,387 @@
+"""Project one training step of a config onto a cluster: time, throughput, MFU, bubble, breakdown
+and peak memory (docs/architecture.md, "Layers", perf).
+
+A step, as our runtime runs it (docs/architecture.md, "One training step"):
+
+1. The pipeline. Every action of the configured schedule (config/stages.schedule_of, placed by
+   placement_of, the partition of config/stages.partition) costs what its chunk's blocks cost
+   for that kind (perf/costs.py: F, B with the recompute, W, BW = B + W; a Seq1F1B segment its
+   own shapes), and a message between ranks arrives one p2p transfer after its producer ends
+   (perf/comm.py, on NVLink or the network by where the two pp ranks sit). The action lists are
+   timed with plan/walk.py's semantics (perf/pipeline.py, the compiled form of
+   plan/simulate.py). pp = 1 runs the microbatches one after another (F, BW). A schedule
+   built for costs (zb_v) under `schedule_costs=profile` is built from the projected costs, as
+   the runtime rebuilds it from the measured ones.
+2. The dp × cp gradient reduction (comm.ring_time on the replica group's link): all-reduce
+   (zero=0) or reduce-scatter (zero=1) of each chunk's grads, in buckets launched during the
+   chunk's last backward (W or BW) and finishing no earlier than that backward's end plus one
+   bucket, one chunk after another, whatever of it outlasts the rank's pipeline work being
+   exposed; then the tied embedding's all-reduce between the first and last stage. A runtime
+   without overlap (runtime.py) starts it when the rank's pipeline work ends.
+3. The optimizer: the global grad norm (a tree all-reduce, latency only), AdamW over the
+   rank's parameters (or its 1/(dp·cp) shard) at the runtime's bytes per parameter, and under
+   zero=1 the all-gather of the updated float32 weights.
+
+step_time = max over ranks of the end of 2, + 3. Model FLOPs are config/flops.flops_per_token
+(6N + 12·L·d·T, as metrics.jsonl counts them); hardware FLOPs add the recompute's forward
+(full: 2·N_layer + 4·d·T per recomputed layer and token; selective: 4·d·T), the count of
+Narayanan et al. 2021 §5.1. The breakdown splits the step on the busiest pp rank: its compute
+(GEMMs, attention, memory-bound kernels), exposed tp/sp and cp communication, the pipeline
+bubble with p2p waits (makespan − its busy time), exposed dp communication, the optimizer.
+Peak memory is train/memory.memory_plan's (perf/memory.py computes the same, cached).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from megapipe.config import Config
+from megapipe.config.flops import flops_per_token, matmul_params, segment_bounds
+from megapipe.config.stages import partition, placement_of
+from megapipe.parallel.recompute import layer_mode
+from megapipe.perf.cluster import Cluster
+from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
+from megapipe.perf.costs import CALIBRATION, Calibration, CostModel, Work
+from megapipe.perf.memory import chunk_params
+from megapipe.perf.memory import plan as memory_plan
+from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, cached_dag, config_dag, run
+from megapipe.perf.runtime import MEGAPIPE, Runtime
+from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
+from megapipe.plan.schedules import SCHEDULES
+
+GIB = 2**30
+
+
+@dataclass
+class Projection:
+    """One projected step (module docstring). Times in seconds."""
+
+    step_time_s: float
+    tflops_per_gpu: float
+    hw_tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    breakdown: dict[str, float]
+    peak_memory_gib: float | None
+    memory_rank: tuple[int, int] | None  # (pp_rank, tp_rank) of the peak
+    fits: bool | None  # peak within the GPU's memory
+    world_size: int
+    tokens_per_step: int
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "peak_memory_gib": self.peak_memory_gib,
+            "memory_rank": list(self.memory_rank) if self.memory_rank else None,
+            "fits": self.fits,
+            "world_size": self.world_size,
+            "tokens_per_step": self.tokens_per_step,
+            "breakdown": self.breakdown,
+            "detail": self.detail,
+        }
+
+
+def recompute_flops_per_token(cfg: Config) -> float:
+    """Forward FLOPs per token the recompute adds: full reruns a layer (2·N_layer + 4·d·T),
+    selective the attention core (4·d·T), for each layer recompute.layers covers."""
+    m = cfg.model
+    layer_fwd = 2.0 * (matmul_params(cfg) - m.d_model * m.vocab_size) / m.n_layers
+    attn_fwd = 4.0 * m.d_model * m.seq_len
+    total = 0.0
+    for i in range(m.n_layers):
+        mode = layer_mode(cfg.recompute, i)
+        total += layer_fwd + attn_fwd if mode == "full" else attn_fwd if mode == "selective" else 0
+    return total
+
+
+def _replica_schedule(microbatches: int):
+    """pp = 1 (train/replica.py): each microbatch's forward, then its backward."""
+    actions = []
+    for mb in range(microbatches):
+        actions += [Action(FORWARD, mb), Action(FULL_BACKWARD, mb)]
+    return {0: actions}, Placement(1, 1)
+
+
+def _as_profiled(cfg: Config, stage_costs: list[list[list[Work]]]) -> Config:
+    """A schedule built for costs under schedule_costs=profile (zb_v) is rebuilt by the runtime
+    from the costs of its second step (pipeline/timeline.profile_costs: the mean per kind over
+    the ranks): here from the projected ones, one microbatch through a rank's whole share,
+    relative to the largest, to 3 digits (so similar configs share the cached schedule)."""
+    p = cfg.parallel
+    place = placement_of(cfg)
+    means = [
+        sum(stage_costs[place.stage(r, c)][kind][0].total for r in range(p.pp) for c in
+            range(place.vpp)) / p.pp
+        for kind in range(3)
+    ]  # fmt: skip
+    scale = max(means) or 1.0
+    text = ",".join(f"{k}={max(x / scale, 1e-3):.3g}" for k, x in zip("FBW", means))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, schedule_costs=text))
+
+
+def project(
+    cfg: Config,
+    cluster: Cluster,
+    runtime: Runtime = MEGAPIPE,
+    cal: Calibration = CALIBRATION,
+    memory: bool = True,
+) -> Projection:
+    """The projected step of `cfg` on `cluster` (module docstring). `memory=False` skips the
+    memory plan (peak_memory_gib None), the one part that builds meta-device chunks."""
+    p, m = cfg.parallel, cfg.model
+    cm = CostModel(cfg, cluster, runtime, cal)
+    shape = (p.pp, p.dp, p.cp, p.tp)
+    pipelined = p.pp > 1
+    place = placement_of(cfg) if pipelined else Placement(1, 1)
+    stages = partition(cfg, place.num_stages) if pipelined else [range(0, m.n_layers + 2)]
+    bounds = segment_bounds(cfg)
+    seg_ids = [None] if len(bounds) == 1 else list(range(len(bounds)))
+
+    # per global stage, kind (F, B, W, BW), segment: Work
+    stage_costs: list[list[list[Work]]] = []
+    for blocks in stages:
+        per_kind: list[list[Work]] = [[], [], [], []]
+        for seg in seg_ids:
+            c = cm.stage(blocks, seg)
+            for kind, w in enumerate((c.F, c.B, c.W, c.B + c.W)):
+                per_kind[kind].append(w)
+        stage_costs.append(per_kind)
+
+    if not pipelined:
+        dag = cached_dag(("replica", p.microbatches), lambda: _replica_schedule(p.microbatches))
+    elif "costs" in SCHEDULES[p.schedule].options and p.schedule_costs == "profile":
+        dag = config_dag(_as_profiled(cfg, stage_costs))
+    else:
+        dag = config_dag(cfg)
+
+    # per-rank parameters (grads to reduce, optimizer state) per local chunk, tp rank 0
+    held = [
+        [chunk_params(cfg, stages[place.stage(r, c)], 0) for c in range(place.vpp)]
+        for r in range(p.pp)
+    ]
+    dp = _dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c)
+    opt = _optimizer(cfg, cluster, runtime, cm, shape, held)
+
+    cost = [0.0] * (len(stages) * 4 * dag.segments)
+    for st, per_kind in enumerate(stage_costs):
+        for kind in range(4):
+            for k, w in enumerate(per_kind[kind]):
+                cost[dag.key(st, kind, k)] = w.total
+    if p.schedule == "pipedream_async" and pipelined:  # each backward steps its stage
+        for st in range(len(stages)):
+            rank = place.locate(st)[0]
+            for k in range(dag.segments):
+                cost[dag.key(st, KIND_INDEX[FULL_BACKWARD], k)] += (
+                    dp.total[rank] + opt.per_rank[rank]
+                )
+
+    delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
+    timing = run(dag, cost, delay, extra)
+    makespan = timing.makespan
+
+    if p.schedule == "pipedream_async" and pipelined:
+        dp_end, opt_time, gather = makespan, 0.0, 0.0
+    else:
+        dp_end = _dp_end(dag, timing, dp, runtime, place)
+        opt_time, gather = opt.step, opt.gather
+    step = dp_end + opt_time + gather
+
+    world = cfg.derived.world_size
+    tokens = cfg.derived.tokens_per_step
+    model_flops = tokens * flops_per_token(cfg)
+    hw_flops = model_flops + tokens * recompute_flops_per_token(cfg)
+    tflops = model_flops / step / world / 1e12
+    hw_tflops = hw_flops / step / world / 1e12
+
+    busiest = max(range(p.pp), key=lambda r: timing.busy[r])
+    parts = _rank_work(dag, stage_costs, busiest)
+    breakdown = {
+        "compute_s": parts.compute,
+        "tp_comm_s": parts.tp,
+        "cp_comm_s": parts.cp,
+        "pipeline_bubble_p2p_s": makespan - timing.busy[busiest],
+        "dp_comm_s": dp_end - makespan,
+        "optimizer_s": opt_time + gather,
+    }
+    if p.schedule == "pipedream_async" and pipelined:  # the updates inside the backwards
+        backwards = sum(1 for r, k in zip(dag.rank, dag.kind) if r == busiest and k == 3)
+        breakdown["dp_comm_s"] = backwards * dp.total[busiest]
+        breakdown["optimizer_s"] = backwards * opt.per_rank[busiest]
+    detail = {
+        "runtime": runtime.name,
+        "cluster": cluster.name,
+        "busiest_pp_rank": busiest,
+        "pipeline_makespan_s": makespan,
+        "actions": dag.size,
+        "attention": cm.attention,
+        "links": {
+            "tp": cm.tp_link.name,
+            "cp": cm.cp_link.name,
+            "dp": group_link(cluster, shape, ("dp", "cp")).name,
+            "pp": p2p_link(cluster, shape, 0, 1).name if pipelined else None,
+        },
+        "dp_comm_max_rank_s": max(dp.total),
+        "model_tflops_per_step": model_flops / 1e12,
+        "hw_tflops_per_step": hw_flops / 1e12,
+    }
+    peak = rank = fits = None
+    if memory:
+        mem = memory_plan(cfg, "cuda")
+        peak, rank = mem.max / GIB, mem.argmax
+        fits = mem.max <= cluster.hbm_bytes
+    return Projection(
+        step_time_s=step,
+        tflops_per_gpu=tflops,
+        hw_tflops_per_gpu=hw_tflops,
+        mfu=tflops / cluster.peak_tflops,
+        bubble_fraction=timing.bubble_fraction,
+        breakdown=breakdown,
+        peak_memory_gib=peak,
+        memory_rank=rank,
+        fits=fits,
+        world_size=world,
+        tokens_per_step=tokens,
+        detail=detail,
+    )
+
+
+def _rank_work(dag: Dag, stage_costs, rank: int) -> Work:
+    """The Work parts of all of `rank`'s actions."""
+    total = Work()
+    for index, count in dag.counts[rank].items():
+        st, rest = divmod(index, 4 * dag.segments)
+        kind, seg = divmod(rest, dag.segments)
+        total = total + stage_costs[st][kind][seg] * count
+    return total
+
+
+def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
+    """Per message key: the arrival delay and (blocking p2p) the sender's extra seconds."""
+    p, m = cfg.parallel, cfg.model
+    b = cfg.derived.micro_batch_size
+    q_full = m.seq_len // p.cp
+    delay = [0.0] * len(dag.messages)
+    extra = [0.0] * len(dag.messages) if runtime.p2p_blocking else None
+    for key, (src, dst, seg, _grad) in enumerate(dag.messages):
+        q = q_full if len(bounds) == 1 else bounds[seg][1] - bounds[seg][0]
+        nbytes = b * q * m.d_model * (runtime.p2p_bytes or cm.c)
+        if p.sequence_parallel and p.tp > 1 and not runtime.p2p_scatter_gather:
+            nbytes /= p.tp  # each tp rank sends its sequence shard
+        link = p2p_link(cluster, shape, src, dst)
+        if runtime.p2p_scatter_gather and p.tp > 1 and link.name == "network":
+            t = p2p_time(nbytes / p.tp, link) + ring_time("all_gather", nbytes, p.tp, cm.tp_link)
+        else:
+            t = p2p_time(nbytes, link)
+        if extra is not None:
+            extra[key] = t
+        else:
+            delay[key] = t
+    return delay, extra
+
+
+@dataclass
+class _DP:
+    chunk: list[list[float]]  # per rank, per local chunk: seconds of its reduction
+    last_bucket: list[list[float]]
+    total: list[float]  # per rank
+    tied: float  # the tied embedding's all-reduce between the first and last stage
+
+
+def _dp_plan(cfg, cluster, runtime, shape, held, grad_bytes: int) -> _DP:
+    p, m = cfg.parallel, cfg.model
+    n = p.dp * p.cp
+    link = group_link(cluster, shape, ("dp", "cp"))
+    kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    bucket = runtime.dp_bucket_mb * 2**20
+    chunk, last = [], []
+    for per_chunk in held:
+        times, lasts = [], []
+        for params in per_chunk:
+            nbytes = params * grad_bytes
+            t = ring_time(kind, nbytes, n, link)
+            if bucket and nbytes > bucket and n > 1:
+                t += (math.ceil(nbytes / bucket) - 1) * steps * link.latency
+                lasts.append(ring_time(kind, bucket, n, link))
+            else:
+                lasts.append(t)
+            times.append(t)
+        chunk.append(times)
+        last.append(lasts)
+    tied = 0.0
+    place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
+    last_rank = place.locate(place.num_stages - 1)[0]
+    if m.tie_embeddings and last_rank != 0:
+        table = -(-m.vocab_size // p.tp) * m.d_model
+        tied = ring_time("all_reduce", table * grad_bytes, 2,
+                         p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
+    return _DP(chunk, last, [sum(t) for t in chunk], tied)
+
+
+def _dp_end(dag: Dag, timing: Timing, dp: _DP, runtime: Runtime, place: Placement) -> float:
+    """When the last rank has its grads reduced (module docstring, 2)."""
+    pp, vpp = place.pp, place.vpp
+    rank_end = [0.0] * pp
+    for r, i in enumerate(_last_actions(dag)):
+        rank_end[r] = timing.end[i] if i >= 0 else 0.0
+    last_rank = place.locate(place.num_stages - 1)[0]
+    done = 0.0
+    for r in range(pp):
+        free = 0.0 if runtime.dp_overlap else rank_end[r]
+        held = [
+            (timing.start[dag.last_grad[r, c]], c) for c in range(vpp) if (r, c) in dag.last_grad
+        ]
+        for _, c in sorted(held):
+            i = dag.last_grad[r, c]
+            if runtime.dp_overlap:
+                begin = max(free, timing.start[i])
+                free = max(begin + dp.chunk[r][c], timing.end[i] + dp.last_bucket[r][c])
+            else:
+                free += dp.chunk[r][c]
+        ready = max(rank_end[r], free)
+        if r in (0, last_rank) and dp.tied:
+            ready += dp.tied
+        done = max(done, ready)
+    return done
+
+
+def _last_actions(dag: Dag) -> list[int]:
+    """Index of each rank's last action (-1: none)."""
+    last = [-1] * dag.pp
+    for i in range(dag.size - 1, -1, -1):
+        if last[dag.rank[i]] < 0:
+            last[dag.rank[i]] = i
+            if min(last) >= 0:
+                break
+    return last
+
+
+@dataclass
+class _Opt:
+    per_rank: list[float]
+    step: float
+    gather: float
+
+
+def _optimizer(cfg, cluster, runtime, cm: CostModel, shape, held) -> _Opt:
+    p = cfg.parallel
+    n = p.dp * p.cp
+    shards = n if p.zero and n > 1 else 1
+    norm_group = cfg.derived.world_size if shards > 1 else p.pp * p.tp
+    norm = (
+        2 * math.ceil(math.log2(norm_group)) * cluster.network(1).latency if norm_group > 1 else 0
+    )
+    per_rank = [cm.dev.mem(sum(ps) / shards * runtime.optimizer_bytes) for ps in held]
+    gather = 0.0
+    if shards > 1:
+        link = group_link(cluster, shape, ("dp", "cp"))
+        gather = max(ring_time("all_gather", sum(ps) * 4, n, link) for ps in held)
+    return _Opt(per_rank, norm + max(per_rank), gather)

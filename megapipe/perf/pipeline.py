@@ -1,0 +1,225 @@
+"""The schedule's action lists timed with per-action costs: plan/simulate.py's semantics, compiled.
+
+plan/simulate.py times a schedule by walking it (plan/walk.py: each rank runs its list in
+order, an action starts when its rank is free and the events it needs have happened, a message
+from another rank arriving `comm` after its producer ends). With the per-rank orders fixed,
+the start times are a longest path through a DAG that does not depend on the costs. `Dag`
+records that DAG once per schedule, by running the same walk with a callback that notes each
+action's predecessors, and then times it for any costs in one pass over a flat list. Costs
+may differ per global stage, per kind, per Seq1F1B segment, and per message (a transfer
+between ranks on one node is cheaper than one across nodes): what the projection needs and
+plan/simulate.Costs cannot say. tests/test_perf_model.py holds `Dag.run` equal to `simulate`
+for every schedule when the costs are ones Costs can express.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megapipe.config import Config
+from megapipe.config.stages import placement_of, schedule_of
+from megapipe.plan.actions import (
+    FORWARD,
+    FULL_BACKWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+)
+from megapipe.plan.messages import sent
+from megapipe.plan.schedules import SCHEDULES
+from megapipe.plan.simulate import Costs, action_cost
+from megapipe.plan.walk import walk
+
+KIND_INDEX = {FORWARD: 0, INPUT_GRAD: 1, WEIGHT_GRAD: 2, FULL_BACKWARD: 3}
+
+
+@dataclass(frozen=True)
+class Dag:
+    """A schedule's actions in a topological order (the walk's), with what each waits for."""
+
+    pp: int
+    vpp: int
+    segments: int
+    rank: tuple[int, ...]
+    stage: tuple[int, ...]
+    kind: tuple[int, ...]  # KIND_INDEX
+    chunk: tuple[int, ...]
+    seg: tuple[int, ...]
+    microbatch: tuple[int, ...]
+    prev: tuple[int, ...]  # the previous action on the same rank, -1 for the first
+    # (producer, message key) per action; message key -1: same rank, no transfer
+    needs: tuple[tuple[tuple[int, int], ...], ...]
+    messages: tuple[tuple[int, int, int, int], ...]  # key -> (src rank, dst rank, seg, grad)
+    sends: tuple[int, ...]  # message key the action sends to another rank, -1 for none
+    cost_index: tuple[int, ...]  # key(stage, kind, seg) of each action
+    last_grad: dict[tuple[int, int], int]  # (rank, chunk) -> its last W or BW
+    counts: tuple[dict[int, int], ...]  # per rank: {cost index: number of actions}
+
+    @property
+    def size(self) -> int:
+        return len(self.rank)
+
+    def key(self, stage: int, kind: int, seg: int) -> int:
+        """Index of (stage, kind, segment) in a flat cost table."""
+        return (stage * 4 + kind) * self.segments + seg
+
+
+def compile_schedule(schedule, placement: Placement) -> Dag:
+    """Walk `schedule` once and record its DAG."""
+    segments = 1 + max((a.seg for acts in schedule.values() for a in acts), default=0)
+    last = placement.num_stages - 1
+    rank_, stage_, kind_, chunk_, seg_, mb_, prev_, needs_, sends_ = ([] for _ in range(9))
+    message_keys: dict[tuple[int, int, int, int], int] = {}
+    last_on_rank: dict[int, int] = {}
+
+    def key_of(src: int, dst: int, seg: int, grad: bool) -> int:
+        k = (src, dst, seg, int(grad))
+        if k not in message_keys:
+            message_keys[k] = len(message_keys)
+        return message_keys[k]
+
+    def run(rank, a, stage, needs, finished):
+        node = len(rank_)
+        deps = []
+        for event in needs:
+            producer = finished[event]
+            src = rank_[producer]
+            msg = -1 if src == rank else key_of(src, rank, a.seg, event[0] == "G")
+            deps.append((producer, msg))
+        out = sent(a, stage, last)
+        send = -1
+        if out is not None:
+            dst = placement.locate(out.dest_stage())[0]
+            if dst != rank:
+                send = key_of(rank, dst, a.seg, out.grad)
+        rank_.append(rank)
+        stage_.append(stage)
+        kind_.append(KIND_INDEX[a.kind])
+        chunk_.append(a.chunk)
+        seg_.append(a.seg)
+        mb_.append(a.microbatch)
+        prev_.append(last_on_rank.get(rank, -1))  # -1 reads end[n] = 0 in run
+        needs_.append(tuple(deps))
+        sends_.append(send)
+        last_on_rank[rank] = node
+        return node
+
+    walk(schedule, placement, run)
+    messages = sorted(message_keys, key=message_keys.get)
+    cost_index = [(st * 4 + k) * segments + sg for st, k, sg in zip(stage_, kind_, seg_)]
+    last_grad, counts = {}, tuple({} for _ in range(placement.pp))
+    for i, (r, c, k, ci) in enumerate(zip(rank_, chunk_, kind_, cost_index)):
+        if k in (2, 3):
+            last_grad[r, c] = i
+        counts[r][ci] = counts[r].get(ci, 0) + 1
+    return Dag(
+        pp=placement.pp,
+        vpp=placement.vpp,
+        segments=segments,
+        rank=tuple(rank_),
+        stage=tuple(stage_),
+        kind=tuple(kind_),
+        chunk=tuple(chunk_),
+        seg=tuple(seg_),
+        microbatch=tuple(mb_),
+        prev=tuple(prev_),
+        needs=tuple(needs_),
+        messages=tuple(messages),
+        sends=tuple(sends_),
+        cost_index=tuple(cost_index),
+        last_grad=last_grad,
+        counts=counts,
+    )
+
+
+_DAGS: dict[tuple, Dag] = {}
+
+
+_PLAIN_OPTIONS = {"weight_sync", "microbatch_group", "memory_limit", "costs"}
+
+
+def schedule_key(cfg: Config) -> tuple:
+    """What config/stages.schedule_of(cfg) depends on: the schedule's own keys, or, for a
+    schedule whose options read more of the config, all of what might matter."""
+    p = cfg.parallel
+    key = (p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, p.weight_sync,
+           p.schedule_costs)  # fmt: skip
+    if set(SCHEDULES[p.schedule].options) <= _PLAIN_OPTIONS:
+        return key
+    return (*key, repr(p), repr(cfg.model), repr(cfg.recompute), cfg.train.dtype,
+            cfg.train.global_batch)  # fmt: skip
+
+
+def config_dag(cfg: Config) -> Dag:
+    """The Dag of the configured schedule (pp > 1), cached per schedule."""
+    return cached_dag(schedule_key(cfg), lambda: (schedule_of(cfg), placement_of(cfg)))
+
+
+def simulate_costs(dag: Dag, costs: Costs, placement: Placement) -> tuple[list, list]:
+    """(cost table, message delays) that time `dag` as plan/simulate.simulate(schedule, costs,
+    placement) does, with equal Seq1F1B flop shares (simulate's default)."""
+    table = [0.0] * (placement.num_stages * 4 * dag.segments)
+    shares = [1.0 / dag.segments] * dag.segments
+    for stage in range(placement.num_stages):
+        chunk = placement.locate(stage)[1]
+        for kind, k in KIND_INDEX.items():
+            for seg in range(dag.segments):
+                a = Action(kind, 0, chunk, seg if dag.segments > 1 else None)
+                table[dag.key(stage, k, seg)] = action_cost(a, stage, costs, placement, shares)
+    return table, [costs.comm] * len(dag.messages)
+
+
+def cached_dag(key: tuple, build: Callable[[], tuple]) -> Dag:
+    """compile_schedule(*build()) once per schedule key (build returns schedule, placement)."""
+    if key not in _DAGS:
+        if len(_DAGS) >= 256:
+            _DAGS.clear()
+        _DAGS[key] = compile_schedule(*build())
+    return _DAGS[key]
+
+
+@dataclass
+class Timing:
+    """Start and end of every action of a Dag, and per-rank busy time."""
+
+    start: list[float]
+    end: list[float]
+    makespan: float
+    busy: list[float]  # per rank: the sum of its actions' costs (blocking sends left out)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """1 − Σ busy / (pp · makespan), as plan/simulate.SimResult.bubble_fraction."""
+        if not self.makespan:
+            return 0.0
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+def run(
+    dag: Dag, cost: list[float], delay: list[float], extra: list[float] | None = None
+) -> Timing:
+    """Time `dag`: action i costs cost[dag.key(stage, kind, seg)] (+ extra[message it sends],
+    which its rank spends sending: blocking p2p); a message with key k arrives delay[k] after
+    its producer ends."""
+    n = dag.size
+    end = [0.0] * (n + 1)  # end[n] = 0: the "previous action" of each rank's first
+    start = [0.0] * n
+    busy = [0.0] * dag.pp
+    wait = list(delay) + [0.0]  # key -1: a same-rank event, no transfer
+    send = (list(extra) if extra is not None else [0.0] * len(delay)) + [0.0]
+    for i, (p, needs, k, r, s) in enumerate(
+        zip(dag.prev, dag.needs, dag.cost_index, dag.rank, dag.sends)
+    ):
+        t = end[p]
+        for producer, msg in needs:
+            arrive = end[producer] + wait[msg]
+            if arrive > t:
+                t = arrive
+        c = cost[k]
+        busy[r] += c
+        start[i] = t
+        end[i] = t + c + send[s]
+    end.pop()
+    return Timing(start, end, max(end, default=0.0), busy)
