@@ -58,6 +58,24 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"],
         ),
+        ("zb_auto-m4", 1, 1, pp("zb_auto", 2, 4)),
+        (
+            "zb_auto-m3-2p-llama",
+            1,
+            1,
+            [*pp("zb_auto", 2, 3), *B12, *LLAMA, "parallel.zb_memory=2p"],
+        ),
+        (
+            "zb_auto-m6-3-built-for-costs",
+            1,
+            1,
+            [
+                *pp("zb_auto", 2, 6),
+                *B12,
+                "parallel.schedule_costs=F=1,B=1.5,W=0.5,comm=0.1",
+                "parallel.zb_memory=3",
+            ],
+        ),
         ("1f1b-m2-selective-recompute", 1, 1, [*pp("1f1b", 2, 2), "recompute.mode=selective"]),
         (
             "zb_h1-m2-llama-selective-recompute",
@@ -91,6 +109,15 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp4-zb_v-m4", 1, 1, [*pp("zb_v", 4, 4, 2), *L6]),
         ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
         ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
+        ("pp4-zb_auto-m8", 1, 1, [*pp("zb_auto", 4, 8), *L6]),
+        (
+            "pp4-zb_auto-m8-2p-selective",
+            1,
+            1,
+            [*pp("zb_auto", 4, 8), *L6, "parallel.zb_memory=2p", "recompute.mode=selective"],
+        ),
+        ("dp2-pp2-zb_auto-m4-2p", 2, 1, [*pp("zb_auto", 2, 4), "parallel.zb_memory=2p"]),
+        ("pp2-tp2-zb_auto-gqa-sp", 1, 2, [*pp("zb_auto", 2, 4), *GQA2, *SP]),
         ("pp2-tp2-zb_v-gqa-sp", 1, 2, [*pp("zb_v", 2, 4, 2), *GQA2, *SP]),
         ("pp4-1f1b-m4-balance-llama3", 1, 1, [*pp("1f1b", 4, 4), *L6, "parallel.balance=llama3"]),
         (

@@ -49,7 +49,15 @@ def test_json_summary_has_contract_keys():
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert set(out) == {"makespan", "bubble_fraction", "idle", "peak_inflight_microbatches"}
+    assert set(out) == {
+        "makespan",
+        "bubble_fraction",
+        "idle",
+        "peak_inflight_microbatches",
+        "peak_memory",
+        "span",
+        "bubble_rate_paper",
+    }
     assert out["idle"] == [4.2] * 4  # (p−1)(F+B−W)
     assert len(out["peak_inflight_microbatches"]) == 4
 

@@ -4,12 +4,21 @@
     python tools/schedule.py --schedule interleaved_1f1b --pp 4 --microbatches 8 --vpp 2 --json
     python tools/schedule.py --compare 1f1b,zb_h1,zb_v --pp 4 --microbatches 8 --plot cmp.png
     python tools/schedule.py --schedule zb_v --pp 4 --microbatches 8 --to-csv zbv.csv
+    python tools/schedule.py --schedule zb_auto --pp 8 --microbatches 24 --zb-memory 2p \
+        --zb-w-share 0.366 --cost F=18.522,B=18.086,W=9.337,comm=0.601 --json
     python tools/schedule.py --from-csv zbv.csv --placement v --json
 
 CSV format (one row per action, header required): ``rank,index,kind,microbatch,chunk,segment,
 version`` where index is the action's position in its rank's list, kind is F, B, W or BW,
 segment and version are empty when unused. pp is the largest rank + 1, vpp the largest chunk + 1;
 ``--placement`` (loop or v) says which global stage a chunk holds.
+
+zb_v and zb_auto are built for the ``--cost`` given, as training builds them for measured costs;
+zb_auto under ``--zb-memory`` (1p, 2p or N microbatches per rank) with ``--zb-w-share`` the part
+of a microbatch's activations kept from B to W (the Zero Bubble paper's M_W / M_B; 1 counts a
+microbatch whole until its W). ``--json`` gives per rank ``span`` (last end minus first start)
+and ``peak_memory`` (microbatches' activations, what B to W keeps weighing ``--zb-w-share``),
+and ``bubble_rate_paper``, the paper's (longest span − busiest rank's work) / longest span.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from megapipe.plan.actions import Action, Placement, Schedule, format_grid
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, SimResult, simulate
 from megapipe.plan.validate import validate
+from megapipe.plan.zb_auto import peak_memory
 
 CSV_COLUMNS = ["rank", "index", "kind", "microbatch", "chunk", "segment", "version"]
 
@@ -76,12 +86,15 @@ def shape_for(name: str, vpp: int, seq_segments: int) -> tuple[int, int]:
     return 1, seq_segments if name == "seq1f1b" else 1
 
 
-def summary(result: SimResult) -> dict:
+def summary(result: SimResult, w_share: float = 1.0) -> dict:
     return {
         "makespan": round(result.makespan, 6),
         "bubble_fraction": round(result.bubble_fraction, 6),
         "idle": [round(x, 6) for x in result.idle],
         "peak_inflight_microbatches": [round(x, 6) for x in result.peak_inflight],
+        "peak_memory": peak_memory(result, w_share),  # units of M_B, B to W weighs w_share
+        "span": [round(x, 6) for x in result.span],
+        "bubble_rate_paper": round(result.bubble_rate_paper, 6),
     }
 
 
@@ -91,7 +104,10 @@ def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
         if args.compare
         else (args.vpp, args.seq_segments)
     )
-    opts = {"costs": costs} if name == "zb_v" else {}  # built for these costs, as the runtime
+    spec = SCHEDULES[name]
+    opts = {"costs": costs} if spec.built_for_costs else {}  # as the runtime builds them
+    if "memory" in spec.options:
+        opts |= {"memory": args.zb_memory, "w_share": args.zb_w_share}
     schedule = build_schedule(name, args.pp, args.microbatches, vpp, k, **opts)
     where = placement(name, args.pp, vpp)
     validate(schedule, args.pp, args.microbatches, vpp, k, where)
@@ -100,13 +116,13 @@ def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
 
 def compare_table(rows: list[tuple[str, SimResult]]) -> str:
     lines = [
-        "| schedule | makespan | bubble | peak in-flight (max) | idle per rank |",
-        "|---|---:|---:|---:|---|",
+        "| schedule | makespan | bubble | bubble (paper) | peak in-flight (max) | idle per rank |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for name, r in rows:
         idle = " ".join(f"{x:g}" for x in (round(i, 3) for i in r.idle))
         lines.append(
-            f"| {name} | {r.makespan:.3f} | {r.bubble_fraction:.4f} | "
+            f"| {name} | {r.makespan:.3f} | {r.bubble_fraction:.4f} | {r.bubble_rate_paper:.4f} | "
             f"{max(r.peak_inflight):g} | {idle} |"
         )
     return "\n".join(lines)
@@ -126,6 +142,15 @@ def parse_args(argv):
         "--cost",
         default="F=1,B=1,W=1,comm=0",
         help="F,B,W[,BW],comm,first,last; BW defaults to B+W",
+    )
+    parser.add_argument(
+        "--zb-memory", default="1p", help="zb_auto: memory limit, 1p | 2p | N microbatches"
+    )
+    parser.add_argument(
+        "--zb-w-share",
+        type=float,
+        default=1.0,
+        help="zb_auto: part of a microbatch's activations kept from B to W (M_W/M_B)",
     )
     parser.add_argument(
         "--placement",
@@ -175,13 +200,13 @@ def main(argv=None) -> int:
             args.plot,
         )
     if args.json:
-        out = {name: summary(r) for name, _, r in results}
+        out = {name: summary(r, args.zb_w_share) for name, _, r in results}
         print(json.dumps(out if args.compare else next(iter(out.values()))))
     elif args.compare:
         print(compare_table([(name, r) for name, _, r in results]))
     else:
         print(format_grid(results[0][1]))
-        print(json.dumps(summary(results[0][2])))
+        print(json.dumps(summary(results[0][2], args.zb_w_share)))
     return 0
 
 

@@ -21,6 +21,7 @@ from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
 from megapipe.config.stages import check_partition
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
+from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
 ARCHS = ("gpt2", "llama")
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -186,10 +187,27 @@ def _check_chunks(cfg: Config) -> None:
         )
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
     _check_schedule_costs(p.schedule_costs)
+    _check_zb_memory(cfg)
+
+
+def _check_zb_memory(cfg: Config) -> None:
+    """zb_auto's memory limit (Zero Bubble ZB-1p / ZB-2p): 1p, 2p (times pp) or a whole number
+    of microbatches; no other schedule reads it."""
+    p = cfg.parallel
+    _require(
+        p.zb_memory == "1p" or "memory" in SCHEDULES[p.schedule].options,
+        f"parallel.zb_memory={p.zb_memory} applies to parallel.schedule=zb_auto only (got "
+        f"{p.schedule}); remove parallel.zb_memory",
+    )
+    try:
+        zb_memory_limit(p.zb_memory, p.pp)
+    except ValueError as err:
+        raise ConfigError(f"parallel.{err}") from None
 
 
 def _check_schedule_costs(text: str) -> None:
-    """zb_v's costs: profile, unit, or positive F, B, W seconds (simulate.Costs.parse)."""
+    """Costs of a schedule built for costs (zb_v, zb_auto): profile, unit, or positive F, B, W
+    seconds (simulate.Costs.parse)."""
     if text in ("profile", "unit"):
         return
     fix = "use profile, unit or F=..,B=..,W=.. (positive numbers)"
@@ -268,6 +286,11 @@ def _check_train(cfg: Config) -> None:
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
     )
     _one_of("train.on_nonfinite", t.on_nonfinite, NONFINITE_ACTIONS)
+    _require(
+        not (t.compile and SCHEDULES[cfg.parallel.schedule].segmented and cfg.parallel.pp > 1),
+        "train.compile=true with parallel.schedule=seq1f1b: a layer's K/V carry between "
+        "sequence segments cannot be compiled; set train.compile=false or another schedule",
+    )
 
 
 def _check_rest(cfg: Config) -> None:

@@ -90,7 +90,9 @@ class ParallelConfig:
     balance: str = "uniform"  # uniform | llama3 | cost | explicit layout "E,t|t,L"
     seq_segments: int = bounded(1, low=1)  # Seq1F1B segments per microbatch
     weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
-    schedule_costs: str = "profile"  # zb_v: profile (2nd step) | unit | F=..,B=..,W=..
+    # schedules built for costs (zb_v, zb_auto): profile (2nd step) | unit | F=..,B=..,W=..
+    schedule_costs: str = "profile"
+    zb_memory: str = "1p"  # zb_auto: activation memory limit, 1p | 2p | N microbatches per rank
     # 0: every dp × cp replica keeps the whole AdamW state; 1: distributed optimizer (ZeRO-1)
     zero: int = bounded(0, low=0, high=1)
     # a collective or p2p waiting longer on a peer (a dead rank) errors
@@ -119,6 +121,8 @@ class TrainConfig:
         1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"
     )
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights stay float32)
+    # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
+    compile: bool = False
     grad_clip: float = bounded(1.0, low=0, note="0: off")  # 0 disables clipping
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megapipe.config.flops import block_costs_from_flops
+from megapipe.config.memory import layer_deferred, layer_terms, segments
 from megapipe.config.schema import Config, ConfigError
 from megapipe.plan import partition as blocks
 from megapipe.plan.actions import Placement, Schedule
-from megapipe.plan.schedules import build_schedule
+from megapipe.plan.schedules import SCHEDULES, build_schedule
 from megapipe.plan.schedules import placement as schedule_placement
 from megapipe.plan.simulate import Costs
 
@@ -38,21 +39,37 @@ def placement_of(cfg: Config) -> Placement:
 
 
 def schedule_costs(cfg: Config) -> Costs:
-    """The costs the schedule is built with: zb_v's given ones, else unit costs (zb_v's
-    `profile` starts from the unit-cost schedule and rebuilds from step 2's measurements)."""
+    """The costs the schedule is built with: the given ones of a schedule built for costs
+    (zb_v, zb_auto), else unit costs (`profile` starts from the unit-cost schedule and
+    rebuilds from step 2's measurements)."""
     p = cfg.parallel
-    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
+    if SCHEDULES[p.schedule].built_for_costs and p.schedule_costs not in ("profile", "unit"):
         return Costs.parse(p.schedule_costs)
     return Costs()
 
 
-def schedule_of(cfg: Config) -> Schedule:
-    """The configured schedule with its options: zb_v's given costs, PipeDream's weight sync,
-    Seq1F1B's segments. The pipeline runs it and the dry run simulates it."""
+def zb_w_share(cfg: Config) -> float:
+    """Zero Bubble's M_W / M_B (Qi et al. 2023, Table 1) for this model: what a transformer
+    layer keeps from its B to its W (the linears' inputs and output grads) over all it saves for
+    backward at the configured recompute mode (config/memory.py, on CUDA as the dry run
+    counts). At most 1: under full recompute W keeps more than F saved, and a microbatch then
+    counts whole until its W."""
+    kept = sum(sum(layer_deferred(cfg, i).values()) for i in segments(cfg))
+    held = sum(sum(layer_terms(cfg, None, "cuda", i).values()) for i in segments(cfg))
+    return min(1.0, kept / held) if held > 0 else 1.0
+
+
+def schedule_of(cfg: Config, costs: Costs | None = None) -> Schedule:
+    """The configured schedule with its options: the costs a schedule built for costs gets
+    (`costs`, e.g. measured, else the given ones), zb_auto's memory limit, PipeDream's weight
+    sync, Seq1F1B's segments. The pipeline runs it and the dry run simulates it."""
     p = cfg.parallel
-    opts = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
-    if p.schedule == "zb_v" and p.schedule_costs not in ("profile", "unit"):
-        opts = {"costs": schedule_costs(cfg)}
+    spec = SCHEDULES[p.schedule]
+    opts: dict = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
+    if spec.built_for_costs and (costs or p.schedule_costs not in ("profile", "unit")):
+        opts["costs"] = costs or schedule_costs(cfg)
+    if "memory" in spec.options:
+        opts |= {"memory": p.zb_memory, "w_share": zb_w_share(cfg)}
     return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
 
 

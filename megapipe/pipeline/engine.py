@@ -31,7 +31,7 @@ from megapipe.pipeline.stages import build_chunks
 from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
 from megapipe.plan.messages import Message
-from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.schedules import SCHEDULES, placement
 
 
 @dataclass
@@ -46,7 +46,9 @@ class Pipeline:
     tied: TiedEmbedding
     actions: list = field(default_factory=list)  # this rank's
     arrivals: dict = field(default_factory=dict)  # {peer pp rank: its send order to us}
-    profile_in: int = 0  # zb_v: rebuild from the costs measured in this many steps (0: never)
+    # a schedule built for costs under parallel.schedule_costs=profile (zb_v, zb_auto): rebuild
+    # from the costs measured in this many steps (0: never)
+    profile_in: int = 0
     hooks: Hooks = NO_HOOKS  # additions to each action (an observer in tests; PipeDream's own)
 
     updates_inside = False  # the optimizer steps once, after the step's last action
@@ -80,7 +82,8 @@ class Pipeline:
         self, micro: list[MicroBatch], loss_scale: float, update=None
     ) -> torch.Tensor:
         """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
-        Under zb_v's `profile` the second call also rebuilds the schedule from its costs."""
+        Under `profile` (a schedule built for costs) the second call also rebuilds the schedule
+        from its costs."""
         loss_sum = self.runtime.run(
             self.actions, micro, loss_scale, self.reducers, self.arrivals, self.hooks
         )
@@ -91,11 +94,11 @@ class Pipeline:
         return loss_sum
 
     def _schedule_from_profile(self) -> None:
-        """ZB-V from the costs this step measured (Zero Bubble §3.2 schedules with profiled
-        T_F, T_B, T_W: with B > W the unit-time order idles), agreed on by every rank."""
-        p = self.cfg.parallel
-        costs = timeline.agreed_costs(self.runtime.events, self.mesh, p.vpp)
-        self.use_schedule(build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, costs=costs))
+        """The schedule (zb_v, zb_auto) rebuilt for the costs this step measured, agreed on by
+        every rank (Zero Bubble §3 schedules with profiled T_F, T_B, T_W: with B > W the
+        unit-time order idles)."""
+        costs = timeline.agreed_costs(self.runtime.events, self.mesh, self.cfg.parallel.vpp)
+        self.use_schedule(schedule_of(self.cfg, costs))
 
     def sync_shared_grads(self) -> None:
         self.tied.sync_grads()
@@ -155,7 +158,8 @@ def build_pipeline(
     pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)
     pipe.use_schedule(schedule_of(cfg))
     # the second step is profiled: the first pays one-off costs (allocations, lazy init)
-    pipe.profile_in = 2 if p.schedule == "zb_v" and p.schedule_costs == "profile" else 0
+    built_for_costs = SCHEDULES[p.schedule].built_for_costs
+    pipe.profile_in = 2 if built_for_costs and p.schedule_costs == "profile" else 0
     return pipe
 
 

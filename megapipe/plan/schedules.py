@@ -3,7 +3,8 @@
 Every generator takes (pp, microbatches, ...) and returns one ordered action list per rank; the
 registry ``SCHEDULES`` (each schedule with its own chunk and option rules, which the config
 checks read) and ``build_schedule`` are the entry points, ``placement`` says which global stage
-each (rank, chunk) holds. Zero Bubble lives in zero_bubble.py, Seq1F1B in seq1f1b.py.
+each (rank, chunk) holds. Zero Bubble lives in zero_bubble.py (hand-made) and zb_auto.py
+(automatic), Seq1F1B in seq1f1b.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from megapipe.plan.actions import (
     one_f_one_b_order,
 )
 from megapipe.plan.seq1f1b import seq1f1b
+from megapipe.plan.zb_auto import zb_auto
 from megapipe.plan.zero_bubble import zb_h1, zb_h2, zb_v
 
 
@@ -128,6 +130,12 @@ class ScheduleSpec:
     segmented: bool = False  # runs Seq1F1B sequence segments (reads seq_segments)
     options: tuple[str, ...] = ()  # keyword options its generator takes
 
+    @property
+    def built_for_costs(self) -> bool:
+        """Built for given F/B/W costs: parallel.schedule_costs applies (profile: rebuilt from
+        the costs measured in training's second step)."""
+        return "costs" in self.options
+
     def chunk_problem(self, vpp: int, key: str = "vpp") -> str | None:
         """Why `vpp` chunks per rank cannot run this schedule (None: they can)."""
         least, most = self.chunks
@@ -150,6 +158,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb_h2": ScheduleSpec(lambda pp, m, v, k: zb_h2(pp, m), split_backward=True),
     "zb_v": ScheduleSpec(lambda pp, m, v, k, **o: zb_v(pp, m, **o), chunks=(2, 2),
                          placement="v", split_backward=True, options=("memory_limit", "costs")),
+    "zb_auto": ScheduleSpec(lambda pp, m, v, k, **o: zb_auto(pp, m, **o), split_backward=True,
+                            options=("memory", "costs", "w_share")),
     "seq1f1b": ScheduleSpec(lambda pp, m, v, k: seq1f1b(pp, m, k), segmented=True),
     "pipedream_async": ScheduleSpec(lambda pp, m, v, k, **o: pipedream_async(pp, m, **o),
                                     options=("weight_sync",)),

@@ -14,6 +14,12 @@ Units
   share": a chunk counts 1/v, a segment its token fraction. A unit is live from the start of its F
   to the end of its W (B/W split; the Zero Bubble paper also keeps activations until W, §3.1) or
   of its BW.
+
+The paper's bubble rate (Qi et al. 2023, §5 and Table 5) is measured per stage, not from time 0:
+``cost`` is the longest execution span of any rank (its first action's start to its last
+action's end, ``SimResult.span``) and the rate is (cost − ideal) / cost with ideal the work of
+one stage, m·(T_F+T_B+T_W); with unequal stages the busiest rank's work stands for it
+(``SimResult.bubble_rate_paper``).
 """
 
 from __future__ import annotations
@@ -85,6 +91,13 @@ class SimResult:
     bubble_fraction: float  # 1 - sum(busy) / (pp * makespan)
     peak_inflight: list[float]
     timeline: list[tuple[int, Action, float, float]] = field(repr=False)
+    span: list[float] = field(default_factory=list)  # per rank: last end - first start
+
+    @property
+    def bubble_rate_paper(self) -> float:
+        """Zero Bubble's rate: (longest span − busiest rank's work) / longest span."""
+        cost = max(self.span, default=0.0)
+        return (cost - max(self.busy, default=0.0)) / cost if cost else 0.0
 
 
 def _segment_shares(schedule: Schedule, shares: list[float] | None) -> list[float]:
@@ -141,9 +154,11 @@ def _summarise(schedule, timeline, token_shares, chunk_shares) -> SimResult:
     pp = len(schedule)
     makespan = max((end for *_, end in timeline), default=0.0)
     busy = [0.0] * pp
+    first, last = [float("inf")] * pp, [float("-inf")] * pp
     deltas: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     for rank, a, start, end in timeline:
         busy[rank] += end - start
+        first[rank], last[rank] = min(first[rank], start), max(last[rank], end)
         size = token_shares[a.seg] * chunk_shares[rank][a.chunk]
         if a.kind == FORWARD:
             deltas[rank].append((start, size))
@@ -159,4 +174,5 @@ def _summarise(schedule, timeline, token_shares, chunk_shares) -> SimResult:
     idle = [makespan - b for b in busy]
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan else 0.0
     timeline.sort(key=lambda item: (item[2], item[0]))
-    return SimResult(makespan, busy, idle, bubble, peaks, timeline)
+    span = [max(0.0, b - a) for a, b in zip(first, last)]
+    return SimResult(makespan, busy, idle, bubble, peaks, timeline, span)
