@@ -17,7 +17,7 @@ from torch import nn
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
-from megapipe.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -118,9 +118,31 @@ class TransformerLayer(nn.Module):
         with sp_rng(self.tp):
             return self.drop(x)
 
+    def compile_math(self, split_weight_grads: bool = False) -> None:
+        """torch.compile this layer's math (`_forward`), one graph per layer kind; the full
+        recompute checkpoint and the tp RNG replay around it stay eager, so they work as
+        before. What cannot be traced runs eagerly between compiled pieces (a graph break):
+        - the linears, when their weight grads may be deferred to a Zero Bubble W
+          (`split_weight_grads`): parallel/autograd/weight_grad.py reads the B action's key
+          when backward runs, which a compiled backward would fix at trace time; and under
+          tp, where their f/g collectives sit;
+        - the attention core under cp (ring attention's p2p) and tp (the dropout RNG tracker);
+        - the residual dropout under sequence parallelism (the tracker again).
+        Dropout draws from the same generator as eager when torch._inductor.config
+        .fallback_random is set (pipeline/stages.compile_chunks sets it)."""
+        if split_weight_grads or self.tp.size > 1:
+            for linear in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2):
+                linear.forward = torch.compiler.disable(linear.forward)
+        if self.tp.size > 1 or self.attn.cp.size > 1:
+            self.attn._core = torch.compiler.disable(self.attn._core)
+        if self.tp.sp:
+            self._dropout = torch.compiler.disable(self._dropout)
+        self._forward = torch.compile(self._forward)
+
 
 class Head(nn.Module):
-    """Block L+1: final norm, LM head (the embedding matrix when tied) and the loss."""
+    """Block L+1: final norm, LM head (the embedding matrix when tied) and the loss. The head's
+    weight grad is done in backward (B), not deferred to a Zero Bubble W."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP) -> None:
         super().__init__()
@@ -138,12 +160,16 @@ class Head(nn.Module):
         return F.linear(enter_column(h, self.tp), tied_weight)
 
     def forward(self, h, targets=None, tied_weight=None) -> torch.Tensor:
-        """Logits (B, T, V), or with targets the summed cross entropy over all tokens."""
-        logits = self.logits(h, tied_weight)
+        """Logits (B, T, V), or with targets the summed cross entropy over all tokens: the head
+        matmul and the loss fused by chunks of tokens, so the whole (B·T, V/tp) logits never
+        exist (parallel/tensor/cross_entropy.linear_cross_entropy)."""
         if targets is None:
+            logits = self.logits(h, tied_weight)
             return gather_from_tp(logits, self.tp)[..., : self.vocab_size]
-        vocab_start = self.tp.rank * logits.shape[-1]
-        return vocab_parallel_cross_entropy(logits, targets, vocab_start, self.vocab_size, self.tp)
+        weight = self.out.weight if self.out is not None else tied_weight  # (V/tp, d)
+        x = enter_column(self.norm(h), self.tp)  # (B, T, d): f, or SP's all-gather
+        vocab_start = self.tp.rank * weight.shape[0]
+        return linear_cross_entropy(x, weight, targets, vocab_start, self.vocab_size, self.tp)
 
 
 TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied

@@ -147,7 +147,7 @@ def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_pat
     out, ranks = dry_run(capsys, tmp_path, *args)
     cfg = config(tmp_path, *args)
     m = cfg.model
-    s, b, d, a, v = m.seq_len, cfg.train.global_batch // 8, m.d_model, m.n_heads, m.vocab_size
+    s, b, d, a = m.seq_len, cfg.train.global_batch // 8, m.d_model, m.n_heads
     n, ff = s * b, 4 * d  # tokens of a microbatch, GELU MLP width
     # What the gpt2 float32 model saves (config/memory.py), not Korthikanti et al.'s 16-bit
     # s·b·h·(34 + 5·a·s/h): per layer the inputs of norm1, norm2 (d each) with their mean and
@@ -155,7 +155,7 @@ def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_pat
     # the GELU input and fc2 input (d_ff each), all float32; the fused kernel's log-sum-exp
     layer = 4 * n * (d + 2 + d + 3 * d + d + d + 2 + d + ff + ff) + 4 * b * a * s
     embed = 8 * n  # token ids
-    head = 4 * n * (d + 2) + 4 * n * d + 4 * n * v + 8 * n  # norm, head input, log-probs, targets
+    head = 4 * n * (d + 2) + 4 * n * d + 8 * n + 8 * n  # norm, head input, max + sum, targets
     expected = {0: embed + layer, 1: layer, 2: layer, 3: layer + head}  # E,t | t | t | t,L
     for r in ranks:
         assert r["layout"] == "16 B/param" and r["zero"] == 0
@@ -220,4 +220,6 @@ def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
         for _, _, delta in events:  # frees before allocations at equal times
             live += delta
             peak = max(peak, live)
-        assert r["acts"] * r["inflight"] == pytest.approx(peak / MIB, rel=0.02), r
+        # the dry run prints activations to 0.01 MiB: that rounding, times the count in flight
+        rounding = 0.005 * r["inflight"]
+        assert r["acts"] * r["inflight"] == pytest.approx(peak / MIB, rel=0.02, abs=rounding), r

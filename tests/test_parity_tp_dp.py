@@ -39,7 +39,10 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp4-sp-full", 1, 4, [*SP, *FULL]),
         ("tp4-llama-gqa-kv-replicated", 1, 4, GQA2),
         ("tp4-llama-gqa-kv-replicated-sp-full", 1, 4, [*GQA2, *SP, *FULL]),
-        ("tp4-v97-untied", 1, 4, [*V97, *LLAMA]),
+        # per-step losses agree to ~1e-7, but AdamW at 3e-3 carries the round-off of the
+        # vocabulary split (four partial sums of exp, four partial input grads) to 1.1e-5 in
+        # fc1 after 3 steps with the fused head (7.8e-6 with the unfused one): parity.LOW_LR
+        ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
     ],
     8: [

@@ -3,6 +3,8 @@
     python tools/plan.py project --config FILE --gpu a100|h100|h200 --gpus-per-node 8 \\
         [--section.key=value ...] [--runtime megapipe|megatron2021] [--json]
     python tools/plan.py table1 [--refit] [--no-loo]
+    python tools/plan.py calibrate [--out megapipe/perf/clusters/cpu.yaml] [--threads 1]
+    python tools/plan.py local [--steps 10] [--rounds 3]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
@@ -10,7 +12,11 @@ TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the brea
 `train.*` and `recompute.*` keys mean what they mean for training. `table1` prints the ten rows
 of Narayanan et al. 2021's Table 1, measured against projected hardware TFLOP/s per GPU, with
 the error per row, mean and max, and the leave-one-out error of the calibrated constants
-(megapipe/perf/table1.py; --refit fits the constants again first).
+(megapipe/perf/table1.py; --refit fits the constants again first). `calibrate` measures this
+machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two processes) into
+a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
+meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
+with that profile.
 Bad input (an unknown GPU, a bad config or override) is one line on stderr and exit code 2.
 """
 
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megapipe.config import ConfigError, load_config
 from megapipe.perf import RUNTIMES, ClusterError, cluster_names, load_cluster, project
+from megapipe.perf import calibrate as calib
 from megapipe.perf import table1 as t1
 from megapipe.perf.costs import CALIBRATION
 
@@ -51,12 +58,15 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     table = sub.add_parser("table1", help="Megatron-LM Table 1: paper vs projected")
     table.add_argument("--refit", action="store_true", help="fit the constants again first")
     table.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
+    add_local_parsers(sub)
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
             raise UsageError(f"argument '{item}' is not --section.key=value")
     if args.command == "table1" and rest:
         raise UsageError("table1 takes no --section.key=value overrides")
+    if args.command in LOCAL_COMMANDS and rest:
+        raise UsageError(f"{args.command} takes no --section.key=value overrides")
     return args, rest
 
 
@@ -107,12 +117,81 @@ def run_table1(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- this machine: calibrate its CPU profile, and the local truth ---------------------------------
+
+
+def add_local_parsers(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure this machine's CPU into a profile")
+    c.add_argument("--out", help="default: megapipe/perf/clusters/cpu.yaml (cpu_Nt.yaml)")
+    c.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    c.add_argument("--ranks-per-node", type=int, default=2, help="ranks sharing the machine")
+    c.add_argument("--rounds", type=int, default=5, help="rounds of every probe")
+    c.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
+    c.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
+    loc = sub.add_parser("local", help="projected vs measured train.py steps on this machine")
+    loc.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    loc.add_argument("--warmup", type=int, default=2, help="steps before them, not timed")
+    loc.add_argument("--rounds", type=int, default=3, help="runs of each mesh, alternating")
+    loc.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    loc.add_argument("--solo-threads", type=int, help="threads of the one-process run")
+    loc.add_argument("--profile", help="default: cpu (cpu_Nt for N threads)")
+    loc.add_argument("--solo-profile", help="the one-process run's (default by its threads)")
+    loc.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
+    loc.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
+    loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
+    loc.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.threads < 1 or args.ranks_per_node < 1 or args.rounds < 1:
+        raise UsageError("--threads, --ranks-per-node and --rounds must be at least 1")
+    out = args.out or str(calib.profile_path(calib.default_profile(args.threads)))
+    name = Path(out).stem
+    if not name.startswith("cpu"):
+        raise UsageError(f"--out {out}: a measured profile's file name starts with 'cpu'")
+    measured = calib.measure(
+        args.threads, args.ranks_per_node, args.rounds, _say,
+        settle=lambda: calib.wait_quiet(args.quiet, args.patience, _say),
+    )  # fmt: skip
+    values = calib.profile_values(measured, name)
+    calib.write_profile(out, values, measured, "python tools/plan.py " + " ".join(argv))
+    print(f"wrote {out}")
+    for key, value in values.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def run_local(args: argparse.Namespace, argv: list[str]) -> int:
+    if min(args.steps, args.rounds, args.threads, args.solo_threads or 1) < 1 or args.warmup < 0:
+        raise UsageError("--steps, --rounds and --threads must be at least 1, --warmup >= 0")
+    points = calib.local_points(
+        args.steps, args.rounds, args.warmup, args.threads, args.solo_threads,
+        profile=args.profile, solo_profile=args.solo_profile, quiet=args.quiet,
+        patience=args.patience, retries=args.retries, say=_say,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(calib.points_json(points)))
+        return 0
+    print(f"`python tools/plan.py {' '.join(argv)}` (config: {' '.join(calib.LOCAL_CONFIG)})\n")
+    print(calib.markdown(points))
+    return 0
+
+
+LOCAL_COMMANDS = {"calibrate": run_calibrate, "local": run_local}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, overrides = parse(argv)
         if args.command == "project":
             return run_project(args, overrides)
+        if args.command in LOCAL_COMMANDS:
+            return LOCAL_COMMANDS[args.command](args, argv)
         return run_table1(args)
     except (UsageError, ConfigError, ClusterError) as err:
         print(f"error: {err}", file=sys.stderr)

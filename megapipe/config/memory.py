@@ -46,20 +46,22 @@ every term with saved_tensors_hooks):
                                     the linears; float32 saves the parameter itself: nothing)
           full recompute: only the layer input, Nₛ·d·4. Residual adds save nothing.
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
-  head    final norm as above, the LM head input N·d·c (and under bf16 the head weight's copy,
-          V/tp·d·2), the loss's float32 log-probabilities (tp > 1: softmax) N·V/tp·4, the
-          targets N·8 (tp > 1: the local targets N·8 and their mask N·1).
+  head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
+          .linear_cross_entropy) keeps the head input N·d·c, the float32 row max and sum of
+          exp 2·N·4 and the targets N·8 (tp > 1: the local targets N·8 and their mask N·1); no
+          logits: backward recomputes them chunk by chunk (and recasts the bf16 weight).
   Seq1F1B segment i ending at e_i (s = e_i keys): the core also keeps cat(earlier K/V, own),
           2·b·Hkv·e_i·hd·c, and on the CPU the causal mask q·e_i·c; the segment store
           (parallel/autograd/segment_kv.py) holds each segment's k, v, i.e. its qkv output
           (and RoPE's k), counted where nothing saved them (full recompute, math path).
   B/W split (Zero Bubble): from B to W a layer keeps its linears' inputs and output grads
-          (layer_deferred, head_deferred); the rest goes at B.
+          (layer_deferred); the rest goes at B. The head does its weight grad in B.
 
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
-rank), the loss's scalars, bucket padding. The logits themselves are not kept (their float32
-log-softmax is). The fused kernels' workspace, the recompute's transient layer, grads in flight
-and Seq1F1B's K/V grads waiting for the earlier segment's backward are not saved tensors.
+rank), the loss's scalars, bucket padding. The head's chunk of logits (O(chunk·V/tp), in forward
+and again in backward) is transient, not saved. The fused kernels' workspace, the recompute's
+transient layer, grads in flight and Seq1F1B's K/V grads waiting for the earlier segment's
+backward are not saved tensors.
 """
 
 from __future__ import annotations
@@ -270,12 +272,9 @@ def layer_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
 
 
 def head_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
-    """The LM head's part of the B/W split: an untied head is a column-parallel linear, whose
-    input and logits grad wait for W; a tied head (F.linear on the table) does its grad in B."""
-    if cfg.model.tie_embeddings:
-        return {}
-    x, c = _dims(cfg, segment), compute_bytes(cfg)
-    return {"head input": x.n * cfg.model.d_model * c, "logits grad": x.n * x.vocab * c}
+    """The LM head's part of the B/W split: nothing. The fused head + loss does its weight grad
+    in B, tied or not (deferring it would need the logits a third time)."""
+    return {}
 
 
 def embedding_terms(
@@ -292,14 +291,12 @@ def embedding_terms(
 
 def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) -> dict[str, float]:
     """Bytes the final norm, LM head and loss save for one microbatch (or segment): the norm's,
-    the head's input (and bf16 weight copy), the float32 log-probabilities (tp > 1: softmax)
-    over this rank's vocabulary slice and the targets."""
+    the head's input, the float32 row max and sum of exp per token and the targets (the fused,
+    chunked head + loss keeps no logits: O(tokens·d), not O(tokens·V))."""
     m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
     terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns).items()}
     terms["head input"] = x.n * m.d_model * c
-    if c != FLOAT32:
-        terms["bf16 head weight copy"] = x.vocab * m.d_model * c
-    terms["log-probs"] = x.n * x.vocab * FLOAT32
+    terms["row max, sum of exp"] = 2 * x.n * FLOAT32
     terms["targets"] = x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)
     return terms
 

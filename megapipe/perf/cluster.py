@@ -6,6 +6,22 @@ NVSwitch bandwidth inside a node, the node's network bandwidth to other nodes (t
 NICs) and a latency per hop of each. Every number is cited in its YAML file. `efficiency` fields
 are the fraction of the signalling rate NCCL's rings reach at large messages (nccl-tests), taken
 from published measurements, not fitted here.
+
+The fields after `network_latency_us` are optional, for profiles measured on the machine at hand
+rather than read from datasheets (perf/calibrate.py writes them for this machine's CPU, each
+commented in the YAML): `device` (which attention kernel config/memory.attention_path picks:
+"cuda" or "cpu"), `threads` (torch threads per rank the profile was measured with), the three
+model constants measured instead of Table 1's fit (`gemm_efficiency` e_max, `gemm_knee` κ,
+`memory_efficiency` μ: perf/costs.Calibration; 0 means "use the fit"), a separate point-to-point
+link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce; 0: the intra-node
+link), and the framework's fixed seconds per block and action (`layer_forward_us`,
+`layer_backward_us` per transformer layer, `ends_forward_us`, `ends_backward_us` for the
+embedding and head together: the Python and op-dispatch time a block costs whatever its size,
+negligible on a GPU whose kernels run asynchronously, not on a CPU), GPT-2's tanh GeLU per
+element (`gelu_forward_ns`, `gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes)
+and the fused attention kernel's fraction of the GEMM rate the model gives its FLOPs
+(`attention_efficiency`; 0: 1). The GPU profiles leave them out, so their projections are
+unchanged.
 """
 
 from __future__ import annotations
@@ -47,6 +63,34 @@ class Cluster:
     network_gbps: float  # per node (all its NICs), per direction, GB/s
     network_efficiency: float
     network_latency_us: float
+    # optional (module docstring): measured profiles
+    device: str = "cuda"
+    threads: int = 0
+    gemm_efficiency: float = 0.0
+    gemm_knee: float = 0.0
+    memory_efficiency: float = 0.0
+    p2p_gbps: float = 0.0
+    p2p_latency_us: float = 0.0
+    layer_forward_us: float = 0.0
+    layer_backward_us: float = 0.0
+    ends_forward_us: float = 0.0
+    ends_backward_us: float = 0.0
+    gelu_forward_ns: float = 0.0
+    gelu_backward_ns: float = 0.0
+    attention_efficiency: float = 0.0
+
+    @property
+    def measured_constants(self) -> tuple[float, float, float] | None:
+        """(e_max, κ, μ) measured for this device, or None: use the calibrated fit."""
+        c = (self.gemm_efficiency, self.gemm_knee, self.memory_efficiency)
+        return c if all(x > 0 for x in c) else None
+
+    @property
+    def p2p(self) -> Link:
+        """The point-to-point link inside a node: its own measurement, else the ring link's."""
+        if self.p2p_gbps > 0:
+            return Link("p2p", self.p2p_gbps * 1e9, self.p2p_latency_us * 1e-6)
+        return self.nvlink
 
     @property
     def peak_flops(self) -> float:
@@ -78,10 +122,17 @@ class Cluster:
 
 
 def cluster_names() -> list[str]:
-    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+    """The datasheet (GPU) profiles."""
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml") if not p.stem.startswith("cpu"))
+
+
+def measured_names() -> list[str]:
+    """The profiles measured on a machine by perf/calibrate.py (clusters/cpu*.yaml)."""
+    return sorted(p.stem for p in CLUSTER_DIR.glob("cpu*.yaml"))
 
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(Cluster)}
+_REQUIRED = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING}
 
 
 def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
@@ -89,10 +140,13 @@ def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
     the node size overridden by `gpus_per_node` (None: the profile's)."""
     path = Path(name) if name.endswith((".yaml", ".yml")) else CLUSTER_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ClusterError(f"unknown GPU {name!r}: choose one of {', '.join(cluster_names())}")
+        measured = measured_names()
+        also = f", or a measured profile: {', '.join(measured)}" if measured else ""
+        names = ", ".join(cluster_names())
+        raise ClusterError(f"unknown GPU {name!r}: choose one of {names}{also}")
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
-    missing = sorted(set(_FIELDS) - set(raw))
+    missing = sorted(_REQUIRED - set(raw))
     unknown = sorted(set(raw) - set(_FIELDS))
     if missing or unknown:
         raise ClusterError(f"{path}: missing keys {missing}, unknown keys {unknown}")
@@ -105,4 +159,6 @@ def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
     for key in ("peak_tflops", "hbm_gib", "hbm_gbps", "nvlink_gbps", "network_gbps"):
         if not getattr(cluster, key) > 0:
             raise ClusterError(f"{path}: {key} must be > 0")
+    if cluster.device not in ("cuda", "cpu"):
+        raise ClusterError(f"{path}: device must be cuda or cpu, got {cluster.device!r}")
     return cluster

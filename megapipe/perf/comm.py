@@ -98,10 +98,11 @@ def _p2p_link(shape, src, dst, gpus_per_node, cluster) -> Link:
     crosses = any(
         (src * step + r) // gpus_per_node != (dst * step + r) // gpus_per_node for r in range(step)
     )
-    return cluster.network(1) if crosses else cluster.nvlink
+    return cluster.network(1) if crosses else cluster.p2p
 
 
 def p2p_link(cluster: Cluster, shape: tuple[int, int, int, int], src: int, dst: int) -> Link:
     """The link between pp ranks `src` and `dst`: each of the dp·cp·tp pairs sends at once, one
-    GPU's share of the NICs when any pair crosses nodes, else NVLink."""
+    GPU's share of the NICs when any pair crosses nodes, else NVLink (a measured profile's own
+    point-to-point link where it has one: cluster.Cluster.p2p)."""
     return _p2p_link(tuple(shape), src, dst, cluster.gpus_per_node, cluster)

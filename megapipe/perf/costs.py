@@ -55,7 +55,7 @@ from megapipe.config.memory import attention_path
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import group_link, p2p_time, ring_time
-from megapipe.perf.runtime import Runtime
+from megapipe.perf.runtime import Runtime, resolved
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,10 @@ class CostModel:
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
-        self.cfg, self.cluster, self.rt = cfg, cluster, runtime
-        self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth, cal)
+        self.cfg, self.cluster, self.rt = cfg, cluster, resolved(runtime, cfg.train.dtype)
+        measured = cluster.measured_constants  # a measured profile's own (the CPU's)
+        self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth,
+                          Calibration(*measured) if measured else cal)  # fmt: skip
         p, m = cfg.parallel, cfg.model
         self.shape = (p.pp, p.dp, p.cp, p.tp)
         self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
@@ -189,7 +191,7 @@ class CostModel:
         self.llama = m.arch == "llama"
         self.dropout = m.dropout > 0
         if runtime.attention == "auto":
-            self.attention = attention_path(cfg, "cuda")
+            self.attention = attention_path(cfg, cluster.device)
         else:
             self.attention = "ring" if p.cp > 1 else runtime.attention
         self._cache: dict = {}
@@ -231,7 +233,8 @@ class CostModel:
             fwd = 4.0 * x.hd * x.pairs * heads
             moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
             intensity = 4.0 * x.hd * x.pairs / moved
-            return dev.matmul(fwd, intensity), dev.matmul(2.5 * fwd, intensity)
+            eff = self.cluster.attention_efficiency or 1.0  # measured profiles: the kernel's own
+            return dev.matmul(fwd, intensity) / eff, dev.matmul(2.5 * fwd, intensity) / eff
         scores = heads * x.q * x.kv  # the unfused path computes the masked half too
         mask = 1 if self.dropout else 0
         drop = scores * (2 * c + mask) if self.dropout else 0.0
@@ -258,7 +261,8 @@ class CostModel:
         region = x.ns * d  # the norm / residual region (1/tp of the tokens under SP)
         mask = 1 if self.dropout else 0
         norm_out = c if fused else 4  # autocast runs norms in float32, the linear casts
-        norm = region * (r + norm_out) + (0 if fused else x.n * d * (4 + c))
+        cast = x.n * d * (4 + c) if self.rt.autocast_casts and not fused else 0
+        norm = region * (r + norm_out) + cast
         if fused:  # bias + dropout + add in one kernel
             residual = region * (c + 2 * r + mask)
         else:
@@ -271,6 +275,15 @@ class CostModel:
             act = x.n * x.ff * 2 * c  # GeLU
         relayout = 0 if fused else x.n * (x.h + 2 * x.hkv + x.h) * x.hd * 2 * c  # to/from heads
         return 2 * norm + 2 * residual + act + relayout
+
+    def _measured_activation(self, x: Shapes) -> tuple[float, float, float] | None:
+        """(bytes _elementwise counts for GPT-2's GeLU, forward s, backward s) where the profile
+        measured the kernel per element (a CPU's tanh GeLU is compute-bound: cluster.py)."""
+        c = self.cluster
+        if self.llama or not (c.gelu_forward_ns > 0 and c.gelu_backward_ns > 0):
+            return None
+        n = x.n * x.ff
+        return n * 2 * self.c, n * c.gelu_forward_ns * 1e-9, n * c.gelu_backward_ns * 1e-9
 
     def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
         """Exposed ring seconds of a layer's forward and backward (module docstring)."""
@@ -293,19 +306,25 @@ class CostModel:
         attn_f, attn_b = self._attention(x)
         cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
         elem = self._elementwise(x)
+        act_f = act_b = 0.0
+        act = self._measured_activation(x)
+        if act is not None:  # a measured profile prices GeLU per element, not per byte
+            elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self._gemms(x)
         tp = self._tp_layer(x)
         f = Work(
             compute=sum(dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms)
             + attn_f
-            + dev.mem(elem + params * self.rt.weight_cast_bytes),
+            + dev.mem(elem + params * self.rt.weight_cast_bytes)
+            + act_f,
             tp=tp,
             cp=cp_f,
         )
         b = Work(
             compute=sum(dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms)
             + attn_b
-            + dev.mem(2 * elem),
+            + dev.mem(2 * elem)
+            + act_b,
             tp=tp,
             cp=cp_b,
         )
@@ -398,5 +417,20 @@ class CostModel:
         for i in blocks:
             cost = self.block(i, segment)
             f, b, w = f + cost.F, b + cost.B, w + cost.W
+            fixed_f, fixed_b = self._fixed(i)
+            f, b = f + Work(compute=fixed_f), b + Work(compute=fixed_b)
         res = self._cache[key] = BlockCosts(f, b, w)
         return res
+
+    def _fixed(self, index: int) -> tuple[float, float]:
+        """A measured profile's fixed seconds of block `index` per F and per backward (B, with
+        the recompute's F under full recompute): the framework's Python and op dispatch, which
+        a GPU hides behind its asynchronous kernels and a CPU does not (cluster.py). Zero for
+        the GPU profiles. The embedding and head share the ends' measured time."""
+        c, n_layers = self.cluster, self.cfg.model.n_layers
+        if index in (0, n_layers + 1):
+            return c.ends_forward_us * 0.5e-6, c.ends_backward_us * 0.5e-6
+        f, b = c.layer_forward_us * 1e-6, c.layer_backward_us * 1e-6
+        if layer_mode(self.cfg.recompute, index - 1) == "full":
+            b += f
+        return f, b

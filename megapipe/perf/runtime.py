@@ -39,6 +39,7 @@ on published measurements. They differ in facts about the code, none fitted:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -57,6 +58,7 @@ class Runtime:
     dp_overlap: bool  # reduce during the last backward (True) or after the pipeline
     dp_bucket_mb: float  # 0: one buffer
     optimizer_bytes: float  # HBM bytes per parameter of the optimizer step
+    autocast_casts: bool = True  # the norm outputs cast for the next linear (resolved())
 
 
 MEGAPIPE = Runtime(
@@ -92,3 +94,15 @@ MEGATRON_2021 = Runtime(
 )
 
 RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021)}
+
+
+def resolved(runtime: Runtime, dtype: str) -> Runtime:
+    """`runtime` as it runs a config of train.dtype `dtype`. Ours under float32 runs without
+    autocast (parallel/precision.py): no weight casts, no cast of the norm outputs, and each
+    microbatch's weight grad added straight into the float32 .grad (read 4 + 4, write 4 = 12 B
+    per parameter). The bf16/fp16 runs (every GPU projection) are unchanged."""
+    if runtime.name == "megapipe" and dtype == "float32":
+        return dataclasses.replace(
+            runtime, weight_cast_bytes=0.0, grad_accum_bytes=12.0, autocast_casts=False
+        )
+    return runtime

@@ -3,6 +3,11 @@
 A chunk is `GPT(cfg.model, blocks=range)` sharded over the mesh's tp axis and running ring
 attention over its cp axis; the whole model is the one-chunk case. Per-block costs for the `cost`
 balance can be measured here (PipeDream §3.1 profiles each layer over a short run).
+
+`train.compile`: each chunk's transformer layers are compiled (models/gpt.TransformerLayer
+.compile_math) and warmed up at build time, on every rank alike, with one forward and backward
+of a microbatch-shaped input, so the compile happens here, once, and rank 0 prints how long it
+took; the warm-up's random draws and grads are undone, so training sees what it would see eager.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import torch
 from megapipe.config import Config
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
+from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
+from megapipe.plan.schedules import SCHEDULES
 from models.gpt import GPT
 
 
@@ -25,7 +32,22 @@ def build_model(
     cfg: Config, mesh=None, device: torch.device | str = "cpu", blocks: range | None = None
 ) -> GPT:
     """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
-    and running ring attention over its cp axis (mesh None: one process)."""
+    and running ring attention over its cp axis (mesh None: one process); its layers compiled
+    under train.compile."""
+    model = _build(cfg, mesh, device, blocks)
+    compile_chunks(cfg, mesh, [model])
+    return model
+
+
+def build_chunks(cfg: Config, mesh, device, placement: Placement) -> list[GPT]:
+    """This pp rank's chunks, in local chunk order, from the partition training uses."""
+    ranges = rank_blocks(cfg, mesh.coord("pp"), placement)
+    chunks = [_build(cfg, mesh, device, blocks) for blocks in ranges]
+    compile_chunks(cfg, mesh, chunks)
+    return chunks
+
+
+def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
     tp = tp_info(mesh, cfg.parallel.sequence_parallel, cfg.train.seed)
     model = GPT(
         cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
@@ -33,10 +55,66 @@ def build_model(
     return model.to(device)
 
 
-def build_chunks(cfg: Config, mesh, device, placement: Placement) -> list[GPT]:
-    """This pp rank's chunks, in local chunk order, from the partition training uses."""
-    ranges = rank_blocks(cfg, mesh.coord("pp"), placement)
-    return [build_model(cfg, mesh, device, blocks) for blocks in ranges]
+def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
+    """Under train.compile: compile the chunks' transformer layers, warm them up (module
+    docstring) and print the seconds it took from rank 0; returns them (None: not compiled).
+    The linears stay eager when the schedule defers weight grads to W actions (Zero Bubble)."""
+    layers = [layer for chunk in chunks for layer in chunk.layers.values()]
+    if not cfg.train.compile or not layers:
+        return None
+    import torch._inductor.config as inductor_config  # only when compiling: a heavy import
+
+    inductor_config.fallback_random = True  # dropout draws as eager does (and recompute replays)
+    split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.schedule].split_backward
+    began = time.perf_counter()
+    for layer in layers:
+        layer.compile_math(split_weight_grads=split)
+    _warm_up(cfg, layers)
+    seconds = time.perf_counter() - began
+    if mesh is None or mesh.rank == 0:
+        device = next(layers[0].parameters()).device.type
+        print(
+            f"compile: {len(layers)} transformer layers compiled in {seconds:.1f} s "
+            f"(torch.compile, inductor on {device}{', linears eager for W' if split else ''})",
+            flush=True,
+        )
+    return seconds
+
+
+def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
+    """One forward and backward through `layers` with the shapes, dtype and grad mode of
+    training (and an eval-mode no-grad forward when training validates), compiling every graph
+    they need. RNG states (CPU, CUDA, the tp tracker) are put back, the grads dropped."""
+    first = layers[0]
+    device = next(first.parameters()).device
+    tp, cp, m = first.tp, first.attn.cp, cfg.model
+    rows = m.seq_len // cp.size
+    local_rows = rows // tp.size if tp.sp else rows
+    shape = (cfg.derived.micro_batch_size, local_rows, m.d_model)
+    positions = cp.positions(m.seq_len, device)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    tracker = tp.rng.state.clone() if tp.rng is not None else None
+    try:
+        x = torch.zeros(shape, device=device, requires_grad=True)
+        with autocast(cfg.train.dtype, device):
+            h = x
+            for layer in layers:
+                h = layer(h, positions)
+        h.float().sum().backward()
+        if cfg.train.eval_interval:  # train/evaluate.py: eval mode, no grad
+            with torch.no_grad(), autocast(cfg.train.dtype, device):
+                h = x.detach()
+                for layer in layers:
+                    h = layer.eval()(h, positions)
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        if tracker is not None:
+            tp.rng.state = tracker
+        for layer in layers:
+            layer.train().zero_grad(set_to_none=True)
 
 
 def profile_block_costs(cfg: Config, n_iters: int = 3, batch: int = 1) -> list[float]:

@@ -1,4 +1,9 @@
-"""AdamW with weight-decay groups, warmup + cosine LR, and the global gradient-norm clip."""
+"""AdamW with weight-decay groups, warmup + cosine LR, and the global gradient-norm clip.
+
+AdamW runs torch's fused kernel (one kernel per step over all tensors: CPU and CUDA in torch
+2.13) where every parameter's device has one, else the foreach implementation; both compute
+the same update, to float32 round-off.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from megapipe.config import TrainConfig
 from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
@@ -36,11 +42,37 @@ def build_optimizer(
     optimizer's (parallel/data/zero.ShardedGradReducer, one per chunk), whose checkpoints are
     written over `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
     groups = decay_groups(model, cfg.weight_decay)
-    adamw = partial(
-        torch.optim.AdamW, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=True
-    )
+    adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
     return ShardedOptimizer(sharded, groups, adamw, stage_group) if sharded else adamw(groups)
+
+
+def adamw_kind(groups: list[dict]) -> str:
+    """The AdamW implementation for `groups`: fused when torch has a fused kernel for the
+    device of every floating-point parameter (tensors or shard views), else foreach."""
+    fused_devices = set(_get_fused_kernels_supported_devices())
+    params = [p for g in groups for p in g["params"]]
+    ok = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
+    return "fused" if ok else "foreach"
+
+
+def make_adamw(groups: list[dict], **hyper) -> torch.optim.AdamW:
+    """torch's AdamW over `groups`, fused where the devices allow (adamw_kind), else foreach.
+    The distributed optimizer builds its inner optimizer over shard views with this too."""
+    kind = adamw_kind(groups)
+    optimizer = torch.optim.AdamW(groups, **hyper, **{kind: True})
+    if kind == "fused":
+        optimizer.register_step_pre_hook(_steps_on_param_device)
+    return optimizer
+
+
+def _steps_on_param_device(optimizer: torch.optim.Optimizer, *_) -> None:
+    """The fused kernel reads each step count on its parameter's device (torch creates it
+    there), but a checkpoint load creates the counts on the CPU: move any that are not."""
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if step is not None and step.device != param.device:
+            state["step"] = step.to(param.device)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

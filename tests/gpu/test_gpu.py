@@ -1,0 +1,253 @@
+"""The GPU tier: the CUDA path against references. Every test here is skipped without CUDA; on a
+machine with a GPU, `bash tools/gpu_check.sh` runs them (and the GPU benchmark) and collects the
+figures each test prints (`GPU-FIGURE name {...}`) into one results file.
+
+- attention: models/attention.attention_core on CUDA (SDPA's flash / memory-efficient kernels,
+  or the flash-attn package when installed, bf16) against float64 math attention, forward and
+  backward, causal and Seq1F1B's bottom-right mask, with and without grouped-query heads;
+- ring attention's CUDA block kernel (parallel/context/kernels.aten_cuda) against the reference
+  kernel, and the ring's log-sum-exp merge of two kv blocks against whole attention;
+- bf16 autocast training against float32: per-step loss and weights within a stated bound;
+- train.compile on CUDA (inductor, Triton) against eager, float32;
+- the memory model (train/memory.memory_plan) against torch.cuda.max_memory_allocated().
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the GPU tier runs on a GPU"
+)
+
+CUDA = "cuda"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative, vs float64 math attention
+BF16_LOSS_REL = 2e-2  # bf16 vs float32 per-step loss (8-bit mantissa: ~4e-3 per rounding)
+BF16_WEIGHT_REL = 5e-2  # and weights after 3 steps (reach: AdamW moves an element by ~lr)
+COMPILE_REL = 1e-4  # compiled vs eager, float32 (CPU measures ~6e-6 on the same case)
+
+
+def figure(name: str, **values) -> None:
+    print(f"GPU-FIGURE {name} {json.dumps(values)}", flush=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _qkv(b, h, hkv, t, s, hd, dtype, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    q = torch.randn(b, h, t, hd, device=CUDA, generator=g, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, hd, device=CUDA, generator=g, dtype=dtype) for _ in range(2))
+    dout = torch.randn(b, h, t, hd, device=CUDA, generator=g, dtype=dtype)
+    return q, k, v, dout
+
+
+def math_attention(q, k, v):
+    """float64 causal attention, queries the last T of S positions (bottom-right aligned)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    t, s = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    hidden = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t).logical_not()
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+
+def _grads(fn, q, k, v, dout):
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("extra_keys", [0, 64])  # 64: a later Seq1F1B segment (S > T)
+def test_attention_core_matches_math(dtype, hkv, extra_keys):
+    from models.attention import attention_core
+
+    q, k, v, dout = _qkv(2, 4, hkv, 64, 64 + extra_keys, 64, dtype)
+    got = _grads(lambda *x: attention_core(*x, 0.0), q, k, v, dout)
+    want = _grads(math_attention, q, k, v, dout)
+    errors = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    figure("attention_core", dtype=str(dtype), hkv=hkv, extra_keys=extra_keys, **errors)
+    assert max(errors.values()) <= TOL[dtype], errors
+
+
+def test_flash_attn_package_matches_sdpa():
+    flash_attn = pytest.importorskip("flash_attn")
+    import torch.nn.functional as F
+
+    from models.attention import attention_core
+
+    q, k, v, dout = _qkv(2, 8, 2, 128, 128, 64, torch.bfloat16, seed=1)
+    got = _grads(lambda *x: attention_core(*x, 0.0), q, k, v, dout)  # flash_attn_func
+    sdpa = _grads(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        q, k, v, dout,
+    )  # fmt: skip
+    errors = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, sdpa)}
+    figure("flash_attn", version=flash_attn.__version__, **errors)
+    assert max(errors.values()) <= TOL[torch.bfloat16], errors
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_ring_block_kernel_matches_reference(causal, hkv):
+    from megapipe.parallel.context.kernels import KERNELS, pick_kernel
+
+    q, k, v, dout = _qkv(2, 4, hkv, 128, 128, 64, torch.bfloat16, seed=2)
+    assert pick_kernel(q).name == "aten_cuda"
+    scale = 64**-0.5
+    results = {}
+    for name in ("aten_cuda", "reference"):
+        kernel = KERNELS[name]
+        out, lse = kernel.forward(q, k, v, causal, scale)
+        grads = kernel.backward(dout, q, k, v, out, lse, causal, scale)
+        results[name] = [out, lse, *grads]
+    errors = {
+        n: rel(a, b)
+        for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results.values(), strict=True)
+    }
+    figure("ring_kernel", causal=causal, hkv=hkv, **errors)
+    assert max(errors.values()) <= TOL[torch.bfloat16], errors
+
+
+def test_ring_merge_of_two_kv_blocks_is_whole_attention():
+    """The second half of the queries against the first half of the keys (a full block) and
+    their own half (the causal diagonal), merged by log-sum-exp as a ring step does, and the
+    blocks' backward from the merged output: whole causal attention's rows and gradients."""
+    from megapipe.parallel.context.kernels import KERNELS
+    from megapipe.parallel.context.ring import _merge
+
+    kernel, scale, half = KERNELS["aten_cuda"], 64**-0.5, 64
+    q, k, v, dout = _qkv(1, 4, 2, 2 * half, 2 * half, 64, torch.bfloat16, seed=3)
+    rows = slice(half, 2 * half)
+    q2, d2 = q[:, :, rows].contiguous(), dout[:, :, rows].contiguous()
+    out = torch.zeros(q2.shape, dtype=torch.float32, device=CUDA)
+    lse = torch.full(q2.shape[:3], -math.inf, dtype=torch.float32, device=CUDA)
+    blocks = [(slice(0, half), False), (rows, True)]
+    for keys, causal in blocks:
+        o, l_ = kernel.forward(q2, k[:, :, keys], v[:, :, keys], causal, scale)
+        _merge(out, lse, o, l_.float())
+    out_b = out.to(q.dtype)
+    dq = torch.zeros_like(q2, dtype=torch.float32)
+    dk, dv = (torch.zeros_like(x, dtype=torch.float32) for x in (k, v))
+    for keys, causal in blocks:
+        g = kernel.backward(d2, q2, k[:, :, keys], v[:, :, keys], out_b, lse, causal, scale)
+        dq += g[0].float()
+        dk[:, :, keys] += g[1].float()
+        dv[:, :, keys] += g[2].float()
+    first_rows = torch.arange(2 * half, device=CUDA)[None, None, :, None] < half
+    want = _grads(math_attention, q, k, v, dout.masked_fill(first_rows, 0))  # grads of `rows`
+    errors = {
+        "out": rel(out, want[0][:, :, rows]),
+        "dq": rel(dq, want[1][:, :, rows]),
+        "dk": rel(dk, want[2]),
+        "dv": rel(dv, want[3]),
+    }
+    figure("ring_merge", **errors)
+    assert max(errors.values()) <= TOL[torch.bfloat16], errors
+
+
+# ---- training on CUDA -------------------------------------------------------------------------
+
+SMALL = ["model.n_layers=2", "model.d_model=128", "model.n_heads=4", "model.seq_len=128",
+         "model.vocab_size=512", "train.global_batch=8"]  # fmt: skip
+LOW_LR = "train.lr=3e-4"
+
+
+def train_on_cuda(overrides: list[str], steps: int = 3) -> dict:
+    """tests/parity.train_case on the GPU: per-step losses and the final weights."""
+    from megapipe.data.loader import build_data
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.build import build
+    from tests.parity import tiny_config
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    torch.manual_seed(cfg.train.seed)
+    job = build(cfg, None, CUDA)
+    optimizer = job.optimizer()
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    losses = [
+        job.train_step(optimizer, data.batch(s, cfg.train.global_batch), s).loss
+        for s in range(steps)
+    ]
+    weights = {n: w.cpu() for n, w in gather_logical(job.model).items()}
+    return {"losses": losses, "weights": weights, "reach": cfg.train.lr * steps}
+
+
+def _weights_rel(got: dict, ref: dict, reach: float) -> float:
+    from tests.util import rel_error
+
+    return max(rel_error(got[n], ref[n], reach) for n in ref)
+
+
+def test_bf16_autocast_trains_within_its_bound():
+    fp32 = train_on_cuda([*SMALL, LOW_LR])
+    bf16 = train_on_cuda([*SMALL, LOW_LR, "train.dtype=bfloat16"])
+    loss = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], fp32["losses"]))
+    weights = _weights_rel(bf16["weights"], fp32["weights"], fp32["reach"])
+    figure("bf16_vs_fp32", loss_rel=loss, weights_rel=weights, losses=bf16["losses"])
+    assert loss <= BF16_LOSS_REL and weights <= BF16_WEIGHT_REL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layers_train_like_eager_on_cuda(dtype):
+    extra = [*SMALL, LOW_LR, f"train.dtype={dtype}"]
+    eager = train_on_cuda(extra)
+    compiled = train_on_cuda([*extra, "train.compile=true"])
+    loss = max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"]))
+    weights = _weights_rel(compiled["weights"], eager["weights"], eager["reach"])
+    figure("compile_vs_eager", dtype=dtype, loss_rel=loss, weights_rel=weights)
+    bound = COMPILE_REL if dtype == "float32" else BF16_WEIGHT_REL
+    assert loss <= bound and weights <= bound
+
+
+def test_memory_model_against_the_allocator():
+    """One bf16 step (after a first that made the AdamW state): the bytes held after the
+    forward are the model's activations (within 10%), the step's peak its predicted peak (which
+    counts every grad at once, so it may sit above: -20% .. +10%)."""
+    from megapipe.data.loader import build_data
+    from megapipe.parallel.precision import autocast
+    from megapipe.train.build import build
+    from megapipe.train.memory import memory_plan
+    from tests.parity import tiny_config
+
+    cfg = tiny_config(
+        ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=512",
+         "model.vocab_size=8192", "train.global_batch=8", "train.dtype=bfloat16"],
+        tempfile.mkdtemp(),
+    )  # fmt: skip
+    plan = memory_plan(cfg, "cuda").rank(0)
+    job = build(cfg, None, CUDA)
+    optimizer = job.optimizer()
+    batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
+    job.train_step(optimizer, batch, 0)
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ids = batch.to(CUDA)
+    with autocast(cfg.train.dtype, CUDA):
+        loss = job.model(ids[:, :-1], ids[:, 1:])
+    held = torch.cuda.memory_allocated() - before
+    del loss
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    job.train_step(optimizer, batch, 1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    figure(
+        "memory_model", activations_model=plan.activations, activations_held=held,
+        peak_model=plan.peak, peak_allocated=peak, states_model=plan.states,
+    )  # fmt: skip
+    assert held == pytest.approx(plan.activations, rel=0.10)
+    assert 0.8 * plan.peak <= peak <= 1.1 * plan.peak
