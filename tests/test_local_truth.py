@@ -7,18 +7,15 @@ projection of small meshes against measured training steps.
   its measured constants; the committed CPU profiles load; the GPU profiles keep none of the
   optional fields (their projections are Table 1's); float32 runs no autocast casts; the CLI's
   one-line errors.
-- Spawn (slow): a reduced local truth: a one-round calibration of this machine, then every
-  mesh of LOCAL_MESHES timed for a few steps through the same build()/train_step train.py
-  runs (one process here, two gloo ranks in the pool), each within LOCAL_BOUND of its
-  projection. The cores are shared with other work the model knows nothing about: when the
-  ranks spent more than DISTURBED of a step waiting for a core (run-queue wait), the test
-  skips, naming the load, instead of judging the model on someone else's jobs.
+
+The measured local truth itself (projection against timed steps on this machine) is a
+benchmark, not a test: `python tools/plan.py local` (README, Scaling projections). Step times
+on this shared machine are not a pass/fail criterion.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 
 import pytest
 import yaml
@@ -37,10 +34,6 @@ from megapipe.perf.costs import CALIBRATION, Calibration, CostModel, Device
 from megapipe.perf.runtime import MEGATRON_2021, resolved
 from tests.conftest import TINY
 from tools import plan as plan_cli
-
-LOCAL_BOUND = 0.25  # the reduced run: 3 steps, a one-round calibration (target 15%: README)
-DISTURBED = 0.10  # run-queue wait per step over the step: the machine was not ours
-
 
 # -- fits ---------------------------------------------------------------------------------------
 
@@ -236,35 +229,3 @@ def test_project_cli_takes_the_cpu_profile(capsys):
     assert plan_cli.main(["project", "--config", TINY, "--gpu", "cpu", "--json"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)  # JSON is YAML
     assert out["step_time_s"] > 0 and out["detail"]["cluster"] == "cpu"
-
-
-# -- the reduced local truth ------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.spawn
-def test_local_truth_reduced(gloo_pool, tmp_path):
-    calibrate.wait_quiet(0.25, 10)
-    m = calibrate.measure(threads=1, ranks_per_node=2, rounds=1)
-    values = calibrate.profile_values(m, "cpu_now")
-    cluster = calibrate.write_profile(tmp_path / "cpu_now.yaml", values, m, "test")
-    got = {}
-    for name, mesh in calibrate.LOCAL_MESHES.items():
-        cfg = calibrate.local_config(mesh)
-        if cfg.derived.world_size == 1:
-            ranks = [calibrate.timed_steps(mesh, 3, 1)]
-        else:
-            ranks = gloo_pool(2).run(calibrate.timed_steps, mesh, 3, 1)
-        step = statistics.median(t for r in ranks for t in r["steps"])
-        wait = max(r["wait"] for r in ranks)
-        got[name] = (step, wait, calibrate.project_point(cfg, cluster).step_time_s)
-    lines = "\n".join(
-        f"{n}: measured {s:.3f} s (run-queue wait {w:.3f} s/step), projected {p:.3f} s, "
-        f"error {p / s - 1:+.1%}"
-        for n, (s, w, p) in got.items()
-    )
-    disturbed = [n for n, (s, w, _) in got.items() if w > DISTURBED * s]
-    if disturbed:
-        pytest.skip(f"other work held the cores during {', '.join(disturbed)}:\n{lines}")
-    for step, _, projected in got.values():
-        assert abs(projected / step - 1) <= LOCAL_BOUND, lines

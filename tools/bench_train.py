@@ -188,9 +188,10 @@ def outside_share(runner, batch, steps: int, device: str) -> float:
     inside = 0.0
     for e in prof.key_averages():
         name = e.key.lower()
-        if device == "cuda":
-            kernel = any(m in name for m in GEMM_KERNEL_MARKS + ATTENTION_MARKS)
-            inside += e.self_device_time_total if kernel and e.self_device_time_total else 0.0
+        if device == "cuda":  # kernels only: an op's row repeats its kernels' device time
+            kernel = e.device_type == torch.autograd.DeviceType.CUDA
+            if kernel and any(m in name for m in GEMM_KERNEL_MARKS + ATTENTION_MARKS):
+                inside += e.self_device_time_total
         elif e.key in MATMUL_OPS or any(m in name for m in ATTENTION_MARKS):
             inside += e.self_cpu_time_total
     return max(0.0, 1.0 - inside / 1e6 / wall)

@@ -144,8 +144,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, rows = hc.shape[0], ctx.rows
         wc = weight.to(ctx.dtype)
         grad_h = torch.zeros_like(hc)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         buffer = _buffer(hc, rows, weight.shape[0])
+        if not ctx.valid:  # a tp slice of padding only
+            grad_w.zero_()
         for lo in range(0, n if ctx.valid else 0, rows):
             hi = min(lo + rows, n)
             h_c = hc[lo:hi]
@@ -155,10 +157,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs[at, local[lo:hi]] -= 1.0 if inside is None else inside[lo:hi]  # − one-hot
             g = probs.to(ctx.dtype)  # (rows, V/tp); the loss's grad is applied at the end
             torch.mm(g, wc, out=grad_h[lo:hi])
-            if ctx.dtype == torch.float32:
-                grad_w.addmm_(g.t(), h_c)
+            if ctx.dtype != torch.float32:  # bf16 matmul, float32 sum over the chunks
+                part = g.t() @ h_c
+                grad_w.copy_(part) if lo == 0 else grad_w.add_(part)
+            elif lo == 0:  # the first chunk writes the weight grad: no zero fill of V·d
+                torch.mm(g.t(), h_c, out=grad_w)
             else:
-                grad_w += g.t() @ h_c
+                grad_w.addmm_(g.t(), h_c)
             del probs, g
         grad_h, grad_w = grad_h.mul_(grad).to(ctx.in_dtype), grad_w.mul_(grad).to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
