@@ -355,31 +355,34 @@ def measure(
     ranks_per_node: int = 2,
     rounds: int = 5,
     say: Callable[[str], None] = lambda _: None,
-    settle: Callable[[], object] = lambda: None,
+    settle: Callable[[], float | None] = lambda: None,
 ) -> Measured:
     """Run every probe with `threads` torch threads (module docstring); `settle` runs before
     each (tools/plan.py waits there for the machine's other work to calm down)."""
-    before = torch.get_num_threads()
+    before, loads = torch.get_num_threads(), []
     torch.set_num_threads(threads)
     try:
-        settle()
+        loads.append(settle())
         say(f"GEMM sweep ({len(GEMM_SHAPES)} shapes x {rounds} rounds)")
         gemm = probe_gemm(rounds)
-        settle()
+        loads.append(settle())
         say("copy bandwidth, memory-bound kernels, GeLU, attention")
         bandwidth = probe_bandwidth(rounds)
         kernels = probe_kernels(rounds)
         gelu = probe_gelu(rounds)
         attention = probe_attention(rounds)
-        settle()
+        loads.append(settle())
         say("fixed time per block (the GPT at d_model 16)")
         fixed = probe_fixed(rounds)
     finally:
         torch.set_num_threads(before)
-    settle()
+    loads.append(settle())
     say("gloo all-reduce and p2p between two processes")
     gloo = probe_gloo(threads, max(rounds // 2, 1))
-    return Measured(threads, ranks_per_node, gemm, bandwidth, kernels, gelu, attention, fixed, gloo)
+    notes = {"other_work_cores": [x for x in loads if isinstance(x, (int, float))]}
+    return Measured(
+        threads, ranks_per_node, gemm, bandwidth, kernels, gelu, attention, fixed, gloo, notes
+    )
 
 
 def cpu_name() -> str:
@@ -468,6 +471,8 @@ def render(values: dict, m: Measured, command: str) -> str:
         f"# Measured by `{command}` (megapipe/perf/calibrate.py) on "
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores shared with other work: medians over rounds, spreads below.",
+        "# other work on the machine before each probe group (cores): "
+        + (", ".join(f"{x:.2f}" for x in m.notes.get("other_work_cores", [])) or "not measured"),
         f"name: {values['name']}",
         f"gpu: {values['gpu']}",
         f"# float32 torch.mm, best of the sweep: {best} at {peak / 1e9:.1f} GFLOP/s "
@@ -661,6 +666,7 @@ class Run:
     steps: list[float]
     wait: list[float]  # per rank, s per step
     others: float  # cores the rest of the machine kept busy meanwhile
+    cpu: list[float] = field(default_factory=list)  # per rank, its training thread's CPU s/step
 
 
 def train_run(
@@ -727,12 +733,13 @@ def train_run(
             times = [tokens / json.loads(line)["tokens_per_s"] for line in f]
     complete = warmup + steps in marks and warmup in marks
     if not complete or len(marks[warmup][2]) != world or len(marks[warmup + steps][2]) != world:
-        return Run(times[warmup:], [math.nan] * world, math.nan)
+        return Run(times[warmup:], [math.nan] * world, math.nan, [math.nan] * world)
     (t0, ticks0, s0), (t1, ticks1, s1) = marks[warmup], marks[warmup + steps]
     wait = [(b[1] - a[1]) / steps for a, b in zip(s0, s1)]
+    cpu = [(b[0] - a[0]) / steps for a, b in zip(s0, s1)]
     ours = sum(b[2] - a[2] for a, b in zip(s0, s1))
     busy = (ticks1[0] - ticks0[0]) / os.sysconf("SC_CLK_TCK")
-    return Run(times[warmup:], wait, max(busy - ours, 0.0) / (t1 - t0))
+    return Run(times[warmup:], wait, max(busy - ours, 0.0) / (t1 - t0), cpu)
 
 
 @dataclass
@@ -744,6 +751,7 @@ class Point:
     others: list[float]  # the other work's load (cores) during each round
     wait: list[float]  # each round's run-queue wait per step (s, the most waiting rank)
     projected: Projection
+    cpu: list[float] = field(default_factory=list)  # each round's busiest rank's CPU s/step
 
     @property
     def measured(self) -> float:
@@ -875,6 +883,7 @@ def local_points(
                 [run.others for run in got],
                 [max(run.wait) for run in got],
                 project_point(cfg, cluster),
+                [max(run.cpu) for run in got],
             )
         )
     return points
@@ -882,29 +891,31 @@ def local_points(
 
 def markdown(points: list[Point]) -> str:
     """The local-truth table: measured median (quartiles over every step, range of the round
-    medians), the other work's load and the ranks' run-queue wait, projected, error, and where
-    the projection puts the time."""
+    medians), the other work's load and the ranks' run-queue wait, projected, error; then the
+    busiest rank's CPU time per step against the projection's compute + optimizer (what a rank
+    computes, whoever else shares the cores), and where the projection puts the time."""
     rows = [
-        "| mesh | measured median (s) | steps p25-p75 | round medians | other work (cores) "
-        "| run-queue wait (s/step) | projected (s) | error | projected compute / tp / "
-        "bubble+p2p / dp / optimizer (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
+        "| run-queue wait (s/step) | projected (s) | error | rank CPU (s/step) "
+        "| projected compute + optimizer (s) | error | projected compute / tp / bubble+p2p / dp "
+        "/ optimizer (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         q = statistics.quantiles(p.steps, n=4) if len(p.steps) > 1 else [p.measured] * 3
         b = p.projected.breakdown
-        parts = " / ".join(
-            f"{b[k]:.3f}"
-            for k in ("compute_s", "tp_comm_s", "pipeline_bubble_p2p_s", "dp_comm_s", "optimizer_s")
-        )
+        keys = ("compute_s", "tp_comm_s", "pipeline_bubble_p2p_s", "dp_comm_s", "optimizer_s")
+        parts = " / ".join(f"{b[k]:.3f}" for k in keys)
+        cpu = statistics.median(p.cpu) if p.cpu else math.nan
+        work = b["compute_s"] + b["optimizer_s"]
         rows.append(
             f"| {p.name} | {p.measured:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
             f"{min(p.rounds):.3f}-{max(p.rounds):.3f} | {statistics.median(p.others):.2f} | "
             f"{statistics.median(p.wait):.3f} | {p.projected.step_time_s:.3f} | "
-            f"{p.error:+.1%} | {parts} |"
+            f"{p.error:+.1%} | {cpu:.3f} | {work:.3f} | {work / cpu - 1:+.1%} | {parts} |"
         )
     errs = [abs(p.error) for p in points]
-    rows.append(f"\nmean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
+    rows.append(f"\nstep time: mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
     return "\n".join(rows)
 
 
@@ -921,6 +932,7 @@ def points_json(points: list[Point]) -> dict:
                 "round_medians_s": p.rounds,
                 "other_work_cores": p.others,
                 "run_queue_wait_s": p.wait,
+                "rank_cpu_s": p.cpu,
                 "projected_s": p.projected.step_time_s,
                 "error": p.error,
                 "breakdown": p.projected.breakdown,
