@@ -2,6 +2,7 @@
 simulator's fidelity, and measured bubbles.
 
     python tools/bench.py pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v] [--out FILE]
+        [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
 
 Two gloo ranks on this CPU (spawned, one thread each), m=8 microbatches, float32. The model is
 plot_timeline.MODEL: GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global
@@ -17,8 +18,13 @@ batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activation
   torch's `schedule.step`) between two barriers; no optimizer step. Rounds visit every
   schedule in turn so machine noise hits all alike; medians over rounds after warm-up.
 - The losses and the global grad norm of every run must agree (same model, same math).
-- zb_v is built as in training (parallel.schedule_costs=profile): the two warm-up rounds run
-  the unit-time order, and the timed rounds the order built for the costs the second measured.
+- zb_v and zb_auto (ZB-1p and ZB-2p, Qi et al. 2023 §3.1, at parallel.zb_memory 1p / 2p) are
+  built as in training (parallel.schedule_costs=profile): the two warm-up rounds run the
+  unit-time order, and the timed rounds the order built for the costs the second measured.
+- Then post-validation on and off (Zero Bubble §4, bench_post_validation.py): whole training
+  steps, optimizer included, back to back, with the simulator's multi-iteration figure beside
+  each and the overlap of consecutive steps read from the measured timeline
+  (`--no-post-validation` leaves them out; `--schedules ""` runs only them).
 - Fidelity: our runtime's spans give mean compute per (kind, chunk) (timeline.profile_costs);
   simulate.py runs the actions that ran, with those costs (no comm cost), against the measured
   makespan, per step.
@@ -28,8 +34,9 @@ Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (Pipe
 Interleaved1F1B → interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2); InterleavedZeroBubble, ZB-H1
 (Qi et al. 2023 §3.1) on two looped chunks → both our zero-bubble schedules at the same 1F1B
 memory: zb_h1 (ZB-H1 as in the paper, one chunk) and zb_v (two chunks, V placement);
-ZBVZeroBubble → zb_v (Qi et al. 2024). Schedules are data, so our runtime also runs torch's own
-action orders (bench_schedules.torch_order): "runtime only" rows, same order on both sides.
+ZBVZeroBubble → zb_v (Qi et al. 2024); InterleavedZeroBubble → zb_auto 1p and 2p. Schedules
+are data, so our runtime also runs torch's own action orders (bench_schedules.torch_order):
+"runtime only" rows, same order on both sides.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ OURS = {  # our run -> (schedule giving the config and placement, vpp, torch ord
     "interleaved_1f1b": ("interleaved_1f1b", 2, None),
     "zb_h1": ("zb_h1", 1, None),
     "zb_v": ("zb_v", 2, None),
+    "zb_auto_1p": ("zb_auto", 1, None),
+    "zb_auto_2p": ("zb_auto", 1, None),
     "torch_order:Interleaved1F1B": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
     "torch_order:InterleavedZeroBubble": ("interleaved_1f1b", 2, "ScheduleInterleavedZeroBubble"),
     "torch_order:ZBVZeroBubble": ("zb_v", 2, "ScheduleZBVZeroBubble"),
@@ -76,6 +85,8 @@ PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are ti
     ("ScheduleInterleaved1F1B", "torch_order:Interleaved1F1B", RUNTIME),
     ("ScheduleInterleavedZeroBubble", "zb_h1", BOTH),
     ("ScheduleInterleavedZeroBubble", "zb_v", BOTH),
+    ("ScheduleInterleavedZeroBubble", "zb_auto_1p", BOTH),
+    ("ScheduleInterleavedZeroBubble", "zb_auto_2p", BOTH),
     ("ScheduleInterleavedZeroBubble", "torch_order:InterleavedZeroBubble", RUNTIME),
     ("ScheduleZBVZeroBubble", "zb_v", BOTH),
     ("ScheduleZBVZeroBubble", "torch_order:ZBVZeroBubble", RUNTIME),
@@ -95,7 +106,7 @@ def our_actions(name: str):
     return torch_order(torch_class, PP, M, where.style), where
 
 
-def make_config(schedule: str, vpp: int):
+def make_config(schedule: str, vpp: int, extra: tuple[str, ...] = ()):
     from megapipe.config import load_config
 
     return load_config(
@@ -106,9 +117,15 @@ def make_config(schedule: str, vpp: int):
             f"parallel.vpp={vpp}",
             f"parallel.schedule={schedule}",
             f"parallel.microbatches={M}",
+            *extra,
             f"run.dir={tempfile.mkdtemp()}",
         ],
     )
+
+
+def extra_of(name: str) -> tuple[str, ...]:
+    """zb_auto's memory limit from the run's name (zb_auto_1p, zb_auto_2p)."""
+    return (f"parallel.zb_memory={name.rsplit('_', 1)[1]}",) if name.startswith("zb_auto") else ()
 
 
 @contextlib.contextmanager
@@ -142,7 +159,8 @@ class Ours:
         from megapipe.pipeline.engine import build_pipeline
 
         schedule, self.vpp, _ = OURS[name]
-        self.name, self.pipe = name, build_pipeline(make_config(schedule, self.vpp), mesh)
+        cfg = make_config(schedule, self.vpp, extra_of(name))
+        self.name, self.pipe = name, build_pipeline(cfg, mesh)
         if OURS[name][2] is not None:  # torch's order on our runtime
             self.pipe.use_schedule(our_actions(name)[0])
         self.params = [p for c in self.pipe.chunks for p in c.parameters()]
@@ -380,11 +398,26 @@ def main(argv=None) -> int:
         help="ours to run, each with its torch peers",
     )
     parser.add_argument("--out", help="write every figure as JSON here")
+    parser.add_argument(
+        "--pv-block", type=int, default=4, help="post-validation rows: steps back to back"
+    )
+    parser.add_argument("--pv-rounds", type=int, default=5, help="post-validation rows: rounds")
+    parser.add_argument(
+        "--no-post-validation", action="store_true", help="leave out the post-validation rows"
+    )
     args = parser.parse_args(argv)
     pairs = [p for p in PAIRS if p[1] in args.schedules.split(",")]
-    result = spawn(PP, job, args.steps, args.warmup, pairs)[0]
-    summary = summarise(result, args.steps, args.warmup, pairs)
-    print(markdown(summary))
+    summary = {}
+    if pairs:
+        result = spawn(PP, job, args.steps, args.warmup, pairs)[0]
+        summary = summarise(result, args.steps, args.warmup, pairs)
+        print(markdown(summary), flush=True)
+    if not args.no_post_validation:
+        import bench_post_validation as pv
+
+        found = spawn(PP, pv.job, args.pv_block, args.pv_rounds, 1)[0]
+        summary["post_validation"] = pv.summarise(found, args.pv_block)
+        print(pv.markdown(summary["post_validation"]))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0

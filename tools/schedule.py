@@ -7,6 +7,8 @@
     python tools/schedule.py --schedule zb_auto --pp 8 --microbatches 24 --zb-memory 2p \
         --zb-w-share 0.366 --cost F=18.522,B=18.086,W=9.337,comm=0.601 --json
     python tools/schedule.py --from-csv zbv.csv --placement v --json
+    python tools/schedule.py --compare 1f1b,zb_h2 --pp 4 --microbatches 8 --iterations 8 \
+        --optimizer-cost 0.5 --sync-cost 0.2
 
 CSV format (one row per action, header required): ``rank,index,kind,microbatch,chunk,segment,
 version`` where index is the action's position in its rank's list, kind is F, B, W or BW,
@@ -19,6 +21,13 @@ of a microbatch's activations kept from B to W (the Zero Bubble paper's M_W / M_
 microbatch whole until its W). ``--json`` gives per rank ``span`` (last end minus first start)
 and ``peak_memory`` (microbatches' activations, what B to W keeps weighing ``--zb-w-share``),
 and ``bubble_rate_paper``, the paper's (longest span − busiest rank's work) / longest span.
+
+``--iterations K`` simulates K steps back to back (plan/simulate.multi_iteration) twice: with
+the synchronisation before the optimizer (every rank waits for the global grad-norm / NaN
+reduction, ``--sync-cost``, after the last rank's last action) and with Zero Bubble's
+post-validation (§4: each rank steps after its own last action and its predecessor's partial
+state, and starts the next step at once), each step ``--optimizer-cost`` long, and prints the
+steady-state step time of both (JSON: ``multi_iteration``).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megapipe.plan.actions import Action, Placement, Schedule, format_grid
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
-from megapipe.plan.simulate import Costs, SimResult, simulate
+from megapipe.plan.simulate import Costs, SimResult, multi_iteration, simulate
 from megapipe.plan.validate import validate
 from megapipe.plan.zb_auto import peak_memory
 
@@ -98,7 +107,7 @@ def summary(result: SimResult, w_share: float = 1.0) -> dict:
     }
 
 
-def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
+def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult, Placement]:
     vpp, k = (
         shape_for(name, args.vpp, args.seq_segments)
         if args.compare
@@ -111,7 +120,42 @@ def run_named(name: str, args, costs: Costs) -> tuple[Schedule, SimResult]:
     schedule = build_schedule(name, args.pp, args.microbatches, vpp, k, **opts)
     where = placement(name, args.pp, vpp)
     validate(schedule, args.pp, args.microbatches, vpp, k, where)
-    return schedule, simulate(schedule, costs, where)
+    return schedule, simulate(schedule, costs, where), where
+
+
+def iterations_summary(
+    schedule: Schedule, costs: Costs, where: Placement, args
+) -> dict[str, float] | None:
+    """Steady-state step time of K back-to-back steps, synchronous and post-validated."""
+    if not args.iterations:
+        return None
+    one = {
+        mode: multi_iteration(
+            schedule, costs, where, args.iterations, mode, args.optimizer_cost, args.sync_cost
+        ).steady_step
+        for mode in (False, True)
+    }
+    return {
+        "iterations": args.iterations,
+        "optimizer_cost": args.optimizer_cost,
+        "sync_cost": args.sync_cost,
+        "sync_step": round(one[False], 6),
+        "post_validation_step": round(one[True], 6),
+        "gain": round(1.0 - one[True] / one[False], 6) if one[False] else 0.0,
+    }
+
+
+def iterations_table(rows: list[tuple[str, dict]]) -> str:
+    lines = [
+        "| schedule | steady step, sync | steady step, post-validation | gain |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, it in rows:
+        lines.append(
+            f"| {name} | {it['sync_step']:.3f} | {it['post_validation_step']:.3f} | "
+            f"{it['gain']:.1%} |"
+        )
+    return "\n".join(lines)
 
 
 def compare_table(rows: list[tuple[str, SimResult]]) -> str:
@@ -158,10 +202,27 @@ def parse_args(argv):
         default="loop",
         help="stage placement of a --from-csv schedule",
     )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=0,
+        help="simulate this many steps back to back, with and without post-validation",
+    )
+    parser.add_argument(
+        "--optimizer-cost", type=float, default=0.0, help="--iterations: one optimizer step"
+    )
+    parser.add_argument(
+        "--sync-cost",
+        type=float,
+        default=0.0,
+        help="--iterations: the global grad-norm/NaN reduction before the optimizer",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     parser.add_argument("--plot", help="write the timeline as a PNG")
     parser.add_argument("--to-csv", help="write the action list as CSV")
     args = parser.parse_args(argv)
+    if args.iterations < 0 or args.optimizer_cost < 0 or args.sync_cost < 0:
+        parser.error("--iterations, --optimizer-cost and --sync-cost must be >= 0")
     if not args.from_csv and (args.pp is None or args.microbatches is None):
         parser.error("--pp and --microbatches are required unless --from-csv is given")
     return args
@@ -173,13 +234,8 @@ def main(argv=None) -> int:
     if args.from_csv:
         schedule = read_csv(args.from_csv)
         vpp = 1 + max(a.chunk for acts in schedule.values() for a in acts)
-        results = [
-            (
-                Path(args.from_csv).stem,
-                schedule,
-                simulate(schedule, costs, Placement(len(schedule), vpp, args.placement)),
-            )
-        ]
+        where = Placement(len(schedule), vpp, args.placement)
+        results = [(Path(args.from_csv).stem, schedule, simulate(schedule, costs, where), where)]
     else:
         names = args.compare.split(",") if args.compare else [args.schedule]
         results = [(name, *run_named(name.strip(), args, costs)) for name in names]
@@ -195,18 +251,25 @@ def main(argv=None) -> int:
                     r.timeline,
                     len(s),
                 )
-                for name, s, r in results
+                for name, s, r, _ in results
             ],
             args.plot,
         )
+    many = {name: iterations_summary(s, costs, w, args) for name, s, _, w in results}
     if args.json:
-        out = {name: summary(r, args.zb_w_share) for name, _, r in results}
+        out = {name: summary(r, args.zb_w_share) for name, _, r, _ in results}
+        for name, it in many.items():
+            if it is not None:
+                out[name]["multi_iteration"] = it
         print(json.dumps(out if args.compare else next(iter(out.values()))))
-    elif args.compare:
-        print(compare_table([(name, r) for name, _, r in results]))
+        return 0
+    if args.compare:
+        print(compare_table([(name, r) for name, _, r, _ in results]))
     else:
         print(format_grid(results[0][1]))
         print(json.dumps(summary(results[0][2], args.zb_w_share)))
+    if args.iterations:
+        print(iterations_table([(name, it) for name, it in many.items()]))
     return 0
 
 

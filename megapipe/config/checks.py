@@ -40,6 +40,7 @@ def validate(cfg: Config) -> None:
     _check_chunks(cfg)
     _check_segments(cfg)
     _check_pipedream(cfg)
+    _check_post_validation(cfg)
     _check_train(cfg)
     _check_rest(cfg)
 
@@ -242,6 +243,30 @@ def _check_pipedream(cfg: Config) -> None:
         "parallel.zero=1 with parallel.schedule=pipedream_async: each stage steps after every "
         "microbatch, so the sharded optimizer would gather weights once per microbatch; set "
         "parallel.zero=0",
+    )
+
+
+def _check_post_validation(cfg: Config) -> None:
+    """Zero Bubble §4 post-validation replaces the pipeline's global reduction before the
+    optimizer: it needs a pipeline whose stages step once per step, on whole (unsharded) state."""
+    p = cfg.parallel
+    if not p.post_validation:
+        return
+    _require(
+        p.pp > 1,
+        f"parallel.post_validation=true needs a pipeline (parallel.pp > 1, got {p.pp}): "
+        "with one stage there is no synchronisation to bypass; remove parallel.post_validation",
+    )
+    _require(
+        p.schedule != "pipedream_async",
+        "parallel.post_validation=true with parallel.schedule=pipedream_async: PipeDream steps "
+        "each stage after every microbatch without a global reduction already; remove "
+        "parallel.post_validation",
+    )
+    _require(
+        not (p.zero and p.dp * p.cp > 1),
+        "parallel.post_validation=true with parallel.zero=1 is not supported yet (the "
+        "rollback copies are not sharded); set parallel.zero=0 or parallel.post_validation=false",
     )
 
 

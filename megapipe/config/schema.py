@@ -93,6 +93,9 @@ class ParallelConfig:
     # schedules built for costs (zb_v, zb_auto): profile (2nd step) | unit | F=..,B=..,W=..
     schedule_costs: str = "profile"
     zb_memory: str = "1p"  # zb_auto: activation memory limit, 1p | 2p | N microbatches per rank
+    # pp > 1: no global grad-norm/NaN reduction before the optimizer; stages chain the state,
+    # step optimistically, validate when it comes back (Zero Bubble §4)
+    post_validation: bool = False
     # 0: every dp × cp replica keeps the whole AdamW state; 1: distributed optimizer (ZeRO-1)
     zero: int = bounded(0, low=0, high=1)
     # a collective or p2p waiting longer on a peer (a dead rank) errors

@@ -50,6 +50,8 @@ class Pipeline:
     # from the costs measured in this many steps (0: never)
     profile_in: int = 0
     hooks: Hooks = NO_HOOKS  # additions to each action (an observer in tests; PipeDream's own)
+    # parallel.post_validation: train/post_validation.PostValidator (None: synchronous step)
+    validator: object = None
 
     updates_inside = False  # the optimizer steps once, after the step's last action
 

@@ -6,7 +6,9 @@ seconds and the part spent waiting for the input). Here the spans of all ranks b
 - a timeline in the simulator's format, (rank, action, start, end), so that a measured step
   and its simulation (plan/simulate.py) are drawn side by side by plot.py;
 - a Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev): "X" events, pid = rank;
-- per-action costs for `simulate.Costs`, and the measured makespan and bubble fraction.
+- per-action costs for `simulate.Costs`, and the measured makespan and bubble fraction;
+- where two consecutive steps meet (`step_boundary`): whether the next step began on one rank
+  before the last one ended on another, which post-validation allows.
 
 A span's compute part is [t0 + wait, t1]: the input receive is waited for first, and posting
 the sends afterwards counts as busy. perf_counter is CLOCK_MONOTONIC on Linux, one clock for
@@ -66,6 +68,18 @@ def measured(per_rank: list[list[Span]]) -> dict:
         "idle": [makespan - b for b in busy],
         "bubble_fraction": 1.0 - sum(busy) / (len(per_rank) * makespan),
     }
+
+
+def step_boundary(before: list[list[Span]], after: list[list[Span]]) -> dict:
+    """Where two consecutive steps meet, from every rank's spans of both (one host's clock):
+    per rank the end of its last action of `before` and the start of its first of `after`,
+    and `overlap`: the last rank's end of `before` minus the first rank's start of `after`.
+    With a synchronisation before the optimizer every rank starts `after` only once every rank
+    ended `before`, so overlap < 0; post-validation (Zero Bubble §4) lets a rank that ended
+    early start the next step's warm-up while another still runs its cool-down: overlap > 0."""
+    ends = [max(t1 for _, _, t1, _ in rank) for rank in before]
+    starts = [min(t0 for _, t0, _, _ in rank) for rank in after]
+    return {"ends": ends, "starts": starts, "overlap": max(ends) - min(starts)}
 
 
 def profile_costs(steps: list[list[list[Span]]], vpp: int) -> Costs:

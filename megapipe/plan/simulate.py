@@ -125,13 +125,15 @@ def simulate(
     flop_shares: list[float] | None = None,
     token_shares: list[float] | None = None,
     chunk_shares: dict[int, list[float]] | None = None,
+    start: dict[int, float] | None = None,
 ) -> SimResult:
     """Simulate ``schedule``; flop and token shares are per Seq1F1B segment (default: equal),
     `chunk_shares[rank][c]` the part of a rank's activations its chunk c holds for one
-    microbatch (default 1/vpp each; unequal when chunks hold different numbers of layers)."""
+    microbatch (default 1/vpp each; unequal when chunks hold different numbers of layers);
+    `start[rank]`: when the rank may begin (default 0; multi_iteration chains steps)."""
     flop_shares = _segment_shares(schedule, flop_shares)
     token_shares = _segment_shares(schedule, token_shares)
-    free_at = {rank: 0.0 for rank in schedule}
+    free_at = {rank: (start or {}).get(rank, 0.0) for rank in schedule}
     timeline: list[tuple[int, Action, float, float]] = []
 
     def run(rank: int, a: Action, stage: int, needs: list, finished: dict) -> tuple[float, int]:
@@ -176,3 +178,74 @@ def _summarise(schedule, timeline, token_shares, chunk_shares) -> SimResult:
     timeline.sort(key=lambda item: (item[2], item[0]))
     span = [max(0.0, b - a) for a, b in zip(first, last)]
     return SimResult(makespan, busy, idle, bubble, peaks, timeline, span)
+
+
+@dataclass
+class Iterations:
+    """K steps simulated back to back (`multi_iteration`)."""
+
+    ends: list[float]  # per step: its last action's end on any rank
+    starts: list[dict[int, float]]  # per step: when each rank may begin it
+    steps: list[SimResult] = field(repr=False)
+
+    @property
+    def steady_step(self) -> float:
+        """The step time once the pipeline of steps is steady: the mean over the second half
+        (the first steps still start from an idle pipeline)."""
+        k = len(self.ends)
+        h = max(k // 2, 1)
+        if k < 2:
+            return self.ends[0] if self.ends else 0.0
+        return (self.ends[-1] - self.ends[-1 - h]) / h
+
+
+def multi_iteration(
+    schedule: Schedule,
+    costs: Costs,
+    placement: Placement,
+    iterations: int,
+    post_validation: bool,
+    optimizer: float = 0.0,
+    sync: float = 0.0,
+) -> Iterations:
+    """`iterations` steps of `schedule` back to back, with `optimizer` the cost of a rank's
+    optimizer step and `sync` that of the global grad-norm / NaN reduction before it.
+
+    - Synchronous: every rank waits, after its last action, for the reduction over all
+      ranks (it ends `sync` after the last rank's last action), steps, and only then starts
+      the next step: the steps meet at a barrier.
+    - Post-validation (Qi et al. 2023 §4): rank r steps once its own actions are done and the
+      partial state of rank r−1 has arrived (the chain 0 → p−1, `costs.comm` a hop), then
+      starts the next step at once; the global state leaves the last rank when it has it and
+      is only waited for at the end of the next step (the validation).
+    With one rank there is nothing to reduce over the pipeline: both give the same time.
+    """
+    ranks = sorted(schedule)
+    start = {r: 0.0 for r in ranks}
+    steps, starts, ends = [], [], []
+    validation: dict[int, float] = {}  # when the previous step's global state reaches a rank
+    for _ in range(iterations):
+        result = simulate(schedule, costs, placement, start=start)
+        last = dict(start)
+        for q, _, _, end in result.timeline:
+            last[q] = max(last[q], end)
+        done = {r: max(last[r], validation.get(r, 0.0)) for r in ranks}
+        steps.append(result)
+        starts.append(start)
+        ends.append(max(done.values()))
+        start, validation = _next_starts(ranks, done, costs.comm, post_validation, optimizer, sync)
+    return Iterations(ends, starts, steps)
+
+
+def _next_starts(ranks, done, comm, post_validation, optimizer, sync):
+    """Each rank's start of the next step and the arrival of this step's global state."""
+    if len(ranks) == 1 or not post_validation:
+        barrier = max(done.values()) + (sync if len(ranks) > 1 else 0.0)
+        return {r: barrier + optimizer for r in ranks}, {}
+    ready, prev = {}, None
+    for r in ranks:  # the partial state travels 0 → p−1, one hop per stage
+        ready[r] = done[r] if prev is None else max(done[r], ready[prev] + comm)
+        prev = r
+    sent = ready[ranks[-1]]
+    validation = {r: sent + (comm if r != ranks[-1] else 0.0) for r in ranks}
+    return {r: ready[r] + optimizer for r in ranks}, validation

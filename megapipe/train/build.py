@@ -16,8 +16,9 @@ from megapipe.pipeline.stages import build_model
 from megapipe.train.batches import BatchSlice
 from megapipe.train.evaluate import evaluate
 from megapipe.train.optim import build_optimizer
+from megapipe.train.post_validation import attach
 from megapipe.train.replica import Replica
-from megapipe.train.step import StepResult, train_step
+from megapipe.train.step import StepResult, settle, train_step
 
 
 @dataclass
@@ -32,6 +33,15 @@ class Job:
 
     def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
         return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg)
+
+    @property
+    def post_validated(self) -> bool:
+        """Zero Bubble §4 post-validation is on: no collective joins the ranks between steps."""
+        return getattr(self.engine, "validator", None) is not None
+
+    def settle(self, optimizer) -> StepResult | None:
+        """Post-validation: validate the pending step now; its final result (None: none)."""
+        return settle(self.engine, optimizer, self.cfg)
 
     def optimizer(self):
         """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
@@ -49,6 +59,8 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
     if cfg.parallel.pp > 1:
         kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
         pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
+        if cfg.parallel.post_validation and kind is Pipeline:
+            attach(pipe, cfg)  # Zero Bubble §4: no global reduction before the optimizer
         return Job(cfg, nn.ModuleList(pipe.chunks), pipe, BatchSlice.of(mesh), mesh)
     model = build_model(cfg, mesh, device)
     return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh), mesh)

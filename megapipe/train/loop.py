@@ -110,40 +110,72 @@ def train_loop(
     blend = BlendTokens(data, start, t.global_batch) if isinstance(data, BlendData) else None
     saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
     records = []
+    settled = Settled(job, optimizer)
+    interval = cfg.checkpoint.interval
     try:
         for step in range(start, last):
             began = time.perf_counter()
             result = job.train_step(optimizer, data.batch(step, t.global_batch), step)
             done = step + 1
-            record = {
-                "step": done,
-                "loss": result.loss,
-                "lr": result.lr,
-                "grad_norm": result.grad_norm,
-                "skipped": result.skipped,
-                **throughput.of(done, time.perf_counter() - began),
-                **(blend.after(step) if blend else {}),
-            }
-            stopping = stop.agreed() or done == t.stop_at_step  # the same on every rank
-            if t.eval_interval and (done % t.eval_interval == 0 or done == t.steps):
-                record["val_loss"] = job.evaluate(data)
-                for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
-                    record[f"val_loss/{name}"] = loss
-            if done % cfg.log.interval == 0 or done == last or stopping or "val_loss" in record:
-                log.log(record)
-            log.progress(done, result.loss, record["tokens_per_s"], skips.total)
-            records.append(record)
-            skips.count(done, result.skipped)
-            interval = cfg.checkpoint.interval
-            if (interval and done % interval == 0) or stopping:
+            seconds = time.perf_counter() - began
+            # the same on every rank; under post-validation read one step late (preempt.py)
+            stopping = stop.agreed(deferred=job.post_validated) or done == t.stop_at_step
+            evaluating = t.eval_interval and (done % t.eval_interval == 0 or done == t.steps)
+            saving = (interval and done % interval == 0) or stopping
+            now = bool(stopping or evaluating or saving or done == last)
+            for d, secs, final in settled(done, seconds, result, now):
+                record = {
+                    "step": d,
+                    "loss": final.loss,
+                    "lr": final.lr,
+                    "grad_norm": final.grad_norm,
+                    "skipped": final.skipped,
+                    **throughput.of(d, secs),
+                    **(blend.after(d - 1) if blend else {}),
+                }
+                if d == done and evaluating:
+                    record["val_loss"] = job.evaluate(data)
+                    for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
+                        record[f"val_loss/{name}"] = loss
+                ends = d == last or (d == done and stopping)
+                if d % cfg.log.interval == 0 or ends or "val_loss" in record:
+                    log.log(record)
+                log.progress(d, final.loss, record["tokens_per_s"], skips.total)
+                records.append(record)
+                skips.count(d, final.skipped)
+            if saving:
                 saver.save(done, job.model, optimizer)
             if stopping:
                 stop.saved_step = done
                 break
     finally:
         log.close()
+    stop.finish()  # a deferred agreement still in flight (post-validation)
     saver.wait()  # a background save finishes before the run reports it
     return records
+
+
+class Settled:
+    """Steps whose figures are known, in order. Under parallel.post_validation (Zero Bubble
+    §4, train/post_validation.py) a step's loss, norm and skip are known only once its global
+    state is back, during the next step: its record waits for that step, or is settled at once
+    (`now`) before evaluation, a checkpoint or the end, which must see validated weights."""
+
+    def __init__(self, job: Job, optimizer) -> None:
+        self.job, self.optimizer, self.held = job, optimizer, None
+
+    def __call__(self, done: int, seconds: float, result, now: bool) -> list[tuple]:
+        out = []
+        if self.held is not None and result.previous is not None:
+            out.append((*self.held, result.previous))
+            self.held = None
+        if result.final:
+            out.append((done, seconds, result))
+        elif now:
+            out.append((done, seconds, self.job.settle(self.optimizer)))
+        else:
+            self.held = (done, seconds)
+        return out
 
 
 class Skips:

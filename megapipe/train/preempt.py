@@ -6,6 +6,11 @@ signal (no work in a handler: it may interrupt anything, a save or a collective 
 every step `agreed` asks every rank with one tiny all-reduce (MAX of a 0/1 flag over the world
 group), so all ranks stop after the same step even when only one was signalled, and none waits in
 a collective the others skipped. The previous handlers come back when the run ends.
+
+Under `parallel.post_validation` (Zero Bubble §4) no collective may join the ranks between two
+steps, or the next step's warm-up could not overlap this one's cool-down: the agreement is then
+launched in the background after each step and read after the next (`agreed(deferred=True)`),
+so a signal stops the run one step later; `finish` waits for the last one in flight.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class StopSignals:
         self.received: signal.Signals | None = None  # the first stop signal seen by this rank
         self.saved_step: int | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._in_flight: tuple[torch.Tensor, object] | None = None  # a deferred agreement
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -53,9 +59,11 @@ class StopSignals:
     def enabled(self) -> bool:
         return bool(self.signals)
 
-    def agreed(self) -> bool:
+    def agreed(self, deferred: bool = False) -> bool:
         """Whether any rank received a stop signal; every rank calls it once per step, after the
-        step (the same call on every rank, as `checkpoint.signals` is the same config)."""
+        step (the same call on every rank, as `checkpoint.signals` is the same config).
+        `deferred`: the answer of the agreement launched after the previous step; this step's
+        is launched in the background (see the module docstring)."""
         if not self.enabled:
             return False
         flag = self.received is not None
@@ -65,5 +73,19 @@ class StopSignals:
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
+        group = self.mesh.world_group
+        if not deferred:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            return bool(t.item())
+        before = self.finish()
+        self._in_flight = (t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        return before
+
+    def finish(self) -> bool:
+        """Wait for a deferred agreement in flight; whether it says stop (False: none)."""
+        if self._in_flight is None:
+            return False
+        t, work = self._in_flight
+        self._in_flight = None
+        work.wait()
         return bool(t.item())

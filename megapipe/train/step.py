@@ -14,6 +14,12 @@ the loss and the global grad norm are reduced over the whole mesh before the opt
 every rank sees the same two numbers and takes the same decision without another collective.
 A step with either inf or NaN is skipped: its grads are dropped, weights, AdamW moments and the
 step count stay as they were, and the result says `skipped`.
+
+Under `parallel.post_validation` (pp > 1; Zero Bubble §4, train/post_validation.py) there is no
+such global reduction: each stage steps optimistically with the state chained to it, and step
+s's loss, norm and skip are known only once the global state is back, while step s + 1 runs.
+The result of step s is then not `final`; step s + 1's carries it as `previous`, and
+`settle` validates a pending step at once (before evaluation, checkpoints, the end).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from megapipe.config import Config
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.train.batches import BatchSlice
 from megapipe.train.optim import clip_gradients, global_grad_norm, lr_at, set_lr
+from megapipe.train.rng import rng_states, set_rng_states
 
 
 @dataclass
@@ -35,6 +42,9 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool = False  # non-finite loss or grad norm: the optimizer did not step
+    # post-validation: this step's figures are not known yet (loss and norm NaN) ...
+    final: bool = True
+    previous: StepResult | None = None  # ... and the step before, validated now, if pending
 
 
 def train_step(
@@ -47,6 +57,8 @@ def train_step(
     """
     tokens = cfg.derived.tokens_per_step
     micro = slice_.microbatches(batch.to(engine.device), cfg.parallel.microbatches)
+    if getattr(engine, "validator", None) is not None:
+        return _post_validated(engine, slice_, optimizer, micro, step, cfg)
     step_update = partial(update, optimizer=optimizer, step=step, cfg=cfg)
     loss_sum = engine.forward_backward(micro, tokens, step_update)
     loss = slice_.sum(engine.stage_loss(loss_sum)) / tokens  # the same on every rank
@@ -57,6 +69,53 @@ def train_step(
         norm_t, lr, skipped = step_update(engine, loss=loss)
         norm = norm_t.item()
     return StepResult(loss=loss.item(), grad_norm=norm, lr=lr, skipped=skipped)
+
+
+def _post_validated(engine, slice_, optimizer, micro, step: int, cfg: Config) -> StepResult:
+    """Zero Bubble §4: this step's forwards and backwards run on the weights of the previous
+    step's optimistic update; the previous step is validated after them (its global state came
+    back meanwhile) and, if any stage's optimistic step was wrong, every stage rolls back and
+    redoes it, and this step's work runs again on the corrected weights (same RNG draws)."""
+    validator, tokens = engine.validator, cfg.derived.tokens_per_step
+    model = torch.nn.ModuleList(engine.chunks)
+    rng = rng_states(model)
+    validator.begin_iteration()
+    loss_sum = engine.forward_backward(micro, tokens)
+    previous = None
+    if validator.pending is not None:
+        started = engine.runtime.events[0].t0 if engine.runtime.events else None
+        fields, redo = validator.settle(engine, optimizer, cfg, started)
+        previous = StepResult(*fields)
+        if redo:
+            _drop_grads(engine)
+            set_rng_states(rng, model)
+            rt = engine.runtime
+            loss_sum = rt.run(
+                engine.actions, micro, tokens, engine.reducers, engine.arrivals, engine.hooks
+            )
+    validator.step(engine, optimizer, slice_.sum(loss_sum) / tokens, step, cfg)
+    nan = float("nan")
+    return StepResult(nan, nan, lr_at(step, cfg.train), final=False, previous=previous)
+
+
+def _drop_grads(engine) -> None:
+    """Forget the grads of a run that must run again: the dp buckets' reductions it launched
+    finish first (every replica does the same), then the grads go."""
+    for reducer in engine.reducers:
+        if reducer is not None:
+            reducer.finish()
+    for p in engine.params():
+        p.grad = None
+
+
+def settle(engine, optimizer, cfg: Config) -> StepResult | None:
+    """Validate a pending post-validated step now (rolled back and redone if it must be): its
+    final result; None when nothing is pending."""
+    validator = getattr(engine, "validator", None)
+    if validator is None or validator.pending is None:
+        return None
+    fields, _ = validator.settle(engine, optimizer, cfg)
+    return StepResult(*fields)
 
 
 def update(

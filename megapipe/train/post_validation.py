@@ -1,0 +1,256 @@
+"""Optimizer post-validation (Qi et al. 2023, Zero Bubble §4 "Bypassing optimizer
+synchronizations"), `parallel.post_validation: true` under pp > 1.
+
+The synchronous step (train/step.update) all-reduces the loss and the grad norm over the whole
+pipeline before the optimizer, so no stage can begin the next iteration before the slowest one
+ends its cool-down. Here, instead:
+
+1. Each stage reduces its own grad-norm² and loss within the stage only (tp, or dp × cp × tp
+   under the distributed optimizer), receives the partially reduced state from the previous
+   stage over p2p, adds its own and passes it on (the chain 0 → p−1).
+2. It steps optimistically with what it has: skip if the partial state is already non-finite,
+   else clip by the partial norm. The last stage holds the global state, so its step is exact; it
+   sends that state straight back to every other stage (p2p, nothing blocks on it) and the next
+   iteration starts at once.
+3. The global state arrives while the next iteration runs (its warm-up, on the schedules where
+   the first stage ends its cool-down early). It is checked after that iteration's actions:
+   the optimistic step was right unless clipping scaled the global step (the partial norm
+   under-counts it) or a non-finite value appeared only on a later stage. Every stage decides
+   from the global state alone, so all agree without a collective: each stage that stepped
+   optimistically restores its weights, AdamW moments, step counts and gradients bitwise from
+   the copies taken before its step and redoes it with the global state (or skips it, as the
+   synchronous path skips a non-finite step), and every stage runs the next iteration's
+   forwards and backwards again on the corrected weights.
+
+A redo costs one more forward/backward; the paper's argument is that clipping and NaNs are
+rare once training settles. The copies cost weights + AdamW state + grads of the stage, kept
+from one step to the next (the last stage keeps none: its step is always exact).
+Parity with the synchronous path is to round-off only: the chain sums the norm² in stage order
+in float64, where the synchronous path all-reduces float32 (docs/architecture.md, Invariants).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megapipe.distributed.mesh import rank_at
+from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
+from megapipe.pipeline.runtime import NO_HOOKS, Hooks
+from megapipe.train.optim import clip_gradients, lr_at, set_lr
+
+PV_TAG = 1 << 29  # post-validation messages (pipeline messages go untagged, the tied grad 1<<30)
+STATE = 4  # [norm², loss, first stage's non-finite flag, the last stage's send time]
+
+
+@dataclass
+class Pending:
+    """A step whose optimistic update is not yet validated against the global state."""
+
+    step: int
+    lr: float
+    partial: torch.Tensor  # [norm², loss, flag0] as this stage stepped with
+    incoming: torch.Tensor  # the global state's buffer (the last stage: the state itself)
+    work: object = None  # its receive (None on the last stage)
+    sends: list = field(default_factory=list)
+    saved: dict | None = None  # weights, optimizer state, grads before the step
+    observed_at: float | None = None  # first time this rank saw the state arrived
+
+
+@dataclass
+class Evidence:
+    """Per validated step, on this rank: when the global state was sent by the last stage, when
+    this rank first saw it arrived (polled after each action of the next iteration), and when
+    that iteration's first action started: the overlap the timeline shows."""
+
+    step: int
+    sent_at: float
+    observed_at: float
+    next_first_start: float | None
+    observed_after_action: int | None
+    redone: bool
+
+
+class PostValidator:
+    """Post-validation state of one pipeline rank."""
+
+    def __init__(self, mesh, sharded: bool) -> None:
+        self.mesh = mesh
+        self.pp_rank, self.pp = mesh.coord("pp"), mesh.size("pp")
+        self.last = self.pp - 1
+        # the grads this stage holds once: tp shards; under zero=1 also the dp × cp shards
+        self.stage_group = mesh.stage_group if sharded else mesh.group("tp")
+        self.peer = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r}) for r in range(self.pp)]
+        self.pending: Pending | None = None
+        self.evidence: list[Evidence] = []
+        self._action = 0  # actions run in this iteration (the hook's count)
+        self._seen_after: int | None = None  # after which of them the state was first seen
+        self.device = torch.device("cpu")
+
+    # ---- the optimistic step ---------------------------------------------------------------
+
+    def step(self, engine, optimizer, loss: torch.Tensor, step: int, cfg) -> None:
+        """Finish this stage's grads, chain the partial state on, step optimistically."""
+        for chunk, reducer in zip(engine.chunks, engine.reducers):
+            if reducer is not None:
+                reducer.finish()
+            sync_tp_partial_grads(chunk)
+        engine.sync_shared_grads()  # tied table: a p2p exchange between first and last stage
+        self.device = engine.device  # NCCL sends device tensors only
+        local = torch.zeros(STATE, dtype=torch.float64, device=self.device)
+        grads = [g.detach().float().pow(2).sum() for g in engine.grads_counted_once()]
+        local[0] = torch.stack(grads).sum().double() if grads else 0.0
+        if dist.get_world_size(self.stage_group) > 1:
+            dist.all_reduce(local, group=self.stage_group)  # within this stage only
+        local[1] = loss.double()  # already summed over dp × cp; 0 off the last stage
+        partial = local if self.pp_rank == 0 else self._receive_partial() + local
+        if self.pp_rank == 0:
+            partial[2] = float(not _finite(partial))
+        pending = Pending(step, lr_at(step, cfg.train), partial, partial)
+        if self.pp_rank < self.last:
+            pending.sends.append(self._send(partial, self.pp_rank + 1))
+            pending.incoming = torch.empty(STATE, dtype=torch.float64, device=self.device)
+            pending.work = dist.irecv(pending.incoming, self.peer[self.last], tag=PV_TAG)
+            pending.saved = _save(engine.params(), optimizer)
+        else:  # the global state: back to every stage at once, before this stage's own step
+            partial[3] = time.perf_counter()
+            pending.sends += [self._send(partial, r) for r in range(self.last)]
+        _apply(engine.params(), optimizer, partial, pending.lr, cfg.train.grad_clip)
+        self.pending = pending
+
+    def _receive_partial(self) -> torch.Tensor:
+        state = torch.empty(STATE, dtype=torch.float64, device=self.device)
+        dist.irecv(state, self.peer[self.pp_rank - 1], tag=PV_TAG).wait()
+        return state
+
+    def _send(self, state: torch.Tensor, pp_rank: int):
+        return dist.isend(state.clone(), self.peer[pp_rank], tag=PV_TAG)
+
+    # ---- validation --------------------------------------------------------------------------
+
+    def settle(self, engine, optimizer, cfg, first_start: float | None = None):
+        """Validate the pending step against the global state: returns (StepResult fields
+        (loss, grad_norm, lr, skipped), redo) where `redo` says the weights changed, so the
+        forwards and backwards run since the optimistic step must run again (every rank
+        decides alike, from the global state)."""
+        p, self.pending = self.pending, None
+        if p.work is not None:
+            p.work.wait()
+        for work in p.sends:
+            work.wait()
+        seen = p.observed_at if p.observed_at is not None else time.perf_counter()
+        state, clip = p.incoming, cfg.train.grad_clip
+        skipped = not _finite(state)
+        redo = self.pp > 1 and _wrong_somewhere(state, clip)
+        if redo and p.saved is not None:  # the last stage's own step was already exact
+            _restore(engine.params(), optimizer, p.saved)
+            _apply(engine.params(), optimizer, state, p.lr, clip)
+        self.evidence.append(
+            Evidence(p.step, state[3].item(), seen, first_start, self._seen_after, redo)
+        )
+        norm = math.sqrt(state[0].item()) if state[0].item() >= 0 else float("nan")
+        return (state[1].item(), norm, p.lr, skipped), redo
+
+    # ---- the runtime hook: notice the state's arrival while the next iteration runs ---------
+
+    def begin_iteration(self) -> None:
+        self._action, self._seen_after = 0, None
+
+    def poll(self) -> None:
+        """After each action: record when the pending global state is first seen arrived."""
+        p = self.pending
+        self._action += 1
+        if p is None or p.observed_at is not None or p.work is None:
+            return
+        if p.work.is_completed():
+            p.observed_at, self._seen_after = time.perf_counter(), self._action - 1
+
+
+class PollHooks(Hooks):
+    """The pipeline's hooks plus, after each action, a look at whether the previous step's
+    global state has arrived (is_completed: nothing waits)."""
+
+    def __init__(self, validator: PostValidator, inner: Hooks = NO_HOOKS) -> None:
+        self.validator, self.inner = validator, inner
+
+    def weights(self, action):
+        return self.inner.weights(action)
+
+    def after(self, action) -> None:
+        self.inner.after(action)
+        self.validator.poll()
+
+
+def attach(pipe, cfg) -> None:
+    """Give a pipeline engine its post-validator (parallel.post_validation under pp > 1)."""
+    sharded = bool(cfg.parallel.zero and any(pipe.reducers))
+    pipe.validator = PostValidator(pipe.mesh, sharded)
+    pipe.hooks = PollHooks(pipe.validator, pipe.hooks)
+
+
+def _finite(state: torch.Tensor) -> bool:
+    return bool(torch.isfinite(state[:2]).all())
+
+
+def _scale(norm2: float, clip: float) -> float:
+    """clip_gradients' factor for a norm² (1: no clipping)."""
+    if clip <= 0:
+        return 1.0
+    return min(clip / (math.sqrt(norm2) + 1e-6), 1.0)
+
+
+def _wrong_somewhere(state: torch.Tensor, clip: float) -> bool:
+    """Could any stage before the last have stepped differently from the global decision?
+    Partial norms grow along the chain, so with the global norm under the clip every partial
+    one was too (all stepped unclipped, as they should); a global non-finite state was caught
+    by every stage exactly when the first stage already saw it. Otherwise (clipping active, or
+    a non-finite value appearing on a later stage) the earlier stages must redo."""
+    if not _finite(state):
+        return state[2].item() == 0.0
+    return _scale(state[0].item(), clip) < 1.0
+
+
+def _apply(params: list, optimizer, state: torch.Tensor, lr: float, clip: float) -> None:
+    """One optimizer step under `state` ([norm², loss, ...]), as train/step.update takes it:
+    skip (grads dropped) when non-finite, else clip by its norm, set the LR, AdamW."""
+    if _finite(state):
+        norm = torch.tensor(state[0].item(), dtype=torch.float32, device=state.device).sqrt()
+        clip_gradients(params, norm, clip)
+        set_lr(optimizer, lr)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _save(params: list, optimizer) -> dict:
+    """Bitwise copies of what a step changes: weights, grads, the optimizer's per-parameter
+    state (moments and step counts; the keys present, so a first step's new state can go)."""
+    return {
+        "weights": [p.detach().clone() for p in params],
+        "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
+        "state": {
+            key: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            for key, st in optimizer.state.items()
+        },
+    }
+
+
+@torch.no_grad()
+def _restore(params: list, optimizer, saved: dict) -> None:
+    for p, w, g in zip(params, saved["weights"], saved["grads"], strict=True):
+        p.copy_(w)
+        p.grad = g
+    state = optimizer.state
+    for key in list(state):
+        if key not in saved["state"]:
+            del state[key]
+    for key, st in saved["state"].items():
+        now = state[key]
+        for k, v in st.items():
+            if torch.is_tensor(v) and torch.is_tensor(now.get(k)):
+                now[k].copy_(v)
+            else:
+                now[k] = v.clone() if torch.is_tensor(v) else v
