@@ -26,6 +26,7 @@ LAYERS = (
     "megapipe.pipeline",
     "megapipe.train",
     "megapipe.perf",
+    "megapipe.study",
 )
 PROJECT = ("megapipe", "models")
 

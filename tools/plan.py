@@ -2,6 +2,8 @@
 
     python tools/plan.py project --config FILE --gpu a100|h100|h200 --gpus-per-node 8 \\
         [--section.key=value ...] [--runtime megapipe|megatron2021] [--json]
+    python tools/plan.py search --config FILE --gpus N --gpu a100|h100|h200 \\
+        [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
     python tools/plan.py calibrate [--out megapipe/perf/clusters/cpu.yaml] [--threads 1]
     python tools/plan.py local [--steps 10] [--rounds 3]
@@ -17,22 +19,27 @@ machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two
 a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
 meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
 with that profile.
-Bad input (an unknown GPU, a bad config or override) is one line on stderr and exit code 2.
+Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
+that fits nowhere) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megapipe.config import ConfigError, load_config
 from megapipe.perf import RUNTIMES, ClusterError, cluster_names, load_cluster, project
 from megapipe.perf import calibrate as calib
+from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
 from megapipe.perf.costs import CALIBRATION
 
@@ -55,6 +62,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     proj.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
     proj.add_argument("--runtime", default="megapipe", help=f"one of {', '.join(RUNTIMES)}")
     proj.add_argument("--json", action="store_true", help="one JSON object")
+    add_search_parser(sub)
     table = sub.add_parser("table1", help="Megatron-LM Table 1: paper vs projected")
     table.add_argument("--refit", action="store_true", help="fit the constants again first")
     table.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
@@ -100,6 +108,64 @@ def run_project(args: argparse.Namespace, overrides: list[str]) -> int:
     print("breakdown (the busiest pp rank):")
     for key, value in proj.breakdown.items():
         print(f"  {key[:-2]:<22} {value:10.4g} s  {value / proj.step_time_s:6.1%}")
+    return 0
+
+
+def add_search_parser(sub) -> None:
+    s = sub.add_parser("search", help="the fastest meshes and schedules that fit on N GPUs")
+    s.add_argument("--config", help="YAML config file (see configs/)")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs in all (the world size)")
+    s.add_argument("--gpu", required=True, help=f"one of {', '.join(cluster_names())}")
+    s.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
+    s.add_argument("--runtime", default="megapipe", help=f"one of {', '.join(RUNTIMES)}")
+    s.add_argument("--top", type=int, default=plan_search.TOP, help="rows to print")
+    s.add_argument("--out", help="where to write the best config (default runs/plan/...)")
+
+
+def default_out(config: str | None, gpus: int, gpu: str) -> str:
+    stem = Path(config).stem if config else "default"
+    return str(Path("runs") / "plan" / f"{stem}_{gpus}x{Path(gpu).stem}.yaml")
+
+
+def write_plan(result: plan_search.SearchResult, path: str, command: str) -> None:
+    """The best config as YAML train.py loads, headed by how it was chosen (written to a
+    temporary name and renamed, as config/load.write_config does)."""
+    best = result.best
+    p = best.projection
+    head = [
+        f"# written by: {command}",
+        f"# {plan_search.describe(best.candidate)}",
+        f"# projected on {result.gpus} x {result.cluster.gpu}: step {p.step_time_s:.4g} s, "
+        f"{p.tflops_per_gpu:.1f} model TFLOP/s per GPU (MFU {p.mfu:.1%}), peak "
+        f"{p.peak_memory_gib:.1f} GiB of {result.cluster.hbm_gib:g}",
+    ]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(head) + "\n")
+        yaml.safe_dump(best.config.to_dict(), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def run_search(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
+    cluster = load_cluster(args.gpu, args.gpus_per_node)
+    if args.runtime not in RUNTIMES:
+        raise UsageError(f"unknown --runtime {args.runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    if args.top < 1:
+        raise UsageError(f"--top must be at least 1, got {args.top}")
+    base, fixed = plan_search.base_config(args.config, overrides)
+    result = plan_search.search(base, args.gpus, cluster, RUNTIMES[args.runtime],
+                                fixed=fixed, top=args.top)  # fmt: skip
+    command = "python tools/plan.py " + " ".join(argv)
+    print(
+        f"`{command}`: {args.gpus} x {cluster.gpu} ({cluster.gpus_per_node} per node, "
+        f"{cluster.hbm_gib:g} GiB), runtime {args.runtime}, best first\n"
+    )
+    print(plan_search.markdown(result))
+    print(f"\n{plan_search.summary(result)}")
+    out = args.out or default_out(args.config, args.gpus, args.gpu)
+    write_plan(result, out, command)
+    print(f"wrote the best config to {out} (python train.py --config {out})")
     return 0
 
 
@@ -190,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         args, overrides = parse(argv)
         if args.command == "project":
             return run_project(args, overrides)
+        if args.command == "search":
+            return run_search(args, overrides, argv)
         if args.command in LOCAL_COMMANDS:
             return LOCAL_COMMANDS[args.command](args, argv)
         return run_table1(args)
-    except (UsageError, ConfigError, ClusterError) as err:
+    except (UsageError, ConfigError, ClusterError, plan_search.PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

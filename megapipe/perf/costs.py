@@ -31,18 +31,20 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
             recompute (with its tp collectives), the attention core under selective
   layer W   wgrad GEMMs (K, N, M) and the accumulation of the weight grads (runtime.py)
   embed     the lookup (and learned positions), dropout; backward the scatter-add
-  head      final norm, the LM head GEMM, the vocab-parallel cross entropy (float32
-            log-softmax: 16 B per logit forward, 12 backward); a tied head computes its weight
-            grad in B (config/memory.head_deferred)
+  head      final norm, the LM head GEMM, the vocab-parallel cross entropy. Ours
+            (CostModel._fused_head): by chunks of tokens, no whole logits kept, backward makes
+            each chunk's logits again; its weight grad comes in B. Megatron 2021's: the whole
+            logits, a float32 log-softmax (16 B per logit forward, 12 backward); tied, its
+            weight grad in B
 
 Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), priced by
 comm.ring_time on the tp group's link and not overlapped: per layer F two all-reduces of
 N·d·c (SP: two all-gathers and two reduce-scatters), B the same; the vocab-parallel embedding
-an all-reduce of its output, the cross entropy three all-reduces of N floats, the head input
-grad an all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends the
-K, V block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
-max(0, transfer − block compute) per step is exposed; backward sends K, V and dK, dV, and the
-dK, dV home after the last step.
+an all-reduce of its output, the cross entropy three all-reduces of N floats (ours: the max
+per chunk, then two of N), the head input grad an all-reduce in B. Context parallelism: the
+ring (parallel/context/ring.py) sends the K, V block (2·N·hkv·hd·c) cp−1 times per layer
+forward while a block is computed, so only max(0, transfer − block compute) per step is
+exposed; backward sends K, V and dK, dV, and the dK, dV home after the last step.
 """
 
 from __future__ import annotations
@@ -53,9 +55,14 @@ from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.memory import attention_path
 from megapipe.parallel.recompute import layer_mode
+from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import group_link, p2p_time, ring_time
 from megapipe.perf.runtime import Runtime, resolved
+
+# The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
+# megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
+FUSED_HEAD_RUNTIMES = {"megapipe"}
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,22 @@ class Shapes:
     vocab: int
 
 
+_BOUNDS: dict[tuple, list[tuple[int, int]]] = {}
+
+
+def _segment_bounds(cfg: Config) -> list[tuple[int, int]]:
+    """config/flops.segment_bounds, cached: its bisection takes milliseconds and the planner
+    prices the same segments for many meshes (they depend on the model, k and the SP grain)."""
+    p = cfg.parallel
+    key = (repr(cfg.model), p.schedule == "seq1f1b", p.seq_segments,
+           p.tp if p.sequence_parallel else 1)  # fmt: skip
+    if key not in _BOUNDS:
+        if len(_BOUNDS) > 4096:
+            _BOUNDS.clear()
+        _BOUNDS[key] = segment_bounds(cfg)
+    return _BOUNDS[key]
+
+
 def shapes(cfg: Config, segment: int | None = None) -> Shapes:
     m, d, p = cfg.model, cfg.derived, cfg.parallel
     t, s = p.tp, m.seq_len
@@ -146,7 +169,7 @@ def shapes(cfg: Config, segment: int | None = None) -> Shapes:
         q = kv = s // p.cp
         pairs = s * (s + 1) / 2 / p.cp  # zigzag gives every cp rank the same share
     else:
-        start, kv = segment_bounds(cfg)[segment]
+        start, kv = _segment_bounds(cfg)[segment]
         q = kv - start
         pairs = q * start + q * (q + 1) / 2
     n = d.micro_batch_size * q
@@ -370,6 +393,9 @@ class CostModel:
         key = ("head", segment)
         if key in self._cache:
             return self._cache[key]
+        if self.rt.name in FUSED_HEAD_RUNTIMES:
+            res = self._cache[key] = self._fused_head(shapes(self.cfg, segment))
+            return res
         x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
         d, c = m.d_model, self.c
         norm_out = c if self.rt.fused_elementwise else 4
@@ -379,12 +405,8 @@ class CostModel:
         f_tp = b_tp = 0.0
         if p.tp > 1:
             f_tp = 3 * self._tp("all_reduce", x.n * 4)  # max, sum of exp, target logit
-            act = x.n * d * c
-            if p.sequence_parallel:
-                f_tp += self._tp("all_gather", act)
-                b_tp = self._tp("reduce_scatter", act)
-            else:
-                b_tp = self._tp("all_reduce", act)
+            b_tp = self._head_input_grad_tp(x)
+            f_tp += self._tp("all_gather", x.n * d * c) if p.sequence_parallel else 0.0
         f = Work(
             compute=dev.gemm(x.n, x.vocab, d, 1, c)
             + dev.mem(norm + 16 * logits + table * self.rt.weight_cast_bytes),
@@ -398,6 +420,58 @@ class CostModel:
         tied = m.tie_embeddings
         res = self._cache[key] = BlockCosts(f, b + wgrad, ZERO) if tied else BlockCosts(f, b, wgrad)
         return res
+
+    def _head_input_grad_tp(self, x: Shapes) -> float:
+        """The head input's grad over tp: SP's reduce-scatter, else an all-reduce."""
+        act = x.n * self.cfg.model.d_model * self.c
+        kind = "reduce_scatter" if self.cfg.parallel.sequence_parallel else "all_reduce"
+        return self._tp(kind, act)
+
+    def _fused_head(self, x: Shapes) -> BlockCosts:
+        """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
+        CHUNK_ROWS tokens, each chunk's float32 logits made, reduced and dropped; backward makes
+        them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp, L = R·V logits):
+          F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max
+             (4), subtract (8), exp (8), sum (4); under tp a max all-reduce of R floats, then
+             two of N floats for the whole microbatch (sum of exp, target logit)
+          B  the same GEMM again and cast, subtract, exp, divide (8 each), the cast of the
+             probabilities to the compute dtype (4 + c); dgrad GEMM (R, d, V), wgrad GEMM
+             (V, d, R) added into a float32 V·d grad (bf16: the product written, then read
+             with the grad and the sum written, c + 4 + c + 4 B per element, the first chunk a
+             copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B)
+        The weight is cast to the compute dtype in F and again in B; the weight grad is in B,
+        tied or not (config/memory.head_deferred), then added into .grad as every weight's."""
+        dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
+        d, v, n = m.d_model, x.vocab, x.n
+        rows = min(CHUNK_ROWS, n)
+        k = -(-n // rows)
+        norm_out = c if self.rt.fused_elementwise else 4
+        norm = x.ns * d * (self.r + norm_out)
+        logits = n * v
+        table = v * d
+        half = c < 4  # the bf16 path casts the logits up and the probabilities down
+        f_bytes = logits * ((c + 4 if half else 0) + 4 + 8 + 8 + 4)
+        b_bytes = logits * ((c + 4 if half else 0) + 3 * 8 + (4 + c if half else 0))
+        accumulate = table * ((c + 4) + (k - 1) * (2 * c + 8) if half else (k - 1) * 8) + 8 * table
+        f_tp = b_tp = 0.0
+        if p.tp > 1:
+            f_tp = k * self._tp("all_reduce", rows * 4) + 2 * self._tp("all_reduce", n * 4)
+            f_tp += self._tp("all_gather", n * d * c) if p.sequence_parallel else 0.0
+            b_tp = self._head_input_grad_tp(x)
+        f = Work(
+            compute=dev.gemm(rows, v, d, k, c)
+            + dev.mem(norm + f_bytes + table * self.rt.weight_cast_bytes),
+            tp=f_tp,
+        )
+        b = Work(
+            compute=dev.gemm(rows, v, d, k, c)
+            + dev.gemm(rows, d, v, k, c)
+            + dev.gemm(v, d, rows, k, c)
+            + dev.mem(2 * norm + b_bytes + accumulate + n * d * 12)
+            + dev.mem(table * (self.rt.weight_cast_bytes + self.rt.grad_accum_bytes)),
+            tp=b_tp,
+        )
+        return BlockCosts(f, b, ZERO)
 
     def block(self, index: int, segment: int | None = None) -> BlockCosts:
         """Costs of block `index` of the GPT: 0 the embedding, 1..L layers, L+1 the head."""

@@ -12,9 +12,10 @@ tp > 1, zero 0 or 1 under dp·cp > 1, and under pp > 1 every registered schedule
 pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
 the defaults of any other option. Left out: pipedream_async (its asynchronous updates do not
 train the model one process trains, and it cannot tie embeddings under pp) and schedules built
-for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp (their builders grow faster than
-linearly: seconds at that size). A searched key given on the command line is held at its value
-(even outside these ranges); `balance`, `schedule_costs` and the rest keep the config's.
+for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp
+(their builders grow faster than linearly: seconds beyond; the summary counts them). A
+searched key given on the command line is held at its value (even outside these ranges);
+`balance`, `schedule_costs` and the rest keep the config's.
 
 The search (`search`): for each candidate two lower bounds from arithmetic alone, no schedule
 built: memory (each rank's weights, grads and AdamW state plus one microbatch's activations
@@ -39,6 +40,7 @@ optimizer step. For 1F1B on equal stages this is its makespan, (m + pp − 1)·(
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
@@ -49,28 +51,49 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megapipe.config import Config, ConfigError, apply_override, load_config
+from megapipe.config import stages as config_stages
 from megapipe.config.checks import validate
 from megapipe.config.flops import segment_bounds
-from megapipe.config.memory import GRAD_BYTES, WEIGHT_BYTES, attention_path, optimizer_bytes
-from megapipe.config.stages import partition, placement_of
+from megapipe.config.memory import (
+    GRAD_BYTES,
+    WEIGHT_BYTES,
+    attention_path,
+    optimizer_bytes,
+    segments,
+)
+from megapipe.config.stages import partition, placement_of, schedule_of
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
-from megapipe.perf.costs import CALIBRATION, Calibration, CostModel, shapes
+from megapipe.perf.costs import (
+    CALIBRATION,
+    ZERO,
+    BlockCosts,
+    Calibration,
+    CostModel,
+    Work,
+    shapes,
+)
 from megapipe.perf.memory import chunk_params
-from megapipe.perf.memory import plan as memory_plan
 from megapipe.perf.model import GIB, Projection, _dp_plan, _optimizer, project
+from megapipe.perf.pipeline import _PLAIN_OPTIONS, KIND_INDEX, schedule_key
 from megapipe.perf.runtime import MEGAPIPE, Runtime
-from megapipe.plan.actions import Placement
+from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Placement
 from megapipe.plan.schedules import SCHEDULES
-from megapipe.train.memory import chunk_activations
+from megapipe.train.memory import _segment_activations, chunk_activations, chunk_deferred
 
 VPP_MAX = 8  # chunks per rank tried for interleaving (the paper's runs use 2 to 4)
 SEGMENTS = (2, 4, 8)  # Seq1F1B segments per microbatch
 ZB_MEMORY = ("1p", "2p")  # zb_auto's memory limits (Qi et al. 2023: ZB-1p, ZB-2p)
 CP_MIN_TOKENS = 128  # cp only while every cp rank keeps at least this many tokens
-COSTS_BUILT_MAX = 512  # pp·m·vpp above which a schedule built for costs is not built (~1 s)
+# A schedule built for costs (zb_v, zb_auto) is not built above this pp·m·vpp nor above this
+# pp: a zb_auto build takes about a second at pp·m = 256 and grows faster than linearly (zb_v
+# ~ pp^2.6·m), and the exact memory check builds one per candidate that reaches it.
+COSTS_BUILT_MAX = 256
+COSTS_BUILT_MAX_PP = 8
 EXCLUDED = {
     "pipedream_async": "asynchronous weight updates (not the model one process trains)",
 }
@@ -174,8 +197,9 @@ class SearchResult:
     gpus: int
     cluster: Cluster
     runtime: Runtime
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
     counts: dict[str, int] = field(default_factory=dict)
+    cpu_seconds: float = 0.0  # this process's CPU time (the wall clock counts other load)
 
     @property
     def best(self) -> Ranked:
@@ -310,12 +334,42 @@ def candidates(
 
 
 def too_costly(c: Candidate) -> bool:
-    """A schedule built for costs whose builder would take seconds (COSTS_BUILT_MAX)."""
+    """A schedule built for costs whose builder would take seconds (COSTS_BUILT_MAX, _PP)."""
     spec = SCHEDULES[c.schedule]
-    return c.pp > 1 and spec.built_for_costs and c.pp * c.microbatches * c.vpp > COSTS_BUILT_MAX
+    big = c.pp * c.microbatches * c.vpp > COSTS_BUILT_MAX or c.pp > COSTS_BUILT_MAX_PP
+    return c.pp > 1 and spec.built_for_costs and big
 
 
 # -- the bounds ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A candidate's lower bounds: step time, peak memory, and what bounds its memory if its
+    step is to take at most a given time (`memory_by`)."""
+
+    time: float
+    memory: float
+    states: list[float]  # per pp rank: weights, grads and AdamW bytes (tp rank 0)
+    spans: list[float]  # per pp rank: a microbatch's least time from its forward to its
+    # backward on the rank's lowest stage (the stages above: F, then B back down)
+    firsts: list[float]  # per pp rank: one microbatch's activations on that stage (bytes)
+    microbatches: int
+    after: float  # the optimizer's least seconds after the pipeline
+
+    def memory_by(self, step: float) -> float:
+        """Peak memory bound given a step of at most `step` seconds. Each microbatch holds its
+        activations on a rank's lowest stage from its forward to its backward there, at least
+        `spans` apart, so in a pipeline of at most step − after seconds at least
+        m · span / (step − after) of them are held at once (the m intervals' total length over
+        the pipeline's): a schedule that keeps fewer in flight is slower than `step`."""
+        room = step - self.after
+        if room <= 0:
+            return math.inf
+        return max(
+            s + max(1, math.ceil(self.microbatches * span * (1 - EPS) / room)) * a
+            for s, span, a in zip(self.states, self.spans, self.firsts)
+        )
 
 
 class Bounds:
@@ -341,6 +395,10 @@ class Bounds:
         self._acts: dict[tuple, float] = {}
         self._layers: dict[tuple, tuple] = {}
         self._segments: dict[tuple, list] = {}
+        self._counts: dict[tuple, int] = {}
+        self._bytes: dict[tuple, float] = {}
+        self._sums: dict[tuple, tuple] = {}
+        self._schedules: dict[tuple, dict] = {}
 
     @staticmethod
     def group(c: Candidate) -> tuple:
@@ -387,18 +445,28 @@ class Bounds:
         the head each in a chunk of their own (each holds a tied table's copy) under pp > 1;
         one chunk holds both ends, so at least the layers and the larger end, under pp = 1."""
         n_layers = cfg.model.n_layers
-        layer = chunk_params(cfg, range(1, 2), 0)
-        embed = chunk_params(cfg, range(0, 1), 0)
-        head = chunk_params(cfg, range(n_layers + 1, n_layers + 2), 0)
+        layer = self._chunk_params(cfg, range(1, 2), 0)
+        embed = self._chunk_params(cfg, range(0, 1), 0)
+        head = self._chunk_params(cfg, range(n_layers + 1, n_layers + 2), 0)
         ends = embed + head if cfg.parallel.pp > 1 else max(embed, head)
         return float(n_layers * layer + ends)
 
+    def _chunk_params(self, cfg: Config, blocks: range, tp_rank: int) -> int:
+        """perf/memory.chunk_params, cached by what it depends on here (the model is fixed):
+        tp, sequence parallelism, which blocks the chunk holds (the layers are alike)."""
+        p, n_layers = cfg.parallel, cfg.model.n_layers
+        embed, head = 0 in blocks, n_layers + 1 in blocks
+        key = (p.tp, p.sequence_parallel, embed, len(blocks) - embed - head, head, tp_rank)
+        if key not in self._counts:
+            self._counts[key] = chunk_params(cfg, blocks, tp_rank)
+        return self._counts[key]
+
     # -- the candidate bound ---------------------------------------------------------------
 
-    def __call__(self, c: Candidate, fine: bool = True) -> tuple[float, float]:
-        """(step time, peak memory) bounds of one candidate (module docstring); a
-        ConfigError or ValueError when it breaks a rule the arithmetic meets. `fine=False`:
-        a Seq1F1B candidate's from the whole sequence's costs (cheap, looser)."""
+    def __call__(self, c: Candidate, fine: bool = True) -> Bound:
+        """The bounds of one candidate (module docstring); a ConfigError or ValueError when
+        it breaks a rule the arithmetic meets. `fine=False`: a Seq1F1B candidate's from the
+        whole sequence's costs (cheap, looser)."""
         spec = SCHEDULES[c.schedule]
         piped = c.pp > 1
         vpp = c.vpp if piped else 1
@@ -409,45 +477,49 @@ class Bounds:
         if key not in self._pipes:
             cfg = c.config(self.base, check=False)
             self._pipes[key] = self._pipeline(c, cfg, split, fine)
-        ends, chain, acts = self._pipes[key]
+        ends, chain, acts, spans, firsts = self._pipes[key]
         skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero)
         if skey not in self._states:
             self._states[skey] = self._state(cfg or c.config(self.base, check=False))
         states, after, opt = self._states[skey]
         memory = max(s + a for s, a in zip(states, acts))
         if piped and c.schedule == "pipedream_async":  # updates inside the backwards
-            return max(max(ends), chain), memory
-        pipeline = max(max(e + a for e, a in zip(ends, after)), chain + after[0])
-        return pipeline + opt, memory
+            time_lb, opt = max(max(ends), chain), 0.0
+        else:
+            time_lb = max(max(e + a for e, a in zip(ends, after)), chain + after[0]) + opt
+        return Bound(time_lb, memory, states, spans, firsts, c.microbatches, opt)
 
     def _pipeline(self, c: Candidate, cfg: Config, split: bool, fine: bool):
         """Per rank: head + busy (the rank's end, at least); the chain bound over all ranks
         (head + its F and B + tail); per rank one microbatch's activations (bytes)."""
         place = placement_of(cfg) if cfg.parallel.pp > 1 else Placement(1, 1)
-        stages = self._stages(cfg, place.num_stages)
-        fine = fine and self._segmented(cfg)
-        key = (self.group(c)[:-1], place.num_stages, split, fine)
+        segmented = self._segmented(cfg)
+        fine = fine and segmented
+        plain, cm = self._plain(cfg)
+        key = (id(cm), place.num_stages, split, _seg_key(cfg) if segmented else None, fine)
         if key not in self._stage_costs:
+            stages = self._stages(cfg, place.num_stages)
             sums = self._segment_sums if fine else self._block_sums
             per = [sums(cfg, blocks, split) for blocks in stages]
             head = list(itertools.accumulate((x[2] for x in per), initial=0.0))
             tail = list(itertools.accumulate((x[3] for x in per), initial=0.0))
-            self._stage_costs[key] = ([x[0] for x in per], [x[1] for x in per], head, tail)
-        total, fb, head, tail = self._stage_costs[key]
-        plain, _ = self._plain(cfg)
-        with_acts = fine or self._acts_bound(cfg)
+            with_acts = fine or self._acts_bound(cfg)
+            acts = [self._activations(cfg if fine else plain, b) if with_acts else 0.0
+                    for b in stages]  # fmt: skip
+            self._stage_costs[key] = ([x[0] for x in per], [x[1] for x in per], head, tail, acts)
+        total, fb, head, tail, stage_acts = self._stage_costs[key]
         mb = cfg.parallel.microbatches
-        ends, chain, acts = [], 0.0, []
+        ends, chain, acts, spans, firsts = [], 0.0, [], [], []
+        n = place.num_stages
         for r in range(place.pp):
             own = [place.stage(r, k) for k in range(place.vpp)]
             low = min(own)
             ends.append(head[low] + mb * sum(total[s] for s in own))
             chain = max(chain, head[low] + mb * sum(fb[s] for s in own) + tail[low])
-            held = [stages[s] for s in own]
-            acts.append(
-                sum(self._activations(cfg if fine else plain, b) for b in held) if with_acts else 0
-            )
-        return ends, chain, acts
+            acts.append(sum(stage_acts[s] for s in own))
+            spans.append(head[n] - head[low] + tail[n] - tail[low])
+            firsts.append(stage_acts[low])
+        return ends, chain, acts, spans, firsts
 
     def _state(self, cfg: Config):
         """Per rank the state bytes (weights, grads, AdamW) and the dp reduction's least part
@@ -456,7 +528,7 @@ class Bounds:
         place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
         stages = self._stages(cfg, place.num_stages)
         held = [
-            [chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
+            [self._chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
             for r in range(place.pp)
         ]
         states = [sum(h) * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(sum(h), cfg) for h in held]
@@ -485,7 +557,7 @@ class Bounds:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
                      group_link(self.cluster, shape, ("cp",)))  # fmt: skip
-            key = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
+            key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
                    cfg.recompute.mode, links)  # fmt: skip
             if key not in self._models:
                 plain = dataclasses.replace(
@@ -510,10 +582,19 @@ class Bounds:
         model's stage costs. Segmented: those of the whole sequence less each layer's attention
         excess, and the first segment's layer GEMMs."""
         _, cm = self._plain(cfg)
-        x = cm.stage(blocks)
+        p = cfg.parallel
+        segmented = self._segmented(cfg)
+        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1) if segmented else None
+        key = (id(cm), blocks.start, blocks.stop, split, seg_key)
+        if key not in self._sums:
+            self._sums[key] = self._block_sums_of(cfg, cm, blocks, split, segmented)
+        return self._sums[key]
+
+    def _block_sums_of(self, cfg, cm, blocks, split, segmented) -> tuple:
+        x = _stage(cm, blocks)
         total = x.F.total + x.B.total + x.W.total
         fb = x.F.total + x.B.total + (0.0 if split else x.W.total)
-        if not self._segmented(cfg):
+        if not segmented:
             return total, fb, x.F.total, x.B.total + (0.0 if split else x.W.total)
         less, f0, g0 = 0.0, 0.0, 0.0
         n_layers = cfg.model.n_layers
@@ -529,12 +610,12 @@ class Bounds:
         p = cfg.parallel
         shape = (p.pp, p.dp, p.cp, p.tp)
         links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
-        key = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
+        key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
                cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
         if key not in self._models:
             self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
         cm = self._models[key][1]
-        costs = [cm.stage(blocks, seg) for seg in range(p.seq_segments)]
+        costs = [_stage(cm, blocks, seg) for seg in range(p.seq_segments)]
         grad = [x.B.total + (0.0 if split else x.W.total) for x in costs]
         return (
             sum(x.F.total + x.B.total + x.W.total for x in costs),
@@ -585,8 +666,10 @@ class Bounds:
         n_layers, total = cfg.model.n_layers, 0.0
         p = cfg.parallel
         segs = p.seq_segments if self._segmented(cfg) else 1
-        mesh = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
+        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
                 cfg.recompute.mode, segs)  # fmt: skip
+        if (mesh, blocks.start, blocks.stop) in self._acts:
+            return self._acts[mesh, blocks.start, blocks.stop]
         for b in blocks:
             if b in (0, n_layers + 1):
                 kind = "embedding" if b == 0 else "head"
@@ -595,7 +678,143 @@ class Bounds:
             if (mesh, kind) not in self._acts:
                 self._acts[mesh, kind] = chunk_activations(cfg, range(b, b + 1), self.device)
             total += self._acts[mesh, kind]
+        self._acts[mesh, blocks.start, blocks.stop] = total
         return total
+
+    # -- the exact memory ------------------------------------------------------------------
+
+    def memory(self, cfg: Config) -> tuple[float, tuple[int, int]]:
+        """perf/memory.plan(cfg).max and .argmax, without timing the schedule: a rank runs its
+        actions one after another, so the events train/memory.peak_inflight sorts by time
+        (an F's allocation at its start, a B's, W's or BW's release at its end, releases
+        first at a tie) come in the order of the rank's action list, and the peak in flight
+        is the running sum's in that order (tests/test_plan_search.py holds the two equal)."""
+        p = cfg.parallel
+        place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
+        stages = self._stages(cfg, place.num_stages)
+        seg_ids = segments(cfg)
+        n_seg = len(seg_ids)
+        codes = self._codes(cfg, n_seg) if p.pp > 1 else None
+        best, where = -math.inf, (0, 0)
+        for r in range(place.pp):
+            chunks = [stages[place.stage(r, k)] for k in range(place.vpp)]
+            size = [[self._block_bytes(cfg, b, i, False) for i in seg_ids] for b in chunks]
+            acts = tuple(sum(per_seg) for per_seg in size)
+            inflight = 1.0
+            if codes is not None:
+                unit = sum(x for per_seg in size for x in per_seg) or 1.0
+                table = np.zeros(4 * place.vpp * n_seg)
+                for c, blocks in enumerate(chunks):
+                    for k, i in enumerate(seg_ids):
+                        held = size[c][k] / unit
+                        keep = self._block_bytes(cfg, blocks, i, True) / unit
+                        for kind, delta in _DELTA.items():
+                            table[(KIND_INDEX[kind] * place.vpp + c) * n_seg + k] = delta(
+                                held, keep
+                            )
+                live = np.cumsum(table[codes[r]])  # sequential, as the running sum
+                inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
+            for tp_rank in range(p.tp):
+                n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
+                states = n * WEIGHT_BYTES + n * GRAD_BYTES + optimizer_bytes(n, cfg)
+                total = states + sum(acts) * inflight
+                if total > best:
+                    best, where = total, (r, tp_rank)
+        return best, where
+
+    def _codes(self, cfg: Config, n_seg: int) -> list[np.ndarray]:
+        """Per rank, the configured schedule's actions (config/stages.schedule_of) as
+        indices (kind · vpp + chunk) · segments + segment; cached per schedule."""
+        key = _schedule_id(cfg)
+        if key not in self._schedules:
+            vpp = cfg.parallel.vpp
+            self._schedules[key] = [
+                np.array(
+                    [(KIND_INDEX[a.kind] * vpp + a.chunk) * n_seg + a.seg for a in actions],
+                    dtype=np.int64,
+                )
+                for _, actions in sorted(schedule_of(cfg).items())
+            ]
+        return self._schedules[key]
+
+    def _block_bytes(self, cfg: Config, blocks: range, segment: int | None, kept: bool) -> float:
+        """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
+        by block in the same order from each block's cached share."""
+        p = cfg.parallel
+        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
+                cfg.recompute.mode, p.seq_segments if self._segmented(cfg) else 1)  # fmt: skip
+        n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
+        for b in blocks:
+            if kept and b == 0:
+                continue
+            kind = "E" if b == 0 else "H" if b == n_layers + 1 else layer_mode(cfg.recompute, b - 1)
+            key = (mesh, kind, segment, kept)
+            if key not in self._bytes:
+                one = range(b, b + 1)
+                if kept:
+                    self._bytes[key] = chunk_deferred(cfg, one, segment)
+                else:
+                    self._bytes[key] = _segment_activations(cfg, one, self.device, segment)
+            total += self._bytes[key]
+        return float(total)
+
+
+_MEMORY_OPTIONS = {"memory", "w_share"}  # zb_auto's: the limit and config/stages.zb_w_share
+
+
+def _schedule_id(cfg: Config) -> tuple:
+    """What config/stages.schedule_of(cfg) depends on (perf/pipeline.schedule_key), narrowed
+    for a schedule with a memory limit to the limit and the M_W / M_B share it reads
+    (config/stages.zb_w_share) instead of the whole config: zb_auto builds in seconds."""
+    key = schedule_key(cfg)
+    p = cfg.parallel
+    extra = set(SCHEDULES[p.schedule].options) - _PLAIN_OPTIONS
+    share = getattr(config_stages, "zb_w_share", None)
+    if not extra or not extra <= _MEMORY_OPTIONS or share is None:
+        return key
+    return (*key[:7], p.zb_memory, share(cfg))
+
+
+def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:
+    """cm.stage(blocks, segment) from its blocks counted by kind (the embedding, the layers of
+    each recompute mode, the head): the bounds sum a few thousand stages per search, and a
+    loop over a 1T model's blocks each time was most of a search's time. The same sum as
+    cm.stage up to float rounding (EPS covers it)."""
+    n_layers, rec = cm.cfg.model.n_layers, cm.cfg.recompute
+    layers = range(max(blocks.start, 1) - 1, min(blocks.stop, n_layers + 1) - 1)
+    covered = len(layers) if not rec.layers else max(0, min(layers.stop, rec.layers) - layers.start)
+    parts = [(0, 1 if 0 in blocks else 0), (n_layers + 1, 1 if n_layers + 1 in blocks else 0)]
+    if layers:  # blocks 1 + i for layer i; the first rec.layers layers take rec.mode
+        parts += [(1 + layers.start, covered), (n_layers, len(layers) - covered)]
+    f = b = w = ZERO
+    for index, count in parts:
+        if count <= 0:
+            continue
+        cost = cm.block(index, segment)
+        fixed_f, fixed_b = cm._fixed(index)
+        f = f + (cost.F + Work(compute=fixed_f)) * count
+        b = b + (cost.B + Work(compute=fixed_b)) * count
+        w = w + cost.W * count
+    return BlockCosts(f, b, w)
+
+
+def _mbs(cfg: Config) -> int:
+    """config.Derived's micro-batch size, without building Derived (a hot path here)."""
+    return cfg.train.global_batch // (cfg.parallel.dp * cfg.parallel.microbatches)
+
+
+def _seg_key(cfg: Config) -> tuple[int, int]:
+    """What a config's Seq1F1B segment bounds depend on besides the model."""
+    p = cfg.parallel
+    return p.seq_segments, p.tp if p.sequence_parallel else 1
+
+
+_DELTA = {  # change of live activations (train/memory._change) by kind: (size, kept) -> delta
+    FORWARD: lambda size, kept: size,
+    INPUT_GRAD: lambda size, kept: kept - size,
+    WEIGHT_GRAD: lambda size, kept: -kept,
+    FULL_BACKWARD: lambda size, kept: -size,
+}
 
 
 # -- the search -----------------------------------------------------------------------------
@@ -612,13 +831,13 @@ def search(
 ) -> SearchResult:
     """The `top` fastest candidates that pass the config rules and fit in the GPU's memory,
     best first (module docstring). PlanError when there are none."""
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     fixed = fixed or {}
     check_world(gpus, fixed)
     space = candidates(base, gpus, cluster.gpus_per_node, fixed)
     counts = dict.fromkeys(
         ("candidates", "skipped_costly", "invalid", "over_memory_bound", "over_memory",
-         "bounded", "projected", "pruned"), 0)  # fmt: skip
+         "over_memory_inflight", "bounded", "projected", "pruned"), 0)  # fmt: skip
     counts["candidates"] = len(space)
     bound = Bounds(base, cluster, runtime, cal)
     hbm = cluster.hbm_bytes
@@ -635,7 +854,7 @@ def search(
     # the larger bound; a projection popped is the next best.
     heap: list[tuple] = []
     order = itertools.count()
-    heavy: list[tuple[float, Candidate]] = []
+    heavy: list[tuple[float, int, Candidate]] = []
     errors: list[Exception] = []
     for members in groups.values():
         pipedream = any(c.pp > 1 and c.schedule == "pipedream_async" for c in members)
@@ -647,86 +866,118 @@ def search(
             continue
         if m_lb > hbm * (1 + EPS):
             counts["over_memory_bound"] += len(members)
-            heavy += [(m_lb, c) for c in members]
+            heavy += [(m_lb, 0, c) for c in members]
             continue
         heapq.heappush(heap, (t_lb * (1 - EPS), next(order), 0, members))
     ranked: list[Ranked] = []
+    steps: list[float] = []  # the projected step times so far, sorted
     while heap and len(ranked) < top:
         lb, _, level, payload = heapq.heappop(heap)
         if level == 3:
             ranked.append(payload)
-        elif level == 2:
-            cfg, mem = _exact_memory(payload, base, bound.device, counts, errors)
+            continue
+        if level in (1, 2):  # a candidate under its bound: would it fit in the time it needs?
+            c, cb = payload
+            kth = steps[top - 1] if len(steps) >= top else math.inf
+            if cb.memory_by(kth) > hbm * (1 + EPS):
+                counts["over_memory_inflight"] += 1
+                heavy.append((cb.memory, 1, c))
+                continue
+        if level == 2:
+            cfg, mem, where = _exact_memory(c, base, bound, counts, errors, hbm)
+            if mem == math.inf:
+                continue
             if cfg is None:
-                continue
-            if mem > hbm:
                 counts["over_memory"] += 1
-                heavy.append((mem, payload))
+                heavy.append((mem, 2, c))
                 continue
-            proj = project(cfg, cluster, runtime, cal, memory=True)
+            proj = project(cfg, cluster, runtime, cal, memory=False)
+            proj = dataclasses.replace(
+                proj, peak_memory_gib=mem / GIB, memory_rank=where, fits=True
+            )
             counts["projected"] += 1
-            entry = Ranked(payload, cfg, proj)
+            bisect.insort(steps, proj.step_time_s)
+            entry = Ranked(c, cfg, proj)
             heapq.heappush(heap, (max(lb, proj.step_time_s), next(order), 3, entry))
-        else:
-            for c in payload if level == 0 else [payload]:
-                fine = level == 1 or not (c.pp > 1 and SCHEDULES[c.schedule].segmented)
-                try:
-                    t_lb, m_lb = bound(c, fine)
-                except (ConfigError, ValueError) as err:
-                    counts["invalid"] += 1
-                    errors.append(err)
-                    continue
-                counts["bounded"] += fine
-                if m_lb > hbm * (1 + EPS):
-                    counts["over_memory_bound"] += 1
-                    heavy.append((m_lb, c))
-                    continue
-                entry = (max(lb, t_lb * (1 - EPS)), next(order), 2 if fine else 1, c)
-                heapq.heappush(heap, entry)
+            continue
+        for c in payload if level == 0 else [payload[0]]:
+            fine = level == 1 or not (c.pp > 1 and SCHEDULES[c.schedule].segmented)
+            try:
+                cb = bound(c, fine)
+            except (ConfigError, ValueError) as err:
+                counts["invalid"] += 1
+                errors.append(err)
+                continue
+            counts["bounded"] += fine
+            if cb.memory > hbm * (1 + EPS):
+                counts["over_memory_bound"] += 1
+                heavy.append((cb.memory, 1, c))
+                continue
+            entry = (max(lb, cb.time * (1 - EPS)), next(order), 2 if fine else 1, (c, cb))
+            heapq.heappush(heap, entry)
     counts["pruned"] = sum(len(p) if level == 0 else 1 for _, _, level, p in heap)
 
     if not ranked:
         if not heavy:
             why = f": {errors[0]}" if errors else ""
             raise PlanError(f"no configuration of {gpus} GPUs passes the config rules{why}")
-        gib, least = _least_memory(heavy, base, bound.device)
+        gib, least = _least_memory(heavy, base, bound)
         where = f" ({describe(least)})" if least is not None else ""
+        plural = "s" if gpus > 1 else ""
         raise NothingFits(
-            f"nothing fits in {cluster.hbm_gib:g} GiB per GPU ({cluster.name}) on {gpus} GPUs: "
+            f"nothing fits in {cluster.hbm_gib:g} GiB per GPU ({cluster.name}) on {gpus} "
+            f"GPU{plural}: "
             f"the least any configuration needs is {gib:.1f} GiB per GPU{where}; use more "
             "GPUs, a GPU with more memory, or a smaller model or batch",
             gib,
             least,
         )
-    return SearchResult(ranked, gpus, cluster, runtime, time.perf_counter() - began, counts)
+    return SearchResult(
+        ranked, gpus, cluster, runtime, time.perf_counter() - began, counts,
+        time.process_time() - cpu,
+    )  # fmt: skip
 
 
 def _exact_memory(
-    c: Candidate, base: Config, device: str, counts: dict, errors: list
-) -> tuple[Config | None, float]:
-    """(validated config, peak bytes of perf/memory.plan), or (None, inf) when it breaks a
-    rule (counted)."""
+    c: Candidate, base: Config, bound: Bounds, counts: dict, errors: list, hbm: float = math.inf
+) -> tuple[Config | None, float, tuple[int, int]]:
+    """(config, peak bytes, its (pp, tp) rank), as perf/memory.plan's (Bounds.memory); the
+    config rules checked when it fits in `hbm` (else None, its peak); (None, inf, ...) when it
+    breaks a rule (counted)."""
     try:
-        cfg = c.config(base)
-        return cfg, memory_plan(cfg, device).max
+        cfg = c.config(base, check=False)
+        peak, where = bound.memory(cfg)
+        if peak <= hbm:
+            validate(cfg)
+        return (cfg if peak <= hbm else None), peak, where
     except (ConfigError, ValueError) as err:
         counts["invalid"] += 1
         errors.append(err)
-        return None, math.inf
+        return None, math.inf, (0, 0)
 
 
-def _least_memory(heavy: list[tuple[float, Candidate]], base: Config, device: str):
-    """The least exact peak memory over `heavy` (bytes: a lower bound or the exact peak),
-    exact where it decides: taken in order of the bound until the bound passes the least."""
-    heavy.sort(key=lambda x: x[0])
-    best, best_c = math.inf, None
-    for lb, c in heavy:
-        if lb * (1 - EPS) >= best:
-            break
-        _, mem = _exact_memory(c, base, device, {"invalid": 0}, [])
-        if mem < best:
-            best, best_c = mem, c
-    return best / GIB, best_c
+def _least_memory(heavy: list[tuple[float, int, Candidate]], base: Config, bound: Bounds):
+    """The least exact peak memory (GiB) over `heavy` and the candidate that needs it, best
+    first: (bound, level, candidate) entries, level 0 a group's bound, 1 the candidate's own,
+    2 exact; each popped entry refined until an exact one comes first."""
+    heap = [(lb, level, i, c) for i, (lb, level, c) in enumerate(heavy)]
+    heapq.heapify(heap)
+    order = itertools.count(len(heap))
+    while heap:
+        lb, level, _, c = heapq.heappop(heap)
+        if level == 2:
+            return lb / GIB, c
+        if level == 0:
+            try:
+                value = bound(c).memory
+            except (ConfigError, ValueError):
+                continue
+        else:
+            value = _exact_memory(c, base, bound, {"invalid": 0}, [])[1]
+            if value == math.inf:
+                continue
+        heapq.heappush(heap, (max(lb, value), level + 1, next(order), c))
+    return math.inf, None
 
 
 # -- output -------------------------------------------------------------------------------
@@ -778,10 +1029,12 @@ def markdown(result: SearchResult) -> str:
 def summary(result: SearchResult) -> str:
     """What was searched, dropped and pruned, and how long it took."""
     n = result.counts
+    over = n["over_memory_bound"] + n["over_memory_inflight"] + n["over_memory"]
     return (
-        f"{n['candidates']} candidates in {result.seconds:.1f} s: {n['bounded']} bounded, "
-        f"{n['projected']} projected, {n['pruned']} pruned by the time bounds, "
-        f"{n['over_memory_bound'] + n['over_memory']} over memory ({n['over_memory']} of them "
+        f"{n['candidates']} candidates in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s "
+        f"CPU): {n['projected']} projected, {n['pruned']} pruned by the time bounds, {over} "
+        f"over memory ({n['over_memory_inflight']} by the in-flight bound, {n['over_memory']} "
         f"by the exact plan), {n['invalid']} against a config rule, {n['skipped_costly']} "
-        f"with a schedule built for costs at pp·m·vpp > {COSTS_BUILT_MAX} skipped"
+        f"with a schedule built for costs at pp > {COSTS_BUILT_MAX_PP} or pp·m·vpp > "
+        f"{COSTS_BUILT_MAX} not built"
     )

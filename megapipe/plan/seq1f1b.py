@@ -3,6 +3,7 @@ Training"): 1F1B over sequence segments, with FLOP-balanced segment lengths."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Schedule, one_f_one_b_order
@@ -41,6 +42,9 @@ def segment_flops(lengths, params: float, layers: int, d_model: int) -> list[flo
     return flops
 
 
+# Pure in its numbers and its result is frozen: the planner (perf/search.py) asks for the same
+# splits thousands of times through config/memory.
+@functools.lru_cache(maxsize=4096)
 def balanced_segments(
     seq_len: int, k: int, params: float, layers: int, d_model: int, granularity: int = 1
 ) -> SegmentSplit:

@@ -1,0 +1,186 @@
+"""The planner (megapipe/perf/search.py, `python tools/plan.py search`).
+
+- Exactness on a small cluster: every candidate of the space checked by brute force (config
+  rules, perf/memory.plan, perf/model.project); no feasible one projects faster than the
+  planner's pick, its top ten are the brute force's, and every bound it prunes with is a
+  lower bound of what it bounds (time, memory, memory given a step time), with its fast exact
+  memory equal to perf/memory.plan.
+- Megatron-LM's Table 1: for every row the planner's best projects at least as fast as the
+  paper's own configuration and fits in 80 GB (slow: the 1T row alone is a 3072-GPU search).
+- The CLI: one-line errors for an unknown GPU, a mesh that cannot make --gpus and a model that
+  fits nowhere (the least memory it needs, checked by brute force); the YAML it writes loads
+  and resolves to the pick; a searched key given on the command line is held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import yaml
+
+from megapipe.config import ConfigError, load_config
+from megapipe.config import flops as config_flops
+from megapipe.perf import load_cluster, project
+from megapipe.perf import memory as perf_memory
+from megapipe.perf import search as plan_search
+from megapipe.perf import table1 as t1
+from megapipe.perf.cluster import CLUSTER_DIR
+from megapipe.perf.model import GIB
+from megapipe.perf.search import Bounds
+from tools import plan as plan_cli
+
+REL = 1e-9  # the bounds and the projection sum the same floats in other orders
+
+# A 270M-parameter GPT (its weights dominate its memory at 128 tokens) on 8 GPUs, 4 per node:
+# under GPU memory cut to 1.5 GiB only some meshes fit, so the memory checks decide the pick.
+SMALL = [
+    "model.arch=gpt2", "model.n_layers=4", "model.d_model=2048", "model.n_heads=16",
+    "model.vocab_size=32000", "model.seq_len=128", "model.dropout=0.0",
+    "train.global_batch=8", "train.dtype=bfloat16", "data.source=synthetic",
+]  # fmt: skip
+GPUS, PER_NODE, HBM_GIB = 8, 4, 1.5
+
+
+@pytest.fixture
+def cached_segments(monkeypatch):
+    """Seq1F1B's balanced segments memoised (a pure function of numbers; its bisection takes
+    milliseconds and the brute force asks for the same split thousands of times)."""
+    fast = functools.lru_cache(maxsize=None)(config_flops.balanced_segments)
+    monkeypatch.setattr(config_flops, "balanced_segments", fast)
+
+
+def profile_with(tmp_path, hbm_gib: float) -> str:
+    """The H100 profile with `hbm_gib` of memory, as a file --gpu accepts."""
+    raw = yaml.safe_load((CLUSTER_DIR / "h100.yaml").read_text())
+    path = tmp_path / f"h100_{hbm_gib:g}gib.yaml"
+    path.write_text(yaml.safe_dump({**raw, "hbm_gib": hbm_gib}))
+    return str(path)
+
+
+def small_cluster():
+    return dataclasses.replace(load_cluster("h100", PER_NODE), hbm_gib=HBM_GIB)
+
+
+def test_search_is_exact_on_a_small_cluster(cached_segments):
+    base, fixed = plan_search.base_config(None, SMALL)
+    cluster = small_cluster()
+    result = plan_search.search(base, GPUS, cluster, fixed=fixed)
+    bounds = Bounds(base, cluster, result.runtime, plan_search.CALIBRATION)
+
+    feasible, over, checked = [], 0, 0
+    for c in plan_search.candidates(base, GPUS, PER_NODE):
+        if plan_search.too_costly(c):
+            continue
+        try:
+            cfg = c.config(base)
+        except ConfigError:
+            continue
+        checked += 1
+        exact = perf_memory.plan(cfg).max
+        lb = bounds(c)
+        assert lb.memory <= exact * (1 + REL), plan_search.describe(c)
+        fast, _ = bounds.memory(cfg)
+        assert fast == pytest.approx(exact, rel=REL), plan_search.describe(c)
+        step = project(cfg, cluster, memory=False).step_time_s
+        coarse_time, coarse_memory = bounds.coarse(c)
+        assert lb.time <= step * (1 + REL) and coarse_time <= step * (1 + REL)
+        assert coarse_memory <= exact * (1 + REL)
+        assert lb.memory_by(step * (1 + REL)) <= exact * (1 + REL), plan_search.describe(c)
+        if exact > cluster.hbm_bytes:
+            over += 1
+            continue
+        feasible.append((step, c))
+    assert over and feasible  # the memory limit bites, and something fits
+    feasible.sort(key=lambda x: x[0])
+    pick = result.best
+    assert pick.step_time_s <= feasible[0][0] * (1 + REL)
+    assert pick.candidate in {c for _, c in feasible}
+    assert perf_memory.plan(pick.config).max <= cluster.hbm_bytes
+    ranked = [r.step_time_s for r in result.ranked]
+    assert ranked == pytest.approx([s for s, _ in feasible[: len(ranked)]], rel=REL)
+    assert len(ranked) == min(plan_search.TOP, len(feasible))
+    assert result.counts["projected"] < checked  # the bounds pruned something
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", t1.rows(), ids=lambda r: r.label)
+def test_table1_rows_best_beats_the_papers_config(row, cached_segments):
+    cluster = load_cluster("a100", 8)
+    paper = t1.row_config(row)
+    result = plan_search.search(paper, row.gpus, cluster)
+    best = result.best
+    mine = project(paper, cluster, memory=False)
+    assert best.step_time_s <= mine.step_time_s * (1 + REL)
+    again = project(best.config, cluster)  # independently of the search's own memory plan
+    assert again.step_time_s == pytest.approx(best.step_time_s, rel=REL)
+    assert again.fits and again.peak_memory_gib <= 80  # the A100 80GB: 81920 MiB
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_unknown_gpu_is_one_line(capsys, tmp_path):
+    argv = ["search", "--gpus", "8", "--gpu", "b200", "--out", str(tmp_path / "x.yaml")]
+    assert plan_cli.main(argv) == 2
+    err = _error(capsys)
+    assert "b200" in err and all(name in err for name in ("a100", "h100", "h200"))
+
+
+def test_world_size_that_does_not_match_gpus_is_one_line(capsys, tmp_path):
+    mesh = ["--parallel.dp=2", "--parallel.pp=1", "--parallel.cp=1", "--parallel.tp=2"]
+    argv = ["search", "--gpus", "8", "--gpu", "h100", "--out", str(tmp_path / "x.yaml"), *mesh]
+    assert plan_cli.main([*argv, *(f"--{o}" for o in SMALL)]) == 2
+    err = _error(capsys)
+    assert "--gpus 8" in err and "4" in err
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_a_model_that_fits_nowhere_says_the_least_it_needs(capsys, tmp_path):
+    # a 2.9B GPT on one GPU: nothing fits in 16 GiB; the least need, by brute force
+    model = ["--model.n_layers=16", "--model.d_model=3840", "--model.n_heads=30"]
+    argv = ["search", "--gpus", "1", "--gpu", "h100", "--out", str(tmp_path / "x.yaml")]
+    overrides = [*(f"--{o}" for o in SMALL if not o.startswith("model.n")), *model]
+    argv[argv.index("h100")] = profile_with(tmp_path, 16)
+    assert plan_cli.main([*argv, *overrides]) == 2
+    err = _error(capsys)
+    base, fixed = plan_search.base_config(None, [o[2:] for o in overrides])
+    least = min(
+        perf_memory.plan(c.config(base)).max for c in plan_search.candidates(base, 1, 8, fixed)
+    )
+    assert least > 16 * GIB
+    assert f"{least / GIB:.1f} GiB" in err and "16 GiB" in err
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_written_config_loads_as_the_pick(capsys, tmp_path, cached_segments):
+    out = tmp_path / "best.yaml"
+    argv = ["search", "--gpus", str(GPUS), "--gpus-per-node", str(PER_NODE),
+            "--gpu", profile_with(tmp_path, HBM_GIB), "--out", str(out),
+            "--parallel.pp=2"]  # fmt: skip
+    assert plan_cli.main([*argv, *(f"--{o}" for o in SMALL)]) == 0
+    printed = capsys.readouterr().out
+    assert str(out) in printed
+    cfg = load_config(str(out))
+    base, fixed = plan_search.base_config(None, [*SMALL, "parallel.pp=2"])
+    result = plan_search.search(base, GPUS, small_cluster(), fixed=fixed)
+    pick = result.best.candidate
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.cp, p.vpp, p.schedule, p.microbatches) == (
+        pick.tp, pick.pp, pick.dp, pick.cp, pick.vpp, pick.schedule, pick.microbatches
+    )  # fmt: skip
+    assert (p.sequence_parallel, p.zero, p.seq_segments, cfg.recompute.mode) == (
+        pick.sequence_parallel, pick.zero, pick.seq_segments, pick.recompute
+    )  # fmt: skip
+    assert cfg.derived.world_size == GPUS and cfg.model == base.model
+    assert all(r.candidate.pp == 2 for r in result.ranked)  # the held key
+    assert math.isclose(project(cfg, small_cluster()).step_time_s, result.best.step_time_s,
+                        rel_tol=REL)  # fmt: skip
