@@ -4,6 +4,7 @@ kind, and the one-line errors of megapipe/data/inputs.py and prepare.py."""
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,11 @@ from megapipe.data.prepare import prepare
 from tests.test_data import cfgs, decode_docs, make_docs, read_split, write_txt
 
 ROOT = Path(__file__).resolve().parents[1]
-# Peak RSS of one preparation process, measured: 238 MB for 5, 10 and 20 MB corpora in 0.25 MB
-# chunks (~225 MB of it is importing torch, numpy and sentencepiece); the same corpora in one
-# chunk peak at 396, 564 and 899 MB. The bound leaves 25% margin over the streaming runs.
-RSS_BOUND_MB = 300
+# Peak RSS of one preparation process, measured: 47 MB for 5, 10 and 20 MB corpora in 0.25 MB
+# chunks (preparation imports neither torch nor datasets for these inputs); the same corpora in
+# one chunk peak at 89, 135 and 229 MB. The bound leaves 60% margin over the streaming runs
+# and is still under the smallest one-chunk peak.
+RSS_BOUND_MB = 75
 RSS_GROWTH = 1.15  # a corpus twice as large may cost at most 15% more peak memory
 
 
@@ -136,6 +138,88 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     assert meta["n_documents"] == 5 and all_docs(out) == sorted(docs)
 
 
+def cache_hf_dataset(cache: Path, config: str, split: str, rows: dict) -> None:
+    """Put `rows` in the HF datasets cache `cache` as megapipe-test/tiny_corpus, laid out as
+    load_dataset leaves a Hub dataset it downloaded (same builder kwargs: repo_id and
+    dataset_name), so that load_dataset finds it offline by name."""
+    from datasets.packaged_modules.generator.generator import Generator
+
+    def generate(rows):
+        for i in range(len(rows["body"])):
+            yield {key: column[i] for key, column in rows.items()}
+
+    Generator(
+        cache_dir=str(cache), dataset_name="tiny_corpus", repo_id="megapipe-test/tiny_corpus",
+        config_name=config, config_id=config, hash="0123456789abcdef",
+        generator=generate, gen_kwargs={"rows": rows}, split=split,
+    ).download_and_prepare()  # fmt: skip
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> tuple[Path, list[str]]:
+    """(cache dir, docs): configs 'default' (split train: docs 0-3) and 'small' (split
+    validation: docs 4-6), the cache being this process's HF_DATASETS_CACHE."""
+    import datasets
+
+    docs = make_docs(7, seed=8)
+    cache = tmp_path / "hf_home" / "datasets"
+    cache_hf_dataset(cache, "default", "train", {"body": docs[:4], "n": list(range(4))})
+    cache_hf_dataset(cache, "small", "validation", {"body": docs[4:], "n": list(range(3))})
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache, docs
+
+
+def test_hf_dataset_in_the_local_cache(hf_cache):
+    cache, docs = hf_cache
+    out = cache.parents[1] / "ds"
+    inputs = [
+        "hf:megapipe-test/tiny_corpus:default",
+        "hf:megapipe-test/tiny_corpus:small:validation",
+    ]
+    meta = prepare(out, inputs=inputs, text_field="body", vocab_size=300)
+    assert meta["n_documents"] == 7 and all_docs(out) == sorted(docs)
+
+
+@pytest.mark.spawn
+def test_prepare_data_cli_reads_the_hf_cache_offline_by_itself(hf_cache):
+    """The CLI finds the cache from HF_HOME and turns offline mode on itself."""
+    cache, docs = hf_cache
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "OFFLINE" not in k}
+    env["HF_HOME"] = str(cache.parent)
+    out = cache.parents[1] / "ds"
+    cmd = [sys.executable, "tools/prepare_data.py", "--input", "hf:megapipe-test/tiny_corpus:small",
+           "--text-field", "body", "--vocab-size", "300", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all_docs(out) == sorted(docs[4:])
+
+
+def test_hf_cache_input_errors(hf_cache, monkeypatch):
+    import datasets
+
+    cache, _ = hf_cache
+    out = cache.parents[1] / "ds"
+    cases = {
+        "hf:megapipe-test/absent": r"input hf:megapipe-test/absent is not in the local HF datasets "
+        r"cache .*datasets: on a machine with network, run datasets.load_dataset\('megapipe-test/"
+        r"absent'\) with the same HF_HOME .*or save it with save_to_disk",
+        "hf:megapipe-test/tiny_corpus": r"has several configs in the cache \(default, small\); "
+        "write hf:NAME:CONFIG$",
+        "hf:megapipe-test/tiny_corpus:big": r"has no config 'big' in the cache \(cached configs: "
+        r"\['default', 'small'\]\)$",
+        "hf:megapipe-test/tiny_corpus:small:train": r"has no split 'train' in the cache \(Should "
+        r"be one of \['validation'\]\.\)$",
+        "hf:": r"input hf:: write hf:NAME\[:CONFIG\[:SPLIT\]\], e.g. hf:org/name$",
+    }
+    for given, message in cases.items():
+        with pytest.raises(DataError, match=message) as err:
+            prepare(out, inputs=[given], text_field="body", vocab_size=300)
+        assert "\n" not in str(err.value), given
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(DataError, match=r"local HF cache only: set HF_DATASETS_OFFLINE=1"):
+        prepare(out, inputs=["hf:megapipe-test/tiny_corpus:small"], text_field="body")
+
+
 def test_uint32_tokens_for_a_large_vocabulary(tmp_path):
     """A 70000-word vocabulary: ids above 65535 are stored as uint32 and sampled intact."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -159,6 +243,21 @@ def test_uint32_tokens_for_a_large_vocabulary(tmp_path):
     batch = build_data(*cfgs(out, vocab_size=70000, seq_len=8), seed=0).batch(0, 4).numpy()
     windows = np.lib.stride_tricks.sliding_window_view(tokens, 9)
     assert batch.max() > 65535 and all((windows == row).all(axis=1).any() for row in batch)
+
+
+def test_sentencepiece_model_file_as_tokenizer(tmp_path):
+    """--tokenizer FILE.model: the given model, copied in, gives the dataset that trained it."""
+    inputs = [write_jsonl(tmp_path / "c.jsonl", 0.1)]
+    prepare(tmp_path / "trained", inputs=inputs, vocab_size=300)
+    model = tmp_path / "given.model"
+    model.write_bytes((tmp_path / "trained" / "tokenizer.model").read_bytes())
+    meta = prepare(tmp_path / "given", inputs=inputs, tokenizer_dir=model)
+    assert meta["tokenizer"] == "tokenizer.model" and meta["vocab_size"] == 300
+    assert same_dataset(tmp_path / "trained", tmp_path / "given")
+    (tmp_path / "bad.model").write_text("not a model")
+    message = r"--tokenizer .*bad.model is not a sentencepiece .model file \(.*\); give a .model"
+    with pytest.raises(DataError, match=message + " file or a local HF tokenizer dir$"):
+        prepare(tmp_path / "bad", inputs=inputs, tokenizer_dir=tmp_path / "bad.model")
 
 
 def test_interrupted_run_leaves_temp_dir_that_next_run_removes(tmp_path):
@@ -203,13 +302,48 @@ def test_corrupt_jsonl_and_gzip_name_file_and_line(tmp_path):
     assert not (tmp_path / "ds").exists() and not (tmp_path / ".ds.tmp").exists()
 
 
-def test_zst_needs_zstandard(tmp_path):
-    (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
-    try:
-        import zstandard  # noqa: F401
-    except ImportError:
-        with pytest.raises(DataError, match=r"a.jsonl.zst: .*pip install zstandard$"):
-            prepare(tmp_path / "ds", inputs=[tmp_path / "a.jsonl.zst"])
-        return
-    with pytest.raises(DataError, match=r"a.jsonl.zst is corrupt at line 1"):
+def zst_frames(text: bytes, n_frames: int) -> bytes:
+    """`text` as n_frames concatenated zstd frames (as pzstd and `cat a.zst b.zst` write)."""
+    import zstandard
+
+    step = -(-len(text) // n_frames)
+    parts = [text[i : i + step] for i in range(0, len(text), step)]
+    return b"".join(zstandard.ZstdCompressor(level=3).compress(part) for part in parts)
+
+
+def test_jsonl_zst_gives_the_tokens_of_the_plain_jsonl(tmp_path):
+    plain = write_jsonl(tmp_path / "c.jsonl", 0.2)
+    (tmp_path / "c.jsonl.zst").write_bytes(zst_frames(plain.read_bytes(), 3))
+    metas = {}
+    for name in ("c.jsonl", "c.jsonl.zst"):
+        metas[name] = prepare(tmp_path / name.replace(".", "_"), inputs=[tmp_path / name],
+                              vocab_size=300, chunk_mb=0.05)  # fmt: skip
+    assert metas["c.jsonl"]["n_documents"] == metas["c.jsonl.zst"]["n_documents"] > 100
+    plain, zst = tmp_path / "c_jsonl", tmp_path / "c_jsonl_zst"
+    for f in ("train.bin", "val.bin", "tokenizer.model"):
+        assert (plain / f).read_bytes() == (zst / f).read_bytes(), f
+
+
+def test_corrupt_or_truncated_zst_names_file_and_line(tmp_path):
+    good = write_txt(tmp_path, make_docs(2))
+    lines = "\n".join(json.dumps({"text": d}) for d in make_docs(3) * 300).encode()
+    payload = zst_frames(lines, 2)
+    (tmp_path / "cut.jsonl.zst").write_bytes(payload[: len(payload) // 4])  # inside frame 1
+    with pytest.raises(DataError) as err:
+        prepare(tmp_path / "ds", inputs=[*good, tmp_path / "cut.jsonl.zst"], vocab_size=300)
+    assert "\n" not in str(err.value)
+    assert re.search(r"cut.jsonl.zst is corrupt at line \d+: zstd frame truncated at byte "
+                     r"offset \d+$", str(err.value)), err.value  # fmt: skip
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"not zstd" * 64)
+    with pytest.raises(DataError, match=r"bad.jsonl.zst is corrupt at line 1: "):
+        prepare(tmp_path / "ds", inputs=[*good, tmp_path / "bad.jsonl.zst"], vocab_size=300)
+    assert not (tmp_path / "ds").exists() and not (tmp_path / ".ds.tmp").exists()
+
+
+def test_zst_without_zstandard_says_how_to_install(tmp_path, monkeypatch):
+    from megapipe.data import inputs
+
+    monkeypatch.setattr(inputs, "_zstandard", lambda: None)
+    (tmp_path / "a.jsonl.zst").write_bytes(zst_frames(b'{"text": "x"}\n', 1))
+    with pytest.raises(DataError, match=r"a.jsonl.zst: .*pip install zstandard$"):
         prepare(tmp_path / "ds", inputs=[tmp_path / "a.jsonl.zst"])

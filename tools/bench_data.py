@@ -1,19 +1,28 @@
 """Corpus preparation throughput and peak memory: tools/prepare_data.py (streaming, 1 and 2
 workers) against `datasets` load_dataset("json") + map(tokenize, batched=True, num_proc=N)
-over the same generated .jsonl corpus, with the sentencepiece model the preparation trained.
+over the same generated .jsonl corpus, with the same sentencepiece model.
 
-python tools/bench.py data [--mb 50] [--workers 1,2] [--vocab-size 2048] [--sample-mb 4]
+python tools/bench.py data [--mb 50] [--workers 1,2] [--repeat 1] [--vocab-size 2048]
 
-Every run is a child process started by a small wrapper that reports the child's wall time and
-its peak RSS (RUSAGE_CHILDREN: the largest single process, workers included), so runs do not
-see each other's memory. Preparation time includes training the tokenizer on the sample; the
-sentencepiece training alone is timed on its own row.
+The tokenizer is trained once, on the first --sample-mb of the corpus (its time is printed on
+its own line), and both sides are given it: prepare_data with --tokenizer FILE.model, the
+baseline as the SentencePieceProcessor its map function calls on each batch, as a user would
+write it (`sp.encode(batch["text"])`, sentencepiece's default threads). Both sides start from
+the .jsonl file and end with every token on disk (train.bin/val.bin; the baseline's Arrow
+cache), and the baseline's token count is checked against prepare_data's.
+
+Every run is a child process started by a small wrapper that reports the child's wall time,
+its CPU time (user + system, workers included) and its peak RSS (RUSAGE_CHILDREN: the largest
+single process, workers included), so runs do not see each other's memory. With --repeat R
+the runs alternate between the two sides R times and the fastest wall time of each row is
+kept (with its CPU time), which damps the noise of a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,12 +37,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 
 from megapipe.data.prepare import train_sentencepiece  # noqa: E402
 
-# Runs argv[1:], then prints its wall seconds and peak RSS (KiB on Linux) as JSON.
+# Runs argv[1:], then prints its wall seconds, CPU seconds and peak RSS (KiB on Linux) as JSON.
 WRAPPER = (
     "import json, resource, subprocess, sys, time; t = time.perf_counter(); "
     "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-    "print(json.dumps({'seconds': time.perf_counter() - t, "
-    "'peak_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))"
+    "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+    "print(json.dumps({'seconds': time.perf_counter() - t, 'cpu': u.ru_utime + u.ru_stime, "
+    "'peak_kb': u.ru_maxrss}))"
 )
 
 
@@ -41,10 +51,11 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=50, help="generated corpus size (MB of text)")
     parser.add_argument("--workers", default="1,2", help="worker counts to compare")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest kept")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--sample-mb", type=float, default=4, help="tokenizer training sample")
-    parser.add_argument("--chunk-mb", type=float, default=16)
-    parser.add_argument("--baseline", nargs=3, help=argparse.SUPPRESS)  # child: FILE MODEL N
+    parser.add_argument("--chunk-mb", type=float, default=4)
+    parser.add_argument("--baseline", nargs=4, help=argparse.SUPPRESS)  # child: FILE MODEL N OUT
     return parser.parse_args(argv)
 
 
@@ -72,9 +83,11 @@ def measure(cmd: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def baseline(file: str, model: str, num_proc: int) -> None:
-    """The plain `datasets` tokenisation (child process): documents to an Arrow ids column."""
+def baseline(file: str, model: str, num_proc: int, out: str) -> None:
+    """The plain `datasets` tokenisation (child process): documents to an Arrow ids column;
+    writes its token count (EOS included) to `out`."""
     import datasets
+    import pyarrow.compute as pc
     import sentencepiece as spm
     from datasets import load_dataset
 
@@ -90,13 +103,15 @@ def baseline(file: str, model: str, num_proc: int) -> None:
 
         ds = ds.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None,
                     remove_columns=["text"])  # fmt: skip
-        assert len(ds) > 0
+        tokens = pc.sum(pc.list_value_length(ds.data.column("ids"))).as_py()  # no Python ints
+        Path(out).write_text(json.dumps({"tokens": tokens}))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def sample_training_seconds(corpus: Path, args, work: Path) -> float:
-    """sentencepiece training alone, on the same first sample-mb of documents."""
+def train_tokenizer(corpus: Path, args, model: Path) -> float:
+    """sentencepiece trained on the first sample-mb of documents, as prepare_data would; its
+    seconds."""
     docs, chars = [], 0
     with corpus.open(encoding="utf-8") as f:
         for line in f:
@@ -105,52 +120,65 @@ def sample_training_seconds(corpus: Path, args, work: Path) -> float:
             docs.append(json.loads(line)["text"])
             chars += len(docs[-1])
     start = time.perf_counter()
-    train_sentencepiece(docs, work / "sample.model", args.vocab_size, seed=0)
+    train_sentencepiece(docs, model, args.vocab_size, seed=0)
     return time.perf_counter() - start
 
 
 def row(name: str, workers: int, result: dict, mb: float, tokens: int) -> str:
     s = result["seconds"]
-    return (f"| {name} | {workers} | {s:.1f} | {mb / s:.2f} | {tokens / s / 1e6:.2f} M "
-            f"| {result['peak_kb'] / 1024:.0f} |")  # fmt: skip
+    return (f"| {name} | {workers} | {s:.1f} | {result['cpu']:.1f} | {mb / s:.2f} "
+            f"| {tokens / s / 1e6:.2f} M | {result['peak_kb'] / 1024:.0f} |")  # fmt: skip
+
+
+def fastest(results: list[dict]) -> dict:
+    return min(results, key=lambda r: r["seconds"])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.baseline:
-        baseline(args.baseline[0], args.baseline[1], int(args.baseline[2]))
+        baseline(args.baseline[0], args.baseline[1], int(args.baseline[2]), args.baseline[3])
         return 0
     workers = [int(w) for w in args.workers.split(",")]
+    load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="bench_data_"))
     try:
-        corpus = work / "corpus.jsonl"
+        corpus, model = work / "corpus.jsonl", work / "tokenizer.model"
         mb = generate(corpus, args.mb) / 1e6
-        rows, model = [], None
-        for n in workers:
-            out = work / f"prepared_{n}"
-            cmd = [sys.executable, str(ROOT / "tools/prepare_data.py"), "--input", str(corpus),
-                   "--out", str(out), "--vocab-size", str(args.vocab_size),
-                   "--tokenizer-sample-mb", str(args.sample_mb), "--chunk-mb", str(args.chunk_mb),
-                   "--workers", str(n)]  # fmt: skip
-            result = measure(cmd)
-            meta = json.loads((out / "meta.json").read_text())
-            tokens = meta["n_train_tokens"] + meta["n_val_tokens"]
-            rows.append(row("megapipe prepare_data (streaming)", n, result, mb, tokens))
-            model = out / "tokenizer.model"
-        for n in workers:
-            cmd = [sys.executable, __file__, "--baseline", str(corpus), str(model), str(n)]
-            result = measure(cmd)
-            rows.append(row("datasets load_dataset + map", n, result, mb, tokens))
-        train_s = sample_training_seconds(corpus, args, work)
+        train_s = train_tokenizer(corpus, args, model)
+        runs: dict[tuple[str, int], list[dict]] = {}
+        tokens = 0
+        for _ in range(args.repeat):
+            for n in workers:
+                out = work / f"prepared_{n}"
+                cmd = [sys.executable, str(ROOT / "tools/prepare_data.py"), "--input", str(corpus),
+                       "--out", str(out), "--tokenizer", str(model), "--chunk-mb",
+                       str(args.chunk_mb), "--workers", str(n)]  # fmt: skip
+                runs.setdefault(("ours", n), []).append(measure(cmd))
+                meta = json.loads((out / "meta.json").read_text())
+                tokens = meta["n_train_tokens"] + meta["n_val_tokens"]
+                shutil.rmtree(out)
+                count = work / "baseline_tokens.json"
+                cmd = [sys.executable, __file__, "--baseline", str(corpus), str(model), str(n),
+                       str(count)]  # fmt: skip
+                runs.setdefault(("datasets", n), []).append(measure(cmd))
+                theirs = json.loads(count.read_text())["tokens"]
+                if theirs != tokens:
+                    raise SystemExit(f"token counts differ: datasets {theirs}, ours {tokens}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    names = {"ours": "megapipe prepare_data (streaming)", "datasets": "datasets load_dataset + map"}
     print(f"corpus: {mb:.1f} MB of text (.jsonl), {tokens / 1e6:.1f} M tokens, vocab "
-          f"{args.vocab_size}, chunk {args.chunk_mb} MB, sample {args.sample_mb} MB\n")  # fmt: skip
-    print("| method | workers | wall s | text MB/s | tokens/s | peak RSS MB |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows))
-    print(f"\nsentencepiece training on the {args.sample_mb} MB sample alone: {train_s:.1f} s "
-          "(included in the prepare_data rows, not in the datasets rows)")  # fmt: skip
+          f"{args.vocab_size}, chunk {args.chunk_mb} MB, best of {args.repeat}; load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} "
+          "cores (wall times mean little on a busy machine; CPU s are steadier)\n")  # fmt: skip
+    print("| method | workers | wall s | CPU s | text MB/s | tokens/s | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
+    for side in ("ours", "datasets"):
+        for n in workers:
+            print(row(names[side], n, fastest(runs[side, n]), mb, tokens))
+    print(f"\nsentencepiece training on the first {args.sample_mb} MB: {train_s:.1f} s (done "
+          "once before the runs; prepare_data without --tokenizer adds it)")  # fmt: skip
     return 0
 
 

@@ -19,10 +19,12 @@ nothing of the project so the loader can import it without a circle.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported when a batch is made: preparation never needs it
+    import torch
 
 StepRng = Callable[[str, int], np.random.Generator]  # (split, step) -> the step's generator
 
@@ -64,6 +66,8 @@ class BlendData:
             if len(picked):
                 # the dataset's own window draw (MemmapData.draw), fed the child generator
                 rows[picked] = data.draw(np.random.default_rng(children[d]), len(picked), split)
+        import torch
+
         return torch.from_numpy(rows)
 
     def rows_per_dataset(self, step: int, size: int) -> np.ndarray:

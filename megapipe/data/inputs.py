@@ -3,10 +3,12 @@ parquet batch) in memory, so a corpus of any size can be read, and read again, c
 
 Inputs are files, directories (searched recursively for the known extensions, sorted) and
 globs. Kinds: `.txt` (one document per file, per blank-line-separated paragraph or per line:
-`txt_doc`), `.jsonl` / `.json` (JSON lines, one document per row, also `.gz`, and `.zst` when
-the zstandard package is installed), `.parquet` (streamed in batches) and Hugging Face datasets
-saved with `save_to_disk` (memory-mapped by `datasets.load_from_disk`). Every failure is a
-one-line DataError naming the file and, for JSON lines, the line number.
+`txt_doc`), `.jsonl` / `.json` (JSON lines, one document per row, also `.gz` and `.zst`),
+`.parquet` (streamed in batches), Hugging Face datasets saved with `save_to_disk`
+(memory-mapped by `datasets.load_from_disk`) and, as `hf:NAME[:CONFIG[:SPLIT]]`, datasets in
+the local Hugging Face datasets cache (HF_DATASETS_CACHE, by default $HF_HOME/datasets), read
+offline by `datasets.load_dataset`, never downloaded. Every failure is a one-line DataError
+naming the file and, for JSON lines and compressed files, the line number.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import json
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from megapipe.data.loader import DataError
@@ -27,6 +30,28 @@ EXTENSIONS = (".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl", ".js
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 TXT_DOCS = ("file", "paragraph", "line")
 BATCH_ROWS = 256  # parquet / HF rows per read: small, documents can be large
+HF_PREFIX = "hf:"
+
+
+@dataclass(frozen=True)
+class HFCacheInput:
+    """`hf:NAME[:CONFIG[:SPLIT]]`: a dataset of the local HF datasets cache (all splits, in
+    key order, when SPLIT is not given; the most recent cached config when CONFIG is not)."""
+
+    name: str
+    config: str | None = None
+    split: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> HFCacheInput:
+        parts = text[len(HF_PREFIX) :].split(":")
+        if not parts[0] or len(parts) > 3:
+            raise DataError(f"input {text}: write hf:NAME[:CONFIG[:SPLIT]], e.g. hf:org/name")
+        return cls(parts[0], *(part or None for part in parts[1:]))
+
+    def __str__(self) -> str:
+        parts = [self.name, self.config or "", self.split or ""]
+        return HF_PREFIX + ":".join(parts).rstrip(":")
 
 
 def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
@@ -60,12 +85,14 @@ def extension(path: Path) -> str | None:
     return next((ext for ext in EXTENSIONS if name.endswith(ext)), None)
 
 
-def expand_inputs(inputs: list[Path]) -> list[Path]:
-    """Files and saved datasets named by `inputs`, in order, each checked (fails fast)."""
-    paths: list[Path] = []
+def expand_inputs(inputs: list[str | Path]) -> list[Path | HFCacheInput]:
+    """Files and datasets named by `inputs`, in order, each checked (fails fast)."""
+    paths: list[Path | HFCacheInput] = []
     for given in inputs:
         text = str(given)
-        if glob.has_magic(text):
+        if text.startswith(HF_PREFIX):
+            paths.append(HFCacheInput.parse(text))
+        elif glob.has_magic(text):
             matches = sorted(glob.glob(text, recursive=True))
             if not matches:
                 raise DataError(f"input glob {text} matches nothing; check the pattern")
@@ -86,8 +113,12 @@ def _expand_path(path: Path) -> list[Path]:
     return found
 
 
-def check_input(path: Path) -> str:
-    """The input's extension ("hf" for a saved dataset), after checking it can be read."""
+def check_input(path: Path | HFCacheInput) -> str:
+    """The input's extension ("hf" for a saved dataset, "hf-cache" for one in the HF cache),
+    after checking it can be read."""
+    if isinstance(path, HFCacheInput):
+        _load_cached(path)
+        return "hf-cache"
     if is_hf_dataset(path):
         return "hf"
     if not path.is_file():
@@ -121,7 +152,7 @@ def iter_documents(paths: list[Path], text_field: str, txt_doc: str) -> Iterator
             docs, what = _txt_documents(path, txt_doc), ""
         elif ext == ".parquet":
             docs, what = _parquet_documents(path, text_field), f" in field '{text_field}'"
-        elif ext == "hf":
+        elif ext in ("hf", "hf-cache"):
             docs, what = _hf_documents(path, text_field), f" in field '{text_field}'"
         else:
             docs, what = _jsonl_documents(path, text_field), f" in field '{text_field}'"
@@ -172,9 +203,58 @@ def _open_stream(path: Path):
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
-        reader = _zstandard().ZstdDecompressor().stream_reader(path.open("rb"), closefd=True)
-        return io.BufferedReader(reader)
+        return io.BufferedReader(_ZstdFrames(path.open("rb")))
     return path.open("rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame of a file, one after another.
+
+    zstandard's own stream_reader ends quietly at a truncated frame, which would drop the
+    documents after the cut without a word; this reader raises EOFError there instead.
+    """
+
+    BLOCK = 1 << 20  # compressed bytes per read
+
+    def __init__(self, raw):
+        self._raw = raw
+        self._decompressor = _zstandard().ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._in_frame = False  # bytes of an unfinished frame have been fed
+        self._offset = 0  # compressed bytes read so far
+        self._out = memoryview(b"")  # decompressed, not yet read (a view: slicing copies nothing)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            data = self._raw.read(self.BLOCK)
+            if not data:
+                if self._in_frame:
+                    raise EOFError(f"zstd frame truncated at byte offset {self._offset}")
+                return 0
+            self._offset += len(data)
+            self._out = memoryview(self._feed(data))
+        size = min(len(buffer), len(self._out))
+        buffer[:size] = self._out[:size]
+        self._out = self._out[size:]
+        return size
+
+    def _feed(self, data: bytes) -> bytes:
+        parts = []
+        while data:
+            parts.append(self._frame.decompress(data))
+            self._in_frame = not self._frame.eof
+            if not self._frame.eof:
+                break
+            data = self._frame.unused_data  # the next frame's start, if any
+            self._frame = self._decompressor.decompressobj()
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _numbered_lines(path: Path, stream) -> Iterator[tuple[int, bytes]]:
@@ -217,7 +297,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw)
+                row = json.loads(raw.decode("utf-8"))  # utf-8: skips json's encoding sniffing
             except UnicodeDecodeError:
                 raise DataError(f"input file {path} is not UTF-8 at line {number}") from None
             except json.JSONDecodeError as err:
@@ -257,14 +337,50 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         raise DataError(f"input file {path} is not valid parquet: {reason}") from None
 
 
-def _hf_documents(path: Path, field: str) -> Iterator[str]:
-    """A dataset saved with `save_to_disk` (every split of a DatasetDict, in key order)."""
+def _load_cached(source: HFCacheInput):
+    """The Dataset or DatasetDict of `source` from the local HF datasets cache, offline."""
+    import datasets
+
+    cache = datasets.config.HF_DATASETS_CACHE
+    if not datasets.config.HF_HUB_OFFLINE:  # else load_dataset would ask the Hub first
+        raise DataError(f"input {source} is read from the local HF cache only: set "
+                        "HF_DATASETS_OFFLINE=1 (tools/prepare_data.py does)")  # fmt: skip
+    try:
+        return datasets.load_dataset(
+            source.name, source.config, split=source.split, cache_dir=str(cache)
+        )
+    except (ConnectionError, FileNotFoundError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "Unknown split" in first:
+            reason = f"has no split '{source.split}' in the cache ({first.split('. ', 1)[-1]})"
+        elif "multiple" in first:
+            configs = ", ".join(sorted(first.split(": ", 1)[-1].split(", ")))
+            reason = f"has several configs in the cache ({configs}); write hf:NAME:CONFIG"
+        elif "Couldn't find cache" in first:
+            configs = str(err).splitlines()[-1].split(": ", 1)[-1]
+            reason = f"has no config '{source.config}' in the cache (cached configs: {configs})"
+        else:
+            reason = (
+                f"is not in the local HF datasets cache {cache}: on a machine with network, run "
+                f"datasets.load_dataset('{source.name}') with the same HF_HOME (or "
+                "HF_DATASETS_CACHE), or save it with save_to_disk and give its dir as --input "
+                "(files fetched with `hf download` are not in it: give their dir as --input)"
+            )
+        raise DataError(f"input {source} {reason}") from None
+
+
+def _hf_documents(path: Path | HFCacheInput, field: str) -> Iterator[str]:
+    """A dataset saved with `save_to_disk` or in the HF cache (every split of a DatasetDict,
+    in key order)."""
     from datasets import DatasetDict, load_from_disk
 
-    try:
-        dataset = load_from_disk(str(path))
-    except (OSError, ValueError) as err:
-        raise DataError(f"input dataset {path} cannot be loaded: {err}") from None
+    if isinstance(path, HFCacheInput):
+        dataset = _load_cached(path)
+    else:
+        try:
+            dataset = load_from_disk(str(path))
+        except (OSError, ValueError) as err:
+            raise DataError(f"input dataset {path} cannot be loaded: {err}") from None
     parts = [dataset[k] for k in dataset] if isinstance(dataset, DatasetDict) else [dataset]
     for part in parts:
         if field not in part.column_names:

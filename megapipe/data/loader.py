@@ -13,10 +13,12 @@ import hashlib
 import json
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported when a batch is made: preparation never needs it
+    import torch
 
 from megapipe.config.blend import blend_name, parse_blend
 from megapipe.config.schema import ConfigError
@@ -51,6 +53,11 @@ class SentencePieceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)
 
+    def encode_arrays(self, texts: list[str], threads: int = -1) -> list[np.ndarray]:
+        """encode_batch as int32 arrays, with no Python int per token; `threads` for the
+        batch (-1: sentencepiece's default, every core)."""
+        return self._sp.encode(texts, out_type="numpy", num_threads=threads)
+
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(list(ids))
 
@@ -74,6 +81,10 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.hf(texts, add_special_tokens=False)["input_ids"]
+
+    def encode_arrays(self, texts: list[str], threads: int = -1) -> list[np.ndarray]:
+        """encode_batch as arrays (`threads` is the tokenizers library's own business)."""
+        return [np.asarray(row, dtype=np.int64) for row in self.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(list(ids))
@@ -116,6 +127,8 @@ class TokenData:
     def batch(self, step: int, size: int, split: str = "train") -> torch.Tensor:
         """The global batch of `step`: LongTensor [size, seq_len + 1]."""
         rows = self.draw(_rng(self.seed, split, step), size, split)
+        import torch
+
         return torch.from_numpy(rows.astype(np.int64))
 
     def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:

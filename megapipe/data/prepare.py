@@ -3,8 +3,10 @@
 The default corpus is the 38 Shakespeare plays of shakespeare.py; other corpora are the inputs
 of inputs.py. Documents are read as streams three times: once to count and check them (so a bad
 input fails before any long work), once for the tokenizer's training sample (the first
-`tokenizer_sample_mb` of train documents) and once to encode them, in chunks of `chunk_mb` over
-`workers` processes (workers.py), appended to train.bin / val.bin. Peak memory is therefore
+`tokenizer_sample_mb` of train documents; skipped when a tokenizer is given) and once to encode
+them, in chunks of `chunk_mb` over `workers` processes (workers.py), appended to train.bin /
+val.bin. Nothing here imports torch, so a worker starts in well under a second and the
+preparation's own footprint is small (about 50 MB resident). Peak memory is therefore
 bounded by chunk size × workers and the sample, plus one byte per document for the split mask,
 whatever the corpus size; the output is the same for every chunk size and worker count.
 
@@ -99,10 +101,14 @@ def _sample(documents: Iterator[str], is_val: np.ndarray, limit: int) -> Iterato
 
 
 def _make_tokenizer(documents, is_val, tmp: Path, tokenizer_dir, vocab_size, seed, sample_mb):
-    """(tokenizer file or dir in tmp, its name in meta): trained on a sample, or copied in."""
+    """(tokenizer file or dir in tmp, its name in meta): trained on a sample, or copied in
+    (`tokenizer_dir`: a local HF tokenizer dir or a sentencepiece .model file)."""
     if tokenizer_dir is None:
         sample = _sample(documents(), is_val, int(sample_mb * MB))
         train_sentencepiece(sample, tmp / SPM_FILE, vocab_size, seed)
+        return tmp / SPM_FILE, SPM_FILE
+    if tokenizer_dir.is_file():
+        shutil.copyfile(tokenizer_dir, tmp / SPM_FILE)
         return tmp / SPM_FILE, SPM_FILE
     load_tokenizer(tokenizer_dir).hf.save_pretrained(str(tmp / HF_DIR))  # self-contained
     return tmp / HF_DIR, HF_DIR
@@ -161,7 +167,7 @@ def _move_tail_to_val(tmp: Path, counts: list[int], val_fraction: float, dtype: 
 
 def prepare(
     out: Path,
-    inputs: list[Path] | None = None,
+    inputs: list[str | Path] | None = None,
     tokenizer_dir: Path | None = None,
     vocab_size: int = 2048,
     val_fraction: float = 0.05,
@@ -170,7 +176,7 @@ def prepare(
     seed: int = 0,
     *,
     workers: int = 1,
-    chunk_mb: float = 16.0,
+    chunk_mb: float = 4.0,
     tokenizer_sample_mb: float = 64.0,
     txt_doc: str = "file",
 ) -> dict:
@@ -182,8 +188,8 @@ def prepare(
     out, cache_dir = Path(out), Path(cache_dir)
     tokenizer_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     _check_options(val_fraction, workers, chunk_mb, tokenizer_sample_mb, txt_doc)
-    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
-        raise DataError(f"tokenizer dir {tokenizer_dir} not found; give a local HF tokenizer dir")
+    if tokenizer_dir is not None:
+        _check_tokenizer(tokenizer_dir)
     _check_out(out)
     documents, source = _open_corpus(inputs, text_field, txt_doc, cache_dir)
     n_docs, n_chars = 0, 0
@@ -214,6 +220,24 @@ def prepare(
     return meta
 
 
+def _check_tokenizer(path: Path) -> None:
+    """A local HF tokenizer dir, or a sentencepiece .model file that loads."""
+    if path.is_file():
+        try:
+            load_tokenizer(path)
+        except (OSError, RuntimeError) as err:
+            reason = str(err).split("] ")[-1].splitlines()[0] if str(err) else type(err).__name__
+            raise DataError(
+                f"--tokenizer {path} is not a sentencepiece .model file ({reason}); give a "
+                ".model file or a local HF tokenizer dir"
+            ) from None
+    elif not path.is_dir():
+        raise DataError(
+            f"tokenizer dir {path} not found; give a local HF tokenizer dir or a sentencepiece "
+            ".model file"
+        )
+
+
 def _check_options(val_fraction, workers, chunk_mb, sample_mb, txt_doc) -> None:
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction} must be in [0, 1)")
@@ -230,7 +254,7 @@ def _open_corpus(inputs, text_field: str, txt_doc: str, cache_dir: Path):
     if not inputs:
         docs, source = shakespeare_documents(cache_dir)  # 5 MB: small enough to hold
         return (lambda: iter(docs)), source
-    paths = expand_inputs([Path(p) for p in inputs])
+    paths = expand_inputs(list(inputs))
     return partial(iter_documents, paths, text_field, txt_doc), "local files: " + ", ".join(
         str(p) for p in inputs
     )

@@ -1,18 +1,23 @@
 """Tokenizer workers: chunks of documents in, packed token arrays out, in input order.
 
-With `workers` >= 2 a spawn-context process pool encodes the chunks; each worker loads the
-tokenizer once from its saved file or directory (nothing large is pickled to it). At most
+With `workers` >= 2 a spawn-context process pool encodes the chunks while this process reads
+the next ones and writes the results; each worker loads the tokenizer once from its saved file
+or directory (nothing large is pickled to it) and gives sentencepiece its share of the cores,
+so N workers never run more encoding threads than there are cores. Results come back as
+numpy arrays (one buffer per split, not a Python int per token). At most
 `INFLIGHT_PER_WORKER * workers` chunks are submitted and not yet written, so memory is bounded
 by chunk size × workers whatever the corpus size (Pool.imap would read the whole input ahead).
-With one worker the chunks are encoded in this process: same tokens, no start-up cost.
+With one worker the chunks are encoded in a thread of this process, overlapped with reading
+and writing: same tokens, no start-up cost.
 """
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -22,27 +27,34 @@ from megapipe.data.loader import Tokenizer, load_tokenizer
 INFLIGHT_PER_WORKER = 2  # one chunk encoding, one queued, per worker: workers never wait long
 
 _tokenizer: Tokenizer | None = None  # this worker process's tokenizer, set by _load
+_threads = -1  # this worker process's sentencepiece threads per batch
 
 
-def _load(path: str) -> None:
-    global _tokenizer
-    _tokenizer = load_tokenizer(path)
+def _load(path: str, threads: int) -> None:
+    global _tokenizer, _threads
+    _tokenizer, _threads = load_tokenizer(path), threads
 
 
 def encode_chunk(
-    texts: list[str], is_val: list[bool], dtype: str, tokenizer: Tokenizer | None = None
+    texts: list[str],
+    is_val: list[bool],
+    dtype: str,
+    tokenizer: Tokenizer | None = None,
+    threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train tokens, val tokens) of one chunk: each document followed by EOS, in order."""
     tokenizer = tokenizer or _tokenizer
-    ids = tokenizer.encode_batch(texts)
-    eos = [tokenizer.eos_id]
-    splits = []
-    for want in (False, True):
-        rows = [row for row, val in zip(ids, is_val) if val == want]
-        count = sum(len(row) for row in rows) + len(rows)
-        flat = itertools.chain.from_iterable(itertools.chain(row, eos) for row in rows)
-        splits.append(np.fromiter(flat, dtype=dtype, count=count))
-    return splits[0], splits[1]
+    rows = tokenizer.encode_arrays(texts, _threads if threads is None else threads)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    # ids < vocab_size, which the dtype was chosen to hold: the cast loses nothing
+    flat = np.concatenate([part for row in rows for part in (row, eos)], dtype=dtype,
+                          casting="unsafe")  # fmt: skip
+    val = np.asarray(is_val, dtype=bool)
+    if not val.any():
+        return flat, flat[:0]
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)) + 1  # EOS included
+    token_is_val = np.repeat(val, lengths)
+    return flat[~token_is_val], flat[token_is_val]
 
 
 def encode_chunks(
@@ -50,13 +62,13 @@ def encode_chunks(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """encode_chunk of every chunk, in order, over `workers` processes."""
     if workers <= 1:
-        tokenizer = load_tokenizer(tokenizer_path)
-        for texts, is_val in chunks:
-            yield encode_chunk(texts, is_val, dtype, tokenizer)
+        yield from _encode_in_thread(chunks, load_tokenizer(tokenizer_path), dtype)
         return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // workers)
     context = multiprocessing.get_context("spawn")  # fork would copy this process's memory
     # Leaving the with block (done, error, or generator closed) terminates the workers.
-    with context.Pool(workers, initializer=_load, initargs=(str(tokenizer_path),)) as pool:
+    with context.Pool(workers, initializer=_load, initargs=(str(tokenizer_path), threads)) as pool:
         pending: deque = deque()
         for texts, is_val in chunks:
             pending.append(pool.apply_async(encode_chunk, (texts, is_val, dtype)))
@@ -64,3 +76,16 @@ def encode_chunks(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+def _encode_in_thread(chunks, tokenizer: Tokenizer, dtype: str):
+    """One worker: chunk k is encoded in a thread (sentencepiece lets go of the GIL during a
+    batch, with its default threads) while this thread reads chunk k + 1 and writes k - 1."""
+    with ThreadPoolExecutor(1) as pool:
+        pending: deque = deque()
+        for texts, is_val in chunks:
+            pending.append(pool.submit(encode_chunk, texts, is_val, dtype, tokenizer, -1))
+            if len(pending) >= INFLIGHT_PER_WORKER:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
