@@ -188,7 +188,9 @@ def run_table1(args: argparse.Namespace) -> int:
 
 def add_local_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="measure this machine's CPU into a profile")
-    c.add_argument("--out", help="default: megapipe/perf/clusters/cpu.yaml (cpu_Nt.yaml)")
+    c.add_argument(
+        "--out", help="default: megapipe/perf/clusters/cpu.yaml (cpu_Nt, _solo for one rank)"
+    )
     c.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     c.add_argument("--ranks-per-node", type=int, default=2, help="ranks sharing the machine")
     c.add_argument("--rounds", type=int, default=5, help="rounds of every probe")
@@ -201,7 +203,7 @@ def add_local_parsers(sub) -> None:
     loc.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     loc.add_argument("--solo-threads", type=int, help="threads of the one-process run")
     loc.add_argument("--profile", help="default: cpu (cpu_Nt for N threads)")
-    loc.add_argument("--solo-profile", help="the one-process run's (default by its threads)")
+    loc.add_argument("--solo-profile", help="one-process run's (default cpu_solo)")
     loc.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
     loc.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
     loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
@@ -215,7 +217,8 @@ def _say(text: str) -> None:
 def run_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
     if args.threads < 1 or args.ranks_per_node < 1 or args.rounds < 1:
         raise UsageError("--threads, --ranks-per-node and --rounds must be at least 1")
-    out = args.out or str(calib.profile_path(calib.default_profile(args.threads)))
+    default = calib.default_profile(args.threads, args.ranks_per_node)
+    out = args.out or str(calib.profile_path(default))
     name = Path(out).stem
     if not name.startswith("cpu"):
         raise UsageError(f"--out {out}: a measured profile's file name starts with 'cpu'")

@@ -3,8 +3,10 @@ against the step times `train.py` measures on them (docs/architecture.md, "Layer
 
 A CPU "node" is the machine: `ranks_per_node` training processes of `threads` torch threads
 each share its cores and talk gloo over loopback (torchrun sets OMP_NUM_THREADS=1 for its
-workers; a plain `python train.py` uses every core). `calibrate` measures, in this process with
-`threads` torch threads:
+workers; a plain `python train.py` uses every core). `calibrate` measures, with `threads` torch
+threads in each of `ranks_per_node` processes running the probes at the same time (the ranks
+of a step share the cores' caches and memory bandwidth; a one-rank profile, `cpu_solo.yaml`,
+prices the one-process run):
 
   GEMMs       float32 torch.mm over a sweep of shapes (every (m, n, k) from {64, 256, 1024}, and
               squares 128, 512, 2048), operands cold in cache (a training step's other kernels
@@ -350,6 +352,54 @@ class Measured:
     notes: dict = field(default_factory=dict)
 
 
+def compute_probes(threads: int, rounds: int) -> tuple:
+    """GEMMs, copy bandwidth, memory-bound kernels, GeLU, attention and the fixed time per
+    block, in this process with `threads` torch threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gemm = probe_gemm(rounds)
+        bandwidth = probe_bandwidth(rounds)
+        kernels = probe_kernels(rounds)
+        gelu = probe_gelu(rounds)
+        attention = probe_attention(rounds)
+        fixed = probe_fixed(rounds)
+    finally:
+        torch.set_num_threads(before)
+    return gemm, bandwidth, kernels, gelu, attention, fixed
+
+
+def _compute_worker(rank: int, threads: int, rounds: int, start, results) -> None:
+    start.wait()  # every rank's probes run at once, as the ranks of a training step do
+    results.put((rank, compute_probes(threads, rounds)))
+
+
+def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
+    """`compute_probes` in `ranks` processes at the same time; rank 0's figures. The ranks of
+    one machine share its cores' caches, memory bandwidth and turbo budget: measured alone,
+    one process runs ~1.4x faster here than each of two running together (local truth, dp2's
+    rank CPU time per step against half the one-process step), so a profile for
+    `ranks_per_node` ranks is measured with that many running."""
+    if ranks == 1:
+        return compute_probes(threads, rounds)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(ranks), ctx.Queue()
+    args = [(r, threads, rounds, start, results) for r in range(ranks)]
+    procs = [ctx.Process(target=_compute_worker, args=a) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=900) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got[0]
+
+
 def measure(
     threads: int = 1,
     ranks_per_node: int = 2,
@@ -357,25 +407,17 @@ def measure(
     say: Callable[[str], None] = lambda _: None,
     settle: Callable[[], float | None] = lambda: None,
 ) -> Measured:
-    """Run every probe with `threads` torch threads (module docstring); `settle` runs before
-    each (tools/plan.py waits there for the machine's other work to calm down)."""
-    before, loads = torch.get_num_threads(), []
-    torch.set_num_threads(threads)
-    try:
-        loads.append(settle())
-        say(f"GEMM sweep ({len(GEMM_SHAPES)} shapes x {rounds} rounds)")
-        gemm = probe_gemm(rounds)
-        loads.append(settle())
-        say("copy bandwidth, memory-bound kernels, GeLU, attention")
-        bandwidth = probe_bandwidth(rounds)
-        kernels = probe_kernels(rounds)
-        gelu = probe_gelu(rounds)
-        attention = probe_attention(rounds)
-        loads.append(settle())
-        say("fixed time per block (the GPT at d_model 16)")
-        fixed = probe_fixed(rounds)
-    finally:
-        torch.set_num_threads(before)
+    """Run every probe with `threads` torch threads in each of `ranks_per_node` processes at
+    once (module docstring); `settle` runs before each group (tools/plan.py waits there for the
+    machine's other work to calm down)."""
+    loads = [settle()]
+    say(
+        f"GEMM sweep ({len(GEMM_SHAPES)} shapes x {rounds} rounds), copy bandwidth, memory-bound"
+        f" kernels, GeLU, attention, fixed time per block: {ranks_per_node} rank(s) at once"
+    )
+    gemm, bandwidth, kernels, gelu, attention, fixed = concurrent_compute_probes(
+        threads, rounds, ranks_per_node
+    )
     loads.append(settle())
     say("gloo all-reduce and p2p between two processes")
     gloo = probe_gloo(threads, max(rounds // 2, 1))
@@ -549,9 +591,11 @@ def write_profile(path: str | Path, values: dict, m: Measured, command: str) -> 
     return cluster
 
 
-def default_profile(threads: int = 1) -> str:
-    """The profile a run of `threads` threads per rank uses: clusters/cpu.yaml (1), cpu_Nt."""
-    return "cpu" if threads == 1 else f"cpu_{threads}t"
+def default_profile(threads: int = 1, ranks: int = 2) -> str:
+    """The profile a run of `threads` threads per rank uses: clusters/cpu.yaml (1), cpu_Nt;
+    measured with one rank on the machine (a one-process run): `_solo` after it."""
+    name = "cpu" if threads == 1 else f"cpu_{threads}t"
+    return name + ("_solo" if ranks == 1 else "")
 
 
 def profile_path(name: str) -> Path:
@@ -849,7 +893,7 @@ def local_points(
     is kept). The table shows the other work's load during the runs kept."""
     solo_threads = solo_threads or threads
     clusters = {
-        1: load_cluster(solo_profile or default_profile(solo_threads)),
+        1: load_cluster(solo_profile or default_profile(solo_threads, ranks=1)),
         2: load_cluster(profile or default_profile(threads)),
     }
     runs: dict[str, list[Run]] = {name: [] for name in meshes}
