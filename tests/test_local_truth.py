@@ -16,6 +16,7 @@ on this shared machine are not a pass/fail criterion.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -85,6 +86,8 @@ def fake_measured() -> calibrate.Measured:
     gloo = {("all_reduce", s): (ring_time("all_reduce", s, 2, link),) * 3
             for s in calibrate.GLOO_SIZES}  # fmt: skip
     gloo.update({("p2p", s): (p2p_time(s, link) / 2 + 50e-6,) * 3 for s in calibrate.GLOO_SIZES})
+    skew = {s: x for s, x in zip(calibrate.BLOCKING_SIZES, (300e-6, 400e-6, 900e-6))}
+    gloo.update({("blocking", s): (gloo["all_reduce", s][0] + skew[s],) * 3 for s in skew})
     return calibrate.Measured(
         threads=1,
         ranks_per_node=2,
@@ -120,6 +123,7 @@ def test_profile_written_loads_back(tmp_path):
     assert values["layer_forward_us"] == pytest.approx(500, abs=0.1)
     assert values["ends_backward_us"] == pytest.approx(700 - 450, abs=0.1)
     assert values["gelu_forward_ns"] == pytest.approx(3.5)
+    assert values["collective_sync_us"] == pytest.approx(400)  # the median of the excesses
     assert "# float32 torch.mm" in path.read_text()  # how each value was measured
 
 
@@ -229,3 +233,26 @@ def test_project_cli_takes_the_cpu_profile(capsys):
     assert plan_cli.main(["project", "--config", TINY, "--gpu", "cpu", "--json"]) == 0
     out = yaml.safe_load(capsys.readouterr().out)  # JSON is YAML
     assert out["step_time_s"] > 0 and out["detail"]["cluster"] == "cpu"
+
+
+def test_collective_sync_is_zero_without_the_probe_or_below_the_aligned_one():
+    link = Link("x", 1.5e9, 200e-6)
+    aligned = {("all_reduce", s): (ring_time("all_reduce", s, 2, link),) * 3
+               for s in calibrate.BLOCKING_SIZES}  # fmt: skip
+    assert calibrate.collective_sync(aligned) == 0.0
+    faster = {("blocking", s): (t[0] / 2,) * 3 for (_, s), t in aligned.items()}
+    assert calibrate.collective_sync({**aligned, **faster}) == 0.0
+
+
+def test_collective_sync_is_added_to_every_tp_collective(tmp_path):
+    m = fake_measured()
+    values = calibrate.profile_values(m, "cpu_test")
+    cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
+    cfg = load_config(TINY, ["model.n_layers=2", "parallel.tp=2"])
+    with_sync = CostModel(cfg, cluster, MEGAPIPE, CALIBRATION)
+    without = CostModel(cfg, replace(cluster, collective_sync_us=0.0), MEGAPIPE, CALIBRATION)
+    sync = values["collective_sync_us"] * 1e-6
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert with_sync._tp(kind, 1 << 18) == pytest.approx(without._tp(kind, 1 << 18) + sync)
+    solo = CostModel(load_config(TINY, ["model.n_layers=2"]), cluster, MEGAPIPE, CALIBRATION)
+    assert solo._tp("all_reduce", 1 << 18) == 0.0  # tp = 1: no collective, no sync

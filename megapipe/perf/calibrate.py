@@ -84,6 +84,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GEMM_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
 GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]
 GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
+BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
 COPY_BYTES = 256 << 20
 COLD_BYTES = 96 << 20  # operands of the GEMM probe: several times a server's last-level cache
 KERNEL_ELEMENTS = 1 << 18  # 1 MiB of float32: one activation of a small model's microbatch
@@ -264,9 +265,37 @@ def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> No
                 exchange(first, x)
                 exchange(second, x)
                 seen["p2p", size].append((time.perf_counter() - began) / 2)  # one way
+    seen.update(_blocking_probe(rounds))
     if rank == 0:
         results.put({k: (statistics.median(v), min(v), max(v)) for k, v in seen.items()})
     dist.destroy_process_group()
+
+
+def _blocking_probe(rounds: int, reps: int = 20) -> dict:
+    """{("blocking", bytes): [s per all-reduce]}: a tp layer's pattern, a GEMM then a blocking
+    all-reduce, timed against the GEMMs alone (both ranks computing in both loops, so their
+    sharing of the cores cancels). The difference is what a collective costs in training:
+    the isolated all-reduce (the barrier-aligned probe above) plus the ranks' arrival skew and
+    the wake-up of the waiting one, which the aligned probe cannot see."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(384, 384), torch.randn(384, 384)  # ~1.5 ms: a small layer's GEMM here
+    seen: dict = {("blocking", s): [] for s in BLOCKING_SIZES}
+    for _ in range(rounds):
+        for size in BLOCKING_SIZES:
+            x = torch.ones(size // 4)
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            alone = time.perf_counter() - began
+            dist.barrier()
+            began = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+                dist.all_reduce(x)
+            seen["blocking", size].append((time.perf_counter() - began - alone) / reps)
+    return seen
 
 
 def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
@@ -453,6 +482,7 @@ def profile_values(m: Measured, name: str) -> dict:
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     dev = Device(peak, bandwidth, Calibration(e_max, knee, mu))
     attention = sum(attention_model(dev, s) for s in m.attention) / sum(m.attention.values())
+    sync = collective_sync(m.gloo)
     return {
         "name": name,
         "gpu": f"{cpu_name()}, {os.cpu_count()} cores, {m.threads} torch thread(s) per rank",
@@ -480,7 +510,20 @@ def profile_values(m: Measured, name: str) -> dict:
         "gelu_forward_ns": round(m.gelu[0] * 1e9, 3),
         "gelu_backward_ns": round(m.gelu[1] * 1e9, 3),
         "attention_efficiency": round(attention, 4),
+        "collective_sync_us": round(sync * 1e6, 1),
     }
+
+
+def collective_sync(gloo: dict) -> float:
+    """Seconds a blocking all-reduce costs in training beyond the aligned probe's (the median
+    over BLOCKING_SIZES of the blocking probe less the aligned all-reduce of that size); 0
+    without the blocking probe."""
+    extra = [
+        gloo["blocking", s][0] - gloo["all_reduce", s][0]
+        for s in BLOCKING_SIZES
+        if ("blocking", s) in gloo and ("all_reduce", s) in gloo
+    ]
+    return max(statistics.median(extra), 0.0) if extra else 0.0
 
 
 def attention_model(dev: Device, shape: tuple[int, int, int, int]) -> float:
@@ -568,6 +611,14 @@ def render(values: dict, m: Measured, command: str) -> str:
         + ", ".join(f"{sh} {t * 1e3:.2f} ms" for sh, t in m.attention.items())
         + ": the model's time for them (costs.py, fused) over the measured",
         f"attention_efficiency: {values['attention_efficiency']}",
+        "# a GEMM then a blocking all-reduce, against the GEMMs alone: "
+        + ", ".join(
+            f"{s} B {_spread(m.gloo['blocking', s], 1e6, 'us')}"
+            for s in BLOCKING_SIZES
+            if ("blocking", s) in m.gloo
+        )
+        + "; less the aligned all-reduce, the median",
+        f"collective_sync_us: {values['collective_sync_us']}",
     ]
     return "\n".join(lines) + "\n"
 

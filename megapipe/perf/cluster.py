@@ -20,7 +20,10 @@ embedding and head together: the Python and op-dispatch time a block costs whate
 negligible on a GPU whose kernels run asynchronously, not on a CPU), GPT-2's tanh GeLU per
 element (`gelu_forward_ns`, `gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes)
 and the fused attention kernel's fraction of the GEMM rate the model gives its FLOPs
-(`attention_efficiency`; 0: 1). The GPU profiles leave them out, so their projections are
+(`attention_efficiency`; 0: 1), and what a blocking collective costs in training beyond the
+aligned probe (`collective_sync_us`: the ranks' arrival skew and the waiting one's wake-up,
+added to each tp collective; 0 on a GPU, where NCCL's kernels queue on the stream and the
+host does not wait). The GPU profiles leave them out, so their projections are
 unchanged.
 """
 
@@ -78,6 +81,7 @@ class Cluster:
     gelu_forward_ns: float = 0.0
     gelu_backward_ns: float = 0.0
     attention_efficiency: float = 0.0
+    collective_sync_us: float = 0.0
 
     @property
     def measured_constants(self) -> tuple[float, float, float] | None:

@@ -222,7 +222,12 @@ class CostModel:
     # -- collectives -------------------------------------------------------------------------
 
     def _tp(self, kind: str, nbytes: float) -> float:
-        return ring_time(kind, nbytes, self.cfg.parallel.tp, self.tp_link)
+        """A blocking tp collective: the ring on its link, plus (measured profiles) what the
+        host pays to meet the other ranks (cluster.collective_sync_us)."""
+        tp = self.cfg.parallel.tp
+        if tp == 1:
+            return 0.0
+        return ring_time(kind, nbytes, tp, self.tp_link) + self.cluster.collective_sync_us * 1e-6
 
     def _tp_layer(self, x: Shapes) -> float:
         """One direction's tp collectives of a layer (F or B: the same volume)."""
