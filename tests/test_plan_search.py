@@ -184,3 +184,28 @@ def test_written_config_loads_as_the_pick(capsys, tmp_path, cached_segments):
     assert all(r.candidate.pp == 2 for r in result.ranked)  # the held key
     assert math.isclose(project(cfg, small_cluster()).step_time_s, result.best.step_time_s,
                         rel_tol=REL)  # fmt: skip
+
+
+def test_memory_margin_is_kept_free(capsys, tmp_path, cached_segments):
+    # 0.7 GiB of a 1.5 GiB GPU held back: the pick is the search's in 0.8 GiB, where the
+    # unheld pick (0.89 GiB) no longer fits
+    out, usable = tmp_path / "best.yaml", HBM_GIB - 0.7
+    argv = ["search", "--gpus", str(GPUS), "--gpus-per-node", str(PER_NODE),
+            "--gpu", profile_with(tmp_path, HBM_GIB), "--out", str(out),
+            "--memory-margin", "0.7", *(f"--{o}" for o in SMALL)]  # fmt: skip
+    assert plan_cli.main(argv) == 0
+    capsys.readouterr()
+    base, fixed = plan_search.base_config(None, list(SMALL))
+    unheld = plan_search.search(base, GPUS, small_cluster(), fixed=fixed).best
+    assert unheld.projection.peak_memory_gib > usable  # so the margin changes the pick
+    held = dataclasses.replace(small_cluster(), hbm_gib=usable)
+    best = plan_search.search(base, GPUS, held, fixed=fixed).best
+    assert best.projection.peak_memory_gib <= usable
+    p, c = load_config(str(out)).parallel, best.candidate
+    assert (p.tp, p.pp, p.dp, p.schedule, p.microbatches) == (
+        c.tp, c.pp, c.dp, c.schedule, c.microbatches
+    )  # fmt: skip
+    for bad in ("-1", str(HBM_GIB)):
+        argv[argv.index("--memory-margin") + 1] = bad
+        assert plan_cli.main(argv) == 2
+        assert "--memory-margin" in _error(capsys)

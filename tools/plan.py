@@ -26,6 +26,7 @@ that fits nowhere) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -120,6 +121,10 @@ def add_search_parser(sub) -> None:
     s.add_argument("--runtime", default="megapipe", help=f"one of {', '.join(RUNTIMES)}")
     s.add_argument("--top", type=int, default=plan_search.TOP, help="rows to print")
     s.add_argument("--out", help="where to write the best config (default runs/plan/...)")
+    s.add_argument(
+        "--memory-margin", type=float, default=0.0,
+        help="GiB per GPU kept free (CUDA context, NCCL buffers, fragmentation); default 0",
+    )  # fmt: skip
 
 
 def default_out(config: str | None, gpus: int, gpu: str) -> str:
@@ -153,13 +158,20 @@ def run_search(args: argparse.Namespace, overrides: list[str], argv: list[str]) 
         raise UsageError(f"unknown --runtime {args.runtime!r}: choose one of {', '.join(RUNTIMES)}")
     if args.top < 1:
         raise UsageError(f"--top must be at least 1, got {args.top}")
+    if not 0 <= args.memory_margin < cluster.hbm_gib:
+        raise UsageError(
+            f"--memory-margin {args.memory_margin:g}: must be at least 0 and below the "
+            f"{cluster.hbm_gib:g} GiB of a {args.gpu} GPU"
+        )
+    # the search fits every candidate into what the margin leaves of the device's memory
+    cluster = dataclasses.replace(cluster, hbm_gib=cluster.hbm_gib - args.memory_margin)
     base, fixed = plan_search.base_config(args.config, overrides)
     result = plan_search.search(base, args.gpus, cluster, RUNTIMES[args.runtime],
                                 fixed=fixed, top=args.top)  # fmt: skip
     command = "python tools/plan.py " + " ".join(argv)
     print(
         f"`{command}`: {args.gpus} x {cluster.gpu} ({cluster.gpus_per_node} per node, "
-        f"{cluster.hbm_gib:g} GiB), runtime {args.runtime}, best first\n"
+        f"{cluster.hbm_gib:g} GiB usable), runtime {args.runtime}, best first\n"
     )
     print(plan_search.markdown(result))
     print(f"\n{plan_search.summary(result)}")
