@@ -29,16 +29,29 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
+    return read_yaml_mapping(
+        path, ConfigError, "config file", "pass an existing --config FILE",
+        "top level must be a mapping of sections",
+    )  # fmt: skip
+
+
+def read_yaml_mapping(
+    path: str, error: type[Exception], what: str, hint: str, shape: str
+) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping; a missing file, bad syntax or another shape is
+    one line of `error` (`what` the file is, `hint` how to name an existing one, `shape` what
+    its top must be).
+    Config files and the scaling study's files share it."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file '{path}' not found; pass an existing --config FILE")
+        raise error(f"{what} '{path}' not found; {hint}")
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-        raise ConfigError(f"{path}: invalid YAML near line {line}; fix the syntax") from None
+        raise error(f"{path}: invalid YAML near line {line}; fix the syntax") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
+        raise error(f"{path}: {shape}")
     return raw
 
 

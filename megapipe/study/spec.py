@@ -27,9 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from megapipe.config import Config, ConfigError, load_config
+from megapipe.config.load import read_yaml_mapping
 from megapipe.perf import ClusterError, load_cluster
 from megapipe.perf.search import SEARCHED, PlanError, search
 
@@ -133,16 +132,10 @@ def _positive(path: str, where: str, raw: Any, low: int = 1) -> int:
 
 
 def _read(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise StudyError(f"study file '{path}' not found; pass an existing STUDY.yaml")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", -1) + 1
-        raise StudyError(f"{path}: invalid YAML near line {line}; fix the syntax") from None
-    if not isinstance(raw, dict):
-        raise StudyError(f"{path}: the top level must be a mapping (name, base, points, ...)")
+    raw = read_yaml_mapping(
+        path, StudyError, "study file", "pass an existing STUDY.yaml",
+        "the top level must be a mapping (name, base, points, ...)",
+    )  # fmt: skip
     unknown = sorted(set(raw) - TOP_KEYS)
     if unknown:
         raise _fail(path, unknown[0], f"unknown key; use one of {', '.join(sorted(TOP_KEYS))}")
