@@ -142,13 +142,15 @@ class TransformerLayer(nn.Module):
 
 class Head(nn.Module):
     """Block L+1: final norm, LM head (the embedding matrix when tied) and the loss. The head's
-    weight grad is done in backward (B), not deferred to a Zero Bubble W."""
+    weight grad is done in backward (B), not deferred to a Zero Bubble W, or in forward where
+    the builder sets `grad_in_forward` (one microbatch at a time at the head)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.norm = make_norm(cfg, tp)
         self.out = None
         self.tp, self.vocab_size = tp, cfg.vocab_size
+        self.grad_in_forward = False  # set where one microbatch at a time passes the head
         if not cfg.tie_embeddings:
             self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, tp, pad=True)
 
@@ -169,7 +171,9 @@ class Head(nn.Module):
         weight = self.out.weight if self.out is not None else tied_weight  # (V/tp, d)
         x = enter_column(self.norm(h), self.tp)  # (B, T, d): f, or SP's all-gather
         vocab_start = self.tp.rank * weight.shape[0]
-        return linear_cross_entropy(x, weight, targets, vocab_start, self.vocab_size, self.tp)
+        return linear_cross_entropy(
+            x, weight, targets, vocab_start, self.vocab_size, self.tp, None, self.grad_in_forward
+        )
 
 
 TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied

@@ -4,10 +4,13 @@
   equal F.linear + F.cross_entropy's (float32: relative 1e-6; bf16 autocast: 1e-2), with any
   chunk size, padded vocab columns, through the model's head (tied and untied), and over a
   vocabulary split in two (tp=2, gloo workers, with and without SP, padded).
+- Grads made in forward (`grad_in_forward`): bitwise those of the two-pass head, float32 and
+  bf16, over tp=2 too; spent by one backward (a second is refused); nothing weight-sized made
+  under no_grad.
 - Memory: what it saves for backward (saved_tensors_hooks) is the head input, the per-token
   row max and sum of exp and the targets, the same whatever V, where F.cross_entropy keeps the
-  float32 (tokens, V) log-probabilities; and no tensor it makes holds more than one chunk of
-  logits.
+  float32 (tokens, V) log-probabilities (with grads made in forward: the input grad and the
+  weight grad); and no tensor it makes holds more than one chunk of logits.
 - AdamW: fused where the device has the kernel (the CPU does), the same training as the
   foreach implementation within float32 round-off, also inside the distributed optimizer's
   shards (parallel.zero=1, dp=2).
@@ -49,25 +52,28 @@ def _reference(h, w, targets, vocab_size=None):
     return loss.detach(), h.grad, w.grad
 
 
-def _fused(h, w, targets, rows=None, vocab_size=None):
+def _fused(h, w, targets, rows=None, vocab_size=None, early=False):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = linear_cross_entropy(h, w, targets, 0, vocab_size or w.shape[0], NO_TP, rows)
+    loss = linear_cross_entropy(h, w, targets, 0, vocab_size or w.shape[0], NO_TP, rows, early)
     (loss * 0.5).backward()
     return loss.detach(), h.grad, w.grad
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 60, None])
-def test_loss_and_grads_equal_the_unfused_head(rows):
+def test_loss_and_grads_equal_the_unfused_head(rows, early):
     h, w, targets = _problem()
-    for got, ref, name in zip(_fused(h, w, targets, rows), _reference(h, w, targets), "LHW"):
-        assert_rel_close(got, ref, rel=1e-6, name=name)
+    got = _fused(h, w, targets, rows, early=early)
+    for a, ref, name in zip(got, _reference(h, w, targets), "LHW"):
+        assert_rel_close(a, ref, rel=1e-6, name=name)
 
 
-def test_padding_columns_are_never_predicted():
+@pytest.mark.parametrize("early", [False, True])
+def test_padding_columns_are_never_predicted(early):
     """Weight rows past vocab_size (a vocab tp does not divide) get no probability, no grad."""
     h, w, targets = _problem(vocab=13)
     targets = targets % 11
-    loss, gh, gw = _fused(h, w, targets, rows=8, vocab_size=11)
+    loss, gh, gw = _fused(h, w, targets, rows=8, vocab_size=11, early=early)
     ref = _reference(h, w, targets, vocab_size=11)
     assert_rel_close(loss, ref[0], rel=1e-6)
     assert_rel_close(gh, ref[1], rel=1e-6)
@@ -75,14 +81,50 @@ def test_padding_columns_are_never_predicted():
     assert gw[11:].abs().sum() == 0
 
 
-def test_bf16_autocast_within_its_rounding():
+@pytest.mark.parametrize("early", [False, True])
+def test_bf16_autocast_within_its_rounding(early):
     h, w, targets = _problem(d=32, vocab=64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _fused(h, w, targets, rows=16)
+        got = _fused(h, w, targets, rows=16, early=early)
         ref = _reference(h, w, targets)
     assert got[1].dtype == got[2].dtype == torch.float32
     for a, b, name in zip(got, ref, "LHW"):
         assert_rel_close(a, b, rel=1e-2, name=name)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grads_made_in_forward_are_the_grads_made_in_backward(autocast):
+    """grad_in_forward moves the same chunk arithmetic from backward into forward: the loss
+    and both grads are bitwise those of the two-pass head, float32 and bf16."""
+    h, w, targets = _problem(d=32, vocab=70)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        late = _fused(h, w, targets, rows=16)
+        early = _fused(h, w, targets, rows=16, early=True)
+    for a, b, name in zip(early, late, "LHW"):
+        assert torch.equal(a, b), name
+
+
+def test_grads_made_in_forward_are_spent_by_one_backward():
+    """Backward scales the grads made in forward in place: a second backward through the same
+    graph is refused, not silently wrong."""
+    h, w, targets = _problem()
+    h.requires_grad_()
+    loss = linear_cross_entropy(h, w, targets, 0, w.shape[0], NO_TP, 8, True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it once"):
+        loss.backward()
+
+
+def test_no_grads_made_in_forward_where_none_are_recorded():
+    """Under no_grad (evaluation) grad_in_forward makes nothing weight-sized: the largest
+    tensor is one chunk of logits, below V·d."""
+    n_tok, d, vocab, rows = (2, 8), 64, 512, 4
+    h, w, targets = _problem(n_tok, d, vocab)
+    w.requires_grad_()
+    with torch.no_grad(), _LargestTensor(new_only=True) as made:
+        loss = linear_cross_entropy(h, w, targets, 0, vocab, NO_TP, rows, True)
+    assert made.most == rows * vocab < vocab * d
+    assert_rel_close(loss, _reference(h, w, targets)[0], rel=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -126,16 +168,21 @@ def _saved_bytes(fn) -> tuple[dict, torch.Tensor]:
 
 
 class _LargestTensor(TorchDispatchMode):
-    """The most elements any op's output had."""
+    """The most elements any op's output had (`new_only`: outputs that are not views of, or
+    written into, an input's storage)."""
 
-    def __init__(self):
+    def __init__(self, new_only: bool = False):
         super().__init__()
-        self.most = 0
+        self.most, self.new_only = 0, new_only
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        given = [*args, *(kwargs or {}).values()]
+        inputs = {a.untyped_storage().data_ptr() for a in given if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
+                if self.new_only and t.untyped_storage().data_ptr() in inputs:
+                    continue
                 self.most = max(self.most, t.numel())
         return out
 
@@ -166,6 +213,20 @@ def test_saved_memory_is_tokens_times_d_not_tokens_times_vocab(vocab):
     assert sum(b for ptr, b in saved.items() if ptr not in leaf) >= n * vocab * 4
 
 
+def test_grads_made_in_forward_are_all_it_saves():
+    """grad_in_forward saves the input grad (N·d·4) and the float32 weight grad (V·d·4), not
+    the head input, maxima, sums or targets: what the two-pass head's backward would make."""
+    n_tok, d, vocab = (4, 64), 16, 512
+    n = n_tok[0] * n_tok[1]
+    h, w, targets = _problem(n_tok, d, vocab)
+    h.requires_grad_()
+    w.requires_grad_()
+    saved, _ = _saved_bytes(lambda: linear_cross_entropy(h, w, targets, 0, vocab, NO_TP, 32, True))
+    leaf = {h.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
+    assert not leaf & set(saved)
+    assert sorted(saved.values()) == [n * d * 4, vocab * d * 4]
+
+
 def test_no_tensor_holds_more_than_a_chunk_of_logits():
     """Forward and backward of N = 256 tokens, V = 512, in chunks of 8: the largest tensor made
     is the weight grad (V·d), not the (N, V) logits; unfused, the logits are made whole."""
@@ -184,7 +245,7 @@ def test_no_tensor_holds_more_than_a_chunk_of_logits():
 # ---- tp = 2 (spawned) ------------------------------------------------------------------------
 
 
-def vocab_parallel_case(vocab: int, sp: bool) -> dict:
+def vocab_parallel_case(vocab: int, sp: bool, early: bool = False) -> dict:
     """The head + loss over a vocabulary split in two (padded when odd), its input entering by
     f (or SP's all-gather), against the one-process reference: relative errors by name."""
     import torch.distributed as dist
@@ -201,7 +262,7 @@ def vocab_parallel_case(vocab: int, sp: bool) -> dict:
     local_w = spec.shard(w, tp).clone().requires_grad_()
     x = (h.chunk(size, dim=1)[rank] if sp else h).clone().requires_grad_()
     start = rank * local_w.shape[0]
-    loss = linear_cross_entropy(enter_column(x, tp), local_w, targets, start, vocab, tp, 5)
+    loss = linear_cross_entropy(enter_column(x, tp), local_w, targets, start, vocab, tp, 5, early)
     (loss * 0.5).backward()
     piece = spec.pieces(size, rank)[0]
     ref_x = ref_h.chunk(size, dim=1)[rank] if sp else ref_h
@@ -213,9 +274,11 @@ def vocab_parallel_case(vocab: int, sp: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("vocab,sp", [(16, False), (13, True)])
-def test_vocab_parallel_head_matches_one_process(gloo_pool, vocab, sp):
-    for rank, errors in enumerate(gloo_pool(2).run(vocab_parallel_case, vocab, sp)):
+@pytest.mark.parametrize(
+    "vocab,sp,early", [(16, False, False), (13, True, False), (13, True, True)]
+)
+def test_vocab_parallel_head_matches_one_process(gloo_pool, vocab, sp, early):
+    for rank, errors in enumerate(gloo_pool(2).run(vocab_parallel_case, vocab, sp, early)):
         for key, err in errors.items():
             assert err <= (0.0 if key == "pad.grad" else 1e-6), (rank, key, err)
 
@@ -269,3 +332,21 @@ def test_fused_adamw_on_zero1_shards_trains_like_foreach(gloo_pool, monkeypatch)
         for a, b in zip(got["losses"], ref["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b)
         assert_state_close(got["weights"], ref["weights"], reach=ref["adam_reach"])
+
+
+def test_one_process_training_makes_the_head_grads_in_forward(monkeypatch):
+    """With no pipeline the model's head makes its grads in forward (the builder's choice,
+    config/memory.head_grad_in_forward), and trains bitwise as the two-pass head does; a
+    pipeline or Seq1F1B segments keep the two-pass head."""
+    from megapipe.config.memory import head_grad_in_forward
+    from megapipe.pipeline import stages
+
+    cfg = load_config(TINY, ["run.dir=unused"])
+    assert stages.build_model(cfg).head.grad_in_forward
+    for extra in (["parallel.pp=2"], ["parallel.pp=2", "parallel.schedule=seq1f1b"]):
+        assert not head_grad_in_forward(load_config(TINY, ["run.dir=unused", *extra]))
+    early = train_case([], steps=3)
+    monkeypatch.setattr(stages, "head_grad_in_forward", lambda cfg: False)
+    late = train_case([], steps=3)
+    assert early["losses"] == late["losses"]
+    assert_state_close(early["weights"], late["weights"], rel=0.0)

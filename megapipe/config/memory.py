@@ -289,12 +289,29 @@ def embedding_terms(
     return terms
 
 
+def head_grad_in_forward(cfg: Config) -> bool:
+    """Whether the fused head + loss makes its grads in forward (parallel/tensor/cross_entropy
+    .linear_cross_entropy): where exactly one microbatch is ever in flight at the head, i.e. no
+    pipeline (each microbatch's F then its B) and no Seq1F1B segments (all of a microbatch's
+    segments go forward before the first backward). There it costs no more memory than the
+    weight grad backward would make anyway, and saves the head's third matmul; under a
+    pipeline the last stage may hold several microbatches (GPipe: all m), each with a V/tp·d
+    float32 grad."""
+    return cfg.parallel.pp == 1 and len(segment_bounds(cfg)) == 1
+
+
 def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) -> dict[str, float]:
     """Bytes the final norm, LM head and loss save for one microbatch (or segment): the norm's,
     the head's input, the float32 row max and sum of exp per token and the targets (the fused,
-    chunked head + loss keeps no logits: O(tokens·d), not O(tokens·V))."""
+    chunked head + loss keeps no logits: O(tokens·d), not O(tokens·V)); with the grads made in
+    forward (head_grad_in_forward) the input grad N·d·c and the float32 weight grad V/tp·d·4
+    instead of the head input, maxima, sums and targets."""
     m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
     terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns).items()}
+    if head_grad_in_forward(cfg):
+        terms["head input grad"] = x.n * m.d_model * c
+        terms["head weight grad"] = x.vocab * m.d_model * FLOAT32
+        return terms
     terms["head input"] = x.n * m.d_model * c
     terms["row max, sum of exp"] = 2 * x.n * FLOAT32
     terms["targets"] = x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)

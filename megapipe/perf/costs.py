@@ -33,7 +33,9 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
   embed     the lookup (and learned positions), dropout; backward the scatter-add
   head      final norm, the LM head GEMM, the vocab-parallel cross entropy. Ours
             (CostModel._fused_head): by chunks of tokens, no whole logits kept, backward makes
-            each chunk's logits again; its weight grad comes in B. Megatron 2021's: the whole
+            each chunk's logits again; its weight grad comes in B. With no pipeline and no
+            segments (config/memory.head_grad_in_forward) F makes both grads and B only
+            scales them. Megatron 2021's: the whole
             logits, a float32 log-softmax (16 B per logit forward, 12 backward); tied, its
             weight grad in B
 
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.memory import attention_path
+from megapipe.config.memory import attention_path, head_grad_in_forward
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
@@ -445,7 +447,10 @@ class CostModel:
              with the grad and the sum written, c + 4 + c + 4 B per element, the first chunk a
              copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B)
         The weight is cast to the compute dtype in F and again in B; the weight grad is in B,
-        tied or not (config/memory.head_deferred), then added into .grad as every weight's."""
+        tied or not (config/memory.head_deferred), then added into .grad as every weight's.
+        Grads made in forward (config/memory.head_grad_in_forward): F does all but B's logits
+        GEMM and the norm's backward (under tp each chunk's sum of exp is all-reduced at once
+        instead of one all-reduce of N); B scales the input and weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
         rows = min(CHUNK_ROWS, n)
@@ -476,6 +481,15 @@ class CostModel:
             + dev.mem(table * (self.rt.weight_cast_bytes + self.rt.grad_accum_bytes)),
             tp=b_tp,
         )
+        if head_grad_in_forward(self.cfg):  # B's work moves into F, less a logits GEMM
+            sums = k * self._tp("all_reduce", rows * 4) - self._tp("all_reduce", n * 4)
+            early_f = f.compute + b.compute - dev.gemm(rows, v, d, k, c) - dev.mem(2 * norm)
+            scale = 2 * (n * d * c + table * 4)  # B: the two grads scaled in place
+            return BlockCosts(
+                Work(compute=early_f, tp=f_tp + (sums if p.tp > 1 else 0.0)),
+                Work(compute=dev.mem(2 * norm + scale), tp=b_tp),
+                ZERO,
+            )
         return BlockCosts(f, b, ZERO)
 
     def block(self, index: int, segment: int | None = None) -> BlockCosts:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from megapipe.config import Config
+from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.precision import autocast
@@ -33,8 +34,11 @@ def build_model(
 ) -> GPT:
     """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
     and running ring attention over its cp axis (mesh None: one process); its layers compiled
-    under train.compile."""
+    under train.compile. With no pipeline the head makes its grads in forward
+    (config/memory.head_grad_in_forward)."""
     model = _build(cfg, mesh, device, blocks)
+    if model.head is not None:
+        model.head.grad_in_forward = head_grad_in_forward(cfg)
     compile_chunks(cfg, mesh, [model])
     return model
 

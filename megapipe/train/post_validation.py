@@ -41,7 +41,7 @@ import torch.distributed as dist
 from megapipe.distributed.mesh import rank_at
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.pipeline.runtime import NO_HOOKS, Hooks
-from megapipe.train.optim import clip_gradients, lr_at, set_lr
+from megapipe.train.optim import clip_gradients, lr_at, set_lr, sum_of_squares
 
 PV_TAG = 1 << 29  # post-validation messages (pipeline messages go untagged, the tied grad 1<<30)
 STATE = 4  # [norm², loss, first stage's non-finite flag, the last stage's send time]
@@ -102,8 +102,7 @@ class PostValidator:
         engine.sync_shared_grads()  # tied table: a p2p exchange between first and last stage
         self.device = engine.device  # NCCL sends device tensors only
         local = torch.zeros(STATE, dtype=torch.float64, device=self.device)
-        grads = [g.detach().float().pow(2).sum() for g in engine.grads_counted_once()]
-        local[0] = torch.stack(grads).sum().double() if grads else 0.0
+        local[0] = sum_of_squares(list(engine.grads_counted_once())).double()
         if dist.get_world_size(self.stage_group) > 1:
             dist.all_reduce(local, group=self.stage_group)  # within this stage only
         local[1] = loss.double()  # already summed over dp × cp; 0 off the last stage
