@@ -81,14 +81,21 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.tp = tp
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.tok(ids)  # (B, T, d), or (B, T/tp, d) with SP
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, with_table: bool = False):
+        """Hidden states (B, T, d); `with_table`: and the token table for a tied head in the
+        same graph (VocabParallelEmbedding.lookup_with_table)."""
+        table = None
+        if with_table:
+            h, table = self.tok.lookup_with_table(ids)
+        else:
+            h = self.tok(ids)  # (B, T, d), or (B, T/tp, d) with SP
         if self.pos is not None:
             if self.tp.sp:  # this rank's sequence chunk (Korthikanti et al. 2022, §4.2.2)
                 positions = positions.chunk(self.tp.size)[self.tp.rank]
             h = h + self.pos(positions)
         with sp_rng(self.tp):
-            return self.drop(h)
+            h = self.drop(h)
+        return (h, table) if with_table else h
 
 
 class TransformerLayer(nn.Module):
@@ -235,10 +242,13 @@ class GPT(nn.Module):
         `segment` (a Seq1F1B SegmentScope, or None) lets attention read earlier segments' K/V."""
         if positions is None:
             positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
-        if self.has_embedding:
+        table = self.tied_table
+        if self.has_embedding and self.head is not None and table is not None:
+            x, table = self.embed(x, positions, with_table=True)  # one grad for the table
+        elif self.has_embedding:
             x = self.embed(x, positions)
         for layer in self.layers.values():
             x = layer(x, positions, segment)
         if self.head is None:
             return x
-        return self.head(x, targets, self.tied_table)
+        return self.head(x, targets, table)

@@ -45,7 +45,7 @@ PRESETS = {
     "1.3b": (24, 2048, 16, 50257, (1, 256), (8, 1024)),  # GPT-3 XL's shape
 }
 MATMUL_OPS = (
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+    "aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
     "aten::_addmm_activation", "aten::mkldnn_linear", "mkldnn::_linear_pointwise",
 )  # fmt: skip
 ATTENTION_MARKS = ("scaled_dot_product", "flash", "efficient_attention", "cudnn_attention", "fmha")

@@ -387,10 +387,12 @@ class CostModel:
         if p.tp > 1:
             kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
             tp = self._tp(kind, out)
-        table = x.vocab * m.d_model
+        table = x.vocab * m.d_model * self.rt.grad_accum_bytes
+        if self.rt.name in FUSED_HEAD_RUNTIMES and p.pp == 1 and m.tie_embeddings:
+            table = 3 * out  # the rows added into the head's table grad (autograd/tied_lookup)
         f = Work(compute=dev.mem(fwd), tp=tp)
         b = Work(
-            compute=dev.mem(2 * fwd + table * self.rt.grad_accum_bytes),
+            compute=dev.mem(2 * fwd + table),
             tp=self._tp("all_gather", out) if p.sequence_parallel else 0.0,
         )
         res = self._cache[key] = BlockCosts(f, b, ZERO)

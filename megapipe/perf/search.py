@@ -557,8 +557,10 @@ class Bounds:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
                      group_link(self.cluster, shape, ("cp",)))  # fmt: skip
+            # pp = 1 apart: there the head makes its grads in forward and the tied lookup
+            # adds into the head's table grad (config/memory.head_grad_in_forward)
             key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-                   cfg.recompute.mode, links)  # fmt: skip
+                   cfg.recompute.mode, links, p.pp == 1)  # fmt: skip
             if key not in self._models:
                 plain = dataclasses.replace(
                     cfg, parallel=dataclasses.replace(p, schedule="1f1b", vpp=1, seq_segments=1)
@@ -667,7 +669,7 @@ class Bounds:
         p = cfg.parallel
         segs = p.seq_segments if self._segmented(cfg) else 1
         mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-                cfg.recompute.mode, segs)  # fmt: skip
+                cfg.recompute.mode, segs, p.pp == 1)  # fmt: skip
         if (mesh, blocks.start, blocks.stop) in self._acts:
             return self._acts[mesh, blocks.start, blocks.stop]
         for b in blocks:
@@ -741,8 +743,8 @@ class Bounds:
         """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
         by block in the same order from each block's cached share."""
         p = cfg.parallel
-        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-                cfg.recompute.mode, p.seq_segments if self._segmented(cfg) else 1)  # fmt: skip
+        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode,
+                p.seq_segments if self._segmented(cfg) else 1, p.pp == 1)  # fmt: skip
         n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
         for b in blocks:
             if kept and b == 0:

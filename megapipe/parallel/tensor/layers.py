@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import linear
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
@@ -121,12 +122,20 @@ class VocabParallelEmbedding(ShardedModule):
         self.vocab_start = tp.rank * self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._lookup(ids, lambda local: (F.embedding(local, self.weight), None))[0]
+
+    def lookup_with_table(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lookup, and this rank's table for a tied head in the same graph, through one
+        autograd node that adds the lookup's grad into the head's (autograd/tied_lookup.py)."""
+        return self._lookup(ids, lambda local: tied_lookup(local, self.weight))
+
+    def _lookup(self, ids, lookup):
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return lookup(ids)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return exit_row(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+        out, table = lookup(local.masked_fill(outside, 0))
+        return exit_row(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp), table
 
 
 class ReplicatedEmbedding(ShardedModule):
