@@ -49,7 +49,9 @@ every term with saved_tensors_hooks):
   head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
           .linear_cross_entropy) keeps the head input N·d·c, the float32 row max and sum of
           exp 2·N·4 and the targets N·8 (tp > 1: the local targets N·8 and their mask N·1); no
-          logits: backward recomputes them chunk by chunk (and recasts the bf16 weight).
+          logits: backward recomputes them chunk by chunk (and recasts the bf16 weight). With
+          no pipeline and no segments (head_grad_in_forward) it makes its grads in forward and
+          keeps those instead: the input grad N·d·c and the float32 weight grad V/tp·d·4.
   Seq1F1B segment i ending at e_i (s = e_i keys): the core also keeps cat(earlier K/V, own),
           2·b·Hkv·e_i·hd·c, and on the CPU the causal mask q·e_i·c; the segment store
           (parallel/autograd/segment_kv.py) holds each segment's k, v, i.e. its qkv output
