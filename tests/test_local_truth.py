@@ -86,8 +86,12 @@ def fake_measured() -> calibrate.Measured:
     gloo = {("all_reduce", s): (ring_time("all_reduce", s, 2, link),) * 3
             for s in calibrate.GLOO_SIZES}  # fmt: skip
     gloo.update({("p2p", s): (p2p_time(s, link) / 2 + 50e-6,) * 3 for s in calibrate.GLOO_SIZES})
-    skew = {s: x for s, x in zip(calibrate.BLOCKING_SIZES, (300e-6, 400e-6, 900e-6))}
-    gloo.update({("blocking", s): (gloo["all_reduce", s][0] + skew[s],) * 3 for s in skew})
+    # the blocking probe's excess: a fixed part per size plus 5% of the GEMM before it
+    fixed = {s: x for s, x in zip(calibrate.BLOCKING_SIZES, (300e-6, 400e-6, 900e-6))}
+    gemm_s = {n: n**3 * 2 / 20e9 for n in calibrate.SKEW_GEMMS}
+    gloo.update({("gemm", n): (t,) * 3 for n, t in gemm_s.items()})
+    gloo.update({("blocking", s, n): (gloo["all_reduce", s][0] + f + 0.05 * gemm_s[n],) * 3
+                 for s, f in fixed.items() for n in calibrate.SKEW_GEMMS})  # fmt: skip
     return calibrate.Measured(
         threads=1,
         ranks_per_node=2,
@@ -123,7 +127,8 @@ def test_profile_written_loads_back(tmp_path):
     assert values["layer_forward_us"] == pytest.approx(500, abs=0.1)
     assert values["ends_backward_us"] == pytest.approx(700 - 450, abs=0.1)
     assert values["gelu_forward_ns"] == pytest.approx(3.5)
-    assert values["collective_sync_us"] == pytest.approx(400)  # the median of the excesses
+    assert values["collective_sync_us"] == pytest.approx(400)  # the median of the intercepts
+    assert values["collective_skew"] == pytest.approx(0.05)  # the slope in the GEMM's time
     assert "# float32 torch.mm" in path.read_text()  # how each value was measured
 
 
@@ -239,9 +244,12 @@ def test_collective_sync_is_zero_without_the_probe_or_below_the_aligned_one():
     link = Link("x", 1.5e9, 200e-6)
     aligned = {("all_reduce", s): (ring_time("all_reduce", s, 2, link),) * 3
                for s in calibrate.BLOCKING_SIZES}  # fmt: skip
-    assert calibrate.collective_sync(aligned) == 0.0
-    faster = {("blocking", s): (t[0] / 2,) * 3 for (_, s), t in aligned.items()}
-    assert calibrate.collective_sync({**aligned, **faster}) == 0.0
+    assert calibrate.collective_sync(aligned) == (0.0, 0.0)
+    gemms = {("gemm", n): (1e-3 * i,) * 3 for i, n in enumerate(calibrate.SKEW_GEMMS, 1)}
+    sizes = list(enumerate(calibrate.SKEW_GEMMS))
+    faster = {("blocking", s, n): (t[0] / 2 - 1e-4 * i,) * 3  # below aligned, falling
+              for (_, s), t in aligned.items() for i, n in sizes}  # fmt: skip
+    assert calibrate.collective_sync({**aligned, **gemms, **faster}) == (0.0, 0.0)
 
 
 def test_collective_sync_is_added_to_every_tp_collective(tmp_path):
@@ -256,3 +264,19 @@ def test_collective_sync_is_added_to_every_tp_collective(tmp_path):
         assert with_sync._tp(kind, 1 << 18) == pytest.approx(without._tp(kind, 1 << 18) + sync)
     solo = CostModel(load_config(TINY, ["model.n_layers=2"]), cluster, MEGAPIPE, CALIBRATION)
     assert solo._tp("all_reduce", 1 << 18) == 0.0  # tp = 1: no collective, no sync
+
+
+def test_collective_skew_waits_a_fraction_of_each_tp_layers_compute(tmp_path):
+    """A tp layer's F and B wait collective_skew × their compute more at their collectives;
+    nothing at tp = 1 or with no skew measured (the GPU profiles)."""
+    m = fake_measured()
+    values = calibrate.profile_values(m, "cpu_test")
+    cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
+    for tp, expect in ((2, values["collective_skew"]), (1, 0.0)):
+        cfg = load_config(TINY, ["model.n_layers=2", f"parallel.tp={tp}"])
+        skewed = CostModel(cfg, cluster, MEGAPIPE, CALIBRATION).layer("none")
+        plain = CostModel(cfg, replace(cluster, collective_skew=0.0), MEGAPIPE, CALIBRATION)
+        plain = plain.layer("none")
+        for got, ref in ((skewed.F, plain.F), (skewed.B, plain.B)):
+            assert got.compute == ref.compute
+            assert got.tp == pytest.approx(ref.tp + expect * ref.compute)

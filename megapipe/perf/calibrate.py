@@ -85,6 +85,7 @@ GEMM_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k
 GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]
 GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
+SKEW_GEMMS = (256, 384, 512, 640, 768)  # n×n GEMMs between the probe's collectives: ~0.5-11 ms
 COPY_BYTES = 256 << 20
 COLD_BYTES = 96 << 20  # operands of the GEMM probe: several times a server's last-level cache
 KERNEL_ELEMENTS = 1 << 18  # 1 MiB of float32: one activation of a small model's microbatch
@@ -272,29 +273,34 @@ def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> No
 
 
 def _blocking_probe(rounds: int, reps: int = 20) -> dict:
-    """{("blocking", bytes): [s per all-reduce]}: a tp layer's pattern, a GEMM then a blocking
-    all-reduce, timed against the GEMMs alone (both ranks computing in both loops, so their
-    sharing of the cores cancels). The difference is what a collective costs in training:
-    the isolated all-reduce (the barrier-aligned probe above) plus the ranks' arrival skew and
-    the wake-up of the waiting one, which the aligned probe cannot see."""
+    """{("blocking", bytes, n): [s per all-reduce], ("gemm", n): [s per GEMM]}: a tp layer's
+    pattern, an n×n GEMM then a blocking all-reduce, timed against the GEMMs alone (both ranks
+    computing in both loops, so their sharing of the cores cancels). The difference is what a
+    collective costs in training: the isolated all-reduce (the barrier-aligned probe above)
+    plus the ranks' arrival skew and the wake-up of the waiting one, which the aligned probe
+    cannot see. Two GEMM sizes (SKEW_GEMMS) tell the part that grows with the compute between
+    two collectives (the skew of ranks sharing cores) from the part that does not."""
     import torch.distributed as dist
 
-    a, b = torch.randn(384, 384), torch.randn(384, 384)  # ~1.5 ms: a small layer's GEMM here
-    seen: dict = {("blocking", s): [] for s in BLOCKING_SIZES}
+    seen: dict = {}
     for _ in range(rounds):
-        for size in BLOCKING_SIZES:
-            x = torch.ones(size // 4)
-            dist.barrier()
-            began = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-            alone = time.perf_counter() - began
-            dist.barrier()
-            began = time.perf_counter()
-            for _ in range(reps):
-                torch.mm(a, b)
-                dist.all_reduce(x)
-            seen["blocking", size].append((time.perf_counter() - began - alone) / reps)
+        for n in SKEW_GEMMS:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            for size in BLOCKING_SIZES:
+                x = torch.ones(size // 4)
+                dist.barrier()
+                began = time.perf_counter()
+                for _ in range(reps):
+                    torch.mm(a, b)
+                alone = time.perf_counter() - began
+                dist.barrier()
+                began = time.perf_counter()
+                for _ in range(reps):
+                    torch.mm(a, b)
+                    dist.all_reduce(x)
+                extra = (time.perf_counter() - began - alone) / reps
+                seen.setdefault(("blocking", size, n), []).append(extra)
+                seen.setdefault(("gemm", n), []).append(alone / reps)
     return seen
 
 
@@ -475,14 +481,14 @@ def profile_values(m: Measured, name: str) -> dict:
     kernel_bytes = sum(b for _, b in m.kernels.values())
     kernel_time = sum(t for t, _ in m.kernels.values())
     mu = kernel_bytes / kernel_time / bandwidth
-    ar_alpha, ar_beta = fit_link({s: v[0] for (k, s), v in m.gloo.items() if k == "all_reduce"}, 2)
-    p2p_alpha, p2p_beta = fit_link({s: v[0] for (k, s), v in m.gloo.items() if k == "p2p"}, 1)
+    ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
+    p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
     (f1, b1), (f5, b5) = m.fixed[1], m.fixed[5]
     layer_f, layer_b = max((f5 - f1) / 4, 0.0), max((b5 - b1) / 4, 0.0)
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     dev = Device(peak, bandwidth, Calibration(e_max, knee, mu))
     attention = sum(attention_model(dev, s) for s in m.attention) / sum(m.attention.values())
-    sync = collective_sync(m.gloo)
+    sync, skew = collective_sync(m.gloo)
     return {
         "name": name,
         "gpu": f"{cpu_name()}, {os.cpu_count()} cores, {m.threads} torch thread(s) per rank",
@@ -511,19 +517,46 @@ def profile_values(m: Measured, name: str) -> dict:
         "gelu_backward_ns": round(m.gelu[1] * 1e9, 3),
         "attention_efficiency": round(attention, 4),
         "collective_sync_us": round(sync * 1e6, 1),
+        "collective_skew": round(skew, 4),
     }
 
 
-def collective_sync(gloo: dict) -> float:
-    """Seconds a blocking all-reduce costs in training beyond the aligned probe's (the median
-    over BLOCKING_SIZES of the blocking probe less the aligned all-reduce of that size); 0
-    without the blocking probe."""
-    extra = [
-        gloo["blocking", s][0] - gloo["all_reduce", s][0]
-        for s in BLOCKING_SIZES
-        if ("blocking", s) in gloo and ("all_reduce", s) in gloo
-    ]
-    return max(statistics.median(extra), 0.0) if extra else 0.0
+def _probe(gloo: dict, kind: str) -> dict:
+    """{bytes: times} of one gloo probe (keys (kind, bytes); the blocking probe's carry more)."""
+    return {key[1]: v for key, v in gloo.items() if key[0] == kind and len(key) == 2}
+
+
+def collective_sync(gloo: dict) -> tuple[float, float]:
+    """(seconds, fraction): what a blocking all-reduce costs in training beyond the aligned
+    probe's, as a fixed part plus a fraction of the compute since the previous collective.
+    Per message size, the blocking probe's excess over the aligned all-reduce against the GEMM
+    time, over the SKEW_GEMMS sizes, is fitted with a least-squares line: its slope is the
+    fraction (the ranks' arrival skew grows with the compute before the collective), its
+    intercept the fixed part (the waiting rank's wake-up). Medians over BLOCKING_SIZES,
+    neither below 0; (0, 0) without the probe."""
+    times = [gloo["gemm", n][0] for n in SKEW_GEMMS if ("gemm", n) in gloo]
+    if len(times) < 2:
+        return 0.0, 0.0
+    fixed, slope = [], []
+    for s in BLOCKING_SIZES:
+        keys = [("blocking", s, n) for n in SKEW_GEMMS]
+        if ("all_reduce", s) not in gloo or not all(k in gloo for k in keys):
+            continue
+        excess = [gloo[k][0] - gloo["all_reduce", s][0] for k in keys]
+        r, c = _line(times, excess)
+        slope.append(r)
+        fixed.append(c)
+    if not slope:
+        return 0.0, 0.0
+    return max(statistics.median(fixed), 0.0), max(statistics.median(slope), 0.0)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through the points."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    r = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return r, my - r * mx
 
 
 def attention_model(dev: Device, shape: tuple[int, int, int, int]) -> float:
@@ -547,8 +580,7 @@ def render(values: dict, m: Measured, command: str) -> str:
     peak = values["peak_tflops"] * 1e12
     best = max(m.gemm, key=lambda s: gemm_features(*s)[0] / m.gemm[s][0])
     worst = max(abs(_gemm_model(values, s) / m.gemm[s][0] - 1) for s in m.gemm)
-    ar = {s: v for (k, s), v in m.gloo.items() if k == "all_reduce"}
-    p2p = {s: v for (k, s), v in m.gloo.items() if k == "p2p"}
+    ar, p2p = _probe(m.gloo, "all_reduce"), _probe(m.gloo, "p2p")
     big, small = max(ar), min(ar)
     lines = [
         f"# This machine's CPU as a 'cluster' of one node: {values['gpus_per_node']} rank(s) of "
@@ -611,14 +643,18 @@ def render(values: dict, m: Measured, command: str) -> str:
         + ", ".join(f"{sh} {t * 1e3:.2f} ms" for sh, t in m.attention.items())
         + ": the model's time for them (costs.py, fused) over the measured",
         f"attention_efficiency: {values['attention_efficiency']}",
-        "# a GEMM then a blocking all-reduce, against the GEMMs alone: "
+        "# an n×n GEMM then a blocking all-reduce, against the GEMMs alone: "
         + ", ".join(
-            f"{s} B {_spread(m.gloo['blocking', s], 1e6, 'us')}"
+            f"n {n} ({m.gloo['gemm', n][0] * 1e3:.2f} ms), {s} B "
+            + _spread(m.gloo["blocking", s, n], 1e6, "us")
+            for n in SKEW_GEMMS
             for s in BLOCKING_SIZES
-            if ("blocking", s) in m.gloo
+            if ("blocking", s, n) in m.gloo
         )
-        + "; less the aligned all-reduce, the median",
+        + "; less the aligned all-reduce, a line in the GEMM's time: its intercept (us) and",
+        "# its slope (the fraction of the compute between collectives a rank waits, skew)",
         f"collective_sync_us: {values['collective_sync_us']}",
+        f"collective_skew: {values['collective_skew']}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -21,9 +21,10 @@ negligible on a GPU whose kernels run asynchronously, not on a CPU), GPT-2's tan
 element (`gelu_forward_ns`, `gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes)
 and the fused attention kernel's fraction of the GEMM rate the model gives its FLOPs
 (`attention_efficiency`; 0: 1), and what a blocking collective costs in training beyond the
-aligned probe (`collective_sync_us`: the ranks' arrival skew and the waiting one's wake-up,
-added to each tp collective; 0 on a GPU, where NCCL's kernels queue on the stream and the
-host does not wait). The GPU profiles leave them out, so their projections are
+aligned probe (`collective_sync_us`: the waiting one's wake-up, added to each tp collective,
+and `collective_skew`: the ranks' arrival skew as a fraction of the compute since the previous
+collective, added to each tp layer's F and B; 0 on a GPU, where NCCL's kernels queue on the
+stream and the host does not wait). The GPU profiles leave them out, so their projections are
 unchanged.
 """
 
@@ -82,6 +83,7 @@ class Cluster:
     gelu_backward_ns: float = 0.0
     attention_efficiency: float = 0.0
     collective_sync_us: float = 0.0
+    collective_skew: float = 0.0
 
     @property
     def measured_constants(self) -> tuple[float, float, float] | None:

@@ -231,6 +231,15 @@ class CostModel:
             return 0.0
         return ring_time(kind, nbytes, tp, self.tp_link) + self.cluster.collective_sync_us * 1e-6
 
+    def _skewed(self, work: Work) -> Work:
+        """`work` with the ranks' arrival skew at its tp collectives (measured profiles,
+        cluster.collective_skew): each collective waits for the slower rank, later by a
+        fraction of the compute since the previous one, so the layer's F (or B) waits that
+        fraction of its compute in all."""
+        if self.cfg.parallel.tp == 1 or not self.cluster.collective_skew:
+            return work
+        return Work(work.compute, work.tp + self.cluster.collective_skew * work.compute, work.cp)
+
     def _tp_layer(self, x: Shapes) -> float:
         """One direction's tp collectives of a layer (F or B: the same volume)."""
         p = self.cfg.parallel
@@ -362,6 +371,7 @@ class CostModel:
             compute=sum(dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms)
             + dev.mem(params * self.rt.grad_accum_bytes)
         )
+        f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
             b = b + f
         elif mode == "selective":
