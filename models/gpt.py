@@ -17,7 +17,7 @@ from torch import nn
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
-from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import WeightGradBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -158,6 +158,7 @@ class Head(nn.Module):
         self.out = None
         self.tp, self.vocab_size = tp, cfg.vocab_size
         self.grad_in_forward = False  # set where one microbatch at a time passes the head
+        self.weight_grad_buffers = WeightGradBuffers()  # what grad_in_forward writes into
         if not cfg.tie_embeddings:
             self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, tp, pad=True)
 
@@ -179,8 +180,9 @@ class Head(nn.Module):
         x = enter_column(self.norm(h), self.tp)  # (B, T, d): f, or SP's all-gather
         vocab_start = self.tp.rank * weight.shape[0]
         return linear_cross_entropy(
-            x, weight, targets, vocab_start, self.vocab_size, self.tp, None, self.grad_in_forward
-        )
+            x, weight, targets, vocab_start, self.vocab_size, self.tp, None,
+            self.grad_in_forward, self.weight_grad_buffers,
+        )  # fmt: skip
 
 
 TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied

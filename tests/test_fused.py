@@ -11,6 +11,8 @@
   row max and sum of exp and the targets, the same whatever V, where F.cross_entropy keeps the
   float32 (tokens, V) log-probabilities (with grads made in forward: the input grad and the
   weight grad); and no tensor it makes holds more than one chunk of logits.
+- The early weight grad's kept buffers (WeightGradBuffers): .grad without a copy, reused after
+  .grad is dropped, never while anything still holds them.
 - AdamW: fused where the device has the kernel (the CPU does), the same training as the
   foreach implementation within float32 round-off, also inside the distributed optimizer's
   shards (parallel.zero=1, dp=2).
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.config import load_config
-from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import WeightGradBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.sharding import NO_TP
 from megapipe.train import optim
 from tests.conftest import TINY
@@ -125,6 +127,43 @@ def test_no_grads_made_in_forward_where_none_are_recorded():
         loss = linear_cross_entropy(h, w, targets, 0, vocab, NO_TP, rows, True)
     assert made.most == rows * vocab < vocab * d
     assert_rel_close(loss, _reference(h, w, targets)[0], rel=1e-6)
+
+
+def test_weight_grad_buffer_is_kept_and_lent_only_when_free():
+    """The early weight grad is written into a kept buffer that becomes the weight's .grad
+    without a copy; grad accumulation (.grad still set) gets a second buffer and the sum; after
+    .grad is dropped the buffer is written again; a grad someone still holds is never
+    overwritten (a fresh buffer instead)."""
+    reuse = WeightGradBuffers()
+    w = _problem()[1].requires_grad_()
+    problems = [_problem(seed=s) for s in (0, 10, 20)]
+
+    def backward(i):
+        h, _, targets = problems[i]
+        loss = linear_cross_entropy(h, w, targets, 0, w.shape[0], NO_TP, 8, True, reuse)
+        (loss * 0.5).backward()
+
+    def expected(*ids):
+        return sum(_reference(problems[i][0], w.detach(), problems[i][2])[2] for i in ids)
+
+    def kept_ptrs():
+        return [b.data_ptr() for b in reuse.kept]
+
+    backward(0)
+    assert w.grad.data_ptr() == kept_ptrs()[0]  # .grad is the buffer: no copy
+    backward(1)  # accumulation: the first buffer holds .grad, so a second one is lent
+    assert len(reuse.kept) == 2 and w.grad.data_ptr() == kept_ptrs()[0]
+    assert_rel_close(w.grad, expected(0, 1), rel=1e-6)
+    w.grad = None
+    backward(2)
+    assert w.grad.data_ptr() in kept_ptrs()  # written again, not made anew
+    assert_rel_close(w.grad, expected(2), rel=1e-6)
+    held, before = w.grad, w.grad.clone()
+    w.grad = None
+    backward(0)  # `held` still holds its buffer: this one is not lent
+    assert w.grad.data_ptr() != held.data_ptr()
+    assert torch.equal(held, before)
+    assert_rel_close(w.grad, expected(0), rel=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])
