@@ -18,7 +18,7 @@ the error per row, mean and max, and the leave-one-out error of the calibrated c
 machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two processes) into
 a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
 meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
-with that profile.
+with that profile, and at the machine's speed during the runs (megapipe/perf/local_truth.py).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
 """
@@ -38,7 +38,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megapipe.config import ConfigError, load_config
-from megapipe.perf import RUNTIMES, ClusterError, cluster_names, load_cluster, project
+from megapipe.perf import RUNTIMES, ClusterError, cluster_names, load_cluster, local_truth, project
 from megapipe.perf import calibrate as calib
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -236,7 +236,7 @@ def run_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"--out {out}: a measured profile's file name starts with 'cpu'")
     measured = calib.measure(
         args.threads, args.ranks_per_node, args.rounds, _say,
-        settle=lambda: calib.wait_quiet(args.quiet, args.patience, _say),
+        settle=lambda: local_truth.wait_quiet(args.quiet, args.patience, _say),
     )  # fmt: skip
     values = calib.profile_values(measured, name)
     calib.write_profile(out, values, measured, "python tools/plan.py " + " ".join(argv))
@@ -249,16 +249,17 @@ def run_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
 def run_local(args: argparse.Namespace, argv: list[str]) -> int:
     if min(args.steps, args.rounds, args.threads, args.solo_threads or 1) < 1 or args.warmup < 0:
         raise UsageError("--steps, --rounds and --threads must be at least 1, --warmup >= 0")
-    points = calib.local_points(
+    points = local_truth.local_points(
         args.steps, args.rounds, args.warmup, args.threads, args.solo_threads,
         profile=args.profile, solo_profile=args.solo_profile, quiet=args.quiet,
         patience=args.patience, retries=args.retries, say=_say,
     )  # fmt: skip
     if args.json:
-        print(json.dumps(calib.points_json(points)))
+        print(json.dumps(local_truth.points_json(points)))
         return 0
-    print(f"`python tools/plan.py {' '.join(argv)}` (config: {' '.join(calib.LOCAL_CONFIG)})\n")
-    print(calib.markdown(points))
+    config = " ".join(local_truth.LOCAL_CONFIG)
+    print(f"`python tools/plan.py {' '.join(argv)}` (config: {config})\n")
+    print(local_truth.markdown(points))
     return 0
 
 

@@ -1,0 +1,455 @@
+"""The local truth: the projection of small meshes on this machine's CPU profile
+(perf/calibrate.py) against the step times `train.py` measures on them.
+
+Each of LOCAL_MESHES runs the same config as `train.py` runs it (tools/launch.py -> torchrun
+for two ranks; one process with OMP_NUM_THREADS as the profile), per-step times from
+metrics.jsonl, against `perf.model.project` with the profile (runtime megapipe, float32). The
+model prices dedicated cores; other work on the machine takes them away, so each run waits for
+the machine to go quiet, is rerun when it was disturbed, and reports the other work's load and
+the ranks' run-queue wait (/proc schedstat: time runnable without a core) next to its time.
+Beside each run the machine's speed is timed (probes.speed_reference) and set against the
+speed the profile was calibrated at: the projection at the run's speed reads the model's error
+apart from the machine's drift between calibration and run. `timed_steps` times the same
+build()/train_step in an already initialised gloo world (the tests' worker pool) or one
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megapipe.config import Config, load_config
+from megapipe.data.loader import build_data
+from megapipe.distributed.mesh import MeshSizes, ParallelMesh
+from megapipe.perf.calibrate import default_profile
+from megapipe.perf.cluster import Cluster, load_cluster
+from megapipe.perf.model import Projection, project
+from megapipe.perf.probes import speed_reference
+from megapipe.perf.runtime import MEGAPIPE
+from megapipe.train.build import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One config for every point: big enough that a step is mostly GEMMs (about 25 GFLOP), small
+# enough for a few seconds of steps on one core.
+LOCAL_CONFIG = [
+    "model.arch=gpt2",
+    "model.n_layers=4",
+    "model.d_model=256",
+    "model.n_heads=4",
+    "model.seq_len=128",
+    "model.vocab_size=2048",
+    "model.dropout=0.0",
+    "train.global_batch=8",
+    "parallel.microbatches=4",
+    "train.lr=3e-4",
+    "train.warmup=1",
+    "data.source=synthetic",
+    "log.progress=false",
+    "log.interval=1",
+]
+LOCAL_MESHES = {
+    "1 process": [],
+    "dp2": ["parallel.dp=2"],
+    "pp2 1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
+    "pp2 zb_h1": ["parallel.pp=2", "parallel.schedule=zb_h1"],
+    "tp2": ["parallel.tp=2"],
+}
+
+
+def local_config(mesh: list[str], extra: list[str] = ()) -> Config:
+    return load_config(None, [*LOCAL_CONFIG, *extra, *mesh])
+
+
+def project_point(cfg: Config, cluster: Cluster) -> Projection:
+    """The projection local truth compares against: runtime megapipe, float32, no memory."""
+    return project(cfg, cluster, MEGAPIPE, memory=False)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine (/proc/stat), or (0, 0) elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def _children(pid: int) -> list[int]:
+    """Every live descendant of `pid` (/proc)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _workers(proc: subprocess.Popen, world: int) -> list[int]:
+    """The train.py processes: `proc` itself on one process, else torchrun's workers."""
+    if world == 1:
+        return [proc.pid]
+    found = []
+    for pid in _children(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train.py") for a in argv) and b"torch.distributed.run" not in argv:
+            found.append(pid)
+    return found
+
+
+def _sched(pid: int) -> tuple[float, float, float]:
+    """(main thread's CPU s, its run-queue wait s: runnable but not running, the process's
+    CPU s over all threads) from /proc/<pid>/task/<pid>/schedstat and /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0, 0.0
+    return run_ns * 1e-9, wait_ns * 1e-9, ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    """One train.py run, over its steps after the warm-up: per-step seconds (metrics.jsonl),
+    per rank the run-queue wait per step (the time its training thread was runnable but had
+    no core: the machine's other work), and the rest of the machine's load in cores."""
+
+    steps: list[float]
+    wait: list[float]  # per rank, s per step
+    others: float  # cores the rest of the machine kept busy meanwhile
+    cpu: list[float] = field(default_factory=list)  # per rank, its training thread's CPU s/step
+    speed: float = math.nan  # s per probes.speed_reference GEMM, timed before and after the run
+
+
+def train_run(
+    mesh: list[str],
+    steps: int,
+    warmup: int,
+    threads: int,
+    extra: list[str] = (),
+    timeout: float = 600,
+) -> Run:
+    """Run train.py (tools/launch.py -> torchrun for world > 1) on the local config; step
+    times from its metrics.jsonl (the loop times each train_step). While it runs, the ranks'
+    scheduler counters are read when the warm-up's last step and the last step are logged."""
+    cfg = local_config(mesh, extra)
+    world = cfg.derived.world_size
+    with tempfile.TemporaryDirectory(prefix="megapipe-local-") as tmp:
+        args = [f"--{o}" for o in (*LOCAL_CONFIG, *extra, *mesh)]
+        args += [f"--train.steps={steps + warmup}", f"--run.dir={tmp}/run"]
+        if world == 1:
+            cmd = [sys.executable, str(ROOT / "train.py"), *args]
+        else:
+            cmd = [
+                sys.executable,
+                str(ROOT / "tools" / "launch.py"),
+                f"--nproc-per-node={world}",
+                str(ROOT / "train.py"),
+                *args,
+            ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "WANDB_MODE": "disabled",
+            "PYTHONPATH": str(ROOT),
+        }
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        with open(Path(tmp) / "log.txt", "w+") as log:
+            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
+            began, marks = time.perf_counter(), {}
+            try:
+                while proc.poll() is None:
+                    if time.perf_counter() - began > timeout:
+                        raise RuntimeError(f"train.py on {mesh or 'one process'}: over {timeout} s")
+                    done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+                    for mark in (warmup, warmup + steps):
+                        if done >= mark and mark not in marks:
+                            pids = _workers(proc, world)
+                            marks[mark] = (
+                                time.perf_counter(),
+                                _cpu_ticks(),
+                                [_sched(p) for p in pids],
+                            )
+                    time.sleep(0.005)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            log.seek(0)
+            output = log.read()
+        if proc.returncode != 0:
+            tail = output.strip().splitlines()[-5:]
+            raise RuntimeError(f"train.py on {mesh or 'one process'} failed: " + " | ".join(tail))
+        tokens = cfg.derived.tokens_per_step
+        with open(metrics) as f:
+            times = [tokens / json.loads(line)["tokens_per_s"] for line in f]
+    complete = warmup + steps in marks and warmup in marks
+    if not complete or len(marks[warmup][2]) != world or len(marks[warmup + steps][2]) != world:
+        return Run(times[warmup:], [math.nan] * world, math.nan, [math.nan] * world)
+    (t0, ticks0, s0), (t1, ticks1, s1) = marks[warmup], marks[warmup + steps]
+    wait = [(b[1] - a[1]) / steps for a, b in zip(s0, s1)]
+    cpu = [(b[0] - a[0]) / steps for a, b in zip(s0, s1)]
+    ours = sum(b[2] - a[2] for a, b in zip(s0, s1))
+    busy = (ticks1[0] - ticks0[0]) / os.sysconf("SC_CLK_TCK")
+    return Run(times[warmup:], wait, max(busy - ours, 0.0) / (t1 - t0), cpu)
+
+
+@dataclass
+class Point:
+    name: str
+    mesh: list[str]
+    steps: list[float]  # every measured step, all rounds
+    rounds: list[float]  # median of each round
+    others: list[float]  # the other work's load (cores) during each round
+    wait: list[float]  # each round's run-queue wait per step (s, the most waiting rank)
+    projected: Projection
+    cpu: list[float] = field(default_factory=list)  # each round's busiest rank's CPU s/step
+    speed: list[float] = field(default_factory=list)  # each round's speed reference (s)
+    calibrated_speed: float = 0.0  # the profile's speed reference (s); 0: not measured
+
+    @property
+    def measured(self) -> float:
+        return statistics.median(self.steps)
+
+    @property
+    def error(self) -> float:
+        return self.projected.step_time_s / self.measured - 1
+
+    @property
+    def drift(self) -> float:
+        """How much slower the machine ran this point's rounds than when its profile was
+        calibrated: the speed reference's time over the profile's (1: the same speed, or
+        either unknown)."""
+        speeds = [x for x in self.speed if not math.isnan(x)]
+        if not speeds or self.calibrated_speed <= 0:
+            return 1.0
+        return statistics.median(speeds) / self.calibrated_speed
+
+    @property
+    def error_at_run_speed(self) -> float:
+        """The error of the projection scaled to the machine's speed during the runs: the
+        model's own error, apart from the machine's drift since the calibration."""
+        return self.projected.step_time_s * self.drift / self.measured - 1
+
+
+def _thread_wait() -> float:
+    """Seconds this thread has been runnable without a core (/proc/thread-self/schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
+def timed_steps(mesh: list[str], steps: int, warmup: int, extra: list[str] = ()) -> dict:
+    """train_step timed as train.py's loop times it, on the local config under `mesh`: in the
+    initialised gloo world of the calling process (tests/parity.WorkerPool's ranks) or, with
+    none, on this one process. Per-step seconds after `warmup` steps and this thread's
+    run-queue wait per step."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory(prefix="megapipe-local-") as tmp:
+        cfg = local_config(mesh, [*extra, f"run.dir={tmp}/run"])
+        grid = ParallelMesh(MeshSizes.of(cfg)) if dist.is_initialized() else None
+        job = build(cfg, grid, "cpu")
+        optimizer = job.optimizer()
+        data = build_data(cfg.data, cfg.model, cfg.train.seed)
+        times, wait0 = [], 0.0
+        for step in range(warmup + steps):
+            if step == warmup:
+                if grid is not None:
+                    dist.barrier()
+                wait0 = _thread_wait()
+            batch = data.batch(step, cfg.train.global_batch)
+            began = time.perf_counter()
+            job.train_step(optimizer, batch, step)
+            times.append(time.perf_counter() - began)
+        wait = (_thread_wait() - wait0) / steps
+    return {"steps": times[warmup:], "wait": wait}
+
+
+def others_load(seconds: float = 1.0) -> float:
+    """Cores the rest of the machine keeps busy over `seconds` (this process idle)."""
+    busy0, total0 = _cpu_ticks()
+    time.sleep(seconds)
+    busy1, total1 = _cpu_ticks()
+    if total1 == total0:
+        return 0.0
+    return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
+
+
+def wait_quiet(
+    threshold: float,
+    timeout: float,
+    say: Callable[[str], None] = lambda _: None,
+    window: float = 2.0,
+) -> float:
+    """Wait (at most `timeout` s) until the machine's other work uses at most `threshold`
+    cores over `window` s; the load last seen."""
+    began, said = time.perf_counter(), False
+    while True:
+        load = others_load(window)
+        if load <= threshold or time.perf_counter() - began >= timeout:
+            return load
+        if not said:
+            say(f"  waiting for the machine to go quiet: other work uses {load:.1f} cores")
+            said = True
+
+
+def local_points(
+    steps: int = 10,
+    rounds: int = 3,
+    warmup: int = 2,
+    threads: int = 1,
+    solo_threads: int | None = None,
+    meshes: dict = LOCAL_MESHES,
+    profile: str | None = None,
+    solo_profile: str | None = None,
+    quiet: float = 0.25,
+    patience: float = 300.0,
+    retries: int = 2,
+    say: Callable[[str], None] = lambda _: None,
+) -> list[Point]:
+    """Measure every mesh `rounds` times, alternating, and project it (module docstring).
+    One process runs `solo_threads` threads (default: `threads`) with its profile.
+
+    The cores are shared with other work, which the model does not know about: each run
+    waits (up to `patience` s) for the rest of the machine to use at most `quiet` cores, and
+    a run during which it used more is run again (up to `retries` times; the least disturbed
+    is kept). The table shows the other work's load during the runs kept."""
+    solo_threads = solo_threads or threads
+    clusters = {
+        1: load_cluster(solo_profile or default_profile(solo_threads, ranks=1)),
+        2: load_cluster(profile or default_profile(threads)),
+    }
+    runs: dict[str, list[Run]] = {name: [] for name in meshes}
+    for r in range(rounds):
+        for name, mesh in meshes.items():
+            world = local_config(mesh).derived.world_size
+            tries = []
+            for _ in range(retries + 1):
+                wait_quiet(quiet, patience, say)
+                run_threads = solo_threads if world == 1 else threads
+                before = speed_reference(run_threads)
+                run = train_run(mesh, steps, warmup, run_threads)
+                run.speed = (before + speed_reference(run_threads)) / 2
+                tries.append(run)
+                say(
+                    f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s,"
+                    f" other work {run.others:.2f} cores"
+                    + ("" if run.others <= quiet else " (disturbed)")
+                )
+                if run.others <= quiet:
+                    break
+            runs[name].append(min(tries, key=lambda x: x.others))
+    points = []
+    for name, mesh in meshes.items():
+        cfg = local_config(mesh)
+        cluster = clusters[1 if cfg.derived.world_size == 1 else 2]
+        got = runs[name]
+        points.append(
+            Point(
+                name,
+                mesh,
+                [t for run in got for t in run.steps],
+                [statistics.median(run.steps) for run in got],
+                [run.others for run in got],
+                [max(run.wait) for run in got],
+                project_point(cfg, cluster),
+                [max(run.cpu) for run in got],
+                [run.speed for run in got],
+                cluster.speed_reference_us * 1e-6,
+            )
+        )
+    return points
+
+
+def markdown(points: list[Point]) -> str:
+    """The local-truth table: measured median (quartiles over every step, range of the round
+    medians), the other work's load and the ranks' run-queue wait, projected, error; how much
+    slower the machine ran than at calibration and the error at the runs' speed; then the
+    busiest rank's CPU time per step against the projection's compute + optimizer (what a rank
+    computes, whoever else shares the cores), and where the projection puts the time."""
+    rows = [
+        "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
+        "| run-queue wait (s/step) | projected (s) | error | machine slower than at calibration "
+        "| error at the run's speed | rank CPU (s/step) | projected compute + optimizer (s) "
+        "| error | projected compute / tp / bubble+p2p / dp / optimizer (s) |",
+        "|---" * 14 + "|",
+    ]
+    for p in points:
+        q = statistics.quantiles(p.steps, n=4) if len(p.steps) > 1 else [p.measured] * 3
+        b = p.projected.breakdown
+        keys = ("compute_s", "tp_comm_s", "pipeline_bubble_p2p_s", "dp_comm_s", "optimizer_s")
+        parts = " / ".join(f"{b[k]:.3f}" for k in keys)
+        cpu = statistics.median(p.cpu) if p.cpu else math.nan
+        work = b["compute_s"] + b["optimizer_s"]
+        rows.append(
+            f"| {p.name} | {p.measured:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
+            f"{min(p.rounds):.3f}-{max(p.rounds):.3f} | {statistics.median(p.others):.2f} | "
+            f"{statistics.median(p.wait):.3f} | {p.projected.step_time_s:.3f} | "
+            f"{p.error:+.1%} | {p.drift - 1:+.1%} | {p.error_at_run_speed:+.1%} | {cpu:.3f} | "
+            f"{work:.3f} | {work / cpu - 1:+.1%} | {parts} |"
+        )
+    errs = [abs(p.error) for p in points]
+    at_speed = [abs(p.error_at_run_speed) for p in points]
+    rows.append(
+        f"\nstep time: mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}; at the "
+        f"runs' speed: mean {statistics.mean(at_speed):.1%}, max {max(at_speed):.1%}"
+    )
+    return "\n".join(rows)
+
+
+def points_json(points: list[Point]) -> dict:
+    """The local truth as one JSON object (tools/plan.py local --json)."""
+    return {
+        "config": LOCAL_CONFIG,
+        "points": [
+            {
+                "mesh": p.name,
+                "overrides": p.mesh,
+                "measured_s": p.measured,
+                "steps_s": p.steps,
+                "round_medians_s": p.rounds,
+                "other_work_cores": p.others,
+                "run_queue_wait_s": p.wait,
+                "rank_cpu_s": p.cpu,
+                "projected_s": p.projected.step_time_s,
+                "error": p.error,
+                "speed_reference_s": p.speed,
+                "drift": p.drift,
+                "error_at_run_speed": p.error_at_run_speed,
+                "breakdown": p.projected.breakdown,
+            }
+            for p in points
+        ],
+    }
