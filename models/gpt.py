@@ -229,6 +229,13 @@ class GPT(nn.Module):
             return None
         return self.embed.tok.weight
 
+    @property
+    def holds_tied_ends(self) -> bool:
+        """The token lookup and the tied head in this one module: the lookup hands the head its
+        table (parallel/autograd/tied_lookup.py), so the table's grad is made once, by the head
+        (config/memory.tied_lookup_with_head predicts it from the config)."""
+        return self.has_embedding and self.head is not None and self.tied_table is not None
+
     def tied_copy_names(self) -> tuple[str, ...]:
         """Names of parameters that copy another stage's (the last stage's tied table): written
         once by checkpoints, counted once by the grad norm."""
@@ -245,7 +252,7 @@ class GPT(nn.Module):
         if positions is None:
             positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
         table = self.tied_table
-        if self.has_embedding and self.head is not None and table is not None:
+        if self.holds_tied_ends:
             x, table = self.embed(x, positions, with_table=True)  # one grad for the table
         elif self.has_embedding:
             x = self.embed(x, positions)

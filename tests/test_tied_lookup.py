@@ -5,13 +5,19 @@ the backward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megapipe.config import load_config
+from megapipe.config.memory import tied_lookup_with_head
+from megapipe.config.stages import placement_of, rank_blocks
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
 from megapipe.parallel.tensor.sharding import NO_TP
+from models.gpt import GPT
+from tests.conftest import TINY
 from tests.util import assert_rel_close
 
 V, D = 300, 16
@@ -71,3 +77,27 @@ def test_lookup_alone_when_the_head_is_not_in_the_backward():
     plain = table.clone().requires_grad_()
     (F.embedding(ids, plain) * 2.0).sum().backward()
     assert torch.equal(fused.grad, plain.grad)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.tie_embeddings=false"],
+        ["parallel.pp=2"],
+        ["parallel.pp=2", "parallel.schedule=zb_v", "parallel.vpp=2"],  # rank 0: both ends
+        ["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "parallel.vpp=2"],
+    ],
+)
+def test_the_config_predicts_the_module_that_holds_both_tied_ends(overrides):
+    """config/memory.tied_lookup_with_head (what the cost model prices) says what the modules
+    training builds do (GPT.holds_tied_ends): one graph for the lookup and the head only with
+    no pipeline; ZB-V's first rank holds both ends as two chunks, two graphs."""
+    cfg = load_config(TINY, ["run.dir=unused", "model.n_layers=4", *overrides])
+    placement = placement_of(cfg)
+    chunks = [
+        GPT(cfg.model, blocks, init=False)
+        for rank in range(cfg.parallel.pp)
+        for blocks in rank_blocks(cfg, rank, placement)
+    ]
+    assert any(c.holds_tied_ends for c in chunks) == tied_lookup_with_head(cfg)

@@ -302,6 +302,14 @@ def head_grad_in_forward(cfg: Config) -> bool:
     return cfg.parallel.pp == 1 and len(segment_bounds(cfg)) == 1
 
 
+def tied_lookup_with_head(cfg: Config) -> bool:
+    """Whether a tied table's token lookup and its head are in one graph, so the lookup's grad
+    is added into the head's dense table grad and no table of zeros is made for it
+    (parallel/autograd/tied_lookup.py): where one module holds both ends, i.e. no pipeline
+    (models/gpt.GPT.holds_tied_ends decides it from the blocks a module holds)."""
+    return cfg.model.tie_embeddings and cfg.parallel.pp == 1
+
+
 def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) -> dict[str, float]:
     """Bytes the final norm, LM head and loss save for one microbatch (or segment): the norm's,
     the head's input, the float32 row max and sum of exp per token and the targets (the fused,

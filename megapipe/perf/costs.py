@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.memory import attention_path, head_grad_in_forward
+from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
@@ -398,7 +398,7 @@ class CostModel:
             kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
             tp = self._tp(kind, out)
         table = x.vocab * m.d_model * self.rt.grad_accum_bytes
-        if self.rt.name in FUSED_HEAD_RUNTIMES and p.pp == 1 and m.tie_embeddings:
+        if self.rt.name in FUSED_HEAD_RUNTIMES and tied_lookup_with_head(self.cfg):
             table = 3 * out  # the rows added into the head's table grad (autograd/tied_lookup)
         f = Work(compute=dev.mem(fwd), tp=tp)
         b = Work(
@@ -480,28 +480,24 @@ class CostModel:
             f_tp = k * self._tp("all_reduce", rows * 4) + 2 * self._tp("all_reduce", n * 4)
             f_tp += self._tp("all_gather", n * d * c) if p.sequence_parallel else 0.0
             b_tp = self._head_input_grad_tp(x)
-        f = Work(
-            compute=dev.gemm(rows, v, d, k, c)
-            + dev.mem(norm + f_bytes + table * self.rt.weight_cast_bytes),
-            tp=f_tp,
-        )
-        b = Work(
-            compute=dev.gemm(rows, v, d, k, c)
-            + dev.gemm(rows, d, v, k, c)
-            + dev.gemm(v, d, rows, k, c)
-            + dev.mem(2 * norm + b_bytes + accumulate + n * d * 12)
-            + dev.mem(table * (self.rt.weight_cast_bytes + self.rt.grad_accum_bytes)),
-            tp=b_tp,
-        )
-        if head_grad_in_forward(self.cfg):  # B's work moves into F, less a logits GEMM
+        logits_gemm = dev.gemm(rows, v, d, k, c)
+        grad_gemms = dev.gemm(rows, d, v, k, c) + dev.gemm(v, d, rows, k, c)  # dgrad, wgrad
+        loss_bytes = norm + f_bytes + table * self.rt.weight_cast_bytes  # F's elementwise
+        grad_bytes = b_bytes + accumulate + n * d * 12  # B's, after its logits
+        grad_bytes += table * (self.rt.weight_cast_bytes + self.rt.grad_accum_bytes)
+        if head_grad_in_forward(self.cfg):  # F makes the grads with its own logits
             sums = k * self._tp("all_reduce", rows * 4) - self._tp("all_reduce", n * 4)
-            early_f = f.compute + b.compute - dev.gemm(rows, v, d, k, c) - dev.mem(2 * norm)
             scale = 2 * (n * d * c + table * 4)  # B: the two grads scaled in place
             return BlockCosts(
-                Work(compute=early_f, tp=f_tp + (sums if p.tp > 1 else 0.0)),
+                Work(
+                    compute=logits_gemm + grad_gemms + dev.mem(loss_bytes + grad_bytes),
+                    tp=f_tp + (sums if p.tp > 1 else 0.0),
+                ),
                 Work(compute=dev.mem(2 * norm + scale), tp=b_tp),
                 ZERO,
             )
+        f = Work(compute=logits_gemm + dev.mem(loss_bytes), tp=f_tp)
+        b = Work(compute=logits_gemm + grad_gemms + dev.mem(2 * norm + grad_bytes), tp=b_tp)
         return BlockCosts(f, b, ZERO)
 
     def block(self, index: int, segment: int | None = None) -> BlockCosts:

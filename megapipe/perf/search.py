@@ -557,10 +557,7 @@ class Bounds:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
                      group_link(self.cluster, shape, ("cp",)))  # fmt: skip
-            # pp = 1 apart: there the head makes its grads in forward and the tied lookup
-            # adds into the head's table grad (config/memory.head_grad_in_forward)
-            key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-                   cfg.recompute.mode, links, p.pp == 1)  # fmt: skip
+            key = _block_key(cfg, links)
             if key not in self._models:
                 plain = dataclasses.replace(
                     cfg, parallel=dataclasses.replace(p, schedule="1f1b", vpp=1, seq_segments=1)
@@ -667,9 +664,7 @@ class Bounds:
         add block by block."""
         n_layers, total = cfg.model.n_layers, 0.0
         p = cfg.parallel
-        segs = p.seq_segments if self._segmented(cfg) else 1
-        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-                cfg.recompute.mode, segs, p.pp == 1)  # fmt: skip
+        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
         if (mesh, blocks.start, blocks.stop) in self._acts:
             return self._acts[mesh, blocks.start, blocks.stop]
         for b in blocks:
@@ -743,8 +738,7 @@ class Bounds:
         """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
         by block in the same order from each block's cached share."""
         p = cfg.parallel
-        mesh = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode,
-                p.seq_segments if self._segmented(cfg) else 1, p.pp == 1)  # fmt: skip
+        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
         n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
         for b in blocks:
             if kept and b == 0:
@@ -798,6 +792,15 @@ def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCos
         b = b + (cost.B + Work(compute=fixed_b)) * count
         w = w + cost.W * count
     return BlockCosts(f, b, w)
+
+
+def _block_key(cfg: Config, *extra) -> tuple:
+    """What a block's costs and saved bytes depend on here: tp, cp, micro-batch size, sequence
+    parallelism, recompute, `extra` (the groups' links, the segment count), and whether a
+    pipeline runs: without one the head makes its grads in forward and the tied lookup adds
+    into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
+    p = cfg.parallel
+    return (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
 
 
 def _mbs(cfg: Config) -> int:
