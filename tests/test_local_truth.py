@@ -221,40 +221,9 @@ def test_local_markdown_and_json():
     table = local_truth.markdown(points)
     assert table.count("\n| ") == len(points)  # a row per mesh under the header
     assert "| dp2 | 0.310 |" in table and "mean |error|" in table
-    assert "at the runs' speed" in table
     out = local_truth.points_json(points)
     assert [p["mesh"] for p in out["points"]] == list(local_truth.LOCAL_MESHES)
     assert all(math.isfinite(p["error"]) for p in out["points"])
-    assert all(p["drift"] == 1.0 for p in out["points"])  # no speed measured: none assumed
-
-
-def test_error_at_run_speed_scales_the_projection_by_the_machines_drift():
-    """A machine 20% slower at the runs than at calibration (speed reference 1.2 ms against
-    1.0 ms) makes the projection at the runs' speed 1.2× the projection; without the
-    profile's speed (GPU profiles, old CPU ones) or the runs' the drift is 1."""
-    cluster = load_cluster("cpu")
-    projected = local_truth.project_point(local_truth.local_config([]), cluster)
-    measured = projected.step_time_s * 1.3
-
-    def point(speeds, calibrated):
-        return local_truth.Point("1 process", [], [measured], [measured], [0.0], [0.0],
-                                 projected, [], speeds, calibrated)  # fmt: skip
-
-    slow = point([1.1e-3, 1.2e-3, 1.3e-3], 1.0e-3)
-    assert slow.drift == pytest.approx(1.2)
-    assert slow.error == pytest.approx(1 / 1.3 - 1)
-    assert slow.error_at_run_speed == pytest.approx(1.2 / 1.3 - 1)
-    assert point([1.2e-3], 0.0).drift == 1.0
-    assert point([math.nan], 1.0e-3).drift == 1.0
-    assert point([], 1.0e-3).error_at_run_speed == pytest.approx(slow.error)
-
-
-def test_speed_reference_is_measured_into_the_profile(tmp_path):
-    m = replace(fake_measured(), speed=1.234e-3)
-    values = calibrate.profile_values(m, "cpu_test")
-    cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
-    assert cluster.speed_reference_us == pytest.approx(1234.0)
-    assert probes.speed_reference(seconds=0.01) > 0
 
 
 def test_cli_errors_are_one_line(capsys):

@@ -18,7 +18,7 @@ the error per row, mean and max, and the leave-one-out error of the calibrated c
 machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two processes) into
 a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
 meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
-with that profile, and at the machine's speed during the runs (megapipe/perf/local_truth.py).
+with that profile (megapipe/perf/local_truth.py).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
 """

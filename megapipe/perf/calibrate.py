@@ -19,9 +19,6 @@ the one-process run), then gloo between two processes. The fits:
               `nvlink_*`, which every collective inside the node uses) and α + S/β (the p2p
               link, `p2p_*`); a blocking all-reduce after GEMMs of five sizes, less the aligned
               one, as a line in the GEMM's time (`collective_sync_us`, `collective_skew`).
-  speed       `speed_reference_us`: probes.speed_reference's median over the calibration
-              (before, between and after the probe groups), what local truth compares the
-              machine's speed at its runs against.
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
 """
@@ -46,11 +43,9 @@ from megapipe.perf.probes import (
     COPY_BYTES,
     GEMM_SHAPES,
     KERNEL_ELEMENTS,
-    REFERENCE_N,
     SKEW_GEMMS,
     concurrent_compute_probes,
     probe_gloo,
-    speed_reference,
 )
 
 # -- fits ---------------------------------------------------------------------------------------
@@ -113,7 +108,6 @@ class Measured:
     fixed: dict  # layers -> (fwd s, bwd s)
     gloo: dict  # (kind, bytes) -> (median, min, max)
     notes: dict = field(default_factory=dict)
-    speed: float = 0.0  # s per probes.speed_reference GEMM, the median over the calibration
 
 
 def measure(
@@ -127,7 +121,6 @@ def measure(
     once (module docstring); `settle` runs before each group (tools/plan.py waits there for the
     machine's other work to calm down)."""
     loads = [settle()]
-    speeds = [speed_reference(threads)]
     say(
         f"GEMM sweep ({len(GEMM_SHAPES)} shapes x {rounds} rounds), copy bandwidth, memory-bound"
         f" kernels, GeLU, attention, fixed time per block: {ranks_per_node} rank(s) at once"
@@ -136,18 +129,12 @@ def measure(
         threads, rounds, ranks_per_node
     )
     loads.append(settle())
-    speeds.append(speed_reference(threads))
     say("gloo all-reduce and p2p between two processes")
     gloo = probe_gloo(threads, max(rounds // 2, 1))
-    speeds.append(speed_reference(threads))
-    notes = {
-        "other_work_cores": [x for x in loads if isinstance(x, (int, float))],
-        "speed_reference_s": speeds,
-    }
+    notes = {"other_work_cores": [x for x in loads if isinstance(x, (int, float))]}
     return Measured(
-        threads, ranks_per_node, gemm, bandwidth, kernels, gelu, attention, fixed, gloo, notes,
-        statistics.median(speeds),
-    )  # fmt: skip
+        threads, ranks_per_node, gemm, bandwidth, kernels, gelu, attention, fixed, gloo, notes
+    )
 
 
 def cpu_name() -> str:
@@ -206,7 +193,6 @@ def profile_values(m: Measured, name: str) -> dict:
         "attention_efficiency": round(attention, 4),
         "collective_sync_us": round(sync * 1e6, 1),
         "collective_skew": round(skew, 4),
-        "speed_reference_us": round(m.speed * 1e6, 2),
     }
 
 
@@ -344,11 +330,6 @@ def render(values: dict, m: Measured, command: str) -> str:
         "# its slope (the fraction of the compute between collectives a rank waits, skew)",
         f"collective_sync_us: {values['collective_sync_us']}",
         f"collective_skew: {values['collective_skew']}",
-        f"# probes.speed_reference, {REFERENCE_N}x{REFERENCE_N} GEMMs, us each, before, between "
-        "and after the probe groups: "
-        + ", ".join(f"{x * 1e6:.1f}" for x in m.notes.get("speed_reference_s", []))
-        + "; the median is the speed local truth sets its runs against",
-        f"speed_reference_us: {values['speed_reference_us']}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -24,9 +24,8 @@ and the fused attention kernel's fraction of the GEMM rate the model gives its F
 aligned probe (`collective_sync_us`: the waiting one's wake-up, added to each tp collective,
 and `collective_skew`: the ranks' arrival skew as a fraction of the compute since the previous
 collective, added to each tp layer's F and B; 0 on a GPU, where NCCL's kernels queue on the
-stream and the host does not wait), and the machine's speed while it was measured
-(`speed_reference_us`: perf/probes.speed_reference, which local truth times again beside its
-runs; 0: not measured). The GPU profiles leave them out, so their projections are unchanged.
+stream and the host does not wait). The GPU profiles leave them out, so their projections are
+unchanged.
 """
 
 from __future__ import annotations
@@ -85,7 +84,6 @@ class Cluster:
     attention_efficiency: float = 0.0
     collective_sync_us: float = 0.0
     collective_skew: float = 0.0
-    speed_reference_us: float = 0.0
 
     @property
     def measured_constants(self) -> tuple[float, float, float] | None:

@@ -7,9 +7,7 @@ metrics.jsonl, against `perf.model.project` with the profile (runtime megapipe, 
 model prices dedicated cores; other work on the machine takes them away, so each run waits for
 the machine to go quiet, is rerun when it was disturbed, and reports the other work's load and
 the ranks' run-queue wait (/proc schedstat: time runnable without a core) next to its time.
-Beside each run the machine's speed is timed (probes.speed_reference) and set against the
-speed the profile was calibrated at: the projection at the run's speed reads the model's error
-apart from the machine's drift between calibration and run. `timed_steps` times the same
+`timed_steps` times the same
 build()/train_step in an already initialised gloo world (the tests' worker pool) or one
 process.
 """
@@ -34,7 +32,6 @@ from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 from megapipe.perf.calibrate import default_profile
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.model import Projection, project
-from megapipe.perf.probes import speed_reference
 from megapipe.perf.runtime import MEGAPIPE
 from megapipe.train.build import build
 
@@ -147,7 +144,6 @@ class Run:
     wait: list[float]  # per rank, s per step
     others: float  # cores the rest of the machine kept busy meanwhile
     cpu: list[float] = field(default_factory=list)  # per rank, its training thread's CPU s/step
-    speed: float = math.nan  # s per probes.speed_reference GEMM, timed before and after the run
 
 
 def train_run(
@@ -233,8 +229,6 @@ class Point:
     wait: list[float]  # each round's run-queue wait per step (s, the most waiting rank)
     projected: Projection
     cpu: list[float] = field(default_factory=list)  # each round's busiest rank's CPU s/step
-    speed: list[float] = field(default_factory=list)  # each round's speed reference (s)
-    calibrated_speed: float = 0.0  # the profile's speed reference (s); 0: not measured
 
     @property
     def measured(self) -> float:
@@ -243,22 +237,6 @@ class Point:
     @property
     def error(self) -> float:
         return self.projected.step_time_s / self.measured - 1
-
-    @property
-    def drift(self) -> float:
-        """How much slower the machine ran this point's rounds than when its profile was
-        calibrated: the speed reference's time over the profile's (1: the same speed, or
-        either unknown)."""
-        speeds = [x for x in self.speed if not math.isnan(x)]
-        if not speeds or self.calibrated_speed <= 0:
-            return 1.0
-        return statistics.median(speeds) / self.calibrated_speed
-
-    @property
-    def error_at_run_speed(self) -> float:
-        """The error of the projection scaled to the machine's speed during the runs: the
-        model's own error, apart from the machine's drift since the calibration."""
-        return self.projected.step_time_s * self.drift / self.measured - 1
 
 
 def _thread_wait() -> float:
@@ -358,10 +336,7 @@ def local_points(
             tries = []
             for _ in range(retries + 1):
                 wait_quiet(quiet, patience, say)
-                run_threads = solo_threads if world == 1 else threads
-                before = speed_reference(run_threads)
-                run = train_run(mesh, steps, warmup, run_threads)
-                run.speed = (before + speed_reference(run_threads)) / 2
+                run = train_run(mesh, steps, warmup, solo_threads if world == 1 else threads)
                 tries.append(run)
                 say(
                     f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s,"
@@ -386,8 +361,6 @@ def local_points(
                 [max(run.wait) for run in got],
                 project_point(cfg, cluster),
                 [max(run.cpu) for run in got],
-                [run.speed for run in got],
-                cluster.speed_reference_us * 1e-6,
             )
         )
     return points
@@ -395,16 +368,15 @@ def local_points(
 
 def markdown(points: list[Point]) -> str:
     """The local-truth table: measured median (quartiles over every step, range of the round
-    medians), the other work's load and the ranks' run-queue wait, projected, error; how much
-    slower the machine ran than at calibration and the error at the runs' speed; then the
+    medians), the other work's load and the ranks' run-queue wait, projected, error; then the
     busiest rank's CPU time per step against the projection's compute + optimizer (what a rank
     computes, whoever else shares the cores), and where the projection puts the time."""
     rows = [
         "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
-        "| run-queue wait (s/step) | projected (s) | error | machine slower than at calibration "
-        "| error at the run's speed | rank CPU (s/step) | projected compute + optimizer (s) "
-        "| error | projected compute / tp / bubble+p2p / dp / optimizer (s) |",
-        "|---" * 14 + "|",
+        "| run-queue wait (s/step) | projected (s) | error | rank CPU (s/step) "
+        "| projected compute + optimizer (s) | error | projected compute / tp / bubble+p2p / dp "
+        "/ optimizer (s) |",
+        "|---" * 12 + "|",
     ]
     for p in points:
         q = statistics.quantiles(p.steps, n=4) if len(p.steps) > 1 else [p.measured] * 3
@@ -417,15 +389,10 @@ def markdown(points: list[Point]) -> str:
             f"| {p.name} | {p.measured:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
             f"{min(p.rounds):.3f}-{max(p.rounds):.3f} | {statistics.median(p.others):.2f} | "
             f"{statistics.median(p.wait):.3f} | {p.projected.step_time_s:.3f} | "
-            f"{p.error:+.1%} | {p.drift - 1:+.1%} | {p.error_at_run_speed:+.1%} | {cpu:.3f} | "
-            f"{work:.3f} | {work / cpu - 1:+.1%} | {parts} |"
+            f"{p.error:+.1%} | {cpu:.3f} | {work:.3f} | {work / cpu - 1:+.1%} | {parts} |"
         )
     errs = [abs(p.error) for p in points]
-    at_speed = [abs(p.error_at_run_speed) for p in points]
-    rows.append(
-        f"\nstep time: mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}; at the "
-        f"runs' speed: mean {statistics.mean(at_speed):.1%}, max {max(at_speed):.1%}"
-    )
+    rows.append(f"\nstep time: mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
     return "\n".join(rows)
 
 
@@ -445,9 +412,6 @@ def points_json(points: list[Point]) -> dict:
                 "rank_cpu_s": p.cpu,
                 "projected_s": p.projected.step_time_s,
                 "error": p.error,
-                "speed_reference_s": p.speed,
-                "drift": p.drift,
-                "error_at_run_speed": p.error_at_run_speed,
                 "breakdown": p.projected.breakdown,
             }
             for p in points

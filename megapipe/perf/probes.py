@@ -32,10 +32,6 @@ prices the one-process run):
               link, `nvlink_*`, which every collective inside the node uses) and α + S/β (the
               p2p link, `p2p_*`).
 
-
-`speed_reference` is none of the profile's terms: a short GEMM loop timed beside the
-calibration and beside each local-truth run, so that the machine's drift between the two can be
-read apart from the model's error (perf/local_truth.py).
 """
 
 from __future__ import annotations
@@ -341,24 +337,3 @@ def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
             if p.is_alive():
                 p.kill()
     return got[0]
-
-
-# The speed reference: n×n float32 GEMMs (~1-3 ms each here, a small model's layer GEMM).
-REFERENCE_N = 384
-
-
-def speed_reference(threads: int = 1, seconds: float = 0.3) -> float:
-    """Seconds per REFERENCE_N GEMM with `threads` torch threads now: the median of short
-    timings over `seconds`. The machine's cores are shared with other jobs and its speed drifts
-    by 15-35% within minutes; timed beside a calibration and beside a measured run, the ratio
-    of the two says how much faster or slower the machine was when the run was timed."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(REFERENCE_N, REFERENCE_N), torch.randn(REFERENCE_N, REFERENCE_N)
-        times, began = [], time.perf_counter()
-        while time.perf_counter() - began < seconds or len(times) < 5:
-            times.append(timed(lambda: torch.mm(a, b), 0.01))
-    finally:
-        torch.set_num_threads(before)
-    return statistics.median(times)
