@@ -12,7 +12,8 @@ GPT2LMHeadModel trained the way transformers' Trainer trains it by default, on o
   `max_grad_norm`, the linear LR schedule, `zero_grad(set_to_none=True)`; bf16 as autocast.
 - Same architecture, batch, sequence length, dtype and threads; the variants' steps alternate
   in rounds (the order rotating each round) so machine noise hits all alike. Reported: tokens/s
-  as the median over rounds with the spread (min-max), and the ratio of medians.
+  as the median over rounds with the spread (min-max), the ratio of medians, and on the CPU the
+  paired ratio: each round's ratio (its steps ran minutes apart at most), median and min-max.
 - Profile line (torch.profiler over `--profile-steps` steps): the share of the step's wall time
   outside matrix multiplies and attention (on the CPU their ops' self time; on CUDA their
   kernels' device time).
@@ -264,6 +265,8 @@ def bench_shape(s: Shape, args) -> dict:
             row["mfu"] = row["tokens_per_s"] * flops / (peak * 1e12)
         if v in outside:
             row["outside_matmul_attention"] = outside[v]
+        if s.device == "cpu" and "transformers" in times and v != "transformers":
+            row["paired_ratios"] = sorted(b / a for a, b in zip(ts, times["transformers"]))
         out["variants"][VARIANTS[v]] = row
     return out
 
@@ -298,7 +301,12 @@ def report(res: dict, threads: int) -> None:
         base = rows["transformers"]["tokens_per_s"]
         for name, r in rows.items():
             if name != "transformers":
-                print(f"ratio {name} / transformers: {r['tokens_per_s'] / base:.2f}x")
+                line = f"ratio {name} / transformers: {r['tokens_per_s'] / base:.2f}x"
+                if r.get("paired_ratios"):
+                    pr = r["paired_ratios"]
+                    line += (f" (paired by round: median {statistics.median(pr):.2f}x, "
+                             f"{pr[0]:.2f}-{pr[-1]:.2f}x)")  # fmt: skip
+                print(line)
 
 
 def main(argv=None) -> int:
