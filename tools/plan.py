@@ -38,7 +38,15 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megapipe.config import ConfigError, load_config
-from megapipe.perf import RUNTIMES, ClusterError, cluster_names, load_cluster, local_truth, project
+from megapipe.perf import (
+    RUNTIMES,
+    ClusterError,
+    cluster_names,
+    load_cluster,
+    local_truth,
+    probes,
+    project,
+)
 from megapipe.perf import calibrate as calib
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -236,7 +244,7 @@ def run_calibrate(args: argparse.Namespace, argv: list[str]) -> int:
         raise UsageError(f"--out {out}: a measured profile's file name starts with 'cpu'")
     measured = calib.measure(
         args.threads, args.ranks_per_node, args.rounds, _say,
-        settle=lambda: local_truth.wait_quiet(args.quiet, args.patience, _say),
+        settle=lambda: probes.wait_quiet(args.quiet, args.patience, _say),
     )  # fmt: skip
     values = calib.profile_values(measured, name)
     calib.write_profile(out, values, measured, "python tools/plan.py " + " ".join(argv))

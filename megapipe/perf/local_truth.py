@@ -32,6 +32,7 @@ from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 from megapipe.perf.calibrate import default_profile
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.model import Projection, project
+from megapipe.perf.probes import cpu_ticks, wait_quiet
 from megapipe.perf.runtime import MEGAPIPE
 from megapipe.train.build import build
 
@@ -71,17 +72,6 @@ def local_config(mesh: list[str], extra: list[str] = ()) -> Config:
 def project_point(cfg: Config, cluster: Cluster) -> Projection:
     """The projection local truth compares against: runtime megapipe, float32, no memory."""
     return project(cfg, cluster, MEGAPIPE, memory=False)
-
-
-def _cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine (/proc/stat), or (0, 0) elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields) - idle, sum(fields)
 
 
 def _children(pid: int) -> list[int]:
@@ -192,7 +182,7 @@ def train_run(
                             pids = _workers(proc, world)
                             marks[mark] = (
                                 time.perf_counter(),
-                                _cpu_ticks(),
+                                cpu_ticks(),
                                 [_sched(p) for p in pids],
                             )
                     time.sleep(0.005)
@@ -273,34 +263,6 @@ def timed_steps(mesh: list[str], steps: int, warmup: int, extra: list[str] = ())
             times.append(time.perf_counter() - began)
         wait = (_thread_wait() - wait0) / steps
     return {"steps": times[warmup:], "wait": wait}
-
-
-def others_load(seconds: float = 1.0) -> float:
-    """Cores the rest of the machine keeps busy over `seconds` (this process idle)."""
-    busy0, total0 = _cpu_ticks()
-    time.sleep(seconds)
-    busy1, total1 = _cpu_ticks()
-    if total1 == total0:
-        return 0.0
-    return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
-
-
-def wait_quiet(
-    threshold: float,
-    timeout: float,
-    say: Callable[[str], None] = lambda _: None,
-    window: float = 2.0,
-) -> float:
-    """Wait (at most `timeout` s) until the machine's other work uses at most `threshold`
-    cores over `window` s; the load last seen."""
-    began, said = time.perf_counter(), False
-    while True:
-        load = others_load(window)
-        if load <= threshold or time.perf_counter() - began >= timeout:
-            return load
-        if not said:
-            say(f"  waiting for the machine to go quiet: other work uses {load:.1f} cores")
-            said = True
 
 
 def local_points(

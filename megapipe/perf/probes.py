@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import socket
 import statistics
 import time
@@ -337,3 +338,45 @@ def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
             if p.is_alive():
                 p.kill()
     return got[0]
+
+
+# -- the machine's other work: probes and timed runs wait for it to calm down --------------------
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine (/proc/stat), or (0, 0) elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields) - idle, sum(fields)
+
+
+def others_load(seconds: float = 1.0) -> float:
+    """Cores the rest of the machine keeps busy over `seconds` (this process idle)."""
+    busy0, total0 = cpu_ticks()
+    time.sleep(seconds)
+    busy1, total1 = cpu_ticks()
+    if total1 == total0:
+        return 0.0
+    return (busy1 - busy0) / (total1 - total0) * (os.cpu_count() or 1)
+
+
+def wait_quiet(
+    threshold: float,
+    timeout: float,
+    say: Callable[[str], None] = lambda _: None,
+    window: float = 2.0,
+) -> float:
+    """Wait (at most `timeout` s) until the machine's other work uses at most `threshold`
+    cores over `window` s; the load last seen."""
+    began, said = time.perf_counter(), False
+    while True:
+        load = others_load(window)
+        if load <= threshold or time.perf_counter() - began >= timeout:
+            return load
+        if not said:
+            say(f"  waiting for the machine to go quiet: other work uses {load:.1f} cores")
+            said = True

@@ -217,11 +217,11 @@ class WeightGradBuffers:
         self.kept: list[torch.Tensor] = []
 
     def take(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        self.kept = [b for b in self.kept if b.shape == shape and b.device == device]
         for buffer in self.kept:
-            if buffer.shape == shape and buffer.device == device and _only_holder(buffer):
+            if _only_holder(buffer):
                 return buffer.view(shape)
         buffer = torch.empty(shape, dtype=torch.float32, device=device)
-        self.kept = [b for b in self.kept if b.shape == shape and b.device == device]
         if len(self.kept) < self.KEEP:
             self.kept.append(buffer)
         return buffer.view(shape)
