@@ -16,7 +16,7 @@ on this shared machine are not a pass/fail criterion.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import yaml
@@ -224,6 +224,86 @@ def test_local_markdown_and_json():
     out = local_truth.points_json(points)
     assert [p["mesh"] for p in out["points"]] == list(local_truth.LOCAL_MESHES)
     assert all(math.isfinite(p["error"]) for p in out["points"])
+
+
+def _probes_of(m: calibrate.Measured, speed: float) -> tuple:
+    """fake_measured's compute probes on a machine `speed` times as fast."""
+    gemm = {s: tuple(t / speed for t in v) for s, v in m.gemm.items()}
+    bandwidth = tuple(b * speed for b in m.bandwidth)
+    kernels = {k: (t / speed, n) for k, (t, n) in m.kernels.items()}
+    gelu = tuple(t / speed for t in m.gelu)
+    attention = {s: t / speed for s, t in m.attention.items()}
+    fixed = {n: (f / speed, b / speed) for n, (f, b) in m.fixed.items()}
+    return gemm, bandwidth, kernels, gelu, attention, fixed
+
+
+def _slower_links(gloo: dict, factor: float) -> dict:
+    return {k: tuple(t * factor for t in v) for k, v in gloo.items()}
+
+
+def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypatch):
+    """The probes run just before a local run replace the fields they decide: on a machine
+    twice as fast with gloo 1.5x as slow, every compute term halves and the links slow down;
+    the machine's fields (memory, ranks, name) stay. One rank probes no gloo: links kept."""
+    m = fake_measured()
+    stored = calibrate.write_profile(
+        tmp_path / "cpu_test.yaml", calibrate.profile_values(m, "cpu_test"), m, "test"
+    )
+    asked = []
+
+    def compute_probes_now(threads, rounds, ranks):
+        asked.append(("compute", threads, rounds, ranks))
+        return _probes_of(m, 2.0)
+
+    def gloo_probes_now(threads, rounds):
+        asked.append(("gloo", threads, rounds))
+        return _slower_links(m.gloo, 1.5)
+
+    monkeypatch.setattr(calibrate, "concurrent_compute_probes", compute_probes_now)
+    monkeypatch.setattr(calibrate, "probe_gloo", gloo_probes_now)
+    now = calibrate.probe_now(stored, ranks=2, threads=1)
+    assert asked == [("compute", 1, 1, 2), ("gloo", 1, 1)]
+    changed = {f.name for f in fields(stored) if getattr(stored, f.name) != getattr(now, f.name)}
+    assert changed <= set(calibrate.compute_values(m)) | set(calibrate.link_values(m))
+    assert {"peak_tflops", "hbm_gbps", "layer_backward_us", "gelu_forward_ns", "p2p_gbps"} <= (
+        changed
+    )
+    assert now.peak_tflops == pytest.approx(2 * stored.peak_tflops, rel=1e-4)
+    assert now.layer_forward_us == pytest.approx(stored.layer_forward_us / 2, rel=1e-3)
+    assert now.nvlink_latency_us == pytest.approx(1.5 * stored.nvlink_latency_us, rel=1e-3)
+    assert now.collective_sync_us == pytest.approx(1.5 * stored.collective_sync_us, rel=1e-3)
+    cfg = local_truth.local_config(["parallel.dp=2"])
+    fast, slow = (local_truth.project_point(cfg, c).breakdown for c in (now, stored))
+    assert fast["compute_s"] == pytest.approx(slow["compute_s"] / 2, rel=2e-3)
+
+    asked.clear()
+    solo = calibrate.probe_now(replace(stored, gpus_per_node=1), ranks=1, threads=1)
+    assert asked == [("compute", 1, 1, 1)]
+    assert solo.nvlink_latency_us == stored.nvlink_latency_us
+    assert solo.peak_tflops == now.peak_tflops
+
+
+def test_point_is_judged_by_the_median_round_probed_now():
+    cluster = load_cluster("cpu")
+    mesh = local_truth.LOCAL_MESHES["dp2"]
+    cfg = local_truth.local_config(mesh)
+    stored = local_truth.project_point(cfg, cluster)
+    rounds = [
+        local_truth.project_point(cfg, replace(cluster, peak_tflops=cluster.peak_tflops * k))
+        for k in (0.5, 1.25, 2.0)
+    ]
+    measured = rounds[1].step_time_s
+    point = local_truth.Point("dp2", mesh, [measured] * 3, [measured], [0.0], [0.0], stored,
+                              [0.2], rounds)  # fmt: skip
+    assert point.priced is rounds[1] and point.error == pytest.approx(0.0)
+    assert point.stored_error == pytest.approx(stored.step_time_s / measured - 1)
+    assert point.stored_error != pytest.approx(0.0, abs=1e-3)
+    table = local_truth.markdown([point])
+    assert "step time, probed now: mean |error| 0.0%" in table
+    assert "step time, stored profile:" in table
+    out = local_truth.points_json([point])["points"][0]
+    assert out["projected_now_s"] == [r.step_time_s for r in rounds]
+    assert out["error"] == pytest.approx(0.0)
 
 
 def test_cli_errors_are_one_line(capsys):

@@ -6,7 +6,7 @@
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
     python tools/plan.py calibrate [--out megapipe/perf/clusters/cpu.yaml] [--threads 1]
-    python tools/plan.py local [--steps 10] [--rounds 3]
+    python tools/plan.py local [--steps 10] [--rounds 3] [--stored-only] [--json]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
@@ -18,7 +18,8 @@ the error per row, mean and max, and the leave-one-out error of the calibrated c
 machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two processes) into
 a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
 meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
-with that profile (megapipe/perf/local_truth.py).
+with that profile and with its compute and gloo fields probed just before each run
+(megapipe/perf/local_truth.py; --stored-only skips the probes).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
 """
@@ -227,6 +228,10 @@ def add_local_parsers(sub) -> None:
     loc.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
     loc.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
     loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
+    loc.add_argument(
+        "--stored-only", action="store_true",
+        help="skip the compute probes before each run: the stored profile's projection only",
+    )  # fmt: skip
     loc.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -260,7 +265,7 @@ def run_local(args: argparse.Namespace, argv: list[str]) -> int:
     points = local_truth.local_points(
         args.steps, args.rounds, args.warmup, args.threads, args.solo_threads,
         profile=args.profile, solo_profile=args.solo_profile, quiet=args.quiet,
-        patience=args.patience, retries=args.retries, say=_say,
+        patience=args.patience, retries=args.retries, probe_each_run=not args.stored_only, say=_say,
     )  # fmt: skip
     if args.json:
         print(json.dumps(local_truth.points_json(points)))

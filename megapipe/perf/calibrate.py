@@ -31,7 +31,7 @@ import os
 import platform
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -149,41 +149,23 @@ def cpu_name() -> str:
     return platform.machine() or "CPU"
 
 
-def profile_values(m: Measured, name: str) -> dict:
-    """The profile's keys (cluster.Cluster) from the measurements."""
+def compute_values(m: Measured) -> dict:
+    """The profile's fields the compute probes decide (the rest are gloo's and the machine's)."""
     bandwidth = m.bandwidth[0]
     peak, e_max, knee = fit_gemm({s: v[0] for s, v in m.gemm.items()}, bandwidth)
     kernel_bytes = sum(b for _, b in m.kernels.values())
     kernel_time = sum(t for t, _ in m.kernels.values())
     mu = kernel_bytes / kernel_time / bandwidth
-    ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
-    p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
     (f1, b1), (f5, b5) = m.fixed[1], m.fixed[5]
     layer_f, layer_b = max((f5 - f1) / 4, 0.0), max((b5 - b1) / 4, 0.0)
-    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     dev = Device(peak, bandwidth, Calibration(e_max, knee, mu))
     attention = sum(attention_model(dev, s) for s in m.attention) / sum(m.attention.values())
-    sync, skew = collective_sync(m.gloo)
     return {
-        "name": name,
-        "gpu": f"{cpu_name()}, {os.cpu_count()} cores, {m.threads} torch thread(s) per rank",
         "peak_tflops": round(peak / 1e12, 6),
-        "hbm_gib": round(ram_gib / m.ranks_per_node, 2),
         "hbm_gbps": round(bandwidth / 1e9, 3),
-        "nvlink_gbps": round(ar_beta / 1e9, 4),
-        "nvlink_efficiency": 1.0,
-        "nvlink_latency_us": round(ar_alpha * 1e6, 2),
-        "gpus_per_node": m.ranks_per_node,
-        "network_gbps": round(ar_beta / 1e9 * m.ranks_per_node, 4),
-        "network_efficiency": 1.0,
-        "network_latency_us": round(ar_alpha * 1e6, 2),
-        "device": "cpu",
-        "threads": m.threads,
         "gemm_efficiency": round(e_max, 4),
         "gemm_knee": round(knee, 4),
         "memory_efficiency": round(mu, 4),
-        "p2p_gbps": round(p2p_beta / 1e9, 4),
-        "p2p_latency_us": round(p2p_alpha * 1e6, 2),
         "layer_forward_us": round(layer_f * 1e6, 1),
         "layer_backward_us": round(layer_b * 1e6, 1),
         "ends_forward_us": round(max(f1 - layer_f, 0.0) * 1e6, 1),
@@ -191,9 +173,55 @@ def profile_values(m: Measured, name: str) -> dict:
         "gelu_forward_ns": round(m.gelu[0] * 1e9, 3),
         "gelu_backward_ns": round(m.gelu[1] * 1e9, 3),
         "attention_efficiency": round(attention, 4),
+    }
+
+
+def link_values(m: Measured) -> dict:
+    """The profile's fields the gloo probes decide: the ring and p2p links, and what a
+    blocking collective costs beyond the aligned one."""
+    ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
+    p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
+    sync, skew = collective_sync(m.gloo)
+    return {
+        "nvlink_gbps": round(ar_beta / 1e9, 4),
+        "nvlink_latency_us": round(ar_alpha * 1e6, 2),
+        "network_gbps": round(ar_beta / 1e9 * m.ranks_per_node, 4),
+        "network_latency_us": round(ar_alpha * 1e6, 2),
+        "p2p_gbps": round(p2p_beta / 1e9, 4),
+        "p2p_latency_us": round(p2p_alpha * 1e6, 2),
         "collective_sync_us": round(sync * 1e6, 1),
         "collective_skew": round(skew, 4),
     }
+
+
+def profile_values(m: Measured, name: str) -> dict:
+    """The profile's keys (cluster.Cluster) from the measurements."""
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    machine = {
+        "name": name,
+        "gpu": f"{cpu_name()}, {os.cpu_count()} cores, {m.threads} torch thread(s) per rank",
+        "hbm_gib": round(ram_gib / m.ranks_per_node, 2),
+        "nvlink_efficiency": 1.0,
+        "gpus_per_node": m.ranks_per_node,
+        "network_efficiency": 1.0,
+        "device": "cpu",
+        "threads": m.threads,
+    }
+    return {**machine, **compute_values(m), **link_values(m)}
+
+
+def probe_now(cluster: Cluster, ranks: int, threads: int, rounds: int = 1) -> Cluster:
+    """`cluster` with the fields the probes decide measured now, one quick round: the compute
+    probes in `ranks` processes of `threads` threads at once (~4 s), and with two ranks or
+    more the gloo probes too (~10 s). This shared machine's speed moves by 15-30% from one
+    run to the next (other tenants' load on the host), and probes run just before a timed step
+    follow it (local_truth.py)."""
+    probed = concurrent_compute_probes(threads, rounds, ranks)
+    m = Measured(threads, ranks, *probed, gloo={})
+    if ranks == 1:
+        return replace(cluster, **compute_values(m))
+    m.gloo = probe_gloo(threads, rounds)
+    return replace(cluster, **compute_values(m), **link_values(m))
 
 
 def _probe(gloo: dict, kind: str) -> dict:

@@ -7,9 +7,10 @@ metrics.jsonl, against `perf.model.project` with the profile (runtime megapipe, 
 model prices dedicated cores; other work on the machine takes them away, so each run waits for
 the machine to go quiet, is rerun when it was disturbed, and reports the other work's load and
 the ranks' run-queue wait (/proc schedstat: time runnable without a core) next to its time.
-`timed_steps` times the same
-build()/train_step in an already initialised gloo world (the tests' worker pool) or one
-process.
+The machine's speed itself drifts between runs (a shared host), so each run is also projected
+with the profile's compute and gloo fields probed just before it (calibrate.probe_now), beside
+the stored profile's projection. `timed_steps` times the same build()/train_step in an already
+initialised gloo world (the tests' worker pool) or one process.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from megapipe.config import Config, load_config
 from megapipe.data.loader import build_data
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh
-from megapipe.perf.calibrate import default_profile
+from megapipe.perf.calibrate import default_profile, probe_now
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.model import Projection, project
 from megapipe.perf.probes import cpu_ticks, wait_quiet
@@ -217,15 +218,29 @@ class Point:
     rounds: list[float]  # median of each round
     others: list[float]  # the other work's load (cores) during each round
     wait: list[float]  # each round's run-queue wait per step (s, the most waiting rank)
-    projected: Projection
+    projected: Projection  # on the stored profile
     cpu: list[float] = field(default_factory=list)  # each round's busiest rank's CPU s/step
+    now: list[Projection] = field(default_factory=list)  # each round's, probed just before it
 
     @property
     def measured(self) -> float:
         return statistics.median(self.steps)
 
     @property
+    def priced(self) -> Projection:
+        """The projection the point is judged by: the median round's with the fields probed
+        beside the runs (local_points), else the stored profile's."""
+        if not self.now:
+            return self.projected
+        ranked = sorted(self.now, key=lambda p: p.step_time_s)
+        return ranked[(len(ranked) - 1) // 2]
+
+    @property
     def error(self) -> float:
+        return self.priced.step_time_s / self.measured - 1
+
+    @property
+    def stored_error(self) -> float:
         return self.projected.step_time_s / self.measured - 1
 
 
@@ -277,6 +292,7 @@ def local_points(
     quiet: float = 0.25,
     patience: float = 300.0,
     retries: int = 2,
+    probe_each_run: bool = True,
     say: Callable[[str], None] = lambda _: None,
 ) -> list[Point]:
     """Measure every mesh `rounds` times, alternating, and project it (module docstring).
@@ -285,77 +301,99 @@ def local_points(
     The cores are shared with other work, which the model does not know about: each run
     waits (up to `patience` s) for the rest of the machine to use at most `quiet` cores, and
     a run during which it used more is run again (up to `retries` times; the least disturbed
-    is kept). The table shows the other work's load during the runs kept."""
+    is kept). The table shows the other work's load during the runs kept.
+
+    The machine's own speed moves too, by 15-30% between runs minutes apart, while the stored
+    profile was measured once: with `probe_each_run`, the probes (calibrate.probe_now: the
+    compute ones in as many processes as the run has ranks, ~4 s, and gloo's for two ranks,
+    ~10 s) run just before each run, which is also projected with the fields they measured."""
     solo_threads = solo_threads or threads
     clusters = {
         1: load_cluster(solo_profile or default_profile(solo_threads, ranks=1)),
         2: load_cluster(profile or default_profile(threads)),
     }
-    runs: dict[str, list[Run]] = {name: [] for name in meshes}
+    runs: dict[str, list[tuple[Run, Projection | None]]] = {name: [] for name in meshes}
     for r in range(rounds):
         for name, mesh in meshes.items():
-            world = local_config(mesh).derived.world_size
+            cfg = local_config(mesh)
+            world = cfg.derived.world_size
+            ranks_threads = solo_threads if world == 1 else threads
             tries = []
             for _ in range(retries + 1):
                 wait_quiet(quiet, patience, say)
-                run = train_run(mesh, steps, warmup, solo_threads if world == 1 else threads)
-                tries.append(run)
+                now = None
+                if probe_each_run:
+                    cluster = probe_now(clusters[min(world, 2)], world, ranks_threads)
+                    now = project_point(cfg, cluster)
+                run = train_run(mesh, steps, warmup, ranks_threads)
+                tries.append((run, now))
                 say(
-                    f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s,"
-                    f" other work {run.others:.2f} cores"
+                    f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s"
+                    + (f", projected now {now.step_time_s:.3f} s" if now else "")
+                    + f", other work {run.others:.2f} cores"
                     + ("" if run.others <= quiet else " (disturbed)")
                 )
                 if run.others <= quiet:
                     break
-            runs[name].append(min(tries, key=lambda x: x.others))
-    points = []
-    for name, mesh in meshes.items():
-        cfg = local_config(mesh)
-        cluster = clusters[1 if cfg.derived.world_size == 1 else 2]
-        got = runs[name]
-        points.append(
-            Point(
-                name,
-                mesh,
-                [t for run in got for t in run.steps],
-                [statistics.median(run.steps) for run in got],
-                [run.others for run in got],
-                [max(run.wait) for run in got],
-                project_point(cfg, cluster),
-                [max(run.cpu) for run in got],
-            )
-        )
-    return points
+            runs[name].append(min(tries, key=lambda x: x[0].others))
+    return [_point(name, mesh, runs[name], clusters) for name, mesh in meshes.items()]
+
+
+def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
+    """A mesh's Point from its kept (run, projection on the fields probed just before it) rounds."""
+    cfg = local_config(mesh)
+    return Point(
+        name,
+        mesh,
+        [t for run, _ in got for t in run.steps],
+        [statistics.median(run.steps) for run, _ in got],
+        [run.others for run, _ in got],
+        [max(run.wait) for run, _ in got],
+        project_point(cfg, clusters[min(cfg.derived.world_size, 2)]),
+        [max(run.cpu) for run, _ in got],
+        [now for _, now in got if now is not None],
+    )
 
 
 def markdown(points: list[Point]) -> str:
     """The local-truth table: measured median (quartiles over every step, range of the round
-    medians), the other work's load and the ranks' run-queue wait, projected, error; then the
-    busiest rank's CPU time per step against the projection's compute + optimizer (what a rank
-    computes, whoever else shares the cores), and where the projection puts the time."""
+    medians), the other work's load and the ranks' run-queue wait; projected on the stored
+    profile and with the fields probed just before each run, each with its error; then the
+    busiest rank's CPU time per step against the judged projection's compute + optimizer (what
+    a rank computes, whoever else shares the cores), and where that projection puts the time."""
     rows = [
         "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
-        "| run-queue wait (s/step) | projected (s) | error | rank CPU (s/step) "
+        "| run-queue wait (s/step) | projected, stored profile (s) | error "
+        "| projected, probed now (s) | error | rank CPU (s/step) "
         "| projected compute + optimizer (s) | error | projected compute / tp / bubble+p2p / dp "
         "/ optimizer (s) |",
-        "|---" * 12 + "|",
+        "|---" * 14 + "|",
     ]
     for p in points:
         q = statistics.quantiles(p.steps, n=4) if len(p.steps) > 1 else [p.measured] * 3
-        b = p.projected.breakdown
+        b = p.priced.breakdown
         keys = ("compute_s", "tp_comm_s", "pipeline_bubble_p2p_s", "dp_comm_s", "optimizer_s")
         parts = " / ".join(f"{b[k]:.3f}" for k in keys)
         cpu = statistics.median(p.cpu) if p.cpu else math.nan
         work = b["compute_s"] + b["optimizer_s"]
+        now = f"{p.priced.step_time_s:.3f} | {p.error:+.1%}" if p.now else "— | —"
         rows.append(
             f"| {p.name} | {p.measured:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
             f"{min(p.rounds):.3f}-{max(p.rounds):.3f} | {statistics.median(p.others):.2f} | "
             f"{statistics.median(p.wait):.3f} | {p.projected.step_time_s:.3f} | "
-            f"{p.error:+.1%} | {cpu:.3f} | {work:.3f} | {work / cpu - 1:+.1%} | {parts} |"
+            f"{p.stored_error:+.1%} | {now} | {cpu:.3f} | {work:.3f} | {work / cpu - 1:+.1%} | "
+            f"{parts} |"
         )
-    errs = [abs(p.error) for p in points]
-    rows.append(f"\nstep time: mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}")
+    rows.append("")
+    if all(p.now for p in points):
+        rows.append("step time, probed now: " + _summary([p.error for p in points]))
+    rows.append("step time, stored profile: " + _summary([p.stored_error for p in points]))
     return "\n".join(rows)
+
+
+def _summary(errors: list[float]) -> str:
+    errs = [abs(e) for e in errors]
+    return f"mean |error| {statistics.mean(errs):.1%}, max {max(errs):.1%}"
 
 
 def points_json(points: list[Point]) -> dict:
@@ -372,9 +410,12 @@ def points_json(points: list[Point]) -> dict:
                 "other_work_cores": p.others,
                 "run_queue_wait_s": p.wait,
                 "rank_cpu_s": p.cpu,
-                "projected_s": p.projected.step_time_s,
+                "projected_stored_profile_s": p.projected.step_time_s,
+                "error_stored_profile": p.stored_error,
+                "projected_now_s": [now.step_time_s for now in p.now],
+                "projected_s": p.priced.step_time_s,
                 "error": p.error,
-                "breakdown": p.projected.breakdown,
+                "breakdown": p.priced.breakdown,
             }
             for p in points
         ],
