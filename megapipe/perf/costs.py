@@ -460,9 +460,11 @@ class CostModel:
              copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B)
         The weight is cast to the compute dtype in F and again in B; the weight grad is in B,
         tied or not (config/memory.head_deferred), then added into .grad as every weight's.
-        Grads made in forward (config/memory.head_grad_in_forward): F does all but B's logits
-        GEMM and the norm's backward (under tp each chunk's sum of exp is all-reduced at once
-        instead of one all-reduce of N); B scales the input and weight grads in place."""
+        Grads made in forward (config/memory.head_grad_in_forward): F does all of B's work but
+        its logits GEMM, their cast, subtract and exp, the second weight cast and the norm's
+        backward (F's exp is divided into the probabilities in place; under tp each chunk's sum
+        of exp is all-reduced at once instead of one all-reduce of N); B scales the input and
+        weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
         rows = min(CHUNK_ROWS, n)
@@ -473,7 +475,8 @@ class CostModel:
         table = v * d
         half = c < 4  # the bf16 path casts the logits up and the probabilities down
         f_bytes = logits * ((c + 4 if half else 0) + 4 + 8 + 8 + 4)
-        b_bytes = logits * ((c + 4 if half else 0) + 3 * 8 + (4 + c if half else 0))
+        probs = logits * (8 + (4 + c if half else 0))  # exp / sum, cast to the compute dtype
+        remake = logits * ((c + 4 if half else 0) + 2 * 8)  # B's logits: cast, subtract, exp
         accumulate = table * ((c + 4) + (k - 1) * (2 * c + 8) if half else (k - 1) * 8) + 8 * table
         f_tp = b_tp = 0.0
         if p.tp > 1:
@@ -483,9 +486,8 @@ class CostModel:
         logits_gemm = dev.gemm(rows, v, d, k, c)
         grad_gemms = dev.gemm(rows, d, v, k, c) + dev.gemm(v, d, rows, k, c)  # dgrad, wgrad
         loss_bytes = norm + f_bytes + table * self.rt.weight_cast_bytes  # F's elementwise
-        grad_bytes = b_bytes + accumulate + n * d * 12  # B's, after its logits
-        grad_bytes += table * (self.rt.weight_cast_bytes + self.rt.grad_accum_bytes)
-        if head_grad_in_forward(self.cfg):  # F makes the grads with its own logits
+        grad_bytes = probs + accumulate + n * d * 12 + table * self.rt.grad_accum_bytes
+        if head_grad_in_forward(self.cfg):  # F makes the grads with its own logits and weight
             sums = k * self._tp("all_reduce", rows * 4) - self._tp("all_reduce", n * 4)
             scale = 2 * (n * d * c + table * 4)  # B: the two grads scaled in place
             return BlockCosts(
@@ -497,7 +499,10 @@ class CostModel:
                 ZERO,
             )
         f = Work(compute=logits_gemm + dev.mem(loss_bytes), tp=f_tp)
-        b = Work(compute=logits_gemm + grad_gemms + dev.mem(2 * norm + grad_bytes), tp=b_tp)
+        remade = remake + table * self.rt.weight_cast_bytes  # B's logits and weight cast again
+        b = Work(
+            compute=logits_gemm + grad_gemms + dev.mem(2 * norm + remade + grad_bytes), tp=b_tp
+        )
         return BlockCosts(f, b, ZERO)
 
     def block(self, index: int, segment: int | None = None) -> BlockCosts:

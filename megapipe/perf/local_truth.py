@@ -228,16 +228,21 @@ class Point:
 
     @property
     def priced(self) -> Projection:
-        """The projection the point is judged by: the median round's with the fields probed
-        beside the runs (local_points), else the stored profile's."""
+        """The projection shown for the point: the round's on the fields probed just before it
+        whose ratio to its run is the median one (local_points), else the stored profile's."""
         if not self.now:
             return self.projected
-        ranked = sorted(self.now, key=lambda p: p.step_time_s)
-        return ranked[(len(ranked) - 1) // 2]
+        ranked = sorted(zip(self.now, self.rounds), key=lambda x: x[0].step_time_s / x[1])
+        return ranked[(len(ranked) - 1) // 2][0]
 
     @property
     def error(self) -> float:
-        return self.priced.step_time_s / self.measured - 1
+        """With the probes: each round's projection against its own run (the machine's speed
+        moves between rounds, the probes follow it), the median over rounds; else the stored
+        profile's projection against the median step."""
+        if not self.now:
+            return self.stored_error
+        return statistics.median(p.step_time_s / m for p, m in zip(self.now, self.rounds)) - 1
 
     @property
     def stored_error(self) -> float:
@@ -358,13 +363,14 @@ def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
 def markdown(points: list[Point]) -> str:
     """The local-truth table: measured median (quartiles over every step, range of the round
     medians), the other work's load and the ranks' run-queue wait; projected on the stored
-    profile and with the fields probed just before each run, each with its error; then the
-    busiest rank's CPU time per step against the judged projection's compute + optimizer (what
-    a rank computes, whoever else shares the cores), and where that projection puts the time."""
+    profile with its error, and with the fields probed just before each run (the rounds'
+    range) with the median of the rounds' errors; then the busiest rank's CPU time per step
+    against Point.priced's compute + optimizer (what a rank computes, whoever else shares the
+    cores), and where that projection puts the time."""
     rows = [
         "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
         "| run-queue wait (s/step) | projected, stored profile (s) | error "
-        "| projected, probed now (s) | error | rank CPU (s/step) "
+        "| projected, probed before each run (s) | error, by round | rank CPU (s/step) "
         "| projected compute + optimizer (s) | error | projected compute / tp / bubble+p2p / dp "
         "/ optimizer (s) |",
         "|---" * 14 + "|",
@@ -376,7 +382,10 @@ def markdown(points: list[Point]) -> str:
         parts = " / ".join(f"{b[k]:.3f}" for k in keys)
         cpu = statistics.median(p.cpu) if p.cpu else math.nan
         work = b["compute_s"] + b["optimizer_s"]
-        now = f"{p.priced.step_time_s:.3f} | {p.error:+.1%}" if p.now else "— | —"
+        now = "— | —"
+        if p.now:
+            projected = [x.step_time_s for x in p.now]
+            now = f"{min(projected):.3f}-{max(projected):.3f} | {p.error:+.1%}"
         rows.append(
             f"| {p.name} | {p.measured:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
             f"{min(p.rounds):.3f}-{max(p.rounds):.3f} | {statistics.median(p.others):.2f} | "
@@ -386,7 +395,7 @@ def markdown(points: list[Point]) -> str:
         )
     rows.append("")
     if all(p.now for p in points):
-        rows.append("step time, probed now: " + _summary([p.error for p in points]))
+        rows.append("step time, probed before each run: " + _summary([p.error for p in points]))
     rows.append("step time, stored profile: " + _summary([p.stored_error for p in points]))
     return "\n".join(rows)
 
@@ -413,7 +422,6 @@ def points_json(points: list[Point]) -> dict:
                 "projected_stored_profile_s": p.projected.step_time_s,
                 "error_stored_profile": p.stored_error,
                 "projected_now_s": [now.step_time_s for now in p.now],
-                "projected_s": p.priced.step_time_s,
                 "error": p.error,
                 "breakdown": p.priced.breakdown,
             }
