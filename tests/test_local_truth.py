@@ -317,6 +317,7 @@ def test_cli_errors_are_one_line(capsys):
     assert plan_cli.main(["local", "--model.d_model=8"]) == 2
     assert "local takes no --section.key=value overrides" in capsys.readouterr().err
     assert plan_cli.main(["local", "--steps", "0"]) == 2
+    assert plan_cli.main(["local", "--stored-only", "--rounds", "0"]) == 2
 
 
 def test_project_cli_takes_the_cpu_profile(capsys):
