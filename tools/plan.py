@@ -230,7 +230,7 @@ def add_local_parsers(sub) -> None:
     loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
     loc.add_argument(
         "--stored-only", action="store_true",
-        help="skip the compute probes before each run: the stored profile's projection only",
+        help="skip the probes before each run: the stored profile's projection only",
     )  # fmt: skip
     loc.add_argument("--json", action="store_true", help="one JSON object")
 

@@ -21,6 +21,8 @@ the one-process run), then gloo between two processes. The fits:
               one, as a line in the GEMM's time (`collective_sync_us`, `collective_skew`).
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
+`probe_now` measures the fields the probes decide again, one quick round, just before a timed
+run (the local truth), on a machine whose speed drifts.
 """
 
 from __future__ import annotations
