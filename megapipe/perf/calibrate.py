@@ -215,9 +215,9 @@ def profile_values(m: Measured, name: str) -> dict:
 def probe_now(cluster: Cluster, ranks: int, threads: int, rounds: int = 1) -> Cluster:
     """`cluster` with the fields the probes decide measured now, one quick round: the compute
     probes in `ranks` processes of `threads` threads at once (~4 s), and with two ranks or
-    more the gloo probes too (~10 s). This shared machine's speed moves by 15-30% from one
-    run to the next (other tenants' load on the host), and probes run just before a timed step
-    follow it (local_truth.py)."""
+    more the gloo probes too (~10 s). This shared machine's speed moves by tens of percent
+    within minutes (other tenants' load on the host); probes run just before a timed step
+    follow it for one process (local_truth.py)."""
     probed = concurrent_compute_probes(threads, rounds, ranks)
     m = Measured(threads, ranks, *probed, gloo={})
     if ranks == 1:

@@ -226,14 +226,19 @@ class Point:
     def measured(self) -> float:
         return statistics.median(self.steps)
 
+    def _by_round(self) -> list[tuple[float, Projection]]:
+        """(projected / measured, projection) of each round probed before its run, by ratio."""
+        pairs = zip(self.now, self.rounds)
+        return sorted(((p.step_time_s / m, p) for p, m in pairs), key=lambda x: x[0])
+
     @property
     def priced(self) -> Projection:
         """The projection shown for the point: the round's on the fields probed just before it
         whose ratio to its run is the median one (local_points), else the stored profile's."""
         if not self.now:
             return self.projected
-        ranked = sorted(zip(self.now, self.rounds), key=lambda x: x[0].step_time_s / x[1])
-        return ranked[(len(ranked) - 1) // 2][0]
+        ranked = self._by_round()
+        return ranked[(len(ranked) - 1) // 2][1]
 
     @property
     def error(self) -> float:
@@ -242,7 +247,7 @@ class Point:
         profile's projection against the median step."""
         if not self.now:
             return self.stored_error
-        return statistics.median(p.step_time_s / m for p, m in zip(self.now, self.rounds)) - 1
+        return statistics.median(ratio for ratio, _ in self._by_round()) - 1
 
     @property
     def stored_error(self) -> float:
@@ -308,7 +313,7 @@ def local_points(
     a run during which it used more is run again (up to `retries` times; the least disturbed
     is kept). The table shows the other work's load during the runs kept.
 
-    The machine's own speed moves too, by 15-30% between runs minutes apart, while the stored
+    The machine's own speed moves too, by tens of percent within minutes, while the stored
     profile was measured once: with `probe_each_run`, the probes (calibrate.probe_now: the
     compute ones in as many processes as the run has ranks, ~4 s, and gloo's for two ranks,
     ~10 s) run just before each run, which is also projected with the fields they measured."""
