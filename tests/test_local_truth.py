@@ -242,6 +242,26 @@ def _slower_links(gloo: dict, factor: float) -> dict:
     return {k: tuple(t * factor for t in v) for k, v in gloo.items()}
 
 
+def test_ranks_probes_are_pooled_probe_by_probe():
+    """The ranks measured at once are pooled per figure: with ranks at 1x, 2x and 4x speed,
+    every time is the 2x rank's (the median), a kernel's bytes stay, a range spans every rank's,
+    and the profile fitted from the pool is the 2x rank's."""
+    m = fake_measured()
+    ranks = [_probes_of(m, speed) for speed in (4.0, 1.0, 2.0)]
+    pooled = probes.pool_ranks(ranks)
+    middle = ranks[2]
+    gemm, bandwidth, kernels, gelu, attention, fixed = pooled
+    shape = next(iter(gemm))
+    assert gemm[shape][0] == middle[0][shape][0]
+    assert gemm[shape][1] == ranks[0][0][shape][1] and gemm[shape][2] == ranks[1][0][shape][2]
+    assert bandwidth[0] == middle[1][0]
+    assert kernels == middle[2] and gelu == middle[3] and attention == middle[4]
+    assert fixed == middle[5]
+    as_pooled = calibrate.compute_values(calibrate.Measured(1, 2, *pooled, gloo={}))
+    as_middle = calibrate.compute_values(calibrate.Measured(1, 2, *middle, gloo={}))
+    assert as_pooled == as_middle
+
+
 def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypatch):
     """The probes run just before a local run replace the fields they decide: on a machine
     twice as fast with gloo 1.5x as slow, every compute term halves and the links slow down;

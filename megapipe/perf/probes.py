@@ -315,11 +315,11 @@ def _compute_worker(rank: int, threads: int, rounds: int, start, results) -> Non
 
 
 def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
-    """`compute_probes` in `ranks` processes at the same time; rank 0's figures. The ranks of
-    one machine share its cores' caches, memory bandwidth and turbo budget: measured alone,
-    one process runs ~1.4x faster here than each of two running together (local truth, dp2's
-    rank CPU time per step against half the one-process step), so a profile for
-    `ranks_per_node` ranks is measured with that many running."""
+    """`compute_probes` in `ranks` processes at the same time, pooled over the ranks
+    (pool_ranks). The ranks of one machine share its cores' caches, memory bandwidth and
+    turbo budget: measured alone, one process runs ~1.4x faster here than each of two running
+    together (local truth, dp2's rank CPU time per step against half the one-process step), so
+    a profile for `ranks_per_node` ranks is measured with that many running."""
     if ranks == 1:
         return compute_probes(threads, rounds)
     import torch.multiprocessing as mp
@@ -337,7 +337,30 @@ def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return got[0]
+    return pool_ranks([got[r] for r in range(ranks)])
+
+
+def _pool(values: list):
+    """One figure from every rank's: the median of medians, with the widest (min, max)."""
+    first = values[0]
+    if isinstance(first, dict):
+        return {k: _pool([v[k] for v in values]) for k in first}
+    if isinstance(first, tuple) and len(first) == 3:  # (median, min, max)
+        return (
+            statistics.median(v[0] for v in values),
+            min(v[1] for v in values),
+            max(v[2] for v in values),
+        )
+    if isinstance(first, tuple):  # (s, s) of a forward and backward, or (s, bytes)
+        return tuple(statistics.median(v[i] for v in values) for i in range(len(first)))
+    return statistics.median(values)
+
+
+def pool_ranks(per_rank: list[tuple]) -> tuple:
+    """`compute_probes`' figures from every rank measured at once, pooled probe by probe:
+    the ranks measured the same kernels under the same load, so their median halves the
+    noise of one rank's single quick round (calibrate.probe_now)."""
+    return tuple(_pool([rank[i] for rank in per_rank]) for i in range(len(per_rank[0])))
 
 
 # -- the machine's other work: probes and timed runs wait for it to calm down --------------------
