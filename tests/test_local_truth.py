@@ -283,7 +283,7 @@ def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypa
     monkeypatch.setattr(calibrate, "concurrent_compute_probes", compute_probes_now)
     monkeypatch.setattr(calibrate, "probe_gloo", gloo_probes_now)
     now = calibrate.probe_now(stored, ranks=2, threads=1)
-    assert asked == [("compute", 1, 1, 2), ("gloo", 1, 1)]
+    assert asked == [("gloo", 1, 1), ("compute", 1, 1, 2)]
     changed = {f.name for f in fields(stored) if getattr(stored, f.name) != getattr(now, f.name)}
     assert changed <= set(calibrate.compute_values(m)) | set(calibrate.link_values(m))
     assert {"peak_tflops", "hbm_gbps", "layer_backward_us", "gelu_forward_ns", "p2p_gbps"} <= (
@@ -304,9 +304,52 @@ def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypa
     assert solo.peak_tflops == now.peak_tflops
 
 
-def test_point_is_judged_round_by_round_on_the_fields_probed_before_it():
+def test_probe_around_brackets_the_run_and_prices_the_mean_of_both_probes(tmp_path, monkeypatch):
+    """gloo first, then the compute probes just before the run and again just after it; the
+    profile is priced with their pool: a machine at 1x before and 3x after is priced as the
+    mean of the two probes' times, not as either one. One rank: no gloo."""
+    m = fake_measured()
+    stored = calibrate.write_profile(
+        tmp_path / "cpu_test.yaml", calibrate.profile_values(m, "cpu_test"), m, "test"
+    )
+    asked, speeds = [], iter([1.0, 3.0, 1.0, 3.0])
+
+    def compute_probes_now(threads, rounds, ranks):
+        asked.append("compute")
+        return _probes_of(m, next(speeds))
+
+    def gloo_probes_now(threads, rounds):
+        asked.append("gloo")
+        return m.gloo
+
+    def run():
+        asked.append("run")
+        return "the run's result"
+
+    monkeypatch.setattr(calibrate, "concurrent_compute_probes", compute_probes_now)
+    monkeypatch.setattr(calibrate, "probe_gloo", gloo_probes_now)
+    now, got = calibrate.probe_around(stored, 2, 1, run)
+    assert got == "the run's result"
+    assert asked == ["gloo", "compute", "run", "compute"]
+    pooled = probes.pool_ranks([_probes_of(m, 1.0), _probes_of(m, 3.0)])
+    expected = calibrate.compute_values(calibrate.Measured(1, 2, *pooled, gloo={}))
+    assert all(getattr(now, k) == v for k, v in expected.items())
+    slow, fast = (
+        calibrate.compute_values(calibrate.Measured(1, 2, *_probes_of(m, s), gloo={}))
+        for s in (1.0, 3.0)
+    )
+    assert fast["layer_forward_us"] < now.layer_forward_us < slow["layer_forward_us"]
+    assert now.layer_forward_us == pytest.approx(
+        (slow["layer_forward_us"] + fast["layer_forward_us"]) / 2, rel=1e-3
+    )
+    asked.clear()
+    calibrate.probe_around(stored, 1, 1, run)
+    assert asked == ["compute", "run", "compute"]
+
+
+def test_point_is_judged_round_by_round_on_the_fields_probed_around_it():
     """Each round's projection is set against its own run (the machine's speed moves between
-    rounds, and the probes before a run follow it): the median of the rounds' ratios."""
+    rounds, and the probes around a run follow it): the median of the rounds' ratios."""
     cluster = load_cluster("cpu")
     mesh = local_truth.LOCAL_MESHES["dp2"]
     cfg = local_truth.local_config(mesh)
@@ -324,7 +367,7 @@ def test_point_is_judged_round_by_round_on_the_fields_probed_before_it():
     assert abs(unpaired) > 0.05  # set against the median step instead, it would read wrong
     assert point.stored_error == pytest.approx(stored.step_time_s / point.measured - 1)
     table = local_truth.markdown([point])
-    assert "step time, probed before each run: mean |error| 0.0%" in table
+    assert "step time, probed around each run: mean |error| 0.0%" in table
     assert "step time, stored profile:" in table
     out = local_truth.points_json([point])["points"][0]
     assert out["projected_now_s"] == [x.step_time_s for x in now]

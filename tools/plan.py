@@ -18,8 +18,8 @@ the error per row, mean and max, and the leave-one-out error of the calibrated c
 machine's CPU (GEMMs, bandwidth, kernels, fixed time per block, gloo between two processes) into
 a profile (megapipe/perf/calibrate.py); `local` measures train.py's step time on five small
 meshes (one process, dp2, pp2 1f1b, pp2 zb_h1, tp2) and prints it against the projection
-with that profile and with its compute and gloo fields probed just before each run
-(megapipe/perf/local_truth.py; --stored-only skips the probes).
+with that profile and with its gloo fields probed before each run and its compute fields just
+before and after it (megapipe/perf/local_truth.py; --stored-only skips the probes).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
 """
@@ -230,7 +230,7 @@ def add_local_parsers(sub) -> None:
     loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
     loc.add_argument(
         "--stored-only", action="store_true",
-        help="skip the probes before each run: the stored profile's projection only",
+        help="skip the probes around each run: the stored profile's projection only",
     )  # fmt: skip
     loc.add_argument("--json", action="store_true", help="one JSON object")
 

@@ -8,7 +8,8 @@ model prices dedicated cores; other work on the machine takes them away, so each
 the machine to go quiet, is rerun when it was disturbed, and reports the other work's load and
 the ranks' run-queue wait (/proc schedstat: time runnable without a core) next to its time.
 The machine's speed itself drifts between runs (a shared host), so each run is also projected
-with the profile's compute and gloo fields probed just before it (calibrate.probe_now), beside
+with the profile's gloo fields probed just before it and its compute fields probed just before
+and just after it (calibrate.probe_around), beside
 the stored profile's projection. `timed_steps` times the same build()/train_step in an already
 initialised gloo world (the tests' worker pool) or one process.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 from megapipe.config import Config, load_config
 from megapipe.data.loader import build_data
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh
-from megapipe.perf.calibrate import default_profile, probe_now
+from megapipe.perf.calibrate import default_profile, probe_around
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.model import Projection, project
 from megapipe.perf.probes import cpu_ticks, wait_quiet
@@ -224,7 +225,7 @@ class Point:
     wait: list[float]  # each round's run-queue wait per step (s, the most waiting rank)
     projected: Projection  # on the stored profile
     cpu: list[float] = field(default_factory=list)  # each round's busiest rank's CPU s/step
-    now: list[Projection] = field(default_factory=list)  # each round's, probed just before it
+    now: list[Projection] = field(default_factory=list)  # each round's, probed around it
 
     @property
     def measured(self) -> float:
@@ -237,7 +238,7 @@ class Point:
 
     @property
     def priced(self) -> Projection:
-        """The projection shown for the point: the round's on the fields probed just before it
+        """The projection shown for the point: the round's on the fields probed around it
         whose ratio to its run is the median one (local_points), else the stored profile's."""
         if not self.now:
             return self.projected
@@ -318,9 +319,10 @@ def local_points(
     is kept). The table shows the other work's load during the runs kept.
 
     The machine's own speed moves too, by tens of percent within minutes, while the stored
-    profile was measured once: with `probe_each_run`, the probes (calibrate.probe_now: the
-    compute ones in as many processes as the run has ranks, ~4 s, and gloo's for two ranks,
-    ~10 s) run just before each run, which is also projected with the fields they measured."""
+    profile was measured once: with `probe_each_run`, the probes bracket each run
+    (calibrate.probe_around: gloo's for two ranks, ~10 s, then the compute ones in as many
+    processes as the run has ranks, ~4 s, just before the run and again just after it), which
+    is also projected with the fields they measured."""
     solo_threads = solo_threads or threads
     clusters = {
         1: load_cluster(solo_profile or default_profile(solo_threads, ranks=1)),
@@ -335,11 +337,17 @@ def local_points(
             tries = []
             for _ in range(retries + 1):
                 wait_quiet(quiet, patience, say)
+
+                def timed(mesh=mesh, threads=ranks_threads) -> Run:
+                    return train_run(mesh, steps, warmup, threads)
+
                 now = None
                 if probe_each_run:
-                    cluster = probe_now(clusters[min(world, 2)], world, ranks_threads)
+                    base = clusters[min(world, 2)]
+                    cluster, run = probe_around(base, world, ranks_threads, timed)
                     now = project_point(cfg, cluster)
-                run = train_run(mesh, steps, warmup, ranks_threads)
+                else:
+                    run = timed()
                 tries.append((run, now))
                 say(
                     f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s"
@@ -354,7 +362,7 @@ def local_points(
 
 
 def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
-    """A mesh's Point from its kept (run, projection on the fields probed just before it) rounds."""
+    """A mesh's Point from its kept (run, projection on the fields probed around it) rounds."""
     cfg = local_config(mesh)
     return Point(
         name,
@@ -372,14 +380,14 @@ def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
 def markdown(points: list[Point]) -> str:
     """The local-truth table: measured median (quartiles over every step, range of the round
     medians), the other work's load and the ranks' run-queue wait; projected on the stored
-    profile with its error, and with the fields probed just before each run (the rounds'
+    profile with its error, and with the fields probed around each run (the rounds'
     range) with the median of the rounds' errors; then the busiest rank's CPU time per step
     against Point.priced's compute + optimizer (what a rank computes, whoever else shares the
     cores), and where that projection puts the time."""
     rows = [
         "| mesh | measured (s) | steps p25-p75 | round medians | other work (cores) "
         "| run-queue wait (s/step) | projected, stored profile (s) | error "
-        "| projected, probed before each run (s) | error, by round | rank CPU (s/step) "
+        "| projected, probed around each run (s) | error, by round | rank CPU (s/step) "
         "| projected compute + optimizer (s) | error | projected compute / tp / bubble+p2p / dp "
         "/ optimizer (s) |",
         "|---" * 14 + "|",
@@ -404,7 +412,7 @@ def markdown(points: list[Point]) -> str:
         )
     rows.append("")
     if all(p.now for p in points):
-        rows.append("step time, probed before each run: " + _summary([p.error for p in points]))
+        rows.append("step time, probed around each run: " + _summary([p.error for p in points]))
     rows.append("step time, stored profile: " + _summary([p.stored_error for p in points]))
     return "\n".join(rows)
 
