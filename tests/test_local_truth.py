@@ -262,7 +262,7 @@ def test_ranks_probes_are_pooled_probe_by_probe():
     assert as_pooled == as_middle
 
 
-def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypatch):
+def test_probes_reprice_the_profile_with_what_they_measure(tmp_path, monkeypatch):
     """The probes run just before a local run replace the fields they decide: on a machine
     twice as fast with gloo 1.5x as slow, every compute term halves and the links slow down;
     the machine's fields (memory, ranks, name) stay. One rank probes no gloo: links kept."""
@@ -282,8 +282,8 @@ def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypa
 
     monkeypatch.setattr(calibrate, "concurrent_compute_probes", compute_probes_now)
     monkeypatch.setattr(calibrate, "probe_gloo", gloo_probes_now)
-    now = calibrate.probe_now(stored, ranks=2, threads=1)
-    assert asked == [("gloo", 1, 1), ("compute", 1, 1, 2)]
+    now = calibrate.probe_around(stored, 2, 1, lambda: None)[0]
+    assert asked == [("gloo", 1, 1), ("compute", 1, 1, 2), ("compute", 1, 1, 2)]
     changed = {f.name for f in fields(stored) if getattr(stored, f.name) != getattr(now, f.name)}
     assert changed <= set(calibrate.compute_values(m)) | set(calibrate.link_values(m))
     assert {"peak_tflops", "hbm_gbps", "layer_backward_us", "gelu_forward_ns", "p2p_gbps"} <= (
@@ -298,8 +298,8 @@ def test_probe_now_reprices_the_profile_with_what_it_measures(tmp_path, monkeypa
     assert fast["compute_s"] == pytest.approx(slow["compute_s"] / 2, rel=2e-3)
 
     asked.clear()
-    solo = calibrate.probe_now(replace(stored, gpus_per_node=1), ranks=1, threads=1)
-    assert asked == [("compute", 1, 1, 1)]
+    solo = calibrate.probe_around(replace(stored, gpus_per_node=1), 1, 1, lambda: None)[0]
+    assert asked == [("compute", 1, 1, 1)] * 2
     assert solo.nvlink_latency_us == stored.nvlink_latency_us
     assert solo.peak_tflops == now.peak_tflops
 

@@ -21,8 +21,8 @@ the one-process run), then gloo between two processes. The fits:
               one, as a line in the GEMM's time (`collective_sync_us`, `collective_skew`).
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
-`probe_now` measures the fields the probes decide again, one quick round, on a machine whose
-speed drifts; `probe_around` brackets a timed run (the local truth) with the compute probes.
+`probe_around` measures the fields the probes decide again, one quick round, around a timed
+run (the local truth) on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -216,27 +216,15 @@ def profile_values(m: Measured, name: str) -> dict:
     return {**machine, **compute_values(m), **link_values(m)}
 
 
-def probe_now(cluster: Cluster, ranks: int, threads: int, rounds: int = 1) -> Cluster:
-    """`cluster` with the fields the probes decide measured now, one quick round: with two
-    ranks or more the gloo probes (~10 s), then the compute probes in `ranks` processes of
-    `threads` threads at once (~4 s). This shared machine's speed moves by tens of percent
-    within minutes (other tenants' load on the host); probes run just before a timed step
-    follow it for one process (local_truth.py)."""
-    gloo = probe_gloo(threads, rounds) if ranks > 1 else {}
-    return _repriced(
-        cluster, ranks, threads, [concurrent_compute_probes(threads, rounds, ranks)], gloo
-    )
-
-
 def probe_around(
     cluster: Cluster, ranks: int, threads: int, run: Callable[[], T], rounds: int = 1
 ) -> tuple[Cluster, T]:
-    """`run()` bracketed by the probes, and `cluster` with what they measured: gloo's first
-    (two ranks or more), then the compute probes just before `run` and again just after it,
-    pooled (probes.pool_ranks: their mean). The machine's speed drifts within the seconds a
-    timed run takes, and the run's compute sits between the two; paired this tightly (the
-    probes and the steps in the same two processes, alternated six times) the probed compute
-    of a dp2 step was within 5% of the ranks' CPU time in five of six pairs."""
+    """`run()` bracketed by the probes, and `cluster` with what they measured, one quick
+    round each: gloo's first (two ranks or more, ~10 s), then the compute probes (in `ranks`
+    processes of `threads` threads at once, ~4 s) just before `run` and again just after it,
+    pooled (probes.pool_ranks: their mean). This shared machine's speed moves by tens of
+    percent within minutes (other tenants' load on the host), and the run's compute sits
+    between the two compute probes."""
     gloo = probe_gloo(threads, rounds) if ranks > 1 else {}
     before = concurrent_compute_probes(threads, rounds, ranks)
     result = run()

@@ -359,7 +359,7 @@ def _pool(values: list):
 def pool_ranks(per_rank: list[tuple]) -> tuple:
     """`compute_probes`' figures from every rank measured at once, pooled probe by probe:
     the ranks measured the same kernels under the same load, so their median halves the
-    noise of one rank's single quick round (calibrate.probe_now)."""
+    noise of one rank's single quick round (calibrate.probe_around)."""
     return tuple(_pool([rank[i] for rank in per_rank]) for i in range(len(per_rank[0])))
 
 
