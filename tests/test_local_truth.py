@@ -429,3 +429,24 @@ def test_collective_skew_waits_a_fraction_of_each_tp_layers_compute(tmp_path):
         for got, ref in ((skewed.F, plain.F), (skewed.B, plain.B)):
             assert got.compute == ref.compute
             assert got.tp == pytest.approx(ref.tp + expect * ref.compute)
+
+
+def test_collective_skew_waits_at_the_ends_collectives_too(tmp_path):
+    """The vocab-parallel embedding's all-reduce (F) and the head's cross-entropy reductions (F)
+    and input-grad all-reduce (B) meet a skewed rank as a layer's do; the embedding's B has no
+    collective and waits for no one."""
+    m = fake_measured()
+    values = calibrate.profile_values(m, "cpu_test")
+    cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
+    skew = values["collective_skew"]
+    assert skew > 0
+    cfg = load_config(TINY, ["model.n_layers=2", "parallel.tp=2"])
+    skewed = CostModel(cfg, cluster, MEGAPIPE, CALIBRATION)
+    plain = CostModel(cfg, replace(cluster, collective_skew=0.0), MEGAPIPE, CALIBRATION)
+    for index in (0, 3):
+        got, ref = skewed.block(index), plain.block(index)
+        for g, r in ((got.F, ref.F), (got.B, ref.B)):
+            assert g.compute == r.compute
+            assert g.tp == pytest.approx(r.tp + (skew * r.compute if r.tp else 0.0))
+    assert plain.block(0).F.tp > 0 and plain.block(3).B.tp > 0
+    assert skewed.block(0).B.tp == 0.0

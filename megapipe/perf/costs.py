@@ -234,9 +234,9 @@ class CostModel:
     def _skewed(self, work: Work) -> Work:
         """`work` with the ranks' arrival skew at its tp collectives (measured profiles,
         cluster.collective_skew): each collective waits for the slower rank, later by a
-        fraction of the compute since the previous one, so the layer's F (or B) waits that
-        fraction of its compute in all."""
-        if self.cfg.parallel.tp == 1 or not self.cluster.collective_skew:
+        fraction of the compute since the previous one, so a block's F (or B) with a tp
+        collective waits that fraction of its compute in all; one without waits for no one."""
+        if self.cfg.parallel.tp == 1 or not self.cluster.collective_skew or not work.tp:
             return work
         return Work(work.compute, work.tp + self.cluster.collective_skew * work.compute, work.cp)
 
@@ -508,10 +508,9 @@ class CostModel:
     def block(self, index: int, segment: int | None = None) -> BlockCosts:
         """Costs of block `index` of the GPT: 0 the embedding, 1..L layers, L+1 the head."""
         n_layers = self.cfg.model.n_layers
-        if index == 0:
-            return self.embedding(segment)
-        if index == n_layers + 1:
-            return self.head(segment)
+        if index in (0, n_layers + 1):  # the ends' collectives meet a skewed rank as a layer's do
+            ends = self.embedding(segment) if index == 0 else self.head(segment)
+            return BlockCosts(self._skewed(ends.F), self._skewed(ends.B), ends.W)
         return self.layer(layer_mode(self.cfg.recompute, index - 1), segment)
 
     def stage(self, blocks: range, segment: int | None = None) -> BlockCosts:
