@@ -450,3 +450,34 @@ def test_collective_skew_waits_at_the_ends_collectives_too(tmp_path):
             assert g.tp == pytest.approx(r.tp + (skew * r.compute if r.tp else 0.0))
     assert plain.block(0).F.tp > 0 and plain.block(3).B.tp > 0
     assert skewed.block(0).B.tp == 0.0
+
+
+def test_local_points_probe_around_each_run_and_retry_a_disturbed_one(monkeypatch):
+    """Every mesh runs once a round, bracketed by the probes, and is priced on what they
+    measured; a run the other work disturbed is run again and the least disturbed kept; with
+    probe_each_run off, nothing is probed and the point is judged on the stored profile."""
+    calls, loads = [], iter([0.9] + [0.0] * 20)  # the first run is disturbed
+
+    def train_run(mesh, steps, warmup, threads):
+        calls.append(("run", tuple(mesh)))
+        return local_truth.Run([0.5] * steps, [0.0], next(loads), [0.4])
+
+    def probe_around(cluster, ranks, threads, run):
+        calls.append(("probe", ranks))
+        return replace(cluster, peak_tflops=2 * cluster.peak_tflops), run()
+
+    monkeypatch.setattr(local_truth, "train_run", train_run)
+    monkeypatch.setattr(local_truth, "probe_around", probe_around)
+    monkeypatch.setattr(local_truth, "wait_quiet", lambda *a: None)
+    meshes = {"1 process": [], "dp2": ["parallel.dp=2"]}
+    points = local_truth.local_points(steps=3, rounds=2, meshes=meshes, quiet=0.25)
+    probed = [ranks for kind, ranks in calls if kind == "probe"]
+    assert probed == [1, 1, 2, 1, 2]  # round 1: one process twice (disturbed), dp2; round 2
+    assert calls[:4] == [("probe", 1), ("run", ()), ("probe", 1), ("run", ())]
+    for p in points:
+        assert len(p.now) == 2 and p.others == [0.0, 0.0]
+        assert p.priced.step_time_s < p.projected.step_time_s  # the probed machine is faster
+    calls.clear()
+    plain = local_truth.local_points(steps=3, rounds=1, meshes=meshes, probe_each_run=False)
+    assert [c[0] for c in calls] == ["run", "run"]
+    assert all(p.error == p.stored_error and not p.now for p in plain)

@@ -343,7 +343,7 @@ def local_points(
 
                 now = None
                 if probe_each_run:
-                    base = clusters[min(world, 2)]
+                    base = _profile_of(clusters, world)
                     cluster, run = probe_around(base, world, ranks_threads, timed)
                     now = project_point(cfg, cluster)
                 else:
@@ -361,6 +361,12 @@ def local_points(
     return [_point(name, mesh, runs[name], clusters) for name, mesh in meshes.items()]
 
 
+def _profile_of(clusters: dict[int, Cluster], world: int) -> Cluster:
+    """The stored profile a run of `world` ranks is priced on: one process's own, else the
+    two-rank one (LOCAL_MESHES have at most two)."""
+    return clusters[min(world, 2)]
+
+
 def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
     """A mesh's Point from its kept (run, projection on the fields probed around it) rounds."""
     cfg = local_config(mesh)
@@ -371,7 +377,7 @@ def _point(name: str, mesh: list[str], got: list, clusters: dict) -> Point:
         [statistics.median(run.steps) for run, _ in got],
         [run.others for run, _ in got],
         [max(run.wait) for run, _ in got],
-        project_point(cfg, clusters[min(cfg.derived.world_size, 2)]),
+        project_point(cfg, _profile_of(clusters, cfg.derived.world_size)),
         [max(run.cpu) for run, _ in got],
         [now for _, now in got if now is not None],
     )

@@ -340,27 +340,30 @@ def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
     return pool_ranks([got[r] for r in range(ranks)])
 
 
-def _pool(values: list):
-    """One figure from every rank's: the median of medians, with the widest (min, max)."""
-    first = values[0]
-    if isinstance(first, dict):
-        return {k: _pool([v[k] for v in values]) for k in first}
-    if isinstance(first, tuple) and len(first) == 3:  # (median, min, max)
-        return (
-            statistics.median(v[0] for v in values),
-            min(v[1] for v in values),
-            max(v[2] for v in values),
-        )
-    if isinstance(first, tuple):  # (s, s) of a forward and backward, or (s, bytes)
-        return tuple(statistics.median(v[i] for v in values) for i in range(len(first)))
-    return statistics.median(values)
+def _spread(values: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(median, min, max) figures of every rank as one: the median of the medians, with the
+    widest range."""
+    return (
+        statistics.median(v[0] for v in values),
+        min(v[1] for v in values),
+        max(v[2] for v in values),
+    )
 
 
 def pool_ranks(per_rank: list[tuple]) -> tuple:
     """`compute_probes`' figures from every rank measured at once, pooled probe by probe:
     the ranks measured the same kernels under the same load, so their median halves the
     noise of one rank's single quick round (calibrate.probe_around)."""
-    return tuple(_pool([rank[i] for rank in per_rank]) for i in range(len(per_rank[0])))
+    gemm, bandwidth, kernels, gelu, attention, fixed = zip(*per_rank)
+    median = statistics.median
+    return (
+        {shape: _spread([g[shape] for g in gemm]) for shape in gemm[0]},
+        _spread(bandwidth),
+        {k: (median(r[k][0] for r in kernels), kernels[0][k][1]) for k in kernels[0]},
+        tuple(median(g[i] for g in gelu) for i in (0, 1)),
+        {shape: median(a[shape] for a in attention) for shape in attention[0]},
+        {n: tuple(median(f[n][i] for f in fixed) for i in (0, 1)) for n in fixed[0]},
+    )
 
 
 # -- the machine's other work: probes and timed runs wait for it to calm down --------------------
