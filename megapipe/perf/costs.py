@@ -405,7 +405,7 @@ class CostModel:
             compute=dev.mem(2 * fwd + table),
             tp=self._tp("all_gather", out) if p.sequence_parallel else 0.0,
         )
-        res = self._cache[key] = BlockCosts(f, b, ZERO)
+        res = self._cache[key] = BlockCosts(self._skewed(f), self._skewed(b), ZERO)
         return res
 
     def head(self, segment: int | None = None) -> BlockCosts:
@@ -413,7 +413,8 @@ class CostModel:
         if key in self._cache:
             return self._cache[key]
         if self.rt.name in FUSED_HEAD_RUNTIMES:
-            res = self._cache[key] = self._fused_head(shapes(self.cfg, segment))
+            fused = self._fused_head(shapes(self.cfg, segment))
+            res = self._cache[key] = BlockCosts(self._skewed(fused.F), self._skewed(fused.B), ZERO)
             return res
         x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
         d, c = m.d_model, self.c
@@ -437,6 +438,7 @@ class CostModel:
         b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + dev.mem(2 * norm + 12 * logits), tp=b_tp)
         # a tied head is F.linear on the table: its weight grad comes in B
         tied = m.tie_embeddings
+        f, b = self._skewed(f), self._skewed(b)
         res = self._cache[key] = BlockCosts(f, b + wgrad, ZERO) if tied else BlockCosts(f, b, wgrad)
         return res
 
@@ -508,9 +510,10 @@ class CostModel:
     def block(self, index: int, segment: int | None = None) -> BlockCosts:
         """Costs of block `index` of the GPT: 0 the embedding, 1..L layers, L+1 the head."""
         n_layers = self.cfg.model.n_layers
-        if index in (0, n_layers + 1):  # the ends' collectives meet a skewed rank as a layer's do
-            ends = self.embedding(segment) if index == 0 else self.head(segment)
-            return BlockCosts(self._skewed(ends.F), self._skewed(ends.B), ends.W)
+        if index == 0:
+            return self.embedding(segment)
+        if index == n_layers + 1:
+            return self.head(segment)
         return self.layer(layer_mode(self.cfg.recompute, index - 1), segment)
 
     def stage(self, blocks: range, segment: int | None = None) -> BlockCosts:

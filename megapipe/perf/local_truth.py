@@ -9,9 +9,9 @@ the machine to go quiet, is rerun when it was disturbed, and reports the other w
 the ranks' run-queue wait (/proc schedstat: time runnable without a core) next to its time.
 The machine's speed itself drifts between runs (a shared host), so each run is also projected
 with the profile's gloo fields probed just before it and its compute fields probed just before
-and just after it (calibrate.probe_around), beside
-the stored profile's projection. `timed_steps` times the same build()/train_step in an already
-initialised gloo world (the tests' worker pool) or one process.
+and just after it (calibrate.probe_around), beside the stored profile's projection.
+`timed_steps` times the same build()/train_step in an already initialised gloo world (the
+tests' worker pool) or one process.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class Point:
         return statistics.median(self.steps)
 
     def _by_round(self) -> list[tuple[float, Projection]]:
-        """(projected / measured, projection) of each round probed before its run, by ratio."""
+        """(projected / measured, projection) of each round probed around its run, by ratio."""
         pairs = zip(self.now, self.rounds)
         return sorted(((p.step_time_s / m, p) for p, m in pairs), key=lambda x: x[0])
 
@@ -334,13 +334,13 @@ def local_points(
             cfg = local_config(mesh)
             world = cfg.derived.world_size
             ranks_threads = solo_threads if world == 1 else threads
+
+            def timed(mesh=mesh, threads=ranks_threads) -> Run:
+                return train_run(mesh, steps, warmup, threads)
+
             tries = []
             for _ in range(retries + 1):
                 wait_quiet(quiet, patience, say)
-
-                def timed(mesh=mesh, threads=ranks_threads) -> Run:
-                    return train_run(mesh, steps, warmup, threads)
-
                 now = None
                 if probe_each_run:
                     base = _profile_of(clusters, world)
