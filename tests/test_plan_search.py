@@ -1,4 +1,5 @@
-"""The planner (megapipe/perf/search.py, `python tools/plan.py search`).
+"""The planner (megapipe/perf/search.py, its space perf/space.py and bounds perf/bounds.py;
+`python tools/plan.py search`).
 
 - Exactness on a small cluster: every candidate of the space checked by brute force (config
   rules, perf/memory.plan, perf/model.project); no feasible one projects faster than the
@@ -26,10 +27,11 @@ from megapipe.config import flops as config_flops
 from megapipe.perf import load_cluster, project
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import search as plan_search
+from megapipe.perf import space as plan_space
 from megapipe.perf import table1 as t1
+from megapipe.perf.bounds import Bounds
 from megapipe.perf.cluster import CLUSTER_DIR
 from megapipe.perf.model import GIB
-from megapipe.perf.search import Bounds
 from tools import plan as plan_cli
 
 REL = 1e-9  # the bounds and the projection sum the same floats in other orders
@@ -71,8 +73,8 @@ def test_search_is_exact_on_a_small_cluster(cached_segments):
     bounds = Bounds(base, cluster, result.runtime, plan_search.CALIBRATION)
 
     feasible, over, checked = [], 0, 0
-    for c in plan_search.candidates(base, GPUS, PER_NODE):
-        if plan_search.too_costly(c):
+    for c in plan_space.candidates(base, GPUS, PER_NODE):
+        if plan_space.too_costly(c):
             continue
         try:
             cfg = c.config(base)
@@ -154,7 +156,7 @@ def test_a_model_that_fits_nowhere_says_the_least_it_needs(capsys, tmp_path):
     err = _error(capsys)
     base, fixed = plan_search.base_config(None, [o[2:] for o in overrides])
     least = min(
-        perf_memory.plan(c.config(base)).max for c in plan_search.candidates(base, 1, 8, fixed)
+        perf_memory.plan(c.config(base)).max for c in plan_space.candidates(base, 1, 8, fixed)
     )
     assert least > 16 * GIB
     assert f"{least / GIB:.1f} GiB" in err and "16 GiB" in err

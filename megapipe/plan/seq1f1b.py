@@ -42,8 +42,8 @@ def segment_flops(lengths, params: float, layers: int, d_model: int) -> list[flo
     return flops
 
 
-# Pure in its numbers and its result is frozen: the planner (perf/search.py) asks for the same
-# splits thousands of times through config/memory.
+# Pure in its numbers and its result is frozen: the planner's bounds (perf/bounds.py) ask for
+# the same splits thousands of times through config/memory.
 @functools.lru_cache(maxsize=4096)
 def balanced_segments(
     seq_len: int, k: int, params: float, layers: int, d_model: int, granularity: int = 1

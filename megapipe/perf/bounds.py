@@ -1,0 +1,531 @@
+"""The planner's lower bounds (perf/search.py prunes the space with them): for each candidate
+two from arithmetic alone, no schedule built: memory (each rank's weights, grads and AdamW
+state plus one microbatch's activations through its chunks: every schedule has at least that
+in flight on every rank when the last chunk's forward of the first microbatch starts) and step
+time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory.plan's peak without
+timing the schedule).
+
+The time bound, from the per-stage costs the projection uses (perf/costs.py): a rank cannot
+start before the first microbatch's forwards on the stages below its lowest one (head), then
+runs all of its actions one after another (busy); the last backward that sends a gradient from
+its lowest stage (its last action, or under a B/W split its last B, after all of its F and B)
+is followed by the input-grad chain down to stage 0 (tail). So the pipeline ends no earlier
+than max over ranks of head + busy and head + (busy, less W under a split) + tail; the dp
+reduction adds at least its last bucket (overlapped) or all of it (not overlapped), then the
+optimizer step. For 1F1B on equal stages this is its makespan, (m + pp − 1)·(F + B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from megapipe.config import Config
+from megapipe.config import stages as config_stages
+from megapipe.config.flops import segment_bounds
+from megapipe.config.memory import (
+    GRAD_BYTES,
+    WEIGHT_BYTES,
+    attention_path,
+    optimizer_bytes,
+    segments,
+)
+from megapipe.config.stages import partition, placement_of, schedule_of
+from megapipe.parallel.recompute import layer_mode
+from megapipe.perf.cluster import Cluster
+from megapipe.perf.comm import group_link, ring_time
+from megapipe.perf.costs import ZERO, BlockCosts, Calibration, CostModel, Work, shapes
+from megapipe.perf.memory import chunk_params
+from megapipe.perf.model import _dp_plan, _optimizer
+from megapipe.perf.pipeline import _PLAIN_OPTIONS, KIND_INDEX, schedule_key
+from megapipe.perf.runtime import Runtime
+from megapipe.perf.space import Candidate
+from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Placement
+from megapipe.plan.schedules import SCHEDULES
+from megapipe.train.memory import _segment_activations, chunk_activations, chunk_deferred
+
+EPS = 1e-9  # relative slack on the bounds: they sum the same floats in another order
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A candidate's lower bounds: step time, peak memory, and what bounds its memory if its
+    step is to take at most a given time (`memory_by`)."""
+
+    time: float
+    memory: float
+    states: list[float]  # per pp rank: weights, grads and AdamW bytes (tp rank 0)
+    spans: list[float]  # per pp rank: a microbatch's least time from its forward to its
+    # backward on the rank's lowest stage (the stages above: F, then B back down)
+    firsts: list[float]  # per pp rank: one microbatch's activations on that stage (bytes)
+    microbatches: int
+    after: float  # the optimizer's least seconds after the pipeline
+
+    def memory_by(self, step: float) -> float:
+        """Peak memory bound given a step of at most `step` seconds. Each microbatch holds its
+        activations on a rank's lowest stage from its forward to its backward there, at least
+        `spans` apart, so in a pipeline of at most step − after seconds at least
+        m · span / (step − after) of them are held at once (the m intervals' total length over
+        the pipeline's): a schedule that keeps fewer in flight is slower than `step`."""
+        room = step - self.after
+        if room <= 0:
+            return math.inf
+        return max(
+            s + max(1, math.ceil(self.microbatches * span * (1 - EPS) / room)) * a
+            for s, span, a in zip(self.states, self.spans, self.firsts)
+        )
+
+
+class Bounds:
+    """Lower bounds on candidates' step time and peak memory (module docstring).
+
+    Three levels share cached parts: `coarse` bounds a group of candidates (any schedule and
+    vpp) from whole-model sums; `__call__` bounds one candidate from its partition and
+    placement. Seq1F1B's segment costs are left to the projection (the segments' bounds call
+    plan/seq1f1b.balanced_segments, milliseconds each): its bounds use the whole sequence's
+    costs with the attention core at its FLOPs at e_max (a segment's GEMMs, on fewer rows, and
+    its other work cost no less: perf/costs.py), and the first segment's GEMMs for the chains.
+    """
+
+    def __init__(self, base: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
+        self.base, self.cluster, self.runtime, self.cal = base, cluster, runtime, cal
+        self.device = getattr(cluster, "device", "cuda")  # the kernels the memory plan counts
+        self._models: dict[tuple, tuple[Config, CostModel]] = {}
+        self._plains: dict[tuple, tuple[Config, CostModel]] = {}
+        self._parts: dict[int, list[range]] = {}
+        self._stage_costs: dict[tuple, tuple] = {}
+        self._pipes: dict[tuple, tuple] = {}
+        self._states: dict[tuple, tuple] = {}
+        self._acts: dict[tuple, float] = {}
+        self._layers: dict[tuple, tuple] = {}
+        self._segments: dict[tuple, list] = {}
+        self._counts: dict[tuple, int] = {}
+        self._bytes: dict[tuple, float] = {}
+        self._sums: dict[tuple, tuple] = {}
+        self._schedules: dict[tuple, dict] = {}
+
+    @staticmethod
+    def group(c: Candidate) -> tuple:
+        """The candidates `coarse` bounds together: one mesh, micro-batch count, sequence
+        parallelism, recompute, Seq1F1B segment count and zero; any schedule and vpp."""
+        segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
+        return (c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
+                c.zero)  # fmt: skip
+
+    # -- the group bound -------------------------------------------------------------------
+
+    def coarse(self, c: Candidate, pipedream: bool = False) -> tuple[float, float]:
+        """(step time, peak memory) bounds for c's whole group, whatever the schedule and
+        vpp: the busiest rank has at least the mean work, m · (F + B + W of every block) / pp,
+        and the mean dp reduction after it when the runtime does not overlap it; the first
+        microbatch (segment) goes forward through every stage and backward back; then the
+        optimizer's mean step. Memory: the mean over pp ranks of the states and one
+        microbatch's activations. `pipedream`: a group that steps inside its backwards (no
+        dp or optimizer after the pipeline)."""
+        tp, cp, pp, dp, mb, sp, rec, segs, zero = self.group(c)
+        cfg = c.config(self.base, check=False)
+        plain, cm = self._plain(cfg)
+        everything = range(0, cfg.model.n_layers + 2)
+        total, fb, f0, g0 = self._block_sums(cfg, everything, split=True)
+        busy = mb * total / pp
+        chain = f0 + g0
+        acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
+        params = self._params(cfg) / pp  # a rank's mean parameters (tp rank 0)
+        states = params * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(math.ceil(params), cfg)
+        memory = states + acts / pp
+        if pipedream:
+            return max(busy, chain), memory
+        shape = (pp, dp, cp, tp)
+        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, [[params]])
+        reduce = 0.0
+        if not self.runtime.dp_overlap:  # ring times are affine in bytes: the mean's
+            kind = "reduce_scatter" if zero and dp * cp > 1 else "all_reduce"
+            link = group_link(self.cluster, shape, ("dp", "cp"))
+            reduce = ring_time(kind, params * (self.runtime.grad_bytes or cm.c), dp * cp, link)
+        return max(busy + reduce, chain) + opt.step + opt.gather, memory
+
+    def _params(self, cfg: Config) -> float:
+        """Parameters over all of tp rank 0's chunks, at least: the embedding, the layers and
+        the head each in a chunk of their own (each holds a tied table's copy) under pp > 1;
+        one chunk holds both ends, so at least the layers and the larger end, under pp = 1."""
+        n_layers = cfg.model.n_layers
+        layer = self._chunk_params(cfg, range(1, 2), 0)
+        embed = self._chunk_params(cfg, range(0, 1), 0)
+        head = self._chunk_params(cfg, range(n_layers + 1, n_layers + 2), 0)
+        ends = embed + head if cfg.parallel.pp > 1 else max(embed, head)
+        return float(n_layers * layer + ends)
+
+    def _chunk_params(self, cfg: Config, blocks: range, tp_rank: int) -> int:
+        """perf/memory.chunk_params, cached by what it depends on here (the model is fixed):
+        tp, sequence parallelism, which blocks the chunk holds (the layers are alike)."""
+        p, n_layers = cfg.parallel, cfg.model.n_layers
+        embed, head = 0 in blocks, n_layers + 1 in blocks
+        key = (p.tp, p.sequence_parallel, embed, len(blocks) - embed - head, head, tp_rank)
+        if key not in self._counts:
+            self._counts[key] = chunk_params(cfg, blocks, tp_rank)
+        return self._counts[key]
+
+    # -- the candidate bound ---------------------------------------------------------------
+
+    def __call__(self, c: Candidate, fine: bool = True) -> Bound:
+        """The bounds of one candidate (module docstring); a ConfigError or ValueError when
+        it breaks a rule the arithmetic meets. `fine=False`: a Seq1F1B candidate's from the
+        whole sequence's costs (cheap, looser)."""
+        spec = SCHEDULES[c.schedule]
+        piped = c.pp > 1
+        vpp = c.vpp if piped else 1
+        style = spec.placement if piped else "loop"
+        split = piped and spec.split_backward
+        cfg = None
+        key = (self.group(c)[:-1], style, vpp, split, fine)
+        if key not in self._pipes:
+            cfg = c.config(self.base, check=False)
+            self._pipes[key] = self._pipeline(c, cfg, split, fine)
+        ends, chain, acts, spans, firsts = self._pipes[key]
+        skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero)
+        if skey not in self._states:
+            self._states[skey] = self._state(cfg or c.config(self.base, check=False))
+        states, after, opt = self._states[skey]
+        memory = max(s + a for s, a in zip(states, acts))
+        if piped and c.schedule == "pipedream_async":  # updates inside the backwards
+            time_lb, opt = max(max(ends), chain), 0.0
+        else:
+            time_lb = max(max(e + a for e, a in zip(ends, after)), chain + after[0]) + opt
+        return Bound(time_lb, memory, states, spans, firsts, c.microbatches, opt)
+
+    def _pipeline(self, c: Candidate, cfg: Config, split: bool, fine: bool):
+        """Per rank: head + busy (the rank's end, at least); the chain bound over all ranks
+        (head + its F and B + tail); per rank one microbatch's activations (bytes)."""
+        place = placement_of(cfg) if cfg.parallel.pp > 1 else Placement(1, 1)
+        segmented = self._segmented(cfg)
+        fine = fine and segmented
+        plain, cm = self._plain(cfg)
+        key = (id(cm), place.num_stages, split, _seg_key(cfg) if segmented else None, fine)
+        if key not in self._stage_costs:
+            stages = self._stages(cfg, place.num_stages)
+            sums = self._segment_sums if fine else self._block_sums
+            per = [sums(cfg, blocks, split) for blocks in stages]
+            head = list(itertools.accumulate((x[2] for x in per), initial=0.0))
+            tail = list(itertools.accumulate((x[3] for x in per), initial=0.0))
+            with_acts = fine or self._acts_bound(cfg)
+            acts = [self._activations(cfg if fine else plain, b) if with_acts else 0.0
+                    for b in stages]  # fmt: skip
+            self._stage_costs[key] = ([x[0] for x in per], [x[1] for x in per], head, tail, acts)
+        total, fb, head, tail, stage_acts = self._stage_costs[key]
+        mb = cfg.parallel.microbatches
+        ends, chain, acts, spans, firsts = [], 0.0, [], [], []
+        n = place.num_stages
+        for r in range(place.pp):
+            own = [place.stage(r, k) for k in range(place.vpp)]
+            low = min(own)
+            ends.append(head[low] + mb * sum(total[s] for s in own))
+            chain = max(chain, head[low] + mb * sum(fb[s] for s in own) + tail[low])
+            acts.append(sum(stage_acts[s] for s in own))
+            spans.append(head[n] - head[low] + tail[n] - tail[low])
+            firsts.append(stage_acts[low])
+        return ends, chain, acts, spans, firsts
+
+    def _state(self, cfg: Config):
+        """Per rank the state bytes (weights, grads, AdamW) and the dp reduction's least part
+        after the rank's last action; the optimizer step (seconds)."""
+        p = cfg.parallel
+        place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
+        stages = self._stages(cfg, place.num_stages)
+        held = [
+            [self._chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
+            for r in range(place.pp)
+        ]
+        states = [sum(h) * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(sum(h), cfg) for h in held]
+        _, cm = self._plain(cfg)
+        shape = (p.pp, p.dp, p.cp, p.tp)
+        dp = _dp_plan(cfg, self.cluster, self.runtime, shape, held,
+                      self.runtime.grad_bytes or cm.c)  # fmt: skip
+        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, held)
+        last_rank = place.locate(place.num_stages - 1)[0]
+        after = [
+            (min(dp.last_bucket[r]) if self.runtime.dp_overlap else dp.total[r])
+            + (dp.tied if r in (0, last_rank) else 0.0)
+            for r in range(place.pp)
+        ]
+        return states, after, opt.step + opt.gather
+
+    # -- shared parts ----------------------------------------------------------------------
+
+    def _plain(self, cfg: Config) -> tuple[Config, CostModel]:
+        """`cfg` unsegmented (1f1b) and its cost model, shared by the configs whose blocks
+        cost the same: the same tp, cp, micro-batch size, sequence parallelism and recompute,
+        and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
+        p = cfg.parallel
+        mesh = (p.tp, p.cp, p.pp, p.dp, p.microbatches, p.sequence_parallel, cfg.recompute.mode)
+        if mesh not in self._plains:
+            shape = (p.pp, p.dp, p.cp, p.tp)
+            links = (group_link(self.cluster, shape, ("tp",)),
+                     group_link(self.cluster, shape, ("cp",)))  # fmt: skip
+            key = _block_key(cfg, links)
+            if key not in self._models:
+                plain = dataclasses.replace(
+                    cfg, parallel=dataclasses.replace(p, schedule="1f1b", vpp=1, seq_segments=1)
+                )
+                self._models[key] = (plain, CostModel(plain, self.cluster, self.runtime, self.cal))
+            self._plains[mesh] = self._models[key]
+        return self._plains[mesh]
+
+    def _stages(self, cfg: Config, n_stages: int) -> list[range]:
+        if n_stages not in self._parts:  # the partition depends on the model and balance only
+            self._parts[n_stages] = partition(cfg, n_stages)
+        return self._parts[n_stages]
+
+    def _segmented(self, cfg: Config) -> bool:
+        p = cfg.parallel
+        return p.pp > 1 and SCHEDULES[p.schedule].segmented and p.seq_segments > 1
+
+    def _block_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
+        """Over `blocks`, one microbatch: (F + B + W; F + B, with W under no split; the first
+        segment's F; its chain backward: B, with W under no split). Unsegmented: the cost
+        model's stage costs. Segmented: those of the whole sequence less each layer's attention
+        excess, and the first segment's layer GEMMs."""
+        _, cm = self._plain(cfg)
+        p = cfg.parallel
+        segmented = self._segmented(cfg)
+        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1) if segmented else None
+        key = (id(cm), blocks.start, blocks.stop, split, seg_key)
+        if key not in self._sums:
+            self._sums[key] = self._block_sums_of(cfg, cm, blocks, split, segmented)
+        return self._sums[key]
+
+    def _block_sums_of(self, cfg, cm, blocks, split, segmented) -> tuple:
+        x = _stage(cm, blocks)
+        total = x.F.total + x.B.total + x.W.total
+        fb = x.F.total + x.B.total + (0.0 if split else x.W.total)
+        if not segmented:
+            return total, fb, x.F.total, x.B.total + (0.0 if split else x.W.total)
+        less, f0, g0 = 0.0, 0.0, 0.0
+        n_layers = cfg.model.n_layers
+        modes = Counter(layer_mode(cfg.recompute, i - 1) for i in blocks if 0 < i <= n_layers)
+        for mode, n in modes.items():
+            excess, f, b, w = self._layer_floor(cfg, mode)
+            less, f0, g0 = less + n * excess, f0 + n * f, g0 + n * (b + (0.0 if split else w))
+        return total - less, fb - less, f0, g0  # (the excess is in F and B, never in W)
+
+    def _segment_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
+        """_block_sums from the segments' own costs: summed over the segments, and the
+        smallest segment's F and chain backward."""
+        p = cfg.parallel
+        shape = (p.pp, p.dp, p.cp, p.tp)
+        links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
+        key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
+               cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
+        if key not in self._models:
+            self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
+        cm = self._models[key][1]
+        costs = [_stage(cm, blocks, seg) for seg in range(p.seq_segments)]
+        grad = [x.B.total + (0.0 if split else x.W.total) for x in costs]
+        return (
+            sum(x.F.total + x.B.total + x.W.total for x in costs),
+            sum(x.F.total for x in costs) + sum(grad),
+            min(x.F.total for x in costs),
+            min(grad),
+        )
+
+    def _layer_floor(self, cfg: Config, mode: str) -> tuple[float, float, float, float]:
+        """For one layer at recompute `mode`: its attention core's seconds (F, B and the
+        recompute's share) less the same FLOPs at e_max (4·hd·pairs per head forward,
+        backward 2.5× fused or 2× unfused: its four GEMMs over the full score matrix),
+        and the first Seq1F1B segment's GEMM seconds of F, B (with the recompute's F under
+        full) and W."""
+        plain, cm = self._plain(cfg)
+        p = cfg.parallel
+        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1)
+        key = (id(cm), mode, seg_key)
+        if key not in self._layers:
+            if seg_key not in self._segments:
+                self._segments[seg_key] = segment_bounds(cfg)
+            start, end = self._segments[seg_key][0]
+            x, dev = shapes(plain), cm.dev
+            fwd, bwd = cm._attention(x)
+            flops = 4.0 * x.hd * x.pairs * x.b * x.h
+            best = dev.peak * dev.cal.gemm
+            bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
+            again = 1 if mode in ("full", "selective") else 0
+            excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
+            first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
+            gemms = cm._gemms(first)
+            f = sum(dev.gemm(m, n, k, 1, cm.c) for m, n, k in gemms)
+            b = sum(dev.gemm(m, k, n, 1, cm.c) for m, n, k in gemms)
+            w = sum(dev.gemm(k, n, m, 1, cm.c) for m, n, k in gemms)
+            self._layers[key] = (excess, f, b + (f if mode == "full" else 0.0), w)
+        return self._layers[key]
+
+    def _acts_bound(self, cfg: Config) -> bool:
+        """Whether the whole sequence's activations bound a microbatch's: always unsegmented;
+        under Seq1F1B unless the attention keeps its s² probabilities (the math path), whose
+        segments keep less (config/memory.layer_terms: every other term grows with tokens)."""
+        return not self._segmented(cfg) or attention_path(cfg, self.device) != "math"
+
+    def _activations(self, cfg: Config, blocks: range) -> float:
+        """One microbatch's activation bytes through `blocks` (over its Seq1F1B segments),
+        summed per block (embedding, layer by recompute mode, head): config/memory.py's terms
+        add block by block."""
+        n_layers, total = cfg.model.n_layers, 0.0
+        p = cfg.parallel
+        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
+        if (mesh, blocks.start, blocks.stop) in self._acts:
+            return self._acts[mesh, blocks.start, blocks.stop]
+        for b in blocks:
+            if b in (0, n_layers + 1):
+                kind = "embedding" if b == 0 else "head"
+            else:
+                kind = layer_mode(cfg.recompute, b - 1)
+            if (mesh, kind) not in self._acts:
+                self._acts[mesh, kind] = chunk_activations(cfg, range(b, b + 1), self.device)
+            total += self._acts[mesh, kind]
+        self._acts[mesh, blocks.start, blocks.stop] = total
+        return total
+
+    # -- the exact memory ------------------------------------------------------------------
+
+    def memory(self, cfg: Config) -> tuple[float, tuple[int, int]]:
+        """perf/memory.plan(cfg).max and .argmax, without timing the schedule: a rank runs its
+        actions one after another, so the events train/memory.peak_inflight sorts by time
+        (an F's allocation at its start, a B's, W's or BW's release at its end, releases
+        first at a tie) come in the order of the rank's action list, and the peak in flight
+        is the running sum's in that order (tests/test_plan_search.py holds the two equal)."""
+        p = cfg.parallel
+        place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
+        stages = self._stages(cfg, place.num_stages)
+        seg_ids = segments(cfg)
+        n_seg = len(seg_ids)
+        codes = self._codes(cfg, n_seg) if p.pp > 1 else None
+        best, where = -math.inf, (0, 0)
+        for r in range(place.pp):
+            chunks = [stages[place.stage(r, k)] for k in range(place.vpp)]
+            size = [[self._block_bytes(cfg, b, i, False) for i in seg_ids] for b in chunks]
+            acts = tuple(sum(per_seg) for per_seg in size)
+            inflight = 1.0
+            if codes is not None:
+                unit = sum(x for per_seg in size for x in per_seg) or 1.0
+                table = np.zeros(4 * place.vpp * n_seg)
+                for c, blocks in enumerate(chunks):
+                    for k, i in enumerate(seg_ids):
+                        held = size[c][k] / unit
+                        keep = self._block_bytes(cfg, blocks, i, True) / unit
+                        for kind, delta in _DELTA.items():
+                            table[(KIND_INDEX[kind] * place.vpp + c) * n_seg + k] = delta(
+                                held, keep
+                            )
+                live = np.cumsum(table[codes[r]])  # sequential, as the running sum
+                inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
+            for tp_rank in range(p.tp):
+                n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
+                states = n * WEIGHT_BYTES + n * GRAD_BYTES + optimizer_bytes(n, cfg)
+                total = states + sum(acts) * inflight
+                if total > best:
+                    best, where = total, (r, tp_rank)
+        return best, where
+
+    def _codes(self, cfg: Config, n_seg: int) -> list[np.ndarray]:
+        """Per rank, the configured schedule's actions (config/stages.schedule_of) as
+        indices (kind · vpp + chunk) · segments + segment; cached per schedule."""
+        key = _schedule_id(cfg)
+        if key not in self._schedules:
+            vpp = cfg.parallel.vpp
+            self._schedules[key] = [
+                np.array(
+                    [(KIND_INDEX[a.kind] * vpp + a.chunk) * n_seg + a.seg for a in actions],
+                    dtype=np.int64,
+                )
+                for _, actions in sorted(schedule_of(cfg).items())
+            ]
+        return self._schedules[key]
+
+    def _block_bytes(self, cfg: Config, blocks: range, segment: int | None, kept: bool) -> float:
+        """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
+        by block in the same order from each block's cached share."""
+        p = cfg.parallel
+        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
+        n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
+        for b in blocks:
+            if kept and b == 0:
+                continue
+            kind = "E" if b == 0 else "H" if b == n_layers + 1 else layer_mode(cfg.recompute, b - 1)
+            key = (mesh, kind, segment, kept)
+            if key not in self._bytes:
+                one = range(b, b + 1)
+                if kept:
+                    self._bytes[key] = chunk_deferred(cfg, one, segment)
+                else:
+                    self._bytes[key] = _segment_activations(cfg, one, self.device, segment)
+            total += self._bytes[key]
+        return float(total)
+
+
+_MEMORY_OPTIONS = {"memory", "w_share"}  # zb_auto's: the limit and config/stages.zb_w_share
+
+
+def _schedule_id(cfg: Config) -> tuple:
+    """What config/stages.schedule_of(cfg) depends on (perf/pipeline.schedule_key), narrowed
+    for a schedule with a memory limit to the limit and the M_W / M_B share it reads
+    (config/stages.zb_w_share) instead of the whole config: zb_auto builds in seconds."""
+    key = schedule_key(cfg)
+    p = cfg.parallel
+    extra = set(SCHEDULES[p.schedule].options) - _PLAIN_OPTIONS
+    share = getattr(config_stages, "zb_w_share", None)
+    if not extra or not extra <= _MEMORY_OPTIONS or share is None:
+        return key
+    return (*key[:7], p.zb_memory, share(cfg))
+
+
+def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:
+    """cm.stage(blocks, segment) from its blocks counted by kind (the embedding, the layers of
+    each recompute mode, the head): the bounds sum a few thousand stages per search, and a
+    loop over a 1T model's blocks each time was most of a search's time. The same sum as
+    cm.stage up to float rounding (EPS covers it)."""
+    n_layers, rec = cm.cfg.model.n_layers, cm.cfg.recompute
+    layers = range(max(blocks.start, 1) - 1, min(blocks.stop, n_layers + 1) - 1)
+    covered = len(layers) if not rec.layers else max(0, min(layers.stop, rec.layers) - layers.start)
+    parts = [(0, 1 if 0 in blocks else 0), (n_layers + 1, 1 if n_layers + 1 in blocks else 0)]
+    if layers:  # blocks 1 + i for layer i; the first rec.layers layers take rec.mode
+        parts += [(1 + layers.start, covered), (n_layers, len(layers) - covered)]
+    f = b = w = ZERO
+    for index, count in parts:
+        if count <= 0:
+            continue
+        cost = cm.block(index, segment)
+        fixed_f, fixed_b = cm._fixed(index)
+        f = f + (cost.F + Work(compute=fixed_f)) * count
+        b = b + (cost.B + Work(compute=fixed_b)) * count
+        w = w + cost.W * count
+    return BlockCosts(f, b, w)
+
+
+def _block_key(cfg: Config, *extra) -> tuple:
+    """What a block's costs and saved bytes depend on here: tp, cp, micro-batch size, sequence
+    parallelism, recompute, `extra` (the groups' links, the segment count), and whether a
+    pipeline runs: without one the head makes its grads in forward and the tied lookup adds
+    into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
+    p = cfg.parallel
+    return (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
+
+
+def _mbs(cfg: Config) -> int:
+    """config.Derived's micro-batch size, without building Derived (a hot path here)."""
+    return cfg.train.global_batch // (cfg.parallel.dp * cfg.parallel.microbatches)
+
+
+def _seg_key(cfg: Config) -> tuple[int, int]:
+    """What a config's Seq1F1B segment bounds depend on besides the model."""
+    p = cfg.parallel
+    return p.seq_segments, p.tp if p.sequence_parallel else 1
+
+
+_DELTA = {  # change of live activations (train/memory._change) by kind: (size, kept) -> delta
+    FORWARD: lambda size, kept: size,
+    INPUT_GRAD: lambda size, kept: kept - size,
+    WEIGHT_GRAD: lambda size, kept: -kept,
+    FULL_BACKWARD: lambda size, kept: -size,
+}
