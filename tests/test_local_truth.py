@@ -262,6 +262,18 @@ def test_ranks_probes_are_pooled_probe_by_probe():
     assert as_pooled == as_middle
 
 
+def test_gloo_probe_cells_pool_both_ranks_samples():
+    """Each gloo cell is the median and range over both ranks' samples together: a burst of
+    other work on one rank's core moves the cell by one sample, not to that rank's figure."""
+    rank0 = {("blocking", 1024, 256): [1.0, 1.1, 9.0], ("all_reduce", 1024): [0.5]}
+    rank1 = {("blocking", 1024, 256): [1.2, 1.3, 1.4], ("all_reduce", 1024): [0.7]}
+    pooled = probes.pool_samples([rank0, rank1])
+    assert pooled["blocking", 1024, 256] == (statistics.median([1.0, 1.1, 9.0, 1.2, 1.3, 1.4]),
+                                             1.0, 9.0)  # fmt: skip
+    assert pooled["all_reduce", 1024] == (0.6, 0.5, 0.7)
+    assert probes.pool_samples([rank1, rank0]) == pooled
+
+
 def test_probes_reprice_the_profile_with_what_they_measure(tmp_path, monkeypatch):
     """The probes run just before a local run replace the fields they decide: on a machine
     twice as fast with gloo 1.5x as slow, every compute term halves and the links slow down;

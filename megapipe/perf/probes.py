@@ -30,7 +30,10 @@ prices the one-process run):
               batch_isend_irecv ping-pong (as pipeline/p2p.StageLinks posts them) of 1 KiB to
               16 MiB; α and β fitted to comm.py's ring formula for n = 2 (2α + S/β; the ring
               link, `nvlink_*`, which every collective inside the node uses) and α + S/β (the
-              p2p link, `p2p_*`).
+              p2p link, `p2p_*`). Then the blocking probe: GEMM loops with and without a
+              blocking all-reduce after each GEMM, in short alternating pairs, for what a
+              collective costs beyond the aligned one (`collective_*`, calibrate.py). Every
+              cell pools both ranks' samples.
 
 """
 
@@ -234,45 +237,53 @@ def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> No
                 exchange(second, x)
                 seen["p2p", size].append((time.perf_counter() - began) / 2)  # one way
     seen.update(_blocking_probe(rounds))
-    if rank == 0:
-        results.put({k: (statistics.median(v), min(v), max(v)) for k, v in seen.items()})
+    results.put(seen)
     dist.destroy_process_group()
 
 
-def _blocking_probe(rounds: int, reps: int = 20) -> dict:
+def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
     """{("blocking", bytes, n): [s per all-reduce], ("gemm", n): [s per GEMM]}: a tp layer's
     pattern, an n×n GEMM then a blocking all-reduce, timed against the GEMMs alone (both ranks
     computing in both loops, so their sharing of the cores cancels). The difference is what a
     collective costs in training: the isolated all-reduce (the barrier-aligned probe above)
     plus the ranks' arrival skew and the wake-up of the waiting one, which the aligned probe
-    cannot see. Two GEMM sizes (SKEW_GEMMS) tell the part that grows with the compute between
-    two collectives (the skew of ranks sharing cores) from the part that does not."""
+    cannot see. The GEMM sizes (SKEW_GEMMS) tell the part that grows with the compute between
+    two collectives (the skew of ranks sharing cores) from the part that does not.
+
+    Each cell's `reps` are `pairs` short alone/with pairs, one difference each: the machine's
+    speed moves within a second, and with one long pair per cell a burst of other work moved a
+    cell by milliseconds (a stored profile's n = 640 cells read 1.1, 0.15 and 4.3 ms for 64 KiB,
+    256 KiB and 1 MiB); the median over the pairs drops such a pair."""
     import torch.distributed as dist
 
     seen: dict = {}
+    per = max(reps // pairs, 1)
+
+    def loop(a, b, x=None) -> float:
+        dist.barrier()
+        began = time.perf_counter()
+        for _ in range(per):
+            torch.mm(a, b)
+            if x is not None:
+                dist.all_reduce(x)
+        return time.perf_counter() - began
+
     for _ in range(rounds):
         for n in SKEW_GEMMS:
             a, b = torch.randn(n, n), torch.randn(n, n)
             for size in BLOCKING_SIZES:
                 x = torch.ones(size // 4)
-                dist.barrier()
-                began = time.perf_counter()
-                for _ in range(reps):
-                    torch.mm(a, b)
-                alone = time.perf_counter() - began
-                dist.barrier()
-                began = time.perf_counter()
-                for _ in range(reps):
-                    torch.mm(a, b)
-                    dist.all_reduce(x)
-                extra = (time.perf_counter() - began - alone) / reps
-                seen.setdefault(("blocking", size, n), []).append(extra)
-                seen.setdefault(("gemm", n), []).append(alone / reps)
+                for _ in range(pairs):
+                    alone = loop(a, b)
+                    extra = (loop(a, b, x) - alone) / per
+                    seen.setdefault(("blocking", size, n), []).append(extra)
+                    seen.setdefault(("gemm", n), []).append(alone / per)
     return seen
 
 
 def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
-    """{("all_reduce" | "p2p", bytes): (median s, min, max)} between two local processes."""
+    """{("all_reduce" | "p2p", bytes): (median s, min, max)} between two local processes, and
+    the blocking probe's cells (_blocking_probe), each over both ranks' samples."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -283,13 +294,22 @@ def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
     for p in procs:
         p.start()
     try:
-        out = results.get(timeout=600)
+        per_rank = [results.get(timeout=600) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return out
+    return pool_samples(per_rank)
+
+
+def pool_samples(per_rank: list[dict]) -> dict:
+    """{key: (median, min, max)} over every rank's samples of the key: both ranks time the
+    same collectives, and the blocking probe's GEMM loops differ by which rank the machine's
+    other work lands on, so neither rank alone stands for the pair."""
+    keys = per_rank[0].keys()
+    pooled = {k: [x for seen in per_rank for x in seen[k]] for k in keys}
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in pooled.items()}
 
 
 def compute_probes(threads: int, rounds: int) -> tuple:
