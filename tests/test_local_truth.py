@@ -93,6 +93,9 @@ def fake_measured() -> calibrate.Measured:
     gloo.update({("gemm", n): (t,) * 3 for n, t in gemm_s.items()})
     gloo.update({("blocking", s, n): (gloo["all_reduce", s][0] + f + 0.05 * gemm_s[n],) * 3
                  for s, f in fixed.items() for n in probes.SKEW_GEMMS})  # fmt: skip
+    # the step probe: 0.1 s of compute, the pair waits the aligned all-reduce plus 4% of it
+    gloo["step_compute",] = (0.1, 0.09, 0.12)
+    gloo["step_wait",] = (gloo["all_reduce", probes.BLOCKING_SIZES[0]][0] + 0.004, 0.0, 0.02)
     return calibrate.Measured(
         threads=1,
         ranks_per_node=2,
@@ -462,6 +465,45 @@ def test_collective_skew_waits_at_the_ends_collectives_too(tmp_path):
             assert g.tp == pytest.approx(r.tp + (skew * r.compute if r.tp else 0.0))
     assert plain.block(0).F.tp > 0 and plain.block(3).B.tp > 0
     assert skewed.block(0).B.tp == 0.0
+
+
+def test_step_sync_is_the_waits_fraction_of_the_compute_before_it():
+    m = fake_measured()
+    assert calibrate.step_sync(m.gloo) == pytest.approx(0.04)
+    no_probe = {k: v for k, v in m.gloo.items() if k[0] not in ("step_wait", "step_compute")}
+    assert calibrate.step_sync(no_probe) == 0.0
+    ar = m.gloo["all_reduce", probes.BLOCKING_SIZES[0]][0]
+    assert calibrate.step_sync({**m.gloo, ("step_wait",): (ar / 2, 0.0, ar)}) == 0.0
+
+
+def test_step_skew_waits_at_the_gradient_reduction_and_each_pipeline_message(tmp_path):
+    """Without tp, a run of two ranks waits step_skew × its compute more at the dp gradient
+    reduction (exposed dp) and later pipeline messages (bubble and p2p), its compute the same;
+    one process and tp runs (whose collectives wait collective_skew) are unchanged."""
+    m = fake_measured()
+    values = calibrate.profile_values(m, "cpu_test")
+    cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
+    skew = values["step_skew"]
+    assert skew > 0
+    plain_cluster = replace(cluster, step_skew=0.0)
+
+    def both(*mesh):
+        cfg = local_truth.local_config(list(mesh))
+        return project(cfg, cluster, memory=False), project(cfg, plain_cluster, memory=False)
+
+    got, ref = both("parallel.dp=2")
+    assert got.breakdown["compute_s"] == ref.breakdown["compute_s"]
+    waited = got.breakdown["dp_comm_s"] - ref.breakdown["dp_comm_s"]
+    assert waited == pytest.approx(skew * ref.breakdown["compute_s"])
+    assert got.step_time_s == pytest.approx(ref.step_time_s + waited)
+    for schedule in ("1f1b", "zb_h1"):
+        got, ref = both("parallel.pp=2", f"parallel.schedule={schedule}")
+        assert got.breakdown["compute_s"] == ref.breakdown["compute_s"]
+        bubble, plain_bubble = (x.breakdown["pipeline_bubble_p2p_s"] for x in (got, ref))
+        assert plain_bubble < bubble <= plain_bubble + skew * ref.breakdown["compute_s"]
+    for mesh in ((), ("parallel.tp=2",)):
+        got, ref = both(*mesh)
+        assert got.step_time_s == ref.step_time_s
 
 
 def test_local_points_probe_around_each_run_and_retry_a_disturbed_one(monkeypatch):

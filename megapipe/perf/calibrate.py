@@ -47,6 +47,8 @@ from megapipe.perf.probes import (
     GEMM_SHAPES,
     KERNEL_ELEMENTS,
     SKEW_GEMMS,
+    STEP_GEMMS,
+    STEP_SYNCS,
     concurrent_compute_probes,
     pool_ranks,
     probe_gloo,
@@ -188,6 +190,7 @@ def link_values(m: Measured) -> dict:
     ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
     p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
     sync, skew = collective_sync(m.gloo)
+    step_skew = step_sync(m.gloo)
     return {
         "nvlink_gbps": round(ar_beta / 1e9, 4),
         "nvlink_latency_us": round(ar_alpha * 1e6, 2),
@@ -197,6 +200,7 @@ def link_values(m: Measured) -> dict:
         "p2p_latency_us": round(p2p_alpha * 1e6, 2),
         "collective_sync_us": round(sync * 1e6, 1),
         "collective_skew": round(skew, 4),
+        "step_skew": round(step_skew, 4),
     }
 
 
@@ -267,6 +271,18 @@ def collective_sync(gloo: dict) -> tuple[float, float]:
     if not slope:
         return 0.0, 0.0
     return max(statistics.median(fixed), 0.0), max(statistics.median(slope), 0.0)
+
+
+def step_sync(gloo: dict) -> float:
+    """The fraction of the compute between two step-scale synchronisations (a dp step's
+    gradient reduction, a pipeline's messages) that a rank waits at the second: the step
+    probe's mean wait less the aligned all-reduce, over its mean compute (medians over the
+    samples), not below 0; 0 without the probe. Measured at ~0.1 s, not read off the tp line:
+    the line is fitted over 0.5-16 ms, and the waits do not grow on with the compute."""
+    if ("step_wait",) not in gloo or ("all_reduce", BLOCKING_SIZES[0]) not in gloo:
+        return 0.0
+    wait = gloo["step_wait",][0] - gloo["all_reduce", BLOCKING_SIZES[0]][0]
+    return max(wait / gloo["step_compute",][0], 0.0)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -373,8 +389,21 @@ def render(values: dict, m: Measured, command: str) -> str:
         "# its slope (the fraction of the compute between collectives a rank waits, skew)",
         f"collective_sync_us: {values['collective_sync_us']}",
         f"collective_skew: {values['collective_skew']}",
+        _step_comment(m.gloo),
+        f"step_skew: {values['step_skew']}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _step_comment(gloo: dict) -> str:
+    if ("step_wait",) not in gloo:
+        return "# no step-scale probe"
+    return (
+        f"# {STEP_GEMMS} GEMMs of n 768 (median {gloo['step_compute',][0] * 1e3:.1f} ms) then a"
+        f" blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
+        + _spread(gloo["step_wait",], 1e6, "us")
+        + ", less the aligned all-reduce, over the compute before it"
+    )
 
 
 def _gemm_model(values: dict, shape) -> float:

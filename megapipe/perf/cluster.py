@@ -23,9 +23,11 @@ and the fused attention kernel's fraction of the GEMM rate the model gives its F
 (`attention_efficiency`; 0: 1), and what a blocking collective costs in training beyond the
 aligned probe (`collective_sync_us`: the waiting one's wake-up, added to each tp collective,
 and `collective_skew`: the ranks' arrival skew as a fraction of the compute since the previous
-collective, added to each F and B with a tp collective, the layers' and the ends'; 0 on a GPU,
-where NCCL's kernels queue on the stream and the host does not wait). The GPU profiles leave
-them out, so their projections are unchanged.
+collective, added to each F and B with a tp collective, the layers' and the ends'; and
+`step_skew`: the same wait at the step-scale synchronisations of a run without tp, the dp
+gradient reduction and each pipeline message, as a fraction of the compute before them,
+measured at ~0.1 s apart; 0 on a GPU, where NCCL's kernels queue on the stream and the host
+does not wait). The GPU profiles leave them out, so their projections are unchanged.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Cluster:
     attention_efficiency: float = 0.0
     collective_sync_us: float = 0.0
     collective_skew: float = 0.0
+    step_skew: float = 0.0
 
     @property
     def measured_constants(self) -> tuple[float, float, float] | None:

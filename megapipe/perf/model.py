@@ -11,13 +11,15 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    timed with plan/walk.py's semantics (perf/pipeline.py, the compiled form of
    plan/simulate.py). pp = 1 runs the microbatches one after another (F, BW). A schedule
    built for costs (zb_v) under `schedule_costs=profile` is built from the projected costs, as
-   the runtime rebuilds it from the measured ones.
+   the runtime rebuilds it from the measured ones. On a measured profile without tp, each
+   message also arrives later by `step_skew` of the compute that sent it (_sync_skew).
 2. The dp × cp gradient reduction (comm.ring_time on the replica group's link): all-reduce
    (zero=0) or reduce-scatter (zero=1) of each chunk's grads, in buckets launched during the
    chunk's last backward (W or BW) and finishing no earlier than that backward's end plus one
    bucket, one chunk after another, whatever of it outlasts the rank's pipeline work being
    exposed; then the tied embedding's all-reduce between the first and last stage. A runtime
-   without overlap (runtime.py) starts it when the rank's pipeline work ends.
+   without overlap (runtime.py) starts it when the rank's pipeline work ends. Without a
+   pipeline or tp, a measured profile's ranks also wait `step_skew` of the step's compute there.
 3. The optimizer: the global grad norm (a tree all-reduce, latency only), AdamW over the
    rank's parameters (or its 1/(dp·cp) shard) at the runtime's bytes per parameter, and under
    zero=1 the all-gather of the updated float32 weights.
@@ -184,6 +186,9 @@ def project(
                 )
 
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
+    skew = _sync_skew(cfg, cluster)
+    if pipelined and skew:
+        _skew_messages(dag, stage_costs, skew, delay)
     timing = run(dag, cost, delay, extra)
     makespan = timing.makespan
 
@@ -192,6 +197,8 @@ def project(
     else:
         dp_end = _dp_end(dag, timing, dp, runtime, place)
         opt_time, gather = opt.step, opt.gather
+    if not pipelined and skew:  # the step's one synchronisation: the gradient reduction
+        dp_end += skew * _rank_work(dag, stage_costs, 0).compute
     step = dp_end + opt_time + gather
 
     world = cfg.derived.world_size
@@ -261,6 +268,32 @@ def _rank_work(dag: Dag, stage_costs, rank: int) -> Work:
         kind, seg = divmod(rest, dag.segments)
         total = total + stage_costs[st][kind][seg] * count
     return total
+
+
+def _sync_skew(cfg: Config, cluster: Cluster) -> float:
+    """The fraction of the compute between two synchronisations of the ranks that the faster
+    one waits at the second, on a measured profile (cluster.step_skew: ranks sharing the cores
+    of a host run at speeds that drift apart); 0 on one rank, and 0 with tp, whose collectives
+    already wait it (costs.CostModel._skewed): what follows one waits only for the compute
+    since it. Without tp, a pipeline's ranks meet at every p2p message and the others at the
+    gradient reduction."""
+    p = cfg.parallel
+    if p.tp > 1 or cfg.derived.world_size == 1:
+        return 0.0
+    return cluster.step_skew
+
+
+def _skew_messages(dag: Dag, stage_costs, skew: float, late: list[float]) -> None:
+    """Each message arrives later by `skew` of the compute of the actions that send it (their
+    mean: one key carries a rank pair's messages of every microbatch and chunk): the receiver
+    waits for it, the sender does not (`late`: the arrival delay per message key)."""
+    sent: dict[int, list[float]] = {}
+    for i, key in enumerate(dag.sends):
+        if key >= 0:
+            st, kind, seg = dag.stage[i], dag.kind[i], dag.seg[i]
+            sent.setdefault(key, []).append(stage_costs[st][kind][seg].compute)
+    for key, computes in sent.items():
+        late[key] += skew * sum(computes) / len(computes)
 
 
 def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):

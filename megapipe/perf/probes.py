@@ -58,6 +58,9 @@ GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]
 GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
 SKEW_GEMMS = (256, 384, 512, 640, 768)  # n×n GEMMs between the probe's collectives: ~0.5-11 ms
+# the step-scale cell: STEP_GEMMS GEMMs of n = 768 between two collectives (~0.1 s, a small
+# model's compute between a dp step's or a pipeline message's synchronisations), STEP_SYNCS times
+STEP_GEMMS, STEP_SYNCS = 8, 8
 COPY_BYTES = 256 << 20
 COLD_BYTES = 96 << 20  # operands of the GEMM probe: several times a server's last-level cache
 KERNEL_ELEMENTS = 1 << 18  # 1 MiB of float32: one activation of a small model's microbatch
@@ -278,6 +281,33 @@ def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
                     extra = (loop(a, b, x) - alone) / per
                     seen.setdefault(("blocking", size, n), []).append(extra)
                     seen.setdefault(("gemm", n), []).append(alone / per)
+    seen.update(_step_sync_probe(rounds))
+    return seen
+
+
+def _step_sync_probe(rounds: int) -> dict:
+    """{("step_wait",): [s], ("step_compute",): [s]}: the ranks' mean wait at a blocking
+    all-reduce after ~0.1 s of GEMMs each, and their mean compute before it, per
+    synchronisation. The waits are measured directly (the time inside the all-reduce), not as
+    a difference of loops, which at this scale would be noisier than the wait itself; the two
+    ranks' figures are summed by one more all-reduce outside the timed part, so each sample is
+    the pair's mean."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    x, pair = torch.ones(BLOCKING_SIZES[0] // 4), torch.zeros(2)
+    seen: dict = {("step_wait",): [], ("step_compute",): []}
+    dist.barrier()
+    for _ in range(rounds * STEP_SYNCS):
+        began = time.perf_counter()
+        for _ in range(STEP_GEMMS):
+            torch.mm(a, b)
+        mid = time.perf_counter()
+        dist.all_reduce(x)
+        pair[0], pair[1] = time.perf_counter() - mid, mid - began
+        dist.all_reduce(pair)
+        seen["step_wait",].append(pair[0].item() / 2)
+        seen["step_compute",].append(pair[1].item() / 2)
     return seen
 
 
