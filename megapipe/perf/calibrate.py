@@ -401,7 +401,7 @@ def _step_comment(gloo: dict) -> str:
     return (
         f"# {STEP_GEMMS} GEMMs of n 768 (median {gloo['step_compute',][0] * 1e3:.1f} ms) then a"
         f" blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
-        + _spread(gloo["step_wait",], 1e6, "us")
+        + _spread(gloo["step_wait",], 1e3, "ms")
         + ", less the aligned all-reduce, over the compute before it"
     )
 
