@@ -373,8 +373,9 @@ def test_point_is_judged_round_by_round_on_the_fields_probed_around_it():
         local_truth.project_point(cfg, replace(cluster, peak_tflops=cluster.peak_tflops * k))
         for k in (0.5, 1.25, 2.0)
     ]
-    # each run 10% slower, as fast, 30% faster than its projection: ratios 1/0.9, 1, 1/1.3
-    rounds = [x.step_time_s * f for x, f in zip(now, (0.9, 1.0, 1.3))]
+    # the runs take 0.4x, 1x and 1.05x their rounds' projections: the median ratio is 1, while
+    # the median run (the third) is far from the median projection (the second's)
+    rounds = [x.step_time_s * f for x, f in zip(now, (0.4, 1.0, 1.05))]
     point = local_truth.Point("dp2", mesh, rounds, rounds, [0.0] * 3, [0.0] * 3, stored,
                               [0.2] * 3, now)  # fmt: skip
     assert point.error == pytest.approx(0.0) and point.priced is now[1]
