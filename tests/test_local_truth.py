@@ -409,12 +409,13 @@ def test_collective_sync_is_zero_without_the_probe_or_below_the_aligned_one():
     link = Link("x", 1.5e9, 200e-6)
     aligned = {("all_reduce", s): (ring_time("all_reduce", s, 2, link),) * 3
                for s in probes.BLOCKING_SIZES}  # fmt: skip
-    assert calibrate.collective_sync(aligned) == (0.0, 0.0)
+    ring = {s: v[0] for (_, s), v in aligned.items()}
+    assert calibrate.collective_sync(aligned, ring) == (0.0, 0.0)
     gemms = {("gemm", n): (1e-3 * i,) * 3 for i, n in enumerate(probes.SKEW_GEMMS, 1)}
     sizes = list(enumerate(probes.SKEW_GEMMS))
     faster = {("blocking", s, n): (t[0] / 2 - 1e-4 * i,) * 3  # below aligned, falling
               for (_, s), t in aligned.items() for i, n in sizes}  # fmt: skip
-    assert calibrate.collective_sync({**aligned, **gemms, **faster}) == (0.0, 0.0)
+    assert calibrate.collective_sync({**aligned, **gemms, **faster}, ring) == (0.0, 0.0)
 
 
 def test_collective_sync_is_added_to_every_tp_collective(tmp_path):
@@ -470,11 +471,26 @@ def test_collective_skew_waits_at_the_ends_collectives_too(tmp_path):
 
 def test_step_sync_is_the_waits_fraction_of_the_compute_before_it():
     m = fake_measured()
-    assert calibrate.step_sync(m.gloo) == pytest.approx(0.04)
+    ring = {s: m.gloo["all_reduce", s][0] for s in probes.BLOCKING_SIZES}
+    assert calibrate.step_sync(m.gloo, ring) == pytest.approx(0.04)
     no_probe = {k: v for k, v in m.gloo.items() if k[0] not in ("step_wait", "step_compute")}
-    assert calibrate.step_sync(no_probe) == 0.0
-    ar = m.gloo["all_reduce", probes.BLOCKING_SIZES[0]][0]
-    assert calibrate.step_sync({**m.gloo, ("step_wait",): (ar / 2, 0.0, ar)}) == 0.0
+    assert calibrate.step_sync(no_probe, ring) == 0.0
+    ar = ring[probes.BLOCKING_SIZES[0]]
+    assert calibrate.step_sync({**m.gloo, ("step_wait",): (ar / 2, 0.0, ar)}, ring) == 0.0
+
+
+def test_collective_waits_are_measured_against_the_ring_as_priced():
+    """The blocking and step probes' excess is taken over the fitted ring (what the model adds
+    the waits to), so one size's outlying aligned median does not move them."""
+    m = fake_measured()
+    values = calibrate.link_values(m)
+    size = probes.BLOCKING_SIZES[1]
+    burst = dict(m.gloo)
+    burst["all_reduce", size] = tuple(3 * x for x in m.gloo["all_reduce", size])
+    moved = calibrate.link_values(replace(m, gloo=burst))
+    assert moved["collective_sync_us"] == pytest.approx(values["collective_sync_us"], rel=0.1)
+    assert moved["step_skew"] == pytest.approx(values["step_skew"], rel=0.1)
+    assert values["collective_sync_us"] > 0 and values["step_skew"] > 0
 
 
 def test_step_skew_waits_at_the_gradient_reduction_and_each_pipeline_message(tmp_path):

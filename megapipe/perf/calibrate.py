@@ -189,8 +189,9 @@ def link_values(m: Measured) -> dict:
     blocking collective costs beyond the aligned one."""
     ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
     p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
-    sync, skew = collective_sync(m.gloo)
-    step_skew = step_sync(m.gloo)
+    ring = {s: 2 * ar_alpha + s / ar_beta for s in BLOCKING_SIZES}  # the fit, as priced
+    sync, skew = collective_sync(m.gloo, ring)
+    step_skew = step_sync(m.gloo, ring)
     return {
         "nvlink_gbps": round(ar_beta / 1e9, 4),
         "nvlink_latency_us": round(ar_alpha * 1e6, 2),
@@ -248,10 +249,12 @@ def _probe(gloo: dict, kind: str) -> dict:
     return {key[1]: v for key, v in gloo.items() if key[0] == kind and len(key) == 2}
 
 
-def collective_sync(gloo: dict) -> tuple[float, float]:
+def collective_sync(gloo: dict, ring: dict[int, float]) -> tuple[float, float]:
     """(seconds, fraction): what a blocking all-reduce costs in training beyond the aligned
     probe's, as a fixed part plus a fraction of the compute since the previous collective.
-    Per message size, the blocking probe's excess over the aligned all-reduce against the GEMM
+    Per message size, the blocking probe's excess over the all-reduce as the profile prices it
+    (`ring`: the α/β fit over every size, not that size's own aligned median, which one burst
+    of other work moved from 0.5 to 3 ms and with it the excess to 0) against the GEMM
     time, over the SKEW_GEMMS sizes, is fitted with a least-squares line: its slope is the
     fraction (the ranks' arrival skew grows with the compute before the collective), its
     intercept the fixed part (the waiting rank's wake-up). Medians over BLOCKING_SIZES,
@@ -262,9 +265,9 @@ def collective_sync(gloo: dict) -> tuple[float, float]:
     fixed, slope = [], []
     for s in BLOCKING_SIZES:
         keys = [("blocking", s, n) for n in SKEW_GEMMS]
-        if ("all_reduce", s) not in gloo or not all(k in gloo for k in keys):
+        if s not in ring or not all(k in gloo for k in keys):
             continue
-        excess = [gloo[k][0] - gloo["all_reduce", s][0] for k in keys]
+        excess = [gloo[k][0] - ring[s] for k in keys]
         r, c = _line(times, excess)
         slope.append(r)
         fixed.append(c)
@@ -273,15 +276,15 @@ def collective_sync(gloo: dict) -> tuple[float, float]:
     return max(statistics.median(fixed), 0.0), max(statistics.median(slope), 0.0)
 
 
-def step_sync(gloo: dict) -> float:
+def step_sync(gloo: dict, ring: dict[int, float]) -> float:
     """The fraction of the compute between two step-scale synchronisations (a dp step's
     gradient reduction, a pipeline's messages) that a rank waits at the second: the step
-    probe's mean wait less the aligned all-reduce, over its mean compute (medians over the
-    samples), not below 0; 0 without the probe. Measured at ~0.1 s, not read off the tp line:
-    the line is fitted over 0.5-16 ms, and the waits do not grow on with the compute."""
-    if ("step_wait",) not in gloo or ("all_reduce", BLOCKING_SIZES[0]) not in gloo:
+    probe's mean wait less the all-reduce as priced (`ring`), over its mean compute (medians
+    over the samples), not below 0; 0 without the probe. Measured at ~0.1 s, not read off the
+    tp line: the line is fitted over 0.5-16 ms, and the waits do not grow on with the compute."""
+    if ("step_wait",) not in gloo or BLOCKING_SIZES[0] not in ring:
         return 0.0
-    wait = gloo["step_wait",][0] - gloo["all_reduce", BLOCKING_SIZES[0]][0]
+    wait = gloo["step_wait",][0] - ring[BLOCKING_SIZES[0]]
     return max(wait / gloo["step_compute",][0], 0.0)
 
 
