@@ -32,8 +32,9 @@ prices the one-process run):
               link, `nvlink_*`, which every collective inside the node uses) and α + S/β (the
               p2p link, `p2p_*`). Then the blocking probe: GEMM loops with and without a
               blocking all-reduce after each GEMM, in short alternating pairs, for what a
-              collective costs beyond the aligned one (`collective_*`, calibrate.py). Every
-              cell pools both ranks' samples.
+              collective costs beyond the aligned one (`collective_*`, calibrate.py), and
+              ~0.1 s of GEMMs then one, for the wait at a step's synchronisations
+              (`step_skew`). Every cell pools both ranks' samples.
 
 """
 
@@ -367,9 +368,9 @@ def _compute_worker(rank: int, threads: int, rounds: int, start, results) -> Non
 def concurrent_compute_probes(threads: int, rounds: int, ranks: int) -> tuple:
     """`compute_probes` in `ranks` processes at the same time, pooled over the ranks
     (pool_ranks). The ranks of one machine share its cores' caches, memory bandwidth and
-    turbo budget: measured alone, one process runs ~1.4x faster here than each of two running
-    together (local truth, dp2's rank CPU time per step against half the one-process step), so
-    a profile for `ranks_per_node` ranks is measured with that many running."""
+    turbo budget: measured alone, one process runs faster here than each of two running
+    together (compare cpu_solo.yaml's GEMM peak with cpu.yaml's), so a profile for
+    `ranks_per_node` ranks is measured with that many running."""
     if ranks == 1:
         return compute_probes(threads, rounds)
     import torch.multiprocessing as mp
