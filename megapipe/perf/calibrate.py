@@ -388,8 +388,9 @@ def render(values: dict, m: Measured, command: str) -> str:
             for s in BLOCKING_SIZES
             if ("blocking", s, n) in m.gloo
         )
-        + "; less the aligned all-reduce, a line in the GEMM's time: its intercept (us) and",
-        "# its slope (the fraction of the compute between collectives a rank waits, skew)",
+        + "; less the all-reduce as priced (the ring above), a line in the GEMM's time:",
+        "# its intercept (us) and its slope (the fraction of the compute between collectives a"
+        " rank waits, skew)",
         f"collective_sync_us: {values['collective_sync_us']}",
         f"collective_skew: {values['collective_skew']}",
         _step_comment(m.gloo),
@@ -405,7 +406,7 @@ def _step_comment(gloo: dict) -> str:
         f"# {STEP_GEMMS} GEMMs of n 768 (median {gloo['step_compute',][0] * 1e3:.1f} ms) then a"
         f" blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
         + _spread(gloo["step_wait",], 1e3, "ms")
-        + ", less the aligned all-reduce, over the compute before it"
+        + ", less the all-reduce as priced (the ring above), over the compute before it"
     )
 
 
