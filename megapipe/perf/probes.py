@@ -241,6 +241,7 @@ def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> No
                 exchange(second, x)
                 seen["p2p", size].append((time.perf_counter() - began) / 2)  # one way
     seen.update(_blocking_probe(rounds))
+    seen.update(_step_sync_probe(rounds))
     results.put(seen)
     dist.destroy_process_group()
 
@@ -282,7 +283,6 @@ def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
                     extra = (loop(a, b, x) - alone) / per
                     seen.setdefault(("blocking", size, n), []).append(extra)
                     seen.setdefault(("gemm", n), []).append(alone / per)
-    seen.update(_step_sync_probe(rounds))
     return seen
 
 
@@ -314,7 +314,8 @@ def _step_sync_probe(rounds: int) -> dict:
 
 def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
     """{("all_reduce" | "p2p", bytes): (median s, min, max)} between two local processes, and
-    the blocking probe's cells (_blocking_probe), each over both ranks' samples."""
+    the blocking and step probes' cells (_blocking_probe, _step_sync_probe), each over both
+    ranks' samples."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
