@@ -17,8 +17,10 @@ the one-process run), then gloo between two processes. The fits:
               the embedding and head (`ends_*_us`).
   gloo        α and β fitted to comm.py's ring formula for n = 2 (2α + S/β; the ring link,
               `nvlink_*`, which every collective inside the node uses) and α + S/β (the p2p
-              link, `p2p_*`); a blocking all-reduce after GEMMs of five sizes, less the aligned
-              one, as a line in the GEMM's time (`collective_sync_us`, `collective_skew`).
+              link, `p2p_*`); a blocking all-reduce after GEMMs of five sizes, less the
+              all-reduce as that fit prices it, as a line in the GEMM's time
+              (`collective_sync_us`, `collective_skew`); the wait at one after ~0.1 s of
+              GEMMs, less the same, over that compute (`step_skew`).
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
 `probe_around` measures the fields the probes decide again, one quick round, around a timed
@@ -39,7 +41,8 @@ from typing import TypeVar
 
 import torch
 
-from megapipe.perf.cluster import CLUSTER_DIR, Cluster, load_cluster
+from megapipe.perf.cluster import CLUSTER_DIR, Cluster, Link, load_cluster
+from megapipe.perf.comm import ring_time
 from megapipe.perf.costs import Calibration, Device
 from megapipe.perf.probes import (
     BLOCKING_SIZES,
@@ -48,6 +51,7 @@ from megapipe.perf.probes import (
     KERNEL_ELEMENTS,
     SKEW_GEMMS,
     STEP_GEMMS,
+    STEP_N,
     STEP_SYNCS,
     concurrent_compute_probes,
     pool_ranks,
@@ -189,7 +193,8 @@ def link_values(m: Measured) -> dict:
     blocking collective costs beyond the aligned one."""
     ar_alpha, ar_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "all_reduce").items()}, 2)
     p2p_alpha, p2p_beta = fit_link({s: v[0] for s, v in _probe(m.gloo, "p2p").items()}, 1)
-    ring = {s: 2 * ar_alpha + s / ar_beta for s in BLOCKING_SIZES}  # the fit, as priced
+    link = Link("ring", ar_beta, ar_alpha)  # the fit, as the cost model prices it
+    ring = {s: ring_time("all_reduce", s, 2, link) for s in BLOCKING_SIZES}
     sync, skew = collective_sync(m.gloo, ring)
     step_skew = step_sync(m.gloo, ring)
     return {
@@ -403,8 +408,8 @@ def _step_comment(gloo: dict) -> str:
     if ("step_wait",) not in gloo:
         return "# no step-scale probe"
     return (
-        f"# {STEP_GEMMS} GEMMs of n 768 (median {gloo['step_compute',][0] * 1e3:.1f} ms) then a"
-        f" blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
+        f"# {STEP_GEMMS} GEMMs of n {STEP_N} (median {gloo['step_compute',][0] * 1e3:.1f} ms)"
+        f" then a blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
         + _spread(gloo["step_wait",], 1e3, "ms")
         + ", less the all-reduce as priced (the ring above), over the compute before it"
     )

@@ -236,7 +236,7 @@ class CostModel:
         cluster.collective_skew): each collective waits for the slower rank, later by a
         fraction of the compute since the previous one, so a block's F (or B) with a tp
         collective waits that fraction of its compute in all; one without waits for no one."""
-        if self.cfg.parallel.tp == 1 or not self.cluster.collective_skew or not work.tp:
+        if not self.cluster.collective_skew or not work.tp:  # tp = 1: no collective
             return work
         return Work(work.compute, work.tp + self.cluster.collective_skew * work.compute, work.cp)
 

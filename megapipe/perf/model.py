@@ -197,8 +197,10 @@ def project(
     else:
         dp_end = _dp_end(dag, timing, dp, runtime, place)
         opt_time, gather = opt.step, opt.gather
+    busiest = max(range(p.pp), key=lambda r: timing.busy[r])
+    parts = _rank_work(dag, stage_costs, busiest)
     if not pipelined and skew:  # the step's one synchronisation: the gradient reduction
-        dp_end += skew * _rank_work(dag, stage_costs, 0).compute
+        dp_end += skew * parts.compute
     step = dp_end + opt_time + gather
 
     world = cfg.derived.world_size
@@ -208,8 +210,6 @@ def project(
     tflops = model_flops / step / world / 1e12
     hw_tflops = hw_flops / step / world / 1e12
 
-    busiest = max(range(p.pp), key=lambda r: timing.busy[r])
-    parts = _rank_work(dag, stage_costs, busiest)
     breakdown = {
         "compute_s": parts.compute,
         "tp_comm_s": parts.tp,

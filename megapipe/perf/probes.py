@@ -59,9 +59,9 @@ GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]
 GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
 SKEW_GEMMS = (256, 384, 512, 640, 768)  # n×n GEMMs between the probe's collectives: ~0.5-11 ms
-# the step-scale cell: STEP_GEMMS GEMMs of n = 768 between two collectives (~0.1 s, a small
+# the step-scale cell: STEP_GEMMS GEMMs of n = STEP_N between two collectives (~0.1 s, a small
 # model's compute between a dp step's or a pipeline message's synchronisations), STEP_SYNCS times
-STEP_GEMMS, STEP_SYNCS = 8, 8
+STEP_GEMMS, STEP_N, STEP_SYNCS = 8, 768, 8
 COPY_BYTES = 256 << 20
 COLD_BYTES = 96 << 20  # operands of the GEMM probe: several times a server's last-level cache
 KERNEL_ELEMENTS = 1 << 18  # 1 MiB of float32: one activation of a small model's microbatch
@@ -295,7 +295,7 @@ def _step_sync_probe(rounds: int) -> dict:
     the pair's mean."""
     import torch.distributed as dist
 
-    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    a, b = torch.randn(STEP_N, STEP_N), torch.randn(STEP_N, STEP_N)
     x, pair = torch.ones(BLOCKING_SIZES[0] // 4), torch.zeros(2)
     seen: dict = {("step_wait",): [], ("step_compute",): []}
     dist.barrier()
