@@ -17,7 +17,7 @@ from torch import nn
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
-from megapipe.parallel.tensor.cross_entropy import WeightGradBuffers, linear_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -158,7 +158,7 @@ class Head(nn.Module):
         self.out = None
         self.tp, self.vocab_size = tp, cfg.vocab_size
         self.grad_in_forward = False  # set where one microbatch at a time passes the head
-        self.weight_grad_buffers = WeightGradBuffers()  # what grad_in_forward writes into
+        self.head_buffers = HeadBuffers()  # what the fused head writes into
         if not cfg.tie_embeddings:
             self.out = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, tp, pad=True)
 
@@ -181,7 +181,7 @@ class Head(nn.Module):
         vocab_start = self.tp.rank * weight.shape[0]
         return linear_cross_entropy(
             x, weight, targets, vocab_start, self.vocab_size, self.tp, None,
-            self.grad_in_forward, self.weight_grad_buffers,
+            self.grad_in_forward, self.head_buffers,
         )  # fmt: skip
 
 

@@ -11,8 +11,8 @@
   row max and sum of exp and the targets, the same whatever V, where F.cross_entropy keeps the
   float32 (tokens, V) log-probabilities (with grads made in forward: the input grad and the
   weight grad); and no tensor it makes holds more than one chunk of logits.
-- The early weight grad's kept buffers (WeightGradBuffers): .grad without a copy, reused after
-  .grad is dropped, never while anything still holds them.
+- The early weight grad's kept buffers (HeadBuffers): .grad without a copy, reused after
+  .grad is dropped, never while anything still holds them; the chunk-logits buffer kept too.
 - AdamW: fused where the device has the kernel (the CPU does), the same training as the
   foreach implementation within float32 round-off, also inside the distributed optimizer's
   shards (parallel.zero=1, dp=2).
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.config import load_config
-from megapipe.parallel.tensor.cross_entropy import WeightGradBuffers, linear_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.sharding import NO_TP
 from megapipe.train import optim
 from tests.conftest import TINY
@@ -134,7 +134,7 @@ def test_weight_grad_buffer_is_kept_and_lent_only_when_free():
     without a copy; grad accumulation (.grad still set) gets a second buffer and the sum; after
     .grad is dropped the buffer is written again; a grad someone still holds is never
     overwritten (a fresh buffer instead)."""
-    reuse = WeightGradBuffers()
+    reuse = HeadBuffers()
     w = _problem()[1].requires_grad_()
     problems = [_problem(seed=s) for s in (0, 10, 20)]
 
@@ -147,12 +147,12 @@ def test_weight_grad_buffer_is_kept_and_lent_only_when_free():
         return sum(_reference(problems[i][0], w.detach(), problems[i][2])[2] for i in ids)
 
     def kept_ptrs():
-        return [b.data_ptr() for b in reuse.kept]
+        return [b.data_ptr() for b in reuse.weight_grad.kept]
 
     backward(0)
     assert w.grad.data_ptr() == kept_ptrs()[0]  # .grad is the buffer: no copy
     backward(1)  # accumulation: the first buffer holds .grad, so a second one is lent
-    assert len(reuse.kept) == 2 and w.grad.data_ptr() == kept_ptrs()[0]
+    assert len(reuse.weight_grad.kept) == 2 and w.grad.data_ptr() == kept_ptrs()[0]
     assert_rel_close(w.grad, expected(0, 1), rel=1e-6)
     w.grad = None
     backward(2)
@@ -164,6 +164,24 @@ def test_weight_grad_buffer_is_kept_and_lent_only_when_free():
     assert w.grad.data_ptr() != held.data_ptr()
     assert torch.equal(held, before)
     assert_rel_close(w.grad, expected(0), rel=1e-6)
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_chunk_logits_buffer_is_kept_from_call_to_call(early):
+    """The chunk logits are written into one buffer kept across calls (forward and, two-pass,
+    backward), with the bits of a fresh one each call."""
+    reuse, storages = HeadBuffers(), set()
+    for seed in (0, 10):
+        h, w, targets = _problem(seed=seed)
+        plain = _fused(h, w, targets, rows=8, early=early)
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(h, w, targets, 0, w.shape[0], NO_TP, 8, early, reuse)
+        (loss * 0.5).backward()
+        (buffer,) = reuse.logits.kept
+        storages.add(buffer.untyped_storage().data_ptr())
+        for got, want in zip((loss.detach(), h.grad, w.grad), plain):
+            assert torch.equal(got, want)
+    assert len(storages) == 1
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -2,6 +2,7 @@
 
 python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
 python tools/bench.py train [--layers 4 --d-model 256 ...]
+python tools/bench.py matmuls [--preset 124m --variant eager|transformers]
 python tools/bench.py tp
 python tools/bench.py cp
 python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 SUBCOMMANDS = {
     "schedules": ("bench_schedules", "pipeline schedules vs torch.distributed.pipelining"),
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
+    "matmuls": ("bench_matmuls", "a training step's matmuls by shape: ms, GFLOP/s, page faults"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
     "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
     "pipeline": (

@@ -63,12 +63,22 @@ class _Linear(torch.autograd.Function):
         if key is not None:
             ctx.owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
             return grad_x, None, grad_b, None
-        return grad_x, _weight_grad(x, grad_out), grad_b, None
+        return grad_x, _weight_grad(x, grad_out, ctx.owner), grad_b, None
 
 
-def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+    """grad_outᵀ · x (out, in); on the CPU, where it is the weight's own dtype, written into
+    the buffer `owner` keeps from step to step (`kept_grads`, kept_buffers.py: a fresh one is
+    paid in page faults there; CUDA's caching allocator has no such cost, and keeping one
+    there would hold a grad's memory between steps that the memory model does not count;
+    in a compiled block inductor plans the buffers)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # (N, in|out)
-    return g2.t() @ x2  # (out, in)
+    kept = getattr(owner, "kept_grads", None)
+    plain = kept is None or g2.device.type != "cpu" or g2.dtype != owner.weight.dtype
+    if plain or torch.compiler.is_compiling():
+        return g2.t() @ x2
+    out = kept.take((g2.shape[1], x2.shape[1]), g2.dtype, g2.device)
+    return torch.mm(g2.t(), x2, out=out)
 
 
 def linear(
@@ -84,7 +94,7 @@ def run_weight_grads(model: nn.Module, key) -> int:
     done = 0
     for module in model.modules():
         for x, grad_out in getattr(module, "wgrad_queue", {}).pop(key, []):
-            _accumulate(module.weight, _weight_grad(x, grad_out))
+            _accumulate(module.weight, _weight_grad(x, grad_out, module))
             done += 1
     return done
 

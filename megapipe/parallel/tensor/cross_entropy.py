@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.tensor.sharding import TPInfo
 
 
@@ -104,12 +105,18 @@ def _chunk_logits(
     return logits
 
 
-def _buffer(h: torch.Tensor, rows: int, n_local: int) -> torch.Tensor | None:
+def _buffer(
+    h: torch.Tensor, rows: int, n_local: int, reuse: HeadBuffers | None
+) -> torch.Tensor | None:
     """The chunks' float32 logits buffer, flat (each chunk views its first V/tp·rows floats as
-    one contiguous (V/tp, rows) matrix; float32 matmuls write into it), or None."""
+    one contiguous (V/tp, rows) matrix; float32 matmuls write into it), or None; kept in
+    `reuse` from call to call where given."""
     if h.dtype != torch.float32:
         return None
-    return torch.empty(min(rows, h.shape[0]) * n_local, device=h.device)
+    size = (min(rows, h.shape[0]) * n_local,)
+    if reuse is not None:
+        return reuse.logits.take(size, torch.float32, h.device)
+    return torch.empty(size, device=h.device)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -132,7 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             sum_exp = torch.zeros(n, device=h.device)  # Σ exp(logit − top) over this slice
             picked = torch.zeros(n, device=h.device)  # the target's logit
             grads = _EarlyGrads(hc, weight, reuse) if early else None
-            buffer = _buffer(hc, rows, n_local)
+            buffer = _buffer(hc, rows, n_local, reuse)
             for lo in range(0, n, rows):
                 hi = min(lo + rows, n)
                 if not valid:  # a tp slice of padding only: adds nothing, joins the max
@@ -166,7 +173,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             mask = () if inside is None else (inside,)
             ctx.save_for_backward(hc, weight, local, top, sum_exp, *mask)
         ctx.dtype, ctx.in_dtype, ctx.valid, ctx.rows = dtype, h.dtype, valid, rows
-        ctx.early, ctx.weight_dtype, ctx.used = early, weight.dtype, False
+        ctx.early, ctx.weight_dtype, ctx.used, ctx.reuse = early, weight.dtype, False, reuse
         return (lse - picked).sum()
 
     @staticmethod
@@ -186,7 +193,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, rows = hc.shape[0], ctx.rows
         wc = weight.to(ctx.dtype)
         grads = _EarlyGrads(hc, weight)
-        buffer = _buffer(hc, rows, weight.shape[0])
+        buffer = _buffer(hc, rows, weight.shape[0], ctx.reuse)
         for lo in range(0, n if ctx.valid else 0, rows):
             hi = min(lo + rows, n)
             probs = _chunk_logits(hc[lo:hi], wc, ctx.valid, buffer)
@@ -199,38 +206,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grads.weight_grad.mul_(grad).to(weight.dtype), *(None,) * 7
 
 
-class WeightGradBuffers:
-    """The early head's float32 weight-grad buffers, kept from step to step.
-
-    A fresh V/tp·d buffer each step is paid in first touches: at GPT-2's 50257 × 768 its 154 MB
-    are 37.7k page faults, ~0.15-0.2 s of system time in a ~3.5 s step on this CPU (the other
-    grads are small enough for the allocator to reuse). Autograd hands the buffer to the
-    parameter's .grad without a copy (it gets a view, a tensor of its own); after the optimizer
-    drops .grad the storage is ours alone again and the next step writes into it. A buffer whose
-    storage anything else still holds (the .grad of an earlier microbatch under grad
-    accumulation) is never lent: a second one is made, so at most two are kept, which the memory
-    model already counts (the parameter's grad and the head's weight grad in flight)."""
-
-    KEEP = 2
+class HeadBuffers:
+    """What the fused head keeps from step to step (parallel/autograd/kept_buffers.py): the
+    float32 weight grads made in forward, and the chunk-logits buffer. At GPT-2's 50257 × 768 a
+    fresh weight grad was 37.7k page faults a step (154 MB) and the logits buffer 12.5k (51 MB).
+    Two weight grads are kept: under grad accumulation the first is still the weight's .grad
+    while the next microbatch's is made, which the memory model already counts (the
+    parameter's grad and the head's weight grad in flight)."""
 
     def __init__(self) -> None:
-        self.kept: list[torch.Tensor] = []
-
-    def take(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        self.kept = [b for b in self.kept if b.shape == shape and b.device == device]
-        for buffer in self.kept:
-            if _only_holder(buffer):
-                return buffer.view(shape)
-        buffer = torch.empty(shape, dtype=torch.float32, device=device)
-        if len(self.kept) < self.KEEP:
-            self.kept.append(buffer)
-        return buffer.view(shape)
-
-
-def _only_holder(tensor: torch.Tensor) -> bool:
-    """No other tensor (a view, a .grad, a saved tensor) shares `tensor`'s storage: the count
-    is `tensor` itself and the temporary storage object made to ask."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+        self.weight_grad = KeptBuffers(keep=2)
+        self.logits = KeptBuffers(keep=1)
 
 
 class _EarlyGrads:
@@ -239,12 +225,12 @@ class _EarlyGrads:
     matmul. The first chunk writes the weight grad (no zero fill of V·d), later ones add."""
 
     def __init__(
-        self, hc: torch.Tensor, weight: torch.Tensor, reuse: WeightGradBuffers | None = None
+        self, hc: torch.Tensor, weight: torch.Tensor, reuse: HeadBuffers | None = None
     ) -> None:
         self.hc = hc
         self.input_grad = torch.zeros_like(hc)
         if reuse is not None:
-            self.weight_grad = reuse.take(weight.shape, weight.device)
+            self.weight_grad = reuse.weight_grad.take(weight.shape, torch.float32, weight.device)
         else:
             self.weight_grad = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         self.first = True
@@ -279,15 +265,15 @@ def linear_cross_entropy(
     tp: TPInfo,
     rows: int | None = None,
     grad_in_forward: bool = False,
-    reuse: WeightGradBuffers | None = None,
+    reuse: HeadBuffers | None = None,
 ) -> torch.Tensor:
     """Σ over tokens of −log softmax(h Wᵀ)[target] without the whole (tokens, V/tp) logits: h
     (B, T, d) the head input on this rank (after f, or SP's all-gather), W (V/tp, d) this rank's
     vocabulary slice starting at `vocab_start` (rows past `vocab_size` are padding), targets
     (B, T); `rows` tokens per chunk (default CHUNK_ROWS). `grad_in_forward`: make the input and
     weight grads in forward, each chunk's logits made once (module docstring); only where grad
-    is being recorded; `reuse`: the buffers its weight grad is written into, kept from step to
-    step (WeightGradBuffers), else a fresh one each call."""
+    is being recorded; `reuse`: the buffers its weight grad and chunk logits are written into,
+    kept from step to step (HeadBuffers), else fresh ones each call."""
     rows = rows or CHUNK_ROWS
     recording = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     early = grad_in_forward and recording

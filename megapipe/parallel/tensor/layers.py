@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import linear
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
@@ -31,6 +32,7 @@ class ShardedModule(nn.Module):
         super().__init__()
         self.tp = tp
         self.wgrad_queue: dict = {}  # Zero Bubble: weight-grad work deferred to W (weight_grad)
+        self.kept_grads = KeptBuffers()  # the CPU weight grad's buffer, kept from step to step
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self.shard_specs: dict[str, ShardSpec] = {}
 
