@@ -266,14 +266,20 @@ def test_ranks_probes_are_pooled_probe_by_probe():
 
 
 def test_gloo_probe_cells_pool_both_ranks_samples():
-    """Each gloo cell is the median and range over both ranks' samples together: a burst of
-    other work on one rank's core moves the cell by one sample, not to that rank's figure."""
-    rank0 = {("blocking", 1024, 256): [1.0, 1.1, 9.0], ("all_reduce", 1024): [0.5]}
-    rank1 = {("blocking", 1024, 256): [1.2, 1.3, 1.4], ("all_reduce", 1024): [0.7]}
+    """Each gloo cell is the centre and range over both ranks' samples together, so neither
+    rank alone stands for the pair. An aligned cell's centre is the median (a burst of other
+    work moves it by one sample); a wait's is the mean, because a step pays the sum of its
+    collectives' waits, long tail included."""
+    waits0, waits1 = [1.0, 1.1, 9.0], [1.2, 1.3, 1.4]
+    rank0 = {("blocking", 1024, 256): waits0, ("all_reduce", 1024): [0.5, 0.6, 9.0],
+             ("step_wait",): waits0}  # fmt: skip
+    rank1 = {("blocking", 1024, 256): waits1, ("all_reduce", 1024): [0.7, 0.8, 0.9],
+             ("step_wait",): waits1}  # fmt: skip
     pooled = probes.pool_samples([rank0, rank1])
-    assert pooled["blocking", 1024, 256] == (statistics.median([1.0, 1.1, 9.0, 1.2, 1.3, 1.4]),
-                                             1.0, 9.0)  # fmt: skip
-    assert pooled["all_reduce", 1024] == (0.6, 0.5, 0.7)
+    mean = statistics.fmean(waits0 + waits1)
+    assert pooled["blocking", 1024, 256] == pooled["step_wait",] == (mean, 1.0, 9.0)
+    assert mean > 1.5 * statistics.median(waits0 + waits1)  # the tail counts
+    assert pooled["all_reduce", 1024] == (0.75, 0.5, 9.0)  # the median: the burst is one sample
     assert probes.pool_samples([rank1, rank0]) == pooled
 
 

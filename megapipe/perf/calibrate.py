@@ -20,7 +20,9 @@ the one-process run), then gloo between two processes. The fits:
               link, `p2p_*`); a blocking all-reduce after GEMMs of five sizes, less the
               all-reduce as that fit prices it, as a line in the GEMM's time
               (`collective_sync_us`, `collective_skew`); the wait at one after ~0.1 s of
-              GEMMs, less the same, over that compute (`step_skew`).
+              GEMMs, less the same, over that compute (`step_skew`). The waits are means
+              over their samples (probes.MEAN_CELLS: a step pays their sum), the rest
+              medians.
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
 `probe_around` measures the fields the probes decide again, one quick round, around a timed
@@ -284,7 +286,7 @@ def collective_sync(gloo: dict, ring: dict[int, float]) -> tuple[float, float]:
 def step_sync(gloo: dict, ring: dict[int, float]) -> float:
     """The fraction of the compute between two step-scale synchronisations (a dp step's
     gradient reduction, a pipeline's messages) that a rank waits at the second: the step
-    probe's mean wait less the all-reduce as priced (`ring`), over its mean compute (medians
+    probe's mean wait less the all-reduce as priced (`ring`), over its mean compute (means
     over the samples), not below 0; 0 without the probe. Measured at ~0.1 s, not read off the
     tp line: the line is fitted over 0.5-16 ms, and the waits do not grow on with the compute."""
     if ("step_wait",) not in gloo or BLOCKING_SIZES[0] not in ring:
@@ -311,10 +313,16 @@ def attention_model(dev: Device, shape: tuple[int, int, int, int]) -> float:
     return dev.matmul(fwd, intensity) + dev.matmul(2.5 * fwd, intensity)
 
 
-def _spread(v: tuple[float, float, float], scale: float, unit: str, invert: bool = False) -> str:
+def _spread(
+    v: tuple[float, float, float],
+    scale: float,
+    unit: str,
+    invert: bool = False,
+    centre: str = "median",
+) -> str:
     med, lo, hi = (scale / x for x in v) if invert else (x * scale for x in v)
     lo, hi = sorted((lo, hi))
-    return f"median {med:.4g} {unit}, range {lo:.4g}-{hi:.4g}"
+    return f"{centre} {med:.4g} {unit}, range {lo:.4g}-{hi:.4g}"
 
 
 def render(values: dict, m: Measured, command: str) -> str:
@@ -388,7 +396,7 @@ def render(values: dict, m: Measured, command: str) -> str:
         "# an n×n GEMM then a blocking all-reduce, against the GEMMs alone: "
         + ", ".join(
             f"n {n} ({m.gloo['gemm', n][0] * 1e3:.2f} ms), {s} B "
-            + _spread(m.gloo["blocking", s, n], 1e6, "us")
+            + _spread(m.gloo["blocking", s, n], 1e6, "us", centre="mean")
             for n in SKEW_GEMMS
             for s in BLOCKING_SIZES
             if ("blocking", s, n) in m.gloo
@@ -408,9 +416,9 @@ def _step_comment(gloo: dict) -> str:
     if ("step_wait",) not in gloo:
         return "# no step-scale probe"
     return (
-        f"# {STEP_GEMMS} GEMMs of n {STEP_N} (median {gloo['step_compute',][0] * 1e3:.1f} ms)"
+        f"# {STEP_GEMMS} GEMMs of n {STEP_N} (mean {gloo['step_compute',][0] * 1e3:.1f} ms)"
         f" then a blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
-        + _spread(gloo["step_wait",], 1e3, "ms")
+        + _spread(gloo["step_wait",], 1e3, "ms", centre="mean")
         + ", less the all-reduce as priced (the ring above), over the compute before it"
     )
 
