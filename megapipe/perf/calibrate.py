@@ -417,7 +417,7 @@ def _step_comment(gloo: dict) -> str:
         return "# no step-scale probe"
     return (
         f"# {STEP_GEMMS} GEMMs of n {STEP_N} (mean {gloo['step_compute',][0] * 1e3:.1f} ms)"
-        f" then a blocking all-reduce, {STEP_SYNCS} times a round: the pair's mean wait in it "
+        f" then a blocking all-reduce, {STEP_SYNCS} times a round: the pair's wait in it, "
         + _spread(gloo["step_wait",], 1e3, "ms", centre="mean")
         + ", less the all-reduce as priced (the ring above), over the compute before it"
     )

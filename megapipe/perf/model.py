@@ -277,8 +277,7 @@ def _sync_skew(cfg: Config, cluster: Cluster) -> float:
     already wait it (costs.CostModel._skewed): what follows one waits only for the compute
     since it. Without tp, a pipeline's ranks meet at every p2p message and the others at the
     gradient reduction."""
-    p = cfg.parallel
-    if p.tp > 1 or cfg.derived.world_size == 1:
+    if cfg.parallel.tp > 1 or cfg.derived.world_size == 1:
         return 0.0
     return cluster.step_skew
 

@@ -44,6 +44,15 @@ class KeptBuffers:
         return buffer.view(shape)
 
 
+def kept_or_new(
+    kept: KeptBuffers | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`kept.take(...)`, or a fresh tensor where nothing is kept."""
+    if kept is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return kept.take(shape, dtype, device)
+
+
 def only_holder(tensor: torch.Tensor) -> bool:
     """No other tensor (a view, a .grad, a saved tensor) shares `tensor`'s storage: the count
     is `tensor` itself and the temporary storage object made to ask."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.distributed import collectives as C
-from megapipe.parallel.autograd.kept_buffers import KeptBuffers
+from megapipe.parallel.autograd.kept_buffers import KeptBuffers, kept_or_new
 from megapipe.parallel.tensor.sharding import TPInfo
 
 
@@ -113,10 +113,8 @@ def _buffer(
     `reuse` from call to call where given."""
     if h.dtype != torch.float32:
         return None
-    size = (min(rows, h.shape[0]) * n_local,)
-    if reuse is not None:
-        return reuse.logits.take(size, torch.float32, h.device)
-    return torch.empty(size, device=h.device)
+    kept = None if reuse is None else reuse.logits
+    return kept_or_new(kept, (min(rows, h.shape[0]) * n_local,), torch.float32, h.device)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -229,10 +227,8 @@ class _EarlyGrads:
     ) -> None:
         self.hc = hc
         self.input_grad = torch.zeros_like(hc)
-        if reuse is not None:
-            self.weight_grad = reuse.weight_grad.take(weight.shape, torch.float32, weight.device)
-        else:
-            self.weight_grad = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        kept = None if reuse is None else reuse.weight_grad
+        self.weight_grad = kept_or_new(kept, weight.shape, torch.float32, weight.device)
         self.first = True
 
     def add_chunk(self, lo, hi, exp, sum_exp, local, inside, wc) -> None:
