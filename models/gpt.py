@@ -29,6 +29,7 @@ from megapipe.parallel.tensor.layers import (
 from megapipe.parallel.tensor.mappings import enter_column, gather_from_tp
 from megapipe.parallel.tensor.random import replayable, sharded_rng
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
+from models.activations import gelu_tanh
 from models.attention import Attention
 from models.init import init_parameters
 
@@ -62,7 +63,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = gelu_tanh(h)
         return self.fc2(h)
 
 

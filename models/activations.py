@@ -1,0 +1,56 @@
+"""GPT-2's tanh GeLU (Hendrycks & Gimpel 2016, eq. for the tanh approximation), computed as
+x·σ(2u) on the CPU.
+
+gelu(x) = ½·x·(1 + tanh u), u = √(2/π)·(x + 0.044715·x³), and ½·(1 + tanh u) = σ(2u) exactly, so
+gelu(x) = x·σ(z) with z = 2√(2/π)·x·(1 + 0.044715·x²). The same function; only the rounding
+differs (≤ 5e-7 absolute over N(0, 1) inputs). Why: this build's vectorized tanh is slow on the
+CPU (aten's tanh GeLU ran ~5× slower than its sigmoid over the same 2M floats), and:
+
+- eager, CPU: the forward is four passes (addcmul, mul, sigmoid, mul), ~2.4× faster than
+  aten's tanh GeLU; the backward stays aten's `gelu_backward` (the sigmoid form's backward is
+  more passes than it saves). `tools/bench.py gelu` times both.
+- compiled blocks: the expression is left to inductor, which fuses it (and its derivative) into
+  one loop each, ~3× faster than its own tanh lowering forward and backward.
+- CUDA (and other dtypes/devices): aten's fused tanh GeLU kernel, which is already one pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+_K = 2.0 * math.sqrt(2.0 / math.pi)  # z = _K·x·(1 + _C·x²) = 2u
+_C = 0.044715
+
+
+def _sigmoid_form(x: torch.Tensor) -> torch.Tensor:
+    """x·σ(_K·x·(1 + _C·x²)) as one expression (what inductor fuses)."""
+    return x * torch.sigmoid(_K * x * (1.0 + _C * x * x))
+
+
+class _GeluTanhCPU(torch.autograd.Function):
+    """Forward x·σ(z) in four in-place-friendly passes; backward aten's tanh gelu_backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        k = torch.tensor(_K, dtype=x.dtype)
+        z = torch.addcmul(k, x, x, value=_K * _C)  # _K·(1 + _C·x²)
+        return z.mul_(x).sigmoid_().mul_(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GeLU (`gelu_new`): x·σ(2u) on the CPU in float32 (module docstring), aten's
+    `F.gelu(x, approximate="tanh")` elsewhere."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.gelu(x, approximate="tanh")
+    if torch.compiler.is_compiling():
+        return _sigmoid_form(x)
+    return _GeluTanhCPU.apply(x)
