@@ -4,6 +4,7 @@
   equal F.linear + F.cross_entropy's (float32: relative 1e-6; bf16 autocast: 1e-2), with any
   chunk size, padded vocab columns, through the model's head (tied and untied), and over a
   vocabulary split in two (tp=2, gloo workers, with and without SP, padded).
+- The head's exp(logit − max) (exp2 on the CPU): float32 round-off of float64's exp.
 - Grads made in forward (`grad_in_forward`): bitwise those of the two-pass head, float32 and
   bf16, over tp=2 too; spent by one backward (a second is refused); nothing weight-sized made
   under no_grad.
@@ -26,7 +27,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.config import load_config
-from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
+from megapipe.parallel.tensor.cross_entropy import (
+    HeadBuffers,
+    _exp_shifted_,
+    linear_cross_entropy,
+)
 from megapipe.parallel.tensor.sharding import NO_TP
 from megapipe.train import optim
 from tests.conftest import TINY
@@ -59,6 +64,21 @@ def _fused(h, w, targets, rows=None, vocab_size=None, early=False):
     loss = linear_cross_entropy(h, w, targets, 0, vocab_size or w.shape[0], NO_TP, rows, early)
     (loss * 0.5).backward()
     return loss.detach(), h.grad, w.grad
+
+
+def test_head_exp_is_exp_to_float32_round_off():
+    """The CPU's exp2 form of exp(logit − max): relative error ≤ 2e-7 + 1.2e-7·|logit − max|
+    (the rounding of the scaled difference), so < 1e-6 within e^-6 of the max, whose terms
+    carry the sum; float64 exp as the reference."""
+    logits = _randn(4096, 64) * 8
+    top = logits.amax(dim=0)
+    got = _exp_shifted_(logits.clone(), top).double()
+    shift = logits.double() - top.double()[None]
+    ref = torch.exp(shift)
+    rel = (got - ref).abs() / ref
+    assert (rel <= 2e-7 + 1.2e-7 * shift.abs()).all()
+    assert rel[shift > -6].max().item() < 1e-6
+    assert (got.sum(0) / ref.sum(0) - 1).abs().max().item() < 1e-6
 
 
 @pytest.mark.parametrize("early", [False, True])

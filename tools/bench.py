@@ -3,7 +3,7 @@
 python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
 python tools/bench.py train [--layers 4 --d-model 256 ...]
 python tools/bench.py matmuls [--preset 124m --variant eager|transformers]
-python tools/bench.py gelu [--preset default|124m --rounds 15]
+python tools/bench.py kernels [--preset default|124m --rounds 15]
 python tools/bench.py tp
 python tools/bench.py cp
 python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "schedules": ("bench_schedules", "pipeline schedules vs torch.distributed.pipelining"),
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
     "matmuls": ("bench_matmuls", "a training step's matmuls by shape: ms, GFLOP/s, page faults"),
-    "gelu": ("bench_gelu", "GPT-2's tanh GeLU as megapipe runs it vs aten's: eager, compiled"),
+    "kernels": ("bench_kernels", "CPU elementwise kernels megapipe computes its own way vs aten"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
     "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
     "pipeline": (
