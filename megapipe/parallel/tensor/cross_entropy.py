@@ -249,19 +249,30 @@ class _EarlyGrads:
         self.first = True
 
     def add_chunk(self, lo, hi, exp, sum_exp, local, inside, wc) -> None:
-        """`exp` (V/tp, rows) float32 is turned into the probabilities in place."""
-        probs = exp.div_(sum_exp[None, lo:hi])  # softmax
-        at = torch.arange(hi - lo, device=probs.device)
-        probs[local[lo:hi], at] -= 1.0 if inside is None else inside.to(probs.dtype)  # − one-hot
-        g, h_c = probs.to(wc.dtype), self.hc[lo:hi]  # the loss's grad is applied in backward
-        torch.mm(g.t(), wc, out=self.input_grad[lo:hi])
+        """Grads of the chunk's tokens from `exp` (V/tp, rows) float32, exp(logit − max).
+
+        (softmax − one-hot) is never formed over the vocabulary: the softmax's 1/Σexp is a
+        per-token scale, applied to the (rows, d) operand or product, and the one-hot's part is
+        the target rows of W (input grad) and the tokens' h added at their target rows (weight
+        grad). That saves a pass over the chunk's V·rows logits (`tools/bench.py kernels`)."""
+        scale = sum_exp[lo:hi].reciprocal()[:, None]  # (rows, 1): the softmax's 1/Σexp
+        target = local[lo:hi]
+        hit = None if inside is None else inside.to(scale.dtype)[:, None]  # target in slice
+        e, h_c = exp.to(wc.dtype), self.hc[lo:hi]  # the loss's grad is applied in backward
+        grad_in = self.input_grad[lo:hi]
+        torch.mm(e.t(), wc, out=grad_in)
+        onehot_in = wc.index_select(0, target)  # (rows, d): the targets' rows of W
+        grad_in.mul_(scale).sub_(onehot_in if hit is None else onehot_in * hit)
+        h_scaled = (h_c * scale).to(wc.dtype)
         if wc.dtype != torch.float32:  # bf16 matmul, float32 sum over the chunks
-            part = g @ h_c
+            part = e @ h_scaled
             self.weight_grad.copy_(part) if self.first else self.weight_grad.add_(part)
         elif self.first:
-            torch.mm(g, h_c, out=self.weight_grad)
+            torch.mm(e, h_scaled, out=self.weight_grad)
         else:
-            self.weight_grad.addmm_(g, h_c)
+            self.weight_grad.addmm_(e, h_scaled)
+        onehot_w = h_c.float() if hit is None else h_c.float() * hit
+        self.weight_grad.index_add_(0, target, onehot_w, alpha=-1.0)
         self.first = False
 
     def finish(self) -> None:
