@@ -29,6 +29,7 @@ PEERS = [
     ("ScheduleDualPipeV", "v", [("zb_v", 2, True)]),
 ]
 TORCH_KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}  # torch "B" is the full backward
+Row = tuple[str, str, float, float]  # a proof row: claim, setting, closed form, simulated
 
 
 def torch_order(class_name: str, pp: int, m: int, style: str) -> Schedule:
@@ -113,113 +114,103 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
     unit, uneven = Costs(), Costs(F=1, B=1.2, W=0.8)
     rows = []
     for pp, m in [(4, 8), (8, 16), (4, 3)]:
-        for name in ("gpipe", "1f1b"):
-            r = _ours(name, pp, m, 1, unit)
-            rows.append(
-                (
-                    f"{name} bubble (p−1)/(m+p−1)",
-                    f"p={pp} m={m}",
-                    (pp - 1) / (m + pp - 1),
-                    r.bubble_fraction,
-                )
-            )
-        rows.append(
-            (
-                "gpipe peak in-flight m",
-                f"p={pp} m={m}",
-                m,
-                max(_ours("gpipe", pp, m, 1, unit).peak_inflight),
-            )
-        )
-        rows.append(
-            (
-                "1f1b peak in-flight on rank 0: min(p, m)",
-                f"p={pp} m={m}",
-                min(pp, m),
-                _ours("1f1b", pp, m, 1, unit).peak_inflight[0],
-            )
-        )
+        rows += _gpipe_1f1b_rows(pp, m, unit)
     for pp, m, v in [(4, 8, 2), (4, 16, 4), (8, 16, 2)]:
-        over = (pp - 1) / v
-        rows.append(
-            (
-                "interleaved bubble ((p−1)/v)/(m+(p−1)/v)",
-                f"p={pp} m={m} v={v}",
-                over / (m + over),
-                _ours("interleaved_1f1b", pp, m, v, unit).bubble_fraction,
-            )
-        )
+        rows.append(_interleaved_row(pp, m, v, unit))
     for costs, label in [(unit, "F=B=W=1"), (uneven, "F=1 B=1.2 W=0.8")]:
         for pp, m in [(4, 8), (8, 24)]:
-            r = _ours("zb_h1", pp, m, 1, costs)
-            rows.append(
-                (
-                    "zb_h1 idle per rank (p−1)(F+B−W)",
-                    f"p={pp} m={m} {label}",
-                    (pp - 1) * (costs.F + costs.B - costs.W),
-                    max(r.idle),
-                )
-            )
-            r2 = _ours("zb_h2", pp, m, 1, costs)
-            rows.append(
-                (
-                    "zb_h2 makespan ≥ m(F+B+W)+(p−1)F (bound)",
-                    f"p={pp} m={m} {label}",
-                    m * (costs.F + costs.B + costs.W) + (pp - 1) * costs.F,
-                    r2.makespan,
-                )
-            )
-            rows.append(
-                (
-                    "zb_h2 peak in-flight ≤ 2p−1",
-                    f"p={pp} m={m} {label}",
-                    2 * pp - 1,
-                    max(r2.peak_inflight),
-                )
-            )
+            rows += _zero_bubble_rows(pp, m, costs, label)
     for pp, m in [(4, 8), (8, 24)]:
+        rows += _zb_v_rows(pp, m, unit) + _seq1f1b_rows(pp, m, unit)
+    return rows
+
+
+def _gpipe_1f1b_rows(pp: int, m: int, unit: Costs) -> list[Row]:
+    """The proof rows of GPipe's and 1F1B's bubble and peak in-flight at p = `pp`, `m`."""
+    setting = f"p={pp} m={m}"
+    rows: list[Row] = [
+        (
+            f"{name} bubble (p−1)/(m+p−1)",
+            setting,
+            (pp - 1) / (m + pp - 1),
+            _ours(name, pp, m, 1, unit).bubble_fraction,
+        )
+        for name in ("gpipe", "1f1b")
+    ]
+    gpipe_peak = max(_ours("gpipe", pp, m, 1, unit).peak_inflight)
+    rows.append(("gpipe peak in-flight m", setting, m, gpipe_peak))
+    rank0_peak = _ours("1f1b", pp, m, 1, unit).peak_inflight[0]
+    rows.append(("1f1b peak in-flight on rank 0: min(p, m)", setting, min(pp, m), rank0_peak))
+    return rows
+
+
+def _interleaved_row(pp: int, m: int, v: int, unit: Costs) -> Row:
+    """The proof row of interleaved 1F1B's bubble at p = `pp`, `m`, `v` chunks."""
+    over = (pp - 1) / v
+    return (
+        "interleaved bubble ((p−1)/v)/(m+(p−1)/v)",
+        f"p={pp} m={m} v={v}",
+        over / (m + over),
+        _ours("interleaved_1f1b", pp, m, v, unit).bubble_fraction,
+    )
+
+
+def _zero_bubble_rows(pp: int, m: int, costs: Costs, label: str) -> list[Row]:
+    """The proof rows of ZB-H1's idle time and ZB-H2's makespan and peak under `costs`."""
+    setting = f"p={pp} m={m} {label}"
+    h1, h2 = _ours("zb_h1", pp, m, 1, costs), _ours("zb_h2", pp, m, 1, costs)
+    return [
+        (
+            "zb_h1 idle per rank (p−1)(F+B−W)",
+            setting,
+            (pp - 1) * (costs.F + costs.B - costs.W),
+            max(h1.idle),
+        ),
+        (
+            "zb_h2 makespan ≥ m(F+B+W)+(p−1)F (bound)",
+            setting,
+            m * (costs.F + costs.B + costs.W) + (pp - 1) * costs.F,
+            h2.makespan,
+        ),
+        ("zb_h2 peak in-flight ≤ 2p−1", setting, 2 * pp - 1, max(h2.peak_inflight)),
+    ]
+
+
+def _zb_v_rows(pp: int, m: int, unit: Costs) -> list[Row]:
+    """The proof rows of ZB-H1's peak and ZB-V's makespan (against ZB-H1's) and peak."""
+    setting = f"p={pp} m={m}"
+    h1_peak = max(_ours("zb_h1", pp, m, 1, unit).peak_inflight)
+    h1_makespan = _ours("zb_h1", pp, m, 1, unit).makespan
+    v_makespan = _ours("zb_v", pp, m, 2, unit).makespan
+    v_peak = max(_ours("zb_v", pp, m, 2, unit).peak_inflight)
+    return [
+        ("zb_h1 peak in-flight = p", setting, pp, h1_peak),
+        ("zb_v makespan ≤ zb_h1's", setting, h1_makespan, v_makespan),
+        ("zb_v peak in-flight ≤ p (1F1B)", setting, pp, v_peak),
+    ]
+
+
+def _seq1f1b_rows(pp: int, m: int, unit: Costs) -> list[Row]:
+    """The proof rows of Seq1F1B's peak and bubble for k = 2 and 4 segments at p = `pp`, `m`."""
+    setting, rows = f"p={pp} m={m}", []
+    for k in (2, 4):
+        seq = simulate(build_schedule("seq1f1b", pp, m, 1, k), unit, placement("seq1f1b", pp))
         rows.append(
             (
-                "zb_h1 peak in-flight = p",
-                f"p={pp} m={m}",
-                pp,
-                max(_ours("zb_h1", pp, m, 1, unit).peak_inflight),
+                f"seq1f1b k={k} peak (p+k−1)/k",
+                setting,
+                (pp + k - 1) / k,
+                max(seq.peak_inflight),
             )
         )
         rows.append(
             (
-                "zb_v makespan ≤ zb_h1's",
-                f"p={pp} m={m}",
-                _ours("zb_h1", pp, m, 1, unit).makespan,
-                _ours("zb_v", pp, m, 2, unit).makespan,
+                f"seq1f1b k={k} bubble (p−1)/(mk+p−1) (1f1b: (p−1)/(m+p−1))",
+                setting,
+                (pp - 1) / (m * k + pp - 1),
+                seq.bubble_fraction,
             )
         )
-        rows.append(
-            (
-                "zb_v peak in-flight ≤ p (1F1B)",
-                f"p={pp} m={m}",
-                pp,
-                max(_ours("zb_v", pp, m, 2, unit).peak_inflight),
-            )
-        )
-        for k in (2, 4):
-            seq = simulate(build_schedule("seq1f1b", pp, m, 1, k), unit, placement("seq1f1b", pp))
-            rows.append(
-                (
-                    f"seq1f1b k={k} peak (p+k−1)/k",
-                    f"p={pp} m={m}",
-                    (pp + k - 1) / k,
-                    max(seq.peak_inflight),
-                )
-            )
-            rows.append(
-                (
-                    f"seq1f1b k={k} bubble (p−1)/(mk+p−1) (1f1b: (p−1)/(m+p−1))",
-                    f"p={pp} m={m}",
-                    (pp - 1) / (m * k + pp - 1),
-                    seq.bubble_fraction,
-                )
-            )
     return rows
 
 

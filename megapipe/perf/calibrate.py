@@ -327,12 +327,26 @@ def _spread(
 
 def render(values: dict, m: Measured, command: str) -> str:
     """The profile as commented YAML (every value with how it was measured)."""
-    peak = values["peak_tflops"] * 1e12
-    best = max(m.gemm, key=lambda s: gemm_features(*s)[0] / m.gemm[s][0])
-    worst = max(abs(_gemm_model(values, s) / m.gemm[s][0] - 1) for s in m.gemm)
-    ar, p2p = _probe(m.gloo, "all_reduce"), _probe(m.gloo, "p2p")
-    big, small = max(ar), min(ar)
+    ar = _probe(m.gloo, "all_reduce")
+    sizes = min(ar), max(ar)  # the smallest and largest gloo message, in bytes
     lines = [
+        *_machine_lines(values, m, command),
+        *_compute_lines(values, m),
+        *_ring_lines(values, ar, sizes),
+        "device: cpu  # attention as config/memory.attention_path picks it on CPU",
+        f"threads: {values['threads']}",
+        *_efficiency_lines(values, m),
+        *_p2p_lines(values, m, sizes),
+        *_fixed_time_lines(values, m),
+        *_kernel_lines(values, m),
+        *_sync_lines(values, m),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _machine_lines(values: dict, m: Measured, command: str) -> list[str]:
+    """The YAML's head: what was measured, when and how, and the profile's name and GPU."""
+    return [
         f"# This machine's CPU as a 'cluster' of one node: {values['gpus_per_node']} rank(s) of "
         f"{m.threads} torch thread(s), gloo over loopback.",
         f"# Measured by `{command}` (megapipe/perf/calibrate.py) on "
@@ -342,6 +356,14 @@ def render(values: dict, m: Measured, command: str) -> str:
         + (", ".join(f"{x:.2f}" for x in m.notes.get("other_work_cores", [])) or "not measured"),
         f"name: {values['name']}",
         f"gpu: {values['gpu']}",
+    ]
+
+
+def _compute_lines(values: dict, m: Measured) -> list[str]:
+    """The YAML lines of the peak (the GEMM sweep's best), the memory and the copy bandwidth."""
+    peak = values["peak_tflops"] * 1e12
+    best = max(m.gemm, key=lambda s: gemm_features(*s)[0] / m.gemm[s][0])
+    return [
         f"# float32 torch.mm, best of the sweep: {best} at {peak / 1e9:.1f} GFLOP/s "
         f"({_spread(m.gemm[best], gemm_features(*best)[0] / 1e9, 'GFLOP/s', True)})",
         f"peak_tflops: {values['peak_tflops']}",
@@ -349,6 +371,13 @@ def render(values: dict, m: Measured, command: str) -> str:
         f"# {COPY_BYTES >> 20} MiB float32 copy, read + write: "
         f"{_spread(m.bandwidth, 1e-9, 'GB/s')}",
         f"hbm_gbps: {values['hbm_gbps']}",
+    ]
+
+
+def _ring_lines(values: dict, ar: dict, sizes: tuple[int, int]) -> list[str]:
+    """The YAML lines of the ring link (the gloo all-reduce `ar`) and the network's copy of it."""
+    small, big = sizes
+    return [
         "# gloo all-reduce of 1 KiB..16 MiB between two processes, fitted to 2α + S/β "
         f"(comm.ring_time, n = 2): {small} B {_spread(ar[small], 1e6, 'us')}; {big} B "
         f"{_spread(ar[big], 1e3, 'ms')}",
@@ -360,8 +389,13 @@ def render(values: dict, m: Measured, command: str) -> str:
         f"network_gbps: {values['network_gbps']}",
         "network_efficiency: 1.0",
         f"network_latency_us: {values['network_latency_us']}",
-        "device: cpu  # attention as config/memory.attention_path picks it on CPU",
-        f"threads: {values['threads']}",
+    ]
+
+
+def _efficiency_lines(values: dict, m: Measured) -> list[str]:
+    """The YAML lines of the GEMM curve's fit (e_max, κ) and the kernels' μ."""
+    worst = max(abs(_gemm_model(values, s) / m.gemm[s][0] - 1) for s in m.gemm)
+    return [
         f"# e_max and κ: least squares on relative time over the {len(m.gemm)} GEMM shapes "
         f"(worst shape off by {worst:.0%})",
         f"gemm_efficiency: {values['gemm_efficiency']}",
@@ -370,11 +404,25 @@ def render(values: dict, m: Measured, command: str) -> str:
         + ", ".join(f"{k} {b / t / 1e9:.1f}" for k, (t, b) in m.kernels.items())
         + " GB/s, total bytes over total time, over the copy's",
         f"memory_efficiency: {values['memory_efficiency']}",
+    ]
+
+
+def _p2p_lines(values: dict, m: Measured, sizes: tuple[int, int]) -> list[str]:
+    """The YAML lines of the p2p link (gloo's ping-pong at the `sizes` shown)."""
+    small, big = sizes
+    p2p = _probe(m.gloo, "p2p")
+    return [
         "# gloo batch_isend_irecv ping-pong (pipeline/p2p.py's calls), one way, fitted to "
         f"α + S/β: {small} B {_spread(p2p[small], 1e6, 'us')}; {big} B "
         f"{_spread(p2p[big], 1e3, 'ms')}",
         f"p2p_gbps: {values['p2p_gbps']}",
         f"p2p_latency_us: {values['p2p_latency_us']}",
+    ]
+
+
+def _fixed_time_lines(values: dict, m: Measured) -> list[str]:
+    """The YAML lines of the GPT's fixed times: per layer and for the ends."""
+    return [
         "# the GPT (models/gpt.py) at d_model 16, 8 tokens: forward / backward "
         + ", ".join(
             f"{k} layer(s) {f * 1e3:.3f} / {b * 1e3:.3f} ms"
@@ -385,6 +433,12 @@ def render(values: dict, m: Measured, command: str) -> str:
         f"layer_backward_us: {values['layer_backward_us']}",
         f"ends_forward_us: {values['ends_forward_us']}",
         f"ends_backward_us: {values['ends_backward_us']}",
+    ]
+
+
+def _kernel_lines(values: dict, m: Measured) -> list[str]:
+    """The YAML lines of the GeLU kernels' times and attention's efficiency."""
+    return [
         f"# tanh GeLU over {KERNEL_ELEMENTS} float32 elements, forward and aten.gelu_backward, "
         "ns per element (compute-bound here: priced per element, not by bytes)",
         f"gelu_forward_ns: {values['gelu_forward_ns']}",
@@ -393,6 +447,12 @@ def render(values: dict, m: Measured, command: str) -> str:
         + ", ".join(f"{sh} {t * 1e3:.2f} ms" for sh, t in m.attention.items())
         + ": the model's time for them (costs.py, fused) over the measured",
         f"attention_efficiency: {values['attention_efficiency']}",
+    ]
+
+
+def _sync_lines(values: dict, m: Measured) -> list[str]:
+    """The YAML lines of the waits at a blocking collective and at a step's synchronisation."""
+    return [
         "# an n×n GEMM then a blocking all-reduce, against the GEMMs alone: "
         + ", ".join(
             f"n {n} ({m.gloo['gemm', n][0] * 1e3:.2f} ms), {s} B "
@@ -409,7 +469,6 @@ def render(values: dict, m: Measured, command: str) -> str:
         _step_comment(m.gloo),
         f"step_skew: {values['step_skew']}",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _step_comment(gloo: dict) -> str:

@@ -21,13 +21,13 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from megapipe.config import Config, ConfigError, apply_override, load_config
 from megapipe.config.checks import validate
-from megapipe.perf.bounds import EPS, Bounds
+from megapipe.perf.bounds import EPS, Bound, Bounds
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.costs import CALIBRATION, Calibration
 from megapipe.perf.model import GIB, Projection, project
@@ -151,6 +151,10 @@ def check_world(gpus: int, fixed: dict[str, Any]) -> None:
 
 # -- the search -----------------------------------------------------------------------------
 
+# the tallies a search keeps (SearchResult.counts, in this order)
+_COUNTS = ("candidates", "skipped_costly", "invalid", "over_memory_bound", "over_memory",
+           "over_memory_inflight", "bounded", "projected", "pruned")  # fmt: skip
+
 
 def search(
     base: Config,
@@ -167,107 +171,166 @@ def search(
     fixed = fixed or {}
     check_world(gpus, fixed)
     space = candidates(base, gpus, cluster.gpus_per_node, fixed)
-    counts = dict.fromkeys(
-        ("candidates", "skipped_costly", "invalid", "over_memory_bound", "over_memory",
-         "over_memory_inflight", "bounded", "projected", "pruned"), 0)  # fmt: skip
-    counts["candidates"] = len(space)
-    bound = Bounds(base, cluster, runtime, cal)
-    hbm = cluster.hbm_bytes
-    groups: dict[tuple, list[Candidate]] = {}
-    for c in space:
-        if too_costly(c):
-            counts["skipped_costly"] += 1
-        else:
-            groups.setdefault(bound.group(c), []).append(c)
-
-    # best first: (bound, order, level, payload). Level 0: a group under its coarse bound;
-    # 1: a Seq1F1B candidate under its cheap bound; 2: a candidate under its own bound; 3: a
-    # projection under its step time (exact). A popped entry is refined and pushed back under
-    # the larger bound; a projection popped is the next best.
-    heap: list[tuple] = []
-    order = itertools.count()
-    heavy: list[tuple[float, int, Candidate]] = []
-    errors: list[Exception] = []
-    for members in groups.values():
-        pipedream = any(c.pp > 1 and c.schedule == "pipedream_async" for c in members)
-        try:
-            t_lb, m_lb = bound.coarse(members[0], pipedream)
-        except (ConfigError, ValueError) as err:
-            counts["invalid"] += len(members)
-            errors.append(err)
-            continue
-        if m_lb > hbm * (1 + EPS):
-            counts["over_memory_bound"] += len(members)
-            heavy += [(m_lb, 0, c) for c in members]
-            continue
-        heapq.heappush(heap, (t_lb * (1 - EPS), next(order), 0, members))
-    ranked: list[Ranked] = []
-    steps: list[float] = []  # the projected step times so far, sorted
-    while heap and len(ranked) < top:
-        lb, _, level, payload = heapq.heappop(heap)
-        if level == 3:
-            ranked.append(payload)
-            continue
-        if level in (1, 2):  # a candidate under its bound: would it fit in the time it needs?
-            c, cb = payload
-            kth = steps[top - 1] if len(steps) >= top else math.inf
-            if cb.memory_by(kth) > hbm * (1 + EPS):
-                counts["over_memory_inflight"] += 1
-                heavy.append((cb.memory, 1, c))
-                continue
-        if level == 2:
-            cfg, mem, where = _exact_memory(c, base, bound, counts, errors, hbm)
-            if mem == math.inf:
-                continue
-            if cfg is None:
-                counts["over_memory"] += 1
-                heavy.append((mem, 2, c))
-                continue
-            proj = project(cfg, cluster, runtime, cal, memory=False)
-            proj = dataclasses.replace(
-                proj, peak_memory_gib=mem / GIB, memory_rank=where, fits=True
-            )
-            counts["projected"] += 1
-            bisect.insort(steps, proj.step_time_s)
-            entry = Ranked(c, cfg, proj)
-            heapq.heappush(heap, (max(lb, proj.step_time_s), next(order), 3, entry))
-            continue
-        for c in payload if level == 0 else [payload[0]]:
-            fine = level == 1 or not (c.pp > 1 and SCHEDULES[c.schedule].segmented)
-            try:
-                cb = bound(c, fine)
-            except (ConfigError, ValueError) as err:
-                counts["invalid"] += 1
-                errors.append(err)
-                continue
-            counts["bounded"] += fine
-            if cb.memory > hbm * (1 + EPS):
-                counts["over_memory_bound"] += 1
-                heavy.append((cb.memory, 1, c))
-                continue
-            entry = (max(lb, cb.time * (1 - EPS)), next(order), 2 if fine else 1, (c, cb))
-            heapq.heappush(heap, entry)
-    counts["pruned"] = sum(len(p) if level == 0 else 1 for _, _, level, p in heap)
-
+    state = _SearchState(base, cluster, runtime, cal, Bounds(base, cluster, runtime, cal), top)
+    state.counts["candidates"] = len(space)
+    state.seed(space)
+    ranked = state.rank()
+    state.counts["pruned"] = state.pruned()
     if not ranked:
-        if not heavy:
-            why = f": {errors[0]}" if errors else ""
-            raise PlanError(f"no configuration of {gpus} GPUs passes the config rules{why}")
-        gib, least = _least_memory(heavy, base, bound)
+        raise state.no_answer(gpus)
+    return SearchResult(
+        ranked, gpus, cluster, runtime, time.perf_counter() - began, state.counts,
+        time.process_time() - cpu,
+    )  # fmt: skip
+
+
+@dataclass
+class _SearchState:
+    """One search in progress: its best-first heap of (bound, order, level, payload) entries,
+    the candidates over memory (`heavy`, for the least-memory message), the errors and the
+    tallies. Level 0: a group under its coarse bound; 1: a Seq1F1B candidate under its cheap
+    bound; 2: a candidate under its own bound; 3: a projection under its step time (exact). A
+    popped entry is refined and pushed back under the larger bound; a projection popped is
+    the next best."""
+
+    base: Config
+    cluster: Cluster
+    runtime: Runtime
+    cal: Calibration
+    bound: Bounds
+    top: int
+    hbm: float = field(init=False)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
+    heap: list[tuple] = field(default_factory=list)
+    order: Iterator[int] = field(default_factory=itertools.count)
+    heavy: list[tuple[float, int, Candidate]] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)  # the projected step times so far, sorted
+
+    def __post_init__(self) -> None:
+        self.hbm = self.cluster.hbm_bytes
+
+    def _over(self, nbytes: float) -> bool:
+        """Whether `nbytes` exceeds the GPU's memory (beyond the bounds' rounding)."""
+        return nbytes > self.hbm * (1 + EPS)
+
+    def _push(self, bound: float, level: int, payload: Any) -> None:
+        """Push `payload` at `level` under `bound` (ties: first pushed, first popped)."""
+        heapq.heappush(self.heap, (bound, next(self.order), level, payload))
+
+    def _invalid(self, err: Exception, n: int = 1) -> None:
+        """Count `n` candidates against a config rule and keep the error."""
+        self.counts["invalid"] += n
+        self.errors.append(err)
+
+    def _groups(self, space: list[Candidate]) -> dict[tuple, list[Candidate]]:
+        """The candidates not too costly to build, grouped as their coarse bound is shared."""
+        groups: dict[tuple, list[Candidate]] = {}
+        for c in space:
+            if too_costly(c):
+                self.counts["skipped_costly"] += 1
+            else:
+                groups.setdefault(self.bound.group(c), []).append(c)
+        return groups
+
+    def seed(self, space: list[Candidate]) -> None:
+        """Push each group under its coarse time bound, or set it aside when its memory bound
+        is over the GPU's."""
+        for members in self._groups(space).values():
+            pipedream = any(c.pp > 1 and c.schedule == "pipedream_async" for c in members)
+            try:
+                t_lb, m_lb = self.bound.coarse(members[0], pipedream)
+            except (ConfigError, ValueError) as err:
+                self._invalid(err, len(members))
+                continue
+            if self._over(m_lb):
+                self.counts["over_memory_bound"] += len(members)
+                self.heavy += [(m_lb, 0, c) for c in members]
+                continue
+            self._push(t_lb * (1 - EPS), 0, members)
+
+    def rank(self) -> list[Ranked]:
+        """The `top` best projections, best first: entries popped and refined until that many
+        projections have come off the heap (or it is empty)."""
+        ranked: list[Ranked] = []
+        while self.heap and len(ranked) < self.top:
+            lb, _, level, payload = heapq.heappop(self.heap)
+            if level == 3:
+                ranked.append(payload)
+            elif level == 0:
+                self._bound_each(lb, payload, refined=False)
+            elif self._fits_in_flight(*payload):
+                if level == 1:
+                    self._bound_each(lb, [payload[0]], refined=True)
+                else:
+                    self._project(lb, payload[0])
+        return ranked
+
+    def _fits_in_flight(self, c: Candidate, cb: Bound) -> bool:
+        """Whether `c` (its bound `cb`) fits in memory with what it holds in flight over the
+        `top`-th best step time so far (set aside in `heavy` when not)."""
+        kth = self.steps[self.top - 1] if len(self.steps) >= self.top else math.inf
+        if self._over(cb.memory_by(kth)):
+            self.counts["over_memory_inflight"] += 1
+            self.heavy.append((cb.memory, 1, c))
+            return False
+        return True
+
+    def _bound_each(self, lb: float, members: list[Candidate], refined: bool) -> None:
+        """Push each candidate under its own bound (the cheap one, level 1, for a segmented
+        pipeline not yet `refined`), or set it aside when its memory bound is over the GPU's."""
+        for c in members:
+            fine = refined or not (c.pp > 1 and SCHEDULES[c.schedule].segmented)
+            try:
+                cb = self.bound(c, fine)
+            except (ConfigError, ValueError) as err:
+                self._invalid(err)
+                continue
+            self.counts["bounded"] += fine
+            if self._over(cb.memory):
+                self.counts["over_memory_bound"] += 1
+                self.heavy.append((cb.memory, 1, c))
+                continue
+            self._push(max(lb, cb.time * (1 - EPS)), 2 if fine else 1, (c, cb))
+
+    def _project(self, lb: float, c: Candidate) -> None:
+        """Plan `c`'s memory exactly and, if it fits, push its projection under its step time."""
+        cfg, mem, where = _exact_memory(
+            c, self.base, self.bound, self.counts, self.errors, self.hbm
+        )
+        if mem == math.inf:
+            return
+        if cfg is None:
+            self.counts["over_memory"] += 1
+            self.heavy.append((mem, 2, c))
+            return
+        proj = project(cfg, self.cluster, self.runtime, self.cal, memory=False)
+        proj = dataclasses.replace(proj, peak_memory_gib=mem / GIB, memory_rank=where, fits=True)
+        self.counts["projected"] += 1
+        bisect.insort(self.steps, proj.step_time_s)
+        self._push(max(lb, proj.step_time_s), 3, Ranked(c, cfg, proj))
+
+    def pruned(self) -> int:
+        """How many candidates are left on the heap (a group counts its members)."""
+        return sum(len(p) if level == 0 else 1 for _, _, level, p in self.heap)
+
+    def no_answer(self, gpus: int) -> PlanError:
+        """The error when nothing was ranked: NothingFits with the least memory any candidate
+        needs, else a PlanError (naming the first config rule broken, if any)."""
+        if not self.heavy:
+            why = f": {self.errors[0]}" if self.errors else ""
+            return PlanError(f"no configuration of {gpus} GPUs passes the config rules{why}")
+        gib, least = _least_memory(self.heavy, self.base, self.bound)
         where = f" ({describe(least)})" if least is not None else ""
         plural = "s" if gpus > 1 else ""
-        raise NothingFits(
-            f"nothing fits in {cluster.hbm_gib:g} GiB per GPU ({cluster.name}) on {gpus} "
-            f"GPU{plural}: "
+        return NothingFits(
+            f"nothing fits in {self.cluster.hbm_gib:g} GiB per GPU ({self.cluster.name}) on "
+            f"{gpus} GPU{plural}: "
             f"the least any configuration needs is {gib:.1f} GiB per GPU{where}; use more "
             "GPUs, a GPU with more memory, or a smaller model or batch",
             gib,
             least,
         )
-    return SearchResult(
-        ranked, gpus, cluster, runtime, time.perf_counter() - began, counts,
-        time.process_time() - cpu,
-    )  # fmt: skip
 
 
 def _exact_memory(
