@@ -138,32 +138,15 @@ def project(
 ) -> Projection:
     """The projected step of `cfg` on `cluster` (module docstring). `memory=False` skips the
     memory plan (peak_memory_gib None), the one part that builds meta-device chunks."""
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     cm = CostModel(cfg, cluster, runtime, cal)
     shape = (p.pp, p.dp, p.cp, p.tp)
     pipelined = p.pp > 1
     place = placement_of(cfg) if pipelined else Placement(1, 1)
-    stages = partition(cfg, place.num_stages) if pipelined else [range(0, m.n_layers + 2)]
+    stages = partition(cfg, place.num_stages) if pipelined else [range(0, cfg.model.n_layers + 2)]
     bounds = segment_bounds(cfg)
-    seg_ids = [None] if len(bounds) == 1 else list(range(len(bounds)))
-
-    # per global stage, kind (F, B, W, BW), segment: Work
-    stage_costs: list[list[list[Work]]] = []
-    for blocks in stages:
-        per_kind: list[list[Work]] = [[], [], [], []]
-        for seg in seg_ids:
-            c = cm.stage(blocks, seg)
-            for kind, w in enumerate((c.F, c.B, c.W, c.B + c.W)):
-                per_kind[kind].append(w)
-        stage_costs.append(per_kind)
-
-    if not pipelined:
-        dag = cached_dag(("replica", p.microbatches), lambda: _replica_schedule(p.microbatches))
-    elif "costs" in SCHEDULES[p.schedule].options and p.schedule_costs == "profile":
-        dag = config_dag(_as_profiled(cfg, stage_costs))
-    else:
-        dag = config_dag(cfg)
-
+    stage_costs = _stage_costs(cm, stages, len(bounds))
+    dag = _step_dag(cfg, stage_costs)
     # per-rank parameters (grads to reduce, optimizer state) per local chunk, tp rank 0
     held = [
         [chunk_params(cfg, stages[place.stage(r, c)], 0) for c in range(place.vpp)]
@@ -171,62 +154,28 @@ def project(
     ]
     dp = _dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c)
     opt = _optimizer(cfg, cluster, runtime, cm, shape, held)
-
-    cost = [0.0] * (len(stages) * 4 * dag.segments)
-    for st, per_kind in enumerate(stage_costs):
-        for kind in range(4):
-            for k, w in enumerate(per_kind[kind]):
-                cost[dag.key(st, kind, k)] = w.total
-    if p.schedule == "pipedream_async" and pipelined:  # each backward steps its stage
-        for st in range(len(stages)):
-            rank = place.locate(st)[0]
-            for k in range(dag.segments):
-                cost[dag.key(st, KIND_INDEX[FULL_BACKWARD], k)] += (
-                    dp.total[rank] + opt.per_rank[rank]
-                )
-
+    cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
     skew = _sync_skew(cfg, cluster)
     if pipelined and skew:
         _skew_messages(dag, stage_costs, skew, delay)
     timing = run(dag, cost, delay, extra)
-    makespan = timing.makespan
-
-    if p.schedule == "pipedream_async" and pipelined:
-        dp_end, opt_time, gather = makespan, 0.0, 0.0
+    busiest = max(range(p.pp), key=lambda r: timing.busy[r])
+    parts = _rank_work(dag, stage_costs, busiest)
+    if _updates_in_backward(cfg):
+        dp_end, opt_time, gather = timing.makespan, 0.0, 0.0
     else:
         dp_end = _dp_end(dag, timing, dp, runtime, place)
         opt_time, gather = opt.step, opt.gather
-    busiest = max(range(p.pp), key=lambda r: timing.busy[r])
-    parts = _rank_work(dag, stage_costs, busiest)
     if not pipelined and skew:  # the step's one synchronisation: the gradient reduction
         dp_end += skew * parts.compute
     step = dp_end + opt_time + gather
-
-    world = cfg.derived.world_size
-    tokens = cfg.derived.tokens_per_step
-    model_flops = tokens * flops_per_token(cfg)
-    hw_flops = model_flops + tokens * recompute_flops_per_token(cfg)
-    tflops = model_flops / step / world / 1e12
-    hw_tflops = hw_flops / step / world / 1e12
-
-    breakdown = {
-        "compute_s": parts.compute,
-        "tp_comm_s": parts.tp,
-        "cp_comm_s": parts.cp,
-        "pipeline_bubble_p2p_s": makespan - timing.busy[busiest],
-        "dp_comm_s": dp_end - makespan,
-        "optimizer_s": opt_time + gather,
-    }
-    if p.schedule == "pipedream_async" and pipelined:  # the updates inside the backwards
-        backwards = sum(1 for r, k in zip(dag.rank, dag.kind) if r == busiest and k == 3)
-        breakdown["dp_comm_s"] = backwards * dp.total[busiest]
-        breakdown["optimizer_s"] = backwards * opt.per_rank[busiest]
-    detail = {
+    breakdown = _breakdown(cfg, dag, timing, busiest, parts, dp_end, opt_time + gather, dp, opt)
+    return _projection(cfg, cluster, step, timing, breakdown, memory, {
         "runtime": runtime.name,
         "cluster": cluster.name,
         "busiest_pp_rank": busiest,
-        "pipeline_makespan_s": makespan,
+        "pipeline_makespan_s": timing.makespan,
         "actions": dag.size,
         "attention": cm.attention,
         "links": {
@@ -236,9 +185,87 @@ def project(
             "pp": p2p_link(cluster, shape, 0, 1).name if pipelined else None,
         },
         "dp_comm_max_rank_s": max(dp.total),
-        "model_tflops_per_step": model_flops / 1e12,
-        "hw_tflops_per_step": hw_flops / 1e12,
+    })  # fmt: skip
+
+
+def _updates_in_backward(cfg: Config) -> bool:
+    """PipeDream's asynchronous schedule: each stage's backward reduces and steps its own
+    weights, so the step ends with the pipeline and no optimizer step follows it."""
+    return cfg.parallel.schedule == "pipedream_async" and cfg.parallel.pp > 1
+
+
+def _stage_costs(cm: CostModel, stages: list[range], n_segments: int) -> list[list[list[Work]]]:
+    """Per global stage, per kind (F, B, W, BW), per segment: that action's Work."""
+    seg_ids = [None] if n_segments == 1 else list(range(n_segments))
+    stage_costs: list[list[list[Work]]] = []
+    for blocks in stages:
+        per_kind: list[list[Work]] = [[], [], [], []]
+        for seg in seg_ids:
+            c = cm.stage(blocks, seg)
+            for kind, w in enumerate((c.F, c.B, c.W, c.B + c.W)):
+                per_kind[kind].append(w)
+        stage_costs.append(per_kind)
+    return stage_costs
+
+
+def _step_dag(cfg: Config, stage_costs: list[list[list[Work]]]) -> Dag:
+    """The action DAG the runtime walks: the config's schedule (generated from the projected
+    stage costs where the schedule takes profiled costs), or one replica's F/BW list."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return cached_dag(("replica", p.microbatches), lambda: _replica_schedule(p.microbatches))
+    if "costs" in SCHEDULES[p.schedule].options and p.schedule_costs == "profile":
+        return config_dag(_as_profiled(cfg, stage_costs))
+    return config_dag(cfg)
+
+
+def _action_costs(cfg: Config, dag: Dag, stage_costs, place: Placement, dp, opt) -> list[float]:
+    """Seconds of each action of `dag`; under PipeDream's asynchronous schedule a backward
+    also carries its rank's gradient reduction and optimizer step."""
+    cost = [0.0] * (len(stage_costs) * 4 * dag.segments)
+    for st, per_kind in enumerate(stage_costs):
+        for kind in range(4):
+            for k, w in enumerate(per_kind[kind]):
+                cost[dag.key(st, kind, k)] = w.total
+    if _updates_in_backward(cfg):
+        for st in range(len(stage_costs)):
+            rank = place.locate(st)[0]
+            for k in range(dag.segments):
+                cost[dag.key(st, KIND_INDEX[FULL_BACKWARD], k)] += (
+                    dp.total[rank] + opt.per_rank[rank]
+                )
+    return cost
+
+
+def _breakdown(cfg, dag: Dag, timing: Timing, busiest: int, parts: Work, dp_end: float,
+               opt_time: float, dp, opt) -> dict[str, float]:  # fmt: skip
+    """The step's seconds by what the busiest pipeline rank spends them on."""
+    breakdown = {
+        "compute_s": parts.compute,
+        "tp_comm_s": parts.tp,
+        "cp_comm_s": parts.cp,
+        "pipeline_bubble_p2p_s": timing.makespan - timing.busy[busiest],
+        "dp_comm_s": dp_end - timing.makespan,
+        "optimizer_s": opt_time,
     }
+    if _updates_in_backward(cfg):  # the updates inside the backwards
+        backwards = sum(1 for r, k in zip(dag.rank, dag.kind) if r == busiest and k == 3)
+        breakdown["dp_comm_s"] = backwards * dp.total[busiest]
+        breakdown["optimizer_s"] = backwards * opt.per_rank[busiest]
+    return breakdown
+
+
+def _projection(cfg: Config, cluster: Cluster, step: float, timing: Timing, breakdown: dict,
+                memory: bool, detail: dict) -> Projection:  # fmt: skip
+    """The Projection of a `step`-second step: throughput, MFU and, with `memory`, the peak
+    of the memory plan."""
+    world = cfg.derived.world_size
+    tokens = cfg.derived.tokens_per_step
+    model_flops = tokens * flops_per_token(cfg)
+    hw_flops = model_flops + tokens * recompute_flops_per_token(cfg)
+    tflops = model_flops / step / world / 1e12
+    detail["model_tflops_per_step"] = model_flops / 1e12
+    detail["hw_tflops_per_step"] = hw_flops / 1e12
     peak = rank = fits = None
     if memory:
         mem = memory_plan(cfg, "cuda")
@@ -247,7 +274,7 @@ def project(
     return Projection(
         step_time_s=step,
         tflops_per_gpu=tflops,
-        hw_tflops_per_gpu=hw_tflops,
+        hw_tflops_per_gpu=hw_flops / step / world / 1e12,
         mfu=tflops / cluster.peak_tflops,
         bubble_fraction=timing.bubble_fraction,
         breakdown=breakdown,
