@@ -320,7 +320,7 @@ def local_points(
 
     The machine's own speed moves too, by tens of percent within minutes, while the stored
     profile was measured once: with `probe_each_run`, the probes bracket each run
-    (calibrate.probe_around: gloo's for two ranks, ~10 s, then the compute ones in as many
+    (calibrate.probe_around: gloo's for two ranks, ~15 s, then the compute ones in as many
     processes as the run has ranks, ~4 s, just before the run and again just after it), which
     is also projected with the fields they measured."""
     solo_threads = solo_threads or threads
