@@ -304,9 +304,9 @@ def test_probes_reprice_the_profile_with_what_they_measure(tmp_path, monkeypatch
     monkeypatch.setattr(calibrate, "concurrent_compute_probes", compute_probes_now)
     monkeypatch.setattr(calibrate, "probe_gloo", gloo_probes_now)
     now = calibrate.probe_around(stored, 2, 1, lambda: None)[0]
-    # gloo's probes take AROUND_GLOO_ROUNDS rounds (their waits' mean needs the samples)
-    assert asked == [("gloo", 1, calibrate.AROUND_GLOO_ROUNDS), *[("compute", 1, 1, 2)] * 2]
-    assert calibrate.AROUND_GLOO_ROUNDS >= 3
+    # gloo's probes take at least GLOO_ROUNDS rounds (their waits' mean needs the samples)
+    assert asked == [("gloo", 1, calibrate.GLOO_ROUNDS), *[("compute", 1, 1, 2)] * 2]
+    assert calibrate.GLOO_ROUNDS >= 3
     changed = {f.name for f in fields(stored) if getattr(stored, f.name) != getattr(now, f.name)}
     assert changed <= set(calibrate.compute_values(m)) | set(calibrate.link_values(m))
     assert {"peak_tflops", "hbm_gbps", "layer_backward_us", "gelu_forward_ns", "p2p_gbps"} <= (
@@ -368,6 +368,20 @@ def test_probe_around_brackets_the_run_and_prices_the_mean_of_both_probes(tmp_pa
     asked.clear()
     calibrate.probe_around(stored, 1, 1, run)
     assert asked == ["compute", "run", "compute"]
+
+
+def test_calibration_probes_gloo_for_at_least_gloo_rounds(monkeypatch):
+    """A quick calibration (--rounds 1 or 2) still takes GLOO_ROUNDS rounds of the gloo
+    probes: one round's mean of the heavy-tailed waits swung by ±30% (calibrate.GLOO_ROUNDS)."""
+    m = fake_measured()
+    asked = []
+    monkeypatch.setattr(
+        calibrate, "concurrent_compute_probes", lambda threads, rounds, ranks: _probes_of(m, 1)
+    )
+    monkeypatch.setattr(calibrate, "probe_gloo", lambda threads, rounds: asked.append(rounds))
+    for rounds in (1, 2, calibrate.GLOO_ROUNDS + 2):
+        calibrate.measure(rounds=rounds)
+    assert asked == [calibrate.GLOO_ROUNDS, calibrate.GLOO_ROUNDS, calibrate.GLOO_ROUNDS + 2]
 
 
 def test_point_is_judged_round_by_round_on_the_fields_probed_around_it():

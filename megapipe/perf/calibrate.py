@@ -124,6 +124,14 @@ class Measured:
     notes: dict = field(default_factory=dict)
 
 
+# The fewest rounds of the gloo probes, in a calibration and around each local-truth run. The
+# blocking probe's waits are heavy-tailed, and their mean over one round's samples swung: five
+# 1-round probes in a row priced a 256 KiB tp all-reduce after 1.7 ms of compute (tp2's
+# local-truth step) at 1.05-1.86 ms, three 3-round probes at 1.78-1.87 ms (the wait tp2's
+# measured step implies: ~1.9 ms).
+GLOO_ROUNDS = 3
+
+
 def measure(
     threads: int = 1,
     ranks_per_node: int = 2,
@@ -144,7 +152,7 @@ def measure(
     )
     loads.append(settle())
     say("gloo all-reduce and p2p between two processes")
-    gloo = probe_gloo(threads, max(rounds // 2, 1))
+    gloo = probe_gloo(threads, max(rounds, GLOO_ROUNDS))
     notes = {"other_work_cores": [x for x in loads if isinstance(x, (int, float))]}
     return Measured(
         threads, ranks_per_node, gemm, bandwidth, kernels, gelu, attention, fixed, gloo, notes
@@ -228,23 +236,16 @@ def profile_values(m: Measured, name: str) -> dict:
     return {**machine, **compute_values(m), **link_values(m)}
 
 
-# Rounds of the gloo probes around a run. The blocking probe's waits are heavy-tailed, and
-# their mean over one round's samples swung: five 1-round probes in a row priced a 256 KiB tp
-# all-reduce after 1.7 ms of compute (tp2's local-truth step) at 1.05-1.86 ms, three 3-round
-# probes at 1.78-1.87 ms (the wait tp2's measured step implies: ~1.9 ms).
-AROUND_GLOO_ROUNDS = 3
-
-
 def probe_around(
     cluster: Cluster, ranks: int, threads: int, run: Callable[[], T], rounds: int = 1
 ) -> tuple[Cluster, T]:
     """`run()` bracketed by the probes, and `cluster` with what they measured: gloo's first
-    (two ranks or more, AROUND_GLOO_ROUNDS rounds, ~15 s), then one quick round of the
+    (two ranks or more, GLOO_ROUNDS rounds, ~15 s), then one quick round of the
     compute probes (in `ranks` processes of `threads` threads at once, ~4 s) just before
     `run` and again just after it, pooled (probes.pool_ranks: their mean). This shared
     machine's speed moves by tens of percent within minutes (other tenants' load on the host),
     and the run's compute sits between the two compute probes."""
-    gloo = probe_gloo(threads, max(rounds, AROUND_GLOO_ROUNDS)) if ranks > 1 else {}
+    gloo = probe_gloo(threads, max(rounds, GLOO_ROUNDS)) if ranks > 1 else {}
     before = concurrent_compute_probes(threads, rounds, ranks)
     result = run()
     after = concurrent_compute_probes(threads, rounds, ranks)
