@@ -1,5 +1,6 @@
-"""This machine's CPU profile: the probes (perf/probes.py) fitted into the terms of a cluster
-profile (perf/cluster.py) and written as commented YAML (docs/architecture.md, "Layers", perf).
+"""This machine's CPU profile: the probes (perf/probes.py, perf/gloo_probes.py) fitted into the
+terms of a cluster profile (perf/cluster.py) and written as commented YAML
+(docs/architecture.md, "Layers", perf).
 
 A CPU "node" is the machine: `ranks_per_node` training processes of `threads` torch threads
 each share its cores and talk gloo over loopback (torchrun sets OMP_NUM_THREADS=1 for its
@@ -21,7 +22,7 @@ the one-process run), then gloo between two processes. The fits:
               all-reduce as that fit prices it, as a line in the GEMM's time
               (`collective_sync_us`, `collective_skew`); the wait at one after ~0.1 s of
               GEMMs, less the same, over that compute (`step_skew`). The waits are means
-              over their samples (probes.MEAN_CELLS: a step pays their sum), the rest
+              over their samples (gloo_probes.MEAN_CELLS: a step pays their sum), the rest
               medians.
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
@@ -46,18 +47,20 @@ import torch
 from megapipe.perf.cluster import CLUSTER_DIR, Cluster, Link, load_cluster
 from megapipe.perf.comm import ring_time
 from megapipe.perf.costs import Calibration, Device
-from megapipe.perf.probes import (
+from megapipe.perf.gloo_probes import (
     BLOCKING_SIZES,
-    COPY_BYTES,
-    GEMM_SHAPES,
-    KERNEL_ELEMENTS,
     SKEW_GEMMS,
     STEP_GEMMS,
     STEP_N,
     STEP_SYNCS,
+    probe_gloo,
+)
+from megapipe.perf.probes import (
+    COPY_BYTES,
+    GEMM_SHAPES,
+    KERNEL_ELEMENTS,
     concurrent_compute_probes,
     pool_ranks,
-    probe_gloo,
 )
 
 T = TypeVar("T")

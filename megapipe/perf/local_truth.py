@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from megapipe.config import Config, load_config
@@ -158,44 +159,18 @@ def train_run(
     with tempfile.TemporaryDirectory(prefix="megapipe-local-") as tmp:
         args = [f"--{o}" for o in (*LOCAL_CONFIG, *extra, *mesh)]
         args += [f"--train.steps={steps + warmup}", f"--run.dir={tmp}/run"]
-        if world == 1:
-            cmd = [sys.executable, str(ROOT / "train.py"), *args]
-        else:
-            cmd = [
-                sys.executable,
-                str(ROOT / "tools" / "launch.py"),
-                f"--nproc-per-node={world}",
-                str(ROOT / "train.py"),
-                *args,
-            ]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "WANDB_MODE": "disabled",
-            "PYTHONPATH": str(ROOT),
-        }
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         with open(Path(tmp) / "log.txt", "w+") as log:
-            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT)
-            began, marks = time.perf_counter(), {}
-            try:
-                while proc.poll() is None:
-                    if time.perf_counter() - began > timeout:
-                        raise RuntimeError(f"train.py on {mesh or 'one process'}: over {timeout} s")
-                    done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
-                    for mark in (warmup, warmup + steps):
-                        if done >= mark and mark not in marks:
-                            pids = _workers(proc, world)
-                            marks[mark] = (
-                                time.perf_counter(),
-                                cpu_ticks(),
-                                [_sched(p) for p in pids],
-                            )
-                    time.sleep(POLL_S)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
+            proc = subprocess.Popen(
+                _train_command(args, world),
+                env=_train_env(threads),
+                cwd=tmp,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            marks = _counters_while_running(
+                proc, metrics, (warmup, warmup + steps), world, timeout, mesh
+            )
             log.seek(0)
             output = log.read()
         if proc.returncode != 0:
@@ -204,15 +179,73 @@ def train_run(
         tokens = cfg.derived.tokens_per_step
         with open(metrics) as f:
             times = [tokens / json.loads(line)["tokens_per_s"] for line in f]
-    complete = warmup + steps in marks and warmup in marks
-    if not complete or len(marks[warmup][2]) != world or len(marks[warmup + steps][2]) != world:
-        return Run(times[warmup:], [math.nan] * world, math.nan, [math.nan] * world)
-    (t0, ticks0, s0), (t1, ticks1, s1) = marks[warmup], marks[warmup + steps]
-    wait = [(b[1] - a[1]) / steps for a, b in zip(s0, s1)]
-    cpu = [(b[0] - a[0]) / steps for a, b in zip(s0, s1)]
+    return _run_between(times[warmup:], marks, warmup, warmup + steps, world)
+
+
+def _train_command(args: list[str], world: int) -> list[str]:
+    """train.py with `args`: itself on one process, else through tools/launch.py (torchrun)."""
+    if world == 1:
+        return [sys.executable, str(ROOT / "train.py"), *args]
+    return [
+        sys.executable,
+        str(ROOT / "tools" / "launch.py"),
+        f"--nproc-per-node={world}",
+        str(ROOT / "train.py"),
+        *args,
+    ]
+
+
+def _train_env(threads: int) -> dict[str, str]:
+    """train.py's environment: `threads` OpenMP threads per rank, no wandb, the repo importable."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+def _counters_while_running(
+    proc: subprocess.Popen,
+    metrics: Path,
+    marks_at: tuple[int, int],
+    world: int,
+    timeout: float,
+    mesh: list[str],
+) -> dict[int, tuple]:
+    """Wait for `proc` (killed past `timeout` s); {steps logged: (time, the machine's CPU
+    ticks, each rank's _sched)} read as soon as metrics.jsonl holds each of `marks_at` lines."""
+    began, marks = time.perf_counter(), {}
+    try:
+        while proc.poll() is None:
+            if time.perf_counter() - began > timeout:
+                raise RuntimeError(f"train.py on {mesh or 'one process'}: over {timeout} s")
+            done = metrics.read_bytes().count(b"\n") if metrics.exists() else 0
+            for mark in marks_at:
+                if done >= mark and mark not in marks:
+                    pids = _workers(proc, world)
+                    marks[mark] = (time.perf_counter(), cpu_ticks(), [_sched(p) for p in pids])
+            time.sleep(POLL_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    return marks
+
+
+def _run_between(steps: list[float], marks: dict, first: int, last: int, world: int) -> Run:
+    """The Run of `steps` with the ranks' counters between the marks `first` and `last`
+    (_counters_while_running): NaN where either mark was missed or did not find every rank."""
+    complete = last in marks and first in marks
+    if not complete or len(marks[first][2]) != world or len(marks[last][2]) != world:
+        return Run(steps, [math.nan] * world, math.nan, [math.nan] * world)
+    (t0, ticks0, s0), (t1, ticks1, s1) = marks[first], marks[last]
+    between = last - first
+    wait = [(b[1] - a[1]) / between for a, b in zip(s0, s1)]
+    cpu = [(b[0] - a[0]) / between for a, b in zip(s0, s1)]
     ours = sum(b[2] - a[2] for a, b in zip(s0, s1))
     busy = (ticks1[0] - ticks0[0]) / os.sysconf("SC_CLK_TCK")
-    return Run(times[warmup:], wait, max(busy - ours, 0.0) / (t1 - t0), cpu)
+    return Run(steps, wait, max(busy - ours, 0.0) / (t1 - t0), cpu)
 
 
 @dataclass
@@ -334,31 +367,58 @@ def local_points(
             cfg = local_config(mesh)
             world = cfg.derived.world_size
             ranks_threads = solo_threads if world == 1 else threads
-
-            def timed(mesh=mesh, threads=ranks_threads) -> Run:
-                return train_run(mesh, steps, warmup, threads)
-
-            tries = []
-            for _ in range(retries + 1):
-                wait_quiet(quiet, patience, say)
-                now = None
-                if probe_each_run:
-                    base = _profile_of(clusters, world)
-                    cluster, run = probe_around(base, world, ranks_threads, timed)
-                    now = project_point(cfg, cluster)
-                else:
-                    run = timed()
-                tries.append((run, now))
-                say(
-                    f"round {r + 1}/{rounds}: {name}: median {statistics.median(run.steps):.3f} s"
-                    + (f", projected now {now.step_time_s:.3f} s" if now else "")
-                    + f", other work {run.others:.2f} cores"
-                    + ("" if run.others <= quiet else " (disturbed)")
-                )
-                if run.others <= quiet:
-                    break
-            runs[name].append(min(tries, key=lambda x: x[0].others))
+            probed_on = _profile_of(clusters, world) if probe_each_run else None
+            attempt = partial(_run_and_project, cfg, mesh, steps, warmup, ranks_threads, probed_on)
+            label = f"round {r + 1}/{rounds}: {name}"
+            runs[name].append(_least_disturbed(attempt, label, quiet, patience, retries, say))
     return [_point(name, mesh, runs[name], clusters) for name, mesh in meshes.items()]
+
+
+def _run_and_project(
+    cfg: Config,
+    mesh: list[str],
+    steps: int,
+    warmup: int,
+    threads: int,
+    probed_on: Cluster | None,
+) -> tuple[Run, Projection | None]:
+    """train_run on `mesh` (whose config is `cfg`) and, given a stored profile `probed_on`,
+    the run's projection on that profile with the fields the probes around the run measured
+    (calibrate.probe_around); without one, the run alone."""
+
+    def timed() -> Run:
+        return train_run(mesh, steps, warmup, threads)
+
+    if probed_on is None:
+        return timed(), None
+    cluster, run = probe_around(probed_on, cfg.derived.world_size, threads, timed)
+    return run, project_point(cfg, cluster)
+
+
+def _least_disturbed(
+    attempt: Callable[[], tuple[Run, Projection | None]],
+    label: str,
+    quiet: float,
+    patience: float,
+    retries: int,
+    say: Callable[[str], None],
+) -> tuple[Run, Projection | None]:
+    """`attempt()` once the machine is quiet (wait_quiet), again (up to `retries` times) while
+    the other work used more than `quiet` cores during it: the least disturbed try."""
+    tries = []
+    for _ in range(retries + 1):
+        wait_quiet(quiet, patience, say)
+        run, now = attempt()
+        tries.append((run, now))
+        say(
+            f"{label}: median {statistics.median(run.steps):.3f} s"
+            + (f", projected now {now.step_time_s:.3f} s" if now else "")
+            + f", other work {run.others:.2f} cores"
+            + ("" if run.others <= quiet else " (disturbed)")
+        )
+        if run.others <= quiet:
+            break
+    return min(tries, key=lambda x: x[0].others)
 
 
 def _profile_of(clusters: dict[int, Cluster], world: int) -> Cluster:

@@ -69,69 +69,96 @@ class Dag:
 def compile_schedule(schedule, placement: Placement) -> Dag:
     """Walk `schedule` once and record its DAG."""
     segments = 1 + max((a.seg for acts in schedule.values() for a in acts), default=0)
-    last = placement.num_stages - 1
-    rank_, stage_, kind_, chunk_, seg_, mb_, prev_, needs_, sends_ = ([] for _ in range(9))
-    message_keys: dict[tuple[int, int, int, int], int] = {}
-    last_on_rank: dict[int, int] = {}
+    recorder = _DagRecorder(placement)
+    walk(schedule, placement, recorder.record)
+    return recorder.dag(segments)
 
-    def key_of(src: int, dst: int, seg: int, grad: bool) -> int:
+
+class _DagRecorder:
+    """The walk's callback for compile_schedule: each action as a node, in the order the walk
+    runs them, with the nodes it waits for and the messages between ranks it needs and sends
+    (numbered in the order they first appear)."""
+
+    def __init__(self, placement: Placement):
+        self.placement = placement
+        self.last_stage = placement.num_stages - 1
+        self.rank: list[int] = []
+        self.stage: list[int] = []
+        self.kind: list[int] = []
+        self.chunk: list[int] = []
+        self.seg: list[int] = []
+        self.microbatch: list[int] = []
+        self.prev: list[int] = []
+        self.needs: list[tuple[tuple[int, int], ...]] = []
+        self.sends: list[int] = []
+        self.message_keys: dict[tuple[int, int, int, int], int] = {}
+        self.last_on_rank: dict[int, int] = {}
+
+    def message_key(self, src: int, dst: int, seg: int, grad: bool) -> int:
+        """The key of the message (src rank, dst rank, segment, grad), new keys numbered 0, 1, …"""
         k = (src, dst, seg, int(grad))
-        if k not in message_keys:
-            message_keys[k] = len(message_keys)
-        return message_keys[k]
+        if k not in self.message_keys:
+            self.message_keys[k] = len(self.message_keys)
+        return self.message_keys[k]
 
-    def run(rank, a, stage, needs, finished):
-        node = len(rank_)
+    def record(self, rank: int, a: Action, stage: int, needs, finished) -> int:
+        """plan/walk.py's `run`: action `a` as the next node, whose index its events record."""
+        node = len(self.rank)
         deps = []
         for event in needs:
             producer = finished[event]
-            src = rank_[producer]
-            msg = -1 if src == rank else key_of(src, rank, a.seg, event[0] == "G")
+            src = self.rank[producer]
+            msg = -1 if src == rank else self.message_key(src, rank, a.seg, event[0] == "G")
             deps.append((producer, msg))
-        out = sent(a, stage, last)
-        send = -1
-        if out is not None:
-            dst = placement.locate(out.dest_stage())[0]
-            if dst != rank:
-                send = key_of(rank, dst, a.seg, out.grad)
-        rank_.append(rank)
-        stage_.append(stage)
-        kind_.append(KIND_INDEX[a.kind])
-        chunk_.append(a.chunk)
-        seg_.append(a.seg)
-        mb_.append(a.microbatch)
-        prev_.append(last_on_rank.get(rank, -1))  # -1 reads end[n] = 0 in run
-        needs_.append(tuple(deps))
-        sends_.append(send)
-        last_on_rank[rank] = node
+        self.rank.append(rank)
+        self.stage.append(stage)
+        self.kind.append(KIND_INDEX[a.kind])
+        self.chunk.append(a.chunk)
+        self.seg.append(a.seg)
+        self.microbatch.append(a.microbatch)
+        self.prev.append(self.last_on_rank.get(rank, -1))  # -1 reads end[n] = 0 in run
+        self.needs.append(tuple(deps))
+        self.sends.append(self._send_key(rank, a, stage))
+        self.last_on_rank[rank] = node
         return node
 
-    walk(schedule, placement, run)
-    messages = sorted(message_keys, key=message_keys.get)
-    cost_index = [(st * 4 + k) * segments + sg for st, k, sg in zip(stage_, kind_, seg_)]
-    last_grad, counts = {}, tuple({} for _ in range(placement.pp))
-    for i, (r, c, k, ci) in enumerate(zip(rank_, chunk_, kind_, cost_index)):
-        if k in (2, 3):
-            last_grad[r, c] = i
-        counts[r][ci] = counts[r].get(ci, 0) + 1
-    return Dag(
-        pp=placement.pp,
-        vpp=placement.vpp,
-        segments=segments,
-        rank=tuple(rank_),
-        stage=tuple(stage_),
-        kind=tuple(kind_),
-        chunk=tuple(chunk_),
-        seg=tuple(seg_),
-        microbatch=tuple(mb_),
-        prev=tuple(prev_),
-        needs=tuple(needs_),
-        messages=tuple(messages),
-        sends=tuple(sends_),
-        cost_index=tuple(cost_index),
-        last_grad=last_grad,
-        counts=counts,
-    )
+    def _send_key(self, rank: int, a: Action, stage: int) -> int:
+        """The key of the message `a` sends to another rank when done, -1 for none."""
+        out = sent(a, stage, self.last_stage)
+        if out is None:
+            return -1
+        dst = self.placement.locate(out.dest_stage())[0]
+        return -1 if dst == rank else self.message_key(rank, dst, a.seg, out.grad)
+
+    def dag(self, segments: int) -> Dag:
+        """The recorded walk as a Dag whose costs come in `segments` Seq1F1B segments."""
+        pp = self.placement.pp
+        cost_index = [
+            (st * 4 + k) * segments + sg for st, k, sg in zip(self.stage, self.kind, self.seg)
+        ]
+        last_grad, counts = {}, tuple({} for _ in range(pp))
+        for i, (r, c, k, ci) in enumerate(zip(self.rank, self.chunk, self.kind, cost_index)):
+            if k in (KIND_INDEX[WEIGHT_GRAD], KIND_INDEX[FULL_BACKWARD]):
+                last_grad[r, c] = i
+            counts[r][ci] = counts[r].get(ci, 0) + 1
+        return Dag(
+            pp=pp,
+            vpp=self.placement.vpp,
+            segments=segments,
+            rank=tuple(self.rank),
+            stage=tuple(self.stage),
+            kind=tuple(self.kind),
+            chunk=tuple(self.chunk),
+            seg=tuple(self.seg),
+            microbatch=tuple(self.microbatch),
+            prev=tuple(self.prev),
+            needs=tuple(self.needs),
+            messages=tuple(sorted(self.message_keys, key=self.message_keys.get)),
+            sends=tuple(self.sends),
+            cost_index=tuple(cost_index),
+            last_grad=last_grad,
+            counts=counts,
+        )
 
 
 _DAGS: dict[tuple, Dag] = {}

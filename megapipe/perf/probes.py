@@ -1,8 +1,8 @@
-"""The probes that measure this machine's CPU for a profile (perf/calibrate.py fits them):
-each a median over rounds that alternate its cases, with the spread, since the cores are shared
-with whatever else runs.
-
-prices the one-process run):
+"""The compute probes that measure this machine's CPU for a profile (perf/calibrate.py fits
+them), each a median over rounds that alternate its cases, with the spread, since the cores are
+shared with whatever else runs. They run in `ranks_per_node` processes at once
+(`concurrent_compute_probes`, pooled by `pool_ranks`); gloo's probes between two processes are
+perf/gloo_probes.py's.
 
   GEMMs       float32 torch.mm over a sweep of shapes (every (m, n, k) from {64, 256, 1024}, and
               squares 128, 512, 2048), operands cold in cache (a training step's other kernels
@@ -26,24 +26,15 @@ prices the one-process run):
               training builds it (pipeline/stages.build_model) at d_model 16 and 8 tokens,
               forward and backward timed with 1 and 5 layers: the difference per layer
               (`layer_*_us`), the rest the embedding and head (`ends_*_us`).
-  gloo        two processes (`threads` threads each) over loopback: all-reduce and a
-              batch_isend_irecv ping-pong (as pipeline/p2p.StageLinks posts them) of 1 KiB to
-              16 MiB; α and β fitted to comm.py's ring formula for n = 2 (2α + S/β; the ring
-              link, `nvlink_*`, which every collective inside the node uses) and α + S/β (the
-              p2p link, `p2p_*`). Then the blocking probe: GEMM loops with and without a
-              blocking all-reduce after each GEMM, in short alternating pairs, for what a
-              collective costs beyond the aligned one (`collective_*`, calibrate.py), and
-              ~0.1 s of GEMMs then one, for the wait at a step's synchronisations
-              (`step_skew`). Every cell pools both ranks' samples.
 
+The machine's other work (`cpu_ticks`, `others_load`): `wait_quiet` waits for it to calm down
+before a calibration's groups of probes (tools/plan.py) and each local-truth run.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -57,12 +48,6 @@ from models.gpt import GPT
 
 GEMM_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
 GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]
-GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
-BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
-SKEW_GEMMS = (256, 384, 512, 640, 768)  # n×n GEMMs between the probe's collectives: ~0.5-11 ms
-# the step-scale cell: STEP_GEMMS GEMMs of n = STEP_N between two collectives (~0.1 s, a small
-# model's compute between a dp step's or a pipeline message's synchronisations), STEP_SYNCS times
-STEP_GEMMS, STEP_N, STEP_SYNCS = 8, 768, 8
 COPY_BYTES = 256 << 20
 COLD_BYTES = 96 << 20  # operands of the GEMM probe: several times a server's last-level cache
 KERNEL_ELEMENTS = 1 << 18  # 1 MiB of float32: one activation of a small model's microbatch
@@ -199,164 +184,6 @@ def probe_fixed(rounds: int = 5, calls: int = 40) -> dict[int, tuple[float, floa
         for k in models:
             seen[k].append(one(k))
     return {k: tuple(statistics.median(x[i] for x in v) for i in (0, 1)) for k, v in seen.items()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    peer = 1 - rank
-    seen: dict = {("all_reduce", s): [] for s in GLOO_SIZES}
-    seen.update({("p2p", s): [] for s in GLOO_SIZES})
-
-    def exchange(op, x):
-        for work in dist.batch_isend_irecv([dist.P2POp(op, x, peer)]):
-            work.wait()
-
-    for _ in range(rounds):
-        for size in GLOO_SIZES:
-            x = torch.ones(size // 4)
-            reps = max(3, min(30, int(3e7 // size)))
-            for _ in range(reps):
-                dist.barrier()
-                began = time.perf_counter()
-                dist.all_reduce(x)
-                seen["all_reduce", size].append(time.perf_counter() - began)
-                dist.barrier()
-                began = time.perf_counter()
-                first, second = (dist.isend, dist.irecv) if rank == 0 else (dist.irecv, dist.isend)
-                exchange(first, x)
-                exchange(second, x)
-                seen["p2p", size].append((time.perf_counter() - began) / 2)  # one way
-    seen.update(_blocking_probe(rounds))
-    seen.update(_step_sync_probe(rounds))
-    results.put(seen)
-    dist.destroy_process_group()
-
-
-def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
-    """{("blocking", bytes, n): [s per all-reduce], ("gemm", n): [s per GEMM]}: a tp layer's
-    pattern, an n×n GEMM then a blocking all-reduce, timed against the GEMMs alone (both ranks
-    computing in both loops, so their sharing of the cores cancels). The difference is what a
-    collective costs in training: the isolated all-reduce (the barrier-aligned probe above)
-    plus the ranks' arrival skew and the wake-up of the waiting one, which the aligned probe
-    cannot see. The GEMM sizes (SKEW_GEMMS) tell the part that grows with the compute between
-    two collectives (the skew of ranks sharing cores) from the part that does not.
-
-    Each cell's `reps` are `pairs` short alone/with pairs, one difference each: the machine's
-    speed moves within a second, and with one long pair per cell a burst of other work moved a
-    cell by milliseconds (a stored profile's n = 640 cells read 1.1, 0.15 and 4.3 ms for 64 KiB,
-    256 KiB and 1 MiB); the median over the pairs drops such a pair."""
-    import torch.distributed as dist
-
-    seen: dict = {}
-    per = max(reps // pairs, 1)
-
-    def loop(a, b, x=None) -> float:
-        dist.barrier()
-        began = time.perf_counter()
-        for _ in range(per):
-            torch.mm(a, b)
-            if x is not None:
-                dist.all_reduce(x)
-        return time.perf_counter() - began
-
-    for _ in range(rounds):
-        for n in SKEW_GEMMS:
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            for size in BLOCKING_SIZES:
-                x = torch.ones(size // 4)
-                for _ in range(pairs):
-                    alone = loop(a, b)
-                    extra = (loop(a, b, x) - alone) / per
-                    seen.setdefault(("blocking", size, n), []).append(extra)
-                    seen.setdefault(("gemm", n), []).append(alone / per)
-    return seen
-
-
-def _step_sync_probe(rounds: int) -> dict:
-    """{("step_wait",): [s], ("step_compute",): [s]}: the ranks' mean wait at a blocking
-    all-reduce after ~0.1 s of GEMMs each, and their mean compute before it, per
-    synchronisation. The waits are measured directly (the time inside the all-reduce), not as
-    a difference of loops, which at this scale would be noisier than the wait itself; the two
-    ranks' figures are summed by one more all-reduce outside the timed part, so each sample is
-    the pair's mean."""
-    import torch.distributed as dist
-
-    a, b = torch.randn(STEP_N, STEP_N), torch.randn(STEP_N, STEP_N)
-    x, pair = torch.ones(BLOCKING_SIZES[0] // 4), torch.zeros(2)
-    seen: dict = {("step_wait",): [], ("step_compute",): []}
-    dist.barrier()
-    for _ in range(rounds * STEP_SYNCS):
-        began = time.perf_counter()
-        for _ in range(STEP_GEMMS):
-            torch.mm(a, b)
-        mid = time.perf_counter()
-        dist.all_reduce(x)
-        pair[0], pair[1] = time.perf_counter() - mid, mid - began
-        dist.all_reduce(pair)
-        seen["step_wait",].append(pair[0].item() / 2)
-        seen["step_compute",].append(pair[1].item() / 2)
-    return seen
-
-
-def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
-    """{("all_reduce" | "p2p", bytes): (median s, min, max)} between two local processes, and
-    the blocking and step probes' cells (_blocking_probe, _step_sync_probe), each over both
-    ranks' samples."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(target=_gloo_worker, args=(r, port, threads, rounds, results)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        per_rank = [results.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return pool_samples(per_rank)
-
-
-# Cells whose centre is the mean of their samples, not the median: the waits at collectives
-# (the blocking probe's excess, the step probe's wait and the compute it is a fraction of). A
-# step pays the sum of its collectives' waits, i.e. their mean, and the waits are heavy-tailed:
-# in a tp2 run of the local-truth config, timed per call on both ranks, a 256 KiB all-reduce
-# took 1.19 ms at the median and 1.65 ms on average (1 KiB: 0.59 and 1.10 ms); the median
-# priced the first, and tp2's step read ~20% over its projection.
-MEAN_CELLS = ("blocking", "step_wait", "step_compute")
-
-
-def pool_samples(per_rank: list[dict]) -> dict:
-    """{key: (centre, min, max)} over every rank's samples of the key: the median, or for
-    MEAN_CELLS the mean. Both ranks time the same collectives, and the blocking probe's GEMM
-    loops differ by which rank the machine's other work lands on, so neither rank alone stands
-    for the pair."""
-    keys = per_rank[0].keys()
-    pooled = {k: [x for seen in per_rank for x in seen[k]] for k in keys}
-    return {k: (_centre(k, v), min(v), max(v)) for k, v in pooled.items()}
-
-
-def _centre(key: tuple, samples: list[float]) -> float:
-    return statistics.fmean(samples) if key[0] in MEAN_CELLS else statistics.median(samples)
 
 
 def compute_probes(threads: int, rounds: int) -> tuple:
