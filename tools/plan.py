@@ -44,6 +44,7 @@ from megapipe.perf import (
     ClusterError,
     cluster_names,
     load_cluster,
+    local_runs,
     local_truth,
     probes,
     project,
@@ -270,7 +271,7 @@ def run_local(args: argparse.Namespace, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(local_truth.points_json(points)))
         return 0
-    config = " ".join(local_truth.LOCAL_CONFIG)
+    config = " ".join(local_runs.LOCAL_CONFIG)
     print(f"`python tools/plan.py {' '.join(argv)}` (config: {config})\n")
     print(local_truth.markdown(points))
     return 0
