@@ -249,31 +249,42 @@ class _EarlyGrads:
         self.first = True
 
     def add_chunk(self, lo, hi, exp, sum_exp, local, inside, wc) -> None:
-        """Grads of the chunk's tokens from `exp` (V/tp, rows) float32, exp(logit − max).
+        """Grads of the chunk's tokens from `exp` (V/tp, rows) float32, exp(logit − max)."""
+        h_c, target = self.hc[lo:hi], local[lo:hi]
+        hit = None if inside is None else inside.to(torch.float32)  # the target in this slice
+        if wc.dtype == torch.float32:
+            self._add_folded(exp, sum_exp[lo:hi].reciprocal()[:, None], target, hit, h_c, lo, wc)
+        else:
+            self._add_probs(exp.div_(sum_exp[None, lo:hi]), target, hit, h_c, lo, wc)
+        self.first = False
 
-        (softmax − one-hot) is never formed over the vocabulary: the softmax's 1/Σexp is a
-        per-token scale, applied to the (rows, d) operand or product, and the one-hot's part is
-        the target rows of W (input grad) and the tokens' h added at their target rows (weight
-        grad). That saves a pass over the chunk's V·rows logits (`tools/bench.py kernels`)."""
-        scale = sum_exp[lo:hi].reciprocal()[:, None]  # (rows, 1): the softmax's 1/Σexp
-        target = local[lo:hi]
-        hit = None if inside is None else inside.to(scale.dtype)[:, None]  # target in slice
-        e, h_c = exp.to(wc.dtype), self.hc[lo:hi]  # the loss's grad is applied in backward
-        grad_in = self.input_grad[lo:hi]
+    def _add_folded(self, e, scale, target, hit, h_c, lo, wc) -> None:
+        """float32: (softmax − one-hot) is never formed over the vocabulary. The softmax's
+        1/Σexp (`scale`, per token) is applied to the (rows, d) operand or product, and the
+        one-hot's part is the targets' rows of W (input grad) and the tokens' h added at their
+        targets' rows (weight grad): a pass over the chunk's V·rows logits saved (~1e-7·|W_t|
+        of rounding where p_t → 1, which bf16's would make ~4e-3: there `_add_probs`)."""
+        grad_in = self.input_grad[lo : lo + h_c.shape[0]]
         torch.mm(e.t(), wc, out=grad_in)
-        onehot_in = wc.index_select(0, target)  # (rows, d): the targets' rows of W
-        grad_in.mul_(scale).sub_(onehot_in if hit is None else onehot_in * hit)
-        h_scaled = (h_c * scale).to(wc.dtype)
-        if wc.dtype != torch.float32:  # bf16 matmul, float32 sum over the chunks
-            part = e @ h_scaled
-            self.weight_grad.copy_(part) if self.first else self.weight_grad.add_(part)
-        elif self.first:
+        onehot_in = wc.index_select(0, target)  # (rows, d)
+        grad_in.mul_(scale).sub_(onehot_in if hit is None else onehot_in * hit[:, None])
+        h_scaled = h_c * scale
+        if self.first:
             torch.mm(e, h_scaled, out=self.weight_grad)
         else:
             self.weight_grad.addmm_(e, h_scaled)
-        onehot_w = h_c.float() if hit is None else h_c.float() * hit
+        onehot_w = h_c if hit is None else h_c * hit[:, None]
         self.weight_grad.index_add_(0, target, onehot_w, alpha=-1.0)
-        self.first = False
+
+    def _add_probs(self, probs, target, hit, h_c, lo, wc) -> None:
+        """Low precision (bf16 on the GPU path): softmax − one-hot in float32, then the bf16
+        matmuls, the weight grad summed over the chunks in float32."""
+        at = torch.arange(probs.shape[1], device=probs.device)
+        probs[target, at] -= 1.0 if hit is None else hit  # − one-hot
+        g = probs.to(wc.dtype)  # the loss's grad is applied in backward
+        torch.mm(g.t(), wc, out=self.input_grad[lo : lo + h_c.shape[0]])
+        part = g @ h_c
+        self.weight_grad.copy_(part) if self.first else self.weight_grad.add_(part)
 
     def finish(self) -> None:
         if self.first:  # no chunk (a tp slice of padding only): the weight grad is zero
