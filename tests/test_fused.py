@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megapipe.config import load_config
 from megapipe.parallel.tensor.cross_entropy import (
     HeadBuffers,
-    _exp_shifted_,
+    exp_shifted_,
     linear_cross_entropy,
 )
 from megapipe.parallel.tensor.sharding import NO_TP
@@ -72,7 +72,7 @@ def test_head_exp_is_exp_to_float32_round_off():
     carry the sum; float64 exp as the reference."""
     logits = _randn(4096, 64) * 8
     top = logits.amax(dim=0)
-    got = _exp_shifted_(logits.clone(), top).double()
+    got = exp_shifted_(logits.clone(), top).double()
     shift = logits.double() - top.double()[None]
     ref = torch.exp(shift)
     rel = (got - ref).abs() / ref

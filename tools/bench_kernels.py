@@ -4,7 +4,7 @@ against that op on a preset's shapes:
 - GPT-2's tanh GeLU (models/activations.gelu_tanh: x·σ(2u)) against `F.gelu(x,
   approximate="tanh")` on the fc1 output of a microbatch: forward, and forward + backward,
   eager and compiled (torch.compile, inductor);
-- the fused head's exp(logits − max) (parallel/tensor/cross_entropy._exp_shifted_: exp2 of
+- the fused head's exp(logits − max) (parallel/tensor/cross_entropy.exp_shifted_: exp2 of
   the scaled difference) against `sub_` + `exp_` on one chunk's (V, rows) logits.
 
 The two variants alternate within each round; reported: each one's median ms with the spread
@@ -24,7 +24,7 @@ import bench_train
 import torch
 import torch.nn.functional as F
 
-from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS, _exp_shifted_
+from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS, exp_shifted_
 from models.activations import gelu_tanh
 
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     logits = torch.randn(vocab, rows) * 3
     top = logits.amax(dim=0)
     cases = {"aten": _exp_case(aten_exp_shifted_, logits, top),
-             "megapipe": _exp_case(_exp_shifted_, logits, top)}  # fmt: skip
+             "megapipe": _exp_case(exp_shifted_, logits, top)}  # fmt: skip
     print(row(f"head exp(logits − max) ({vocab}, {rows}), with a copy in", cases, args.rounds))
     return 0
 

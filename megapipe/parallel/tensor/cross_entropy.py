@@ -110,7 +110,7 @@ def _chunk_logits(
 _LOG2_E = math.log2(math.e)
 
 
-def _exp_shifted_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+def exp_shifted_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """exp(logits − top) in place, for (V/tp, rows) logits and the rows' maxima `top`. On the
     CPU as 2^((logits − top)·log2 e): this build's float32 exp ran ~4× slower there than its
     exp2 (`tools/bench.py kernels`). The product's rounding puts a relative error of about
@@ -167,7 +167,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.amax(logits, dim=0, out=top[lo:hi])
                 if tp.size > 1:  # the max over the whole vocabulary, as one process takes it
                     C.all_reduce(top[lo:hi], tp.group, op=dist.ReduceOp.MAX)
-                sum_exp[lo:hi] = _exp_shifted_(logits, top[lo:hi]).sum(dim=0)
+                sum_exp[lo:hi] = exp_shifted_(logits, top[lo:hi]).sum(dim=0)
                 if grads is not None:
                     if tp.size > 1:  # the softmax needs the whole vocabulary's sum now
                         C.all_reduce(sum_exp[lo:hi], tp.group)
@@ -212,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, n if ctx.valid else 0, rows):
             hi = min(lo + rows, n)
             probs = _chunk_logits(hc[lo:hi], wc, ctx.valid, buffer)
-            _exp_shifted_(probs, top[lo:hi])
+            exp_shifted_(probs, top[lo:hi])
             inside_c = None if inside is None else inside[lo:hi]
             grads.add_chunk(lo, hi, probs, sum_exp, local, inside_c, wc)
             del probs
