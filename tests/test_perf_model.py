@@ -29,7 +29,7 @@ from megapipe.perf import memory as perf_memory
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link
 from megapipe.perf.comm import group_link, groups, p2p_link, ring_time
-from megapipe.perf.costs import CALIBRATION, Calibration, Device
+from megapipe.perf.cost_terms import CALIBRATION, Calibration, Device
 from megapipe.perf.model import recompute_flops_per_token
 from megapipe.perf.pipeline import compile_schedule, run, simulate_costs
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
@@ -380,7 +380,7 @@ def test_cli_bad_input_is_one_line(capsys, argv, message):
 
 
 def test_calibration_is_the_fit():
-    """The constants in costs.py are the fit's minimum (to the digits they are written with)."""
+    """CALIBRATION (cost_terms.py) is the fit's minimum (to the digits it is written with)."""
     cal = t1.fit(start=CALIBRATION)
     assert cal.gemm == pytest.approx(CALIBRATION.gemm, abs=2e-3)
     assert cal.knee == pytest.approx(CALIBRATION.knee, abs=5e-3)

@@ -354,59 +354,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"$ {' '.join(['python tools/bench.py checkpoint', *argv])}\n")
     began, load0 = time.perf_counter(), os.getloadavg()
-    root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
-    try:
-        torch.set_num_threads(1)
-        one = save_times(args, "1 process", root)
-        ranks = run_world(args, root, {"path": one["path"]})
-        single = load_times(args, "1 process", ranks[0]["save"]["tp=2"]["path"], root)
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
+    one, ranks, single, root = measure(args)
     saves = {"1 process": [one], **{m: [r["save"][m] for r in ranks] for m in ranks[0]["save"]}}
     loads = {k: [r["load"][k] for r in ranks] for k in ranks[0]["load"]}
     loads["tp=2 -> 1 process"] = [single]
     n = one["params"]
-    print(
-        f"Model: {args.layers} layers, d={args.d_model}, {args.heads} heads, seq {args.seq_len}, "
-        f"vocab {args.vocab}: {n:,} parameters (float32; AdamW's two moments make the "
-        f"checkpoint ~12 B/param); global batch {args.batch} × {args.seq_len} tokens; gloo, 1 "
-        f"thread per process, {os.cpu_count()} cores; checkpoints under {Path(root).parent}.\n"
-    )
-    print(
-        f"1a. Save, {args.repeats} repeats per mesh (the slower rank; fsync and CRC-32 "
-        "included); save_state() alone = its first part, gathering what to write (timed "
-        "separately after each save):\n"
-    )
-    print(save_table(saves))
-    table, worst = load_table(loads, saves)
-    print(
-        f"\n1b. Resume into a fresh job, {args.repeats} repeats: verify = resume_path() (sizes "
-        "and CRC-32 of every file, split over the ranks), load = load(); bytes read per rank = "
-        "meta['bytes_read'] (rank 0 / rank 1), against the saved tensor bytes; loss Δ = "
-        "relative difference of the next step's loss from the saving job's:\n"
-    )
-    print(table)
-    table, result_overhead = overhead_table(ranks, args.block)
-    print(
-        f"\n2. Step time at tp=2 with checkpoints, blocks of {args.block} steps, "
-        f"{args.rounds} rounds after 1 warmup round, settings rotated each round; an async "
-        f"block ends with Saver.wait() (the write not hidden behind its steps); training = "
-        f"time inside train_step, checkpoint calls = the rest (save(), or Saver.save() and "
-        f"Saver.wait()):\n"
-    )
-    print(table)
-    waits = []
-    for label, r in result_overhead.items():
-        if label.startswith("async"):
-            started = [c - w for c, w in zip(r["checkpoint_ms"], r["wait_ms"])]
-            waits.append(
-                f"{label}: {statistics.median(started):.0f} ms per step in Saver.save() (which "
-                f"first waits for the save before it), {statistics.median(r['wait_ms']):.0f} ms "
-                "in the block's final Saver.wait()"
-            )
-    waits = "; ".join(waits)
-    print(f"\nAsync, medians: {waits}.")
+    print_setup(args, n, root)
+    worst = print_save_and_resume(args, saves, loads)
+    result_overhead = print_overhead(args, ranks)
     load1 = os.getloadavg()
     print(
         f"\nLoad average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
@@ -424,6 +379,79 @@ def main(argv=None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+def measure(args) -> tuple[dict, list[dict], dict, str]:
+    """Every figure: the 1-process save, each rank's of the world of 2 (parts 1 and 2), the
+    tp=2 checkpoint resumed by one process; and where the checkpoints went (removed unless
+    --dir)."""
+    root = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    try:
+        torch.set_num_threads(1)
+        one = save_times(args, "1 process", root)
+        ranks = run_world(args, root, {"path": one["path"]})
+        single = load_times(args, "1 process", ranks[0]["save"]["tp=2"]["path"], root)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    return one, ranks, single, root
+
+
+def print_setup(args, n_params: int, root: str) -> None:
+    print(
+        f"Model: {args.layers} layers, d={args.d_model}, {args.heads} heads, seq {args.seq_len}, "
+        f"vocab {args.vocab}: {n_params:,} parameters (float32; AdamW's two moments make the "
+        f"checkpoint ~12 B/param); global batch {args.batch} × {args.seq_len} tokens; gloo, 1 "
+        f"thread per process, {os.cpu_count()} cores; checkpoints under {Path(root).parent}.\n"
+    )
+
+
+def print_save_and_resume(args, saves: dict, loads: dict) -> float:
+    """Parts 1a and 1b; the worst relative gap of a resumed job's next loss."""
+    print(
+        f"1a. Save, {args.repeats} repeats per mesh (the slower rank; fsync and CRC-32 "
+        "included); save_state() alone = its first part, gathering what to write (timed "
+        "separately after each save):\n"
+    )
+    print(save_table(saves))
+    table, worst = load_table(loads, saves)
+    print(
+        f"\n1b. Resume into a fresh job, {args.repeats} repeats: verify = resume_path() (sizes "
+        "and CRC-32 of every file, split over the ranks), load = load(); bytes read per rank = "
+        "meta['bytes_read'] (rank 0 / rank 1), against the saved tensor bytes; loss Δ = "
+        "relative difference of the next step's loss from the saving job's:\n"
+    )
+    print(table)
+    return worst
+
+
+def print_overhead(args, ranks: list[dict]) -> dict:
+    """Part 2 and the async settings' split of their checkpoint time; its figures."""
+    table, result_overhead = overhead_table(ranks, args.block)
+    print(
+        f"\n2. Step time at tp=2 with checkpoints, blocks of {args.block} steps, "
+        f"{args.rounds} rounds after 1 warmup round, settings rotated each round; an async "
+        f"block ends with Saver.wait() (the write not hidden behind its steps); training = "
+        f"time inside train_step, checkpoint calls = the rest (save(), or Saver.save() and "
+        f"Saver.wait()):\n"
+    )
+    print(table)
+    print(f"\nAsync, medians: {async_waits(result_overhead)}.")
+    return result_overhead
+
+
+def async_waits(result_overhead: dict) -> str:
+    """Per async setting, the median time in Saver.save() and in the block's final wait."""
+    waits = []
+    for label, r in result_overhead.items():
+        if label.startswith("async"):
+            started = [c - w for c, w in zip(r["checkpoint_ms"], r["wait_ms"])]
+            waits.append(
+                f"{label}: {statistics.median(started):.0f} ms per step in Saver.save() (which "
+                f"first waits for the save before it), {statistics.median(r['wait_ms']):.0f} ms "
+                "in the block's final Saver.wait()"
+            )
+    return "; ".join(waits)
 
 
 if __name__ == "__main__":

@@ -283,47 +283,11 @@ def _loss_and_norm(loss: float, params) -> tuple[float, float]:
 def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     """Per schedule: median step time, fidelity and bubbles; per pair: ours / torch, as the
     ratio of medians and as the median of per-round ratios (robust to slow load drifts)."""
-    from megapipe.pipeline import timeline
-    from megapipe.plan.simulate import simulate
-
     wall, cpu, med = result["wall"], result["cpu"], statistics.median
-    ours = {}
-    for name, steps_spans in result["spans"].items():
-        vpp, where = OURS[name][1], our_actions(name)[1]
-        sims, gots = [], []
-        for per_rank in steps_spans:  # each step simulated from its own costs and actions
-            costs = timeline.profile_costs([per_rank], vpp)
-            sims.append(simulate(timeline.ran(per_rank), costs, where))
-            gots.append(timeline.measured(per_rank))
-        ours[name] = {
-            "vpp": vpp,
-            "step_s": med(wall[name]),
-            "cpu_s": med(cpu[name]),
-            "measured_makespan_s": med(g["makespan"] for g in gots),
-            "simulated_makespan_s": med(s.makespan for s in sims),
-            "fidelity_error": med(s.makespan / g["makespan"] - 1 for s, g in zip(sims, gots)),
-            "measured_bubble": med(g["bubble_fraction"] for g in gots),
-            "simulated_bubble": med(s.bubble_fraction for s in sims),
-            "costs_ms": _costs_ms(timeline.profile_costs(steps_spans, vpp)),
-        }
+    ours = {name: _our_run(name, spans, wall, cpu) for name, spans in result["spans"].items()}
     theirs = {t: {"step_s": med(wall[t]), "cpu_s": med(cpu[t])} for t, _, _ in pairs}
-    table = [
-        {
-            "torch": t,
-            "ours": o,
-            "differs": differs,
-            "torch_step_s": theirs[t]["step_s"],
-            "ours_step_s": ours[o]["step_s"],
-            "ratio": ours[o]["step_s"] / theirs[t]["step_s"],
-            "paired_ratio": med(a / b for a, b in zip(wall[o], wall[t])),
-            "cpu_ratio": ours[o]["cpu_s"] / theirs[t]["cpu_s"],
-        }
-        for t, o, differs in pairs
-    ]
-    checks = list(result["checks"].values())
-    spread = max(
-        max(abs(loss / checks[0][0] - 1), abs(norm / checks[0][1] - 1)) for loss, norm in checks
-    )
+    table = _pair_rows(pairs, ours, theirs, wall)
+    spread = _check_spread(result["checks"])
     return {
         "setup": {
             "pp": PP,
@@ -341,6 +305,56 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
         "wall_s": wall,
         "cpu_s": cpu,
     }
+
+
+def _our_run(name: str, steps_spans: list, wall: dict, cpu: dict) -> dict:
+    """One of our runs: its median step, wall and CPU, and its measured makespan and bubble
+    against the simulator's, each step simulated from its own costs and actions."""
+    from megapipe.pipeline import timeline
+    from megapipe.plan.simulate import simulate
+
+    med = statistics.median
+    vpp, where = OURS[name][1], our_actions(name)[1]
+    sims, gots = [], []
+    for per_rank in steps_spans:
+        costs = timeline.profile_costs([per_rank], vpp)
+        sims.append(simulate(timeline.ran(per_rank), costs, where))
+        gots.append(timeline.measured(per_rank))
+    return {
+        "vpp": vpp,
+        "step_s": med(wall[name]),
+        "cpu_s": med(cpu[name]),
+        "measured_makespan_s": med(g["makespan"] for g in gots),
+        "simulated_makespan_s": med(s.makespan for s in sims),
+        "fidelity_error": med(s.makespan / g["makespan"] - 1 for s, g in zip(sims, gots)),
+        "measured_bubble": med(g["bubble_fraction"] for g in gots),
+        "simulated_bubble": med(s.bubble_fraction for s in sims),
+        "costs_ms": _costs_ms(timeline.profile_costs(steps_spans, vpp)),
+    }
+
+
+def _pair_rows(pairs: list, ours: dict, theirs: dict, wall: dict) -> list[dict]:
+    """Per (torch schedule, our run) pair: both steps, the ratio of medians, the median of the
+    per-round ratios and the CPU-time ratio."""
+    return [
+        {
+            "torch": t,
+            "ours": o,
+            "differs": differs,
+            "torch_step_s": theirs[t]["step_s"],
+            "ours_step_s": ours[o]["step_s"],
+            "ratio": ours[o]["step_s"] / theirs[t]["step_s"],
+            "paired_ratio": statistics.median(a / b for a, b in zip(wall[o], wall[t])),
+            "cpu_ratio": ours[o]["cpu_s"] / theirs[t]["cpu_s"],
+        }
+        for t, o, differs in pairs
+    ]
+
+
+def _check_spread(checks: dict) -> float:
+    """The largest relative difference of any run's loss or grad norm from the first run's."""
+    runs = list(checks.values())
+    return max(max(abs(loss / runs[0][0] - 1), abs(norm / runs[0][1] - 1)) for loss, norm in runs)
 
 
 def _costs_ms(costs) -> dict:

@@ -218,37 +218,61 @@ def bench_shape(s: Shape, args) -> dict:
         raise SystemExit(f"unknown variant {sorted(unknown)}: eager, compiled or transformers")
     batch = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1), generator=torch.Generator())
     out = {"shape": dataclasses.asdict(s), "compile_s": None, "variants": {}}
-    times, outside, runners = {}, {}, {}
+    timing = _time_in_turn if s.device == "cuda" else _time_alternating
+    times, outside = timing(variants, s, args, batch, out)
+    out["variants"] = variant_rows(s, times, outside)
+    return out
 
-    def build(v: str):
-        began = time.perf_counter()
-        runner = make_runner(v, s, args)
-        if v == "compiled":
-            out["compile_s"] = time.perf_counter() - began
-        if v == "transformers":
-            out["trainer_defaults"] = runner.defaults
-        timed(runner, batch, 2, s.device)  # warm-up: allocator, kernels, optimizer state
-        return runner
 
-    def finish(v: str, runner) -> None:
-        if args.profile_steps:
-            outside[v] = outside_share(runner, batch, args.profile_steps, s.device)
+def _build_runner(v: str, s: Shape, args, batch, out: dict):
+    """Variant `v`'s runner, warmed up; its compile time or Trainer defaults noted in `out`."""
+    began = time.perf_counter()
+    runner = make_runner(v, s, args)
+    if v == "compiled":
+        out["compile_s"] = time.perf_counter() - began
+    if v == "transformers":
+        out["trainer_defaults"] = runner.defaults
+    timed(runner, batch, 2, s.device)  # warm-up: allocator, kernels, optimizer state
+    return runner
 
-    if s.device == "cuda":
-        for v in variants:
-            runner = build(v)
-            times[v] = [timed(runner, batch, args.steps, s.device) for _ in range(args.rounds)]
-            finish(v, runner)
-            del runner
-            torch.cuda.empty_cache()
-    else:
-        runners = {v: build(v) for v in variants}
-        times = {v: [] for v in variants}
-        for r in range(args.rounds):
-            for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate
-                times[v].append(timed(runners[v], batch, args.steps, s.device))
-        for v, runner in runners.items():
-            finish(v, runner)
+
+def _profile_outside(outside: dict, v: str, runner, batch, s: Shape, args) -> None:
+    """outside[v]: the share of `runner`'s steps outside matmul and attention, when
+    --profile-steps asks for it."""
+    if args.profile_steps:
+        outside[v] = outside_share(runner, batch, args.profile_steps, s.device)
+
+
+def _time_in_turn(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, dict]:
+    """CUDA: ({variant: step seconds per round}, {variant: share outside matmul and
+    attention}), each variant built, timed and freed before the next."""
+    times, outside = {}, {}
+    for v in variants:
+        runner = _build_runner(v, s, args, batch, out)
+        times[v] = [timed(runner, batch, args.steps, s.device) for _ in range(args.rounds)]
+        _profile_outside(outside, v, runner, batch, s, args)
+        del runner
+        torch.cuda.empty_cache()
+    return times, outside
+
+
+def _time_alternating(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, dict]:
+    """CPU: as _time_in_turn, all variants built at once and their steps alternating, the
+    order rotating each round."""
+    runners = {v: _build_runner(v, s, args, batch, out) for v in variants}
+    times, outside = {v: [] for v in variants}, {}
+    for r in range(args.rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate
+            times[v].append(timed(runners[v], batch, args.steps, s.device))
+    for v, runner in runners.items():
+        _profile_outside(outside, v, runner, batch, s, args)
+    return times, outside
+
+
+def variant_rows(s: Shape, times: dict, outside: dict) -> dict:
+    """{variant's name: tokens/s median, min, max, step seconds, and MFU on CUDA, the share
+    outside matmul and attention when profiled, the per-round ratios to transformers on the
+    CPU}."""
     tokens = s.batch * s.seq_len
     flops = peak = None
     if s.device == "cuda":
@@ -257,6 +281,7 @@ def bench_shape(s: Shape, args) -> dict:
 
         cfg = megapipe_config(s, False)
         flops, peak = flops_per_token(cfg), peak_tflops(cfg, torch.device("cuda"))
+    rows = {}
     for v, ts in times.items():
         tps = sorted(tokens / t for t in ts)
         row = {"tokens_per_s": statistics.median(tps), "min": tps[0], "max": tps[-1],
@@ -267,8 +292,8 @@ def bench_shape(s: Shape, args) -> dict:
             row["outside_matmul_attention"] = outside[v]
         if s.device == "cpu" and "transformers" in times and v != "transformers":
             row["paired_ratios"] = sorted(b / a for a, b in zip(ts, times["transformers"]))
-        out["variants"][VARIANTS[v]] = row
-    return out
+        rows[VARIANTS[v]] = row
+    return rows
 
 
 def report(res: dict, threads: int) -> None:

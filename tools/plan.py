@@ -52,7 +52,7 @@ from megapipe.perf import (
 from megapipe.perf import calibrate as calib
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
-from megapipe.perf.costs import CALIBRATION
+from megapipe.perf.cost_terms import CALIBRATION
 
 
 class UsageError(ValueError):
@@ -197,7 +197,7 @@ def run_table1(args: argparse.Namespace) -> int:
         cal = t1.fit()
     print(
         f"constants: e_max={cal.gemm:.3f} kappa={cal.knee:.3f} mu={cal.memory:.3f} "
-        "(megapipe/perf/costs.py; fitted on all ten rows)\n"
+        "(megapipe/perf/cost_terms.py; fitted on all ten rows)\n"
     )
     results = t1.compare(cal)
     loo = None if args.no_loo else t1.leave_one_out(start=cal)

@@ -206,19 +206,37 @@ def layer_terms(
     queries attend over cat(earlier segments' K/V, their own), new tensors the core keeps."""
     m, x = cfg.model, _dims(cfg, segment)
     mode = mode or cfg.recompute.mode
-    c, llama = compute_bytes(cfg), m.arch == "llama"
-    path = attention_path(cfg, device)
-    # Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
-    # segments after it: the qkv output they view, and RoPE's k, whatever else is kept
     segmented = segment is not None and len(segment_bounds(cfg)) > 1
-    store = x.n * ((x.h + 2 * x.hkv) * x.hd + (x.hkv * x.hd if llama else 0)) * c
+    store = _segment_store(cfg, x) if segmented else None
     if mode == "full":  # the checkpoint keeps the layer input alone
         terms = {"layer input (full recompute)": x.ns * m.d_model * FLOAT32}
         return terms | ({"segment k, v store": store} if segmented else {})
     terms: dict[str, float] = {}
     for name, value in _norm(cfg, x.ns).items():
         terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
-    terms["qkv input"] = terms["fc1 input"] = x.n * m.d_model * c
+    terms["qkv input"] = terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
+    terms |= _attention_terms(cfg, x, mode, device, store)
+    terms |= _proj_and_mlp_terms(cfg, x)
+    terms |= _dropout_and_cast_terms(cfg, x, device)
+    return terms
+
+
+def _segment_store(cfg: Config, x: _Dims) -> float:
+    """Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
+    segments after it: the qkv output they view, and RoPE's k, whatever else is kept."""
+    llama = cfg.model.arch == "llama"
+    return x.n * ((x.h + 2 * x.hkv) * x.hd + (x.hkv * x.hd if llama else 0)) * compute_bytes(cfg)
+
+
+def _attention_terms(
+    cfg: Config, x: _Dims, mode: str, device: str, store: float | None
+) -> dict[str, float]:
+    """What the attention saves, RoPE's included, by the core that runs (attention_path) under
+    recompute `mode` ("none" or "selective"); `store`: the Seq1F1B segment store's bytes (None
+    unsegmented), counted here where the math path's copies leave qkv to it alone."""
+    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
+    path = attention_path(cfg, device)
+    terms: dict[str, float] = {}
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
     rope = x.n * (x.h + x.hkv) * x.hd * c if llama else 0
     if llama:
@@ -243,14 +261,27 @@ def layer_terms(
         terms["attention probs"] = scores * cm
         if m.dropout > 0:
             terms["attention dropout"] = scores * (_mask_bytes(device, cm) + cm)
-        if segmented:  # the copies leave qkv to the store alone
+        if store is not None:  # the copies leave qkv to the store alone
             terms["segment k, v store"] = store
-    terms["proj input"] = x.n * x.h * x.hd * c
+    return terms
+
+
+def _proj_and_mlp_terms(cfg: Config, x: _Dims) -> dict[str, float]:
+    """The linear inputs after the attention core (proj, fc2) and the MLP activation's."""
+    c, llama = compute_bytes(cfg), cfg.model.arch == "llama"
+    terms = {"proj input": x.n * x.h * x.hd * c}
     if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
         terms["swiglu"] = 3 * x.n * x.ff * c
     else:
         terms["gelu input"] = x.n * x.ff * c
     terms["fc2 input"] = x.n * x.ff * c
+    return terms
+
+
+def _dropout_and_cast_terms(cfg: Config, x: _Dims, device: str) -> dict[str, float]:
+    """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
+    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
+    terms: dict[str, float] = {}
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is promoted to fp32
         dropped = FLOAT32 if not llama else c
         terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)

@@ -5,29 +5,27 @@ in flight on every rank when the last chunk's forward of the first microbatch st
 time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory.plan's peak without
 timing the schedule).
 
-The time bound, from the per-stage costs the projection uses (perf/costs.py): a rank cannot
-start before the first microbatch's forwards on the stages below its lowest one (head), then
-runs all of its actions one after another (busy); the last backward that sends a gradient from
-its lowest stage (its last action, or under a B/W split its last B, after all of its F and B)
-is followed by the input-grad chain down to stage 0 (tail). So the pipeline ends no earlier
-than max over ranks of head + busy and head + (busy, less W under a split) + tail; the dp
-reduction adds at least its last bucket (overlapped) or all of it (not overlapped), then the
-optimizer step. For 1F1B on equal stages this is its makespan, (m + pp − 1)·(F + B).
+The time bound, from the per-stage costs the projection uses (perf/costs.py, summed per run of
+blocks by perf/block_times.py): a rank cannot start before the first microbatch's forwards on
+the stages below its lowest one (head), then runs all of its actions one after another (busy);
+the last backward that sends a gradient from its lowest stage (its last action, or under a B/W
+split its last B, after all of its F and B) is followed by the input-grad chain down to stage 0
+(tail). So the pipeline ends no earlier than max over ranks of head + busy and head + (busy,
+less W under a split) + tail; the dp reduction adds at least its last bucket (overlapped) or
+all of it (not overlapped), then the optimizer step. For 1F1B on equal stages this is its
+makespan, (m + pp − 1)·(F + B).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from megapipe.config import Config
 from megapipe.config import stages as config_stages
-from megapipe.config.flops import segment_bounds
 from megapipe.config.memory import (
     GRAD_BYTES,
     WEIGHT_BYTES,
@@ -37,9 +35,10 @@ from megapipe.config.memory import (
 )
 from megapipe.config.stages import partition, placement_of, schedule_of
 from megapipe.parallel.recompute import layer_mode
+from megapipe.perf.block_times import BlockTimes, block_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
-from megapipe.perf.costs import ZERO, BlockCosts, Calibration, CostModel, Work, shapes
+from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.model import _dp_plan, _optimizer
 from megapipe.perf.pipeline import _PLAIN_OPTIONS, KIND_INDEX, schedule_key
@@ -86,27 +85,21 @@ class Bounds:
 
     Three levels share cached parts: `coarse` bounds a group of candidates (any schedule and
     vpp) from whole-model sums; `__call__` bounds one candidate from its partition and
-    placement. Seq1F1B's segment costs are left to the projection (the segments' bounds call
-    plan/seq1f1b.balanced_segments, milliseconds each): its bounds use the whole sequence's
-    costs with the attention core at its FLOPs at e_max (a segment's GEMMs, on fewer rows, and
-    its other work cost no less: perf/costs.py), and the first segment's GEMMs for the chains.
+    placement; `memory` is a candidate's exact peak. The blocks' seconds, Seq1F1B's included,
+    are perf/block_times.py's (`times`).
     """
 
     def __init__(self, base: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
         self.base, self.cluster, self.runtime, self.cal = base, cluster, runtime, cal
         self.device = getattr(cluster, "device", "cuda")  # the kernels the memory plan counts
-        self._models: dict[tuple, tuple[Config, CostModel]] = {}
-        self._plains: dict[tuple, tuple[Config, CostModel]] = {}
+        self.times = BlockTimes(cluster, runtime, cal)
         self._parts: dict[int, list[range]] = {}
         self._stage_costs: dict[tuple, tuple] = {}
         self._pipes: dict[tuple, tuple] = {}
         self._states: dict[tuple, tuple] = {}
         self._acts: dict[tuple, float] = {}
-        self._layers: dict[tuple, tuple] = {}
-        self._segments: dict[tuple, list] = {}
         self._counts: dict[tuple, int] = {}
         self._bytes: dict[tuple, float] = {}
-        self._sums: dict[tuple, tuple] = {}
         self._schedules: dict[tuple, dict] = {}
 
     @staticmethod
@@ -129,9 +122,9 @@ class Bounds:
         dp or optimizer after the pipeline)."""
         tp, cp, pp, dp, mb, sp, rec, segs, zero = self.group(c)
         cfg = c.config(self.base, check=False)
-        plain, cm = self._plain(cfg)
+        plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)
-        total, fb, f0, g0 = self._block_sums(cfg, everything, split=True)
+        total, fb, f0, g0 = self.times.block_sums(cfg, everything, split=True)
         busy = mb * total / pp
         chain = f0 + g0
         acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
@@ -202,13 +195,13 @@ class Bounds:
         """Per rank: head + busy (the rank's end, at least); the chain bound over all ranks
         (head + its F and B + tail); per rank one microbatch's activations (bytes)."""
         place = placement_of(cfg) if cfg.parallel.pp > 1 else Placement(1, 1)
-        segmented = self._segmented(cfg)
-        fine = fine and segmented
-        plain, cm = self._plain(cfg)
-        key = (id(cm), place.num_stages, split, _seg_key(cfg) if segmented else None, fine)
+        is_segmented = segmented(cfg)
+        fine = fine and is_segmented
+        plain, cm = self.times.plain(cfg)
+        key = (id(cm), place.num_stages, split, _seg_key(cfg) if is_segmented else None, fine)
         if key not in self._stage_costs:
             stages = self._stages(cfg, place.num_stages)
-            sums = self._segment_sums if fine else self._block_sums
+            sums = self.times.segment_sums if fine else self.times.block_sums
             per = [sums(cfg, blocks, split) for blocks in stages]
             head = list(itertools.accumulate((x[2] for x in per), initial=0.0))
             tail = list(itertools.accumulate((x[3] for x in per), initial=0.0))
@@ -241,7 +234,7 @@ class Bounds:
             for r in range(place.pp)
         ]
         states = [sum(h) * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(sum(h), cfg) for h in held]
-        _, cm = self._plain(cfg)
+        _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
         dp = _dp_plan(cfg, self.cluster, self.runtime, shape, held,
                       self.runtime.grad_bytes or cm.c)  # fmt: skip
@@ -256,116 +249,16 @@ class Bounds:
 
     # -- shared parts ----------------------------------------------------------------------
 
-    def _plain(self, cfg: Config) -> tuple[Config, CostModel]:
-        """`cfg` unsegmented (1f1b) and its cost model, shared by the configs whose blocks
-        cost the same: the same tp, cp, micro-batch size, sequence parallelism and recompute,
-        and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
-        p = cfg.parallel
-        mesh = (p.tp, p.cp, p.pp, p.dp, p.microbatches, p.sequence_parallel, cfg.recompute.mode)
-        if mesh not in self._plains:
-            shape = (p.pp, p.dp, p.cp, p.tp)
-            links = (group_link(self.cluster, shape, ("tp",)),
-                     group_link(self.cluster, shape, ("cp",)))  # fmt: skip
-            key = _block_key(cfg, links)
-            if key not in self._models:
-                plain = dataclasses.replace(
-                    cfg, parallel=dataclasses.replace(p, schedule="1f1b", vpp=1, seq_segments=1)
-                )
-                self._models[key] = (plain, CostModel(plain, self.cluster, self.runtime, self.cal))
-            self._plains[mesh] = self._models[key]
-        return self._plains[mesh]
-
     def _stages(self, cfg: Config, n_stages: int) -> list[range]:
         if n_stages not in self._parts:  # the partition depends on the model and balance only
             self._parts[n_stages] = partition(cfg, n_stages)
         return self._parts[n_stages]
 
-    def _segmented(self, cfg: Config) -> bool:
-        p = cfg.parallel
-        return p.pp > 1 and SCHEDULES[p.schedule].segmented and p.seq_segments > 1
-
-    def _block_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
-        """Over `blocks`, one microbatch: (F + B + W; F + B, with W under no split; the first
-        segment's F; its chain backward: B, with W under no split). Unsegmented: the cost
-        model's stage costs. Segmented: those of the whole sequence less each layer's attention
-        excess, and the first segment's layer GEMMs."""
-        _, cm = self._plain(cfg)
-        p = cfg.parallel
-        segmented = self._segmented(cfg)
-        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1) if segmented else None
-        key = (id(cm), blocks.start, blocks.stop, split, seg_key)
-        if key not in self._sums:
-            self._sums[key] = self._block_sums_of(cfg, cm, blocks, split, segmented)
-        return self._sums[key]
-
-    def _block_sums_of(self, cfg, cm, blocks, split, segmented) -> tuple:
-        x = _stage(cm, blocks)
-        total = x.F.total + x.B.total + x.W.total
-        fb = x.F.total + x.B.total + (0.0 if split else x.W.total)
-        if not segmented:
-            return total, fb, x.F.total, x.B.total + (0.0 if split else x.W.total)
-        less, f0, g0 = 0.0, 0.0, 0.0
-        n_layers = cfg.model.n_layers
-        modes = Counter(layer_mode(cfg.recompute, i - 1) for i in blocks if 0 < i <= n_layers)
-        for mode, n in modes.items():
-            excess, f, b, w = self._layer_floor(cfg, mode)
-            less, f0, g0 = less + n * excess, f0 + n * f, g0 + n * (b + (0.0 if split else w))
-        return total - less, fb - less, f0, g0  # (the excess is in F and B, never in W)
-
-    def _segment_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
-        """_block_sums from the segments' own costs: summed over the segments, and the
-        smallest segment's F and chain backward."""
-        p = cfg.parallel
-        shape = (p.pp, p.dp, p.cp, p.tp)
-        links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
-        key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
-               cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
-        if key not in self._models:
-            self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
-        cm = self._models[key][1]
-        costs = [_stage(cm, blocks, seg) for seg in range(p.seq_segments)]
-        grad = [x.B.total + (0.0 if split else x.W.total) for x in costs]
-        return (
-            sum(x.F.total + x.B.total + x.W.total for x in costs),
-            sum(x.F.total for x in costs) + sum(grad),
-            min(x.F.total for x in costs),
-            min(grad),
-        )
-
-    def _layer_floor(self, cfg: Config, mode: str) -> tuple[float, float, float, float]:
-        """For one layer at recompute `mode`: its attention core's seconds (F, B and the
-        recompute's share) less the same FLOPs at e_max (4·hd·pairs per head forward,
-        backward 2.5× fused or 2× unfused: its four GEMMs over the full score matrix),
-        and the first Seq1F1B segment's GEMM seconds of F, B (with the recompute's F under
-        full) and W."""
-        plain, cm = self._plain(cfg)
-        p = cfg.parallel
-        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1)
-        key = (id(cm), mode, seg_key)
-        if key not in self._layers:
-            if seg_key not in self._segments:
-                self._segments[seg_key] = segment_bounds(cfg)
-            start, end = self._segments[seg_key][0]
-            x, dev = shapes(plain), cm.dev
-            fwd, bwd = cm._attention(x)
-            flops = 4.0 * x.hd * x.pairs * x.b * x.h
-            best = dev.peak * dev.cal.gemm
-            bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
-            again = 1 if mode in ("full", "selective") else 0
-            excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
-            first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
-            gemms = cm._gemms(first)
-            f = sum(dev.gemm(m, n, k, 1, cm.c) for m, n, k in gemms)
-            b = sum(dev.gemm(m, k, n, 1, cm.c) for m, n, k in gemms)
-            w = sum(dev.gemm(k, n, m, 1, cm.c) for m, n, k in gemms)
-            self._layers[key] = (excess, f, b + (f if mode == "full" else 0.0), w)
-        return self._layers[key]
-
     def _acts_bound(self, cfg: Config) -> bool:
         """Whether the whole sequence's activations bound a microbatch's: always unsegmented;
         under Seq1F1B unless the attention keeps its s² probabilities (the math path), whose
         segments keep less (config/memory.layer_terms: every other term grows with tokens)."""
-        return not self._segmented(cfg) or attention_path(cfg, self.device) != "math"
+        return not segmented(cfg) or attention_path(cfg, self.device) != "math"
 
     def _activations(self, cfg: Config, blocks: range) -> float:
         """One microbatch's activation bytes through `blocks` (over its Seq1F1B segments),
@@ -373,7 +266,7 @@ class Bounds:
         add block by block."""
         n_layers, total = cfg.model.n_layers, 0.0
         p = cfg.parallel
-        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
+        mesh = block_key(cfg, p.seq_segments if segmented(cfg) else 1)
         if (mesh, blocks.start, blocks.stop) in self._acts:
             return self._acts[mesh, blocks.start, blocks.stop]
         for b in blocks:
@@ -447,7 +340,7 @@ class Bounds:
         """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
         by block in the same order from each block's cached share."""
         p = cfg.parallel
-        mesh = _block_key(cfg, p.seq_segments if self._segmented(cfg) else 1)
+        mesh = block_key(cfg, p.seq_segments if segmented(cfg) else 1)
         n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
         for b in blocks:
             if kept and b == 0:
@@ -478,43 +371,6 @@ def _schedule_id(cfg: Config) -> tuple:
     if not extra or not extra <= _MEMORY_OPTIONS or share is None:
         return key
     return (*key[:7], p.zb_memory, share(cfg))
-
-
-def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:
-    """cm.stage(blocks, segment) from its blocks counted by kind (the embedding, the layers of
-    each recompute mode, the head): the bounds sum a few thousand stages per search, and a
-    loop over a 1T model's blocks each time was most of a search's time. The same sum as
-    cm.stage up to float rounding (EPS covers it)."""
-    n_layers, rec = cm.cfg.model.n_layers, cm.cfg.recompute
-    layers = range(max(blocks.start, 1) - 1, min(blocks.stop, n_layers + 1) - 1)
-    covered = len(layers) if not rec.layers else max(0, min(layers.stop, rec.layers) - layers.start)
-    parts = [(0, 1 if 0 in blocks else 0), (n_layers + 1, 1 if n_layers + 1 in blocks else 0)]
-    if layers:  # blocks 1 + i for layer i; the first rec.layers layers take rec.mode
-        parts += [(1 + layers.start, covered), (n_layers, len(layers) - covered)]
-    f = b = w = ZERO
-    for index, count in parts:
-        if count <= 0:
-            continue
-        cost = cm.block(index, segment)
-        fixed_f, fixed_b = cm._fixed(index)
-        f = f + (cost.F + Work(compute=fixed_f)) * count
-        b = b + (cost.B + Work(compute=fixed_b)) * count
-        w = w + cost.W * count
-    return BlockCosts(f, b, w)
-
-
-def _block_key(cfg: Config, *extra) -> tuple:
-    """What a block's costs and saved bytes depend on here: tp, cp, micro-batch size, sequence
-    parallelism, recompute, `extra` (the groups' links, the segment count), and whether a
-    pipeline runs: without one the head makes its grads in forward and the tied lookup adds
-    into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
-    p = cfg.parallel
-    return (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
-
-
-def _mbs(cfg: Config) -> int:
-    """config.Derived's micro-batch size, without building Derived (a hot path here)."""
-    return cfg.train.global_batch // (cfg.parallel.dp * cfg.parallel.microbatches)
 
 
 def _seg_key(cfg: Config) -> tuple[int, int]:

@@ -12,7 +12,7 @@ rather than read from datasheets (perf/calibrate.py writes them for this machine
 commented in the YAML): `device` (which attention kernel config/memory.attention_path picks:
 "cuda" or "cpu"), `threads` (torch threads per rank the profile was measured with), the three
 model constants measured instead of Table 1's fit (`gemm_efficiency` e_max, `gemm_knee` κ,
-`memory_efficiency` μ: perf/costs.Calibration; 0 means "use the fit"), a separate point-to-point
+`memory_efficiency` μ: cost_terms.Calibration; 0 means "use the fit"), a separate point-to-point
 link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce; 0: the intra-node
 link), and the framework's fixed seconds per block and action (`layer_forward_us`,
 `layer_backward_us` per transformer layer, `ends_forward_us`, `ends_backward_us` for the

@@ -46,7 +46,8 @@ from megapipe.config.stages import partition, placement_of
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
-from megapipe.perf.costs import CALIBRATION, Calibration, CostModel, Work
+from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
+from megapipe.perf.costs import CostModel
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.memory import plan as memory_plan
 from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, cached_dag, config_dag, run

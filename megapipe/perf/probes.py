@@ -7,7 +7,7 @@ perf/gloo_probes.py's.
   GEMMs       float32 torch.mm over a sweep of shapes (every (m, n, k) from {64, 256, 1024}, and
               squares 128, 512, 2048), operands cold in cache (a training step's other kernels
               stream through it between two GEMMs), each the median of several timed rounds.
-              costs.Device prices a GEMM of F FLOPs moving Y bytes (operands and output) at
+              cost_terms.Device prices a GEMM of F FLOPs moving Y bytes (operands and output) at
               t = F·(AI + κ·P/B) / (P·e·AI) = F/(e·P) + κ·Y/(e·B), linear in (F, Y): a least
               squares fit on relative error gives e (e_max) and κ for P the sweep's best
               throughput (`peak_tflops`) and B below.

@@ -29,7 +29,7 @@ from megapipe.config import Config, ConfigError, apply_override, load_config
 from megapipe.config.checks import validate
 from megapipe.perf.bounds import EPS, Bound, Bounds
 from megapipe.perf.cluster import Cluster
-from megapipe.perf.costs import CALIBRATION, Calibration
+from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import GIB, Projection, project
 from megapipe.perf.runtime import MEGAPIPE, Runtime
 from megapipe.perf.space import (

@@ -12,7 +12,7 @@ profile under the `megatron2021` runtime (perf/runtime.py: the software that ran
 its hardware TFLOP/s per GPU (the recompute's forward counted, §5.1) is compared with the
 paper's.
 
-The model's three constants (perf/costs.Calibration: e_max, κ, μ) are fitted to these rows
+The model's three constants (perf/cost_terms.Calibration: e_max, κ, μ) are fitted to these rows
 by least squares on log(projected / measured) (Levenberg-Marquardt over the constants'
 logits / logs, so they stay in range); the leave-one-out error of a row is its error
 when the constants are fitted on the other nine.
@@ -29,7 +29,7 @@ import numpy as np
 
 from megapipe.config import Config, load_config
 from megapipe.perf.cluster import Cluster, load_cluster
-from megapipe.perf.costs import CALIBRATION, Calibration
+from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
 from megapipe.perf.runtime import MEGATRON_2021, Runtime
 

@@ -1,0 +1,177 @@
+"""The seconds the planner's time bounds sum (perf/bounds.py): one microbatch's F, B and W
+through a run of blocks, from the cost model the projection uses (perf/costs.py), cached over
+a search's candidates by what the costs depend on.
+
+Seq1F1B: `block_sums` prices a segmented run from the whole sequence's costs with the attention
+core at its FLOPs at e_max (a segment's GEMMs, on fewer rows, and its other work cost no less:
+perf/costs.py) and the first segment's GEMMs for the chains, without the segments' bounds
+(plan/seq1f1b.balanced_segments, milliseconds each): the group bound and a candidate's first,
+looser bound use it; `segment_sums` sums the segments' own costs (the candidate's refined bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from megapipe.config import Config
+from megapipe.config.flops import segment_bounds
+from megapipe.parallel.recompute import layer_mode
+from megapipe.perf.cluster import Cluster
+from megapipe.perf.comm import group_link
+from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Work, shapes
+from megapipe.perf.costs import CostModel
+from megapipe.perf.runtime import Runtime
+from megapipe.plan.schedules import SCHEDULES
+
+
+class BlockTimes:
+    """One microbatch's seconds through a run of blocks (module docstring), cached: the cost
+    models, shared by the configs whose blocks cost the same, and their sums."""
+
+    def __init__(self, cluster: Cluster, runtime: Runtime, cal: Calibration):
+        self.cluster, self.runtime, self.cal = cluster, runtime, cal
+        self._models: dict[tuple, tuple[Config, CostModel]] = {}
+        self._plains: dict[tuple, tuple[Config, CostModel]] = {}
+        self._sums: dict[tuple, tuple] = {}
+        self._layers: dict[tuple, tuple] = {}
+        self._segments: dict[tuple, list] = {}
+
+    def plain(self, cfg: Config) -> tuple[Config, CostModel]:
+        """`cfg` unsegmented (1f1b) and its cost model, shared by the configs whose blocks
+        cost the same: the same tp, cp, micro-batch size, sequence parallelism and recompute,
+        and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
+        p = cfg.parallel
+        mesh = (p.tp, p.cp, p.pp, p.dp, p.microbatches, p.sequence_parallel, cfg.recompute.mode)
+        if mesh not in self._plains:
+            shape = (p.pp, p.dp, p.cp, p.tp)
+            links = (group_link(self.cluster, shape, ("tp",)),
+                     group_link(self.cluster, shape, ("cp",)))  # fmt: skip
+            key = block_key(cfg, links)
+            if key not in self._models:
+                plain = dataclasses.replace(
+                    cfg, parallel=dataclasses.replace(p, schedule="1f1b", vpp=1, seq_segments=1)
+                )
+                self._models[key] = (plain, CostModel(plain, self.cluster, self.runtime, self.cal))
+            self._plains[mesh] = self._models[key]
+        return self._plains[mesh]
+
+    def block_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
+        """Over `blocks`, one microbatch: (F + B + W; F + B, with W under no split; the first
+        segment's F; its chain backward: B, with W under no split). Unsegmented: the cost
+        model's stage costs. Segmented: those of the whole sequence less each layer's attention
+        excess, and the first segment's layer GEMMs."""
+        _, cm = self.plain(cfg)
+        p = cfg.parallel
+        is_segmented = segmented(cfg)
+        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1) if is_segmented else None
+        key = (id(cm), blocks.start, blocks.stop, split, seg_key)
+        if key not in self._sums:
+            self._sums[key] = self._block_sums_of(cfg, cm, blocks, split, is_segmented)
+        return self._sums[key]
+
+    def _block_sums_of(self, cfg, cm, blocks, split, is_segmented) -> tuple:
+        x = _stage(cm, blocks)
+        total = x.F.total + x.B.total + x.W.total
+        fb = x.F.total + x.B.total + (0.0 if split else x.W.total)
+        if not is_segmented:
+            return total, fb, x.F.total, x.B.total + (0.0 if split else x.W.total)
+        less, f0, g0 = 0.0, 0.0, 0.0
+        n_layers = cfg.model.n_layers
+        modes = Counter(layer_mode(cfg.recompute, i - 1) for i in blocks if 0 < i <= n_layers)
+        for mode, n in modes.items():
+            excess, f, b, w = self._layer_floor(cfg, mode)
+            less, f0, g0 = less + n * excess, f0 + n * f, g0 + n * (b + (0.0 if split else w))
+        return total - less, fb - less, f0, g0  # (the excess is in F and B, never in W)
+
+    def segment_sums(self, cfg: Config, blocks: range, split: bool) -> tuple:
+        """block_sums from the segments' own costs: summed over the segments, and the
+        smallest segment's F and chain backward."""
+        p = cfg.parallel
+        shape = (p.pp, p.dp, p.cp, p.tp)
+        links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
+        key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
+               cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
+        if key not in self._models:
+            self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
+        cm = self._models[key][1]
+        costs = [_stage(cm, blocks, seg) for seg in range(p.seq_segments)]
+        grad = [x.B.total + (0.0 if split else x.W.total) for x in costs]
+        return (
+            sum(x.F.total + x.B.total + x.W.total for x in costs),
+            sum(x.F.total for x in costs) + sum(grad),
+            min(x.F.total for x in costs),
+            min(grad),
+        )
+
+    def _layer_floor(self, cfg: Config, mode: str) -> tuple[float, float, float, float]:
+        """For one layer at recompute `mode`: its attention core's seconds (F, B and the
+        recompute's share) less the same FLOPs at e_max (4·hd·pairs per head forward,
+        backward 2.5× fused or 2× unfused: its four GEMMs over the full score matrix),
+        and the first Seq1F1B segment's GEMM seconds of F, B (with the recompute's F under
+        full) and W."""
+        plain, cm = self.plain(cfg)
+        p = cfg.parallel
+        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1)
+        key = (id(cm), mode, seg_key)
+        if key not in self._layers:
+            if seg_key not in self._segments:
+                self._segments[seg_key] = segment_bounds(cfg)
+            start, end = self._segments[seg_key][0]
+            x, dev = shapes(plain), cm.dev
+            fwd, bwd = cm._attention(x)
+            flops = 4.0 * x.hd * x.pairs * x.b * x.h
+            best = dev.peak * dev.cal.gemm
+            bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
+            again = 1 if mode in ("full", "selective") else 0
+            excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
+            first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
+            gemms = cm._gemms(first)
+            f = sum(dev.gemm(m, n, k, 1, cm.c) for m, n, k in gemms)
+            b = sum(dev.gemm(m, k, n, 1, cm.c) for m, n, k in gemms)
+            w = sum(dev.gemm(k, n, m, 1, cm.c) for m, n, k in gemms)
+            self._layers[key] = (excess, f, b + (f if mode == "full" else 0.0), w)
+        return self._layers[key]
+
+
+def segmented(cfg: Config) -> bool:
+    """Whether `cfg` runs Seq1F1B's segments: a pipeline, a segmented schedule, > 1 segment."""
+    p = cfg.parallel
+    return p.pp > 1 and SCHEDULES[p.schedule].segmented and p.seq_segments > 1
+
+
+def block_key(cfg: Config, *extra) -> tuple:
+    """What a block's costs and saved bytes depend on here: tp, cp, micro-batch size, sequence
+    parallelism, recompute, `extra` (the groups' links, the segment count), and whether a
+    pipeline runs: without one the head makes its grads in forward and the tied lookup adds
+    into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
+    p = cfg.parallel
+    return (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
+
+
+def _mbs(cfg: Config) -> int:
+    """config.Derived's micro-batch size, without building Derived (a hot path here)."""
+    return cfg.train.global_batch // (cfg.parallel.dp * cfg.parallel.microbatches)
+
+
+def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:
+    """cm.stage(blocks, segment) from its blocks counted by kind (the embedding, the layers of
+    each recompute mode, the head): the bounds sum a few thousand stages per search, and a
+    loop over a 1T model's blocks each time was most of a search's time. The same sum as
+    cm.stage up to float rounding (perf/bounds.EPS covers it)."""
+    n_layers, rec = cm.cfg.model.n_layers, cm.cfg.recompute
+    layers = range(max(blocks.start, 1) - 1, min(blocks.stop, n_layers + 1) - 1)
+    covered = len(layers) if not rec.layers else max(0, min(layers.stop, rec.layers) - layers.start)
+    parts = [(0, 1 if 0 in blocks else 0), (n_layers + 1, 1 if n_layers + 1 in blocks else 0)]
+    if layers:  # blocks 1 + i for layer i; the first rec.layers layers take rec.mode
+        parts += [(1 + layers.start, covered), (n_layers, len(layers) - covered)]
+    f = b = w = ZERO
+    for index, count in parts:
+        if count <= 0:
+            continue
+        cost = cm.block(index, segment)
+        fixed_f, fixed_b = cm._fixed(index)
+        f = f + (cost.F + Work(compute=fixed_f)) * count
+        b = b + (cost.B + Work(compute=fixed_b)) * count
+        w = w + cost.W * count
+    return BlockCosts(f, b, w)

@@ -1,0 +1,163 @@
+"""The terms the cost model (perf/costs.py) prices a block in: one GPU's achievable throughput
+(Device, with the calibrated constants), one rank's shapes for a microbatch or Seq1F1B segment
+(Shapes), and seconds split by what they are spent on (Work, BlockCosts). perf/bounds.py prices
+its lower bounds in the same terms.
+
+Compute. Every matmul is a GEMM (M×K)·(K×N) priced on the GPU's achievable throughput for its
+shape, peak × e(AI), with the arithmetic intensity AI = 2MNK / (c·(MK + KN + MN)) FLOP per
+byte of its operands and output (c bytes per element):
+
+    e(AI) = e_max · AI / (AI + κ · P/B)
+
+a saturating function of AI (1/AI = c/2 · (1/M + 1/N + 1/K), so the smallest dimension rules)
+whose knee sits at κ times the device's ridge point P/B (peak FLOP/s over HBM bytes/s, the
+roofline of Williams et al. 2009): a GEMM of intensity κ·P/B runs at half of e_max. Small
+GEMMs (thin tp shards, small micro-batches, a head dimension as the inner size of attention's
+batched QKᵀ and PV) therefore run below large ones, and more so on GPUs whose peak grew faster
+than their bandwidth. Memory-bound kernels (norms, GeLU, dropout, residual adds, softmax, the
+autocast casts, grad accumulation, the optimizer) take bytes / (μ · B). The three constants
+e_max, κ and μ are the model's only calibrated numbers (Calibration; perf/table1.py fits them).
+
+Shapes are one rank's: b sequences of q query tokens (s/cp, or a Seq1F1B segment's length)
+attending over kv keys, and the heads, MLP width and vocabulary of its tp shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapipe.config import Config
+from megapipe.config.flops import segment_bounds
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's calibrated constants (module docstring)."""
+
+    gemm: float  # e_max: fraction of peak that large GEMMs reach
+    knee: float  # κ: AI at half of e_max, in units of the device's ridge point P/B
+    memory: float  # μ: fraction of HBM bandwidth memory-bound kernels reach
+
+
+# Fitted on all ten rows of Megatron-LM's Table 1 (perf/table1.fit: least squares on
+# log(projected / measured hardware TFLOP/s per GPU); the same minimum from every start tried);
+# `python tools/plan.py table1 --refit` fits them again.
+CALIBRATION = Calibration(gemm=0.785, knee=0.889, memory=0.776)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU's achievable throughput: GEMMs by intensity, memory-bound kernels by bytes."""
+
+    peak: float  # FLOP/s
+    bandwidth: float  # HBM bytes/s
+    cal: Calibration
+
+    def matmul(self, flops: float, intensity: float) -> float:
+        """Seconds of `flops` of tensor-core work at arithmetic intensity `intensity`."""
+        if flops <= 0:
+            return 0.0
+        knee = self.cal.knee * self.peak / self.bandwidth
+        return flops * (intensity + knee) / (self.peak * self.cal.gemm * intensity)
+
+    def gemm(self, m: float, n: float, k: float, batch: float = 1.0, elt: int = 2) -> float:
+        """Seconds of `batch` GEMMs (m×k)·(k×n) with `elt`-byte elements."""
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k
+        return self.matmul(batch * flops, flops / (elt * (m * k + k * n + m * n)))
+
+    def mem(self, nbytes: float) -> float:
+        """Seconds of a memory-bound kernel moving `nbytes` through HBM."""
+        return max(nbytes, 0.0) / (self.bandwidth * self.cal.memory)
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of an action by what they are spent on (the breakdown's parts)."""
+
+    compute: float = 0.0
+    tp: float = 0.0  # exposed tp/sp collectives
+    cp: float = 0.0  # exposed cp ring transfers
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.compute + other.compute, self.tp + other.tp, self.cp + other.cp)
+
+    def __mul__(self, k: float) -> Work:
+        return Work(self.compute * k, self.tp * k, self.cp * k)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp
+
+
+ZERO = Work()
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """F, B (input grad, recompute included) and W of one block for one microbatch/segment."""
+
+    F: Work
+    B: Work
+    W: Work
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """One rank's shapes for one microbatch or Seq1F1B segment."""
+
+    b: int  # sequences
+    q: int  # query tokens per sequence on this rank
+    kv: int  # keys they attend over
+    pairs: float  # unmasked (query, key) pairs per sequence and head a causal kernel computes
+    n: int  # b·q
+    ns: int  # n/tp under sequence parallelism, else n
+    h: int
+    hkv: int
+    hd: int
+    ff: int
+    vocab: int
+
+
+_BOUNDS: dict[tuple, list[tuple[int, int]]] = {}
+
+
+def _segment_bounds(cfg: Config) -> list[tuple[int, int]]:
+    """config/flops.segment_bounds, cached: its bisection takes milliseconds and the planner
+    prices the same segments for many meshes (they depend on the model, k and the SP grain)."""
+    p = cfg.parallel
+    key = (repr(cfg.model), p.schedule == "seq1f1b", p.seq_segments,
+           p.tp if p.sequence_parallel else 1)  # fmt: skip
+    if key not in _BOUNDS:
+        if len(_BOUNDS) > 4096:
+            _BOUNDS.clear()
+        _BOUNDS[key] = segment_bounds(cfg)
+    return _BOUNDS[key]
+
+
+def shapes(cfg: Config, segment: int | None = None) -> Shapes:
+    """One rank's shapes for a microbatch of `cfg` (`segment` None) or one Seq1F1B segment."""
+    m, d, p = cfg.model, cfg.derived, cfg.parallel
+    t, s = p.tp, m.seq_len
+    if segment is None:
+        q = kv = s // p.cp
+        pairs = s * (s + 1) / 2 / p.cp  # zigzag gives every cp rank the same share
+    else:
+        start, kv = _segment_bounds(cfg)[segment]
+        q = kv - start
+        pairs = q * start + q * (q + 1) / 2
+    n = d.micro_batch_size * q
+    return Shapes(
+        b=d.micro_batch_size,
+        q=q,
+        kv=s if p.cp > 1 else kv,
+        pairs=pairs,
+        n=n,
+        ns=n // t if p.sequence_parallel and t > 1 else n,
+        h=m.n_heads // t,
+        hkv=max(d.n_kv_heads // t, 1),
+        hd=d.head_dim,
+        ff=d.d_ff // t,
+        vocab=-(-m.vocab_size // t),
+    )
