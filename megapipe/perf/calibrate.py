@@ -28,6 +28,7 @@ from typing import TypeVar
 import torch
 
 from megapipe.perf.cluster import CLUSTER_DIR, Cluster, load_cluster
+from megapipe.perf.cost_terms import Calibration, Device
 from megapipe.perf.gloo_probes import (
     BLOCKING_SIZES,
     SKEW_GEMMS,
@@ -265,8 +266,9 @@ def _fixed_time_lines(values: dict, m: Measured) -> list[str]:
 def _kernel_lines(values: dict, m: Measured) -> list[str]:
     """The YAML lines of the GeLU kernels' times and attention's efficiency."""
     return [
-        f"# tanh GeLU over {KERNEL_ELEMENTS} float32 elements, forward and aten.gelu_backward, "
-        "ns per element (compute-bound here: priced per element, not by bytes)",
+        f"# tanh GeLU over {KERNEL_ELEMENTS} float32 elements, forward as the model runs it "
+        "(models/activations.gelu_tanh) and aten.gelu_backward, ns per element (compute-bound "
+        "here: priced per element, not by bytes)",
         f"gelu_forward_ns: {values['gelu_forward_ns']}",
         f"gelu_backward_ns: {values['gelu_backward_ns']}",
         "# causal SDPA forward + backward (b, heads, s, hd) "
@@ -310,10 +312,9 @@ def _step_comment(gloo: dict) -> str:
 
 def _gemm_model(values: dict, shape) -> float:
     """Seconds cost_terms.Device prices a float32 GEMM at with the profile's values."""
-    flops, nbytes = gemm_features(*shape)
-    peak, bw = values["peak_tflops"] * 1e12, values["hbm_gbps"] * 1e9
-    e, knee = values["gemm_efficiency"], values["gemm_knee"]
-    return flops / (e * peak) + knee * nbytes / (e * bw)
+    cal = Calibration(values["gemm_efficiency"], values["gemm_knee"], values["memory_efficiency"])
+    dev = Device(values["peak_tflops"] * 1e12, values["hbm_gbps"] * 1e9, cal)
+    return dev.gemm(*shape, elt=4)
 
 
 def write_profile(path: str | Path, values: dict, m: Measured, command: str) -> Cluster:

@@ -199,7 +199,6 @@ class _SearchState:
     cal: Calibration
     bound: Bounds
     top: int
-    hbm: float = field(init=False)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_COUNTS, 0))
     heap: list[tuple] = field(default_factory=list)
     order: Iterator[int] = field(default_factory=itertools.count)
@@ -207,8 +206,10 @@ class _SearchState:
     errors: list[Exception] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)  # the projected step times so far, sorted
 
-    def __post_init__(self) -> None:
-        self.hbm = self.cluster.hbm_bytes
+    @property
+    def hbm(self) -> float:
+        """The GPU's memory in bytes."""
+        return self.cluster.hbm_bytes
 
     def _over(self, nbytes: float) -> bool:
         """Whether `nbytes` exceeds the GPU's memory (beyond the bounds' rounding)."""

@@ -243,7 +243,7 @@ class _EarlyGrads:
         self, hc: torch.Tensor, weight: torch.Tensor, reuse: HeadBuffers | None = None
     ) -> None:
         self.hc = hc
-        self.input_grad = torch.zeros_like(hc)
+        self.input_grad = torch.empty_like(hc)  # every chunk writes its rows
         kept = None if reuse is None else reuse.weight_grad
         self.weight_grad = kept_or_new(kept, weight.shape, torch.float32, weight.device)
         self.first = True
@@ -287,7 +287,8 @@ class _EarlyGrads:
         self.weight_grad.copy_(part) if self.first else self.weight_grad.add_(part)
 
     def finish(self) -> None:
-        if self.first:  # no chunk (a tp slice of padding only): the weight grad is zero
+        if self.first:  # no chunk (a tp slice of padding only): both grads are zero
+            self.input_grad.zero_()
             self.weight_grad.zero_()
 
 
