@@ -138,7 +138,7 @@ def attention_path(cfg: Config, device: str = "cuda") -> str:
 
 
 @dataclass(frozen=True)
-class _Dims:
+class RankDims:
     """One rank's shapes for one microbatch (or one Seq1F1B segment of it)."""
 
     b: int  # sequences (micro_batch_size)
@@ -153,7 +153,7 @@ class _Dims:
     vocab: int  # vocabulary rows on this tp rank, padded to ceil(V/tp)
 
 
-def _dims(cfg: Config, segment: int | None = None) -> _Dims:
+def rank_dims(cfg: Config, segment: int | None = None) -> RankDims:
     m, d, p = cfg.model, cfg.derived, cfg.parallel
     t = p.tp
     q = kv = m.seq_len // p.cp  # this cp rank's tokens of a sequence
@@ -161,7 +161,7 @@ def _dims(cfg: Config, segment: int | None = None) -> _Dims:
         start, kv = segment_bounds(cfg)[segment]
         q = kv - start
     n = d.micro_batch_size * q
-    return _Dims(
+    return RankDims(
         b=d.micro_batch_size,
         q=q,
         kv=kv,
@@ -204,7 +204,7 @@ def layer_terms(
     recompute.layers leaves later layers at "none"); `device` "cuda" or "cpu" picks the
     kernels (attention_path, dropout masks); `segment`: only Seq1F1B segment i's tokens, whose
     queries attend over cat(earlier segments' K/V, their own), new tensors the core keeps."""
-    m, x = cfg.model, _dims(cfg, segment)
+    m, x = cfg.model, rank_dims(cfg, segment)
     mode = mode or cfg.recompute.mode
     segmented = segment is not None and len(segment_bounds(cfg)) > 1
     store = _segment_store(cfg, x) if segmented else None
@@ -221,7 +221,7 @@ def layer_terms(
     return terms
 
 
-def _segment_store(cfg: Config, x: _Dims) -> float:
+def _segment_store(cfg: Config, x: RankDims) -> float:
     """Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
     segments after it: the qkv output they view, and RoPE's k, whatever else is kept."""
     llama = cfg.model.arch == "llama"
@@ -229,7 +229,7 @@ def _segment_store(cfg: Config, x: _Dims) -> float:
 
 
 def _attention_terms(
-    cfg: Config, x: _Dims, mode: str, device: str, store: float | None
+    cfg: Config, x: RankDims, mode: str, device: str, store: float | None
 ) -> dict[str, float]:
     """What the attention saves, RoPE's included, by the core that runs (attention_path) under
     recompute `mode` ("none" or "selective"); `store`: the Seq1F1B segment store's bytes (None
@@ -266,7 +266,7 @@ def _attention_terms(
     return terms
 
 
-def _proj_and_mlp_terms(cfg: Config, x: _Dims) -> dict[str, float]:
+def _proj_and_mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The linear inputs after the attention core (proj, fc2) and the MLP activation's."""
     c, llama = compute_bytes(cfg), cfg.model.arch == "llama"
     terms = {"proj input": x.n * x.h * x.hd * c}
@@ -278,7 +278,7 @@ def _proj_and_mlp_terms(cfg: Config, x: _Dims) -> dict[str, float]:
     return terms
 
 
-def _dropout_and_cast_terms(cfg: Config, x: _Dims, device: str) -> dict[str, float]:
+def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
     """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
     m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
     terms: dict[str, float] = {}
@@ -296,7 +296,7 @@ def layer_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
     Qi et al. 2023 §2; parallel/autograd/weight_grad.py): each linear's input and output grad,
     queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
     recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
-    m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
+    m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
     fc1_out = (2 if m.arch == "llama" else 1) * x.ff
     return {
         "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
@@ -315,7 +315,7 @@ def embedding_terms(
 ) -> dict[str, float]:
     """Bytes the embedding block saves for one microbatch (or segment): the token ids (under tp
     the local ids and the out-of-range mask) and the dropout mask."""
-    m, x = cfg.model, _dims(cfg, segment)
+    m, x = cfg.model, rank_dims(cfg, segment)
     terms = {"token ids": x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)}
     if m.dropout > 0:
         terms["dropout mask"] = x.ns * m.d_model * _mask_bytes(device, FLOAT32)
@@ -347,7 +347,7 @@ def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) ->
     chunked head + loss keeps no logits: O(tokens·d), not O(tokens·V)); with the grads made in
     forward (head_grad_in_forward) the input grad N·d·c and the float32 weight grad V/tp·d·4
     instead of the head input, maxima, sums and targets."""
-    m, x, c = cfg.model, _dims(cfg, segment), compute_bytes(cfg)
+    m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
     terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns).items()}
     if head_grad_in_forward(cfg):
         terms["head input grad"] = x.n * m.d_model * c

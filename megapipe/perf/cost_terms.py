@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.config import Config
-from megapipe.config.flops import segment_bounds
+from megapipe.config.memory import rank_dims
 
 
 @dataclass(frozen=True)
@@ -120,44 +120,15 @@ class Shapes:
     vocab: int
 
 
-_BOUNDS: dict[tuple, list[tuple[int, int]]] = {}
-
-
-def _segment_bounds(cfg: Config) -> list[tuple[int, int]]:
-    """config/flops.segment_bounds, cached: its bisection takes milliseconds and the planner
-    prices the same segments for many meshes (they depend on the model, k and the SP grain)."""
-    p = cfg.parallel
-    key = (repr(cfg.model), p.schedule == "seq1f1b", p.seq_segments,
-           p.tp if p.sequence_parallel else 1)  # fmt: skip
-    if key not in _BOUNDS:
-        if len(_BOUNDS) > 4096:
-            _BOUNDS.clear()
-        _BOUNDS[key] = segment_bounds(cfg)
-    return _BOUNDS[key]
-
-
 def shapes(cfg: Config, segment: int | None = None) -> Shapes:
-    """One rank's shapes for a microbatch of `cfg` (`segment` None) or one Seq1F1B segment."""
-    m, d, p = cfg.model, cfg.derived, cfg.parallel
-    t, s = p.tp, m.seq_len
+    """One rank's shapes for a microbatch of `cfg` (`segment` None) or one Seq1F1B segment:
+    the memory model's (config/memory.rank_dims), with the keys a cp rank's ring attends over
+    (the whole sequence) and the causal pairs its kernel computes."""
+    x = rank_dims(cfg, segment)
+    s, cp = cfg.model.seq_len, cfg.parallel.cp
     if segment is None:
-        q = kv = s // p.cp
-        pairs = s * (s + 1) / 2 / p.cp  # zigzag gives every cp rank the same share
+        pairs = s * (s + 1) / 2 / cp  # zigzag gives every cp rank the same share
     else:
-        start, kv = _segment_bounds(cfg)[segment]
-        q = kv - start
-        pairs = q * start + q * (q + 1) / 2
-    n = d.micro_batch_size * q
-    return Shapes(
-        b=d.micro_batch_size,
-        q=q,
-        kv=s if p.cp > 1 else kv,
-        pairs=pairs,
-        n=n,
-        ns=n // t if p.sequence_parallel and t > 1 else n,
-        h=m.n_heads // t,
-        hkv=max(d.n_kv_heads // t, 1),
-        hd=d.head_dim,
-        ff=d.d_ff // t,
-        vocab=-(-m.vocab_size // t),
-    )
+        start = x.kv - x.q
+        pairs = x.q * start + x.q * (x.q + 1) / 2
+    return Shapes(**{**vars(x), "kv": s if cp > 1 else x.kv}, pairs=pairs)
