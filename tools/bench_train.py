@@ -17,20 +17,27 @@ GPT2LMHeadModel trained the way transformers' Trainer trains it by default, on o
 - Profile line (torch.profiler over `--profile-steps` steps): the share of the step's wall time
   outside matrix multiplies and attention (on the CPU their ops' self time; on CUDA their
   kernels' device time).
+- Page faults a step (the process's minor faults over each variant's timed steps): a fresh
+  multi-MB tensor is served by fresh pages, a fault per 4 KiB. `--keep-freed-memory` tells
+  glibc's malloc to keep freed blocks for reuse (no mmap per large block, no trim of the heap)
+  for the whole process, every variant alike: what the baseline's step costs without them.
 - CUDA (`--device cuda`): bf16, presets 124m, 350m and 1.3b by default; tokens/s and MFU
   (config/flops.flops_per_token over train/metrics.peak_tflops).
 
     python tools/bench.py train [--preset default|124m|350m|1.3b[,...]] [--device cpu|cuda]
         [--rounds 5 --steps 3 --threads 2] [--profile-steps 2] [--json FILE]
-        [--variants eager,compiled,transformers] [--dtype float32|bfloat16]
+        [--variants eager,compiled,transformers] [--dtype float32|bfloat16] [--keep-freed-memory]
         [--layers L --d-model D --heads H --vocab V --batch B --seq-len T]  (override a preset)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -165,6 +172,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def keep_freed_memory() -> None:
+    """glibc malloc keeps freed memory for reuse in this process: blocks of any size below 1 GiB
+    come from the heap (M_MMAP_THRESHOLD) and its free top is never given back (M_TRIM_THRESHOLD),
+    so a step's fresh tensors reuse pages already mapped instead of faulting in new ones."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not hasattr(libc, "mallopt") or not (
+        libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)
+    ):
+        raise SystemExit("--keep-freed-memory: this C library has no glibc mallopt; drop the flag")
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def timed(runner, batch, steps: int, device: str) -> float:
     _sync(device)
     began = time.perf_counter()
@@ -219,8 +242,8 @@ def bench_shape(s: Shape, args) -> dict:
     batch = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1), generator=torch.Generator())
     out = {"shape": dataclasses.asdict(s), "compile_s": None, "variants": {}}
     timing = _time_in_turn if s.device == "cuda" else _time_alternating
-    times, outside = timing(variants, s, args, batch, out)
-    out["variants"] = variant_rows(s, times, outside)
+    times, faults, outside = timing(variants, s, args, batch, out)
+    out["variants"] = variant_rows(s, times, faults, outside)
     return out
 
 
@@ -243,36 +266,47 @@ def _profile_outside(outside: dict, v: str, runner, batch, s: Shape, args) -> No
         outside[v] = outside_share(runner, batch, args.profile_steps, s.device)
 
 
-def _time_in_turn(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, dict]:
-    """CUDA: ({variant: step seconds per round}, {variant: share outside matmul and
-    attention}), each variant built, timed and freed before the next."""
-    times, outside = {}, {}
+def _time_in_turn(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, ...]:
+    """CUDA: ({variant: step seconds per round}, {variant: page faults a step per round},
+    {variant: share outside matmul and attention}), each variant built, timed and freed before
+    the next."""
+    times, faults, outside = {}, {}, {}
     for v in variants:
         runner = _build_runner(v, s, args, batch, out)
-        times[v] = [timed(runner, batch, args.steps, s.device) for _ in range(args.rounds)]
+        times[v], faults[v] = [], []
+        for _ in range(args.rounds):
+            _time_round(runner, batch, args.steps, s.device, times[v], faults[v])
         _profile_outside(outside, v, runner, batch, s, args)
         del runner
         torch.cuda.empty_cache()
-    return times, outside
+    return times, faults, outside
 
 
-def _time_alternating(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, dict]:
+def _time_alternating(variants: list[str], s: Shape, args, batch, out: dict) -> tuple[dict, ...]:
     """CPU: as _time_in_turn, all variants built at once and their steps alternating, the
     order rotating each round."""
     runners = {v: _build_runner(v, s, args, batch, out) for v in variants}
-    times, outside = {v: [] for v in variants}, {}
+    times, faults, outside = {v: [] for v in variants}, {v: [] for v in variants}, {}
     for r in range(args.rounds):
         for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate
-            times[v].append(timed(runners[v], batch, args.steps, s.device))
+            _time_round(runners[v], batch, args.steps, s.device, times[v], faults[v])
     for v, runner in runners.items():
         _profile_outside(outside, v, runner, batch, s, args)
-    return times, outside
+    return times, faults, outside
 
 
-def variant_rows(s: Shape, times: dict, outside: dict) -> dict:
-    """{variant's name: tokens/s median, min, max, step seconds, and MFU on CUDA, the share
-    outside matmul and attention when profiled, the per-round ratios to transformers on the
-    CPU}."""
+def _time_round(runner, batch, steps: int, device: str, times: list, faults: list) -> None:
+    """One round of `steps` steps: its seconds a step onto `times`, page faults a step onto
+    `faults`."""
+    before = minor_faults()
+    times.append(timed(runner, batch, steps, device))
+    faults.append((minor_faults() - before) / steps)
+
+
+def variant_rows(s: Shape, times: dict, faults: dict, outside: dict) -> dict:
+    """{variant's name: tokens/s median, min, max, step seconds, page faults a step (median
+    over rounds), and MFU on CUDA, the share outside matmul and attention when profiled, the
+    per-round ratios to transformers on the CPU}."""
     tokens = s.batch * s.seq_len
     flops = peak = None
     if s.device == "cuda":
@@ -285,7 +319,8 @@ def variant_rows(s: Shape, times: dict, outside: dict) -> dict:
     for v, ts in times.items():
         tps = sorted(tokens / t for t in ts)
         row = {"tokens_per_s": statistics.median(tps), "min": tps[0], "max": tps[-1],
-               "step_s": statistics.median(ts)}  # fmt: skip
+               "step_s": statistics.median(ts),
+               "faults_per_step": statistics.median(faults[v])}  # fmt: skip
         if flops and peak:
             row["mfu"] = row["tokens_per_s"] * flops / (peak * 1e12)
         if v in outside:
@@ -314,11 +349,13 @@ def report(res: dict, threads: int) -> None:
     rows = res["variants"]
     mfu = any("mfu" in r for r in rows.values())
     prof = any("outside_matmul_attention" in r for r in rows.values())
-    head = "| variant | tokens/s (median) | spread (min-max) |" + (" MFU |" if mfu else "")
+    head = "| variant | tokens/s (median) | spread (min-max) | page faults/step |"
+    head += " MFU |" if mfu else ""
     print(head + (" outside matmul+attention |" if prof else ""))
-    print("|---" * (3 + mfu + prof) + "|")
+    print("|---" * (4 + mfu + prof) + "|")
     for name, r in rows.items():
         line = f"| {name} | {r['tokens_per_s']:,.0f} | {r['min']:,.0f}-{r['max']:,.0f} |"
+        line += f" {r['faults_per_step']:,.0f} |"
         line += f" {100 * r['mfu']:.1f}% |" if mfu else ""
         line += f" {100 * r['outside_matmul_attention']:.0f}% |" if prof else ""
         print(line)
@@ -341,6 +378,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     parser.add_argument("--variants", default="eager,compiled,transformers")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="glibc malloc keeps freed memory for every variant (docstring)",
+    )
     for name, default in [("layers", 0), ("d-model", 0), ("heads", 0), ("vocab", 0),
                           ("batch", 0), ("seq-len", 0), ("rounds", 5), ("steps", 3),
                           ("threads", 2), ("profile-steps", 2)]:  # fmt: skip
@@ -349,6 +391,10 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device")
     torch.set_num_threads(args.threads)
+    if args.keep_freed_memory:
+        keep_freed_memory()
+    print("malloc: " + ("freed memory kept, every variant (--keep-freed-memory)"
+                        if args.keep_freed_memory else "the C library's defaults"))  # fmt: skip
     presets = args.preset or ("124m,350m,1.3b" if args.device == "cuda" else "default")
     results = []
     for preset in presets.split(","):
