@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import resource
 import sys
 import time
 
@@ -24,10 +23,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 MATMULS = ("mm", "addmm", "addmm_")
-
-
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class MatmulLog(TorchDispatchMode):
@@ -42,7 +37,7 @@ class MatmulLog(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in MATMULS:
             return func(*args, **kwargs)
-        faults, began = _faults(), time.perf_counter()
+        faults, began = bench_train.minor_faults(), time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - began
         mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2][-2:]
@@ -51,7 +46,7 @@ class MatmulLog(TorchDispatchMode):
         row[0] += 1
         row[1] += seconds
         row[2] += 2 * mats[0].shape[0] * mats[0].shape[1] * mats[1].shape[1]
-        row[3] += _faults() - faults
+        row[3] += bench_train.minor_faults() - faults
         return out
 
 

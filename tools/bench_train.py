@@ -185,6 +185,7 @@ def keep_freed_memory() -> None:
 
 
 def minor_faults() -> int:
+    """This process's minor page faults so far (a fresh 4 KiB page each)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -240,7 +241,8 @@ def bench_shape(s: Shape, args) -> dict:
     if unknown:
         raise SystemExit(f"unknown variant {sorted(unknown)}: eager, compiled or transformers")
     batch = torch.randint(0, s.vocab, (s.batch, s.seq_len + 1), generator=torch.Generator())
-    out = {"shape": dataclasses.asdict(s), "compile_s": None, "variants": {}}
+    out = {"shape": dataclasses.asdict(s), "compile_s": None, "variants": {},
+           "keep_freed_memory": args.keep_freed_memory}  # fmt: skip
     timing = _time_in_turn if s.device == "cuda" else _time_alternating
     times, faults, outside = timing(variants, s, args, batch, out)
     out["variants"] = variant_rows(s, times, faults, outside)
