@@ -6,11 +6,11 @@ gelu(x) = x·σ(z) with z = 2√(2/π)·x·(1 + 0.044715·x²). The same functio
 differs (≤ 5e-7 absolute over N(0, 1) inputs). Why: this build's vectorized tanh is slow on the
 CPU (aten's tanh GeLU ran ~5× slower than its sigmoid over the same 2M floats), and:
 
-- eager, CPU: the forward is four passes (addcmul, mul, sigmoid, mul), ~2.4× faster than
+- eager, CPU: the forward is four passes (addcmul, mul, sigmoid, mul), 1.7-2× faster than
   aten's tanh GeLU; the backward stays aten's `gelu_backward` (the sigmoid form's backward is
   more passes than it saves). `tools/bench.py kernels` times both.
 - compiled blocks: the expression is left to inductor, which fuses it (and its derivative) into
-  one loop each, ~3× faster than its own tanh lowering forward and backward.
+  one loop each, ~2.5× faster than its own tanh lowering forward and backward.
 - CUDA (and other dtypes/devices): aten's fused tanh GeLU kernel, which is already one pass.
 """
 

@@ -11,8 +11,9 @@ the one-process run), then gloo between two processes. perf/probe_fits.py fits w
 measured into the profile's fields (its docstring gives each fit).
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
-`probe_around` measures the fields the probes decide again, one quick round, around a timed
-run (the local truth) on a machine whose speed drifts.
+`probe_around` measures the fields the probes decide again around a timed run (the local
+truth) on a machine whose speed drifts: the compute probes one quick round, gloo's at least
+GLOO_ROUNDS.
 """
 
 from __future__ import annotations
