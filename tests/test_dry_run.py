@@ -191,7 +191,7 @@ def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
     once, counted here microbatch by microbatch from the simulated action times."""
     from megapipe.config.stages import placement_of, schedule_of
     from megapipe.plan.simulate import Costs, simulate
-    from megapipe.train.memory import chunk_activations
+    from megapipe.config.memory_plan import chunk_activations
 
     args = (
         "--model.n_layers=6",

@@ -337,7 +337,7 @@ def test_memory_timeline_is_simulates():
     cfg = _cfg("parallel.pp=4", "parallel.microbatches=8", "parallel.schedule=zb_h1",
                "model.n_layers=4")  # fmt: skip
     sim = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg))
-    mine = perf_memory._timeline(cfg)
+    mine = perf_memory.timeline(cfg)
     for rank in range(4):
         want = sorted((a.kind, a.chunk, a.seg, s, e) for r, a, s, e in sim.timeline if r == rank)
         assert sorted(mine[rank]) == want

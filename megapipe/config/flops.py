@@ -5,6 +5,8 @@ Used by the metrics (TFLOP/s, MFU), the cost partition and Seq1F1B's FLOP-balanc
 
 from __future__ import annotations
 
+import functools
+
 from megapipe.config.schema import Config
 from megapipe.plan.seq1f1b import balanced_segments
 
@@ -46,25 +48,23 @@ def block_costs_from_flops(cfg: Config) -> list[float]:
     return [embed] + [layer] * m.n_layers + [head]
 
 
-_SEGMENT_BOUNDS: dict[tuple, list[tuple[int, int]]] = {}
-
-
 def segment_bounds(cfg: Config) -> list[tuple[int, int]]:
     """[(s_i, e_i)] of the config's Seq1F1B segments: FLOP-balanced (Seq1F1B §3.3), lengths a
-    multiple of tp under sequence parallelism; [(0, T)] when unsegmented. Cached: the
-    bisection takes milliseconds, and the planner and the memory model ask for the same
-    segments over many meshes (they depend on the model, k and the SP grain alone)."""
+    multiple of tp under sequence parallelism; [(0, T)] when unsegmented."""
     m, p = cfg.model, cfg.parallel
     if p.schedule != "seq1f1b" or p.seq_segments == 1:
         return [(0, m.seq_len)]
     granularity = p.tp if p.sequence_parallel else 1
-    key = (repr(m), p.seq_segments, granularity)
-    if key not in _SEGMENT_BOUNDS:
-        if len(_SEGMENT_BOUNDS) > 4096:
-            _SEGMENT_BOUNDS.clear()
-        split = balanced_segments(
-            m.seq_len, p.seq_segments, matmul_params(cfg), m.n_layers, m.d_model, granularity
-        )
-        ends = [sum(split.lengths[: i + 1]) for i in range(len(split.lengths))]
-        _SEGMENT_BOUNDS[key] = list(zip([0, *ends[:-1]], ends))
-    return _SEGMENT_BOUNDS[key]
+    args = (m.seq_len, p.seq_segments, matmul_params(cfg), m.n_layers, m.d_model, granularity)
+    return list(_segment_bounds(*args))
+
+
+# Cached: the bisection takes milliseconds, and the planner and the memory model ask for the
+# same segments over many meshes (they depend on these numbers alone).
+@functools.lru_cache(maxsize=4096)
+def _segment_bounds(
+    seq_len: int, k: int, params: int, layers: int, d_model: int, granularity: int
+) -> tuple[tuple[int, int], ...]:
+    split = balanced_segments(seq_len, k, params, layers, d_model, granularity)
+    ends = [sum(split.lengths[: i + 1]) for i in range(len(split.lengths))]
+    return tuple(zip([0, *ends[:-1]], ends))

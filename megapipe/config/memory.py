@@ -72,7 +72,7 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config.flops import segment_bounds
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, RecomputeConfig
 
 FLOAT32 = 4  # float32 master weights, their grads, and the residual stream (bf16 is autocast)
 WEIGHT_BYTES = GRAD_BYTES = FLOAT32
@@ -103,6 +103,19 @@ def optimizer_bytes(n_params: int, cfg: Config) -> float:
     bucket is padded to a multiple of R before it is split, adding < R elements per bucket:
     left out."""
     return ADAM_BYTES * math.ceil(n_params / zero_shards(cfg))
+
+
+def state_bytes(n_params: float, cfg: Config) -> float:
+    """Weights, grads and AdamW state of a rank holding `n_params` (rounded up for AdamW)."""
+    return n_params * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(math.ceil(n_params), cfg)
+
+
+def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
+    """The recompute mode for transformer layer `layer_index` (0-based, global): recompute.mode
+    for the first recompute.layers layers (0: all), "none" after them."""
+    if cfg.layers and layer_index >= cfg.layers:
+        return "none"
+    return cfg.mode
 
 
 def state_layout(cfg: Config) -> str:

@@ -60,9 +60,17 @@ def zb_w_share(cfg: Config) -> float:
 
 
 def schedule_of(cfg: Config, costs: Costs | None = None) -> Schedule:
-    """The configured schedule with its options: the costs a schedule built for costs gets
-    (`costs`, e.g. measured, else the given ones), zb_auto's memory limit, PipeDream's weight
-    sync, Seq1F1B's segments. The pipeline runs it and the dry run simulates it."""
+    """The configured schedule with its options (schedule_options). The pipeline runs it and
+    the dry run simulates it."""
+    p = cfg.parallel
+    opts = schedule_options(cfg, costs)
+    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
+
+
+def schedule_options(cfg: Config, costs: Costs | None = None) -> dict:
+    """The options schedule_of builds the schedule with: the costs a schedule built for costs
+    gets (`costs`, e.g. measured, else the given ones), zb_auto's memory limit and M_W / M_B,
+    PipeDream's weight sync."""
     p = cfg.parallel
     spec = SCHEDULES[p.schedule]
     opts: dict = {"weight_sync": p.weight_sync} if p.schedule == "pipedream_async" else {}
@@ -70,7 +78,7 @@ def schedule_of(cfg: Config, costs: Costs | None = None) -> Schedule:
         opts["costs"] = costs or schedule_costs(cfg)
     if "memory" in spec.options:
         opts |= {"memory": p.zb_memory, "w_share": zb_w_share(cfg)}
-    return build_schedule(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, **opts)
+    return opts
 
 
 def rank_blocks(

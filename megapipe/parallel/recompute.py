@@ -12,14 +12,9 @@ from collections.abc import Callable
 
 from torch.utils.checkpoint import checkpoint
 
-from megapipe.config import RecomputeConfig
+from megapipe.config.memory import layer_mode
 
-
-def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
-    """The recompute mode for transformer layer `layer_index` (0-based, global)."""
-    if cfg.layers and layer_index >= cfg.layers:
-        return "none"
-    return cfg.mode
+__all__ = ["layer_mode", "maybe_checkpoint"]  # layer_mode: config/memory.py's, for the model
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable, *args):

@@ -16,7 +16,7 @@ from collections import Counter
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.parallel.recompute import layer_mode
+from megapipe.config.memory import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Work, shapes
@@ -90,7 +90,7 @@ class BlockTimes:
         p = cfg.parallel
         shape = (p.pp, p.dp, p.cp, p.tp)
         links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
-        key = (p.tp, p.cp, _mbs(cfg), p.sequence_parallel,
+        key = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
                cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
         if key not in self._models:
             self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
@@ -146,12 +146,15 @@ def block_key(cfg: Config, *extra) -> tuple:
     pipeline runs: without one the head makes its grads in forward and the tied lookup adds
     into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
     p = cfg.parallel
-    return (p.tp, p.cp, _mbs(cfg), p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
-
-
-def _mbs(cfg: Config) -> int:
-    """config.Derived's micro-batch size, without building Derived (a hot path here)."""
-    return cfg.train.global_batch // (cfg.parallel.dp * cfg.parallel.microbatches)
+    return (
+        p.tp,
+        p.cp,
+        cfg.derived.micro_batch_size,
+        p.sequence_parallel,
+        cfg.recompute.mode,
+        *extra,
+        p.pp == 1,
+    )
 
 
 def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:

@@ -25,28 +25,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.config import Config
-from megapipe.config import stages as config_stages
-from megapipe.config.memory import (
-    GRAD_BYTES,
-    WEIGHT_BYTES,
-    attention_path,
-    optimizer_bytes,
-    segments,
+from megapipe.config.memory import attention_path, layer_mode, segments, state_bytes
+from megapipe.config.memory_plan import (
+    block_activations,
+    block_deferred,
+    chunk_activations,
+    live_change,
 )
-from megapipe.config.stages import partition, placement_of, schedule_of
-from megapipe.parallel.recompute import layer_mode
+from megapipe.config.stages import partition, placement_of
 from megapipe.perf.block_times import BlockTimes, block_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.model import _dp_plan, _optimizer
-from megapipe.perf.pipeline import _PLAIN_OPTIONS, KIND_INDEX, schedule_key
+from megapipe.perf.pipeline import KIND_INDEX, ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
-from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Placement
+from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import SCHEDULES
-from megapipe.train.memory import _segment_activations, chunk_activations, chunk_deferred
 
 EPS = 1e-9  # relative slack on the bounds: they sum the same floats in another order
 
@@ -129,7 +126,7 @@ class Bounds:
         chain = f0 + g0
         acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
         params = self._params(cfg) / pp  # a rank's mean parameters (tp rank 0)
-        states = params * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(math.ceil(params), cfg)
+        states = state_bytes(params, cfg)
         memory = states + acts / pp
         if pipedream:
             return max(busy, chain), memory
@@ -233,7 +230,7 @@ class Bounds:
             [self._chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
             for r in range(place.pp)
         ]
-        states = [sum(h) * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(sum(h), cfg) for h in held]
+        states = [state_bytes(sum(h), cfg) for h in held]
         _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
         dp = _dp_plan(cfg, self.cluster, self.runtime, shape, held,
@@ -284,7 +281,7 @@ class Bounds:
 
     def memory(self, cfg: Config) -> tuple[float, tuple[int, int]]:
         """perf/memory.plan(cfg).max and .argmax, without timing the schedule: a rank runs its
-        actions one after another, so the events train/memory.peak_inflight sorts by time
+        actions one after another, so the events config/memory_plan.peak_inflight sorts by time
         (an F's allocation at its start, a B's, W's or BW's release at its end, releases
         first at a tie) come in the order of the rank's action list, and the peak in flight
         is the running sum's in that order (tests/test_plan_search.py holds the two equal)."""
@@ -307,16 +304,14 @@ class Bounds:
                     for k, i in enumerate(seg_ids):
                         held = size[c][k] / unit
                         keep = self._block_bytes(cfg, blocks, i, True) / unit
-                        for kind, delta in _DELTA.items():
-                            table[(KIND_INDEX[kind] * place.vpp + c) * n_seg + k] = delta(
-                                held, keep
-                            )
+                        for kind, index in KIND_INDEX.items():
+                            change = live_change(kind, held, keep)
+                            table[(index * place.vpp + c) * n_seg + k] = change
                 live = np.cumsum(table[codes[r]])  # sequential, as the running sum
                 inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
-                states = n * WEIGHT_BYTES + n * GRAD_BYTES + optimizer_bytes(n, cfg)
-                total = states + sum(acts) * inflight
+                total = state_bytes(n, cfg) + sum(acts) * inflight
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
@@ -324,7 +319,7 @@ class Bounds:
     def _codes(self, cfg: Config, n_seg: int) -> list[np.ndarray]:
         """Per rank, the configured schedule's actions (config/stages.schedule_of) as
         indices (kind · vpp + chunk) · segments + segment; cached per schedule."""
-        key = _schedule_id(cfg)
+        key = ScheduleKey.of(cfg)
         if key not in self._schedules:
             vpp = cfg.parallel.vpp
             self._schedules[key] = [
@@ -332,13 +327,13 @@ class Bounds:
                     [(KIND_INDEX[a.kind] * vpp + a.chunk) * n_seg + a.seg for a in actions],
                     dtype=np.int64,
                 )
-                for _, actions in sorted(schedule_of(cfg).items())
+                for _, actions in sorted(key.build().items())
             ]
         return self._schedules[key]
 
     def _block_bytes(self, cfg: Config, blocks: range, segment: int | None, kept: bool) -> float:
-        """train/memory._segment_activations (kept: chunk_deferred) of `blocks`, summed block
-        by block in the same order from each block's cached share."""
+        """config/memory_plan.segment_activations (kept: chunk_deferred) of `blocks`, summed
+        block by block in the same order from each block's cached share."""
         p = cfg.parallel
         mesh = block_key(cfg, p.seq_segments if segmented(cfg) else 1)
         n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
@@ -348,40 +343,15 @@ class Bounds:
             kind = "E" if b == 0 else "H" if b == n_layers + 1 else layer_mode(cfg.recompute, b - 1)
             key = (mesh, kind, segment, kept)
             if key not in self._bytes:
-                one = range(b, b + 1)
                 if kept:
-                    self._bytes[key] = chunk_deferred(cfg, one, segment)
+                    self._bytes[key] = float(block_deferred(cfg, b, segment))
                 else:
-                    self._bytes[key] = _segment_activations(cfg, one, self.device, segment)
+                    self._bytes[key] = 0.0 + block_activations(cfg, b, self.device, segment)
             total += self._bytes[key]
         return float(total)
-
-
-_MEMORY_OPTIONS = {"memory", "w_share"}  # zb_auto's: the limit and config/stages.zb_w_share
-
-
-def _schedule_id(cfg: Config) -> tuple:
-    """What config/stages.schedule_of(cfg) depends on (perf/pipeline.schedule_key), narrowed
-    for a schedule with a memory limit to the limit and the M_W / M_B share it reads
-    (config/stages.zb_w_share) instead of the whole config: zb_auto builds in seconds."""
-    key = schedule_key(cfg)
-    p = cfg.parallel
-    extra = set(SCHEDULES[p.schedule].options) - _PLAIN_OPTIONS
-    share = getattr(config_stages, "zb_w_share", None)
-    if not extra or not extra <= _MEMORY_OPTIONS or share is None:
-        return key
-    return (*key[:7], p.zb_memory, share(cfg))
 
 
 def _seg_key(cfg: Config) -> tuple[int, int]:
     """What a config's Seq1F1B segment bounds depend on besides the model."""
     p = cfg.parallel
     return p.seq_segments, p.tp if p.sequence_parallel else 1
-
-
-_DELTA = {  # change of live activations (train/memory._change) by kind: (size, kept) -> delta
-    FORWARD: lambda size, kept: size,
-    INPUT_GRAD: lambda size, kept: kept - size,
-    WEIGHT_GRAD: lambda size, kept: -kept,
-    FULL_BACKWARD: lambda size, kept: -size,
-}

@@ -1,153 +1,136 @@
-"""Peak memory per rank for the performance model: train/memory.py's `memory_plan`, made cheap
-to call many times.
+"""Peak memory per rank for the performance model and the planner: the one memory model
+(config/memory_plan.py), made cheap to call many times.
 
-`memory_plan(cfg)` builds the meta-device chunks of every (pp, tp) rank to count parameters and
-replays the unit-cost simulated timeline of the schedule once per pp rank; for a 1T model on
-3072 GPUs that is 512 meta GPTs and 64 passes over 65536 actions (seconds). The same plan comes
-out here from two caches: parameter counts per chunk shape (which blocks: the embedding, how
-many layers, the head; layers are all alike) and per tp rank, and the unit-cost timeline per
-schedule (perf/pipeline.py's Dag, timed as plan/simulate.py times it), grouped by rank.
-tests/test_perf_model.py holds `plan` equal to `memory_plan`.
+`train/memory.memory_plan(cfg)` builds the meta-device chunks of every (pp, tp) rank to count
+parameters and replays the schedule's simulated timeline; for a 1T model on 3072 GPUs that is
+512 meta GPTs and 64 passes over 65536 actions (seconds). Here the same plan comes from bounded
+caches, each keyed by a frozen record of exactly what its function reads: parameter counts per
+chunk shape (ChunkKey: layers are all alike), the unit-cost timeline per schedule and costs
+(perf/pipeline.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
+tests/test_perf_model.py holds `plan` equal to `train/memory.memory_plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
 
 from megapipe.config import Config
-from megapipe.config.memory import GRAD_BYTES, WEIGHT_BYTES, optimizer_bytes, segments
-from megapipe.config.stages import placement_of, rank_blocks, schedule_costs
-from megapipe.parallel.tensor.sharding import TPInfo
-from megapipe.perf.pipeline import KIND_INDEX, config_dag, run, schedule_key, simulate_costs
-from megapipe.train.memory import (
-    MemoryPlan,
-    RankMemory,
-    _change,
-    _segment_activations,
-    chunk_activations,
-    chunk_deferred,
-    count_params,
-)
-from models.gpt import GPT
+from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
+from megapipe.config.stages import schedule_costs
+from megapipe.perf.pipeline import KIND_INDEX, ScheduleKey, run, schedule_dag, simulate_costs
+from megapipe.plan.schedules import placement
+from megapipe.plan.simulate import Costs
+from megapipe.train import memory as train_memory
 
 KINDS = {index: kind for kind, index in KIND_INDEX.items()}
 
 
-def _model_key(cfg: Config) -> tuple:
-    """What a chunk's parameter count depends on besides its blocks: the model and tp/sp."""
-    p, m = cfg.parallel, cfg.model
-    return (tuple(getattr(m, f.name) for f in dataclasses.fields(m)), p.tp, p.sequence_parallel)
+class BoundedCache:
+    """At most `size` values by key, the least recently used dropped first: functools'
+    lru_cache for a function whose key is a record of what it reads, not its arguments."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._values: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value of `key`, from build() when it is not held."""
+        if key in self._values:
+            self._values.move_to_end(key)
+            return self._values[key]
+        value = self._values[key] = build()
+        if len(self._values) > self.size:
+            self._values.popitem(last=False)
+        return value
 
 
-def _shape(blocks: range, n_layers: int) -> tuple[bool, int, bool]:
-    """(holds the embedding, number of transformer layers, holds the head) of a chunk."""
-    embed, head = 0 in blocks, n_layers + 1 in blocks
-    return embed, len(blocks) - embed - head, head
+@dataclass(frozen=True)
+class ChunkKey:
+    """What a chunk's parameter count reads: the model, tp and sp, its tp rank, and its shape
+    (holds the embedding, how many layers, holds the head; layers are all alike)."""
+
+    model: tuple
+    tp: int
+    sequence_parallel: bool
+    tp_rank: int
+    embed: bool
+    layers: int
+    head: bool
+
+    @staticmethod
+    def of(cfg: Config, blocks: range, tp_rank: int) -> ChunkKey:
+        p, head_block = cfg.parallel, cfg.model.n_layers + 1
+        embed, head = 0 in blocks, head_block in blocks
+        layers = len(blocks) - embed - head
+        model = dataclasses.astuple(cfg.model)
+        return ChunkKey(model, p.tp, p.sequence_parallel, tp_rank, embed, layers, head)
 
 
-_COUNT_CACHE: dict[tuple, int] = {}
+_COUNTS = BoundedCache(4096)
 
 
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
-    """Parameters of the chunk holding `blocks` on `tp_rank`, counted once per chunk shape on a
-    meta-device GPT of that shape (train/memory.rank_chunks builds the same chunk)."""
-    n_layers = cfg.model.n_layers
-    embed, layers, head = shape = _shape(blocks, n_layers)
-    key = (_model_key(cfg), shape, tp_rank)
-    if key not in _COUNT_CACHE:
-        start = n_layers + 1 - layers - embed if head else (0 if embed else 1)
-        rep = range(start, start + embed + layers + head)  # a chunk of the same shape
-        tp = TPInfo(cfg.parallel.tp, tp_rank, None, cfg.parallel.sequence_parallel)
-        with torch.device("meta"):
-            chunk = GPT(cfg.model, blocks=rep, seed=cfg.train.seed, tp=tp, init=False)
-        _COUNT_CACHE[key] = count_params([chunk])
-    return _COUNT_CACHE[key]
+    """train/memory.chunk_params of `blocks`, counted once per ChunkKey on a chunk of the same
+    shape."""
+    key = ChunkKey.of(cfg, blocks, tp_rank)
+    start = cfg.model.n_layers + 1 - key.layers - key.embed if key.head else int(not key.embed)
+    shape = range(start, start + key.embed + key.layers + key.head)  # a chunk of that shape
+    return _COUNTS.get(key, lambda: train_memory.chunk_params(cfg, shape, tp_rank))
 
 
-def peak_inflight(cfg: Config, device: str = "cuda") -> list[float]:
-    """train/memory.peak_inflight, from the cached timeline."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return [1.0]
-    timeline = _timeline(cfg)
-    peaks = []
-    for rank in range(p.pp):
-        chunks = rank_blocks(cfg, rank)
-        size, kept = {}, {}
-        for c, blocks in enumerate(chunks):
-            for k, i in enumerate(segments(cfg)):
-                size[c, k] = _segment_activations(cfg, blocks, device, i)
-                kept[c, k] = chunk_deferred(cfg, blocks, i)
-        unit = sum(size.values()) or 1.0
-        events = [
-            _change(kind, start, end, size[c, k] / unit, kept[c, k] / unit)
-            for kind, c, k, start, end in timeline[rank]
-        ]
-        live = peak = 0.0
-        for _, delta in sorted(events):
-            live += delta
-            peak = max(peak, live)
-        peaks.append(round(peak, 9))
-    return peaks
+def timeline(cfg: Config) -> Timeline:
+    """The timeline config/memory_plan.unit_timeline replays (plan/simulate.simulate of the
+    schedule with its schedule_costs), from the cached Dag. The same floats: the Dag's pass
+    adds and compares exactly as simulate does."""
+    return _timeline(ScheduleKey.of(cfg), schedule_costs(cfg))
 
 
-_TIMELINES: dict[tuple, dict[int, list]] = {}
+@functools.lru_cache(maxsize=64)
+def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
+    dag, place = schedule_dag(key), placement(key.schedule, key.pp, key.vpp)
+    table, delay = simulate_costs(dag, costs, place)
+    timing = run(dag, table, delay)
+    out: Timeline = {r: [] for r in range(dag.pp)}
+    for i in range(dag.size):
+        out[dag.rank[i]].append(
+            (KINDS[dag.kind[i]], dag.chunk[i], dag.seg[i], timing.start[i], timing.end[i])
+        )
+    return out
 
 
-def _timeline(cfg: Config) -> dict[int, list]:
-    """The timeline train/memory.peak_inflight replays (plan/simulate.simulate of the schedule
-    with its schedule_costs), from the cached Dag, per rank: [(kind, chunk, seg, start, end)].
-    The same floats: the Dag's pass adds and compares exactly as simulate does."""
-    key = schedule_key(cfg)
-    if key not in _TIMELINES:
-        dag, place = config_dag(cfg), placement_of(cfg)
-        table, delay = simulate_costs(dag, schedule_costs(cfg), place)
-        timing = run(dag, table, delay)
-        out: dict[int, list] = {r: [] for r in range(dag.pp)}
-        for i in range(dag.size):
-            out[dag.rank[i]].append(
-                (KINDS[dag.kind[i]], dag.chunk[i], dag.seg[i], timing.start[i], timing.end[i])
-            )
-        if len(_TIMELINES) > 64:
-            _TIMELINES.clear()
-        _TIMELINES[key] = out
-    return _TIMELINES[key]
+@dataclass(frozen=True)
+class PlanKey:
+    """What a memory plan reads of its config: the model, parallel and recompute sections, the
+    global batch (the micro-batch size) and dtype; and the device whose kernels it counts."""
+
+    model: tuple
+    parallel: tuple
+    recompute: tuple
+    global_batch: int
+    dtype: str
+    device: str
+
+    @staticmethod
+    def of(cfg: Config, device: str) -> PlanKey:
+        sections = (
+            dataclasses.astuple(getattr(cfg, s)) for s in ("model", "parallel", "recompute")
+        )
+        return PlanKey(*sections, cfg.train.global_batch, cfg.train.dtype, device)
 
 
-_PLANS: dict[str, MemoryPlan] = {}
+_PLANS = BoundedCache(4096)
 
 
 def plan(cfg: Config, device: str = "cuda") -> MemoryPlan:
-    """The same MemoryPlan as train/memory.memory_plan(cfg, device), cached per config."""
-    key = repr((dataclasses.astuple(cfg.model), dataclasses.astuple(cfg.parallel),
-                dataclasses.astuple(cfg.recompute), cfg.train.global_batch, cfg.train.dtype,
-                device))  # fmt: skip
-    if key in _PLANS:
-        return _PLANS[key]
-    p = cfg.parallel
-    inflight = peak_inflight(cfg, device)
-    ranks = []
-    for pp_rank in range(p.pp):
-        held = rank_blocks(cfg, pp_rank)
-        acts = tuple(chunk_activations(cfg, b, device) for b in held)
-        for tp_rank in range(p.tp):
-            n = sum(chunk_params(cfg, b, tp_rank) for b in held)
-            ranks.append(
-                RankMemory(
-                    pp_rank=pp_rank,
-                    tp_rank=tp_rank,
-                    params=n,
-                    weights=n * WEIGHT_BYTES,
-                    grads=n * GRAD_BYTES,
-                    optimizer=optimizer_bytes(n, cfg),
-                    chunk_activations=acts,
-                    inflight=inflight[pp_rank],
-                )
-            )
-    result = MemoryPlan(tuple(ranks), device)
-    if len(_PLANS) > 4096:
-        _PLANS.clear()
-    _PLANS[key] = result
-    return result
+    """The same MemoryPlan as train/memory.memory_plan(cfg, device), cached per PlanKey."""
+
+    def build() -> MemoryPlan:
+        flight = timeline(cfg) if cfg.parallel.pp > 1 else None
+        return memory_plan(cfg, device, functools.partial(chunk_params, cfg), flight)
+
+    return _PLANS.get(PlanKey.of(cfg, device), build)

@@ -30,27 +30,28 @@ step_time = max over ranks of the end of 2, + 3. Model FLOPs are config/flops.fl
 Narayanan et al. 2021 §5.1. The breakdown splits the step on the busiest pp rank: its compute
 (GEMMs, attention, memory-bound kernels), exposed tp/sp and cp communication, the pipeline
 bubble with p2p waits (makespan − its busy time), exposed dp communication, the optimizer.
-Peak memory is train/memory.memory_plan's (perf/memory.py computes the same, cached).
+Peak memory is the one memory model's (config/memory_plan.py, cached by perf/memory.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token, matmul_params, segment_bounds
+from megapipe.config.memory import layer_mode
 from megapipe.config.stages import partition, placement_of
-from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.memory import plan as memory_plan
-from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, cached_dag, config_dag, run
+from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, compile_schedule, config_dag, run
 from megapipe.perf.runtime import MEGAPIPE, Runtime
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
 from megapipe.plan.schedules import SCHEDULES
@@ -105,12 +106,13 @@ def recompute_flops_per_token(cfg: Config) -> float:
     return total
 
 
-def _replica_schedule(microbatches: int):
+@functools.lru_cache(maxsize=64)
+def _replica_dag(microbatches: int) -> Dag:
     """pp = 1 (train/replica.py): each microbatch's forward, then its backward."""
     actions = []
     for mb in range(microbatches):
         actions += [Action(FORWARD, mb), Action(FULL_BACKWARD, mb)]
-    return {0: actions}, Placement(1, 1)
+    return compile_schedule({0: actions}, Placement(1, 1))
 
 
 def _as_profiled(cfg: Config, stage_costs: list[list[list[Work]]]) -> Config:
@@ -214,7 +216,7 @@ def _step_dag(cfg: Config, stage_costs: list[list[list[Work]]]) -> Dag:
     stage costs where the schedule takes profiled costs), or one replica's F/BW list."""
     p = cfg.parallel
     if p.pp == 1:
-        return cached_dag(("replica", p.microbatches), lambda: _replica_schedule(p.microbatches))
+        return _replica_dag(p.microbatches)
     if "costs" in SCHEDULES[p.schedule].options and p.schedule_costs == "profile":
         return config_dag(_as_profiled(cfg, stage_costs))
     return config_dag(cfg)

@@ -14,11 +14,12 @@ for every schedule when the costs are ones Costs can express.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 from megapipe.config import Config
-from megapipe.config.stages import placement_of, schedule_of
+from megapipe.config.stages import schedule_options
 from megapipe.plan.actions import (
     FORWARD,
     FULL_BACKWARD,
@@ -26,9 +27,10 @@ from megapipe.plan.actions import (
     WEIGHT_GRAD,
     Action,
     Placement,
+    Schedule,
 )
 from megapipe.plan.messages import sent
-from megapipe.plan.schedules import SCHEDULES
+from megapipe.plan.schedules import build_schedule, placement
 from megapipe.plan.simulate import Costs, action_cost
 from megapipe.plan.walk import walk
 
@@ -161,27 +163,39 @@ class _DagRecorder:
         )
 
 
-_DAGS: dict[tuple, Dag] = {}
+@dataclass(frozen=True)
+class ScheduleKey:
+    """What a configured schedule's Dag depends on: the arguments config/stages.schedule_of
+    passes to plan's build_schedule (the options as sorted pairs) and the placement's."""
 
+    schedule: str
+    pp: int
+    microbatches: int
+    vpp: int
+    seq_segments: int
+    options: tuple[tuple[str, Any], ...]
 
-_PLAIN_OPTIONS = {"weight_sync", "microbatch_group", "memory_limit", "costs"}
+    @staticmethod
+    def of(cfg: Config) -> ScheduleKey:
+        p = cfg.parallel
+        options = tuple(sorted(schedule_options(cfg).items()))
+        return ScheduleKey(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, options)
 
-
-def schedule_key(cfg: Config) -> tuple:
-    """What config/stages.schedule_of(cfg) depends on: the schedule's own keys, or, for a
-    schedule whose options read more of the config, all of what might matter."""
-    p = cfg.parallel
-    key = (p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, p.weight_sync,
-           p.schedule_costs)  # fmt: skip
-    if set(SCHEDULES[p.schedule].options) <= _PLAIN_OPTIONS:
-        return key
-    return (*key, repr(p), repr(cfg.model), repr(cfg.recompute), cfg.train.dtype,
-            cfg.train.global_batch)  # fmt: skip
+    def build(self) -> Schedule:
+        """The schedule, as config/stages.schedule_of builds it."""
+        return build_schedule(self.schedule, self.pp, self.microbatches, self.vpp,
+                              self.seq_segments, **dict(self.options))  # fmt: skip
 
 
 def config_dag(cfg: Config) -> Dag:
-    """The Dag of the configured schedule (pp > 1), cached per schedule."""
-    return cached_dag(schedule_key(cfg), lambda: (schedule_of(cfg), placement_of(cfg)))
+    """The Dag of the configured schedule (pp > 1), cached per ScheduleKey."""
+    return schedule_dag(ScheduleKey.of(cfg))
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_dag(key: ScheduleKey) -> Dag:
+    """compile_schedule of the schedule `key` names, built from the key alone."""
+    return compile_schedule(key.build(), placement(key.schedule, key.pp, key.vpp))
 
 
 def simulate_costs(dag: Dag, costs: Costs, placement: Placement) -> tuple[list, list]:
@@ -196,15 +210,6 @@ def simulate_costs(dag: Dag, costs: Costs, placement: Placement) -> tuple[list, 
                 a = Action(kind, 0, chunk, seg if dag.segments > 1 else None)
                 table[dag.key(stage, k, seg)] = action_cost(a, stage, costs, placement, shares)
     return table, [costs.comm] * len(dag.messages)
-
-
-def cached_dag(key: tuple, build: Callable[[], tuple]) -> Dag:
-    """compile_schedule(*build()) once per schedule key (build returns schedule, placement)."""
-    if key not in _DAGS:
-        if len(_DAGS) >= 256:
-            _DAGS.clear()
-        _DAGS[key] = compile_schedule(*build())
-    return _DAGS[key]
 
 
 @dataclass

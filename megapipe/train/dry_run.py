@@ -1,5 +1,5 @@
 """`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and memory
-(train/memory.py), no training.
+(the one memory model, config/memory_plan.py, through train/memory.py), no training.
 
 Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta device from the
 partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
@@ -17,11 +17,12 @@ from __future__ import annotations
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
 from megapipe.config.memory import attention_path, state_layout
+from megapipe.config.memory_plan import RankMemory
 from megapipe.config.stages import describe_partition, schedule_costs
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
-from megapipe.train.memory import RankMemory, count_params, memory_plan, rank_chunks
+from megapipe.train.memory import count_params, memory_plan, rank_chunks
 
 DEVICE = "cuda"  # the dry run plans a training job: its activations are CUDA's kernels'
 

@@ -1,0 +1,241 @@
+"""The one memory model: per (pp, tp) rank weights, grads, AdamW state and activations, before
+any job runs. The dry run (train/memory.py), the planner's bounds (perf/bounds.py) and the
+performance model (perf/memory.py) all call these functions; none keeps terms of its own.
+
+For each (pp, tp) coordinate (dp and cp replicas hold the same): float32 weights and grads
+(4 B/param each: the model keeps float32 weights, bf16 is autocast only), AdamW's two moments
+(8 B/param, or 8/R under the distributed optimizer, config/memory.py `optimizer_bytes`), and
+the activations of one microbatch through the rank's chunks (config/memory.py's terms per
+block: what our ops save for backward, after Korthikanti et al. 2022's structure) times the
+most microbatches the configured schedule keeps in flight on the rank, replayed from the
+timeline of its action list (plan/simulate.py; a vpp chunk weighs what it holds, a Seq1F1B
+segment its token share, and under Zero Bubble's B/W split a microbatch keeps from B to W only
+its linears' inputs and output grads).
+
+Pure arithmetic: the parameters of a chunk come from the caller (`ChunkParams`: train/memory.py
+counts a meta-device GPT, perf/memory.py caches the same counts) and so may the timeline (perf
+times the same schedule from its cached Dag). tests/test_memory_model.py holds the plan to what
+real steps save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from megapipe.config.memory import (
+    GRAD_BYTES,
+    WEIGHT_BYTES,
+    embedding_terms,
+    head_deferred,
+    head_terms,
+    layer_deferred,
+    layer_mode,
+    layer_terms,
+    optimizer_bytes,
+    segments,
+)
+from megapipe.config.schema import Config
+from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
+from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD
+from megapipe.plan.simulate import simulate
+
+# (blocks, tp_rank) -> parameters of the chunk holding `blocks` on that tp rank
+ChunkParams = Callable[[range, int], int]
+# per pp rank, its actions in the simulated order: (kind, chunk, segment, start, end)
+Timeline = dict[int, list[tuple[str, int, int, float, float]]]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on the rank at (pp_rank, tp_rank)."""
+
+    pp_rank: int
+    tp_rank: int
+    params: int  # parameters held, over all the rank's chunks (a tied table's copy included)
+    weights: float
+    grads: float
+    optimizer: float
+    chunk_activations: tuple[float, ...]  # one microbatch through each local chunk
+    # peak in-flight microbatches, in units of one through all the rank's chunks (under a B/W
+    # split, what a microbatch keeps from B to W weighs its bytes: peak_inflight)
+    inflight: float
+
+    @property
+    def activations_per_microbatch(self) -> float:
+        return sum(self.chunk_activations)
+
+    @property
+    def activations(self) -> float:
+        """Peak activation bytes: one microbatch's times the peak in flight."""
+        return self.activations_per_microbatch * self.inflight
+
+    @property
+    def states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.states + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every (pp, tp) rank's memory, pp-major; the largest peak and where it is."""
+
+    ranks: tuple[RankMemory, ...]
+    device: str  # the kernels the activations were worked out for: "cuda" or "cpu"
+
+    @property
+    def max(self) -> float:
+        return max(r.peak for r in self.ranks)
+
+    @property
+    def argmax(self) -> tuple[int, int]:
+        """(pp_rank, tp_rank) of the largest peak (the first such rank on a tie)."""
+        top = max(self.ranks, key=lambda r: r.peak)
+        return top.pp_rank, top.tp_rank
+
+    def rank(self, pp_rank: int, tp_rank: int = 0) -> RankMemory:
+        return next(r for r in self.ranks if (r.pp_rank, r.tp_rank) == (pp_rank, tp_rank))
+
+
+def memory_plan(
+    cfg: Config, device: str, chunk_params: ChunkParams, timeline: Timeline | None = None
+) -> MemoryPlan:
+    """Per (pp, tp) rank: weights, grads, optimizer state, activations per microbatch, peak
+    in-flight microbatches and the peak (RankMemory), for a job running on `device`, with
+    `chunk_params` counting a chunk's parameters and the schedule's `timeline` (default:
+    unit_timeline)."""
+    p = cfg.parallel
+    inflight = peak_inflight(cfg, device, timeline)
+    ranks = []
+    for pp_rank in range(p.pp):
+        held = rank_blocks(cfg, pp_rank)
+        acts = tuple(chunk_activations(cfg, b, device) for b in held)
+        for tp_rank in range(p.tp):
+            n = sum(chunk_params(b, tp_rank) for b in held)
+            ranks.append(
+                RankMemory(
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    params=n,
+                    weights=n * WEIGHT_BYTES,
+                    grads=n * GRAD_BYTES,
+                    optimizer=optimizer_bytes(n, cfg),
+                    chunk_activations=acts,
+                    inflight=inflight[pp_rank],
+                )
+            )
+    return MemoryPlan(tuple(ranks), device)
+
+
+def block_activations(cfg: Config, block: int, device: str, segment: int | None) -> float:
+    """Bytes one microbatch (or Seq1F1B segment; None: the whole sequence) leaves saved in
+    `block`: the embedding's (0), a layer's at its recompute mode (recompute.layers leaves
+    later layers at "none"), the head's (n_layers + 1). A chunk's input is saved by its first
+    block (a layer's norm1)."""
+    if block == 0:
+        terms = embedding_terms(cfg, device, segment)
+    elif block == cfg.model.n_layers + 1:
+        terms = head_terms(cfg, device, segment)
+    else:
+        terms = layer_terms(cfg, layer_mode(cfg.recompute, block - 1), device, segment)
+    return sum(terms.values())
+
+
+def segment_activations(cfg: Config, blocks: range, device: str, segment: int | None) -> float:
+    """block_activations over `blocks`, for one segment (None: the whole sequence)."""
+    total = 0.0
+    for b in blocks:
+        total += block_activations(cfg, b, device, segment)
+    return total
+
+
+def chunk_activations(cfg: Config, blocks: range, device: str = "cuda") -> float:
+    """Bytes one microbatch leaves saved for backward in the chunk holding `blocks` (over all
+    its Seq1F1B segments)."""
+    return sum(segment_activations(cfg, blocks, device, i) for i in segments(cfg))
+
+
+def block_deferred(cfg: Config, block: int, segment: int | None = None) -> float:
+    """Bytes one microbatch (or segment) keeps in `block` from its B to its W under a B/W
+    split (the embedding: none)."""
+    if block == 0:
+        return 0
+    if block == cfg.model.n_layers + 1:
+        return sum(head_deferred(cfg, segment).values())
+    return sum(layer_deferred(cfg, segment).values())
+
+
+def chunk_deferred(cfg: Config, blocks: range, segment: int | None = None) -> float:
+    """Bytes one microbatch (or segment) keeps in the chunk from its B to its W under a B/W
+    split: the linears' inputs and output grads queued for the weight-grad matmuls."""
+    return float(sum(block_deferred(cfg, b, segment) for b in blocks if b > 0))
+
+
+def live_change(kind: str, size: float, kept: float) -> float:
+    """How an action changes its rank's live activations: F allocates the microbatch's part
+    (`size`); BW frees it; under a B/W split B frees all but what W needs (`kept`), W that."""
+    if kind == FORWARD:
+        return size
+    if kind == INPUT_GRAD:
+        return kept - size
+    if kind == WEIGHT_GRAD:
+        return -kept
+    assert kind == FULL_BACKWARD, kind
+    return -size
+
+
+def rank_peak(events: Iterable[tuple[float, float]]) -> float:
+    """The peak of the running sum of (time, change) events in time order, frees before
+    allocations at equal times (F allocates at its start, the others free at their end)."""
+    live = peak = 0.0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return round(peak, 9)
+
+
+def unit_timeline(cfg: Config) -> Timeline:
+    """The configured schedule timed by plan/simulate.py with its schedule_costs, per rank."""
+    out: Timeline = {r: [] for r in range(cfg.parallel.pp)}
+    sim = simulate(schedule_of(cfg), schedule_costs(cfg), placement_of(cfg))
+    for r, a, start, end in sim.timeline:
+        out[r].append((a.kind, a.chunk, a.seg, start, end))
+    return out
+
+
+def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None = None) -> list:
+    """Per pp rank, the peak of its live activation bytes over the schedule's `timeline`
+    (default unit_timeline), in units of one microbatch through the rank's whole share: how
+    many microbatches it holds at once.
+
+    A microbatch's part on chunk c (under Seq1F1B each segment's own, the later ones reading
+    the earlier segments' K/V) is live from the start of its F until live_change frees it.
+    E.g. 1F1B: pp−r on rank r (warm-up of pp−r−1 forwards, Narayanan et al. 2021 §2.2);
+    GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3), but only
+    the deferred weight-grad inputs between B and W.
+    """
+    p = cfg.parallel
+    if p.pp == 1:  # no pipeline: the microbatches run one after another
+        return [1.0]
+    timeline = unit_timeline(cfg) if timeline is None else timeline
+    peaks = []
+    for rank in range(p.pp):
+        size, kept = {}, {}  # (chunk, segment index) -> bytes
+        for c, blocks in enumerate(rank_blocks(cfg, rank)):
+            for k, i in enumerate(segments(cfg)):
+                size[c, k] = segment_activations(cfg, blocks, device, i)
+                kept[c, k] = chunk_deferred(cfg, blocks, i)
+        unit = sum(size.values()) or 1.0  # one microbatch through the rank's whole share
+        peaks.append(
+            rank_peak(
+                (
+                    start if kind == FORWARD else end,
+                    live_change(kind, size[c, k] / unit, kept[c, k] / unit),
+                )
+                for kind, c, k, start, end in timeline[rank]
+            )  # fmt: skip
+        )
+    return peaks
