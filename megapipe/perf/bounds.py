@@ -41,10 +41,11 @@ from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.model import _dp_plan, _optimizer
-from megapipe.perf.pipeline import _PLAIN_OPTIONS, KIND_INDEX, schedule_key
+from megapipe.perf.pipeline import _PLAIN_OPTIONS, schedule_key
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Placement
+from megapipe.plan.dag import KIND_INDEX
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.train.memory import _segment_activations, chunk_activations, chunk_deferred
 

@@ -6,7 +6,7 @@ replays the unit-cost simulated timeline of the schedule once per pp rank; for a
 3072 GPUs that is 512 meta GPTs and 64 passes over 65536 actions (seconds). The same plan comes
 out here from two caches: parameter counts per chunk shape (which blocks: the embedding, how
 many layers, the head; layers are all alike) and per tp rank, and the unit-cost timeline per
-schedule (perf/pipeline.py's Dag, timed as plan/simulate.py times it), grouped by rank.
+schedule (plan/simulate.py's timing of the Dag cached by perf/pipeline.py), grouped by rank.
 tests/test_perf_model.py holds `plan` equal to `memory_plan`.
 """
 
@@ -20,7 +20,9 @@ from megapipe.config import Config
 from megapipe.config.memory import GRAD_BYTES, WEIGHT_BYTES, optimizer_bytes, segments
 from megapipe.config.stages import placement_of, rank_blocks, schedule_costs
 from megapipe.parallel.tensor.sharding import TPInfo
-from megapipe.perf.pipeline import KIND_INDEX, config_dag, run, schedule_key, simulate_costs
+from megapipe.perf.pipeline import config_dag, schedule_key
+from megapipe.plan.dag import KIND_INDEX, run
+from megapipe.plan.simulate import cost_table
 from megapipe.train.memory import (
     MemoryPlan,
     RankMemory,
@@ -103,7 +105,7 @@ def _timeline(cfg: Config) -> dict[int, list]:
     key = schedule_key(cfg)
     if key not in _TIMELINES:
         dag, place = config_dag(cfg), placement_of(cfg)
-        table, delay = simulate_costs(dag, schedule_costs(cfg), place)
+        table, delay = cost_table(dag, schedule_costs(cfg), place)
         timing = run(dag, table, delay)
         out: dict[int, list] = {r: [] for r in range(dag.pp)}
         for i in range(dag.size):

@@ -50,9 +50,10 @@ from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.memory import plan as memory_plan
-from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, cached_dag, config_dag, run
+from megapipe.perf.pipeline import cached_dag, config_dag
 from megapipe.perf.runtime import MEGAPIPE, Runtime
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
+from megapipe.plan.dag import KIND_INDEX, Dag, Timing, run
 from megapipe.plan.schedules import SCHEDULES
 
 GIB = 2**30
