@@ -31,9 +31,9 @@ from megapipe.perf.cluster import ClusterError, Link
 from megapipe.perf.comm import group_link, groups, p2p_link, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Device
 from megapipe.perf.model import recompute_flops_per_token
-from megapipe.perf.pipeline import compile_schedule, run, simulate_costs
+from megapipe.plan.dag import compile_schedule, run
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
-from megapipe.plan.simulate import Costs, simulate
+from megapipe.plan.simulate import Costs, cost_table, simulate
 from megapipe.train.memory import memory_plan
 from tests.conftest import TINY
 from tools import plan as plan_cli
@@ -199,7 +199,7 @@ def test_compiled_timing_equals_simulate(name, pp, m, vpp, segs):
     )  # fmt: skip
     want = simulate(schedule, costs, place)
     dag = compile_schedule(schedule, place)
-    table, delay = simulate_costs(dag, costs, place)
+    table, delay = cost_table(dag, costs, place)
     got = run(dag, table, delay)
     assert got.makespan == want.makespan
     assert got.busy == pytest.approx(want.busy)

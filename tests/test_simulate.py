@@ -3,10 +3,11 @@
 import pytest
 
 from megapipe.plan.actions import Action, Placement
-from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.seq1f1b import balanced_segments
-from megapipe.plan.simulate import Costs, simulate
+from megapipe.plan.simulate import Costs, action_cost, multi_iteration, simulate
 from megapipe.plan.validate import ScheduleError
+from megapipe.plan.walk import walk
 
 UNIT = Costs(F=1, B=1, W=1)  # full backward BW = B + W = 2
 SHAPES = [(pp, m) for pp in (2, 3, 4, 6, 8) for m in (pp, pp + 1, 2 * pp, 3 * pp + 2)]
@@ -187,3 +188,41 @@ def test_costs_parse():
     assert (costs.F, costs.B, costs.W, costs.comm, costs.last_stage) == (1, 1.2, 0.8, 0.1, 0.5)
     with pytest.raises(ValueError, match="unknown cost key"):
         Costs.parse("X=1")
+
+
+def walked(schedule, costs, place, flop_shares, start):
+    """(rank, action, start, end) timed directly on walk.py's walk, without dag.py: each action
+    starts when its rank is free and its inputs have arrived (+ comm from another rank)."""
+    free, out = dict(start), []
+
+    def run(rank, a, stage, needs, finished):
+        arrive = [finished[e][0] + (costs.comm if finished[e][1] != rank else 0.0) for e in needs]
+        ready = max([free[rank], *arrive])
+        free[rank] = ready + action_cost(a, stage, costs, place, flop_shares)
+        out.append((rank, a, ready, free[rank]))
+        return free[rank], rank
+
+    walk(schedule, place, run)
+    return sorted(out, key=lambda item: (item[2], item[0]))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_compiled_dag_times_what_the_walk_times(name):
+    """simulate times the schedule's compiled DAG (dag.py, which perf/model.py prices too): the
+    same floats as timing each action as the walk runs it, with start offsets and shares."""
+    spec = SCHEDULES[name]
+    vpp, k = (1 if spec.chunks == (1, 1) else 2), (3 if spec.segmented else 1)
+    costs = Costs(F=1.0, B=1.3, W=0.6, BW=None if spec.split_backward else 2.1, comm=0.15,
+                  first_stage=0.2, last_stage=0.45)  # fmt: skip
+    for pp, m in [(1, 3), (3, 5), (4, 8)]:
+        schedule = build_schedule(name, pp, m, vpp, k)
+        place = placement(name, pp, vpp)
+        shares = [0.5, 0.3, 0.2][:k] if k > 1 else [1.0]
+        start = {r: 0.25 * r for r in range(pp)}
+        got = simulate(schedule, costs, place, shares, start=start)
+        assert got.timeline == walked(schedule, costs, place, shares, start)
+        first = multi_iteration(schedule, costs, place, 3, True, 0.5, 0.2).steps[0]
+        equal = [1.0 / k] * k
+        assert first.timeline == walked(
+            schedule, costs, place, equal, dict.fromkeys(range(pp), 0.0)
+        )

@@ -39,10 +39,11 @@ from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.model import _dp_plan, _optimizer
-from megapipe.perf.pipeline import KIND_INDEX, ScheduleKey
+from megapipe.perf.pipeline import ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
 from megapipe.plan.actions import Placement
+from megapipe.plan.dag import KIND_INDEX
 from megapipe.plan.schedules import SCHEDULES
 
 EPS = 1e-9  # relative slack on the bounds: they sum the same floats in another order

@@ -6,7 +6,7 @@ parameters and replays the schedule's simulated timeline; for a 1T model on 3072
 512 meta GPTs and 64 passes over 65536 actions (seconds). Here the same plan comes from bounded
 caches, each keyed by a frozen record of exactly what its function reads: parameter counts per
 chunk shape (ChunkKey: layers are all alike), the unit-cost timeline per schedule and costs
-(perf/pipeline.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
+(plan/dag.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
 tests/test_perf_model.py holds `plan` equal to `train/memory.memory_plan`.
 """
 
@@ -22,9 +22,10 @@ from typing import Any
 from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
 from megapipe.config.stages import schedule_costs
-from megapipe.perf.pipeline import KIND_INDEX, ScheduleKey, run, schedule_dag, simulate_costs
+from megapipe.perf.pipeline import ScheduleKey, schedule_dag
+from megapipe.plan.dag import KIND_INDEX, run
 from megapipe.plan.schedules import placement
-from megapipe.plan.simulate import Costs
+from megapipe.plan.simulate import Costs, cost_table
 from megapipe.train import memory as train_memory
 
 KINDS = {index: kind for kind, index in KIND_INDEX.items()}
@@ -93,7 +94,7 @@ def timeline(cfg: Config) -> Timeline:
 @functools.lru_cache(maxsize=64)
 def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
     dag, place = schedule_dag(key), placement(key.schedule, key.pp, key.vpp)
-    table, delay = simulate_costs(dag, costs, place)
+    table, delay = cost_table(dag, costs, place)
     timing = run(dag, table, delay)
     out: Timeline = {r: [] for r in range(dag.pp)}
     for i in range(dag.size):

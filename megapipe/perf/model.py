@@ -8,8 +8,8 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    for that kind (perf/costs.py: F, B with the recompute, W, BW = B + W; a Seq1F1B segment its
    own shapes), and a message between ranks arrives one p2p transfer after its producer ends
    (perf/comm.py, on NVLink or the network by where the two pp ranks sit). The action lists are
-   timed with plan/walk.py's semantics (perf/pipeline.py, the compiled form of
-   plan/simulate.py). pp = 1 runs the microbatches one after another (F, BW). A schedule
+   timed with plan/walk.py's semantics (plan/dag.py, the DAG plan/simulate.py times too,
+   cached by perf/pipeline.py). pp = 1 runs the microbatches one after another (F, BW). A schedule
    built for costs (zb_v) under `schedule_costs=profile` is built from the projected costs, as
    the runtime rebuilds it from the measured ones. On a measured profile without tp, each
    message also arrives later by `step_skew` of the compute that sent it (_sync_skew).
@@ -51,9 +51,10 @@ from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.memory import plan as memory_plan
-from megapipe.perf.pipeline import KIND_INDEX, Dag, Timing, compile_schedule, config_dag, run
+from megapipe.perf.pipeline import config_dag
 from megapipe.perf.runtime import MEGAPIPE, Runtime
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
+from megapipe.plan.dag import KIND_INDEX, Dag, Timing, compile_schedule, run
 from megapipe.plan.schedules import SCHEDULES
 
 GIB = 2**30

@@ -1,9 +1,9 @@
-"""Discrete-event simulation of a pipeline schedule: the planner's cost model.
+"""Simulation of a pipeline schedule: the planner's cost model.
 
-Semantics are walk.py's (shared with validate.py): each rank runs its list in order, sends are
-asynchronous, an action starts when its rank is free and its inputs have arrived (producer end +
-``comm`` when the producer is another rank). With fixed per-rank orders the start times are a
-longest-path problem, so the result does not depend on the order in which ranks are visited.
+The schedule is compiled into dag.py's DAG (walk.py's semantics: each rank runs its list in
+order, sends are asynchronous, an action starts when its rank is free and its inputs have
+arrived, producer end + ``comm`` when the producer is another rank) and timed there with costs
+from `Costs`: the one timing engine, which the performance model (perf/model.py) prices too.
 
 Units
 - Costs ``F``, ``B``, ``W`` (and ``BW``, default B+W) are for one microbatch through one rank's
@@ -30,12 +30,13 @@ from megapipe.plan.actions import (
     FORWARD,
     FULL_BACKWARD,
     INPUT_GRAD,
+    KINDS,
     WEIGHT_GRAD,
     Action,
     Placement,
     Schedule,
 )
-from megapipe.plan.walk import walk
+from megapipe.plan.dag import Dag, compile_schedule, run
 
 Cost = float | tuple[float, ...]
 
@@ -100,8 +101,8 @@ class SimResult:
         return (cost - max(self.busy, default=0.0)) / cost if cost else 0.0
 
 
-def _segment_shares(schedule: Schedule, shares: list[float] | None) -> list[float]:
-    k = 1 + max((a.seg for acts in schedule.values() for a in acts), default=0)
+def _segment_shares(k: int, shares: list[float] | None) -> list[float]:
+    """Per Seq1F1B segment of `k`: the given shares, or equal ones."""
     shares = list(shares) if shares is not None else [1.0 / k] * k
     if len(shares) != k:
         raise ValueError(f"{len(shares)} segment shares given for {k} segments")
@@ -118,8 +119,23 @@ def action_cost(
     return cost * flop_shares[action.seg]
 
 
+def cost_table(
+    dag: Dag, costs: Costs, placement: Placement, flop_shares: list[float] | None = None
+) -> tuple[list[float], list[float]]:
+    """(cost table, message delays) that time `dag` (dag.run) with `costs`: each (stage, kind,
+    segment) its `action_cost`, flop shares per Seq1F1B segment (default: equal), every message
+    `costs.comm`."""
+    shares = _segment_shares(dag.segments, flop_shares)
+    table = [0.0] * (placement.num_stages * 4 * dag.segments)
+    for index in set(dag.cost_index):
+        stage, kind, seg = dag.unkey(index)
+        a = Action(KINDS[kind], 0, placement.locate(stage)[1], seg if dag.segments > 1 else None)
+        table[index] = action_cost(a, stage, costs, placement, shares)
+    return table, [costs.comm] * len(dag.messages)
+
+
 def simulate(
-    schedule: Schedule,
+    schedule: Schedule | Dag,
     costs: Costs,
     placement: Placement,
     flop_shares: list[float] | None = None,
@@ -127,33 +143,23 @@ def simulate(
     chunk_shares: dict[int, list[float]] | None = None,
     start: dict[int, float] | None = None,
 ) -> SimResult:
-    """Simulate ``schedule``; flop and token shares are per Seq1F1B segment (default: equal),
-    `chunk_shares[rank][c]` the part of a rank's activations its chunk c holds for one
-    microbatch (default 1/vpp each; unequal when chunks hold different numbers of layers);
-    `start[rank]`: when the rank may begin (default 0; multi_iteration chains steps)."""
-    flop_shares = _segment_shares(schedule, flop_shares)
-    token_shares = _segment_shares(schedule, token_shares)
-    free_at = {rank: (start or {}).get(rank, 0.0) for rank in schedule}
-    timeline: list[tuple[int, Action, float, float]] = []
-
-    def run(rank: int, a: Action, stage: int, needs: list, finished: dict) -> tuple[float, int]:
-        """Start when the rank is free and every input has arrived; record (end, rank)."""
-        ready = max(
-            [free_at[rank]]
-            + [finished[e][0] + (costs.comm if finished[e][1] != rank else 0.0) for e in needs]
-        )
-        end = ready + action_cost(a, stage, costs, placement, flop_shares)
-        timeline.append((rank, a, ready, end))
-        free_at[rank] = end
-        return end, rank
-
-    walk(schedule, placement, run)
-    shares = chunk_shares or {r: [1.0 / placement.vpp] * placement.vpp for r in schedule}
-    return _summarise(schedule, timeline, token_shares, shares)
+    """Simulate ``schedule`` (or its Dag, compiled once by dag.compile_schedule); flop and
+    token shares are per Seq1F1B segment (default: equal), `chunk_shares[rank][c]` the part of
+    a rank's activations its chunk c holds for one microbatch (default 1/vpp each; unequal when
+    chunks hold different numbers of layers); `start[rank]`: when the rank may begin (default
+    0; multi_iteration chains steps)."""
+    dag = schedule if isinstance(schedule, Dag) else compile_schedule(schedule, placement)
+    token_shares = _segment_shares(dag.segments, token_shares)
+    table, delay = cost_table(dag, costs, placement, flop_shares)
+    begin = [(start or {}).get(rank, 0.0) for rank in range(dag.pp)]
+    timing = run(dag, table, delay, start=begin)
+    timeline = list(zip(dag.rank, dag.actions, timing.start, timing.end))
+    shares = chunk_shares or {r: [1.0 / placement.vpp] * placement.vpp for r in range(dag.pp)}
+    return _summarise(dag.pp, timeline, token_shares, shares)
 
 
-def _summarise(schedule, timeline, token_shares, chunk_shares) -> SimResult:
-    pp = len(schedule)
+def _summarise(pp, timeline, token_shares, chunk_shares) -> SimResult:
+    """SimResult of a timeline [(rank, action, start, end)] in the walk's order."""
     makespan = max((end for *_, end in timeline), default=0.0)
     busy = [0.0] * pp
     first, last = [float("inf")] * pp, [float("-inf")] * pp
@@ -224,8 +230,9 @@ def multi_iteration(
     start = {r: 0.0 for r in ranks}
     steps, starts, ends = [], [], []
     validation: dict[int, float] = {}  # when the previous step's global state reaches a rank
+    dag = compile_schedule(schedule, placement)
     for _ in range(iterations):
-        result = simulate(schedule, costs, placement, start=start)
+        result = simulate(dag, costs, placement, start=start)
         last = dict(start)
         for q, _, _, end in result.timeline:
             last[q] = max(last[q], end)

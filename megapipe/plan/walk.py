@@ -3,8 +3,9 @@ and buffered, so only receives wait (docs/architecture.md, Invariants).
 
 An action may start once the events it needs have happened: the message it receives (the one
 rule of messages.py) and the work on its own stage it depends on. `walk` advances every rank
-as far as it can until none can; validate.py (order and deadlock checks) and simulate.py (start
-and end times) are two callbacks on this one walk, so they cannot disagree about what may run.
+as far as it can until none can; validate.py (order and deadlock checks) and dag.py (the DAG
+that simulate.py and the performance model time) are two callbacks on this one walk, so they
+cannot disagree about what may run.
 """
 
 from __future__ import annotations

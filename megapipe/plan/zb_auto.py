@@ -40,17 +40,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from megapipe.plan.actions import (
-    FORWARD,
-    INPUT_GRAD,
-    WEIGHT_GRAD,
-    Action,
-    Placement,
-    Schedule,
-    one_f_one_b_order,
-)
+from megapipe.plan.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Placement, Schedule
 from megapipe.plan.simulate import Costs, SimResult, action_cost, simulate
-from megapipe.plan.zero_bubble import zb_h1, zb_h2
+from megapipe.plan.zero_bubble import one_f_one_b_split, zb_h1, zb_h2
 
 LOCAL_SEARCH_SIMULATIONS = 30  # at most this many simulations in the W-moving refinement
 # zb_auto's makespan may exceed the fastest hand-made schedule's by this fraction when its
@@ -132,14 +124,6 @@ def peak_memory(result: SimResult, w_share: float = 1.0) -> list[float]:
             peak = max(peak, live)
         peaks.append(round(peak, 9))
     return peaks
-
-
-def one_f_one_b_split(pp: int, microbatches: int) -> Schedule:
-    """1F1B with each backward as B then W at once: 1F1B's order and memory (pp − r in flight on
-    rank r), on the split-backward runtime."""
-    forwards = [Action(FORWARD, mb) for mb in range(microbatches)]
-    backwards = [[Action(INPUT_GRAD, mb), Action(WEIGHT_GRAD, mb)] for mb in range(microbatches)]
-    return {r: one_f_one_b_order(forwards, backwards, pp - r - 1) for r in range(pp)}
 
 
 def _score(result: SimResult) -> tuple[float, float]:

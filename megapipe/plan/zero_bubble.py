@@ -37,6 +37,12 @@ def _split_backward_order(microbatches: int, warmup: int, w_lag: int) -> list[Ac
     return one_f_one_b_order(forwards, backwards, warmup, tail)
 
 
+def one_f_one_b_split(pp: int, microbatches: int) -> Schedule:
+    """1F1B with each backward as B then W at once: 1F1B's order and memory (pp − r in flight on
+    rank r), on the split-backward runtime (zb_auto's baseline among the hand-made schedules)."""
+    return {r: _split_backward_order(microbatches, pp - r - 1, 0) for r in range(pp)}
+
+
 def zb_h1(pp: int, microbatches: int) -> Schedule:
     """ZB-H1 (§3.1, Fig. 3 top): 1F1B's warm-up (pp−r−1 forwards), rank r delays its W's by r.
 
