@@ -158,7 +158,7 @@ def sbatch_train_args(script: str) -> list[str]:
     text = script.replace("\\\n", " ")
     (line,) = [x for x in text.splitlines() if x.startswith("srun ")]
     args = shlex.split(line)
-    return args[args.index("train") + 1 :]
+    return args[next(i for i, a in enumerate(args) if a.endswith("/train.py")) + 1 :]
 
 
 def test_slurm_script_of_a_two_node_point(tmp_path):
@@ -186,6 +186,7 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     args, overrides = train.parse_args(sbatch_train_args(script))
     assert args.config == TINY
     cfg = load_config(args.config, overrides)
+    assert cfg.log.profile  # the run writes the profile the report reads
     p = cfg.parallel
     assert (p.dp, p.pp, p.tp, cfg.derived.world_size) == (2, 2, 2, 8)
     assert cfg.train.steps == STEPS and cfg.run.dir == str(out / "points" / "p" / "run")
@@ -216,7 +217,7 @@ def test_command_launcher_fills_the_template(tmp_path):
         {"nodes": 1, "devices_per_node": 2, "mesh": {"dp": 2}, "name": "a"}], launcher)  # fmt: skip
     study = load_study(str(path))
     text = study_tool.command_text(study, study.points[0], "/d", "/d/run", "py", "x.py")
-    assert text.startswith("echo 1 2 x.py train --config ")
+    assert text.startswith("echo 1 2 x.py --config ") and text.endswith(" --log.profile=true")
     assert "--parallel.dp=2" in text and "--run.dir=/d/run" in text
     study.launcher["template"] = "run {gpus}"
     with pytest.raises(StudyError, match=r"unknown placeholder 'gpus'; use \{nodes\}"):

@@ -13,12 +13,9 @@ point.json with its one-line error, and the study goes on. Local and command stu
 reported at the end of `run`; `collect` finds the slurm jobs' results and reports.
 
 `report DIR` writes DIR/results.csv, results.json, report.md and PNG plots
-(megapipe/study/report.py). `train --config F [--section.key=value ...]` is train.py plus the
-point's profile (run.dir/study_profile.json): per step and rank the forward-backward seconds,
-the busy seconds of the pipeline actions (the runtime's timeline events), the optimizer's
-seconds, and each rank's peak memory; under pp > 1 also the last step's timeline as a Chrome
-trace (run.dir/trace.json, pipeline/timeline.chrome_trace: spans of ranks on different hosts do
-not share a clock). Every launcher runs it; errors are one line, exit 2.
+(megapipe/study/report.py). Every launcher runs plain `train.py --config F [--section.key=value
+...] --log.profile=true`: the run writes its own profile (megapipe/train/profile.py:
+run.dir/study_profile.json, and under pp > 1 trace.json); its errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -35,131 +32,19 @@ import sys
 import time
 from pathlib import Path
 
+from megapipe.study import StudyError, load_study
+from megapipe.study.launchers import command_text, local_commands, sbatch_script
+from megapipe.study.report import write_report
+from megapipe.study.results import metrics_done
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-
-import train as train_entry  # noqa: E402
-from megapipe.pipeline import timeline  # noqa: E402
-from megapipe.study import StudyError, load_study  # noqa: E402
-from megapipe.study.launchers import command_text, local_commands, sbatch_script  # noqa: E402
-from megapipe.study.report import write_report  # noqa: E402
-from megapipe.study.results import metrics_done  # noqa: E402
-
-SCRIPT = str(ROOT / "tools" / "scaling_study.py")
+SCRIPT = str(ROOT / "train.py")  # every point runs plain train.py (with --log.profile=true)
 ERROR_LINE = re.compile(r"^error: .*$", re.MULTILINE)
 EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception)\b.*$", re.MULTILINE)
 
 
 class UsageError(Exception):
     pass
-
-
-# -- the training command with the profile -----------------------------------------------------
-
-
-class StepProfile:
-    """Times this rank's forward-backward and optimizer step of every training step, and reads
-    the pipeline runtime's events (pipeline/runtime.py: per action t0, t1 and the wait for its
-    input) for the busy part. Installed on the job's engine and optimizer objects only."""
-
-    def __init__(self, job, optimizer, start: int) -> None:
-        import torch
-
-        self.cuda = torch.cuda.is_available()
-        self.steps: list[dict] = []
-        self.start, self.engine, self.inside = start, job.engine, False
-        fb, opt_step = job.engine.forward_backward, optimizer.step
-
-        def forward_backward(*args, **kwargs):
-            self.steps.append({"step": self.start + len(self.steps) + 1, "opt": 0.0})
-            self.inside, t0 = True, self._now()
-            try:
-                return fb(*args, **kwargs)
-            finally:
-                self.inside = False
-                self._close(self._now() - t0)
-
-        def step(*args, **kwargs):
-            t0 = self._now()
-            try:
-                return opt_step(*args, **kwargs)
-            finally:
-                spent = self._now() - t0
-                if self.steps:
-                    self.steps[-1]["opt"] += spent
-                    self.steps[-1]["opt_inside"] = self.inside  # PipeDream: steps inside fb
-
-        job.engine.forward_backward = forward_backward  # instance attributes: this job only
-        optimizer.step = step
-
-    def _now(self) -> float:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()  # kernels are asynchronous: time what they did
-        return time.perf_counter()
-
-    def _close(self, seconds: float) -> None:
-        entry = self.steps[-1]
-        entry["fb"] = seconds
-        runtime = getattr(self.engine, "runtime", None)
-        events = getattr(runtime, "events", None)
-        if events:  # pipelined: the actions' compute, their input waits left out
-            entry["busy"] = sum(e.t1 - e.t0 - e.wait for e in events)
-            entry["wait"] = sum(e.wait for e in events)
-
-    def summary(self) -> dict:
-        import resource
-
-        import torch
-
-        if self.cuda:
-            peak, kind = torch.cuda.max_memory_allocated(), "max allocated (CUDA)"
-        else:  # Linux reports kilobytes; the whole process: interpreter, torch and the model
-            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
-        events = getattr(getattr(self.engine, "runtime", None), "events", None) or []
-        return {"steps": self.steps, "peak_memory_bytes": peak, "memory_kind": kind,
-                "last_spans": timeline.spans(events)}  # fmt: skip
-
-
-def _profiled(original):
-    """train/loop.train_loop with a StepProfile; at the end every rank's summary is gathered
-    and rank 0 writes run.dir/study_profile.json."""
-
-    def train_loop(cfg, job, optimizer, data, start, device, stop=None):
-        import torch.distributed as dist
-
-        profile = StepProfile(job, optimizer, start)
-        records = original(cfg, job, optimizer, data, start, device, stop)
-        mine = profile.summary()
-        ranks = [mine]
-        if dist.is_available() and dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
-            if dist.get_rank() != 0:
-                return records
-        last = [rank.pop("last_spans") for rank in ranks]
-        write_json_atomic(os.path.join(cfg.run.dir, "study_profile.json"), {"ranks": ranks})
-        if all(last):  # pipelined: the last step's timeline for chrome://tracing or Perfetto
-            trace = timeline.chrome_trace(last, "last step", {"schedule": cfg.parallel.schedule})
-            write_json_atomic(os.path.join(cfg.run.dir, "trace.json"), trace)
-        return records
-
-    return train_loop
-
-
-def write_json_atomic(path: str, value) -> None:
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(f"{path}.tmp", path)
-
-
-def train_main(argv: list[str]) -> int:
-    """train.py's main with the profile installed (the loop module's train_loop wrapped)."""
-    from megapipe.train import loop
-
-    loop.train_loop = _profiled(loop.train_loop)
-    return train_entry.main(argv)
 
 
 # -- running the points -------------------------------------------------------------------------
@@ -318,10 +203,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:  # train.py's own parser reads the rest
-        return train_main(argv[1:])
-    args = parse(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "run":
             study, out = load_study(args.study), Path(args.out)
