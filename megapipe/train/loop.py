@@ -138,15 +138,7 @@ def train_loop(
             saving = (interval and done % interval == 0) or stopping
             now = bool(stopping or evaluating or saving or done == last)
             for d, secs, final in settled(done, seconds, result, now):
-                record = {
-                    "step": d,
-                    "loss": final.loss,
-                    "lr": final.lr,
-                    "grad_norm": final.grad_norm,
-                    "skipped": final.skipped,
-                    **throughput.of(d, secs),
-                    **(blend.after(d - 1) if blend else {}),
-                }
+                record = _record(d, secs, final, throughput, blend)
                 if d == done and evaluating:
                     losses = _validate(cfg, job, data)
                     record.update(losses)
@@ -168,6 +160,19 @@ def train_loop(
     saver.wait()  # a background save finishes before the run reports it
     hooks.train_end(job, records)
     return records
+
+
+def _record(d: int, seconds: float, final, throughput: Throughput, blend) -> dict:
+    """Step `d`'s metrics.jsonl record (train/step.StepResult `final`), before validation."""
+    return {
+        "step": d,
+        "loss": final.loss,
+        "lr": final.lr,
+        "grad_norm": final.grad_norm,
+        "skipped": final.skipped,
+        **throughput.of(d, seconds),
+        **(blend.after(d - 1) if blend else {}),
+    }
 
 
 def _validate(cfg: Config, job: Job, data) -> dict[str, float]:
