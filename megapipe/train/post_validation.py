@@ -99,7 +99,7 @@ class PostValidator:
     # ---- the optimistic step ---------------------------------------------------------------
 
     def step(
-        self, engine, optimizer, loss: torch.Tensor, step: int, cfg, hooks: TrainHooks
+        self, engine: Pipeline, optimizer, loss: torch.Tensor, step: int, cfg, hooks: TrainHooks
     ) -> None:
         """Finish this stage's grads, chain the partial state on, step optimistically."""
         for chunk, reducer in zip(engine.chunks, engine.reducers):
@@ -138,7 +138,9 @@ class PostValidator:
 
     # ---- validation --------------------------------------------------------------------------
 
-    def settle(self, engine, optimizer, cfg, first_start: float | None, hooks: TrainHooks):
+    def settle(
+        self, engine: Pipeline, optimizer, cfg, first_start: float | None, hooks: TrainHooks
+    ):
         """Validate the pending step against the global state: returns (StepResult fields
         (loss, grad_norm, lr, skipped), redo) where `redo` says the weights changed, so the
         forwards and backwards run since the optimistic step must run again (every rank
