@@ -38,13 +38,13 @@ def poisoned(at: set[int]):
     """Within: Job.train_step of a step in `at` gets a NaN grad on rank 0's first parameter."""
     real = build_module.train_step
 
-    def step_fn(engine, slice_, optimizer, batch, step, cfg):
+    def step_fn(engine, slice_, optimizer, batch, step, cfg, *hooks):
         if step not in at or _rank() != 0:
-            return real(engine, slice_, optimizer, batch, step, cfg)
+            return real(engine, slice_, optimizer, batch, step, cfg, *hooks)
         param = next(engine.chunks[0].parameters())
         handle = param.register_hook(lambda g: g * float("nan"))
         try:
-            return real(engine, slice_, optimizer, batch, step, cfg)
+            return real(engine, slice_, optimizer, batch, step, cfg, *hooks)
         finally:
             handle.remove()
 

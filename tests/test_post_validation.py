@@ -76,7 +76,8 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
     weights = {}
     for chunk in job.engine.chunks:
         weights.update(gather_logical(chunk))
-    validator = getattr(job.engine, "validator", None)
+    pipe = job.engine.inner if job.post_validated else job.engine  # the Pipeline it wraps
+    validator = job.engine.validator if job.post_validated else None
     return {
         "losses": [r.loss for r in finals],
         "norms": [r.grad_norm for r in finals],
@@ -84,8 +85,8 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
         "weights": weights,
         "redone": [e.redone for e in validator.evidence] if validator else [],
         "all_reduce_calls": len(calls),
-        "events": [str(e.action) for e in job.engine.runtime.events],
-        "actions": [str(a) for a in job.engine.actions],
+        "events": [str(e.action) for e in job.engine.events],
+        "actions": [str(a) for a in pipe.actions],
     }
 
 

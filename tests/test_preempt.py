@@ -30,8 +30,8 @@ def signal_after(monkeypatch, sig: int, step: int) -> None:
     """Send `sig` to this process when training step `step` (1-based) has finished."""
     real = build.Job.train_step
 
-    def train_step(self, optimizer, batch, index):
-        result = real(self, optimizer, batch, index)
+    def train_step(self, optimizer, batch, index, *hooks):
+        result = real(self, optimizer, batch, index, *hooks)
         if index + 1 == step:
             os.kill(os.getpid(), sig)
         return result
@@ -176,8 +176,8 @@ def child() -> None:
     if step and int(os.environ.get("RANK", "0")) == signalled:
         real = build.Job.train_step
 
-        def train_step(self, optimizer, batch, index):
-            result = real(self, optimizer, batch, index)
+        def train_step(self, optimizer, batch, index, *hooks):
+            result = real(self, optimizer, batch, index, *hooks)
             if index + 1 == step:
                 os.kill(os.getpid(), signal.Signals[name])
             return result

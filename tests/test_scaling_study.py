@@ -4,7 +4,6 @@ localhost training the one-process model), the slurm scripts of a 2-node point w
 cluster, and the study file's one-line errors."""
 
 import csv
-import importlib.util
 import json
 import shlex
 import statistics
@@ -18,12 +17,12 @@ import yaml
 import train
 from megapipe.config import load_config
 from megapipe.study import StudyError, load_study
+from megapipe.study.launchers import command_text
+from megapipe.study.report import write_report
+from megapipe.study.runner import Entry, collect, run_points
 from tests.conftest import ROOT, TINY
 
-TOOL = Path(ROOT) / "tools" / "scaling_study.py"
-spec = importlib.util.spec_from_file_location("study_tool", TOOL)
-study_tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study_tool)
+ENTRY = Entry(Path(ROOT), str(Path(ROOT) / "train.py"))  # as tools/scaling_study.py runs it
 
 STEPS, WARMUP = 3, 1
 
@@ -158,7 +157,7 @@ def sbatch_train_args(script: str) -> list[str]:
     text = script.replace("\\\n", " ")
     (line,) = [x for x in text.splitlines() if x.startswith("srun ")]
     args = shlex.split(line)
-    return args[args.index("train") + 1 :]
+    return args[next(i for i, a in enumerate(args) if a.endswith("/train.py")) + 1 :]
 
 
 def test_slurm_script_of_a_two_node_point(tmp_path):
@@ -169,7 +168,7 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
         launcher)  # fmt: skip
     out = tmp_path / "out"
     out.mkdir()
-    study_tool.run_points(load_study(str(path)), out, dry_run=True)
+    run_points(load_study(str(path)), out, ENTRY, dry_run=True)
     script = (out / "points" / "p" / "job.sbatch").read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=00:10:00",
@@ -186,6 +185,7 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     args, overrides = train.parse_args(sbatch_train_args(script))
     assert args.config == TINY
     cfg = load_config(args.config, overrides)
+    assert cfg.log.profile  # the run writes the profile the report reads
     p = cfg.parallel
     assert (p.dp, p.pp, p.tp, cfg.derived.world_size) == (2, 2, 2, 8)
     assert cfg.train.steps == STEPS and cfg.run.dir == str(out / "points" / "p" / "run")
@@ -199,7 +199,9 @@ def test_dry_run_report_shows_projections_only(tmp_path):
         {"nodes": 2, "devices_per_node": 2, "mesh": {"dp": 4}, "name": "b"}],
         {"kind": "slurm"}, kind="weak")  # fmt: skip
     out = tmp_path / "out"
-    assert study_tool.main(["run", str(path), "--out", str(out), "--dry-run"]) == 0
+    out.mkdir()
+    run_points(load_study(str(path)), out, ENTRY, dry_run=True)
+    write_report(out)
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert [r.get("step_s") for r in rows] == [None, None]
     assert [r["global_batch"] for r in rows] == [8, 16]  # weak: the batch grows with dp
@@ -215,12 +217,12 @@ def test_command_launcher_fills_the_template(tmp_path):
     path = write_study(tmp_path / "s.yaml", [
         {"nodes": 1, "devices_per_node": 2, "mesh": {"dp": 2}, "name": "a"}], launcher)  # fmt: skip
     study = load_study(str(path))
-    text = study_tool.command_text(study, study.points[0], "/d", "/d/run", "py", "x.py")
-    assert text.startswith("echo 1 2 x.py train --config ")
+    text = command_text(study, study.points[0], "/d", "/d/run", "py", "x.py")
+    assert text.startswith("echo 1 2 x.py --config ") and text.endswith(" --log.profile=true")
     assert "--parallel.dp=2" in text and "--run.dir=/d/run" in text
     study.launcher["template"] = "run {gpus}"
     with pytest.raises(StudyError, match=r"unknown placeholder 'gpus'; use \{nodes\}"):
-        study_tool.command_text(study, study.points[0], "/d", "/d/run", "py", "x.py")
+        command_text(study, study.points[0], "/d", "/d/run", "py", "x.py")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -265,7 +267,8 @@ def test_collect_reads_finished_and_failed_slurm_jobs(tmp_path):
         {"nodes": 1, "devices_per_node": 1, "mesh": {"dp": 1}, "name": name}
         for name in ("done", "broken", "waiting")], {"kind": "slurm"})  # fmt: skip
     out = tmp_path / "out"
-    assert study_tool.main(["run", str(path), "--out", str(out), "--dry-run"]) == 0
+    out.mkdir()
+    run_points(load_study(str(path)), out, ENTRY, dry_run=True)
     run = out / "points" / "done" / "run"
     run.mkdir()
     tokens = load_config(TINY).derived.tokens_per_step
@@ -276,7 +279,8 @@ def test_collect_reads_finished_and_failed_slurm_jobs(tmp_path):
     (out / "points" / "broken" / "slurm-7.out").write_text(
         "starting\nerror: data.path 'x' not found; run python tools/prepare_data.py\n"
     )
-    assert study_tool.main(["collect", str(out)]) == 0
+    collect(out)
+    write_report(out)
     status = {p.parent.name: json.loads(p.read_text()) for p in out.glob("points/*/point.json")}
     assert {k: v["status"] for k, v in status.items()} == {
         "done": "ok", "broken": "failed", "waiting": "pending"}  # fmt: skip

@@ -85,7 +85,7 @@ def record(config: str, overrides: list[str], steps: int) -> list:
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(steps):
         job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
-    return timeline.gather_spans(job.engine.runtime.events, mesh.group("pp"))
+    return timeline.gather_spans(job.engine.events, mesh.group("pp"))
 
 
 def draw(per_rank: list, schedule: str, vpp: int, png: str) -> dict:

@@ -13,291 +13,28 @@ point.json with its one-line error, and the study goes on. Local and command stu
 reported at the end of `run`; `collect` finds the slurm jobs' results and reports.
 
 `report DIR` writes DIR/results.csv, results.json, report.md and PNG plots
-(megapipe/study/report.py). `train --config F [--section.key=value ...]` is train.py plus the
-point's profile (run.dir/study_profile.json): per step and rank the forward-backward seconds,
-the busy seconds of the pipeline actions (the runtime's timeline events), the optimizer's
-seconds, and each rank's peak memory; under pp > 1 also the last step's timeline as a Chrome
-trace (run.dir/trace.json, pipeline/timeline.chrome_trace: spans of ranks on different hosts do
-not share a clock). Every launcher runs it; errors are one line, exit 2.
+(megapipe/study/report.py). Every launcher runs plain `train.py --config F [--section.key=value
+...] --log.profile=true`: the run writes its own profile (megapipe/train/profile.py:
+run.dir/study_profile.json, and under pp > 1 trace.json); its errors are one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from megapipe.study import StudyError, load_study
+from megapipe.study.report import write_report
+from megapipe.study.runner import Entry, collect, run_points
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-
-import train as train_entry  # noqa: E402
-from megapipe.pipeline import timeline  # noqa: E402
-from megapipe.study import StudyError, load_study  # noqa: E402
-from megapipe.study.launchers import command_text, local_commands, sbatch_script  # noqa: E402
-from megapipe.study.report import write_report  # noqa: E402
-from megapipe.study.results import metrics_done  # noqa: E402
-
-SCRIPT = str(ROOT / "tools" / "scaling_study.py")
-ERROR_LINE = re.compile(r"^error: .*$", re.MULTILINE)
-EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception)\b.*$", re.MULTILINE)
+# every point runs plain train.py (with --log.profile=true) from this checkout
+ENTRY = Entry(ROOT, str(ROOT / "train.py"))
 
 
 class UsageError(Exception):
     pass
-
-
-# -- the training command with the profile -----------------------------------------------------
-
-
-class StepProfile:
-    """Times this rank's forward-backward and optimizer step of every training step, and reads
-    the pipeline runtime's events (pipeline/runtime.py: per action t0, t1 and the wait for its
-    input) for the busy part. Installed on the job's engine and optimizer objects only."""
-
-    def __init__(self, job, optimizer, start: int) -> None:
-        import torch
-
-        self.cuda = torch.cuda.is_available()
-        self.steps: list[dict] = []
-        self.start, self.engine, self.inside = start, job.engine, False
-        fb, opt_step = job.engine.forward_backward, optimizer.step
-
-        def forward_backward(*args, **kwargs):
-            self.steps.append({"step": self.start + len(self.steps) + 1, "opt": 0.0})
-            self.inside, t0 = True, self._now()
-            try:
-                return fb(*args, **kwargs)
-            finally:
-                self.inside = False
-                self._close(self._now() - t0)
-
-        def step(*args, **kwargs):
-            t0 = self._now()
-            try:
-                return opt_step(*args, **kwargs)
-            finally:
-                spent = self._now() - t0
-                if self.steps:
-                    self.steps[-1]["opt"] += spent
-                    self.steps[-1]["opt_inside"] = self.inside  # PipeDream: steps inside fb
-
-        job.engine.forward_backward = forward_backward  # instance attributes: this job only
-        optimizer.step = step
-
-    def _now(self) -> float:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()  # kernels are asynchronous: time what they did
-        return time.perf_counter()
-
-    def _close(self, seconds: float) -> None:
-        entry = self.steps[-1]
-        entry["fb"] = seconds
-        runtime = getattr(self.engine, "runtime", None)
-        events = getattr(runtime, "events", None)
-        if events:  # pipelined: the actions' compute, their input waits left out
-            entry["busy"] = sum(e.t1 - e.t0 - e.wait for e in events)
-            entry["wait"] = sum(e.wait for e in events)
-
-    def summary(self) -> dict:
-        import resource
-
-        import torch
-
-        if self.cuda:
-            peak, kind = torch.cuda.max_memory_allocated(), "max allocated (CUDA)"
-        else:  # Linux reports kilobytes; the whole process: interpreter, torch and the model
-            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
-        events = getattr(getattr(self.engine, "runtime", None), "events", None) or []
-        return {"steps": self.steps, "peak_memory_bytes": peak, "memory_kind": kind,
-                "last_spans": timeline.spans(events)}  # fmt: skip
-
-
-def _profiled(original):
-    """train/loop.train_loop with a StepProfile; at the end every rank's summary is gathered
-    and rank 0 writes run.dir/study_profile.json."""
-
-    def train_loop(cfg, job, optimizer, data, start, device, stop=None):
-        import torch.distributed as dist
-
-        profile = StepProfile(job, optimizer, start)
-        records = original(cfg, job, optimizer, data, start, device, stop)
-        mine = profile.summary()
-        ranks = [mine]
-        if dist.is_available() and dist.is_initialized():
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
-            if dist.get_rank() != 0:
-                return records
-        last = [rank.pop("last_spans") for rank in ranks]
-        write_json_atomic(os.path.join(cfg.run.dir, "study_profile.json"), {"ranks": ranks})
-        if all(last):  # pipelined: the last step's timeline for chrome://tracing or Perfetto
-            trace = timeline.chrome_trace(last, "last step", {"schedule": cfg.parallel.schedule})
-            write_json_atomic(os.path.join(cfg.run.dir, "trace.json"), trace)
-        return records
-
-    return train_loop
-
-
-def write_json_atomic(path: str, value) -> None:
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(value, f)
-    os.replace(f"{path}.tmp", path)
-
-
-def train_main(argv: list[str]) -> int:
-    """train.py's main with the profile installed (the loop module's train_loop wrapped)."""
-    from megapipe.train import loop
-
-    loop.train_loop = _profiled(loop.train_loop)
-    return train_entry.main(argv)
-
-
-# -- running the points -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def first_error(text: str, code: int) -> str:
-    """The one-line cause from a point's output: train.py's `error:` line, else the last
-    exception line, else the exit code."""
-    found = ERROR_LINE.findall(text)
-    if found:
-        return found[0][len("error: ") :]
-    found = EXCEPTION_LINE.findall(text)
-    return found[-1] if found else f"exited with code {code} (see the point's logs)"
-
-
-def run_local(study, point, pdir: Path, run_dir: Path) -> str | None:
-    """The point's agents on this machine; None on success, else the one-line error."""
-    port = int(study.launcher.get("port", 0)) or free_port()
-    threads = str(study.launcher.get("threads", 1))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(ROOT),
-           "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}  # fmt: skip
-    cmds = local_commands(study, point, str(run_dir), sys.executable, SCRIPT, port)
-    (pdir / "command.txt").write_text("\n".join(" ".join(c) for c in cmds) + "\n")
-    logs = [open(pdir / f"node{i}.log", "w") for i in range(len(cmds))]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True) for c, log in zip(cmds, logs)]  # fmt: skip
-    deadline, codes = time.monotonic() + study.timeout_s, []
-    try:
-        for proc in procs:
-            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 1)))
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for proc in procs:  # our agents' sessions only (their workers inherit them)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait()
-        for log in logs:
-            log.close()
-    if codes is None:
-        return f"timed out after {study.timeout_s:g} s (timeout_s in the study); see node*.log"
-    text = "\n".join((pdir / f"node{i}.log").read_text() for i in range(len(cmds)))
-    if any(codes) or not metrics_done(run_dir, study.steps):
-        return first_error(text, max(codes, key=abs))
-    return None
-
-
-def run_command(study, point, pdir: Path, run_dir: Path) -> tuple[str, str | None]:
-    """The user's template in a shell: (status, error). A command that exits 0 before the run
-    has logged its last step (it submitted the run elsewhere) leaves the point pending for
-    `collect`."""
-    text = command_text(study, point, str(pdir), str(run_dir), sys.executable, SCRIPT)
-    (pdir / "command.txt").write_text(text + "\n")
-    with open(pdir / "command.log", "w") as log:
-        try:
-            code = subprocess.run(text, shell=True, cwd=ROOT, stdout=log, timeout=study.timeout_s,
-                                  stderr=subprocess.STDOUT).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return "failed", f"timed out after {study.timeout_s:g} s (timeout_s in the study)"
-    if code:
-        return "failed", first_error((pdir / "command.log").read_text(), code)
-    return ("ok" if metrics_done(run_dir, study.steps) else "pending"), None
-
-
-def submit_slurm(study, point, pdir: Path, run_dir: Path, dry_run: bool) -> tuple[str, str | None]:
-    """Write job.sbatch; submit it unless dry_run: (status, job id or error)."""
-    script = pdir / "job.sbatch"
-    script.write_text(sbatch_script(study, point, str(pdir), str(run_dir), str(ROOT)))
-    if dry_run:
-        return "written", None
-    if shutil.which("sbatch") is None:
-        return "failed", "sbatch not found on PATH; run on the cluster's login node or --dry-run"
-    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
-    if done.returncode:
-        return "failed", "sbatch: " + (done.stderr.strip().splitlines() or ["failed"])[-1]
-    return "submitted", done.stdout.strip().split(";")[0]
-
-
-def write_json(path: Path, value) -> None:
-    path.write_text(json.dumps(value, indent=1) + "\n")
-
-
-def run_points(study, out: Path, dry_run: bool) -> None:
-    kind = study.launcher["kind"]
-    write_json(out / "study.json", study.to_dict())
-    for point in study.points:
-        pdir = out / "points" / point.name
-        run_dir = pdir / "run"
-        pdir.mkdir(parents=True, exist_ok=True)
-        # a fresh run: an earlier one's checkpoints would be resumed (checkpoint.resume=auto)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        record, error = point.to_dict(), point.error
-        if point.projected_only:
-            status = "projected"
-        elif error:
-            status = "failed"
-        elif kind == "local":
-            error = run_local(study, point, pdir, run_dir)
-            status = "failed" if error else "ok"
-            # the machine's load over the last minute: on a shared machine it explains
-            # measured steps slower than the projection for a quiet one
-            record["load_avg"], record["cpus"] = os.getloadavg()[0], os.cpu_count()
-        elif kind == "command":
-            status, error = run_command(study, point, pdir, run_dir)
-        else:
-            status, found = submit_slurm(study, point, pdir, run_dir, dry_run)
-            record["job_id"], error = (found, None) if status == "submitted" else (None, found)
-        record.update(status=status, error=error, point_dir=str(pdir), run_dir=str(run_dir))
-        write_json(pdir / "point.json", record)
-        print(f"{point.name}: {status}" + (f": {error}" if error else ""), flush=True)
-
-
-def collect(out: Path) -> None:
-    """Slurm (or a command that returned before its run ended): each submitted, written or
-    pending point is ok when its metrics are complete, failed with the `error:` line of its job
-    output (slurm-*.out, command.log), else still pending."""
-    study = json.loads((out / "study.json").read_text())
-    for point in study["points"]:
-        pdir = out / "points" / point["name"]
-        record = json.loads((pdir / "point.json").read_text())
-        if record["status"] not in ("submitted", "written", "pending"):
-            continue
-        logs = sorted(pdir.glob("slurm-*.out")) + sorted(pdir.glob("command.log"))
-        text = "\n".join(p.read_text(errors="replace") for p in logs)
-        if metrics_done(Path(record["run_dir"]), study["steps"]):
-            record.update(status="ok", error=None)
-        elif ERROR_LINE.search(text) or EXCEPTION_LINE.search(text):
-            record.update(status="failed", error=first_error(text, 1))
-        else:
-            record["status"] = "pending"
-        write_json(pdir / "point.json", record)
-        print(f"{record['name']}: {record['status']}", flush=True)
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -318,15 +55,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:  # train.py's own parser reads the rest
-        return train_main(argv[1:])
-    args = parse(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "run":
             study, out = load_study(args.study), Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            run_points(study, out, args.dry_run)
+            run_points(study, out, ENTRY, args.dry_run)
             if study.launcher["kind"] == "slurm" and not args.dry_run:
                 print(f"submitted; when the jobs end: python tools/scaling_study.py collect {out}")
                 return 0

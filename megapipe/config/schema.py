@@ -159,11 +159,16 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
+    """What a run writes besides its checkpoints: run.dir/metrics.jsonl every `interval` steps,
+    wandb, the progress line, and with `profile` the per-step profile a scaling study reports
+    (run.dir/study_profile.json and, under pp > 1, trace.json: train/profile.py)."""
+
     interval: int = bounded(1, low=1)
     wandb: str = "disabled"  # disabled | offline | online
     wandb_project: str = "megapipe"
     peak_tflops: float = bounded(0.0, low=0, note="0: look the device up")  # metrics.PEAK_TFLOPS
     progress: bool = True
+    profile: bool = False  # time each step's forward-backward and optimizer (train/profile.py)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""A pipeline rank's chunks under a schedule: what the train step core (train/step.py) drives.
+"""A pipeline rank's chunks under a schedule: an `Engine` (pipeline/protocol.py) that the train
+step core (train/step.py) drives.
 
 This rank builds its chunks from the partition training uses (stages.py), the runtime walks its
 action list (runtime.py), and the step core then finishes the gradients: dp × cp sum per chunk,
@@ -26,7 +27,7 @@ from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.p2p import StageLinks
-from megapipe.pipeline.runtime import NO_HOOKS, Hooks, MicroBatch, PipelineRuntime
+from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
 from megapipe.pipeline.stages import build_chunks
 from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
@@ -50,10 +51,6 @@ class Pipeline:
     # from the costs measured in this many steps (0: never)
     profile_in: int = 0
     hooks: Hooks = NO_HOOKS  # additions to each action (an observer in tests; PipeDream's own)
-    # parallel.post_validation: train/post_validation.PostValidator (None: synchronous step)
-    validator: object = None
-
-    updates_inside = False  # the optimizer steps once, after the step's last action
 
     def __post_init__(self) -> None:  # a kind of pipeline sets up its own state here
         return None
@@ -69,6 +66,11 @@ class Pipeline:
     def device(self) -> torch.device:
         return next(self.chunks[0].parameters()).device
 
+    @property
+    def events(self) -> list[Event]:
+        """The last run's actions with their spans."""
+        return self.runtime.events
+
     def params(self) -> list[nn.Parameter]:
         return [q for c in self.chunks for q in c.parameters()]
 
@@ -81,13 +83,15 @@ class Pipeline:
         self.profile_in = 0  # a schedule given is the one to run
 
     def forward_backward(
-        self, micro: list[MicroBatch], loss_scale: float, update=None
+        self, micro: list[MicroBatch], loss_scale: float, update=None, hooks: Hooks | None = None
     ) -> torch.Tensor:
         """This rank's actions over `micro`: gradients accumulated, the summed loss returned.
-        Under `profile` (a schedule built for costs) the second call also rebuilds the schedule
-        from its costs."""
+        `hooks`: this call's additions to each action in place of `self.hooks` (a wrapping
+        engine's, train/post_validation.py). Under `profile` (a schedule built for costs) the
+        second call also rebuilds the schedule from its costs."""
+        hooks = self.hooks if hooks is None else hooks
         loss_sum = self.runtime.run(
-            self.actions, micro, loss_scale, self.reducers, self.arrivals, self.hooks
+            self.actions, micro, loss_scale, self.reducers, self.arrivals, hooks
         )
         if self.profile_in:
             self.profile_in -= 1

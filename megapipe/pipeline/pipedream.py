@@ -171,8 +171,6 @@ class _StageGrads:
 class PipeDreamPipeline(Pipeline):
     """pipedream_async: M updates per stage in one step, the optimizer stepped by the hooks."""
 
-    updates_inside = True
-
     def __post_init__(self) -> None:
         if len(self.chunks) != 1:
             raise ValueError("PipeDream runs one chunk per rank (parallel.vpp=1)")

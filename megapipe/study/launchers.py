@@ -1,8 +1,9 @@
 """The commands that run one point (megapipe/study/__init__.py): pure text, nothing started here.
 
-Every launcher runs the same training command, `tools/scaling_study.py train --config BASE
---section.key=value ...` (train.py plus the point's profile: study_profile.json), under torchrun
-with c10d rendezvous: one agent per node, each starting devices_per_node workers.
+Every launcher runs the same training command, `train.py --config BASE --section.key=value ...
+--log.profile=true` (the run writes its own profile: study_profile.json, megapipe/train/
+profile.py), under torchrun with c10d rendezvous: one agent per node, each starting
+devices_per_node workers.
 
 - local: `nodes` agents on this machine, all meeting at 127.0.0.1:PORT, stand in for nodes.
 - slurm: one sbatch script per point: one task (the torchrun agent) per node, the rendezvous on
@@ -18,6 +19,7 @@ from typing import Any
 from megapipe.study.spec import Point, Study, StudyError
 
 RDZV_PORT = 29500  # slurm: the c10d store's port on the job's first node
+PROFILE = "--log.profile=true"  # the run writes study_profile.json (and trace.json)
 TEMPLATE_KEYS = ("nodes", "devices_per_node", "world", "name", "point_dir", "run_dir", "python",
                  "script_args", "torchrun")  # fmt: skip
 # what a multi-node job usually needs set (tools/slurm/train.sbatch explains each)
@@ -30,9 +32,10 @@ SLURM_ENV = {
 
 
 def script_args(study: Study, point: Point, run_dir: str, script: str) -> list[str]:
-    """The training command after the interpreter: script, `train`, config, overrides."""
+    """The training command after the interpreter: train.py (`script`), config, overrides, and
+    the profile the report reads (log.profile: megapipe/train/profile.py)."""
     overrides = study.point_overrides(point, run_dir)
-    return [script, "train", "--config", study.base, *(f"--{o}" for o in overrides)]
+    return [script, "--config", study.base, *(f"--{o}" for o in overrides), PROFILE]
 
 
 def torchrun_args(point: Point, endpoint: str, rdzv_id: str) -> list[str]:
@@ -83,12 +86,12 @@ def sbatch_script(study: Study, point: Point, point_dir: str, run_dir: str, root
     env = {**SLURM_ENV, **{str(k): str(v) for k, v in (opts.get("env") or {}).items()}}
     # one line per group: torchrun and its options (the rendezvous left for the shell to
     # expand), the script and its config, then one override per line
-    args = script_args(study, point, run_dir, f"{root}/tools/scaling_study.py")
+    args = script_args(study, point, run_dir, f"{root}/train.py")
     groups = [
         f"{shlex.quote(python)} -m torch.distributed.run "
         + " ".join(torchrun_args(point, f"$HEAD:{port}", "$SLURM_JOB_ID")),
-        shlex.join(args[:4]),
-        *(shlex.quote(a) for a in args[4:]),
+        shlex.join(args[:3]),
+        *(shlex.quote(a) for a in args[3:]),
     ]
     quoted = " \\\n    ".join(groups)
     lines = [

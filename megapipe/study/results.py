@@ -76,7 +76,7 @@ def measured(run_dir: Path, warmup: int, tokens_per_step: int, peak_tflops: floa
 
 
 def _profile(path: Path, warmup: int, step_s: dict[int, float]) -> dict:
-    """Peak memory and the breakdown from study_profile.json (tools/scaling_study.py train)."""
+    """Peak memory and the breakdown from study_profile.json (log.profile: train/profile.py)."""
     if not path.is_file():
         return {}
     ranks = json.loads(path.read_text())["ranks"]

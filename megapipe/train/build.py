@@ -12,11 +12,13 @@ from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.parallel.data.zero import make_reducer
 from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
+from megapipe.pipeline.protocol import Engine
 from megapipe.pipeline.stages import build_model
 from megapipe.train.batches import BatchSlice
 from megapipe.train.evaluate import evaluate
+from megapipe.train.hooks import NO_HOOKS, TrainHooks
 from megapipe.train.optim import build_optimizer
-from megapipe.train.post_validation import attach
+from megapipe.train.post_validation import PostValidatedEngine
 from megapipe.train.replica import Replica
 from megapipe.train.step import StepResult, settle, train_step
 
@@ -27,21 +29,23 @@ class Job:
 
     cfg: Config
     model: nn.Module  # the GPT, or an nn.ModuleList of this pp rank's chunks
-    engine: object  # Replica | Pipeline | PipeDreamPipeline
+    engine: Engine  # Replica | Pipeline | PipeDreamPipeline | PostValidatedEngine
     slice: BatchSlice
     mesh: object = None  # None: one process
 
-    def train_step(self, optimizer, batch: torch.Tensor, step: int) -> StepResult:
-        return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg)
+    def train_step(
+        self, optimizer, batch: torch.Tensor, step: int, hooks: TrainHooks = NO_HOOKS
+    ) -> StepResult:
+        return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg, hooks)
 
     @property
     def post_validated(self) -> bool:
         """Zero Bubble §4 post-validation is on: no collective joins the ranks between steps."""
-        return getattr(self.engine, "validator", None) is not None
+        return isinstance(self.engine, PostValidatedEngine)
 
-    def settle(self, optimizer) -> StepResult | None:
+    def settle(self, optimizer, hooks: TrainHooks = NO_HOOKS) -> StepResult | None:
         """Post-validation: validate the pending step now; its final result (None: none)."""
-        return settle(self.engine, optimizer, self.cfg)
+        return settle(self.engine, optimizer, self.cfg, hooks)
 
     def optimizer(self):
         """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
@@ -59,9 +63,11 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
     if cfg.parallel.pp > 1:
         kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
         pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
+        engine: Engine = pipe
         if cfg.parallel.post_validation and kind is Pipeline:
-            attach(pipe, cfg)  # Zero Bubble §4: no global reduction before the optimizer
-        return Job(cfg, nn.ModuleList(pipe.chunks), pipe, BatchSlice.of(mesh), mesh)
+            # Zero Bubble §4: no global reduction before the optimizer
+            engine = PostValidatedEngine.of(pipe, cfg)
+        return Job(cfg, nn.ModuleList(pipe.chunks), engine, BatchSlice.of(mesh), mesh)
     model = build_model(cfg, mesh, device)
     return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh), mesh)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import Config
+from megapipe.pipeline.protocol import Engine
 from megapipe.train.batches import BatchSlice
 
 
 @torch.no_grad()
-def evaluate(engine, slice_: BatchSlice, data, cfg: Config) -> float:
+def evaluate(engine: Engine, slice_: BatchSlice, data, cfg: Config) -> float:
     """Mean validation loss over `train.eval_batches` fixed batches of `global_batch` rows:
     forward only; under pp each microbatch walks the stages in order and the last stage's
     summed cross entropy is summed over pp (others add 0), then over dp × cp."""
@@ -29,7 +30,7 @@ def evaluate(engine, slice_: BatchSlice, data, cfg: Config) -> float:
     return (total[0] / total[1]).item()
 
 
-def evaluate_datasets(engine, slice_: BatchSlice, data, cfg: Config) -> dict[str, float]:
+def evaluate_datasets(engine: Engine, slice_: BatchSlice, data, cfg: Config) -> dict[str, float]:
     """A blend's validation loss per dataset ({name: loss}), each over its own fixed val
     batches (`train.eval_batches` of them); {} for data that is not a blend."""
     datasets = getattr(data, "datasets", {})

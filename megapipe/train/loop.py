@@ -19,21 +19,24 @@ from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
+from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.preempt import StopSignals
+from megapipe.train.profile import StepProfile
 
 
 class NonFiniteError(RuntimeError):
     """Training produced non-finite steps past what the config allows; one line."""
 
 
-def run(cfg: Config) -> list[dict]:
-    """Train (or resume) per `cfg`; returns the logged records of this invocation."""
+def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
+    """Train (or resume) per `cfg`, observed by `hooks` (train/hooks.py); returns the logged
+    records of this invocation."""
     mesh = init_distributed(cfg)  # checks the world size before any collective
     with StopSignals(cfg, mesh) as stop:  # a stop signal from here on waits for a step boundary
         lock = _lock_run_dir(cfg)
         try:
-            return _run(cfg, mesh, stop)
+            return _run(cfg, mesh, stop, hooks)
         finally:
             if lock is not None:
                 runlock.release(lock)
@@ -56,7 +59,7 @@ def _lock_run_dir(cfg: Config) -> str | None:
     return lock
 
 
-def _run(cfg: Config, mesh, stop: StopSignals) -> list[dict]:
+def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
     device = torch.device(
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     )
@@ -89,7 +92,7 @@ def _run(cfg: Config, mesh, stop: StopSignals) -> list[dict]:
     if is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
     began = time.perf_counter()
-    records = train_loop(cfg, job, optimizer, data, start, device, stop)
+    records = train_loop(cfg, job, optimizer, data, start, device, stop, hooks)
     _say(summary(cfg, records, time.perf_counter() - began))
     if stop.saved_step is not None:
         _say(f"saved step {stop.saved_step}; run the same command to resume")
@@ -97,12 +100,21 @@ def _run(cfg: Config, mesh, stop: StopSignals) -> list[dict]:
 
 
 def train_loop(
-    cfg: Config, job: Job, optimizer, data, start: int, device, stop: StopSignals | None = None
+    cfg: Config,
+    job: Job,
+    optimizer,
+    data,
+    start: int,
+    device,
+    stop: StopSignals | None = None,
+    hooks: TrainHooks = NO_HOOKS,
 ) -> list[dict]:
     """Steps start..stop_at_step (or steps): log, validate and checkpoint as configured. After
     each step the ranks agree whether a stop signal came (`stop`); if so, or at
-    train.stop_at_step, they save and end the loop, and `stop.saved_step` says where."""
+    train.stop_at_step, they save and end the loop, and `stop.saved_step` says where. `hooks`
+    observe the loop and the step core; log.profile adds train/profile.StepProfile."""
     t = cfg.train
+    hooks = HookList([hooks, StepProfile(cfg)]) if cfg.log.profile else hooks
     last = t.stop_at_step or t.steps
     stop = stop if stop is not None else StopSignals(cfg)  # not entered: no handlers, no flag
     log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
@@ -110,33 +122,27 @@ def train_loop(
     blend = BlendTokens(data, start, t.global_batch) if isinstance(data, BlendData) else None
     saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
     records = []
-    settled = Settled(job, optimizer)
+    settled = Settled(job, optimizer, hooks)
     interval = cfg.checkpoint.interval
     try:
         for step in range(start, last):
+            hooks.step_begin(step)
             began = time.perf_counter()
-            result = job.train_step(optimizer, data.batch(step, t.global_batch), step)
+            result = job.train_step(optimizer, data.batch(step, t.global_batch), step, hooks)
             done = step + 1
             seconds = time.perf_counter() - began
+            hooks.step_end(step, result, seconds)
             # the same on every rank; under post-validation read one step late (preempt.py)
             stopping = stop.agreed(deferred=job.post_validated) or done == t.stop_at_step
             evaluating = t.eval_interval and (done % t.eval_interval == 0 or done == t.steps)
             saving = (interval and done % interval == 0) or stopping
             now = bool(stopping or evaluating or saving or done == last)
             for d, secs, final in settled(done, seconds, result, now):
-                record = {
-                    "step": d,
-                    "loss": final.loss,
-                    "lr": final.lr,
-                    "grad_norm": final.grad_norm,
-                    "skipped": final.skipped,
-                    **throughput.of(d, secs),
-                    **(blend.after(d - 1) if blend else {}),
-                }
+                record = _record(d, secs, final, throughput, blend)
                 if d == done and evaluating:
-                    record["val_loss"] = job.evaluate(data)
-                    for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
-                        record[f"val_loss/{name}"] = loss
+                    losses = _validate(cfg, job, data)
+                    record.update(losses)
+                    hooks.evaluated(d, losses)
                 ends = d == last or (d == done and stopping)
                 if d % cfg.log.interval == 0 or ends or "val_loss" in record:
                     log.log(record)
@@ -152,7 +158,29 @@ def train_loop(
         log.close()
     stop.finish()  # a deferred agreement still in flight (post-validation)
     saver.wait()  # a background save finishes before the run reports it
+    hooks.train_end(job, records)
     return records
+
+
+def _record(d: int, seconds: float, final, throughput: Throughput, blend) -> dict:
+    """Step `d`'s metrics.jsonl record (train/step.StepResult `final`), before validation."""
+    return {
+        "step": d,
+        "loss": final.loss,
+        "lr": final.lr,
+        "grad_norm": final.grad_norm,
+        "skipped": final.skipped,
+        **throughput.of(d, seconds),
+        **(blend.after(d - 1) if blend else {}),
+    }
+
+
+def _validate(cfg: Config, job: Job, data) -> dict[str, float]:
+    """The validation losses of a record: `val_loss`, and `val_loss/NAME` per blended dataset."""
+    out = {"val_loss": job.evaluate(data)}
+    for name, loss in evaluate_datasets(job.engine, job.slice, data, cfg).items():
+        out[f"val_loss/{name}"] = loss
+    return out
 
 
 class Settled:
@@ -161,8 +189,8 @@ class Settled:
     state is back, during the next step: its record waits for that step, or is settled at once
     (`now`) before evaluation, a checkpoint or the end, which must see validated weights."""
 
-    def __init__(self, job: Job, optimizer) -> None:
-        self.job, self.optimizer, self.held = job, optimizer, None
+    def __init__(self, job: Job, optimizer, hooks: TrainHooks = NO_HOOKS) -> None:
+        self.job, self.optimizer, self.hooks, self.held = job, optimizer, hooks, None
 
     def __call__(self, done: int, seconds: float, result, now: bool) -> list[tuple]:
         out = []
@@ -172,7 +200,7 @@ class Settled:
         if result.final:
             out.append((done, seconds, result))
         elif now:
-            out.append((done, seconds, self.job.settle(self.optimizer)))
+            out.append((done, seconds, self.job.settle(self.optimizer, self.hooks)))
         else:
             self.held = (done, seconds)
         return out

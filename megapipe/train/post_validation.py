@@ -37,11 +37,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megapipe.distributed.mesh import rank_at
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
+from megapipe.pipeline.engine import Pipeline
 from megapipe.pipeline.runtime import NO_HOOKS, Hooks
+from megapipe.train.hooks import NO_HOOKS as NO_TRAIN_HOOKS
+from megapipe.train.hooks import TrainHooks, optimizer_step
 from megapipe.train.optim import clip_gradients, lr_at, set_lr, sum_of_squares
+from megapipe.train.rng import rng_states, set_rng_states
 
 PV_TAG = 1 << 29  # post-validation messages (pipeline messages go untagged, the tied grad 1<<30)
 STATE = 4  # [norm², loss, first stage's non-finite flag, the last stage's send time]
@@ -93,7 +98,9 @@ class PostValidator:
 
     # ---- the optimistic step ---------------------------------------------------------------
 
-    def step(self, engine, optimizer, loss: torch.Tensor, step: int, cfg) -> None:
+    def step(
+        self, engine: Pipeline, optimizer, loss: torch.Tensor, step: int, cfg, hooks: TrainHooks
+    ) -> None:
         """Finish this stage's grads, chain the partial state on, step optimistically."""
         for chunk, reducer in zip(engine.chunks, engine.reducers):
             if reducer is not None:
@@ -118,7 +125,7 @@ class PostValidator:
         else:  # the global state: back to every stage at once, before this stage's own step
             partial[3] = time.perf_counter()
             pending.sends += [self._send(partial, r) for r in range(self.last)]
-        _apply(engine.params(), optimizer, partial, pending.lr, cfg.train.grad_clip)
+        _apply(engine.params(), optimizer, partial, pending.lr, cfg.train.grad_clip, hooks)
         self.pending = pending
 
     def _receive_partial(self) -> torch.Tensor:
@@ -131,7 +138,9 @@ class PostValidator:
 
     # ---- validation --------------------------------------------------------------------------
 
-    def settle(self, engine, optimizer, cfg, first_start: float | None = None):
+    def settle(
+        self, engine: Pipeline, optimizer, cfg, first_start: float | None, hooks: TrainHooks
+    ):
         """Validate the pending step against the global state: returns (StepResult fields
         (loss, grad_norm, lr, skipped), redo) where `redo` says the weights changed, so the
         forwards and backwards run since the optimistic step must run again (every rank
@@ -147,7 +156,7 @@ class PostValidator:
         redo = self.pp > 1 and _wrong_somewhere(state, clip)
         if redo and p.saved is not None:  # the last stage's own step was already exact
             _restore(engine.params(), optimizer, p.saved)
-            _apply(engine.params(), optimizer, state, p.lr, clip)
+            _apply(engine.params(), optimizer, state, p.lr, clip, hooks)
         self.evidence.append(
             Evidence(p.step, state[3].item(), seen, first_start, self._seen_after, redo)
         )
@@ -184,11 +193,97 @@ class PollHooks(Hooks):
         self.validator.poll()
 
 
-def attach(pipe, cfg) -> None:
-    """Give a pipeline engine its post-validator (parallel.post_validation under pp > 1)."""
-    sharded = bool(cfg.parallel.zero and any(pipe.reducers))
-    pipe.validator = PostValidator(pipe.mesh, sharded)
-    pipe.hooks = PollHooks(pipe.validator, pipe.hooks)
+class PostValidatedEngine:
+    """A pipeline engine (pipeline/engine.Pipeline) with its optimizer step post-validated: the
+    `Engine` protocol (pipeline/protocol.py) as the pipeline's, plus the step core's
+    post-validated step (train/step.py): `step` (optimistic), `settle` the pending one, `redo`
+    this step's forwards and backwards on the corrected weights."""
+
+    def __init__(self, inner: Pipeline, validator: PostValidator) -> None:
+        self.inner, self.validator = inner, validator
+        self._model = nn.ModuleList(inner.chunks)  # whose tp dropout streams a redo replays
+        self._rng: dict | None = None
+
+    @classmethod
+    def of(cls, pipe: Pipeline, cfg) -> PostValidatedEngine:
+        """`pipe` post-validated (parallel.post_validation under pp > 1)."""
+        sharded = bool(cfg.parallel.zero and any(pipe.reducers))
+        return cls(pipe, PostValidator(pipe.mesh, sharded))
+
+    # ---- the protocol, as the pipeline's ----------------------------------------------------
+
+    @property
+    def chunks(self) -> list[nn.Module]:
+        return self.inner.chunks
+
+    @property
+    def reducers(self) -> list:
+        return self.inner.reducers
+
+    @property
+    def norm_group(self):
+        return self.inner.norm_group
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def events(self) -> list:
+        return self.inner.events
+
+    def params(self) -> list[nn.Parameter]:
+        return self.inner.params()
+
+    def sync_shared_grads(self) -> None:
+        self.inner.sync_shared_grads()
+
+    def grads_counted_once(self) -> list[torch.Tensor]:
+        return self.inner.grads_counted_once()
+
+    def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.inner.stage_loss(loss)
+
+    def forward_only(self, micro: list) -> list[float]:
+        return self.inner.forward_only(micro)
+
+    def forward_backward(self, micro: list, loss_scale: float, update=None) -> torch.Tensor:
+        """The pipeline's run, the validator looking after each action whether the previous
+        step's global state has arrived; the RNG states are kept for a `redo`."""
+        self._rng = rng_states(self._model)
+        self.validator.begin_iteration()
+        return self._run(micro, loss_scale)
+
+    def _run(self, micro: list, loss_scale: float) -> torch.Tensor:
+        hooks = PollHooks(self.validator, self.inner.hooks)
+        return self.inner.forward_backward(micro, loss_scale, hooks=hooks)
+
+    # ---- the post-validated step --------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """A step's optimistic update waits for validation."""
+        return self.validator.pending is not None
+
+    def step(self, optimizer, loss: torch.Tensor, step: int, cfg, hooks=NO_TRAIN_HOOKS) -> None:
+        """This step's optimistic optimizer step (PostValidator.step)."""
+        self.validator.step(self.inner, optimizer, loss, step, cfg, hooks)
+
+    def settle(self, optimizer, cfg, hooks=NO_TRAIN_HOOKS, first_start: float | None = None):
+        """Validate the pending step: (loss, grad_norm, lr, skipped), redo (PostValidator)."""
+        return self.validator.settle(self.inner, optimizer, cfg, first_start, hooks)
+
+    def redo(self, micro: list, loss_scale: float) -> torch.Tensor:
+        """The last `forward_backward` again on the corrected weights, with the same RNG draws:
+        the dp buckets' reductions it launched finish first (every replica does the same),
+        then its grads go."""
+        for reducer in self.reducers:
+            if reducer is not None:
+                reducer.finish()
+        for p in self.params():
+            p.grad = None
+        set_rng_states(self._rng, self._model)
+        return self._run(micro, loss_scale)
 
 
 def _finite(state: torch.Tensor) -> bool:
@@ -213,14 +308,16 @@ def _wrong_somewhere(state: torch.Tensor, clip: float) -> bool:
     return _scale(state[0].item(), clip) < 1.0
 
 
-def _apply(params: list, optimizer, state: torch.Tensor, lr: float, clip: float) -> None:
+def _apply(
+    params: list, optimizer, state: torch.Tensor, lr: float, clip: float, hooks: TrainHooks
+) -> None:
     """One optimizer step under `state` ([norm², loss, ...]), as train/step.update takes it:
     skip (grads dropped) when non-finite, else clip by its norm, set the LR, AdamW."""
     if _finite(state):
         norm = torch.tensor(state[0].item(), dtype=torch.float32, device=state.device).sqrt()
         clip_gradients(params, norm, clip)
         set_lr(optimizer, lr)
-        optimizer.step()
+        optimizer_step(optimizer, hooks)
     optimizer.zero_grad(set_to_none=True)
 
 

@@ -1,5 +1,6 @@
 """The whole (tp-sharded, cp-sliced) model on this rank, as the step core drives it: the
-no-pipeline case of pipeline/engine.Pipeline (one chunk, microbatches one after another)."""
+no-pipeline `Engine` (pipeline/protocol.py), the case of pipeline/engine.Pipeline with one chunk
+and microbatches one after another."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from megapipe.config import Config
 from megapipe.parallel.data.reducer import GradReducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
-from megapipe.pipeline.runtime import MicroBatch
+from megapipe.pipeline.runtime import Event, MicroBatch
 
 
 @dataclass
@@ -22,8 +23,6 @@ class Replica:
     model: nn.Module
     reducer: GradReducer | None = None  # dp × cp gradient buckets
     norm_group: object = None  # tp: one copy of every parameter over it
-
-    updates_inside = False
 
     @property
     def chunks(self) -> list[nn.Module]:
@@ -36,6 +35,10 @@ class Replica:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def events(self) -> list[Event]:
+        return []  # no pipeline actions
 
     def params(self) -> list[nn.Parameter]:
         return list(self.model.parameters())

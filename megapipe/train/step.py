@@ -4,10 +4,12 @@ docs/architecture.md, "One training step").
 Loss is the mean over every target token of the global batch: each microbatch's summed cross
 entropy is divided by the global token count before backward, so gradient accumulation over
 microbatches (GPipe §2.2) and the dp × cp sum of gradients both equal one large batch. An
-engine (train/replica.Replica, pipeline/engine.Pipeline or pipeline/pipedream.PipeDreamPipeline)
-runs the forwards and backwards of this rank's microbatches; `update` then finishes the
-gradients (dp × cp sum, tp partial sums, shared tied copies), takes the global norm, clips and
-steps AdamW. PipeDream calls the same `update` once per microbatch from inside its run.
+`Engine` (pipeline/protocol.py: train/replica.Replica, pipeline/engine.Pipeline,
+pipeline/pipedream.PipeDreamPipeline, train/post_validation.PostValidatedEngine) runs the
+forwards and backwards of this rank's microbatches; `update` then finishes the gradients
+(dp × cp sum, tp partial sums, shared tied copies), takes the global norm, clips and steps
+AdamW; `TrainHooks` (train/hooks.py) observe both. PipeDream calls the same `update` once
+per microbatch from inside its run.
 
 Non-finite steps (Megatron checks loss and grads every step; Zero Bubble §4 skips such a step):
 the loss and the global grad norm are reduced over the whole mesh before the optimizer runs, so
@@ -15,11 +17,12 @@ every rank sees the same two numbers and takes the same decision without another
 A step with either inf or NaN is skipped: its grads are dropped, weights, AdamW moments and the
 step count stay as they were, and the result says `skipped`.
 
-Under `parallel.post_validation` (pp > 1; Zero Bubble §4, train/post_validation.py) there is no
-such global reduction: each stage steps optimistically with the state chained to it, and step
-s's loss, norm and skip are known only once the global state is back, while step s + 1 runs.
-The result of step s is then not `final`; step s + 1's carries it as `previous`, and
-`settle` validates a pending step at once (before evaluation, checkpoints, the end).
+Under `parallel.post_validation` (pp > 1; Zero Bubble §4, train/post_validation.py: a
+`PostValidatedEngine` wrapping the pipeline) there is no such global reduction: each stage
+steps optimistically with the state chained to it, and step s's loss, norm and skip are known
+only once the global state is back, while step s + 1 runs. The result of step s is then not
+`final`; step s + 1's carries it as `previous`, and `settle` validates a pending step at once
+(before evaluation, checkpoints, the end).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ import torch
 
 from megapipe.config import Config
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
+from megapipe.pipeline.pipedream import PipeDreamPipeline
+from megapipe.pipeline.protocol import Engine, Grads
 from megapipe.train.batches import BatchSlice
+from megapipe.train.hooks import NO_HOOKS, TrainHooks, optimizer_step
 from megapipe.train.optim import clip_gradients, global_grad_norm, lr_at, set_lr
-from megapipe.train.rng import rng_states, set_rng_states
+from megapipe.train.post_validation import PostValidatedEngine
 
 
 @dataclass
@@ -48,21 +54,30 @@ class StepResult:
 
 
 def train_step(
-    engine, slice_: BatchSlice, optimizer, batch: torch.Tensor, step: int, cfg: Config
+    engine: Engine,
+    slice_: BatchSlice,
+    optimizer,
+    batch: torch.Tensor,
+    step: int,
+    cfg: Config,
+    hooks: TrainHooks = NO_HOOKS,
 ) -> StepResult:
     """Forward/backward every microbatch of this rank's slice of the global `batch`, reduce
     gradients over the mesh, clip, and take one AdamW step (PipeDream: one per microbatch).
 
-    `step` is the number of optimizer steps already taken (it picks the learning rate).
+    `step` is the number of optimizer steps already taken (it picks the learning rate);
+    `hooks` observe the forward-backward and every optimizer step (train/hooks.py).
     """
     tokens = cfg.derived.tokens_per_step
     micro = slice_.microbatches(batch.to(engine.device), cfg.parallel.microbatches)
-    if getattr(engine, "validator", None) is not None:
-        return _post_validated(engine, slice_, optimizer, micro, step, cfg)
-    step_update = partial(update, optimizer=optimizer, step=step, cfg=cfg)
+    if isinstance(engine, PostValidatedEngine):
+        return _post_validated(engine, slice_, optimizer, micro, step, cfg, hooks)
+    step_update = partial(update, optimizer=optimizer, step=step, cfg=cfg, hooks=hooks)
+    hooks.forward_backward_begin(step)
     loss_sum = engine.forward_backward(micro, tokens, step_update)
+    hooks.forward_backward_end(step, engine.events)
     loss = slice_.sum(engine.stage_loss(loss_sum)) / tokens  # the same on every rank
-    if engine.updates_inside:  # PipeDream (§3.3): each stage stepped after every microbatch
+    if isinstance(engine, PipeDreamPipeline):  # §3.3: each stage stepped after every microbatch
         norm, skipped = engine.step_grad_norm()
         lr = lr_at(step, cfg.train)
     else:
@@ -71,55 +86,45 @@ def train_step(
     return StepResult(loss=loss.item(), grad_norm=norm, lr=lr, skipped=skipped)
 
 
-def _post_validated(engine, slice_, optimizer, micro, step: int, cfg: Config) -> StepResult:
+def _post_validated(
+    engine: PostValidatedEngine, slice_, optimizer, micro, step: int, cfg: Config, hooks
+) -> StepResult:
     """Zero Bubble §4: this step's forwards and backwards run on the weights of the previous
     step's optimistic update; the previous step is validated after them (its global state came
     back meanwhile) and, if any stage's optimistic step was wrong, every stage rolls back and
     redoes it, and this step's work runs again on the corrected weights (same RNG draws)."""
-    validator, tokens = engine.validator, cfg.derived.tokens_per_step
-    model = torch.nn.ModuleList(engine.chunks)
-    rng = rng_states(model)
-    validator.begin_iteration()
+    tokens = cfg.derived.tokens_per_step
+    hooks.forward_backward_begin(step)
     loss_sum = engine.forward_backward(micro, tokens)
+    hooks.forward_backward_end(step, engine.events)
     previous = None
-    if validator.pending is not None:
-        started = engine.runtime.events[0].t0 if engine.runtime.events else None
-        fields, redo = validator.settle(engine, optimizer, cfg, started)
+    if engine.pending:
+        started = engine.events[0].t0 if engine.events else None
+        fields, redo = engine.settle(optimizer, cfg, hooks, started)
         previous = StepResult(*fields)
         if redo:
-            _drop_grads(engine)
-            set_rng_states(rng, model)
-            rt = engine.runtime
-            loss_sum = rt.run(
-                engine.actions, micro, tokens, engine.reducers, engine.arrivals, engine.hooks
-            )
-    validator.step(engine, optimizer, slice_.sum(loss_sum) / tokens, step, cfg)
+            loss_sum = engine.redo(micro, tokens)
+    engine.step(optimizer, slice_.sum(loss_sum) / tokens, step, cfg, hooks)
     nan = float("nan")
     return StepResult(nan, nan, lr_at(step, cfg.train), final=False, previous=previous)
 
 
-def _drop_grads(engine) -> None:
-    """Forget the grads of a run that must run again: the dp buckets' reductions it launched
-    finish first (every replica does the same), then the grads go."""
-    for reducer in engine.reducers:
-        if reducer is not None:
-            reducer.finish()
-    for p in engine.params():
-        p.grad = None
-
-
-def settle(engine, optimizer, cfg: Config) -> StepResult | None:
+def settle(engine: Engine, optimizer, cfg: Config, hooks: TrainHooks = NO_HOOKS):
     """Validate a pending post-validated step now (rolled back and redone if it must be): its
     final result; None when nothing is pending."""
-    validator = getattr(engine, "validator", None)
-    if validator is None or validator.pending is None:
+    if not isinstance(engine, PostValidatedEngine) or not engine.pending:
         return None
-    fields, _ = validator.settle(engine, optimizer, cfg)
+    fields, _ = engine.settle(optimizer, cfg, hooks)
     return StepResult(*fields)
 
 
 def update(
-    grads, optimizer, step: int, cfg: Config, loss: torch.Tensor | None = None
+    grads: Grads,
+    optimizer,
+    step: int,
+    cfg: Config,
+    loss: torch.Tensor | None = None,
+    hooks: TrainHooks = NO_HOOKS,
 ) -> tuple[torch.Tensor, float, bool]:
     """Step 3 of one training step on `grads` (an engine, or one PipeDream stage): the dp × cp
     sum of each chunk's buckets, then tp partial sums, then shared copies (the tied embedding);
@@ -134,7 +139,7 @@ def update(
     if not finite(norm, loss):
         optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
         return norm, lr_at(step, cfg.train), True
-    return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg), False
+    return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg, hooks), False
 
 
 def finite(*values: torch.Tensor | None) -> bool:
@@ -142,12 +147,14 @@ def finite(*values: torch.Tensor | None) -> bool:
     return all(v is None or bool(torch.isfinite(v).all()) for v in values)
 
 
-def clip_and_step(optimizer, params: list, norm: torch.Tensor, step: int, cfg: Config) -> float:
+def clip_and_step(
+    optimizer, params: list, norm: torch.Tensor, step: int, cfg: Config, hooks: TrainHooks
+) -> float:
     """Clip to `train.grad_clip` by the global `norm`, set this step's LR, take the AdamW step
     and clear the grads; returns the LR used."""
     clip_gradients(params, norm, cfg.train.grad_clip)
     lr = lr_at(step, cfg.train)
     set_lr(optimizer, lr)
-    optimizer.step()
+    optimizer_step(optimizer, hooks)
     optimizer.zero_grad(set_to_none=True)
     return lr

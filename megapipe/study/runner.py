@@ -1,0 +1,178 @@
+"""Running a study's points (megapipe/study/__init__.py): local torchrun agents, a user's
+command, or sbatch scripts (launchers.py writes their command lines), each point's outcome in
+DIR/points/NAME/point.json; `collect` finds the results of points that ran elsewhere.
+
+What to run comes from the caller (`Entry`: the checkout and its training script, which
+tools/scaling_study.py names); nothing here knows a file path of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megapipe.study.launchers import command_text, local_commands, sbatch_script
+from megapipe.study.results import metrics_done
+from megapipe.study.spec import Study
+
+ERROR_LINE = re.compile(r"^error: .*$", re.MULTILINE)
+EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception)\b.*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What every point runs: `script` (train.py; launchers.script_args adds its arguments)
+    from the checkout `root` (the working directory and PYTHONPATH of local and command
+    points; slurm jobs cd there)."""
+
+    root: Path
+    script: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_error(text: str, code: int) -> str:
+    """The one-line cause from a point's output: train.py's `error:` line, else the last
+    exception line, else the exit code."""
+    found = ERROR_LINE.findall(text)
+    if found:
+        return found[0][len("error: ") :]
+    found = EXCEPTION_LINE.findall(text)
+    return found[-1] if found else f"exited with code {code} (see the point's logs)"
+
+
+def run_local(study, point, pdir: Path, run_dir: Path, entry: Entry) -> str | None:
+    """The point's agents on this machine; None on success, else the one-line error."""
+    port = int(study.launcher.get("port", 0)) or free_port()
+    threads = str(study.launcher.get("threads", 1))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(entry.root),
+           "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}  # fmt: skip
+    cmds = local_commands(study, point, str(run_dir), sys.executable, entry.script, port)
+    (pdir / "command.txt").write_text("\n".join(" ".join(c) for c in cmds) + "\n")
+    logs = [open(pdir / f"node{i}.log", "w") for i in range(len(cmds))]
+    procs = [subprocess.Popen(c, cwd=entry.root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True) for c, log in zip(cmds, logs)]  # fmt: skip
+    deadline, codes = time.monotonic() + study.timeout_s, []
+    try:
+        for proc in procs:
+            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 1)))
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for proc in procs:  # our agents' sessions only (their workers inherit them)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+        for log in logs:
+            log.close()
+    if codes is None:
+        return f"timed out after {study.timeout_s:g} s (timeout_s in the study); see node*.log"
+    text = "\n".join((pdir / f"node{i}.log").read_text() for i in range(len(cmds)))
+    if any(codes) or not metrics_done(run_dir, study.steps):
+        return first_error(text, max(codes, key=abs))
+    return None
+
+
+def run_command(study, point, pdir: Path, run_dir: Path, entry: Entry) -> tuple[str, str | None]:
+    """The user's template in a shell: (status, error). A command that exits 0 before the run
+    has logged its last step (it submitted the run elsewhere) leaves the point pending for
+    `collect`."""
+    text = command_text(study, point, str(pdir), str(run_dir), sys.executable, entry.script)
+    (pdir / "command.txt").write_text(text + "\n")
+    with open(pdir / "command.log", "w") as log:
+        try:
+            done = subprocess.run(text, shell=True, cwd=entry.root, stdout=log,
+                                  stderr=subprocess.STDOUT, timeout=study.timeout_s)  # fmt: skip
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            return "failed", f"timed out after {study.timeout_s:g} s (timeout_s in the study)"
+    if code:
+        return "failed", first_error((pdir / "command.log").read_text(), code)
+    return ("ok" if metrics_done(run_dir, study.steps) else "pending"), None
+
+
+def submit_slurm(
+    study, point, pdir: Path, run_dir: Path, entry: Entry, dry_run: bool
+) -> tuple[str, str | None]:
+    """Write job.sbatch; submit it unless dry_run: (status, job id or error)."""
+    script = pdir / "job.sbatch"
+    script.write_text(sbatch_script(study, point, str(pdir), str(run_dir), str(entry.root)))
+    if dry_run:
+        return "written", None
+    if shutil.which("sbatch") is None:
+        return "failed", "sbatch not found on PATH; run on the cluster's login node or --dry-run"
+    done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    if done.returncode:
+        return "failed", "sbatch: " + (done.stderr.strip().splitlines() or ["failed"])[-1]
+    return "submitted", done.stdout.strip().split(";")[0]
+
+
+def write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value, indent=1) + "\n")
+
+
+def run_points(study: Study, out: Path, entry: Entry, dry_run: bool = False) -> None:
+    """Every point of `study` under `out`/points/NAME: run, submitted or written (`dry_run`),
+    projected only, or failed with its one-line error; its point.json says which."""
+    kind = study.launcher["kind"]
+    write_json(out / "study.json", study.to_dict())
+    for point in study.points:
+        pdir = out / "points" / point.name
+        run_dir = pdir / "run"
+        pdir.mkdir(parents=True, exist_ok=True)
+        # a fresh run: an earlier one's checkpoints would be resumed (checkpoint.resume=auto)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        record, error = point.to_dict(), point.error
+        if point.projected_only:
+            status = "projected"
+        elif error:
+            status = "failed"
+        elif kind == "local":
+            error = run_local(study, point, pdir, run_dir, entry)
+            status = "failed" if error else "ok"
+            # the machine's load over the last minute: on a shared machine it explains
+            # measured steps slower than the projection for a quiet one
+            record["load_avg"], record["cpus"] = os.getloadavg()[0], os.cpu_count()
+        elif kind == "command":
+            status, error = run_command(study, point, pdir, run_dir, entry)
+        else:
+            status, found = submit_slurm(study, point, pdir, run_dir, entry, dry_run)
+            record["job_id"], error = (found, None) if status == "submitted" else (None, found)
+        record.update(status=status, error=error, point_dir=str(pdir), run_dir=str(run_dir))
+        write_json(pdir / "point.json", record)
+        print(f"{point.name}: {status}" + (f": {error}" if error else ""), flush=True)
+
+
+def collect(out: Path) -> None:
+    """Slurm (or a command that returned before its run ended): each submitted, written or
+    pending point is ok when its metrics are complete, failed with the `error:` line of its job
+    output (slurm-*.out, command.log), else still pending."""
+    study = json.loads((out / "study.json").read_text())
+    for point in study["points"]:
+        pdir = out / "points" / point["name"]
+        record = json.loads((pdir / "point.json").read_text())
+        if record["status"] not in ("submitted", "written", "pending"):
+            continue
+        logs = sorted(pdir.glob("slurm-*.out")) + sorted(pdir.glob("command.log"))
+        text = "\n".join(p.read_text(errors="replace") for p in logs)
+        if metrics_done(Path(record["run_dir"]), study["steps"]):
+            record.update(status="ok", error=None)
+        elif ERROR_LINE.search(text) or EXCEPTION_LINE.search(text):
+            record.update(status="failed", error=first_error(text, 1))
+        else:
+            record["status"] = "pending"
+        write_json(pdir / "point.json", record)
+        print(f"{record['name']}: {record['status']}", flush=True)
