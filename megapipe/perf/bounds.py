@@ -40,7 +40,7 @@ from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
-from megapipe.perf.model import _dp_plan, _optimizer
+from megapipe.perf.model import dp_plan, optimizer_plan
 from megapipe.perf.pipeline import KIND_INDEX, ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
@@ -106,9 +106,14 @@ class Bounds:
     def group(c: Candidate) -> tuple:
         """The candidates `coarse` bounds together: one mesh, micro-batch count, sequence
         parallelism, recompute, Seq1F1B segment count and zero; any schedule and vpp."""
+        return (*Bounds._work(c), c.zero)
+
+    @staticmethod
+    def _work(c: Candidate) -> tuple:
+        """What a candidate's pipeline bound reads besides its schedule and vpp: the group's
+        mesh, micro-batch count, sequence parallelism, recompute and segments (not zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
-        return (c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
-                c.zero)  # fmt: skip
+        return c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs
 
     # -- the group bound -------------------------------------------------------------------
 
@@ -134,7 +139,7 @@ class Bounds:
         if pipedream:
             return max(busy, chain), memory
         shape = (pp, dp, cp, tp)
-        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, [[params]])
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, [[params]])
         reduce = 0.0
         if not self.runtime.dp_overlap:  # ring times are affine in bytes: the mean's
             kind = "reduce_scatter" if zero and dp * cp > 1 else "all_reduce"
@@ -175,7 +180,7 @@ class Bounds:
         style = spec.placement if piped else "loop"
         split = piped and spec.split_backward
         cfg = None
-        key = (self.group(c)[:-1], style, vpp, split, fine)
+        key = (self._work(c), style, vpp, split, fine)
         if key not in self._pipes:
             cfg = c.config(self.base, check=False)
             self._pipes[key] = self._pipeline(c, cfg, split, fine)
@@ -236,9 +241,9 @@ class Bounds:
         states = [state_bytes(sum(h), cfg) for h in held]
         _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
-        dp = _dp_plan(cfg, self.cluster, self.runtime, shape, held,
-                      self.runtime.grad_bytes or cm.c)  # fmt: skip
-        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, held)
+        dp = dp_plan(cfg, self.cluster, self.runtime, shape, held,
+                     self.runtime.grad_bytes or cm.c)  # fmt: skip
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, held)
         last_rank = place.locate(place.num_stages - 1)[0]
         after = [
             (min(dp.last_bucket[r]) if self.runtime.dp_overlap else dp.total[r])
