@@ -88,8 +88,7 @@ class BlockTimes:
         p = cfg.parallel
         shape = (p.pp, p.dp, p.cp, p.tp)
         links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
-        key = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
-               cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
+        key = block_key(cfg, links, segment_key(cfg))
         if key not in self._models:
             self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
         cm = self._models[key][1]
@@ -143,19 +142,12 @@ def segment_key(cfg: Config) -> tuple[int, int]:
 
 def block_key(cfg: Config, *extra) -> tuple:
     """What a block's costs depend on here (the model fixed in a search): tp, cp, micro-batch
-    size, sequence parallelism, recompute, `extra` (the groups' links), and whether a pipeline
-    runs: without one the head makes its grads in forward and the tied lookup adds into the
-    head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
-    p = cfg.parallel
-    return (
-        p.tp,
-        p.cp,
-        cfg.derived.micro_batch_size,
-        p.sequence_parallel,
-        cfg.recompute.mode,
-        *extra,
-        p.pp == 1,
-    )
+    size, sequence parallelism, recompute, `extra` (the groups' links, segment_key), and
+    whether a pipeline runs: without one the head makes its grads in forward and the tied
+    lookup adds into the head's table grad (config/memory.head_grad_in_forward,
+    tied_lookup_with_head)."""
+    p, mbs = cfg.parallel, cfg.derived.micro_batch_size
+    return (p.tp, p.cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
 
 
 def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:
