@@ -189,9 +189,9 @@ def test_zero1_shards_the_optimizer_over_dp_cp(capsys, tmp_path):
 def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
     """Chunks of one rank with different blocks: the peak is the most activation bytes live at
     once, counted here microbatch by microbatch from the simulated action times."""
+    from megapipe.config.memory_plan import chunk_activations
     from megapipe.config.stages import placement_of, schedule_of
     from megapipe.plan.simulate import Costs, simulate
-    from megapipe.config.memory_plan import chunk_activations
 
     args = (
         "--model.n_layers=6",

@@ -1,4 +1,5 @@
-"""The memory model (train/memory.py, config/memory.py) against what training really holds.
+"""The memory model (config/memory_plan.py, its terms config/memory.py) against what training
+really holds.
 
 Activations are counted as the bytes of every storage a tensor saved for backward lives in
 (`saved_tensors_hooks`' pack), each storage once however many tensors view it, parameters left
@@ -20,6 +21,8 @@ the weight-grad queues are polled too, and so are Seq1F1B's stores of the segmen
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -35,6 +38,7 @@ from megapipe.config.memory import (
     segments,
 )
 from megapipe.config.stages import placement_of, schedule_costs, schedule_of
+from megapipe.perf import memory as perf_memory
 from megapipe.plan.simulate import simulate
 from megapipe.train.memory import memory_plan
 from tests.conftest import TINY
@@ -354,3 +358,20 @@ def test_optimizer_bytes_zero1_shards_over_dp_times_cp():
         assert r1.weights == r0.weights == 4 * r0.params and r1.grads == r0.grads
         assert r1.optimizer == 8 * -(-r1.params // 2) and r0.optimizer == 8 * r0.params
         assert r0.peak - r1.peak == r0.optimizer - r1.optimizer
+
+
+def test_the_memory_model_is_pure_arithmetic():
+    """config/memory_plan.py, the one model the dry run, the planner and the projection call,
+    runs without torch: parameter counts and the timeline come from its callers."""
+    code = "import sys, megapipe.config.memory_plan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_dry_run_and_projection_plan_alike():
+    """train/memory (meta-device counts, plan/simulate's timeline) and perf/memory (cached
+    counts, the Dag's timeline) give one plan, both config/memory_plan.memory_plan's."""
+    for overrides in [*([*PIPELINE, *o] for o in SCHEDULES.values()), *OTHER_STEPS.values()]:
+        cfg = config(overrides)
+        for device in ("cuda", "cpu"):
+            assert perf_memory.plan(cfg, device) == memory_plan(cfg, device)

@@ -24,6 +24,7 @@ import yaml
 
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
+from megapipe.config.stages import schedule_of
 from megapipe.perf import load_cluster, project
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import search as plan_search
@@ -31,7 +32,10 @@ from megapipe.perf import space as plan_space
 from megapipe.perf import table1 as t1
 from megapipe.perf.bounds import Bounds
 from megapipe.perf.cluster import CLUSTER_DIR
+from megapipe.perf.memory import BoundedCache
 from megapipe.perf.model import GIB
+from megapipe.perf.pipeline import ScheduleKey
+from tests.conftest import TINY
 from tools import plan as plan_cli
 
 REL = 1e-9  # the bounds and the projection sum the same floats in other orders
@@ -119,6 +123,65 @@ def test_table1_rows_best_beats_the_papers_config(row, cached_segments):
     again = project(best.config, cluster)  # independently of the search's own memory plan
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=REL)
     assert again.fits and again.peak_memory_gib <= 80  # the A100 80GB: 81920 MiB
+
+
+# -- cache keys -----------------------------------------------------------------------------
+
+
+def _tiny(*overrides: str):
+    return load_config(TINY, ["model.n_layers=8", "parallel.pp=4", "parallel.microbatches=4",
+                              *overrides])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("parallel.schedule=1f1b",),
+        ("parallel.schedule=interleaved_1f1b", "parallel.vpp=2"),
+        ("parallel.schedule=zb_v", "parallel.vpp=2", "parallel.schedule_costs=F=1,B=2,W=1"),
+        ("parallel.schedule=zb_auto", "parallel.zb_memory=2p"),
+        ("parallel.schedule=seq1f1b", "parallel.seq_segments=2"),
+        ("parallel.schedule=pipedream_async", "parallel.weight_sync=vertical",
+         "model.tie_embeddings=false"),
+    ],
+)  # fmt: skip
+def test_schedule_key_builds_what_schedule_of_builds(overrides):
+    cfg = _tiny(*overrides)
+    key = ScheduleKey.of(cfg)
+    assert key.build() == schedule_of(cfg)
+    assert ScheduleKey.of(_tiny(*overrides, "parallel.dp=2")) == key  # dp: not read
+
+
+def test_schedule_key_holds_every_input_the_schedule_reads():
+    zb = ("parallel.schedule=zb_auto",)
+    assert ScheduleKey.of(_tiny(*zb)) != ScheduleKey.of(_tiny(*zb, "parallel.zb_memory=2p"))
+    # zb_auto reads M_W / M_B, which the recompute mode changes (config/stages.zb_w_share)
+    assert ScheduleKey.of(_tiny(*zb)) != ScheduleKey.of(_tiny(*zb, "recompute.mode=full"))
+    pd = ("parallel.schedule=pipedream_async", "model.tie_embeddings=false")
+    assert ScheduleKey.of(_tiny(*pd)) != ScheduleKey.of(_tiny(*pd, "parallel.weight_sync=vertical"))
+
+
+def test_bounded_cache_drops_the_least_recently_used():
+    cache = BoundedCache(2)
+    for key in "abca":
+        cache.get(key, lambda k=key: k.upper())
+    assert cache.get("d", lambda: "D") == "D"  # drops b, the least recently used
+    assert cache.get("b", lambda: "new") == "new" and cache.get("a", lambda: "new") == "new"
+
+
+def test_bounds_do_not_depend_on_the_order_candidates_come_in():
+    """The Bounds' caches are keyed by all that their values read: the same candidate bounds
+    the same after others (here: other recompute modes, whose bytes differ) as alone."""
+    base, fixed = plan_search.base_config(None, SMALL)
+    cluster = small_cluster()
+    space = [c for c in plan_space.candidates(base, GPUS, PER_NODE, fixed) if c.pp == 1][:24]
+    shared = Bounds(base, cluster, plan_search.MEGAPIPE, plan_search.CALIBRATION)
+    for c in reversed(space):
+        shared.coarse(c), shared(c)
+    for c in space:
+        alone = Bounds(base, cluster, plan_search.MEGAPIPE, plan_search.CALIBRATION)
+        assert shared.coarse(c) == alone.coarse(c), plan_search.describe(c)
+        assert shared(c) == alone(c), plan_search.describe(c)
 
 
 # -- the command line -----------------------------------------------------------------------

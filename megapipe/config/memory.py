@@ -2,7 +2,8 @@
 model saves for backward, block by block, for one microbatch (or Seq1F1B segment) on one rank.
 
 Pure arithmetic (no torch): which chunks a rank holds is the partition's (config/stages.py), how
-many microbatches it holds at once the schedule's; train/memory.py puts them together per rank.
+many microbatches it holds at once the schedule's; config/memory_plan.py puts them together per
+rank.
 
 Activations follow the structure of Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", §4, eqs. 1-3): per layer, a sum over the ops of the tensors each

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from megapipe.config.flops import segment_bounds
 from megapipe.config.memory import (
     GRAD_BYTES,
     WEIGHT_BYTES,
@@ -130,17 +131,62 @@ def memory_plan(
     return MemoryPlan(tuple(ranks), device)
 
 
+@dataclass(frozen=True)
+class BlockBytesKey:
+    """What block_activations and block_deferred read of a config besides the block, the
+    device and the segment: the model, dtype and recompute (a layer's mode: block_role), one
+    rank's share of a microbatch (micro-batch size, tp, cp, sp), the Seq1F1B segments and
+    whether a pipeline runs (config/memory.head_grad_in_forward). Callers that cache bytes
+    per block or run of blocks key them by it."""
+
+    model: tuple
+    dtype: str
+    recompute: tuple
+    micro_batch_size: int
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    segments: tuple[tuple[int, int], ...]
+    pipeline: bool
+
+    @staticmethod
+    def of(cfg: Config) -> BlockBytesKey:
+        p = cfg.parallel
+        return BlockBytesKey(
+            _values(cfg.model), cfg.train.dtype, _values(cfg.recompute),
+            cfg.derived.micro_batch_size, p.tp, p.cp, p.sequence_parallel,
+            tuple(segment_bounds(cfg)), p.pp > 1,
+        )  # fmt: skip
+
+
+def _values(section: object) -> tuple:
+    """A config section's field values in order (dataclasses.astuple deep-copies each: slow
+    where the planner builds a key per stage)."""
+    return tuple(vars(section).values())
+
+
+def block_role(cfg: Config, block: int) -> str:
+    """Which terms a block's bytes take: "embedding" (block 0), "head" (n_layers + 1), or a
+    layer's recompute mode (recompute.layers leaves later layers at "none"); layers of one
+    mode save alike."""
+    if block == 0:
+        return "embedding"
+    if block == cfg.model.n_layers + 1:
+        return "head"
+    return layer_mode(cfg.recompute, block - 1)
+
+
 def block_activations(cfg: Config, block: int, device: str, segment: int | None) -> float:
     """Bytes one microbatch (or Seq1F1B segment; None: the whole sequence) leaves saved in
-    `block`: the embedding's (0), a layer's at its recompute mode (recompute.layers leaves
-    later layers at "none"), the head's (n_layers + 1). A chunk's input is saved by its first
-    block (a layer's norm1)."""
-    if block == 0:
+    `block`, by its block_role: the embedding's, a layer's at its recompute mode, the head's.
+    A chunk's input is saved by its first block (a layer's norm1)."""
+    role = block_role(cfg, block)
+    if role == "embedding":
         terms = embedding_terms(cfg, device, segment)
-    elif block == cfg.model.n_layers + 1:
+    elif role == "head":
         terms = head_terms(cfg, device, segment)
     else:
-        terms = layer_terms(cfg, layer_mode(cfg.recompute, block - 1), device, segment)
+        terms = layer_terms(cfg, role, device, segment)
     return sum(terms.values())
 
 
@@ -160,10 +206,11 @@ def chunk_activations(cfg: Config, blocks: range, device: str = "cuda") -> float
 
 def block_deferred(cfg: Config, block: int, segment: int | None = None) -> float:
     """Bytes one microbatch (or segment) keeps in `block` from its B to its W under a B/W
-    split (the embedding: none)."""
-    if block == 0:
+    split, by its block_role (the embedding: none; any recompute mode alike)."""
+    role = block_role(cfg, block)
+    if role == "embedding":
         return 0
-    if block == cfg.model.n_layers + 1:
+    if role == "head":
         return sum(head_deferred(cfg, segment).values())
     return sum(layer_deferred(cfg, segment).values())
 

@@ -35,7 +35,6 @@ class BlockTimes:
         self._plains: dict[tuple, tuple[Config, CostModel]] = {}
         self._sums: dict[tuple, tuple] = {}
         self._layers: dict[tuple, tuple] = {}
-        self._segments: dict[tuple, list] = {}
 
     def plain(self, cfg: Config) -> tuple[Config, CostModel]:
         """`cfg` unsegmented (1f1b) and its cost model, shared by the configs whose blocks
@@ -62,9 +61,8 @@ class BlockTimes:
         model's stage costs. Segmented: those of the whole sequence less each layer's attention
         excess, and the first segment's layer GEMMs."""
         _, cm = self.plain(cfg)
-        p = cfg.parallel
         is_segmented = segmented(cfg)
-        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1) if is_segmented else None
+        seg_key = segment_key(cfg) if is_segmented else None
         key = (id(cm), blocks.start, blocks.stop, split, seg_key)
         if key not in self._sums:
             self._sums[key] = self._block_sums_of(cfg, cm, blocks, split, is_segmented)
@@ -90,8 +88,7 @@ class BlockTimes:
         p = cfg.parallel
         shape = (p.pp, p.dp, p.cp, p.tp)
         links = (group_link(self.cluster, shape, ("tp",)), group_link(self.cluster, shape, ("cp",)))
-        key = (p.tp, p.cp, cfg.derived.micro_batch_size, p.sequence_parallel,
-               cfg.recompute.mode, p.seq_segments, links)  # fmt: skip
+        key = block_key(cfg, links, segment_key(cfg))
         if key not in self._models:
             self._models[key] = (cfg, CostModel(cfg, self.cluster, self.runtime, self.cal))
         cm = self._models[key][1]
@@ -111,13 +108,9 @@ class BlockTimes:
         and the first Seq1F1B segment's GEMM seconds of F, B (with the recompute's F under
         full) and W."""
         plain, cm = self.plain(cfg)
-        p = cfg.parallel
-        seg_key = (p.seq_segments, p.tp if p.sequence_parallel else 1)
-        key = (id(cm), mode, seg_key)
+        key = (id(cm), mode, segment_key(cfg))
         if key not in self._layers:
-            if seg_key not in self._segments:
-                self._segments[seg_key] = segment_bounds(cfg)
-            start, end = self._segments[seg_key][0]
+            start, end = segment_bounds(cfg)[0]
             x, dev = shapes(plain), cm.dev
             fwd, bwd = cm._attention(x)
             flops = 4.0 * x.hd * x.pairs * x.b * x.h
@@ -140,21 +133,21 @@ def segmented(cfg: Config) -> bool:
     return p.pp > 1 and SCHEDULES[p.schedule].segmented and p.seq_segments > 1
 
 
-def block_key(cfg: Config, *extra) -> tuple:
-    """What a block's costs and saved bytes depend on here: tp, cp, micro-batch size, sequence
-    parallelism, recompute, `extra` (the groups' links, the segment count), and whether a
-    pipeline runs: without one the head makes its grads in forward and the tied lookup adds
-    into the head's table grad (config/memory.head_grad_in_forward, tied_lookup_with_head)."""
+def segment_key(cfg: Config) -> tuple[int, int]:
+    """What a segmented config's Seq1F1B segment bounds depend on besides the model (fixed in a
+    search): the segment count and the sequence-parallel grain (config/flops.segment_bounds)."""
     p = cfg.parallel
-    return (
-        p.tp,
-        p.cp,
-        cfg.derived.micro_batch_size,
-        p.sequence_parallel,
-        cfg.recompute.mode,
-        *extra,
-        p.pp == 1,
-    )
+    return p.seq_segments, p.tp if p.sequence_parallel else 1
+
+
+def block_key(cfg: Config, *extra) -> tuple:
+    """What a block's costs depend on here (the model fixed in a search): tp, cp, micro-batch
+    size, sequence parallelism, recompute, `extra` (the groups' links, segment_key), and
+    whether a pipeline runs: without one the head makes its grads in forward and the tied
+    lookup adds into the head's table grad (config/memory.head_grad_in_forward,
+    tied_lookup_with_head)."""
+    p, mbs = cfg.parallel, cfg.derived.micro_batch_size
+    return (p.tp, p.cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
 
 
 def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:

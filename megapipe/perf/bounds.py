@@ -25,20 +25,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.config import Config
-from megapipe.config.memory import attention_path, layer_mode, segments, state_bytes
+from megapipe.config.memory import attention_path, segments, state_bytes
 from megapipe.config.memory_plan import (
+    BlockBytesKey,
     block_activations,
     block_deferred,
+    block_role,
     chunk_activations,
     live_change,
 )
 from megapipe.config.stages import partition, placement_of
-from megapipe.perf.block_times import BlockTimes, block_key, segmented
+from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.memory import chunk_params
-from megapipe.perf.model import _dp_plan, _optimizer
+from megapipe.perf.model import dp_plan, optimizer_plan
 from megapipe.perf.pipeline import ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
@@ -98,15 +100,21 @@ class Bounds:
         self._acts: dict[tuple, float] = {}
         self._counts: dict[tuple, int] = {}
         self._bytes: dict[tuple, float] = {}
+        self._ids: dict[BlockBytesKey, int] = {}
         self._schedules: dict[tuple, dict] = {}
 
     @staticmethod
     def group(c: Candidate) -> tuple:
         """The candidates `coarse` bounds together: one mesh, micro-batch count, sequence
         parallelism, recompute, Seq1F1B segment count and zero; any schedule and vpp."""
+        return (*Bounds._work(c), c.zero)
+
+    @staticmethod
+    def _work(c: Candidate) -> tuple:
+        """What a candidate's pipeline bound reads besides its schedule and vpp: the group's
+        mesh, micro-batch count, sequence parallelism, recompute and segments (not zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
-        return (c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
-                c.zero)  # fmt: skip
+        return c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs
 
     # -- the group bound -------------------------------------------------------------------
 
@@ -132,7 +140,7 @@ class Bounds:
         if pipedream:
             return max(busy, chain), memory
         shape = (pp, dp, cp, tp)
-        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, [[params]])
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, [[params]])
         reduce = 0.0
         if not self.runtime.dp_overlap:  # ring times are affine in bytes: the mean's
             kind = "reduce_scatter" if zero and dp * cp > 1 else "all_reduce"
@@ -173,7 +181,7 @@ class Bounds:
         style = spec.placement if piped else "loop"
         split = piped and spec.split_backward
         cfg = None
-        key = (self.group(c)[:-1], style, vpp, split, fine)
+        key = (self._work(c), style, vpp, split, fine)
         if key not in self._pipes:
             cfg = c.config(self.base, check=False)
             self._pipes[key] = self._pipeline(c, cfg, split, fine)
@@ -196,7 +204,7 @@ class Bounds:
         is_segmented = segmented(cfg)
         fine = fine and is_segmented
         plain, cm = self.times.plain(cfg)
-        key = (id(cm), place.num_stages, split, _seg_key(cfg) if is_segmented else None, fine)
+        key = (id(cm), place.num_stages, split, segment_key(cfg) if is_segmented else None, fine)
         if key not in self._stage_costs:
             stages = self._stages(cfg, place.num_stages)
             sums = self.times.segment_sums if fine else self.times.block_sums
@@ -234,9 +242,9 @@ class Bounds:
         states = [state_bytes(sum(h), cfg) for h in held]
         _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
-        dp = _dp_plan(cfg, self.cluster, self.runtime, shape, held,
-                      self.runtime.grad_bytes or cm.c)  # fmt: skip
-        opt = _optimizer(cfg, self.cluster, self.runtime, cm, shape, held)
+        dp = dp_plan(cfg, self.cluster, self.runtime, shape, held,
+                     self.runtime.grad_bytes or cm.c)  # fmt: skip
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, held)
         last_rank = place.locate(place.num_stages - 1)[0]
         after = [
             (min(dp.last_bucket[r]) if self.runtime.dp_overlap else dp.total[r])
@@ -262,19 +270,14 @@ class Bounds:
         """One microbatch's activation bytes through `blocks` (over its Seq1F1B segments),
         summed per block (embedding, layer by recompute mode, head): config/memory.py's terms
         add block by block."""
-        n_layers, total = cfg.model.n_layers, 0.0
-        p = cfg.parallel
-        mesh = block_key(cfg, p.seq_segments if segmented(cfg) else 1)
+        total, mesh = 0.0, self._bytes_id(cfg)
         if (mesh, blocks.start, blocks.stop) in self._acts:
             return self._acts[mesh, blocks.start, blocks.stop]
         for b in blocks:
-            if b in (0, n_layers + 1):
-                kind = "embedding" if b == 0 else "head"
-            else:
-                kind = layer_mode(cfg.recompute, b - 1)
-            if (mesh, kind) not in self._acts:
-                self._acts[mesh, kind] = chunk_activations(cfg, range(b, b + 1), self.device)
-            total += self._acts[mesh, kind]
+            role = block_role(cfg, b)
+            if (mesh, role) not in self._acts:
+                self._acts[mesh, role] = chunk_activations(cfg, range(b, b + 1), self.device)
+            total += self._acts[mesh, role]
         self._acts[mesh, blocks.start, blocks.stop] = total
         return total
 
@@ -292,10 +295,11 @@ class Bounds:
         seg_ids = segments(cfg)
         n_seg = len(seg_ids)
         codes = self._codes(cfg, n_seg) if p.pp > 1 else None
+        mesh = self._bytes_id(cfg)
         best, where = -math.inf, (0, 0)
         for r in range(place.pp):
             chunks = [stages[place.stage(r, k)] for k in range(place.vpp)]
-            size = [[self._block_bytes(cfg, b, i, False) for i in seg_ids] for b in chunks]
+            size = [[self._block_bytes(cfg, mesh, b, i, False) for i in seg_ids] for b in chunks]
             acts = tuple(sum(per_seg) for per_seg in size)
             inflight = 1.0
             if codes is not None:
@@ -304,7 +308,7 @@ class Bounds:
                 for c, blocks in enumerate(chunks):
                     for k, i in enumerate(seg_ids):
                         held = size[c][k] / unit
-                        keep = self._block_bytes(cfg, blocks, i, True) / unit
+                        keep = self._block_bytes(cfg, mesh, blocks, i, True) / unit
                         for kind, index in KIND_INDEX.items():
                             change = live_change(kind, held, keep)
                             table[(index * place.vpp + c) * n_seg + k] = change
@@ -332,17 +336,21 @@ class Bounds:
             ]
         return self._schedules[key]
 
-    def _block_bytes(self, cfg: Config, blocks: range, segment: int | None, kept: bool) -> float:
+    def _bytes_id(self, cfg: Config) -> int:
+        """A small number for cfg's BlockBytesKey (config/memory_plan.py: what a block's bytes
+        read of the config), so that the per-block caches hash an int."""
+        return self._ids.setdefault(BlockBytesKey.of(cfg), len(self._ids))
+
+    def _block_bytes(
+        self, cfg: Config, mesh: int, blocks: range, segment: int | None, kept: bool
+    ) -> float:
         """config/memory_plan.segment_activations (kept: chunk_deferred) of `blocks`, summed
-        block by block in the same order from each block's cached share."""
-        p = cfg.parallel
-        mesh = block_key(cfg, p.seq_segments if segmented(cfg) else 1)
-        n_layers, total = cfg.model.n_layers, 0.0 if not kept else 0
+        block by block in the same order from each block's cached share; `mesh`: _bytes_id."""
+        total = 0.0 if not kept else 0
         for b in blocks:
             if kept and b == 0:
                 continue
-            kind = "E" if b == 0 else "H" if b == n_layers + 1 else layer_mode(cfg.recompute, b - 1)
-            key = (mesh, kind, segment, kept)
+            key = (mesh, block_role(cfg, b), segment, kept)
             if key not in self._bytes:
                 if kept:
                     self._bytes[key] = float(block_deferred(cfg, b, segment))
@@ -350,9 +358,3 @@ class Bounds:
                     self._bytes[key] = 0.0 + block_activations(cfg, b, self.device, segment)
             total += self._bytes[key]
         return float(total)
-
-
-def _seg_key(cfg: Config) -> tuple[int, int]:
-    """What a config's Seq1F1B segment bounds depend on besides the model."""
-    p = cfg.parallel
-    return p.seq_segments, p.tp if p.sequence_parallel else 1

@@ -156,8 +156,8 @@ def project(
         [chunk_params(cfg, stages[place.stage(r, c)], 0) for c in range(place.vpp)]
         for r in range(p.pp)
     ]
-    dp = _dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c)
-    opt = _optimizer(cfg, cluster, runtime, cm, shape, held)
+    dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c)
+    opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held)
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
     skew = _sync_skew(cfg, cluster)
@@ -358,7 +358,7 @@ class _DP:
     tied: float  # the tied embedding's all-reduce between the first and last stage
 
 
-def _dp_plan(cfg, cluster, runtime, shape, held, grad_bytes: int) -> _DP:
+def dp_plan(cfg, cluster, runtime, shape, held, grad_bytes: int) -> _DP:
     p, m = cfg.parallel, cfg.model
     n = p.dp * p.cp
     link = group_link(cluster, shape, ("dp", "cp"))
@@ -434,7 +434,7 @@ class _Opt:
     gather: float
 
 
-def _optimizer(cfg, cluster, runtime, cm: CostModel, shape, held) -> _Opt:
+def optimizer_plan(cfg, cluster, runtime, cm: CostModel, shape, held) -> _Opt:
     p = cfg.parallel
     n = p.dp * p.cp
     shards = n if p.zero and n > 1 else 1
