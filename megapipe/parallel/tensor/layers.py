@@ -20,7 +20,7 @@ from torch import nn
 
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
-from megapipe.parallel.autograd.weight_grad import linear
+from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
@@ -31,7 +31,8 @@ class ShardedModule(nn.Module):
     def __init__(self, tp: TPInfo) -> None:
         super().__init__()
         self.tp = tp
-        self.wgrad_queue: dict = {}  # Zero Bubble: weight-grad work deferred to W (weight_grad)
+        self.eager = False  # linears: run outside compiled graphs (gpt.compile_math)
+        self.wgrad_queue = WeightGradQueue()  # Zero Bubble: weight grads deferred to W
         self.kept_grads = KeptBuffers()  # the CPU weight grad's buffer, kept from step to step
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self.shard_specs: dict[str, ShardSpec] = {}
@@ -76,9 +77,17 @@ class ColumnParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def forward(self):
+        """The math, or with `eager` the math outside any compiled graph (a graph break where
+        nn.Module.__call__ calls it, as a module whose forward is torch.compiler.disable'd)."""
+        return self._eager_math if self.eager else self._math
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
         return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    _eager_math = torch.compiler.disable(_math)
 
 
 class RowParallelLinear(ShardedModule):
@@ -104,9 +113,17 @@ class RowParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def forward(self):
+        """The math, or with `eager` the math outside any compiled graph (a graph break where
+        nn.Module.__call__ calls it, as a module whose forward is torch.compiler.disable'd)."""
+        return self._eager_math if self.eager else self._math
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = exit_row(linear(x, self.weight, None, self), self.tp)
         return y if self.bias is None else y + self.bias
+
+    _eager_math = torch.compiler.disable(_math)
 
 
 class VocabParallelEmbedding(ShardedModule):
