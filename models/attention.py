@@ -72,7 +72,7 @@ class Attention(nn.Module):
         bias = cfg.arch == "gpt2"
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp = cp
-        self.eager_core = False  # the core outside compiled graphs (models/gpt.compile_math)
+        self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
         self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
@@ -109,7 +109,7 @@ class Attention(nn.Module):
             k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
-        core = self._eager_core if self.eager_core else self._core
+        core = self._core if self._eager_core is None else self._eager_core
         y = maybe_checkpoint(self.selective, replayable(core, self.tp), q, k, v, p)
         y = y.transpose(1, 2).reshape(B, T, h * hd)  # (B, T, H/tp·hd)
         return self.proj(y)  # (B, T, d), or (B, T/tp, d) with SP
@@ -123,4 +123,7 @@ class Attention(nn.Module):
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p)
 
-    _eager_core = torch.compiler.disable(_core)  # a graph break: models/gpt.compile_math
+    def keep_core_eager(self) -> None:
+        """Run the core outside compiled graphs from now on (models/gpt.compile_math); made
+        here, when compiling, so that importing the model does not import torch._dynamo."""
+        self._eager_core = torch.compiler.disable(self._core)

@@ -31,7 +31,6 @@ class ShardedModule(nn.Module):
     def __init__(self, tp: TPInfo) -> None:
         super().__init__()
         self.tp = tp
-        self.eager = False  # linears: run outside compiled graphs (gpt.compile_math)
         self.wgrad_queue = WeightGradQueue()  # Zero Bubble: weight grads deferred to W
         self.kept_grads = KeptBuffers()  # the CPU weight grad's buffer, kept from step to step
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
@@ -46,7 +45,30 @@ class ShardedModule(nn.Module):
         self.shard_specs[name] = spec
 
 
-class ColumnParallelLinear(ShardedModule):
+class ParallelLinear(ShardedModule):
+    """What the tp linears share: `forward` is their `_math`, or after `keep_eager()` the same
+    math outside any compiled graph."""
+
+    def __init__(self, tp: TPInfo) -> None:
+        super().__init__(tp)
+        self._eager_math = None  # keep_eager's torch.compiler.disable'd math
+
+    def keep_eager(self) -> None:
+        """Run outside compiled graphs from now on: a graph break where compiled code calls
+        this linear (models/gpt.compile_math). The disabled math is made here, when compiling,
+        so that importing the layers does not import torch._dynamo."""
+        self._eager_math = torch.compiler.disable(self._math)
+
+    @property
+    def forward(self):
+        """What nn.Module.__call__ runs: the math, or keep_eager's disabled math."""
+        return self._math if self._eager_math is None else self._eager_math
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x Aᵀ + b with the rows of A (output features) split over tp.
 
     `out_features` may be a list of segments (q | k | v, or gate | up); each segment is split
@@ -77,20 +99,12 @@ class ColumnParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    @property
-    def forward(self):
-        """The math, or with `eager` the math outside any compiled graph (a graph break where
-        nn.Module.__call__ calls it, as a module whose forward is torch.compiler.disable'd)."""
-        return self._eager_math if self.eager else self._math
-
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
-    _eager_math = torch.compiler.disable(_math)
 
-
-class RowParallelLinear(ShardedModule):
+class RowParallelLinear(ParallelLinear):
     """y = x Aᵀ + b with the columns of A (input features) split over tp.
 
     Input: this rank's features. Output: g (all-reduce fwd / identity bwd), or with SP
@@ -113,17 +127,9 @@ class RowParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    @property
-    def forward(self):
-        """The math, or with `eager` the math outside any compiled graph (a graph break where
-        nn.Module.__call__ calls it, as a module whose forward is torch.compiler.disable'd)."""
-        return self._eager_math if self.eager else self._math
-
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = exit_row(linear(x, self.weight, None, self), self.tp)
         return y if self.bias is None else y + self.bias
-
-    _eager_math = torch.compiler.disable(_math)
 
 
 class VocabParallelEmbedding(ShardedModule):
