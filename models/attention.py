@@ -72,6 +72,7 @@ class Attention(nn.Module):
         bias = cfg.arch == "gpt2"
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp = cp
+        self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
         self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
@@ -108,7 +109,8 @@ class Attention(nn.Module):
             k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
-        y = maybe_checkpoint(self.selective, replayable(self._core, self.tp), q, k, v, p)
+        core = self._core if self._eager_core is None else self._eager_core
+        y = maybe_checkpoint(self.selective, replayable(core, self.tp), q, k, v, p)
         y = y.transpose(1, 2).reshape(B, T, h * hd)  # (B, T, H/tp·hd)
         return self.proj(y)  # (B, T, d), or (B, T/tp, d) with SP
 
@@ -120,3 +122,8 @@ class Attention(nn.Module):
             return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p)
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p)
+
+    def keep_core_eager(self) -> None:
+        """Run the core outside compiled graphs from now on (models/gpt.compile_math); made
+        here, when compiling, so that importing the model does not import torch._dynamo."""
+        self._eager_core = torch.compiler.disable(self._core)

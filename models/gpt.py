@@ -136,16 +136,17 @@ class TransformerLayer(nn.Module):
           tp, where their f/g collectives sit;
         - the attention core under cp (ring attention's p2p) and tp (the dropout RNG tracker);
         - the residual dropout under sequence parallelism (the tracker again).
-        Dropout draws from the same generator as eager when torch._inductor.config
-        .fallback_random is set (pipeline/stages.compile_chunks sets it)."""
+        Each is asked through a method of its own (`keep_eager`, `keep_core_eager`), never by
+        rebinding its methods. Dropout draws from the same generator as eager: inductor's
+        `fallback_random`, set for this compile only (no process-global config)."""
         if split_weight_grads or self.tp.size > 1:
             for linear in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2):
-                linear.forward = torch.compiler.disable(linear.forward)
+                linear.keep_eager()
         if self.tp.size > 1 or self.attn.cp.size > 1:
-            self.attn._core = torch.compiler.disable(self.attn._core)
+            self.attn.keep_core_eager()
         if self.tp.sp:
             self._dropout = torch.compiler.disable(self._dropout)
-        self._forward = torch.compile(self._forward)
+        self._forward = torch.compile(self._forward, options={"fallback_random": True})
 
 
 class Head(nn.Module):

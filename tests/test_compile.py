@@ -82,7 +82,7 @@ def test_compiled_linears_still_defer_weight_grads():
     x = torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
     eager(x.clone().requires_grad_()).square().sum().backward()
     y = split(x.clone().requires_grad_())
-    with defer_weight_grads(("mb", 0)):
+    with defer_weight_grads(split, ("mb", 0)):
         y.square().sum().backward()
     linears = [n for n, _ in split.named_parameters() if n.endswith("weight") and "norm" not in n]
     params = dict(split.named_parameters())

@@ -20,6 +20,7 @@ LAYERS = (
     "megapipe.plan",
     "megapipe.config",
     "megapipe.data",
+    "megapipe._torch_compat",  # the lowest torch layer: private torch APIs, behind names
     "megapipe.distributed",
     "megapipe.parallel",
     "models",

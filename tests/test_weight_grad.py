@@ -32,7 +32,7 @@ def test_deferred_weight_grads_equal_full_backward():
 
     split = _model()
     xs = x.clone().requires_grad_()
-    with defer_weight_grads(("mb", 0)):
+    with defer_weight_grads(split, ("mb", 0)):
         split(xs).square().sum().backward()  # B
     assert split[0].weight.grad is None and split[2].weight.grad is None
     assert split[0].bias.grad is not None  # biases stay in B
@@ -50,7 +50,7 @@ def test_two_microbatches_accumulate_in_w():
     for x in (x1, x2):
         full(x).sum().backward()
     for i, x in enumerate((x1, x2)):
-        with defer_weight_grads((i, 0)):
+        with defer_weight_grads(split, (i, 0)):
             split(x).sum().backward()
     for i in (1, 0):  # W in any order
         run_weight_grads(split, (i, 0))
@@ -96,7 +96,7 @@ def test_deferred_weight_grad_uses_the_kept_buffer_too():
     x, gy = torch.randn(4, 8), torch.randn(4, 12)
     layer(x).backward(gy)
     layer.weight.grad = None
-    with defer_weight_grads(("mb", 0)):
+    with defer_weight_grads(layer, ("mb", 0)):
         layer(x).backward(gy)
     assert layer.weight.grad is None
     run_weight_grads(layer, ("mb", 0))

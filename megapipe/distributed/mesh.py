@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megapipe._torch_compat import flatten_mesh, set_group_timeout
 from megapipe.config import Config, ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")
@@ -109,7 +110,7 @@ class ParallelMesh:
         self.coords = coords(self.rank, sizes)
         self.device_mesh = init_device_mesh(device_type, sizes.shape, mesh_dim_names=AXES)
         self.groups = {axis: self.device_mesh[axis].get_group() for axis in AXES}
-        self.dp_cp_group = self.device_mesh["dp", "cp"]._flatten("dp_cp").get_group()
+        self.dp_cp_group = flatten_mesh(self.device_mesh, ("dp", "cp"), "dp_cp").get_group()
         self.norm_group = self._new_group(("pp", "tp"))  # one copy of every parameter
         # every rank holding this pp stage's parameters: zero=1 checkpoints write shards over it
         self.stage_group = self._new_group(("dp", "cp", "tp"))
@@ -120,11 +121,9 @@ class ParallelMesh:
         DeviceMesh takes no timeout, so its groups get it set after they exist."""
         if self.timeout is None:
             return
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
         for group in {*self.groups.values(), self.dp_cp_group}:
             if group is not dist.group.WORLD:
-                _set_pg_timeout(self.timeout, group)
+                set_group_timeout(group, self.timeout)
 
     def _new_group(self, axes: tuple[str, ...]):
         mine = None

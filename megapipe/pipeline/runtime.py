@@ -197,7 +197,7 @@ class PipelineRuntime:
         return [] if x is None else [(self._output_message(a), x.grad)]
 
     def _input_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
-        with defer_weight_grads(a.unit):
+        with defer_weight_grads(self.chunks[a.chunk], a.unit):
             return self._backward(a)
 
     def _weight_grad(self, a: Action) -> list[tuple[Message, torch.Tensor]]:

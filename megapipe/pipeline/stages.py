@@ -66,9 +66,6 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     layers = [layer for chunk in chunks for layer in chunk.layers.values()]
     if not cfg.train.compile or not layers:
         return None
-    import torch._inductor.config as inductor_config  # only when compiling: a heavy import
-
-    inductor_config.fallback_random = True  # dropout draws as eager does (and recompute replays)
     split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.schedule].split_backward
     began = time.perf_counter()
     for layer in layers:

@@ -35,11 +35,11 @@ from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megapipe._torch_compat import sharded_tensor
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import barrier, distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
@@ -129,19 +129,14 @@ def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 def _sharded(e: Entry):
     """A ShardedTensor of the logical shape holding this rank's pieces of `e`. Built over the
     tp group: the metadata exchange is a collective, and pp ranks hold different keys."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    shards = []
+    blocks = []
     for piece in e.spec.pieces(e.tp.size, e.tp.rank):
         if not (piece.owner and piece.length):
             continue
-        offsets, sizes = [0] * len(e.shape), list(e.shape)
-        offsets[e.spec.dim], sizes[e.spec.dim] = piece.global_lo, piece.length
-        data = e.local.narrow(e.spec.dim, piece.local_lo, piece.length).contiguous()
-        placement = f"rank:{dist.get_rank()}/{data.device}"
-        shards.append(Shard(data, ShardMetadata(offsets, sizes, placement)))
-    return ShardedTensor._init_from_local_shards(shards, *e.shape, process_group=e.tp.group)
+        offsets = [0] * len(e.shape)
+        offsets[e.spec.dim] = piece.global_lo
+        blocks.append((offsets, e.local.narrow(e.spec.dim, piece.local_lo, piece.length)))
+    return sharded_tensor(blocks, e.shape, e.tp.group)
 
 
 def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:

@@ -16,7 +16,6 @@ import io
 
 import torch
 from torch import nn
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
+from megapipe._torch_compat import narrow_to_block
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -169,7 +169,7 @@ class CountingReader(FileSystemReader):
 
 def _copy_into(planner, item, saved: torch.Tensor) -> None:
     """The part of a saved chunk that `item` reads, into the block it fills."""
-    part = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+    part = narrow_to_block(saved, item.storage_offsets, item.lengths)
     target = planner.resolve_tensor(item).detach()
     if target.size() != part.size():
         raise ValueError(f"{item.storage_index.fqn}: {tuple(part.shape)} into {target.shape}")

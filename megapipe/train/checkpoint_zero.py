@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from megapipe._torch_compat import sharded_tensor
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -77,18 +77,6 @@ def logical_pieces(
     return out
 
 
-def _sharded(pieces: list, shape: tuple, group):
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    shards = []
-    for offsets, block in pieces:
-        placement = f"rank:{dist.get_rank()}/{block.device}"
-        meta = ShardMetadata(offsets, list(block.shape), placement)
-        shards.append(Shard(block.contiguous(), meta))
-    return ShardedTensor._init_from_local_shards(shards, *shape, process_group=group)
-
-
 def _logical(chunks: list[nn.Module]):
     """(logical name, parameter, logical shape, ShardSpec, TPInfo) of every written parameter:
     the last stage's copy of the tied table is left out (stage 0 writes the table)."""
@@ -110,7 +98,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer
             if owned is not None:
                 slot, st = owned
                 pieces = logical_pieces(st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp)
-            state[f"optim.{name}.{key}"] = _sharded(pieces, shape, optimizer.stage_group)
+            state[f"optim.{name}.{key}"] = sharded_tensor(pieces, shape, optimizer.stage_group)
         if writer:
             state[f"optim.{name}.step"] = optimizer.step_count()
     return state

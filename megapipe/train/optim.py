@@ -14,8 +14,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from megapipe._torch_compat import foreach_mul_, foreach_norm, fused_adamw_devices
 from megapipe.config import TrainConfig
 from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
 
@@ -50,7 +50,7 @@ def build_optimizer(
 def adamw_kind(groups: list[dict]) -> str:
     """The AdamW implementation for `groups`: fused when torch has a fused kernel for the
     device of every floating-point parameter (tensors or shard views), else foreach."""
-    fused_devices = set(_get_fused_kernels_supported_devices())
+    fused_devices = fused_adamw_devices()
     params = [p for g in groups for p in g["params"]]
     ok = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
     return "fused" if ok else "foreach"
@@ -98,7 +98,7 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     fresh 154 MB buffer per step (its page faults alone cost more than the norm)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+    norms = foreach_norm([g.detach() for g in grads], torch.float32)
     return torch.stack(norms).square().sum()
 
 
@@ -128,4 +128,4 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        torch._foreach_mul_(grads, scale)
+        foreach_mul_(grads, scale)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from megapipe._torch_compat import storage_use_count
+
 
 class KeptBuffers:
     """Up to `keep` buffers of one shape, dtype and device, each lent only while nothing else
@@ -56,4 +58,4 @@ def kept_or_new(
 def only_holder(tensor: torch.Tensor) -> bool:
     """No other tensor (a view, a .grad, a saved tensor) shares `tensor`'s storage: the count
     is `tensor` itself and the temporary storage object made to ask."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2
+    return storage_use_count(tensor) == 2

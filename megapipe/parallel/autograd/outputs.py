@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from megapipe._torch_compat import run_backward, view_base
+
 
 def release_values(out: torch.Tensor) -> None:
     """Drop `out`'s values but keep its autograd node (Megatron's deallocate_output_tensor,
     Narayanan et al. 2021): a stage's output is a residual sum, whose backward reads no output,
     so only its grad_fn must live until backward; the values travel on in the detached copy."""
-    if out._base is not None:  # a view: its base (and the storage) lives on in the graph anyway
+    if view_base(out) is not None:  # a view: its base (and storage) lives on in the graph
         return
     out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
@@ -27,6 +29,4 @@ def backward_from(roots, grads) -> None:
     grads = (grads,) if grads is None or isinstance(grads, torch.Tensor) else tuple(grads)
     if grads[0] is None:  # the last stage: the root is the (scaled) loss, d loss / d loss = 1
         grads = (torch.ones_like(roots[0]), *grads[1:])
-    torch.autograd.Variable._execution_engine.run_backward(
-        roots, grads, False, False, (), True, True
-    )  # keep_graph, create_graph, inputs, ...
+    run_backward(roots, grads)

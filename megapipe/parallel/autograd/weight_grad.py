@@ -2,14 +2,15 @@
 
 A linear layer's backward is two matmuls: grad_input = grad_out · W (needed upstream now, on the
 critical path) and grad_W = grad_outᵀ · x (needed only by the optimizer). `linear` computes both
-unless `defer_weight_grads(key)` is active: then backward returns grad_input only and queues
-(x, grad_out) on the module under `key` (the runtime uses the action's (microbatch, chunk,
-segment)); the W action calls `run_weight_grads(model, key)` to do the queued matmuls and
+unless `defer_weight_grads(model, key)` is active: then backward returns grad_input only and
+queues (x, grad_out) on the module under `key` (the runtime uses the action's (microbatch,
+chunk, segment)); the W action calls `run_weight_grads(model, key)` to do the queued matmuls and
 accumulate weight.grad. Biases (a sum over tokens, and hooked: attention zeroes its key-bias
 grad), norms and embeddings keep computing their small grads in B.
 
-The active key is process state, not a context variable: autograd may run backward on another
-thread (one per CUDA device), which would not see a context variable.
+The active key is held by each linear's own queue (`WeightGradQueue.key`), set for the modules
+of the model whose backward runs: state of the objects passed in, not of this module, and not
+a context variable, which autograd's backward thread (one per CUDA device) would not see.
 """
 
 from __future__ import annotations
@@ -20,17 +21,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_active: list = [None]  # the key of the B action now running, or None
+
+class WeightGradQueue(dict):
+    """A linear's weight-grad work deferred to W, {B action key: [(x, grad_out), ...]}, and
+    `key`: the B action whose backward runs now, under which backward queues (None: it does
+    the weight grad itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = None
+
+
+def _queues(model: nn.Module) -> list[WeightGradQueue]:
+    """The weight-grad queues of `model`'s linear layers."""
+    found = (getattr(m, "wgrad_queue", None) for m in model.modules())
+    return [q for q in found if isinstance(q, WeightGradQueue)]
 
 
 @contextlib.contextmanager
-def defer_weight_grads(key):
-    """Within: linear layers queue their weight-grad work under `key` instead of doing it."""
-    previous, _active[0] = _active[0], key
+def defer_weight_grads(model: nn.Module, key):
+    """Within: the linear layers of `model` queue their weight-grad work under `key` instead of
+    doing it. The key is set on each layer's queue in place (never a module attribute: those
+    a compiled graph may guard on)."""
+    queues = _queues(model)
+    previous = [q.key for q in queues]
+    for q in queues:
+        q.key = key
     try:
         yield
     finally:
-        _active[0] = previous
+        for q, before in zip(queues, previous, strict=True):
+            q.key = before
 
 
 def _cast(*tensors):
@@ -59,7 +80,7 @@ class _Linear(torch.autograd.Function):
         grad_out = grad_out.to(weight.dtype)
         grad_x = grad_out @ weight  # (..., in)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        key = _active[0]
+        key = ctx.owner.wgrad_queue.key
         if key is not None:
             ctx.owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
             return grad_x, None, grad_b, None

@@ -18,6 +18,13 @@ from typing import NamedTuple
 
 import torch
 
+from megapipe._torch_compat import (
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
+    flash_attention_cuda,
+    flash_attention_cuda_backward,
+)
+
 Tensor = torch.Tensor
 
 
@@ -130,16 +137,12 @@ def reference_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 def aten_cpu_forward(q, k, v, causal: bool, scale: float):
     """torch's CPU flash kernel: handles GQA itself and returns lse (B, H, Tq) in fp32."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale
-    )
+    out, lse = flash_attention_cpu(q, k, v, causal, scale)
     return out, lse
 
 
 def aten_cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale
-    )
+    return flash_attention_cpu_backward(dout.contiguous(), q, k, v, out, lse, causal, scale)
 
 
 def _expand_kv(q: Tensor, x: Tensor) -> Tensor:
@@ -155,21 +158,15 @@ def _sum_groups(dx: Tensor, hkv: int) -> Tensor:
 
 def aten_cuda_forward(q, k, v, causal: bool, scale: float):
     """torch's CUDA flash kernel (fp16/bf16). Untested here: written for the GPU machines."""
-    res = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, _expand_kv(q, k), _expand_kv(q, v), 0.0, causal, False, scale=scale
-    )
-    return res[0], res[1]
+    return flash_attention_cuda(q, _expand_kv(q, k), _expand_kv(q, v), causal, scale)
 
 
 def aten_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    tq, tk, hkv = q.shape[2], k.shape[2], k.shape[1]
-    # Dense (not varlen) inputs: cum_seq_* undefined, max_* the block lengths; no dropout rng.
+    hkv = k.shape[1]
     # Row slices of lse/out are strided views: the kernel reads them by pointer, so copy.
     dout, q, out, lse = (t.contiguous() for t in (dout, q, out, lse))
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, _expand_kv(q, k), _expand_kv(q, v), out, lse,
-        None, None, tq, tk, 0.0, causal, None, None, scale=scale,
-    )  # fmt: skip
+    ek, ev = _expand_kv(q, k), _expand_kv(q, v)
+    dq, dk, dv = flash_attention_cuda_backward(dout, q, ek, ev, out, lse, causal, scale)
     return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 

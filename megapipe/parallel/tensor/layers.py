@@ -20,7 +20,7 @@ from torch import nn
 
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
-from megapipe.parallel.autograd.weight_grad import linear
+from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
@@ -31,7 +31,7 @@ class ShardedModule(nn.Module):
     def __init__(self, tp: TPInfo) -> None:
         super().__init__()
         self.tp = tp
-        self.wgrad_queue: dict = {}  # Zero Bubble: weight-grad work deferred to W (weight_grad)
+        self.wgrad_queue = WeightGradQueue()  # Zero Bubble: weight grads deferred to W
         self.kept_grads = KeptBuffers()  # the CPU weight grad's buffer, kept from step to step
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self.shard_specs: dict[str, ShardSpec] = {}
@@ -45,7 +45,30 @@ class ShardedModule(nn.Module):
         self.shard_specs[name] = spec
 
 
-class ColumnParallelLinear(ShardedModule):
+class ParallelLinear(ShardedModule):
+    """What the tp linears share: `forward` is their `_math`, or after `keep_eager()` the same
+    math outside any compiled graph."""
+
+    def __init__(self, tp: TPInfo) -> None:
+        super().__init__(tp)
+        self._eager_math = None  # keep_eager's torch.compiler.disable'd math
+
+    def keep_eager(self) -> None:
+        """Run outside compiled graphs from now on: a graph break where compiled code calls
+        this linear (models/gpt.compile_math). The disabled math is made here, when compiling,
+        so that importing the layers does not import torch._dynamo."""
+        self._eager_math = torch.compiler.disable(self._math)
+
+    @property
+    def forward(self):
+        """What nn.Module.__call__ runs: the math, or keep_eager's disabled math."""
+        return self._math if self._eager_math is None else self._eager_math
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x Aᵀ + b with the rows of A (output features) split over tp.
 
     `out_features` may be a list of segments (q | k | v, or gate | up); each segment is split
@@ -76,12 +99,12 @@ class ColumnParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
-class RowParallelLinear(ShardedModule):
+class RowParallelLinear(ParallelLinear):
     """y = x Aᵀ + b with the columns of A (input features) split over tp.
 
     Input: this rank's features. Output: g (all-reduce fwd / identity bwd), or with SP
@@ -104,7 +127,7 @@ class RowParallelLinear(ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = exit_row(linear(x, self.weight, None, self), self.tp)
         return y if self.bias is None else y + self.bias
 

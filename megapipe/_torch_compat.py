@@ -1,0 +1,160 @@
+"""Every private torch API megapipe uses, each behind one small named function.
+
+Names that start with an underscore may move or change signature in any torch release. Kept
+here, a torch upgrade breaks one module, and tests/test_torch_compat.py calls each wrapper so
+that the break is a test failure naming the torch version and the API, not a wrong run. No
+other library module touches a private torch name (tests/test_torch_compat.py scans for it).
+
+"Works on" below: this venv's torch 2.13 runs every wrapper (the tests; the CUDA flash ops bound
+on meta tensors only). design.md's GPU machines run torch 2.11, where the same wrappers must
+work: there, `pytest tests/test_torch_compat.py` is the check (its CUDA values test runs only on
+a GPU). This module imports only torch: it is the lowest torch layer (tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+Tensor = torch.Tensor
+
+# ---------------------------------------------------------------- tensors and autograd
+
+
+def storage_use_count(tensor: Tensor) -> int:
+    """How many references hold `tensor`'s storage, the temporary one made to ask included
+    (torch._C._storage_Use_Count on the storage's C handle `_cdata`). Kept buffers lend a
+    buffer only while nothing else holds it (parallel/autograd/kept_buffers.py).
+    Works on torch 2.13; no public equivalent."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def view_base(tensor: Tensor) -> Tensor | None:
+    """The tensor `tensor` is a view of (None: not a view; Tensor._base). Used to leave a
+    view's storage alone when freeing a sent output (parallel/autograd/outputs.py).
+    Works on torch 2.13."""
+    return tensor._base
+
+
+def run_backward(roots: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> None:
+    """Backward from `roots` with `grads`, as torch.autograd.backward without its check that
+    each grad has its root's shape (a released pipeline output has lost its shape:
+    parallel/autograd/outputs.py). Variable._execution_engine.run_backward(tensors,
+    grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad).
+    Works on torch 2.13."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        roots, grads, False, False, (), True, True
+    )
+
+
+# ---------------------------------------------------------------- optimizer kernels
+
+
+def foreach_norm(tensors: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """The L2 norm of each tensor, one fused kernel for the list (torch._foreach_norm).
+    torch documents the _foreach_* ops as a beta API "subject to change", and their names are
+    private by the underscore rule, so they live here too. Works on torch 2.13."""
+    return torch._foreach_norm(tensors, 2, dtype=dtype)
+
+
+def foreach_mul_(tensors: list[Tensor], scale: Tensor) -> None:
+    """Multiply each tensor in place by `scale` (torch._foreach_mul_; see foreach_norm).
+    Works on torch 2.13."""
+    torch._foreach_mul_(tensors, scale)
+
+
+def fused_adamw_devices() -> set[str]:
+    """Device types torch's fused optimizer kernels support
+    (torch.utils._foreach_utils._get_fused_kernels_supported_devices): AdamW runs fused where
+    every parameter's device is one (train/optim.py). Works on torch 2.13."""
+    return set(_get_fused_kernels_supported_devices())
+
+
+# ---------------------------------------------------------------- process groups
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """The sub-mesh of `mesh` over `dims` as one flattened dimension called `name`
+    (DeviceMesh._flatten): its group spans every rank of those axes (dp × cp for the gradient
+    reduction, distributed/mesh.py). Works on torch 2.13."""
+    return mesh[dims]._flatten(name)
+
+
+def set_group_timeout(group, timeout: datetime.timedelta) -> None:
+    """Set an existing group's timeout (distributed_c10d._set_pg_timeout): DeviceMesh makes its
+    groups with torch's default, and a dead peer must fail every wait within the run's
+    timeout (distributed/mesh.py). Works on torch 2.13."""
+    _set_pg_timeout(timeout, group)
+
+
+# ---------------------------------------------------------------- sharded checkpoints
+
+
+def sharded_tensor(blocks: Sequence[tuple[Sequence[int], Tensor]], shape: Sequence[int], group):
+    """A ShardedTensor of logical `shape` holding this rank's `blocks` ((offsets, tensor) each)
+    over `group` (ShardedTensor._init_from_local_shards; the metadata exchange is a collective
+    over `group`). torch.distributed.checkpoint writes and reads it as blocks of one logical
+    tensor (train/checkpoint.py, train/checkpoint_zero.py). Works on torch 2.13."""
+    shards = []
+    for offsets, block in blocks:
+        placement = f"rank:{dist.get_rank()}/{block.device}"
+        meta = ShardMetadata(list(offsets), list(block.shape), placement)
+        shards.append(Shard(block.contiguous(), meta))
+    return ShardedTensor._init_from_local_shards(shards, *shape, process_group=group)
+
+
+def narrow_to_block(tensor: Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> Tensor:
+    """The view of `tensor` at `offsets` of `sizes` along every dimension
+    (torch.distributed._shard._utils.narrow_tensor_by_index): where a checkpoint reader copies
+    a saved chunk's overlap (train/checkpoint_read.py). Works on torch 2.13."""
+    return narrow_tensor_by_index(tensor, offsets, sizes)
+
+
+# ---------------------------------------------------------------- flash attention with lse
+# Ring attention merges blocks by their log-sum-exp, which only the private aten flash ops
+# return (scaled_dot_product_attention does not): design.md, "GPU path".
+
+
+def flash_attention_cpu(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """(out, lse (B, H, Tq) fp32) of torch's CPU flash kernel; handles GQA itself
+    (aten._scaled_dot_product_flash_attention_for_cpu). Works on torch 2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale
+    )
+
+
+def flash_attention_cpu_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of flash_attention_cpu from the row's out and lse
+    (aten._scaled_dot_product_flash_attention_for_cpu_backward). Works on torch 2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def flash_attention_cuda(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """(out, lse) of torch's CUDA flash kernel (fp16/bf16, as many kv heads as query heads)
+    (aten._scaled_dot_product_flash_attention; no dropout, no debug mask). Its signature is
+    checked on meta tensors here (torch 2.13); written for the GPU machines' torch 2.11."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return res[0], res[1]
+
+
+def flash_attention_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of flash_attention_cuda (aten._scaled_dot_product_flash_attention_backward)
+    for dense inputs: cum_seq_* undefined, max_* the block lengths, no dropout rng state.
+    Checked on meta tensors here (torch 2.13); written for the GPU machines' torch 2.11."""
+    tq, tk = q.shape[2], k.shape[2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse,
+        None, None, tq, tk, 0.0, causal, None, None, scale=scale,
+    )  # fmt: skip

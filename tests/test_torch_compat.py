@@ -1,0 +1,296 @@
+"""Private torch APIs live in megapipe/_torch_compat.py, each behind one named function.
+
+Each wrapper is called here on small inputs and its result checked, so a torch upgrade that moves
+or changes one fails here with the torch version and the API named. A scan of the library's
+syntax trees keeps every other module off private torch names; planted files show it catches
+them.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import datetime
+import importlib
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPAT = "megapipe/_torch_compat.py"
+
+
+@contextlib.contextmanager
+def api(name: str):
+    """A failure inside names the torch version and the private API to update."""
+    try:
+        yield
+    except (AttributeError, ImportError, TypeError, RuntimeError, NotImplementedError) as e:
+        pytest.fail(
+            f"torch {torch.__version__}: {name} is gone or changed ({type(e).__name__}: {e}); "
+            f"update {COMPAT}"
+        )
+
+
+def expect(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        pytest.fail(f"torch {torch.__version__}: {name} {what}; update {COMPAT}")
+
+
+@pytest.fixture(scope="module")
+def compat():
+    """The module itself: its imports of private torch modules are the first thing to move."""
+    with api("an import in megapipe/_torch_compat.py"):
+        return importlib.import_module("megapipe._torch_compat")
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-process gloo group in this process (no spawn), destroyed after."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- each wrapper
+
+
+def test_storage_use_count(compat):
+    name = "torch._C._storage_Use_Count(storage._cdata)"
+    t = torch.zeros(6)
+    with api(name):
+        alone = compat.storage_use_count(t)
+    view = t.view(2, 3)
+    with api(name):
+        shared = compat.storage_use_count(t)
+    del view
+    expect((alone, shared) == (2, 3), name, f"counts {alone}, {shared} (expected 2, then 3)")
+
+
+def test_view_base(compat):
+    t = torch.zeros(6)
+    with api("Tensor._base"):
+        got = (compat.view_base(t), compat.view_base(t.view(2, 3)))
+    expect(got[0] is None and got[1] is t, "Tensor._base", "no longer gives a view's base")
+
+
+def test_run_backward_skips_the_shape_check(compat):
+    name = "torch.autograd.Variable._execution_engine.run_backward"
+    x = torch.arange(3.0, requires_grad=True)
+    y = x * 2
+    y.data = torch.empty(1)  # a released output (parallel/autograd/outputs.py): its shape gone
+    with api(name):
+        compat.run_backward((y,), (torch.ones(3),))
+    expect(torch.equal(x.grad, torch.full((3,), 2.0)), name, f"gave grad {x.grad}")
+
+
+def test_foreach_norm_and_mul(compat):
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 2.0], [2.0, 4.0]])
+    with api("torch._foreach_norm"):
+        norms = compat.foreach_norm([a, b], torch.float32)
+    expect([float(n) for n in norms] == [5.0, 5.0], "torch._foreach_norm", f"gave {norms}")
+    with api("torch._foreach_mul_"):
+        compat.foreach_mul_([a, b], torch.tensor(0.5))
+    expect(a.tolist() == [1.5, 2.0] and b[1, 1] == 2.0, "torch._foreach_mul_", "did not scale")
+
+
+def test_fused_adamw_devices(compat):
+    name = "torch.utils._foreach_utils._get_fused_kernels_supported_devices"
+    with api(name):
+        devices = compat.fused_adamw_devices()
+    expect({"cpu", "cuda"} <= devices, name, f"lists {sorted(devices)} (cpu and cuda expected)")
+
+
+def test_flatten_mesh_and_group_timeout(compat, world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    with api("DeviceMesh._flatten"):
+        flat = compat.flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
+    expect(flat.mesh_dim_names == ("dp_cp",), "DeviceMesh._flatten", f"named {flat}")
+    group = dist.new_group([0])
+    with api("torch.distributed.distributed_c10d._set_pg_timeout"):
+        compat.set_group_timeout(group, datetime.timedelta(seconds=7))
+    timeout = group._get_backend(torch.device("cpu")).options._timeout
+    expect(timeout == datetime.timedelta(seconds=7), "_set_pg_timeout", f"left {timeout}")
+
+
+@pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
+def test_sharded_tensor_and_narrow(compat, world_of_one):
+    name = "ShardedTensor._init_from_local_shards (with Shard, ShardMetadata)"
+    whole = torch.arange(12.0).view(4, 3)
+    blocks = [([0, 0], whole[:1]), ([1, 0], whole[1:])]
+    with api(name):
+        st = compat.sharded_tensor(blocks, (4, 3), dist.group.WORLD)
+    shards = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in st.local_shards()]
+    expect(st.size() == (4, 3), name, f"made size {st.size()}")
+    expect(shards == [([0, 0], [1, 3]), ([1, 0], [3, 3])], name, f"made shards {shards}")
+    name = "torch.distributed._shard._utils.narrow_tensor_by_index"
+    with api(name):
+        part = compat.narrow_to_block(whole, [1, 1], [2, 2])
+    expect(torch.equal(part, whole[1:3, 1:3]), name, f"cut {part}")
+
+
+def _qkv(device="cpu", dtype=torch.float32, hkv=2):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=gen) for h in (4, hkv, hkv))
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+def test_flash_attention_cpu(compat):
+    from megapipe.parallel.context.kernels import reference_forward
+
+    name = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu"
+    q, k, v = _qkv()
+    with api(name):
+        out, lse = compat.flash_attention_cpu(q, k, v, True, 0.25)
+    ref_out, ref_lse = reference_forward(q, k, v, True, 0.25)
+    expect(torch.allclose(out, ref_out.float(), atol=1e-5), name, "gave another output")
+    expect(torch.allclose(lse, ref_lse.float(), atol=1e-5), name, "gave another log-sum-exp")
+    name += "_backward"
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(out)
+    torch.autograd.backward(reference_forward(qr, kr, vr, True, 0.25)[0].float(), dout)
+    with api(name):
+        grads = compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, True, 0.25)
+    for got, ref in zip(grads, (qr.grad, kr.grad, vr.grad), strict=True):
+        expect(torch.allclose(got, ref.float(), atol=1e-4), name, "gave other gradients")
+
+
+def test_flash_attention_cuda_signature(compat):
+    """The CUDA ops' arguments, bound on meta tensors (no GPU here): a changed signature fails
+    here; the values are checked on a GPU by the test below."""
+    q, k, v = _qkv("meta", torch.bfloat16, hkv=4)
+    name = "torch.ops.aten._scaled_dot_product_flash_attention"
+    with api(name):
+        out, lse = compat.flash_attention_cuda(q, k, v, True, 0.25)
+    expect(out.shape == q.shape and lse.shape == q.shape[:3], name, "returns other shapes")
+    name += "_backward"
+    with api(name):
+        grads = compat.flash_attention_cuda_backward(out, q, k, v, out, lse, True, 0.25)
+    expect([g.shape for g in grads] == [q.shape] * 3, name, "returns other shapes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flash_attention_cuda_values(compat):
+    from megapipe.parallel.context.kernels import reference_forward
+
+    q, k, v = _qkv("cuda", torch.bfloat16, hkv=4)
+    with api("torch.ops.aten._scaled_dot_product_flash_attention"):
+        out, lse = compat.flash_attention_cuda(q, k, v, True, 0.25)
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), True, 0.25)
+    assert torch.allclose(out.double(), ref_out, atol=3e-2)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
+
+
+# ---------------------------------------------------------------- nothing else touches them
+
+TORCH_PRIVATE_ATTRIBUTES = {  # private names read off torch objects held in other variables
+    "_base", "_cdata", "_execution_engine", "_flatten", "_init_from_local_shards",
+    "_local_tensor", "_set_pg_timeout", "_storage_Use_Count",
+}  # fmt: skip
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_torch_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each use of a private torch name: an import of one (`from torch._x`,
+    `from torch.y import _z`), an attribute chain from a name bound to torch or to something
+    imported from it with a private component (`torch._C.f`, `dist._x`, `torch.ops.aten._op`),
+    or a known private torch attribute on any object (`t._base`, `mesh._flatten`)."""
+    tree, found, torch_names = ast.parse(source), [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add(a.asname or "torch")
+                    if any(map(_private, a.name.split("."))):
+                        found.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                torch_names.add(a.asname or a.name)
+                if any(map(_private, [*node.module.split("."), a.name])):
+                    found.append((node.lineno, f"from {node.module} import {a.name}"))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain, root = [node.attr], node.value
+        while isinstance(root, ast.Attribute):
+            chain.append(root.attr)
+            root = root.value
+        dotted = ".".join([getattr(root, "id", "…"), *reversed(chain)])
+        from_torch = isinstance(root, ast.Name) and root.id in torch_names
+        if (from_torch and any(map(_private, chain))) or node.attr in TORCH_PRIVATE_ATTRIBUTES:
+            found.append((node.lineno, dotted))
+    # a chain is reported once, at its longest
+    return sorted({(ln, w) for ln, w in found if not any(o.startswith(w + ".") for _, o in found)})
+
+
+def library_files(root: Path) -> list[Path]:
+    files = [
+        p for package in ("megapipe", "models") for p in sorted((root / package).rglob("*.py"))
+    ]
+    return [p for p in files + [root / "train.py"] if p != root / COMPAT]
+
+
+def scan(root: Path) -> list[str]:
+    return [
+        f"{path.relative_to(root)}:{line}: {what}"
+        for path in library_files(root)
+        for line, what in private_torch_uses(path.read_text())
+    ]
+
+
+def test_no_library_module_but_torch_compat_touches_a_private_torch_name():
+    found = scan(ROOT)
+    assert not found, f"private torch APIs outside {COMPAT} (add a wrapper there):\n" + "\n".join(
+        found
+    )
+
+
+PLANTED = """
+    import torch
+    import torch.distributed as dist
+    import torch._dynamo
+    from torch import nn
+    from torch.utils._foreach_utils import helper
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    n = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
+    dist._private_thing()
+    nn.Module._call_impl
+    if out._base is not None:
+        mesh._flatten("dp_cp")
+    ok = (torch.float32, torch.__version__, self._private, dist.get_rank(), nn.Linear)
+"""
+
+
+def test_planted_private_uses_are_caught(tmp_path):
+    (tmp_path / "megapipe").mkdir()
+    (tmp_path / "megapipe" / "planted.py").write_text(textwrap.dedent(PLANTED))
+    (tmp_path / "train.py").write_text("import torch\n")
+    found = scan(tmp_path)
+    expected = [
+        "import torch._dynamo",
+        "from torch.utils._foreach_utils import helper",
+        "_set_pg_timeout",
+        "torch._C._storage_Use_Count",
+        "._cdata",
+        "torch.ops.aten._scaled_dot_product_flash_attention",
+        "dist._private_thing",
+        "nn.Module._call_impl",
+        "out._base",
+        "mesh._flatten",
+    ]
+    for what in expected:
+        assert any(what in line for line in found), (what, found)
+    clean = textwrap.dedent(PLANTED).splitlines().index(PLANTED.splitlines()[-1].strip()) + 1
+    assert not [line for line in found if f"planted.py:{clean}:" in line], found
