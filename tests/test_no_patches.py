@@ -47,19 +47,16 @@ def _defined_functions(tree: ast.AST) -> set[str]:
 
 def _is_function(value: ast.expr, old: set[str], functions: set[str]) -> bool:
     """`value` is a function: a lambda, a def of this file, or a call with either among its
-    arguments (at any depth), or wrapping `old` (the target's old value, when it names a
-    function)."""
+    arguments (nested calls included), or wrapping `old` (the target's old value, when it names
+    a function). A name that is only the object of an attribute (`pending.incoming`) is data."""
     if isinstance(value, ast.Lambda):
         return True
     if isinstance(value, ast.Name):
         return value.id in functions
     if isinstance(value, ast.Call):
         for arg in [*value.args, *(k.value for k in value.keywords)]:
-            for node in ast.walk(arg):
-                if isinstance(node, ast.Lambda) or ast.unparse(node) in old:
-                    return True
-                if isinstance(node, ast.Name) and node.id in functions:
-                    return True
+            if ast.unparse(arg) in old or _is_function(arg, old, functions):
+                return True
     return False
 
 
@@ -132,6 +129,7 @@ PLANTED = """
         optimizer.hooks = [h for h in loop.hooks]
         model.table = torch.zeros(3)
         pipe.hooks = More(pipe.hooks)  # an object wrapping an object
+        pending.work = irecv(pending.main, tag=3)  # `main` names a def, `pending.main` is data
 
     class Layer:
         def _core(self): ...
