@@ -129,7 +129,7 @@ PLANTED = """
         optimizer.hooks = [h for h in loop.hooks]
         model.table = torch.zeros(3)
         pipe.hooks = More(pipe.hooks)  # an object wrapping an object
-        pending.work = irecv(pending.main, tag=3)  # `main` names a def, `pending.main` is data
+        pending.work = irecv(main.buf, tag=3)  # `main` names a def; `main.buf` is data
 
     class Layer:
         def _core(self): ...
