@@ -24,6 +24,7 @@ import yaml
 
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
+from megapipe.perf import cli as plan_cli
 from megapipe.perf import load_cluster, project
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import search as plan_search
@@ -32,7 +33,6 @@ from megapipe.perf import table1 as t1
 from megapipe.perf.bounds import Bounds
 from megapipe.perf.cluster import CLUSTER_DIR
 from megapipe.perf.model import GIB
-from tools import plan as plan_cli
 
 REL = 1e-9  # the bounds and the projection sum the same floats in other orders
 

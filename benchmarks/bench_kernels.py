@@ -10,7 +10,7 @@ against that op on a preset's shapes:
 The two variants alternate within each round; reported: each one's median ms with the spread
 (min-max) and the ratio of medians.
 
-    python tools/bench.py kernels [--preset default|124m] [--rounds 15 --threads 2]
+    python -m benchmarks.bench kernels [--preset default|124m] [--rounds 15 --threads 2]
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import statistics
 import sys
 import time
 
-import bench_train
 import torch
 import torch.nn.functional as F
 
+from benchmarks import bench_train
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS, exp_shifted_
 from models.activations import gelu_tanh
 

@@ -24,7 +24,7 @@ GPT2LMHeadModel trained the way transformers' Trainer trains it by default, on o
 - CUDA (`--device cuda`): bf16, presets 124m, 350m and 1.3b by default; tokens/s and MFU
   (config/flops.flops_per_token over train/metrics.peak_tflops).
 
-    python tools/bench.py train [--preset default|124m|350m|1.3b[,...]] [--device cpu|cuda]
+    python -m benchmarks.bench train [--preset default|124m|350m|1.3b[,...]] [--device cpu|cuda]
         [--rounds 5 --steps 3 --threads 2] [--profile-steps 2] [--json FILE]
         [--variants eager,compiled,transformers] [--dtype float32|bfloat16] [--keep-freed-memory]
         [--layers L --d-model D --heads H --vocab V --batch B --seq-len T]  (override a preset)

@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.probes import cpu_ticks
 from megapipe.config import Config, load_config
-from megapipe.perf.probes import cpu_ticks
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # One config for every point: big enough that a step is mostly GEMMs (about 25 GFLOP), small
 # enough for a few seconds of steps on one core.

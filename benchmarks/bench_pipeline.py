@@ -1,12 +1,13 @@
 """``bench pipeline``: measured pipeline step time against torch.distributed.pipelining, the
 simulator's fidelity, and measured bubbles.
 
-    python tools/bench.py pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v] [--out FILE]
-        [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
+    python -m benchmarks.bench pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v]
+        [--out FILE] [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
 
-Two gloo ranks on this CPU (spawned, one thread each), m=8 microbatches, float32. The model is
-plot_timeline.MODEL: GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global
-batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activations.
+Two gloo ranks on this CPU (spawned by harness.spawn, one thread each), m=8 microbatches,
+float32. The model is bench_post_validation.MODEL (tools/plot_timeline.py draws the same):
+GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global batch 16, so a
+microbatch is 2×128 tokens and stages exchange 256 KB activations.
 
 - Both sides run the same megapipe chunks (`build_model` on `rank_blocks`, same seed, so the same
   weights), the same microbatches (torch chunks the batch along dim 0 as we do) and the same
@@ -54,8 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_timeline import MODEL, ROOT, spawn  # noqa: E402
+from benchmarks import bench_post_validation as pv
+from benchmarks.bench_post_validation import MODEL
+from benchmarks.bench_schedules import torch_order
+from benchmarks.harness import ROOT, spawn
 
 M, PP = 8, 2
 OURS = {  # our run -> (schedule giving the config and placement, vpp, torch order it runs)
@@ -95,8 +98,6 @@ PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are ti
 
 def our_actions(name: str):
     """(schedule, placement) of our run `name`: our generator's, or torch's order."""
-    from bench_schedules import torch_order
-
     from megapipe.plan.schedules import build_schedule, placement
 
     schedule, vpp, torch_class = OURS[name]
@@ -427,8 +428,6 @@ def main(argv=None) -> int:
         summary = summarise(result, args.steps, args.warmup, pairs)
         print(markdown(summary), flush=True)
     if not args.no_post_validation:
-        import bench_post_validation as pv
-
         found = spawn(PP, pv.job, args.pv_block, args.pv_rounds, 1)[0]
         summary["post_validation"] = pv.summarise(found, args.pv_block)
         print(pv.markdown(summary["post_validation"]))

@@ -25,10 +25,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from benchmarks.gloo_probes import BLOCKING_SIZES, SKEW_GEMMS
 from megapipe.perf.cluster import Link
 from megapipe.perf.comm import ring_time
 from megapipe.perf.cost_terms import Calibration, Device
-from megapipe.perf.gloo_probes import BLOCKING_SIZES, SKEW_GEMMS
 
 
 @dataclass

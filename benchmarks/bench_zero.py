@@ -1,6 +1,6 @@
 """The distributed optimizer (parallel.zero=1, ZeRO-1) against plain data parallelism (zero=0).
 
-    python tools/bench.py zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+    python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 
 Gloo workers, one thread each; every world builds a zero=0 and a zero=1 job from the same seed
 with train/build.py's `build()`, as train.py does, and trains them on the same batches.
@@ -23,10 +23,8 @@ with train/build.py's `build()`, as train.py does, and trains them on the same b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,14 +33,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import ROOT, spawn
+from megapipe.config import load_config
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 
-from megapipe.config import load_config  # noqa: E402
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 FP32 = 4
 
 
@@ -157,34 +152,12 @@ def measure(args, world: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, args) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
-    mine = measure(args, world)
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(every))
-    dist.destroy_process_group()
-
-
 def run_world(args, world: int) -> list[dict]:
     """measure() on each of `world` ranks; the per-rank results (JSON keys become strings)."""
     if world == 1:
         torch.set_num_threads(1)
         return [json.loads(json.dumps(measure(args, 1)))]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
-    mp.spawn(_worker, args=(world, port, out, args), nprocs=world)
-    return json.loads(Path(out, "result.json").read_text())
+    return json.loads(json.dumps(spawn(world, measure, args, world)))
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -314,7 +287,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    print(f"$ {' '.join(['python tools/bench.py zero', *argv])}\n")
+    print(f"$ {' '.join(['python -m benchmarks.bench zero', *argv])}\n")
     began = time.perf_counter()
     worlds = {dp: run_world(args, dp) for dp in sorted(set(args.dp) | {args.time_dp})}
     n = worlds[min(worlds)][0]["memory"]["0"]["params"]
