@@ -182,7 +182,7 @@ def _machine_lines(values: dict, m: Measured, command: str) -> list[str]:
     return [
         f"# This machine's CPU as a 'cluster' of one node: {values['gpus_per_node']} rank(s) of "
         f"{m.threads} torch thread(s), gloo over loopback.",
-        f"# Measured by `{command}` (megapipe/perf/calibrate.py) on "
+        f"# Measured by `{command}` (benchmarks/calibrate.py) on "
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores shared with other work: medians over rounds, spreads below.",
         "# other work on the machine before each probe group (cores): "

@@ -1,5 +1,5 @@
-"""The gloo probes of this machine's CPU profile (perf/calibrate.py fits them; the compute
-probes are perf/probes.py's): two processes (`threads` threads each) over loopback, each cell
+"""The gloo probes of this machine's CPU profile (calibrate.py fits them; the compute probes are
+probes.py's): two processes (`threads` threads each, harness.spawn) over loopback, each cell
 timed over rounds and pooled over both ranks' samples (`pool_samples`: the median, or for the
 waits at collectives the mean, MEAN_CELLS, since a step pays their sum).
 

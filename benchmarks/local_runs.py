@@ -1,4 +1,4 @@
-"""How `train.py` runs on this machine for the local truth (perf/local_truth.py): one config
+"""How `train.py` runs on this machine for the local truth (local_truth.py): one config
 (LOCAL_CONFIG) on five small meshes (LOCAL_MESHES), run as a user runs it (tools/launch.py ->
 torchrun for two ranks, one process with OMP_NUM_THREADS as the profile), its per-step times
 read from metrics.jsonl, and the ranks' scheduler counters (/proc: their CPU time and run-queue

@@ -109,7 +109,7 @@ def cluster_names() -> list[str]:
 
 
 def measured_names() -> list[str]:
-    """The profiles measured on a machine by perf/calibrate.py (clusters/cpu*.yaml)."""
+    """The profiles measured on a machine by benchmarks/calibrate.py (clusters/cpu*.yaml)."""
     return sorted(p.stem for p in CLUSTER_DIR.glob("cpu*.yaml"))
 
 
