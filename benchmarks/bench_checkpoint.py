@@ -36,11 +36,12 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import ROOT, spawn
+from benchmarks.harness import ROOT, alternate, spawn
 from megapipe.config import load_config
 
 MESHES = {  # name -> (world size, parallel overrides)
@@ -184,13 +185,8 @@ def overhead(args, root: str) -> dict:
         total = time.perf_counter() - began
         return [total, in_steps, total - in_steps, waited]
 
-    times = {s: [] for s in SETTINGS}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        order = SETTINGS[r % len(SETTINGS) :] + SETTINGS[: r % len(SETTINGS)]
-        for setting in order:
-            seconds = block(setting)
-            if r:
-                times[setting].append(seconds)
+    turns = alternate({s: partial(block, s) for s in SETTINGS}, args.rounds + 1)
+    times = {s: rounds[1:] for s, rounds in turns.items()}  # round 0 warms up
     return {"times": times, "saves": saved[0]}
 
 

@@ -42,8 +42,11 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
+
+from benchmarks.harness import alternate
 
 # name -> (layers, d_model, heads, vocab, CPU (batch, seq), CUDA (batch, seq))
 PRESETS = {
@@ -275,9 +278,8 @@ def _time_in_turn(variants: list[str], s: Shape, args, batch, out: dict) -> tupl
     times, faults, outside = {}, {}, {}
     for v in variants:
         runner = _build_runner(v, s, args, batch, out)
-        times[v], faults[v] = [], []
-        for _ in range(args.rounds):
-            _time_round(runner, batch, args.steps, s.device, times[v], faults[v])
+        rounds = [_time_round(runner, batch, args.steps, s.device) for _ in range(args.rounds)]
+        times[v], faults[v] = [t for t, _ in rounds], [f for _, f in rounds]
         _profile_outside(outside, v, runner, batch, s, args)
         del runner
         torch.cuda.empty_cache()
@@ -288,21 +290,22 @@ def _time_alternating(variants: list[str], s: Shape, args, batch, out: dict) -> 
     """CPU: as _time_in_turn, all variants built at once and their steps alternating, the
     order rotating each round."""
     runners = {v: _build_runner(v, s, args, batch, out) for v in variants}
-    times, faults, outside = {v: [] for v in variants}, {v: [] for v in variants}, {}
-    for r in range(args.rounds):
-        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate
-            _time_round(runners[v], batch, args.steps, s.device, times[v], faults[v])
+    rounds = alternate(
+        {v: partial(_time_round, r, batch, args.steps, s.device) for v, r in runners.items()},
+        args.rounds,
+    )
+    times = {v: [t for t, _ in rs] for v, rs in rounds.items()}
+    faults, outside = {v: [f for _, f in rs] for v, rs in rounds.items()}, {}
     for v, runner in runners.items():
         _profile_outside(outside, v, runner, batch, s, args)
     return times, faults, outside
 
 
-def _time_round(runner, batch, steps: int, device: str, times: list, faults: list) -> None:
-    """One round of `steps` steps: its seconds a step onto `times`, page faults a step onto
-    `faults`."""
+def _time_round(runner, batch, steps: int, device: str) -> tuple[float, float]:
+    """One round of `steps` steps: (its seconds a step, page faults a step)."""
     before = minor_faults()
-    times.append(timed(runner, batch, steps, device))
-    faults.append((minor_faults() - before) / steps)
+    seconds = timed(runner, batch, steps, device)
+    return seconds, (minor_faults() - before) / steps
 
 
 def variant_rows(s: Shape, times: dict, faults: dict, outside: dict) -> dict:

@@ -18,13 +18,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from
+T = TypeVar("T")
 
 
 class UsageError(ValueError):
@@ -79,12 +80,13 @@ def spawn(world: int, fn: Callable, *args, threads: int = 1, timeout_s: float = 
 
 
 def alternate(
-    variants: dict[str, Callable[[], float]], rounds: int, rotate: bool = True
-) -> dict[str, list[float]]:
-    """Each variant's `rounds` measurements, the variants taking turns within every round (the
-    order rotated each round when `rotate`) so that the machine's drift hits all alike."""
+    variants: dict[str, Callable[[], T]], rounds: int, rotate: bool = True
+) -> dict[str, list[T]]:
+    """Each variant's `rounds` measurements (what its callable returns), the variants taking
+    turns within every round (the order rotated by one each round when `rotate`) so that the
+    machine's drift hits all alike."""
     names = list(variants)
-    out: dict[str, list[float]] = {name: [] for name in names}
+    out: dict[str, list[T]] = {name: [] for name in names}
     for r in range(rounds):
         k = r % len(names) if rotate else 0
         for name in names[k:] + names[:k]:
