@@ -73,7 +73,9 @@ def spawn(world: int, fn: Callable, *args, threads: int = 1, timeout_s: float = 
     opts = (threads, timeout_s)
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_worker, args=(world, free_port(), out, opts, fn, args), nprocs=world)
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+        # our own ranks wrote these files: any picklable result, not only tensors and plain data
+        files = [os.path.join(out, f"rank{r}.pt") for r in range(world)]
+        return [torch.load(f, weights_only=False) for f in files]
 
 
 # -- rounds and their statistics ------------------------------------------------------------
