@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import ROOT, alternate, spawn
+from benchmarks.harness import ROOT, alternate, spawn, write_json
 from megapipe.config import load_config
 
 MESHES = {  # name -> (world size, parallel overrides)
@@ -336,11 +336,11 @@ def main(argv=None) -> int:
         f"({time.perf_counter() - began:.0f} s)"
     )
     if args.out:
-        Path(args.out).write_text(json.dumps({
+        write_json(args.out, {
             "args": vars(args), "params": n, "saves": saves, "loads": loads,
             "overhead": result_overhead, "max_loss_gap": worst,
             "loadavg": [load0, load1],
-        }, indent=1))  # fmt: skip
+        })  # fmt: skip
     if worst > 1e-4:
         print(f"FAILED: a resumed job's next loss is {worst:.1e} off the saving job's",
               file=sys.stderr)  # fmt: skip

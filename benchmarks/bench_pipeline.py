@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +56,7 @@ from torch import nn
 from benchmarks import bench_post_validation as pv
 from benchmarks.bench_post_validation import MODEL
 from benchmarks.bench_schedules import torch_order
-from benchmarks.harness import ROOT, spawn
+from benchmarks.harness import ROOT, spawn, write_json
 
 M, PP = 8, 2
 OURS = {  # our run -> (schedule giving the config and placement, vpp, torch order it runs)
@@ -432,7 +430,7 @@ def main(argv=None) -> int:
         summary["post_validation"] = pv.summarise(found, args.pv_block)
         print(pv.markdown(summary["post_validation"]))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_json(args.out, summary)
     return 0
 
 

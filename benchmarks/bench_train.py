@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import ctypes.util
 import dataclasses
-import json
 import resource
 import statistics
 import sys
@@ -46,7 +45,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.harness import alternate
+from benchmarks.harness import alternate, write_json
 
 # name -> (layers, d_model, heads, vocab, CPU (batch, seq), CUDA (batch, seq))
 PRESETS = {
@@ -408,8 +407,7 @@ def main(argv=None) -> int:
         results.append(bench_shape(shape_of(preset, args), args))
         report(results[-1], args.threads)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return 0
 
 

@@ -30,11 +30,10 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from benchmarks.harness import ROOT, spawn
+from benchmarks.harness import ROOT, spawn, write_json
 from megapipe.config import load_config
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 
@@ -333,7 +332,7 @@ def main(argv=None) -> int:
     print(table)
     print(f"\n({time.perf_counter() - began:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failures else 0

@@ -109,11 +109,11 @@ def spread(xs: Sequence[float]) -> tuple[float, float, float]:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """`obj` as indented JSON at `path` (its folder made), written whole or not at all."""
+    """`obj` as JSON (indent 1) at `path`, its folder made, written whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
 
 
