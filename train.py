@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from megapipe.config import ConfigError, load_config
+from megapipe.config.args import parse_train_args
 from megapipe.data.loader import DataError
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
@@ -24,14 +25,7 @@ ONE_LINE_ERRORS = (ConfigError, DataError, CheckpointError, RunDirBusy, NonFinit
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", help="YAML config file (see configs/)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
-    args, rest = parser.parse_known_args(argv)
-    for item in rest:
-        if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
-            raise ConfigError(f"argument '{item}' is not --section.key=value")
-    return args, rest
+    return parse_train_args(argv, __doc__)
 
 
 def train(argv: list[str]) -> int:

@@ -1,17 +1,12 @@
-"""tools/bench.py matmuls: its per-matmul log counts calls, FLOPs and out= as they happen, and
-with it the claim behind kept weight-grad buffers (parallel/autograd/kept_buffers.py): once
-kept, a linear's weight-grad matmul on the CPU writes into memory already touched (no page
-faults), step after step."""
-
-import sys
-from pathlib import Path
+"""benchmarks/bench_matmuls.py (`python -m benchmarks.bench matmuls`): its per-matmul log
+counts calls, FLOPs and out= as they happen, and with it the claim behind kept weight-grad
+buffers (parallel/autograd/kept_buffers.py): once kept, a linear's weight-grad matmul on the CPU
+writes into memory already touched (no page faults), step after step."""
 
 import torch
 
+from benchmarks import bench_matmuls
 from megapipe.parallel.tensor.layers import ColumnParallelLinear
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import bench_matmuls  # noqa: E402
 
 
 def test_matmul_log_counts_calls_flops_and_out():

@@ -1,7 +1,8 @@
-"""tools/bench.py train: what its rows report (page faults a step, the paired ratios), and the
-claim behind --keep-freed-memory: once glibc's malloc keeps freed memory, a large block made
-again is served by pages already mapped instead of fresh ones (a fault per 4 KiB). What that
-does to each variant's step is the benchmark's own page-fault column."""
+"""benchmarks/bench_train.py (`python -m benchmarks.bench train`): what its rows report (page
+faults a step, the paired ratios), and the claim behind --keep-freed-memory: once glibc's malloc
+keeps freed memory, a large block made again is served by pages already mapped instead of fresh
+ones (a fault per 4 KiB). What that does to each variant's step is the benchmark's own
+page-fault column."""
 
 import platform
 import subprocess
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import bench_train  # noqa: E402
+from benchmarks import bench_train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_rows_report_median_faults_and_each_rounds_ratio():
@@ -31,9 +32,8 @@ def _faults_per_remade_block(keep: bool) -> float:
     """Minor faults each time a 48 MiB block (above glibc's largest dynamic mmap threshold,
     32 MiB) is malloc'ed, written and freed, in a fresh process."""
     code = textwrap.dedent(f"""
-        import ctypes, ctypes.util, sys
-        sys.path.insert(0, {str(TOOLS)!r})
-        import bench_train
+        import ctypes, ctypes.util
+        from benchmarks import bench_train
         if {keep}:
             bench_train.keep_freed_memory()
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -50,7 +50,12 @@ def _faults_per_remade_block(keep: bool) -> float:
         print((bench_train.minor_faults() - before) / 8)
     """)
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        cwd=ROOT,
     )
     return float(out.stdout.split()[-1])
 

@@ -2,12 +2,16 @@
 
 Each module's imports are read from its syntax tree, those inside functions included. A module may
 import its own layer and the layers below it; an import of a higher layer, a function-level import
-of a project module, or a circle among modules fails, with the file and line to fix.
+of a project module, or a circle among modules fails, with the file and line to fix. Above the
+library, the entry points (train.py, tools/, benchmarks/): the library never runs them by path,
+no file edits sys.path (the project is installed; scripts run from the repo root), and tests
+never import tools/.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from pathlib import Path
 
@@ -198,3 +202,144 @@ def test_the_real_tree_with_one_planted_upward_import_fails(tmp_path):
     assert any(
         "megapipe.plan imports the higher layer megapipe.train.step" in p for p in problems
     ), problems
+
+
+# -- entry points stay above the library -------------------------------------------------------
+
+# A string that names an entry point as a path or module: tools/, benchmarks/ or train.py, as a
+# subprocess argument or a path piece. Prose (an error's "run python tools/prepare_data.py")
+# has spaces and is not a path, so it is left alone.
+ENTRY_POINT = re.compile(r"^(\./)?((tools|benchmarks)([/.][\w./-]*)?|([\w./-]*/)?train\.py)$")
+
+
+def entry_point_paths(source: str) -> list[tuple[str, int]]:
+    """(literal, line) of every string constant of `source` naming an entry point by path."""
+    return [
+        (node.value, node.lineno)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        and ENTRY_POINT.match(node.value.strip())
+    ]  # fmt: skip
+
+
+def entry_point_runs(modules: dict[str, tuple[Path, str]]) -> list[str]:
+    """The library must not run tools/, benchmarks/ or train.py: they sit above it, an import
+    of them would fail the layer check, and a path to them breaks a non-editable install."""
+    return [
+        f"{path}:{line}: the library names the entry point {text!r}"
+        for path, source in modules.values()
+        for text, line in entry_point_paths(source)
+    ]
+
+
+def sys_path_edits(source: str) -> list[int]:
+    """Lines of `source` that change sys.path (insert, append, assignment, +=, ...)."""
+
+    def is_sys_path(node: ast.AST) -> bool:
+        node = node.value if isinstance(node, ast.Subscript) else node
+        return (
+            isinstance(node, ast.Attribute) and node.attr == "path"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys"
+        )  # fmt: skip
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if is_sys_path(node.func.value):
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(is_sys_path(t) for t in targets):
+                lines.append(node.lineno)
+    return lines
+
+
+def python_files(root: Path) -> list[Path]:
+    """Every .py of the repo but virtual environments, git's own and caches."""
+    skip = {".git", ".venv", "venv", "__pycache__", "build", "node_modules"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def tools_imports(source: str) -> list[int]:
+    """Lines of `source` importing the `tools` scripts as modules."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        if any(n == "tools" or n.startswith("tools.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_library_never_runs_entry_points_by_path():
+    problems = entry_point_runs(library_modules(ROOT))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        'cmd = [sys.executable, str(ROOT / "tools" / "launch.py"), "--nproc-per-node=2"]\n',
+        'subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", cfg])\n',
+        'subprocess.run([sys.executable, "-m", "benchmarks.bench", "train"])\n',
+        'runpy.run_path("tools/plan.py")\n',
+    ],
+)
+def test_a_planted_entry_point_run_is_caught(tmp_path, source):
+    path = tmp_path / "megapipe" / "perf" / "runs.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import runpy, subprocess, sys\n" + source)
+    problems = entry_point_runs(library_modules(tmp_path))
+    assert len(problems) == 1 and "runs.py:2: the library names the entry point" in problems[0]
+
+
+def test_an_error_message_naming_a_tool_is_not_a_run(tmp_path):
+    path = tmp_path / "megapipe" / "data" / "hint.py"
+    path.parent.mkdir(parents=True)
+    path.write_text('HINT = "run python tools/prepare_data.py --out DIR"\n')
+    assert entry_point_runs(library_modules(tmp_path)) == []
+
+
+def test_no_sys_path_edits_anywhere():
+    """Scripts run from the repo root with the project installed; none edits sys.path."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: edits sys.path"
+        for path in python_files(ROOT)
+        for line in sys_path_edits(path.read_text())
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "sys.path.insert(0, str(ROOT))\n",
+        "sys.path.append('tools')\n",
+        "sys.path = ['.'] + sys.path\n",
+        "sys.path += ['.']\n",
+        "sys.path[0:0] = ['.']\n",
+    ],
+)
+def test_a_planted_sys_path_edit_is_caught(source):
+    assert sys_path_edits("import sys\n" + source) == [2]
+
+
+def test_tests_never_import_tools():
+    """Tests import megapipe, models and benchmarks; tools/ are user scripts over them."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: imports tools"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for line in tools_imports(path.read_text())
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source", ["from tools import plan\n", "import tools.plan\n", "from tools.plan import main\n"]
+)
+def test_a_planted_tools_import_is_caught(source):
+    assert tools_imports("import os\n" + source) == [2]

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The library and the training entry point; tools/ and benchmarks/ join once their studies and
 # benches attach to hooks instead of patching (issue 31).
-SCANNED = ("megapipe", "models", "train.py")
+SCANNED = ("megapipe", "models", "train.py", "tools", "benchmarks")
 # torch methods a patch rebinds (besides the project's own functions)
 TORCH_METHODS = {"forward", "step", "zero_grad", "backward", "state_dict", "load_state_dict"}
 

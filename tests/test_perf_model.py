@@ -25,6 +25,7 @@ from megapipe.config.flops import flops_per_token
 from megapipe.config.stages import placement_of, schedule_costs, schedule_of
 from megapipe.distributed.mesh import MeshSizes, rank_at
 from megapipe.perf import MEGAPIPE, MEGATRON_2021, load_cluster, project
+from megapipe.perf import cli as plan_cli
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link
@@ -36,7 +37,6 @@ from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, cost_table, simulate
 from megapipe.train.memory import memory_plan
 from tests.conftest import TINY
-from tools import plan as plan_cli
 
 SHARED_TABLE1 = Path("/work/shared/data/megatron_2104.04473_table1.csv")
 

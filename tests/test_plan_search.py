@@ -25,6 +25,7 @@ import yaml
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
 from megapipe.config.stages import schedule_of
+from megapipe.perf import cli as plan_cli
 from megapipe.perf import load_cluster, project
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import search as plan_search
@@ -36,7 +37,6 @@ from megapipe.perf.memory import BoundedCache
 from megapipe.perf.model import GIB
 from megapipe.perf.pipeline import ScheduleKey
 from tests.conftest import TINY
-from tools import plan as plan_cli
 
 REL = 1e-9  # the bounds and the projection sum the same floats in other orders
 

@@ -1,4 +1,4 @@
-"""tools/schedule.py and tools/bench.py run as a user would run them (subprocess)."""
+"""tools/schedule.py and benchmarks/bench.py run as a user would run them (subprocess)."""
 
 import json
 import subprocess
@@ -8,9 +8,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, tool="tools/schedule.py"):
+def cli(*args, tool=("tools/schedule.py",)):
     done = subprocess.run(
-        [sys.executable, tool, *args],
+        [sys.executable, *tool, *args],
         check=False,
         cwd=ROOT,
         capture_output=True,
@@ -136,6 +136,6 @@ def test_bad_arguments_give_one_line_error():
 
 
 def test_bench_schedules_runs():
-    done = cli("schedules", "--proofs", tool="tools/bench.py")
+    done = cli("schedules", "--proofs", tool=("-m", "benchmarks.bench"))
     assert done.returncode == 0, done.stderr
     assert "zb_h1 idle per rank" in done.stdout

@@ -188,7 +188,22 @@ def test_flash_attention_cuda_values(compat):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
 
 
+def test_dispatch_mode_sees_aten_calls(compat):
+    seen = []
+
+    class Log(compat.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with api("torch.utils._python_dispatch.TorchDispatchMode"), Log():
+        torch.mm(torch.ones(2, 3), torch.ones(3, 4))
+    expect(any("mm" in name for name in seen), "TorchDispatchMode", "saw no aten.mm")
+
+
 # ---------------------------------------------------------------- nothing else touches them
+
+SCANNED = ("megapipe", "models", "tools", "benchmarks")  # and train.py, beside them
 
 TORCH_PRIVATE_ATTRIBUTES = {  # private names read off torch objects held in other variables
     "_base", "_cdata", "_execution_engine", "_flatten", "_init_from_local_shards",
@@ -234,9 +249,7 @@ def private_torch_uses(source: str) -> list[tuple[int, str]]:
 
 
 def library_files(root: Path) -> list[Path]:
-    files = [
-        p for package in ("megapipe", "models") for p in sorted((root / package).rglob("*.py"))
-    ]
+    files = [p for package in SCANNED for p in sorted((root / package).rglob("*.py"))]
     return [p for p in files + [root / "train.py"] if p != root / COMPAT]
 
 

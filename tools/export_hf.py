@@ -15,8 +15,6 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
 from megapipe.data.loader import DataError
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.export import ExportError, export_hf

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
 from megapipe.config.blend import parse_blend
 from megapipe.data.loader import load_tokenizer, read_meta
 from megapipe.train.checkpoint import CheckpointError, load_for_inference

@@ -3,7 +3,7 @@
 #   bash tools/gpu_check.sh [RESULTS_FILE]
 # runs the GPU tier (tests/gpu: attention and ring kernels vs references, bf16 vs float32,
 # compile parity, the memory model vs the allocator, flash-attn when installed) and the GPU
-# benchmark (python tools/bench.py train --device cuda: megapipe eager and compiled vs
+# benchmark (python -m benchmarks.bench train --device cuda: megapipe eager and compiled vs
 # transformers, tokens/s and MFU for the 124M, 350M and 1.3B presets in bf16), and writes
 # everything, with the machine and the figures the tests print, to one results file
 # (default gpu_check_<host>_<UTC time>.txt). Exit status: non-zero if the tests or the
@@ -43,8 +43,8 @@ echo -e "\n## figures (tests/gpu)" >> "$OUT"
 grep -o "GPU-FIGURE.*" "$LOG" >> "$OUT"
 echo "tests exit status: $TESTS" >> "$OUT"
 
-echo -e "\n## benchmark: python tools/bench.py train --device cuda" >> "$OUT"
-"$PY" tools/bench.py train --device cuda --json "$BENCH_JSON" > "$LOG" 2>&1
+echo -e "\n## benchmark: python -m benchmarks.bench train --device cuda" >> "$OUT"
+"$PY" -m benchmarks.bench train --device cuda --json "$BENCH_JSON" > "$LOG" 2>&1
 BENCH=$?
 grep -v "^\[transformers\]\|profiler_st" "$LOG" >> "$OUT"
 echo -e "\n## benchmark json" >> "$OUT"

@@ -5,7 +5,7 @@
         --rdzv-endpoint host:29400 --rdzv-id job1 train.py --config FILE [--section.key=value ...]
 
 The script's arguments are train.py's. Before any process starts they are parsed and the config
-loaded and checked here (megapipe.config.load_config), with nproc-per-node × nnodes against
+loaded and checked here (megapipe.config.args, load_config), with nproc-per-node × nnodes against
 dp·pp·cp·tp; an error is one line `error: ...` and exit 2. Then `python -m
 torch.distributed.run` runs with the given options (--standalone on one node without an
 endpoint) and this exits with its code.
@@ -24,12 +24,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-import train
 from megapipe.config import ConfigError, load_config
+from megapipe.config.args import parse_train_args
 from megapipe.distributed.mesh import MeshSizes, check_world_size
 
 PASSED_ON = (2, 3)  # train.py's exit codes: bad config, data or checkpoint; a lost peer
@@ -55,7 +52,7 @@ def validate(args: argparse.Namespace) -> None:
     """The config as every rank will load it, and the world it needs: ConfigError if not."""
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
-    train_args, overrides = train.parse_args(args.script_args)
+    train_args, overrides = parse_train_args(args.script_args)
     cfg = load_config(train_args.config, overrides)
     check_world_size(MeshSizes.of(cfg), args.nproc_per_node * args.nnodes)
 

@@ -22,18 +22,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+import torch
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from megapipe.pipeline import timeline
+from megapipe.pipeline.plot import save_timelines
+from megapipe.plan.schedules import placement
+from megapipe.plan.simulate import simulate
 
-from megapipe.pipeline import timeline  # noqa: E402
-from megapipe.pipeline.plot import save_timelines  # noqa: E402
-from megapipe.plan.schedules import placement  # noqa: E402
-from megapipe.plan.simulate import simulate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: its configs/
 
-# the bench_pipeline model: compute dominates the 256 KB activations the ranks exchange
+# the pipeline benchmarks' model (benchmarks/bench_post_validation.MODEL): compute dominates
+# the 256 KB activations the ranks exchange
 MODEL = [
     "model.n_layers=8",
     "model.d_model=256",

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 # Before anything imports datasets or huggingface_hub: inputs come from local files and caches.
 os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
 # datasets (imported only for HF inputs) logs a failure before raising it, and our one-line

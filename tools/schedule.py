@@ -38,8 +38,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
 from megapipe.plan.actions import Action, Placement, Schedule, format_grid
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, SimResult, multi_iteration, simulate

@@ -3,7 +3,7 @@
 Every function takes its process group explicitly. `dist.all_gather` (list form) exists on all
 backends; reduce-scatter is missing from gloo before torch 2.12, so it falls back to all-reduce +
 slice (same result, tp× the traffic). `COUNTER`, when set, records every call's payload: the
-benchmark (tools/bench_tp.py) uses it to count bytes per layer.
+benchmark (benchmarks/bench_tp.py) uses it to count bytes per layer.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCos
         if count <= 0:
             continue
         cost = cm.block(index, segment)
-        fixed_f, fixed_b = cm._fixed(index)
+        fixed_f, fixed_b = cm.fixed(index)
         f = f + (cost.F + Work(compute=fixed_f)) * count
         b = b + (cost.B + Work(compute=fixed_b)) * count
         w = w + cost.W * count

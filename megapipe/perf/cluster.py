@@ -7,27 +7,10 @@ NICs) and a latency per hop of each. Every number is cited in its YAML file. `ef
 are the fraction of the signalling rate NCCL's rings reach at large messages (nccl-tests), taken
 from published measurements, not fitted here.
 
-The fields after `network_latency_us` are optional, for profiles measured on the machine at hand
-rather than read from datasheets (perf/calibrate.py writes them for this machine's CPU, each
-commented in the YAML): `device` (which attention kernel config/memory.attention_path picks:
-"cuda" or "cpu"), `threads` (torch threads per rank the profile was measured with), the three
-model constants measured instead of Table 1's fit (`gemm_efficiency` e_max, `gemm_knee` κ,
-`memory_efficiency` μ: cost_terms.Calibration; 0 means "use the fit"), a separate point-to-point
-link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce; 0: the intra-node
-link), and the framework's fixed seconds per block and action (`layer_forward_us`,
-`layer_backward_us` per transformer layer, `ends_forward_us`, `ends_backward_us` for the
-embedding and head together: the Python and op-dispatch time a block costs whatever its size,
-negligible on a GPU whose kernels run asynchronously, not on a CPU), GPT-2's tanh GeLU per
-element (`gelu_forward_ns`, `gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes)
-and the fused attention kernel's fraction of the GEMM rate the model gives its FLOPs
-(`attention_efficiency`; 0: 1), and what a blocking collective costs in training beyond the
-aligned probe (`collective_sync_us`: the waiting one's wake-up, added to each tp collective,
-and `collective_skew`: the ranks' arrival skew as a fraction of the compute since the previous
-collective, added to each F and B with a tp collective, the layers' and the ends'; and
-`step_skew`: the same wait at the step-scale synchronisations of a run without tp, the dp
-gradient reduction and each pipeline message, as a fraction of the compute before them,
-measured at ~0.1 s apart; 0 on a GPU, where NCCL's kernels queue on the stream and the host
-does not wait). The GPU profiles leave them out, so their projections are unchanged.
+A profile measured on the machine at hand rather than read from datasheets (clusters/cpu*.yaml,
+written by benchmarks/calibrate.py) also has its host's terms, in the same flat YAML: the loader
+gathers those keys into one `host.HostOverheads` (`Cluster.host`; None for the GPU profiles, so
+their projections price the datasheet terms only).
 """
 
 from __future__ import annotations
@@ -37,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from megapipe.perf.host import HostOverheads
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
 
@@ -69,36 +54,24 @@ class Cluster:
     network_gbps: float  # per node (all its NICs), per direction, GB/s
     network_efficiency: float
     network_latency_us: float
-    # optional (module docstring): measured profiles
-    device: str = "cuda"
-    threads: int = 0
-    gemm_efficiency: float = 0.0
-    gemm_knee: float = 0.0
-    memory_efficiency: float = 0.0
-    p2p_gbps: float = 0.0
-    p2p_latency_us: float = 0.0
-    layer_forward_us: float = 0.0
-    layer_backward_us: float = 0.0
-    ends_forward_us: float = 0.0
-    ends_backward_us: float = 0.0
-    gelu_forward_ns: float = 0.0
-    gelu_backward_ns: float = 0.0
-    attention_efficiency: float = 0.0
-    collective_sync_us: float = 0.0
-    collective_skew: float = 0.0
-    step_skew: float = 0.0
+    host: HostOverheads | None = None  # a measured profile's host terms (module docstring)
+
+    @property
+    def device(self) -> str:
+        """The kernels the memory plan and the attention path assume: "cuda" or "cpu"."""
+        return self.host.device if self.host else "cuda"
 
     @property
     def measured_constants(self) -> tuple[float, float, float] | None:
         """(e_max, κ, μ) measured for this device, or None: use the calibrated fit."""
-        c = (self.gemm_efficiency, self.gemm_knee, self.memory_efficiency)
-        return c if all(x > 0 for x in c) else None
+        return self.host.measured_constants if self.host else None
 
     @property
     def p2p(self) -> Link:
         """The point-to-point link inside a node: its own measurement, else the ring link's."""
-        if self.p2p_gbps > 0:
-            return Link("p2p", self.p2p_gbps * 1e9, self.p2p_latency_us * 1e-6)
+        h = self.host
+        if h and h.p2p_gbps > 0:
+            return Link("p2p", h.p2p_gbps * 1e9, h.p2p_latency_us * 1e-6)
         return self.nvlink
 
     @property
@@ -136,12 +109,23 @@ def cluster_names() -> list[str]:
 
 
 def measured_names() -> list[str]:
-    """The profiles measured on a machine by perf/calibrate.py (clusters/cpu*.yaml)."""
+    """The profiles measured on a machine by benchmarks/calibrate.py (clusters/cpu*.yaml)."""
     return sorted(p.stem for p in CLUSTER_DIR.glob("cpu*.yaml"))
 
 
-_FIELDS = {f.name: f.type for f in dataclasses.fields(Cluster)}
+_FIELDS = {f.name: f.type for f in dataclasses.fields(Cluster) if f.name != "host"}
+_HOST_FIELDS = {f.name: f.type for f in dataclasses.fields(HostOverheads)}
 _REQUIRED = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING}
+
+
+def with_values(cluster: Cluster, values: dict) -> Cluster:
+    """`cluster` with the profile keys in `values` replaced, each where it lives: a host key
+    in its HostOverheads (made if the profile had none), any other on the Cluster."""
+    host = {k: v for k, v in values.items() if k in _HOST_FIELDS}
+    rest = {k: v for k, v in values.items() if k not in _HOST_FIELDS}
+    if host:
+        rest["host"] = dataclasses.replace(cluster.host or HostOverheads(), **host)
+    return dataclasses.replace(cluster, **rest)
 
 
 def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
@@ -156,13 +140,15 @@ def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     missing = sorted(_REQUIRED - set(raw))
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted(set(raw) - set(_FIELDS) - set(_HOST_FIELDS))
     if missing or unknown:
         raise ClusterError(f"{path}: missing keys {missing}, unknown keys {unknown}")
-    values = {k: (str(v) if _FIELDS[k] == "str" else v) for k, v in raw.items()}
+    kinds = _FIELDS | _HOST_FIELDS
+    values = {k: (str(v) if kinds[k] == "str" else v) for k, v in raw.items()}
     if gpus_per_node is not None:
         values["gpus_per_node"] = gpus_per_node
-    cluster = Cluster(**values)
+    host = {k: values.pop(k) for k in list(values) if k in _HOST_FIELDS}
+    cluster = Cluster(**values, host=HostOverheads(**host) if host else None)
     if cluster.gpus_per_node < 1:
         raise ClusterError(f"--gpus-per-node must be >= 1, got {cluster.gpus_per_node}")
     for key in ("peak_tflops", "hbm_gib", "hbm_gbps", "nvlink_gbps", "network_gbps"):

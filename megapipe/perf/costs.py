@@ -60,6 +60,7 @@ class CostModel:
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
         self.cfg, self.cluster, self.rt = cfg, cluster, resolved(runtime, cfg.train.dtype)
+        self.host = cluster.host  # a measured profile's host terms; None on a GPU
         measured = cluster.measured_constants  # a measured profile's own (the CPU's)
         self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth,
                           Calibration(*measured) if measured else cal)  # fmt: skip
@@ -81,20 +82,16 @@ class CostModel:
 
     def _tp(self, kind: str, nbytes: float) -> float:
         """A blocking tp collective: the ring on its link, plus (measured profiles) what the
-        host pays to meet the other ranks (cluster.collective_sync_us)."""
+        host pays to meet the other ranks (host.HostOverheads.tp_sync)."""
         tp = self.cfg.parallel.tp
         if tp == 1:
             return 0.0
-        return ring_time(kind, nbytes, tp, self.tp_link) + self.cluster.collective_sync_us * 1e-6
+        ring = ring_time(kind, nbytes, tp, self.tp_link)
+        return ring + self.host.tp_sync() if self.host else ring
 
     def _skewed(self, work: Work) -> Work:
-        """`work` with the ranks' arrival skew at its tp collectives (measured profiles,
-        cluster.collective_skew): each collective waits for the slower rank, later by a
-        fraction of the compute since the previous one, so a block's F (or B) with a tp
-        collective waits that fraction of its compute in all; one without waits for no one."""
-        if not self.cluster.collective_skew or not work.tp:  # tp = 1: no collective
-            return work
-        return Work(work.compute, work.tp + self.cluster.collective_skew * work.compute, work.cp)
+        """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
+        return self.host.skewed(work) if self.host else work
 
     def _tp_layer(self, x: Shapes) -> float:
         """One direction's tp collectives of a layer (F or B: the same volume)."""
@@ -128,7 +125,8 @@ class CostModel:
             fwd = 4.0 * x.hd * x.pairs * heads
             moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
             intensity = 4.0 * x.hd * x.pairs / moved
-            eff = self.cluster.attention_efficiency or 1.0  # measured profiles: the kernel's own
+            eff = self.host.attention_efficiency if self.host else 0.0
+            eff = eff or 1.0  # measured profiles: the kernel's own
             return dev.matmul(fwd, intensity) / eff, dev.matmul(2.5 * fwd, intensity) / eff
         scores = heads * x.q * x.kv  # the unfused path computes the masked half too
         mask = 1 if self.dropout else 0
@@ -171,15 +169,6 @@ class CostModel:
         relayout = 0 if fused else x.n * (x.h + 2 * x.hkv + x.h) * x.hd * 2 * c  # to/from heads
         return 2 * norm + 2 * residual + act + relayout
 
-    def _measured_activation(self, x: Shapes) -> tuple[float, float, float] | None:
-        """(bytes _elementwise counts for GPT-2's GeLU, forward s, backward s) where the profile
-        measured the kernel per element (a CPU's tanh GeLU is compute-bound: cluster.py)."""
-        c = self.cluster
-        if self.llama or not (c.gelu_forward_ns > 0 and c.gelu_backward_ns > 0):
-            return None
-        n = x.n * x.ff
-        return n * 2 * self.c, n * c.gelu_forward_ns * 1e-9, n * c.gelu_backward_ns * 1e-9
-
     def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
         """Exposed ring seconds of a layer's forward and backward (module docstring)."""
         cp = self.cfg.parallel.cp
@@ -202,7 +191,7 @@ class CostModel:
         cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
         elem = self._elementwise(x)
         act_f = act_b = 0.0
-        act = self._measured_activation(x)
+        act = None if self.llama or not self.host else self.host.gelu(x.n * x.ff, self.c)
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self._gemms(x)
@@ -381,20 +370,19 @@ class CostModel:
         for i in blocks:
             cost = self.block(i, segment)
             f, b, w = f + cost.F, b + cost.B, w + cost.W
-            fixed_f, fixed_b = self._fixed(i)
-            f, b = f + Work(compute=fixed_f), b + Work(compute=fixed_b)
+            if self.host:
+                fixed_f, fixed_b = self.fixed(i)
+                f, b = f + Work(compute=fixed_f), b + Work(compute=fixed_b)
         res = self._cache[key] = BlockCosts(f, b, w)
         return res
 
-    def _fixed(self, index: int) -> tuple[float, float]:
-        """A measured profile's fixed seconds of block `index` per F and per backward (B, with
-        the recompute's F under full recompute): the framework's Python and op dispatch, which
-        a GPU hides behind its asynchronous kernels and a CPU does not (cluster.py). Zero for
-        the GPU profiles. The embedding and head share the ends' measured time."""
-        c, n_layers = self.cluster, self.cfg.model.n_layers
-        if index in (0, n_layers + 1):
-            return c.ends_forward_us * 0.5e-6, c.ends_backward_us * 0.5e-6
-        f, b = c.layer_forward_us * 1e-6, c.layer_backward_us * 1e-6
-        if layer_mode(self.cfg.recompute, index - 1) == "full":
-            b += f
-        return f, b
+    def fixed(self, index: int) -> tuple[float, float]:
+        """A measured host's fixed seconds of block `index` per F and per backward: the
+        framework's Python and op dispatch, which a GPU hides behind its asynchronous kernels
+        and a CPU does not (host.HostOverheads.fixed). Zero for the GPU profiles."""
+        if not self.host:
+            return 0.0, 0.0
+        n_layers = self.cfg.model.n_layers
+        ends = index in (0, n_layers + 1)
+        full = not ends and layer_mode(self.cfg.recompute, index - 1) == "full"
+        return self.host.fixed(ends, full)

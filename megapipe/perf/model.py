@@ -12,7 +12,7 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    cached by perf/pipeline.py). pp = 1 runs the microbatches one after another (F, BW). A schedule
    built for costs (zb_v) under `schedule_costs=profile` is built from the projected costs, as
    the runtime rebuilds it from the measured ones. On a measured profile without tp, each
-   message also arrives later by `step_skew` of the compute that sent it (_sync_skew).
+   message also arrives later by `step_skew` of the compute that sent it (host.py: sync_skew).
 2. The dp × cp gradient reduction (comm.ring_time on the replica group's link): all-reduce
    (zero=0) or reduce-scatter (zero=1) of each chunk's grads, in buckets launched during the
    chunk's last backward (W or BW) and finishing no earlier than that backward's end plus one
@@ -160,7 +160,7 @@ def project(
     opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held)
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
-    skew = _sync_skew(cfg, cluster)
+    skew = cluster.host.sync_skew(p.tp, cfg.derived.world_size) if cluster.host else 0.0
     if pipelined and skew:
         _skew_messages(dag, stage_costs, skew, delay)
     timing = run(dag, cost, delay, extra)
@@ -299,18 +299,6 @@ def _rank_work(dag: Dag, stage_costs, rank: int) -> Work:
         kind, seg = divmod(rest, dag.segments)
         total = total + stage_costs[st][kind][seg] * count
     return total
-
-
-def _sync_skew(cfg: Config, cluster: Cluster) -> float:
-    """The fraction of the compute between two synchronisations of the ranks that the faster
-    one waits at the second, on a measured profile (cluster.step_skew: ranks sharing the cores
-    of a host run at speeds that drift apart); 0 on one rank, and 0 with tp, whose collectives
-    already wait it (costs.CostModel._skewed): what follows one waits only for the compute
-    since it. Without tp, a pipeline's ranks meet at every p2p message and the others at the
-    gradient reduction."""
-    if cfg.parallel.tp > 1 or cfg.derived.world_size == 1:
-        return 0.0
-    return cluster.step_skew
 
 
 def _skew_messages(dag: Dag, stage_costs, skew: float, late: list[float]) -> None:

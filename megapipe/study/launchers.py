@@ -76,17 +76,19 @@ def _sbatch_lines(opts: dict[str, Any], point: Point, point_dir: str) -> list[st
     return lines
 
 
-def sbatch_script(study: Study, point: Point, point_dir: str, run_dir: str, root: str) -> str:
+def sbatch_script(
+    study: Study, point: Point, point_dir: str, run_dir: str, root: str, script: str
+) -> str:
     """The point's job: launcher options from the study's `launcher:` (partition, account, qos,
     time, cpus_per_task, mem, sbatch: [extra lines], setup: [shell lines], env: {K: V},
-    python, port, exclusive)."""
+    python, port, exclusive); `root` the checkout, `script` the training script in it."""
     opts = study.launcher
     python = str(opts.get("python", "python"))
     port = int(opts.get("port", RDZV_PORT))
     env = {**SLURM_ENV, **{str(k): str(v) for k, v in (opts.get("env") or {}).items()}}
     # one line per group: torchrun and its options (the rendezvous left for the shell to
     # expand), the script and its config, then one override per line
-    args = script_args(study, point, run_dir, f"{root}/train.py")
+    args = script_args(study, point, run_dir, script)
     groups = [
         f"{shlex.quote(python)} -m torch.distributed.run "
         + " ".join(torchrun_args(point, f"$HEAD:{port}", "$SLURM_JOB_ID")),

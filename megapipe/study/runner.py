@@ -109,7 +109,8 @@ def submit_slurm(
 ) -> tuple[str, str | None]:
     """Write job.sbatch; submit it unless dry_run: (status, job id or error)."""
     script = pdir / "job.sbatch"
-    script.write_text(sbatch_script(study, point, str(pdir), str(run_dir), str(entry.root)))
+    job = sbatch_script(study, point, str(pdir), str(run_dir), str(entry.root), entry.script)
+    script.write_text(job)
     if dry_run:
         return "written", None
     if shutil.which("sbatch") is None:

@@ -47,11 +47,24 @@ class ShardedModule(nn.Module):
 
 class ParallelLinear(ShardedModule):
     """What the tp linears share: `forward` is their `_math`, or after `keep_eager()` the same
-    math outside any compiled graph."""
+    math outside any compiled graph; the matmul is the deferrable `linear` of
+    parallel/autograd/weight_grad.py, or after `use_builtin_linear()` torch's F.linear."""
 
     def __init__(self, tp: TPInfo) -> None:
         super().__init__(tp)
         self._eager_math = None  # keep_eager's torch.compiler.disable'd math
+        self._builtin = False  # use_builtin_linear
+
+    def use_builtin_linear(self) -> None:
+        """Multiply with torch's F.linear from now on (no deferred weight grads): for a caller
+        that splits B and W itself by walking autograd nodes, as torch.distributed.pipelining
+        does (benchmarks/bench_pipeline.py); a built-in node computes only the grads asked for."""
+        self._builtin = True
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._builtin:
+            return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, bias, self)
 
     def keep_eager(self) -> None:
         """Run outside compiled graphs from now on: a graph break where compiled code calls
@@ -100,7 +113,7 @@ class ColumnParallelLinear(ParallelLinear):
             self.register_parameter("bias", None)
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(enter_column(x, self.tp), self.weight, self.bias, self)
+        y = self._linear(enter_column(x, self.tp), self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -128,7 +141,7 @@ class RowParallelLinear(ParallelLinear):
             self.register_parameter("bias", None)
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_row(linear(x, self.weight, None, self), self.tp)
+        y = exit_row(self._linear(x, None), self.tp)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,8 +1,8 @@
 """``bench schedules``: our schedules against torch.distributed.pipelining's, and the proof table.
 
-    python tools/bench.py schedules                 # peer comparison (markdown)
-    python tools/bench.py schedules --proofs        # closed forms from the papers vs simulated
-    python tools/bench.py schedules --plots docs    # timeline PNGs for docs/
+    python -m benchmarks.bench schedules                 # peer comparison (markdown)
+    python -m benchmarks.bench schedules --proofs        # closed forms from the papers vs simulated
+    python -m benchmarks.bench schedules --plots docs    # timeline PNGs for docs/
 
 torch's schedule classes compute their action order in ``_calculate_single_rank_operations``
 from a few attributes; we set those on a bare instance (no process group, no stages), read the

@@ -2,7 +2,7 @@
 workers) against `datasets` load_dataset("json") + map(tokenize, batched=True, num_proc=N)
 over the same generated .jsonl corpus, with the same sentencepiece model.
 
-python tools/bench.py data [--mb 50] [--workers 1,2] [--repeat 1] [--vocab-size 2048]
+python -m benchmarks.bench data [--mb 50] [--workers 1,2] [--repeat 1] [--vocab-size 2048]
 
 The tokenizer is trained once, on the first --sample-mb of the corpus (its time is printed on
 its own line), and both sides are given it: prepare_data with --tokenizer FILE.model, the
@@ -32,10 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-
-from megapipe.data.prepare import train_sentencepiece  # noqa: E402
+from benchmarks.harness import ROOT
+from megapipe.data.prepare import train_sentencepiece
 
 # Runs argv[1:], then prints its wall seconds, CPU seconds and peak RSS (KiB on Linux) as JSON.
 WRAPPER = (
@@ -159,8 +157,8 @@ def main(argv=None) -> int:
                 tokens = meta["n_train_tokens"] + meta["n_val_tokens"]
                 shutil.rmtree(out)
                 count = work / "baseline_tokens.json"
-                cmd = [sys.executable, __file__, "--baseline", str(corpus), str(model), str(n),
-                       str(count)]  # fmt: skip
+                cmd = [sys.executable, "-m", "benchmarks.bench_data", "--baseline", str(corpus),
+                       str(model), str(n), str(count)]  # fmt: skip
                 runs.setdefault(("datasets", n), []).append(measure(cmd))
                 theirs = json.loads(count.read_text())["tokens"]
                 if theirs != tokens:

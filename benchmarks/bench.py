@@ -1,15 +1,19 @@
 """Benchmarks, one subcommand each; submodules are imported only when their subcommand runs.
 
-python tools/bench.py schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
-python tools/bench.py train [--layers 4 --d-model 256 ...]
-python tools/bench.py matmuls [--preset 124m --variant eager|transformers]
-python tools/bench.py kernels [--preset default|124m --rounds 15]
-python tools/bench.py tp
-python tools/bench.py cp
-python tools/bench.py pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
-python tools/bench.py data [--mb 50 --workers 1,2]
-python tools/bench.py zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out bench_zero.json]
-python tools/bench.py checkpoint [--d-model 256 --vocab 4096 --repeats 5 --rounds 10 --out F.json]
+python -m benchmarks.bench schedules [--proofs] [--plots docs] [--cost F=1,B=1,W=1,comm=0]
+python -m benchmarks.bench train [--layers 4 --d-model 256 ...]
+python -m benchmarks.bench matmuls [--preset 124m --variant eager|transformers]
+python -m benchmarks.bench kernels [--preset default|124m --rounds 15]
+python -m benchmarks.bench tp
+python -m benchmarks.bench cp
+python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
+python -m benchmarks.bench data [--mb 50 --workers 1,2]
+python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
+python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
+python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
+
+Run from the repo root with the project installed (benchmarks/ is not part of the package).
 """
 
 from __future__ import annotations
@@ -17,11 +21,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-# subcommand -> (module under tools/, one-line help); each module exposes main(argv) -> int
+# subcommand -> (module under benchmarks/, one-line help); each module exposes main(argv) -> int
 SUBCOMMANDS = {
     "schedules": ("bench_schedules", "pipeline schedules vs torch.distributed.pipelining"),
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
@@ -42,6 +43,8 @@ SUBCOMMANDS = {
         "bench_checkpoint",
         "checkpoint save/resume time and bytes read per rank across meshes, save step overhead",
     ),
+    "calibrate": ("calibrate", "measure this machine's CPU into a profile (clusters/cpu*.yaml)"),
+    "local": ("local_truth", "projected vs measured train.py steps on this machine"),
 }
 
 
@@ -51,8 +54,7 @@ def main(argv=None) -> int:
     for name, (_, help_text) in SUBCOMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)
     args, rest = parser.parse_known_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    module = importlib.import_module(f"benchmarks.{SUBCOMMANDS[args.command][0]}")
     return module.main(rest)
 
 

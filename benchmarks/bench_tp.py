@@ -1,6 +1,6 @@
 """Tensor-parallel communication per layer and data-parallel step-time overhead.
 
-    python tools/bench.py tp [--batch 4 --seq-len 64 --d-model 128 --steps 5]
+    python -m benchmarks.bench tp [--batch 4 --seq-len 64 --d-model 128 --steps 5]
 
 1. Bytes each transformer layer communicates per training step under tp (gloo workers, one
    thread each), counted by megapipe.distributed.collectives.COUNTER, against Megatron's
@@ -19,16 +19,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megapipe.config import load_config  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT, spawn
+from megapipe.config import load_config
 
 
 def make_config(args, n_layers: int, overrides=()):
@@ -67,28 +63,13 @@ def _count_step(args, n_layers: int, tp_overrides) -> dict:
     return dict(counts)
 
 
-def _worker(rank, world, port, out_dir, job, args):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
-    result = job(args, rank)
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+def _on_rank(job, args):
+    return job(args, dist.get_rank())
 
 
 def run_spawned(job, args, world: int):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
-    mp.spawn(_worker, args=(world, port, out, job, args), nprocs=world)
-    return json.loads(Path(out, "result.json").read_text())
+    """job(args, rank) on `world` gloo ranks: rank 0's result, as JSON reads it back."""
+    return json.loads(json.dumps(spawn(world, _on_rank, job, args)[0]))
 
 
 def comm_job(args, rank):
@@ -177,7 +158,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    command = "python tools/bench.py tp " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.bench tp " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"$ {command.strip()}\n")
     print(
         f"Bytes communicated per transformer layer per training step, in units of B·s·h "

@@ -1,8 +1,8 @@
-"""The compute probes that measure this machine's CPU for a profile (perf/calibrate.py fits
-them), each a median over rounds that alternate its cases, with the spread, since the cores are
+"""The compute probes that measure this machine's CPU for a profile (calibrate.py fits them),
+each a median over rounds that alternate its cases, with the spread, since the cores are
 shared with whatever else runs. They run in `ranks_per_node` processes at once
 (`concurrent_compute_probes`, pooled by `pool_ranks`); gloo's probes between two processes are
-perf/gloo_probes.py's.
+gloo_probes.py's.
 
   GEMMs       float32 torch.mm over a sweep of shapes (every (m, n, k) from {64, 256, 1024}, and
               squares 128, 512, 2048), operands cold in cache (a training step's other kernels

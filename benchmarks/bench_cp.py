@@ -1,6 +1,6 @@
 """Ring attention (context parallelism) time per rank against one process, and achieved overlap.
 
-    python tools/bench.py cp [--seq 2048 --batch 1 --heads 8 --kv-heads 8 --head-dim 64
+    python -m benchmarks.bench cp [--seq 2048 --batch 1 --heads 8 --kv-heads 8 --head-dim 64
                               --cp 2 4 --repeats 5]
 
 Causal zigzag ring attention, float32, under gloo with one thread per rank; the baseline is
@@ -25,20 +25,15 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megapipe.parallel.context.ring import RingComm, RingStats, ring_attention  # noqa: E402
-from megapipe.parallel.context.zigzag import zigzag_shard  # noqa: E402
+from benchmarks.harness import spawn
+from megapipe.parallel.context.ring import RingComm, RingStats, ring_attention
+from megapipe.parallel.context.zigzag import zigzag_shard
 
 
 def make_inputs(args, seed: int = 0):
@@ -96,21 +91,17 @@ def _comm_alone(args, cp: int, group) -> float:
     return statistics.median(times[1:])
 
 
-def _worker(rank: int, cp: int, store: str, out_dir: str, args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp)
+def _rank_job(args, cp: int) -> dict:
+    """This rank's timing dict (run on each of the cp ranks)."""
     group = dist.group.WORLD
-    result = _timed_ring(args, rank, cp, group)
+    result = _timed_ring(args, dist.get_rank(), cp, group)
     result["comm_alone"] = _comm_alone(args, cp, group)
-    torch.save(result, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
+    return result
 
 
 def run_ring(args, cp: int) -> list[dict]:
     """Per-rank timing dicts of ring attention on cp spawned gloo ranks."""
-    out = tempfile.mkdtemp()
-    mp.spawn(_worker, args=(cp, f"{out}/store", out, args), nprocs=cp)
-    return [torch.load(f"{out}/rank{r}.pt") for r in range(cp)]
+    return spawn(cp, _rank_job, args, cp)
 
 
 def tables(args) -> tuple[str, str]:
@@ -150,7 +141,7 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None, prog: str = "python tools/bench.py cp") -> int:
+def main(argv=None, prog: str = "python -m benchmarks.bench cp") -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     print(f"$ {' '.join([prog, *argv])}\n")
@@ -160,10 +151,10 @@ def main(argv=None, prog: str = "python tools/bench.py cp") -> int:
           f"Hkv={args.kv_heads}, hd={args.head_dim}, float32; gloo, 1 thread per rank, "
           f"{os.cpu_count()} cores, load average {load:.1f} before the run:\n")  # fmt: skip
     print(speed)
-    print("\nOverlap inside the ring (slowest rank; definitions in tools/bench_cp.py):\n")
+    print("\nOverlap inside the ring (slowest rank; definitions in benchmarks/bench_cp.py):\n")
     print(overlap)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python tools/bench_cp.py"))
+    sys.exit(main(prog="python -m benchmarks.bench_cp"))

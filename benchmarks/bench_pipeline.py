@@ -1,12 +1,13 @@
 """``bench pipeline``: measured pipeline step time against torch.distributed.pipelining, the
 simulator's fidelity, and measured bubbles.
 
-    python tools/bench.py pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v] [--out FILE]
-        [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
+    python -m benchmarks.bench pipeline [--steps 9] [--warmup 2] [--schedules 1f1b,zb_v]
+        [--out FILE] [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
 
-Two gloo ranks on this CPU (spawned, one thread each), m=8 microbatches, float32. The model is
-plot_timeline.MODEL: GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global
-batch 16, so a microbatch is 2×128 tokens and stages exchange 256 KB activations.
+Two gloo ranks on this CPU (spawned by harness.spawn, one thread each), m=8 microbatches,
+float32. The model is bench_post_validation.MODEL (tools/plot_timeline.py draws the same):
+GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global batch 16, so a
+microbatch is 2×128 tokens and stages exchange 256 KB activations.
 
 - Both sides run the same megapipe chunks (`build_model` on `rank_blocks`, same seed, so the same
   weights), the same microbatches (torch chunks the batch along dim 0 as we do) and the same
@@ -42,20 +43,20 @@ are data, so our runtime also runs torch's own action orders (bench_schedules.to
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_timeline import MODEL, ROOT, spawn  # noqa: E402
+from benchmarks import bench_post_validation as pv
+from benchmarks.bench_post_validation import MODEL
+from benchmarks.bench_schedules import torch_order
+from benchmarks.harness import ROOT, spawn, write_json
+from megapipe.parallel.tensor.layers import ParallelLinear
 
 M, PP = 8, 2
 OURS = {  # our run -> (schedule giving the config and placement, vpp, torch order it runs)
@@ -95,8 +96,6 @@ PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are ti
 
 def our_actions(name: str):
     """(schedule, placement) of our run `name`: our generator's, or torch's order."""
-    from bench_schedules import torch_order
-
     from megapipe.plan.schedules import build_schedule, placement
 
     schedule, vpp, torch_class = OURS[name]
@@ -128,19 +127,6 @@ def extra_of(name: str) -> tuple[str, ...]:
     return (f"parallel.zb_memory={name.rsplit('_', 1)[1]}",) if name.startswith("zb_auto") else ()
 
 
-@contextlib.contextmanager
-def builtin_linear():
-    """megapipe's layers call F.linear directly (see module docstring: torch's B/W split)."""
-    from megapipe.parallel.tensor import layers
-
-    deferrable = layers.linear
-    layers.linear = lambda x, weight, bias, owner: F.linear(x, weight, bias)
-    try:
-        yield
-    finally:
-        layers.linear = deferrable
-
-
 class TorchStage(nn.Module):
     """A megapipe chunk as a torch stage module: tokens or activations in, activations or
     logits out (the loss is torch's `loss_fn`)."""
@@ -148,10 +134,12 @@ class TorchStage(nn.Module):
     def __init__(self, chunk: nn.Module) -> None:
         super().__init__()
         self.chunk = chunk
+        for module in chunk.modules():  # torch's B/W split needs built-in autograd nodes
+            if isinstance(module, ParallelLinear):
+                module.use_builtin_linear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with builtin_linear():
-            return self.chunk(x)
+        return self.chunk(x)
 
 
 class Ours:
@@ -258,7 +246,7 @@ def job(steps: int, warmup: int, pairs: list) -> dict:
                 wall[name].append(elapsed)
                 cpu[name].append(_sum_over_ranks(cpu1 - cpu0))
                 if name in spans:
-                    spans[name].append(timeline.gather_spans(run.pipe.runtime.events))
+                    spans[name].append(timeline.gather_spans(run.pipe.events))
     return {"wall": wall, "cpu": cpu, "spans": spans, "checks": checks}
 
 
@@ -427,13 +415,11 @@ def main(argv=None) -> int:
         summary = summarise(result, args.steps, args.warmup, pairs)
         print(markdown(summary), flush=True)
     if not args.no_post_validation:
-        import bench_post_validation as pv
-
         found = spawn(PP, pv.job, args.pv_block, args.pv_rounds, 1)[0]
         summary["post_validation"] = pv.summarise(found, args.pv_block)
         print(pv.markdown(summary["post_validation"]))
     if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+        write_json(args.out, summary)
     return 0
 
 

@@ -7,7 +7,7 @@ minor page faults (getrusage) are read around it. A rate well below the same mat
 with faults beside it, is a matmul writing into memory the kernel had to hand out fresh:
 parallel/autograd/kept_buffers.py says why that happens on the CPU and what megapipe does.
 
-    python tools/bench.py matmuls [--preset default|124m|...] [--variant eager|transformers]
+    python -m benchmarks.bench matmuls [--preset default|124m|...] [--variant eager|transformers]
         [--steps 3 --threads 2] [--top 12]
 """
 
@@ -18,14 +18,15 @@ import collections
 import sys
 import time
 
-import bench_train
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks import bench_train
+from megapipe._torch_compat import DispatchMode
 
 MATMULS = ("mm", "addmm", "addmm_")
 
 
-class MatmulLog(TorchDispatchMode):
+class MatmulLog(DispatchMode):
     """Per (op, operand shapes and strides, out= given): calls, seconds, FLOPs, page faults."""
 
     def __init__(self) -> None:

@@ -24,7 +24,7 @@ GPT2LMHeadModel trained the way transformers' Trainer trains it by default, on o
 - CUDA (`--device cuda`): bf16, presets 124m, 350m and 1.3b by default; tokens/s and MFU
   (config/flops.flops_per_token over train/metrics.peak_tflops).
 
-    python tools/bench.py train [--preset default|124m|350m|1.3b[,...]] [--device cpu|cuda]
+    python -m benchmarks.bench train [--preset default|124m|350m|1.3b[,...]] [--device cpu|cuda]
         [--rounds 5 --steps 3 --threads 2] [--profile-steps 2] [--json FILE]
         [--variants eager,compiled,transformers] [--dtype float32|bfloat16] [--keep-freed-memory]
         [--layers L --d-model D --heads H --vocab V --batch B --seq-len T]  (override a preset)
@@ -36,14 +36,16 @@ import argparse
 import ctypes
 import ctypes.util
 import dataclasses
-import json
 import resource
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
+
+from benchmarks.harness import alternate, write_json
 
 # name -> (layers, d_model, heads, vocab, CPU (batch, seq), CUDA (batch, seq))
 PRESETS = {
@@ -275,9 +277,8 @@ def _time_in_turn(variants: list[str], s: Shape, args, batch, out: dict) -> tupl
     times, faults, outside = {}, {}, {}
     for v in variants:
         runner = _build_runner(v, s, args, batch, out)
-        times[v], faults[v] = [], []
-        for _ in range(args.rounds):
-            _time_round(runner, batch, args.steps, s.device, times[v], faults[v])
+        rounds = [_time_round(runner, batch, args.steps, s.device) for _ in range(args.rounds)]
+        times[v], faults[v] = [t for t, _ in rounds], [f for _, f in rounds]
         _profile_outside(outside, v, runner, batch, s, args)
         del runner
         torch.cuda.empty_cache()
@@ -288,21 +289,22 @@ def _time_alternating(variants: list[str], s: Shape, args, batch, out: dict) -> 
     """CPU: as _time_in_turn, all variants built at once and their steps alternating, the
     order rotating each round."""
     runners = {v: _build_runner(v, s, args, batch, out) for v in variants}
-    times, faults, outside = {v: [] for v in variants}, {v: [] for v in variants}, {}
-    for r in range(args.rounds):
-        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:  # rotate
-            _time_round(runners[v], batch, args.steps, s.device, times[v], faults[v])
+    rounds = alternate(
+        {v: partial(_time_round, r, batch, args.steps, s.device) for v, r in runners.items()},
+        args.rounds,
+    )
+    times = {v: [t for t, _ in rs] for v, rs in rounds.items()}
+    faults, outside = {v: [f for _, f in rs] for v, rs in rounds.items()}, {}
     for v, runner in runners.items():
         _profile_outside(outside, v, runner, batch, s, args)
     return times, faults, outside
 
 
-def _time_round(runner, batch, steps: int, device: str, times: list, faults: list) -> None:
-    """One round of `steps` steps: its seconds a step onto `times`, page faults a step onto
-    `faults`."""
+def _time_round(runner, batch, steps: int, device: str) -> tuple[float, float]:
+    """One round of `steps` steps: (its seconds a step, page faults a step)."""
     before = minor_faults()
-    times.append(timed(runner, batch, steps, device))
-    faults.append((minor_faults() - before) / steps)
+    seconds = timed(runner, batch, steps, device)
+    return seconds, (minor_faults() - before) / steps
 
 
 def variant_rows(s: Shape, times: dict, faults: dict, outside: dict) -> dict:
@@ -405,8 +407,7 @@ def main(argv=None) -> int:
         results.append(bench_shape(shape_of(preset, args), args))
         report(results[-1], args.threads)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Checkpoint save and resume times, bytes read per rank, and a save's step-time overhead.
 
-    python tools/bench.py checkpoint [--layers 4 --d-model 256 --vocab 4096 --repeats 5
+    python -m benchmarks.bench checkpoint [--layers 4 --d-model 256 --vocab 4096 --repeats 5
                                       --rounds 10 --block 3 --out F.json]
 
 Gloo workers, one thread each (a world of 1 runs in this process, without a process group); every
@@ -29,25 +29,21 @@ calls when checkpoint.async_save is off).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import ROOT, alternate, spawn, write_json
+from megapipe.config import load_config
 
-from megapipe.config import load_config  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 MESHES = {  # name -> (world size, parallel overrides)
     "1 process": (1, []),
     "tp=2": (2, ["parallel.tp=2"]),
@@ -189,13 +185,8 @@ def overhead(args, root: str) -> dict:
         total = time.perf_counter() - began
         return [total, in_steps, total - in_steps, waited]
 
-    times = {s: [] for s in SETTINGS}
-    for r in range(args.rounds + 1):  # round 0 warms up
-        order = SETTINGS[r % len(SETTINGS) :] + SETTINGS[: r % len(SETTINGS)]
-        for setting in order:
-            seconds = block(setting)
-            if r:
-                times[setting].append(seconds)
+    turns = alternate({s: partial(block, s) for s in SETTINGS}, args.rounds + 1)
+    times = {s: rounds[1:] for s, rounds in turns.items()}  # round 0 warms up
     return {"times": times, "saves": saved[0]}
 
 
@@ -214,33 +205,9 @@ def world_job(args, root: str, one_process: dict) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, args, root, one) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
-    mine = world_job(args, root, one)
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(every))
-    dist.destroy_process_group()
-
-
 def run_world(args, root: str, one: dict, world: int = 2) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
-    try:
-        mp.spawn(_worker, args=(world, port, out, args, root, one), nprocs=world)
-        return json.loads(Path(out, "result.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    """world_job on each of `world` gloo ranks; the per-rank results as JSON reads them back."""
+    return json.loads(json.dumps(spawn(world, world_job, args, root, one, timeout_s=600)))
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -352,7 +319,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    print(f"$ {' '.join(['python tools/bench.py checkpoint', *argv])}\n")
+    print(f"$ {' '.join(['python -m benchmarks.bench checkpoint', *argv])}\n")
     began, load0 = time.perf_counter(), os.getloadavg()
     one, ranks, single, root = measure(args)
     saves = {"1 process": [one], **{m: [r["save"][m] for r in ranks] for m in ranks[0]["save"]}}
@@ -369,11 +336,11 @@ def main(argv=None) -> int:
         f"({time.perf_counter() - began:.0f} s)"
     )
     if args.out:
-        Path(args.out).write_text(json.dumps({
+        write_json(args.out, {
             "args": vars(args), "params": n, "saves": saves, "loads": loads,
             "overhead": result_overhead, "max_loss_gap": worst,
             "loadavg": [load0, load1],
-        }, indent=1))  # fmt: skip
+        })  # fmt: skip
     if worst > 1e-4:
         print(f"FAILED: a resumed job's next loss is {worst:.1e} off the saving job's",
               file=sys.stderr)  # fmt: skip

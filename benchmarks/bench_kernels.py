@@ -10,7 +10,7 @@ against that op on a preset's shapes:
 The two variants alternate within each round; reported: each one's median ms with the spread
 (min-max) and the ratio of medians.
 
-    python tools/bench.py kernels [--preset default|124m] [--rounds 15 --threads 2]
+    python -m benchmarks.bench kernels [--preset default|124m] [--rounds 15 --threads 2]
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+from functools import partial
 
-import bench_train
 import torch
 import torch.nn.functional as F
 
+from benchmarks import bench_train
+from benchmarks.harness import alternate, timed
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS, exp_shifted_
 from models.activations import gelu_tanh
 
@@ -56,16 +57,9 @@ def aten_exp_shifted_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 def timed_pairs(cases: dict, rounds: int) -> dict[str, list[float]]:
-    times = {name: [] for name in cases}
     for run in cases.values():  # warm-up (and compile)
         run(), run()
-    for r in range(rounds):
-        names = list(cases)[r % 2 :] + list(cases)[: r % 2]
-        for name in names:
-            began = time.perf_counter()
-            cases[name]()
-            times[name].append(time.perf_counter() - began)
-    return times
+    return alternate({name: partial(timed, run) for name, run in cases.items()}, rounds)
 
 
 def row(label: str, cases: dict, rounds: int) -> str:

@@ -1,6 +1,6 @@
-"""The measurements of this machine's CPU (perf/probes.py, perf/gloo_probes.py), `Measured`,
-fitted into the terms of a cluster profile (perf/cluster.py): arithmetic only; perf/calibrate.py
-runs the probes and writes the profile (docs/architecture.md, "Layers", perf). The fits:
+"""The measurements of this machine's CPU (probes.py, gloo_probes.py), `Measured`, fitted into the
+terms of a cluster profile (megapipe/perf/cluster.py, host.py): arithmetic only; calibrate.py
+runs the probes and writes the profile (docs/architecture.md, "benchmarks"). The fits:
 
   GEMMs       cost_terms.Device prices a GEMM of F FLOPs moving Y bytes (operands and output) at
               t = F·(AI + κ·P/B) / (P·e·AI) = F/(e·P) + κ·Y/(e·B), linear in (F, Y): a least
@@ -25,10 +25,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from benchmarks.gloo_probes import BLOCKING_SIZES, SKEW_GEMMS
 from megapipe.perf.cluster import Link
 from megapipe.perf.comm import ring_time
 from megapipe.perf.cost_terms import Calibration, Device
-from megapipe.perf.gloo_probes import BLOCKING_SIZES, SKEW_GEMMS
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The gloo probes of this machine's CPU profile (perf/calibrate.py fits them; the compute
-probes are perf/probes.py's): two processes (`threads` threads each) over loopback, each cell
+"""The gloo probes of this machine's CPU profile (calibrate.py fits them; the compute probes are
+probes.py's): two processes (`threads` threads each, harness.spawn) over loopback, each cell
 timed over rounds and pooled over both ranks' samples (`pool_samples`: the median, or for the
 waits at collectives the mean, MEAN_CELLS, since a step pays their sum).
 
@@ -16,12 +16,13 @@ waits at collectives the mean, MEAN_CELLS, since a step pays their sum).
 
 from __future__ import annotations
 
-import datetime
-import socket
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
+
+from benchmarks.harness import spawn
 
 GLOO_SIZES = [1 << p for p in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 BLOCKING_SIZES = [1 << 16, 1 << 18, 1 << 20]  # a small model's tp activations (64 KiB .. 1 MiB)
@@ -31,23 +32,9 @@ SKEW_GEMMS = (256, 384, 512, 640, 768)  # n×n GEMMs between the probe's collect
 STEP_GEMMS, STEP_N, STEP_SYNCS = 8, 768, 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
+def _gloo_probes(rounds: int) -> dict:
+    """One rank's samples of every gloo probe (run by harness.spawn on two ranks)."""
+    rank = dist.get_rank()
     peer = 1 - rank
     seen: dict = {("all_reduce", s): [] for s in GLOO_SIZES}
     seen.update({("p2p", s): [] for s in GLOO_SIZES})
@@ -73,8 +60,7 @@ def _gloo_worker(rank: int, port: int, threads: int, rounds: int, results) -> No
                 seen["p2p", size].append((time.perf_counter() - began) / 2)  # one way
     seen.update(_blocking_probe(rounds))
     seen.update(_step_sync_probe(rounds))
-    results.put(seen)
-    dist.destroy_process_group()
+    return seen
 
 
 def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
@@ -90,8 +76,6 @@ def _blocking_probe(rounds: int, reps: int = 20, pairs: int = 4) -> dict:
     speed moves within a second, and with one long pair per cell a burst of other work moved a
     cell by milliseconds (a stored profile's n = 640 cells read 1.1, 0.15 and 4.3 ms for 64 KiB,
     256 KiB and 1 MiB); the median over the pairs drops such a pair."""
-    import torch.distributed as dist
-
     seen: dict = {}
     per = max(reps // pairs, 1)
 
@@ -124,8 +108,6 @@ def _step_sync_probe(rounds: int) -> dict:
     a difference of loops, which at this scale would be noisier than the wait itself; the two
     ranks' figures are summed by one more all-reduce outside the timed part, so each sample is
     the pair's mean."""
-    import torch.distributed as dist
-
     a, b = torch.randn(STEP_N, STEP_N), torch.randn(STEP_N, STEP_N)
     x, pair = torch.ones(BLOCKING_SIZES[0] // 4), torch.zeros(2)
     seen: dict = {("step_wait",): [], ("step_compute",): []}
@@ -147,23 +129,7 @@ def probe_gloo(threads: int = 1, rounds: int = 3) -> dict:
     """{("all_reduce" | "p2p", bytes): (median s, min, max)} between two local processes, and
     the blocking and step probes' cells (_blocking_probe, _step_sync_probe), each over both
     ranks' samples."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [
-        ctx.Process(target=_gloo_worker, args=(r, port, threads, rounds, results)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        per_rank = [results.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return pool_samples(per_rank)
+    return pool_samples(spawn(2, _gloo_probes, rounds, threads=threads, timeout_s=120))
 
 
 # Cells whose centre is the mean of their samples, not the median: the waits at collectives

@@ -1,6 +1,6 @@
 """The distributed optimizer (parallel.zero=1, ZeRO-1) against plain data parallelism (zero=0).
 
-    python tools/bench.py zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+    python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 
 Gloo workers, one thread each; every world builds a zero=0 and a zero=1 job from the same seed
 with train/build.py's `build()`, as train.py does, and trains them on the same batches.
@@ -23,26 +23,21 @@ with train/build.py's `build()`, as train.py does, and trains them on the same b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import ROOT, spawn, write_json
+from megapipe.config import load_config
+from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.train.hooks import TrainHooks
 
-from megapipe.config import load_config  # noqa: E402
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 FP32 = 4
 
 
@@ -75,9 +70,20 @@ def _state_bytes(optimizer) -> int:
     )
 
 
+class _GradBytes(TrainHooks):
+    """The most grad storage seen right before an optimizer step (the step core's hook)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.most = model, 0
+
+    def optimizer_begin(self) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.most = max(self.most, _storage_bytes(grads))
+
+
 class Run:
-    """One job (zero=0 or zero=1) on this rank, its optimizer wrapped to see the grads as they
-    are when it steps."""
+    """One job (zero=0 or zero=1) on this rank; a step hook sees the grads as they are when the
+    optimizer steps."""
 
     def __init__(self, args, mesh, dp: int, zero: int) -> None:
         from megapipe.train.build import build
@@ -86,18 +92,10 @@ class Run:
         torch.manual_seed(self.cfg.train.seed)
         self.job = build(self.cfg, mesh, "cpu", args.bucket_mb)
         self.optimizer = self.job.optimizer()
-        self.grad_bytes = 0
-        inner = self.optimizer.step
-
-        def step():
-            grads = [p.grad for p in self.job.model.parameters() if p.grad is not None]
-            self.grad_bytes = max(self.grad_bytes, _storage_bytes(grads))
-            inner()
-
-        self.optimizer.step = step
+        self.grads = _GradBytes(self.job.model)
 
     def step(self, batch: torch.Tensor, i: int) -> float:
-        return self.job.train_step(self.optimizer, batch, i).loss
+        return self.job.train_step(self.optimizer, batch, i, self.grads).loss
 
     def memory(self) -> dict:
         params = list(self.job.model.parameters())
@@ -107,7 +105,7 @@ class Run:
         return {
             "params": sum(p.numel() for p in params),
             "weights": sum(p.numel() * p.element_size() for p in params),
-            "grads": self.grad_bytes,
+            "grads": self.grads.most,
             "state": _state_bytes(self.optimizer),
             "buckets": len(buckets),
             # zero=1 pads each bucket to a multiple of R elements before the reduce-scatter
@@ -157,34 +155,12 @@ def measure(args, world: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, args) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )  # fmt: skip
-    mine = measure(args, world)
-    every = [None] * world
-    dist.all_gather_object(every, mine)
-    if rank == 0:
-        Path(out_dir, "result.json").write_text(json.dumps(every))
-    dist.destroy_process_group()
-
-
 def run_world(args, world: int) -> list[dict]:
     """measure() on each of `world` ranks; the per-rank results (JSON keys become strings)."""
     if world == 1:
         torch.set_num_threads(1)
         return [json.loads(json.dumps(measure(args, 1)))]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
-    mp.spawn(_worker, args=(world, port, out, args), nprocs=world)
-    return json.loads(Path(out, "result.json").read_text())
+    return json.loads(json.dumps(spawn(world, measure, args, world)))
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -314,7 +290,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    print(f"$ {' '.join(['python tools/bench.py zero', *argv])}\n")
+    print(f"$ {' '.join(['python -m benchmarks.bench zero', *argv])}\n")
     began = time.perf_counter()
     worlds = {dp: run_world(args, dp) for dp in sorted(set(args.dp) | {args.time_dp})}
     n = worlds[min(worlds)][0]["memory"]["0"]["params"]
@@ -360,7 +336,7 @@ def main(argv=None) -> int:
     print(table)
     print(f"\n({time.perf_counter() - began:.0f} s)")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     for f in failures:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failures else 0

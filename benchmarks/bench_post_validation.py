@@ -1,5 +1,5 @@
 """Post-validation on and off (Zero Bubble §4): whole training steps back to back on 2 ranks,
-measured against the simulator's multi-iteration figure; part of ``python tools/bench.py
+measured against the simulator's multi-iteration figure; part of ``python -m benchmarks.bench
 pipeline`` (bench_pipeline.py prints these rows after its own).
 
 Unlike the forward/backward rows, a step here is `Job.train_step` with the optimizer, and K
@@ -30,8 +30,20 @@ import tempfile
 import time
 
 import torch
-from plot_timeline import MODEL, ROOT
 
+from benchmarks.harness import ROOT
+
+# the pipeline benchmarks' model (tools/plot_timeline.py draws the same one): compute dominates
+# the 256 KB activations the ranks exchange
+MODEL = [
+    "model.n_layers=8",
+    "model.d_model=256",
+    "model.n_heads=4",
+    "model.seq_len=128",
+    "model.vocab_size=256",
+    "model.tie_embeddings=false",
+    "train.global_batch=16",
+]
 PP, M = 2, 8
 ROWS = {  # name -> (schedule, extra overrides)
     "1f1b": ("1f1b", []),
@@ -105,11 +117,11 @@ def job(block: int, rounds: int, warmup: int) -> dict:
                 batch = data.batch(steps[name], cfg.train.global_batch)
                 j.train_step(optimizer, batch, steps[name])
                 steps[name] += 1
-                block_spans.append(timeline.spans(j.engine.runtime.events))
+                block_spans.append(timeline.spans(j.engine.events))
             j.settle(optimizer)
             dist.barrier()
             elapsed = time.perf_counter() - began
-            validator = j.engine.validator
+            validator = j.engine.validator if j.post_validated else None
             if round_ >= warmup:
                 wall[name].append(elapsed / block)
                 spans[name].append(block_spans)

@@ -1,4 +1,4 @@
-"""How `train.py` runs on this machine for the local truth (perf/local_truth.py): one config
+"""How `train.py` runs on this machine for the local truth (local_truth.py): one config
 (LOCAL_CONFIG) on five small meshes (LOCAL_MESHES), run as a user runs it (tools/launch.py ->
 torchrun for two ranks, one process with OMP_NUM_THREADS as the profile), its per-step times
 read from metrics.jsonl, and the ranks' scheduler counters (/proc: their CPU time and run-queue
@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.probes import cpu_ticks
 from megapipe.config import Config, load_config
-from megapipe.perf.probes import cpu_ticks
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 # One config for every point: big enough that a step is mostly GEMMs (about 25 GFLOP), small
 # enough for a few seconds of steps on one core.

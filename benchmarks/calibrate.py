@@ -1,13 +1,16 @@
-"""This machine's CPU profile: the probes (perf/probes.py, perf/gloo_probes.py) run, fitted into
-the terms of a cluster profile (perf/cluster.py) and written as commented YAML
-(docs/architecture.md, "Layers", perf).
+"""This machine's CPU profile: the probes (probes.py, gloo_probes.py) run, fitted into the terms
+of a cluster profile (megapipe/perf/cluster.py, its host terms megapipe/perf/host.py) and written
+as commented YAML (docs/architecture.md, "benchmarks").
+
+    python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml] [--threads 1]
+        [--ranks-per-node 2] [--rounds 5]
 
 A CPU "node" is the machine: `ranks_per_node` training processes of `threads` torch threads
 each share its cores and talk gloo over loopback (torchrun sets OMP_NUM_THREADS=1 for its
 workers; a plain `python train.py` uses every core). `measure` runs the compute probes with
 `threads` torch threads in each of `ranks_per_node` processes at the same time (the ranks of a
 step share the cores' caches and memory bandwidth; a one-rank profile, `cpu_solo.yaml`, prices
-the one-process run), then gloo between two processes. perf/probe_fits.py fits what they
+the one-process run), then gloo between two processes. probe_fits.py fits what they
 measured into the profile's fields (its docstring gives each fit).
 
 The node never talks to another node, so the network fields repeat the loopback ring's.
@@ -21,16 +24,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from megapipe.perf.cluster import CLUSTER_DIR, Cluster, load_cluster
-from megapipe.perf.cost_terms import Calibration, Device
-from megapipe.perf.gloo_probes import (
+from benchmarks.gloo_probes import (
     BLOCKING_SIZES,
     SKEW_GEMMS,
     STEP_GEMMS,
@@ -38,20 +39,24 @@ from megapipe.perf.gloo_probes import (
     STEP_SYNCS,
     probe_gloo,
 )
-from megapipe.perf.probe_fits import (
+from benchmarks.harness import Parser, UsageError, run_cli, say
+from benchmarks.probe_fits import (
     Measured,
     compute_values,
     gemm_features,
     gloo_samples,
     link_values,
 )
-from megapipe.perf.probes import (
+from benchmarks.probes import (
     COPY_BYTES,
     GEMM_SHAPES,
     KERNEL_ELEMENTS,
     concurrent_compute_probes,
     pool_ranks,
+    wait_quiet,
 )
+from megapipe.perf.cluster import CLUSTER_DIR, Cluster, ClusterError, load_cluster, with_values
+from megapipe.perf.cost_terms import Calibration, Device
 
 T = TypeVar("T")
 
@@ -71,7 +76,7 @@ def measure(
     settle: Callable[[], float | None] = lambda: None,
 ) -> Measured:
     """Run every probe with `threads` torch threads in each of `ranks_per_node` processes at
-    once (module docstring); `settle` runs before each group (tools/plan.py waits there for the
+    once (module docstring); `settle` runs before each group (main waits there for the
     machine's other work to calm down)."""
     loads = [settle()]
     say(
@@ -138,7 +143,7 @@ def _repriced(cluster: Cluster, ranks: int, threads: int, computes: list, gloo: 
     """`cluster` with the compute fields of the pooled `computes` and, given gloo's probes,
     the link fields."""
     m = Measured(threads, ranks, *pool_ranks(computes), gloo=gloo)
-    return replace(cluster, **compute_values(m), **(link_values(m) if gloo else {}))
+    return with_values(cluster, {**compute_values(m), **(link_values(m) if gloo else {})})
 
 
 def _spread(
@@ -177,7 +182,7 @@ def _machine_lines(values: dict, m: Measured, command: str) -> list[str]:
     return [
         f"# This machine's CPU as a 'cluster' of one node: {values['gpus_per_node']} rank(s) of "
         f"{m.threads} torch thread(s), gloo over loopback.",
-        f"# Measured by `{command}` (megapipe/perf/calibrate.py) on "
+        f"# Measured by `{command}` (benchmarks/calibrate.py) on "
         f"{datetime.date.today().isoformat()}, torch {torch.__version__}, "
         f"{os.cpu_count()} cores shared with other work: medians over rounds, spreads below.",
         "# other work on the machine before each probe group (cores): "
@@ -338,3 +343,50 @@ def default_profile(threads: int = 1, ranks: int = 2) -> str:
 
 def profile_path(name: str) -> Path:
     return Path(name) if name.endswith((".yaml", ".yml")) else CLUSTER_DIR / f"{name}.yaml"
+
+
+def parse(argv: list[str]):
+    c = Parser(prog="python -m benchmarks.bench calibrate",
+               description="measure this machine's CPU into a profile")  # fmt: skip
+    c.add_argument(
+        "--out", help="default: megapipe/perf/clusters/cpu.yaml (cpu_Nt, _solo for one rank)"
+    )
+    c.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    c.add_argument("--ranks-per-node", type=int, default=2, help="ranks sharing the machine")
+    c.add_argument("--rounds", type=int, default=5, help="rounds of every probe")
+    c.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
+    c.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
+    args, rest = c.parse_known_args(argv)
+    if rest:
+        raise UsageError(f"calibrate takes no {' '.join(rest)}")
+    if args.threads < 1 or args.ranks_per_node < 1 or args.rounds < 1:
+        raise UsageError("--threads, --ranks-per-node and --rounds must be at least 1")
+    return args
+
+
+def calibrate(argv: list[str]) -> int:
+    """Measure, fit, write the profile and print its values."""
+    args = parse(argv)
+    default = default_profile(args.threads, args.ranks_per_node)
+    out = args.out or str(profile_path(default))
+    name = Path(out).stem
+    if not name.startswith("cpu"):
+        raise UsageError(f"--out {out}: a measured profile's file name starts with 'cpu'")
+    measured = measure(
+        args.threads, args.ranks_per_node, args.rounds, say,
+        settle=lambda: wait_quiet(args.quiet, args.patience, say),
+    )  # fmt: skip
+    values = profile_values(measured, name)
+    write_profile(out, values, measured, "python -m benchmarks.bench calibrate " + " ".join(argv))
+    print(f"wrote {out}")
+    for key, value in values.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(calibrate, argv, (ClusterError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Run a short 4-rank pipeline job many times and tally how each run ended.
 
-    python tools/stress_shutdown.py [--runs 30] [--keep-logs DIR]
+    python -m benchmarks.stress_shutdown [--runs 30] [--keep-logs DIR]
 
 Each run is tools/launch.py (torchrun underneath) with pp=4, 1F1B, llama3 balance, 8 layers,
 6 microbatches and 3 steps of configs/tiny.yaml, in a fresh temporary run directory. A rank
@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import ROOT
+
 TRAIN_ARGS = [
     "train.py", "--config", "configs/tiny.yaml", "--parallel.pp=4", "--parallel.schedule=1f1b",
     "--parallel.balance=llama3", "--model.n_layers=8", "--parallel.microbatches=6",

@@ -1,7 +1,9 @@
 """The local truth: the projection of small meshes on this machine's CPU profile
-(perf/calibrate.py) against the step times `train.py` measures on them.
+(calibrate.py) against the step times `train.py` measures on them.
 
-Each of LOCAL_MESHES runs the same config as `train.py` runs it (perf/local_runs.py:
+    python -m benchmarks.bench local [--steps 10] [--rounds 3] [--stored-only] [--json]
+
+Each of LOCAL_MESHES runs the same config as `train.py` runs it (local_runs.py:
 tools/launch.py -> torchrun for two ranks; one process with OMP_NUM_THREADS as the profile),
 per-step times from metrics.jsonl, against `perf.model.project` with the profile (runtime
 megapipe, float32). The
@@ -15,18 +17,21 @@ and just after it (calibrate.probe_around), beside the stored profile's projecti
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from megapipe.config import Config
-from megapipe.perf.calibrate import default_profile, probe_around
-from megapipe.perf.cluster import Cluster, load_cluster
-from megapipe.perf.local_runs import LOCAL_CONFIG, LOCAL_MESHES, Run, local_config, train_run
+from benchmarks.calibrate import default_profile, probe_around
+from benchmarks.harness import Parser, UsageError, run_cli, say
+from benchmarks.local_runs import LOCAL_CONFIG, LOCAL_MESHES, Run, local_config, train_run
+from benchmarks.probes import wait_quiet
+from megapipe.config import Config, ConfigError
+from megapipe.perf.cluster import Cluster, ClusterError, load_cluster
 from megapipe.perf.model import Projection, project
-from megapipe.perf.probes import wait_quiet
 from megapipe.perf.runtime import MEGAPIPE
 
 
@@ -240,7 +245,7 @@ def _summary(errors: list[float]) -> str:
 
 
 def points_json(points: list[Point]) -> dict:
-    """The local truth as one JSON object (tools/plan.py local --json)."""
+    """The local truth as one JSON object (python -m benchmarks.bench local --json)."""
     return {
         "config": LOCAL_CONFIG,
         "points": [
@@ -262,3 +267,54 @@ def points_json(points: list[Point]) -> dict:
             for p in points
         ],
     }
+
+
+def parse(argv: list[str]):
+    loc = Parser(prog="python -m benchmarks.bench local",
+                 description="projected vs measured train.py steps on this machine")  # fmt: skip
+    loc.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    loc.add_argument("--warmup", type=int, default=2, help="steps before them, not timed")
+    loc.add_argument("--rounds", type=int, default=3, help="runs of each mesh, alternating")
+    loc.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    loc.add_argument("--solo-threads", type=int, help="threads of the one-process run")
+    loc.add_argument("--profile", help="default: cpu (cpu_Nt for N threads)")
+    loc.add_argument("--solo-profile", help="one-process run's (default cpu_solo)")
+    loc.add_argument("--quiet", type=float, default=0.25, help="wait for other work <= cores")
+    loc.add_argument("--patience", type=float, default=300.0, help="seconds to wait for it")
+    loc.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run")
+    loc.add_argument(
+        "--stored-only", action="store_true",
+        help="skip the probes around each run: the stored profile's projection only",
+    )  # fmt: skip
+    loc.add_argument("--json", action="store_true", help="one JSON object")
+    args, rest = loc.parse_known_args(argv)
+    if rest:
+        raise UsageError(f"local takes no {' '.join(rest)}")
+    if min(args.steps, args.rounds, args.threads, args.solo_threads or 1) < 1 or args.warmup < 0:
+        raise UsageError("--steps, --rounds and --threads must be at least 1, --warmup >= 0")
+    return args
+
+
+def local(argv: list[str]) -> int:
+    """Run the local meshes and print them against their projections."""
+    args = parse(argv)
+    points = local_points(
+        args.steps, args.rounds, args.warmup, args.threads, args.solo_threads,
+        profile=args.profile, solo_profile=args.solo_profile, quiet=args.quiet,
+        patience=args.patience, retries=args.retries, probe_each_run=not args.stored_only, say=say,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(points_json(points)))
+        return 0
+    config = " ".join(LOCAL_CONFIG)
+    print(f"`python -m benchmarks.bench local {' '.join(argv)}` (config: {config})\n")
+    print(markdown(points))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(local, argv, (ClusterError, ConfigError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""What every benchmark shares: a gloo world of spawned processes with one torch thread each,
+variants timed in alternating rounds, medians with their spread, JSON out, and a command line
+whose bad input is one line and exit code 2.
+
+Run from the repo root with the project installed: `python -m benchmarks.bench NAME ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from
+T = TypeVar("T")
+
+
+class UsageError(ValueError):
+    """Bad command-line input: one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors raise UsageError (one line, exit 2) instead of printing usage."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def say(text: str) -> None:
+    """Progress on stderr, so stdout stays the result."""
+    print(text, file=sys.stderr, flush=True)
+
+
+# -- a gloo world ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for the world's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, out: str, opts: tuple, fn, args) -> None:
+    threads, timeout_s = opts
+    torch.set_num_threads(threads)  # the ranks share this machine's cores
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    torch.save(fn(*args), os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def spawn(world: int, fn: Callable, *args, threads: int = 1, timeout_s: float = 300) -> list:
+    """fn(*args) on each of `world` spawned gloo ranks of `threads` torch threads (WORLD_SIZE
+    and RANK set as torchrun sets them); the per-rank results, rank 0 first. `fn` must be a
+    module-level function (the spawned processes import it); `timeout_s` is the group's."""
+    opts = (threads, timeout_s)
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(world, free_port(), out, opts, fn, args), nprocs=world)
+        # our own ranks wrote these files: any picklable result, not only tensors and plain data
+        files = [os.path.join(out, f"rank{r}.pt") for r in range(world)]
+        return [torch.load(f, weights_only=False) for f in files]
+
+
+# -- rounds and their statistics ------------------------------------------------------------
+
+
+def alternate(
+    variants: dict[str, Callable[[], T]], rounds: int, rotate: bool = True
+) -> dict[str, list[T]]:
+    """Each variant's `rounds` measurements (what its callable returns), the variants taking
+    turns within every round (the order rotated by one each round when `rotate`) so that the
+    machine's drift hits all alike."""
+    names = list(variants)
+    out: dict[str, list[T]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names) if rotate else 0
+        for name in names[k:] + names[:k]:
+            out[name].append(variants[name]())
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of one call."""
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
+def spread(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """`obj` as JSON (indent 1) at `path`, its folder made, written whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def run_cli(
+    main: Callable[[list[str]], int], argv: list[str] | None = None, errors: tuple = ()
+) -> int:
+    """main(argv) with UsageError (and `errors`: the users' other bad input) as one line on
+    stderr and exit code 2."""
+    try:
+        return main(sys.argv[1:] if argv is None else argv)
+    except (UsageError, *errors) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
