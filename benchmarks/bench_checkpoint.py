@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import ROOT, alternate, spawn, write_json
+from benchmarks.harness import ROOT, add_model_args, alternate, spawn, write_json
 from megapipe.config import load_config
 
 MESHES = {  # name -> (world size, parallel overrides)
@@ -302,12 +302,7 @@ def overhead_table(ranks: list[dict], k: int) -> tuple[str, dict]:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq-len tokens)")
+    add_model_args(p, vocab=4096)
     p.add_argument("--repeats", type=int, default=5, help="saves and resumes per mesh")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds of part 2 (+1 warmup)")
     p.add_argument("--block", type=int, default=3, help="steps per block; k of 'every k steps'")

@@ -33,7 +33,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.harness import ROOT, spawn, write_json
+from benchmarks.harness import ROOT, add_model_args, spawn, write_json
 from megapipe.config import load_config
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.train.hooks import TrainHooks
@@ -271,12 +271,7 @@ def comm_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict], list[str
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq-len tokens)")
+    add_model_args(p, vocab=256)
     p.add_argument("--steps", type=int, default=60, help="timed pairs of steps at --time-dp")
     p.add_argument("--warmup", type=int, default=5, help="untimed pairs of steps first")
     p.add_argument("--time-dp", type=int, default=2, help="the world the timing runs at")

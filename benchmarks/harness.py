@@ -39,6 +39,17 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def add_model_args(p: argparse.ArgumentParser, vocab: int) -> None:
+    """The small GPT a spawned benchmark trains: --layers, --d-model, --heads, --seq-len,
+    --vocab (default `vocab`), --batch (global, rows of seq-len tokens)."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq-len tokens)")
+
+
 def say(text: str) -> None:
     """Progress on stderr, so stdout stays the result."""
     print(text, file=sys.stderr, flush=True)
