@@ -1,6 +1,5 @@
 """Data layer: corpus preparation, tokenizers, the deterministic sampler and its errors."""
 
-import importlib.util
 import json
 import os
 import zipfile
@@ -13,6 +12,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+from megapipe.cli import prepare_data as prepare_data_cli
 from megapipe.data.loader import DataError, build_data, load_tokenizer
 from megapipe.data.prepare import check_utf8, prepare, split_documents
 from megapipe.data.shakespeare import read_plays, strip_markdown
@@ -397,10 +397,7 @@ def test_out_that_is_not_a_dataset_is_refused(tmp_path):
 
 
 def load_cli():
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "tools/prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return prepare_data_cli
 
 
 def test_cli_error_is_one_line_and_exit_2(tmp_path, capsys):

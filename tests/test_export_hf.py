@@ -17,11 +17,14 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import redirect_stderr
+from io import StringIO
 from pathlib import Path
 
 import pytest
 import torch
 
+from megapipe.cli import export_hf as export_hf_cli
 from megapipe.data.loader import build_data, load_tokenizer
 from megapipe.data.prepare import prepare
 from megapipe.train import checkpoint
@@ -206,17 +209,9 @@ def test_tokenizer_override_and_no_tokenizer(synthetic_run, datasets, tmp_path):
 
 def cli(*args: str) -> tuple[int, str]:
     """tools/export_hf.main in this process: (exit code, stderr)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("export_hf_tool", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    from contextlib import redirect_stderr
-    from io import StringIO
-
     err = StringIO()
     with redirect_stderr(err):
-        code = tool.main(list(args))
+        code = export_hf_cli.main(list(args))
     return code, err.getvalue()
 
 

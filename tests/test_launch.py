@@ -1,23 +1,18 @@
 """tools/launch.py checks the config before torchrun; train.py prints a rank's error once (rank 0)
 and shuts its process groups down (megapipe/distributed/launch.shutdown) before it exits."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import train
+from megapipe.cli import launch as launch_tool
 from megapipe.distributed.launch import shutdown
 from tests.conftest import ROOT, TINY
-
-spec = importlib.util.spec_from_file_location("launch_tool", Path(ROOT) / "tools" / "launch.py")
-launch_tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(launch_tool)
 
 REPORT = """Failures:
 [1]:

@@ -29,9 +29,9 @@ import pytest
 import yaml
 
 from benchmarks import calibrate, gloo_probes, local_runs, local_truth, probe_fits, probes
+from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.perf import MEGAPIPE, load_cluster, project
-from megapipe.perf import cli as plan_cli
 from megapipe.perf.cluster import (
     CLUSTER_DIR,
     Cluster,

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.config.flops import flops_per_token
 from megapipe.config.stages import placement_of, schedule_costs, schedule_of
 from megapipe.distributed.mesh import MeshSizes, rank_at
 from megapipe.perf import MEGAPIPE, MEGATRON_2021, load_cluster, project
-from megapipe.perf import cli as plan_cli
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link

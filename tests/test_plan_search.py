@@ -22,10 +22,10 @@ import math
 import pytest
 import yaml
 
+from megapipe.cli import plan as plan_cli
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
 from megapipe.config.stages import schedule_of
-from megapipe.perf import cli as plan_cli
 from megapipe.perf import load_cluster, project
 from megapipe.perf import memory as perf_memory
 from megapipe.perf import search as plan_search

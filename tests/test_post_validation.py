@@ -17,6 +17,7 @@ import tempfile
 import pytest
 import torch
 
+from megapipe.cli import schedule as schedule_cli
 from megapipe.config import ConfigError
 from tests.parity import build_mesh, tiny_config
 from tests.util import assert_rel_close, assert_state_close
@@ -307,13 +308,7 @@ def test_one_stage_is_the_same_either_way():
 
 
 def test_cli_prints_both_steady_steps(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "schedule.py"
-    spec = importlib.util.spec_from_file_location("schedule_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = schedule_cli
     argv = ["--schedule", "zb_h2", "--pp", "4", "--microbatches", "8", "--iterations", "6"]
     cli.main([*argv, "--sync-cost", "0.5", "--optimizer-cost", "0.25", "--json"])
     got = json.loads(capsys.readouterr().out)["multi_iteration"]

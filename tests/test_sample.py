@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -12,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from megapipe.cli import generate as generate_cli
 from megapipe.config import Config, DataConfig, ModelConfig
 from megapipe.data.loader import load_tokenizer
 from megapipe.data.prepare import train_sentencepiece
@@ -107,10 +107,7 @@ CORPUS = "To be, or not to be, that is the question. Whether 'tis nobler in the 
 
 
 def load_generate_tool():
-    spec = importlib.util.spec_from_file_location("generate_tool", ROOT / "tools" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return generate_cli
 
 
 @pytest.fixture(scope="module")

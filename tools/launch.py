@@ -4,103 +4,12 @@
     python tools/launch.py --nproc-per-node 8 --nnodes 2 --node-rank 0 \\
         --rdzv-endpoint host:29400 --rdzv-id job1 train.py --config FILE [--section.key=value ...]
 
-The script's arguments are train.py's. Before any process starts they are parsed and the config
-loaded and checked here (megapipe.config.args, load_config), with nproc-per-node × nnodes against
-dp·pp·cp·tp; an error is one line `error: ...` and exit 2. Then `python -m
-torch.distributed.run` runs with the given options (--standalone on one node without an
-endpoint) and this exits with its code.
-
-Exit codes: torchrun exits 1 whenever a worker fails, whatever the worker's code. Its failure
-report on stderr (which passes through here unchanged) names each failed rank's `exitcode`;
-when every code there is the same 2 (bad config, data, checkpoint) or 3 (a lost peer) from
-train.py, leaving out -15 (SIGTERM: the agent stopping the other ranks after the first
-failure), this exits with that code instead of 1. No worker writes anything for it.
+The command line is megapipe/cli/launch.py's (its options, what it prints, its errors).
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import re
-import subprocess
 import sys
 
-from megapipe.config import ConfigError, load_config
-from megapipe.config.args import parse_train_args
-from megapipe.distributed.mesh import MeshSizes, check_world_size
-
-PASSED_ON = (2, 3)  # train.py's exit codes: bad config, data or checkpoint; a lost peer
-STOPPED = -15  # SIGTERM: how the agent ends the other workers after a first failure
-EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
-TAIL = 1 << 16  # bytes of stderr kept for the failure report
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True)
-    parser.add_argument("--nnodes", type=int, default=1)
-    parser.add_argument("--node-rank", "--node_rank", type=int)
-    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint")
-    parser.add_argument("--rdzv-id", "--rdzv_id")
-    parser.add_argument("--rdzv-backend", "--rdzv_backend")
-    parser.add_argument("script", help="train.py")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="train.py's arguments")
-    return parser.parse_args(argv)
-
-
-def validate(args: argparse.Namespace) -> None:
-    """The config as every rank will load it, and the world it needs: ConfigError if not."""
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
-    train_args, overrides = parse_train_args(args.script_args)
-    cfg = load_config(train_args.config, overrides)
-    check_world_size(MeshSizes.of(cfg), args.nproc_per_node * args.nnodes)
-
-
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
-    cmd += [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
-    if args.nnodes == 1 and args.rdzv_endpoint is None:
-        cmd.append("--standalone")
-    for flag in ("node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_backend"):
-        value = getattr(args, flag)
-        if value is not None:
-            cmd.append(f"--{flag.replace('_', '-')}={value}")
-    return [*cmd, args.script, *args.script_args]
-
-
-def run_torchrun(cmd: list[str]) -> tuple[int, str]:
-    """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail)."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    tail = b""
-    try:
-        while chunk := os.read(proc.stderr.fileno(), 4096):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.flush()
-            tail = (tail + chunk)[-TAIL:]
-    except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
-        pass
-    return proc.wait(), tail.decode(errors="replace")
-
-
-def exit_code(code: int, report: str) -> int:
-    """torchrun's code, or train.py's 2 or 3 when every failed worker exited with it."""
-    codes = {int(c) for c in EXITCODE.findall(report)} - {STOPPED}
-    if code == 1 and len(codes) == 1 and codes <= set(PASSED_ON):
-        return codes.pop()
-    return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        validate(args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    code, report = run_torchrun(torchrun_command(args))
-    return exit_code(code, report)
-
+from megapipe.cli.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

