@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole CUDA path in one command, for whoever holds a GPU:
 #   bash tools/gpu_check.sh [RESULTS_FILE]
-# runs the GPU tier (tests/gpu: attention and ring kernels vs references, bf16 vs float32,
-# compile parity, the memory model vs the allocator, flash-attn when installed) and the GPU
+# runs the GPU tier (tests/gpu and tests/test_torch_compat.py: attention and ring kernels vs
+# references, the private torch APIs, bf16 vs float32, compile parity, the memory model vs the allocator, flash-attn when installed) and the GPU
 # benchmark (python -m benchmarks.bench train --device cuda: megapipe eager and compiled vs
 # transformers, tokens/s and MFU for the 124M, 350M and 1.3B presets in bf16), and writes
 # everything, with the machine and the figures the tests print, to one results file
@@ -36,7 +36,8 @@ EOF
 } > "$OUT"
 
 echo -e "\n## tests/gpu" >> "$OUT"
-"$PY" -m pytest -q -rA -s tests/gpu -p no:cacheprovider > "$LOG" 2>&1
+# the private torch APIs (megapipe/_torch_compat.py) on this torch, CUDA flash ops included
+"$PY" -m pytest -q -rA -s tests/gpu tests/test_torch_compat.py -p no:cacheprovider > "$LOG" 2>&1
 TESTS=$?
 grep -v "^GPU-FIGURE" "$LOG" | tail -n 60 >> "$OUT"
 echo -e "\n## figures (tests/gpu)" >> "$OUT"
