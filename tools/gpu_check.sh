@@ -4,7 +4,8 @@
 # runs the GPU tier (tests/gpu and tests/test_torch_compat.py: attention and ring kernels vs
 # references, the private torch APIs, bf16 vs float32, compile parity, the memory model vs
 # the allocator, flash-attn when installed) and the GPU benchmark (python -m benchmarks.bench
-# train --device cuda: megapipe eager and compiled vs transformers, tokens/s and MFU for the 124M, 350M and 1.3B presets in bf16), and writes
+# train --device cuda: megapipe eager and compiled vs transformers, tokens/s and MFU for the
+# 124M, 350M and 1.3B presets in bf16), and writes
 # everything, with the machine and the figures the tests print, to one results file
 # (default gpu_check_<host>_<UTC time>.txt). Exit status: non-zero if the tests or the
 # benchmark failed. PYTHON picks the interpreter (default .venv/bin/python).
