@@ -112,14 +112,14 @@ class BlockTimes:
         if key not in self._layers:
             start, end = segment_bounds(cfg)[0]
             x, dev = shapes(plain), cm.dev
-            fwd, bwd = cm._attention(x)
+            fwd, bwd = cm.attention_seconds(x)
             flops = 4.0 * x.hd * x.pairs * x.b * x.h
             best = dev.peak * dev.cal.gemm
             bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
             again = 1 if mode in ("full", "selective") else 0
             excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
             first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
-            gemms = cm._gemms(first)
+            gemms = cm.gemm_shapes(first)
             f = sum(dev.gemm(m, n, k, 1, cm.c) for m, n, k in gemms)
             b = sum(dev.gemm(m, k, n, 1, cm.c) for m, n, k in gemms)
             w = sum(dev.gemm(k, n, m, 1, cm.c) for m, n, k in gemms)

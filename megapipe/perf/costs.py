@@ -109,7 +109,8 @@ class CostModel:
         d = self.cfg.model.d_model
         return d * (x.h + 2 * x.hkv) * x.hd + x.h * x.hd * d + d * x.ff * (3 if self.llama else 2)
 
-    def _gemms(self, x: Shapes) -> list[tuple[int, int, int]]:
+    def gemm_shapes(self, x: Shapes) -> list[tuple[int, int, int]]:
+        """(m, n, k) of a layer's GEMMs: qkv, the output projection, fc1 (or gate|up), fc2."""
         d = self.cfg.model.d_model
         return [
             (x.n, (x.h + 2 * x.hkv) * x.hd, d),
@@ -118,7 +119,7 @@ class CostModel:
             (x.n, d, x.ff),
         ]
 
-    def _attention(self, x: Shapes) -> tuple[float, float]:
+    def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
         dev, c, heads = self.dev, self.c, x.b * x.h
         if self.attention in ("fused", "ring"):
@@ -187,14 +188,14 @@ class CostModel:
             return self._cache[key]
         x, dev = shapes(self.cfg, segment), self.dev
         params = self._layer_params(x)
-        attn_f, attn_b = self._attention(x)
+        attn_f, attn_b = self.attention_seconds(x)
         cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
         elem = self._elementwise(x)
         act_f = act_b = 0.0
         act = None if self.llama or not self.host else self.host.gelu(x.n * x.ff, self.c)
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
-        gemms = self._gemms(x)
+        gemms = self.gemm_shapes(x)
         tp = self._tp_layer(x)
         f = Work(
             compute=sum(dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms)
