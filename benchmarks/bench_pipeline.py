@@ -5,7 +5,7 @@ simulator's fidelity, and measured bubbles.
         [--out FILE] [--pv-block 4] [--pv-rounds 5] [--no-post-validation]
 
 Two gloo ranks on this CPU (spawned by harness.spawn, one thread each), m=8 microbatches,
-float32. The model is bench_post_validation.MODEL (tools/plot_timeline.py draws the same):
+float32. The model is configs/pipeline_bench.yaml (tools/plot_timeline.py draws the same):
 GPT-2 arch, 8 layers, d=256, 4 heads, seq 128, vocab 256 (untied), global batch 16, so a
 microbatch is 2×128 tokens and stages exchange 256 KB activations.
 
@@ -53,9 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import bench_post_validation as pv
-from benchmarks.bench_post_validation import MODEL
+from benchmarks.bench_post_validation import CONFIG
 from benchmarks.bench_schedules import torch_order
-from benchmarks.harness import ROOT, spawn, write_json
+from benchmarks.harness import spawn, write_json
 from megapipe.parallel.tensor.layers import ParallelLinear
 
 M, PP = 8, 2
@@ -109,9 +109,8 @@ def make_config(schedule: str, vpp: int, extra: tuple[str, ...] = ()):
     from megapipe.config import load_config
 
     return load_config(
-        str(ROOT / "configs" / "tiny.yaml"),
+        str(CONFIG),
         [
-            *MODEL,
             f"parallel.pp={PP}",
             f"parallel.vpp={vpp}",
             f"parallel.schedule={schedule}",
@@ -280,7 +279,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
         "setup": {
             "pp": PP,
             "microbatches": M,
-            "model": MODEL,
+            "config": CONFIG.name,
             "threads_per_rank": 1,
             "steps": steps,
             "warmup": warmup,

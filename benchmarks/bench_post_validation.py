@@ -33,17 +33,8 @@ import torch
 
 from benchmarks.harness import ROOT
 
-# the pipeline benchmarks' model (tools/plot_timeline.py draws the same one): compute dominates
-# the 256 KB activations the ranks exchange
-MODEL = [
-    "model.n_layers=8",
-    "model.d_model=256",
-    "model.n_heads=4",
-    "model.seq_len=128",
-    "model.vocab_size=256",
-    "model.tie_embeddings=false",
-    "train.global_batch=16",
-]
+# the pipeline benchmarks' model (tools/plot_timeline.py draws the same one by default)
+CONFIG = ROOT / "configs" / "pipeline_bench.yaml"
 PP, M = 2, 8
 ROWS = {  # name -> (schedule, extra overrides)
     "1f1b": ("1f1b", []),
@@ -59,9 +50,8 @@ def make_config(schedule: str, extra: list[str], post: bool, clip: float):
     from megapipe.config import load_config
 
     return load_config(
-        str(ROOT / "configs" / "tiny.yaml"),
+        str(CONFIG),
         [
-            *MODEL,
             f"parallel.pp={PP}",
             f"parallel.schedule={schedule}",
             f"parallel.microbatches={M}",
@@ -183,7 +173,7 @@ def summarise(result: dict, block: int) -> dict:
         out[name] = row
     _simulate(out, result, blocks_of=lambda n: _blocks(ranks, n, block))
     return {
-        "setup": {"pp": PP, "microbatches": M, "model": MODEL, "block": block},
+        "setup": {"pp": PP, "microbatches": M, "config": CONFIG.name, "block": block},
         "rows": out,
         "all_reduce_ms": result["all_reduce_s"] * 1e3,
     }

@@ -8,21 +8,16 @@ Run from the repo root with the project installed: `python -m benchmarks.bench N
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from megapipe.distributed.local_world import free_port, spawn  # noqa: F401 (the harness's)
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout the benchmarks run from
 T = TypeVar("T")
@@ -58,35 +53,7 @@ def say(text: str) -> None:
 # -- a gloo world ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now, for the world's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, out: str, opts: tuple, fn, args) -> None:
-    threads, timeout_s = opts
-    torch.set_num_threads(threads)  # the ranks share this machine's cores
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    torch.save(fn(*args), os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def spawn(world: int, fn: Callable, *args, threads: int = 1, timeout_s: float = 300) -> list:
-    """fn(*args) on each of `world` spawned gloo ranks of `threads` torch threads (WORLD_SIZE
-    and RANK set as torchrun sets them); the per-rank results, rank 0 first. `fn` must be a
-    module-level function (the spawned processes import it); `timeout_s` is the group's."""
-    opts = (threads, timeout_s)
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, free_port(), out, opts, fn, args), nprocs=world)
-        # our own ranks wrote these files: any picklable result, not only tensors and plain data
-        files = [os.path.join(out, f"rank{r}.pt") for r in range(world)]
-        return [torch.load(f, weights_only=False) for f in files]
+# spawn and free_port: megapipe/distributed/local_world.py
 
 
 # -- rounds and their statistics ------------------------------------------------------------

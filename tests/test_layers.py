@@ -316,13 +316,18 @@ def test_an_error_message_naming_a_tool_is_not_a_run(tmp_path):
     assert entry_point_runs(library_modules(tmp_path)) == []
 
 
+def findings(paths: list[Path], lines_of, what: str) -> list[str]:
+    """`path:line: what` for each line `lines_of(source)` reports in each file."""
+    return [
+        f"{path.relative_to(ROOT)}:{line}: {what}"
+        for path in paths
+        for line in lines_of(path.read_text())
+    ]
+
+
 def test_no_sys_path_edits_anywhere():
     """Scripts run from the repo root with the project installed; none edits sys.path."""
-    found = [
-        f"{path.relative_to(ROOT)}:{line}: edits sys.path"
-        for path in python_files(ROOT)
-        for line in sys_path_edits(path.read_text())
-    ]
+    found = findings(python_files(ROOT), sys_path_edits, "edits sys.path")
     assert not found, "\n".join(found)
 
 
@@ -342,11 +347,8 @@ def test_a_planted_sys_path_edit_is_caught(source):
 
 def test_tests_never_import_tools():
     """Tests import megapipe, models and benchmarks; tools/ are user scripts over them."""
-    found = [
-        f"{path.relative_to(ROOT)}:{line}: imports tools"
-        for path in sorted((ROOT / "tests").rglob("*.py"))
-        for line in tools_imports(path.read_text())
-    ]
+    tests = sorted((ROOT / "tests").rglob("*.py"))
+    found = findings(tests, tools_imports, "imports tools or loads a file as a module")
     assert not found, "\n".join(found)
 
 

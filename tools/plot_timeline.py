@@ -14,60 +14,18 @@ ui.perfetto.dev or chrome://tracing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-import torch.multiprocessing as mp
-
+from megapipe.distributed.local_world import spawn
 from megapipe.pipeline import timeline
 from megapipe.pipeline.plot import save_timelines
 from megapipe.plan.schedules import placement
 from megapipe.plan.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: its configs/
-
-# the pipeline benchmarks' model (benchmarks/bench_post_validation.MODEL): compute dominates
-# the 256 KB activations the ranks exchange
-MODEL = [
-    "model.n_layers=8",
-    "model.d_model=256",
-    "model.n_heads=4",
-    "model.seq_len=128",
-    "model.vocab_size=256",
-    "model.tie_embeddings=false",
-    "train.global_batch=16",
-]
-
-
-def _worker(rank: int, world: int, port: int, out: str, fn, args) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    torch.save(fn(*args), os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
-def spawn(world: int, fn, *args) -> list:
-    """fn(*args) on `world` spawned gloo ranks (one thread each); the per-rank results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
-    mp.spawn(_worker, args=(world, port, out, fn, args), nprocs=world)
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 
 def record(config: str, overrides: list[str], steps: int) -> list:
@@ -123,13 +81,13 @@ def draw(per_rank: list, schedule: str, vpp: int, png: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "tiny.yaml"))
+    parser.add_argument("--config", default=str(ROOT / "configs" / "pipeline_bench.yaml"))
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--vpp", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="the last one is drawn")
-    parser.add_argument("--model", nargs="*", default=MODEL, help="config overrides k=v")
+    parser.add_argument("--model", nargs="*", default=[], help="config overrides k=v")
     parser.add_argument("--png", default="timeline.png")
     parser.add_argument("--trace", help="write the Chrome/Perfetto trace JSON here")
     parser.add_argument("--from-trace", help="redraw a trace written by --trace; no run")

@@ -13,13 +13,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megapipe.distributed.local_world import free_port
 from megapipe.study.launchers import command_text, local_commands, sbatch_script
 from megapipe.study.results import metrics_done
 from megapipe.study.spec import Study
@@ -36,12 +36,6 @@ class Entry:
 
     root: Path
     script: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def first_error(text: str, code: int) -> str:
