@@ -407,6 +407,8 @@ def main(argv=None) -> int:
         "--no-post-validation", action="store_true", help="leave out the post-validation rows"
     )
     args = parser.parse_args(argv)
+    if args.pv_block < 2:  # the overlap of consecutive steps needs two steps in a block
+        parser.error(f"--pv-block {args.pv_block}: must be at least 2")
     pairs = [p for p in PAIRS if p[1] in args.schedules.split(",")]
     summary = {}
     if pairs:
