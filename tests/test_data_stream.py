@@ -60,7 +60,8 @@ def peak_rss_mb(corpus: Path, out: Path, chunk_mb: float) -> int:
 
 
 def same_dataset(a: Path, b: Path) -> bool:
-    files = ("train.bin", "val.bin", "meta.json", "tokenizer.model")
+    files = ("train.bin", "val.bin", "train.docs.npy", "val.docs.npy", "meta.json",
+             "tokenizer.model")  # fmt: skip
     return all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 

@@ -27,7 +27,8 @@ from megapipe.data.blend import BlendData
 META_FILE = "meta.json"
 SPLITS = {"train": 0, "val": 1}  # the split's number is part of the sampler key
 DTYPES = ("uint16", "uint32")
-SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its largest id
+SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a format-1 memmap for its largest id
+DOCS_SUFFIX = ".docs.npy"  # <split>.docs.npy: document offsets (documents.py writes them)
 
 
 class DataError(ValueError):
@@ -181,15 +182,38 @@ class MemmapData(TokenData):
                 f"{path} has {len(tokens)} tokens, fewer than model.seq_len+1 = "
                 f"{self.seq_len + 1}; lower model.seq_len or add data"
             )
-        # Chunked so a multi-GB memmap is never pulled into memory at once.
-        chunks = range(0, len(tokens), SCAN_CHUNK)
-        largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
+        largest = self.meta.get(f"max_{split}_id")
+        if largest is None:  # format 1: no recorded largest id, so scan the split once
+            # Chunked so a multi-GB memmap is never pulled into memory at once.
+            chunks = range(0, len(tokens), SCAN_CHUNK)
+            largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
+        else:  # format 2: preparation recorded it; start-up reads no token
+            self._check_docs(split)
         if largest >= self.vocab_size:
             raise DataError(
                 f"{path} holds token id {largest} >= model.vocab_size {self.vocab_size}; "
                 f"set model.vocab_size >= {largest + 1}"
             )
         self._checked.add(split)
+
+    def _check_docs(self, split: str) -> None:
+        """The split's document offsets exist and end at its token count (two reads of a
+        memory-mapped array, whatever its size)."""
+        path = self.root / f"{split}{DOCS_SUFFIX}"
+        if not path.is_file():
+            raise DataError(f"{path} not found; rerun python tools/prepare_data.py")
+        try:
+            docs = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as err:
+            raise DataError(
+                f"{path} is corrupt ({err}); rerun python tools/prepare_data.py"
+            ) from None
+        n_docs = self.meta.get(f"n_{split}_documents", len(docs) - 1)
+        if docs.ndim != 1 or len(docs) != n_docs + 1 or int(docs[-1]) != self.n_tokens(split):
+            raise DataError(
+                f"{path} does not match {META_FILE} ({n_docs} documents, "
+                f"{self.n_tokens(split)} tokens); rerun python tools/prepare_data.py"
+            )
 
     def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
         tokens = self.memmap(split)

@@ -5,7 +5,9 @@ of inputs.py. Documents are read as streams three times: once to count and check
 input fails before any long work), once for the tokenizer's training sample (the first
 `tokenizer_sample_mb` of train documents; skipped when a tokenizer is given) and once to encode
 them, in chunks of `chunk_mb` over `workers` processes (workers.py), appended to train.bin /
-val.bin. Nothing here imports torch, so a worker starts in well under a second and the
+val.bin with each split's document offsets (documents.py). meta.json (format 2) records the
+token and document counts and each split's largest id, so training reads no token to start.
+Nothing here imports torch, so a worker starts in well under a second and the
 preparation's own footprint is small (about 50 MB resident). Peak memory is therefore
 bounded by chunk size × workers and the sample, plus one byte per document for the split mask,
 whatever the corpus size; the output is the same for every chunk size and worker count.
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megapipe.data.documents import SplitWriter, move_tail_to_val
 from megapipe.data.inputs import TXT_DOCS, check_utf8, expand_inputs, iter_documents
 from megapipe.data.loader import META_FILE, DataError, load_tokenizer
 from megapipe.data.shakespeare import shakespeare_documents
@@ -38,7 +41,7 @@ __all__ = ["check_utf8", "prepare", "split_documents", "train_sentencepiece", "v
 SPM_FILE = "tokenizer.model"
 HF_DIR = "tokenizer"
 MB = 1_000_000  # chunk and sample sizes count characters of text, in millions
-COPY_BLOCK = 1 << 24
+FORMAT = 2  # meta.json's "format": 2 adds the document offsets (documents.py) and largest ids
 
 # ---------------------------------------------------------------- split and tokenizer
 
@@ -135,31 +138,34 @@ def _chunks(documents: Iterator[str], is_val: np.ndarray, chunk_chars: int):
         yield texts, flags
 
 
-def _write_tokens(documents, is_val, tmp: Path, tokenizer_path, dtype: str, opts) -> list[int]:
-    """Encode and append every chunk to train.bin / val.bin; [n_train, n_val] tokens."""
-    counts = [0, 0]
+def _write_tokens(documents, is_val, tmp: Path, tokenizer_path, dtype: str, opts) -> dict:
+    """Encode every chunk and append it to train / val (tokens and document offsets,
+    documents.py); the splits' token and document counts and largest ids, for meta.json."""
+    n_val = int(is_val.sum())
+    writers = [SplitWriter(tmp, "train", len(is_val) - n_val), SplitWriter(tmp, "val", n_val)]
     chunks = _chunks(documents(), is_val, max(1, int(opts["chunk_mb"] * MB)))
-    with (tmp / "train.bin").open("wb") as train_f, (tmp / "val.bin").open("wb") as val_f:
-        for train, val in encode_chunks(chunks, tokenizer_path, opts["workers"], dtype):
-            train.tofile(train_f)
-            val.tofile(val_f)
-            counts[0] += len(train)
-            counts[1] += len(val)
-    return counts
+    try:
+        for parts in encode_chunks(chunks, tokenizer_path, opts["workers"], dtype):
+            for writer, part in zip(writers, parts):
+                writer.append(part)
+    finally:
+        complete = [writer.close() for writer in writers]
+    if not all(complete):  # fewer documents than counted (more fail in _chunks)
+        raise DataError("the inputs changed during preparation; rerun")
+    stats = {}
+    for split, writer in zip(("train", "val"), writers):
+        stats[f"n_{split}_tokens"] = writer.n_tokens
+        stats[f"n_{split}_documents"] = writer.n_docs
+        stats[f"max_{split}_id"] = writer.max_id
+    return stats
 
 
-def _move_tail_to_val(tmp: Path, counts: list[int], val_fraction: float, dtype: str) -> None:
-    """With no val document, val is the tail of the train tokens (copied in blocks)."""
-    n_train = counts[0]
-    if counts[1] or val_fraction <= 0 or n_train <= 1:
-        return
-    cut = (n_train - max(1, round(n_train * val_fraction))) * np.dtype(dtype).itemsize
-    with (tmp / "train.bin").open("r+b") as src, (tmp / "val.bin").open("wb") as dst:
-        src.seek(cut)
-        shutil.copyfileobj(src, dst, COPY_BLOCK)
-        src.truncate(cut)
-    counts[1] = n_train - cut // np.dtype(dtype).itemsize
-    counts[0] = n_train - counts[1]
+def _tail_to_val(tmp: Path, stats: dict, val_fraction: float, dtype: str) -> dict:
+    """With no val document (a corpus of one), val is the tail of the train tokens."""
+    n_train = stats["n_train_tokens"]
+    if stats["n_val_tokens"] or val_fraction <= 0 or n_train <= 1:
+        return stats
+    return {**stats, **move_tail_to_val(tmp, max(1, round(n_train * val_fraction)), dtype)}
 
 
 # ---------------------------------------------------------------- the whole preparation
@@ -205,13 +211,12 @@ def prepare(
         tokenizer = load_tokenizer(tokenizer_path)
         dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
         opts = {"chunk_mb": chunk_mb, "workers": workers}
-        counts = _write_tokens(documents, is_val, tmp, tokenizer_path, dtype, opts)
-        _move_tail_to_val(tmp, counts, val_fraction, dtype)
+        stats = _write_tokens(documents, is_val, tmp, tokenizer_path, dtype, opts)
+        stats = _tail_to_val(tmp, stats, val_fraction, dtype)
         meta = {
-            "vocab_size": tokenizer.vocab_size, "dtype": dtype,
-            "tokenizer": tokenizer_name, "n_train_tokens": counts[0], "n_val_tokens": counts[1],
-            "eos_id": tokenizer.eos_id, "n_documents": n_docs,
-            "n_characters": n_chars, "source": source,
+            "format": FORMAT, "vocab_size": tokenizer.vocab_size, "dtype": dtype,
+            "tokenizer": tokenizer_name, **stats, "eos_id": tokenizer.eos_id,
+            "n_documents": n_docs, "n_characters": n_chars, "source": source,
         }  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         replace_dir(tmp, out)

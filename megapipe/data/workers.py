@@ -4,7 +4,9 @@ With `workers` >= 2 a spawn-context process pool encodes the chunks while this p
 the next ones and writes the results; each worker loads the tokenizer once from its saved file
 or directory (nothing large is pickled to it) and gives sentencepiece its share of the cores,
 so N workers never run more encoding threads than there are cores. Results come back as
-numpy arrays (one buffer per split, not a Python int per token). At most
+numpy arrays (one buffer per split, not a Python int per token), with each document's length
+and the split's largest id, so the document offsets and meta.json's largest ids need no second
+pass over the tokens. At most
 `INFLIGHT_PER_WORKER * workers` chunks are submitted and not yet written, so memory is bounded
 by chunk size × workers whatever the corpus size (Pool.imap would read the whole input ahead).
 With one worker the chunks are encoded in a thread of this process, overlapped with reading
@@ -19,6 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,31 +38,46 @@ def _load(path: str, threads: int) -> None:
     _tokenizer, _threads = load_tokenizer(path), threads
 
 
+class Encoded(NamedTuple):
+    """One split's share of an encoded chunk."""
+
+    tokens: np.ndarray  # the documents' tokens, each document followed by EOS
+    lengths: np.ndarray  # int64 tokens per document, its EOS included
+    max_id: int  # the largest id in `tokens`; -1 when there are none
+
+
+def _encoded(tokens: np.ndarray, lengths: np.ndarray) -> Encoded:
+    return Encoded(tokens, lengths, int(tokens.max()) if len(tokens) else -1)
+
+
 def encode_chunk(
     texts: list[str],
     is_val: list[bool],
     dtype: str,
     tokenizer: Tokenizer | None = None,
     threads: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train tokens, val tokens) of one chunk: each document followed by EOS, in order."""
+) -> tuple[Encoded, Encoded]:
+    """(train, val) of one chunk: each document followed by EOS, in order."""
     tokenizer = tokenizer or _tokenizer
     rows = tokenizer.encode_arrays(texts, _threads if threads is None else threads)
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     # ids < vocab_size, which the dtype was chosen to hold: the cast loses nothing
     flat = np.concatenate([part for row in rows for part in (row, eos)], dtype=dtype,
                           casting="unsafe")  # fmt: skip
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)) + 1  # EOS included
     val = np.asarray(is_val, dtype=bool)
     if not val.any():
-        return flat, flat[:0]
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)) + 1  # EOS included
+        return _encoded(flat, lengths), _encoded(flat[:0], lengths[:0])
     token_is_val = np.repeat(val, lengths)
-    return flat[~token_is_val], flat[token_is_val]
+    return (
+        _encoded(flat[~token_is_val], lengths[~val]),
+        _encoded(flat[token_is_val], lengths[val]),
+    )
 
 
 def encode_chunks(
     chunks: Iterable[tuple[list[str], list[bool]]], tokenizer_path: Path, workers: int, dtype: str
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+) -> Iterator[tuple[Encoded, Encoded]]:
     """encode_chunk of every chunk, in order, over `workers` processes."""
     if workers <= 1:
         yield from _encode_in_thread(chunks, load_tokenizer(tokenizer_path), dtype)
