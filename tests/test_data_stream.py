@@ -182,11 +182,12 @@ def test_hf_dataset_in_the_local_cache(hf_cache):
 
 
 @pytest.mark.spawn
-def test_prepare_data_cli_reads_the_hf_cache_offline_by_itself(hf_cache):
-    """The CLI finds the cache from HF_HOME and turns offline mode on itself."""
+def test_prepare_data_cli_reads_the_hf_cache_when_the_user_is_offline(hf_cache):
+    """The CLI finds the cache from HF_HOME; HF_DATASETS_OFFLINE alone, as the user set it,
+    keeps datasets off the network."""
     cache, docs = hf_cache
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "OFFLINE" not in k}
-    env["HF_HOME"] = str(cache.parent)
+    env["HF_HOME"], env["HF_DATASETS_OFFLINE"] = str(cache.parent), "1"
     out = cache.parents[1] / "ds"
     cmd = [sys.executable, "tools/prepare_data.py", "--input", "hf:megapipe-test/tiny_corpus:small",
            "--text-field", "body", "--vocab-size", "300", "--out", str(out)]  # fmt: skip
@@ -195,15 +196,14 @@ def test_prepare_data_cli_reads_the_hf_cache_offline_by_itself(hf_cache):
     assert all_docs(out) == sorted(docs[4:])
 
 
-def test_hf_cache_input_errors(hf_cache, monkeypatch):
-    import datasets
-
+def test_hf_cache_input_errors(hf_cache):
     cache, _ = hf_cache
     out = cache.parents[1] / "ds"
     cases = {
         "hf:megapipe-test/absent": r"input hf:megapipe-test/absent is not in the local HF datasets "
-        r"cache .*datasets: on a machine with network, run datasets.load_dataset\('megapipe-test/"
-        r"absent'\) with the same HF_HOME .*or save it with save_to_disk",
+        r"cache .*datasets \(offline mode is set\): unset HF_DATASETS_OFFLINE and HF_HUB_OFFLINE "
+        r"to stream it from the Hub, or on a machine with network run datasets.load_dataset\("
+        r"'megapipe-test/absent'\) with the same HF_HOME .*or save it with save_to_disk",
         "hf:megapipe-test/tiny_corpus": r"has several configs in the cache \(default, small\); "
         "write hf:NAME:CONFIG$",
         "hf:megapipe-test/tiny_corpus:big": r"has no config 'big' in the cache \(cached configs: "
@@ -216,9 +216,6 @@ def test_hf_cache_input_errors(hf_cache, monkeypatch):
         with pytest.raises(DataError, match=message) as err:
             prepare(out, inputs=[given], text_field="body", vocab_size=300)
         assert "\n" not in str(err.value), given
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    with pytest.raises(DataError, match=r"local HF cache only: set HF_DATASETS_OFFLINE=1"):
-        prepare(out, inputs=["hf:megapipe-test/tiny_corpus:small"], text_field="body")
 
 
 def test_uint32_tokens_for_a_large_vocabulary(tmp_path):

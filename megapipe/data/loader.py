@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,12 +65,13 @@ class SentencePieceTokenizer:
 
 
 class HFTokenizer:
-    """A local Hugging Face tokenizer directory (never fetched from the hub)."""
+    """A Hugging Face tokenizer: a local directory, or (`local_only=False`) a Hub id that
+    transformers downloads into the HF cache."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | str, local_only: bool = True):
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
         # Documents are separated by EOS; fall back to SEP for BERT-style tokenizers.
         eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else self.hf.sep_token_id
         if eos is None:
@@ -102,6 +104,39 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if path.is_file():
         return SentencePieceTokenizer(path)
     raise DataError(f"tokenizer '{path}' not found; give a sentencepiece .model file or HF dir")
+
+
+# A Hub repo id: NAME or ORG/NAME of letters, digits, '-', '_', '.' (as huggingface_hub checks).
+HUB_ID = re.compile(r"^(?![./])[\w.-]+(/(?!\.)[\w.-]+)?$")
+
+
+def is_hub_id(name: str) -> bool:
+    return bool(HUB_ID.match(name)) and ".." not in name and not name.endswith(".")
+
+
+def hub_tokenizer(name: str) -> HFTokenizer:
+    """The tokenizer of a Hugging Face Hub repo (e.g. gpt2), through transformers: downloaded
+    into the HF cache when online, read from that cache alone when HF_HUB_OFFLINE (or
+    TRANSFORMERS_OFFLINE) is set."""
+    from huggingface_hub import is_offline_mode
+
+    offline = is_offline_mode()
+    try:
+        return HFTokenizer(name, local_only=offline)
+    except DataError:
+        raise
+    except (OSError, ValueError) as err:  # transformers raises OSError for a missing repo
+        if offline:
+            raise DataError(
+                f"--tokenizer {name} is not a local dir or .model file, nor in the local Hugging "
+                "Face cache (offline mode is set); run once online (unset HF_HUB_OFFLINE) to "
+                "download it, or give a local HF tokenizer dir or a sentencepiece .model file"
+            ) from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(
+            f"--tokenizer {name} is not a local dir or .model file, and the Hugging Face Hub "
+            f"gives no tokenizer for it ({first}); check the id or give a local dir"
+        ) from None
 
 
 # ---------------------------------------------------------------- sampling

@@ -32,7 +32,14 @@ import numpy as np
 
 from megapipe.data.documents import SplitWriter, move_tail_to_val
 from megapipe.data.inputs import TXT_DOCS, check_utf8, expand_inputs, iter_documents
-from megapipe.data.loader import META_FILE, DataError, load_tokenizer
+from megapipe.data.loader import (
+    META_FILE,
+    DataError,
+    HFTokenizer,
+    hub_tokenizer,
+    is_hub_id,
+    load_tokenizer,
+)
 from megapipe.data.shakespeare import shakespeare_documents
 from megapipe.data.workers import encode_chunks
 
@@ -103,17 +110,18 @@ def _sample(documents: Iterator[str], is_val: np.ndarray, limit: int) -> Iterato
             yield doc
 
 
-def _make_tokenizer(documents, is_val, tmp: Path, tokenizer_dir, vocab_size, seed, sample_mb):
+def _make_tokenizer(documents, is_val, tmp: Path, given, vocab_size, seed, sample_mb):
     """(tokenizer file or dir in tmp, its name in meta): trained on a sample, or copied in
-    (`tokenizer_dir`: a local HF tokenizer dir or a sentencepiece .model file)."""
-    if tokenizer_dir is None:
+    (`given`: a sentencepiece .model file, a local HF tokenizer dir or a Hub tokenizer)."""
+    if given is None:
         sample = _sample(documents(), is_val, int(sample_mb * MB))
         train_sentencepiece(sample, tmp / SPM_FILE, vocab_size, seed)
         return tmp / SPM_FILE, SPM_FILE
-    if tokenizer_dir.is_file():
-        shutil.copyfile(tokenizer_dir, tmp / SPM_FILE)
+    if isinstance(given, Path) and given.is_file():
+        shutil.copyfile(given, tmp / SPM_FILE)
         return tmp / SPM_FILE, SPM_FILE
-    load_tokenizer(tokenizer_dir).hf.save_pretrained(str(tmp / HF_DIR))  # self-contained
+    hf = given if isinstance(given, HFTokenizer) else load_tokenizer(given)
+    hf.hf.save_pretrained(str(tmp / HF_DIR))  # self-contained: later runs need no Hub
     return tmp / HF_DIR, HF_DIR
 
 
@@ -174,7 +182,7 @@ def _tail_to_val(tmp: Path, stats: dict, val_fraction: float, dtype: str) -> dic
 def prepare(
     out: Path,
     inputs: list[str | Path] | None = None,
-    tokenizer_dir: Path | None = None,
+    tokenizer_dir: str | Path | None = None,
     vocab_size: int = 2048,
     val_fraction: float = 0.05,
     text_field: str = "text",
@@ -192,10 +200,8 @@ def prepare(
     `txt_doc` is what a .txt document is: the whole file, a paragraph or a line (inputs.py).
     """
     out, cache_dir = Path(out), Path(cache_dir)
-    tokenizer_dir = None if tokenizer_dir is None else Path(tokenizer_dir)
     _check_options(val_fraction, workers, chunk_mb, tokenizer_sample_mb, txt_doc)
-    if tokenizer_dir is not None:
-        _check_tokenizer(tokenizer_dir)
+    given = None if tokenizer_dir is None else _check_tokenizer(str(tokenizer_dir))
     _check_out(out)
     documents, source = _open_corpus(inputs, text_field, txt_doc, cache_dir)
     n_docs, n_chars = 0, 0
@@ -206,7 +212,7 @@ def prepare(
     tmp = _fresh_tmp(out)
     try:
         tokenizer_path, tokenizer_name = _make_tokenizer(
-            documents, is_val, tmp, tokenizer_dir, vocab_size, seed, tokenizer_sample_mb
+            documents, is_val, tmp, given, vocab_size, seed, tokenizer_sample_mb
         )
         tokenizer = load_tokenizer(tokenizer_path)
         dtype = "uint16" if tokenizer.vocab_size <= 65535 else "uint32"
@@ -225,8 +231,10 @@ def prepare(
     return meta
 
 
-def _check_tokenizer(path: Path) -> None:
-    """A local HF tokenizer dir, or a sentencepiece .model file that loads."""
+def _check_tokenizer(given: str) -> Path | HFTokenizer:
+    """A local HF tokenizer dir, a sentencepiece .model file that loads, or else a Hub
+    tokenizer id, loaded now (fails fast, before the corpus is read)."""
+    path = Path(given)
     if path.is_file():
         try:
             load_tokenizer(path)
@@ -236,11 +244,15 @@ def _check_tokenizer(path: Path) -> None:
                 f"--tokenizer {path} is not a sentencepiece .model file ({reason}); give a "
                 ".model file or a local HF tokenizer dir"
             ) from None
-    elif not path.is_dir():
-        raise DataError(
-            f"tokenizer dir {path} not found; give a local HF tokenizer dir or a sentencepiece "
-            ".model file"
-        )
+        return path
+    if path.is_dir():
+        return path
+    if is_hub_id(given):
+        return hub_tokenizer(given)
+    raise DataError(
+        f"tokenizer dir {path} not found; give a local HF tokenizer dir, a sentencepiece "
+        ".model file or a Hugging Face Hub tokenizer id (e.g. gpt2)"
+    )
 
 
 def _check_options(val_fraction, workers, chunk_mb, sample_mb, txt_doc) -> None:
@@ -260,7 +272,7 @@ def _open_corpus(inputs, text_field: str, txt_doc: str, cache_dir: Path):
         docs, source = shakespeare_documents(cache_dir)  # 5 MB: small enough to hold
         return (lambda: iter(docs)), source
     paths = expand_inputs(list(inputs))
-    return partial(iter_documents, paths, text_field, txt_doc), "local files: " + ", ".join(
+    return partial(iter_documents, paths, text_field, txt_doc), "inputs: " + ", ".join(
         str(p) for p in inputs
     )
 
