@@ -137,10 +137,10 @@ def test_config_checks_blend(tiny_cfg, blend):
 def test_missing_preset_data_names_its_prepare_command():
     hint = prepare_hint("data/openwebtext")
     assert hint.endswith(
-        "python tools/prepare_data.py --input /path/to/openwebtext/*.parquet "
-        "--out data/openwebtext --vocab-size 50257"
+        "python tools/prepare_data.py --input hf:Skylion007/openwebtext --tokenizer gpt2 "
+        "--out data/openwebtext --workers 8"
     )
-    assert "--out data/openwebtext_32k --vocab-size 32000" in prepare_hint("data/openwebtext_32k")
+    assert "--vocab-size 32000 --out data/openwebtext_32k" in prepare_hint("data/openwebtext_32k")
     assert prepare_hint("data/shakespeare") == "run python tools/prepare_data.py or set data.path"
     data, model = cfgs("")
     data.path = "data/openwebtext_missing_here/openwebtext"

@@ -295,22 +295,26 @@ def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData | BlendDat
     return _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed)
 
 
-# Corpora the presets name (configs/gpt2_*.yaml, llama_1b.yaml): the dir's basename -> the
-# vocabulary its tokenizer is trained to (GPT-2's 50257, which the models pad to 50304; the
-# Llama preset's 32000). Any other path keeps the plain hint, which makes data/shakespeare.
-PRESET_CORPORA = {"openwebtext": 50257, "openwebtext_32k": 32000}
+# Corpora the presets name (configs/gpt2_*.yaml, gpt3_13b.yaml, llama_1b.yaml): the dir's basename
+# -> the prepare_data options that make it (the presets' headers give the same commands, and
+# tests/test_presets_data.py runs them): GPT-2's own tokenizer, 50257 ids, which the models pad
+# to 50304; the Llama preset's 32000-piece sentencepiece. Any other path keeps the plain hint,
+# which makes data/shakespeare.
+PRESET_CORPORA = {
+    "openwebtext": "--input hf:Skylion007/openwebtext --tokenizer gpt2",
+    "openwebtext_32k": "--input hf:Skylion007/openwebtext --vocab-size 32000",
+}
 
 
 def prepare_hint(path: str) -> str:
     """How to make the dataset `path` names: for a preset's corpus, the command that prepares
-    that very path from a local copy of the corpus; else the Shakespeare default."""
+    that very path (the corpus streamed from the Hub); else the Shakespeare default."""
     name = Path(path).name if path else ""
     if name not in PRESET_CORPORA:
         return "run python tools/prepare_data.py or set data.path"
-    corpus = name.split("_")[0]
     return (
-        f"prepare it from a local copy of {corpus}: python tools/prepare_data.py --input "
-        f"/path/to/{corpus}/*.parquet --out {path} --vocab-size {PRESET_CORPORA[name]}"
+        "prepare it (online, or with the corpus in the local HF cache): python "
+        f"tools/prepare_data.py {PRESET_CORPORA[name]} --out {path} --workers 8"
     )
 
 
