@@ -76,6 +76,19 @@ def test_hub_tokenizer_id_is_read_from_the_cache_offline(hub_cache, tmp_path, mo
     assert sorted(decode_docs(out, "train")) == sorted(d.replace("\n", " ").strip() for d in docs)
 
 
+def test_documents_longer_than_the_model_context_encode_quietly(tmp_path, capfd):
+    """GPT-2's tokenizer says 1024 tokens; documents are longer, which is no error here."""
+    tokenizer = word_tokenizer(300, 299)
+    tokenizer.model_max_length = 8
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    docs = make_docs(2, seed=6)
+    out = tmp_path / "ds"
+    prepare(out, inputs=write_txt(tmp_path, docs), tokenizer_dir=tmp_path / "tok", val_fraction=0)
+    assert "longer than the specified maximum" not in "".join(capfd.readouterr())
+    ids = [i for d in docs for i in [*tokenizer.encode(d, add_special_tokens=False), 299]]
+    assert read_split(out, "train").tolist() == ids
+
+
 def test_unknown_hub_tokenizer_offline_is_one_line(hub_cache, tmp_path, capsys):
     inputs = [str(p) for p in write_txt(tmp_path, make_docs(2))]
     code = cli.main(["--input", *inputs, "--tokenizer", "megapipe-test/absent", "--out",
