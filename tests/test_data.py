@@ -138,6 +138,12 @@ def test_full_shakespeare(tmp_path):
     assert meta["n_val_tokens"] > 0 and meta["n_train_tokens"] > 10 * meta["n_val_tokens"]
     val_docs = decode_docs(tmp_path / "ds", "val")
     assert len(val_docs) == 2 and all("ACT I" in doc for doc in val_docs)
+    assert (meta["n_train_documents"], meta["n_val_documents"]) == (36, 2)
+    for split in ("train", "val"):  # each play's offsets end right after its EOS
+        tokens = read_split(tmp_path / "ds", split)
+        docs = np.load(tmp_path / "ds" / f"{split}.docs.npy")
+        assert docs.tolist() == [0, *(np.flatnonzero(tokens == meta["eos_id"]) + 1).tolist()]
+        assert meta[f"max_{split}_id"] == int(tokens.max())
 
 
 def test_txt_documents_round_trip(tmp_path):

@@ -194,10 +194,13 @@ def prepare(
     tokenizer_sample_mb: float = 64.0,
     txt_doc: str = "file",
 ) -> dict:
-    """Write the dataset to `out` (train.bin, val.bin, meta.json, tokenizer) and return its meta.
+    """Write the dataset to `out` (train.bin, val.bin, their .docs.npy offsets, meta.json, the
+    tokenizer) and return its meta.
 
-    `workers`, `chunk_mb` and `tokenizer_sample_mb` shape the streaming (module docstring);
-    `txt_doc` is what a .txt document is: the whole file, a paragraph or a line (inputs.py).
+    `tokenizer_dir` is a local HF tokenizer dir, a sentencepiece .model file or a Hub tokenizer
+    id (loader.hub_tokenizer); None trains sentencepiece to `vocab_size` pieces. `workers`,
+    `chunk_mb` and `tokenizer_sample_mb` shape the streaming (module docstring); `txt_doc` is
+    what a .txt document is: the whole file, a paragraph or a line (inputs.py).
     """
     out, cache_dir = Path(out), Path(cache_dir)
     _check_options(val_fraction, workers, chunk_mb, tokenizer_sample_mb, txt_doc)
