@@ -197,11 +197,36 @@ WORLD4 = [  # (id, dp, tp, overrides): every case document-masked
 ]  # fmt: skip
 
 
+EVAL4 = [  # evaluation's forward-only walk of the stages (Pipeline.forward_only), and cp
+    ("pp2-tp2-llama", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2", *LLAMA]),
+    ("pp2-cp2", ["parallel.pp=2", "parallel.cp=2", "parallel.microbatches=2"]),
+]
+
+
+def evaluate_case(overrides: list[str]) -> float:
+    """The validation loss of the tiny config's initial weights under `overrides`' mesh."""
+    import tempfile
+
+    from megapipe.data.loader import build_data
+    from megapipe.train.build import build
+    from tests.parity import build_mesh, tiny_config
+
+    cfg = tiny_config([*overrides, "train.eval_batches=2"], tempfile.mkdtemp())
+    torch.manual_seed(cfg.train.seed)
+    job = build(cfg, build_mesh(cfg), "cpu")
+    return job.evaluate(build_data(cfg.data, cfg.model, cfg.train.seed))
+
+
 def test_document_masked_steps_train_like_one_process(gloo_pool):
     """One spawned world of 4: each mesh's document-masked loss, grad norm and weights equal
-    the one-process document-masked run's (tests/test_parity_cp.check_parity)."""
+    the one-process document-masked run's (tests/test_parity_cp.check_parity), and so does
+    its validation loss."""
     for name, dp, tp, extra in WORLD4:
         try:
             check_parity(gloo_pool, 4, dp, tp, [*DOCS, *extra])
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from err
+    for name, mesh in EVAL4:
+        one = evaluate_case([*DOCS, *[o for o in mesh if not o.startswith("parallel.")]])
+        got = gloo_pool(4).run(evaluate_case, [*DOCS, *mesh])
+        assert all(abs(g - one) <= 1e-5 * one for g in got), (name, got, one)
