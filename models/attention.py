@@ -75,7 +75,8 @@ def _sdpa(q, k, v, mask, dropout_p: float) -> torch.Tensor:
 def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.Tensor:
     """Document-masked attention: on CUDA with flash-attn, its varlen kernel over the documents
     laid end to end (no mask exists; Dao 2023, FlashAttention-2's variable-length batches);
-    else SDPA with a dense (B, 1, T, S) boolean mask (same document, key not after query)."""
+    else, and for a later Seq1F1B segment (S > T), SDPA with a dense (B, 1, T, S) boolean
+    mask (same document, key not after query)."""
     B, H, T, hd = q.shape
     if flash_attn_varlen_func is not None and _flash_ok(q) and k.shape[2] == T:
         cu, longest = varlen_offsets(documents[:, :T])

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megapipe.config import load_config
 from megapipe.config.flops import document_window, flops_per_token
@@ -22,6 +23,7 @@ from megapipe.parallel.context.kernels import reference_backward, reference_forw
 from megapipe.parallel.context.ring import _merge, ring_attention
 from megapipe.parallel.context.zigzag import CPInfo, zigzag_shard
 from megapipe.train.batches import BatchSlice, document_eos
+from models import attention
 from models.attention import attention_core
 from models.gpt import GPT
 from tests.conftest import TINY
@@ -92,6 +94,31 @@ def test_segment_queries_and_ring_without_cp_match_the_dense_mask():
     seg = attention_core(q[:, :, 6:11], k[:, :, :11], v[:, :, :11], 0.0, ids)
     assert_rel_close(seg, whole[:, :, 6:11], rel=1e-6, name="segment")
     assert_rel_close(ring_attention(q, k, v, None, documents=ids), whole, rel=1e-6)
+
+
+def _varlen_by_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal):
+    """flash-attn's flash_attn_varlen_func contract (tokens (N, H, hd), int32 cu_seqlens,
+    causal per sequence), computed sequence by sequence with SDPA."""
+    assert causal and dropout_p == 0 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+    assert q.shape[0] == cu_q[-1] and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = torch.empty_like(q)
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qq, kk, vv = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # (1, h, n, hd)
+        y = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+        out[a:b] = y[0].transpose(0, 1)
+    return out
+
+
+def test_flash_varlen_path_lays_documents_end_to_end(monkeypatch):
+    """The CUDA flash-attn varlen branch (cannot run here) with a stand-in kernel of the same
+    contract: its flattening, cu_seqlens and GQA give the dense mask's result."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    ids = document_ids(packed_rows(9, [[3, 6, 7], [16]])[0], 9)
+    dense = attention_core(q, k, v, 0.0, ids)
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", _varlen_by_sdpa)
+    monkeypatch.setattr(attention, "_flash_ok", lambda q: True)
+    assert_rel_close(attention_core(q, k, v, 0.0, ids), dense, rel=1e-6, name="varlen")
 
 
 def test_masked_block_with_hidden_rows_gives_no_nan():
