@@ -89,6 +89,9 @@ def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.
         )  # (B·T, H, hd)
         return out.view(B, T, H, hd).transpose(1, 2)
     mask = visible_keys(documents, T, k.shape[2]).unsqueeze(1)  # (B, 1, T, S)
+    if q.is_cuda and k.shape[1] != H:  # CUDA SDPA takes a mask with GQA only in its math
+        g = H // k.shape[1]  # backend (s² probabilities): give the memory-efficient one H heads
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return _sdpa(q, k, v, mask, dropout_p)
 
 

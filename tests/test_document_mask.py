@@ -200,6 +200,9 @@ def test_memory_model_counts_the_dense_mask_and_per_row_rope(device):
     assert sum(on.values()) - sum(off.values()) == b * T * T * 4 + (b - 1) * off["rope cos, sin"]
     ring = layer_terms(config(*base, *docs, "parallel.cp=2"), None, device)
     assert "document mask" not in ring  # rebuilt per block from the ids, never saved
+    gqa = layer_terms(config(*base, *docs, "model.n_kv_heads=2"), None, device)
+    expanded = 2 * b * 4 * T * 8 * 4  # k, v at the 4 query heads (hd 8), float32
+    assert gqa.get("expanded k, v", 0) == (expanded if device == "cuda" else 0)
 
 
 # ---- spawned: one world of 4 ranks, many meshes inside -----------------------------------

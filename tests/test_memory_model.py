@@ -94,6 +94,7 @@ ONE_PROCESS = {
     "docs-llama-gqa-dropout": ["data.document_mask=true", "model.arch=llama",
                                "model.n_kv_heads=2", "model.dropout=0.1"],
     "docs-selective": ["data.document_mask=true", "recompute.mode=selective"],
+    "docs-llama-gqa": ["data.document_mask=true", "model.arch=llama", "model.n_kv_heads=2"],
 }  # fmt: skip
 TWO_RANKS = {
     "tp2": ["parallel.tp=2"],

@@ -56,8 +56,12 @@ every term with saved_tensors_hooks):
   document mask (data.document_mask, not under cp): the fused kernel keeps the (b, 1, q, kv)
           mask as a bias, b·q·kv·c (the math path adds it to the scores and keeps nothing
           more; flash-attn's varlen path on CUDA keeps no mask, so there the term overstates);
-          RoPE's cos, sin are per row, 2·b·q·hd·4. The ring rebuilds each block's mask from
-          the ids: nothing saved. The ids and positions (b·T·8, per microbatch) are left out.
+          RoPE's cos, sin are per row, 2·b·q·hd·4. On CUDA SDPA runs its memory-efficient
+          backend (a mask rules out flash), which takes no grouped kv heads: with GQA the
+          expanded k, v, 2·b·H·kv·hd·c (torch's backend rules, not measured here; the qkv
+          output they no longer view may be freed, so this may overstate). The ring rebuilds
+          each block's mask from the ids: nothing saved. The ids and positions (b·T·8 per
+          microbatch) are left out.
   Seq1F1B segment i ending at e_i (s = e_i keys): the core also keeps cat(earlier K/V, own),
           2·b·Hkv·e_i·hd·c, and on the CPU the causal mask q·e_i·c; the segment store
           (parallel/autograd/segment_kv.py) holds each segment's k, v, i.e. its qkv output
@@ -153,6 +157,8 @@ def attention_path(cfg: Config, device: str = "cuda") -> str:
     bf16 = cfg.train.dtype == "bfloat16"
     if device == "cpu":
         return "math" if m.dropout > 0 else "fused"
+    if cfg.data.document_mask:  # flash-attn varlen, or SDPA's memory-efficient backend with
+        return "fused"  # the mask (models/attention.py gives it the kv heads expanded)
     return "fused" if bf16 or not gqa else "math"
 
 
@@ -271,6 +277,8 @@ def _attention_terms(
             terms["attention lse"] = lse
             if documents:  # the fused kernel keeps the boolean mask as a bias in c
                 terms["document mask"] = x.b * x.q * x.kv * c
+                if device == "cuda" and x.h != x.hkv:  # k, v expanded to the query heads
+                    terms["expanded k, v"] = 2 * x.b * x.h * x.kv * x.hd * c
             elif earlier and device == "cpu":  # the CPU kernel keeps the bool mask as floats
                 terms["attention mask"] = x.q * x.kv * c
     elif path == "ring":  # contiguous q, k, v (size of qkv), out, lse; proj reads a copy
