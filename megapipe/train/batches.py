@@ -69,14 +69,17 @@ class BatchSlice:
         out = []
         for micro in rows.chunk(count):
             inputs, targets = split_inputs(micro)
-            cut = self.cp.shard  # (b, T) -> (b, T/cp)
-            if self.eos_id is None:
-                out.append(MicroBatch(cut(inputs), cut(targets)))
-                continue
-            ids = document_ids(inputs, self.eos_id)  # (b, T): on the whole rows
-            positions = cut(document_positions(ids))
-            out.append(MicroBatch(cut(inputs), cut(targets), positions, ids))
+            out.append(self._micro(inputs, targets))  # (b, T/cp)
         return out
+
+    def _micro(self, inputs: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+        """(b, T) inputs and targets cut for cp, (b, T/cp); under document masking with the
+        rows' document ids (whole rows) and this rank's slice of their per-document positions."""
+        cut = self.cp.shard
+        if self.eos_id is None:
+            return MicroBatch(cut(inputs), cut(targets))
+        ids = document_ids(inputs, self.eos_id)  # (b, T): on the whole rows, before the cut
+        return MicroBatch(cut(inputs), cut(targets), cut(document_positions(ids)), ids)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over dp × cp: every rank's share of the loss and the token count."""
