@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.ring import ring_attention
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import maybe_checkpoint
@@ -15,16 +16,19 @@ from megapipe.parallel.tensor.random import replayable, sharded_rng
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 
 try:  # the flash-attn package (GPU extra); scaled_dot_product_attention otherwise
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
-    """cos, sin of shape (T, hd) for the given positions (RoPE, Su et al. 2021, eq. 34)."""
+    """cos, sin of shape (T, hd) for positions (T,), or (b, 1, T, hd) for per-row positions
+    (b, T) (document masking restarts them per document) (RoPE, Su et al. 2021, eq. 34)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # ([b,] T, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hd): the rotate-half layout of HF Llama
+    if angles.dim() == 3:  # (b, T, hd) -> (b, 1, T, hd): one row's positions for all its heads
+        angles = angles.unsqueeze(1)
     return angles.cos(), angles.sin()
 
 
@@ -35,16 +39,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
+def _flash_ok(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def attention_core(q, k, v, dropout_p: float, documents=None) -> torch.Tensor:
     """Causal attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys/values, S >= T: the
-    queries are the last T positions (S > T for a Seq1F1B segment after the first)."""
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    queries are the last T positions (S > T for a Seq1F1B segment after the first).
+    `documents` (B, >= S) int64, the row's document ids (parallel/context/documents.py):
+    also mask keys of other documents."""
+    if documents is not None:
+        return _document_core(q, k, v, dropout_p, documents)
+    if flash_attn_func is not None and _flash_ok(q):
         out = flash_attn_func(  # (B, T, H, hd), GQA built in; causal is bottom-right aligned
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal=True
         )
         return out.transpose(1, 2)
     T, S = q.shape[2], k.shape[2]
     mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    return _sdpa(q, k, v, mask, dropout_p)
+
+
+def _sdpa(q, k, v, mask, dropout_p: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -54,6 +70,29 @@ def attention_core(q, k, v, dropout_p: float) -> torch.Tensor:
         is_causal=mask is None,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.Tensor:
+    """Document-masked attention: on CUDA with flash-attn, its varlen kernel over the documents
+    laid end to end (no mask exists; Dao 2023, FlashAttention-2's variable-length batches);
+    else, and for a later Seq1F1B segment (S > T), SDPA with a dense (B, 1, T, S) boolean
+    mask (same document, key not after query)."""
+    B, H, T, hd = q.shape
+    if flash_attn_varlen_func is not None and _flash_ok(q) and k.shape[2] == T:
+        cu, longest = varlen_offsets(documents[:, :T])
+
+        def flat(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, hd) -> (B·T, h, hd)
+            return x.transpose(1, 2).reshape(B * T, x.shape[1], hd)
+
+        out = flash_attn_varlen_func(
+            flat(q), flat(k), flat(v), cu, cu, longest, longest, dropout_p, causal=True
+        )  # (B·T, H, hd)
+        return out.view(B, T, H, hd).transpose(1, 2)
+    mask = visible_keys(documents, T, k.shape[2]).unsqueeze(1)  # (B, 1, T, S)
+    if q.is_cuda and k.shape[1] != H:  # CUDA SDPA takes a mask with GQA only in its math
+        g = H // k.shape[1]  # backend (s² probabilities): give the memory-efficient one H heads
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return _sdpa(q, k, v, mask, dropout_p)
 
 
 class Attention(nn.Module):
@@ -93,8 +132,12 @@ class Attention(nn.Module):
         grad[lo:hi] = 0
         return grad
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None) -> torch.Tensor:
-        """`segment`: a Seq1F1B SegmentScope (parallel/autograd/segment_kv.py) or None."""
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, segment=None, documents=None
+    ) -> torch.Tensor:
+        """`segment`: a Seq1F1B SegmentScope (parallel/autograd/segment_kv.py) or None;
+        `documents`: the whole row's document ids (b, T) under document masking, or None;
+        `positions`: (T/cp,) or, under document masking, this rank's per-row (b, T/cp)."""
         qkv = self.qkv(x)  # (B, T, (H+2·Hkv)/tp·hd); with SP x is (B, T/tp, d), gathered inside
         B, T, _ = qkv.shape
         hd, h, hkv = self.head_dim, self.local_heads, self.local_kv_heads
@@ -110,18 +153,18 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Selective recompute (Korthikanti et al. 2022, §4): keep only q, k, v for backward.
         core = self._core if self._eager_core is None else self._eager_core
-        y = maybe_checkpoint(self.selective, replayable(core, self.tp), q, k, v, p)
+        y = maybe_checkpoint(self.selective, replayable(core, self.tp), q, k, v, p, documents)
         y = y.transpose(1, 2).reshape(B, T, h * hd)  # (B, T, H/tp·hd)
         return self.proj(y)  # (B, T, d), or (B, T/tp, d) with SP
 
-    def _core(self, q, k, v, dropout_p: float) -> torch.Tensor:
+    def _core(self, q, k, v, dropout_p: float, documents=None) -> torch.Tensor:
         """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron).
         Under cp the queries of this rank's zigzag slice attend over the whole sequence by the
         kv ring (parallel/context/ring.py); config checks keep attention dropout off there."""
         if self.cp.size > 1:
-            return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p)
+            return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p, documents=documents)
         with sharded_rng(self.tp):
-            return attention_core(q, k, v, dropout_p)
+            return attention_core(q, k, v, dropout_p, documents)
 
     def keep_core_eager(self) -> None:
         """Run the core outside compiled graphs from now on (models/gpt.compile_math); made

@@ -92,7 +92,7 @@ class Embedding(nn.Module):
             h = self.tok(ids)  # (B, T, d), or (B, T/tp, d) with SP
         if self.pos is not None:
             if self.tp.sp:  # this rank's sequence chunk (Korthikanti et al. 2022, §4.2.2)
-                positions = positions.chunk(self.tp.size)[self.tp.rank]
+                positions = positions.chunk(self.tp.size, dim=-1)[self.tp.rank]
             h = h + self.pos(positions)
         with sp_rng(self.tp):
             h = self.drop(h)
@@ -114,12 +114,13 @@ class TransformerLayer(nn.Module):
         self.full_recompute = recompute == "full"
         self.tp = tp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None, documents=None):
         fn = replayable(self._forward, self.tp)
-        return maybe_checkpoint(self.full_recompute, fn, x, positions, segment)
+        return maybe_checkpoint(self.full_recompute, fn, x, positions, segment, documents)
 
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.norm1(x), positions, segment))  # (B, T[/tp], d)
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment, documents=None):
+        h = self.attn(self.norm1(x), positions, segment, documents)
+        x = x + self._dropout(h)  # (B, T[/tp], d)
         return x + self._dropout(self.mlp(self.norm2(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -245,12 +246,17 @@ class GPT(nn.Module):
             return (TIED_EMBEDDING,)
         return ()
 
-    def forward(self, x: torch.Tensor, targets=None, positions=None, segment=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets=None, positions=None, segment=None, documents=None
+    ) -> torch.Tensor:
         """Token ids (B, T) or hidden states (B, T, d) in; hidden states, logits or loss out.
 
         Under cp, x is this rank's zigzag slice (B, T/cp[, d]) and positions default to its
         global positions; pipeline stages past the first pass the positions explicitly.
-        `segment` (a Seq1F1B SegmentScope, or None) lets attention read earlier segments' K/V."""
+        `segment` (a Seq1F1B SegmentScope, or None) lets attention read earlier segments' K/V.
+        Document masking (parallel/context/documents.py): `documents` (B, T) are the whole
+        rows' document ids (before any cp slice) and `positions` (B, T/cp) each token's
+        position in its document, this rank's slice of them."""
         if positions is None:
             positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
         table = self.tied_table
@@ -259,7 +265,7 @@ class GPT(nn.Module):
         elif self.has_embedding:
             x = self.embed(x, positions)
         for layer in self.layers.values():
-            x = layer(x, positions, segment)
+            x = layer(x, positions, segment, documents)
         if self.head is None:
             return x
         return self.head(x, targets, table)

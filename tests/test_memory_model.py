@@ -38,6 +38,7 @@ from megapipe.config.memory import (
     segments,
 )
 from megapipe.config.stages import placement_of, schedule_costs, schedule_of
+from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.perf import memory as perf_memory
 from megapipe.plan.simulate import simulate
 from megapipe.train.memory import memory_plan
@@ -87,6 +88,13 @@ ONE_PROCESS = {
                              "recompute.mode=selective"],
     "long-bf16": ["model.d_model=64", "model.n_heads=2", "model.seq_len=64", "model.d_ff=96",
                   "model.dropout=0.05", "train.dtype=bfloat16"],
+    # data.document_mask: the fused kernel's mask bias, per-row RoPE tables; math path alike
+    "docs": ["data.document_mask=true", "model.vocab_size=8"],
+    "docs-llama-bf16": ["data.document_mask=true", "model.arch=llama", "train.dtype=bfloat16"],
+    "docs-llama-gqa-dropout": ["data.document_mask=true", "model.arch=llama",
+                               "model.n_kv_heads=2", "model.dropout=0.1"],
+    "docs-selective": ["data.document_mask=true", "recompute.mode=selective"],
+    "docs-llama-gqa": ["data.document_mask=true", "model.arch=llama", "model.n_kv_heads=2"],
 }  # fmt: skip
 TWO_RANKS = {
     "tp2": ["parallel.tp=2"],
@@ -101,6 +109,7 @@ TWO_RANKS = {
     "cp2": ["parallel.cp=2"],
     "cp2-llama-gqa": ["parallel.cp=2", "model.arch=llama", "model.n_kv_heads=2"],
     "cp2-selective-bf16": ["parallel.cp=2", "recompute.mode=selective", "train.dtype=bfloat16"],
+    "cp2-docs-llama": ["parallel.cp=2", "data.document_mask=true", "model.arch=llama"],
 }  # fmt: skip
 SCALARS = 16  # bytes the model leaves out of a block: the loss's 0-dim total weight (4 B)
 
@@ -223,9 +232,15 @@ def measure_blocks(overrides: list[str]) -> dict[str, tuple[int, float]]:
             x = torch.randn(b, rows, m.d_model, requires_grad=True)
         targets = torch.randint(m.vocab_size, (b, seq)) if name == "head" else None
         positions = chunk.cp.positions(m.seq_len, "cpu")  # one per rank in training: left out
-        live = LiveSaved(chunk, exclude=[positions])
+        documents = None  # data.document_mask: the rows' ids and positions, left out as well
+        if cfg.data.document_mask:
+            documents = document_ids(torch.randint(m.vocab_size, (b, m.seq_len)), m.vocab_size - 1)
+            positions = chunk.cp.shard(document_positions(documents))
+        live = LiveSaved(
+            chunk, exclude=[positions] + ([documents] if cfg.data.document_mask else [])
+        )
         with live.hooks(), autocast(cfg.train.dtype, "cpu"):
-            y = chunk(x, targets=targets, positions=positions)
+            y = chunk(x, targets=targets, positions=positions, documents=documents)
         out[name] = (live.peak, sum(terms.values()))
         y.float().sum().backward()  # tp/cp collectives in backward: keep the ranks in step
     return out

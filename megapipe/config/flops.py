@@ -23,11 +23,25 @@ def matmul_params(cfg: Config) -> int:
     return m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
 
 
-def flops_per_token(cfg: Config) -> float:
-    """Training FLOPs per token: 6N plus attention's 12·L·d·T (PaLM, Chowdhery et al. 2022,
-    App. B), with N the matmul parameters."""
+def flops_per_token(cfg: Config, attention_window: float | None = None) -> float:
+    """Training FLOPs per token: 6N plus attention's 12·L·d·W (PaLM, Chowdhery et al. 2022,
+    App. B), with N the matmul parameters and W the keys each query is charged for.
+
+    W defaults to the whole window, seq_len, causal or not and under data.document_mask too:
+    the reported model FLOPs and MFU follow the PaLM / Megatron convention, so they do not
+    depend on where the data's documents end and stay comparable across runs. A document-masked
+    step does less attention work: `attention_window=document_window(lengths)` counts it."""
     m = cfg.model
-    return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * m.seq_len
+    window = m.seq_len if attention_window is None else attention_window
+    return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * window
+
+
+def document_window(lengths) -> float:
+    """The full-window-equivalent W of document-masked rows holding documents of `lengths`
+    tokens: Σ n² / Σ n, so that 12·L·d·W per token charges each document its own n × n
+    square, as the full window charges T × T (one document of length T gives W = T)."""
+    lengths = [int(n) for n in lengths]
+    return sum(n * n for n in lengths) / sum(lengths)
 
 
 def block_costs_from_flops(cfg: Config) -> list[float]:

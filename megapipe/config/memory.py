@@ -53,6 +53,15 @@ every term with saved_tensors_hooks):
           logits: backward recomputes them chunk by chunk (and recasts the bf16 weight). With
           no pipeline and no segments (head_grad_in_forward) it makes its grads in forward and
           keeps those instead: the input grad N·d·c and the float32 weight grad V/tp·d·4.
+  document mask (data.document_mask, not under cp): the fused kernel keeps the (b, 1, q, kv)
+          mask as a bias, b·q·kv·c (the math path adds it to the scores and keeps nothing
+          more; flash-attn's varlen path on CUDA keeps no mask, so there the term overstates);
+          RoPE's cos, sin are per row, 2·b·q·hd·4. On CUDA SDPA runs its memory-efficient
+          backend (a mask rules out flash), which takes no grouped kv heads: with GQA the
+          expanded k, v, 2·b·H·kv·hd·c (torch's backend rules, not measured here; the qkv
+          output they no longer view may be freed, so this may overstate). The ring rebuilds
+          each block's mask from the ids: nothing saved. The ids and positions (b·T·8 per
+          microbatch) are left out.
   Seq1F1B segment i ending at e_i (s = e_i keys): the core also keeps cat(earlier K/V, own),
           2·b·Hkv·e_i·hd·c, and on the CPU the causal mask q·e_i·c; the segment store
           (parallel/autograd/segment_kv.py) holds each segment's k, v, i.e. its qkv output
@@ -148,6 +157,8 @@ def attention_path(cfg: Config, device: str = "cuda") -> str:
     bf16 = cfg.train.dtype == "bfloat16"
     if device == "cpu":
         return "math" if m.dropout > 0 else "fused"
+    if cfg.data.document_mask:  # flash-attn varlen, or SDPA's memory-efficient backend with
+        return "fused"  # the mask (models/attention.py gives it the kv heads expanded)
     return "fused" if bf16 or not gqa else "math"
 
 
@@ -253,8 +264,9 @@ def _attention_terms(
     terms: dict[str, float] = {}
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
     rope = x.n * (x.h + x.hkv) * x.hd * c if llama else 0
-    if llama:
-        terms["rope cos, sin"] = 2 * x.q * x.hd * FLOAT32
+    documents = cfg.data.document_mask and path != "ring"  # a dense (b, 1, q, kv) mask
+    if llama:  # per row under document masking: positions restart per document
+        terms["rope cos, sin"] = 2 * (x.b if cfg.data.document_mask else 1) * x.q * x.hd * FLOAT32
     earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask
     lse = x.b * x.h * x.q * FLOAT32
     if mode == "selective" or path == "fused":
@@ -263,7 +275,11 @@ def _attention_terms(
         terms["q, k, v"] = qkv + rope + (2 * x.b * x.hkv * x.kv * x.hd * c if earlier else 0)
         if mode != "selective":
             terms["attention lse"] = lse
-            if earlier and device == "cpu":  # the CPU kernel keeps the bool mask as floats
+            if documents:  # the fused kernel keeps the boolean mask as a bias in c
+                terms["document mask"] = x.b * x.q * x.kv * c
+                if device == "cuda" and x.h != x.hkv:  # k, v expanded to the query heads
+                    terms["expanded k, v"] = 2 * x.b * x.h * x.kv * x.hd * c
+            elif earlier and device == "cpu":  # the CPU kernel keeps the bool mask as floats
                 terms["attention mask"] = x.q * x.kv * c
     elif path == "ring":  # contiguous q, k, v (size of qkv), out, lse; proj reads a copy
         terms["q, k, v"] = qkv

@@ -143,6 +143,10 @@ class DataConfig:
     # "dir:weight,dir:weight": rows drawn from several prepared datasets in proportion (a string,
     # since config values are scalars); needs data.source=memmap and replaces data.path; "" : off
     blend: str = ""
+    # attention stops at end-of-document (EOS) tokens inside a packed window and positions
+    # restart per document (parallel/context/documents.py); the EOS id is the dataset's
+    # meta.json eos_id, or model.vocab_size - 1 for synthetic tokens
+    document_mask: bool = False
 
 
 @dataclass

@@ -25,12 +25,13 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    zero=1 the all-gather of the updated float32 weights.
 
 step_time = max over ranks of the end of 2, + 3. Model FLOPs are config/flops.flops_per_token
-(6N + 12·L·d·T, as metrics.jsonl counts them); hardware FLOPs add the recompute's forward
-(full: 2·N_layer + 4·d·T per recomputed layer and token; selective: 4·d·T), the count of
+(6N + 12·L·d·T, as metrics.jsonl counts them: the full window, under data.document_mask too,
+whose attention time is priced as the full causal window's); hardware FLOPs add the recompute's
+forward (full: 2·N_layer + 4·d·T per recomputed layer and token; selective: 4·d·T), the count of
 Narayanan et al. 2021 §5.1. The breakdown splits the step on the busiest pp rank: its compute
 (GEMMs, attention, memory-bound kernels), exposed tp/sp and cp communication, the pipeline
-bubble with p2p waits (makespan − its busy time), exposed dp communication, the optimizer.
-Peak memory is the one memory model's (config/memory_plan.py, cached by perf/memory.py).
+bubble with p2p waits (makespan − its busy time), exposed dp communication, the optimizer. Peak
+memory is the one memory model's (config/memory_plan.py, cached by perf/memory.py).
 """
 
 from __future__ import annotations

@@ -120,21 +120,26 @@ class Pipeline:
 
     def forward_only(self, micro: list[MicroBatch]) -> list[float]:
         """Each microbatch's summed cross entropy (0 off the last stage), forward only."""
-        losses = [self._forward_only(mb, m.inputs, m.targets) for mb, m in enumerate(micro)]
+        losses = [self._forward_only(mb, m) for mb, m in enumerate(micro)]
         self.runtime.links.flush()  # every send done before its buffer could be reused
         return losses
 
-    def _forward_only(self, mb: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def _forward_only(self, mb: int, m: MicroBatch) -> float:
         """Microbatch `mb` through this rank's stages in ascending order (every rank walks the
         stages in one global order, so each receive's send is already posted or next); returns
         its summed cross entropy on the last stage, else 0."""
         rt, loss = self.runtime, 0.0
         for c in sorted(range(len(self.chunks)), key=rt.stages.__getitem__):
             stage = rt.stages[c]
-            x = inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
+            x = m.inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
             last = stage == rt.last_stage
             with rt.autocast():
-                out = self.chunks[c](x, targets=targets if last else None, positions=rt.positions)
+                out = self.chunks[c](
+                    x,
+                    targets=m.targets if last else None,
+                    positions=m.position_ids(rt.positions),
+                    documents=m.documents,
+                )
             if last:
                 loss += out.item()
             else:

@@ -43,6 +43,13 @@ GRAD_KINDS = (INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
 class MicroBatch(NamedTuple):
     inputs: torch.Tensor  # (b, T) token ids (this cp rank's zigzag slice under cp)
     targets: torch.Tensor  # (b, T) next tokens
+    # document masking (parallel/context/documents.py); None: off, positions are the runtime's
+    positions: torch.Tensor | None = None  # (b, T) position in its document (cp: the slice)
+    documents: torch.Tensor | None = None  # (b, T) document ids of the whole rows (no cp slice)
+
+    def position_ids(self, default: torch.Tensor) -> torch.Tensor:
+        """This microbatch's positions: its own per document, else `default` (T/cp,)."""
+        return default if self.positions is None else self.positions
 
 
 class Hooks:
@@ -149,10 +156,11 @@ class PipelineRuntime:
     def _tokens(self, a: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, targets (b, n) and positions (n,) of `a`: a segment's [s, e) or all."""
         micro = self.micro[a.microbatch]
+        positions = micro.position_ids(self.positions)
         if a.segment is None:
-            return micro.inputs, micro.targets, self.positions
+            return micro.inputs, micro.targets, positions
         s, e = self.segments[a.segment]
-        return micro.inputs[:, s:e], micro.targets[:, s:e], self.positions[s:e]
+        return micro.inputs[:, s:e], micro.targets[:, s:e], positions[..., s:e]
 
     def _kv(self, a: Action) -> SegmentKV | None:
         """The kept K/V of `a`'s microbatch and chunk when its sequence is in segments."""
@@ -173,6 +181,7 @@ class PipelineRuntime:
                 targets=targets if last else None,
                 positions=positions,
                 segment=kv.scope(a.seg) if kv else None,
+                documents=self.micro[a.microbatch].documents,
             )
         if last:  # summed CE over this microbatch; backward starts from sum / global tokens
             self.loss_sum += out.detach()

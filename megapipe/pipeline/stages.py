@@ -92,7 +92,10 @@ def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
     rows = m.seq_len // cp.size
     local_rows = rows // tp.size if tp.sp else rows
     shape = (cfg.derived.micro_batch_size, local_rows, m.d_model)
-    positions = cp.positions(m.seq_len, device)
+    positions, documents = cp.positions(m.seq_len, device), None
+    if cfg.data.document_mask:  # the masked graphs training runs: per-row positions and ids
+        documents = torch.zeros(shape[0], m.seq_len, dtype=torch.int64, device=device)
+        positions = positions.expand(shape[0], -1)  # (b, T/cp): this rank's, per row
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
     tracker = tp.rng.state.clone() if tp.rng is not None else None
@@ -101,13 +104,13 @@ def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
         with autocast(cfg.train.dtype, device):
             h = x
             for layer in layers:
-                h = layer(h, positions)
+                h = layer(h, positions, None, documents)
         h.float().sum().backward()
         if cfg.train.eval_interval:  # train/evaluate.py: eval mode, no grad
             with torch.no_grad(), autocast(cfg.train.dtype, device):
                 h = x.detach()
                 for layer in layers:
-                    h = layer.eval()(h, positions)
+                    h = layer.eval()(h, positions, None, documents)
     finally:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:

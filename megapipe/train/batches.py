@@ -3,15 +3,24 @@
 DP rank r takes rows [r·B/dp, (r+1)·B/dp) of the global batch, cut into microbatches; CP rank c
 takes its zigzag slice of every row's inputs and targets; tp ranks see the same rows. So the
 summed loss and the token count over dp × cp are those of the whole batch.
+
+Under `data.document_mask` each microbatch also carries its rows' document ids and per-document
+positions (parallel/context/documents.py), computed on the whole rows before the cp slice: a
+document may cross the zigzag chunks, and ring attention masks every key block with them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megapipe.config import Config
+from megapipe.config.blend import parse_blend
+from megapipe.data.loader import read_meta
+from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo, cp_info
 from megapipe.pipeline.runtime import MicroBatch
 
@@ -19,6 +28,21 @@ from megapipe.pipeline.runtime import MicroBatch
 def split_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T+1) token rows -> inputs (B, T) and next-token targets (B, T)."""
     return batch[:, :-1], batch[:, 1:]
+
+
+def document_eos(cfg: Config) -> int | None:
+    """The EOS id that ends documents under data.document_mask (None: masking off): the
+    dataset's meta.json eos_id (a blend's datasets share one tokenizer, data/loader.py checks
+    it: the first one's). Synthetic tokens have no documents; they take model.vocab_size - 1 as
+    their EOS, so random rows hold random documents (about one per vocab_size tokens) and the
+    masked paths run in tests and benchmarks exactly as on real data."""
+    d = cfg.data
+    if not d.document_mask:
+        return None
+    if d.source == "synthetic":
+        return cfg.model.vocab_size - 1
+    path = parse_blend(d.blend)[0][0] if d.blend else d.path
+    return int(read_meta(Path(path))["eos_id"])
 
 
 @dataclass(frozen=True)
@@ -29,12 +53,15 @@ class BatchSlice:
     dp_rank: int = 0
     cp: CPInfo = NO_CP
     group: object = None  # dp × cp: the ranks that hold the same weights, different tokens
+    eos_id: int | None = None  # document masking: the token that ends a document; None: off
 
     @staticmethod
-    def of(mesh) -> BatchSlice:
+    def of(mesh, eos_id: int | None = None) -> BatchSlice:
         if mesh is None:
-            return BatchSlice()
-        return BatchSlice(mesh.size("dp"), mesh.coord("dp"), cp_info(mesh), mesh.replica_group)
+            return BatchSlice(eos_id=eos_id)
+        return BatchSlice(
+            mesh.size("dp"), mesh.coord("dp"), cp_info(mesh), mesh.replica_group, eos_id
+        )
 
     def microbatches(self, batch: torch.Tensor, count: int) -> list[MicroBatch]:
         """This rank's `count` microbatches of the global (B, T+1) `batch`."""
@@ -42,8 +69,17 @@ class BatchSlice:
         out = []
         for micro in rows.chunk(count):
             inputs, targets = split_inputs(micro)
-            out.append(MicroBatch(self.cp.shard(inputs), self.cp.shard(targets)))  # (b, T/cp)
+            out.append(self._micro(inputs, targets))  # (b, T/cp)
         return out
+
+    def _micro(self, inputs: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
+        """(b, T) inputs and targets cut for cp, (b, T/cp); under document masking with the
+        rows' document ids (whole rows) and this rank's slice of their per-document positions."""
+        cut = self.cp.shard
+        if self.eos_id is None:
+            return MicroBatch(cut(inputs), cut(targets))
+        ids = document_ids(inputs, self.eos_id)  # (b, T): on the whole rows, before the cut
+        return MicroBatch(cut(inputs), cut(targets), cut(document_positions(ids)), ids)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over dp × cp: every rank's share of the loss and the token count."""

@@ -14,7 +14,7 @@ from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine
 from megapipe.pipeline.stages import build_model
-from megapipe.train.batches import BatchSlice
+from megapipe.train.batches import BatchSlice, document_eos
 from megapipe.train.evaluate import evaluate
 from megapipe.train.hooks import NO_HOOKS, TrainHooks
 from megapipe.train.optim import build_optimizer
@@ -67,9 +67,14 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
         if cfg.parallel.post_validation and kind is Pipeline:
             # Zero Bubble §4: no global reduction before the optimizer
             engine = PostValidatedEngine.of(pipe, cfg)
-        return Job(cfg, nn.ModuleList(pipe.chunks), engine, BatchSlice.of(mesh), mesh)
+        return Job(cfg, nn.ModuleList(pipe.chunks), engine, _slice(cfg, mesh), mesh)
     model = build_model(cfg, mesh, device)
-    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh), mesh)
+    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), _slice(cfg, mesh), mesh)
+
+
+def _slice(cfg: Config, mesh) -> BatchSlice:
+    """This rank's rows and sequence slice; with the EOS id under data.document_mask."""
+    return BatchSlice.of(mesh, document_eos(cfg))
 
 
 def replica(

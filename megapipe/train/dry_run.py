@@ -70,6 +70,8 @@ def _notes(cfg: Config) -> list[str]:
         "ring": "ring attention keeping q, k, v, out and the log-sum-exp",
         "math": "the math fallback keeping the s² probabilities",
     }[attention_path(cfg, DEVICE)]
+    if cfg.data.document_mask and p.cp == 1:  # config/memory.py, "document mask"
+        attention += ", plus the (b, 1, T, T) document mask (none with flash-attn varlen)"
     notes = [
         "(memory per rank: float32 weights and grads 4 B/parameter each, AdamW's two float32 "
         f"moments 8 B/parameter (/dp·cp under parallel.zero=1); activations: what the model's "

@@ -247,7 +247,8 @@ def _say(line: str) -> None:
 
 
 class Throughput:
-    """tokens/s, model TFLOP/s per device and MFU of one step (PaLM's MFU: model FLOPs only)."""
+    """tokens/s, model TFLOP/s per device and MFU of one step (PaLM's MFU: model FLOPs only;
+    attention charged the full window, also under data.document_mask: config/flops.py)."""
 
     def __init__(self, cfg: Config, device) -> None:
         self.tokens = cfg.derived.tokens_per_step

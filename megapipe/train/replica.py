@@ -54,7 +54,7 @@ class Replica:
             sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
             with sync:
                 with autocast(self.cfg.train.dtype, self.device):
-                    loss = self.model(m.inputs, m.targets)
+                    loss = self.model(m.inputs, m.targets, m.positions, documents=m.documents)
                 (loss / loss_scale).backward()
             loss_sum += loss.detach()
         return loss_sum
@@ -73,5 +73,7 @@ class Replica:
         out = []
         for m in micro:
             with autocast(self.cfg.train.dtype, self.device):
-                out.append(self.model(m.inputs, m.targets).item())
+                out.append(
+                    self.model(m.inputs, m.targets, m.positions, documents=m.documents).item()
+                )
         return out

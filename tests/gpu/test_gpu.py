@@ -4,7 +4,8 @@ figures each test prints (`GPU-FIGURE name {...}`) into one results file.
 
 - attention: models/attention.attention_core on CUDA (SDPA's flash / memory-efficient kernels,
   or the flash-attn package when installed, bf16) against float64 math attention, forward and
-  backward, causal and Seq1F1B's bottom-right mask, with and without grouped-query heads;
+  backward, causal and Seq1F1B's bottom-right mask, with and without grouped-query heads, and
+  with the document mask (data.document_mask: SDPA's dense mask or flash-attn's varlen kernel);
 - ring attention's CUDA block kernel (parallel/context/kernels.aten_cuda) against the reference
   kernel, and the ring's log-sum-exp merge of two kv blocks against whole attention;
 - bf16 autocast training against float32: per-step loss and weights within a stated bound;
@@ -78,6 +79,39 @@ def test_attention_core_matches_math(dtype, hkv, extra_keys):
     want = _grads(math_attention, q, k, v, dout)
     errors = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
     figure("attention_core", dtype=str(dtype), hkv=hkv, extra_keys=extra_keys, **errors)
+    assert max(errors.values()) <= TOL[dtype], errors
+
+
+def _documents(b: int, t: int, seed: int = 0) -> torch.Tensor:
+    """(b, t) document ids of rows cut into random documents (the row's first one from 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ends = torch.rand(b, t, generator=g) < 8 / t  # ~8 documents a row
+    return (torch.cumsum(ends.long(), dim=1) - ends.long()).to(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_document_masked_attention_matches_math(dtype, hkv):
+    """data.document_mask on CUDA: SDPA with the dense mask (memory-efficient or math backend),
+    or flash-attn's varlen kernel when installed (bf16), against float64 masked attention."""
+    from megapipe.parallel.context.documents import visible_keys
+    from models.attention import attention_core
+
+    q, k, v, dout = _qkv(2, 4, hkv, 128, 128, 64, dtype, seed=3)
+    ids = _documents(2, 128)
+
+    def reference(q, k, v):
+        q, k, v = (x.double() for x in (q, k, v))
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        hidden = visible_keys(ids, 128, 128).unsqueeze(1).logical_not()
+        return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+
+    got = _grads(lambda *x: attention_core(*x, 0.0, ids), q, k, v, dout)
+    want = _grads(reference, q, k, v, dout)
+    errors = {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    figure("document_mask", dtype=str(dtype), hkv=hkv, **errors)
     assert max(errors.values()) <= TOL[dtype], errors
 
 

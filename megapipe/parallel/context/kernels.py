@@ -9,11 +9,14 @@ dS = P ∘ (dP − rowsum(dO ∘ O)), so per-block gradients add up to the full-
 Every kernel takes q (B, H, Tq, hd) and k, v (B, Hkv, Tk, hd) with H a multiple of Hkv (GQA:
 query head h reads kv head h // (H/Hkv), as `scaled_dot_product_attention(enable_gqa=True)`), and
 `causal` means the top-left aligned mask of a square diagonal block. Gradients of k and v come
-back with Hkv heads (summed over each head group).
+back with Hkv heads (summed over each head group). The reference kernel also takes `hide`
+(B, Tq, Tk) bool, keys hidden from each query besides causality (document masking); a row
+with every key hidden gets out 0 and lse −inf.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -98,7 +101,7 @@ def _causal_mask(tq: int, tk: int, device) -> Tensor:
     return torch.ones(tq, tk, dtype=torch.bool, device=device).triu(1)
 
 
-def _grouped_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _grouped_scores(q: Tensor, k: Tensor, causal: bool, scale: float, hide=None):
     """Scores of each kv head against its group of query heads, computed in ≥ fp32."""
     B, H, Tq, hd = q.shape
     hkv, g = k.shape[1], H // k.shape[1]
@@ -107,23 +110,26 @@ def _grouped_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> tuple[T
     s = qg @ k.to(dt).transpose(-1, -2) * scale  # (B, Hkv, g·Tq, Tk)
     if causal:
         s = s.masked_fill(_causal_mask(Tq, k.shape[2], q.device).repeat(g, 1), float("-inf"))
+    if hide is not None:  # (B, Tq, Tk) -> (B, 1, g·Tq, Tk): row r of a group is query r % Tq
+        s = s.masked_fill(hide.repeat(1, g, 1).unsqueeze(1), float("-inf"))
     return qg, s
 
 
-def reference_forward(q, k, v, causal: bool, scale: float):
+def reference_forward(q, k, v, causal: bool, scale: float, hide=None):
     """Plain-matmul attention of one block in fp32 (or fp64): always available, the reference."""
     B, H, Tq, hd = q.shape
-    _, s = _grouped_scores(q, k, causal, scale)
+    _, s = _grouped_scores(q, k, causal, scale, hide)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # (B, Hkv, g·Tq, 1)
-    out = torch.exp(s - lse) @ v.to(s.dtype)  # (B, Hkv, g·Tq, hd)
+    # a row with every key hidden: lse −inf; exp(s − 0) = 0 gives out 0 instead of NaN
+    out = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)) @ v.to(s.dtype)
     return out.reshape(B, H, Tq, hd).to(q.dtype), lse.reshape(B, H, Tq)
 
 
-def reference_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def reference_backward(dout, q, k, v, out, lse, causal: bool, scale: float, hide=None):
     """Flash-attention backward of one block from the row's global out and log-sum-exp."""
     B, H, Tq, hd = q.shape
     hkv = k.shape[1]
-    qg, s = _grouped_scores(q, k, causal, scale)
+    qg, s = _grouped_scores(q, k, causal, scale, hide)
     dt = s.dtype
     p = torch.exp(s - lse.to(dt).reshape(B, hkv, -1, 1))  # (B, Hkv, g·Tq, Tk)
     do = dout.to(dt).reshape(B, hkv, -1, hd)  # (B, Hkv, g·Tq, hd)

@@ -9,6 +9,11 @@ softmax, Milakov & Gimelshein 2018), so a rank holds O(s/cp) attention state, ne
 The backward runs the ring again: dK/dV accumulators travel with the blocks and arrive home
 after cp steps; each block's probabilities are recomputed from the saved log-sum-exp.
 
+Document masking (`documents`, the whole row's document ids (B, T), which every cp rank holds):
+each block also hides the keys of other documents than the query's, comparing the query chunk's
+ids with the key block's; the block kernel is then the masked reference one. A query row that
+sees no key of a block gets lse −inf there, and the merge gives that block weight 0 (no NaN).
+
 Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and
 2cp−1−r, so every rank computes the same number of unmasked scores (Brandon et al. 2023,
 "Striped Attention", balance by permutation; this chunk pairing is the one of Llama 3's context
@@ -26,8 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapipe.parallel.context.documents import visible_keys
 from megapipe.parallel.context.kernels import Block, BlockKernel, pick_kernel, plan_step
-from megapipe.parallel.context.zigzag import local_chunks
+from megapipe.parallel.context.zigzag import local_chunks, zigzag_shard
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
 
@@ -97,14 +103,26 @@ class RingComm:
 
 
 def _merge(out, lse, blk_out, blk_lse) -> None:
-    """Fold one block into the running (out, lse) of its rows, in place: online softmax."""
+    """Fold one block into the running (out, lse) of its rows, in place: online softmax. Rows
+    that no key has reached yet (both lse −inf: document masking) keep weight 0, not NaN."""
     new = torch.logaddexp(lse, blk_lse)  # (B, H, Tq)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    out.add_(blk_out.to(out.dtype) * torch.exp(blk_lse - new).unsqueeze(-1))
+    safe = new.masked_fill(new == -math.inf, 0.0)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(blk_out.to(out.dtype) * torch.exp(blk_lse - safe).unsqueeze(-1))
     lse.copy_(new)
 
 
-def _ring_forward(q, k, v, ring: RingComm, plans, chunk: int, kernel: BlockKernel, scale: float):
+def _hidden(docs, step: int, b: Block, chunk: int):
+    """Keys of other documents in block b of ring step `step`: (B, nq, nk) bool, or None
+    without document masking. docs = (this rank's query ids, [kv ids per step])."""
+    if docs is None:
+        return None
+    qs, ks = b.slices(chunk)
+    q_ids, kv_ids = docs[0][:, qs], docs[1][step][:, ks]
+    return q_ids[:, :, None] != kv_ids[:, None, :]
+
+
+def _ring_forward(q, k, v, ring: RingComm, plans, chunk, kernel: BlockKernel, scale, docs=None):
     """Attend q to every kv block as it passes; returns out (acc dtype) and lse (B, H, T/cp)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, T/cp, hd)
@@ -115,8 +133,9 @@ def _ring_forward(q, k, v, ring: RingComm, plans, chunk: int, kernel: BlockKerne
         pending = ring.start(kv, KV_TAG) if step < len(plans) - 1 else None  # double buffer
         for b in blocks:
             qs, ks = b.slices(chunk)
+            hide = _hidden(docs, step, b, chunk)
             o_b, l_b = kernel.forward(
-                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], b.causal, scale
+                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], b.causal, scale, *_opt(hide)
             )
             _merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
             if ring.stats is not None:
@@ -128,7 +147,12 @@ def _ring_forward(q, k, v, ring: RingComm, plans, chunk: int, kernel: BlockKerne
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel, scale):
+def _opt(hide) -> tuple:
+    """The kernel's optional hide argument: only the masked (reference) kernel takes one."""
+    return () if hide is None else (hide,)
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel, scale, docs):
     """Recompute each block's P from the saved lse; dK/dV ride the ring home (cp hops)."""
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)  # (B, H, T/cp, hd)
     kv, dkv_pending = [k, v], None
@@ -140,7 +164,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel
             qs, ks = b.slices(chunk)
             rows = [t[:, :, qs] for t in (dout, q, out, lse)]  # (B, H, n·chunk, ...)
             cols = [t[:, :, ks] for t in kv]  # (B, Hkv, m·chunk, hd)
-            d_q, d_k, d_v = kernel.backward(*rows[:2], *cols, *rows[2:], b.causal, scale)
+            hide = _opt(_hidden(docs, step, b, chunk))
+            d_q, d_k, d_v = kernel.backward(*rows[:2], *cols, *rows[2:], b.causal, scale, *hide)
             dq[:, :, qs] += d_q
             dkv[0][:, :, ks] += d_k
             dkv[1][:, :, ks] += d_v
@@ -162,19 +187,19 @@ class _RingAttention(torch.autograd.Function):
     """kv ring + log-sum-exp merge fwd / kv ring + dK,dV ring home bwd (Liu et al. 2023)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, plans, chunk, kernel, scale):
+    def forward(ctx, q, k, v, ring, plans, chunk, kernel, scale, docs):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, ring, plans, chunk, kernel, scale)
+        out, lse = _ring_forward(q, k, v, ring, plans, chunk, kernel, scale, docs)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # all O(T/cp): no rank holds O(T) state
-        ctx.args = (ring, plans, chunk, kernel, scale)
+        ctx.args = (ring, plans, chunk, kernel, scale, docs)  # docs: int64 ids, O(T) per row
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def _check_inputs(q, k, v, attn_mask) -> None:
@@ -221,6 +246,7 @@ def ring_attention(
     attn_mask=None,
     kernel: str | None = None,
     stats: RingStats | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
@@ -228,16 +254,22 @@ def ring_attention(
     else the r-th contiguous slice); k, v may have fewer heads (GQA). cp_group None or of size 1
     is `scaled_dot_product_attention` itself. kernel names a `kernels.KERNELS` entry
     (default: by device and dtype); stats, when given, collects work counts and timings.
+    documents (B, T) int64: the whole row's document ids (not this rank's slice): each query
+    also sees only keys of its own document (causal only; the masked reference kernel runs).
     """
     _check_inputs(q, k, v, attn_mask)
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if documents is not None and not causal:
+        raise ValueError("ring_attention: documents mask causal attention only; pass causal=True")
     if cp == 1:
         if stats is not None:
             stats.count(Block(0, 1, 0, 1, causal), q.shape[2])
         gqa = k.shape[1] != q.shape[1]
+        mask = None if documents is None else visible_keys(documents, q.shape[2], k.shape[2])
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
-        )
+            q, k, v, None if mask is None else mask.unsqueeze(1), dropout_p,
+            is_causal=causal and mask is None, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
     _check_ring(q, cp, zigzag, dropout_p)
     ring = RingComm(cp_group, stats, q.device)
     mine = local_chunks(cp, ring.rank, zigzag)
@@ -245,5 +277,15 @@ def ring_attention(
         plan_step(mine, local_chunks(cp, (ring.rank - s) % cp, zigzag), causal) for s in range(cp)
     ]  # step s holds the kv block of rank r − s
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    kern = pick_kernel(q, kernel)
-    return _RingAttention.apply(q, k, v, ring, plans, q.shape[2] // len(mine), kern, scale)
+    kern = pick_kernel(q, kernel if documents is None else "reference")
+    docs = None
+    if documents is not None:  # ids of this rank's queries, and of the kv block at each step
+        ids = [_rank_slice(documents, cp, (ring.rank - s) % cp, zigzag) for s in range(cp)]
+        docs = (ids[0], ids)
+    chunk = q.shape[2] // len(mine)
+    return _RingAttention.apply(q, k, v, ring, plans, chunk, kern, scale, docs)
+
+
+def _rank_slice(x: torch.Tensor, cp: int, rank: int, zigzag: bool) -> torch.Tensor:
+    """A cp rank's slice of whole rows x (B, T) along the sequence: zigzag or contiguous."""
+    return zigzag_shard(x, cp, rank, 1) if zigzag else x.chunk(cp, dim=1)[rank]
