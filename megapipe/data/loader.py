@@ -23,15 +23,12 @@ if TYPE_CHECKING:  # torch is imported when a batch is made: preparation never n
 from megapipe.config.blend import blend_name, parse_blend
 from megapipe.config.schema import ConfigError
 from megapipe.data.blend import BlendData
+from megapipe.data.errors import DataError
+from megapipe.data.sample_index import SPLITS, SampleIndex, gather, read_docs
 
 META_FILE = "meta.json"
-SPLITS = {"train": 0, "val": 1}  # the split's number is part of the sampler key
 DTYPES = ("uint16", "uint32")
 SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a memmap for its largest id
-
-
-class DataError(ValueError):
-    """Bad data or data config: the message is one line naming the file or key and the fix."""
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -105,6 +102,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 # ---------------------------------------------------------------- sampling
 
+SAMPLERS = ("epochs", "random")
+
 
 def _rng(seed: int, split: str, step: int) -> np.random.Generator:
     """The generator for one (seed, split, step): a pure function of the three, no state."""
@@ -113,6 +112,14 @@ def _rng(seed: int, split: str, step: int) -> np.random.Generator:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return np.random.default_rng([seed, SPLITS[split], step])
+
+
+def row_range(size: int, rows: slice | None) -> range:
+    """The rows `rows` selects of a global batch of `size` (None: all of them)."""
+    picked = range(size)[rows if rows is not None else slice(None)]
+    if picked.step != 1:
+        raise ValueError(f"rows must be a contiguous slice, got {rows}")
+    return picked
 
 
 class TokenData:
@@ -124,34 +131,59 @@ class TokenData:
         self.seed = seed
         self.tokenizer_path: Path | None = None
 
-    def batch(self, step: int, size: int, split: str = "train") -> torch.Tensor:
-        """The global batch of `step`: LongTensor [size, seq_len + 1]."""
-        rows = self.draw(_rng(self.seed, split, step), size, split)
+    def batch(
+        self, step: int, size: int, split: str = "train", rows: slice | None = None
+    ) -> torch.Tensor:
+        """The global batch of `step`, or only its rows `rows` (a dp rank's slice, read alone):
+        LongTensor [len(rows), seq_len + 1]."""
+        out = self.rows(step, size, split, row_range(size, rows))
         import torch
 
-        return torch.from_numpy(rows.astype(np.int64))
+        return torch.from_numpy(out.astype(np.int64))
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
+        """Rows `picked` of step `step`'s global batch of `size`."""
+        keep = slice(picked.start, picked.stop)
+        return self.draw(_rng(self.seed, split, step), size, split, keep)
+
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
         """`size` rows of seq_len + 1 tokens from `split`, drawn with `rng` (the step's
-        generator; a blend passes each dataset a child of it)."""
+        generator; a blend passes each dataset a child of it); only rows `keep` (a numpy index
+        into the `size`) are returned, the draw itself the same."""
         raise NotImplementedError
 
 
 class SyntheticData(TokenData):
     """Uniform random tokens in [0, vocab_size): no files, for tests and benchmarks."""
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
-        return rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
+        rows = rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
+        return rows if keep is None else rows[keep]
 
 
 class MemmapData(TokenData):
-    """Random windows of a packed token memmap (`train.bin` / `val.bin`)."""
+    """Windows of a packed token memmap (`train.bin` / `val.bin`): with the epochs sampler the
+    split's sample index (sample_index.py), with the random one windows drawn anywhere."""
 
-    def __init__(self, root: Path, meta: dict[str, Any], seq_len: int, vocab_size: int, seed: int):
+    def __init__(
+        self,
+        root: Path,
+        meta: dict[str, Any],
+        seq_len: int,
+        vocab_size: int,
+        seed: int,
+        sampler: str = "random",
+        samples: dict[str, int] | None = None,
+    ):
         super().__init__(seq_len, vocab_size, seed)
         self.root = root
         self.meta = meta
+        self.sampler = sampler
+        self.samples = dict(samples or {})  # split -> samples the run reads (index size hint)
+        self.bytes_read = 0  # token bytes read from the memmaps so far (benchmarks)
         self._maps: dict[str, np.memmap] = {}
+        self._docs: dict[str, np.ndarray] = {}
+        self._indices: dict[str, SampleIndex] = {}
         self._checked: set[str] = set()  # splits already passed check_split
 
     def n_tokens(self, split: str) -> int:
@@ -191,12 +223,54 @@ class MemmapData(TokenData):
             )
         self._checked.add(split)
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def docs(self, split: str) -> np.ndarray:
+        """`<split>.docs.npy`, memory-mapped (format 2; DataError naming the fix if absent)."""
+        if split not in self._docs:
+            self._docs[split] = read_docs(self.root, split, self.n_tokens(split))
+        return self._docs[split]
+
+    def sample_index(self, split: str, samples: int = 0) -> SampleIndex:
+        """The split's epochs index holding at least `samples` samples (and the run's hint):
+        opened from the cache, or built there first. A larger one is a superset (each epoch's
+        order is its own), so growing it changes no sample already read."""
+        index = self._indices.get(split)
+        if index is None or index.n_samples < samples:
+            if split not in self._checked:
+                self.check_split(split)
+            want = max(samples, self.samples.get(split, 0), 1)
+            docs = self.docs(split)
+            index = SampleIndex.open(self.root, split, docs, self.seq_len, self.seed, want)
+            self._indices[split] = index
+        return index
+
+    def rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
+        if self.sampler == "random":
+            return super().rows(step, size, split, picked)
+        return self.read(np.arange(step * size + picked.start, step * size + picked.stop), split)
+
+    def pieces(self, samples: np.ndarray, split: str) -> tuple[np.ndarray, ...]:
+        """(row, document, begin, end) of the epochs samples' windows (sample_index.py)."""
+        needed = int(samples.max()) + 1 if len(samples) else 0
+        return self.sample_index(split, needed).pieces(samples)
+
+    def read(self, samples: np.ndarray, split: str) -> np.ndarray:
+        """The tokens of epochs samples `samples` (int array): only their pieces are read."""
+        _, _, begin, end = self.pieces(samples, split)
+        self.bytes_read += int((end - begin).sum()) * self.memmap(split).itemsize
+        return gather(self.memmap(split), begin, end, self.seq_len + 1)
+
+    def random_starts(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        """The random sampler's window starts: `size` of them, with replacement."""
         tokens = self.memmap(split)
         if split not in self._checked:
             self.check_split(split)
-        starts = rng.integers(0, len(tokens) - self.seq_len, size)  # start + seq_len + 1 <= n
-        return tokens[starts[:, None] + np.arange(self.seq_len + 1)]  # (size, seq_len + 1)
+        return rng.integers(0, len(tokens) - self.seq_len, size)  # start + seq_len + 1 <= n
+
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
+        starts = self.random_starts(rng, size, split)
+        starts = starts if keep is None else starts[keep]
+        self.bytes_read += len(starts) * (self.seq_len + 1) * self.memmap(split).itemsize
+        return self.memmap(split)[starts[:, None] + np.arange(self.seq_len + 1)]  # (n, L + 1)
 
 
 # ---------------------------------------------------------------- building
@@ -220,20 +294,38 @@ def read_meta(root: Path) -> dict[str, Any]:
     return meta
 
 
-def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData | BlendData:
+def run_samples(train_cfg: Any) -> dict[str, int]:
+    """The samples a run reads per split (train.steps and train.eval_batches global batches):
+    how large the epochs sampler's indices are built at start-up."""
+    return {
+        "train": train_cfg.steps * train_cfg.global_batch,
+        "val": train_cfg.eval_batches * train_cfg.global_batch,
+    }
+
+
+def build_data(
+    data_cfg: Any, model_cfg: Any, seed: int, samples: dict[str, int] | None = None
+) -> TokenData | BlendData:
     """The TokenData that `data.source` (or `data.blend`) names, validated against the model
-    before training."""
+    before training. With the epochs sampler and `samples` (run_samples), the train index is
+    opened (built if not cached) here, before step 0; other sizes grow on demand."""
     seq_len, vocab_size = model_cfg.seq_len, model_cfg.vocab_size
     if data_cfg.source == "synthetic":  # checks.py refuses data.blend without memmap
         return SyntheticData(seq_len, vocab_size, seed)
     if data_cfg.source != "memmap":
         raise DataError(f"data.source {data_cfg.source!r} unknown; use synthetic or memmap")
-    if getattr(data_cfg, "blend", ""):  # tests build a namespace with only the older keys
-        return _build_blend(data_cfg, seq_len, vocab_size, seed)
+    sampler = getattr(data_cfg, "sampler", "epochs")  # tests build namespaces of older keys
+    if sampler not in SAMPLERS:
+        raise DataError(f"data.sampler {sampler!r} unknown; use {' or '.join(SAMPLERS)}")
+    if getattr(data_cfg, "blend", ""):
+        return _build_blend(data_cfg, seq_len, vocab_size, seed, sampler, samples)
     root = Path(data_cfg.path)
     if not data_cfg.path or not root.is_dir():
         raise DataError(f"data.path '{data_cfg.path}' not found; {prepare_hint(data_cfg.path)}")
-    return _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed)
+    data = _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed, sampler, samples)
+    if sampler == "epochs" and samples:
+        data.sample_index("train")
+    return data
 
 
 # Corpora the presets name (configs/gpt2_*.yaml, llama_1b.yaml): the dir's basename -> the
@@ -255,22 +347,41 @@ def prepare_hint(path: str) -> str:
     )
 
 
-def _memmap(root: Path, tokenizer: str, seq_len: int, vocab_size: int, seed: int) -> MemmapData:
-    """One prepared dataset, its meta checked against the model and its train split scanned."""
+def _memmap(
+    root: Path,
+    tokenizer: str,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    sampler: str = "random",
+    samples: dict[str, int] | None = None,
+) -> MemmapData:
+    """One prepared dataset, its meta checked against the model and its train split checked;
+    the epochs sampler needs its documents (format 2)."""
     meta = read_meta(root)
     if meta["vocab_size"] > vocab_size:
         raise DataError(
             f"{root / META_FILE} has vocab_size {meta['vocab_size']} > model.vocab_size "
             f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}"
         )
-    data = MemmapData(root, meta, seq_len, vocab_size, seed)
+    data = MemmapData(root, meta, seq_len, vocab_size, seed, sampler, samples)
     data.tokenizer_path = _tokenizer_path(tokenizer, root, meta)
     data.check_split("train")  # val is checked on its first batch: training may never use it
+    if sampler == "epochs":
+        data.docs("train")  # format 1 is refused here, before any step
     return data
 
 
-def _build_blend(data_cfg: Any, seq_len: int, vocab_size: int, seed: int) -> BlendData:
-    """`data.blend`'s datasets, which must exist and share one tokenizer, mixed by weight."""
+def _build_blend(
+    data_cfg: Any,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    sampler: str,
+    samples: dict[str, int] | None,
+) -> BlendData:
+    """`data.blend`'s datasets, which must exist and share one tokenizer, mixed by weight
+    (each dataset's epochs index sized by its share: BlendData)."""
     try:
         entries = parse_blend(data_cfg.blend)
     except ConfigError as err:  # validated configs pass; a hand-built one fails here alike
@@ -291,11 +402,15 @@ def _build_blend(data_cfg: Any, seq_len: int, vocab_size: int, seed: int) -> Ble
                 f"{meta['tokenizer']} differ); prepare every blended dataset with the same "
                 "--tokenizer"
             )
+    own = {"val": samples["val"]} if samples else None  # each dataset's own val batches
     datasets = {
-        blend_name(path): _memmap(Path(path), data_cfg.tokenizer, seq_len, vocab_size, seed)
+        blend_name(path): _memmap(
+            Path(path), data_cfg.tokenizer, seq_len, vocab_size, seed, sampler, own
+        )
         for path, _ in entries
     }
-    return BlendData(datasets, [weight for _, weight in entries], partial(_rng, seed), seq_len)
+    weights = [weight for _, weight in entries]
+    return BlendData(datasets, weights, partial(_rng, seed), seq_len, sampler, samples)
 
 
 def _fingerprint(path: Path) -> str:
