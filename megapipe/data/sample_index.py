@@ -15,11 +15,12 @@ train.steps (more epochs) leaves every earlier step's batch as it was.
 What is materialised (int32 where the values fit): `doc_idx` (the documents in epoch order,
 epochs·n_docs, and the first of the next epoch's, where the last window ends), `cum` (their
 cumulative lengths, int64) and `shuffle` (the window permutation, every window that starts in
-the epochs: so an index of more epochs begins with this one's samples). Megatron's `sample_idx` (the document and offset where each window starts)
-is not stored: a window's pieces are found by two searchsorted calls over `cum` when it is read
-(~2·log2(n_docs) page touches a row, nothing next to reading seq_len tokens). It costs 12 bytes
-a document an epoch and saves both a pass over every window at build time and 8 bytes a window;
-and the build is one shuffle and one cumsum per epoch, all numpy (bench: data_index).
+the epochs: so an index of more epochs begins with this one's samples). Megatron's `sample_idx`
+(the document and offset where each window starts) is not stored: a window's pieces are found
+by two searchsorted calls over `cum` when it is read (~2·log2(n_docs) page touches a row,
+nothing next to reading seq_len tokens). That costs 12 bytes a document an epoch and saves a
+pass over every window at build time and 8 bytes a window; the build is one shuffle and one
+cumsum per epoch, all numpy (python -m benchmarks.bench data_index).
 
 The cache: `<dataset>/index/<name>-<key>/` (key: sha256 of the seed, seq_len, split, epochs and
 the data's identity: meta.json's bytes, the .bin's and docs.npy's size and mtime), built by one

@@ -67,9 +67,13 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
         if cfg.parallel.post_validation and kind is Pipeline:
             # Zero Bubble §4: no global reduction before the optimizer
             engine = PostValidatedEngine.of(pipe, cfg)
-        return Job(cfg, nn.ModuleList(pipe.chunks), engine, BatchSlice.of(mesh), mesh)
+        return Job(cfg, nn.ModuleList(pipe.chunks), engine, _slice(cfg, mesh), mesh)
     model = build_model(cfg, mesh, device)
-    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), BatchSlice.of(mesh), mesh)
+    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), _slice(cfg, mesh), mesh)
+
+
+def _slice(cfg: Config, mesh) -> BatchSlice:
+    return BatchSlice.of(mesh, cfg.train.global_batch)
 
 
 def replica(
