@@ -29,6 +29,7 @@ from megapipe.data.loader import build_data, load_tokenizer
 from megapipe.data.prepare import prepare
 from megapipe.train import checkpoint
 from megapipe.train.export import PROBE, ExportError, export_hf
+from tests.datasets import add_documents
 from tests.parity import tiny_config
 from tests.test_data import make_docs, make_hf_tokenizer, write_txt
 from tests.util import assert_rel_close
@@ -58,7 +59,7 @@ def datasets(tmp_path_factory) -> dict[str, Path]:
     prepare(tmp / "spm", inputs=docs, vocab_size=300, val_fraction=0.34)
     hf_dir = make_hf_tokenizer(tmp / "hf_tok")
     prepare(tmp / "hf", inputs=docs, tokenizer_dir=hf_dir, val_fraction=0.34)
-    return {"gpt2": tmp / "spm", "llama": tmp / "hf"}
+    return {"gpt2": add_documents(tmp / "spm"), "llama": add_documents(tmp / "hf")}
 
 
 def run_overrides(case: str, dataset: Path) -> list[str]:

@@ -13,7 +13,7 @@ C++, so the same ties): about 0.5 µs a sample for three datasets, 5 s for 10^7 
 once: the result is cached beside the first dataset (sample_index.cached), memory-mapped.
 
 With `data.sampler: random`, the step's generator (keyed by (seed, split, s), the same key
-`loader._rng` gives one dataset) first picks a dataset for every row of the global batch,
+`loader.step_rng` gives one dataset) first picks a dataset for every row of the global batch,
 independently with the normalised weights; then each picked dataset cuts its rows' windows
 with a generator spawned from the step's key and the dataset's index. Each step is independent
 of every other, so step s is a pure function of (seed, split, s); the shares hold over steps
@@ -120,9 +120,9 @@ class BlendData:
         if self.sampler == "epochs":
             which = self.blend(split, (step + 1) * size)[0]
             return np.asarray(which[step * size : (step + 1) * size], dtype=np.int64)
-        return self._sources(self.step_rng(split, step), size)
+        return self.draw_sources(self.step_rng(split, step), size)
 
-    def _sources(self, rng: np.random.Generator, size: int) -> np.ndarray:
+    def draw_sources(self, rng: np.random.Generator, size: int) -> np.ndarray:
         return rng.choice(len(self.weights), size=size, p=self.weights)
 
     def batch(
@@ -151,7 +151,7 @@ class BlendData:
 
     def _random_rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
         rng = self.step_rng(split, step)
-        which = self._sources(rng, size)
+        which = self.draw_sources(rng, size)
         # Children of the step's seed: a pure function of (seed, split, step, dataset index).
         children = rng.bit_generator.seed_seq.spawn(len(self.datasets))
         out = np.empty((len(picked), self.seq_len + 1), dtype=np.int64)

@@ -105,7 +105,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 SAMPLERS = ("epochs", "random")
 
 
-def _rng(seed: int, split: str, step: int) -> np.random.Generator:
+def step_rng(seed: int, split: str, step: int) -> np.random.Generator:
     """The generator for one (seed, split, step): a pure function of the three, no state."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
@@ -144,7 +144,7 @@ class TokenData:
     def rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
         """Rows `picked` of step `step`'s global batch of `size`."""
         keep = slice(picked.start, picked.stop)
-        return self.draw(_rng(self.seed, split, step), size, split, keep)
+        return self.draw(step_rng(self.seed, split, step), size, split, keep)
 
     def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
         """`size` rows of seq_len + 1 tokens from `split`, drawn with `rng` (the step's
@@ -410,7 +410,7 @@ def _build_blend(
         for path, _ in entries
     }
     weights = [weight for _, weight in entries]
-    return BlendData(datasets, weights, partial(_rng, seed), seq_len, sampler, samples)
+    return BlendData(datasets, weights, partial(step_rng, seed), seq_len, sampler, samples)
 
 
 def _fingerprint(path: Path) -> str:
