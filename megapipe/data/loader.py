@@ -213,9 +213,10 @@ class MemmapData(TokenData):
                 f"{path} has {len(tokens)} tokens, fewer than model.seq_len+1 = "
                 f"{self.seq_len + 1}; lower model.seq_len or add data"
             )
-        # Chunked so a multi-GB memmap is never pulled into memory at once.
-        chunks = range(0, len(tokens), SCAN_CHUNK)
-        largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
+        largest = self.meta.get(f"max_{split}_id")  # format 2 records it: no scan at start-up
+        if largest is None:  # chunked so a multi-GB memmap is never pulled into memory at once
+            chunks = range(0, len(tokens), SCAN_CHUNK)
+            largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
         if largest >= self.vocab_size:
             raise DataError(
                 f"{path} holds token id {largest} >= model.vocab_size {self.vocab_size}; "

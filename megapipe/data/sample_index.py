@@ -118,7 +118,9 @@ def build_index(docs: np.ndarray, seq_len: int, seed: int, split: str, epochs: i
     n_docs, n_tokens = len(docs) - 1, int(docs[-1])
     lengths = np.diff(docs).astype(_fit(n_tokens))
     dtype = _fit(n_docs)
-    spill = _order(n_docs, dtype, seed, split, epochs)  # the next epoch, for the last window
+    # the next epoch's first documents, where the last window ends (seq_len + 1 documents hold
+    # seq_len + 1 tokens: each holds at least its EOS)
+    spill = _order(n_docs, dtype, seed, split, epochs)[: seq_len + 1]
     spill = spill[: int(np.searchsorted(np.cumsum(lengths[spill]), seq_len + 1)) + 1]
     total = epochs * n_docs + len(spill)
     doc_idx = open_memmap(out / "doc_idx.npy", "w+", dtype, (total,))
@@ -134,9 +136,9 @@ def build_index(docs: np.ndarray, seq_len: int, seed: int, split: str, epochs: i
     shuffle = open_memmap(out / "shuffle.npy", "w+", _fit(windows), (windows,))
     for epoch in range(epochs):  # the windows starting in this epoch, shuffled among themselves
         low, high = -(-epoch * n_tokens // seq_len), -(-(epoch + 1) * n_tokens // seq_len)
-        part = shuffle[low:high]
-        part[:] = np.arange(low, high, dtype=part.dtype)
-        generator(seed, split, epoch, WINDOWS).shuffle(part)
+        part = np.arange(low, high, dtype=shuffle.dtype)  # a plain array: shuffling through a
+        generator(seed, split, epoch, WINDOWS).shuffle(part)  # memmap goes element by element
+        shuffle[low:high] = part
     for array in (doc_idx, cum, shuffle):
         array.flush()
 
