@@ -25,8 +25,8 @@ def dataset(tmp_path) -> Path:
     return write_dataset(tmp_path / "ds", docs, VOCAB)
 
 
-def cfgs(path="", sampler="epochs", blend=""):
-    data = SimpleNamespace(source="memmap", path=str(path), tokenizer="", blend=blend,
+def cfgs(path="", sampler="epochs", blend="", source="memmap"):
+    data = SimpleNamespace(source=source, path=str(path), tokenizer="", blend=blend,
                            sampler=sampler)  # fmt: skip
     return data, SimpleNamespace(vocab_size=VOCAB, seq_len=SEQ)
 
@@ -226,3 +226,17 @@ def test_random_sampler_rows_are_slices_of_its_global_batch(blend, tmp_path):
     for dp in (2, 4):
         parts = [data.batch(5, 8, rows=slice(r * 8 // dp, (r + 1) * 8 // dp)) for r in range(dp)]
         assert (np.concatenate(parts) == whole.numpy()).all()
+
+
+def test_synthetic_rows_are_slices_of_its_batch():
+    data = build_data(*cfgs(source="synthetic"), seed=0)
+    whole = data.batch(4, 8)
+    assert (data.batch(4, 8, rows=slice(4, 8)) == whole[4:]).all()
+
+
+def test_config_checks_the_sampler(tiny_cfg):
+    from megapipe.config import ConfigError
+
+    assert tiny_cfg().data.sampler == "epochs"
+    with pytest.raises(ConfigError, match=r"data.sampler='shuffle' is not one of epochs, random"):
+        tiny_cfg("data.sampler=shuffle")
