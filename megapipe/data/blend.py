@@ -131,6 +131,8 @@ class BlendData:
         """The global batch of `step`, or its rows `rows` (only their tokens read): LongTensor
         [len(rows), seq_len + 1], rows in draw order."""
         picked = range(size)[rows if rows is not None else slice(None)]
+        if step < 0 or split not in ("train", "val"):
+            raise ValueError(f"step must be >= 0 and split train or val, got {step}, {split!r}")
         if self.sampler == "epochs":
             out = self._epochs_rows(step * size + picked.start, step * size + picked.stop, split)
         else:

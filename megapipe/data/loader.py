@@ -1,10 +1,12 @@
 """Runtime data: tokenizers, the packed token memmap and a deterministic, stateless sampler.
 
 A dataset directory (written by tools/prepare_data.py) holds `train.bin` and `val.bin`, flat
-arrays of token ids with an EOS after every document, and `meta.json`. The sequences of global
-step s are drawn from a generator keyed by (seed, split, s) alone, so they never depend on the
-mesh, and resuming at step s needs no sampler state: step s is recomputed from its key.
-`data.blend` mixes several datasets by the same key (blend.py); `build_data` builds either.
+arrays of token ids with an EOS after every document, their documents' offsets (`*.docs.npy`)
+and `meta.json` (docs/data.md). The rows of global step s depend on the seed and s alone, never
+on the mesh, and resuming at step s needs no sampler state: with `data.sampler: epochs` they are
+samples [s·B, (s+1)·B) of the split's sample index (sample_index.py), with `random` windows
+drawn by a generator keyed by (seed, split, s). A dp rank reads only its rows (`batch(...,
+rows=)`). `data.blend` mixes several datasets (blend.py); `build_data` builds either.
 """
 
 from __future__ import annotations
@@ -105,12 +107,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 SAMPLERS = ("epochs", "random")
 
 
-def step_rng(seed: int, split: str, step: int) -> np.random.Generator:
-    """The generator for one (seed, split, step): a pure function of the three, no state."""
+def check_step(split: str, step: int) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+
+
+def step_rng(seed: int, split: str, step: int) -> np.random.Generator:
+    """The generator for one (seed, split, step): a pure function of the three, no state."""
+    check_step(split, step)
     return np.random.default_rng([seed, SPLITS[split], step])
 
 
@@ -136,6 +142,7 @@ class TokenData:
     ) -> torch.Tensor:
         """The global batch of `step`, or only its rows `rows` (a dp rank's slice, read alone):
         LongTensor [len(rows), seq_len + 1]."""
+        check_step(split, step)
         out = self.rows(step, size, split, row_range(size, rows))
         import torch
 
