@@ -240,3 +240,12 @@ def test_config_checks_the_sampler(tiny_cfg):
     assert tiny_cfg().data.sampler == "epochs"
     with pytest.raises(ConfigError, match=r"data.sampler='shuffle' is not one of epochs, random"):
         tiny_cfg("data.sampler=shuffle")
+
+
+def test_an_index_dir_that_cannot_be_made_is_one_line(dataset):
+    (dataset / INDEX_DIR).write_text("not a directory")  # as a read-only dir would, for root too
+    with pytest.raises(
+        DataError, match=r"cannot write the sample index under .*data.sampler"
+    ) as err:
+        open_index(dataset, 10)
+    assert "\n" not in str(err.value)

@@ -128,9 +128,10 @@ def build_index(docs: np.ndarray, seq_len: int, seed: int, split: str, epochs: i
     cum[0] = 0
     for epoch in range(epochs + 1):  # a loop over epochs only: one shuffle, one cumsum each
         low, high = epoch * n_docs, min((epoch + 1) * n_docs, total)
-        doc_idx[low:high] = _order(n_docs, dtype, seed, split, epoch) if epoch < epochs else spill
+        order = _order(n_docs, dtype, seed, split, epoch) if epoch < epochs else spill
+        doc_idx[low:high] = order
         sums = cum[low + 1 : high + 1]
-        np.cumsum(lengths[doc_idx[low:high]], out=sums, dtype=np.int64)
+        np.cumsum(lengths[order], out=sums, dtype=np.int64)
         sums += epoch * n_tokens
     windows = n_windows(n_tokens, seq_len, epochs)
     shuffle = open_memmap(out / "shuffle.npy", "w+", _fit(windows), (windows,))
@@ -155,10 +156,7 @@ def cached(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], N
         base.mkdir(exist_ok=True)
         lock = (base / f".{folder.name}.lock").open("w")
     except OSError as err:
-        raise DataError(
-            f"cannot write the sample index under {base} ({err.strerror}); make it writable "
-            "or set data.sampler: random"
-        ) from None
+        raise _unwritable(base, err) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not folder.is_dir():
@@ -167,12 +165,19 @@ def cached(root: Path, name: str, key: dict[str, Any], build: Callable[[Path], N
                 build(tmp)
                 (tmp / "key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
                 os.rename(tmp, folder)
-            except OSError:
-                if not folder.is_dir():  # not another machine's builder that came first
-                    raise
+            except OSError as err:
+                if not folder.is_dir():  # else another machine's builder came first: use it
+                    raise _unwritable(base, err) from None
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _unwritable(base: Path, err: OSError) -> DataError:
+    return DataError(
+        f"cannot write the sample index under {base} ({err.strerror}); make it writable (and "
+        "give it room) or set data.sampler: random"
+    )
 
 
 class SampleIndex:
