@@ -249,3 +249,21 @@ def test_an_index_dir_that_cannot_be_made_is_one_line(dataset):
     ) as err:
         open_index(dataset, 10)
     assert "\n" not in str(err.value)
+
+
+def test_microbatches_take_the_global_batch_or_exactly_this_ranks_rows():
+    import torch
+
+    from megapipe.train.batches import BatchSlice
+
+    batch = torch.arange(8 * 5).reshape(8, 5)
+    mine = BatchSlice(2, 1, global_batch=8)
+    assert mine.rows(8) == slice(4, 8)
+    whole = mine.microbatches(batch, 2)
+    own = mine.microbatches(batch[mine.rows(8)], 2)
+    assert all(
+        (a.inputs == b.inputs).all() and (a.targets == b.targets).all() for a, b in zip(whole, own)
+    )
+    assert (torch.cat([m.inputs for m in own]) == batch[4:, :-1]).all()
+    with pytest.raises(ValueError, match=r"batch of 3 rows is neither the global batch \(8\)"):
+        mine.microbatches(batch[:3], 1)
