@@ -14,7 +14,7 @@ import sys
 
 from megapipe.config import ConfigError, load_config
 from megapipe.config.args import parse_train_args
-from megapipe.data.loader import DataError
+from megapipe.data.errors import DataError
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import describe

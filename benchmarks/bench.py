@@ -8,6 +8,7 @@ python -m benchmarks.bench tp
 python -m benchmarks.bench cp
 python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
+python -m benchmarks.bench data_index [--docs 1e8 --big-gb 1000 --batch 512 --blend 1e7]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
@@ -35,6 +36,10 @@ SUBCOMMANDS = {
         "pipelined step time vs torch.distributed.pipelining, simulator fidelity, measured bubbles",
     ),
     "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
+    "data_index": (
+        "bench_data_index",
+        "epochs sample index: build time, start-up vs corpus size, bytes read per rank vs dp",
+    ),
     "zero": (
         "bench_zero",
         "distributed optimizer (zero=1) vs zero=0: dp=2 step time, bytes per rank, comm volume",

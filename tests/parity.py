@@ -165,10 +165,13 @@ def build_mesh(cfg):
     return ParallelMesh(MeshSizes.of(cfg))
 
 
-def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) -> dict:
+def train_case(
+    overrides: list[str], steps: int = 3, bucket_mb: float = 0.01, own_rows: bool = False
+) -> dict:
     """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
-    rank's chunks, whole over tp) and the dp-replica spread."""
+    rank's chunks, whole over tp) and the dp-replica spread. `own_rows`: each rank reads only
+    its dp rows of each batch, as train/loop.py does (else the whole global batch)."""
     import tempfile
 
     from megapipe.data.loader import build_data
@@ -183,7 +186,9 @@ def train_case(overrides: list[str], steps: int = 3, bucket_mb: float = 0.01) ->
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     losses, norms = [], []
     for step in range(steps):
-        result = job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
+        rows = job.slice.rows(cfg.train.global_batch) if own_rows else None
+        batch = data.batch(step, cfg.train.global_batch, rows=rows)
+        result = job.train_step(optimizer, batch, step)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights, engine = {}, job.engine

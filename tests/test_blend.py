@@ -12,8 +12,11 @@ import torch
 import train
 from megapipe.config import ConfigError
 from megapipe.data.blend import BlendData, BlendTokens
-from megapipe.data.loader import DataError, build_data, prepare_hint
+from megapipe.data.errors import DataError
+from megapipe.data.loader import build_data, prepare_hint
 from megapipe.train.batches import BatchSlice
+from tests.dataset_files import random_documents
+from tests.dataset_files import write_dataset as write_format2
 
 VOCAB, SEQ = 96, 16  # configs/tiny.yaml's model.vocab_size and model.seq_len
 BANDS = {"web": (3, 40), "code": (40, 70), "books": (70, 96)}  # each dataset's own token ids
@@ -22,17 +25,12 @@ TOLERANCE = 0.03  # absolute, on each share over 3200 rows: >= 3.7 binomial sigm
 
 
 def write_dataset(out: Path, low: int, high: int, tokenizer: bytes = b"shared-spm") -> Path:
-    """A prepared dataset as tools/prepare_data.py lays it out, its ids in [low, high)."""
-    out.mkdir(parents=True)
+    """A prepared dataset as tools/prepare_data.py lays it out, its ids in [low, high) (its
+    EOS, id 2, lies outside every band: rows are told apart by their first token)."""
     rng = np.random.default_rng(low)
-    sizes = {"train": 4000, "val": 400}
-    for split, n in sizes.items():
-        rng.integers(low, high, n).astype(np.uint16).tofile(out / f"{split}.bin")
-    (out / "tokenizer.model").write_bytes(tokenizer)  # compared by bytes, never loaded here
-    meta = {"vocab_size": VOCAB, "dtype": "uint16", "n_train_tokens": sizes["train"],
-            "n_val_tokens": sizes["val"], "eos_id": 2, "tokenizer": "tokenizer.model"}  # fmt: skip
-    (out / "meta.json").write_text(json.dumps(meta))
-    return out
+    docs = {"train": random_documents(rng, 400, low, high, (2, 18)),
+            "val": random_documents(rng, 40, low, high, (2, 18))}  # fmt: skip
+    return write_format2(out, docs, VOCAB, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -43,41 +41,52 @@ def blend(tmp_path_factory) -> str:
     return ",".join(f"{root / name}:{w}" for name, w in WEIGHTS.items())
 
 
-def cfgs(blend: str, vocab: int = VOCAB):
-    data = SimpleNamespace(source="memmap", path="", tokenizer="", blend=blend)
+def cfgs(blend: str, vocab: int = VOCAB, sampler: str = "epochs"):
+    data = SimpleNamespace(source="memmap", path="", tokenizer="", blend=blend, sampler=sampler)
     return data, SimpleNamespace(vocab_size=vocab, seq_len=SEQ)
 
 
 def source_of(rows: np.ndarray) -> list[str]:
     """Which dataset each row came from, read off its token band."""
-    return [next(n for n, (lo, hi) in BANDS.items() if lo <= row[0] < hi) for row in rows]
+    return [next(n for n, (lo, hi) in BANDS.items() if lo <= first(row) < hi) for row in rows]
 
 
-def test_proportions_over_many_steps(blend):
-    data = build_data(*cfgs(blend), seed=5)
+def first(row: np.ndarray) -> int:
+    return int(row[row != 2][0])  # the first token that is not an EOS
+
+
+SAMPLERS = pytest.mark.parametrize("sampler", ["epochs", "random"])
+
+
+@SAMPLERS
+def test_proportions_over_many_steps(blend, sampler):
+    data = build_data(*cfgs(blend, sampler=sampler), seed=5)
     assert isinstance(data, BlendData) and data.names == list(WEIGHTS)
     names = [n for step in range(400) for n in source_of(data.batch(step, 8).numpy())]
     for name, weight in WEIGHTS.items():
         assert abs(names.count(name) / len(names) - weight) < TOLERANCE, name
 
 
-def test_rows_stay_inside_their_dataset(blend):
-    batch = build_data(*cfgs(blend), seed=5).batch(3, 64).numpy()
+@SAMPLERS
+def test_rows_stay_inside_their_dataset(blend, sampler):
+    batch = build_data(*cfgs(blend, sampler=sampler), seed=5).batch(3, 64).numpy()
     assert batch.shape == (64, SEQ + 1)
     for row, name in zip(batch, source_of(batch)):
         low, high = BANDS[name]
-        assert ((row >= low) & (row < high)).all()  # no row mixes two datasets
+        assert ((row >= low) & (row < high) | (row == 2)).all()  # no row mixes two datasets
 
 
-def test_batches_are_stateless_and_mesh_independent(blend):
+@SAMPLERS
+def test_batches_are_stateless_and_mesh_independent(blend, sampler):
     """Step s alone fixes the batch: repeated calls, any order (a resume), a fresh build."""
-    walked = build_data(*cfgs(blend), seed=1)
+    cfg = cfgs(blend, sampler=sampler)
+    walked = build_data(*cfg, seed=1)
     forward = [walked.batch(s, 8) for s in range(6)]
     walked.batch(0, 8, "val")
-    fresh = build_data(*cfgs(blend), seed=1)
+    fresh = build_data(*cfg, seed=1)
     backward = [fresh.batch(s, 8) for s in reversed(range(6))][::-1]
     assert all((a == b).all() for a, b in zip(forward, backward))
-    assert not (forward[0] == build_data(*cfgs(blend), seed=2).batch(0, 8)).all()
+    assert not (forward[0] == build_data(*cfg, seed=2).batch(0, 8)).all()
     # dp ranks slice the one global batch: the two dp=2 ranks' inputs are its two halves.
     inputs = [BatchSlice(2, r).microbatches(forward[3], 1)[0].inputs for r in range(2)]
     assert (torch.cat(inputs) == forward[3][:, :-1]).all()
@@ -93,8 +102,9 @@ def test_val_batches_per_dataset_are_fixed_and_their_own(blend):
         assert set(source_of(first.numpy())) == {name}
 
 
-def test_token_counts_resume_like_an_uninterrupted_count(blend):
-    data = build_data(*cfgs(blend), seed=3)
+@SAMPLERS
+def test_token_counts_resume_like_an_uninterrupted_count(blend, sampler):
+    data = build_data(*cfgs(blend, sampler=sampler), seed=3)
     whole = BlendTokens(data, 0, 8)
     counts = [whole.after(s) for s in range(10)]
     resumed = BlendTokens(data, 6, 8)

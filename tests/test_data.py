@@ -13,9 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from megapipe.cli import prepare_data as prepare_data_cli
-from megapipe.data.loader import DataError, build_data, load_tokenizer
+from megapipe.data.errors import DataError
+from megapipe.data.loader import build_data
 from megapipe.data.prepare import check_utf8, prepare, split_documents
 from megapipe.data.shakespeare import read_plays, strip_markdown
+from megapipe.data.tokenizers import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["thou", "art", "the", "king", "of", "night", "and", "day", "my", "lord", "speak",
@@ -61,8 +63,8 @@ def decode_docs(out: Path, split: str) -> list[str]:
     return docs
 
 
-def cfgs(path="", source="memmap", vocab_size=300, seq_len=16, tokenizer=""):
-    data = SimpleNamespace(source=source, path=str(path), tokenizer=tokenizer)
+def cfgs(path="", source="memmap", vocab_size=300, seq_len=16, tokenizer="", sampler="random"):
+    data = SimpleNamespace(source=source, path=str(path), tokenizer=tokenizer, sampler=sampler)
     return data, SimpleNamespace(vocab_size=vocab_size, seq_len=seq_len)
 
 
@@ -244,6 +246,23 @@ def test_memmap_batches_are_deterministic_windows(dataset):
         assert (windows == row).all(axis=1).any()  # every row is a contiguous train window
 
 
+def test_epochs_rows_are_whole_documents_in_a_row(dataset):
+    """The epochs sampler on a prepared dataset: each row is consecutive documents (pieces of
+    the first and last), every piece ending at an EOS but perhaps the row's last."""
+    data = build_data(*cfgs(dataset, sampler="epochs"), seed=7, samples={"train": 20, "val": 2})
+    tokens, docs = read_split(dataset, "train"), np.load(dataset / "train.docs.npy")
+    batch = data.batch(1, 5).numpy()
+    row, doc, begin, end = data.pieces(np.arange(5, 10), "train")
+    for i in range(5):
+        mine = row == i
+        assert (
+            batch[i] == np.concatenate([tokens[b:e] for b, e in zip(begin[mine], end[mine])])
+        ).all()
+        assert (end[mine][:-1] == docs[doc[mine][:-1] + 1]).all()  # whole tails up to the EOS
+        assert (begin[mine][1:] == docs[doc[mine][1:]]).all()  # the next pieces from their starts
+    assert (tokens[end[:-1][np.diff(row) == 0] - 1] == 2).all()
+
+
 def test_batch_does_not_depend_on_earlier_draws(dataset):
     """Resuming at step s needs no sampler state: s alone fixes the batch."""
     walked = build_data(*cfgs(dataset), seed=1)
@@ -284,7 +303,8 @@ def test_load_tokenizer_sentencepiece(dataset):
 def copy_dataset(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for file in src.iterdir():
-        (dst / file.name).write_bytes(file.read_bytes())
+        if file.is_file():  # not the sample index cache (index/)
+            (dst / file.name).write_bytes(file.read_bytes())
     return dst
 
 

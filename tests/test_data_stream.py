@@ -15,7 +15,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from megapipe.data.loader import DataError, build_data
+from megapipe.data.errors import DataError
+from megapipe.data.loader import build_data
 from megapipe.data.prepare import prepare
 from tests.test_data import cfgs, decode_docs, make_docs, read_split, write_txt
 

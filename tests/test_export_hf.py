@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from megapipe.cli import export_hf as export_hf_cli
-from megapipe.data.loader import build_data, load_tokenizer
+from megapipe.data.loader import build_data
 from megapipe.data.prepare import prepare
+from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train import checkpoint
 from megapipe.train.export import PROBE, ExportError, export_hf
 from tests.parity import tiny_config

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from megapipe.cli import prepare_data as cli
-from megapipe.data.loader import DataError, hub_tokenizer, is_hub_id, load_tokenizer
+from megapipe.data.errors import DataError
 from megapipe.data.prepare import prepare
+from megapipe.data.tokenizers import hub_tokenizer, is_hub_id, load_tokenizer
 from tests.test_data import WORDS, decode_docs, make_docs, read_split, write_txt
 
 ROOT = Path(__file__).resolve().parents[1]

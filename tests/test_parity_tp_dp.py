@@ -7,8 +7,10 @@ Cases are grouped by world size so each size spawns its gloo workers once.
 
 from functools import cache
 
+import numpy as np
 import pytest
 
+from tests.dataset_files import random_documents, write_dataset
 from tests.parity import LOW_LR, mesh_params, train_case
 from tests.util import assert_rel_close, assert_state_close
 
@@ -88,3 +90,19 @@ def test_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra):
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(SLOW))
 def test_mesh_trains_like_one_process_16_ranks(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
+
+
+def test_dp_ranks_reading_their_own_rows_train_like_one_process(gloo_pool, tmp_path):
+    """train/loop.py's per-rank reads (each dp rank reads only its rows of the epochs sampler's
+    batch) against one process reading the whole batch."""
+    rng = np.random.default_rng(0)
+    docs = {split: random_documents(rng, n, 3, 96) for split, n in (("train", 50), ("val", 8))}
+    data = write_dataset(tmp_path / "ds", docs, 96)
+    extra = ["data.source=memmap", f"data.path={data}", *MB2]
+    ref = train_case(extra)
+    results = gloo_pool(2).run(train_case, [*extra, "parallel.dp=2"], 3, 0.01, True)
+    for rank, got in enumerate(results):
+        assert got["dp_spread"] == 0.0, f"rank {rank}: dp replicas differ"
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} != {b}"
+        assert_state_close(got["weights"], ref["weights"])

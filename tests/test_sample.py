@@ -13,8 +13,8 @@ import torch
 
 from megapipe.cli import generate as generate_cli
 from megapipe.config import Config, DataConfig, ModelConfig
-from megapipe.data.loader import load_tokenizer
 from megapipe.data.prepare import train_sentencepiece
+from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train import checkpoint
 from models.gpt import GPT
 from models.hf import to_hf

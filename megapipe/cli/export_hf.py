@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megapipe.data.loader import DataError
+from megapipe.data.errors import DataError
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.export import ExportError, export_hf
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from megapipe.config.blend import parse_blend
-from megapipe.data.loader import load_tokenizer, read_meta
+from megapipe.data.layout import read_meta
+from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train.checkpoint import CheckpointError, load_for_inference
 from models.hf import from_hf
 from models.sample import sample

@@ -27,7 +27,8 @@ from pathlib import Path
 os.environ.setdefault("DATASETS_VERBOSITY", "critical")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
-from megapipe.data.loader import META_FILE, DataError
+from megapipe.data.errors import DataError
+from megapipe.data.layout import META_FILE
 from megapipe.data.prepare import FORMAT, prepare
 
 

@@ -27,6 +27,7 @@ ARCHS = ("gpt2", "llama")
 RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("synthetic", "memmap")
+DATA_SAMPLERS = ("epochs", "random")  # data/sample_index.py; data/loader.py's draw
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE_ACTIONS = ("skip", "stop")
 
@@ -326,6 +327,7 @@ def _check_rest(cfg: Config) -> None:
         f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",
     )
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
+    _one_of("data.sampler", cfg.data.sampler, DATA_SAMPLERS)
     _check_blend(cfg)
     if cfg.data.source == "memmap" and not cfg.data.blend:
         _require(bool(cfg.data.path), "data.source=memmap needs data.path (a prepared dataset dir)")

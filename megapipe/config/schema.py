@@ -143,6 +143,9 @@ class DataConfig:
     # "dir:weight,dir:weight": rows drawn from several prepared datasets in proportion (a string,
     # since config values are scalars); needs data.source=memmap and replaces data.path; "" : off
     blend: str = ""
+    # epochs: each epoch's documents shuffled, packed into windows, the windows shuffled (an
+    # index built once beside the data); random: windows drawn anywhere, with replacement
+    sampler: str = "epochs"
     # attention stops at end-of-document (EOS) tokens inside a packed window and positions
     # restart per document (parallel/context/documents.py); the EOS id is the dataset's
     # meta.json eos_id, or model.vocab_size - 1 for synthetic tokens

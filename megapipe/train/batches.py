@@ -1,8 +1,9 @@
 """Which tokens of the global batch this rank trains on (docs/architecture.md, step 1).
 
-DP rank r takes rows [r·B/dp, (r+1)·B/dp) of the global batch, cut into microbatches; CP rank c
-takes its zigzag slice of every row's inputs and targets; tp ranks see the same rows. So the
-summed loss and the token count over dp × cp are those of the whole batch.
+DP rank r takes rows [r·B/dp, (r+1)·B/dp) of the global batch (`rows`: the loop reads only
+those), cut into microbatches; CP rank c takes its zigzag slice of every row's inputs and
+targets; tp ranks see the same rows. So the summed loss and the token count over dp × cp are
+those of the whole batch.
 
 Under `data.document_mask` each microbatch also carries its rows' document ids and per-document
 positions (parallel/context/documents.py), computed on the whole rows before the cp slice: a
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from megapipe.config import Config
 from megapipe.config.blend import parse_blend
-from megapipe.data.loader import read_meta
+from megapipe.data.layout import read_meta
 from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo, cp_info
 from megapipe.pipeline.runtime import MicroBatch
@@ -53,19 +54,32 @@ class BatchSlice:
     dp_rank: int = 0
     cp: CPInfo = NO_CP
     group: object = None  # dp × cp: the ranks that hold the same weights, different tokens
+    global_batch: int = 0  # train.global_batch (0: unknown; every batch given is the global one)
     eos_id: int | None = None  # document masking: the token that ends a document; None: off
 
     @staticmethod
-    def of(mesh, eos_id: int | None = None) -> BatchSlice:
+    def of(mesh, global_batch: int = 0, eos_id: int | None = None) -> BatchSlice:
         if mesh is None:
-            return BatchSlice(eos_id=eos_id)
-        return BatchSlice(
-            mesh.size("dp"), mesh.coord("dp"), cp_info(mesh), mesh.replica_group, eos_id
-        )
+            return BatchSlice(global_batch=global_batch, eos_id=eos_id)
+        dp, rank = mesh.size("dp"), mesh.coord("dp")
+        return BatchSlice(dp, rank, cp_info(mesh), mesh.replica_group, global_batch, eos_id)
+
+    def rows(self, size: int) -> slice:
+        """This dp rank's rows of a global batch of `size`: what it reads (TokenData.batch)."""
+        share = size // self.dp_size
+        return slice(self.dp_rank * share, (self.dp_rank + 1) * share)
 
     def microbatches(self, batch: torch.Tensor, count: int) -> list[MicroBatch]:
-        """This rank's `count` microbatches of the global (B, T+1) `batch`."""
-        rows = batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
+        """This rank's `count` microbatches of `batch`: the global (B, T+1) batch, or exactly
+        this rank's rows of it (B/dp, read alone: `rows`)."""
+        rows = batch
+        if self.dp_size > 1 and len(batch) != self.global_batch // self.dp_size:
+            if self.global_batch and len(batch) != self.global_batch:
+                raise ValueError(
+                    f"batch of {len(batch)} rows is neither the global batch "
+                    f"({self.global_batch}) nor this dp rank's {self.global_batch // self.dp_size}"
+                )
+            rows = batch.chunk(self.dp_size)[self.dp_rank]
         out = []
         for micro in rows.chunk(count):
             inputs, targets = split_inputs(micro)

@@ -74,7 +74,7 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB)
 
 def _slice(cfg: Config, mesh) -> BatchSlice:
     """This rank's rows and sequence slice; with the EOS id under data.document_mask."""
-    return BatchSlice.of(mesh, document_eos(cfg))
+    return BatchSlice.of(mesh, cfg.train.global_batch, document_eos(cfg))
 
 
 def replica(

@@ -18,7 +18,8 @@ def evaluate(engine: Engine, slice_: BatchSlice, data, cfg: Config) -> float:
     for chunk in engine.chunks:
         chunk.eval()
     for i in range(cfg.train.eval_batches):
-        batch = data.batch(i, cfg.train.global_batch, split="val").to(engine.device)
+        size = cfg.train.global_batch  # this dp rank reads only its rows
+        batch = data.batch(i, size, split="val", rows=slice_.rows(size)).to(engine.device)
         micro = slice_.microbatches(batch, cfg.parallel.microbatches)
         for loss, m in zip(engine.forward_only(micro), micro):
             total[0] += loss

@@ -33,9 +33,10 @@ from pathlib import Path
 
 from megapipe.config import Config
 from megapipe.config.blend import parse_blend
-from megapipe.data.loader import META_FILE, load_tokenizer
-from megapipe.data.loader import read_meta as read_data_meta
+from megapipe.data.layout import META_FILE
+from megapipe.data.layout import read_meta as read_data_meta
 from megapipe.data.prepare import replace_dir
+from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train.checkpoint import complete_checkpoints, load_for_inference, read_meta
 from models.hf import to_hf
 

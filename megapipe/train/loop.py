@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megapipe.config import Config, write_config
 from megapipe.config.flops import flops_per_token
 from megapipe.data.blend import BlendData, BlendTokens
-from megapipe.data.loader import build_data
+from megapipe.data.loader import build_data, run_samples
 from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.distributed.mesh import MeshSizes
 from megapipe.train import checkpoint, runlock
@@ -64,7 +64,7 @@ def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
         f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     )
     checkpoint.check_shared_dir(cfg)  # before any step: node-local dirs would split a save
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    data = build_data(cfg.data, cfg.model, cfg.train.seed, run_samples(cfg.train))
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
     job = build(cfg, mesh, device)
     optimizer = job.optimizer()
@@ -124,11 +124,13 @@ def train_loop(
     records = []
     settled = Settled(job, optimizer, hooks)
     interval = cfg.checkpoint.interval
+    rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
     try:
         for step in range(start, last):
             hooks.step_begin(step)
             began = time.perf_counter()
-            result = job.train_step(optimizer, data.batch(step, t.global_batch), step, hooks)
+            batch = data.batch(step, t.global_batch, rows=rows)
+            result = job.train_step(optimizer, batch, step, hooks)
             done = step + 1
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
