@@ -139,6 +139,7 @@ def _tiny(*overrides: str):
         ("parallel.schedule=1f1b",),
         ("parallel.schedule=interleaved_1f1b", "parallel.vpp=2"),
         ("parallel.schedule=zb_v", "parallel.vpp=2", "parallel.schedule_costs=F=1,B=2,W=1"),
+        ("parallel.schedule=v_half", "parallel.vpp=2", "parallel.schedule_costs=F=1,B=2,W=1"),
         ("parallel.schedule=zb_auto", "parallel.zb_memory=2p"),
         ("parallel.schedule=seq1f1b", "parallel.seq_segments=2"),
         ("parallel.schedule=pipedream_async", "parallel.weight_sync=vertical",
