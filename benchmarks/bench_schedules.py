@@ -122,6 +122,10 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
             rows += _zero_bubble_rows(pp, m, costs, label)
     for pp, m in [(4, 8), (8, 24)]:
         rows += _zb_v_rows(pp, m, unit) + _seq1f1b_rows(pp, m, unit)
+    for pp, m in [(4, 16), (6, 24), (8, 32)]:
+        rows += _v_shape_rows(
+            pp, m, unit
+        )  # Qi et al. 2024, Pipeline Parallelism with Controllable Memory
     return rows
 
 
@@ -188,6 +192,24 @@ def _zb_v_rows(pp: int, m: int, unit: Costs) -> list[Row]:
         ("zb_v makespan ≤ zb_h1's", setting, h1_makespan, v_makespan),
         ("zb_v peak in-flight ≤ p (1F1B)", setting, pp, v_peak),
     ]
+
+
+def _v_shape_rows(pp: int, m: int, unit: Costs) -> list[Row]:
+    """The proof rows of V-Min's, V-Half's and ZB-V's peak activations (microbatches) and bubble
+    rate (the paper's per-rank measure) against the paper's table at F = B = W, and their p2p
+    messages per microbatch against 1F1B's 2(p−1)."""
+    setting, rows = f"p={pp} m={m}", []
+    claims = [("v_min", (pp + 4) // 3, 2 * pp / (3 * m), "(p+4)//3", "2p/(3m)"),
+              ("v_half", (pp + 2) // 2, pp / (2 * m), "(p+2)//2", "p/(2m)"),
+              ("zb_v", pp, 0.0, "p", "0")]  # fmt: skip
+    for name, peak, rate, peak_text, rate_text in claims:
+        got = _ours(name, pp, m, 2, unit)
+        rows.append((f"{name} peak activations {peak_text}", setting, peak, max(got.peak_inflight)))
+        rows.append((f"{name} bubble rate ≈ {rate_text}", setting, rate, got.bubble_rate_paper))
+    where = placement("v_min", pp, 2)
+    hops = sum(where.locate(s)[0] != where.locate(s + 1)[0] for s in range(2 * pp - 1))
+    rows.append(("V-shape p2p messages per microbatch 4(p−1)", setting, 4 * (pp - 1), 2 * hops))
+    return rows
 
 
 def _seq1f1b_rows(pp: int, m: int, unit: Costs) -> list[Row]:

@@ -130,8 +130,8 @@ def _blocks(pp: int, costs: Costs) -> tuple[tuple[Block, float], ...]:
 
 @functools.lru_cache(maxsize=256)
 def _bubble(block: Block, costs: Costs) -> float:
-    """The block's bubble rate (Zero Bubble's, per rank span) simulated at m = 2p."""
-    result = simulate(block.repeat(2 * block.pp), costs, Placement(block.pp, 2, "v"))
+    """The block's bubble rate (Zero Bubble's, per rank span) simulated at m = 4p."""
+    result = simulate(block.repeat(4 * block.pp), costs, Placement(block.pp, 2, "v"))
     return result.bubble_rate_paper
 
 
