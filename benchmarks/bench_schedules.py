@@ -122,10 +122,8 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
             rows += _zero_bubble_rows(pp, m, costs, label)
     for pp, m in [(4, 8), (8, 24)]:
         rows += _zb_v_rows(pp, m, unit) + _seq1f1b_rows(pp, m, unit)
-    for pp, m in [(4, 16), (6, 24), (8, 32)]:
-        rows += _v_shape_rows(
-            pp, m, unit
-        )  # Qi et al. 2024, Pipeline Parallelism with Controllable Memory
+    for pp, m in [(4, 16), (6, 24), (8, 32)]:  # Qi et al. 2024, Controllable Memory
+        rows += _v_shape_rows(pp, m, unit)
     return rows
 
 

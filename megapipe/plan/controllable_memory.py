@@ -5,22 +5,23 @@ The paper's framework (§3): a schedule is one microbatch's *building block* (wh
 F, B, W of each stage starts) repeated every *interval* T, the time one rank needs for one
 microbatch (2·(F+B+W) per chunk in the V placement). A pass of rank r and chunk c keeps its
 activations from the start of its F to the end of its W, its *lifespan* l; repeated every T,
-at most ceil(l / T) copies are alive at once, so a rank's peak activation memory is
-Σ_c ceil(l_c / T) chunk activations (`Block.memory`). The steady state has no bubble when no two
-passes of a rank collide modulo T; warm-up and cool-down are squeezed (§3.1): each rank runs the
-repeated order as early as its inputs allow, which is what the runtime and the simulator do with
-an action list, so the list is the block's passes sorted by their repeated start times.
+at most ceil(l / T) copies are alive at once, so a rank holds at most Σ_c ceil(l_c / T) chunk
+activations (`Block.lifespan_bound`; `Block.memory` counts the most alive at once exactly).
+The steady state has no bubble when no two passes of a rank collide modulo T; warm-up and
+cool-down are squeezed (§3.1): each rank runs the repeated order as early as its inputs allow,
+which is what the runtime and the simulator do with an action list, so the list is the block's
+passes sorted by their repeated start times (any such order is deadlock-free: every input of a
+pass starts earlier).
 
 V-shape blocks (§4): rank r holds stage r (chunk 0) and stage 2p−1−r (chunk 1), so the long
 lifespan of chunk 0 on rank 0 pairs with the short one of chunk 1 there, and every rank holds
 about the same memory. The *offsets* between a pass and the next stage's pass set the
-lifespans: the smallest offsets give V-Min (about p/3 microbatches of activations, 1F1B's p
-/ 3), larger ones V-Half (about p/2); with 1F1B's memory, the paper's V-ZB is zero-bubble: here
-that member is `zb_v` (zero_bubble.py), whose greedy order the paper also uses to reorder V-ZB's
-warm-up and cool-down, and whose peak is the V-ZB block's p (tests/test_controllable_memory.py).
-Each block is built by placing every pass at the earliest start that is ready and free modulo T
-on its rank (modulo scheduling), for each offset choice in OFFSETS; the schedule takes the block
-with the least memory (V-Min) or the least simulated bubble within V-Half's memory (p+2)//2.
+lifespans. Each block here places every pass at the earliest start that is ready and free modulo
+T on its rank (modulo scheduling), after the extra offsets of one choice in OFFSETS; V-Min takes
+the block with the least memory (the paper's (p+4)//3 microbatches at F = B = W, a third of
+1F1B's p), V-Half the least bubble within (p+2)//2 (a half). The member at 1F1B's memory, V-ZB,
+is `zb_v` (zero_bubble.py): the Zero Bubble list schedule at p microbatches, whose order closes
+the bubble that a repeated block leaves in warm-up and cool-down (tests compare the two).
 """
 
 from __future__ import annotations
@@ -53,14 +54,35 @@ class Block:
         end = self.start[(WEIGHT_GRAD, stage)] + self.duration[(WEIGHT_GRAD, stage)]
         return end - self.start[(FORWARD, stage)]
 
-    def memory(self) -> list[float]:
-        """Per rank: peak activations in microbatches (a chunk is half of one), Σ ceil(l / T)."""
+    def lifespan_bound(self) -> list[float]:
+        """Per rank: Σ_c ceil(l_c / T) / 2 microbatches (a chunk is half of one), the paper's
+        bound on the activations alive at once (§3)."""
         where = Placement(self.pp, 2, "v")
         return [
             sum(math.ceil(self.lifespan(where.stage(r, c)) / self.interval - 1e-9) for c in (0, 1))
             / 2
             for r in range(self.pp)
         ]
+
+    def memory(self) -> list[float]:
+        """Per rank: the most microbatches alive at once in the repeated order (steady state),
+        at most `lifespan_bound`: the chunks' peaks need not coincide. Counted at each F start:
+        the F's begun minus the W's begun before it (the next F waits for that W's end)."""
+        where, T = Placement(self.pp, 2, "v"), self.interval
+        reach = 2 + max(math.ceil(self.lifespan(s) / T) for s in range(2 * self.pp))
+        out = []
+        for r in range(self.pp):
+            stages = [where.stage(r, c) for c in (0, 1)]
+            peak = 0
+            for t in (self.start[(FORWARD, s)] for s in stages):
+                alive = 0
+                for s in stages:
+                    f, w = self.start[(FORWARD, s)], self.start[(WEIGHT_GRAD, s)]
+                    for j in range(-reach, reach + 1):
+                        alive += (f + j * T <= t + 1e-9) - (w + j * T < t - 1e-9)
+                peak = max(peak, alive)
+            out.append(peak / 2)
+        return out
 
     def repeat(self, microbatches: int) -> Schedule:
         """Each rank's actions in the order of their repeated start times (§3.1)."""
