@@ -7,6 +7,7 @@ import pytest
 from megapipe.plan.actions import Placement
 from megapipe.plan.controllable_memory import (
     _blocks,
+    _least_bubble,
     half_memory,
     min_memory,
     v_block,
@@ -93,10 +94,22 @@ def test_built_for_uneven_costs_valid_and_within_1f1b_memory(costs):
 
 
 def test_zb_v_is_the_zero_bubble_member_at_1f1b_memory():
-    """V-ZB: 1F1B's memory p and (almost) no bubble, against V-Half's and V-Min's."""
+    """V-ZB: 1F1B's memory p and no bubble in the steady state (each added microbatch costs
+    exactly F+B+W), below V-Half's and V-Min's; its list-scheduled order (zb_v) ends no later
+    than the best repeated block at the same memory, which keeps warm-up and cool-down gaps."""
+    for pp in (2, 4, 6, 8):
+        block = _least_bubble(pp, UNIT, pp)
+        for m in (pp, 4 * pp):
+            zb, repeated = (
+                _sim("zb_v", pp, m),
+                simulate(block.repeat(m), UNIT, placement("zb_v", pp, 2)),
+            )
+            assert max(zb.peak_inflight) == max(repeated.peak_inflight) == pp
+            assert zb.makespan <= repeated.makespan
+        steady = _sim("zb_v", pp, 4 * pp).makespan - _sim("zb_v", pp, 2 * pp).makespan
+        assert steady == pytest.approx(2 * pp * 3)  # F+B+W = 3 per microbatch
     for pp, m in ((4, 16), (6, 24), (8, 32)):
         zb, half, vmin = _sim("zb_v", pp, m), _sim("v_half", pp, m), _sim("v_min", pp, m)
-        assert max(zb.peak_inflight) == pp
         assert zb.bubble_rate_paper < 0.5 * half.bubble_rate_paper
         assert max(vmin.peak_inflight) <= max(half.peak_inflight) <= max(zb.peak_inflight)
 
