@@ -20,7 +20,12 @@ from megapipe.plan.simulate import Costs, simulate
 from megapipe.plan.validate import validate
 
 UNIT = Costs()
-UNEVEN = [Costs(F=1, B=2, W=1), Costs(F=1, B=1.5, W=0.5), Costs(F=1.3, B=2.2, W=1.7, comm=0.2)]
+UNEVEN = [
+    Costs(F=1, B=2, W=1),
+    Costs(F=1, B=1.5, W=0.5),
+    Costs(F=1.3, B=2.2, W=1.7, comm=0.2),
+    Costs(first_stage=0.25, last_stage=0.5),  # rank 0 embeds and runs the head: the busiest
+]
 
 
 def _sim(name, pp, m, costs=UNIT):

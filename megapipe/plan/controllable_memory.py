@@ -3,10 +3,11 @@ Controllable Memory", arXiv 2405.15362): V-Min and V-Half.
 
 The paper's framework (§3): a schedule is one microbatch's *building block* (when each pass
 F, B, W of each stage starts) repeated every *interval* T, the time one rank needs for one
-microbatch (2·(F+B+W) per chunk in the V placement). A pass of rank r and chunk c keeps its
-activations from the start of its F to the end of its W, its *lifespan* l; repeated every T,
-at most ceil(l / T) copies are alive at once, so a rank holds at most Σ_c ceil(l_c / T) chunk
-activations (`Block.lifespan_bound`; `Block.memory` counts the most alive at once exactly).
+microbatch (its two chunks' F+B+W; the busiest rank's when they differ). A pass of rank r and
+chunk c keeps its activations from the start of its F to the end of its W, its *lifespan* l;
+repeated every T, at most ceil(l / T) copies are alive at once, so a rank holds at most
+Σ_c ceil(l_c / T) chunk activations (`Block.lifespan_bound`; `Block.memory` counts the most
+alive at once exactly).
 The steady state has no bubble when no two passes of a rank collide modulo T; warm-up and
 cool-down are squeezed (§3.1): each rank runs the repeated order as early as its inputs allow,
 which is what the runtime and the simulator do with an action list, so the list is the block's
@@ -32,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from megapipe.plan.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Placement, Schedule
-from megapipe.plan.simulate import Costs, simulate
+from megapipe.plan.simulate import Costs, action_cost, simulate
 
 # Extra offsets tried between consecutive passes, in units of the pass's own duration:
 # (F chunk 0, F chunk 1, B chunk 1, B chunk 0, W after its B).
@@ -98,8 +99,15 @@ class Block:
 def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> Block:
     """The V-shape block with these extra `offsets` (see OFFSETS), modulo-scheduled."""
     where = Placement(pp, 2, "v")
-    dur = {(k, s): costs.base(k, where.locate(s)[1], 2) for k in PASS for s in range(2 * pp)}
-    interval = sum(dur[(k, s)] for k in PASS for s in (0, 2 * pp - 1))
+    # each pass as the simulator prices it (rank 0 also embeds and runs the head and loss)
+    dur = {
+        (k, s): action_cost(Action(k, 0, where.locate(s)[1]), s, costs, where, [1.0])
+        for k in PASS
+        for s in range(2 * pp)
+    }
+    interval = max(
+        sum(dur[(k, where.stage(r, c))] for k in PASS for c in (0, 1)) for r in range(pp)
+    )
     busy: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
     start: dict[tuple[str, int], float] = {}
 
