@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from megapipe.plan.actions import Action, Placement, Schedule
-from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, SimResult, simulate
 from megapipe.plan.validate import ScheduleError, validate
 
@@ -256,11 +256,12 @@ def write_plots(folder: str) -> list[str]:
             "seq1f1b",
         ],
         "zero_bubble_p4_m8.png": ["1f1b", "zb_h1", "zb_h2", "zb_v"],
+        "controllable_memory_p4_m8.png": ["1f1b", "v_min", "v_half", "zb_v"],  # Qi et al. 2024
     }
     for filename, names in figures.items():
         panels = []
         for name in names:
-            vpp = {"interleaved_1f1b": 2, "zb_v": 2}.get(name, 1)
+            vpp = 2 if name == "interleaved_1f1b" else SCHEDULES[name].chunks[0]
             k = 2 if name == "seq1f1b" else 1
             r = simulate(build_schedule(name, 4, 8, vpp, k), Costs(), placement(name, 4, vpp))
             title = (
