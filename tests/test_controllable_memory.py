@@ -61,7 +61,7 @@ def test_bubble_rate_is_within_the_papers_closed_form(pp):
 
 @pytest.mark.parametrize("costs", [Costs(), *UNEVEN], ids=str)
 def test_lifespan_bounds_every_blocks_memory_and_the_steady_state_is_dense(costs):
-    """§3: a rank holds at most Σ_c ceil(l_c / T) chunk activations, whatever the offsets, and
+    """A rank holds at most Σ_c ceil(l_c / T) chunk activations, whatever the offsets, and
     exactly the most alive at once in the repeated order once m is large; with F = B = W no two
     passes of a rank collide modulo T, so every added microbatch costs T."""
     for pp in (2, 3, 5):

@@ -1,7 +1,7 @@
 """V-shape schedules from building blocks (Qi et al. 2024, "Pipeline Parallelism with
 Controllable Memory", arXiv 2405.15362): V-Min and V-Half.
 
-The paper's framework (§3): a schedule is one microbatch's *building block* (when each pass
+The paper's framework: a schedule is one microbatch's *building block* (when each pass
 F, B, W of each stage starts) repeated every *interval* T, the time one rank needs for one
 microbatch (its two chunks' F+B+W; the busiest rank's when they differ). A pass of rank r and
 chunk c keeps its activations from the start of its F to the end of its W, its *lifespan* l;
@@ -9,12 +9,12 @@ repeated every T, at most ceil(l / T) copies are alive at once, so a rank holds 
 Σ_c ceil(l_c / T) chunk activations (`Block.lifespan_bound`; `Block.memory` counts the most
 alive at once exactly).
 The steady state has no bubble when no two passes of a rank collide modulo T; warm-up and
-cool-down are squeezed (§3.1): each rank runs the repeated order as early as its inputs allow,
+cool-down are squeezed: each rank runs the repeated order as early as its inputs allow,
 which is what the runtime and the simulator do with an action list, so the list is the block's
 passes sorted by their repeated start times (any such order is deadlock-free: every input of a
 pass starts earlier).
 
-V-shape blocks (§4): rank r holds stage r (chunk 0) and stage 2p−1−r (chunk 1), so the long
+V-shape blocks: rank r holds stage r (chunk 0) and stage 2p−1−r (chunk 1), so the long
 lifespan of chunk 0 on rank 0 pairs with the short one of chunk 1 there, and every rank holds
 about the same memory. The *offsets* between a pass and the next stage's pass set the
 lifespans. Each block here places every pass at the earliest start that is ready and free modulo
@@ -38,7 +38,7 @@ from megapipe.plan.simulate import Costs, action_cost, simulate
 # Extra offsets tried between consecutive passes, in units of the pass's own duration:
 # (F chunk 0, F chunk 1, B chunk 1, B chunk 0, W after its B).
 OFFSETS = tuple(itertools.product((0, 1, 2), (0, 1, 2), (0, 1, 2), (0, 1, 2), range(5)))
-PASS = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
+PASS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: `_bubble` caches per block
@@ -51,13 +51,13 @@ class Block:
     interval: float
 
     def lifespan(self, stage: int) -> float:
-        """From the start of the stage's F to the end of its W (§3: activations live that long)."""
+        """From the start of the stage's F to the end of its W (activations live that long)."""
         end = self.start[(WEIGHT_GRAD, stage)] + self.duration[(WEIGHT_GRAD, stage)]
         return end - self.start[(FORWARD, stage)]
 
     def lifespan_bound(self) -> list[float]:
         """Per rank: Σ_c ceil(l_c / T) / 2 microbatches (a chunk is half of one), the paper's
-        bound on the activations alive at once (§3)."""
+        bound on the activations alive at once."""
         where = Placement(self.pp, 2, "v")
         return [
             sum(math.ceil(self.lifespan(where.stage(r, c)) / self.interval - 1e-9) for c in (0, 1))
@@ -86,7 +86,7 @@ class Block:
         return out
 
     def repeat(self, microbatches: int) -> Schedule:
-        """Each rank's actions in the order of their repeated start times (§3.1)."""
+        """Each rank's actions in the order of their repeated start times (the squeeze)."""
         where = Placement(self.pp, 2, "v")
         timed: dict[int, list] = {r: [] for r in range(self.pp)}
         for (kind, stage), t in self.start.items():
@@ -158,7 +158,7 @@ def _blocks(pp: int, costs: Costs) -> tuple[tuple[Block, float], ...]:
     return tuple((block, max(block.memory())) for block in blocks)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _bubble(block: Block, costs: Costs) -> float:
     """The block's bubble rate (Zero Bubble's, per rank span) simulated at m = 4p."""
     result = simulate(block.repeat(4 * block.pp), costs, Placement(block.pp, 2, "v"))
@@ -172,14 +172,14 @@ def _least_bubble(pp: int, costs: Costs, cap: float) -> Block:
 
 
 def v_min(pp: int, microbatches: int, costs: Costs | None = None) -> Schedule:
-    """V-Min (§4.2): the blocks with the least activation memory; of those the least bubble."""
+    """V-Min: the blocks with the least activation memory; of those the least bubble."""
     costs = costs or Costs()
     least = min(mem for _, mem in _blocks(pp, costs))
     return _least_bubble(pp, costs, least).repeat(microbatches)
 
 
 def v_half(pp: int, microbatches: int, costs: Costs | None = None) -> Schedule:
-    """V-Half (§4.2): the least bubble within half of 1F1B's memory, (p+2)//2 microbatches."""
+    """V-Half: the least bubble within half of 1F1B's memory, (p+2)//2 microbatches."""
     costs = costs or Costs()
     cap = max(half_memory(pp), min(mem for _, mem in _blocks(pp, costs)))
     return _least_bubble(pp, costs, cap).repeat(microbatches)
