@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from megapipe.plan.actions import Action, Placement, Schedule
-from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, SimResult, simulate
 from megapipe.plan.validate import ScheduleError, validate
 
@@ -122,6 +122,8 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
             rows += _zero_bubble_rows(pp, m, costs, label)
     for pp, m in [(4, 8), (8, 24)]:
         rows += _zb_v_rows(pp, m, unit) + _seq1f1b_rows(pp, m, unit)
+    for pp, m in [(4, 16), (6, 24), (8, 32)]:  # Qi et al. 2024, Controllable Memory
+        rows += _v_shape_rows(pp, m, unit)
     return rows
 
 
@@ -190,6 +192,24 @@ def _zb_v_rows(pp: int, m: int, unit: Costs) -> list[Row]:
     ]
 
 
+def _v_shape_rows(pp: int, m: int, unit: Costs) -> list[Row]:
+    """The proof rows of V-Min's, V-Half's and ZB-V's peak activations (microbatches) and bubble
+    rate (the paper's per-rank measure) against the paper's table at F = B = W, and their p2p
+    messages per microbatch against 1F1B's 2(p−1)."""
+    setting, rows = f"p={pp} m={m}", []
+    claims = [("v_min", (pp + 4) // 3, 2 * pp / (3 * m), "(p+4)//3", "2p/(3m)"),
+              ("v_half", (pp + 2) // 2, pp / (2 * m), "(p+2)//2", "p/(2m)"),
+              ("zb_v", pp, 0.0, "p", "0")]  # fmt: skip
+    for name, peak, rate, peak_text, rate_text in claims:
+        got = _ours(name, pp, m, 2, unit)
+        rows.append((f"{name} peak activations {peak_text}", setting, peak, max(got.peak_inflight)))
+        rows.append((f"{name} bubble rate ≈ {rate_text}", setting, rate, got.bubble_rate_paper))
+    where = placement("v_min", pp, 2)
+    hops = sum(where.locate(s)[0] != where.locate(s + 1)[0] for s in range(2 * pp - 1))
+    rows.append(("V-shape p2p messages per microbatch 4(p−1)", setting, 4 * (pp - 1), 2 * hops))
+    return rows
+
+
 def _seq1f1b_rows(pp: int, m: int, unit: Costs) -> list[Row]:
     """The proof rows of Seq1F1B's peak and bubble for k = 2 and 4 segments at p = `pp`, `m`."""
     setting, rows = f"p={pp} m={m}", []
@@ -236,11 +256,12 @@ def write_plots(folder: str) -> list[str]:
             "seq1f1b",
         ],
         "zero_bubble_p4_m8.png": ["1f1b", "zb_h1", "zb_h2", "zb_v"],
+        "controllable_memory_p4_m8.png": ["1f1b", "v_min", "v_half", "zb_v"],  # Qi et al. 2024
     }
     for filename, names in figures.items():
         panels = []
         for name in names:
-            vpp = {"interleaved_1f1b": 2, "zb_v": 2}.get(name, 1)
+            vpp = 2 if name == "interleaved_1f1b" else SCHEDULES[name].chunks[0]
             k = 2 if name == "seq1f1b" else 1
             r = simulate(build_schedule(name, 4, 8, vpp, k), Costs(), placement(name, 4, vpp))
             title = (

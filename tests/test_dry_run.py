@@ -223,3 +223,16 @@ def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
         # the dry run prints activations to 0.01 MiB: that rounding, times the count in flight
         rounding = 0.005 * r["inflight"]
         assert r["acts"] * r["inflight"] == pytest.approx(peak / MIB, rel=0.02, abs=rounding), r
+
+
+def test_v_shape_blocks_hold_a_third_and_a_half_of_1f1b(capsys, tmp_path):
+    """Qi et al. 2024: V-Min keeps about a third of 1F1B's activations, V-Half a half, ZB-V as
+    many (pp = 6: (p+4)//3 = 3, (p+2)//2 = 4, p = 6 microbatches on the busiest rank)."""
+    most = {}
+    for name, vpp in (("1f1b", 1), ("v_min", 2), ("v_half", 2), ("zb_v", 2)):
+        _, ranks = dry_run(capsys, tmp_path, f"--parallel.schedule={name}", "--parallel.pp=6",
+                           f"--parallel.vpp={vpp}", "--model.n_layers=12",
+                           "--parallel.microbatches=12", "--train.global_batch=12")  # fmt: skip
+        most[name] = max(r["inflight"] for r in ranks)
+    # chunks weigh their layers' activations (the embedding and head are not a layer): ±0.05
+    assert most == pytest.approx({"1f1b": 6, "v_min": 3, "v_half": 4, "zb_v": 6}, abs=0.05)

@@ -21,6 +21,7 @@ GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 SP = ["parallel.sequence_parallel=true"]
 B12 = ["train.global_batch=12"]  # room for 3 or 6 microbatches: m not a multiple of pp
 L4, L6 = ["model.n_layers=4"], ["model.n_layers=6"]
+B2 = ["parallel.schedule_costs=F=1,B=2,W=1"]  # a schedule built for these costs
 
 
 def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
@@ -59,6 +60,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"],
         ),
         ("zb_auto-m4", 1, 1, pp("zb_auto", 2, 4)),
+        ("v_half-m4", 1, 1, pp("v_half", 2, 4, 2)),
+        ("v_min-m3-llama-built-for-costs", 1, 1, [*pp("v_min", 2, 3, 2), *B12, *LLAMA, *B2]),
         (
             "zb_auto-m3-2p-llama",
             1,
@@ -109,6 +112,10 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp4-zb_v-m4", 1, 1, [*pp("zb_v", 4, 4, 2), *L6]),
         ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
         ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
+        ("pp4-v_min-m8", 1, 1, [*pp("v_min", 4, 8, 2), *L6]),
+        ("pp4-v_half-m6-llama", 1, 1, [*pp("v_half", 4, 6, 2), *B12, *LLAMA, *L6]),
+        ("dp2-pp2-v_min-m2", 2, 1, pp("v_min", 2, 2, 2)),
+        ("pp2-tp2-v_half-gqa-sp", 1, 2, [*pp("v_half", 2, 4, 2), *GQA2, *SP]),
         ("pp4-zb_auto-m8", 1, 1, [*pp("zb_auto", 4, 8), *L6]),
         (
             "pp4-zb_auto-m8-2p-selective",
@@ -196,6 +203,7 @@ def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extr
     [
         (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
         (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
+        (pp("v_min", 2, 2), "v_min needs parallel.vpp=2"),
         ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
         (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
         (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),

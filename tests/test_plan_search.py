@@ -139,6 +139,7 @@ def _tiny(*overrides: str):
         ("parallel.schedule=1f1b",),
         ("parallel.schedule=interleaved_1f1b", "parallel.vpp=2"),
         ("parallel.schedule=zb_v", "parallel.vpp=2", "parallel.schedule_costs=F=1,B=2,W=1"),
+        ("parallel.schedule=v_half", "parallel.vpp=2", "parallel.schedule_costs=F=1,B=2,W=1"),
         ("parallel.schedule=zb_auto", "parallel.zb_memory=2p"),
         ("parallel.schedule=seq1f1b", "parallel.seq_segments=2"),
         ("parallel.schedule=pipedream_async", "parallel.weight_sync=vertical",
@@ -274,3 +275,15 @@ def test_memory_margin_is_kept_free(capsys, tmp_path, cached_segments):
         argv[argv.index("--memory-margin") + 1] = bad
         assert plan_cli.main(argv) == 2
         assert "--memory-margin" in _error(capsys)
+
+
+def test_space_holds_the_v_shape_blocks_and_prices_their_memory():
+    """Qi et al. 2024: the planner weighs V-Min's third and V-Half's half of 1F1B's activations
+    (p = 4: 2, 3 and 4 microbatches on the busiest rank)."""
+    shapes = plan_space.structures(_tiny(), 4, {})
+    assert ("v_min", 2, 1, "1p") in shapes and ("v_half", 2, 1, "1p") in shapes
+    most = {}
+    for name, vpp in (("1f1b", 1), ("v_half", 2), ("v_min", 2)):
+        cfg = _tiny("parallel.microbatches=8", f"parallel.schedule={name}", f"parallel.vpp={vpp}")
+        most[name] = max(r.inflight for r in perf_memory.plan(cfg).ranks)
+    assert most["v_min"] < most["v_half"] < most["1f1b"]

@@ -29,6 +29,7 @@ MESHES = {  # world -> {id: overrides}
         "1f1b": pp("1f1b", 2),
         "interleaved-vpp2": [*pp("interleaved_1f1b", 4, 2), *L4],
         "zb_v": [*pp("zb_v", 2, 2), *L4],  # rank 0 holds stage 0 and the last: one tied table
+        "v_min": [*pp("v_min", 4, 2), *L4, "parallel.schedule_costs=unit"],  # bitwise: one order
         "seq1f1b": [*pp("seq1f1b", 2), "parallel.seq_segments=2"],
         "pipedream_async": [*pp("pipedream_async", 2), "model.tie_embeddings=false"],
     },

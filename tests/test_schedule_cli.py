@@ -104,6 +104,17 @@ def test_compare_table_and_stacked_plot(tmp_path):
     assert as_json["zb_v"]["makespan"] < as_json["1f1b"]["makespan"]
 
 
+def test_compare_shows_the_v_shape_blocks_beside_1f1b():
+    """Qi et al. 2024 at p = 6: V-Min a third of 1F1B's activations, V-Half a half, ZB-V all."""
+    done = cli("--compare", "1f1b,v_min,v_half,zb_v", "--pp", "6", "--microbatches", "12", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    peak = {name: max(row["peak_inflight_microbatches"]) for name, row in rows.items()}
+    assert peak == {"1f1b": 6, "v_min": 3, "v_half": 4, "zb_v": 6}
+    rate = {name: row["bubble_rate_paper"] for name, row in rows.items()}
+    assert rate["zb_v"] < rate["v_half"] <= rate["v_min"] < rate["1f1b"]
+
+
 def test_csv_round_trip(tmp_path):
     path = tmp_path / "zbv.csv"
     first = cli(

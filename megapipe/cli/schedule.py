@@ -87,8 +87,9 @@ def read_csv(path: str) -> Schedule:
 
 def shape_for(name: str, vpp: int, seq_segments: int) -> tuple[int, int]:
     """(vpp, seq_segments) that ``name`` accepts, so --compare can mix schedules."""
-    if name == "zb_v":
-        return 2, 1
+    least, most = SCHEDULES[name].chunks
+    if least == most > 1:  # exactly this many chunks: zb_v, v_half, v_min (V placement)
+        return least, 1
     if name == "interleaved_1f1b":
         return max(vpp, 2), 1
     return 1, seq_segments if name == "seq1f1b" else 1

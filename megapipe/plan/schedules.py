@@ -4,7 +4,7 @@ Every generator takes (pp, microbatches, ...) and returns one ordered action lis
 registry ``SCHEDULES`` (each schedule with its own chunk and option rules, which the config
 checks read) and ``build_schedule`` are the entry points, ``placement`` says which global stage
 each (rank, chunk) holds. Zero Bubble lives in zero_bubble.py (hand-made) and zb_auto.py
-(automatic), Seq1F1B in seq1f1b.py.
+(automatic), V-Half and V-Min in controllable_memory.py, Seq1F1B in seq1f1b.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from megapipe.plan.actions import (
     Schedule,
     one_f_one_b_order,
 )
+from megapipe.plan.controllable_memory import v_half, v_min
 from megapipe.plan.seq1f1b import seq1f1b
 from megapipe.plan.zb_auto import zb_auto
 from megapipe.plan.zero_bubble import zb_h1, zb_h2, zb_v
@@ -148,6 +149,9 @@ class ScheduleSpec:
         return None
 
 
+# V-Half and V-Min (Qi et al. 2024): a building block in V placement, built for given F/B/W costs
+V_SHAPE_BLOCK = dict(chunks=(2, 2), placement="v", split_backward=True, options=("costs",))
+
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec(lambda pp, m, v, k: gpipe(pp, m)),
     "1f1b": ScheduleSpec(lambda pp, m, v, k: one_f_one_b(pp, m)),
@@ -160,6 +164,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                          placement="v", split_backward=True, options=("memory_limit", "costs")),
     "zb_auto": ScheduleSpec(lambda pp, m, v, k, **o: zb_auto(pp, m, **o), split_backward=True,
                             options=("memory", "costs", "w_share")),
+    "v_half": ScheduleSpec(lambda pp, m, v, k, **o: v_half(pp, m, **o), **V_SHAPE_BLOCK),
+    "v_min": ScheduleSpec(lambda pp, m, v, k, **o: v_min(pp, m, **o), **V_SHAPE_BLOCK),
     "seq1f1b": ScheduleSpec(lambda pp, m, v, k: seq1f1b(pp, m, k), segmented=True),
     "pipedream_async": ScheduleSpec(lambda pp, m, v, k, **o: pipedream_async(pp, m, **o),
                                     options=("weight_sync",)),
