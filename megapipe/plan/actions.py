@@ -11,6 +11,7 @@ Compact action format (``str(action)``), read left to right::
     BW3       full backward (input-grad and weight-grad together)
     F3s2      forward of sequence segment 2 of microbatch 3 (Seq1F1B)
     F3@5      forward of microbatch 3 with weight version 5 (PipeDream async)
+    F3&       forward of microbatch 3 paired with the next action: an F&B pair (DualPipe)
 
 The chunk suffix is left out for chunk 0, the segment suffix for unsegmented schedules and the
 version suffix for synchronous schedules, so ``F3.c1s2@5`` is the longest form.
@@ -25,7 +26,7 @@ from typing import NamedTuple
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD = "F", "B", "W", "BW"
 KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
 
-_ACTION_RE = re.compile(r"^(BW|F|B|W)(\d+)(?:\.c(\d+))?(?:s(\d+))?(?:@(\d+))?$")
+_ACTION_RE = re.compile(r"^(BW|F|B|W)(\d+)(?:\.c(\d+))?(?:s(\d+))?(?:@(\d+))?(&)?$")
 
 
 class Action(NamedTuple):
@@ -36,6 +37,9 @@ class Action(NamedTuple):
     chunk: int = 0
     segment: int | None = None  # Seq1F1B sequence segment; None when unsegmented
     version: int | None = None  # PipeDream weight version; None for flushed schedules
+    # DualPipe (DeepSeek-V3 §3.2.1): this forward and the next action on its rank (a backward
+    # of another chunk) form one overlapped F&B pair, which starts once both inputs are there
+    pair: bool = False
 
     def __str__(self) -> str:
         text = f"{self.kind}{self.microbatch}"
@@ -45,7 +49,7 @@ class Action(NamedTuple):
             text += f"s{self.segment}"
         if self.version is not None:
             text += f"@{self.version}"
-        return text
+        return text + "&" * self.pair
 
     @property
     def seg(self) -> int:
@@ -63,13 +67,14 @@ class Action(NamedTuple):
         match = _ACTION_RE.match(text.strip())
         if match is None:
             raise ValueError(f"bad action {text!r}: expected e.g. F3, B3.c1, BW3s2, F3@5")
-        kind, mb, chunk, seg, ver = match.groups()
+        kind, mb, chunk, seg, ver, pair = match.groups()
         return Action(
             kind,
             int(mb),
             int(chunk or 0),
             None if seg is None else int(seg),
             None if ver is None else int(ver),
+            pair is not None,
         )
 
 

@@ -46,6 +46,18 @@ def _check_complete(schedule: Schedule, pp: int, m: int, v: int, k: int) -> None
                 raise ScheduleError(f"rank {rank}: missing backward (BW or B+W) for {name}")
 
 
+def _check_pairs(schedule: Schedule) -> None:
+    """A DualPipe F&B pair (DeepSeek-V3 §3.2.1) is a forward followed by a B or BW."""
+    for rank, actions in schedule.items():
+        for a, b in zip(actions, [*actions[1:], None]):
+            if a.pair and (
+                a.kind != FORWARD or b is None or b.kind not in (INPUT_GRAD, FULL_BACKWARD)
+            ):
+                raise ScheduleError(
+                    f"rank {rank}: {a} is paired but not a forward before a B or BW"
+                )
+
+
 def _check_versions(schedule: Schedule) -> None:
     """PipeDream weight stashing: the F and backward of a unit use the same weight version."""
     for rank, actions in schedule.items():
@@ -97,5 +109,6 @@ def validate(
     """Raise ScheduleError (one line: rank, action, rule) unless the schedule is runnable."""
     placement = placement or Placement(pp, v)
     _check_complete(schedule, pp, m, v, k)
+    _check_pairs(schedule)
     _check_versions(schedule)
     check_progress(schedule, placement)
