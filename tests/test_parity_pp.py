@@ -59,6 +59,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             [*pp("zb_v", 2, 3, 2), *B12, *LLAMA, "recompute.mode=full"],
         ),
         ("zb_auto-m4", 1, 1, pp("zb_auto", 2, 4)),
+        ("dualpipe_v-m4", 1, 1, pp("dualpipe_v", 2, 4, 2)),
+        (
+            "dualpipe_v-m6-llama-sel",
+            1,
+            1,
+            [*pp("dualpipe_v", 2, 6, 2), *B12, *LLAMA, "recompute.mode=selective"],
+        ),
         (
             "zb_auto-m3-2p-llama",
             1,
@@ -108,6 +115,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp4-zb_h2-m6-llama", 1, 1, [*pp("zb_h2", 4, 6), *B12, *LLAMA, *L4]),
         ("pp4-zb_v-m4", 1, 1, [*pp("zb_v", 4, 4, 2), *L6]),
         ("pp4-zb_v-m2-llama", 1, 1, [*pp("zb_v", 4, 2, 2), *LLAMA, *L6]),
+        ("pp4-dualpipe_v-m8", 1, 1, [*pp("dualpipe_v", 4, 8, 2), *L6]),
+        ("dp2-pp2-dualpipe_v-m4", 2, 1, pp("dualpipe_v", 2, 4, 2)),
+        ("pp2-tp2-dualpipe_v-gqa-sp", 1, 2, [*pp("dualpipe_v", 2, 4, 2), *GQA2, *SP]),
         ("dp2-pp2-zb_h2-m2", 2, 1, pp("zb_h2", 2, 2)),
         ("pp4-zb_auto-m8", 1, 1, [*pp("zb_auto", 4, 8), *L6]),
         (
@@ -196,6 +206,7 @@ def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extr
     [
         (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
         (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
+        (pp("dualpipe_v", 2, 2, 2), r"dualpipe_v needs parallel.microbatches >= 2\*pp = 4, got 2"),
         ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
         (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
         (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),

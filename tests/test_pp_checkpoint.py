@@ -30,6 +30,7 @@ MESHES = {  # world -> {id: overrides}
         "interleaved-vpp2": [*pp("interleaved_1f1b", 4, 2), *L4],
         "zb_v": [*pp("zb_v", 2, 2), *L4],  # rank 0 holds stage 0 and the last: one tied table
         "seq1f1b": [*pp("seq1f1b", 2), "parallel.seq_segments=2"],
+        "dualpipe_v": [*pp("dualpipe_v", 4, 2), *L4],
         "pipedream_async": [*pp("pipedream_async", 2), "model.tie_embeddings=false"],
     },
     4: {

@@ -1,0 +1,106 @@
+"""DualPipeV (DeepSeek-V3 §3.2.1): torch's per-rank order, F&B pairs, DeepSeek-V3 Table 2."""
+
+import pytest
+
+from megapipe.plan.actions import Action, Placement
+from megapipe.plan.schedules import build_schedule, placement
+from megapipe.plan.simulate import Costs, simulate
+from megapipe.plan.validate import ScheduleError, validate
+
+TORCH_KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}  # torch "B" is the full backward
+
+
+def torch_dualpipe_v(pp: int, m: int) -> dict[int, list[Action]]:
+    """torch.distributed.pipelining's ScheduleDualPipeV order as our Actions, its overlapped
+    OVERLAP_F_B(F, B) as a paired F then the B. The class wants real stages and a process
+    group in __init__, so its per-rank calculation runs on a bare instance."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    bare = ScheduleDualPipeV.__new__(ScheduleDualPipeV)
+    bare.pp_group_size, bare._n_microbatches = pp, m
+    vee = Placement(pp, 2, "v")
+    order = {}
+    for rank in range(pp):
+        actions = []
+        for op in bare._calculate_single_rank_operations(rank):
+            subs = op.sub_actions or (op,)
+            for i, sub in enumerate(subs):
+                chunk = vee.locate(sub.stage_index)[1]
+                kind = TORCH_KINDS[sub.computation_type.value]
+                actions.append(Action(kind, sub.microbatch_index, chunk, pair=len(subs) > 1 > i))
+        order[rank] = actions
+    return order
+
+
+def test_dualpipe_v_is_torchs_order_with_its_pairs():
+    for pp in (1, 2, 3, 4, 5, 8):
+        for m in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp + 3):
+            ours = build_schedule("dualpipe_v", pp, m, 2)
+            assert ours == torch_dualpipe_v(pp, m), (pp, m)
+            assert any(a.pair for acts in ours.values() for a in acts)
+            validate(ours, pp, m, 2, 1, placement("dualpipe_v", pp, 2))
+
+
+def test_dualpipe_v_needs_two_microbatches_per_rank():  # the config's: test_parity_pp
+    with pytest.raises(ValueError, match=r"dualpipe_v needs microbatches >= 2\*pp = 8, got 7"):
+        build_schedule("dualpipe_v", 4, 7, 2)
+
+
+def test_pair_marks_round_trip_and_are_checked():
+    assert str(Action("F", 3, 1, pair=True)) == "F3.c1&"
+    assert Action.parse("F3.c1&") == Action("F", 3, 1, pair=True)
+    vee = Placement(1, 2, "v")
+    good = [Action("F", 0), Action("F", 0, 1), Action("F", 1, pair=True), Action("BW", 0, 1)]
+    rest = [Action("BW", 0), Action("F", 1, 1), Action("BW", 1, 1), Action("BW", 1)]
+    validate({0: good + rest}, 1, 2, 2, 1, vee)
+    bad = [Action("F", 0), Action("F", 0, 1, pair=True), Action("F", 1), *good[3:], *rest]
+    with pytest.raises(ScheduleError, match="paired but not a forward before a B or BW"):
+        validate({0: bad}, 1, 2, 2, 1, vee)
+
+
+def test_a_pair_starts_as_one_unit_and_fb_prices_it():
+    """The pair's F waits for its backward's input (the walk); F&B = F + BW changes nothing,
+    a smaller F&B takes the hidden time off every pair."""
+    pp, m, comm = 4, 12, 0.3
+    schedule = build_schedule("dualpipe_v", pp, m, 2)
+    vee = placement("dualpipe_v", pp, 2)
+    plain = Costs(F=2, B=2, W=2, comm=comm)
+    base = simulate(schedule, plain, vee)
+    same = simulate(schedule, Costs(F=2, B=2, W=2, FB=6, comm=comm), vee)
+    assert same.timeline == base.timeline
+    pairs = sum(a.pair for acts in schedule.values() for a in acts)
+    faster = simulate(schedule, Costs(F=2, B=2, W=2, FB=5, comm=comm), vee)
+    assert sum(faster.busy) == pytest.approx(sum(base.busy) - 0.5 * pairs)
+    assert faster.makespan < base.makespan
+    ends = {}
+    for rank, a, start, end in base.timeline:
+        ends[rank, a] = (start, end)
+    for rank, acts in schedule.items():  # the paired B starts right after its F: no wait
+        for a, b in zip(acts, acts[1:]):
+            if a.pair:
+                assert ends[rank, b][0] == pytest.approx(ends[rank, a][1])
+
+
+@pytest.mark.parametrize("x", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_deepseek_v3_table_2(x, overlap):
+    """DeepSeek-V3 Table 2 (F, B full backward, W per chunk; F&B an overlapped pair), with the
+    bubble as the longest idle time of a device: 1F1B (PP−1)(F+B), ZB1P (PP−1)(F+B−2W) on PP
+    devices, and DualPipeV, the cut-in-half DualPipe on PP/2 devices of two chunks each (the
+    DualPipe README's row): (PP/2−1)(F&B+B−3W), activations PP+1 chunks, parameters one
+    stage per chunk. Equal F, B, W (the table's closed forms assume no other ratio)."""
+    F, W, B = x, x, 2 * x  # a chunk: forward, weight-grad part, full backward
+    fb = F + B - overlap * W  # F&B: a pair hiding up to a W of communication
+    for PP in (4, 8, 16):
+        one_f, zb1p = (simulate(build_schedule(n, PP, 2 * PP), Costs(F=F, B=x, W=W),
+                                Placement(PP)) for n in ("1f1b", "zb_h1"))  # fmt: skip
+        assert max(one_f.idle) == pytest.approx((PP - 1) * (F + B))
+        assert max(zb1p.idle) == pytest.approx((PP - 1) * (F + B - 2 * W))
+        pp = PP // 2
+        dual_v = simulate(
+            build_schedule("dualpipe_v", pp, 3 * pp, 2),
+            Costs(F=2 * F, B=2 * x, W=2 * W, FB=2 * fb),  # Costs: a rank's two chunks
+            placement("dualpipe_v", pp, 2),
+        )
+        assert max(dual_v.idle) == pytest.approx((PP / 2 - 1) * (fb + B - 3 * W))
+        assert max(dual_v.peak_inflight) * 2 == PP + 1
