@@ -1,4 +1,5 @@
-"""DualPipeV (DeepSeek-V3 §3.2.1): torch's per-rank order, F&B pairs, DeepSeek-V3 Table 2."""
+"""DualPipe and DualPipeV (DeepSeek-V3 §3.2.1): the bidirectional placement, torch's DualPipeV
+order, F&B pairs, and DeepSeek-V3 Table 2 in simulation."""
 
 import pytest
 
@@ -104,3 +105,48 @@ def test_deepseek_v3_table_2(x, overlap):
         )
         assert max(dual_v.idle) == pytest.approx((PP / 2 - 1) * (fb + B - 3 * W))
         assert max(dual_v.peak_inflight) * 2 == PP + 1
+
+
+def test_dual_placement_holds_every_stage_twice():
+    """DualPipe's parameters 2×: rank r holds stage r (down) and stage pp−1−r (up) of a
+    pp-stage model; each stage lives on two ranks, and a microbatch's direction picks its copy."""
+    for pp in (2, 4, 8):
+        dual = placement("dualpipe", pp, 2)
+        assert dual.num_stages == pp
+        held = [[dual.stage(r, c) for c in (0, 1)] for r in range(pp)]
+        assert held == [[r, pp - 1 - r] for r in range(pp)]
+        for s in range(pp):
+            assert sum(row.count(s) for row in held) == 2
+            assert dual.locate(s, 0) == (s, 0) and dual.locate(s, 1) == (pp - 1 - s, 1)
+    with pytest.raises(ValueError, match="even pp and an even microbatches"):
+        build_schedule("dualpipe", 4, 9, 2)
+    with pytest.raises(ValueError, match="even pp"):
+        build_schedule("dualpipe", 3, 6, 2)
+
+
+def test_dualpipe_feeds_both_ends_and_its_halves_mirror():
+    pp, m = 6, 16
+    s = build_schedule("dualpipe", pp, m, 2)
+    validate(s, pp, m, 2, 1, placement("dualpipe", pp, 2))
+    firsts = {r: [a.microbatch for a in s[r] if a.kind == "F"][:1] for r in (0, pp - 1)}
+    assert firsts == {0: [0], pp - 1: [1]}  # even microbatches enter at rank 0, odd at pp−1
+    for r in range(pp):  # rank pp−1−r: rank r's order, each microbatch the other way
+        flip = [a._replace(microbatch=a.microbatch ^ 1, chunk=1 - a.chunk) for a in s[r]]
+        assert s[pp - 1 - r] == flip
+
+
+@pytest.mark.parametrize("x", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
+def test_deepseek_v3_table_2_dualpipe(x, overlap):
+    """Table 2's DualPipe row on PP devices, two chunks (stages) each: bubble
+    (PP/2−1)(F&B+B−3W), activations PP+1 chunks, equal F, B, W as in test_deepseek_v3_table_2."""
+    F, W, B = x, x, 2 * x
+    fb = F + B - overlap * W
+    for PP in (4, 8, 16):
+        dual = simulate(
+            build_schedule("dualpipe", PP, 2 * PP, 2),
+            Costs(F=2 * F, B=2 * x, W=2 * W, FB=2 * fb),
+            placement("dualpipe", PP, 2),
+        )
+        assert max(dual.idle) == pytest.approx((PP / 2 - 1) * (fb + B - 3 * W))
+        assert max(dual.peak_inflight) * 2 == PP + 1

@@ -19,6 +19,7 @@ GRID = [
     ("seq1f1b", [1], [1, 2, 3], [{}]),
     ("pipedream_async", [1], [1], [{}, {"weight_sync": "vertical"}]),
     ("dualpipe_v", [2], [1], [{}]),
+    ("dualpipe", [2], [1], [{}]),
 ]
 
 

@@ -89,6 +89,9 @@ class Placement:
     c·pp + r, so a microbatch loops over all ranks v times.
     ``v`` (Zero Bubble ZB-V, Qi et al. 2024): two chunks; rank r holds stage r as chunk 0 and stage
     2·pp−1−r as chunk 1, so the first and last stage share rank 0.
+    ``dual`` (DualPipe, DeepSeek-V3 §3.2.1): the model in pp stages, each held twice; rank r holds
+    stage r as chunk 0 for the microbatches going down (even ones, entering at rank 0) and stage
+    pp−1−r as chunk 1 for those going up (odd ones, entering at rank pp−1).
     """
 
     pp: int
@@ -97,18 +100,27 @@ class Placement:
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.vpp
+        return self.pp if self.style == "dual" else self.pp * self.vpp
 
     def stage(self, rank: int, chunk: int) -> int:
         if self.style == "v":
             return rank if chunk == 0 else 2 * self.pp - 1 - rank
+        if self.style == "dual":
+            return rank if chunk == 0 else self.pp - 1 - rank
         return chunk * self.pp + rank
 
-    def locate(self, stage: int) -> tuple[int, int]:
-        """Inverse of ``stage``: the (rank, chunk) holding a global stage."""
+    def locate(self, stage: int, microbatch: int = 0) -> tuple[int, int]:
+        """Inverse of ``stage``: the (rank, chunk) holding a global stage (under ``dual``, the
+        copy that `microbatch`'s direction runs)."""
         if self.style == "v":
             return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
+        if self.style == "dual":
+            return (stage, 0) if microbatch % 2 == 0 else (self.pp - 1 - stage, 1)
         return stage % self.pp, stage // self.pp
+
+    def runs(self, microbatch: int, chunk: int) -> bool:
+        """Whether `microbatch` passes through local `chunk` (under ``dual``: its direction's)."""
+        return self.style != "dual" or chunk == microbatch % 2
 
     def as_dict(self) -> dict[tuple[int, int], int]:
         return {(r, c): self.stage(r, c) for r in range(self.pp) for c in range(self.vpp)}

@@ -102,7 +102,8 @@ class _DagRecorder:
         self.needs: list[tuple[tuple[int, int], ...]] = []
         self.sends: list[int] = []
         self.message_keys: dict[tuple[int, int, int, int], int] = {}
-        self.send_keys: dict[tuple[str, int | None, int], int] = {}  # (kind, segment, stage)
+        # (kind, segment, stage, chunk): a stage and chunk have one rank (DualPipe: two copies)
+        self.send_keys: dict[tuple[str, int | None, int, int], int] = {}
         self.last_on_rank: dict[int, int] = {}
         self.paired: dict[int, int] = {}
 
@@ -131,9 +132,11 @@ class _DagRecorder:
         self.stage.append(stage)
         self.prev.append(prev)
         self.needs.append(tuple(deps))
-        send = self.send_keys.get((a.kind, a.segment, stage))
+        send = self.send_keys.get((a.kind, a.segment, stage, a.chunk))
         if send is None:  # what a (kind, segment) sends from a stage is the same each time
-            send = self.send_keys[a.kind, a.segment, stage] = self._send_key(rank, a, stage)
+            send = self.send_keys[a.kind, a.segment, stage, a.chunk] = self._send_key(
+                rank, a, stage
+            )
         self.sends.append(send)
         self.last_on_rank[rank] = node
         return node
@@ -143,7 +146,7 @@ class _DagRecorder:
         out = sent(a, stage, self.last_stage)
         if out is None:
             return -1
-        dst = self.placement.locate(out.dest_stage())[0]
+        dst = self.placement.locate(out.dest_stage(), a.microbatch)[0]
         return -1 if dst == rank else self.message_key(rank, dst, a.seg, out.grad)
 
     def dag(self, segments: int) -> Dag:

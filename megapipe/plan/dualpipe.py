@@ -1,11 +1,16 @@
-"""DualPipeV (DeepSeek-V3, Liu et al. 2024, arXiv 2412.19437 §3.2.1, "cut in half").
+"""DualPipe and DualPipeV (DeepSeek-V3, Liu et al. 2024, arXiv 2412.19437 §3.2.1).
 
 DualPipe feeds microbatches from both ends of the pipeline and overlaps the forward of one chunk
-with the backward of another (an F&B pair, which hides the other's communication). DualPipeV
-folds its two directions into the two arms of ZB-V's V (Qi et al. 2024): rank r holds stage r as
-chunk 0 (the way down) and stage 2·pp−1−r as chunk 1 (the way up), each parameter once, and
-every microbatch enters at rank 0. The per-rank order is the one torch.distributed.pipelining's
-`ScheduleDualPipeV` defines (after deepseek-ai/DualPipe); a test holds them equal.
+with the backward of another (an F&B pair, which hides the other's communication). Its model is
+cut into pp stages, each held twice (`Placement` "dual": parameters 2×): rank r runs stage r for
+the microbatches going down and stage pp−1−r for those going up. DualPipeV, the "cut in half"
+variant, folds the two directions into the two arms of ZB-V's V (Qi et al. 2024) on pp ranks of
+a 2·pp-stage model: rank r holds stage r as chunk 0 (the way down) and stage 2·pp−1−r as chunk 1
+(the way up), each parameter once, and every microbatch enters at rank 0. DualPipeV's per-rank
+order is the one torch.distributed.pipelining's `ScheduleDualPipeV` defines (after
+deepseek-ai/DualPipe), which a test holds equal; DualPipe's rank r runs DualPipeV's order for
+pp/2 ranks at its distance from the nearer end, min(r, pp−1−r), its logical chunks swapped on
+the second half of the ranks (the two halves mirror each other, as in deepseek-ai/DualPipe).
 
 A pair is marked on its forward (`Action.pair`): the simulator starts it once both inputs are
 there and, with `Costs.FB`, prices it as one overlapped unit; the runtime runs its F then its
@@ -58,6 +63,25 @@ def dualpipe_v(pp: int, microbatches: int) -> Schedule:
     if microbatches < 2 * pp:
         raise ValueError(f"dualpipe_v needs microbatches >= 2*pp ({2 * pp}), got {microbatches}")
     return {r: _dualpipe_v_rank(pp, microbatches, r) for r in range(pp)}
+
+
+def dualpipe(pp: int, microbatches: int) -> Schedule:
+    """DualPipe on the "dual" placement: an even pp, an even number of microbatches >= 2·pp,
+    half of them (the even ones) entering at rank 0, the other half at rank pp−1."""
+    if pp % 2 or microbatches % 2 or microbatches < 2 * pp:
+        raise ValueError(
+            f"dualpipe needs an even pp and an even microbatches >= 2*pp, got pp={pp} "
+            f"microbatches={microbatches}"
+        )
+    schedule = {}
+    for r in range(pp):
+        half, second = min(r, pp - 1 - r), int(r >= pp // 2)
+        # logical chunk c is direction c ^ second; a direction's k-th microbatch is 2k + dir
+        schedule[r] = [
+            a._replace(microbatch=2 * a.microbatch + (a.chunk ^ second), chunk=a.chunk ^ second)
+            for a in _dualpipe_v_rank(pp // 2, microbatches // 2, half)
+        ]
+    return schedule
 
 
 def _dualpipe_v_rank(pp: int, m: int, r: int) -> list[Action]:

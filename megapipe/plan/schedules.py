@@ -20,7 +20,7 @@ from megapipe.plan.actions import (
     Schedule,
     one_f_one_b_order,
 )
-from megapipe.plan.dualpipe import dualpipe_v
+from megapipe.plan.dualpipe import dualpipe, dualpipe_v
 from megapipe.plan.seq1f1b import seq1f1b
 from megapipe.plan.zb_auto import zb_auto
 from megapipe.plan.zero_bubble import zb_h1, zb_h2, zb_v
@@ -131,6 +131,7 @@ class ScheduleSpec:
     segmented: bool = False  # runs Seq1F1B sequence segments (reads seq_segments)
     options: tuple[str, ...] = ()  # keyword options its generator takes
     microbatches_per_rank: int = 0  # least microbatches per pp rank (DualPipe: 2)
+    trains: bool = True  # False: simulated and planned only (DualPipe's two copies of a stage)
 
     @property
     def built_for_costs(self) -> bool:
@@ -156,6 +157,8 @@ class ScheduleSpec:
         least = self.microbatches_per_rank * pp
         if microbatches < least:
             return f"needs {key} >= {self.microbatches_per_rank}*pp = {least}, got {microbatches}"
+        if self.placement == "dual" and (pp % 2 or microbatches % 2):  # half go either way
+            return f"needs an even pp and an even {key}, got pp={pp} {key}={microbatches}"
         return None
 
 
@@ -174,6 +177,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "seq1f1b": ScheduleSpec(lambda pp, m, v, k: seq1f1b(pp, m, k), segmented=True),
     "dualpipe_v": ScheduleSpec(lambda pp, m, v, k: dualpipe_v(pp, m), chunks=(2, 2), placement="v",
                                split_backward=True, microbatches_per_rank=2),
+    "dualpipe": ScheduleSpec(lambda pp, m, v, k: dualpipe(pp, m), chunks=(2, 2), placement="dual",
+                             split_backward=True, microbatches_per_rank=2, trains=False),
     "pipedream_async": ScheduleSpec(lambda pp, m, v, k, **o: pipedream_async(pp, m, **o),
                                     options=("weight_sync",)),
 }  # fmt: skip
