@@ -138,15 +138,21 @@ def test_dualpipe_feeds_both_ends_and_its_halves_mirror():
 @pytest.mark.parametrize("x", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("overlap", [0.0, 0.5, 1.0])
 def test_deepseek_v3_table_2_dualpipe(x, overlap):
-    """Table 2's DualPipe row on PP devices, two chunks (stages) each: bubble
-    (PP/2−1)(F&B+B−3W), activations PP+1 chunks, equal F, B, W as in test_deepseek_v3_table_2."""
+    """Table 2's DualPipe row on PP devices, two stages each (a microbatch runs one of them per
+    device, so Costs are a stage's, as 1F1B's): bubble (PP/2−1)(F&B+B−3W), activations PP+1
+    stages' worth, equal F, B, W as in test_deepseek_v3_table_2."""
     F, W, B = x, x, 2 * x
     fb = F + B - overlap * W
     for PP in (4, 8, 16):
+        schedule = build_schedule("dualpipe", PP, 2 * PP, 2)
+        pairs = sum(a.pair for acts in schedule.values() for a in acts)
         dual = simulate(
-            build_schedule("dualpipe", PP, 2 * PP, 2),
-            Costs(F=2 * F, B=2 * x, W=2 * W, FB=2 * fb),
+            schedule,
+            Costs(F=F, B=x, W=W, FB=fb),
             placement("dualpipe", PP, 2),
         )
         assert max(dual.idle) == pytest.approx((PP / 2 - 1) * (fb + B - 3 * W))
-        assert max(dual.peak_inflight) * 2 == PP + 1
+        assert max(dual.peak_inflight) == PP + 1
+        one_f = simulate(build_schedule("1f1b", PP, 2 * PP), Costs(F=F, B=x, W=W), Placement(PP))
+        assert dual.makespan < one_f.makespan  # the same work, less the hidden F&B overlap:
+        assert sum(dual.busy) == pytest.approx(sum(one_f.busy) - overlap * W * pairs)

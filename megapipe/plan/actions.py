@@ -118,6 +118,12 @@ class Placement:
             return (stage, 0) if microbatch % 2 == 0 else (self.pp - 1 - stage, 1)
         return stage % self.pp, stage // self.pp
 
+    @property
+    def passes(self) -> int:
+        """Chunks of a rank one microbatch runs through (what a rank's share of the model, the
+        simulator's unit of cost and activations, is split over): one under ``dual``."""
+        return 1 if self.style == "dual" else self.vpp
+
     def runs(self, microbatch: int, chunk: int) -> bool:
         """Whether `microbatch` passes through local `chunk` (under ``dual``: its direction's)."""
         return self.style != "dual" or chunk == microbatch % 2

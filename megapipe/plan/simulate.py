@@ -116,7 +116,7 @@ def _segment_shares(k: int, shares: list[float] | None) -> list[float]:
 def action_cost(
     action: Action, stage: int, costs: Costs, placement: Placement, flop_shares: list[float]
 ) -> float:
-    cost = costs.base(action.kind, action.chunk, placement.vpp)
+    cost = costs.base(action.kind, action.chunk, placement.passes)
     if action.kind in (FORWARD, INPUT_GRAD, FULL_BACKWARD):
         cost += costs.first_stage * (stage == 0)
         cost += costs.last_stage * (stage == placement.num_stages - 1)
@@ -143,7 +143,7 @@ def pair_saving(dag: Dag, costs: Costs, placement: Placement) -> dict[int, float
     overlapping the pair hides; empty without pairs or without `costs.FB`."""
     if costs.FB is None or not dag.paired:
         return {}
-    v = placement.vpp
+    v = placement.passes
     saving = {}
     for b, f in dag.paired:
         apart = costs.base(FORWARD, dag.chunk[f], v) + costs.base(
@@ -173,7 +173,8 @@ def simulate(
     begin = [(start or {}).get(rank, 0.0) for rank in range(dag.pp)]
     timing = run(dag, table, delay, start=begin, saving=pair_saving(dag, costs, placement))
     timeline = list(zip(dag.rank, dag.actions, timing.start, timing.end))
-    shares = chunk_shares or {r: [1.0 / placement.vpp] * placement.vpp for r in range(dag.pp)}
+    share = 1.0 / placement.passes
+    shares = chunk_shares or {r: [share] * placement.vpp for r in range(dag.pp)}
     return _summarise(dag.pp, timeline, token_shares, shares)
 
 
