@@ -36,6 +36,7 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
     "1-to-tp2-sp": (mesh(), mesh(tp=2, **SP), []),
     "tp2-to-pp2-zb_v": (mesh(tp=2), mesh(pp=2, vpp=2, schedule="zb_v", microbatches=2), []),
     "pp4-1f1b-to-dp2-tp2": (mesh(pp=4, microbatches=4), mesh(dp=2, tp=2), []),
+    "pp2-dualpipe-to-dp2": (mesh(pp=2, vpp=2, schedule="dualpipe", microbatches=4), mesh(dp=2), []),
     "pp2-dualpipe_v-to-tp2": (
         mesh(pp=2, vpp=2, schedule="dualpipe_v", microbatches=4),
         mesh(tp=2),

@@ -40,7 +40,6 @@ COSTS_BUILT_MAX = 256
 COSTS_BUILT_MAX_PP = 8
 EXCLUDED = {
     "pipedream_async": "asynchronous weight updates (not the model one process trains)",
-    "dualpipe": "simulated only: the runtime holds each stage once (dualpipe_v trains)",
 }
 
 

@@ -131,7 +131,6 @@ class ScheduleSpec:
     segmented: bool = False  # runs Seq1F1B sequence segments (reads seq_segments)
     options: tuple[str, ...] = ()  # keyword options its generator takes
     microbatches_per_rank: int = 0  # least microbatches per pp rank (DualPipe: 2)
-    trains: bool = True  # False: simulated and planned only (DualPipe's two copies of a stage)
 
     @property
     def built_for_costs(self) -> bool:
@@ -178,7 +177,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "dualpipe_v": ScheduleSpec(lambda pp, m, v, k: dualpipe_v(pp, m), chunks=(2, 2), placement="v",
                                split_backward=True, microbatches_per_rank=2),
     "dualpipe": ScheduleSpec(lambda pp, m, v, k: dualpipe(pp, m), chunks=(2, 2), placement="dual",
-                             split_backward=True, microbatches_per_rank=2, trains=False),
+                             split_backward=True, microbatches_per_rank=2),
     "pipedream_async": ScheduleSpec(lambda pp, m, v, k, **o: pipedream_async(pp, m, **o),
                                     options=("weight_sync",)),
 }  # fmt: skip
