@@ -212,7 +212,7 @@ def test_pipeline_trains_like_one_process_8_ranks(gloo_pool, world, dp, tp, extr
         (pp("interleaved_1f1b", 2, 2), "interleaved_1f1b needs parallel.vpp >= 2"),
         (pp("zb_v", 2, 2), "zb_v needs parallel.vpp=2"),
         (pp("dualpipe_v", 2, 2, 2), r"dualpipe_v needs parallel.microbatches >= 2\*pp = 4, got 2"),
-        ([*pp("dualpipe", 2, 6, 2), *B12, "parallel.zero=2"], "set parallel.zero=0 or 1"),
+        ([*pp("dualpipe", 3, 6, 2), *B12, *L4], "dualpipe needs an even pp"),
         ([*pp("zb_v", 2, 2, 3), *L6], "zb_v needs parallel.vpp=2"),
         (pp("1f1b", 2, 2, 2), "runs one chunk per rank"),
         (pp("1f1b", 5, 1), "5 stages but the model has only 2 layers"),

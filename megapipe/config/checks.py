@@ -189,11 +189,6 @@ def _check_chunks(cfg: Config) -> None:
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
     problem = spec.microbatch_problem(p.pp, p.microbatches, key="parallel.microbatches")
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
-    _require(  # DualPipe's two copies of a stage sum whole grads (pipeline/dual.py)
-        spec.placement != "dual" or p.zero <= 1,
-        f"parallel.schedule={p.schedule} with parallel.zero={p.zero}: the two copies of each "
-        "stage sum whole grads; set parallel.zero=0 or 1",
-    )
     _check_schedule_costs(p.schedule_costs)
     _check_zb_memory(cfg)
 
