@@ -14,7 +14,11 @@ the second half of the ranks (the two halves mirror each other, as in deepseek-a
 
 A pair is marked on its forward (`Action.pair`): the simulator starts it once both inputs are
 there and, with `Costs.FB`, prices it as one overlapped unit; the runtime runs its F then its
-backward with the backward's receive posted before the F, so that message travels during the F.
+backward in turn (as torch's runtime runs OVERLAP_F_B without a custom function), with the
+backward's receive posted before the F, so on gloo and NCCL alike that message travels during
+the F; the compute of the two is not overlapped (DeepSeek's overlap hides expert-parallel
+all-to-all inside the pair, which megapipe's pipeline does not split out). The two copies of a
+DualPipe stage train as one (pipeline/dual.py).
 """
 
 from __future__ import annotations
