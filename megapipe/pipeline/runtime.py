@@ -8,11 +8,10 @@ count, as train/step.train_step). BW: take the output-grad (the last stage start
 backward, send the input-grad back. B/W (Zero Bubble, Qi et al. 2023 §2): B backpropagates the
 input-grad only while the linear layers queue their weight-grad work, W does that work later.
 Sends overlap the next action's compute (Megatron, Narayanan et al. 2021 §4.1); the receive the
-next action needs is posted in the same batch (for a DualPipe F&B pair, its backward's receive
-too: DeepSeek-V3 §3.2.1 overlaps a pair's communication with its compute). Each action's start
-and end are recorded. Once an output is handed to its send, the stash keeps only its autograd
-node: the (b, T, d) storage goes with the send (Megatron's deallocate_output_tensor), since
-backward starts from the received grad and never reads the output's values.
+next action needs is posted in the same batch. Each action's start and end are recorded. Once an
+output is handed to its send, the stash keeps only its autograd node: the (b, T, d) storage goes
+with the send (Megatron's deallocate_output_tensor), since backward starts from the received
+grad and never reads the output's values.
 
 Which stage a local chunk runs comes from the schedule's `Placement`, so the loop placement of
 interleaved 1F1B and the V placement of ZB-V run unchanged. Seq1F1B actions (Sun et al. 2024) run
@@ -134,11 +133,9 @@ class PipelineRuntime:
             t0, waited = time.perf_counter(), self.links.waited
             with sync or contextlib.nullcontext(), hooks.weights(action):
                 sends = self._handlers[action.kind](action)
-            # Send now, and post the receive the next action needs in the same batch; for an
-            # F&B pair (DualPipe), its backward's too, so that message travels during the F.
-            upcoming = actions[i + 1 : i + 2 + (i + 1 < len(actions) and actions[i + 1].pair)]
-            following = [m for m in map(self._input_message, upcoming) if m is not None]
-            self.links.exchange(sends, following)
+            following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None
+            # Send now, and post the receive the next action needs in the same batch.
+            self.links.exchange(sends, [following] if following else [])
             hooks.after(action)
             self.events.append(Event(action, t0, time.perf_counter(), self.links.waited - waited))
         self.links.flush()

@@ -13,12 +13,14 @@ pp/2 ranks at its distance from the nearer end, min(r, pp−1−r), its logical 
 the second half of the ranks (the two halves mirror each other, as in deepseek-ai/DualPipe).
 
 A pair is marked on its forward (`Action.pair`): the simulator starts it once both inputs are
-there and, with `Costs.FB`, prices it as one overlapped unit; the runtime runs its F then its
-backward in turn (as torch's runtime runs OVERLAP_F_B without a custom function), with the
-backward's receive posted before the F, so on gloo and NCCL alike that message travels during
-the F; the compute of the two is not overlapped (DeepSeek's overlap hides expert-parallel
-all-to-all inside the pair, which megapipe's pipeline does not split out). The two copies of a
-DualPipe stage train as one (pipeline/dual.py).
+there and, with `Costs.FB`, prices it as one overlapped unit (DeepSeek's pair hides the
+expert-parallel all-to-all and p2p of each half under the other's compute). The runtime, on
+gloo and NCCL alike, runs the pair's F then its backward in turn, as torch's runtime runs
+OVERLAP_F_B without a custom function: its p2p is already asynchronous (sends overlap the next
+action, the next receive is posted with them), and it has no all-to-all inside a chunk to hide,
+so nothing is overlapped beyond what every action gets; the F does not wait for the backward's
+input, so the runtime can only start a pair earlier than the simulation does. The two copies of
+a DualPipe stage train as one (pipeline/dual.py).
 """
 
 from __future__ import annotations
