@@ -156,3 +156,19 @@ def test_deepseek_v3_table_2_dualpipe(x, overlap):
         one_f = simulate(build_schedule("1f1b", PP, 2 * PP), Costs(F=F, B=x, W=W), Placement(PP))
         assert dual.makespan < one_f.makespan  # the same work, less the hidden F&B overlap:
         assert sum(dual.busy) == pytest.approx(sum(one_f.busy) - overlap * W * pairs)
+
+
+def test_dualpipe_partitions_the_model_into_pp_stages(tmp_path):
+    """Each stage held twice: pp stages, not pp·vpp (4 here: E | t | t | L fits 2 layers)."""
+    from megapipe.config.stages import partition, rank_blocks
+    from tests.parity import tiny_config
+
+    for balance in ("uniform", "cost"):
+        cfg = tiny_config(["parallel.pp=4", "parallel.vpp=2", "parallel.schedule=dualpipe",
+                           "parallel.microbatches=8", f"parallel.balance={balance}"],
+                          str(tmp_path))  # fmt: skip
+        stages = partition(cfg)
+        assert len(stages) == 4
+        assert [rank_blocks(cfg, r) for r in range(4)] == [
+            [stages[r], stages[3 - r]] for r in range(4)
+        ]
