@@ -35,7 +35,9 @@ Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (Pipe
 Interleaved1F1B → interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2); InterleavedZeroBubble, ZB-H1
 (Qi et al. 2023 §3.1) on two looped chunks → both our zero-bubble schedules at the same 1F1B
 memory: zb_h1 (ZB-H1 as in the paper, one chunk) and zb_v (two chunks, V placement);
-ZBVZeroBubble → zb_v (Qi et al. 2024); InterleavedZeroBubble → zb_auto 1p and 2p. Schedules
+ZBVZeroBubble → zb_v (Qi et al. 2024); InterleavedZeroBubble → zb_auto 1p and 2p; DualPipeV →
+dualpipe_v (DeepSeek-V3 §3.2.1: torch's order, whose F&B pairs both runtimes run in turn).
+Schedules
 are data, so our runtime also runs torch's own action orders (bench_schedules.torch_order):
 "runtime only" rows, same order on both sides.
 """
@@ -70,6 +72,8 @@ OURS = {  # our run -> (schedule giving the config and placement, vpp, torch ord
     "torch_order:Interleaved1F1B": ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
     "torch_order:InterleavedZeroBubble": ("interleaved_1f1b", 2, "ScheduleInterleavedZeroBubble"),
     "torch_order:ZBVZeroBubble": ("zb_v", 2, "ScheduleZBVZeroBubble"),
+    "dualpipe_v": ("dualpipe_v", 2, None),
+    "torch_order:DualPipeV": ("dualpipe_v", 2, "ScheduleDualPipeV"),  # its pairs unmarked
 }
 TORCH = {
     "ScheduleGPipe": (1, "loop"),
@@ -77,6 +81,7 @@ TORCH = {
     "ScheduleInterleaved1F1B": (2, "loop"),
     "ScheduleInterleavedZeroBubble": (2, "loop"),
     "ScheduleZBVZeroBubble": (2, "v"),
+    "ScheduleDualPipeV": (2, "v"),
 }
 BOTH, RUNTIME = "schedule + runtime", "runtime only"
 PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are timed next to it
@@ -91,6 +96,8 @@ PAIRS = [  # (torch schedule, our run, what differs); a torch run's peers are ti
     ("ScheduleInterleavedZeroBubble", "torch_order:InterleavedZeroBubble", RUNTIME),
     ("ScheduleZBVZeroBubble", "zb_v", BOTH),
     ("ScheduleZBVZeroBubble", "torch_order:ZBVZeroBubble", RUNTIME),
+    ("ScheduleDualPipeV", "dualpipe_v", RUNTIME),  # the same order, F&B pairs run in turn
+    ("ScheduleDualPipeV", "torch_order:DualPipeV", RUNTIME),  # read from torch, pairs unmarked
 ]
 
 

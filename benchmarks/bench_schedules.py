@@ -26,7 +26,7 @@ PEERS = [
     ("ScheduleInterleaved1F1B", "loop", [("interleaved_1f1b", 2, True)]),
     ("ScheduleInterleavedZeroBubble", "loop", [("zb_v", 2, True), ("zb_h1", 1, False)]),
     ("ScheduleZBVZeroBubble", "v", [("zb_v", 2, True)]),
-    ("ScheduleDualPipeV", "v", [("zb_v", 2, True)]),
+    ("ScheduleDualPipeV", "v", [("zb_v", 2, True), ("dualpipe_v", 2, True)]),
 ]
 TORCH_KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}  # torch "B" is the full backward
 Row = tuple[str, str, float, float]  # a proof row: claim, setting, closed form, simulated
@@ -124,7 +124,35 @@ def proof_rows() -> list[tuple[str, str, float, float]]:
         rows += _zb_v_rows(pp, m, unit) + _seq1f1b_rows(pp, m, unit)
     for pp, m in [(4, 16), (6, 24), (8, 32)]:  # Qi et al. 2024, Controllable Memory
         rows += _v_shape_rows(pp, m, unit)
+    rows += _dualpipe_rows()
     return rows
+
+
+def _dualpipe_rows() -> list[Row]:
+    """DeepSeek-V3 Table 2 (F, B full backward, W of a chunk; F&B a pair hiding half a W):
+    DualPipe's longest device idle (PP/2−1)(F&B+B−3W) and PP+1 chunks' activations on PP
+    devices, DualPipeV's on PP/2 devices of two chunks (the DualPipe README's row)."""
+    chunk, rows = Costs(F=1, B=1, W=1, FB=2.5), []
+    fb, b, w = 2.5, 2.0, 1.0
+    for PP in (8, 16):
+        setting = f"PP={PP} m={2 * PP} F=B/2=W=1 F&B=2.5"
+        dual = simulate(
+            build_schedule("dualpipe", PP, 2 * PP, 2), chunk, placement("dualpipe", PP, 2)
+        )
+        v_costs = Costs(F=2, B=2, W=2, FB=5)  # a rank's two chunks
+        vee = _ours_costs("dualpipe_v", PP // 2, 2 * PP, v_costs)
+        bubble = (PP / 2 - 1) * (fb + b - 3 * w)
+        rows += [
+            ("dualpipe idle (PP/2−1)(F&B+B−3W)", setting, bubble, max(dual.idle)),
+            ("dualpipe activations PP+1 chunks", setting, PP + 1, max(dual.peak_inflight)),
+            ("dualpipe_v idle (PP/2−1)(F&B+B−3W)", setting, bubble, max(vee.idle)),
+            ("dualpipe_v activations PP+1 chunks", setting, PP + 1, 2 * max(vee.peak_inflight)),
+        ]
+    return rows
+
+
+def _ours_costs(name: str, pp: int, m: int, costs: Costs) -> SimResult:
+    return simulate(build_schedule(name, pp, m, 2), costs, placement(name, pp, 2))
 
 
 def _gpipe_1f1b_rows(pp: int, m: int, unit: Costs) -> list[Row]:

@@ -65,6 +65,9 @@ OTHER_STEPS = {
         "model.arch=llama",
         "recompute.mode=full",
     ],
+    # DualPipeV (torch's order): F&B pairs, BW and B/W mixed, 2·pp+1 chunks in flight
+    "dualpipe_v": [*PIPELINE, "parallel.schedule=dualpipe_v", "parallel.vpp=2"],
+    "dualpipe": [*PIPELINE, "parallel.schedule=dualpipe", "parallel.vpp=2"],  # parameters 2×
     # no pipeline: one microbatch at a time (gradient accumulation)
     "dp2": ["parallel.dp=2", "parallel.microbatches=2"],
     # the distributed optimizer: each replica's AdamW moments are its 1/dp shard

@@ -56,6 +56,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-cp2-interleaved-llama", 1, 1, [*cp(2), *pp("interleaved_1f1b", 2, 2, 2), *LLAMA]),
         ("pp2-cp2-zb_v", 1, 1, [*cp(2), *pp("zb_v", 2, 4, 2)]),
         ("pp2-cp2-v_min", 1, 1, [*cp(2), *pp("v_min", 2, 4, 2)]),
+        ("pp2-cp2-dualpipe_v", 1, 1, [*cp(2), *pp("dualpipe_v", 2, 4, 2)]),
+        ("pp2-cp2-dualpipe", 1, 1, [*cp(2), *pp("dualpipe", 2, 4, 2)]),
     ],
     8: [
         ("dp2-cp2-tp2-sp", 2, 2, [*cp(2), *SP, *MB2]),

@@ -31,6 +31,8 @@ MESHES = {  # world -> {id: overrides}
         "zb_v": [*pp("zb_v", 2, 2), *L4],  # rank 0 holds stage 0 and the last: one tied table
         "v_min": [*pp("v_min", 4, 2), *L4, "parallel.schedule_costs=unit"],  # bitwise: one order
         "seq1f1b": [*pp("seq1f1b", 2), "parallel.seq_segments=2"],
+        "dualpipe_v": [*pp("dualpipe_v", 4, 2), *L4],
+        "dualpipe": pp("dualpipe", 4, 2),  # ranks 0 and 1 both hold stages 0 and 1
         "pipedream_async": [*pp("pipedream_async", 2), "model.tie_embeddings=false"],
     },
     4: {

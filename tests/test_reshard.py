@@ -38,6 +38,12 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
     "pp2-v_min-to-tp2": (mesh(pp=2, vpp=2, schedule="v_min", microbatches=4), mesh(tp=2), []),
     "dp2-to-pp2-v_half": (mesh(dp=2), mesh(pp=2, vpp=2, schedule="v_half", microbatches=4), []),
     "pp4-1f1b-to-dp2-tp2": (mesh(pp=4, microbatches=4), mesh(dp=2, tp=2), []),
+    "pp2-dualpipe-to-dp2": (mesh(pp=2, vpp=2, schedule="dualpipe", microbatches=4), mesh(dp=2), []),
+    "pp2-dualpipe_v-to-tp2": (
+        mesh(pp=2, vpp=2, schedule="dualpipe_v", microbatches=4),
+        mesh(tp=2),
+        [],
+    ),
     "dp2-cp2-to-dp4": (mesh(dp=2, cp=2), mesh(dp=4), []),
     "zero1-dp4-to-zero0-dp2": (mesh(dp=4, zero=1), mesh(dp=2), []),
     "interleaved-vpp2-to-vpp1": (

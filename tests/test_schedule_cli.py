@@ -131,13 +131,27 @@ def test_csv_round_trip(tmp_path):
         "--json",
     )
     assert first.returncode == 0, first.stderr
-    assert path.read_text().splitlines()[0] == "rank,index,kind,microbatch,chunk,segment,version"
+    header = "rank,index,kind,microbatch,chunk,segment,version,pair"
+    assert path.read_text().splitlines()[0] == header
     again = cli("--from-csv", str(path), "--placement", "v", "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout) == json.loads(first.stdout)
     wrong = cli("--from-csv", str(path), "--placement", "loop", "--json")
     assert wrong.returncode != 0  # a V order run on loop placement waits on itself
     assert wrong.stderr.startswith("error: deadlock: no rank can progress (rank 0 at B0.c1")
+
+
+def test_compare_shows_dualpipe_v_and_csv_keeps_its_pairs(tmp_path):
+    done = cli("--compare", "1f1b,zb_v,dualpipe_v", "--pp", "4", "--microbatches", "8", "--json")
+    as_json = json.loads(done.stdout)
+    assert as_json["dualpipe_v"]["makespan"] < as_json["1f1b"]["makespan"]
+    path = tmp_path / "dpv.csv"
+    args = ("--pp", "4", "--microbatches", "8", "--cost", "F=1,B=1,W=1,FB=2.5", "--json")
+    first = cli("--schedule", "dualpipe_v", "--vpp", "2", "--to-csv", str(path), *args)
+    assert first.returncode == 0, first.stderr
+    assert ",1\n" in path.read_text()  # paired forwards
+    again = cli("--from-csv", str(path), "--placement", "v", *args[4:])
+    assert json.loads(again.stdout) == json.loads(first.stdout)  # pairs priced as F&B again
 
 
 def test_bad_arguments_give_one_line_error():

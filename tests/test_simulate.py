@@ -214,7 +214,9 @@ def test_the_compiled_dag_times_what_the_walk_times(name):
     vpp, k = (1 if spec.chunks == (1, 1) else 2), (3 if spec.segmented else 1)
     costs = Costs(F=1.0, B=1.3, W=0.6, BW=None if spec.split_backward else 2.1, comm=0.15,
                   first_stage=0.2, last_stage=0.45)  # fmt: skip
-    for pp, m in [(1, 3), (3, 5), (4, 8)]:
+    for pp, m in [(1, 3), (3, 6), (4, 8)]:  # m >= 2·pp: dualpipe_v
+        if spec.microbatch_problem(pp, m):  # dualpipe: even pp and m
+            continue
         schedule = build_schedule(name, pp, m, vpp, k)
         place = placement(name, pp, vpp)
         shares = [0.5, 0.3, 0.2][:k] if k > 1 else [1.0]

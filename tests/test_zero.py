@@ -33,6 +33,7 @@ PIPELINE = {
         ("dp2-pp2-zb_v", 2, 1, [*ZERO, *pp("zb_v", 2, 2, 2)]),
         ("dp2-pp2-interleaved-clip", 2, 1, [*ZERO, *pp("interleaved_1f1b", 2, 2, 2), *CLIP]),
         ("dp2-pp2-zb_h2-m3", 2, 1, [*ZERO, *pp("zb_h2", 2, 3), *B12]),
+        ("dp2-pp2-dualpipe-clip", 2, 1, [*ZERO, *pp("dualpipe", 2, 4, 2), *CLIP]),
     ],
     8: [("dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*ZERO, *pp("zb_v", 2, 2, 2), *GQA2, *SP])],
 }

@@ -45,7 +45,7 @@ from megapipe.plan.simulate import Costs, SimResult, multi_iteration, simulate
 from megapipe.plan.validate import validate
 from megapipe.plan.zb_auto import peak_memory
 
-CSV_COLUMNS = ["rank", "index", "kind", "microbatch", "chunk", "segment", "version"]
+CSV_COLUMNS = ["rank", "index", "kind", "microbatch", "chunk", "segment", "version", "pair"]
 
 
 def write_csv(schedule: Schedule, path: str) -> None:
@@ -63,6 +63,7 @@ def write_csv(schedule: Schedule, path: str) -> None:
                         a.chunk,
                         "" if a.segment is None else a.segment,
                         "" if a.version is None else a.version,
+                        int(a.pair),  # DualPipe F&B pair with the next action
                     ]
                 )
 
@@ -80,6 +81,7 @@ def read_csv(path: str) -> Schedule:
                 int(row["chunk"]),
                 int(row["segment"]) if row.get("segment") else None,
                 int(row["version"]) if row.get("version") else None,
+                row.get("pair") == "1",
             )
             rows.setdefault(int(row["rank"]), []).append((int(row["index"]), action))
     return {rank: [a for _, a in sorted(items)] for rank, items in sorted(rows.items())}
@@ -88,7 +90,7 @@ def read_csv(path: str) -> Schedule:
 def shape_for(name: str, vpp: int, seq_segments: int) -> tuple[int, int]:
     """(vpp, seq_segments) that ``name`` accepts, so --compare can mix schedules."""
     least, most = SCHEDULES[name].chunks
-    if least == most > 1:  # exactly this many chunks: zb_v, v_half, v_min (V placement)
+    if least == most > 1:  # exactly two chunks: zb_v, v_half, v_min, dualpipe_v, dualpipe
         return least, 1
     if name == "interleaved_1f1b":
         return max(vpp, 2), 1

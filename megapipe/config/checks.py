@@ -188,6 +188,8 @@ def _check_chunks(cfg: Config) -> None:
             f"rank), got {p.vpp}"
         )
     _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
+    problem = spec.microbatch_problem(p.pp, p.microbatches, key="parallel.microbatches")
+    _require(problem is None, f"parallel.schedule={p.schedule} {problem}")
     _check_schedule_costs(p.schedule_costs)
     _check_zb_memory(cfg)
 

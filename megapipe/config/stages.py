@@ -22,9 +22,10 @@ from megapipe.plan.simulate import Costs
 def partition(
     cfg: Config, n_stages: int | None = None, costs: Sequence[float] | None = None
 ) -> list[range]:
-    """One contiguous block range per global stage (default pp·vpp stages), covering 0..L+1."""
+    """One contiguous block range per global stage (default the placement's: pp·vpp, or pp
+    under DualPipe's two copies of each stage), covering 0..L+1."""
     p = cfg.parallel
-    n_stages = p.pp * p.vpp if n_stages is None else n_stages
+    n_stages = placement_of(cfg).num_stages if n_stages is None else n_stages
     if costs is None and p.balance.strip() == "cost":
         costs = block_costs_from_flops(cfg)
     try:
@@ -119,7 +120,7 @@ def check_partition(cfg: Config) -> None:
     p = cfg.parallel
     if p.balance.strip() == "cost":  # the DP always succeeds once the count fits
         try:
-            blocks.check_stage_count(p.pp * p.vpp, cfg.model.n_layers)
+            blocks.check_stage_count(placement_of(cfg).num_stages, cfg.model.n_layers)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     else:

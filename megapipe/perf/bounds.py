@@ -216,7 +216,9 @@ class Bounds:
                     for b in stages]  # fmt: skip
             self._stage_costs[key] = ([x[0] for x in per], [x[1] for x in per], head, tail, acts)
         total, fb, head, tail, stage_acts = self._stage_costs[key]
-        mb = cfg.parallel.microbatches
+        # microbatches through each local chunk: all, or under DualPipe's dual placement the
+        # half going that chunk's way (a microbatch runs one chunk per rank)
+        mb = cfg.parallel.microbatches * place.passes / place.vpp
         ends, chain, acts, spans, firsts = [], 0.0, [], [], []
         n = place.num_stages
         for r in range(place.pp):
@@ -224,7 +226,8 @@ class Bounds:
             low = min(own)
             ends.append(head[low] + mb * sum(total[s] for s in own))
             chain = max(chain, head[low] + mb * sum(fb[s] for s in own) + tail[low])
-            acts.append(sum(stage_acts[s] for s in own))
+            one = [stage_acts[s] for s in own]  # one microbatch's: every chunk, or one (dual)
+            acts.append(sum(one) if place.passes == place.vpp else min(one))
             spans.append(head[n] - head[low] + tail[n] - tail[low])
             firsts.append(stage_acts[low])
         return ends, chain, acts, spans, firsts

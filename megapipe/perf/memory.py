@@ -25,7 +25,7 @@ from megapipe.config.stages import schedule_costs
 from megapipe.perf.pipeline import ScheduleKey, schedule_dag
 from megapipe.plan.dag import KIND_INDEX, run
 from megapipe.plan.schedules import placement
-from megapipe.plan.simulate import Costs, cost_table
+from megapipe.plan.simulate import Costs, cost_table, pair_saving
 from megapipe.train import memory as train_memory
 
 KINDS = {index: kind for kind, index in KIND_INDEX.items()}
@@ -95,7 +95,7 @@ def timeline(cfg: Config) -> Timeline:
 def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
     dag, place = schedule_dag(key), placement(key.schedule, key.pp, key.vpp)
     table, delay = cost_table(dag, costs, place)
-    timing = run(dag, table, delay)
+    timing = run(dag, table, delay, saving=pair_saving(dag, costs, place))
     out: Timeline = {r: [] for r in range(dag.pp)}
     for i in range(dag.size):
         out[dag.rank[i]].append(

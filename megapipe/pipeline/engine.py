@@ -26,6 +26,7 @@ from megapipe.parallel.data.zero import make_reducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
+from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
 from megapipe.pipeline.p2p import StageLinks
 from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
 from megapipe.pipeline.stages import build_chunks
@@ -108,10 +109,13 @@ class Pipeline:
 
     def sync_shared_grads(self) -> None:
         self.tied.sync_grads()
+        sync_twin_grads(self.chunks, self.runtime.placement, self.mesh)  # DualPipe (dual.py)
 
     def grads_counted_once(self) -> list[torch.Tensor]:
-        """Each logical grad once over pp × tp: the last stage's tied copy is left out."""
-        return [g for c in self.chunks for g in grads_counted_once(c, c.tied_copy_names())]
+        """Each logical grad once over pp × tp: the last stage's tied copy is left out, and
+        DualPipe's up copies (dual.py)."""
+        chunks = counted_chunks(self.chunks, self.runtime.placement)
+        return [g for c in chunks for g in grads_counted_once(c, c.tied_copy_names())]
 
     def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss summed on the last stage, on every pp rank (the others add 0)."""
@@ -130,6 +134,8 @@ class Pipeline:
         its summed cross entropy on the last stage, else 0."""
         rt, loss = self.runtime, 0.0
         for c in sorted(range(len(self.chunks)), key=rt.stages.__getitem__):
+            if not rt.placement.runs(mb, c):  # DualPipe: the copy of mb's direction only
+                continue
             stage = rt.stages[c]
             x = m.inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
             last = stage == rt.last_stage

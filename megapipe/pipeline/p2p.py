@@ -53,8 +53,9 @@ class StageLinks:
         self.arrivals: dict[int, deque[Message]] = {}  # source pp rank -> messages due, in order
         self.waited = 0.0  # seconds spent in `take` waiting for receives (runtime events)
 
-    def _rank_of(self, stage: int) -> int:
-        return self.placement.locate(stage)[0]
+    def _rank_of(self, stage: int, microbatch: int) -> int:
+        """The pp rank holding `stage` (for DualPipe's two copies: `microbatch`'s direction)."""
+        return self.placement.locate(stage, microbatch)[0]
 
     def expect(self, arrivals: dict[int, list[Message]] | None) -> None:
         """The order each source rank sends in this step (None: receives posted on demand)."""
@@ -62,7 +63,7 @@ class StageLinks:
 
     def _due(self, msg: Message) -> list[Message]:
         """`msg` and every message its sender sends before it that is not yet posted."""
-        src = self._rank_of(msg.source_stage())
+        src = self._rank_of(msg.source_stage(), msg.microbatch)
         queue = self.arrivals.get(src)
         if not queue:
             return [msg]
@@ -79,7 +80,9 @@ class StageLinks:
         return (self.shape[0], self.segments[msg.segment], *self.shape[2:])  # (b, n_i, d)
 
     def is_local(self, msg: Message) -> bool:
-        return self._rank_of(msg.source_stage()) == self._rank_of(msg.dest_stage())
+        return self._rank_of(msg.source_stage(), msg.microbatch) == self._rank_of(
+            msg.dest_stage(), msg.microbatch
+        )
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> None:
         """Post the sends and (not yet posted) receives as one batch; local ones go to memory."""
@@ -88,7 +91,7 @@ class StageLinks:
             if self.is_local(msg):
                 self.local[msg] = tensor
                 continue
-            peer = self.peers[self._rank_of(msg.dest_stage())]
+            peer = self.peers[self._rank_of(msg.dest_stage(), msg.microbatch)]
             ops.append(dist.P2POp(dist.isend, tensor, peer))
             posted.append((None, tensor))
         for msg in recvs:
@@ -96,7 +99,7 @@ class StageLinks:
                 continue
             for due in self._due(msg):
                 buf = torch.empty(self._shape(due), dtype=self.dtype, device=self.device)
-                peer = self.peers[self._rank_of(due.source_stage())]
+                peer = self.peers[self._rank_of(due.source_stage(), due.microbatch)]
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
                 posted.append((due, buf))
         if not ops:

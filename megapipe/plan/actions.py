@@ -11,6 +11,7 @@ Compact action format (``str(action)``), read left to right::
     BW3       full backward (input-grad and weight-grad together)
     F3s2      forward of sequence segment 2 of microbatch 3 (Seq1F1B)
     F3@5      forward of microbatch 3 with weight version 5 (PipeDream async)
+    F3&       forward of microbatch 3 paired with the next action: an F&B pair (DualPipe)
 
 The chunk suffix is left out for chunk 0, the segment suffix for unsegmented schedules and the
 version suffix for synchronous schedules, so ``F3.c1s2@5`` is the longest form.
@@ -25,7 +26,7 @@ from typing import NamedTuple
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD = "F", "B", "W", "BW"
 KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, FULL_BACKWARD)
 
-_ACTION_RE = re.compile(r"^(BW|F|B|W)(\d+)(?:\.c(\d+))?(?:s(\d+))?(?:@(\d+))?$")
+_ACTION_RE = re.compile(r"^(BW|F|B|W)(\d+)(?:\.c(\d+))?(?:s(\d+))?(?:@(\d+))?(&)?$")
 
 
 class Action(NamedTuple):
@@ -36,6 +37,9 @@ class Action(NamedTuple):
     chunk: int = 0
     segment: int | None = None  # Seq1F1B sequence segment; None when unsegmented
     version: int | None = None  # PipeDream weight version; None for flushed schedules
+    # DualPipe (DeepSeek-V3 §3.2.1): this forward and the next action on its rank (a backward
+    # of another chunk) form one overlapped F&B pair, which starts once both inputs are there
+    pair: bool = False
 
     def __str__(self) -> str:
         text = f"{self.kind}{self.microbatch}"
@@ -45,7 +49,7 @@ class Action(NamedTuple):
             text += f"s{self.segment}"
         if self.version is not None:
             text += f"@{self.version}"
-        return text
+        return text + "&" * self.pair
 
     @property
     def seg(self) -> int:
@@ -63,13 +67,14 @@ class Action(NamedTuple):
         match = _ACTION_RE.match(text.strip())
         if match is None:
             raise ValueError(f"bad action {text!r}: expected e.g. F3, B3.c1, BW3s2, F3@5")
-        kind, mb, chunk, seg, ver = match.groups()
+        kind, mb, chunk, seg, ver, pair = match.groups()
         return Action(
             kind,
             int(mb),
             int(chunk or 0),
             None if seg is None else int(seg),
             None if ver is None else int(ver),
+            pair is not None,
         )
 
 
@@ -84,6 +89,9 @@ class Placement:
     c·pp + r, so a microbatch loops over all ranks v times.
     ``v`` (Zero Bubble ZB-V, Qi et al. 2024): two chunks; rank r holds stage r as chunk 0 and stage
     2·pp−1−r as chunk 1, so the first and last stage share rank 0.
+    ``dual`` (DualPipe, DeepSeek-V3 §3.2.1): the model in pp stages, each held twice; rank r holds
+    stage r as chunk 0 for the microbatches going down (even ones, entering at rank 0) and stage
+    pp−1−r as chunk 1 for those going up (odd ones, entering at rank pp−1).
     """
 
     pp: int
@@ -92,18 +100,33 @@ class Placement:
 
     @property
     def num_stages(self) -> int:
-        return self.pp * self.vpp
+        return self.pp if self.style == "dual" else self.pp * self.vpp
 
     def stage(self, rank: int, chunk: int) -> int:
         if self.style == "v":
             return rank if chunk == 0 else 2 * self.pp - 1 - rank
+        if self.style == "dual":
+            return rank if chunk == 0 else self.pp - 1 - rank
         return chunk * self.pp + rank
 
-    def locate(self, stage: int) -> tuple[int, int]:
-        """Inverse of ``stage``: the (rank, chunk) holding a global stage."""
+    def locate(self, stage: int, microbatch: int = 0) -> tuple[int, int]:
+        """Inverse of ``stage``: the (rank, chunk) holding a global stage (under ``dual``, the
+        copy that `microbatch`'s direction runs)."""
         if self.style == "v":
             return (stage, 0) if stage < self.pp else (2 * self.pp - 1 - stage, 1)
+        if self.style == "dual":
+            return (stage, 0) if microbatch % 2 == 0 else (self.pp - 1 - stage, 1)
         return stage % self.pp, stage // self.pp
+
+    @property
+    def passes(self) -> int:
+        """Chunks of a rank one microbatch runs through (what a rank's share of the model, the
+        simulator's unit of cost and activations, is split over): one under ``dual``."""
+        return 1 if self.style == "dual" else self.vpp
+
+    def runs(self, microbatch: int, chunk: int) -> bool:
+        """Whether `microbatch` passes through local `chunk` (under ``dual``: its direction's)."""
+        return self.style != "dual" or chunk == microbatch % 2
 
     def as_dict(self) -> dict[tuple[int, int], int]:
         return {(r, c): self.stage(r, c) for r in range(self.pp) for c in range(self.vpp)}

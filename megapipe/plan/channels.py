@@ -26,11 +26,11 @@ def channel_orders(schedule: Schedule, placement: Placement) -> tuple[dict, dict
         for a in actions:
             stage = placement.stage(rank, a.chunk)
             if (msg := sent(a, stage, last)) is not None:
-                peer = placement.locate(msg.dest_stage())[0]
+                peer = placement.locate(msg.dest_stage(), msg.microbatch)[0]
                 if peer != rank:
                     sends[(rank, peer)].append(msg)
             if (msg := received(a, stage, last)) is not None:
-                peer = placement.locate(msg.source_stage())[0]
+                peer = placement.locate(msg.source_stage(), msg.microbatch)[0]
                 if peer != rank:
                     recvs[(peer, rank)].append(msg)
     return dict(sends), dict(recvs)

@@ -45,6 +45,8 @@ class Dag:
     messages: tuple[tuple[int, int, int, int], ...]  # key -> (src rank, dst rank, seg, grad)
     sends: tuple[int, ...]  # message key the action sends to another rank, -1 for none
     cost_index: tuple[int, ...]  # key(stage, kind, seg) of each action
+    # DualPipe F&B pairs (Action.pair): (backward's node index, its forward's index)
+    paired: tuple[tuple[int, int], ...] = ()
 
     @property
     def size(self) -> int:
@@ -100,8 +102,10 @@ class _DagRecorder:
         self.needs: list[tuple[tuple[int, int], ...]] = []
         self.sends: list[int] = []
         self.message_keys: dict[tuple[int, int, int, int], int] = {}
-        self.send_keys: dict[tuple[str, int | None, int], int] = {}  # (kind, segment, stage)
+        # (kind, segment, stage, chunk): a stage and chunk have one rank (DualPipe: two copies)
+        self.send_keys: dict[tuple[str, int | None, int, int], int] = {}
         self.last_on_rank: dict[int, int] = {}
+        self.paired: dict[int, int] = {}
 
     def message_key(self, src: int, dst: int, seg: int, grad: bool) -> int:
         """The key of the message (src rank, dst rank, segment, grad), new keys numbered 0, 1, …"""
@@ -120,14 +124,19 @@ class _DagRecorder:
             else:  # message_key, inlined: this runs for every action of every simulation
                 msg = keys.setdefault((src, rank, seg, int(event[0] == "G")), len(keys))
                 deps.append((producer, msg))
+        prev = self.last_on_rank.get(rank, -1 - rank)
+        if prev >= 0 and self.actions[prev].pair:
+            self.paired[node] = prev
         self.actions.append(a)
         ranks.append(rank)
         self.stage.append(stage)
-        self.prev.append(self.last_on_rank.get(rank, -1 - rank))
+        self.prev.append(prev)
         self.needs.append(tuple(deps))
-        send = self.send_keys.get((a.kind, a.segment, stage))
+        send = self.send_keys.get((a.kind, a.segment, stage, a.chunk))
         if send is None:  # what a (kind, segment) sends from a stage is the same each time
-            send = self.send_keys[a.kind, a.segment, stage] = self._send_key(rank, a, stage)
+            send = self.send_keys[a.kind, a.segment, stage, a.chunk] = self._send_key(
+                rank, a, stage
+            )
         self.sends.append(send)
         self.last_on_rank[rank] = node
         return node
@@ -137,7 +146,7 @@ class _DagRecorder:
         out = sent(a, stage, self.last_stage)
         if out is None:
             return -1
-        dst = self.placement.locate(out.dest_stage())[0]
+        dst = self.placement.locate(out.dest_stage(), a.microbatch)[0]
         return -1 if dst == rank else self.message_key(rank, dst, a.seg, out.grad)
 
     def dag(self, segments: int) -> Dag:
@@ -161,6 +170,7 @@ class _DagRecorder:
             messages=tuple(sorted(self.message_keys, key=self.message_keys.get)),
             sends=tuple(self.sends),
             cost_index=tuple(cost_index),
+            paired=tuple(self.paired.items()),
         )
 
 
@@ -187,10 +197,12 @@ def run(
     delay: list[float],
     extra: list[float] | None = None,
     start: list[float] | None = None,
+    saving: dict[int, float] | None = None,
 ) -> Timing:
     """Time `dag`: action i costs cost[dag.key(stage, kind, seg)] (+ extra[message it sends],
-    which its rank spends sending: blocking p2p); a message with key k arrives delay[k] after
-    its producer ends; rank r may begin at start[r] (default 0)."""
+    which its rank spends sending: blocking p2p) − saving[i] (the part of a DualPipe F&B pair
+    that overlapping hides, taken off its backward); a message with key k arrives delay[k]
+    after its producer ends; rank r may begin at start[r] (default 0)."""
     n = dag.size
     # end[-1 − r] = start[r]: the "previous action" of rank r's first
     end = [0.0] * n + (list(reversed(start)) if start is not None else [0.0] * dag.pp)
@@ -206,7 +218,7 @@ def run(
             arrive = end[producer] + wait[msg]
             if arrive > t:
                 t = arrive
-        c = cost[k]
+        c = cost[k] - saving.get(i, 0.0) if saving else cost[k]
         busy[r] += c
         begin[i] = t
         end[i] = t + c + send[s]

@@ -4,7 +4,8 @@ Every generator takes (pp, microbatches, ...) and returns one ordered action lis
 registry ``SCHEDULES`` (each schedule with its own chunk and option rules, which the config
 checks read) and ``build_schedule`` are the entry points, ``placement`` says which global stage
 each (rank, chunk) holds. Zero Bubble lives in zero_bubble.py (hand-made) and zb_auto.py
-(automatic), V-Half and V-Min in controllable_memory.py, Seq1F1B in seq1f1b.py.
+(automatic), V-Half and V-Min in controllable_memory.py, Seq1F1B in seq1f1b.py, DualPipe
+and DualPipeV in dualpipe.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megapipe.plan.actions import (
     one_f_one_b_order,
 )
 from megapipe.plan.controllable_memory import v_half, v_min
+from megapipe.plan.dualpipe import dualpipe, dualpipe_v
 from megapipe.plan.seq1f1b import seq1f1b
 from megapipe.plan.zb_auto import zb_auto
 from megapipe.plan.zero_bubble import zb_h1, zb_h2, zb_v
@@ -130,6 +132,7 @@ class ScheduleSpec:
     split_backward: bool = False  # emits B and W instead of BW (Zero Bubble)
     segmented: bool = False  # runs Seq1F1B sequence segments (reads seq_segments)
     options: tuple[str, ...] = ()  # keyword options its generator takes
+    microbatches_per_rank: int = 0  # least microbatches per pp rank (DualPipe: 2)
 
     @property
     def built_for_costs(self) -> bool:
@@ -146,6 +149,17 @@ class ScheduleSpec:
             return f"needs exactly {least} chunks per rank ({key}={least}), got {key}={vpp}"
         if vpp < least:  # interleaving loops over several chunks (Narayanan et al. 2021 §2.2)
             return f"needs {key} >= {least}, got {key}={vpp}"
+        return None
+
+    def microbatch_problem(
+        self, pp: int, microbatches: int, key: str = "microbatches"
+    ) -> str | None:
+        """Why `microbatches` cannot run this schedule on `pp` ranks (None: they can)."""
+        least = self.microbatches_per_rank * pp
+        if microbatches < least:
+            return f"needs {key} >= {self.microbatches_per_rank}*pp = {least}, got {microbatches}"
+        if self.placement == "dual" and (pp % 2 or microbatches % 2):  # half go either way
+            return f"needs an even pp and an even {key}, got pp={pp} {key}={microbatches}"
         return None
 
 
@@ -167,6 +181,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "v_half": ScheduleSpec(lambda pp, m, v, k, **o: v_half(pp, m, **o), **V_SHAPE_BLOCK),
     "v_min": ScheduleSpec(lambda pp, m, v, k, **o: v_min(pp, m, **o), **V_SHAPE_BLOCK),
     "seq1f1b": ScheduleSpec(lambda pp, m, v, k: seq1f1b(pp, m, k), segmented=True),
+    "dualpipe_v": ScheduleSpec(lambda pp, m, v, k: dualpipe_v(pp, m), chunks=(2, 2), placement="v",
+                               split_backward=True, microbatches_per_rank=2),
+    "dualpipe": ScheduleSpec(lambda pp, m, v, k: dualpipe(pp, m), chunks=(2, 2), placement="dual",
+                             split_backward=True, microbatches_per_rank=2),
     "pipedream_async": ScheduleSpec(lambda pp, m, v, k, **o: pipedream_async(pp, m, **o),
                                     options=("weight_sync",)),
 }  # fmt: skip
@@ -193,7 +211,7 @@ def build_schedule(
         raise ValueError(f"seq_segments must be >= 1, got {seq_segments}")
     if seq_segments > 1 and not spec.segmented:
         raise ValueError(f"seq_segments={seq_segments} needs schedule seq1f1b, not {name}")
-    if (problem := spec.chunk_problem(vpp)) is not None:
+    if problem := spec.chunk_problem(vpp) or spec.microbatch_problem(pp, microbatches):
         raise ValueError(f"{name} {problem}")
     if unknown := set(opts) - set(spec.options):
         raise ValueError(f"{name} takes no option {', '.join(sorted(unknown))}")

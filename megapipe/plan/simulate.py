@@ -49,6 +49,9 @@ class Costs:
     B: Cost = 1.0
     W: Cost = 1.0
     BW: Cost | None = None  # full backward; None means B + W
+    # DualPipe's F&B (DeepSeek-V3 Table 2): an overlapped forward + full backward pair;
+    # None: F + BW, nothing hidden (megapipe's runtime runs a pair's two computes in turn)
+    FB: float | None = None
     comm: float = 0.0  # p2p latency between different ranks
     first_stage: float = 0.0  # embedding, added to F and B/BW of stage 0
     last_stage: float = 0.0  # LM head + loss, added to F and B/BW of the last stage
@@ -65,12 +68,13 @@ class Costs:
 
     @staticmethod
     def parse(text: str) -> Costs:
-        """``"F=1,B=1.2,W=0.8,comm=0.1"`` -> Costs (keys: F, B, W, BW, comm, first, last)."""
+        """``"F=1,B=1.2,W=0.8,comm=0.1"`` -> Costs (keys: F, B, W, BW, FB, comm, first, last)."""
         names = {
             "F": "F",
             "B": "B",
             "W": "W",
             "BW": "BW",
+            "FB": "FB",
             "comm": "comm",
             "first": "first_stage",
             "last": "last_stage",
@@ -112,7 +116,7 @@ def _segment_shares(k: int, shares: list[float] | None) -> list[float]:
 def action_cost(
     action: Action, stage: int, costs: Costs, placement: Placement, flop_shares: list[float]
 ) -> float:
-    cost = costs.base(action.kind, action.chunk, placement.vpp)
+    cost = costs.base(action.kind, action.chunk, placement.passes)
     if action.kind in (FORWARD, INPUT_GRAD, FULL_BACKWARD):
         cost += costs.first_stage * (stage == 0)
         cost += costs.last_stage * (stage == placement.num_stages - 1)
@@ -134,6 +138,21 @@ def cost_table(
     return table, [costs.comm] * len(dag.messages)
 
 
+def pair_saving(dag: Dag, costs: Costs, placement: Placement) -> dict[int, float]:
+    """Per F&B pair's backward node: F + BW − F&B of its chunks (DeepSeek-V3 §3.2.1), the time
+    overlapping the pair hides; empty without pairs or without `costs.FB`."""
+    if costs.FB is None or not dag.paired:
+        return {}
+    v = placement.passes
+    saving = {}
+    for b, f in dag.paired:
+        apart = costs.base(FORWARD, dag.chunk[f], v) + costs.base(
+            dag.actions[b].kind, dag.chunk[b], v
+        )
+        saving[b] = max(0.0, apart - costs.FB / v)
+    return saving
+
+
 def simulate(
     schedule: Schedule | Dag,
     costs: Costs,
@@ -152,9 +171,10 @@ def simulate(
     token_shares = _segment_shares(dag.segments, token_shares)
     table, delay = cost_table(dag, costs, placement, flop_shares)
     begin = [(start or {}).get(rank, 0.0) for rank in range(dag.pp)]
-    timing = run(dag, table, delay, start=begin)
+    timing = run(dag, table, delay, start=begin, saving=pair_saving(dag, costs, placement))
     timeline = list(zip(dag.rank, dag.actions, timing.start, timing.end))
-    shares = chunk_shares or {r: [1.0 / placement.vpp] * placement.vpp for r in range(dag.pp)}
+    share = 1.0 / placement.passes
+    shares = chunk_shares or {r: [share] * placement.vpp for r in range(dag.pp)}
     return _summarise(dag.pp, timeline, token_shares, shares)
 
 

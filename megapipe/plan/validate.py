@@ -22,11 +22,11 @@ from megapipe.plan.walk import ScheduleError, produced_events, walk
 __all__ = ["ScheduleError", "check_progress", "validate"]
 
 
-def _check_complete(schedule: Schedule, pp: int, m: int, v: int, k: int) -> None:
+def _check_complete(schedule: Schedule, pp: int, m: int, v: int, k: int, where: Placement) -> None:
     if sorted(schedule) != list(range(pp)):
         raise ScheduleError(f"schedule has ranks {sorted(schedule)}, expected 0..{pp - 1}")
     segs = range(k) if k > 1 else [0]
-    expected = {(mb, c, s) for mb in range(m) for c in range(v) for s in segs}
+    expected = {(mb, c, s) for mb in range(m) for c in range(v) for s in segs if where.runs(mb, c)}
     for rank, actions in schedule.items():
         counts = Counter((a.kind, a.unit) for a in actions)
         for a in actions:
@@ -44,6 +44,18 @@ def _check_complete(schedule: Schedule, pp: int, m: int, v: int, k: int) -> None
             split = counts[(INPUT_GRAD, unit)] + counts[(WEIGHT_GRAD, unit)]
             if not counts[(FULL_BACKWARD, unit)] and split != 2:
                 raise ScheduleError(f"rank {rank}: missing backward (BW or B+W) for {name}")
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    """A DualPipe F&B pair (DeepSeek-V3 §3.2.1) is a forward followed by a B or BW."""
+    for rank, actions in schedule.items():
+        for a, b in zip(actions, [*actions[1:], None]):
+            if a.pair and (
+                a.kind != FORWARD or b is None or b.kind not in (INPUT_GRAD, FULL_BACKWARD)
+            ):
+                raise ScheduleError(
+                    f"rank {rank}: {a} is paired but not a forward before a B or BW"
+                )
 
 
 def _check_versions(schedule: Schedule) -> None:
@@ -81,7 +93,7 @@ def check_progress(schedule: Schedule, placement: Placement) -> None:
 def _raise_if_same_rank(rank, action, missing, later, placement) -> None:
     """A dependency on this rank that is still ahead in its own list can never be met."""
     for what, mb, stage, seg in missing:
-        owner, chunk = placement.locate(stage)
+        owner, chunk = placement.locate(stage, mb)
         if owner != rank:
             continue
         for b in later:
@@ -96,6 +108,7 @@ def validate(
 ) -> None:
     """Raise ScheduleError (one line: rank, action, rule) unless the schedule is runnable."""
     placement = placement or Placement(pp, v)
-    _check_complete(schedule, pp, m, v, k)
+    _check_complete(schedule, pp, m, v, k, placement)
+    _check_pairs(schedule)
     _check_versions(schedule)
     check_progress(schedule, placement)

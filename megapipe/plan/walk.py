@@ -2,10 +2,11 @@
 and buffered, so only receives wait (docs/architecture.md, Invariants).
 
 An action may start once the events it needs have happened: the message it receives (the one
-rule of messages.py) and the work on its own stage it depends on. `walk` advances every rank
-as far as it can until none can; validate.py (order and deadlock checks) and dag.py (the DAG
-that simulate.py and the performance model time) are two callbacks on this one walk, so they
-cannot disagree about what may run.
+rule of messages.py) and the work on its own stage it depends on; the forward of a DualPipe F&B
+pair (Action.pair) also waits for what its backward needs, so the pair starts as one unit.
+`walk` advances every rank as far as it can until none can; validate.py (order and deadlock
+checks) and dag.py (the DAG that simulate.py and the performance model time) are two callbacks
+on this one walk, so they cannot disagree about what may run.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ def walk(schedule: Schedule, placement: Placement, run: Run, blocked: Blocked | 
                 a = actions[heads[rank]]
                 stage = placement.stage(rank, a.chunk)
                 needs = required_events(a, stage, placement.num_stages, segments)
+                if a.pair and heads[rank] + 1 < len(actions):  # an F&B pair starts as one
+                    b = actions[heads[rank] + 1]
+                    b_stage = placement.stage(rank, b.chunk)
+                    needs = needs + required_events(b, b_stage, placement.num_stages, segments)
                 if any(e not in finished for e in needs):
                     if blocked is not None:
                         blocked(rank, heads[rank], needs, finished)

@@ -1,0 +1,61 @@
+"""DualPipe's two copies of every stage: one gradient, the same step on both.
+
+Under the "dual" placement (DeepSeek-V3 §3.2.1) rank r runs stage r for the microbatches going
+down (chunk 0) and stage pp−1−r for those going up (chunk 1), so each stage's parameters live on
+two ranks, r and pp−1−r, as chunk 0 of one and chunk 1 of the other (parameters 2×). Like the
+tied embedding (tied.py) the two copies start equal (weights from (seed, name)), their grads are
+summed after backward in one order on both (the down copy's first), so they stay bitwise equal
+through the optimizer; the grad norm and checkpoints count the down copy only (chunk 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.distributed.mesh import rank_at
+from megapipe.plan.actions import Placement
+
+TWIN_TAG = (1 << 30) + 1  # the twin grad exchange (pipeline messages 0, the tied table 1 << 30)
+
+
+def counted_chunks(chunks: list[nn.Module], placement: Placement) -> list[nn.Module]:
+    """The chunks whose parameters this rank counts (norm): all, or under dual the down copy."""
+    return chunks[:1] if placement.style == "dual" else chunks
+
+
+def sync_twin_grads(chunks: list[nn.Module], placement: Placement, mesh) -> None:
+    """Under dual: sum each chunk's grads with its twin's on pp rank pp−1−r (chunk 1−c)."""
+    if placement.style != "dual" or placement.pp == 1:
+        return
+    grads = [[_grad(p) for p in chunk.parameters()] for chunk in chunks]
+    mine = torch.cat([g.reshape(-1) for gs in grads for g in gs])
+    theirs = _exchange(mine, placement.pp - 1 - mesh.coord("pp"), mesh)
+    # theirs is [twin's chunk 0 | twin's chunk 1] = [copy of my chunk 1 | copy of my chunk 0]
+    sizes = [sum(g.numel() for g in gs) for gs in grads]
+    twin = dict(zip((1, 0), theirs.split(sizes[::-1])))
+    for c, (chunk, gs) in enumerate(zip(chunks, grads)):
+        down, up = (torch.cat([g.reshape(-1) for g in gs]), twin[c])[:: 1 if c == 0 else -1]
+        total = down + up  # the down copy first, on both holders: bitwise-equal copies
+        for p, piece in zip(chunk.parameters(), total.split([g.numel() for g in gs])):
+            p.grad = piece.view_as(p).clone()
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _exchange(flat: torch.Tensor, peer_pp: int, mesh) -> torch.Tensor:
+    """Send this rank's flat grads to its twin pp rank, receive the twin's."""
+    peer = rank_at(mesh.sizes, **{**mesh.coords, "pp": peer_pp})
+    theirs = torch.empty_like(flat)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, flat, peer, tag=TWIN_TAG),
+            dist.P2POp(dist.irecv, theirs, peer, tag=TWIN_TAG),
+        ]
+    )
+    for work in works:
+        work.wait()
+    return theirs
