@@ -11,13 +11,10 @@ through the optimizer; the grad norm and checkpoints count the down copy only (c
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megapipe.distributed.mesh import rank_at
+from megapipe.pipeline.p2p import TWIN_TAG, swap_with_pp_peer
 from megapipe.plan.actions import Placement
-
-TWIN_TAG = (1 << 30) + 1  # the twin grad exchange (pipeline messages 0, the tied table 1 << 30)
 
 
 def counted_chunks(chunks: list[nn.Module], placement: Placement) -> list[nn.Module]:
@@ -31,7 +28,7 @@ def sync_twin_grads(chunks: list[nn.Module], placement: Placement, mesh) -> None
         return
     grads = [[_grad(p) for p in chunk.parameters()] for chunk in chunks]
     mine = torch.cat([g.reshape(-1) for gs in grads for g in gs])
-    theirs = _exchange(mine, placement.pp - 1 - mesh.coord("pp"), mesh)
+    theirs = swap_with_pp_peer(mine, placement.pp - 1 - mesh.coord("pp"), mesh, TWIN_TAG)
     # theirs is [twin's chunk 0 | twin's chunk 1] = [copy of my chunk 1 | copy of my chunk 0]
     sizes = [sum(g.numel() for g in gs) for gs in grads]
     twin = dict(zip((1, 0), theirs.split(sizes[::-1])))
@@ -44,18 +41,3 @@ def sync_twin_grads(chunks: list[nn.Module], placement: Placement, mesh) -> None
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
-
-
-def _exchange(flat: torch.Tensor, peer_pp: int, mesh) -> torch.Tensor:
-    """Send this rank's flat grads to its twin pp rank, receive the twin's."""
-    peer = rank_at(mesh.sizes, **{**mesh.coords, "pp": peer_pp})
-    theirs = torch.empty_like(flat)
-    works = dist.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, flat, peer, tag=TWIN_TAG),
-            dist.P2POp(dist.irecv, theirs, peer, tag=TWIN_TAG),
-        ]
-    )
-    for work in works:
-        work.wait()
-    return theirs

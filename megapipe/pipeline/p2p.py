@@ -27,6 +27,25 @@ from megapipe.distributed.mesh import rank_at
 from megapipe.plan.actions import Placement
 from megapipe.plan.messages import Message
 
+# Tags of the exchanges outside the schedule's messages (which go untagged, 0), so a grad swap
+# never matches a pipeline message posted to the same peer.
+TIED_TAG = 1 << 30  # the tied embedding's two copies (tied.py)
+TWIN_TAG = (1 << 30) + 1  # dualpipe's two copies of each stage (dual.py)
+
+
+def swap_with_pp_peer(tensor: torch.Tensor, peer_pp: int, mesh, tag: int) -> torch.Tensor:
+    """Send `tensor` to the rank at pp coordinate `peer_pp` (same dp, cp, tp) and return the
+    tensor of the same shape it sends back: one batched isend/irecv pair."""
+    peer = rank_at(mesh.sizes, **{**mesh.coords, "pp": peer_pp})
+    theirs = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor, peer, tag=tag),
+        dist.P2POp(dist.irecv, theirs, peer, tag=tag),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return theirs
+
 
 class StageLinks:
     """This rank's p2p endpoints: prefetched receives, pending sends, the local mailbox."""

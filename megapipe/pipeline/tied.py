@@ -8,14 +8,10 @@ same step. Which parameter is the copy is the model's knowledge (models/gpt.py: 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from megapipe.distributed.mesh import rank_at
+from megapipe.pipeline.p2p import TIED_TAG, swap_with_pp_peer
 from megapipe.plan.actions import Placement
-
-TIED_TAG = 1 << 30  # the tied-embedding grad exchange (pipeline messages go untagged, 0)
 
 
 class TiedEmbedding:
@@ -40,21 +36,9 @@ class TiedEmbedding:
         if len(self.copies) == 1:
             (mine,) = self.copies
             other = self.last if mine == 0 else 0
-            grads[other] = self._exchange(grads[mine], self.placement.locate(other)[0])
+            grads[other] = swap_with_pp_peer(
+                grads[mine], self.placement.locate(other)[0], self.mesh, TIED_TAG
+            )
         total = grads[0] + grads[self.last]  # one order on both holders: bitwise-equal copies
         for w in self.copies.values():
             w.grad = total.clone()
-
-    def _exchange(self, grad: torch.Tensor, peer_pp: int) -> torch.Tensor:
-        """Send this copy's grad to the pp rank holding the other copy; receive its grad."""
-        peer = rank_at(self.mesh.sizes, **{**self.mesh.coords, "pp": peer_pp})
-        theirs = torch.empty_like(grad)
-        works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, grad, peer, tag=TIED_TAG),
-                dist.P2POp(dist.irecv, theirs, peer, tag=TIED_TAG),
-            ]
-        )
-        for work in works:
-            work.wait()
-        return theirs
