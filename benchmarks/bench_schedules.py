@@ -3,6 +3,7 @@
     python -m benchmarks.bench schedules                 # peer comparison (markdown)
     python -m benchmarks.bench schedules --proofs        # closed forms from the papers vs simulated
     python -m benchmarks.bench schedules --plots docs    # timeline PNGs for docs/
+    python -m benchmarks.bench schedules --summary       # a row per schedule (docs/)
 
 torch's schedule classes compute their action order in ``_calculate_single_rank_operations``
 from a few attributes; we set those on a bare instance (no process group, no stages), read the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from megapipe.cli.schedule import shape_for
 from megapipe.plan.actions import Action, Placement, Schedule
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, SimResult, simulate
@@ -269,6 +271,52 @@ def proof_table() -> str:
     return "\n".join(lines)
 
 
+# What each schedule's paper states of its memory and bubble, beside the simulated row (p ranks,
+# m microbatches; peak activations in microbatches of one rank's share of the layers).
+PAPER = {
+    "gpipe": "peak m; bubble (p−1)/(m+p−1) (GPipe §2.2)",
+    "1f1b": "peak p; bubble (p−1)/(m+p−1) (PipeDream-2BW §2.2, DAPPLE)",
+    "interleaved_1f1b": "peak p(1+(p−1)/(pv)); bubble ((p−1)/v)/(m+(p−1)/v) (Megatron-LM §2.2)",
+    "zb_h1": "peak p; idle (p−1)(F+B−W), B the input backward (Zero Bubble §3.1)",
+    "zb_h2": "peak 2p−1; idle ≈ 0 (Zero Bubble §3.1)",
+    "zb_v": "peak p; idle ≈ 0 at F=B=W (Zero Bubble §4 / Controllable Memory V-ZB)",
+    "zb_auto": "list schedule under a memory limit (Zero Bubble §3.2)",
+    "v_half": "peak (p+2)//2; bubble rate ≈ p/(2m) (Controllable Memory)",
+    "v_min": "peak (p+4)//3; bubble rate ≈ 2p/(3m) (Controllable Memory)",
+    "dualpipe_v": "activations 2p+1 chunks; idle (p/2−1)(F&B+B−3W), B the full backward "
+    "(DeepSeek-V3 Table 2)",
+    "dualpipe": "parameters 2×; activations p+1; idle (p/2−1)(F&B+B−3W), B the full backward "
+    "(DeepSeek-V3 Table 2)",
+    "seq1f1b": "k sequence segments: activations and bubble about 1/k of 1F1B's (Seq1F1B §3)",
+    "pipedream_async": "no flush: 1F1B order, weights stashed per microbatch (PipeDream §3.3)",
+}
+
+
+def summary_table(pp: int = 4, m: int = 16, segments: int = 2) -> str:
+    """One row per registered schedule at F = B = W = 1: makespan, bubble fraction, peak
+    activations, p2p messages per microbatch (stage boundaries that cross ranks, forward and
+    backward, per sequence segment) and parameters per rank, beside the paper's statement."""
+    unit = Costs()
+    lines = [
+        f"| schedule (p={pp}, m={m}) | makespan | bubble | peak activations | p2p messages per "
+        "microbatch | parameters per rank | the paper |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, spec in SCHEDULES.items():
+        vpp, k = shape_for(name, 2, segments)
+        where = placement(name, pp, vpp)
+        result = simulate(build_schedule(name, pp, m, vpp, k), unit, where)
+        hops = sum(
+            where.locate(s, 0)[0] != where.locate(s + 1, 0)[0] for s in range(where.num_stages - 1)
+        )
+        params = "2×" if spec.placement == "dual" else "1×"
+        lines.append(
+            f"| `{name}` | {result.makespan:g} | {result.bubble_fraction:.3f} | "
+            f"{max(result.peak_inflight):g} | {2 * hops * k} | {params} | {PAPER.get(name, '')} |"
+        )
+    return "\n".join(lines)
+
+
 def write_plots(folder: str) -> list[str]:
     from megapipe.pipeline.plot import save_timelines
 
@@ -307,8 +355,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cost", default="F=1,B=1,W=1,comm=0")
     parser.add_argument("--proofs", action="store_true", help="print the proof table instead")
     parser.add_argument("--plots", metavar="DIR", help="also write timeline PNGs into DIR")
+    parser.add_argument("--summary", action="store_true", help="print one row per schedule")
     args = parser.parse_args(argv)
-    if args.proofs:
+    if args.summary:
+        print(summary_table())
+    elif args.proofs:
         print(proof_table())
     else:
         table, losses = peer_table(Costs.parse(args.cost))

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megapipe.plan.schedules import SCHEDULES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -164,3 +166,18 @@ def test_bench_schedules_runs():
     done = cli("schedules", "--proofs", tool=("-m", "benchmarks.bench"))
     assert done.returncode == 0, done.stderr
     assert "zb_h1 idle per rank" in done.stdout
+
+
+def test_summary_has_a_row_per_schedule_with_its_memory_and_messages():
+    """docs/pipeline-schedules.md's table: every registered schedule, the V placements'
+    messages twice 1F1B's, dualpipe's parameters twice."""
+    done = cli("schedules", "--summary", tool=("-m", "benchmarks.bench"))
+    assert done.returncode == 0, done.stderr
+    rows = {
+        line.split("|")[1].strip(" `"): [cell.strip() for cell in line.split("|")[2:-1]]
+        for line in done.stdout.strip().splitlines()[2:]
+    }
+    assert set(rows) == set(SCHEDULES)
+    assert rows["1f1b"][3] == "6" and rows["zb_v"][3] == "12" and rows["v_min"][3] == "12"
+    assert rows["dualpipe"][4] == "2×" and rows["1f1b"][4] == "1×"
+    assert float(rows["v_min"][2]) < float(rows["v_half"][2]) < float(rows["1f1b"][2])
