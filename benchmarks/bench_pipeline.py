@@ -275,6 +275,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     theirs = {t: {"step_s": med(wall[t]), "cpu_s": med(cpu[t])} for t, _, _ in pairs}
     table = _pair_rows(pairs, ours, theirs, wall)
     spread = _check_spread(result["checks"])
+    same = _same_order_rows(result["spans"], wall)
     return {
         "setup": {
             "pp": PP,
@@ -288,6 +289,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
         "ours": ours,
         "torch": theirs,
         "pairs": table,
+        "same_order": same,
         "loss_and_grad_norm_max_rel_diff": spread,
         "wall_s": wall,
         "cpu_s": cpu,
@@ -338,6 +340,31 @@ def _pair_rows(pairs: list, ours: dict, theirs: dict, wall: dict) -> list[dict]:
     ]
 
 
+def _same_order_rows(spans: dict, wall: dict) -> list[dict]:
+    """Pairs of our runs that ran the same actions on every rank (interleaved_1f1b and torch's
+    Interleaved1F1B order at pp=2, m=8): an A/A control, so the spread of their per-round
+    ratio is this run's noise floor for every ours / torch ratio."""
+    from megapipe.pipeline import timeline
+
+    ran = {name: timeline.ran(steps[-1]) for name, steps in spans.items() if steps}
+    names = list(ran)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if ran[a] == ran[b] and OURS[a][1] == OURS[b][1]:
+                ratios = sorted(x / y for x, y in zip(wall[a], wall[b]))
+                rows.append(
+                    {
+                        "a": a,
+                        "b": b,
+                        "paired_ratio": statistics.median(ratios),
+                        "min": ratios[0],
+                        "max": ratios[-1],
+                    }
+                )
+    return rows
+
+
 def _check_spread(checks: dict) -> float:
     """The largest relative difference of any run's loss or grad norm from the first run's."""
     runs = list(checks.values())
@@ -381,6 +408,12 @@ def markdown(s: dict) -> str:
             f"| {_label(name, s)} | {o['measured_makespan_s'] * 1e3:.0f} | "
             f"{o['simulated_makespan_s'] * 1e3:.0f} | {o['fidelity_error']:+.1%} | "
             f"{o['measured_bubble']:.3f} | {o['simulated_bubble']:.3f} |"
+        )
+    for r in s.get("same_order", []):
+        lines.append(
+            f"\nsame actions, same runtime (A/A): {_label(r['a'], s)} / {_label(r['b'], s)} "
+            f"per-round ratio {r['paired_ratio']:.2f} (rounds {r['min']:.2f}-{r['max']:.2f}): "
+            "a gap this size between ours and torch is noise"
         )
     lines.append(
         f"\nloss and grad norm, all runs: max relative difference "
