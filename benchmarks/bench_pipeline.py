@@ -30,6 +30,10 @@ microbatch is 2×128 tokens and stages exchange 256 KB activations.
   simulate.py runs the actions that ran, with those costs (no comm cost), against the measured
   makespan, per step.
 - Bubble: measured 1 − busy/(p·makespan) from the spans beside the simulated one.
+- Noise floor (A/A): our runs that ran the same actions on every rank (interleaved_1f1b and
+  torch's Interleaved1F1B order at pp=2, m=8) are timed against each other; on a shared
+  machine their per-round ratio spreads as far as any ours / torch ratio
+  (docs/benchmarks/2026-11-26-interleaved-runtime-cpu.md).
 
 Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (PipeDream-Flush);
 Interleaved1F1B → interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2); InterleavedZeroBubble, ZB-H1
