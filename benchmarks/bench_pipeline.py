@@ -30,6 +30,10 @@ microbatch is 2×128 tokens and stages exchange 256 KB activations.
   simulate.py runs the actions that ran, with those costs (no comm cost), against the measured
   makespan, per step.
 - Bubble: measured 1 − busy/(p·makespan) from the spans beside the simulated one.
+- Noise floor (A/A): our runs that ran the same actions on every rank (interleaved_1f1b and
+  torch's Interleaved1F1B order at pp=2, m=8) are timed against each other; on a shared
+  machine their per-round ratio spreads as far as any ours / torch ratio
+  (docs/benchmarks/2026-11-26-interleaved-runtime-cpu.md).
 
 Pairs (torch → ours): GPipe → gpipe (Huang et al. 2019); 1F1B → 1f1b (PipeDream-Flush);
 Interleaved1F1B → interleaved_1f1b v=2 (Narayanan et al. 2021 §2.2); InterleavedZeroBubble, ZB-H1
@@ -282,6 +286,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
     theirs = {t: {"step_s": med(wall[t]), "cpu_s": med(cpu[t])} for t, _, _ in pairs}
     table = _pair_rows(pairs, ours, theirs, wall)
     spread = _check_spread(result["checks"])
+    same = _same_order_rows(result["spans"], wall)
     return {
         "setup": {
             "pp": PP,
@@ -295,6 +300,7 @@ def summarise(result: dict, steps: int, warmup: int, pairs: list) -> dict:
         "ours": ours,
         "torch": theirs,
         "pairs": table,
+        "same_order": same,
         "loss_and_grad_norm_max_rel_diff": spread,
         "wall_s": wall,
         "cpu_s": cpu,
@@ -345,6 +351,31 @@ def _pair_rows(pairs: list, ours: dict, theirs: dict, wall: dict) -> list[dict]:
     ]
 
 
+def _same_order_rows(spans: dict, wall: dict) -> list[dict]:
+    """Pairs of our runs that ran the same actions on every rank (interleaved_1f1b and torch's
+    Interleaved1F1B order at pp=2, m=8): an A/A control, so the spread of their per-round
+    ratio is this run's noise floor for every ours / torch ratio."""
+    from megapipe.pipeline import timeline
+
+    ran = {name: timeline.ran(steps[-1]) for name, steps in spans.items() if steps}
+    names = list(ran)
+    rows = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if ran[a] == ran[b] and OURS[a][1] == OURS[b][1]:
+                ratios = sorted(x / y for x, y in zip(wall[a], wall[b]))
+                rows.append(
+                    {
+                        "a": a,
+                        "b": b,
+                        "paired_ratio": statistics.median(ratios),
+                        "min": ratios[0],
+                        "max": ratios[-1],
+                    }
+                )
+    return rows
+
+
 def _check_spread(checks: dict) -> float:
     """The largest relative difference of any run's loss or grad norm from the first run's."""
     runs = list(checks.values())
@@ -388,6 +419,12 @@ def markdown(s: dict) -> str:
             f"| {_label(name, s)} | {o['measured_makespan_s'] * 1e3:.0f} | "
             f"{o['simulated_makespan_s'] * 1e3:.0f} | {o['fidelity_error']:+.1%} | "
             f"{o['measured_bubble']:.3f} | {o['simulated_bubble']:.3f} |"
+        )
+    for r in s.get("same_order", []):
+        lines.append(
+            f"\nsame actions, same runtime (A/A): {_label(r['a'], s)} / {_label(r['b'], s)} "
+            f"per-round ratio {r['paired_ratio']:.2f} (rounds {r['min']:.2f}-{r['max']:.2f}): "
+            "a gap this size between ours and torch is noise"
         )
     lines.append(
         f"\nloss and grad norm, all runs: max relative difference "
