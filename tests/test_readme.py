@@ -32,7 +32,9 @@ def test_every_config_key_is_in_the_reference():
         documented = _documented_keys(f.read())
     for section, section_type in typing.get_type_hints(Config).items():
         for key in dataclasses.fields(section_type):
-            assert f"{section}.{key.name}" in documented, f"docs/configuration.md lacks {section}.{key.name}"
+            assert f"{section}.{key.name}" in documented, (
+                f"configuration.md lacks {section}.{key.name}"
+            )
 
 
 def test_ci_runs_the_readme_test_command():
