@@ -16,7 +16,7 @@ probe_fits.py, calibrate.py) and the projection of small meshes against measured
   stretches). That guards the
   mechanism (units, the profile for the world size, the run's parsing), not the 15% target:
   step times on a shared CI machine are not a pass/fail criterion at 15%, so the measured local
-  truth is a benchmark, `python -m benchmarks.bench local` (README, Scaling projections).
+  truth is a benchmark, `python -m benchmarks.bench local` (docs/planner.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The README stays true: its two commands, every config key documented, .ci/run runs command 2."""
+"""The README stays true: its two commands, .ci/run runs command 2; docs/configuration.md documents
+every config key."""
 
 import dataclasses
 import os
@@ -27,10 +28,13 @@ def _documented_keys(text: str) -> set[str]:
 
 
 def test_every_config_key_is_in_the_reference():
-    documented = _documented_keys(_readme())
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
+        documented = _documented_keys(f.read())
     for section, section_type in typing.get_type_hints(Config).items():
         for key in dataclasses.fields(section_type):
-            assert f"{section}.{key.name}" in documented, f"README lacks {section}.{key.name}"
+            assert f"{section}.{key.name}" in documented, (
+                f"configuration.md lacks {section}.{key.name}"
+            )
 
 
 def test_ci_runs_the_readme_test_command():

@@ -157,7 +157,7 @@ def test_flat_range_as_rectangles_covers_it_once(shape):
 
 def test_zero1_without_replicas_runs_as_zero0(tmp_path):
     """dp·cp = 1 leaves nothing to shard: zero=1 builds the plain optimizer and trains the
-    same steps as zero=0 (README, parallel.zero)."""
+    same steps as zero=0 (docs/parallelism.md, "Memory")."""
     import torch
 
     from megapipe.parallel.data.zero import ShardedOptimizer

@@ -1,6 +1,6 @@
 """Scaling studies: a sweep of node counts and meshes, launched locally, under SLURM or by a
 user's command, and reported beside the performance model's projection
-(`python tools/scaling_study.py run|collect|report`; README, "Scaling studies").
+(`python tools/scaling_study.py run|collect|report`; docs/scaling-studies.md).
 
 - `spec.py`: the study file (base config, points, weak or strong, steps, launcher) read into
   resolved points, each with its overrides, or its one-line error; `auto` meshes from the
