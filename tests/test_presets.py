@@ -45,7 +45,7 @@ def test_named_presets_have_their_shapes_size(name):
     assert n / 1e6 == pytest.approx(millions, rel=0.005), n
 
 
-@pytest.mark.parametrize("name", sorted(NAMED))
+@pytest.mark.parametrize("name", sorted([*NAMED, "gpt3_13b"]))
 def test_header_projection_is_what_the_planner_prints(name, tmp_path, capsys):
     text = Path(ROOT, "configs", f"{name}.yaml").read_text()
     assert "# Hardware:" in text and "Projected on 8 x H100" in text, name

@@ -14,15 +14,18 @@ import ast
 import dataclasses
 import inspect
 import io
+import re
 import sys
 import tokenize
 import typing
 from pathlib import Path
 
-from megapipe.config import schema
+from megapipe.config import load_config, schema
 from megapipe.config.checks import CHOICES, range_words
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "configuration.md"
+PROJECTED = re.compile(r"([\d.]+) s a step, ([\d.]+[kM]?) tokens/s")  # a preset header's
 
 HEADER = """\
 # Configuration
@@ -117,9 +120,37 @@ def section_table(name: str, cls: type) -> list[str]:
     return lines + [""]
 
 
+def presets_table() -> list[str]:
+    """One row per configs/*.yaml: what its header calls it and the model and data it sets."""
+    lines = [
+        "## Presets",
+        "",
+        "Each preset's header gives what it is, the command that prepares its data, the hardware",
+        "it assumes, the planner's projected step time and tokens/s on 8 H100s (with the",
+        "`tools/plan.py search` command that prints them) and a published reference loss where",
+        "one exists.",
+        "",
+        "| preset | what | arch | layers x d | heads (kv) | d_ff | vocab | seq | data | 8 x H100 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        text = path.read_text()
+        first = text.splitlines()[0].lstrip("# ")
+        projected = PROJECTED.search(text)
+        speed = f"{projected[1]} s/step, {projected[2]} tokens/s" if projected else ""
+        what = first.split(" (")[0].split(":")[0]
+        cfg = load_config(str(path))
+        m, d = cfg.model, cfg.derived
+        data = cfg.data.path if cfg.data.source == "memmap" else cfg.data.source
+        row = [f"`configs/{path.name}`", what, m.arch, f"{m.n_layers} x {m.d_model}"]
+        row += [f"{m.n_heads} ({d.n_kv_heads})", str(d.d_ff), str(m.vocab_size), str(m.seq_len)]
+        lines.append("| " + " | ".join(_cell(c) for c in [*row, f"`{data}`", speed]) + " |")
+    return lines + [""]
+
+
 def render() -> str:
-    """The whole page, from the schema as it is now."""
-    lines = [HEADER]
+    """The whole page, from the schema and the presets as they are now."""
+    lines = [HEADER, *presets_table()]
     for name, cls in typing.get_type_hints(schema.Config).items():
         lines += section_table(name, cls)
     return "\n".join(lines)
