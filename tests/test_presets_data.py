@@ -1,8 +1,9 @@
 """Every preset's data chain, fed from a small local fixture: the prepare_data command its
 header gives is run (in-process) with the corpus swapped for a local one, the tokenizer for an
-offline fixture of the same vocabulary (`gpt2` is looked up by id in a local Hub cache holding
-50257 ids, EOS 50256), one worker and the output in tmp; then the preset's own data and model
-config (seq_len made small) draw a batch. The missing-data hint names the same command."""
+offline fixture of the same vocabulary (`gpt2` and Llama 3's are looked up by id in a local Hub
+cache holding 50257 ids, EOS 50256, and 128256 ids, EOS 128001), one worker and the output in
+tmp; then the preset's own data and model config (seq_len made small) draw a batch. The
+missing-data hint names the same command."""
 
 import json
 import re
@@ -18,6 +19,7 @@ from tests.test_hub_offline import cache_hub_tokenizer, word_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = re.compile(r"^#\s+(python tools/prepare_data\.py .*)$", re.MULTILINE)
 SEQ_LEN = 32
+LLAMA3 = "meta-llama/Meta-Llama-3-8B"  # configs/llama_8b.yaml's tokenizer, by Hub id
 
 
 def preset_commands() -> dict[str, str]:
@@ -63,10 +65,13 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     cache = cache_hub_tokenizer(tmp_path / "hub", "gpt2", word_tokenizer(50257, 50256))
+    # Llama 3's tokenizer: 128256 ids, its <|end_of_text|> at 128001
+    cache_hub_tokenizer(cache, LLAMA3, word_tokenizer(128256, 128001))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     corpus = write_txt(tmp_path, make_docs(6, seed=4))
     commands = preset_commands()
-    assert {"gpt2_124m", "gpt2_350m", "gpt2_1.3b", "gpt3_13b", "llama_1b"} <= set(commands)
+    presets = {"gpt2_124m", "gpt2_350m", "gpt2_1.3b", "gpt3_13b", "llama_1b", "llama_8b"}
+    assert presets <= set(commands)
     prepared: dict[str, Path] = {}  # presets sharing a command share its dataset
     for preset, command in commands.items():
         cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"))
@@ -93,4 +98,4 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
         assert (
             int(batch.max()) < cfg.model.vocab_size and meta["vocab_size"] <= cfg.model.vocab_size
         )
-    assert len(prepared) == 2  # GPT-2's tokenizer and the Llama preset's 32000
+    assert len(prepared) == 3  # GPT-2's tokenizer, llama_1b's 32000 pieces, Llama 3's tokenizer

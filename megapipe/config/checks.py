@@ -30,6 +30,19 @@ DATA_SOURCES = ("synthetic", "memmap")
 DATA_SAMPLERS = ("epochs", "random")  # data/sample_index.py; data/loader.py's draw
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE_ACTIONS = ("skip", "stop")
+WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.arch": ARCHS,
+    "parallel.schedule": tuple(SCHEDULES),
+    "parallel.weight_sync": WEIGHT_SYNCS,
+    "recompute.mode": RECOMPUTE_MODES,
+    "train.dtype": DTYPES,
+    "train.on_nonfinite": NONFINITE_ACTIONS,
+    "data.source": DATA_SOURCES,
+    "data.sampler": DATA_SAMPLERS,
+    "log.wandb": WANDB_MODES,
+}
+"""The keys whose value is one of a fixed list (the configuration reference prints them)."""
 
 
 def validate(cfg: Config) -> None:
@@ -78,10 +91,10 @@ def _check_values(cfg: Config) -> None:
         if bounds is not None and value not in bounds:
             unit = f" {bounds.unit}" if bounds.unit else ""
             note = f" ({bounds.note})" if bounds.note else ""
-            raise ConfigError(f"{name} must be {_range(bounds)}{unit}{note}, got {value}")
+            raise ConfigError(f"{name} must be {range_words(bounds)}{unit}{note}, got {value}")
 
 
-def _range(b: Bounds) -> str:
+def range_words(b: Bounds) -> str:
     """The range in words: `>= 1`, `> 0`, `in [0, 1)`."""
     if b.low is not None and b.high is not None:
         left, right = "(" if b.low_open else "[", ")" if b.high_open else "]"
@@ -229,7 +242,7 @@ def _check_pipedream(cfg: Config) -> None:
     """PipeDream (Narayanan et al. SOSP'19 §3.3): each stage steps on its own after every
     microbatch, so parameters shared by two stages (a tied embedding) cannot stay one tensor."""
     p = cfg.parallel
-    _one_of("parallel.weight_sync", p.weight_sync, ("stash", "vertical"))
+    _one_of("parallel.weight_sync", p.weight_sync, WEIGHT_SYNCS)
     _require(
         p.weight_sync == "stash" or "weight_sync" in SCHEDULES[p.schedule].options,
         f"parallel.weight_sync={p.weight_sync} applies to parallel.schedule=pipedream_async "

@@ -63,36 +63,47 @@ def bounds_of(f: dataclasses.Field) -> Bounds | None:
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt2"  # gpt2 | llama
-    n_layers: int = bounded(2, low=1)
-    d_model: int = bounded(64, low=1)
-    n_heads: int = bounded(4, low=1)
-    n_kv_heads: int = bounded(0, low=0, note="0: model.n_heads")  # 0: same as n_heads (MHA)
-    d_ff: int = bounded(0, low=0, note="0: default")  # 0: 4·d (gpt2), Llama 2/3·4·d to 64
-    vocab_size: int = bounded(256, low=2)
-    seq_len: int = bounded(32, low=1)
-    tie_embeddings: bool = True
+    # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no biases
+    arch: str = "gpt2"
+    n_layers: int = bounded(2, low=1)  # transformer layers
+    d_model: int = bounded(64, low=1)  # hidden size
+    n_heads: int = bounded(4, low=1)  # attention heads; must divide model.d_model
+    # key/value heads for grouped-query attention; 0: model.n_heads (MHA); must divide n_heads
+    n_kv_heads: int = bounded(0, low=0, note="0: model.n_heads")
+    # MLP hidden size; 0: 4·d (gpt2) or 8/3·d rounded up to 64 (llama)
+    d_ff: int = bounded(0, low=0, note="0: default")
+    vocab_size: int = bounded(256, low=2)  # vocabulary; must cover every token id in the data
+    seq_len: int = bounded(32, low=1)  # training context length in tokens
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weight
+    # dropout on embeddings, attention probabilities and residual branches
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
-    norm_eps: float = bounded(1e-5, low=0, low_open=True)
+    norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
 
 
 @dataclass
 class ParallelConfig:
-    dp: int = bounded(1, low=1)
-    pp: int = bounded(1, low=1)
-    cp: int = bounded(1, low=1)
-    tp: int = bounded(1, low=1)
+    dp: int = bounded(1, low=1)  # data-parallel replicas; world size = dp·pp·cp·tp
+    pp: int = bounded(1, low=1)  # pipeline stages
+    cp: int = bounded(1, low=1)  # context-parallel ranks: the sequence split over them (ring)
+    tp: int = bounded(1, low=1)  # tensor-parallel ranks (Megatron's column/row split)
     vpp: int = bounded(1, low=1)  # model chunks (virtual stages) per pipeline rank
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # pipeline schedule (docs/pipeline-schedules.md)
+    # microbatches per step on each dp rank (gradient accumulation)
     microbatches: int = bounded(1, low=1)
+    # Megatron sequence parallelism: the norm/dropout regions split over the tp ranks by sequence
     sequence_parallel: bool = False
-    balance: str = "uniform"  # uniform | llama3 | cost | explicit layout "E,t|t,L"
+    # layer placement over stages: uniform | llama3 | cost | explicit layout "E,t|t,L"
+    balance: str = "uniform"
     seq_segments: int = bounded(1, low=1)  # Seq1F1B segments per microbatch
-    weight_sync: str = "stash"  # pipedream_async: stash | vertical (PipeDream §3.3)
-    # schedules built for costs (zb_v, zb_auto): profile (2nd step) | unit | F=..,B=..,W=..
+    # pipedream_async only: stash (a microbatch's backward reuses its forward's weights) or
+    # vertical (every stage uses the version the microbatch entered stage 0 with): PipeDream §3.3
+    weight_sync: str = "stash"
+    # schedules built for costs (zb_v, zb_auto, v_half, v_min): profile (2nd step) | unit |
+    # fixed F=..,B=..,W=.. (Zero Bubble §3.2)
     schedule_costs: str = "profile"
-    zb_memory: str = "1p"  # zb_auto: activation memory limit, 1p | 2p | N microbatches per rank
+    # zb_auto: activation memory limit per rank, 1p (pp, 1F1B's peak) | 2p | N microbatches
+    zb_memory: str = "1p"
     # pp > 1: no global grad-norm/NaN reduction before the optimizer; stages chain the state,
     # step optimistically, validate when it comes back (Zero Bubble §4)
     post_validation: bool = False
@@ -106,30 +117,32 @@ class ParallelConfig:
 
 @dataclass
 class RecomputeConfig:
-    mode: str = "none"  # none | full | selective (attention core only)
+    mode: str = "none"  # activation recompute: none | full (whole layers) | selective (attention)
     layers: int = bounded(0, low=0, note="0: all")  # only the first N layers; 0 means all
 
 
 @dataclass
 class TrainConfig:
-    steps: int = bounded(10, low=1)
+    steps: int = bounded(10, low=1)  # optimizer steps; the LR schedule spans them
     global_batch: int = bounded(8, low=1)  # sequences per step, over all dp ranks and microbatches
-    lr: float = bounded(1e-3, low=0, low_open=True)
-    min_lr: float = 0.0  # in [0, train.lr] (checks.py: it relates two keys)
-    warmup: int = bounded(0, low=0)  # and <= train.steps (checks.py)
+    lr: float = bounded(1e-3, low=0, low_open=True)  # peak LR after warmup (cosine decay)
+    min_lr: float = 0.0  # floor of the cosine decay, in [0, train.lr] (checks.py: two keys)
+    warmup: int = bounded(0, low=0)  # linear warmup steps; <= train.steps (checks.py)
+    # AdamW decay on matrices (not on biases or norm gains)
     weight_decay: float = bounded(0.1, low=0)
-    beta1: float = bounded(0.9, low=0, high=1, high_open=True)
-    beta2: float = bounded(0.95, low=0, high=1, high_open=True)
+    beta1: float = bounded(0.9, low=0, high=1, high_open=True)  # AdamW first-moment decay
+    beta2: float = bounded(0.95, low=0, high=1, high_open=True)  # AdamW second-moment decay
+    # seeds init (with each parameter's name), data order and dropout
     seed: int = bounded(
         1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"
     )
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights stay float32)
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False
-    grad_clip: float = bounded(1.0, low=0, note="0: off")  # 0 disables clipping
+    grad_clip: float = bounded(1.0, low=0, note="0: off")  # global grad-norm clip; 0: off
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
-    eval_batches: int = bounded(4, low=1)
+    eval_batches: int = bounded(4, low=1)  # validation batches of train.global_batch sequences
     # a step whose loss or grad norm is inf/NaN: skip it (weights untouched) or stop the run
     on_nonfinite: str = "skip"  # skip | stop
     max_skipped: int = bounded(3, low=1)  # stop after this many consecutive skipped steps
@@ -137,8 +150,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | memmap
-    path: str = ""
+    # synthetic (deterministic random tokens) | memmap (a dataset from tools/prepare_data.py)
+    source: str = "synthetic"
+    path: str = ""  # the dataset directory tools/prepare_data.py wrote (data.source=memmap)
     tokenizer: str = ""  # "" : the tokenizer recorded in the dataset's meta.json
     # "dir:weight,dir:weight": rows drawn from several prepared datasets in proportion (a string,
     # since config values are scalars); needs data.source=memmap and replaces data.path; "" : off
@@ -154,10 +168,12 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = ""  # "" : run.dir/checkpoints
+    dir: str = ""  # "" : run.dir/checkpoints; one directory shared by every rank
     interval: int = bounded(0, low=0, note="0: off")  # steps between checkpoints; 0: none
+    # newest checkpoints kept; older ones are pruned only after a new one is complete
     keep: int = bounded(2, low=1)
-    resume: str = "auto"  # auto | none | PATH
+    # auto (the newest checkpoint whose files verify) | none | a step_* path; any mesh resumes it
+    resume: str = "auto"
     # write in the background while training goes on (YAML may spell it checkpoint.async)
     async_save: bool = False
     # signals that stop the run at the next step with a checkpoint (preemption); "" : none
@@ -170,17 +186,18 @@ class LogConfig:
     wandb, the progress line, and with `profile` the per-step profile a scaling study reports
     (run.dir/study_profile.json and, under pp > 1, trace.json: train/profile.py)."""
 
-    interval: int = bounded(1, low=1)
-    wandb: str = "disabled"  # disabled | offline | online
-    wandb_project: str = "megapipe"
-    peak_tflops: float = bounded(0.0, low=0, note="0: look the device up")  # metrics.PEAK_TFLOPS
-    progress: bool = True
+    interval: int = bounded(1, low=1)  # steps between metrics.jsonl records
+    wandb: str = "disabled"  # Weights & Biases logging: disabled | offline | online
+    wandb_project: str = "megapipe"  # wandb project name
+    # peak device TFLOP/s for MFU; 0: look the device up (metrics.PEAK_TFLOPS; null on CPU)
+    peak_tflops: float = bounded(0.0, low=0, note="0: look the device up")
+    progress: bool = True  # a progress line with loss and tokens/s
     profile: bool = False  # time each step's forward-backward and optimizer (train/profile.py)
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # outputs: config.yaml, metrics.jsonl, checkpoints
 
 
 @dataclass

@@ -248,14 +248,17 @@ def build_data(
     return data
 
 
-# Corpora the presets name (configs/gpt2_*.yaml, gpt3_13b.yaml, llama_1b.yaml): the dir's basename
+# Corpora the presets name (configs/gpt2_*.yaml, gpt3_13b.yaml, llama_*.yaml): the dir's basename
 # -> the prepare_data options that make it (the presets' headers give the same commands, and
 # tests/test_presets_data.py runs them): GPT-2's own tokenizer, 50257 ids, which the models pad
-# to 50304; the Llama preset's 32000-piece sentencepiece. Any other path keeps the plain hint,
-# which makes data/shakespeare.
+# to 50304; llama_1b's 32000-piece sentencepiece; llama_8b's Llama 3 tokenizer (128256 ids).
+# Any other path keeps the plain hint, which makes data/shakespeare.
 PRESET_CORPORA = {
     "openwebtext": "--input hf:Skylion007/openwebtext --tokenizer gpt2",
     "openwebtext_32k": "--input hf:Skylion007/openwebtext --vocab-size 32000",
+    "openwebtext_llama3": (
+        "--input hf:Skylion007/openwebtext --tokenizer meta-llama/Meta-Llama-3-8B"
+    ),
 }
 
 
