@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
-from megapipe.train import checkpoint
+from megapipe.train import checkpoint, checkpoint_files
 from megapipe.train.checkpoint import CheckpointError
 from tests.conftest import ROOT, TINY
 from tests.parity import tiny_config
@@ -128,3 +129,31 @@ def test_shared_checkpoint_dir_saves_and_resumes_on_two_nodes(tmp_path):
     assert [d.returncode for d in second] == [0, 0], second[0].stderr[-2000:]
     logged = (tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in logged] == [1, 2]
+
+
+class _Planted:
+    """A pickle payload: unpickling it calls open(marker, "w"), i.e. runs code of the file's."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_resume_runs_no_code_planted_in_the_rng_states(tmp_path):
+    """Checkpoints travel between people: a payload in rng_rank0.pt (with meta.json's records
+    rewritten to match, so verification passes) is refused in one line and never runs."""
+    _run(tmp_path, "train.stop_at_step=2")
+    path = checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))[-1]
+    marker = tmp_path / "payload_ran"
+    rng_file = os.path.join(path, "rng_rank0.pt")
+    torch.save({"cpu": _Planted(str(marker))}, rng_file)
+    meta_path = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["files"]["rng_rank0.pt"] = checkpoint_files.record(rng_file)
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(CheckpointError, match="rng_rank0.pt") as err:
+        _run(tmp_path, f"checkpoint.resume={path}")
+    assert "\n" not in str(err.value)
+    assert not marker.exists()

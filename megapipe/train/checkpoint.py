@@ -29,6 +29,7 @@ import contextlib
 import glob
 import json
 import os
+import pickle
 import shutil
 import warnings
 from dataclasses import asdict
@@ -322,13 +323,32 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
         saved.parallel.vpp == cfg.parallel.vpp
     )
     if same_mesh:
-        rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
-        try:
-            set_rng_states(torch.load(rng_file, weights_only=False), model)
-        except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:
-            raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+        _restore_rng(path, model)
     meta["resharded"] = not same_mesh
     return meta
+
+
+def _restore_rng(path: str, model) -> None:
+    """This rank's RNG states from the checkpoint at `path`, read with torch.load's weights-only
+    unpickler: tensors in dicts and lists only, so a pickled object planted in the file is
+    refused and never run (checkpoints travel between people and sit on shared disks)."""
+    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
+    try:
+        states = torch.load(rng_file, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint '{path}': {rng_file} holds objects other than RNG state tensors, "
+            "which a resume never loads (they could run code); resume from another checkpoint"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+    try:
+        set_rng_states(states, model)
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint '{path}': {rng_file} is not this run's RNG states ({e}); resume from "
+            "another checkpoint"
+        ) from None
 
 
 def _check_resumable(path: str, cfg: Config) -> Config:
