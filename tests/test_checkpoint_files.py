@@ -14,6 +14,7 @@ import torch
 import train
 from megapipe.train import checkpoint, checkpoint_files
 from megapipe.train.checkpoint import CheckpointError
+from megapipe.train.checkpoint_metadata import read_metadata
 from tests.conftest import ROOT, TINY
 from tests.parity import tiny_config
 
@@ -154,6 +155,32 @@ def test_resume_runs_no_code_planted_in_the_rng_states(tmp_path):
     meta["files"]["rng_rank0.pt"] = checkpoint_files.record(rng_file)
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(CheckpointError, match="rng_rank0.pt") as err:
+        _run(tmp_path, f"checkpoint.resume={path}")
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_resume_runs_no_code_planted_in_the_dcp_metadata(tmp_path):
+    """DCP's .metadata is read with an unpickler that knows only DCP's records: a payload
+    planted in it is refused in one line and never runs; the records themselves still load."""
+    import pickle
+
+    _run(tmp_path, "train.stop_at_step=2")
+    path = checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))[-1]
+    assert read_metadata(path).state_dict_metadata  # the real records pass
+    marker = tmp_path / "payload_ran"
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # the test's own file: trusted here
+    metadata.planner_data = _Planted(str(marker))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    meta_path = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_path))
+    if ".metadata" in meta["files"]:  # records rewritten to match, as an attacker would
+        meta["files"][".metadata"] = checkpoint_files.record(os.path.join(path, ".metadata"))
+        json.dump(meta, open(meta_path, "w"))
+    refused = r"\.metadata names (io|builtins)\.open, which is not a DCP record"
+    with pytest.raises(CheckpointError, match=refused) as err:
         _run(tmp_path, f"checkpoint.resume={path}")
     assert "\n" not in str(err.value)
     assert not marker.exists()

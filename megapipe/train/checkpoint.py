@@ -55,6 +55,7 @@ from megapipe.train.checkpoint_files import (
     missing,
     record,
 )
+from megapipe.train.checkpoint_metadata import SafeReader, read_metadata
 from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
 from megapipe.train.checkpoint_zero import optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
@@ -372,8 +373,21 @@ def _check_resumable(path: str, cfg: Config) -> Config:
     return saved
 
 
+def _check_metadata(path: str) -> None:
+    """Refuse, in one line, a `.metadata` naming anything but DCP's records (read again by
+    the SafeReader inside dcp.load, whose errors DCP wraps past recognition)."""
+    try:
+        read_metadata(path)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
+        raise CheckpointError(
+            f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
+            "from another one with checkpoint.resume=PATH"
+        ) from None
+
+
 def _read_blocks(path: str, targets) -> int:
     """Read `targets` from `path` (resharding); returns the bytes this rank read."""
+    _check_metadata(path)
     reader = CountingReader(path)
     try:
         with warnings.catch_warnings():
@@ -398,10 +412,11 @@ def _corrupt(path: str, e: BaseException) -> CheckpointError:
 
 
 def _load_tensors(path: str, tensors: dict) -> None:
+    _check_metadata(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, checkpoint_id=path, no_dist=not distributed())
+            dcp.load(tensors, storage_reader=SafeReader(path), no_dist=not distributed())
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise _corrupt(path, e) from None
 

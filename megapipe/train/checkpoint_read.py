@@ -16,7 +16,6 @@ import io
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
@@ -27,6 +26,7 @@ from megapipe._torch_compat import narrow_to_block
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.checkpoint_metadata import SafeReader
 from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces
 
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
@@ -134,10 +134,10 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
-class CountingReader(FileSystemReader):
-    """FileSystemReader that reads each saved chunk once however many of this rank's blocks
-    overlap it (torch's reads it once per block: a fused q|k|v matrix three times), and adds
-    up the bytes it reads (`bytes_read`)."""
+class CountingReader(SafeReader):
+    """SafeReader (no code runs from .metadata) that reads each saved chunk once however many
+    of this rank's blocks overlap it (torch's reads it once per block: a fused q|k|v matrix
+    three times), and adds up the bytes it reads (`bytes_read`)."""
 
     bytes_read = 0
 

@@ -1,0 +1,73 @@
+"""Reading DCP's `.metadata` without running code planted in it.
+
+torch's FileSystemReader reads a checkpoint's `.metadata` with a plain `pickle.load`, which
+calls whatever a pickle names: a checkpoint copied from someone else (or altered on a shared
+disk) could run code in every process that resumes from it, before any check. `.metadata`
+holds only DCP's own records (tensor and chunk metadata, storage infos, torch.Size, dtypes,
+layouts, paths), so `SafeReader` reads it with an unpickler that resolves those and refuses
+every other global: a payload is a one-line error, never a call.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+METADATA_FILE = ".metadata"  # DCP's file of the checkpoint's records, in its directory
+DCP_MODULES = ("torch.distributed.checkpoint.",)  # DCP's record classes live here
+NAMED = {  # globals that DCP's records pickle besides its own classes: (module, name)
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("copyreg", "_reconstructor"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "object"),
+}  # fmt: skip
+PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler for DCP's records: its own classes, the globals of NAMED, torch's dtypes
+    and pathlib's paths; anything else raises pickle.UnpicklingError naming the global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"{METADATA_FILE} names {module}.{name}, which is not a DCP record: refused"
+            )
+        return found
+
+    @staticmethod
+    def _allowed(module: str, name: str) -> bool:
+        if (module, name) in NAMED or (module == "pathlib" and name in PATHS):
+            return True
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), torch.dtype)
+        if module.startswith(DCP_MODULES):  # a class DCP defines, not any name its module holds
+            found = getattr(__import__(module, fromlist=[name]), name, None)
+            return isinstance(found, type) and found.__module__ == module
+        return False
+
+
+def read_metadata(path: str) -> Metadata:
+    """The `.metadata` of the checkpoint directory `path`, read with MetadataUnpickler."""
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        metadata = MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{METADATA_FILE} holds {type(metadata).__name__}")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` is read by read_metadata (no code runs from it)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(str(pathlib.Path(self.path)))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        return metadata
