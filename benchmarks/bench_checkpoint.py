@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import ROOT, add_model_args, alternate, spawn, write_json
+from benchmarks.harness import ROOT, add_model_args, alternate, echo_command, spawn, write_json
 from megapipe.config import load_config
 
 MESHES = {  # name -> (world size, parallel overrides)
@@ -314,7 +314,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    print(f"$ {' '.join(['python -m benchmarks.bench checkpoint', *argv])}\n")
+    echo_command("checkpoint", argv)
     began, load0 = time.perf_counter(), os.getloadavg()
     one, ranks, single, root = measure(args)
     saves = {"1 process": [one], **{m: [r["save"][m] for r in ranks] for m in ranks[0]["save"]}}

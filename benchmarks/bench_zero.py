@@ -33,7 +33,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.harness import ROOT, add_model_args, spawn, write_json
+from benchmarks.harness import ROOT, add_model_args, echo_command, spawn, write_json
 from megapipe.config import load_config
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.train.hooks import TrainHooks
@@ -285,7 +285,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    print(f"$ {' '.join(['python -m benchmarks.bench zero', *argv])}\n")
+    echo_command("zero", argv)
     began = time.perf_counter()
     worlds = {dp: run_world(args, dp) for dp in sorted(set(args.dp) | {args.time_dp})}
     n = worlds[min(worlds)][0]["memory"]["0"]["params"]

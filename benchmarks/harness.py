@@ -45,6 +45,11 @@ def add_model_args(p: argparse.ArgumentParser, vocab: int) -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch (rows of seq-len tokens)")
 
 
+def echo_command(name: str, argv: list[str]) -> None:
+    """Print the command line this benchmark was run with, so its output says how to rerun it."""
+    print(f"$ {' '.join([f'python -m benchmarks.bench {name}', *argv])}\n")
+
+
 def say(text: str) -> None:
     """Progress on stderr, so stdout stays the result."""
     print(text, file=sys.stderr, flush=True)

@@ -55,7 +55,7 @@ from megapipe.train.checkpoint_files import (
     missing,
     record,
 )
-from megapipe.train.checkpoint_metadata import SafeReader, read_metadata
+from megapipe.train.checkpoint_metadata import SafeReader
 from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
 from megapipe.train.checkpoint_zero import optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
@@ -373,11 +373,11 @@ def _check_resumable(path: str, cfg: Config) -> Config:
     return saved
 
 
-def _check_metadata(path: str) -> None:
-    """Refuse, in one line, a `.metadata` naming anything but DCP's records (read again by
-    the SafeReader inside dcp.load, whose errors DCP wraps past recognition)."""
+def _open_reader(path: str, kind: type[SafeReader] = SafeReader) -> SafeReader:
+    """A reader of the checkpoint at `path`, its `.metadata` read and checked: one naming
+    anything but DCP's records is refused in one line (checkpoint_metadata.py)."""
     try:
-        read_metadata(path)
+        return kind(path)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
         raise CheckpointError(
             f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
@@ -387,8 +387,7 @@ def _check_metadata(path: str) -> None:
 
 def _read_blocks(path: str, targets) -> int:
     """Read `targets` from `path` (resharding); returns the bytes this rank read."""
-    _check_metadata(path)
-    reader = CountingReader(path)
+    reader = _open_reader(path, CountingReader)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -412,11 +411,11 @@ def _corrupt(path: str, e: BaseException) -> CheckpointError:
 
 
 def _load_tensors(path: str, tensors: dict) -> None:
-    _check_metadata(path)
+    reader = _open_reader(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=SafeReader(path), no_dist=not distributed())
+            dcp.load(tensors, storage_reader=reader, no_dist=not distributed())
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise _corrupt(path, e) from None
 

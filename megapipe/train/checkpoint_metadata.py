@@ -63,10 +63,16 @@ def read_metadata(path: str) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is read by read_metadata (no code runs from it)."""
+    """FileSystemReader whose `.metadata` is read by read_metadata (no code runs from it) once,
+    when it is made: outside dcp.load, so a refused file raises pickle.UnpicklingError itself
+    rather than inside DCP's wrapped exceptions."""
+
+    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._metadata = read_metadata(str(pathlib.Path(self.path)))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(str(pathlib.Path(self.path)))
+        metadata = self._metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
