@@ -37,6 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.weight_sync": WEIGHT_SYNCS,
     "recompute.mode": RECOMPUTE_MODES,
     "train.dtype": DTYPES,
+    "train.params_dtype": DTYPES,
     "train.on_nonfinite": NONFINITE_ACTIONS,
     "data.source": DATA_SOURCES,
     "data.sampler": DATA_SAMPLERS,
@@ -148,6 +149,7 @@ def _check_model(cfg: Config) -> None:
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
+    _check_not_built(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -262,6 +264,17 @@ def _check_pipedream(cfg: Config) -> None:
     )
 
 
+def _check_not_built(cfg: Config) -> None:
+    """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
+    p = cfg.parallel
+    _require(p.zero <= 1, f"parallel.zero={p.zero} is not built yet; set parallel.zero=0 or 1")
+    _require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
+    _require(
+        cfg.train.params_dtype == "float32",
+        "train.params_dtype=bfloat16 is not built yet; set train.params_dtype=float32",
+    )
+
+
 def _check_post_validation(cfg: Config) -> None:
     """Zero Bubble §4 post-validation replaces the pipeline's global reduction before the
     optimizer: it needs a pipeline whose stages step once per step, on whole (unsharded) state."""
@@ -322,6 +335,7 @@ def _check_train(cfg: Config) -> None:
         f"--train.warmup={t.steps}",
     )
     _one_of("train.dtype", t.dtype, DTYPES)
+    _one_of("train.params_dtype", t.params_dtype, DTYPES)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",

@@ -107,8 +107,12 @@ class ParallelConfig:
     # pp > 1: no global grad-norm/NaN reduction before the optimizer; stages chain the state,
     # step optimistically, validate when it comes back (Zero Bubble §4)
     post_validation: bool = False
-    # 0: every dp × cp replica keeps the whole AdamW state; 1: distributed optimizer (ZeRO-1)
-    zero: int = bounded(0, low=0, high=1)
+    # ZeRO over the dp × cp replicas: 0 whole state everywhere; 1 optimizer state sharded
+    # (distributed optimizer); 2 also the reduced grads; 3 also the weights (gathered per block)
+    zero: int = bounded(0, low=0, high=3)
+    # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
+    # chunked decomposition (Wang et al., ASPLOS 2023); needs parallel.sequence_parallel
+    tp_overlap: bool = False
     # a collective or p2p waiting longer on a peer (a dead rank) errors
     timeout_s: float = bounded(
         600.0, low=0, low_open=True, high=MAX_TIMEOUT_S, unit="seconds", note="at most 7 days"
@@ -137,6 +141,8 @@ class TrainConfig:
         1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"
     )
     dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights stay float32)
+    # float32 | bfloat16: weights held in bf16, float32 main grads and main params (Megatron)
+    params_dtype: str = "float32"
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False
     grad_clip: float = bounded(1.0, low=0, note="0: off")  # global grad-norm clip; 0: off
