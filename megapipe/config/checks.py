@@ -57,6 +57,7 @@ def validate(cfg: Config) -> None:
     _check_pipedream(cfg)
     _check_post_validation(cfg)
     _check_train(cfg)
+    _check_spikes(cfg)
     _check_rest(cfg)
 
 
@@ -345,6 +346,33 @@ def _check_train(cfg: Config) -> None:
         not (t.compile and SCHEDULES[cfg.parallel.schedule].segmented and cfg.parallel.pp > 1),
         "train.compile=true with parallel.schedule=seq1f1b: a layer's K/V carry between "
         "sequence segments cannot be compiled; set train.compile=false or another schedule",
+    )
+
+
+def _check_spikes(cfg: Config) -> None:
+    """Loss spikes are judged on the step's loss before the optimizer steps (train/spikes.py):
+    post-validation and PipeDream step before that loss is known."""
+    t, p = cfg.train, cfg.parallel
+    if not (t.spike_factor or t.spike_rollback):
+        return
+    _require(
+        t.spike_factor > 1,
+        f"train.spike_factor={t.spike_factor} must be 0 (off) or > 1 (a multiple of the median "
+        "loss)" + (" to use train.spike_rollback" if not t.spike_factor else ""),
+    )
+    stepped_early = "parallel.post_validation=true" if p.post_validation else ""
+    if p.pp > 1 and p.schedule == "pipedream_async":
+        stepped_early = "parallel.schedule=pipedream_async"
+    _require(
+        not stepped_early,
+        f"train.spike_factor with {stepped_early}: the optimizer steps before the step's loss "
+        "is known, so a spike cannot be skipped; set train.spike_factor=0 or "
+        + ("parallel.post_validation=false" if p.post_validation else "another schedule"),
+    )
+    _require(
+        not t.spike_rollback or cfg.checkpoint.interval,
+        f"train.spike_rollback={t.spike_rollback} reloads the newest checkpoint, but "
+        "checkpoint.interval=0 saves none; set checkpoint.interval",
     )
 
 

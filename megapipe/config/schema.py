@@ -152,6 +152,17 @@ class TrainConfig:
     # a step whose loss or grad norm is inf/NaN: skip it (weights untouched) or stop the run
     on_nonfinite: str = "skip"  # skip | stop
     max_skipped: int = bounded(3, low=1)  # stop after this many consecutive skipped steps
+    # skip a step whose loss exceeds this multiple of the median of the last train.spike_window
+    # trained steps' losses, as a non-finite one, and log it in run.dir/spikes.jsonl with the
+    # data step and rows it trained on (PaLM §5.1); 0: off; otherwise > 1
+    spike_factor: float = bounded(0.0, low=0, note="0: off")
+    # the trained steps whose median loss a step is judged against (none is judged before there
+    # are this many), and the steps within which train.spike_rollback counts spikes; 100: a
+    # median a few spikes or noisy steps do not move, that still follows the falling loss
+    spike_window: int = bounded(100, low=1)
+    # after this many spikes within train.spike_window steps, reload the newest checkpoint and
+    # skip the batches from its step through the last spike's (PaLM §5.1); 0: off
+    spike_rollback: int = bounded(0, low=0, note="0: off")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,17 @@ class Job:
     mesh: object = None  # None: one process
 
     def train_step(
-        self, optimizer, batch: torch.Tensor, step: int, hooks: TrainHooks = NO_HOOKS
+        self,
+        optimizer,
+        batch: torch.Tensor,
+        step: int,
+        hooks: TrainHooks = NO_HOOKS,
+        loss_limit: float = math.inf,
     ) -> StepResult:
-        return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg, hooks)
+        """One training step (train/step.train_step); a loss above `loss_limit` is skipped."""
+        return train_step(
+            self.engine, self.slice, optimizer, batch, step, self.cfg, hooks, loss_limit
+        )
 
     @property
     def post_validated(self) -> bool:

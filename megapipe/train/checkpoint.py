@@ -16,6 +16,7 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         checkpoints are one format
   rng_rank<R>.pt        each rank's RNG states, tp dropout trackers included (replays exactly)
   config.yaml           the resolved config of the run that wrote it
+  train_state.json      the loop's own state (loss-spike history: train/spikes.py), if any
   meta.json             format, step, mesh, and every file's bytes and CRC-32 (read back by
                         its writer after fsync); written last (train/checkpoint_files.py)
 A checkpoint is written under `step_N.tmp` and renamed when every rank's files are on disk and
@@ -53,7 +54,9 @@ from megapipe.train.checkpoint_files import (
     check_shared,
     gather_records,
     missing,
+    read_state,
     record,
+    write_state,
 )
 from megapipe.train.checkpoint_metadata import SafeReader
 from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
@@ -160,13 +163,13 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     return state
 
 
-def save(cfg: Config, step: int, model: nn.Module, optimizer) -> str:
-    """Write checkpoint `step` atomically and prune old ones; returns its directory."""
+def save(cfg: Config, step: int, model: nn.Module, optimizer, state: dict | None = None) -> str:
+    """Write checkpoint `step` (with the loop's `state`) atomically, prune old ones; its dir."""
     tmp, final = begin(cfg, step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
         dcp.save(save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
-    return complete(cfg, step, tmp, final, rng_states(model))
+    return complete(cfg, step, tmp, final, rng_states(model), state)
 
 
 def begin(cfg: Config, step: int) -> tuple[str, str]:
@@ -180,12 +183,15 @@ def begin(cfg: Config, step: int) -> tuple[str, str]:
     return tmp, final
 
 
-def complete(cfg: Config, step: int, tmp: str, final: str, rng: dict) -> str:
+def complete(
+    cfg: Config, step: int, tmp: str, final: str, rng: dict, state: dict | None = None
+) -> str:
     """After the tensors are written (on every rank): this rank's RNG states, every rank's
     files recorded, and rank 0 puts the checkpoint in place."""
     torch.save(rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
     files = gather_records(tmp)  # every rank's files, fsynced and checksummed by their writer
     if rank() == 0:
+        write_state(tmp, state, files)
         _finish(cfg, step, tmp, final, files)
     barrier()
     return final
@@ -312,9 +318,10 @@ def read_meta(path: str) -> dict:
 
 def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     """Restore model, optimizer and step from `path`, written under any mesh for the same model
-    and global batch; returns its meta.json plus `bytes_read` by this rank. RNG states are
-    restored where the mesh is the one that wrote them (a bitwise resume); on another mesh the
-    ranks keep the streams seeded at start (dropout draws differ from an uninterrupted run)."""
+    and global batch; returns its meta.json plus `bytes_read` by this rank and `train_state`.
+    RNG states are restored where the mesh is the one that wrote them (a bitwise resume); on
+    another mesh the ranks keep the streams seeded at start (dropout draws differ from an
+    uninterrupted run)."""
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
     targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
@@ -326,6 +333,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     if same_mesh:
         _restore_rng(path, model)
     meta["resharded"] = not same_mesh
+    meta["train_state"] = read_state(path)
     return meta
 
 

@@ -60,11 +60,12 @@ class Saver:
         # a group for the background writes: created by every rank, once, at start-up
         self.group = dist.new_group(backend="gloo") if self.background and distributed() else None
 
-    def save(self, step: int, model: nn.Module, optimizer) -> str:
-        """Checkpoint `step`: written before returning, or (async) started; returns its dir."""
+    def save(self, step: int, model: nn.Module, optimizer, state: dict | None = None) -> str:
+        """Checkpoint `step` (with the loop's `state`): written before returning, or (async)
+        started; returns its dir."""
         self.wait()
         if not self.background:
-            return save(self.cfg, step, model, optimizer)
+            return save(self.cfg, step, model, optimizer, state)
         tmp, final = begin(self.cfg, step)
         state, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
         with warnings.catch_warnings():
@@ -76,14 +77,14 @@ class Saver:
                 async_stager=AlreadyStaged(),
                 no_dist=not distributed(),
             )
-        self.pending = (future, step, tmp, final, rng)
+        self.pending = (future, step, tmp, final, rng, state)
         return final
 
     def wait(self) -> str | None:
         """Finish the save in flight, if any (every rank calls it at the same step)."""
         if self.pending is None:
             return None
-        future, step, tmp, final, rng = self.pending
+        future, step, tmp, final, rng, state = self.pending
         self.pending = None
         future.result()
-        return complete(self.cfg, step, tmp, final, rng)
+        return complete(self.cfg, step, tmp, final, rng, state)

@@ -10,6 +10,7 @@ checkpoint directory (node-local disks would scatter one checkpoint over several
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from megapipe.distributed.launch import barrier, distributed, rank
 
 BLOCK = 8 << 20  # bytes read at a time for a checksum
+STATE_FILE = "train_state.json"  # the loop's own state (train/spikes.py), plain JSON data
 
 
 class FilesError(RuntimeError):
@@ -116,3 +118,24 @@ def check_shared(root: str) -> None:
             f"{int(seen)} of {world} markers); checkpoints need a filesystem shared by all "
             "nodes: set checkpoint.dir to a path on one"
         )
+
+
+def write_state(directory: str, state: dict | None, files: dict[str, dict]) -> None:
+    """Rank 0: the loop's `state` (the same on every rank; None: nothing) as `STATE_FILE` in
+    `directory`, recorded in `files` for meta.json. JSON: a resume reads it as data, not code."""
+    if state is None:
+        return
+    path = os.path.join(directory, STATE_FILE)
+    with open(path, "w") as f:
+        json.dump(state, f)
+    files[STATE_FILE] = record(path)
+
+
+def read_state(directory: str) -> dict | None:
+    """The loop's state saved with the checkpoint in `directory` (verified with its other
+    files before a resume), or None if it has none."""
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -23,10 +23,7 @@ from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced non-finite steps past what the config allows; one line."""
+from megapipe.train.spikes import NonFiniteError, Spikes
 
 
 def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
@@ -92,7 +89,8 @@ def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
     if is_rank0():
         write_config(cfg, os.path.join(cfg.run.dir, "config.yaml"))
     began = time.perf_counter()
-    records = train_loop(cfg, job, optimizer, data, start, device, stop, hooks)
+    state = meta["train_state"] if resume is not None else None
+    records = train_loop(cfg, job, optimizer, data, start, device, stop, hooks, state)
     _say(summary(cfg, records, time.perf_counter() - began))
     if stop.saved_step is not None:
         _say(f"saved step {stop.saved_step}; run the same command to resume")
@@ -108,29 +106,33 @@ def train_loop(
     device,
     stop: StopSignals | None = None,
     hooks: TrainHooks = NO_HOOKS,
+    state: dict | None = None,
 ) -> list[dict]:
     """Steps start..stop_at_step (or steps): log, validate and checkpoint as configured. After
     each step the ranks agree whether a stop signal came (`stop`); if so, or at
     train.stop_at_step, they save and end the loop, and `stop.saved_step` says where. `hooks`
-    observe the loop and the step core; log.profile adds train/profile.StepProfile."""
+    observe the loop and the step core; log.profile adds train/profile.StepProfile. `state`:
+    the loop's state from the checkpoint resumed (loss spikes, train/spikes.py)."""
     t = cfg.train
     hooks = HookList([hooks, StepProfile(cfg)]) if cfg.log.profile else hooks
     last = t.stop_at_step or t.steps
     stop = stop if stop is not None else StopSignals(cfg)  # not entered: no handlers, no flag
     log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
     throughput, skips = Throughput(cfg, device), Skips(cfg)
-    blend = BlendTokens(data, start, t.global_batch) if isinstance(data, BlendData) else None
+    spikes = Spikes(cfg, data, state, start)
+    blend = _blend_tokens(data, spikes.batch(start), t.global_batch)
     saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
     records = []
     settled = Settled(job, optimizer, hooks)
     interval = cfg.checkpoint.interval
     rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
     try:
-        for step in range(start, last):
+        step = start
+        while step < last:  # a rollback (train/spikes.py) goes back to a checkpoint's step
             hooks.step_begin(step)
             began = time.perf_counter()
-            batch = data.batch(step, t.global_batch, rows=rows)
-            result = job.train_step(optimizer, batch, step, hooks)
+            batch = data.batch(spikes.batch(step), t.global_batch, rows=rows)
+            result = job.train_step(optimizer, batch, step, hooks, spikes.limit())
             done = step + 1
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
@@ -140,7 +142,8 @@ def train_loop(
             saving = (interval and done % interval == 0) or stopping
             now = bool(stopping or evaluating or saving or done == last)
             for d, secs, final in settled(done, seconds, result, now):
-                record = _record(d, secs, final, throughput, blend)
+                record = _record(d, secs, final, throughput, blend, spikes.batch(d - 1))
+                spiked = spikes.observe(d, final, record)
                 if d == done and evaluating:
                     losses = _validate(cfg, job, data)
                     record.update(losses)
@@ -150,12 +153,17 @@ def train_loop(
                     log.log(record)
                 log.progress(d, final.loss, record["tokens_per_s"], skips.total)
                 records.append(record)
-                skips.count(d, final.skipped)
+                skips.count(d, final.skipped, spiked, rolling_back=spikes.due)
+            if spikes.due:  # the spiky steps' state is not saved: the rollback's step is
+                done = spikes.roll_back(done, saver, job, optimizer)
+                saving, skips.in_a_row = stopping, 0
+                blend = _blend_tokens(data, spikes.batch(done), t.global_batch)
             if saving:
-                saver.save(done, job.model, optimizer)
+                saver.save(done, job.model, optimizer, spikes.state())
             if stopping:
                 stop.saved_step = done
                 break
+            step = done
     finally:
         log.close()
     stop.finish()  # a deferred agreement still in flight (post-validation)
@@ -164,8 +172,9 @@ def train_loop(
     return records
 
 
-def _record(d: int, seconds: float, final, throughput: Throughput, blend) -> dict:
-    """Step `d`'s metrics.jsonl record (train/step.StepResult `final`), before validation."""
+def _record(d: int, seconds: float, final, throughput: Throughput, blend, data_step: int) -> dict:
+    """Step `d`'s metrics.jsonl record (train/step.StepResult `final`), before validation;
+    `data_step`: the batch it read (train/spikes.py: the step after rollbacks)."""
     return {
         "step": d,
         "loss": final.loss,
@@ -173,8 +182,13 @@ def _record(d: int, seconds: float, final, throughput: Throughput, blend) -> dic
         "grad_norm": final.grad_norm,
         "skipped": final.skipped,
         **throughput.of(d, seconds),
-        **(blend.after(d - 1) if blend else {}),
+        **(blend.after(data_step) if blend else {}),
     }
+
+
+def _blend_tokens(data, data_step: int, size: int) -> BlendTokens | None:
+    """`tokens/<name>` counts of a blend from data step `data_step` on (None: no blend)."""
+    return BlendTokens(data, data_step, size) if isinstance(data, BlendData) else None
 
 
 def _validate(cfg: Config, job: Job, data) -> dict[str, float]:
@@ -209,21 +223,27 @@ class Settled:
 
 
 class Skips:
-    """Counts skipped (non-finite) steps; stops the run as train.on_nonfinite and
-    train.max_skipped say, naming the last good checkpoint."""
+    """Counts skipped steps (non-finite, or loss spikes: train/spikes.py); stops the run as
+    train.on_nonfinite (non-finite steps only) and train.max_skipped (both, in a row) say,
+    naming the last good checkpoint."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg, self.total, self.in_a_row = cfg, 0, 0
 
-    def count(self, step: int, skipped: bool) -> None:
+    def count(
+        self, step: int, skipped: bool, spike: bool = False, rolling_back: bool = False
+    ) -> None:
+        """Step `step` was `skipped` (a loss `spike`: `rolling_back` to a checkpoint next)."""
         self.total += skipped
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         t = self.cfg.train
-        if skipped and (t.on_nonfinite == "stop" or self.in_a_row >= t.max_skipped):
+        stop = t.on_nonfinite == "stop" and not spike
+        if skipped and not rolling_back and (stop or self.in_a_row >= t.max_skipped):
             saved = checkpoint.complete_checkpoints(checkpoint.checkpoint_root(self.cfg))
             where = saved[-1] if saved else "none saved"
+            what = "a loss spike" if spike else "a non-finite loss or grad norm"
             raise NonFiniteError(
-                f"step {step} had a non-finite loss or grad norm ({self.in_a_row} in a row, "
+                f"step {step} had {what} ({self.in_a_row} in a row, "
                 f"train.on_nonfinite={t.on_nonfinite}, train.max_skipped={t.max_skipped}); "
                 f"last good checkpoint: {where}; lower train.lr or check the data"
             )

@@ -15,7 +15,8 @@ Non-finite steps (Megatron checks loss and grads every step; Zero Bubble §4 ski
 the loss and the global grad norm are reduced over the whole mesh before the optimizer runs, so
 every rank sees the same two numbers and takes the same decision without another collective.
 A step with either inf or NaN is skipped: its grads are dropped, weights, AdamW moments and the
-step count stay as they were, and the result says `skipped`.
+step count stay as they were, and the result says `skipped`. So is a step whose agreed loss
+exceeds `loss_limit`, the loop's loss-spike threshold (train/spikes.py; PaLM §5.1).
 
 Under `parallel.post_validation` (pp > 1; Zero Bubble §4, train/post_validation.py: a
 `PostValidatedEngine` wrapping the pipeline) there is no such global reduction: each stage
@@ -27,6 +28,7 @@ only once the global state is back, while step s + 1 runs. The result of step s 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -47,7 +49,7 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
-    skipped: bool = False  # non-finite loss or grad norm: the optimizer did not step
+    skipped: bool = False  # non-finite loss or grad norm, or a spike: the optimizer did not step
     # post-validation: this step's figures are not known yet (loss and norm NaN) ...
     final: bool = True
     previous: StepResult | None = None  # ... and the step before, validated now, if pending
@@ -61,18 +63,22 @@ def train_step(
     step: int,
     cfg: Config,
     hooks: TrainHooks = NO_HOOKS,
+    loss_limit: float = math.inf,
 ) -> StepResult:
     """Forward/backward every microbatch of this rank's slice of the global `batch`, reduce
     gradients over the mesh, clip, and take one AdamW step (PipeDream: one per microbatch).
 
     `step` is the number of optimizer steps already taken (it picks the learning rate);
-    `hooks` observe the forward-backward and every optimizer step (train/hooks.py).
+    `hooks` observe the forward-backward and every optimizer step (train/hooks.py); a loss
+    above `loss_limit` (a spike: train/spikes.py) skips the step as a non-finite one does.
     """
     tokens = cfg.derived.tokens_per_step
     micro = slice_.microbatches(batch.to(engine.device), cfg.parallel.microbatches)
     if isinstance(engine, PostValidatedEngine):
         return _post_validated(engine, slice_, optimizer, micro, step, cfg, hooks)
-    step_update = partial(update, optimizer=optimizer, step=step, cfg=cfg, hooks=hooks)
+    step_update = partial(
+        update, optimizer=optimizer, step=step, cfg=cfg, hooks=hooks, loss_limit=loss_limit
+    )
     hooks.forward_backward_begin(step)
     loss_sum = engine.forward_backward(micro, tokens, step_update)
     hooks.forward_backward_end(step, engine.events)
@@ -125,18 +131,20 @@ def update(
     cfg: Config,
     loss: torch.Tensor | None = None,
     hooks: TrainHooks = NO_HOOKS,
+    loss_limit: float = math.inf,
 ) -> tuple[torch.Tensor, float, bool]:
     """Step 3 of one training step on `grads` (an engine, or one PipeDream stage): the dp × cp
     sum of each chunk's buckets, then tp partial sums, then shared copies (the tied embedding);
     the global norm over `grads.norm_group`, clip, AdamW. Returns (norm, lr, skipped): with a
-    non-finite norm or `loss` (both agreed over the mesh) the optimizer does not step."""
+    non-finite norm or `loss` (both agreed over the mesh), or a `loss` above `loss_limit`, the
+    optimizer does not step."""
     for chunk, reducer in zip(grads.chunks, grads.reducers):
         if reducer is not None:
             reducer.finish()
         sync_tp_partial_grads(chunk)
     grads.sync_shared_grads()
     norm = global_grad_norm(grads.grads_counted_once(), grads.norm_group)
-    if not finite(norm, loss):
+    if not finite(norm, loss) or spiked(loss, loss_limit):
         optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
         return norm, lr_at(step, cfg.train), True
     return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg, hooks), False
@@ -145,6 +153,12 @@ def update(
 def finite(*values: torch.Tensor | None) -> bool:
     """Every given scalar is finite (no inf, no NaN)."""
     return all(v is None or bool(torch.isfinite(v).all()) for v in values)
+
+
+def spiked(loss: torch.Tensor | None, limit: float) -> bool:
+    """The agreed `loss` exceeds `limit`, compared in float64 as the loop compares the value it
+    records (train/spikes.py), so both see the same decision."""
+    return loss is not None and limit < math.inf and loss.item() > limit
 
 
 def clip_and_step(
