@@ -138,6 +138,7 @@ def run_case(root: str, overrides: list[str], bad, run: str) -> dict:
 ROLLBACK = ["train.spike_rollback=2", "checkpoint.interval=8"]
 MESHES = {
     "dp2": ["parallel.dp=2"],
+    "dp2-zero1": ["parallel.dp=2", "parallel.zero=1"],
     "pp2": ["parallel.pp=2", "parallel.microbatches=2"],
 }
 
@@ -177,9 +178,10 @@ def test_a_resume_between_spikes_continues_bit_for_bit(root):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_rollback_trains_as_a_run_that_never_saw_the_offending_batches(root):
+@pytest.mark.parametrize("saving", ["checkpoint.async_save=false", "checkpoint.async_save=true"])
+def test_a_rollback_trains_as_a_run_that_never_saw_the_offending_batches(root, saving):
     with spiky():
-        rolled = train.run(config(root, *ROLLBACK))
+        rolled = train.run(config(root, *ROLLBACK, saving))
     log = spikes_log(f"{root}/run")
     assert [e["step"] for e in log] == [10, 13, 13]
     assert log[2]["rollback_to"] == 8 and log[2]["skipped_data_steps"] == [8, 12]
@@ -193,6 +195,18 @@ def test_a_rollback_trains_as_a_run_that_never_saw_the_offending_batches(root):
     assert all(torch.equal(a[k], b[k]) for k in a)
     saved = Path(checkpoint.step_dir(f"{root}/run/checkpoints", 16), "train_state.json")
     assert json.loads(saved.read_text())["spikes"]["offset"] == 5
+
+
+def test_a_rollback_before_the_first_checkpoint_goes_on_without_one(root):
+    with spiky():
+        records = train.run(config(root, "train.spike_rollback=2", "checkpoint.interval=14"))
+    assert [r["step"] for r in records] == list(range(1, 17))
+    assert [r["step"] for r in records if r["skipped"]] == [10, 13]
+    assert spikes_log(f"{root}/run")[2] == {
+        "step": 13,
+        "rollback_to": None,
+        "note": "no checkpoint saved yet",
+    }
 
 
 @pytest.mark.parametrize(

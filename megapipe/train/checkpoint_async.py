@@ -67,11 +67,11 @@ class Saver:
         if not self.background:
             return save(self.cfg, step, model, optimizer, state)
         tmp, final = begin(self.cfg, step)
-        state, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
+        tensors, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             future = dcp.async_save(
-                state,
+                tensors,
                 checkpoint_id=tmp,
                 process_group=self.group,
                 async_stager=AlreadyStaged(),
