@@ -209,11 +209,24 @@ def test_a_rollback_before_the_first_checkpoint_goes_on_without_one(root):
     }
 
 
+def test_rollbacks_to_one_checkpoint_past_max_skipped_stop_the_run(root):
+    cfg = config(root, "train.spike_rollback=1", "checkpoint.interval=8", "train.max_skipped=1")
+    with spiky(bad=(9, 11)), pytest.raises(NonFiniteError) as err:
+        train.run(cfg)  # data step 9 spikes, rollback; data step 11 spikes at the same step
+    where = checkpoint.step_dir(f"{root}/run/checkpoints", 8)
+    assert str(err.value) == (
+        f"step 10: loss spikes would roll back to {where} again (2 rollbacks to it, "
+        "train.max_skipped=1); lower train.lr, raise train.spike_factor or check the batches in "
+        "run.dir/spikes.jsonl"
+    )
+    assert [e.get("rollback_to") for e in spikes_log(f"{root}/run")] == [None, 8, None]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["train.spike_factor=0.5"], "train.spike_factor=0.5 must be 0 (off) or > 1"),
-        (["train.spike_rollback=2"], "train.spike_factor=0.0 must be 0 (off) or > 1"),
+        (["train.spike_rollback=2"], "train.spike_rollback=2 counts loss spikes, but train.spi"),
         (
             ["train.spike_factor=3", "parallel.pp=2", "parallel.post_validation=true"],
             "train.spike_factor with parallel.post_validation=true: the optimizer steps",

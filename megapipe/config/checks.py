@@ -356,9 +356,14 @@ def _check_spikes(cfg: Config) -> None:
     if not (t.spike_factor or t.spike_rollback):
         return
     _require(
+        t.spike_factor != 0,
+        f"train.spike_rollback={t.spike_rollback} counts loss spikes, but train.spike_factor=0 "
+        "finds none; set train.spike_factor (e.g. 3)",
+    )
+    _require(
         t.spike_factor > 1,
         f"train.spike_factor={t.spike_factor} must be 0 (off) or > 1 (a multiple of the median "
-        "loss)" + (" to use train.spike_rollback" if not t.spike_factor else ""),
+        "loss)",
     )
     stepped_early = "parallel.post_validation=true" if p.post_validation else ""
     if p.pp > 1 and p.schedule == "pipedream_async":

@@ -128,15 +128,16 @@ class Spikes:
             self.recent = []
             self._log({"step": done, "rollback_to": None, "note": "no checkpoint saved yet"})
             return done
-        meta = checkpoint.load(path, cfg, job.model, optimizer)
-        back = meta["step"]
+        back = checkpoint.read_meta(path)["step"]
         self.returns[back] = self.returns.get(back, 0) + 1
-        if self.returns[back] > cfg.train.max_skipped:
+        times, most = self.returns[back], cfg.train.max_skipped
+        if times > most:
             raise NonFiniteError(
-                f"step {done}: rolled back to {path} {self.returns[back]} times for loss spikes "
-                f"(train.max_skipped={cfg.train.max_skipped}); lower train.lr, raise "
-                "train.spike_factor or check the data (run.dir/spikes.jsonl)"
+                f"step {done}: loss spikes would roll back to {path} again ({times} rollbacks "
+                f"to it, train.max_skipped={most}); lower train.lr, raise train.spike_factor or "
+                "check the batches in run.dir/spikes.jsonl"
             )
+        meta = checkpoint.load(path, cfg, job.model, optimizer)
         self.restore((meta["train_state"] or {}).get(STATE_KEY))
         skipped = [self.batch(back), last]
         self.offset, self.recent = last + 1 - back, []
