@@ -197,6 +197,22 @@ def test_a_rollback_trains_as_a_run_that_never_saw_the_offending_batches(root, s
     assert json.loads(saved.read_text())["spikes"]["offset"] == 5
 
 
+@pytest.mark.parametrize("stop_at", [13, 14])
+def test_a_run_stopped_at_or_after_its_rollback_resumes_bit_for_bit(root, stop_at):
+    """13: the rollback's step stops the run, which saves the checkpoint step it went back to
+    (with the new data offset); 14: a later stop saves the offset with step 14."""
+    with spiky():
+        full = train.run(config(root, *ROLLBACK, run="full"))
+        first = train.run(config(root, *ROLLBACK, f"train.stop_at_step={stop_at}"))
+        second = train.run(config(root, *ROLLBACK))
+    saved = {13: 8, 14: 14}[stop_at]
+    assert first[-1]["step"] == stop_at and second[0]["step"] == saved + 1
+    got, want = last_records(first + second), last_records(full)
+    assert [got[s]["loss"] for s in range(1, 17)] == [want[s]["loss"] for s in range(1, 17)]
+    a, b = final_weights(f"{root}/full"), final_weights(f"{root}/run")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_rollback_before_the_first_checkpoint_goes_on_without_one(root):
     with spiky():
         records = train.run(config(root, "train.spike_rollback=2", "checkpoint.interval=14"))
