@@ -215,9 +215,10 @@ def test_a_run_stopped_at_or_after_its_rollback_resumes_bit_for_bit(root, stop_a
 
 def test_a_rollback_before_the_first_checkpoint_goes_on_without_one(root):
     with spiky():
-        records = train.run(config(root, "train.spike_rollback=2", "checkpoint.interval=14"))
+        records = train.run(config(root, "train.spike_rollback=2", "checkpoint.interval=13"))
     assert [r["step"] for r in records] == list(range(1, 17))
     assert [r["step"] for r in records if r["skipped"]] == [10, 13]
+    assert checkpoint.complete_checkpoints(f"{root}/run/checkpoints")[0].endswith("step_00000013")
     assert spikes_log(f"{root}/run")[2] == {
         "step": 13,
         "rollback_to": None,

@@ -154,9 +154,9 @@ def train_loop(
                 log.progress(d, final.loss, record["tokens_per_s"], skips.total)
                 records.append(record)
                 skips.count(d, final.skipped, spiked, rolling_back=spikes.due)
-            if spikes.due:  # the spiky steps' state is not saved: the rollback's step is
-                done = spikes.roll_back(done, saver, job, optimizer)
-                saving, skips.in_a_row = stopping, 0
+            if spikes.due:  # back to the newest checkpoint; a stop saves that step, no other
+                back = spikes.roll_back(done, saver, job, optimizer)
+                saving, done = (saving if back == done else stopping), back
                 blend = _blend_tokens(data, spikes.batch(done), t.global_batch)
             if saving:
                 saver.save(done, job.model, optimizer, spikes.state())
@@ -233,9 +233,10 @@ class Skips:
     def count(
         self, step: int, skipped: bool, spike: bool = False, rolling_back: bool = False
     ) -> None:
-        """Step `step` was `skipped` (a loss `spike`: `rolling_back` to a checkpoint next)."""
+        """Step `step` was `skipped` (a loss `spike`; `rolling_back` to a checkpoint next, whose
+        steps are trained again: the count in a row starts over)."""
         self.total += skipped
-        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.in_a_row = self.in_a_row + 1 if skipped and not rolling_back else 0
         t = self.cfg.train
         stop = t.on_nonfinite == "stop" and not spike
         if skipped and not rolling_back and (stop or self.in_a_row >= t.max_skipped):
