@@ -6,6 +6,12 @@ disk) could run code in every process that resumes from it, before any check. `.
 holds only DCP's own records (tensor and chunk metadata, storage infos, torch.Size, dtypes,
 layouts, paths), so `SafeReader` reads it with an unpickler that resolves those and refuses
 every other global: a payload is a one-line error, never a call.
+
+The records then decide what is read from the `.distcp` files: tensors go through torch.load's
+weights-only unpickler, but an entry recorded as "bytes" (a pickled object) would reach DCP's
+`load_bytes`, a plain `torch.load(weights_only=False)`. megapipe writes tensors only, so
+`check_records` refuses any bytes entry, any transform (DCP's stream extensions) and any data
+path that is not a file of the checkpoint's own directory, before a byte of data is read.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 METADATA_FILE = ".metadata"  # DCP's file of the checkpoint's records, in its directory
 DCP_MODULES = ("torch.distributed.checkpoint.",)  # DCP's record classes live here
@@ -29,6 +35,10 @@ NAMED = {  # globals that DCP's records pickle besides its own classes: (module,
 PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 
 
+class Refused(pickle.UnpicklingError):
+    """A checkpoint file that asks for something other than tensors and DCP's records."""
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler for DCP's records: its own classes, the globals of NAMED, torch's dtypes
     and pathlib's paths; anything else raises pickle.UnpicklingError naming the global."""
@@ -36,7 +46,7 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name) if self._allowed(module, name) else None
         if found is None:
-            raise pickle.UnpicklingError(
+            raise Refused(
                 f"{METADATA_FILE} names {module}.{name}, which is not a DCP record: refused"
             )
         return found
@@ -58,8 +68,28 @@ def read_metadata(path: str) -> Metadata:
     with open(os.path.join(path, METADATA_FILE), "rb") as f:
         metadata = MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{METADATA_FILE} holds {type(metadata).__name__}")
+        raise Refused(f"{METADATA_FILE} holds {type(metadata).__name__}")
+    check_records(metadata)
     return metadata
+
+
+def check_records(metadata: Metadata) -> None:
+    """Refuse records that would make a read run code or leave the directory (module doc)."""
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise Refused(
+                f"{METADATA_FILE} records {fqn} as a pickled object, which a resume never "
+                "unpickles (megapipe checkpoints hold tensors only): refused"
+            )
+    for index, info in (metadata.storage_data or {}).items():
+        where = getattr(info, "relative_path", None)
+        if not isinstance(where, str) or os.path.basename(where) != where or where in ("..", "."):
+            raise Refused(f"{METADATA_FILE} places {index.fqn} at {where!r}: refused")
+        if getattr(info, "transform_descriptors", None):
+            raise Refused(
+                f"{METADATA_FILE} asks for transforms {list(info.transform_descriptors)} on "
+                f"{index.fqn} in {where}, which megapipe never writes: refused"
+            )
 
 
 class SafeReader(FileSystemReader):
