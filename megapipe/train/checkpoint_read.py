@@ -219,7 +219,7 @@ def restore_rng(path: str, model) -> None:
         ) from None
 
 
-def open_reader(path: str, kind: type[SafeReader] = SafeReader) -> SafeReader:
+def open_reader(path: str, kind: type[SafeReader] = CountingReader) -> SafeReader:
     """A reader of the checkpoint at `path`, its `.metadata` read and checked: one naming
     anything but DCP's records is refused in one line (checkpoint_metadata.py)."""
     try:
@@ -263,6 +263,7 @@ def corrupt(path: str, e: BaseException) -> CheckpointError:
 
 
 def load_tensors(path: str, tensors: dict) -> None:
+    """Whole tensors by logical name from `path` (inference, export): read as a resume reads."""
     reader = open_reader(path)
     try:
         with warnings.catch_warnings():
