@@ -61,7 +61,7 @@ KILL_MOMENTS = {
     "tensors-half-written": ("torch.save", 20, 1),  # DCP's writer thread, mid .distcp
     "metadata-not-renamed": ("os.fsync", 1, 1),  # .metadata.tmp written, not yet in place
     "rng-not-written": ("checkpoint.save_file", 1, 1),  # DCP done; RNG file, records to come
-    "meta-json-half-written": ("checkpoint._write_json", 1, 1),
+    "meta-json-to-come": ("checkpoint._write_json", 1, 1),  # all files recorded
     "before-the-rename": ("os.replace", 1, 1),  # every file written, step_2.tmp not renamed
     "renamed-not-pruned": ("checkpoint._prune", 1, 2),
 }
@@ -81,10 +81,8 @@ def killed_run(moment: str, argv: list[str]) -> None:
 
     where, nth, _ = KILL_MOMENTS[moment]
     armed, calls = [False], [0]
-    owner, name = (
-        {"torch": torch, "os": os, "checkpoint": checkpoint}[where.split(".")[0]],
-        (where.split(".")[1]),
-    )
+    module, name = where.split(".")
+    owner = {"torch": torch, "os": os, "checkpoint": checkpoint}[module]
     original, begin = getattr(owner, name), checkpoint_async.begin
 
     def counts(*args, **kwargs) -> bool:
@@ -140,7 +138,7 @@ def _last_records(run_dir) -> dict[int, float]:
 @pytest.mark.spawn
 def test_kill_at_any_moment_of_an_async_save_resumes_bit_for_bit(tmp_path):
     """kill -9 at six moments of an asynchronous save (tensors half written, .metadata not in
-    place, RNG file and records to come, meta.json half written, before the rename, before the
+    place, RNG file and records to come, meta.json to come, before the rename, before the
     prune): the same command resumes from the newest checkpoint that was complete (never one it
     must skip), and every step's loss equals the uninterrupted run's, bit for bit."""
     import shutil
