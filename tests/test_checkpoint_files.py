@@ -4,6 +4,7 @@ directory that is not shared by every rank is refused before the first step."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -196,7 +197,7 @@ def _forge_records(path: str, *names: str) -> None:
     json.dump(meta, open(meta_path, "w"))
 
 
-def _plant_in_distcp(path: str, marker: str, as_bytes: bool) -> str:
+def _plant_in_distcp(path: str, marker: str, as_bytes: bool, unrecorded: bool = False) -> str:
     """Append a pickled payload to the first .distcp file and point one record of .metadata at
     it: as a tensor chunk (read by the weights-only unpickler), or `as_bytes`, as DCP's "bytes"
     entry, which torch's planner reads with torch.load(weights_only=False)."""
@@ -215,6 +216,9 @@ def _plant_in_distcp(path: str, marker: str, as_bytes: bool) -> str:
     with open(os.path.join(path, ".metadata"), "rb") as f:
         metadata = pickle.load(f)  # the test's own file: trusted here
     planted = _StorageInfo(data, at, len(buffer.getvalue()))
+    if unrecorded:
+        shutil.copy(os.path.join(path, data), os.path.join(path, "__9_0.distcp"))
+        planted = _StorageInfo("__9_0.distcp", at, len(buffer.getvalue()))
     if as_bytes:  # a one-process run reads the step counts as whole tensors: make one "bytes"
         fqn = next(k for k in metadata.state_dict_metadata if k.endswith(".step"))
         metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
@@ -233,13 +237,18 @@ def _plant(kind: str, path: str, marker: str) -> tuple[list[str], str]:
         with open(os.path.join(path, "config.yaml"), "w") as f:
             f.write(f"model: !!python/object/apply:builtins.open [{marker!r}, w]\n")
         return ["config.yaml"], r"config\.yaml: invalid YAML"
+    if kind == "unrecorded-file":  # a file of its own that meta.json never saw
+        data = _plant_in_distcp(path, marker, as_bytes=False, unrecorded=True)
+        return [data, ".metadata"], r"\.metadata places \S+ in __9_0\.distcp, a file meta\.json"
     data = _plant_in_distcp(path, marker, as_bytes=kind == "distcp-bytes")
     if kind == "distcp-bytes":
         return [data, ".metadata"], r"\.metadata records optim\.\S+\.step as a pickled object"
     return [data, ".metadata"], rf"{data} holds an object where its records place a tensor"
 
 
-@pytest.mark.parametrize("kind", ["distcp-tensor", "distcp-bytes", "config.yaml"])
+@pytest.mark.parametrize(
+    "kind", ["distcp-tensor", "distcp-bytes", "unrecorded-file", "config.yaml"]
+)
 def test_resume_runs_no_code_planted_in_data_or_config_files(tmp_path, kind):
     """The other kinds of checkpoint file (rng_rank<R>.pt and .metadata above; meta.json is
     JSON): a payload with meta.json's records forged to match is refused by resume=auto in one

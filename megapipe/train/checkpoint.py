@@ -347,7 +347,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
     targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
-    meta["bytes_read"] = read_blocks(path, targets)
+    meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
     targets.finish()
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
@@ -388,12 +388,12 @@ def load_for_inference(path: str):
         if not found:
             raise CheckpointError(f"no checkpoint found at '{path}'; pass a step_* directory")
         path = found[-1]
-    read_meta(path)
+    meta = read_meta(path)
     try:
         cfg = load_config(os.path.join(path, "config.yaml"))
     except ConfigError as e:
         raise CheckpointError(f"checkpoint '{path}': {e}") from None
     model = GPT(cfg.model, seed=cfg.train.seed)
     tensors = {f"model.{name}": p.data for name, p in model.named_parameters()}
-    load_tensors(path, tensors)
+    load_tensors(path, tensors, meta.get("files"))
     return cfg, model.eval()

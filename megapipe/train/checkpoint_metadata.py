@@ -11,7 +11,8 @@ The records then decide what is read from the `.distcp` files: tensors go throug
 weights-only unpickler, but an entry recorded as "bytes" (a pickled object) would reach DCP's
 `load_bytes`, a plain `torch.load(weights_only=False)`. megapipe writes tensors only, so
 `check_records` refuses any bytes entry, any transform (DCP's stream extensions) and any data
-path that is not a file of the checkpoint's own directory, before a byte of data is read.
+path that is not a file of the checkpoint's own directory recorded in its meta.json, before a
+byte of data is read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -63,18 +65,20 @@ class MetadataUnpickler(pickle.Unpickler):
         return False
 
 
-def read_metadata(path: str) -> Metadata:
-    """The `.metadata` of the checkpoint directory `path`, read with MetadataUnpickler."""
+def read_metadata(path: str, recorded: Collection[str] | None = None) -> Metadata:
+    """The `.metadata` of the checkpoint directory `path`, read with MetadataUnpickler, its
+    records checked (`recorded`: the files meta.json records, where it records them)."""
     with open(os.path.join(path, METADATA_FILE), "rb") as f:
         metadata = MetadataUnpickler(f).load()
     if not isinstance(metadata, Metadata):
         raise Refused(f"{METADATA_FILE} holds {type(metadata).__name__}")
-    check_records(metadata)
+    check_records(metadata, recorded)
     return metadata
 
 
-def check_records(metadata: Metadata) -> None:
-    """Refuse records that would make a read run code or leave the directory (module doc)."""
+def check_records(metadata: Metadata, recorded: Collection[str] | None = None) -> None:
+    """Refuse records that would make a read run code, leave the directory or read a file that
+    meta.json does not record (`recorded`), as the module doc says."""
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             raise Refused(
@@ -85,6 +89,9 @@ def check_records(metadata: Metadata) -> None:
         where = getattr(info, "relative_path", None)
         if not isinstance(where, str) or os.path.basename(where) != where or where in ("..", "."):
             raise Refused(f"{METADATA_FILE} places {index.fqn} at {where!r}: refused")
+        if recorded is not None and where not in recorded:
+            raise Refused(f"{METADATA_FILE} places {index.fqn} in {where}, a file meta.json "
+                          "does not record: refused")  # fmt: skip
         if getattr(info, "transform_descriptors", None):
             raise Refused(
                 f"{METADATA_FILE} asks for transforms {list(info.transform_descriptors)} on "
@@ -97,9 +104,9 @@ class SafeReader(FileSystemReader):
     when it is made: outside dcp.load, so a refused file raises pickle.UnpicklingError itself
     rather than inside DCP's wrapped exceptions."""
 
-    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(path, *args, **kwargs)
-        self._metadata = read_metadata(str(pathlib.Path(self.path)))
+    def __init__(self, path: str, recorded: Collection[str] | None = None) -> None:
+        super().__init__(path)
+        self._metadata = read_metadata(str(pathlib.Path(self.path)), recorded)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._metadata

@@ -219,11 +219,12 @@ def restore_rng(path: str, model) -> None:
         ) from None
 
 
-def open_reader(path: str, kind: type[SafeReader] = CountingReader) -> SafeReader:
+def open_reader(path: str, recorded) -> CountingReader:
     """A reader of the checkpoint at `path`, its `.metadata` read and checked: one naming
-    anything but DCP's records is refused in one line (checkpoint_metadata.py)."""
+    anything but DCP's records, or a file outside `recorded` (meta.json's records; None: a
+    format-1 checkpoint, which has none), is refused in one line (checkpoint_metadata.py)."""
     try:
-        return kind(path)
+        return CountingReader(path, recorded)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
         raise CheckpointError(
             f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
@@ -231,9 +232,9 @@ def open_reader(path: str, kind: type[SafeReader] = CountingReader) -> SafeReade
         ) from None
 
 
-def read_blocks(path: str, targets) -> int:
+def read_blocks(path: str, targets, recorded=None) -> int:
     """Read `targets` from `path` (resharding); returns the bytes this rank read."""
-    reader = open_reader(path, CountingReader)
+    reader = open_reader(path, recorded)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -262,9 +263,9 @@ def corrupt(path: str, e: BaseException) -> CheckpointError:
     )
 
 
-def load_tensors(path: str, tensors: dict) -> None:
+def load_tensors(path: str, tensors: dict, recorded=None) -> None:
     """Whole tensors by logical name from `path` (inference, export): read as a resume reads."""
-    reader = open_reader(path)
+    reader = open_reader(path, recorded)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
