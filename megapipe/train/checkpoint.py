@@ -20,7 +20,9 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         its writer after fsync); written last (train/checkpoint_files.py)
 A checkpoint is written under `step_N.tmp` and renamed when every rank's files are on disk and
 rank 0 sees them all, so a crash never leaves a half-written `step_N`; older checkpoints are
-pruned only after the new one is in place. A resume verifies sizes and checksums first.
+pruned only after the new one is in place. A write that fails (a full disk) is agreed by every
+rank, the `.tmp` removed, and the run stops or trains on (train/checkpoint_faults.py). A resume
+verifies sizes and checksums first, and reads every file as data (checkpoint_metadata.py).
 """
 
 from __future__ import annotations
