@@ -4,6 +4,7 @@ directory that is not shared by every rank is refused before the first step."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -183,4 +184,84 @@ def test_resume_runs_no_code_planted_in_the_dcp_metadata(tmp_path):
     with pytest.raises(CheckpointError, match=refused) as err:
         _run(tmp_path, f"checkpoint.resume={path}")
     assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def _forge_records(path: str, *names: str) -> None:
+    """Rewrite meta.json's records of `names` to match the files as they now are (an attacker
+    who can write the checkpoint can write its meta.json too)."""
+    meta_path = os.path.join(path, "meta.json")
+    meta = json.load(open(meta_path))
+    for name in names:
+        meta["files"][name] = checkpoint_files.record(os.path.join(path, name))
+    json.dump(meta, open(meta_path, "w"))
+
+
+def _plant_in_distcp(path: str, marker: str, as_bytes: bool, unrecorded: bool = False) -> str:
+    """Append a pickled payload to the first .distcp file and point one record of .metadata at
+    it: as a tensor chunk (read by the weights-only unpickler), or `as_bytes`, as DCP's "bytes"
+    entry, which torch's planner reads with torch.load(weights_only=False)."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    data = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
+    buffer = io.BytesIO()
+    torch.save(_Planted(marker), buffer)
+    at = os.path.getsize(os.path.join(path, data))
+    with open(os.path.join(path, data), "ab") as f:
+        f.write(buffer.getvalue())
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)  # the test's own file: trusted here
+    planted = _StorageInfo(data, at, len(buffer.getvalue()))
+    if unrecorded:
+        shutil.copy(os.path.join(path, data), os.path.join(path, "__9_0.distcp"))
+        planted = _StorageInfo("__9_0.distcp", at, len(buffer.getvalue()))
+    if as_bytes:  # a one-process run reads the step counts as whole tensors: make one "bytes"
+        fqn = next(k for k in metadata.state_dict_metadata if k.endswith(".step"))
+        metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+        metadata.storage_data[MetadataIndex(fqn)] = planted
+    else:
+        index = next(i for i in metadata.storage_data if i.fqn.startswith("model."))
+        metadata.storage_data[index] = planted
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    return data
+
+
+def _plant(kind: str, path: str, marker: str) -> tuple[list[str], str]:
+    """Plant a payload in the checkpoint file of `kind`: (files rewritten, refusal expected)."""
+    if kind == "config.yaml":  # PyYAML's full loader would call open(marker, "w")
+        with open(os.path.join(path, "config.yaml"), "w") as f:
+            f.write(f"model: !!python/object/apply:builtins.open [{marker!r}, w]\n")
+        return ["config.yaml"], r"config\.yaml: invalid YAML"
+    if kind == "unrecorded-file":  # a file of its own that meta.json never saw
+        data = _plant_in_distcp(path, marker, as_bytes=False, unrecorded=True)
+        return [data, ".metadata"], r"\.metadata places \S+ in __9_0\.distcp, a file meta\.json"
+    data = _plant_in_distcp(path, marker, as_bytes=kind == "distcp-bytes")
+    if kind == "distcp-bytes":
+        return [data, ".metadata"], r"\.metadata records optim\.\S+\.step as a pickled object"
+    return [data, ".metadata"], rf"{data} holds an object where its records place a tensor"
+
+
+@pytest.mark.parametrize(
+    "kind", ["distcp-tensor", "distcp-bytes", "unrecorded-file", "config.yaml"]
+)
+def test_resume_runs_no_code_planted_in_data_or_config_files(tmp_path, kind):
+    """The other kinds of checkpoint file (rng_rank<R>.pt and .metadata above; meta.json is
+    JSON): a payload with meta.json's records forged to match is refused by resume=auto in one
+    line naming the file, and never runs."""
+    _run(tmp_path, "train.stop_at_step=2")
+    path = checkpoint.complete_checkpoints(str(tmp_path / "checkpoints"))[-1]
+    marker = tmp_path / "payload_ran"
+    changed, refused = _plant(kind, path, str(marker))
+    _forge_records(path, *changed)
+    assert checkpoint.resume_path(tiny_config(BASE, str(tmp_path))) == path  # records verify
+    with pytest.raises(CheckpointError, match=refused) as err:
+        _run(tmp_path)
+    assert "\n" not in str(err.value) and path in str(err.value)
+    with pytest.raises(CheckpointError, match=refused):  # generate and export read it alike
+        checkpoint.load_for_inference(path)
     assert not marker.exists()

@@ -119,12 +119,13 @@ def test_failed_save_keeps_previous_checkpoint(tiny_cfg, monkeypatch):
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint.dcp, "save", failing_save)
-    with pytest.raises(OSError):
-        train.run(cfg)
+    with pytest.raises(checkpoint.SaveFailed, match="step_00000003' could not be written: disk"):
+        train.run(cfg)  # one line (tests/test_checkpoint_faults.py fills a real disk)
+    assert not os.path.exists(checkpoint.step_dir(root, 3) + ".tmp")  # the half-written one
     done = checkpoint.complete_checkpoints(root)
     assert [os.path.basename(p) for p in done] == ["step_00000001", "step_00000002"]
     monkeypatch.setattr(checkpoint.dcp, "save", real_save)
-    resumed = train.run(cfg)  # auto-resume skips the half-written step_3.tmp
+    resumed = train.run(cfg)  # auto-resume from step 2
     assert [r["step"] for r in resumed] == [3]
 
 

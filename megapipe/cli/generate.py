@@ -47,7 +47,10 @@ def load_model(args: argparse.Namespace):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        hf = AutoModelForCausalLM.from_pretrained(str(args.hf), local_files_only=True)
+        # weights from safetensors only and no code from the directory: a model dir is data
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(args.hf), local_files_only=True, use_safetensors=True, trust_remote_code=False
+        )
         has_tokenizer = any((args.hf / name).is_file() for name in HF_TOKENIZER_FILES)
         return from_hf(hf), args.tokenizer or (args.hf if has_tokenizer else None)
     cfg, model = load_for_inference(str(args.checkpoint))

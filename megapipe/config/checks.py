@@ -30,6 +30,7 @@ DATA_SOURCES = ("synthetic", "memmap")
 DATA_SAMPLERS = ("epochs", "random")  # data/sample_index.py; data/loader.py's draw
 WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE_ACTIONS = ("skip", "stop")
+SAVE_ERROR_ACTIONS = ("stop", "continue")  # train/checkpoint_faults.py
 WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ARCHS,
@@ -39,6 +40,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.dtype": DTYPES,
     "train.params_dtype": DTYPES,
     "train.on_nonfinite": NONFINITE_ACTIONS,
+    "checkpoint.on_save_error": SAVE_ERROR_ACTIONS,
     "data.source": DATA_SOURCES,
     "data.sampler": DATA_SAMPLERS,
     "log.wandb": WANDB_MODES,
@@ -396,6 +398,7 @@ def _check_rest(cfg: Config) -> None:
     _require(
         bool(cfg.checkpoint.resume), "checkpoint.resume must be auto, none or a checkpoint path"
     )
+    _one_of("checkpoint.on_save_error", cfg.checkpoint.on_save_error, SAVE_ERROR_ACTIONS)
     signal_names(cfg.checkpoint.signals)  # raises a one-line ConfigError naming the key
     _one_of("log.wandb", cfg.log.wandb, WANDB_MODES)
 

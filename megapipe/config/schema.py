@@ -195,6 +195,10 @@ class CheckpointConfig:
     async_save: bool = False
     # signals that stop the run at the next step with a checkpoint (preemption); "" : none
     signals: str = "SIGTERM,SIGUSR1"
+    # a save that cannot be written (a full disk, a write error): stop (one line naming the
+    # directory and the bytes needed, exit 2) | continue (warn in one line and train on); either
+    # way the previous checkpoint stays intact and the half-written one is removed
+    on_save_error: str = "stop"
 
 
 @dataclass

@@ -21,7 +21,9 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         its writer after fsync); written last (train/checkpoint_files.py)
 A checkpoint is written under `step_N.tmp` and renamed when every rank's files are on disk and
 rank 0 sees them all, so a crash never leaves a half-written `step_N`; older checkpoints are
-pruned only after the new one is in place. A resume verifies sizes and checksums first.
+pruned only after the new one is in place. A write that fails (a full disk) is agreed by every
+rank, the `.tmp` removed, and the run stops or trains on (train/checkpoint_faults.py). A resume
+verifies sizes and checksums first, and reads every file as data (checkpoint_metadata.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import contextlib
 import glob
 import json
 import os
-import pickle
 import shutil
 import warnings
 from dataclasses import asdict
@@ -39,17 +40,26 @@ from typing import NamedTuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megapipe._torch_compat import sharded_tensor
 from megapipe.config import Config, ConfigError, load_config, write_config
-from megapipe.distributed.launch import barrier, distributed, rank
+from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
+from megapipe.train.checkpoint_faults import (
+    as_failure,
+    given_up,
+    payload_bytes,
+    rank0_says,
+    save_file,
+    written,
+)
 from megapipe.train.checkpoint_files import (
+    CheckpointError,
     FilesError,
+    SaveFailed,
     agreed_problem,
     check_shared,
     gather_records,
@@ -58,18 +68,13 @@ from megapipe.train.checkpoint_files import (
     record,
     write_state,
 )
-from megapipe.train.checkpoint_metadata import SafeReader
-from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
+from megapipe.train.checkpoint_read import load_tensors, read_blocks, read_targets, restore_rng
 from megapipe.train.checkpoint_zero import optimizer_state
-from megapipe.train.rng import rng_states, set_rng_states
+from megapipe.train.rng import rng_states
 from models.gpt import GPT
 
 FORMAT_VERSION = 2  # 2: meta.json records every file's size and CRC-32
 READABLE = (1, 2)
-
-
-class CheckpointError(RuntimeError):
-    """A missing, corrupt or incompatible checkpoint; the message is one line."""
 
 
 def checkpoint_root(cfg: Config) -> str:
@@ -163,49 +168,89 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     return state
 
 
-def save(cfg: Config, step: int, model: nn.Module, optimizer, state: dict | None = None) -> str:
-    """Write checkpoint `step` (with the loop's `state`) atomically, prune old ones; its dir."""
+def save(
+    cfg: Config, step: int, model: nn.Module, optimizer, train_state: dict | None = None
+) -> str:
+    """Write checkpoint `step` (with the loop's `train_state`) atomically and prune old ones;
+    returns its directory. A write that fails (a full disk) raises SaveFailed on every rank,
+    nothing saved before lost."""
     tmp, final = begin(cfg, step)
+    state = save_state(cfg, model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
-        dcp.save(save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
-    return complete(cfg, step, tmp, final, rng_states(model), state)
+        failed = written(dcp.save, state, checkpoint_id=tmp, no_dist=not distributed())
+    return complete(
+        cfg, step, tmp, final, rng_states(model), payload_bytes(state), failed, train_state
+    )
 
 
 def begin(cfg: Config, step: int) -> tuple[str, str]:
     """(temporary, final) directory of checkpoint `step`; the temporary one made empty."""
     root = checkpoint_root(cfg)
     final, tmp = step_dir(root, step), step_dir(root, step) + ".tmp"
+    line = None
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier()
+        failed = as_failure(0, written(os.makedirs, tmp, exist_ok=True))
+        line = failed and given_up(tmp, final, [failed], 0, _newest(root))
+    line = rank0_says(line)
+    if line:
+        raise SaveFailed(line)
     return tmp, final
 
 
 def complete(
-    cfg: Config, step: int, tmp: str, final: str, rng: dict, state: dict | None = None
+    cfg: Config,
+    step: int,
+    tmp: str,
+    final: str,
+    rng: dict,
+    nbytes: int = 0,
+    failed=None,
+    train_state: dict | None = None,
 ) -> str:
-    """After the tensors are written (on every rank): this rank's RNG states, every rank's
-    files recorded, and rank 0 puts the checkpoint in place."""
-    torch.save(rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
-    files = gather_records(tmp)  # every rank's files, fsynced and checksummed by their writer
+    """After the tensors are written (on every rank; `failed`: the OSError that write raised):
+    this rank's RNG states, every rank's files recorded, and rank 0 puts the checkpoint (with
+    the loop's `train_state`) in place; or, where any rank's write failed, rank 0 removes
+    `tmp` and all raise SaveFailed."""
+    if failed is None:
+        failed = written(save_file, rng, os.path.join(tmp, f"rng_rank{rank()}.pt"))
+    # every rank's files, fsynced and checksummed by their writer, or what failed where
+    files, failures, needed = gather_records(tmp, failed, nbytes + payload_bytes(rng))
+    line = None
     if rank() == 0:
-        write_state(tmp, state, files)
-        _finish(cfg, step, tmp, final, files)
-    barrier()
+        if not failures:
+            try:
+                done = as_failure(0, written(_finish, cfg, step, tmp, final, files, train_state))
+            except CheckpointError as e:  # rank 0 cannot see every rank's files
+                line, done = str(e), None
+            failures = [done] if done else []
+        if failures:
+            line = given_up(tmp, final, failures, needed, _newest(os.path.dirname(final)))
+    line = rank0_says(line)  # every rank waits for rank 0's verdict
+    if line:
+        raise SaveFailed(line)
     return final
 
 
-def _finish(cfg: Config, step: int, tmp: str, final: str, files: dict) -> None:
-    """Rank 0, once every rank's files are on disk: check it sees them all, record them in
-    meta.json (last), move the checkpoint into place and only then prune older ones."""
+def _newest(root: str) -> str | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def _finish(
+    cfg: Config, step: int, tmp: str, final: str, files: dict, train_state: dict | None
+) -> None:
+    """Rank 0, once every rank's files are on disk: check it sees them all, write the loop's
+    state, record them in meta.json (last), move the checkpoint into place and only then prune
+    older ones."""
     lost = missing(tmp, files)
     if lost:
         raise CheckpointError(
             f"checkpoint '{final}' is incomplete: {lost} as seen from rank 0; checkpoints "
             "need a filesystem shared by all nodes: set checkpoint.dir to a path on one"
         )
+    write_state(tmp, train_state, files)
     write_config(cfg, os.path.join(tmp, "config.yaml"))
     files["config.yaml"] = record(os.path.join(tmp, "config.yaml"))
     meta = {"format": FORMAT_VERSION, "step": step, "mesh": asdict(MeshSizes.of(cfg))}
@@ -325,39 +370,16 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
     targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
-    meta["bytes_read"] = _read_blocks(path, targets)
+    meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
     targets.finish()
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
     )
     if same_mesh:
-        _restore_rng(path, model)
+        restore_rng(path, model)
     meta["resharded"] = not same_mesh
     meta["train_state"] = read_state(path)
     return meta
-
-
-def _restore_rng(path: str, model) -> None:
-    """This rank's RNG states from the checkpoint at `path`, read with torch.load's weights-only
-    unpickler: tensors in dicts and lists only, so a pickled object planted in the file is
-    refused and never run (checkpoints travel between people and sit on shared disks)."""
-    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
-    try:
-        states = torch.load(rng_file, weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(
-            f"checkpoint '{path}': {rng_file} holds objects other than RNG state tensors, "
-            "which a resume never loads (they could run code); resume from another checkpoint"
-        ) from None
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
-    try:
-        set_rng_states(states, model)
-    except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint '{path}': {rng_file} is not this run's RNG states ({e}); resume from "
-            "another checkpoint"
-        ) from None
 
 
 def _check_resumable(path: str, cfg: Config) -> Config:
@@ -381,53 +403,6 @@ def _check_resumable(path: str, cfg: Config) -> Config:
     return saved
 
 
-def _open_reader(path: str, kind: type[SafeReader] = SafeReader) -> SafeReader:
-    """A reader of the checkpoint at `path`, its `.metadata` read and checked: one naming
-    anything but DCP's records is refused in one line (checkpoint_metadata.py)."""
-    try:
-        return kind(path)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
-        raise CheckpointError(
-            f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
-            "from another one with checkpoint.resume=PATH"
-        ) from None
-
-
-def _read_blocks(path: str, targets) -> int:
-    """Read `targets` from `path` (resharding); returns the bytes this rank read."""
-    reader = _open_reader(path, CountingReader)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                targets.scalars,
-                storage_reader=reader,
-                planner=BlockLoadPlanner(targets.blocks),
-                no_dist=not distributed(),
-            )
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise _corrupt(path, e) from None
-    return reader.bytes_read
-
-
-def _corrupt(path: str, e: BaseException) -> CheckpointError:
-    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return CheckpointError(
-        f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
-        "resume from another one with checkpoint.resume=PATH"
-    )
-
-
-def _load_tensors(path: str, tensors: dict) -> None:
-    reader = _open_reader(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(tensors, storage_reader=reader, no_dist=not distributed())
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise _corrupt(path, e) from None
-
-
 def load_for_inference(path: str):
     """(Config, GPT in eval mode) from a checkpoint dir, or the newest one under a run dir."""
     if not os.path.isfile(os.path.join(path, "meta.json")):
@@ -437,12 +412,12 @@ def load_for_inference(path: str):
         if not found:
             raise CheckpointError(f"no checkpoint found at '{path}'; pass a step_* directory")
         path = found[-1]
-    read_meta(path)
+    meta = read_meta(path)
     try:
         cfg = load_config(os.path.join(path, "config.yaml"))
     except ConfigError as e:
         raise CheckpointError(f"checkpoint '{path}': {e}") from None
     model = GPT(cfg.model, seed=cfg.train.seed)
     tensors = {f"model.{name}": p.data for name, p in model.named_parameters()}
-    _load_tensors(path, tensors)
+    load_tensors(path, tensors, meta.get("files"))
     return cfg, model.eval()

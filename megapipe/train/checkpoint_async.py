@@ -5,11 +5,13 @@ agreed over the mesh's groups on the training thread) and copied in host memory 
 DCP's `async_save` then writes the copy from a background thread. The save's own collectives
 (DCP's plan exchange) run on a process group of their own, so they never interleave with
 training's on the default group. What needs every rank at one point (RNG files, the file
-records, rank 0's rename) waits for the next save or the end of the run: `Saver.wait()`.
+records, rank 0's rename) waits for the next save or the end of the run: `Saver.wait()`; a
+write that failed in the background is found there, on every rank alike.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -19,8 +21,9 @@ from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from megapipe.config import Config
-from megapipe.distributed.launch import distributed
-from megapipe.train.checkpoint import begin, complete, save, save_state
+from megapipe.distributed.launch import distributed, rank
+from megapipe.train.checkpoint import SaveFailed, begin, complete, save, save_state
+from megapipe.train.checkpoint_faults import payload_bytes, written
 from megapipe.train.rng import rng_states
 
 
@@ -52,39 +55,65 @@ class AlreadyStaged(AsyncStager):
 
 
 class Saver:
-    """Saves checkpoints for one run, synchronously or in the background."""
+    """Saves checkpoints for one run, synchronously or in the background. A save that cannot
+    be written (train/checkpoint_faults.py) stops the run (SaveFailed) or, under
+    checkpoint.on_save_error=continue, is said in one line and training goes on."""
 
     def __init__(self, cfg: Config) -> None:
-        self.cfg, self.pending = cfg, None
+        self.cfg, self.pending, self.failed = cfg, None, []
         self.background = cfg.checkpoint.async_save
         # a group for the background writes: created by every rank, once, at start-up
         self.group = dist.new_group(backend="gloo") if self.background and distributed() else None
+        if self.background and not distributed():  # DCP's writer thread warns at every save,
+            # outside the caller's catch_warnings: a one-process save is what is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
 
-    def save(self, step: int, model: nn.Module, optimizer, state: dict | None = None) -> str:
-        """Checkpoint `step` (with the loop's `state`): written before returning, or (async)
-        started; returns its dir."""
+    def save(
+        self, step: int, model: nn.Module, optimizer, train_state: dict | None = None
+    ) -> str | None:
+        """Checkpoint `step` (with the loop's `train_state`): written before returning, or
+        (async) started; returns its dir (None: it failed and the run goes on)."""
         self.wait()
         if not self.background:
-            return save(self.cfg, step, model, optimizer, state)
-        tmp, final = begin(self.cfg, step)
-        tensors, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
+            return self._settled(step, save, self.cfg, step, model, optimizer, train_state)
+        started = self._settled(step, begin, self.cfg, step)
+        if started is None:
+            return None
+        tmp, final = started
+        state, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             future = dcp.async_save(
-                tensors,
+                state,
                 checkpoint_id=tmp,
                 process_group=self.group,
                 async_stager=AlreadyStaged(),
                 no_dist=not distributed(),
             )
-        self.pending = (future, step, tmp, final, rng, state)
+        self.pending = (future, step, tmp, final, rng, payload_bytes(state), train_state)
         return final
 
     def wait(self) -> str | None:
         """Finish the save in flight, if any (every rank calls it at the same step)."""
         if self.pending is None:
             return None
-        future, step, tmp, final, rng, state = self.pending
+        future, step, tmp, final, rng, nbytes, train_state = self.pending
         self.pending = None
-        future.result()
-        return complete(self.cfg, step, tmp, final, rng, state)
+        failed = written(future.result)
+        return self._settled(
+            step, complete, self.cfg, step, tmp, final, rng, nbytes, failed, train_state
+        )
+
+    def _settled(self, step: int, fn, *args):
+        """fn(*args), or None where it raised SaveFailed and checkpoint.on_save_error=continue
+        (every rank raises it alike: the ranks agree on a failed save)."""
+        try:
+            return fn(*args)
+        except SaveFailed as e:
+            if self.cfg.checkpoint.on_save_error != "continue":
+                raise
+            self.failed.append(step)
+            if rank() == 0:
+                print(f"warning: {e}; training goes on (checkpoint.on_save_error=continue)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return None

@@ -20,9 +20,18 @@ import torch
 import torch.distributed as dist
 
 from megapipe.distributed.launch import barrier, distributed, rank
+from megapipe.train.checkpoint_faults import Failure, as_failure
 
 BLOCK = 8 << 20  # bytes read at a time for a checksum
 STATE_FILE = "train_state.json"  # the loop's own state (train/spikes.py), plain JSON data
+
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt or incompatible checkpoint; the message is one line."""
+
+
+class SaveFailed(CheckpointError):
+    """A checkpoint that could not be written (train/checkpoint_faults.py); one line."""
 
 
 class FilesError(RuntimeError):
@@ -46,17 +55,26 @@ def own_files(directory: str, me: int) -> list[str]:
     return [n for n in names if n.startswith(f"__{me}_") or n == f"rng_rank{me}.pt"]
 
 
-def gather_records(directory: str) -> dict[str, dict]:
+def gather_records(
+    directory: str, failed: OSError | None = None, nbytes: int = 0
+) -> tuple[dict[str, dict], list[Failure], int]:
     """Every rank's {file: record} of what it wrote, on every rank (rank 0 adds DCP's
-    .metadata, which the coordinator writes)."""
-    mine = {n: record(os.path.join(directory, n)) for n in own_files(directory, rank())}
-    if rank() == 0 and os.path.exists(os.path.join(directory, ".metadata")):
-        mine[".metadata"] = record(os.path.join(directory, ".metadata"))
-    if not distributed():
-        return mine
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    return {name: rec for part in parts for name, rec in part.items()}
+    .metadata, which the coordinator writes); with them the failures of the ranks whose
+    writes (`failed`) or records raised an OSError, and the sum of the ranks' `nbytes`."""
+    mine: dict[str, dict] = {}
+    if failed is None:
+        try:
+            mine = {n: record(os.path.join(directory, n)) for n in own_files(directory, rank())}
+            if rank() == 0 and os.path.exists(os.path.join(directory, ".metadata")):
+                mine[".metadata"] = record(os.path.join(directory, ".metadata"))
+        except OSError as e:
+            failed = e
+    parts = [(mine, as_failure(rank(), failed), nbytes)]
+    if distributed():
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (mine, as_failure(rank(), failed), nbytes))
+    files = {name: rec for part, _, _ in parts for name, rec in part.items()}
+    return files, [f for _, f, _ in parts if f is not None], sum(n for _, _, n in parts)
 
 
 def missing(directory: str, files: dict[str, dict]) -> str | None:

@@ -13,21 +13,30 @@ reshard the same way). What a rank reads from disk is the saved chunks that over
 from __future__ import annotations
 
 import io
+import os
+import pickle
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
 
 from megapipe._torch_compat import narrow_to_block
+from megapipe.distributed.launch import distributed, rank
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
-from megapipe.train.checkpoint_metadata import SafeReader
+from megapipe.train.checkpoint_faults import first_failure
+from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.checkpoint_metadata import Refused, SafeReader
 from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces
+from megapipe.train.rng import set_rng_states
 
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
 
@@ -128,6 +137,10 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         self.plan = LoadPlan(items, plan.storage_data, plan.planner_data)
         return self.plan
 
+    def load_bytes(self, read_item, value) -> None:
+        """Never reached (check_records refuses bytes entries); torch's would unpickle them."""
+        raise Refused(f"{read_item.dest_index.fqn} is a pickled object: refused")
+
     def lookup_tensor(self, index) -> torch.Tensor:
         if index.fqn in self.blocks:
             return self.blocks[index.fqn][index.index][1]
@@ -135,9 +148,9 @@ class BlockLoadPlanner(DefaultLoadPlanner):
 
 
 class CountingReader(SafeReader):
-    """SafeReader (no code runs from .metadata) that reads each saved chunk once however many
-    of this rank's blocks overlap it (torch's reads it once per block: a fused q|k|v matrix
-    three times), and adds up the bytes it reads (`bytes_read`)."""
+    """SafeReader (no code runs from .metadata or the data files) that reads each saved chunk
+    once however many of this rank's blocks overlap it (torch's reads it once per block: a
+    fused q|k|v matrix three times), and adds up the bytes it reads (`bytes_read`)."""
 
     bytes_read = 0
 
@@ -146,11 +159,6 @@ class CountingReader(SafeReader):
         for item in plan.items:
             wanted.setdefault(item.storage_index, []).append(item)
         infos = {index: self.storage_data[index] for index in wanted}
-        if any(i.type != LoadItemType.TENSOR for i in plan.items) or any(
-            info.transform_descriptors for info in infos.values()
-        ):  # objects or transformed chunks (not written by megapipe): torch's own path
-            self.bytes_read += sum(infos[i.storage_index].length for i in plan.items)
-            return super().read_data(plan, planner)
         self.bytes_read += sum(info.length for info in infos.values())
         by_file: dict = {}
         for index, info in infos.items():
@@ -158,13 +166,24 @@ class CountingReader(SafeReader):
         for relative, indexes in by_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
                 for index in sorted(indexes, key=lambda i: infos[i].offset):
-                    raw = io.BytesIO(self._slice_file(stream, infos[index]).read())
-                    saved = torch.load(raw, map_location="cpu", weights_only=True)
+                    saved = _tensor(self._slice_file(stream, infos[index]).read(), relative)
                     for item in wanted[index]:
                         _copy_into(planner, item, saved)
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def _tensor(raw: bytes, relative: str) -> torch.Tensor:
+    """A saved chunk, read with torch.load's weights-only unpickler: anything but a tensor in
+    the data file `relative` is refused, never run."""
+    try:
+        saved = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        saved = None
+    if not isinstance(saved, torch.Tensor):
+        raise Refused(f"{relative} holds an object where its records place a tensor: refused")
+    return saved
 
 
 def _copy_into(planner, item, saved: torch.Tensor) -> None:
@@ -175,3 +194,81 @@ def _copy_into(planner, item, saved: torch.Tensor) -> None:
         raise ValueError(f"{item.storage_index.fqn}: {tuple(part.shape)} into {target.shape}")
     target.copy_(part)
     planner.commit_tensor(item, target)
+
+
+def restore_rng(path: str, model) -> None:
+    """This rank's RNG states from the checkpoint at `path`, read with torch.load's weights-only
+    unpickler: tensors in dicts and lists only, so a pickled object planted in the file is
+    refused and never run (checkpoints travel between people and sit on shared disks)."""
+    rng_file = os.path.join(path, f"rng_rank{rank()}.pt")
+    try:
+        states = torch.load(rng_file, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint '{path}': {rng_file} holds objects other than RNG state tensors, "
+            "which a resume never loads (they could run code); resume from another checkpoint"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read {rng_file} ({e})") from None
+    try:
+        set_rng_states(states, model)
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint '{path}': {rng_file} is not this run's RNG states ({e}); resume from "
+            "another checkpoint"
+        ) from None
+
+
+def open_reader(path: str, recorded) -> CountingReader:
+    """A reader of the checkpoint at `path`, its `.metadata` read and checked: one naming
+    anything but DCP's records, or a file outside `recorded` (meta.json's records; None: a
+    format-1 checkpoint, which has none), is refused in one line (checkpoint_metadata.py)."""
+    try:
+        return CountingReader(path, recorded)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError) as e:
+        raise CheckpointError(
+            f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
+            "from another one with checkpoint.resume=PATH"
+        ) from None
+
+
+def read_blocks(path: str, targets, recorded=None) -> int:
+    """Read `targets` from `path` (resharding); returns the bytes this rank read."""
+    reader = open_reader(path, recorded)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                targets.scalars,
+                storage_reader=reader,
+                planner=BlockLoadPlanner(targets.blocks),
+                no_dist=not distributed(),
+            )
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise corrupt(path, e) from None
+    return reader.bytes_read
+
+
+def corrupt(path: str, e: BaseException) -> CheckpointError:
+    e = first_failure(e)  # DCP's CheckpointException: the error of the first rank it lists
+    if isinstance(e, Refused):
+        return CheckpointError(
+            f"checkpoint '{path}': {e} (a resume never runs code from a checkpoint); resume "
+            "from another one with checkpoint.resume=PATH"
+        )
+    first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CheckpointError(
+        f"checkpoint '{path}' is corrupt or does not match the model ({first_line[:200]}); "
+        "resume from another one with checkpoint.resume=PATH"
+    )
+
+
+def load_tensors(path: str, tensors: dict, recorded=None) -> None:
+    """Whole tensors by logical name from `path` (inference, export): read as a resume reads."""
+    reader = open_reader(path, recorded)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(tensors, storage_reader=reader, no_dist=not distributed())
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise corrupt(path, e) from None

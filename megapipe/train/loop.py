@@ -168,6 +168,8 @@ def train_loop(
         log.close()
     stop.finish()  # a deferred agreement still in flight (post-validation)
     saver.wait()  # a background save finishes before the run reports it
+    if stop.saved_step in saver.failed:  # checkpoint.on_save_error=continue: nothing saved
+        stop.saved_step = None
     hooks.train_end(job, records)
     return records
 
