@@ -35,11 +35,12 @@ def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
     return count_params(chunks), sum(len(c.layers) for c in chunks)
 
 
-def as_json(cfg: Config) -> dict:
+def as_json(cfg: Config, device: str = DEVICE) -> dict:
     """`--dry-run --json`: the model's parameters, per (pp, tp) rank its parameters and bytes of
     weights (zero=3: its shard plus the gathered blocks), grads, optimizer state, activations at
-    the peak in flight and the peak; and the largest peak."""
-    plan = memory_plan(cfg, DEVICE)
+    the peak in flight and the peak; and the largest peak. `device`: whose kernels' saved
+    tensors (tests measure CPU runs)."""
+    plan = memory_plan(cfg, device)
     ranks = [
         {
             "pp": r.pp_rank,
