@@ -42,8 +42,8 @@ from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
+from megapipe.perf.data_parallel import dp_plan, optimizer_plan
 from megapipe.perf.memory import chunk_params
-from megapipe.perf.model import dp_plan, optimizer_plan
 from megapipe.perf.pipeline import ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
