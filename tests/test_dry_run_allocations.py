@@ -63,15 +63,19 @@ def storage_bytes(tensors) -> int:
 
 class Allocations(TrainHooks):
     """The grads as the optimizer begins and the optimizer state as it ends, at their largest
-    over the steps."""
+    over the steps. Grads: each parameter's `.grad` and, where it has one, its float32
+    `main_grad` (Megatron's name for the buffer bf16 weights accumulate into). Optimizer: the
+    tensors of its state, and the parameters it steps that are not the model's storages (bf16
+    weights' float32 main params)."""
 
     def __init__(self, model: torch.nn.Module, optimizer) -> None:
         self.model, self.optimizer = model, optimizer
         self.grads = self.state = 0
 
     def optimizer_begin(self) -> None:
-        grads = storage_bytes(p.grad for p in self.model.parameters())
-        self.grads = max(self.grads, grads)
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
+        self.grads = max(self.grads, storage_bytes(grads))
 
     def optimizer_end(self) -> None:
         tensors = [
@@ -80,6 +84,9 @@ class Allocations(TrainHooks):
             for t in state.values()
             if torch.is_tensor(t) and t.dim() > 0
         ]
+        model = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        tensors += [p for p in stepped if p.untyped_storage().data_ptr() not in model]
         self.state = max(self.state, storage_bytes(tensors))
 
 
