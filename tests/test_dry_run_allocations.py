@@ -39,10 +39,10 @@ LAYOUTS = [
 ]
 SMALL = ["model.d_model=64", "model.seq_len=32", "train.global_batch=8"]
 MESHES = {
-    # no pipeline: the head makes its weight grad in forward into one of two buffers it keeps
-    # from step to step (parallel/tensor/cross_entropy.HeadBuffers); in the next step the idle
-    # one, saved once, still lives while the other is lent: the saved bytes run 4.5% over (the
-    # plan counts that memory as the grad's, held all step)
+    # no pipeline, 2 microbatches: the head makes its float32 weight grad in forward into one
+    # of the two buffers it keeps under grad accumulation (parallel/tensor/cross_entropy
+    # .HeadBuffers); both were saved once and live on, so the saved bytes count a second
+    # V·d·4 table that the plan counts as the grads' (held all step): 4.5% over
     "dp2": ["parallel.dp=2", "parallel.microbatches=2"],
     "pp2-1f1b": ["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=4"],
     "pp2-zb_h2": ["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=4",
