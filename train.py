@@ -1,5 +1,6 @@
-"""Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`,
-on one process or under `torchrun --nproc_per_node=N` with dp·pp·cp·tp = N.
+"""Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`
+(`--dry-run [--json]`: the plan and its memory per rank, no training), on one process or
+under `torchrun --nproc_per_node=N` with dp·pp·cp·tp = N.
 
 main() is the steps of docs/architecture.md: parse, load the config, dry run or train
 (megapipe/train/loop.py), turn every expected failure into one line and an exit code, and shut
@@ -10,6 +11,7 @@ the process groups down before exiting (megapipe/distributed/launch.shutdown).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from megapipe.config import ConfigError, load_config
@@ -17,7 +19,7 @@ from megapipe.config.args import parse_train_args
 from megapipe.data.errors import DataError
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
-from megapipe.train.dry_run import describe
+from megapipe.train.dry_run import as_json, describe
 from megapipe.train.loop import NonFiniteError, run
 from megapipe.train.runlock import RunDirBusy
 
@@ -33,7 +35,7 @@ def train(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     if args.dry_run:
-        print(describe(cfg))
+        print(json.dumps(as_json(cfg)) if args.json else describe(cfg))
         return 0
     run(cfg)
     return 0

@@ -6,9 +6,11 @@ state them), the state bytes per parameter (parallel.zero) and the activations o
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import torch
 
 import train
 from megapipe.config import load_config
@@ -236,3 +238,47 @@ def test_v_shape_blocks_hold_a_third_and_a_half_of_1f1b(capsys, tmp_path):
         most[name] = max(r["inflight"] for r in ranks)
     # chunks weigh their layers' activations (the embedding and head are not a layer): ±0.05
     assert most == pytest.approx({"1f1b": 6, "v_min": 3, "v_half": 4, "zb_v": 6}, abs=0.05)
+
+
+def dry_run_json(capsys, tmp_path, *overrides: str) -> dict:
+    argv = ["--config", TINY, "--dry-run", "--json", f"--run.dir={tmp_path / 'run'}", *overrides]
+    assert train.main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--parallel.pp=2", "--model.n_layers=4", "--parallel.microbatches=4"),
+        ("--parallel.tp=2", "--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=1",
+         "--model.n_layers=4", "--parallel.microbatches=2"),
+    ],
+)  # fmt: skip
+def test_json_is_the_plan_the_text_prints(capsys, tmp_path, args):
+    """`--dry-run --json`: one object with the model's parameters, per (pp, tp) rank the same
+    parameters and MiB the text prints (in bytes), and the largest peak."""
+    out = dry_run_json(capsys, tmp_path, *args)
+    _, lines = dry_run(capsys, tmp_path, *args)
+    cfg = config(tmp_path, *args)
+    with torch.device("meta"):
+        assert out["params"] == sum(p.numel() for p in GPT(cfg.model, init=False).parameters())
+    keys = ["weights", "grads", "optimizer"]
+    assert [(r["pp"], r["tp"]) for r in out["ranks"]] == [(r["pp"], r["tp"]) for r in lines]
+    for got, line in zip(out["ranks"], lines):
+        assert set(got) == {"pp", "tp", "params", "activations_bytes", "peak_bytes",
+                            *(f"{k}_bytes" for k in keys)}  # fmt: skip
+        assert got["params"] == line["params"]
+        for k in keys:
+            assert got[f"{k}_bytes"] / MIB == pytest.approx(line[k], abs=0.006)
+        assert got["peak_bytes"] / MIB == pytest.approx(line["peak"], abs=0.006)
+        parts = sum(got[f"{k}_bytes"] for k in [*keys, "activations"])
+        assert abs(got["peak_bytes"] - parts) <= 4  # each part rounded down to whole bytes
+    assert out["max_peak_bytes"] == max(r["peak_bytes"] for r in out["ranks"])
+    if "--parallel.pp=2" in args and cfg.model.tie_embeddings:  # both ends hold the table
+        assert sum(r["params"] for r in out["ranks"]) > out["params"]
+
+
+def test_json_needs_the_dry_run(capsys, tmp_path):
+    assert train.main(["--config", TINY, "--json", f"--run.dir={tmp_path}"]) == 2
+    assert "--json goes with --dry-run" in capsys.readouterr().err

@@ -34,10 +34,10 @@ from megapipe.config.memory import (
     embedding_terms,
     head_terms,
     layer_terms,
-    optimizer_bytes,
     segments,
 )
 from megapipe.config.stages import placement_of, schedule_costs, schedule_of
+from megapipe.config.states import optimizer_bytes
 from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.perf import memory as perf_memory
 from megapipe.plan.simulate import simulate

@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
+from megapipe.config.checks import not_built
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster
@@ -75,11 +76,16 @@ def run_project(args: argparse.Namespace, overrides: list[str]) -> int:
     cluster = load_cluster(args.gpu, args.gpus_per_node)
     if args.runtime not in RUNTIMES:
         raise UsageError(f"unknown --runtime {args.runtime!r}: choose one of {', '.join(RUNTIMES)}")
-    cfg = load_config(args.config, overrides)
+    # a layout whose runtime is still being built (train.params_dtype, parallel.zero 2/3) is
+    # priced all the same, as the layout, and said so
+    cfg = load_config(args.config, overrides, built_only=False)
     began = time.perf_counter()
     proj = project(cfg, cluster, RUNTIMES[args.runtime])
     out = proj.to_dict()
     out["detail"]["projection_s"] = time.perf_counter() - began
+    out["detail"]["not_built"] = not_built(cfg)
+    if out["detail"]["not_built"]:
+        print(f"note: priced, but cannot train yet: {not_built(cfg)}", file=sys.stderr)
     if args.json:
         print(json.dumps(out))
         return 0

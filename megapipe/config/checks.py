@@ -48,10 +48,14 @@ CHOICES: dict[str, tuple[str, ...]] = {
 """The keys whose value is one of a fixed list (the configuration reference prints them)."""
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, built_only: bool = True) -> None:
+    """Every rule below; `built_only=False` (the performance model's projection, which prices a
+    layout before its runtime exists) lets through the keys still being built."""
     _check_values(cfg)
     _check_dirs(cfg)
     _check_model(cfg)
+    if built_only:
+        _check_not_built(cfg)
     _check_parallel(cfg)
     check_partition(cfg)
     _check_chunks(cfg)
@@ -152,7 +156,6 @@ def _check_model(cfg: Config) -> None:
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
-    _check_not_built(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -276,6 +279,15 @@ def _check_not_built(cfg: Config) -> None:
         cfg.train.params_dtype == "float32",
         "train.params_dtype=bfloat16 is not built yet; set train.params_dtype=float32",
     )
+
+
+def not_built(cfg: Config) -> str | None:
+    """Why `cfg` cannot train yet (a key whose runtime is being built), or None."""
+    try:
+        _check_not_built(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _check_post_validation(cfg: Config) -> None:

@@ -1,5 +1,6 @@
-"""Memory arithmetic on the config: bytes of model state per parameter and of the activations our
-model saves for backward, block by block, for one microbatch (or Seq1F1B segment) on one rank.
+"""Memory arithmetic on the config: bytes of the activations our model saves for backward, block
+by block, for one microbatch (or Seq1F1B segment) on one rank (the state bytes per parameter,
+by train.params_dtype and parallel.zero, are config/states.py's).
 
 Pure arithmetic (no torch): which chunks a rank holds is the partition's (config/stages.py), how
 many microbatches it holds at once the schedule's; config/memory_plan.py puts them together per
@@ -44,7 +45,8 @@ every term with saved_tensors_hooks):
                                                        the CPU the noise tensor, in the
                                                        dtype of what is dropped)
           bf16 weight copies        2 · the layer's linear weights (autocast's casts, saved by
-                                    the linears; float32 saves the parameter itself: nothing)
+                                    the linears; float32 saves the parameter itself: nothing;
+                                    nor bf16 weights, train.params_dtype=bfloat16: no cast)
           full recompute: only the layer input, Nₛ·d·4. Residual adds save nothing.
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
   head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
@@ -78,15 +80,12 @@ backward are not saved tensors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from megapipe.config.flops import segment_bounds
 from megapipe.config.schema import Config, RecomputeConfig
+from megapipe.config.states import FLOAT32
 
-FLOAT32 = 4  # float32 master weights, their grads, and the residual stream (bf16 is autocast)
-WEIGHT_BYTES = GRAD_BYTES = FLOAT32
-ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq per parameter (float32)
 INDEX = 8  # int64 token ids and targets
 
 
@@ -95,48 +94,12 @@ def compute_bytes(cfg: Config) -> int:
     return 2 if cfg.train.dtype == "bfloat16" else FLOAT32
 
 
-def replicas(cfg: Config) -> int:
-    """The ranks a parameter's optimizer state can be sharded over: dp × cp (R)."""
-    return cfg.parallel.dp * cfg.parallel.cp
-
-
-def zero_shards(cfg: Config) -> int:
-    """How many ways the AdamW state is split: R under parallel.zero=1, else 1 (and zero=1 with
-    R = 1 has nothing to shard, so it keeps the whole state like zero=0)."""
-    return replicas(cfg) if cfg.parallel.zero else 1
-
-
-def optimizer_bytes(n_params: int, cfg: Config) -> float:
-    """AdamW state of a rank holding `n_params`: both float32 moments, 8 B per parameter, for
-    every parameter (zero=0), or for its 1/R shard under the distributed optimizer (zero=1,
-    Megatron's 8 + 8/d bytes per parameter with weights and grads, d = R = dp·cp). Each grad
-    bucket is padded to a multiple of R before it is split, adding < R elements per bucket:
-    left out."""
-    return ADAM_BYTES * math.ceil(n_params / zero_shards(cfg))
-
-
-def state_bytes(n_params: float, cfg: Config) -> float:
-    """Weights, grads and AdamW state of a rank holding `n_params` (rounded up for AdamW)."""
-    return n_params * (WEIGHT_BYTES + GRAD_BYTES) + optimizer_bytes(math.ceil(n_params), cfg)
-
-
 def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
     """The recompute mode for transformer layer `layer_index` (0-based, global): recompute.mode
     for the first recompute.layers layers (0: all), "none" after them."""
     if cfg.layers and layer_index >= cfg.layers:
         return "none"
     return cfg.mode
-
-
-def state_layout(cfg: Config) -> str:
-    """Weights, grads and AdamW bytes per parameter, as the dry run names them: '16 B/param'
-    (zero=0, or zero=1 with nothing to shard) or '8 + 8/d B/param, d=2' (zero=1, d = dp·cp)."""
-    d = zero_shards(cfg)
-    base = WEIGHT_BYTES + GRAD_BYTES
-    if d == 1:
-        alone = ", nothing to shard at dp·cp=1" if cfg.parallel.zero else ""
-        return f"{base + ADAM_BYTES} B/param{alone}"
-    return f"{base} + {ADAM_BYTES}/d B/param, d={d}"
 
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:
@@ -315,7 +278,8 @@ def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, 
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is promoted to fp32
         dropped = FLOAT32 if not llama else c
         terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)
-    if c != FLOAT32:  # autocast's bf16 copies of the linear weights, saved by the linears
+    # autocast's bf16 copies of the linear weights, saved by the linears (bf16 weights: none)
+    if c != FLOAT32 and cfg.train.params_dtype == "float32":
         qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
         terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * x.ff * m.d_model) * c
     return terms

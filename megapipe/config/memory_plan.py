@@ -2,15 +2,15 @@
 any job runs. The dry run (train/memory.py), the planner's bounds (perf/bounds.py) and the
 performance model (perf/memory.py) all call these functions; none keeps terms of its own.
 
-For each (pp, tp) coordinate (dp and cp replicas hold the same): float32 weights and grads
-(4 B/param each: the model keeps float32 weights, bf16 is autocast only), AdamW's two moments
-(8 B/param, or 8/R under the distributed optimizer, config/memory.py `optimizer_bytes`), and
-the activations of one microbatch through the rank's chunks (config/memory.py's terms per
-block: what our ops save for backward, after Korthikanti et al. 2022's structure) times the
-most microbatches the configured schedule keeps in flight on the rank, replayed from the
-timeline of its action list (plan/simulate.py; a vpp chunk weighs what it holds, a Seq1F1B
-segment its token share, and under Zero Bubble's B/W split a microbatch keeps from B to W only
-its linears' inputs and output grads).
+For each (pp, tp) coordinate (dp and cp replicas hold the same): weights, grads and optimizer
+state by train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param,
+bf16 weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), zero=3's
+gathered blocks, and the activations of one microbatch through the rank's chunks
+(config/memory.py's terms per block: what our ops save for backward, after Korthikanti et
+al. 2022's structure) times the most microbatches the configured schedule keeps in flight on
+the rank, replayed from the timeline of its action list (plan/simulate.py; a vpp chunk weighs
+what it holds, a Seq1F1B segment its token share, and under Zero Bubble's B/W split a
+microbatch keeps from B to W only its linears' inputs and output grads).
 
 Pure arithmetic: the parameters of a chunk come from the caller (`ChunkParams`: train/memory.py
 counts a meta-device GPT, perf/memory.py caches the same counts) and so may the timeline (perf
@@ -25,19 +25,23 @@ from dataclasses import dataclass
 
 from megapipe.config.flops import segment_bounds
 from megapipe.config.memory import (
-    GRAD_BYTES,
-    WEIGHT_BYTES,
     embedding_terms,
     head_deferred,
     head_terms,
     layer_deferred,
     layer_mode,
     layer_terms,
-    optimizer_bytes,
     segments,
 )
 from megapipe.config.schema import Config
 from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
+from megapipe.config.states import (
+    gathered_bytes,
+    grads_bytes,
+    optimizer_bytes,
+    state_layout,
+    weights_bytes,
+)
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD
 from megapipe.plan.simulate import simulate
 
@@ -61,6 +65,7 @@ class RankMemory:
     # peak in-flight microbatches, in units of one through all the rank's chunks (under a B/W
     # split, what a microbatch keeps from B to W weighs its bytes: peak_inflight)
     inflight: float
+    gathered: float = 0.0  # zero=3: the largest block's weights gathered, and the next one's
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -73,7 +78,7 @@ class RankMemory:
 
     @property
     def states(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.gathered + self.grads + self.optimizer
 
     @property
     def peak(self) -> float:
@@ -121,26 +126,37 @@ def memory_plan(
                     pp_rank=pp_rank,
                     tp_rank=tp_rank,
                     params=n,
-                    weights=n * WEIGHT_BYTES,
-                    grads=n * GRAD_BYTES,
+                    weights=weights_bytes(n, cfg),
+                    grads=grads_bytes(n, cfg),
                     optimizer=optimizer_bytes(n, cfg),
                     chunk_activations=acts,
                     inflight=inflight[pp_rank],
+                    gathered=rank_gathered(cfg, held, tp_rank, chunk_params),
                 )
             )
     return MemoryPlan(tuple(ranks), device)
 
 
+def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
+    """zero=3's gathered weights on a rank holding the chunks `held` (config/states
+    .gathered_bytes of its blocks' parameters; 0 at other levels, without counting them)."""
+    if state_layout(cfg).weight_shards == 1:
+        return 0.0
+    blocks = [chunk_params(range(b, b + 1), tp_rank) for chunk in held for b in chunk]
+    return gathered_bytes(blocks, cfg)
+
+
 @dataclass(frozen=True)
 class BlockBytesKey:
     """What block_activations and block_deferred read of a config besides the block, the
-    device and the segment: the model, dtype and recompute (a layer's mode: block_role), one
+    device and the segment: the model, dtypes and recompute (a layer's mode: block_role), one
     rank's share of a microbatch (micro-batch size, tp, cp, sp), the Seq1F1B segments and
     whether a pipeline runs (config/memory.head_grad_in_forward). Callers that cache bytes
     per block or run of blocks key them by it."""
 
     model: tuple
     dtype: str
+    params_dtype: str  # bf16 weights: no autocast weight copies saved
     recompute: tuple
     micro_batch_size: int
     tp: int
@@ -153,7 +169,7 @@ class BlockBytesKey:
     def of(cfg: Config) -> BlockBytesKey:
         p = cfg.parallel
         return BlockBytesKey(
-            _values(cfg.model), cfg.train.dtype, _values(cfg.recompute),
+            _values(cfg.model), cfg.train.dtype, cfg.train.params_dtype, _values(cfg.recompute),
             cfg.derived.micro_batch_size, p.tp, p.cp, p.sequence_parallel,
             tuple(segment_bounds(cfg)), p.pp > 1,
         )  # fmt: skip

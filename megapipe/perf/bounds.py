@@ -18,6 +18,7 @@ makespan, (m + pp − 1)·(F + B).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.config import Config
-from megapipe.config.memory import attention_path, segments, state_bytes
+from megapipe.config.memory import attention_path, segments
 from megapipe.config.memory_plan import (
     BlockBytesKey,
     block_activations,
@@ -33,14 +34,16 @@ from megapipe.config.memory_plan import (
     block_role,
     chunk_activations,
     live_change,
+    rank_gathered,
 )
 from megapipe.config.stages import partition, placement_of
+from megapipe.config.states import state_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
+from megapipe.perf.data_parallel import dp_plan, optimizer_plan
 from megapipe.perf.memory import chunk_params
-from megapipe.perf.model import dp_plan, optimizer_plan
 from megapipe.perf.pipeline import ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
@@ -319,7 +322,9 @@ class Bounds:
                 inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
-                total = state_bytes(n, cfg) + sum(acts) * inflight
+                count = functools.partial(self._chunk_params, cfg)
+                gathered = rank_gathered(cfg, chunks, tp_rank, count)
+                total = state_bytes(n, cfg, gathered) + sum(acts) * inflight
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where

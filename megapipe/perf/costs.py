@@ -59,7 +59,8 @@ class CostModel:
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
-        self.cfg, self.cluster, self.rt = cfg, cluster, resolved(runtime, cfg.train.dtype)
+        rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+        self.cfg, self.cluster, self.rt = cfg, cluster, rt
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
         measured = cluster.measured_constants  # a measured profile's own (the CPU's)
         self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth,

@@ -107,13 +107,15 @@ def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
 @dataclass(frozen=True)
 class PlanKey:
     """What a memory plan reads of its config: the model, parallel and recompute sections, the
-    global batch (the micro-batch size) and dtype; and the device whose kernels it counts."""
+    global batch (the micro-batch size), the compute and weights' dtypes; and the device whose
+    kernels it counts."""
 
     model: tuple
     parallel: tuple
     recompute: tuple
     global_batch: int
     dtype: str
+    params_dtype: str
     device: str
 
     @staticmethod
@@ -121,7 +123,8 @@ class PlanKey:
         sections = (
             dataclasses.astuple(getattr(cfg, s)) for s in ("model", "parallel", "recompute")
         )
-        return PlanKey(*sections, cfg.train.global_batch, cfg.train.dtype, device)
+        t = cfg.train
+        return PlanKey(*sections, t.global_batch, t.dtype, t.params_dtype, device)
 
 
 _PLANS = BoundedCache(4096)

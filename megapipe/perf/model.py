@@ -13,16 +13,18 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    built for costs (zb_v) under `schedule_costs=profile` is built from the projected costs, as
    the runtime rebuilds it from the measured ones. On a measured profile without tp, each
    message also arrives later by `step_skew` of the compute that sent it (host.py: sync_skew).
-2. The dp × cp gradient reduction (comm.ring_time on the replica group's link): all-reduce
-   (zero=0) or reduce-scatter (zero=1) of each chunk's grads, in buckets launched during the
-   chunk's last backward (W or BW) and finishing no earlier than that backward's end plus one
-   bucket, one chunk after another, whatever of it outlasts the rank's pipeline work being
-   exposed; then the tied embedding's all-reduce between the first and last stage. A runtime
-   without overlap (runtime.py) starts it when the rank's pipeline work ends. Without a
+2. The dp × cp gradient reduction (perf/data_parallel.py, comm.ring_time on the replica
+   group's link): all-reduce (zero=0) or reduce-scatter (zero>=1) of each chunk's grads, in
+   buckets launched during the chunk's last backward (W or BW) and finishing no earlier than
+   that backward's end plus one bucket, one chunk after another, whatever of it outlasts the
+   rank's pipeline work being exposed; then the tied embedding's all-reduce between the first
+   and last stage. A runtime without overlap (runtime.py) starts it when the rank's pipeline
+   work ends. zero>=2's reduce-scatters of the earlier microbatches and zero=3's weight
+   gathers run beside the compute from the step's start (exposed only past it). Without a
    pipeline or tp, a measured profile's ranks also wait `step_skew` of the step's compute there.
 3. The optimizer: the global grad norm (a tree all-reduce, latency only), AdamW over the
    rank's parameters (or its 1/(dp·cp) shard) at the runtime's bytes per parameter, and under
-   zero=1 the all-gather of the updated float32 weights.
+   zero 1 and 2 the all-gather of the updated weights in their dtype.
 
 step_time = max over ranks of the end of 2, + 3. Model FLOPs are config/flops.flops_per_token
 (6N + 12·L·d·T, as metrics.jsonl counts them: the full window, under data.document_mask too,
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
+from megapipe.perf.data_parallel import DPPlan, dp_plan, optimizer_plan
 from megapipe.perf.memory import chunk_params
 from megapipe.perf.memory import plan as memory_plan
 from megapipe.perf.pipeline import config_dag
@@ -190,6 +192,7 @@ def project(
             "pp": p2p_link(cluster, shape, 0, 1).name if pipelined else None,
         },
         "dp_comm_max_rank_s": max(dp.total),
+        "dp_per_microbatch_max_rank_s": max(dp.per_microbatch),  # zero 2/3's, beside compute
     })  # fmt: skip
 
 
@@ -339,46 +342,7 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
     return delay, extra
 
 
-@dataclass
-class _DP:
-    chunk: list[list[float]]  # per rank, per local chunk: seconds of its reduction
-    last_bucket: list[list[float]]
-    total: list[float]  # per rank
-    tied: float  # the tied embedding's all-reduce between the first and last stage
-
-
-def dp_plan(cfg, cluster, runtime, shape, held, grad_bytes: int) -> _DP:
-    p, m = cfg.parallel, cfg.model
-    n = p.dp * p.cp
-    link = group_link(cluster, shape, ("dp", "cp"))
-    kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    bucket = runtime.dp_bucket_mb * 2**20
-    chunk, last = [], []
-    for per_chunk in held:
-        times, lasts = [], []
-        for params in per_chunk:
-            nbytes = params * grad_bytes
-            t = ring_time(kind, nbytes, n, link)
-            if bucket and nbytes > bucket and n > 1:
-                t += (math.ceil(nbytes / bucket) - 1) * steps * link.latency
-                lasts.append(ring_time(kind, bucket, n, link))
-            else:
-                lasts.append(t)
-            times.append(t)
-        chunk.append(times)
-        last.append(lasts)
-    tied = 0.0
-    place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
-    last_rank = place.locate(place.num_stages - 1)[0]
-    if m.tie_embeddings and last_rank != 0:
-        table = -(-m.vocab_size // p.tp) * m.d_model
-        tied = ring_time("all_reduce", table * grad_bytes, 2,
-                         p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
-    return _DP(chunk, last, [sum(t) for t in chunk], tied)
-
-
-def _dp_end(dag: Dag, timing: Timing, dp: _DP, runtime: Runtime, place: Placement) -> float:
+def _dp_end(dag: Dag, timing: Timing, dp: DPPlan, runtime: Runtime, place: Placement) -> float:
     """When the last rank has its grads reduced (module docstring, 2)."""
     pp, vpp = place.pp, place.vpp
     rank_end = [0.0] * pp
@@ -398,7 +362,8 @@ def _dp_end(dag: Dag, timing: Timing, dp: _DP, runtime: Runtime, place: Placemen
                 free = max(begin + dp.chunk[r][c], timing.end[i] + dp.last_bucket[r][c])
             else:
                 free += dp.chunk[r][c]
-        ready = max(rank_end[r], free)
+        # zero>=2/3's per-microbatch collectives run beside the compute from the step's start
+        ready = max(rank_end[r], free, dp.per_microbatch[r] + dp.total[r])
         if r in (0, last_rank) and dp.tied:
             ready += dp.tied
         done = max(done, ready)
@@ -414,26 +379,3 @@ def _last_actions(dag: Dag) -> list[int]:
             if min(last) >= 0:
                 break
     return last
-
-
-@dataclass
-class _Opt:
-    per_rank: list[float]
-    step: float
-    gather: float
-
-
-def optimizer_plan(cfg, cluster, runtime, cm: CostModel, shape, held) -> _Opt:
-    p = cfg.parallel
-    n = p.dp * p.cp
-    shards = n if p.zero and n > 1 else 1
-    norm_group = cfg.derived.world_size if shards > 1 else p.pp * p.tp
-    norm = (
-        2 * math.ceil(math.log2(norm_group)) * cluster.network(1).latency if norm_group > 1 else 0
-    )
-    per_rank = [cm.dev.mem(sum(ps) / shards * runtime.optimizer_bytes) for ps in held]
-    gather = 0.0
-    if shards > 1:
-        link = group_link(cluster, shape, ("dp", "cp"))
-        gather = max(ring_time("all_gather", sum(ps) * 4, n, link) for ps in held)
-    return _Opt(per_rank, norm + max(per_rank), gather)

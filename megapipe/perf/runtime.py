@@ -12,13 +12,16 @@ on published measurements. They differ in facts about the code, none fitted:
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
                   dropout, add and the autocast casts as separate kernels.
-  weight cast     autocast casts every float32 weight to bf16 in each forward (read 4, write 2
-                  bytes per parameter); Megatron keeps fp16 weights (0).
+  weight cast     bytes per parameter per forward: ours with float32 weights under bf16 autocast
+                  casts every weight to bf16 (read 4, write 2); with bf16 weights
+                  (train.params_dtype=bfloat16) nothing; Megatron keeps fp16 weights (0).
   grad accumulate bytes per parameter per microbatch to add a weight grad into the grad kept
-                  over the step: ours the cast-back of the bf16 grad to float32 (2 + 4) and
-                  the accumulation into the float32 .grad (4 + 4 + 4); Megatron 2021's fp16
-                  run adds the fp16 weight grad into its fp16 grad buffer (2 + 2 + 2; fp32
-                  accumulation was opt-in, --accumulate-allreduce-grads-in-fp32).
+                  over the step: ours with float32 weights the cast-back of the bf16 grad to
+                  float32 (2 + 4) and the accumulation into the float32 .grad (4 + 4 + 4); with
+                  bf16 weights the bf16 weight grad added in place into the float32 main grad
+                  (2 + 4 + 4); Megatron 2021's fp16 run adds the fp16 weight grad into its fp16
+                  grad buffer (2 + 2 + 2; fp32 accumulation was opt-in,
+                  --accumulate-allreduce-grads-in-fp32).
   p2p             ours: float32 activations (StageLinks' dtype), the whole (b, T/cp, d) tensor
                   from every tp rank (1/tp of it under sequence parallelism), sends
                   fire-and-forget (pipeline/p2p.py). Megatron: fp16, the scatter/gather
@@ -28,19 +31,38 @@ on published measurements. They differ in facts about the code, none fitted:
                   backward (parallel/data/reducer.py, overlapped); Megatron 2021: one fp16
                   all-reduce of the contiguous grad buffer after the pipeline is done (its
                   `allreduce_gradients` after forward_backward, not overlapped).
-  optimizer       bytes per parameter of the step over HBM. Ours: torch's foreach AdamW over
-                  float32 weights, grads and moments, op by op (decay 8, first moment 12,
-                  second moment 8 + 12, the denominator's sqrt, divide and add 24, the
-                  update 16) plus the grad norm (4) and the clip (8): 92 B. Megatron: the
-                  fp16 grads copied to fp32 (6), unscaled and checked (4), norm and clip
-                  (12), fused Adam over fp32 master weights and moments (4·4 read + 3·4
-                  written), the fp16 weights written back (6): 56 B.
+  optimizer       bytes per parameter of the step over HBM. Ours: the AdamW kind the code picks
+                  for a CUDA parameter (train/optim.device_adamw_kind: fused where torch has
+                  the kernel): fused, one pass reading weight, grad and both moments (16) and
+                  writing weight and moments (12): 28 B; foreach, op by op (decay 8, first
+                  moment 12, second moment 8 + 12, the denominator's sqrt, divide and add 24,
+                  the update 16): 80 B; plus the grad norm (4) and the clip (8); with bf16
+                  weights the float32 main param written back to the bf16 weight (4 + 2).
+                  Megatron: the fp16 grads copied to fp32 (6), unscaled and checked (4), norm
+                  and clip (12), fused Adam over fp32 master weights and moments (4·4 read +
+                  3·4 written), the fp16 weights written back (6): 56 B.
+  param gather    zero>=1: the updated weights all-gathered over dp·cp after the step, in the
+                  weights' dtype. Ours gathers inside the optimizer step, every bucket before
+                  the step returns (parallel/data/zero.ShardedOptimizer.step;
+                  tests/test_perf_runtime.py pins it), so it is exposed; overlapped (Megatron-
+                  Core's --overlap-param-gather) only the first bucket's would be.
+  zero 2, 3       grads reduce-scattered every microbatch (each rank keeps its shard only), and
+                  at zero=3 each block's weights all-gathered before its forward and again
+                  for its backward, every microbatch (perf/data_parallel.py prices both as
+                  traffic beside the compute).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.train.optim import device_adamw_kind
+
+ADAMW_BYTES = {"fused": 28.0, "foreach": 80.0}  # HBM bytes per float32 parameter of one step
+NORM_CLIP_BYTES = 12.0  # the global grad norm reads the grads (4), the clip rescales them (8)
+WRITE_BACK_BYTES = float(FLOAT32 + PARAM_BYTES["bfloat16"])  # main param -> bf16 weight
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,9 @@ class Runtime:
     dp_bucket_mb: float  # 0: one buffer
     optimizer_bytes: float  # HBM bytes per parameter of the optimizer step
     autocast_casts: bool = True  # the norm outputs cast for the next linear (resolved())
+    adamw: str = ""  # ours: the AdamW kind the code runs on CUDA; "": optimizer_bytes as given
+    param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
+    param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
 
 
 MEGAPIPE = Runtime(
@@ -71,10 +96,12 @@ MEGAPIPE = Runtime(
     p2p_bytes=4,
     p2p_scatter_gather=False,
     p2p_blocking=False,
-    grad_bytes=4,
-    dp_overlap=True,
+    grad_bytes=GRAD_BYTES,
+    dp_overlap=True,  # buckets launched from the grad hooks (parallel/data/reducer.py; pinned)
     dp_bucket_mb=25.0,
-    optimizer_bytes=92.0,
+    optimizer_bytes=ADAMW_BYTES[device_adamw_kind("cuda")] + NORM_CLIP_BYTES,
+    adamw=device_adamw_kind("cuda"),
+    param_gather_overlap=False,  # ShardedOptimizer.step waits for every gather (pinned)
 )
 
 MEGATRON_2021 = Runtime(
@@ -96,13 +123,41 @@ MEGATRON_2021 = Runtime(
 RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021)}
 
 
-def resolved(runtime: Runtime, dtype: str) -> Runtime:
-    """`runtime` as it runs a config of train.dtype `dtype`. Ours under float32 runs without
-    autocast (parallel/precision.py): no weight casts, no cast of the norm outputs, and each
-    microbatch's weight grad added straight into the float32 .grad (read 4 + 4, write 4 = 12 B
-    per parameter). The bf16/fp16 runs (every GPU projection) are unchanged."""
-    if runtime.name == "megapipe" and dtype == "float32":
-        return dataclasses.replace(
-            runtime, weight_cast_bytes=0.0, grad_accum_bytes=12.0, autocast_casts=False
-        )
-    return runtime
+def weight_cast_bytes(params_dtype: str, compute: int) -> float:
+    """Bytes per parameter per forward to cast a weight to the compute dtype (`compute` bytes):
+    read the weight, write the copy; none where the weight is already in it."""
+    weight = PARAM_BYTES[params_dtype]
+    return float(weight + compute) if weight != compute else 0.0
+
+
+def grad_accum_bytes(params_dtype: str, compute: int) -> float:
+    """Bytes per parameter per microbatch to add a weight grad (in the compute dtype) into the
+    grad kept over the step: float32 weights' .grad takes it cast to float32 first (autograd
+    accumulates in the parameter's dtype), then reads both and writes the sum; bf16 weights'
+    float32 main grad takes it in place (read it, read and write the main grad)."""
+    if params_dtype == "float32":
+        cast = compute + FLOAT32 if compute != FLOAT32 else 0
+        return float(cast + 3 * GRAD_BYTES)
+    return float(compute + 2 * GRAD_BYTES)
+
+
+def resolved(runtime: Runtime, dtype: str, params_dtype: str = "float32") -> Runtime:
+    """`runtime` as it runs a config of train.dtype `dtype` and train.params_dtype
+    `params_dtype` (idempotent). Ours: the weight casts and grad accumulation of the weights'
+    and compute dtypes (float32 without autocast also casts no norm output), the optimizer of
+    the AdamW kind the code runs plus the bf16 write-back, the gather in the weights' dtype.
+    Megatron 2021 (fp16 weights) is unchanged."""
+    if runtime.name != "megapipe":
+        return runtime
+    compute = FLOAT32 if dtype == "float32" else 2
+    optimizer = ADAMW_BYTES[runtime.adamw] + NORM_CLIP_BYTES
+    if params_dtype != "float32":
+        optimizer += WRITE_BACK_BYTES
+    return dataclasses.replace(
+        runtime,
+        weight_cast_bytes=weight_cast_bytes(params_dtype, compute),
+        grad_accum_bytes=grad_accum_bytes(params_dtype, compute),
+        autocast_casts=dtype != "float32",
+        optimizer_bytes=optimizer,
+        param_bytes=PARAM_BYTES[params_dtype],
+    )

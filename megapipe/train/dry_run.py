@@ -1,28 +1,30 @@
 """`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and memory
-(the one memory model, config/memory_plan.py, through train/memory.py), no training.
+(the one memory model, config/memory_plan.py, through train/memory.py), no training; with
+`--json` the same numbers as one JSON object (`as_json`).
 
 Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta device from the
 partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
 parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). Its memory is
-float32 weights, grads and AdamW state (sharded over dp × cp under parallel.zero=1) plus the
-activations our model saves for one microbatch times the microbatches the configured schedule
-keeps in flight on the rank, from running that schedule through the planner's simulator: a
-pipeline rank's activation memory is its stash of microbatches that went forward but not yet
-backward (Narayanan et al. 2021 §2.2; Qi et al. 2023 §3), and under a B/W split what W still
-needs.
+weights, grads and optimizer state by train.params_dtype and parallel.zero (config/states.py;
+zero=3 adds its gathered blocks to the weights) plus the activations our model saves for one
+microbatch times the microbatches the configured schedule keeps in flight on the rank, from
+running that schedule through the planner's simulator: a pipeline rank's activation memory is
+its stash of microbatches that went forward but not yet backward (Narayanan et al. 2021 §2.2;
+Qi et al. 2023 §3), and under a B/W split what W still needs.
 """
 
 from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
-from megapipe.config.memory import attention_path, state_layout
+from megapipe.config.memory import attention_path
 from megapipe.config.memory_plan import RankMemory
 from megapipe.config.stages import describe_partition, schedule_costs
+from megapipe.config.states import state_layout
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
-from megapipe.train.memory import count_params, memory_plan, rank_chunks
+from megapipe.train.memory import count_params, memory_plan, model_params, rank_chunks
 
 DEVICE = "cuda"  # the dry run plans a training job: its activations are CUDA's kernels'
 
@@ -31,6 +33,28 @@ def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
     """(parameters held, layers held) by the rank at (pp_rank, tp_rank), over all its chunks."""
     chunks = rank_chunks(cfg, pp_rank, tp_rank)
     return count_params(chunks), sum(len(c.layers) for c in chunks)
+
+
+def as_json(cfg: Config, device: str = DEVICE) -> dict:
+    """`--dry-run --json`: the model's parameters, per (pp, tp) rank its parameters and bytes of
+    weights (zero=3: its shard plus the gathered blocks), grads, optimizer state, activations at
+    the peak in flight and the peak; and the largest peak. `device`: whose kernels' saved
+    tensors (tests measure CPU runs)."""
+    plan = memory_plan(cfg, device)
+    ranks = [
+        {
+            "pp": r.pp_rank,
+            "tp": r.tp_rank,
+            "params": r.params,
+            "weights_bytes": int(r.weights + r.gathered),
+            "grads_bytes": int(r.grads),
+            "optimizer_bytes": int(r.optimizer),
+            "activations_bytes": int(r.activations),
+            "peak_bytes": int(r.peak),
+        }
+        for r in plan.ranks
+    ]
+    return {"params": model_params(cfg), "ranks": ranks, "max_peak_bytes": int(plan.max)}
 
 
 def describe(cfg: Config) -> str:
@@ -72,9 +96,13 @@ def _notes(cfg: Config) -> list[str]:
     }[attention_path(cfg, DEVICE)]
     if cfg.data.document_mask and p.cp == 1:  # config/memory.py, "document mask"
         attention += ", plus the (b, 1, T, T) document mask (none with flash-attn varlen)"
+    weights = "float32 weights 4" if cfg.train.params_dtype == "float32" else "bf16 weights 2"
+    main = ", the float32 main params 4" if cfg.train.params_dtype != "float32" else ""
     notes = [
-        "(memory per rank: float32 weights and grads 4 B/parameter each, AdamW's two float32 "
-        f"moments 8 B/parameter (/dp·cp under parallel.zero=1); activations: what the model's "
+        f"(memory per rank: {weights} B/parameter, float32 grads 4, AdamW's two float32 "
+        f"moments 8{main}; parallel.zero shards over dp·cp the optimizer state (1), the grads "
+        "too (2), the weights too (3, plus the largest block gathered twice for the prefetch); "
+        "activations: what the model's "
         f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
         f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})"
     ]
@@ -98,11 +126,17 @@ def _rank_line(cfg: Config, r: RankMemory) -> str:
     held = " | ".join(stage_text(c.blocks, cfg.model.n_layers + 1) for c in chunks)
     return (
         f"pp={r.pp_rank} tp={r.tp_rank}: {r.params:,} parameters, {layers} layers "
-        f"(chunks: {held}); weights {_size(r.weights)}, grads {_size(r.grads)}, "
-        f"optimizer {_size(r.optimizer)} (zero={cfg.parallel.zero}; states {state_layout(cfg)}), "
+        f"(chunks: {held}); weights {_size(r.weights + r.gathered)}, grads {_size(r.grads)}, "
+        f"optimizer {_size(r.optimizer)} (zero={cfg.parallel.zero}; states {_layout(cfg)}), "
         f"activations ~{_size(r.activations_per_microbatch)} per microbatch, peak in flight "
         f"{_amount(r.inflight)} microbatches -> peak ~{_size(r.peak)}"
     )
+
+
+def _layout(cfg: Config) -> str:
+    """The state bytes per parameter, noting a zero level with nothing to shard (dp·cp=1)."""
+    alone = cfg.parallel.zero and state_layout(cfg).zero == 0
+    return state_layout(cfg).text() + (", nothing to shard at dp·cp=1" if alone else "")
 
 
 def _amount(x: float) -> str:

@@ -39,5 +39,13 @@ def rank_chunks(cfg: Config, pp_rank: int, tp_rank: int) -> list[GPT]:
     return [chunk(cfg, blocks, tp_rank) for blocks in rank_blocks(cfg, pp_rank)]
 
 
+def model_params(cfg: Config) -> int:
+    """The model's parameters, each once (one process's meta-device GPT: no tp shards, one
+    tied table)."""
+    with torch.device("meta"):
+        whole = GPT(cfg.model, seed=cfg.train.seed, init=False)
+    return count_params([whole])
+
+
 def count_params(chunks: list[GPT]) -> int:
     return sum(q.numel() for c in chunks for q in c.parameters())

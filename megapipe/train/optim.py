@@ -50,10 +50,15 @@ def build_optimizer(
 def adamw_kind(groups: list[dict]) -> str:
     """The AdamW implementation for `groups`: fused when torch has a fused kernel for the
     device of every floating-point parameter (tensors or shard views), else foreach."""
-    fused_devices = fused_adamw_devices()
     params = [p for g in groups for p in g["params"]]
-    ok = all(p.device.type in fused_devices and p.is_floating_point() for p in params)
+    ok = all(device_adamw_kind(p.device.type) == "fused" and p.is_floating_point() for p in params)
     return "fused" if ok else "foreach"
+
+
+def device_adamw_kind(device_type: str) -> str:
+    """The AdamW implementation for float32 parameters on `device_type` ("cuda", "cpu"): the
+    choice adamw_kind makes, which the performance model prices (perf/runtime.py)."""
+    return "fused" if device_type in fused_adamw_devices() else "foreach"
 
 
 def make_adamw(groups: list[dict], **hyper) -> torch.optim.AdamW:

@@ -1,0 +1,121 @@
+"""The step's data-parallel parts, priced per rank for perf/model.py and the planner's bounds
+(perf/bounds.py): the dp × cp gradient reduction and the optimizer step with zero>=1's weight
+all-gather, by parallel.zero and the runtime (perf/runtime.py, resolved for the config's
+dtypes).
+
+- zero=0: each chunk's grads all-reduced in buckets; zero>=1: reduce-scattered (Rajbhandari
+  et al. 2020 §5; Megatron's distributed optimizer), launched during the chunk's last backward
+  (perf/model._dp_end times when they end).
+- zero>=2: a rank keeps only its shard of the reduced grads, so every microbatch's grads are
+  reduce-scattered, not just the last's: m − 1 more reductions per chunk (`per_microbatch`).
+- zero=3: the weights are sharded too: each block's are all-gathered before its forward and
+  again before its backward, every microbatch (the gathered copy is freed in between): 2·m
+  all-gathers of the rank's weights in their dtype, prefetched a block ahead, so they run
+  beside the compute (`per_microbatch`); no weight all-gather after the step.
+- The optimizer: AdamW over the rank's parameters or its 1/(dp·cp) shard at the runtime's
+  bytes per parameter, the global grad norm's tree all-reduce (latency only), and at zero 1
+  and 2 the all-gather of the updated weights in their dtype, exposed unless the runtime
+  overlaps it with the next forward (then only its first bucket is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megapipe.config import Config
+from megapipe.config.stages import placement_of
+from megapipe.config.states import state_layout
+from megapipe.perf.cluster import Cluster
+from megapipe.perf.comm import group_link, p2p_link, ring_time
+from megapipe.perf.costs import CostModel
+from megapipe.perf.runtime import Runtime, resolved
+from megapipe.plan.actions import Placement
+
+
+@dataclass
+class DPPlan:
+    chunk: list[list[float]]  # per rank, per local chunk: seconds of its reduction
+    last_bucket: list[list[float]]
+    total: list[float]  # per rank
+    tied: float  # the tied embedding's all-reduce between the first and last stage
+    # per rank: seconds of the collectives issued every microbatch besides the last one's
+    # reduction (zero>=2's earlier reduce-scatters, zero=3's weight gathers)
+    per_microbatch: list[float]
+
+
+def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_bytes) -> DPPlan:
+    """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters)."""
+    p, m = cfg.parallel, cfg.model
+    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    n = p.dp * p.cp
+    link = group_link(cluster, shape, ("dp", "cp"))
+    kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    bucket = rt.dp_bucket_mb * 2**20
+    chunk, last = [], []
+    for per_chunk in held:
+        times, lasts = [], []
+        for params in per_chunk:
+            nbytes = params * grad_bytes
+            t = ring_time(kind, nbytes, n, link)
+            if bucket and nbytes > bucket and n > 1:
+                t += (math.ceil(nbytes / bucket) - 1) * steps * link.latency
+                lasts.append(ring_time(kind, bucket, n, link))
+            else:
+                lasts.append(t)
+            times.append(t)
+        chunk.append(times)
+        last.append(lasts)
+    tied = 0.0
+    place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
+    last_rank = place.locate(place.num_stages - 1)[0]
+    if m.tie_embeddings and last_rank != 0:
+        table = -(-m.vocab_size // p.tp) * m.d_model
+        tied = ring_time("all_reduce", table * grad_bytes, 2,
+                         p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
+    every = _per_microbatch(cfg, rt, link, held, chunk)
+    return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
+
+
+def _per_microbatch(cfg: Config, rt: Runtime, link, held, chunk) -> list[float]:
+    """Per rank, zero>=2's reduce-scatters of the m − 1 earlier microbatches and zero=3's two
+    weight all-gathers per microbatch (module docstring)."""
+    s, m = state_layout(cfg), cfg.parallel.microbatches
+    out = []
+    for per_chunk, times in zip(held, chunk):
+        t = (m - 1) * sum(times) if s.grad_shards > 1 else 0.0
+        if s.weight_shards > 1:
+            t += 2 * m * sum(ring_time("all_gather", n * rt.param_bytes, s.d, link)
+                             for n in per_chunk)  # fmt: skip
+        out.append(t)
+    return out
+
+
+@dataclass
+class OptPlan:
+    per_rank: list[float]
+    step: float
+    gather: float
+
+
+def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostModel, shape, held):
+    """The optimizer step after the reduction (module docstring): an OptPlan."""
+    p = cfg.parallel
+    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    n = p.dp * p.cp
+    s = state_layout(cfg)
+    shards = s.optimizer_shards
+    norm_group = cfg.derived.world_size if shards > 1 else p.pp * p.tp
+    norm = (
+        2 * math.ceil(math.log2(norm_group)) * cluster.network(1).latency if norm_group > 1 else 0
+    )
+    per_rank = [cm.dev.mem(sum(ps) / shards * rt.optimizer_bytes) for ps in held]
+    gather = 0.0
+    if shards > 1 and s.weight_shards == 1:  # zero=3 gathers per block instead (dp_plan)
+        link = group_link(cluster, shape, ("dp", "cp"))
+        bucket = rt.dp_bucket_mb * 2**20 if rt.param_gather_overlap else math.inf
+        gather = max(
+            ring_time("all_gather", min(sum(ps) * rt.param_bytes, bucket), n, link) for ps in held
+        )
+    return OptPlan(per_rank, norm + max(per_rank), gather)

@@ -1,0 +1,172 @@
+"""The performance model's megapipe runtime (perf/runtime.py) against the code it describes: each
+fact is read from the code's own choice or pinned here by a test that fails when the code
+changes.
+
+- The AdamW kind: the runtime prices train/optim.device_adamw_kind("cuda"), the function the
+  optimizer's own choice (adamw_kind) is made of.
+- The casts: float32 weights under bf16 autocast save (and so made) a bf16 copy of each linear
+  weight per forward; bf16 weights make none. Their grads: float32 weights' .grad is float32
+  (the bf16 weight grad cast back before it is added).
+- The overlaps (gloo, dp=2): every grad bucket is launched from the grad hooks while backward
+  runs (dp_overlap), and under zero=1 the weights' all-gather runs inside the optimizer step
+  (param_gather_overlap False: the step waits for it). When parallel/data moves the gather to
+  the next forward this test fails until the runtime says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+import train
+from megapipe.cli import plan
+from megapipe.config import load_config
+from megapipe.distributed import collectives as C
+from megapipe.parallel.precision import autocast
+from megapipe.parallel.tensor.layers import ColumnParallelLinear
+from megapipe.perf.cluster import load_cluster
+from megapipe.perf.model import project
+from megapipe.perf.runtime import (
+    ADAMW_BYTES,
+    MEGAPIPE,
+    NORM_CLIP_BYTES,
+    grad_accum_bytes,
+    resolved,
+    weight_cast_bytes,
+)
+from megapipe.train import optim
+from megapipe.train.hooks import TrainHooks
+from tests.conftest import ROOT
+from tests.parity import build_mesh, tiny_config
+
+
+def test_adamw_kind_is_the_codes():
+    assert MEGAPIPE.adamw == optim.device_adamw_kind("cuda")
+    assert MEGAPIPE.optimizer_bytes == ADAMW_BYTES[MEGAPIPE.adamw] + NORM_CLIP_BYTES
+    # adamw_kind is made of device_adamw_kind: a CPU parameter gets the CPU's kind, a meta one
+    # (no fused kernel) foreach, as the optimizer built over them runs
+    cpu = torch.nn.Parameter(torch.zeros(3))
+    assert optim.adamw_kind([{"params": [cpu]}]) == optim.device_adamw_kind("cpu")
+    kind = optim.device_adamw_kind("cpu")
+    assert optim.make_adamw([{"params": [cpu]}], lr=1e-3).defaults[kind]
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    assert optim.adamw_kind([{"params": [meta]}]) == optim.device_adamw_kind("meta") == "foreach"
+
+
+def saved_weight_copies(params_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensors a linear of `params_dtype` weights saves under bf16 autocast that have its
+    weight's shape and are not the weight itself."""
+    layer = ColumnParallelLinear(16, 8, False).to(params_dtype)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast("bfloat16", "cpu"):
+        y = layer(x)
+    y.float().sum().backward()
+    w = layer.weight
+    copies = [t for t in saved if t.shape == w.shape and t.data_ptr() != w.data_ptr()]
+    assert w.grad.dtype == params_dtype  # a weight's grad is kept in its own dtype
+    return copies
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_weight_casts_are_what_autocast_makes(params_dtype):
+    copies = saved_weight_copies(getattr(torch, params_dtype))
+    made = sum(t.numel() * t.element_size() for t in copies) / (16 * 8)
+    cast = weight_cast_bytes(params_dtype, 2)
+    assert (made > 0) == (cast > 0)
+    if made:  # the copy written is bf16 (2 B), from a weight read in its own dtype
+        assert made == 2 and cast == 2 + torch.finfo(getattr(torch, params_dtype)).bits // 8
+
+
+def test_resolved_runtime_by_dtypes():
+    fp32 = resolved(MEGAPIPE, "float32")
+    mixed = resolved(MEGAPIPE, "bfloat16")
+    bf16 = resolved(MEGAPIPE, "bfloat16", "bfloat16")
+    assert (fp32.weight_cast_bytes, fp32.grad_accum_bytes, fp32.autocast_casts) == (0, 12, False)
+    assert (mixed.weight_cast_bytes, mixed.grad_accum_bytes, mixed.param_bytes) == (6, 18, 4)
+    assert (bf16.weight_cast_bytes, bf16.grad_accum_bytes, bf16.param_bytes) == (0, 10, 2)
+    assert bf16.optimizer_bytes == mixed.optimizer_bytes + 6  # main param -> bf16 weight
+    assert resolved(bf16, "bfloat16", "bfloat16") == bf16  # idempotent
+    assert grad_accum_bytes("float32", 2) == 18 and grad_accum_bytes("bfloat16", 2) == 10
+
+
+class GatherWatch(TrainHooks):
+    """Which collectives (distributed/collectives.COUNTER) run inside the optimizer step."""
+
+    def optimizer_begin(self) -> None:
+        self.begin = len(C.COUNTER)
+
+    def optimizer_end(self) -> None:
+        self.inside = [op for op, _ in C.COUNTER[self.begin :]]
+
+
+def overlaps(overrides: list[str]) -> dict:
+    """One dp=2 step: the buckets launched in backward, and the collectives of the step."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.build import build
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    torch.manual_seed(cfg.train.seed)
+    job = build(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
+    optimizer, watch = job.optimizer(), GatherWatch()
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    C.COUNTER = []
+    try:
+        job.train_step(optimizer, data.batch(0, cfg.train.global_batch), 0, watch)
+    finally:
+        C.COUNTER = None
+    reducers = [r for r in job.engine.reducers if r is not None]
+    return {
+        "buckets": sum(len(r.buckets) for r in reducers),
+        "in_backward": sum(r.overlapped for r in reducers),
+        "gathers_in_step": watch.inside.count("all_gather"),
+    }
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_overlaps_are_the_codes(gloo_pool, zero):
+    overrides = ["parallel.dp=2", "parallel.microbatches=2", f"parallel.zero={zero}"]
+    for got in gloo_pool(2).run(overlaps, overrides):
+        assert got["buckets"] > 1
+        assert (got["in_backward"] == got["buckets"]) == MEGAPIPE.dp_overlap, got
+        if zero:
+            assert (got["gathers_in_step"] > 0) == (not MEGAPIPE.param_gather_overlap), got
+
+
+def test_projection_prices_the_layouts(tmp_path):
+    """bf16 weights drop the casts (a faster step than float32 weights); zero 2 and 3 add the
+    per-microbatch collectives; the peak falls with each level (config/states.py)."""
+    cluster = load_cluster("h100", 8)
+    base = ["parallel.dp=8", "parallel.microbatches=4", f"run.dir={tmp_path}"]
+    out = {}
+    for params_dtype, zero in [("float32", 1), ("bfloat16", 1), ("bfloat16", 2), ("bfloat16", 3)]:
+        over = [*base, f"train.params_dtype={params_dtype}", f"parallel.zero={zero}"]
+        cfg = load_config(os.path.join(ROOT, "configs", "gpt2_350m.yaml"), over, built_only=False)
+        out[params_dtype, zero] = project(cfg, cluster).to_dict()
+    f32, z1, z2, z3 = out.values()
+    assert z1["step_time_s"] < f32["step_time_s"]
+    every = [p["detail"]["dp_per_microbatch_max_rank_s"] for p in out.values()]
+    assert every[0] == every[1] == 0 < every[2] < every[3]
+    peaks = [p["peak_memory_gib"] for p in out.values()]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+
+
+def test_plan_prices_what_train_refuses(tmp_path, capsys):
+    over = ["--train.params_dtype=bfloat16", "--parallel.zero=3", "--parallel.dp=8"]
+    small = os.path.join(ROOT, "configs", "gpt2_124m.yaml")
+    argv = ["project", "--config", small, "--gpu", "h100", *over, "--json"]
+    assert plan.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "not built yet" in captured.err
+    assert "not built yet" in json.loads(captured.out)["detail"]["not_built"]
+    assert train.main(["--config", small, "--dry-run", *over]) == 2
