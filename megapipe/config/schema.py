@@ -184,6 +184,10 @@ class CheckpointConfig:
     async_save: bool = False
     # signals that stop the run at the next step with a checkpoint (preemption); "" : none
     signals: str = "SIGTERM,SIGUSR1"
+    # seconds from a stop signal by which the stop's checkpoint must be written: the launcher's
+    # wait before SIGKILL (torchrun's agent 30 s, SLURM's KillWait); the ranks save only if the
+    # longest save of the run so far fits, else exit 0 without one; 0: no limit
+    preempt_grace_s: float = bounded(30.0, low=0, note="0: no limit")
 
 
 @dataclass

@@ -96,6 +96,8 @@ def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
     _say(summary(cfg, records, time.perf_counter() - began))
     if stop.saved_step is not None:
         _say(f"saved step {stop.saved_step}; run the same command to resume")
+    elif stop.stopped_step is not None:
+        _say(stop.unsaved_line(checkpoint.complete_checkpoints(checkpoint.checkpoint_root(cfg))))
     return records
 
 
@@ -151,10 +153,14 @@ def train_loop(
                 log.progress(d, final.loss, record["tokens_per_s"], skips.total)
                 records.append(record)
                 skips.count(d, final.skipped)
+            if stopping and not stop.in_time():  # past checkpoint.preempt_grace_s: no save
+                saving = False
             if saving:
-                saver.save(done, job.model, optimizer)
+                with stop.timed():
+                    saver.save(done, job.model, optimizer)
             if stopping:
-                stop.saved_step = done
+                stop.saved_step = done if saving else None
+                stop.stopped_step = done
                 break
     finally:
         log.close()
