@@ -2,8 +2,11 @@
 and shuts its process groups down (megapipe/distributed/launch.shutdown) before it exits."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -55,12 +58,45 @@ def test_torchrun_command():
     cmd = launch_tool.torchrun_command(args)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
                        "--standalone", "train.py", "--config", "x.yaml"]  # fmt: skip
+    args = launch_tool.parse_args(["--nproc-per-node=2", "--max-restarts", "3", "train.py"])
+    assert launch_tool.torchrun_command(args)[-2:] == ["--max-restarts=3", "train.py"]
     multi_node = ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29400",
                   "--rdzv-id=j", "train.py"]  # fmt: skip
     args = launch_tool.parse_args(multi_node)
     cmd = launch_tool.torchrun_command(args)
     assert "--standalone" not in cmd
     assert cmd[-4:] == ["--node-rank=1", "--rdzv-endpoint=h:29400", "--rdzv-id=j", "train.py"]
+
+
+@pytest.mark.spawn
+def test_sigterm_to_the_launcher_is_passed_on_to_torchrun(tmp_path):
+    """SLURM signals every process of the job: tools/launch.py passes SIGTERM on and waits for
+    torchrun's code instead of dying and closing the pipe the workers' stderr goes to."""
+    ready = tmp_path / "ready"
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('passed on', file=sys.stderr), "
+        f"sys.exit(7)))\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)"
+    )
+
+    def signal_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process: the launcher's handler
+
+    reached = []  # the signal reached this guard, not the launcher's handler: not passed on
+
+    def guard(*args):
+        reached.append(args)
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        threading.Thread(target=signal_when_ready, daemon=True).start()
+        code, tail = launch_tool.run_torchrun([sys.executable, "-c", child])
+        assert (code, tail, reached) == (7, "passed on\n", [])
+        assert signal.getsignal(signal.SIGTERM) is guard  # the handler before it is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
@@ -95,6 +131,16 @@ def test_invalid_config_is_one_line_before_any_process(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: train.global_batch=8"), done.stderr
     assert "torch.distributed" not in done.stderr + done.stdout  # torchrun never started
     assert not run_dir.exists() and seconds < 60  # no worker started: a few seconds
+
+
+def test_max_restarts_needs_resume_auto(capsys):
+    args = ["--nproc-per-node", "2", "--max-restarts", "2", "train.py", "--config", TINY,
+            "--parallel.dp=2", "--checkpoint.resume=none"]  # fmt: skip
+    assert launch_tool.main(args) == 2  # refused before torchrun starts
+    assert capsys.readouterr().err == (
+        "error: --max-restarts=2 with checkpoint.resume='none': a restart would not continue "
+        "from the newest checkpoint; set --checkpoint.resume=auto\n"
+    )
 
 
 @pytest.mark.spawn

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -90,16 +91,24 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def run_torchrun(cmd: list[str]) -> tuple[int, str]:
-    """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail)."""
+    """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail).
+
+    SIGTERM here (a cluster stopping the job; SLURM signals every process of it) is passed on
+    to torchrun, whose agent passes it to the workers (checkpoint.signals: they save and exit),
+    and this keeps relaying their output until torchrun ends: dying at once would close the
+    pipe the workers' stderr goes to, so a write there during their save would fail."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     tail = b""
     try:
-        while chunk := os.read(proc.stderr.fileno(), 4096):
+        while chunk := os.read(proc.stderr.fileno(), 4096):  # resumed after a signal (PEP 475)
             sys.stderr.buffer.write(chunk)
             sys.stderr.flush()
             tail = (tail + chunk)[-TAIL:]
     except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return proc.wait(), tail.decode(errors="replace")
 
 
