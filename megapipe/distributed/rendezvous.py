@@ -39,12 +39,12 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.St
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timeout,
     )  # fmt: skip
-    handshake = dist.PrefixStore("megapipe/attempts/", store)
+    handshake = dist.PrefixStore("megapipe/attempts", store)
     if rank == 0:
         token = _hand_out(handshake, world, timeout.total_seconds())
     else:
         token = _ask(handshake, timeout)
-    return dist.PrefixStore(f"megapipe/{token}/", store)
+    return dist.PrefixStore(f"megapipe/{token}", store)
 
 
 def _ask(store: dist.Store, timeout: datetime.timedelta) -> str:
