@@ -1,6 +1,7 @@
 """tools/launch.py checks the config before torchrun; train.py prints a rank's error once (rank 0)
 and shuts its process groups down (megapipe/distributed/launch.shutdown) before it exits."""
 
+import datetime
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import train
 from megapipe.cli import launch as launch_tool
 from megapipe.distributed.launch import shutdown
+from megapipe.distributed.rendezvous import attempt_store
 from tests.conftest import ROOT, TINY
 
 REPORT = """Failures:
@@ -175,3 +177,36 @@ def test_two_rank_run_exits_0_after_shutdown(tmp_path):
     assert "terminate called" not in done.stderr and not error_lines(done.stderr)
     logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2]
+
+
+def _start(world: int, rank0_delay: float) -> list:
+    """One start of `world` ranks (threads) on the store at MASTER_PORT: each one's store."""
+    stores = [None] * world
+
+    def rank(r: int) -> None:
+        time.sleep(rank0_delay if r == 0 else 0)
+        stores[r] = attempt_store(r, world, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return stores
+
+
+def test_each_start_gets_a_store_prefix_no_earlier_start_used(monkeypatch):
+    """torchrun's agent store outlives a restart: what one start wrote (and a request cut
+    short by a kill) never reaches the next, whichever rank comes first."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    first = _start(3, rank0_delay=0.0)
+    first[0].set("address/1", "dead peer")
+    server.add("megapipe/attempts/requests", 1)  # an asker killed before it wrote its nonce
+    second = _start(3, rank0_delay=0.5)  # the others ask first, beside the old requests
+    second[2].set("address/1", "live peer")
+    assert [s.get("address/1") for s in second] == [b"live peer"] * 3
+    assert [s.get("address/1") for s in first] == [b"dead peer"] * 3
+    third = _start(3, rank0_delay=0.0)
+    assert not any(s.check(["address/1"]) for s in third)
