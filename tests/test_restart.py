@@ -158,7 +158,9 @@ def test_sigterm_to_the_agent_saves_exits_and_the_same_command_resumes(
     os.kill(agent, signal.SIGTERM)
     sent = time.monotonic()
     code, out = finish(proc, run_dir)
-    assert time.monotonic() - sent < 30, out[-3000:]  # before the agent's SIGKILL (30 s)
+    # every worker was done within the agent's 30 s (it says when it has to SIGKILL one); the
+    # bound here also allows for the agent's own exit on a loaded machine
+    assert "forcefully exiting" not in out and time.monotonic() - sent < 60, out[-3000:]
     saved = [os.path.basename(p) for p in checkpoint.complete_checkpoints(f"{run_dir}/checkpoints")]
     assert len(saved) == 1, out[-3000:]
     stopped = int(saved[0].split("_")[1])
