@@ -7,7 +7,6 @@ wait, the machine's other work) read over the steps after the warm-up.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from benchmarks.probes import cpu_ticks
 from megapipe.config import Config, load_config
+from megapipe.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,8 +154,7 @@ def train_run(
             tail = output.strip().splitlines()[-5:]
             raise RuntimeError(f"train.py on {mesh or 'one process'} failed: " + " | ".join(tail))
         tokens = cfg.derived.tokens_per_step
-        with open(metrics) as f:
-            times = [tokens / json.loads(line)["tokens_per_s"] for line in f]
+        times = [tokens / r["tokens_per_s"] for r in read_metrics(str(metrics))]
     return _run_between(times[warmup:], marks, warmup, warmup + steps, world)
 
 

@@ -1,9 +1,13 @@
 """tools/launch.py checks the config before torchrun; train.py prints a rank's error once (rank 0)
 and shuts its process groups down (megapipe/distributed/launch.shutdown) before it exits."""
 
+import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,6 +16,7 @@ import torch.distributed as dist
 import train
 from megapipe.cli import launch as launch_tool
 from megapipe.distributed.launch import shutdown
+from megapipe.distributed.rendezvous import attempt_store
 from tests.conftest import ROOT, TINY
 
 REPORT = """Failures:
@@ -55,12 +60,45 @@ def test_torchrun_command():
     cmd = launch_tool.torchrun_command(args)
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
                        "--standalone", "train.py", "--config", "x.yaml"]  # fmt: skip
+    args = launch_tool.parse_args(["--nproc-per-node=2", "--max-restarts", "3", "train.py"])
+    assert launch_tool.torchrun_command(args)[-2:] == ["--max-restarts=3", "train.py"]
     multi_node = ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29400",
                   "--rdzv-id=j", "train.py"]  # fmt: skip
     args = launch_tool.parse_args(multi_node)
     cmd = launch_tool.torchrun_command(args)
     assert "--standalone" not in cmd
     assert cmd[-4:] == ["--node-rank=1", "--rdzv-endpoint=h:29400", "--rdzv-id=j", "train.py"]
+
+
+@pytest.mark.spawn
+def test_sigterm_to_the_launcher_is_passed_on_to_torchrun(tmp_path):
+    """SLURM signals every process of the job: tools/launch.py passes SIGTERM on and waits for
+    torchrun's code instead of dying and closing the pipe the workers' stderr goes to."""
+    ready = tmp_path / "ready"
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('passed on', file=sys.stderr), "
+        f"sys.exit(7)))\npathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)"
+    )
+
+    def signal_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process: the launcher's handler
+
+    reached = []  # the signal reached this guard, not the launcher's handler: not passed on
+
+    def guard(*args):
+        reached.append(args)
+
+    previous = signal.signal(signal.SIGTERM, guard)
+    try:
+        threading.Thread(target=signal_when_ready, daemon=True).start()
+        code, tail = launch_tool.run_torchrun([sys.executable, "-c", child])
+        assert (code, tail, reached) == (7, "passed on\n", [])
+        assert signal.getsignal(signal.SIGTERM) is guard  # the handler before it is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
@@ -97,6 +135,16 @@ def test_invalid_config_is_one_line_before_any_process(tmp_path):
     assert not run_dir.exists() and seconds < 60  # no worker started: a few seconds
 
 
+def test_max_restarts_needs_resume_auto(capsys):
+    args = ["--nproc-per-node", "2", "--max-restarts", "2", "train.py", "--config", TINY,
+            "--parallel.dp=2", "--checkpoint.resume=none"]  # fmt: skip
+    assert launch_tool.main(args) == 2  # refused before torchrun starts
+    assert capsys.readouterr().err == (
+        "error: --max-restarts=2 with checkpoint.resume='none': a restart would not continue "
+        "from the newest checkpoint; set --checkpoint.resume=auto\n"
+    )
+
+
 @pytest.mark.spawn
 def test_world_size_mismatch_is_one_line(tmp_path):
     done, _ = launch("--nproc-per-node", "2", "train.py", "--config", TINY, "--parallel.pp=4",
@@ -129,3 +177,36 @@ def test_two_rank_run_exits_0_after_shutdown(tmp_path):
     assert "terminate called" not in done.stderr and not error_lines(done.stderr)
     logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2]
+
+
+def _start(world: int, rank0_delay: float) -> list:
+    """One start of `world` ranks (threads) on the store at MASTER_PORT: each one's store."""
+    stores = [None] * world
+
+    def rank(r: int) -> None:
+        time.sleep(rank0_delay if r == 0 else 0)
+        stores[r] = attempt_store(r, world, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return stores
+
+
+def test_each_start_gets_a_store_prefix_no_earlier_start_used(monkeypatch):
+    """torchrun's agent store outlives a restart: what one start wrote (and a request cut
+    short by a kill) never reaches the next, whichever rank comes first."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    first = _start(3, rank0_delay=0.0)
+    first[0].set("address/1", "dead peer")
+    server.add("megapipe/attempts/requests", 1)  # an asker killed before it wrote its nonce
+    second = _start(3, rank0_delay=0.5)  # the others ask first, beside the old requests
+    second[2].set("address/1", "live peer")
+    assert [s.get("address/1") for s in second] == [b"live peer"] * 3
+    assert [s.get("address/1") for s in first] == [b"dead peer"] * 3
+    third = _start(3, rank0_delay=0.0)
+    assert not any(s.check(["address/1"]) for s in third)

@@ -1,8 +1,10 @@
+import os
+
 import pytest
 import torch
 
 from megapipe.config.flops import flops_per_token, matmul_params
-from megapipe.train.metrics import peak_tflops
+from megapipe.train.metrics import MetricsLog, peak_tflops, read_metrics
 from models.gpt import GPT
 
 
@@ -39,3 +41,37 @@ def test_mfu_reported_with_a_known_peak(tiny_cfg):
 
     records = train.run(tiny_cfg("log.peak_tflops=1.0", "train.steps=2"))
     assert all(r["mfu"] == pytest.approx(r["tflops"] / 1.0) for r in records)
+
+
+def test_read_metrics_takes_the_last_record_of_each_step_and_skips_a_cut_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "loss": 3.0}\n'
+        '{"step": 2, "loss": 2.5, "resumed_from": 1}\n{"step": 3, "lo'
+    )  # a restart logged 2 again; the last line was cut by a kill
+    assert read_metrics(str(path)) == [
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.5, "resumed_from": 1},
+        {"step": 3, "loss": 3.0},
+    ]
+    assert read_metrics(str(tmp_path / "none.jsonl")) == []
+
+
+def test_a_resumed_log_drops_the_later_records_and_marks_its_first(tiny_cfg, monkeypatch):
+    cfg = tiny_cfg()
+    path = f"{cfg.run.dir}/metrics.jsonl"
+    os.makedirs(cfg.run.dir)
+    with open(path, "w") as f:
+        f.write('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"st')  # killed after step 3
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    log = MetricsLog(cfg, start_step=2)
+    log.log({"step": 3})
+    log.log({"step": 4})
+    log.close()
+    lines = open(path).read().splitlines()
+    assert lines == [
+        '{"step": 1}',
+        '{"step": 2}',
+        '{"step": 3, "resumed_from": 2, "attempt": 1}',
+        '{"step": 4}',
+    ]

@@ -89,6 +89,28 @@ def test_signal_saves_and_the_same_command_resumes_bitwise(
     assert _losses(_logged(split)) == _losses(full)
 
 
+def test_a_stop_past_the_grace_exits_without_a_checkpoint(tiny_cfg, monkeypatch, capsys, guarded):
+    """checkpoint.preempt_grace_s: the save of step 1 (checkpoint.interval=1) took longer than
+    the grace, so the signal after step 2 stops the run without saving step 2 (which resumes
+    from step 1's checkpoint); a grace of 0 is no limit."""
+    cfg = tiny_cfg(*COMMON, "checkpoint.interval=1", "checkpoint.preempt_grace_s=0.0001")
+    with monkeypatch.context() as m:
+        signal_after(m, signal.SIGTERM, 2)
+        assert [r["step"] for r in train.run(cfg)] == [1, 2]
+    assert _saved(cfg.run.dir) == ["step_00000001"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("stopped at step 2 without a checkpoint: the signal came ")
+    assert "past checkpoint.preempt_grace_s=0.0001; run the same command to resume from " in last
+    assert last.endswith("step_00000001")
+    unlimited = tiny_cfg(*COMMON, "checkpoint.interval=1", "checkpoint.preempt_grace_s=0",
+                         "checkpoint.resume=none", f"run.dir={cfg.run.dir}-0")  # fmt: skip
+    with monkeypatch.context() as m:
+        signal_after(m, signal.SIGTERM, 2)
+        train.run(unlimited)
+    assert _saved(unlimited.run.dir) == ["step_00000001", "step_00000002"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == LINE.format(2)
+
+
 def test_signal_during_the_last_step_saves_and_a_rerun_is_complete(
     tiny_cfg, monkeypatch, capsys, guarded
 ):

@@ -3,6 +3,11 @@
     python tools/launch.py --nproc-per-node 4 train.py --config configs/tiny.yaml --parallel.pp=4
     python tools/launch.py --nproc-per-node 8 --nnodes 2 --node-rank 0 \\
         --rdzv-endpoint host:29400 --rdzv-id job1 train.py --config FILE [--section.key=value ...]
+    python tools/launch.py --nproc-per-node 2 --max-restarts 3 train.py --config FILE
+
+`--max-restarts N` is torchrun's: when a worker dies the agent stops the others and starts the
+group again, up to N times; with checkpoint.resume=auto (the default) every start resumes from
+the newest intact checkpoint (docs/checkpointing.md, "In-job restart").
 
 The script's arguments are train.py's. Before any process starts they are parsed and the config
 loaded and checked here (megapipe.config.args, load_config), with nproc-per-node × nnodes against
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -43,6 +49,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint")
     parser.add_argument("--rdzv-id", "--rdzv_id")
     parser.add_argument("--rdzv-backend", "--rdzv_backend")
+    parser.add_argument(
+        "--max-restarts", "--max_restarts", type=int,
+        help="restarts of the whole group after a worker fails (torchrun's; with "
+        "checkpoint.resume=auto each start resumes the newest checkpoint)",
+    )  # fmt: skip
     parser.add_argument("script", help="the training script (train.py)")
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, help="the training script's arguments"
@@ -54,9 +65,17 @@ def validate(args: argparse.Namespace) -> None:
     """The config as every rank will load it, and the world it needs: ConfigError if not."""
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts}: must be 0 or more")
     train_args, overrides = parse_train_args(args.script_args)
     cfg = load_config(train_args.config, overrides)
     check_world_size(MeshSizes.of(cfg), args.nproc_per_node * args.nnodes)
+    if args.max_restarts and cfg.checkpoint.resume != "auto":
+        raise ConfigError(
+            f"--max-restarts={args.max_restarts} with checkpoint.resume={cfg.checkpoint.resume!r}:"
+            " a restart would not continue from the newest checkpoint; set "
+            "--checkpoint.resume=auto"
+        )
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -64,7 +83,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     cmd += [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         cmd.append("--standalone")
-    for flag in ("node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_backend"):
+    for flag in ("node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_backend", "max_restarts"):
         value = getattr(args, flag)
         if value is not None:
             cmd.append(f"--{flag.replace('_', '-')}={value}")
@@ -72,16 +91,24 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 def run_torchrun(cmd: list[str]) -> tuple[int, str]:
-    """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail)."""
+    """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail).
+
+    SIGTERM here (a cluster stopping the job; SLURM signals every process of it) is passed on
+    to torchrun, whose agent passes it to the workers (checkpoint.signals: they save and exit),
+    and this keeps relaying their output until torchrun ends: dying at once would close the
+    pipe the workers' stderr goes to, so a write there during their save would fail."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     tail = b""
     try:
-        while chunk := os.read(proc.stderr.fileno(), 4096):
+        while chunk := os.read(proc.stderr.fileno(), 4096):  # resumed after a signal (PEP 475)
             sys.stderr.buffer.write(chunk)
             sys.stderr.flush()
             tail = (tail + chunk)[-TAIL:]
     except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return proc.wait(), tail.decode(errors="replace")
 
 

@@ -199,6 +199,10 @@ class CheckpointConfig:
     # directory and the bytes needed, exit 2) | continue (warn in one line and train on); either
     # way the previous checkpoint stays intact and the half-written one is removed
     on_save_error: str = "stop"
+    # seconds from a stop signal by which the stop's checkpoint must be written: the launcher's
+    # wait before SIGKILL (torchrun's agent 30 s, SLURM's KillWait); the ranks save only if the
+    # longest save of the run so far fits, else exit 0 without one; 0: no limit
+    preempt_grace_s: float = bounded(30.0, low=0, note="0: no limit")
 
 
 @dataclass

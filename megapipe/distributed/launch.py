@@ -2,8 +2,10 @@
 
 Under torchrun (or any launcher that sets WORLD_SIZE) the world size is checked against the mesh
 before any collective runs; each group waits at most `parallel.timeout_s` for a peer, so a dead
-or frozen rank brings the others down with one line instead of a hang. `shutdown` ends the
-groups before the process exits, so no rank leaves with communication threads still running.
+or frozen rank brings the others down with one line instead of a hang. Under torchrun's agent
+store every start of the workers (`--max-restarts`) gets a store namespace of its own
+(distributed/rendezvous.py), so a restarted group never reads a dead one's addresses. `shutdown`
+ends the groups before the process exits, so no rank leaves with communication threads running.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from megapipe.config import Config
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size
+from megapipe.distributed.rendezvous import agent_store_in_use, attempt_store
 
 PEER_LOST = (  # gloo (a pair closed by a timeout on either side); NCCL: DistError
     "Timed out",
@@ -44,7 +47,14 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        backend = "nccl" if cuda else "gloo"
+        if agent_store_in_use():  # torchrun's store outlives a restart: a namespace per start
+            rank = int(os.environ["RANK"])
+            store = attempt_store(rank, world, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timeout)  # fmt: skip
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from megapipe.config import ConfigError, load_config
 from megapipe.perf import ClusterError, load_cluster, project
+from megapipe.train.metrics import read_metrics as metrics_records
 
 GIB = 2**30
 
@@ -40,10 +41,8 @@ def metrics_done(run_dir: Path, steps: int) -> bool:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's metrics.jsonl, one record per step (the last written: a restart logs again)."""
+    return metrics_records(str(Path(run_dir) / "metrics.jsonl"))
 
 
 def _median(values: list[float]) -> float | None:

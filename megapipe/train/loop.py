@@ -94,6 +94,8 @@ def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
     _say(summary(cfg, records, time.perf_counter() - began))
     if stop.saved_step is not None:
         _say(f"saved step {stop.saved_step}; run the same command to resume")
+    elif stop.stopped_step is not None:
+        _say(stop.unsaved_line(checkpoint.complete_checkpoints(checkpoint.checkpoint_root(cfg))))
     return records
 
 
@@ -158,10 +160,14 @@ def train_loop(
                 back = spikes.roll_back(done, saver, job, optimizer)
                 saving, done = (saving if back == done else stopping), back
                 blend = _blend_tokens(data, spikes.batch(done), t.global_batch)
+            if stopping and not stop.in_time():  # past checkpoint.preempt_grace_s: no save
+                saving = False
             if saving:
-                saver.save(done, job.model, optimizer, spikes.state())
+                with stop.timed():
+                    saver.save(done, job.model, optimizer, spikes.state())
             if stopping:
-                stop.saved_step = done
+                stop.saved_step = done if saving else None
+                stop.stopped_step = done
                 break
             step = done
     finally:

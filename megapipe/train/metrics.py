@@ -40,12 +40,20 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
 
 class MetricsLog:
     """Writes one JSON object per logged step to run.dir/metrics.jsonl, drives the progress bar
-    and mirrors to wandb. Only the rank that owns it writes (rank 0)."""
+    and mirrors to wandb. Only the rank that owns it writes (rank 0).
+
+    A resumed run (a rerun, or torchrun's restart after a worker died) first drops the records
+    after the checkpoint's step, which the interrupted run logged and this one logs again; its
+    first record says where it joined: `resumed_from` (the checkpoint's step) and, under
+    torchrun, `attempt` (TORCHELASTIC_RESTART_COUNT: how often rank 0's agent restarted the
+    workers). Readers still take the last record of each step (`read_metrics`), so a file
+    appended to by other means reads the same."""
 
     def __init__(self, cfg: Config, start_step: int, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
         self.bar = self.wandb_run = None
+        self.joined = _joined(start_step)  # added to this run's first record; {} when fresh
         if not enabled:
             return
         _truncate_after(self.path, start_step)
@@ -63,6 +71,8 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        if self.joined:
+            record, self.joined = {**record, **self.joined}, {}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
@@ -86,13 +96,45 @@ class MetricsLog:
             self.wandb_run.finish()
 
 
+def _joined(start_step: int) -> dict[str, int]:
+    """The marks of a resumed run's first record (MetricsLog's docstring)."""
+    if start_step == 0:
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return {"resumed_from": start_step, **({"attempt": int(attempt)} if attempt else {})}
+
+
+def _parsed(line: str) -> dict | None:
+    """A record, or None for a blank line or one cut short (a process killed as it wrote)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """metrics.jsonl's records in step order, the last one written for each step (a step logged
+    twice across a restart reads as its later record); [] without the file."""
+    if not os.path.exists(path):
+        return []
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            record = _parsed(line)
+            if record is not None and "step" in record:
+                by_step[record["step"]] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def _truncate_after(path: str, step: int) -> None:
-    """Drop records after `step`, so a resumed run continues the file without duplicates."""
+    """Drop records after `step` (and any line cut short), so a resumed run continues the file
+    without duplicates."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [line for line in f if (r := _parsed(line)) is not None and r.get("step", 0) <= step]
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.writelines(kept)
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
     os.replace(tmp, path)
