@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import Config
-from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size
+from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size, coords
+from megapipe.distributed.progress import Progress
 
 PEER_LOST = (  # gloo (a pair closed by a timeout on either side); NCCL: DistError
     "Timed out",
@@ -45,7 +46,8 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
+    progress = Progress(dist.get_rank(), world, coords(dist.get_rank(), sizes), timeout_s)
+    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s, progress)
 
 
 def distributed() -> bool:

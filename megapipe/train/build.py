@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.parallel.data.zero import make_reducer
 from megapipe.pipeline.engine import Pipeline, build_pipeline
@@ -33,10 +34,17 @@ class Job:
     slice: BatchSlice
     mesh: object = None  # None: one process
 
+    @property
+    def progress(self) -> Progress:
+        """This rank's record of what it is doing (distributed/progress.py; none: one process)."""
+        return self.mesh.progress if self.mesh is not None else NO_PROGRESS
+
     def train_step(
         self, optimizer, batch: torch.Tensor, step: int, hooks: TrainHooks = NO_HOOKS
     ) -> StepResult:
-        return train_step(self.engine, self.slice, optimizer, batch, step, self.cfg, hooks)
+        return train_step(
+            self.engine, self.slice, optimizer, batch, step, self.cfg, hooks, self.progress
+        )
 
     @property
     def post_validated(self) -> bool:
@@ -84,7 +92,8 @@ def replica(
     if mesh is None:
         return Replica(cfg, model)
     if mesh.size("dp") * mesh.size("cp") == 1:
-        return Replica(cfg, model, None, mesh.norm_group)
+        return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
     zero = cfg.parallel.zero
     reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero)
-    return Replica(cfg, model, reducer, mesh.world_group if zero else mesh.norm_group)
+    norm_group = mesh.world_group if zero else mesh.norm_group
+    return Replica(cfg, model, reducer, norm_group, mesh.progress)

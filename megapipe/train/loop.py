@@ -15,6 +15,7 @@ from megapipe.data.blend import BlendData, BlendTokens
 from megapipe.data.loader import build_data, run_samples
 from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.distributed.mesh import MeshSizes
+from megapipe.distributed.progress import NO_PROGRESS
 from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.checkpoint_async import Saver
@@ -35,9 +36,12 @@ def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
     mesh = init_distributed(cfg)  # checks the world size before any collective
     with StopSignals(cfg, mesh) as stop:  # a stop signal from here on waits for a step boundary
         lock = _lock_run_dir(cfg)
+        progress = mesh.progress if mesh is not None else NO_PROGRESS
         try:
+            progress.open(cfg.run.dir)  # this rank's record (distributed/progress.py)
             return _run(cfg, mesh, stop, hooks)
         finally:
+            progress.close()
             if lock is not None:
                 runlock.release(lock)
 
@@ -127,6 +131,7 @@ def train_loop(
     rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
     try:
         for step in range(start, last):
+            job.progress.step(step)
             hooks.step_begin(step)
             began = time.perf_counter()
             batch = data.batch(step, t.global_batch, rows=rows)
@@ -142,6 +147,7 @@ def train_loop(
             for d, secs, final in settled(done, seconds, result, now):
                 record = _record(d, secs, final, throughput, blend)
                 if d == done and evaluating:
+                    job.progress.doing("eval")
                     losses = _validate(cfg, job, data)
                     record.update(losses)
                     hooks.evaluated(d, losses)
@@ -152,6 +158,7 @@ def train_loop(
                 records.append(record)
                 skips.count(d, final.skipped)
             if saving:
+                job.progress.doing("save")
                 saver.save(done, job.model, optimizer)
             if stopping:
                 stop.saved_step = done
