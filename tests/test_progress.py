@@ -127,7 +127,7 @@ def test_other_launch_and_missing_ranks_have_no_record():
 def test_exited_before_busy_and_order_oldest_first():
     records = {
         0: make(0, state=WAITING),
-        1: make(1, exited=NOW - 2),
+        1: make(1, exited=NOW - 12),  # before rank 0 began to wait
         2: make(2, beat_ago=8),
         3: make(3, beat_ago=7),
     }
@@ -136,6 +136,18 @@ def test_exited_before_busy_and_order_oldest_first():
     assert diagnosis.describe(found[0]) == (
         "rank 2 (pp=1 dp=0 cp=0 tp=0) stopped 8 s ago in F mb 2, step 3"
     )
+
+
+def test_a_rank_that_exited_after_this_one_began_to_wait_gave_up_too():
+    records = {
+        0: make(0, state=WAITING, wait_since=NOW - 10),
+        1: make(1, exited=NOW - 1),  # timed out on the same peer, a moment before this one
+        2: make(2, exited=NOW - 12),  # left before: the others wait for it
+        3: make(3, state=WAITING),
+    }
+    assert verdicts(records, 0) == {1: "gave up", 2: "exited", 3: "waiting"}
+    records[2] = make(2, beat_ago=1)
+    assert [f.rank for f in named(classify(records, 0, host="here"))] == [2]  # busy
 
 
 def test_every_rank_waiting_is_said():

@@ -15,9 +15,11 @@ the tag of the newest heartbeat when the reader is no rank, as tools/diagnose.py
 
 A rank that waited `parallel.timeout_s` for its peers names the first kind that any other rank
 of the launch falls in, in this order: died or stopped, no record (it never reached training),
-exited, busy (the others wait for it), and if every other rank waits too, says so (a mismatched
-collective). Ages are measured from the newest heartbeat, so a job killed from outside is read
-the same way after the fact: the ranks that stopped before the others come first.
+exited (before this rank began to wait: one that exited later `gave up` on the same peers, and
+is not named), busy (the others wait for it), and if every other rank waits too, says so (a
+mismatched collective). Ages are measured from the newest heartbeat. tools/diagnose.py reads a
+job killed from outside the same way after the fact; when every process of the job is gone,
+only the heartbeats tell, and the ranks that stopped before the others come first.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from megapipe.distributed.progress import WAITING, Record, read_records
 
-ORDER = ("died", "stopped", "no record", "exited", "busy", "waiting")
+ORDER = ("died", "stopped", "no record", "exited", "busy", "waiting", "gave up")
 SHOWN = 4  # ranks named in one line; the rest counted
 GONE = ("gone", "Z", "X")  # /proc states of a process that died
 
@@ -74,6 +76,8 @@ def classify(
     states = {k: process_state(r.pid) if r.host == host else None for k, r in ours.items()}
     if me is None and all(s in GONE for s in states.values()):  # the whole job was killed:
         states = dict.fromkeys(states)  # who stopped first shows only in the heartbeats
+    # a rank that exited after this one began to wait gave up on the same peers, as this one
+    began = (ref.wait_since if ref.state == WAITING else ref.doing_since) if me in ours else None
     out = []
     for rank in range(ref.world):
         if rank == me:
@@ -83,6 +87,8 @@ def classify(
             out.append(Finding(rank, "no record", None, 0.0))
             continue
         verdict, since = _verdict(r, states[rank], newest, stale)
+        if verdict == "exited" and began is not None and r.exited > began:
+            verdict = "gave up"
         out.append(Finding(rank, verdict, r, max(newest - since, 0.0)))
     return sorted(out, key=lambda f: (ORDER.index(f.verdict), -f.age, f.rank))
 
@@ -111,13 +117,15 @@ def describe(f: Finding) -> str:
         "exited": f"exited {secs} ago",
         "busy": f"busy for {secs}",
         "waiting": f"waiting for {secs}",
+        "gave up": f"gave up {secs} ago",
     }[f.verdict]
     return f"rank {f.rank} ({r.coords_text()}) {when} {r.where()}"
 
 
 def named(findings: list[Finding]) -> list[Finding]:
-    """The ranks a line names: every rank of the first kind in ORDER present (but `waiting`)."""
-    for kind in ORDER[:-1]:
+    """The ranks a line names: every rank of the first kind in ORDER present (but `waiting`
+    and `gave up`)."""
+    for kind in ORDER[:-2]:
         chosen = [f for f in findings if f.verdict == kind]
         if chosen:
             return chosen

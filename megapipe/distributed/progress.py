@@ -103,7 +103,7 @@ class Progress:
         return b
 
     def step(self, step: int) -> None:
-        """Train step `step` begins."""
+        """Train step `step` begins (1: the first, as metrics.jsonl numbers them)."""
         self._step = step
         self.doing("step")
 

@@ -131,7 +131,7 @@ def train_loop(
     rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
     try:
         for step in range(start, last):
-            job.progress.step(step)
+            job.progress.step(step + 1)  # numbered as metrics.jsonl numbers it
             hooks.step_begin(step)
             began = time.perf_counter()
             batch = data.batch(step, t.global_batch, rows=rows)
