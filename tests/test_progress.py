@@ -217,3 +217,23 @@ def test_diagnose_without_records_is_one_line(tmp_path, capsys):
     assert diagnose.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: no progress records in")
+
+
+def test_a_closed_connection_waits_for_the_peers_heartbeat_to_go_stale(tmp_path, monkeypatch):
+    """A peer on another host that died looks alive until its heartbeat is stale_s old."""
+    monkeypatch.setattr(diagnosis, "process_state", lambda pid: None)  # not on this host
+    ranks = [recorder(r, pp=r, timeout_s=2.0) for r in range(2)]
+    for p in ranks:
+        p.open(str(tmp_path))
+        p.step(1)
+        p.wait("recv F", 1 - p.rank, 0)  # both wait: nobody to name yet
+    ranks[1]._stop.set()  # dies now
+    ranks[1]._thread.join()
+    began = time.monotonic()
+    line = lost_peer_line(str(tmp_path), 0, "Connection closed by peer")
+    waited = time.monotonic() - began
+    for p in ranks:
+        p.close()
+    assert line.startswith("rank 1 (pp=1 dp=0 cp=0 tp=0) stopped "), line
+    assert stale_s(2.0) - BEAT_S <= waited <= stale_s(2.0) + 3 * BEAT_S + 5  # loaded machine
+    assert lost_peer_line(str(tmp_path), 0, "Timed out").startswith("no other rank stopped")

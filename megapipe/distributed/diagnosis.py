@@ -29,7 +29,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from megapipe.distributed.progress import WAITING, Record, read_records
+from megapipe.distributed.progress import BEAT_S, WAITING, Record, read_records
 
 ORDER = ("died", "stopped", "no record", "exited", "busy", "waiting", "gave up")
 SHOWN = 4  # ranks named in one line; the rest counted
@@ -138,8 +138,15 @@ def lost_peer_line(run_dir: str | None, me: int, cause: str) -> str | None:
     records = read_records(run_dir) if run_dir else {}
     if me not in records:
         return None
-    findings = classify(records, me)
-    chosen = named(findings)
+    chosen = named(classify(records, me))
+    if not chosen and not any(w in cause.lower() for w in ("timeout", "timed out")):
+        # a peer closed the connection: on another host its death shows only when its
+        # heartbeat goes stale, which takes at most stale_s
+        deadline = time.monotonic() + stale_s(records[me].timeout_s) + 2 * BEAT_S
+        while not chosen and time.monotonic() < deadline:
+            time.sleep(BEAT_S)
+            records = read_records(run_dir)
+            chosen = named(classify(records, me))
     if chosen:
         parts = [describe(f) for f in chosen[:SHOWN]]
         more = len(chosen) - SHOWN

@@ -73,7 +73,9 @@ class Progress:
         """Create `run_dir/progress/rank<R>`, write the header, start the heartbeat."""
         path = record_path(run_dir, self.rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # a new file renamed into place: a process still mapping the old one keeps its own
+        tmp = f"{path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, SIZE)
             self.mm = mmap.mmap(fd, SIZE)
@@ -86,6 +88,7 @@ class Progress:
         )  # fmt: skip
         BEAT.pack_into(self.mm, AT_BEAT, now)
         self.doing("start")
+        os.replace(tmp, path)
         self._thread = threading.Thread(target=self._beat, name="megapipe-progress", daemon=True)
         self._thread.start()
 
