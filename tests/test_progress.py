@@ -25,7 +25,7 @@ from megapipe.distributed.progress import (
     record_path,
 )
 
-NOW = 1_800_000_000.0
+NOW = 4_000_000_000.0  # later than any clock the tests run at
 COORDS = ("pp", "dp", "cp", "tp")
 
 
@@ -229,6 +229,7 @@ def test_a_closed_connection_waits_for_the_peers_heartbeat_to_go_stale(tmp_path,
         p.wait("recv F", 1 - p.rank, 0)  # both wait: nobody to name yet
     ranks[1]._stop.set()  # dies now
     ranks[1]._thread.join()
+    ranks[0].close()  # as train.py's run ends before it writes the line
     began = time.monotonic()
     line = lost_peer_line(str(tmp_path), 0, "Connection closed by peer")
     waited = time.monotonic() - began

@@ -17,9 +17,10 @@ A rank that waited `parallel.timeout_s` for its peers names the first kind that 
 of the launch falls in, in this order: died or stopped, no record (it never reached training),
 exited (before this rank began to wait: one that exited later `gave up` on the same peers, and
 is not named), busy (the others wait for it), and if every other rank waits too, says so (a
-mismatched collective). Ages are measured from the newest heartbeat. tools/diagnose.py reads a
-job killed from outside the same way after the fact; when every process of the job is gone,
-only the heartbeats tell, and the ranks that stopped before the others come first.
+mismatched collective). Ages are measured from the newest heartbeat (by a rank: from now).
+tools/diagnose.py reads a job killed from outside the same way after the fact; when every
+process of the job is gone, only the heartbeats tell, and the ranks that stopped before the
+others come first.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def classify(
     ref = records[me] if me in records else max(records.values(), key=lambda r: r.beat)
     ours = {k: r for k, r in records.items() if r.tag == ref.tag and r.world == ref.world}
     newest = max(r.beat for r in ours.values())
+    if me is not None:  # the reader is alive now (its own record may be closed already)
+        newest = max(newest, time.time())
     stale = stale_s(ref.timeout_s)
     states = {k: process_state(r.pid) if r.host == host else None for k, r in ours.items()}
     if me is None and all(s in GONE for s in states.values()):  # the whole job was killed:
