@@ -140,7 +140,9 @@ def train_loop(
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
             # the same on every rank; under post-validation read one step late (preempt.py)
+            job.progress.wait("all_reduce stop signal")
             stopping = stop.agreed(deferred=job.post_validated) or done == t.stop_at_step
+            job.progress.waited()
             evaluating = t.eval_interval and (done % t.eval_interval == 0 or done == t.steps)
             saving = (interval and done % interval == 0) or stopping
             now = bool(stopping or evaluating or saving or done == last)
