@@ -187,6 +187,8 @@ def _line(f: Finding, newest: float) -> str:
         return describe(f)
     r = f.record
     when = f"exited {_clock(r.exited)}" if f.verdict == "exited" else f.verdict
+    if f.verdict == "waiting":
+        when += f" for {newest - r.wait_since:.0f} s"
     return (
         f"rank {f.rank} ({r.coords_text()}, {r.host} pid {r.pid}) {when}, last heartbeat "
         f"{_clock(r.beat)} ({newest - r.beat:.0f} s before the last), {r.where()}"
