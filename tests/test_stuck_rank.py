@@ -18,7 +18,7 @@ import time
 import pytest
 
 from megapipe.cli import diagnose
-from megapipe.distributed.diagnosis import stale_s
+from megapipe.distributed.diagnosis import GONE, process_state, stale_s
 from megapipe.distributed.progress import read_records
 from tests.conftest import ROOT, TINY
 
@@ -117,6 +117,11 @@ def test_diagnose_names_the_rank_frozen_before_the_job_was_killed(tmp_path, caps
         where = read_records(str(tmp_path))[1].where()
     finally:
         job.kill()  # from outside, as scancel or a user's kill -9
+    pids = [r.pid for r in read_records(str(tmp_path)).values()]
+    for _ in range(200):  # the kill takes effect asynchronously
+        if all(process_state(pid) in GONE for pid in pids):
+            break
+        time.sleep(0.05)
     assert diagnose.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("rank 1 (pp=1 dp=0 cp=0 tp=0, ") and " stopped, " in out[1], out

@@ -172,13 +172,18 @@ def report(run_dir: str) -> list[str]:
         return []
     findings = classify(records)
     newest = max(records.values(), key=lambda r: r.beat)
-    lead = [f for f in findings if f.verdict in ("died", "stopped")]
+    # the ranks whose heartbeat stopped first lead, whether they died or froze
+    lead = sorted((f for f in findings if f.verdict in ("died", "stopped")), key=_silent_since)
     rest = [f for f in findings if f not in lead]
     return [
         f"launch {newest.tag or '-'}: {len(records)} records in "
         f"{os.path.join(run_dir, 'progress')}, last heartbeat {_clock(newest.beat)} "
         f"(rank {newest.rank})"
     ] + [_line(f, newest.beat) for f in lead + rest]
+
+
+def _silent_since(f: Finding) -> float:
+    return f.record.beat if f.record is not None else 0.0
 
 
 def _line(f: Finding, newest: float) -> str:
