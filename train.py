@@ -17,6 +17,7 @@ import sys
 from megapipe.config import ConfigError, load_config
 from megapipe.config.args import parse_train_args
 from megapipe.data.errors import DataError
+from megapipe.distributed.diagnosis import lost_peer_line
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import as_json, describe
@@ -30,28 +31,35 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_train_args(argv, __doc__)
 
 
-def train(argv: list[str]) -> int:
-    """Parse, load the config, then the dry run or the training run."""
+def train(argv: list[str], seen: dict) -> int:
+    """Parse, load the config, then the dry run or the training run; `seen["run_dir"]`: the
+    run's directory once the config is loaded (where the ranks' progress records are)."""
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(json.dumps(as_json(cfg)) if args.json else describe(cfg))
         return 0
+    seen["run_dir"] = cfg.run.dir
     run(cfg)
     return 0
 
 
-def peer_lost_error(cause: str) -> int:
-    """Every rank that sees a lost peer says so: each rank's own log must tell what it saw."""
+def peer_lost_error(cause: str, run_dir: str | None = None) -> int:
+    """Every rank that sees a lost peer says so: each rank's own log must tell what it saw. The
+    line names the ranks that stopped and where, read from their records in run.dir
+    (megapipe/distributed/diagnosis.py); without records, only that a peer was lost."""
+    named = lost_peer_line(run_dir, launched_rank(), cause)
     print(
-        f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
+        f"error: {named}"
+        if named
+        else f"error: a peer rank died or stopped responding ({cause}); see the other ranks' "
         "logs (parallel.timeout_s bounds how long a rank waits)",
         file=sys.stderr,
     )
     return 3
 
 
-def close(code: int) -> int:
+def close(code: int, run_dir: str | None = None) -> int:
     """Shut the process groups down (a barrier only after success); a peer lost there: 3."""
     try:
         shutdown(wait=code == 0)
@@ -59,7 +67,7 @@ def close(code: int) -> int:
         cause = peer_lost(e)
         if cause is None:
             raise
-        return peer_lost_error(cause)
+        return peer_lost_error(cause, run_dir)
     return code
 
 
@@ -71,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     2: bad config, data or checkpoint, a busy run.dir, non-finite steps past the limit. Every
     rank meets it (same config and files, agreed decisions), so only
     rank 0 prints it (RANK: the error may come before any process group) and the others exit 2
-    quietly. 3: a peer died or hung, printed by every rank that sees it.
+    quietly. 3: a peer died or hung, printed by every rank that sees it, naming the ranks that
+    stopped and what each last did (their records in run.dir/progress).
     """
-    code = 1  # an unexpected exception propagates with its traceback
+    code, seen = 1, {}  # an unexpected exception propagates with its traceback
     try:
-        code = train(sys.argv[1:] if argv is None else argv)
+        code = train(sys.argv[1:] if argv is None else argv, seen)
     except ONE_LINE_ERRORS as e:
         if launched_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -84,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         cause = peer_lost(e)
         if cause is None:
             raise
-        code = peer_lost_error(cause)
+        code = peer_lost_error(cause, seen.get("run_dir"))
     finally:
-        code = close(code)
+        code = close(code, seen.get("run_dir"))
     return code
 
 

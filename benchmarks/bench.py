@@ -11,6 +11,7 @@ python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench data_index [--docs 1e8 --big-gb 1000 --batch 512 --blend 1e7]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
+python -m benchmarks.bench progress [--layers 4 --d-model 256 --seq-len 128 --steps 8]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
@@ -47,6 +48,10 @@ SUBCOMMANDS = {
     "checkpoint": (
         "bench_checkpoint",
         "checkpoint save/resume time and bytes read per rank across meshes, save step overhead",
+    ),
+    "progress": (
+        "bench_progress",
+        "each rank's progress record: ns per update, its share of a pp=2 and a dp=2 step",
     ),
     "calibrate": ("calibrate", "measure this machine's CPU into a profile (clusters/cpu*.yaml)"),
     "local": ("local_truth", "projected vs measured train.py steps on this machine"),

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import Config
-from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size
+from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size, coords
+from megapipe.distributed.progress import Progress
 from megapipe.distributed.rendezvous import agent_store_in_use, attempt_store
 
 PEER_LOST = (  # gloo (a pair closed by a timeout on either side); NCCL: DistError
@@ -55,7 +56,8 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
                                     timeout=timeout)  # fmt: skip
         else:
             dist.init_process_group(backend, timeout=timeout)
-    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s)
+    progress = Progress(dist.get_rank(), world, coords(dist.get_rank(), sizes), timeout_s)
+    return ParallelMesh(sizes, "cuda" if cuda else "cpu", timeout_s, progress)
 
 
 def distributed() -> bool:

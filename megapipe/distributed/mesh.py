@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megapipe._torch_compat import flatten_mesh, set_group_timeout
 from megapipe.config import Config, ConfigError
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 
 AXES = ("pp", "dp", "cp", "tp")
 
@@ -95,15 +96,20 @@ def check_world_size(sizes: MeshSizes, world: int) -> None:
 
 
 class ParallelMesh:
-    """This rank's view of the mesh: coordinates and the groups of each axis."""
+    """This rank's view of the mesh: coordinates and the groups of each axis; `progress`, this
+    rank's record of what it is doing (distributed/progress.py), for whatever communicates."""
 
     def __init__(
-        self, sizes: MeshSizes, device_type: str = "cpu", timeout_s: float | None = None
+        self,
+        sizes: MeshSizes,
+        device_type: str = "cpu",
+        timeout_s: float | None = None,
+        progress: Progress = NO_PROGRESS,
     ) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         check_world_size(sizes, dist.get_world_size())
-        self.sizes, self.device_type = sizes, device_type
+        self.sizes, self.device_type, self.progress = sizes, device_type, progress
         # New groups do not inherit the default group's timeout (torch gives them 30 min).
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.rank = dist.get_rank()

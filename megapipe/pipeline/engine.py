@@ -198,4 +198,5 @@ def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> Pipel
         positions,
         lambda: autocast(cfg.train.dtype, device),
         segments,
+        mesh.progress,
     )

@@ -42,8 +42,10 @@ def swap_with_pp_peer(tensor: torch.Tensor, peer_pp: int, mesh, tag: int) -> tor
         dist.P2POp(dist.isend, tensor, peer, tag=tag),
         dist.P2POp(dist.irecv, theirs, peer, tag=tag),
     ]
+    mesh.progress.wait("swap tied grads" if tag == TIED_TAG else "swap twin grads", peer)
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    mesh.progress.waited()
     return theirs
 
 
@@ -63,6 +65,7 @@ class StageLinks:
         self.placement, self.shape, self.dtype, self.device = placement, shape, dtype, device
         self.segments = segments
         self.pp_rank = mesh.coord("pp")
+        self.progress = mesh.progress  # each wait recorded (distributed/progress.py)
         self.peers = [
             rank_at(mesh.sizes, **{**mesh.coords, "pp": r}) for r in range(mesh.size("pp"))
         ]  # global rank of each pp rank
@@ -138,8 +141,11 @@ class StageLinks:
         self.exchange([], [msg])
         buf, works = self.receiving.pop(msg)
         began = time.perf_counter()
+        peer = self.peers[self._rank_of(msg.source_stage(), msg.microbatch)]
+        self.progress.wait("recv B" if msg.grad else "recv F", peer, msg.microbatch)
         for work in works:
             work.wait()
+        self.progress.waited()
         self.waited += time.perf_counter() - began
         return buf
 
@@ -149,9 +155,11 @@ class StageLinks:
 
     def flush(self) -> None:
         """Wait for every send: end of step, before any buffer could be reused."""
+        self.progress.wait("send (end of step)")
         for _, works in self.sending:
             for work in works:
                 work.wait()
+        self.progress.waited()
         self.sending.clear()
         if self.receiving or self.local:
             raise RuntimeError(

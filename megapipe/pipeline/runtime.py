@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.autograd.outputs import backward_from, release_values
 from megapipe.parallel.autograd.segment_kv import SegmentKV
 from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
@@ -89,8 +90,12 @@ class PipelineRuntime:
         positions: torch.Tensor,
         autocast=contextlib.nullcontext,
         segments: list[tuple[int, int]] | None = None,
+        progress: Progress = NO_PROGRESS,
     ) -> None:
+        """`progress`: this rank's record, each action written to it before it runs
+        (distributed/progress.py)."""
         self.chunks, self.placement, self.links = chunks, placement, links
+        self.progress = progress
         self.stages = [placement.stage(pp_rank, c) for c in range(len(chunks))]
         self.last_stage = placement.num_stages - 1
         self.autocast = autocast
@@ -131,6 +136,8 @@ class PipelineRuntime:
             reducer = reducers[action.chunk] if reducers else None
             sync = reducer.no_sync() if reducer and final.get(action.chunk) != i else None
             t0, waited = time.perf_counter(), self.links.waited
+            chunk = action.chunk if len(self.chunks) > 1 else -1
+            self.progress.doing(action.kind, action.microbatch, chunk)
             with sync or contextlib.nullcontext(), hooks.weights(action):
                 sends = self._handlers[action.kind](action)
             following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None

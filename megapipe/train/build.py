@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.parallel.data.zero import make_reducer
 from megapipe.pipeline.engine import Pipeline, build_pipeline
@@ -34,6 +35,11 @@ class Job:
     slice: BatchSlice
     mesh: object = None  # None: one process
 
+    @property
+    def progress(self) -> Progress:
+        """This rank's record of what it is doing (distributed/progress.py; none: one process)."""
+        return self.mesh.progress if self.mesh is not None else NO_PROGRESS
+
     def train_step(
         self,
         optimizer,
@@ -44,7 +50,15 @@ class Job:
     ) -> StepResult:
         """One training step (train/step.train_step); a loss above `loss_limit` is skipped."""
         return train_step(
-            self.engine, self.slice, optimizer, batch, step, self.cfg, hooks, loss_limit
+            self.engine,
+            self.slice,
+            optimizer,
+            batch,
+            step,
+            self.cfg,
+            hooks,
+            loss_limit,
+            self.progress,
         )
 
     @property
@@ -93,7 +107,8 @@ def replica(
     if mesh is None:
         return Replica(cfg, model)
     if mesh.size("dp") * mesh.size("cp") == 1:
-        return Replica(cfg, model, None, mesh.norm_group)
+        return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
     zero = cfg.parallel.zero
     reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero)
-    return Replica(cfg, model, reducer, mesh.world_group if zero else mesh.norm_group)
+    norm_group = mesh.world_group if zero else mesh.norm_group
+    return Replica(cfg, model, reducer, norm_group, mesh.progress)

@@ -15,6 +15,7 @@ from megapipe.data.blend import BlendData, BlendTokens
 from megapipe.data.loader import build_data, run_samples
 from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.distributed.mesh import MeshSizes
+from megapipe.distributed.progress import NO_PROGRESS
 from megapipe.train import checkpoint, runlock
 from megapipe.train.build import Job, build
 from megapipe.train.checkpoint_async import Saver
@@ -32,9 +33,12 @@ def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
     mesh = init_distributed(cfg)  # checks the world size before any collective
     with StopSignals(cfg, mesh) as stop:  # a stop signal from here on waits for a step boundary
         lock = _lock_run_dir(cfg)
+        progress = mesh.progress if mesh is not None else NO_PROGRESS
         try:
+            progress.open(cfg.run.dir)  # this rank's record (distributed/progress.py)
             return _run(cfg, mesh, stop, hooks)
         finally:
+            progress.close()
             if lock is not None:
                 runlock.release(lock)
 
@@ -131,6 +135,7 @@ def train_loop(
     try:
         step = start
         while step < last:  # a rollback (train/spikes.py) goes back to a checkpoint's step
+            job.progress.step(step + 1)  # numbered as metrics.jsonl numbers it
             hooks.step_begin(step)
             began = time.perf_counter()
             batch = data.batch(spikes.batch(step), t.global_batch, rows=rows)
@@ -139,7 +144,9 @@ def train_loop(
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
             # the same on every rank; under post-validation read one step late (preempt.py)
+            job.progress.wait("all_reduce stop signal")
             stopping = stop.agreed(deferred=job.post_validated) or done == t.stop_at_step
+            job.progress.waited()
             evaluating = t.eval_interval and (done % t.eval_interval == 0 or done == t.steps)
             saving = (interval and done % interval == 0) or stopping
             now = bool(stopping or evaluating or saving or done == last)
@@ -147,6 +154,7 @@ def train_loop(
                 record = _record(d, secs, final, throughput, blend, spikes.batch(d - 1))
                 spiked = spikes.observe(d, final, record)
                 if d == done and evaluating:
+                    job.progress.doing("eval")
                     losses = _validate(cfg, job, data)
                     record.update(losses)
                     hooks.evaluated(d, losses)
@@ -163,6 +171,7 @@ def train_loop(
             if stopping and not stop.in_time():  # past checkpoint.preempt_grace_s: no save
                 saving = False
             if saving:
+                job.progress.doing("save")
                 with stop.timed():
                     saver.save(done, job.model, optimizer, spikes.state())
             if stopping:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.reducer import GradReducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
@@ -23,6 +24,7 @@ class Replica:
     model: nn.Module
     reducer: GradReducer | None = None  # dp × cp gradient buckets
     norm_group: object = None  # tp: one copy of every parameter over it
+    progress: Progress = NO_PROGRESS  # this rank's record (distributed/progress.py)
 
     @property
     def chunks(self) -> list[nn.Module]:
@@ -50,6 +52,7 @@ class Replica:
         backward only (gradient accumulation, GPipe §2.2). Returns the summed loss."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, m in enumerate(micro):
+            self.progress.doing("F+B", i)
             last = i == len(micro) - 1
             sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
             with sync:

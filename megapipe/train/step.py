@@ -35,6 +35,7 @@ from functools import partial
 import torch
 
 from megapipe.config import Config
+from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine, Grads
@@ -64,25 +65,35 @@ def train_step(
     cfg: Config,
     hooks: TrainHooks = NO_HOOKS,
     loss_limit: float = math.inf,
+    progress: Progress = NO_PROGRESS,
 ) -> StepResult:
     """Forward/backward every microbatch of this rank's slice of the global `batch`, reduce
     gradients over the mesh, clip, and take one AdamW step (PipeDream: one per microbatch).
 
     `step` is the number of optimizer steps already taken (it picks the learning rate);
     `hooks` observe the forward-backward and every optimizer step (train/hooks.py); a loss
-    above `loss_limit` (a spike: train/spikes.py) skips the step as a non-finite one does.
+    above `loss_limit` (a spike: train/spikes.py) skips the step as a non-finite one does;
+    `progress` records the step's waits on the other ranks (distributed/progress.py).
     """
     tokens = cfg.derived.tokens_per_step
     micro = slice_.microbatches(batch.to(engine.device), cfg.parallel.microbatches)
     if isinstance(engine, PostValidatedEngine):
         return _post_validated(engine, slice_, optimizer, micro, step, cfg, hooks)
     step_update = partial(
-        update, optimizer=optimizer, step=step, cfg=cfg, hooks=hooks, loss_limit=loss_limit
+        update,
+        optimizer=optimizer,
+        step=step,
+        cfg=cfg,
+        hooks=hooks,
+        loss_limit=loss_limit,
+        progress=progress,
     )
     hooks.forward_backward_begin(step)
     loss_sum = engine.forward_backward(micro, tokens, step_update)
     hooks.forward_backward_end(step, engine.events)
+    progress.wait("all_reduce loss")
     loss = slice_.sum(engine.stage_loss(loss_sum)) / tokens  # the same on every rank
+    progress.waited()
     if isinstance(engine, PipeDreamPipeline):  # §3.3: each stage stepped after every microbatch
         norm, skipped = engine.step_grad_norm()
         lr = lr_at(step, cfg.train)
@@ -132,18 +143,23 @@ def update(
     loss: torch.Tensor | None = None,
     hooks: TrainHooks = NO_HOOKS,
     loss_limit: float = math.inf,
+    progress: Progress = NO_PROGRESS,
 ) -> tuple[torch.Tensor, float, bool]:
     """Step 3 of one training step on `grads` (an engine, or one PipeDream stage): the dp × cp
     sum of each chunk's buckets, then tp partial sums, then shared copies (the tied embedding);
     the global norm over `grads.norm_group`, clip, AdamW. Returns (norm, lr, skipped): with a
     non-finite norm or `loss` (both agreed over the mesh), or a `loss` above `loss_limit`, the
-    optimizer does not step."""
+    optimizer does not step. `progress` records the two waits on other ranks
+    (distributed/progress.py)."""
+    progress.wait("all_reduce grads")
     for chunk, reducer in zip(grads.chunks, grads.reducers):
         if reducer is not None:
             reducer.finish()
         sync_tp_partial_grads(chunk)
     grads.sync_shared_grads()
+    progress.wait("all_reduce grad norm")
     norm = global_grad_norm(grads.grads_counted_once(), grads.norm_group)
+    progress.doing("optimizer")
     if not finite(norm, loss) or spiked(loss, loss_limit):
         optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
         return norm, lr_at(step, cfg.train), True
