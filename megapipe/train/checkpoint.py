@@ -44,6 +44,7 @@ from megapipe._torch_compat import sharded_tensor
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import barrier, distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.parallel.data.levels import full_weights
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -160,12 +161,20 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     return state
 
 
+def whole_weights(optimizer, write_back: bool = False):
+    """Within: the parameters whole (parallel.zero >= 1 gathers them after the step or on use:
+    parallel/data/levels.full_weights); `write_back`: zero=3's shards take them back after."""
+    return full_weights(getattr(optimizer, "reducers", []), write_back)
+
+
 def save(cfg: Config, step: int, model: nn.Module, optimizer) -> str:
     """Write checkpoint `step` atomically and prune old ones; returns its directory."""
     tmp, final = begin(cfg, step)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
-        dcp.save(save_state(cfg, model, optimizer), checkpoint_id=tmp, no_dist=not distributed())
+        with whole_weights(optimizer):
+            state = save_state(cfg, model, optimizer)
+            dcp.save(state, checkpoint_id=tmp, no_dist=not distributed())
     return complete(cfg, step, tmp, final, rng_states(model))
 
 
@@ -317,9 +326,11 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     ranks keep the streams seeded at start (dropout draws differ from an uninterrupted run)."""
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
-    targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
-    meta["bytes_read"] = _read_blocks(path, targets)
-    targets.finish()
+    with whole_weights(optimizer, write_back=True):  # zero=3: the shards take the loaded values
+        ensure = lambda p: _ensure_optim_state(p, optimizer)  # noqa: E731
+        targets = read_targets(_chunks(model), optimizer, ensure)
+        meta["bytes_read"] = _read_blocks(path, targets)
+        targets.finish()
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
     )

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from megapipe.config import Config
 from megapipe.distributed.launch import distributed
-from megapipe.train.checkpoint import begin, complete, save, save_state
+from megapipe.train.checkpoint import begin, complete, save, save_state, whole_weights
 from megapipe.train.rng import rng_states
 
 
@@ -66,7 +66,9 @@ class Saver:
         if not self.background:
             return save(self.cfg, step, model, optimizer)
         tmp, final = begin(self.cfg, step)
-        state, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
+        with whole_weights(optimizer):  # staged copies: zero=3 may free the weights after
+            state = staged(save_state(self.cfg, model, optimizer))
+        rng = rng_states(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             future = dcp.async_save(

@@ -33,6 +33,7 @@ from functools import partial
 import torch
 
 from megapipe.config import Config
+from megapipe.parallel.data.levels import shards_grads
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine, Grads
@@ -40,6 +41,7 @@ from megapipe.train.batches import BatchSlice
 from megapipe.train.hooks import NO_HOOKS, TrainHooks, optimizer_step
 from megapipe.train.optim import clip_gradients, global_grad_norm, lr_at, set_lr
 from megapipe.train.post_validation import PostValidatedEngine
+from megapipe.train.zero_grads import finish_grad_shards
 
 
 @dataclass
@@ -130,16 +132,20 @@ def update(
     sum of each chunk's buckets, then tp partial sums, then shared copies (the tied embedding);
     the global norm over `grads.norm_group`, clip, AdamW. Returns (norm, lr, skipped): with a
     non-finite norm or `loss` (both agreed over the mesh) the optimizer does not step."""
-    for chunk, reducer in zip(grads.chunks, grads.reducers):
-        if reducer is not None:
-            reducer.finish()
-        sync_tp_partial_grads(chunk)
-    grads.sync_shared_grads()
-    norm = global_grad_norm(grads.grads_counted_once(), grads.norm_group)
+    if shards_grads(grads.reducers):  # zero >= 2: on this rank's shards (train/zero_grads.py)
+        counted, to_clip = finish_grad_shards(grads)
+    else:
+        for chunk, reducer in zip(grads.chunks, grads.reducers):
+            if reducer is not None:
+                reducer.finish()
+            sync_tp_partial_grads(chunk)
+        grads.sync_shared_grads()
+        counted, to_clip = grads.grads_counted_once(), grads.params()
+    norm = global_grad_norm(counted, grads.norm_group)
     if not finite(norm, loss):
         optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
         return norm, lr_at(step, cfg.train), True
-    return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg, hooks), False
+    return norm, clip_and_step(optimizer, to_clip, norm, step, cfg, hooks), False
 
 
 def finite(*values: torch.Tensor | None) -> bool:
