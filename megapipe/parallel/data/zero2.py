@@ -23,6 +23,7 @@ the tests) first calls `wait_params()` through `ShardedOptimizer.full_weights()`
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -50,6 +51,7 @@ class OverlappedGatherReducer(ShardedGradReducer):
 
     blocks: tuple[Block, ...] = ()
     pending: dict = field(default_factory=dict)  # bucket index -> (gathered flat, work)
+    waited_s: float = 0.0  # seconds spent waiting for weight gathers (the exposed part)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,7 +103,9 @@ class OverlappedGatherReducer(ShardedGradReducer):
         if i not in self.pending:
             return
         full, work = self.pending.pop(i)
+        began = time.perf_counter()
         work.wait()
+        self.waited_s += time.perf_counter() - began
         bucket = self.buckets[i]
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, full[: bucket.numel].split(sizes)):

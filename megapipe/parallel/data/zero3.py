@@ -28,6 +28,7 @@ last microbatch's reduce-scatter leaves each rank its shard.
 from __future__ import annotations
 
 import contextlib
+import time
 from functools import partial
 
 import torch
@@ -108,7 +109,9 @@ class Zero3Reducer(Zero2Reducer):
         for i in needs:
             work = self.work.pop(i, None)
             if work is not None:
+                began = time.perf_counter()
                 work.wait()
+                self.waited_s += time.perf_counter() - began
             self.refs[i] += 1
 
     def _release(self, needs: list[int]) -> None:
