@@ -83,3 +83,74 @@ def test_zero23_checkpoints_cross_load(gloo_pool, tmp_path, name, first, then):
         assert got["split"] == got["full"]
     for step, (a, b) in enumerate(zip(got["split"], got["full"])):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: resumed {a} != straight {b}"
+
+
+def held_bytes_case(zero: int) -> dict:
+    """Bytes this rank holds at the optimizer step of the second step (dp=4, float32): weights
+    (resident parameter storage and zero=3's master shards), grads (.grad storage and zero>=2's
+    shards), AdamW moments; and the most parameter storage resident at any module's forward
+    end (zero=3's gathered blocks), the resident weights after the step."""
+    import tempfile
+
+    import torch
+
+    from megapipe.data.loader import build_data
+    from megapipe.train.build import build
+    from megapipe.train.hooks import TrainHooks
+    from tests.parity import build_mesh, tiny_config
+
+    def storage(tensors) -> int:
+        return sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+        )
+
+    cfg = tiny_config([f"parallel.zero={zero}", "parallel.dp=4"], tempfile.mkdtemp())
+    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    optimizer, reducer = job.optimizer(), job.engine.reducer
+    params = list(job.model.parameters())
+    resident = lambda: [p for p in params if p.untyped_storage().nbytes()]  # noqa: E731
+    held, peak = {}, [0]
+
+    class Held(TrainHooks):
+        def optimizer_begin(self) -> None:
+            grads = [p.grad for p in params if p.grad is not None]
+            held["grads"] = storage(grads + getattr(reducer, "shards", list)())
+            held["weights"] = storage(resident() + getattr(reducer, "master", []))
+
+    for m in job.model.modules():
+        m.register_forward_hook(lambda *_: peak.append(storage(resident())))
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    for step in range(2):
+        job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step, Held())
+    state = sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return {
+        **held,
+        "state": state,
+        "params": sum(p.numel() for p in params),
+        "buckets": len(reducer.buckets),
+        "gathered": max(peak),
+        "after": storage(resident()),
+    }
+
+
+FORMULAS = {0: 16, 1: 4 + 4 + 8 / 4, 2: 4 + (4 + 8) / 4, 3: (4 + 4 + 8) / 4}  # B/param at d=4
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_bytes_per_parameter_follow_zero(gloo_pool, zero):
+    """At dp=4 a rank holds ZeRO's float32 bytes per parameter (zero=0 16, zero=1 4 + 4 + 8/d,
+    zero=2 4 + 12/d, zero=3 16/d), up to each bucket's padding to a multiple of 4 elements;
+    zero=3 frees every gathered block after the step and gathers less than the whole model."""
+    for got in gloo_pool(4).run(held_bytes_case, zero):
+        n = got["params"]
+        total = (got["weights"] + got["grads"] + got["state"]) / n
+        slack = 16 * 4 * got["buckets"] / n  # < 4 padded elements per bucket, 16 B each
+        assert FORMULAS[zero] - 1e-9 <= total <= FORMULAS[zero] + slack, (zero, got)
+        if zero == 3:
+            assert got["after"] == 0  # nothing gathered between steps
+            assert 4 / 4 * n < got["gathered"] < 4 * n  # more than the shards, less than all
