@@ -6,13 +6,11 @@
 Gloo workers, one thread each; every world builds one job per level from the same seed with
 train/build.py's `build()`, as train.py does, and trains them on the same batches.
 
-1. Step time at dp=2: after warmup the jobs step in turn (zero=0, 1, 2, 3, 0, ...), each step
-   timed between barriers as the slower rank's time; the median of the per-round ratios to
-   zero=0 and their spread (IQR). The fraction of the weight all-gather hidden: the seconds a
-   step waits for gathers (zero=1/2: on first use of each bucket in the next forward; zero=3:
-   each block's gather before its forward and backward, prefetched one block ahead) against
-   the seconds the same gathers take run alone (launched and waited for at once), after the
-   timed steps; hidden = 1 − exposed / alone.
+1. Step time at dp=2: the jobs step in turn (zero=0, 1, 2, 3, and each sharded level without
+   its overlap: zero=1/2's gathers waited for right after the step, zero=3 unprefetched), each
+   step timed between barriers as the slower rank's time; the median of the per-round ratios to
+   zero=0 (IQR). Hidden = (step without overlap − step with it, median of rounds) / the same
+   gathers run alone; and the wait for gathers inside back-to-back steps.
 2. Bytes per rank for dp in {1, 2, 4}: weights (resident parameter storage; zero=3's master
    shards), gradients (the storage the grads live in at the optimizer step, bucket padding
    included) and the AdamW state tensors (the scalar step left out), against ZeRO's float32
@@ -99,6 +97,15 @@ class _GradBytes(TrainHooks):
         self.weights = max(self.weights, resident)
 
 
+class _GathersAtStep(_GradBytes):
+    """The variant without overlap: zero=1/2's weight all-gathers waited for right after the
+    optimizer step (zero=1 as it was before its gathers overlapped the next forward)."""
+
+    def optimizer_end(self) -> None:
+        if hasattr(self.reducer, "wait_params"):
+            self.reducer.wait_params()
+
+
 class _GatheredPeak:
     """The most parameter storage resident at any module's forward end (zero=3: the gathered
     block(s) on top of the shards)."""
@@ -116,7 +123,7 @@ class Run:
     """One job (zero=0 or zero=1) on this rank; a step hook sees the grads as they are when the
     optimizer steps."""
 
-    def __init__(self, args, mesh, dp: int, zero: int) -> None:
+    def __init__(self, args, mesh, dp: int, zero: int, overlap: bool = True) -> None:
         from megapipe.train.build import build
 
         self.cfg = make_config(args, dp, zero)
@@ -124,8 +131,10 @@ class Run:
         self.job = build(self.cfg, mesh, "cpu", args.bucket_mb)
         self.optimizer = self.job.optimizer()
         self.reducer = getattr(self.job.engine, "reducer", None)
-        self.grads = _GradBytes(self.job.model, self.reducer)
+        self.grads = (_GradBytes if overlap else _GathersAtStep)(self.job.model, self.reducer)
         self.gathered = _GatheredPeak(self.job.model)
+        if not overlap and hasattr(self.reducer, "prefetch"):
+            self.reducer.prefetch = False  # zero=3: each block's gather waited for at once
 
     def step(self, batch: torch.Tensor, i: int) -> float:
         return self.job.train_step(self.optimizer, batch, i, self.grads).loss
@@ -160,9 +169,11 @@ def measure(args, world: int) -> dict:
         from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 
         mesh = ParallelMesh(MeshSizes(dp=world))
-    runs = {zero: Run(args, mesh, world, zero) for zero in args.zero}
-    data = build_data(runs[0].cfg.data, runs[0].cfg.model, runs[0].cfg.train.seed)
     timed = world == args.time_dp
+    runs = {str(zero): Run(args, mesh, world, zero) for zero in args.zero}
+    if timed and world > 1:  # each sharded level also without its overlap ("1s", ...)
+        runs.update({f"{z}s": Run(args, mesh, world, z, False) for z in args.zero if z})
+    data = build_data(runs["0"].cfg.data, runs["0"].cfg.model, runs["0"].cfg.train.seed)
     total = args.warmup + args.steps if timed else 1
     times, losses, comm = defaultdict(list), defaultdict(list), {}
     for i in range(total):
@@ -182,12 +193,13 @@ def measure(args, world: int) -> dict:
                     counts[op][1] += nbytes
                 comm[zero] = dict(counts)
                 collectives.COUNTER = None
+    overlapped = [(z, r) for z, r in runs.items() if not z.endswith("s")]
     return {
         "times": {z: t[args.warmup :] for z, t in times.items()} if timed else None,
-        "waited": {z: _exposed(r, data, args, total) for z, r in runs.items()} if timed else None,
-        "gather": {z: _sync_gather(r, args.steps) for z, r in runs.items()} if timed else None,
+        "waited": {z: _exposed(r, data, args, total) for z, r in overlapped} if timed else None,
+        "gather": {z: _sync_gather(r, args.steps) for z, r in overlapped} if timed else None,
         "losses": dict(losses),
-        "memory": {z: r.memory() for z, r in runs.items()},
+        "memory": {z: r.memory() for z, r in overlapped},
         "comm": comm,
     }
 
@@ -240,44 +252,46 @@ def run_world(args, world: int) -> list[dict]:
 
 
 def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
-    """Step time of each level against zero=0 (median of per-pair ratios), and the weight
-    all-gather: exposed (waited for in the step) against the same gathers done alone."""
+    """Step time of each level against zero=0 (median of per-round ratios); the weight
+    all-gathers hidden: the step without overlap ("zs") minus the step with it (median of the
+    per-round differences) over the same gathers run alone; and the wait for gathers inside
+    back-to-back steps (which also holds the other ranks' lateness)."""
     # a step's time is its slowest rank's (the ranks start together after a barrier)
-    steps = {z: [max(ts) for ts in zip(*(r["times"][z] for r in ranks))] for z in zeros}
-    out, lines = (
-        {"losses": {z: ranks[0]["losses"][z] for z in zeros}},
-        [
-            "| zero | step (median) | ratio to zero=0 (median of pairs) | IQR | exposed gather "
-            "wait / step | gathers alone / step | hidden |",
-            "|---|---|---|---|---|---|---|",
-        ],
-    )
+    steps = {z: [max(ts) for ts in zip(*(r["times"][z] for r in ranks))] for z in ranks[0]["times"]}
+    out = {"losses": {z: ranks[0]["losses"][z] for z in zeros}}
+    lines = [
+        "| zero | step (median) | ratio to zero=0 (IQR) | step without overlap | saved by "
+        "overlap (median of rounds) | gathers alone | hidden = saved / alone | gather wait in "
+        "back-to-back steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for z in zeros:
         ratios = [b / a for a, b in zip(steps["0"], steps[z])]
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
         waits = [max(w) for w in zip(*(r["waited"][z] for r in ranks))]
-        exposed = statistics.median(waits) if waits else 0.0
-        alone = ranks[0]["gather"][z]
-        alone = (
-            statistics.median([max(g) for g in zip(*(r["gather"][z] for r in ranks))])
-            if alone
-            else 0
-        )
-        hidden = 1 - exposed / alone if alone else None
+        gathers = [max(g) for g in zip(*(r["gather"][z] for r in ranks))]
+        alone = statistics.median(gathers) if gathers else 0.0
+        sync = steps.get(f"{z}s")
+        saved = statistics.median([a - b for a, b in zip(sync, steps[z])]) if sync else 0.0
         gap = max(abs(a - b) for r in ranks for a, b in zip(r["losses"]["0"], r["losses"][z]))
         out[z] = {
             "step_ms": statistics.median(steps[z]) * 1e3,
             "median_ratio": statistics.median(ratios),
             "iqr": [q1, q3],
-            "exposed_gather_ms": exposed * 1e3,
+            "step_without_overlap_ms": statistics.median(sync) * 1e3 if sync else None,
+            "saved_ms": saved * 1e3,
             "gather_alone_ms": alone * 1e3,
-            "hidden": hidden,
+            "hidden": saved / alone if alone else None,
+            "exposed_wait_ms": statistics.median(waits) * 1e3 if waits else 0.0,
             "max_loss_gap": gap,
         }
+        o = out[z]
         lines.append(
-            f"| {z} | {out[z]['step_ms']:.1f} ms | {out[z]['median_ratio']:.3f} | "
-            f"{q1:.3f}–{q3:.3f} | {exposed * 1e3:.2f} ms | {alone * 1e3:.2f} ms | "
-            f"{'—' if hidden is None else f'{hidden:.0%}'} |"
+            f"| {z} | {o['step_ms']:.1f} ms | {o['median_ratio']:.3f} ({q1:.3f}–{q3:.3f}) | "
+            + (f"{o['step_without_overlap_ms']:.1f} ms | " if sync else "— | ")
+            + f"{o['saved_ms']:.1f} ms | {o['gather_alone_ms']:.1f} ms | "
+            + ("— | " if o["hidden"] is None else f"{o['hidden']:.0%} | ")
+            + f"{o['exposed_wait_ms']:.1f} ms |"
         )
     return "\n".join(lines), out
 
@@ -335,7 +349,7 @@ def comm_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict], list[str
         if dp == 1:
             continue
         wire = {}
-        for zero in sorted(ranks[0]["comm"]):
+        for zero in sorted(z for z in ranks[0]["comm"] if not z.endswith("s")):
             comm = ranks[0]["comm"][zero]
             if any(r["comm"][zero] != comm for r in ranks):
                 failures.append(f"dp={dp} zero={zero}: ranks counted different collectives")
@@ -398,8 +412,8 @@ def main(argv=None) -> int:
         print(
             f"1. Step time at dp={args.time_dp}, zero={'/'.join(zeros)} built once and stepped "
             f"in turn, {args.steps} rounds after {args.warmup} warmup rounds (a step = the "
-            f"slower rank between barriers); the weight all-gathers' wait inside the step "
-            f"(exposed) against the same gathers run alone, hidden = 1 − exposed / alone:\n"
+            f"slower rank between barriers), each sharded level also without its overlap (its "
+            f"gathers waited for right after the step; zero=3 without prefetch):\n"
         )
         print(table)
         gap = max(result["timing"][z]["max_loss_gap"] for z in zeros)

@@ -46,7 +46,10 @@ PIPELINE = {
         ("z3-dp2-pp2-interleaved-clip", 2, 1, [*Z3, *pp("interleaved_1f1b", 2, 2, 2), *CLIP]),
         ("z3-dp2-pp2-zb_h1", 2, 1, [*Z3, *pp("zb_h1", 2, 4)]),
         ("z3-dp2-pp2-zb_v-clip", 2, 1, [*Z3, *pp("zb_v", 2, 2, 2), *CLIP]),
+        ("z3-dp2-pp2-gpipe", 2, 1, [*Z3, *pp("gpipe", 2, 2)]),
+        ("z3-dp2-pp2-zb_h2-full", 2, 1, [*Z3, *pp("zb_h2", 2, 4), *FULL]),
     ],
+    8: [("z3-dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*Z3, *pp("zb_v", 2, 2, 2), *GQA2, *SP])],
 }
 CONTEXT = {
     4: [

@@ -82,7 +82,9 @@ class OverlappedGatherReducer(ShardedGradReducer):
     @torch.no_grad()
     def gather_params(self) -> None:
         """After the step: launch every bucket's all-gather of the updated shards (the first
-        block's bucket first); each completes at the first use of its bucket (module doc)."""
+        block's bucket first); each completes at the first use of its bucket (module doc).
+        A gather still pending from the step before (a bucket no block read) lands first."""
+        self.wait_params()
         for i in reversed(range(len(self.buckets))):
             self.pending[i] = self._launch_gather(self.buckets[i], self.slots[i])
         if not self.blocks:  # nothing would wait on first use

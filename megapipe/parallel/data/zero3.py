@@ -53,6 +53,7 @@ class Zero3Reducer(Zero2Reducer):
         self.refs = [0] * len(self.buckets)
         self.held: list[int] = []  # buckets held for the backward running now
         self.in_backward = False
+        self.prefetch = True  # False: each block's gather waited for at once (benchmarks)
 
     def rebucket(self) -> None:
         """Per-block buckets in place of the size-packed ones (before any hook counts them)."""
@@ -122,7 +123,7 @@ class Zero3Reducer(Zero2Reducer):
 
     def _pre_forward(self, k: int, *_) -> None:
         self._acquire(self.fwd[k])
-        if k + 1 < len(self.blocks):
+        if self.prefetch and k + 1 < len(self.blocks):
             for i in self.fwd[k + 1]:
                 self._prefetch(i)
 
@@ -139,7 +140,7 @@ class Zero3Reducer(Zero2Reducer):
         self._release(self.held)
         self._acquire(self.bwd[k])
         self.held = list(self.bwd[k])
-        before = [j for j in range(k) if self.bwd[j]]
+        before = [j for j in range(k) if self.bwd[j]] if self.prefetch else []
         for i in self.bwd[before[-1]] if before else ():
             self._prefetch(i)
 
