@@ -207,13 +207,10 @@ def measure(args, world: int) -> dict:
 def _exposed(run: Run, data, args, first: int) -> list[float]:
     """Per step, the seconds spent waiting for weight gathers over `args.steps` steps run back
     to back as train/loop.py runs them (no barrier between steps to hide gathers behind)."""
-    if not hasattr(run.reducer, "waited_s"):
-        return []
     out = []
-    for i in range(first, first + args.steps):
-        batch = data.batch(i, args.batch)
+    for i in range(first, first + args.steps) if hasattr(run.reducer, "waited_s") else ():
         before = run.reducer.waited_s
-        run.step(batch, i)
+        run.step(data.batch(i, args.batch), i)
         out.append(run.reducer.waited_s - before)
     return out
 
@@ -261,7 +258,7 @@ def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
     out = {"losses": {z: ranks[0]["losses"][z] for z in zeros}}
     lines = [
         "| zero | step (median) | ratio to zero=0 (IQR) | step without overlap | saved by "
-        "overlap (median of rounds) | gathers alone | hidden = saved / alone | gather wait in "
+        "overlap (median of rounds, IQR) | gathers alone | hidden = saved / alone | gather wait in "
         "back-to-back steps |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -272,7 +269,9 @@ def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
         gathers = [max(g) for g in zip(*(r["gather"][z] for r in ranks))]
         alone = statistics.median(gathers) if gathers else 0.0
         sync = steps.get(f"{z}s")
-        saved = statistics.median([a - b for a, b in zip(sync, steps[z])]) if sync else 0.0
+        diffs = [a - b for a, b in zip(sync, steps[z])] if sync else [0.0, 0.0]
+        saved = statistics.median(diffs)
+        s1, _, s3 = statistics.quantiles(diffs, n=4, method="inclusive")
         gap = max(abs(a - b) for r in ranks for a, b in zip(r["losses"]["0"], r["losses"][z]))
         out[z] = {
             "step_ms": statistics.median(steps[z]) * 1e3,
@@ -280,6 +279,7 @@ def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
             "iqr": [q1, q3],
             "step_without_overlap_ms": statistics.median(sync) * 1e3 if sync else None,
             "saved_ms": saved * 1e3,
+            "saved_iqr_ms": [s1 * 1e3, s3 * 1e3],
             "gather_alone_ms": alone * 1e3,
             "hidden": saved / alone if alone else None,
             "exposed_wait_ms": statistics.median(waits) * 1e3 if waits else 0.0,
@@ -289,7 +289,7 @@ def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
         lines.append(
             f"| {z} | {o['step_ms']:.1f} ms | {o['median_ratio']:.3f} ({q1:.3f}–{q3:.3f}) | "
             + (f"{o['step_without_overlap_ms']:.1f} ms | " if sync else "— | ")
-            + f"{o['saved_ms']:.1f} ms | {o['gather_alone_ms']:.1f} ms | "
+            + f"{saved * 1e3:.1f} ms ({s1 * 1e3:.1f}–{s3 * 1e3:.1f}) | {alone * 1e3:.1f} ms | "
             + ("— | " if o["hidden"] is None else f"{o['hidden']:.0%} | ")
             + f"{o['exposed_wait_ms']:.1f} ms |"
         )
@@ -297,7 +297,7 @@ def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
 
 
 FORMULAS = {  # float32 weights, grads, AdamW moments, d replicas: bytes per parameter
-    "0": (lambda d: 16, "4 + 4 + 8 = 16"),
+    "0": (lambda d: 16, "4 + 4 + 8"),
     "1": (lambda d: 4 + 4 + 8 / d, "4 + 4 + 8/d"),
     "2": (lambda d: 4 + (4 + 8) / d, "4 + (4 + 8)/d"),
     "3": (lambda d: (4 + 4 + 8) / d, "(4 + 4 + 8)/d"),

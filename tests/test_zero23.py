@@ -2,7 +2,8 @@
 as one process (loss, grad norm and final logical weights, relative 1e-5) under every mesh
 kind: dp, dp × tp (sequence parallel, replicated kv heads), dp × cp, dp × pp under 1F1B,
 interleaved 1F1B, a zero-bubble schedule with deferred W (ZB-H1) and a V schedule (ZB-V), with
-full recompute; and their checkpoints resume under zero 0 and 1 and the reverse.
+full recompute; their checkpoints resume under zero 0 and 1 and the reverse; and at dp=4 a
+rank holds ZeRO's float32 bytes per parameter at every level.
 
 The parity checks are those of the dp × tp, pipeline and context-parallel suites (one spawn per
 world size, many cases inside); gradient clipping is active in the `clip` cases.
