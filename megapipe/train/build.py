@@ -48,8 +48,8 @@ class Job:
         return settle(self.engine, optimizer, self.cfg, hooks)
 
     def optimizer(self):
-        """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
-        shard of each gradient bucket (parallel/data/zero.py)."""
+        """AdamW over this rank's parameters; under parallel.zero >= 1 with replicas, over its
+        shard of each gradient bucket (parallel/data/levels.py: zero.py, zero2.py, zero3.py)."""
         group = self.mesh.stage_group if self.mesh is not None else None
         return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group)
 
