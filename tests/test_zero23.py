@@ -158,3 +158,45 @@ def test_bytes_per_parameter_follow_zero(gloo_pool, zero):
         if zero == 3:
             assert got["after"] == 0  # nothing gathered between steps
             assert 4 / 4 * n < got["gathered"] < 4 * n  # more than the shards, less than all
+
+
+def first_use_case(zero: int) -> dict:
+    """After a step, which weight gathers are still pending when the embedding's forward and
+    the head's forward begin (a pre-hook registered after the reducer's runs after its wait)."""
+    import tempfile
+
+    from megapipe.data.loader import build_data
+    from megapipe.train.build import build
+    from tests.parity import build_mesh, tiny_config
+
+    cfg = tiny_config([f"parallel.zero={zero}", "parallel.dp=2"], tempfile.mkdtemp())
+    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    optimizer, reducer, model = job.optimizer(), job.engine.reducer, job.model
+    seen = {}
+
+    def look(name, params):
+        def hook(*_):
+            mine = set(reducer.buckets_of(params))
+            seen.setdefault(name, (bool(mine & set(reducer.pending)), len(reducer.pending)))
+
+        return hook
+
+    model.embed.register_forward_pre_hook(look("embed", list(model.embed.parameters())))
+    model.head.register_forward_pre_hook(look("head", list(model.head.parameters())))
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    job.train_step(optimizer, data.batch(0, cfg.train.global_batch), 0)
+    after_step = len(reducer.pending)
+    seen.clear()
+    job.train_step(optimizer, data.batch(1, cfg.train.global_batch), 1)
+    return {"after_step": after_step, "buckets": len(reducer.buckets), **seen}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_weight_gather_completes_on_first_use(gloo_pool, zero):
+    """zero=1/2 leave every bucket's weight gather pending after the step; the embedding's
+    forward finds its own buckets gathered while later blocks' still travel, and the head's."""
+    for got in gloo_pool(2).run(first_use_case, zero):
+        assert got["after_step"] == got["buckets"] > 2
+        mine_pending, pending = got["embed"]
+        assert not mine_pending and pending > 0
+        assert not got["head"][0]
