@@ -43,7 +43,7 @@ SUBCOMMANDS = {
     ),
     "zero": (
         "bench_zero",
-        "distributed optimizer (zero=1) vs zero=0: dp=2 step time, bytes per rank, comm volume",
+        "ZeRO levels 1-3 vs zero=0: dp=2 step time and gathers hidden, bytes per rank, comm volume",
     ),
     "checkpoint": (
         "bench_checkpoint",

@@ -1,23 +1,28 @@
-"""The distributed optimizer (parallel.zero=1, ZeRO-1) against plain data parallelism (zero=0).
+"""ZeRO levels (parallel.zero=1, 2, 3) against plain data parallelism (zero=0).
 
-    python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+    python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60
+                                     --zero 0 1 2 3 --dp 1 2 4 --out F.json]
 
-Gloo workers, one thread each; every world builds a zero=0 and a zero=1 job from the same seed
-with train/build.py's `build()`, as train.py does, and trains them on the same batches.
+Gloo workers, one thread each; every world builds one job per level from the same seed with
+train/build.py's `build()`, as train.py does, and trains them on the same batches.
 
-1. Step time at dp=2: after warmup the two jobs step alternately (zero=0, zero=1, zero=0, ...),
-   each step timed between barriers as the slower rank's time; the median of the per-pair
-   ratios zero1/zero0 and their spread (IQR, min-max).
-2. Bytes per rank for dp in {1, 2, 4}: weights, gradients (the storage the grads live in at the
-   optimizer step, bucket padding included) and the AdamW state tensors (the scalar step left
-   out), against Megatron's distributed-optimizer count for float32 weights and grads,
-   4 + 4 + 8/d bytes per parameter (16 without it). The largest rank is reported.
+1. Step time at dp=2: the jobs step in turn (zero=0, 1, 2, 3, and each sharded level without
+   its overlap: zero=1/2's gathers waited for right after the step, zero=3 unprefetched), each
+   step timed between barriers as the slower rank's time; the median of the per-round ratios to
+   zero=0 (IQR). Hidden = (step without overlap − step with it, median of rounds) / the same
+   gathers run alone; and the wait for gathers inside back-to-back steps.
+2. Bytes per rank for dp in {1, 2, 4}: weights (resident parameter storage; zero=3's master
+   shards), gradients (the storage the grads live in at the optimizer step, bucket padding
+   included) and the AdamW state tensors (the scalar step left out), against ZeRO's float32
+   counts: zero=0 16, zero=1 4 + 4 + 8/d, zero=2 4 + (4 + 8)/d, zero=3 (4 + 4 + 8)/d plus the
+   gathered block (the most parameter storage resident at any module's forward end). The
+   largest rank is reported.
 3. Bytes communicated per step at dp=2 and dp=4, counted by megapipe.distributed.collectives'
-   COUNTER (all-reduce and reduce-scatter by their full input, all-gather by its full output):
-   zero=0's bucket all-reduces against zero=1's reduce-scatters + all-gathers, with the ring
-   per-rank wire volume (all-reduce of N bytes 2(R-1)/R N; reduce-scatter or all-gather of an
-   N-byte full buffer (R-1)/R N). Checked: reduce-scatter + all-gather moves what one
-   all-reduce does, plus only the padding of each bucket to a multiple of R elements.
+   COUNTER (all-reduce and reduce-scatter by their full input, all-gather by its full output),
+   with the ring per-rank wire volume (all-reduce of N bytes 2(R-1)/R N; reduce-scatter or
+   all-gather of an N-byte full buffer (R-1)/R N). Checked: zero=1's reduce-scatter +
+   all-gather moves what one all-reduce does, plus only the padding of each bucket to a
+   multiple of R elements.
 """
 
 from __future__ import annotations
@@ -70,41 +75,79 @@ def _state_bytes(optimizer) -> int:
     )
 
 
-class _GradBytes(TrainHooks):
-    """The most grad storage seen right before an optimizer step (the step core's hook)."""
+def _resident(params) -> list:
+    """The parameters whose storage is allocated (zero=3 frees a block's between uses)."""
+    return [p for p in params if p.untyped_storage().nbytes()]
 
-    def __init__(self, model) -> None:
-        self.model, self.most = model, 0
+
+class _GradBytes(TrainHooks):
+    """The most grad storage (full-size .grad, or zero >= 2's reduce-scattered shards) and
+    weight storage (resident parameters, zero=3's master shards) seen right before an
+    optimizer step (the step core's hook)."""
+
+    def __init__(self, model, reducer) -> None:
+        self.model, self.reducer, self.most, self.weights = model, reducer, 0, 0
 
     def optimizer_begin(self) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads += self.reducer.shards() if hasattr(self.reducer, "shards") else []
         self.most = max(self.most, _storage_bytes(grads))
+        masters = getattr(self.reducer, "master", [])
+        resident = _storage_bytes(_resident(self.model.parameters()) + masters)
+        self.weights = max(self.weights, resident)
+
+
+class _GathersAtStep(_GradBytes):
+    """The variant without overlap: zero=1/2's weight all-gathers waited for right after the
+    optimizer step (zero=1 as it was before its gathers overlapped the next forward)."""
+
+    def optimizer_end(self) -> None:
+        if hasattr(self.reducer, "wait_params"):
+            self.reducer.wait_params()
+
+
+class _GatheredPeak:
+    """The most parameter storage resident at any module's forward end (zero=3: the gathered
+    block(s) on top of the shards)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.most = model, 0
+        for module in model.modules():
+            module.register_forward_hook(self._seen)
+
+    def _seen(self, *_) -> None:
+        self.most = max(self.most, _storage_bytes(_resident(self.model.parameters())))
 
 
 class Run:
     """One job (zero=0 or zero=1) on this rank; a step hook sees the grads as they are when the
     optimizer steps."""
 
-    def __init__(self, args, mesh, dp: int, zero: int) -> None:
+    def __init__(self, args, mesh, dp: int, zero: int, overlap: bool = True) -> None:
         from megapipe.train.build import build
 
         self.cfg = make_config(args, dp, zero)
         torch.manual_seed(self.cfg.train.seed)
         self.job = build(self.cfg, mesh, "cpu", args.bucket_mb)
         self.optimizer = self.job.optimizer()
-        self.grads = _GradBytes(self.job.model)
+        self.reducer = getattr(self.job.engine, "reducer", None)
+        self.grads = (_GradBytes if overlap else _GathersAtStep)(self.job.model, self.reducer)
+        self.gathered = _GatheredPeak(self.job.model)
+        if not overlap and hasattr(self.reducer, "prefetch"):
+            self.reducer.prefetch = False  # zero=3: each block's gather waited for at once
 
     def step(self, batch: torch.Tensor, i: int) -> float:
         return self.job.train_step(self.optimizer, batch, i, self.grads).loss
 
     def memory(self) -> dict:
         params = list(self.job.model.parameters())
-        reducer = getattr(self.job.engine, "reducer", None)
+        reducer = self.reducer
         size = getattr(reducer, "size", 1)
         buckets = [b.numel for b in reducer.buckets] if reducer is not None else []
         return {
             "params": sum(p.numel() for p in params),
-            "weights": sum(p.numel() * p.element_size() for p in params),
+            "weights": self.grads.weights,
+            "gathered_peak": self.gathered.most,
             "grads": self.grads.most,
             "state": _state_bytes(self.optimizer),
             "buckets": len(buckets),
@@ -114,7 +157,8 @@ class Run:
 
 
 def measure(args, world: int) -> dict:
-    """Per rank: both jobs' memory and counted collectives, and (dp=2) the alternated timing."""
+    """Per rank: every level's memory and counted collectives, and (at --time-dp) the
+    alternated timing with each level's exposed weight-gather wait."""
     import torch.distributed as dist
 
     from megapipe.data.loader import build_data
@@ -125,9 +169,11 @@ def measure(args, world: int) -> dict:
         from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 
         mesh = ParallelMesh(MeshSizes(dp=world))
-    runs = {zero: Run(args, mesh, world, zero) for zero in (0, 1)}
-    data = build_data(runs[0].cfg.data, runs[0].cfg.model, runs[0].cfg.train.seed)
     timed = world == args.time_dp
+    runs = {str(zero): Run(args, mesh, world, zero) for zero in args.zero}
+    if timed and world > 1:  # each sharded level also without its overlap ("1s", ...)
+        runs.update({f"{z}s": Run(args, mesh, world, z, False) for z in args.zero if z})
+    data = build_data(runs["0"].cfg.data, runs["0"].cfg.model, runs["0"].cfg.train.seed)
     total = args.warmup + args.steps if timed else 1
     times, losses, comm = defaultdict(list), defaultdict(list), {}
     for i in range(total):
@@ -147,12 +193,48 @@ def measure(args, world: int) -> dict:
                     counts[op][1] += nbytes
                 comm[zero] = dict(counts)
                 collectives.COUNTER = None
+    overlapped = [(z, r) for z, r in runs.items() if not z.endswith("s")]
     return {
         "times": {z: t[args.warmup :] for z, t in times.items()} if timed else None,
+        "waited": {z: _exposed(r, data, args, total) for z, r in overlapped} if timed else None,
+        "gather": {z: _sync_gather(r, args.steps) for z, r in overlapped} if timed else None,
         "losses": dict(losses),
-        "memory": {z: r.memory() for z, r in runs.items()},
+        "memory": {z: r.memory() for z, r in overlapped},
         "comm": comm,
     }
+
+
+def _exposed(run: Run, data, args, first: int) -> list[float]:
+    """Per step, the seconds spent waiting for weight gathers over `args.steps` steps run back
+    to back as train/loop.py runs them (no barrier between steps to hide gathers behind)."""
+    out = []
+    for i in range(first, first + args.steps) if hasattr(run.reducer, "waited_s") else ():
+        before = run.reducer.waited_s
+        run.step(data.batch(i, args.batch), i)
+        out.append(run.reducer.waited_s - before)
+    return out
+
+
+def _sync_gather(run: Run, repeats: int) -> list[float]:
+    """Seconds of one step's weight all-gathers done alone, each waited for at once: zero=1/2
+    every bucket; zero=3 each block's gather before its forward, then before its backward."""
+    import torch.distributed as dist
+
+    reducer, out = run.reducer, []
+    if not hasattr(reducer, "waited_s"):
+        return []
+    for _ in range(repeats):
+        dist.barrier()
+        began = time.perf_counter()
+        if hasattr(reducer, "master"):  # zero=3: the same collectives as a step's, unprefetched
+            for needs in [*reducer.fwd, *reducer.bwd[::-1]]:
+                reducer._acquire(needs)
+                reducer._release(needs)
+        else:
+            reducer.gather_params()
+            reducer.wait_params()
+        out.append(time.perf_counter() - began)
+    return out
 
 
 def run_world(args, world: int) -> list[dict]:
@@ -166,62 +248,88 @@ def run_world(args, world: int) -> list[dict]:
 # ---- tables ---------------------------------------------------------------------------------
 
 
-def timing_table(ranks: list[dict]) -> tuple[str, dict]:
+def timing_table(ranks: list[dict], zeros: list[str]) -> tuple[str, dict]:
+    """Step time of each level against zero=0 (median of per-round ratios); the weight
+    all-gathers hidden: the step without overlap ("zs") minus the step with it (median of the
+    per-round differences) over the same gathers run alone; and the wait for gathers inside
+    back-to-back steps (which also holds the other ranks' lateness)."""
     # a step's time is its slowest rank's (the ranks start together after a barrier)
-    t0, t1 = ([max(ts) for ts in zip(*(r["times"][z] for r in ranks))] for z in ("0", "1"))
-    ratios = [b / a for a, b in zip(t0, t1)]
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    loss_gap = max(
-        abs(a - b) for r in ranks for a, b in zip(r["losses"]["0"], r["losses"]["1"])
-    )  # fmt: skip
-    out = {
-        "zero0_ms": [t * 1e3 for t in t0],
-        "zero1_ms": [t * 1e3 for t in t1],
-        "ratios": ratios,
-        "median_ratio": statistics.median(ratios),
-        "iqr": [q1, q3],
-        "min_max": [min(ratios), max(ratios)],
-        "max_loss_gap": loss_gap,
-        "losses": {f"zero{z}": ranks[0]["losses"][z] for z in ("0", "1")},
-    }
-    table = "\n".join([
-        "| dp | zero=0 step (median) | zero=1 step (median) | zero1/zero0 (median of pairs) | "
-        "IQR of pair ratios | min–max | pairs |",
-        "|---|---|---|---|---|---|---|",
-        f"| {len(ranks)} | {statistics.median(t0) * 1e3:.1f} ms | "
-        f"{statistics.median(t1) * 1e3:.1f} ms | {out['median_ratio']:.3f} | "
-        f"{q1:.3f}–{q3:.3f} | {min(ratios):.3f}–{max(ratios):.3f} | {len(ratios)} |",
-    ])  # fmt: skip
-    return table, out
-
-
-def memory_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict]]:
+    steps = {z: [max(ts) for ts in zip(*(r["times"][z] for r in ranks))] for z in ranks[0]["times"]}
+    out = {"losses": {z: ranks[0]["losses"][z] for z in zeros}}
     lines = [
-        "| dp | zero | weights B/param | grads B/param | AdamW state B/param | state formula | "
-        "state Δ | total B/param | Megatron formula | total Δ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| zero | step (median) | ratio to zero=0 (IQR) | step without overlap | saved by "
+        "overlap (median of rounds, IQR) | gathers alone | hidden = saved / alone | gather wait in "
+        "back-to-back steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for z in zeros:
+        ratios = [b / a for a, b in zip(steps["0"], steps[z])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        waits = [max(w) for w in zip(*(r["waited"][z] for r in ranks))]
+        gathers = [max(g) for g in zip(*(r["gather"][z] for r in ranks))]
+        alone = statistics.median(gathers) if gathers else 0.0
+        sync = steps.get(f"{z}s")
+        diffs = [a - b for a, b in zip(sync, steps[z])] if sync else [0.0, 0.0]
+        saved = statistics.median(diffs)
+        s1, _, s3 = statistics.quantiles(diffs, n=4, method="inclusive")
+        gap = max(abs(a - b) for r in ranks for a, b in zip(r["losses"]["0"], r["losses"][z]))
+        out[z] = {
+            "step_ms": statistics.median(steps[z]) * 1e3,
+            "median_ratio": statistics.median(ratios),
+            "iqr": [q1, q3],
+            "step_without_overlap_ms": statistics.median(sync) * 1e3 if sync else None,
+            "saved_ms": saved * 1e3,
+            "saved_iqr_ms": [s1 * 1e3, s3 * 1e3],
+            "gather_alone_ms": alone * 1e3,
+            "hidden": saved / alone if alone else None,
+            "exposed_wait_ms": statistics.median(waits) * 1e3 if waits else 0.0,
+            "max_loss_gap": gap,
+        }
+        o = out[z]
+        lines.append(
+            f"| {z} | {o['step_ms']:.1f} ms | {o['median_ratio']:.3f} ({q1:.3f}–{q3:.3f}) | "
+            + (f"{o['step_without_overlap_ms']:.1f} ms | " if sync else "— | ")
+            + f"{saved * 1e3:.1f} ms ({s1 * 1e3:.1f}–{s3 * 1e3:.1f}) | {alone * 1e3:.1f} ms | "
+            + ("— | " if o["hidden"] is None else f"{o['hidden']:.0%} | ")
+            + f"{o['exposed_wait_ms']:.1f} ms |"
+        )
+    return "\n".join(lines), out
+
+
+FORMULAS = {  # float32 weights, grads, AdamW moments, d replicas: bytes per parameter
+    "0": (lambda d: 16, "4 + 4 + 8"),
+    "1": (lambda d: 4 + 4 + 8 / d, "4 + 4 + 8/d"),
+    "2": (lambda d: 4 + (4 + 8) / d, "4 + (4 + 8)/d"),
+    "3": (lambda d: (4 + 4 + 8) / d, "(4 + 4 + 8)/d"),
+}
+
+
+def memory_table(worlds: dict[int, list[dict]], zeros: list[str]) -> tuple[str, list[dict]]:
+    lines = [
+        "| dp | zero | weights B/param | grads B/param | AdamW state B/param | total B/param | "
+        "formula | Δ | gathered peak B/param |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for dp, ranks in worlds.items():
-        for zero in ("0", "1"):
+        for zero in zeros:
             mem = [r["memory"][zero] for r in ranks]
             n = mem[0]["params"]
             big = max(mem, key=lambda m: m["weights"] + m["grads"] + m["state"])
             w, g, s = (big[k] / n for k in ("weights", "grads", "state"))
-            d = dp if zero == "1" else 1  # zero=1 at dp=1 has nothing to shard
-            f_state, f_total = 8 / d, 4 + 4 + 8 / d
-            name = f"4 + 4 + 8/{dp} = {f_total:g}" if zero == "1" else f"{f_total:g}"
+            formula, name = FORMULAS[zero]
+            f_total = formula(dp)  # at dp=1 nothing shards: every formula gives 16
+            peak = max(m["gathered_peak"] for m in mem) / n
             rows.append({
                 "dp": dp, "zero": int(zero), "params": n, "weights_bytes": big["weights"],
                 "grad_bytes": big["grads"], "state_bytes": big["state"],
                 "state_bytes_per_rank": [m["state"] for m in mem], "buckets": big["buckets"],
-                "state_per_param": s, "total_per_param": w + g + s,
-                "formula_state": f_state, "formula_total": f_total,
+                "state_per_param": s, "total_per_param": w + g + s, "formula_total": f_total,
+                "gathered_peak_per_param": peak,
             })  # fmt: skip
             lines.append(
-                f"| {dp} | {zero} | {w:.4f} | {g:.4f} | {s:.4f} | {f_state:g} | "
-                f"{(s / f_state - 1) * 100:+.4f}% | {w + g + s:.4f} | {name} | "
-                f"{((w + g + s) / f_total - 1) * 100:+.4f}% |"
+                f"| {dp} | {zero} | {w:.4f} | {g:.4f} | {s:.4f} | {w + g + s:.4f} | "
+                f"{name} = {f_total:g} | {((w + g + s) / f_total - 1) * 100:+.3f}% | {peak:.4f} |"
             )
     return "\n".join(lines), rows
 
@@ -241,7 +349,7 @@ def comm_table(worlds: dict[int, list[dict]]) -> tuple[str, list[dict], list[str
         if dp == 1:
             continue
         wire = {}
-        for zero in ("0", "1"):
+        for zero in sorted(z for z in ranks[0]["comm"] if not z.endswith("s")):
             comm = ranks[0]["comm"][zero]
             if any(r["comm"][zero] != comm for r in ranks):
                 failures.append(f"dp={dp} zero={zero}: ranks counted different collectives")
@@ -276,6 +384,7 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=5, help="untimed pairs of steps first")
     p.add_argument("--time-dp", type=int, default=2, help="the world the timing runs at")
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4], help="worlds to measure")
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], help="levels (0 first)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                    help="gradient bucket size (train.py's default)")  # fmt: skip
     p.add_argument("--out", help="also write the figures here as JSON")
@@ -296,32 +405,31 @@ def main(argv=None) -> int:
         f"{os.cpu_count()} cores.\n"
     )
     result = {"args": vars(args), "params": n}
+    zeros = [str(z) for z in args.zero]
     if args.time_dp in worlds and args.time_dp > 1:
-        table, result["timing"] = timing_table(worlds[args.time_dp])
-        losses = result["timing"]["losses"]["zero0"]
+        table, result["timing"] = timing_table(worlds[args.time_dp], zeros)
+        losses = result["timing"]["losses"]["0"]
         print(
-            f"1. Step time at dp={args.time_dp}, zero=1 and zero=0 built once and stepped "
-            f"alternately, {args.steps} pairs after {args.warmup} warmup pairs (a step = the "
-            f"slower rank between barriers):\n"
+            f"1. Step time at dp={args.time_dp}, zero={'/'.join(zeros)} built once and stepped "
+            f"in turn, {args.steps} rounds after {args.warmup} warmup rounds (a step = the "
+            f"slower rank between barriers), each sharded level also without its overlap (its "
+            f"gathers waited for right after the step; zero=3 without prefetch):\n"
         )
         print(table)
+        gap = max(result["timing"][z]["max_loss_gap"] for z in zeros)
         print(
-            f"\nLargest |loss(zero=1) − loss(zero=0)| over the {args.warmup + args.steps} "
-            f"steps: {result['timing']['max_loss_gap']:.2e} (zero=0 loss "
-            f"{losses[0]:.3f} → {losses[-1]:.3f})\n"
+            f"\nLargest |loss(zero=z) − loss(zero=0)| over the {args.warmup + args.steps} "
+            f"steps: {gap:.2e} (zero=0 loss {losses[0]:.3f} → {losses[-1]:.3f})\n"
         )
-    table, result["memory"] = memory_table(worlds)
+    table, result["memory"] = memory_table(worlds, zeros)
     print("2. Bytes per parameter on the largest rank, measured at the optimizer step:\n")
     print(table)
-    state = ", ".join(
-        f"dp={r['dp']}: {min(r['state_bytes_per_rank']):,}–{max(r['state_bytes_per_rank']):,}"
-        for r in result["memory"]
-        if r["zero"] == 1
-    )
     print(
-        f"\nGrads: the storage they live in when the optimizer steps (zero=1: the padded flat "
-        f"bucket, full size, zeros outside this rank's shard). Δ = measured / formula − 1. "
-        f"zero=1 AdamW state bytes per rank, smallest–largest rank: {state}.\n"
+        "\nWeights: resident parameter storage (zero=3: its master shards; the blocks are "
+        "freed between uses) at the optimizer step; gathered peak: the most parameter storage "
+        "resident at any module's forward end. Grads: the storage they live in when the "
+        "optimizer steps (zero=1: the padded flat bucket, full size, zeros outside this rank's "
+        "shard; zero>=2: the reduce-scattered shards). Δ = measured / formula − 1.\n"
     )
     table, result["comm"], failures = comm_table(worlds)
     print(

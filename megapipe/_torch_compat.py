@@ -56,6 +56,14 @@ def run_backward(roots: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) ->
     )
 
 
+def queue_backward_callback(fn) -> None:
+    """Run `fn()` when the backward pass running now ends (Variable._execution_engine
+    .queue_callback, as FSDP's post-backward callback): ZeRO-3 frees the weights its last
+    block's backward gathered (parallel/data/zero3.py). Only valid inside a backward.
+    Works on torch 2.13."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
 # ---------------------------------------------------------------- optimizer kernels
 
 

@@ -192,11 +192,12 @@ def train_case(
         losses.append(result.loss)
         norms.append(result.grad_norm)
     weights, engine = {}, job.engine
-    for chunk in engine.chunks:
-        for name, value in gather_logical(chunk).items():
-            if name in weights and not torch.equal(weights[name], value):  # the ZB-V tied copy
-                raise AssertionError(f"{name}: the two local copies differ")
-            weights[name] = value
+    with job.full_weights():  # zero >= 1: gathered after the step or on use
+        for chunk in engine.chunks:
+            for name, value in gather_logical(chunk).items():
+                if name in weights and not torch.equal(weights[name], value):  # ZB-V tied copy
+                    raise AssertionError(f"{name}: the two local copies differ")
+                weights[name] = value
     out = {
         "losses": losses,
         "grad_norms": norms,

@@ -89,6 +89,22 @@ def test_run_backward_skips_the_shape_check(compat):
     expect(torch.equal(x.grad, torch.full((3,), 2.0)), name, f"gave grad {x.grad}")
 
 
+def test_queue_backward_callback_runs_at_the_end_of_backward(compat):
+    name = "torch.autograd.Variable._execution_engine.queue_callback"
+    x = torch.arange(3.0, requires_grad=True)
+    seen = []
+
+    def hook(grad):  # inside the backward: queue, and the callback must not have run yet
+        with api(name):
+            compat.queue_backward_callback(lambda: seen.append(x.grad is not None))
+        seen.append("hook")
+
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    expect(seen == ["hook", True], name, f"ran as {seen} (expected after the grads)")
+
+
 def test_foreach_norm_and_mul(compat):
     a, b = torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 2.0], [2.0, 4.0]])
     with api("torch._foreach_norm"):

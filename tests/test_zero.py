@@ -89,7 +89,27 @@ def test_zero1_replica_holds_its_share_of_the_state(gloo_pool, world, dp, tp, ex
             [*ZERO, "parallel.dp=2", *pp("pipedream_async", 2, 2), "model.tie_embeddings=false"],
             r"parallel.zero=1 with parallel.schedule=pipedream_async: .*set parallel.zero=0",
         ),
-        (["parallel.zero=2"], r"parallel.zero"),
+        (
+            ["parallel.zero=2", "parallel.dp=2", *pp("dualpipe", 2, 4, 2)],
+            r"parallel.zero=2 with parallel.schedule=dualpipe: .*set parallel.zero=0 or 1",
+        ),
+        (
+            ["parallel.zero=3", *pp("seq1f1b", 2, 2), "parallel.seq_segments=2"],
+            r"parallel.zero=3 with parallel.schedule=seq1f1b: .*set parallel.zero<=2",
+        ),
+        (
+            ["parallel.zero=3", "train.compile=true"],
+            r"parallel.zero=3 with train.compile=true: .*set train.compile=false",
+        ),
+        (
+            [
+                "parallel.zero=2",
+                "parallel.dp=2",
+                *pp("1f1b", 2, 2),
+                "parallel.post_validation=true",
+            ],
+            r"parallel.post_validation=true with parallel.zero=2 is not supported",
+        ),
     ],
 )
 def test_refused_zero_config_is_one_line_error(tmp_path, overrides, match):

@@ -156,6 +156,7 @@ def _check_model(cfg: Config) -> None:
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
+    _check_zero(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -264,16 +265,36 @@ def _check_pipedream(cfg: Config) -> None:
     )
     _require(
         not (p.zero and p.pp > 1 and p.schedule == "pipedream_async"),
-        "parallel.zero=1 with parallel.schedule=pipedream_async: each stage steps after every "
-        "microbatch, so the sharded optimizer would gather weights once per microbatch; set "
+        f"parallel.zero={p.zero} with parallel.schedule=pipedream_async: each stage steps after "
+        "every microbatch, so the sharded optimizer would gather weights once per microbatch; set "
         "parallel.zero=0",
+    )
+
+
+def _check_zero(cfg: Config) -> None:
+    """What ZeRO-2/3 (parallel/data/zero2.py, zero3.py) do not combine with, in one line each."""
+    p = cfg.parallel
+    spec = SCHEDULES[p.schedule]
+    _require(
+        not (p.zero >= 2 and p.pp > 1 and spec.placement == "dual"),
+        f"parallel.zero={p.zero} with parallel.schedule={p.schedule}: DualPipe's twin stage "
+        "copies sum full-size grads; set parallel.zero=0 or 1, or another schedule",
+    )
+    _require(
+        not (p.zero == 3 and p.pp > 1 and spec.segmented),
+        f"parallel.zero=3 with parallel.schedule={p.schedule}: a segment's backward reads "
+        "weights through the kept K/V before its block's output grad; set parallel.zero<=2",
+    )
+    _require(
+        not (p.zero == 3 and cfg.train.compile),
+        "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
+        "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",
     )
 
 
 def _check_not_built(cfg: Config) -> None:
     """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
-    _require(p.zero <= 1, f"parallel.zero={p.zero} is not built yet; set parallel.zero=0 or 1")
     _require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
     _require(
         cfg.train.params_dtype == "float32",
@@ -309,7 +330,7 @@ def _check_post_validation(cfg: Config) -> None:
     )
     _require(
         not (p.zero and p.dp * p.cp > 1),
-        "parallel.post_validation=true with parallel.zero=1 is not supported yet (the "
+        f"parallel.post_validation=true with parallel.zero={p.zero} is not supported yet (the "
         "rollback copies are not sharded); set parallel.zero=0 or parallel.post_validation=false",
     )
 

@@ -21,15 +21,15 @@ from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.stages import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
+from megapipe.parallel.data.levels import make_reducer
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
-from megapipe.parallel.data.zero import make_reducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
 from megapipe.pipeline.p2p import StageLinks
 from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
-from megapipe.pipeline.stages import build_chunks
+from megapipe.pipeline.stages import build_chunks, weight_blocks
 from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
 from megapipe.plan.messages import Message
@@ -166,7 +166,7 @@ def build_pipeline(
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)
     reducers = [
-        make_reducer(c, mesh.replica_group, bucket_mb, p.zero, c.tied_table)
+        make_reducer(c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c))
         if p.dp * p.cp > 1
         else None
         for c in chunks

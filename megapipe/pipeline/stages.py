@@ -22,6 +22,7 @@ from megapipe.config import Config
 from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
+from megapipe.parallel.data.levels import Block
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
@@ -57,6 +58,23 @@ def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
         cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
     )
     return model.to(device)
+
+
+def weight_blocks(model: GPT) -> tuple[Block, ...]:
+    """The units ZeRO gathers weights by (parallel/data/zero2.py, zero3.py), in forward order:
+    the embedding (its backward reads no weight), each layer, the head with the tied table it
+    reads (on the last stage, its copy)."""
+    out = []
+    if model.has_embedding:
+        out.append(Block(model.embed, tuple(model.embed.parameters()), ()))
+    for layer in model.layers.values():
+        params = tuple(layer.parameters())
+        out.append(Block(layer, params, params))
+    if model.head is not None:
+        table = model.tied_table
+        params = tuple(model.head.parameters()) + ((table,) if table is not None else ())
+        out.append(Block(model.head, params, params))
+    return tuple(out)
 
 
 def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:

@@ -10,12 +10,12 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
+from megapipe.parallel.data.levels import full_weights, make_reducer
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
-from megapipe.parallel.data.zero import make_reducer
 from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine
-from megapipe.pipeline.stages import build_model
+from megapipe.pipeline.stages import build_model, weight_blocks
 from megapipe.train.batches import BatchSlice, document_eos
 from megapipe.train.evaluate import evaluate
 from megapipe.train.hooks import NO_HOOKS, TrainHooks
@@ -71,10 +71,15 @@ class Job:
         return settle(self.engine, optimizer, self.cfg, hooks)
 
     def optimizer(self):
-        """AdamW over this rank's parameters; under parallel.zero=1 with replicas, over its
-        shard of each gradient bucket (parallel/data/zero.py)."""
+        """AdamW over this rank's parameters; under parallel.zero >= 1 with replicas, over its
+        shard of each gradient bucket (parallel/data/levels.py: zero.py, zero2.py, zero3.py)."""
         group = self.mesh.stage_group if self.mesh is not None else None
         return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group)
+
+    def full_weights(self, write_back: bool = False):
+        """Within: every local parameter holds its whole, current value (parallel.zero >= 1
+        gathers weights after the step, or on use: parallel/data/levels.full_weights)."""
+        return full_weights([r for r in self.engine.reducers if r is not None], write_back)
 
     def evaluate(self, data) -> float:
         return evaluate(self.engine, self.slice, data, self.cfg)
@@ -109,6 +114,6 @@ def replica(
     if mesh.size("dp") * mesh.size("cp") == 1:
         return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
     zero = cfg.parallel.zero
-    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero)
+    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero, None, weight_blocks(model))
     norm_group = mesh.world_group if zero else mesh.norm_group
     return Replica(cfg, model, reducer, norm_group, mesh.progress)

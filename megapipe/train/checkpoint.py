@@ -45,6 +45,7 @@ from megapipe._torch_compat import sharded_tensor
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.parallel.data.levels import full_weights
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -168,6 +169,12 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     return state
 
 
+def whole_weights(optimizer, write_back: bool = False):
+    """Within: the parameters whole (parallel.zero >= 1 gathers them after the step or on use:
+    parallel/data/levels.full_weights); `write_back`: zero=3's shards take them back after."""
+    return full_weights(getattr(optimizer, "reducers", []), write_back)
+
+
 def save(
     cfg: Config, step: int, model: nn.Module, optimizer, train_state: dict | None = None
 ) -> str:
@@ -178,7 +185,9 @@ def save(
     state = save_state(cfg, model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
-        failed = written(dcp.save, state, checkpoint_id=tmp, no_dist=not distributed())
+        with whole_weights(optimizer):
+            state = save_state(cfg, model, optimizer)
+            failed = written(dcp.save, state, checkpoint_id=tmp, no_dist=not distributed())
     return complete(
         cfg, step, tmp, final, rng_states(model), payload_bytes(state), failed, train_state
     )
@@ -369,9 +378,11 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     uninterrupted run)."""
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
-    targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
-    meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
-    targets.finish()
+    with whole_weights(optimizer, write_back=True):  # zero=3: the shards take the loaded values
+        ensure = lambda p: _ensure_optim_state(p, optimizer)  # noqa: E731
+        targets = read_targets(_chunks(model), optimizer, ensure)
+        meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
+        targets.finish()
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
     )

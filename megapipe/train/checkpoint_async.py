@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from megapipe.config import Config
 from megapipe.distributed.launch import distributed, rank
-from megapipe.train.checkpoint import SaveFailed, begin, complete, save, save_state
+from megapipe.train.checkpoint import SaveFailed, begin, complete, save, save_state, whole_weights
 from megapipe.train.checkpoint_faults import payload_bytes, written
 from megapipe.train.rng import rng_states
 
@@ -80,7 +80,9 @@ class Saver:
         if started is None:
             return None
         tmp, final = started
-        state, rng = staged(save_state(self.cfg, model, optimizer)), rng_states(model)
+        with whole_weights(optimizer):  # staged copies: zero=3 may free the weights after
+            state = staged(save_state(self.cfg, model, optimizer))
+        rng = rng_states(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             future = dcp.async_save(

@@ -185,7 +185,8 @@ def train_loop(
     saver.wait()  # a background save finishes before the run reports it
     if stop.saved_step in saver.failed:  # checkpoint.on_save_error=continue: nothing saved
         stop.saved_step = None
-    hooks.train_end(job, records)
+    with job.full_weights():  # zero >= 1: the last step's weight gathers done; zero=3 whole
+        hooks.train_end(job, records)
     return records
 
 

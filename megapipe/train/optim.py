@@ -17,7 +17,7 @@ from torch import nn
 
 from megapipe._torch_compat import foreach_mul_, foreach_norm, fused_adamw_devices
 from megapipe.config import TrainConfig
-from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
+from megapipe.parallel.data.levels import sharded_optimizer
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -43,8 +43,8 @@ def build_optimizer(
     written over `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
-    return ShardedOptimizer(sharded, groups, adamw, stage_group) if sharded else adamw(groups)
+    sharded = sharded_optimizer(list(reducers), groups, adamw, stage_group)
+    return sharded if sharded is not None else adamw(groups)
 
 
 def adamw_kind(groups: list[dict]) -> str:
@@ -126,11 +126,13 @@ def global_grad_norm(
     return total.sqrt()
 
 
-def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale gradients by max_norm / norm when the norm exceeds max_norm (Pascanu et al. 2013)."""
+def clip_gradients(params: list, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by max_norm / norm when the norm exceeds max_norm (Pascanu et al. 2013).
+    `params`: parameters (their .grad), or grad tensors (zero >= 2's shards)."""
     if max_norm <= 0:
         return
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad if isinstance(p, nn.Parameter) else p for p in params]
+    grads = [g for g in grads if g is not None]
     if grads:
         foreach_mul_(grads, scale)

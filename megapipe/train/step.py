@@ -36,6 +36,7 @@ import torch
 
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
+from megapipe.parallel.data.levels import shards_grads
 from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine, Grads
@@ -43,6 +44,7 @@ from megapipe.train.batches import BatchSlice
 from megapipe.train.hooks import NO_HOOKS, TrainHooks, optimizer_step
 from megapipe.train.optim import clip_gradients, global_grad_norm, lr_at, set_lr
 from megapipe.train.post_validation import PostValidatedEngine
+from megapipe.train.zero_grads import finish_grad_shards
 
 
 @dataclass
@@ -152,18 +154,22 @@ def update(
     optimizer does not step. `progress` records the two waits on other ranks
     (distributed/progress.py)."""
     progress.wait("all_reduce grads")
-    for chunk, reducer in zip(grads.chunks, grads.reducers):
-        if reducer is not None:
-            reducer.finish()
-        sync_tp_partial_grads(chunk)
-    grads.sync_shared_grads()
+    if shards_grads(grads.reducers):  # zero >= 2: on this rank's shards (train/zero_grads.py)
+        counted, to_clip = finish_grad_shards(grads)
+    else:
+        for chunk, reducer in zip(grads.chunks, grads.reducers):
+            if reducer is not None:
+                reducer.finish()
+            sync_tp_partial_grads(chunk)
+        grads.sync_shared_grads()
+        counted, to_clip = grads.grads_counted_once(), grads.params()
     progress.wait("all_reduce grad norm")
-    norm = global_grad_norm(grads.grads_counted_once(), grads.norm_group)
+    norm = global_grad_norm(counted, grads.norm_group)
     progress.doing("optimizer")
     if not finite(norm, loss) or spiked(loss, loss_limit):
         optimizer.zero_grad(set_to_none=True)  # weights, moments and AdamW's step untouched
         return norm, lr_at(step, cfg.train), True
-    return norm, clip_and_step(optimizer, grads.params(), norm, step, cfg, hooks), False
+    return norm, clip_and_step(optimizer, to_clip, norm, step, cfg, hooks), False
 
 
 def finite(*values: torch.Tensor | None) -> bool:

@@ -1,0 +1,179 @@
+"""ZeRO-2 (parallel.zero=2) and the overlapped parameter all-gather of every sharded level.
+
+Rajbhandari et al. 2020 (ZeRO, §5.2 "P_os+g"): besides the AdamW moments, each of the R
+replicas (dp × cp) keeps only its shard of the summed gradients. The buckets, their padded
+layout and the reduce-scatter launched as each bucket completes during the last backward are
+zero=1's (zero.py); what changes is what is held. Between microbatches each rank accumulates
+its local full-size grads (Megatron's distributed optimizer and DeepSpeed's ZeRO-2 do the same
+under gradient accumulation: the reduce-scatter runs once, on the last microbatch). When a
+bucket's reduce-scatter is launched its local grads are dropped (copied into the send buffer);
+after `finish()` only the reduce-scattered shard remains (`bucket.shard`, float32, 1/R of the
+bucket): no parameter holds a `.grad`. The tp partial sums, the tied embedding's two copies, the
+global norm and the clip then run on the shards (train/zero_grads.py): they are linear or
+elementwise and the shards line up across the ranks they combine (zero.py's docstring).
+
+Overlap (Megatron's distributed optimizer, `overlap_param_gather`): after the step the updated
+shards' all-gathers are all launched asynchronously, in forward order, and the step returns. A
+forward pre-hook on each block (embedding, each layer, head: `Block`) waits for the buckets
+holding the parameters that block reads, so bucket b's gather overlaps the forward of every
+block before its first user. Anything else that reads weights between steps (a checkpoint,
+the tests) first calls `wait_params()` through `ShardedOptimizer.full_weights()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from megapipe.distributed import collectives as C
+from megapipe.parallel.data.reducer import Bucket
+from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer, Slot, _all_gather
+
+
+@dataclass(frozen=True)
+class Block:
+    """A unit of the model for weight gathers: `module`'s forward reads `forward`, its backward
+    reads `backward` (an embedding's backward reads no weight: it scatters rows of the grad)."""
+
+    module: nn.Module
+    forward: tuple[nn.Parameter, ...]
+    backward: tuple[nn.Parameter, ...]
+
+
+@dataclass(eq=False)
+class OverlappedGatherReducer(ShardedGradReducer):
+    """zero=1's reducer whose weight all-gather after the step overlaps the next forward."""
+
+    blocks: tuple[Block, ...] = ()
+    pending: dict = field(default_factory=dict)  # bucket index -> (gathered flat, work)
+    waited_s: float = 0.0  # seconds spent waiting for weight gathers (the exposed part)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.rebucket()
+        self.index_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.slot_of = {
+            id(s.param): (s, b) for b, slots in zip(self.buckets, self.slots) for s in slots
+        }
+        self.install_hooks()
+
+    def rebucket(self) -> None:
+        """A level that lays its buckets out otherwise does it here (zero3.py)."""
+        return None
+
+    def buckets_of(self, params) -> list[int]:
+        """The indices of the buckets holding `params`, in forward (descending) order."""
+        return sorted({self.index_of[id(p)] for p in params if id(p) in self.index_of})[::-1]
+
+    def install_hooks(self) -> None:
+        for block in self.blocks:
+            needs = self.buckets_of(block.forward)
+            block.module.register_forward_pre_hook(partial(self._wait_for, needs))
+
+    def _wait_for(self, needs: list[int], *_) -> None:
+        for i in needs:
+            self._wait(i)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the step: launch every bucket's all-gather of the updated shards (the first
+        block's bucket first); each completes at the first use of its bucket (module doc).
+        A gather still pending from the step before (a bucket no block read) lands first."""
+        self.wait_params()
+        for i in reversed(range(len(self.buckets))):
+            self.pending[i] = self._launch_gather(self.buckets[i], self.slots[i])
+        if not self.blocks:  # nothing would wait on first use
+            self.wait_params()
+
+    def _launch_gather(self, bucket: Bucket, slots: list[Slot]):
+        lo, hi = self.shard_range(bucket)
+        p0 = bucket.params[0]
+        mine = torch.zeros(hi - lo, dtype=p0.dtype, device=p0.device)
+        for s in slots:
+            mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(s.param.view(-1)[s.lo : s.hi])
+        full = mine.new_empty(self.size * (hi - lo))
+        C.count("all_gather", full)
+        return full, _all_gather(full, mine, group=self.group, async_op=True)
+
+    @torch.no_grad()
+    def _wait(self, i: int) -> None:
+        if i not in self.pending:
+            return
+        full, work = self.pending.pop(i)
+        began = time.perf_counter()
+        work.wait()
+        self.waited_s += time.perf_counter() - began
+        bucket = self.buckets[i]
+        sizes = [p.numel() for p in bucket.params]
+        for p, chunk in zip(bucket.params, full[: bucket.numel].split(sizes)):
+            p.copy_(chunk.view_as(p))
+
+    def wait_params(self) -> None:
+        """Every pending gather done: the weights are whole again."""
+        for i in sorted(self.pending, reverse=True):
+            self._wait(i)
+
+    @contextlib.contextmanager
+    def full_weights(self, write_back: bool = False):
+        """Within: every local parameter holds its whole (gathered) value."""
+        self.wait_params()
+        yield
+
+
+class Zero2Reducer(OverlappedGatherReducer):
+    """Grads reduce-scattered into shards; nothing full-size is kept (module docstring)."""
+
+    def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        super()._launch(bucket, in_backward)
+        for p in bucket.params:  # their values are in the send buffer now
+            p.grad = None
+
+    def _write_back(self, bucket: Bucket) -> None:
+        """The shard is the bucket's grad; the full-size send buffer goes (finish drops it)."""
+        for p in bucket.params:
+            p.grad = None
+
+    def grad_piece(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The summed grad of `param`'s owned range (a view of its bucket's shard); None when
+        this rank owns none of it or there is no grad."""
+        found = self.slot_of.get(id(param))
+        if found is None:
+            return None
+        slot, bucket = found
+        if bucket.shard is None:
+            return None
+        return bucket.shard[slot.shard_lo : slot.shard_lo + slot.hi - slot.lo]
+
+    def shards(self) -> list[torch.Tensor]:
+        """The reduce-scattered grad shards (for the clip)."""
+        return [b.shard for b in self.buckets if b.shard is not None]
+
+    def drop_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.shard = None
+        for p in self.model.parameters():
+            p.grad = None
+
+
+class Zero2Optimizer(ShardedOptimizer):
+    """The distributed optimizer over grad shards: each owned range's grad is its view of the
+    bucket's reduce-scattered shard (Zero2Reducer.grad_piece), not of a full-size .grad."""
+
+    def step(self) -> None:
+        reducer_of = {id(p): r for r in self.reducers for p in r.model.parameters()}
+        for s, view in zip(self.slots, self.views):
+            view.grad = reducer_of[id(s.param)].grad_piece(s.param)
+        self.inner.step()
+        for r in self.reducers:
+            r.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for view in self.views:
+            view.grad = None
+        for r in self.reducers:
+            r.drop_grads()

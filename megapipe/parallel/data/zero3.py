@@ -1,0 +1,213 @@
+"""ZeRO-3 (parallel.zero=3): parameters sharded too, gathered block by block as they are used.
+
+Rajbhandari et al. 2020 (ZeRO, §5.3 "P_os+g+p") with FSDP's unit of gathering (Zhao et al.
+2023, §3.2-3.3): each block (embedding, each transformer layer, head: `Block`) has buckets of
+its own, laid out as zero=1's (a contiguous 1/R range of each padded flat bucket per replica).
+Between uses a bucket's full flat buffer has no storage (resized to 0: FSDP's free); each rank
+keeps its range of the weights (`master`, the parameter dtype) that the optimizer steps in
+place. The parameters are views of the flat buffer, so the autograd graph's saved weights see
+whatever the buffer holds when backward reads them; the buffer is refilled by writing through
+the flat tensor, which does not bump the parameters' version counters.
+
+Per block, on this rank's stream of actions:
+- before its forward: its buckets gathered (waiting for the prefetch), the next block's gather
+  launched (prefetch); after its forward: freed;
+- before its backward (a hook on its output's grad): the blocks held for the previous backward
+  freed (every node reading their weights ran before this grad was complete), its buckets
+  gathered again, the previous block's gather launched; at the end of the backward pass
+  (autograd's queued callback) the rest freed. An embedding's backward reads no weight and
+  gathers nothing.
+So every F and every B (or BW) re-gathers the weights of its blocks, since holding them across
+the microbatches in flight would hold the whole stage; full recompute reruns a layer's forward
+inside that layer's backward, while it is gathered; Zero Bubble's deferred W computes
+grad_W = grad_outᵀ · x from the queued activations and reads no weight, so it gathers nothing.
+Gradients are zero=2's (zero2.py): local full-size grads accumulate over microbatches, the
+last microbatch's reduce-scatter leaves each rank its shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+from megapipe._torch_compat import queue_backward_callback
+from megapipe.distributed import collectives as C
+from megapipe.parallel.data.reducer import Bucket, pack
+from megapipe.parallel.data.zero import _all_gather
+from megapipe.parallel.data.zero2 import Zero2Optimizer, Zero2Reducer
+
+
+class Zero3Reducer(Zero2Reducer):
+    """Zero2Reducer whose buckets are per block and whose weights live as shards."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.full, self.master, self.work = [], [], {}
+        with torch.no_grad():
+            for bucket in self.buckets:
+                self._shard(bucket)
+        self.refs = [0] * len(self.buckets)
+        self.held: list[int] = []  # buckets held for the backward running now
+        self.in_backward = False
+        self.prefetch = True  # False: each block's gather waited for at once (benchmarks)
+
+    def rebucket(self) -> None:
+        """Per-block buckets in place of the size-packed ones (before any hook counts them)."""
+        self.buckets = [Bucket(b) for b in self._pack()]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.slots = [self._slots(b) for b in self.buckets]
+
+    def _pack(self) -> list[list[nn.Parameter]]:
+        """Each block's own parameters (first user wins) in buckets, in backward order."""
+        seen, per_block = set(), []
+        alone = {id(p) for p in self.own_bucket}
+        for block in self.blocks:
+            own = [p for p in block.forward if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            per_block.append(pack(own[::-1], self.bucket_mb * 2**20, alone))
+        rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in seen]
+        out = [b for buckets in per_block[::-1] for b in buckets]
+        return out + pack(rest[::-1], self.bucket_mb * 2**20, alone)
+
+    def _shard(self, bucket: Bucket) -> None:
+        """Move `bucket`'s parameters into one flat buffer, keep this rank's range, free it."""
+        lo, hi = self.shard_range(bucket)
+        p0 = bucket.params[0]
+        full = torch.zeros(self.size * (hi - lo), dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in bucket.params:
+            view = full[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+        self.full.append(full)
+        self.master.append(full[lo:hi].clone())
+        _free(full)
+
+    def install_hooks(self) -> None:
+        self.fwd = [self.buckets_of(b.forward) for b in self.blocks]
+        self.bwd = [self.buckets_of(b.backward) for b in self.blocks]
+        for k, block in enumerate(self.blocks):
+            block.module.register_forward_pre_hook(partial(self._pre_forward, k))
+            block.module.register_forward_hook(partial(self._post_forward, k))
+
+    # ---------------------------------------------------------------- gather and free
+
+    def _prefetch(self, i: int) -> None:
+        if i in self.work or _resident(self.full[i]):
+            return
+        _alloc(self.full[i])
+        C.count("all_gather", self.full[i])
+        self.work[i] = _all_gather(self.full[i], self.master[i], group=self.group, async_op=True)
+
+    def _acquire(self, needs: list[int]) -> None:
+        for i in needs:
+            self._prefetch(i)
+        for i in needs:
+            work = self.work.pop(i, None)
+            if work is not None:
+                began = time.perf_counter()
+                work.wait()
+                self.waited_s += time.perf_counter() - began
+            self.refs[i] += 1
+
+    def _release(self, needs: list[int]) -> None:
+        for i in needs:
+            self.refs[i] -= 1
+            if self.refs[i] == 0 and i not in self.work:
+                _free(self.full[i])
+
+    def _pre_forward(self, k: int, *_) -> None:
+        self._acquire(self.fwd[k])
+        if self.prefetch and k + 1 < len(self.blocks):
+            for i in self.fwd[k + 1]:
+                self._prefetch(i)
+
+    def _post_forward(self, k: int, module, args, output) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if self.bwd[k] and torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, k))
+        self._release(self.fwd[k])
+
+    def _pre_backward(self, k: int, grad: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            queue_backward_callback(self._end_backward)
+        self._release(self.held)
+        self._acquire(self.bwd[k])
+        self.held = list(self.bwd[k])
+        before = [j for j in range(k) if self.bwd[j]] if self.prefetch else []
+        for i in self.bwd[before[-1]] if before else ():
+            self._prefetch(i)
+
+    def _end_backward(self) -> None:
+        self._release(self.held)
+        self.held, self.in_backward = [], False
+        for i in list(self.work):  # prefetched, not used by this backward
+            self.work.pop(i).wait()
+            if self.refs[i] == 0:
+                _free(self.full[i])
+
+    # ---------------------------------------------------------------- step and whole weights
+
+    def gather_params(self) -> None:
+        """Nothing after the step: each block gathers its updated shards when next used."""
+        return None
+
+    def wait_params(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def full_weights(self, write_back: bool = False):
+        """Within: every parameter whole (a checkpoint's read or write, the tests); with
+        `write_back` (a load), this rank's range is taken back from them after."""
+        everything = list(range(len(self.buckets)))
+        self._acquire(everything)
+        try:
+            yield
+        finally:
+            if write_back:
+                with torch.no_grad():
+                    for bucket, full, master in zip(self.buckets, self.full, self.master):
+                        lo, hi = self.shard_range(bucket)
+                        master.copy_(full[lo:hi])
+            self._release(everything)
+
+
+class Zero3Optimizer(Zero2Optimizer):
+    """The distributed optimizer over the weight shards (`Zero3Reducer.master`): each owned
+    range of a parameter is a view of its bucket's master shard; nothing is gathered after the
+    step (the next forward gathers)."""
+
+    def __init__(self, reducers: list[Zero3Reducer], groups: list[dict], make, stage_group=None):
+        self.reducers, self.stage_group = reducers, stage_group
+        self.slots, self.views = [], []
+        for r in reducers:
+            for slots, master in zip(r.slots, r.master):
+                for s in slots:
+                    self.slots.append(s)
+                    self.views.append(master[s.shard_lo : s.shard_lo + s.hi - s.lo])
+        self.slot_of = {id(s.param): (s, v) for s, v in zip(self.slots, self.views)}
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        shard_groups = [{**g, "params": []} for g in groups]
+        for s, view in zip(self.slots, self.views):
+            shard_groups[group_of[id(s.param)]]["params"].append(view)
+        empty = [{"params": [torch.zeros(0)]}]
+        self.inner = make([g for g in shard_groups if g["params"]] or empty)
+
+
+def _free(full: torch.Tensor) -> None:
+    """FSDP's free: the storage goes, the tensor (and its parameter views) stay."""
+    full.untyped_storage().resize_(0)
+
+
+def _alloc(full: torch.Tensor) -> None:
+    full.untyped_storage().resize_(full.numel() * full.element_size())
+
+
+def _resident(full: torch.Tensor) -> bool:
+    return full.untyped_storage().size() > 0
