@@ -82,8 +82,9 @@ def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
     state = optimizer.state[param]
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        # float32 moments whatever the weights' dtype (bf16 weights: of the main params)
+        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
     return state
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from megapipe._torch_compat import foreach_mul_, foreach_norm, fused_adamw_devices
 from megapipe.config import TrainConfig
 from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
+from megapipe.parallel.precision import MainParamOptimizer, grad_of
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -44,7 +45,11 @@ def build_optimizer(
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
-    return ShardedOptimizer(sharded, groups, adamw, stage_group) if sharded else adamw(groups)
+    if sharded:
+        return ShardedOptimizer(sharded, groups, adamw, stage_group)
+    if any(p.dtype != torch.float32 for p in model.parameters()):  # bf16 weights
+        return MainParamOptimizer(groups, adamw)  # float32 main params, written back
+    return adamw(groups)
 
 
 def adamw_kind(groups: list[dict]) -> str:
@@ -114,7 +119,7 @@ def global_grad_norm(
     dp replicas are not in `group` at all (the mesh's norm group spans pp × tp). The squared
     sums are all-reduced over `group`, so the norm is that of the one-process model.
     """
-    items = [p.grad if isinstance(p, nn.Parameter) else p for p in local_params]
+    items = [grad_of(p) if isinstance(p, nn.Parameter) else p for p in local_params]
     total = sum_of_squares([g for g in items if g is not None])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
@@ -126,6 +131,6 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
     if max_norm <= 0:
         return
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in map(grad_of, params) if g is not None]
     if grads:
         foreach_mul_(grads, scale)
