@@ -137,6 +137,31 @@ def fused_weight_grad(main: torch.Tensor, grad_out: torch.Tensor, x: torch.Tenso
     main.addmm_(grad_out.t().float(), x.float())
 
 
+class _AddBias(torch.autograd.Function):
+    """y + b whose bias grad, a sum over every token, is summed in float32 straight into the
+    bias's main grad (a bf16 sum rounds the partial sums a split makes: tp's sequence halves
+    under SP, dp's rows; near-cancelling sums then differ by far more than float32 round-off)."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.bias = bias
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias = ctx.bias
+        bias.main_grad.add_(grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32))
+        main_grad_arrived(bias)
+        return grad, None
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y + bias; a bias with a main grad gets its grad in float32 (_AddBias)."""
+    if getattr(bias, "main_grad", None) is None or not torch.is_grad_enabled():
+        return y + bias
+    return _AddBias.apply(y, bias)
+
+
 class MainParamOptimizer:
     """The optimizer over float32 main params for low-precision weights (zero=0): one float32
     copy of each parameter, whose `.grad` is the parameter's main grad; `step()` steps them and
