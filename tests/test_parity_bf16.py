@@ -21,6 +21,7 @@ element of the tensor, ~100%.
 from functools import cache
 
 import pytest
+import torch
 
 from tests.parity import LOW_LR, mesh_params, train_case
 from tests.util import assert_state_close
@@ -80,3 +81,44 @@ def test_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra):
     split = any(x.startswith(("parallel.cp", "parallel.sequence")) for x in extra) or tp > 1
     rel = BF16_SPLIT_REL if split else WEIGHT_REL
     assert_state_close(weights, ref["weights"], rel=rel, reach=ref["adam_reach"])
+
+
+CKPT = ["train.steps=4", "train.warmup=1", "log.progress=false", "parallel.dp=2", *pp("1f1b", 2)]
+FP32 = ["train.params_dtype=float32", "train.dtype=float32"]
+
+
+def cross_dtype_case(root: str) -> dict:
+    """bf16 zero=1 under dp2-pp2 (tied table on two stages): 4 steps straight; 2 + 2 resumed
+    from a checkpoint; 2 steps then 2 as float32 zero=0; float32 2 steps then 2 in bf16."""
+    import train
+    from tests.parity import tiny_config
+
+    def run(where, *extra):
+        cfg = tiny_config([*BF16, *CKPT, "parallel.zero=1", *extra], f"{root}/{where}")
+        return [r["loss"] for r in train.run(cfg)]
+
+    stop = "train.stop_at_step=2"
+    full = run("full", "checkpoint.resume=none")
+    split = run("split", stop) + run("split")
+    to_fp32 = run("to_fp32", stop) + run("to_fp32", *FP32, "parallel.zero=0")
+    from_fp32 = run("from_fp32", stop, *FP32, "parallel.zero=0") + run("from_fp32")
+    return {"full": full, "split": split, "to_fp32": to_fp32, "from_fp32": from_fp32}
+
+
+@pytest.mark.spawn
+def test_bf16_checkpoints_hold_float32_main_params(gloo_pool, tmp_path):
+    """The checkpoint's weights are the float32 main params: a bf16 run resumes bit for bit,
+    and float32 and bf16 runs resume each other (the losses of an uninterrupted bf16 run to
+    bf16's bound)."""
+    from megapipe.train import checkpoint
+
+    got = gloo_pool(4).run(cross_dtype_case, str(tmp_path))[0]
+    assert got["split"] == got["full"]
+    for name in ("to_fp32", "from_fp32"):
+        for step, (a, b) in enumerate(zip(got[name], got["full"])):
+            assert abs(a - b) <= 1e-3 * abs(b), f"{name} step {step}: {a} != {b}"
+    path = checkpoint.complete_checkpoints(str(tmp_path / "split" / "checkpoints"))[0]
+    _, model = checkpoint.load_for_inference(path)
+    weights = [p.detach() for p in model.parameters()]
+    assert all(w.dtype == torch.float32 for w in weights)
+    assert any((w != w.bfloat16().float()).any() for w in weights)  # not the bf16 weights

@@ -203,6 +203,15 @@ class MainParamOptimizer:
         for p, m in self.main_of.values():
             p.data.copy_(m)
 
+    def main_weights(self) -> dict[int, torch.Tensor]:
+        """{id(param): float32 main param}: what a checkpoint writes as the weights."""
+        return {id(p): m for p, m in self.main_of.values()}
+
+    load_targets = main_weights  # a checkpoint reads the weights into the main params
+
+    def restore_main(self, _targets: dict) -> None:
+        self.write_back()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         params = [p for p, _ in self.main_of.values()]
         for p in params:

@@ -57,7 +57,7 @@ from megapipe.train.checkpoint_files import (
 )
 from megapipe.train.checkpoint_metadata import SafeReader
 from megapipe.train.checkpoint_read import BlockLoadPlanner, CountingReader, read_targets
-from megapipe.train.checkpoint_zero import optimizer_state
+from megapipe.train.checkpoint_zero import main_weights, optimizer_state
 from megapipe.train.rng import rng_states, set_rng_states
 from models.gpt import GPT
 
@@ -104,17 +104,19 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
     return list(model) if isinstance(model, nn.ModuleList) else [model]
 
 
-def training_entries(model: nn.Module, optimizer) -> list[Entry]:
+def training_entries(model: nn.Module, optimizer, mains: dict | None = None) -> list[Entry]:
     """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
     chunks); optimizer moments share their parameter's sharding, the step count is replicated.
     The last stage's copy of the tied table (GPT.tied_copy_names) is marked `copy`. With
-    `optimizer` None: the model's tensors only (zero=1 writes its state in checkpoint_zero)."""
+    `optimizer` None: the model's tensors only (zero=1 writes its state in checkpoint_zero).
+    `mains`: the float32 main params written for bf16 weights (main_weights)."""
     out = []
     for chunk in _chunks(model):
         copies = chunk.tied_copy_names()
         for name, param, shape, spec, tp in sharded_params(chunk):
             copy = name in copies
-            out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
+            weight = (mains or {}).get(id(param), param.data)
+            out.append(Entry(f"model.{name}", weight, shape, spec, tp, copy))
             if optimizer is None:
                 continue
             for key, value in _ensure_optim_state(param, optimizer).items():
@@ -126,7 +128,8 @@ def training_entries(model: nn.Module, optimizer) -> list[Entry]:
 
 def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Model and optimizer tensors by logical name, each once (one process: the tensors)."""
-    return {e.key: e.local for e in training_entries(model, optimizer) if not e.copy}
+    mains = main_weights(optimizer)
+    return {e.key: e.local for e in training_entries(model, optimizer, mains) if not e.copy}
 
 
 def _sharded(e: Entry):
@@ -152,8 +155,8 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     c = coords(rank(), MeshSizes.of(cfg))
     writer = not (c["dp"] or c["cp"])  # else a replica of what dp/cp rank 0 writes
     zero = isinstance(optimizer, ShardedOptimizer)
-    state = {}
-    for e in training_entries(model, None if zero else optimizer) if writer else ():
+    state, mains = {}, main_weights(optimizer)  # a collective under zero=1: every rank
+    for e in training_entries(model, None if zero else optimizer, mains) if writer else ():
         if not e.copy:
             state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
     if zero:
@@ -320,7 +323,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     saved = _check_resumable(path, cfg)
     targets = read_targets(_chunks(model), optimizer, lambda p: _ensure_optim_state(p, optimizer))
     meta["bytes_read"] = _read_blocks(path, targets)
-    targets.finish()
+    targets.finish()  # bf16 weights: rounded from the float32 main params just read
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
     )

@@ -27,7 +27,7 @@ from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.train.checkpoint_metadata import SafeReader
-from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces
+from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces, main_weights
 
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
 
@@ -75,12 +75,16 @@ class Targets:
 def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
     """Every block of weights and optimizer state this rank holds, for either optimizer:
     AdamW's moments are blocks like their parameter's (zero=0, `ensure_state(param)` gives the
-    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table."""
-    t = Targets()
+    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table. A
+    bf16 weights are read into their float32 main params, then rounded (`restore_main`)."""
+    t, mains = Targets(), main_weights(optimizer, load=True)
+    if mains:
+        t.after.append(lambda: optimizer.restore_main(mains))
     zero = isinstance(optimizer, ShardedOptimizer)
     for chunk in chunks:
         for name, param, shape, spec, tp in sharded_params(chunk):
-            t.add(f"model.{name}", tp_blocks(param.data, shape, spec, tp))
+            weight = mains.get(id(param), param.data)
+            t.add(f"model.{name}", tp_blocks(weight, shape, spec, tp))
             if optimizer is None:
                 continue
             if zero:

@@ -171,6 +171,7 @@ class ShardedOptimizer:
         # float32 weights: views of the weight; bf16: this shard's float32 main params
         self.views = [_shard(s) for s in self.slots]
         self.main = {id(s.param): v for s, v in zip(self.slots, self.views) if _low(s.param)}
+        self.low = any(_low(p) for r in reducers for p in r.model.parameters())
         self.slot_of = {id(s.param): (s, v) for s, v in zip(self.slots, self.views)}
         shard_groups = [{**g, "params": []} for g in groups]
         for s, view in zip(self.slots, self.views):
@@ -202,13 +203,23 @@ class ShardedOptimizer:
                 p.grad = None
             zero_main_grads(r.model.parameters())
 
-    def full_main_params(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, its whole float32 main param) for every low-precision parameter: the
-        shards all-gathered (a collective over every replica; a checkpoint's transient)."""
-        return [pair for r in self.reducers for pair in r.gather_params(self.main, torch.float32)]
+    def main_weights(self) -> dict[int, torch.Tensor]:
+        """bf16 weights: {id(param): its whole float32 main param}, every rank's shards
+        all-gathered (a collective over the replicas; a checkpoint's transient); else {}."""
+        if not self.low:
+            return {}
+        pairs = [pair for r in self.reducers for pair in r.gather_params(self.main, torch.float32)]
+        return {id(p): t for p, t in pairs}
+
+    def load_targets(self) -> dict[int, torch.Tensor]:
+        """bf16 weights: a whole float32 tensor per parameter for a checkpoint to read the
+        weights into (restore_main then keeps the owned shards); else {}."""
+        if not self.low:
+            return {}
+        return {id(p): p.detach().float() for r in self.reducers for p in r.model.parameters()}
 
     @torch.no_grad()
-    def load_main_params(self, full: dict[int, torch.Tensor]) -> None:
+    def restore_main(self, full: dict[int, torch.Tensor]) -> None:
         """Each owned shard's main param from {id(param): whole float32 tensor}, then the
         weights from every rank's shards (as after a step)."""
         for s, view in zip(self.slots, self.views):
