@@ -46,6 +46,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-1f1b", 1, 1, pp("1f1b", 4)),
         ("pp2-zb_h1", 1, 1, pp("zb_h1", 4)),
         ("pp2-zb_v", 1, 1, pp("zb_v", 2, 2)),
+        ("pp2-dualpipe", 1, 1, pp("dualpipe", 4, 2)),
         ("cp2", 1, 1, ["parallel.cp=2"]),
     ],
     4: [

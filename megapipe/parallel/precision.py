@@ -132,8 +132,11 @@ def fused_weight_grad(main: torch.Tensor, grad_out: torch.Tensor, x: torch.Tenso
     gradient-accumulation fusion): no bf16 weight grad is made and rounded. On CUDA torch's
     bf16 matmul with a float32 output; elsewhere the operands are widened (exact products)."""
     if grad_out.device.type == "cuda":
-        main.add_(torch.mm(grad_out.t(), x, out_dtype=torch.float32))
-        return
+        try:  # torch's mm with out_dtype (newer releases); else widened as below
+            main.add_(torch.mm(grad_out.t(), x, out_dtype=torch.float32))
+            return
+        except (TypeError, NotImplementedError):
+            pass
     main.addmm_(grad_out.t().float(), x.float())
 
 
