@@ -169,7 +169,7 @@ class MainParamOptimizer:
     """The optimizer over float32 main params for low-precision weights (zero=0): one float32
     copy of each parameter, whose `.grad` is the parameter's main grad; `step()` steps them and
     writes them back into the weights. `state` is keyed by the model's parameters (checkpoints
-    name them), `main_params()` gives {parameter: main param}."""
+    name them)."""
 
     def __init__(self, groups: list[dict], make) -> None:
         self.main_of: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -191,9 +191,6 @@ class MainParamOptimizer:
     @property
     def state(self) -> _StateByParam:
         return _StateByParam(self)
-
-    def main_params(self) -> dict[nn.Parameter, torch.Tensor]:
-        return {p: m for p, m in self.main_of.values()}
 
     @torch.no_grad()
     def step(self) -> None:
@@ -220,12 +217,6 @@ class MainParamOptimizer:
         for p in params:
             p.grad = None
         zero_main_grads(params)
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def register_step_pre_hook(self, hook):
-        return self.inner.register_step_pre_hook(hook)
 
 
 class _StateByParam(dict):
