@@ -55,7 +55,8 @@ def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class MainGrads:
     """One flat float32 buffer holding the `main_grad` of every low-precision trainable
-    parameter of `module`, in reverse registration order; `zero()` clears it for the next step."""
+    parameter of `module`, in reverse registration order (the optimizer's zero_grad clears it:
+    zero_main_grads)."""
 
     def __init__(self, module: nn.Module) -> None:
         params = [p for p in module.parameters() if p.requires_grad][::-1]
@@ -69,10 +70,6 @@ class MainGrads:
             p.main_grad_hooks = []  # called when a backward has added into it (the reducer)
             p.register_post_accumulate_grad_hook(_into_main_grad)
             offset += p.numel()
-        self.params = params
-
-    def zero(self) -> None:
-        self.flat.zero_()
 
 
 def _into_main_grad(param: torch.Tensor) -> None:
