@@ -47,11 +47,14 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-zb_h1", 1, 1, pp("zb_h1", 4)),
         ("pp2-zb_v", 1, 1, pp("zb_v", 2, 2)),
         ("pp2-dualpipe", 1, 1, pp("dualpipe", 4, 2)),
+        ("pp2-interleaved", 1, 1, pp("interleaved_1f1b", 4, 2)),
+        ("pp2-seq1f1b", 1, 1, [*pp("seq1f1b", 2), "parallel.seq_segments=2"]),
         ("cp2", 1, 1, ["parallel.cp=2"]),
     ],
     4: [
         ("dp2-pp2-zb_h1-zero1", 2, 1, [*pp("zb_h1", 2), "parallel.zero=1"]),
         ("tp2-pp2-1f1b-sp", 1, 2, [*pp("1f1b", 2), "parallel.sequence_parallel=true"]),
+        ("dp2-pp2-seq1f1b", 2, 1, [*pp("seq1f1b", 2), "parallel.seq_segments=2"]),
     ],
 }
 
