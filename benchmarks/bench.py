@@ -10,6 +10,7 @@ python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.j
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench data_index [--docs 1e8 --big-gb 1000 --batch 512 --blend 1e7]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+python -m benchmarks.bench precision [--dp 4 --steps 60 --skip-loss --out F.json]
 python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
 python -m benchmarks.bench progress [--layers 4 --d-model 256 --seq-len 128 --steps 8]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
@@ -44,6 +45,10 @@ SUBCOMMANDS = {
     "zero": (
         "bench_zero",
         "ZeRO levels 1-3 vs zero=0: dp=2 step time and gathers hidden, bytes per rank, comm volume",
+    ),
+    "precision": (
+        "bench_precision",
+        "bf16 weights vs float32: bytes per parameter at dp=4 and zero 0/1, quick-start loss",
     ),
     "checkpoint": (
         "bench_checkpoint",

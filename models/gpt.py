@@ -134,13 +134,16 @@ class TransformerLayer(nn.Module):
         - the linears, when their weight grads may be deferred to a Zero Bubble W
           (`split_weight_grads`): parallel/autograd/weight_grad.py reads the B action's key
           when backward runs, which a compiled backward would fix at trace time; and under
-          tp, where their f/g collectives sit;
+          tp, where their f/g collectives sit; and with bf16 weights, whose weight and bias
+          grads backward adds into float32 main grads (parallel/precision.py), a side effect
+          a compiled backward would not keep;
         - the attention core under cp (ring attention's p2p) and tp (the dropout RNG tracker);
         - the residual dropout under sequence parallelism (the tracker again).
         Each is asked through a method of its own (`keep_eager`, `keep_core_eager`), never by
         rebinding its methods. Dropout draws from the same generator as eager: inductor's
         `fallback_random`, set for this compile only (no process-global config)."""
-        if split_weight_grads or self.tp.size > 1:
+        main_grads = hasattr(self.attn.qkv.weight, "main_grad")
+        if split_weight_grads or self.tp.size > 1 or main_grads:
             for linear in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2):
                 linear.keep_eager()
         if self.tp.size > 1 or self.attn.cp.size > 1:

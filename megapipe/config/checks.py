@@ -292,14 +292,34 @@ def _check_zero(cfg: Config) -> None:
     )
 
 
+def _check_params_dtype(cfg: Config) -> None:
+    """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
+    t, p = cfg.train, cfg.parallel
+    if t.params_dtype == "float32":
+        return
+    _require(
+        t.dtype == "bfloat16",
+        f"train.params_dtype=bfloat16 with train.dtype={t.dtype}: bf16 weights compute in "
+        "bf16; set train.dtype=bfloat16 (or train.params_dtype=float32)",
+    )
+    _require(
+        not (p.pp > 1 and p.schedule == "pipedream_async") and not p.post_validation,
+        "train.params_dtype=bfloat16 with parallel.schedule=pipedream_async or "
+        "parallel.post_validation=true (weight versions and rollbacks of bf16 weights are not "
+        "built); set train.params_dtype=float32",
+    )
+    _require(
+        p.zero <= 1,
+        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
+        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
+        "train.params_dtype=float32",
+    )
+
+
 def _check_not_built(cfg: Config) -> None:
     """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
     _require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
-    _require(
-        cfg.train.params_dtype == "float32",
-        "train.params_dtype=bfloat16 is not built yet; set train.params_dtype=float32",
-    )
 
 
 def not_built(cfg: Config) -> str | None:
@@ -372,6 +392,7 @@ def _check_train(cfg: Config) -> None:
     )
     _one_of("train.dtype", t.dtype, DTYPES)
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
+    _check_params_dtype(cfg)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",

@@ -140,8 +140,9 @@ class TrainConfig:
     seed: int = bounded(
         1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"
     )
-    dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights stay float32)
-    # float32 | bfloat16: weights held in bf16, float32 main grads and main params (Megatron)
+    dtype: str = "float32"  # float32 | bfloat16 (autocast; the weights' dtype is params_dtype)
+    # float32 | bfloat16: weights held in bf16 (with train.dtype=bfloat16), float32 main grads
+    # and main params in the optimizer (Megatron --bf16; docs/parallelism.md, Precision)
     params_dtype: str = "float32"
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False

@@ -1,14 +1,237 @@
-"""Mixed precision: bfloat16 autocast with float32 master weights, optimizer and reductions."""
+"""Mixed precision: bfloat16 autocast; under `train.params_dtype: bfloat16` Megatron's layout.
+
+float32 params (the default): the weights, their grads and AdamW stay float32 and autocast
+computes the matmuls in bf16 (each forward casts each weight).
+
+bfloat16 params (Megatron-LM `--bf16`, Megatron-Core's DistributedDataParallel and
+Float16OptimizerWithFloat16Params / DistributedOptimizer): every parameter (norm gains and
+biases too, as Megatron) is held in bf16, so the forward casts no weight. Each parameter gets a
+float32 `main_grad`, a view into one flat float32 buffer per module (`MainGrads`, laid out in
+reverse registration order, the order `parallel/data/reducer.py` packs its buckets in, so a
+bucket's main grads are one contiguous span the all-reduce sums in place). Every weight-grad
+path accumulates into it in place: the linears' weight grads (now or in a Zero Bubble W action,
+`parallel/autograd/weight_grad.py`) as a float32-output matmul added into it, Megatron's
+gradient-accumulation fusion; every other grad autograd makes (norms, biases, embeddings, the
+fused head's) by a post-accumulate-grad hook that adds the bf16 grad into it and drops it. The
+optimizer steps float32 main params (`MainParamOptimizer` here for zero=0, the owned shard
+only under zero=1: parallel/data/zero.py) and writes them back into the bf16 weights.
+Reductions, the grad norm and the clip read `grad_of(p)`: the main grad where there is one.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def autocast(dtype: str, device: torch.device | str):
-    """bfloat16 autocast when `dtype` (train.dtype) says so; parameters stay float32."""
+    """bfloat16 autocast when `dtype` (train.dtype) says so; else nothing."""
     if dtype == "bfloat16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient reductions, the norm, the clip and the optimizer read: the float32 main
+    grad of a low-precision parameter, else `.grad`."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Replace `param`'s gradient by `grad`: written into its main grad (whose storage the
+    buckets and the optimizer view) where it has one, else bound to `.grad`."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        main.copy_(grad)
+
+
+class MainGrads:
+    """One flat float32 buffer holding the `main_grad` of every low-precision trainable
+    parameter of `module`, in reverse registration order (the optimizer's zero_grad clears it:
+    zero_main_grads)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        params = [p for p in params if p.dtype != torch.float32]
+        device = params[0].device if params else torch.device("cpu")
+        self.flat = torch.zeros(sum(p.numel() for p in params), device=device)
+        offset = 0
+        for p in params:
+            p.main_grad = self.flat[offset : offset + p.numel()].view_as(p)
+            p.main_grad_span = (self.flat, offset)
+            p.main_grad_hooks = []  # called when a backward has added into it (the reducer)
+            p.register_post_accumulate_grad_hook(_into_main_grad)
+            offset += p.numel()
+
+
+def _into_main_grad(param: torch.Tensor) -> None:
+    """Autograd's bf16 grad added into the float32 main grad, then dropped."""
+    if param.grad is None:  # a linear's weight grad, fused into the main grad (counted there)
+        return
+    param.main_grad.add_(param.grad)
+    param.grad = None
+    main_grad_arrived(param)
+
+
+def main_grad_arrived(param: torch.Tensor) -> None:
+    """A backward has added into `param`'s main grad: its hooks run (the reducer counts the
+    bucket's arrivals: autograd's post-accumulate hook does not fire for a weight grad fused
+    into the main grad, which autograd never sees)."""
+    for hook in param.main_grad_hooks:
+        hook(param)
+
+
+def attach_main_grads(module: nn.Module) -> MainGrads | None:
+    """`module`'s main grads when its parameters are low precision (None: float32 params)."""
+    if all(p.dtype == torch.float32 for p in module.parameters()):
+        return None
+    main = MainGrads(module)
+    module.main_grads = main
+    return main
+
+
+def zero_main_grads(params: Iterable[torch.Tensor]) -> None:
+    """Clear the main grads of `params` (each flat buffer once)."""
+    seen = {}
+    for p in params:
+        span = getattr(p, "main_grad_span", None)
+        if span is not None:
+            seen[id(span[0])] = span[0]
+    for flat in seen.values():
+        flat.zero_()
+
+
+def main_grad_span(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat float32 view covering the main grads of `params` in order, when they lie
+    back to back in one buffer (a bucket of one module); else None."""
+    spans = [getattr(p, "main_grad_span", None) for p in params]
+    if not params or any(s is None for s in spans):
+        return None
+    flat, start = spans[0]
+    offset = start
+    for p, (buffer, at) in zip(params, spans):
+        if buffer is not flat or at != offset:
+            return None
+        offset += p.numel()
+    return flat[start:offset]
+
+
+def fused_weight_grad(main: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """main += grad_outᵀ · x with float32 output and accumulation (Megatron's
+    gradient-accumulation fusion): no bf16 weight grad is made and rounded. On CUDA torch's
+    bf16 matmul with a float32 output; elsewhere the operands are widened (exact products)."""
+    if grad_out.device.type == "cuda":
+        try:  # torch's mm with out_dtype (newer releases); else widened as below
+            main.add_(torch.mm(grad_out.t(), x, out_dtype=torch.float32))
+            return
+        except (TypeError, NotImplementedError):
+            pass
+    main.addmm_(grad_out.t().float(), x.float())
+
+
+class _AddBias(torch.autograd.Function):
+    """y + b whose bias grad, a sum over every token, is summed in float32 straight into the
+    bias's main grad (a bf16 sum rounds the partial sums a split makes: tp's sequence halves
+    under SP, dp's rows; near-cancelling sums then differ by far more than float32 round-off)."""
+
+    @staticmethod
+    def forward(ctx, y, bias):
+        ctx.bias = bias
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        bias = ctx.bias
+        bias.main_grad.add_(grad.reshape(-1, grad.shape[-1]).sum(0, dtype=torch.float32))
+        main_grad_arrived(bias)
+        return grad, None
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """y + bias; a bias with a main grad gets its grad in float32 (_AddBias)."""
+    if getattr(bias, "main_grad", None) is None or not torch.is_grad_enabled():
+        return y + bias
+    return _AddBias.apply(y, bias)
+
+
+class MainParamOptimizer:
+    """The optimizer over float32 main params for low-precision weights (zero=0): one float32
+    copy of each parameter, whose `.grad` is the parameter's main grad; `step()` steps them and
+    writes them back into the weights. `state` is keyed by the model's parameters (checkpoints
+    name them)."""
+
+    def __init__(self, groups: list[dict], make) -> None:
+        self.main_of: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        main_groups = []
+        for g in groups:
+            mains = []
+            for p in g["params"]:
+                m = p.detach().to(torch.float32, copy=True)
+                m.grad = grad_of(p)
+                self.main_of[id(p)] = (p, m)
+                mains.append(m)
+            main_groups.append({**g, "params": mains})
+        self.inner = make(main_groups)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> _StateByParam:
+        return _StateByParam(self)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        self.write_back()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The main params rounded into the weights."""
+        for p, m in self.main_of.values():
+            p.data.copy_(m)
+
+    def main_weights(self) -> dict[int, torch.Tensor]:
+        """{id(param): float32 main param}: what a checkpoint writes as the weights."""
+        return {id(p): m for p, m in self.main_of.values()}
+
+    load_targets = main_weights  # a checkpoint reads the weights into the main params
+
+    def restore_main(self, _targets: dict) -> None:
+        self.write_back()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        params = [p for p, _ in self.main_of.values()]
+        for p in params:
+            p.grad = None
+        zero_main_grads(params)
+
+
+class _StateByParam(dict):
+    """AdamW's state of each main param, looked up by its model parameter."""
+
+    def __init__(self, optimizer: MainParamOptimizer) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+
+    def __getitem__(self, param):
+        return self.optimizer.inner.state[self.optimizer.main_of[id(param)][1]]
+
+    def __contains__(self, param) -> bool:
+        return id(param) in self.optimizer.main_of
+
+    def values(self):
+        return self.optimizer.inner.state.values()
+
+    def items(self):
+        inner = self.optimizer.inner.state
+        return [(p, inner[m]) for p, m in self.optimizer.main_of.values() if m in inner]

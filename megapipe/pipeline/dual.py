@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megapipe.parallel.precision import grad_of, set_grad
 from megapipe.pipeline.p2p import TWIN_TAG, swap_with_pp_peer
 from megapipe.plan.actions import Placement
 
@@ -36,8 +37,9 @@ def sync_twin_grads(chunks: list[nn.Module], placement: Placement, mesh) -> None
         down, up = (torch.cat([g.reshape(-1) for g in gs]), twin[c])[:: 1 if c == 0 else -1]
         total = down + up  # the down copy first, on both holders: bitwise-equal copies
         for p, piece in zip(chunk.parameters(), total.split([g.numel() for g in gs])):
-            p.grad = piece.view_as(p).clone()
+            set_grad(p, piece.view_as(p).clone())
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+    grad = grad_of(p)
+    return grad if grad is not None else torch.zeros_like(p)

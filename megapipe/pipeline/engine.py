@@ -23,7 +23,7 @@ from megapipe.config.stages import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import make_reducer
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
-from megapipe.parallel.precision import autocast
+from megapipe.parallel.precision import DTYPES, autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
@@ -188,7 +188,8 @@ def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> Pipel
     shape = (cfg.derived.micro_batch_size, seq, m.d_model)  # (b, T/cp[/tp], d)
     segments = segment_bounds(cfg)  # Seq1F1B: [(s_i, e_i)]; [(0, T)] otherwise
     lengths = tuple((e - s) * shape[1] // m.seq_len for s, e in segments)  # local n_i
-    links = StageLinks(mesh, place, shape, device=device, segments=lengths)
+    dtype = DTYPES[cfg.train.params_dtype]  # the residual stream's: bf16 weights make it bf16
+    links = StageLinks(mesh, place, shape, dtype, device=device, segments=lengths)
     positions = cp_info(mesh).positions(m.seq_len)
     return PipelineRuntime(
         chunks,

@@ -23,7 +23,7 @@ from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import Block
-from megapipe.parallel.precision import autocast
+from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import SCHEDULES
@@ -57,7 +57,20 @@ def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
     model = GPT(
         cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
     )
-    return model.to(device)
+    return hold_params(model.to(device), cfg.train.params_dtype)
+
+
+def hold_params(model: GPT, params_dtype: str) -> GPT:
+    """The weights in `train.params_dtype` (each initialised in float32 from (seed, name), then
+    rounded: the same bf16 weights on every mesh), with float32 main grads under bf16
+    (parallel/precision.py). Buffers (RoPE tables) keep their dtype."""
+    dtype = DTYPES[params_dtype]
+    if dtype == torch.float32:
+        return model
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    attach_main_grads(model)
+    return model
 
 
 def weight_blocks(model: GPT) -> tuple[Block, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from megapipe.parallel.precision import grad_of, set_grad
 from megapipe.pipeline.p2p import TIED_TAG, swap_with_pp_peer
 from megapipe.plan.actions import Placement
 
@@ -32,7 +33,7 @@ class TiedEmbedding:
         """Sum the tied embedding's grad over its two holders: local add or a p2p exchange."""
         if not self.copies or self.last == 0:
             return
-        grads = {s: w.grad for s, w in self.copies.items()}
+        grads = {s: grad_of(w) for s, w in self.copies.items()}
         if len(self.copies) == 1:
             (mine,) = self.copies
             other = self.last if mine == 0 else 0
@@ -41,4 +42,4 @@ class TiedEmbedding:
             )
         total = grads[0] + grads[self.last]  # one order on both holders: bitwise-equal copies
         for w in self.copies.values():
-            w.grad = total.clone()
+            set_grad(w, total.clone())

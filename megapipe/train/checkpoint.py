@@ -70,7 +70,7 @@ from megapipe.train.checkpoint_files import (
     write_state,
 )
 from megapipe.train.checkpoint_read import load_tensors, read_blocks, read_targets, restore_rng
-from megapipe.train.checkpoint_zero import optimizer_state
+from megapipe.train.checkpoint_zero import main_weights, optimizer_state
 from megapipe.train.rng import rng_states
 from models.gpt import GPT
 
@@ -91,8 +91,9 @@ def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
     state = optimizer.state[param]
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        # float32 moments whatever the weights' dtype (bf16 weights: of the main params)
+        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
     return state
 
 
@@ -112,17 +113,19 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
     return list(model) if isinstance(model, nn.ModuleList) else [model]
 
 
-def training_entries(model: nn.Module, optimizer) -> list[Entry]:
+def training_entries(model: nn.Module, optimizer, mains: dict | None = None) -> list[Entry]:
     """Every model and optimizer tensor of `model` (a GPT or a pipeline rank's ModuleList of
     chunks); optimizer moments share their parameter's sharding, the step count is replicated.
     The last stage's copy of the tied table (GPT.tied_copy_names) is marked `copy`. With
-    `optimizer` None: the model's tensors only (zero=1 writes its state in checkpoint_zero)."""
+    `optimizer` None: the model's tensors only (zero=1 writes its state in checkpoint_zero).
+    `mains`: the float32 main params written for bf16 weights (main_weights)."""
     out = []
     for chunk in _chunks(model):
         copies = chunk.tied_copy_names()
         for name, param, shape, spec, tp in sharded_params(chunk):
             copy = name in copies
-            out.append(Entry(f"model.{name}", param.data, shape, spec, tp, copy))
+            weight = (mains or {}).get(id(param), param.data)
+            out.append(Entry(f"model.{name}", weight, shape, spec, tp, copy))
             if optimizer is None:
                 continue
             for key, value in _ensure_optim_state(param, optimizer).items():
@@ -134,7 +137,8 @@ def training_entries(model: nn.Module, optimizer) -> list[Entry]:
 
 def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Model and optimizer tensors by logical name, each once (one process: the tensors)."""
-    return {e.key: e.local for e in training_entries(model, optimizer) if not e.copy}
+    mains = main_weights(optimizer)
+    return {e.key: e.local for e in training_entries(model, optimizer, mains) if not e.copy}
 
 
 def _sharded(e: Entry):
@@ -160,8 +164,8 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     c = coords(rank(), MeshSizes.of(cfg))
     writer = not (c["dp"] or c["cp"])  # else a replica of what dp/cp rank 0 writes
     zero = isinstance(optimizer, ShardedOptimizer)
-    state = {}
-    for e in training_entries(model, None if zero else optimizer) if writer else ():
+    state, mains = {}, main_weights(optimizer)  # a collective under zero=1: every rank
+    for e in training_entries(model, None if zero else optimizer, mains) if writer else ():
         if not e.copy:
             state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
     if zero:
@@ -382,7 +386,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
         ensure = lambda p: _ensure_optim_state(p, optimizer)  # noqa: E731
         targets = read_targets(_chunks(model), optimizer, ensure)
         meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
-        targets.finish()
+        targets.finish()  # bf16 weights: rounded from the float32 main params just read
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (
         saved.parallel.vpp == cfg.parallel.vpp
     )

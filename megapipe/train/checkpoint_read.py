@@ -35,7 +35,7 @@ from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.train.checkpoint_faults import first_failure
 from megapipe.train.checkpoint_files import CheckpointError
 from megapipe.train.checkpoint_metadata import Refused, SafeReader
-from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces
+from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces, main_weights
 from megapipe.train.rng import set_rng_states
 
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
@@ -84,12 +84,16 @@ class Targets:
 def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
     """Every block of weights and optimizer state this rank holds, for either optimizer:
     AdamW's moments are blocks like their parameter's (zero=0, `ensure_state(param)` gives the
-    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table."""
-    t = Targets()
+    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table. A
+    bf16 weights are read into their float32 main params, then rounded (`restore_main`)."""
+    t, mains = Targets(), main_weights(optimizer, load=True)
+    if mains:
+        t.after.append(lambda: optimizer.restore_main(mains))
     zero = isinstance(optimizer, ShardedOptimizer)
     for chunk in chunks:
         for name, param, shape, spec, tp in sharded_params(chunk):
-            t.add(f"model.{name}", tp_blocks(param.data, shape, spec, tp))
+            weight = mains.get(id(param), param.data)
+            t.add(f"model.{name}", tp_blocks(weight, shape, spec, tp))
             if optimizer is None:
                 continue
             if zero:

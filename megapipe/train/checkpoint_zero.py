@@ -87,6 +87,13 @@ def _logical(chunks: list[nn.Module]):
                 yield name, param, shape, spec, tp
 
 
+def main_weights(optimizer, load: bool = False) -> dict:
+    """bf16 weights: {id(param): its whole float32 main param}, written and read as the
+    model's weights, so float32 and bf16 runs resume each other (parallel/precision.py)."""
+    fn = getattr(optimizer, "load_targets" if load else "main_weights", None)
+    return fn() if fn is not None else {}
+
+
 def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer: bool) -> dict:
     """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
     logical names and shapes; the step count (replicated) from `writer` ranks."""

@@ -18,6 +18,7 @@ from torch import nn
 from megapipe._torch_compat import foreach_mul_, foreach_norm, fused_adamw_devices
 from megapipe.config import TrainConfig
 from megapipe.parallel.data.levels import sharded_optimizer
+from megapipe.parallel.precision import MainParamOptimizer, grad_of
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -44,7 +45,11 @@ def build_optimizer(
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     sharded = sharded_optimizer(list(reducers), groups, adamw, stage_group)
-    return sharded if sharded is not None else adamw(groups)
+    if sharded is not None:
+        return sharded
+    if any(p.dtype != torch.float32 for p in model.parameters()):  # bf16 weights
+        return MainParamOptimizer(groups, adamw)  # float32 main params, written back
+    return adamw(groups)
 
 
 def adamw_kind(groups: list[dict]) -> str:
@@ -119,7 +124,7 @@ def global_grad_norm(
     dp replicas are not in `group` at all (the mesh's norm group spans pp × tp). The squared
     sums are all-reduced over `group`, so the norm is that of the one-process model.
     """
-    items = [p.grad if isinstance(p, nn.Parameter) else p for p in local_params]
+    items = [grad_of(p) if isinstance(p, nn.Parameter) else p for p in local_params]
     total = sum_of_squares([g for g in items if g is not None])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
@@ -132,7 +137,7 @@ def clip_gradients(params: list, norm: torch.Tensor, max_norm: float) -> None:
     if max_norm <= 0:
         return
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    grads = [p.grad if isinstance(p, nn.Parameter) else p for p in params]
+    grads = [grad_of(p) if isinstance(p, nn.Parameter) else p for p in params]
     grads = [g for g in grads if g is not None]
     if grads:
         foreach_mul_(grads, scale)

@@ -285,3 +285,31 @@ def test_memory_model_against_the_allocator():
     )  # fmt: skip
     assert held == pytest.approx(plan.activations, rel=0.10)
     assert 0.8 * plan.peak <= peak <= 1.1 * plan.peak
+
+
+def test_bf16_weights_train_within_the_autocast_bound():
+    """train.params_dtype=bfloat16 on CUDA (bf16 weights, float32-output weight-grad matmuls
+    into the main grads, float32 main params): against float32 weights, the bound autocast is
+    held to; and the step's peak memory beside autocast's."""
+    fp32 = train_on_cuda([*SMALL, LOW_LR])
+    torch.cuda.reset_peak_memory_stats()
+    bf16 = train_on_cuda([*SMALL, LOW_LR, "train.dtype=bfloat16", "train.params_dtype=bfloat16"])
+    peak = torch.cuda.max_memory_allocated()
+    loss = max(abs(a - b) / abs(b) for a, b in zip(bf16["losses"], fp32["losses"]))
+    weights = _weights_rel(bf16["weights"], fp32["weights"], fp32["reach"])
+    figure("bf16_weights_vs_fp32", loss_rel=loss, weights_rel=weights, peak_bytes=peak)
+    assert loss <= BF16_LOSS_REL and weights <= BF16_WEIGHT_REL
+
+
+def test_fused_weight_grad_accumulates_in_float32():
+    """parallel/precision.fused_weight_grad on CUDA: grad_outᵀ·x of bf16 operands added into a
+    float32 main grad to float32 round-off (a bf16 product would be ~4e-3 off)."""
+    from megapipe.parallel.precision import fused_weight_grad
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    g = torch.randn(4096, 256, device=CUDA, generator=gen).bfloat16()
+    x = torch.randn(4096, 512, device=CUDA, generator=gen).bfloat16()
+    main = torch.ones(256, 512, device=CUDA)
+    fused_weight_grad(main, g, x)
+    expected = 1 + g.double().t() @ x.double()
+    assert rel(main, expected) <= 1e-5

@@ -5,8 +5,11 @@ critical path) and grad_W = grad_outᵀ · x (needed only by the optimizer). `li
 unless `defer_weight_grads(model, key)` is active: then backward returns grad_input only and
 queues (x, grad_out) on the module under `key` (the runtime uses the action's (microbatch,
 chunk, segment)); the W action calls `run_weight_grads(model, key)` to do the queued matmuls and
-accumulate weight.grad. Biases (a sum over tokens, and hooked: attention zeroes its key-bias
-grad), norms and embeddings keep computing their small grads in B.
+accumulate weight.grad. Under bf16 params (parallel/precision.py) the weight grad is added in
+float32 straight into the weight's `main_grad`, in B or in W alike (Megatron's gradient-
+accumulation fusion), and backward hands autograd no weight grad. Biases (a sum over tokens,
+and hooked: attention zeroes its key-bias grad), norms and embeddings keep computing their small
+grads in B.
 
 The active key is held by each linear's own queue (`WeightGradQueue.key`), set for the modules
 of the model whose backward runs: state of the objects passed in, not of this module, and not
@@ -20,6 +23,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
 
 
 class WeightGradQueue(dict):
@@ -84,7 +89,18 @@ class _Linear(torch.autograd.Function):
         if key is not None:
             ctx.owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
             return grad_x, None, grad_b, None
+        weight_param = ctx.owner.weight
+        main = getattr(weight_param, "main_grad", None)
+        if main is not None:  # fused into the float32 main grad: no bf16 weight grad
+            _into_main(main, x, grad_out)
+            main_grad_arrived(weight_param)
+            return grad_x, None, grad_b, None
         return grad_x, _weight_grad(x, grad_out, ctx.owner), grad_b, None
+
+
+def _into_main(main: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    fused_weight_grad(main, g2, x2)
 
 
 def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, owner: nn.Module) -> torch.Tensor:
@@ -115,7 +131,11 @@ def run_weight_grads(model: nn.Module, key) -> int:
     done = 0
     for module in model.modules():
         for x, grad_out in getattr(module, "wgrad_queue", {}).pop(key, []):
-            _accumulate(module.weight, _weight_grad(x, grad_out, module))
+            main = getattr(module.weight, "main_grad", None)
+            if main is not None:
+                _into_main(main, x, grad_out)
+            else:
+                _accumulate(module.weight, _weight_grad(x, grad_out, module))
             done += 1
     return done
 

@@ -7,6 +7,9 @@ bucket (and every bucket before it, so all ranks launch in one order) starts an 
 all-reduce, overlapping communication with the rest of backward. Earlier microbatches run under
 `no_sync()`: their grads just accumulate. `finish()` waits and writes the sums back.
 Grads are summed, not averaged: the loss is already divided by the global token count.
+Under bf16 params (parallel/precision.py) a bucket's float32 main grads are one contiguous span
+of the module's main-grad buffer, all-reduced in place (Megatron-Core's grad buffer): no copy
+in or out, and arrivals are counted by the main grads' own hooks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.precision import grad_of, main_grad_span, set_grad
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -57,7 +61,15 @@ class GradReducer:
         alone = {id(p) for p in self.own_bucket}
         self.buckets = [Bucket(b) for b in pack(params, self.bucket_mb * 2**20, alone)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._arrived) for p in params]
+        self.hooks = [self._hook(p) for p in params]
+
+    def _hook(self, param: nn.Parameter):
+        """Count `param`'s arrival after each backward: when its main grad is added into (bf16
+        params), else after autograd accumulates its .grad."""
+        if hasattr(param, "main_grad_hooks"):
+            param.main_grad_hooks.append(self._arrived)
+            return None
+        return param.register_post_accumulate_grad_hook(self._arrived)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -76,8 +88,11 @@ class GradReducer:
             self._launch(self.buckets[self.next_launch], in_backward=True)
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.detach().float().flatten() for g in grads])
+        bucket.flat = main_grad_span(bucket.params)  # in place; else a float32 copy
+        if bucket.flat is None:
+            grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)
+                     for p in bucket.params]  # fmt: skip
+            bucket.flat = torch.cat([g.detach().float().flatten() for g in grads])
         C.count("all_reduce", bucket.flat)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         bucket.launched_in_backward = in_backward
@@ -97,9 +112,11 @@ class GradReducer:
 
     def _write_back(self, bucket: Bucket) -> None:
         """The summed flat bucket back into each parameter's grad."""
+        if main_grad_span(bucket.params) is not None:
+            return  # reduced in place
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, bucket.flat.split(sizes)):
-            p.grad = chunk.view_as(p).to(p.dtype)
+            set_grad(p, chunk.view_as(p))
 
 
 def pack(params: list[nn.Parameter], limit_bytes: float, alone: set[int]) -> list[list]:

@@ -4,9 +4,12 @@ update only for this rank's shard of each bucket, weights all-gathered after the
 Rajbhandari et al. 2020 (ZeRO, §5.1 "P_os"): each of the R data-parallel replicas (dp × cp here)
 keeps the optimizer state of 1/R of the parameters. As Megatron's distributed optimizer does,
 the shard is a contiguous range of each flat gradient bucket (the bucket padded to a multiple of
-R), so a bucket's reduce-scatter leaves each rank exactly the summed gradients it steps. The
-weights stay float32 (autocast computes in bf16), so the state per parameter is weight 4 + grad 4
-+ AdamW moments 8/R bytes: Megatron's fp32 layout, 8 + 8/d.
+R), so a bucket's reduce-scatter leaves each rank exactly the summed gradients it steps. With
+float32 weights (autocast computes in bf16) the state per parameter is weight 4 + grad 4 + AdamW
+moments 8/R bytes: Megatron's fp32 layout, 8 + 8/d. With bf16 weights (train.params_dtype,
+parallel/precision.py) the grads are the float32 main grads, and the optimizer keeps float32
+main params of its shard only, written back into the weights' shard and all-gathered in bf16:
+weight 2 + main grad 4 + (main param 4 + moments 8)/R, Megatron's 6 + 12/d.
 
 The reduce-scatter replaces `GradReducer`'s all-reduce, launched from the same hooks while the
 last backward runs. `finish()` leaves each parameter's full-size `.grad` holding the summed
@@ -28,6 +31,7 @@ from torch import nn
 
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.reducer import Bucket, GradReducer
+from megapipe.parallel.precision import grad_of, set_grad, zero_main_grads
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (the GPU machine's) have these
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -92,7 +96,8 @@ class ShardedGradReducer(GradReducer):
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         lo, hi = self.shard_range(bucket)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)
+                 for p in bucket.params]  # fmt: skip
         flat = torch.zeros(self.size * (hi - lo), dtype=torch.float32, device=grads[0].device)
         torch.cat([g.detach().float().flatten() for g in grads], out=flat[: bucket.numel])
         bucket.flat, bucket.shard = flat, flat.new_empty(hi - lo)
@@ -107,19 +112,24 @@ class ShardedGradReducer(GradReducer):
         bucket.flat.zero_()[lo:hi].copy_(bucket.shard)
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):
-            p.grad = chunk.view_as(p).to(p.dtype)
+            set_grad(p, chunk.view_as(p))
         bucket.shard = None
 
     @torch.no_grad()
-    def gather_params(self) -> None:
+    def gather_params(self, main: dict | None = None, dtype: torch.dtype | None = None) -> list:
         """After the step: every rank's updated shard of each bucket, all-gathered into the
-        weights (launched for all buckets before the first wait)."""
-        pending = []
+        weights (launched for all buckets before the first wait), in the weights' dtype. The
+        owned ranges come from `main` ({id(param): its float32 main shard}) where given, else
+        from the weights. With `dtype` float32 (a checkpoint of bf16 weights) the weights are
+        left alone and the full float32 tensors returned, one per parameter, in bucket order."""
+        pending, out = [], []
         for bucket, slots in zip(self.buckets, self.slots):
             lo, hi = self.shard_range(bucket)
-            mine = torch.zeros(hi - lo, dtype=torch.float32, device=bucket.params[0].device)
+            kind = dtype or bucket.params[0].dtype
+            mine = torch.zeros(hi - lo, dtype=kind, device=bucket.params[0].device)
             for s in slots:
-                mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(s.param.view(-1)[s.lo : s.hi])
+                src = main[id(s.param)] if main else s.param.view(-1)[s.lo : s.hi]
+                mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(src)
             full = mine.new_empty(self.size * (hi - lo))
             C.count("all_gather", full)
             pending.append((bucket, full, _all_gather(full, mine, group=self.group, async_op=True)))
@@ -127,7 +137,22 @@ class ShardedGradReducer(GradReducer):
             work.wait()
             sizes = [p.numel() for p in bucket.params]
             for p, chunk in zip(bucket.params, full[: bucket.numel].split(sizes)):
-                p.copy_(chunk.view_as(p))
+                if dtype is None:
+                    p.copy_(chunk.view_as(p))
+                else:
+                    out.append((p, chunk.view_as(p)))
+        return out
+
+
+def _low(param: nn.Parameter) -> bool:
+    return param.dtype != torch.float32
+
+
+def _shard(s: Slot) -> torch.Tensor:
+    """The tensor the optimizer steps for slot `s`: a view of a float32 weight (the step writes
+    it in place), or a float32 copy of a low-precision weight's owned range (its main param)."""
+    view = s.param.detach().view(-1)[s.lo : s.hi]
+    return view.float().clone() if _low(s.param) else view
 
 
 class ShardedOptimizer:
@@ -143,7 +168,10 @@ class ShardedOptimizer:
         self.stage_group = stage_group  # dp × cp × tp: the ranks writing this stage's shards
         self.slots = [s for r in reducers for s in r.owned()]
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-        self.views = [s.param.detach().view(-1)[s.lo : s.hi] for s in self.slots]
+        # float32 weights: views of the weight; bf16: this shard's float32 main params
+        self.views = [_shard(s) for s in self.slots]
+        self.main = {id(s.param): v for s, v in zip(self.slots, self.views) if _low(s.param)}
+        self.low = any(_low(p) for r in reducers for p in r.model.parameters())
         self.slot_of = {id(s.param): (s, v) for s, v in zip(self.slots, self.views)}
         shard_groups = [{**g, "params": []} for g in groups]
         for s, view in zip(self.slots, self.views):
@@ -161,10 +189,20 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         for s, view in zip(self.slots, self.views):
-            view.grad = None if s.param.grad is None else s.param.grad.view(-1)[s.lo : s.hi]
+            grad = grad_of(s.param)
+            view.grad = None if grad is None else grad.view(-1)[s.lo : s.hi]
         self.inner.step()
+        self._round_into_weights()
         for r in self.reducers:
             r.gather_params()
+
+    @torch.no_grad()
+    def _round_into_weights(self) -> None:
+        """bf16 weights: each owned range of the weights takes its float32 main param, rounded;
+        the all-gather after (`gather_params`, overlapped at zero >= 1) spreads them."""
+        for s in self.slots:
+            if id(s.param) in self.main:
+                s.param.detach().view(-1)[s.lo : s.hi].copy_(self.main[id(s.param)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for view in self.views:
@@ -172,6 +210,37 @@ class ShardedOptimizer:
         for r in self.reducers:
             for p in r.model.parameters():
                 p.grad = None
+            zero_main_grads(r.model.parameters())
+
+    def main_weights(self) -> dict[int, torch.Tensor]:
+        """bf16 weights: {id(param): its whole float32 main param}, every rank's shards
+        all-gathered (a collective over the replicas; a checkpoint's transient); else {}."""
+        if not self.low:
+            return {}
+        pairs = [  # the plain, blocking gather: a checkpoint reads the result at once
+            pair
+            for r in self.reducers
+            for pair in ShardedGradReducer.gather_params(r, self.main, torch.float32)
+        ]
+        return {id(p): t for p, t in pairs}
+
+    def load_targets(self) -> dict[int, torch.Tensor]:
+        """bf16 weights: a whole float32 tensor per parameter for a checkpoint to read the
+        weights into (restore_main then keeps the owned shards); else {}."""
+        if not self.low:
+            return {}
+        return {id(p): p.detach().float() for r in self.reducers for p in r.model.parameters()}
+
+    @torch.no_grad()
+    def restore_main(self, full: dict[int, torch.Tensor]) -> None:
+        """Each owned shard's main param from {id(param): whole float32 tensor}, then the
+        weights from every rank's shards (as after a step)."""
+        for s, view in zip(self.slots, self.views):
+            if id(s.param) in full and id(s.param) in self.main:
+                view.copy_(full[id(s.param)].reshape(-1)[s.lo : s.hi])
+        self._round_into_weights()
+        for r in self.reducers:
+            r.gather_params()
 
     def owned_state(self, param: nn.Parameter) -> tuple[Slot, dict] | None:
         """(the owned range of `param`, its AdamW state: created as zeros if the optimizer has

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.precision import grad_of
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import unshard
 
@@ -18,7 +19,7 @@ def gather_logical(model: nn.Module, grads: bool = False) -> dict[str, torch.Ten
     """
     out = {}
     for name, param, shape, spec, tp in sharded_params(model):
-        local = param.grad if grads else param.data
+        local = grad_of(param) if grads else param.data
         if local is None:
             continue
         if tp.size == 1 or spec.dim is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.precision import grad_of
 from megapipe.parallel.tensor.layers import sharded_params
 
 
@@ -22,10 +23,11 @@ def _kv_buffers(param, spec, tp) -> list[tuple]:
     out, start, dim = [], 0, spec.dim
     for seg, piece in zip(spec.segments, spec.pieces(tp.size, tp.rank)):
         if seg // spec.unit < tp.size:
-            shape = list(param.grad.shape)
+            grad = grad_of(param)
+            shape = list(grad.shape)
             shape[dim] = seg
-            buf = param.grad.new_zeros(shape)
-            src = param.grad.narrow(dim, piece.local_lo, piece.length)
+            buf = grad.new_zeros(shape)
+            src = grad.narrow(dim, piece.local_lo, piece.length)
             buf.narrow(dim, piece.global_lo - start, piece.length).copy_(src)
             out.append((piece, start, buf))
         start += seg
@@ -37,14 +39,14 @@ def sync_tp_partial_grads(model: torch.nn.Module) -> int:
     whole, kv = [], []
     tp = None
     for _, param, _, spec, module_tp in sharded_params(model):
-        if module_tp.size == 1 or param.grad is None:
+        if module_tp.size == 1 or grad_of(param) is None:
             continue
         tp = module_tp
         if spec.dim is None and module_tp.sp:
             whole.append(param)
         elif spec.replicated_units(module_tp.size):
             kv += [(param, spec, *entry) for entry in _kv_buffers(param, spec, module_tp)]
-    tensors = [p.grad for p in whole] + [entry[-1] for entry in kv]
+    tensors = [grad_of(p) for p in whole] + [entry[-1] for entry in kv]
     if not tensors:
         return 0
     flat = C.all_reduce(torch.cat([t.flatten() for t in tensors]), tp.group)
@@ -52,7 +54,7 @@ def sync_tp_partial_grads(model: torch.nn.Module) -> int:
         t.copy_(chunk.view_as(t))
     for param, spec, piece, start, buf in kv:
         summed = buf.narrow(spec.dim, piece.global_lo - start, piece.length)
-        param.grad.narrow(spec.dim, piece.local_lo, piece.length).copy_(summed)
+        grad_of(param).narrow(spec.dim, piece.local_lo, piece.length).copy_(summed)
     return flat.numel()
 
 
@@ -62,13 +64,14 @@ def grads_counted_once(model: torch.nn.Module, skip=()) -> list[torch.Tensor]:
     Parameters named in `skip` are left out (a pipeline stage's copy of the tied embedding)."""
     out = []
     for name, param, _, spec, tp in sharded_params(model):
-        if param.grad is None or name in skip:
+        grad = grad_of(param)
+        if grad is None or name in skip:
             continue
         if spec.dim is None or tp.size == 1:
             if tp.rank == 0:
-                out.append(param.grad)
+                out.append(grad)
             continue
         for piece in spec.pieces(tp.size, tp.rank):
             if piece.owner and piece.length:
-                out.append(param.grad.narrow(spec.dim, piece.local_lo, piece.length))
+                out.append(grad.narrow(spec.dim, piece.local_lo, piece.length))
     return out

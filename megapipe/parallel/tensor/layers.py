@@ -21,6 +21,7 @@ from torch import nn
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
+from megapipe.parallel.precision import add_bias
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
@@ -142,7 +143,7 @@ class RowParallelLinear(ParallelLinear):
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         y = exit_row(self._linear(x, None), self.tp)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias)
 
 
 class VocabParallelEmbedding(ShardedModule):
