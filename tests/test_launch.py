@@ -53,7 +53,7 @@ def test_exit_code_without_report_is_torchrun_s():
 def test_torchrun_command():
     args = launch_tool.parse_args(["--nproc-per-node", "2", "train.py", "--config", "x.yaml"])
     cmd = launch_tool.torchrun_command(args)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+    assert cmd[1:] == ["-m", "megapipe.cli.agent", "--nproc-per-node=2", "--nnodes=1",
                        "--standalone", "train.py", "--config", "x.yaml"]  # fmt: skip
     multi_node = ["--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29400",
                   "--rdzv-id=j", "train.py"]  # fmt: skip

@@ -173,12 +173,12 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=00:10:00",
                  f"#SBATCH --output={out}/points/p/slurm-%j.out",
-                 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                 "export NCCL_DEBUG=WARN", "source .venv/bin/activate"):  # fmt: skip
+                 'FIRST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                 "PORT=29400", "export NCCL_DEBUG=WARN", "source .venv/bin/activate"):  # fmt: skip
         assert line in script.splitlines() or line in script, line
     srun = script.replace("\\\n", " ")
     for flag in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=$HEAD:29400", "--rdzv-id=$SLURM_JOB_ID"):  # fmt: skip
+                 "--rdzv-endpoint=$HEAD:$PORT", "--rdzv-id=$SLURM_JOB_ID"):  # fmt: skip
         assert flag in srun, flag
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # the train command parses as train.py's and gives the point's config
