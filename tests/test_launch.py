@@ -2,6 +2,7 @@
 and shuts its process groups down (megapipe/distributed/launch.shutdown) before it exits."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -129,3 +130,33 @@ def test_two_rank_run_exits_0_after_shutdown(tmp_path):
     assert "terminate called" not in done.stderr and not error_lines(done.stderr)
     logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2]
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_the_launcher_saves_every_rank_and_exits_0(tmp_path, sig):
+    """What SLURM does before a time limit (it signals every process of the step): the agent
+    (megapipe/cli/agent.py) passes the signal on and exits as its workers do, 0 after every
+    rank saved, where a stock torchrun agent exits 1 (SignalException)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "tools/launch.py", "--nproc-per-node", "2",
+                             "train.py", "--config", TINY, "--parallel.dp=2",
+                             "--train.global_batch=16", "--train.steps=100000",
+                             f"--run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    (line,) = [x for x in out.splitlines() + err.splitlines() if x.startswith("saved step ")]
+    step = int(line.split()[2].rstrip(";"))
+    saved = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert all((saved / f"rng_rank{r}.pt").is_file() for r in range(2)), sorted(saved.iterdir())

@@ -193,6 +193,30 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     assert record["status"] == "written" and record["job_id"] is None
 
 
+@pytest.mark.parametrize("devices", ["cpu", "gpu", "gres"])
+def test_slurm_script_requests_gpus_only_for_gpu_devices(tmp_path, devices):
+    launcher = {"kind": "slurm", "devices": "cpu" if devices == "cpu" else "gpu"}
+    if devices == "gres":
+        launcher["gpu_request"] = "--gres=gpu:h100:{devices_per_node}"
+    path = write_study(tmp_path / "s.yaml", [
+        {"nodes": 2, "devices_per_node": 2, "mesh": {"dp": 2, "pp": 2}, "name": "p"}],
+        launcher)  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    run_points(load_study(str(path)), out, ENTRY, dry_run=True)
+    lines = (out / "points" / "p" / "job.sbatch").read_text().splitlines()
+    requests = [x for x in lines if x.startswith("#SBATCH --g")]
+    expected = {"cpu": [], "gpu": ["#SBATCH --gpus-per-node=2"],
+                "gres": ["#SBATCH --gres=gpu:h100:2"]}  # fmt: skip
+    assert requests == expected[devices]
+    assert ("export CUDA_VISIBLE_DEVICES=''" in lines) == (devices == "cpu")  # gloo
+    assert ("export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in lines) == (devices != "cpu")
+    launcher["devices"] = "tpu"
+    with pytest.raises(StudyError, match="launcher.devices"):
+        load_study(str(write_study(tmp_path / "bad.yaml", [
+            {"nodes": 1, "devices_per_node": 1, "mesh": {"dp": 1}}], launcher)))  # fmt: skip
+
+
 def test_dry_run_report_shows_projections_only(tmp_path):
     path = write_study(tmp_path / "s.yaml", [
         {"nodes": 1, "devices_per_node": 2, "mesh": {"dp": 2}, "name": "a"},

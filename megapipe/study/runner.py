@@ -27,7 +27,7 @@ from megapipe.study.spec import Study
 ERROR_LINE = re.compile(r"^error: .*$", re.MULTILINE)
 EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception)\b.*$", re.MULTILINE)
 # SLURM's own: a step that died (srun: error: n1: task 0: Killed), a job over its time limit
-SLURM_LINE = re.compile(r"^(srun|slurmstepd): error: .*$", re.MULTILINE)
+SLURM_LINE = re.compile(r"^(srun|slurmstepd)(-\S+)?: error: .*$", re.MULTILINE)
 # squeue's states of a job that is over (it still lists one for MinJobAge after its end)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}  # fmt: skip

@@ -78,6 +78,8 @@ JobCompType=jobcomp/none
 MpiDefault=none
 SwitchType=switch/none
 SchedulerType=sched/backfill
+# schedule every 2 s (default 60 s): a job dependent on another, or requeued, starts at once
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 # the node lines below are the truth, whatever this host's socket/core layout
