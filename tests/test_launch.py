@@ -58,7 +58,7 @@ def test_exit_code_without_report_is_torchrun_s():
 def test_torchrun_command():
     args = launch_tool.parse_args(["--nproc-per-node", "2", "train.py", "--config", "x.yaml"])
     cmd = launch_tool.torchrun_command(args)
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+    assert cmd[1:] == ["-m", "megapipe.cli.agent", "--nproc-per-node=2", "--nnodes=1",
                        "--standalone", "train.py", "--config", "x.yaml"]  # fmt: skip
     args = launch_tool.parse_args(["--nproc-per-node=2", "--max-restarts", "3", "train.py"])
     assert launch_tool.torchrun_command(args)[-2:] == ["--max-restarts=3", "train.py"]
@@ -210,3 +210,33 @@ def test_each_start_gets_a_store_prefix_no_earlier_start_used(monkeypatch):
     assert [s.get("address/1") for s in first] == [b"dead peer"] * 3
     third = _start(3, rank0_delay=0.0)
     assert not any(s.check(["address/1"]) for s in third)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_stop_signal_to_the_launcher_saves_every_rank_and_exits_0(tmp_path, sig):
+    """What SLURM does before a time limit (it signals every process of the step): the agent
+    (megapipe/cli/agent.py) passes the signal on and exits as its workers do, 0 after every
+    rank saved, where a stock torchrun agent exits 1 (SignalException)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "tools/launch.py", "--nproc-per-node", "2",
+                             "train.py", "--config", TINY, "--parallel.dp=2",
+                             "--train.global_batch=16", "--train.steps=100000",
+                             f"--run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    (line,) = [x for x in out.splitlines() + err.splitlines() if x.startswith("saved step ")]
+    step = int(line.split()[2].rstrip(";"))
+    saved = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert all((saved / f"rng_rank{r}.pt").is_file() for r in range(2)), sorted(saved.iterdir())

@@ -173,12 +173,12 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --partition=gpu", "#SBATCH --time=00:10:00",
                  f"#SBATCH --output={out}/points/p/slurm-%j.out",
-                 'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-                 "export NCCL_DEBUG=WARN", "source .venv/bin/activate"):  # fmt: skip
+                 'FIRST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                 "PORT=29400", "export NCCL_DEBUG=WARN", "source .venv/bin/activate"):  # fmt: skip
         assert line in script.splitlines() or line in script, line
     srun = script.replace("\\\n", " ")
     for flag in ("--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=$HEAD:29400", "--rdzv-id=$SLURM_JOB_ID"):  # fmt: skip
+                 "--rdzv-endpoint=$HEAD:$PORT", "--rdzv-id=$SLURM_JOB_ID"):  # fmt: skip
         assert flag in srun, flag
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     # the train command parses as train.py's and gives the point's config
@@ -191,6 +191,30 @@ def test_slurm_script_of_a_two_node_point(tmp_path):
     assert cfg.train.steps == STEPS and cfg.run.dir == str(out / "points" / "p" / "run")
     record = json.loads((out / "points" / "p" / "point.json").read_text())
     assert record["status"] == "written" and record["job_id"] is None
+
+
+@pytest.mark.parametrize("devices", ["cpu", "gpu", "gres"])
+def test_slurm_script_requests_gpus_only_for_gpu_devices(tmp_path, devices):
+    launcher = {"kind": "slurm", "devices": "cpu" if devices == "cpu" else "gpu"}
+    if devices == "gres":
+        launcher["gpu_request"] = "--gres=gpu:h100:{devices_per_node}"
+    path = write_study(tmp_path / "s.yaml", [
+        {"nodes": 2, "devices_per_node": 2, "mesh": {"dp": 2, "pp": 2}, "name": "p"}],
+        launcher)  # fmt: skip
+    out = tmp_path / "out"
+    out.mkdir()
+    run_points(load_study(str(path)), out, ENTRY, dry_run=True)
+    lines = (out / "points" / "p" / "job.sbatch").read_text().splitlines()
+    requests = [x for x in lines if x.startswith("#SBATCH --g")]
+    expected = {"cpu": [], "gpu": ["#SBATCH --gpus-per-node=2"],
+                "gres": ["#SBATCH --gres=gpu:h100:2"]}  # fmt: skip
+    assert requests == expected[devices]
+    assert ("export CUDA_VISIBLE_DEVICES=''" in lines) == (devices == "cpu")  # gloo
+    assert ("export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in lines) == (devices != "cpu")
+    launcher["devices"] = "tpu"
+    with pytest.raises(StudyError, match="launcher.devices"):
+        load_study(str(write_study(tmp_path / "bad.yaml", [
+            {"nodes": 1, "devices_per_node": 1, "mesh": {"dp": 1}}], launcher)))  # fmt: skip
 
 
 def test_dry_run_report_shows_projections_only(tmp_path):

@@ -3,6 +3,7 @@
     python tools/scaling_study.py run configs/studies/tiny_local_weak.yaml --out runs/study_weak
     python tools/scaling_study.py run configs/studies/llama_7b_h100.yaml --out runs/s7b --dry-run
     python tools/scaling_study.py collect runs/s7b     # slurm: when the jobs are done
+    python tools/scaling_study.py collect --wait runs/s  # slurm: wait for the jobs first
     python tools/scaling_study.py report runs/study_weak
 
 `run` resolves every point of the study (megapipe/study/spec.py), then for each one: local:
@@ -21,12 +22,13 @@ run.dir/study_profile.json, and under pp > 1 trace.json); its errors are one lin
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from megapipe.study import StudyError, load_study
 from megapipe.study.report import write_report
-from megapipe.study.runner import Entry, collect, run_points
+from megapipe.study.runner import Entry, collect, run_points, wait_for_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 # every point runs plain train.py (with --log.profile=true) from this checkout
@@ -51,6 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                        ("report", "write results.csv/json, report.md and plots")):  # fmt: skip
         p = sub.add_parser(name, help=text)
         p.add_argument("dir", help="the study's directory (run --out)")
+        if name == "collect":
+            p.add_argument("--wait", action="store_true", help="first wait for its jobs to end")
     return parser.parse_args(argv)
 
 
@@ -69,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             if not (out / "study.json").is_file():
                 raise UsageError(f"{out}/study.json not found; give the --out dir of a study run")
             if args.command == "collect":
+                if args.wait:
+                    timeout = json.loads((out / "study.json").read_text())["timeout_s"]
+                    wait_for_jobs(out, timeout)
                 collect(out)
         written = write_report(out)
         print(f"report: {written}")

@@ -13,7 +13,11 @@ The script's arguments are train.py's. Before any process starts they are parsed
 loaded and checked here (megapipe.config.args, load_config), with nproc-per-node × nnodes against
 dp·pp·cp·tp; an error is one line `error: ...` and exit 2. Then `python -m
 torch.distributed.run` runs with the given options (--standalone on one node without an
-endpoint) and this exits with its code.
+endpoint) and this exits with its code. The agent is megapipe/cli/agent.py (torchrun's, started
+the same way): the config's checkpoint.signals reaching this process or the agent (SLURM sends
+them to every process of the job step) are passed on to the workers, which save at the next
+step and return 0; the agent and this then exit 0 too, not 1 as a stock agent stopped by a
+signal does.
 
 Exit codes: torchrun exits 1 whenever a worker fails, whatever the worker's code. Its failure
 report on stderr (which passes through here unchanged) names each failed rank's `exitcode`;
@@ -31,8 +35,10 @@ import signal
 import subprocess
 import sys
 
+from megapipe.cli.agent import STOP_ENV
 from megapipe.config import ConfigError, load_config
 from megapipe.config.args import parse_train_args
+from megapipe.config.checks import signal_names
 from megapipe.distributed.mesh import MeshSizes, check_world_size
 
 PASSED_ON = (2, 3)  # train.py's exit codes: bad config, data or checkpoint; a lost peer
@@ -61,8 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def validate(args: argparse.Namespace) -> None:
-    """The config as every rank will load it, and the world it needs: ConfigError if not."""
+def validate(args: argparse.Namespace) -> list[str]:
+    """The config as every rank will load it, and the world it needs: ConfigError if not.
+    Returns its stop signals (checkpoint.signals)."""
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
     if args.max_restarts is not None and args.max_restarts < 0:
@@ -76,10 +83,11 @@ def validate(args: argparse.Namespace) -> None:
             " a restart would not continue from the newest checkpoint; set "
             "--checkpoint.resume=auto"
         )
+    return signal_names(cfg.checkpoint.signals)
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [sys.executable, "-m", "megapipe.cli.agent"]  # torchrun's agent, signals passed on
     cmd += [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -90,15 +98,21 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, args.script, *args.script_args]
 
 
-def run_torchrun(cmd: list[str]) -> tuple[int, str]:
+def run_torchrun(cmd: list[str], stops: list[str] = ()) -> tuple[int, str]:
     """Run torchrun, its stderr (and its workers') passed on as it comes: (code, stderr tail).
+    The stop signals `stops` reaching this process (SLURM signals every process of the job)
+    go on to the agent, which passes them to the workers (they save and exit), and this keeps
+    relaying their output until torchrun ends: dying at once would close the pipe the
+    workers' stderr goes to, so a write there during their save would fail."""
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, env={**os.environ, STOP_ENV: ",".join(stops)}
+    )
 
-    SIGTERM here (a cluster stopping the job; SLURM signals every process of it) is passed on
-    to torchrun, whose agent passes it to the workers (checkpoint.signals: they save and exit),
-    and this keeps relaying their output until torchrun ends: dying at once would close the
-    pipe the workers' stderr goes to, so a write there during their save would fail."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    def pass_on(signum: int, frame) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(signal.Signals[s], pass_on) for s in stops}
     tail = b""
     try:
         while chunk := os.read(proc.stderr.fileno(), 4096):  # resumed after a signal (PEP 475)
@@ -108,7 +122,8 @@ def run_torchrun(cmd: list[str]) -> tuple[int, str]:
     except KeyboardInterrupt:  # torchrun got the signal too and stops its workers
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for name, handler in previous.items():
+            signal.signal(signal.Signals[name], handler)
     return proc.wait(), tail.decode(errors="replace")
 
 
@@ -123,9 +138,13 @@ def exit_code(code: int, report: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        validate(args)
+        stops = validate(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code, report = run_torchrun(torchrun_command(args))
+    code, report = run_torchrun(torchrun_command(args), stops)
     return exit_code(code, report)
+
+
+if __name__ == "__main__":  # `python -m megapipe.cli.launch`: the slurm study launcher's jobs
+    sys.exit(main())

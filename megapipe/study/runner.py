@@ -26,6 +26,11 @@ from megapipe.study.spec import Study
 
 ERROR_LINE = re.compile(r"^error: .*$", re.MULTILINE)
 EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception)\b.*$", re.MULTILINE)
+# SLURM's own: a step that died (srun: error: n1: task 0: Killed), a job over its time limit
+SLURM_LINE = re.compile(r"^(srun|slurmstepd)(-\S+)?: error: .*$", re.MULTILINE)
+# squeue's states of a job that is over (it still lists one for MinJobAge after its end)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+         "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -40,12 +45,28 @@ class Entry:
 
 def first_error(text: str, code: int) -> str:
     """The one-line cause from a point's output: train.py's `error:` line, else the last
-    exception line, else the exit code."""
+    exception line, else SLURM's first error line, else the exit code."""
     found = ERROR_LINE.findall(text)
     if found:
         return found[0][len("error: ") :]
-    found = EXCEPTION_LINE.findall(text)
-    return found[-1] if found else f"exited with code {code} (see the point's logs)"
+    found = [m.group(0) for m in EXCEPTION_LINE.finditer(text)]
+    if found:
+        return found[-1]
+    found = [m.group(0) for m in SLURM_LINE.finditer(text)]
+    return found[0] if found else f"exited with code {code} (see the point's logs)"
+
+
+def job_state(job_id: str | None) -> str | None:
+    """SLURM's state of a submitted job: squeue's (PENDING, RUNNING, COMPLETED, ...), "GONE"
+    when SLURM no longer knows the id, None when it cannot be asked (no job id, no squeue, no
+    controller)."""
+    if not job_id or shutil.which("squeue") is None:
+        return None
+    done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        return "GONE" if "Invalid job id" in done.stderr else None
+    return (done.stdout.split() or ["GONE"])[0]
 
 
 def run_local(study, point, pdir: Path, run_dir: Path, entry: Entry) -> str | None:
@@ -103,7 +124,8 @@ def submit_slurm(
 ) -> tuple[str, str | None]:
     """Write job.sbatch; submit it unless dry_run: (status, job id or error)."""
     script = pdir / "job.sbatch"
-    job = sbatch_script(study, point, str(pdir), str(run_dir), str(entry.root), entry.script)
+    job = sbatch_script(study, point, str(pdir), str(run_dir), str(entry.root), entry.script,
+                        sys.executable)  # fmt: skip
     script.write_text(job)
     if dry_run:
         return "written", None
@@ -151,22 +173,50 @@ def run_points(study: Study, out: Path, entry: Entry, dry_run: bool = False) -> 
         print(f"{point.name}: {status}" + (f": {error}" if error else ""), flush=True)
 
 
-def collect(out: Path) -> None:
-    """Slurm (or a command that returned before its run ended): each submitted, written or
-    pending point is ok when its metrics are complete, failed with the `error:` line of its job
-    output (slurm-*.out, command.log), else still pending."""
+def _open_records(out: Path) -> list[tuple[Path, dict]]:
+    """(point dir, point.json) of each point still waiting for its results."""
     study = json.loads((out / "study.json").read_text())
+    found = []
     for point in study["points"]:
         pdir = out / "points" / point["name"]
         record = json.loads((pdir / "point.json").read_text())
-        if record["status"] not in ("submitted", "written", "pending"):
-            continue
+        if record["status"] in ("submitted", "written", "pending"):
+            found.append((pdir, record))
+    return found
+
+
+def wait_for_jobs(out: Path, timeout_s: float, poll_s: float = 5.0) -> None:
+    """Until no job of the study is queued or running in SLURM (or `timeout_s` has passed)."""
+    jobs = [r.get("job_id") for _, r in _open_records(out) if r.get("job_id")]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [job_state(j) for j in jobs]
+        if all(state is None or state in ENDED or state == "GONE" for state in states):
+            return
+        time.sleep(poll_s)
+
+
+def collect(out: Path) -> None:
+    """Slurm (or a command that returned before its run ended): each submitted, written or
+    pending point is ok when its metrics are complete; pending while SLURM still runs or queues
+    its job; failed with the one-line error of its job output (slurm-*.out, command.log:
+    train.py's `error:` line, an exception, SLURM's `srun: error:` line), or because its job
+    ended without one; else still pending."""
+    steps = json.loads((out / "study.json").read_text())["steps"]
+    for pdir, record in _open_records(out):
         logs = sorted(pdir.glob("slurm-*.out")) + sorted(pdir.glob("command.log"))
         text = "\n".join(p.read_text(errors="replace") for p in logs)
-        if metrics_done(Path(record["run_dir"]), study["steps"]):
+        state = job_state(record.get("job_id"))
+        if metrics_done(Path(record["run_dir"]), steps):
             record.update(status="ok", error=None)
-        elif ERROR_LINE.search(text) or EXCEPTION_LINE.search(text):
+        elif state is not None and state not in ENDED and state != "GONE":
+            record["status"] = "pending"
+        elif any(p.search(text) for p in (ERROR_LINE, EXCEPTION_LINE, SLURM_LINE)):
             record.update(status="failed", error=first_error(text, 1))
+        elif state is not None:
+            job = record["job_id"]
+            record.update(status="failed", error=f"job {job} ended ({state.lower()}) before "
+                          f"the run's last step; see {pdir}/slurm-{job}.out")  # fmt: skip
         else:
             record["status"] = "pending"
         write_json(pdir / "point.json", record)

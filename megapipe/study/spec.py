@@ -7,7 +7,8 @@
     steps: 6                       # steps each point trains
     warmup: 2                      # first steps left out of the measurements
     cluster: cpu                   # perf/clusters profile for the projections
-    launcher: {kind: local}        # local | slurm | command (launchers.py)
+    launcher: {kind: local}        # local | slurm | command (launchers.py); slurm: devices
+                                   # gpu | cpu (CPU partitions: no GPU request, gloo)
     points:                        # measured: nodes × devices per node, a mesh or auto
       - {nodes: 1, devices_per_node: 1, mesh: {dp: 1}}
       - {nodes: 2, devices_per_node: 2, mesh: {dp: 2, pp: 2, microbatches: 2}}
@@ -148,6 +149,8 @@ def _launcher(path: str, raw: Any) -> dict[str, Any]:
         raise _fail(path, "launcher.kind", f"must be one of {', '.join(LAUNCHERS)}")
     if raw["kind"] == "command" and not isinstance(raw.get("template"), str):
         raise _fail(path, "launcher.template", "the command launcher needs a template string")
+    if raw.get("devices", "gpu") not in ("gpu", "cpu"):  # launchers.DEVICES (slurm)
+        raise _fail(path, "launcher.devices", "must be gpu (GPU request, NCCL) or cpu (gloo)")
     return dict(raw)
 
 
