@@ -34,9 +34,15 @@ TOLERANCE = 0.05
 LAYOUTS = [
     ("float32", 0),
     ("float32", 1),
-    # ("bfloat16", 1), ("bfloat16", 2), ("bfloat16", 3), ("float32", 2), ("float32", 3):
-    # not built yet (refused by config/checks._check_not_built); add each row as it lands
+    # ("float32", 2), ("float32", 3): the grad shards and the master weight shards live in
+    # the reducer (parallel/data/zero2.py, zero3.py), which Allocations does not read yet;
+    # ("bfloat16", 2), ("bfloat16", 3): not built yet (config/checks._check_not_built)
 ]
+# bf16 weights: the state (weights, float32 main grads, main params and moments) is held to the
+# plan; their activations are not yet: a run saves 10-12% less than the plan counts (bf16
+# compute saves bf16 tensors where the plan still counts some float32 ones), an open gap
+STATE_LAYOUTS = [("bfloat16", 0), ("bfloat16", 1)]
+STATE_KINDS = ("weights", "grads", "optimizer")
 SMALL = ["model.d_model=64", "model.seq_len=32", "train.global_batch=8"]
 MESHES = {
     # no pipeline, 2 microbatches: the head makes its float32 weight grad in forward into one
@@ -129,7 +135,15 @@ def measure_run(overrides: list[str]) -> dict:
 
 def case(mesh: str, layout: tuple[str, int]) -> list[str]:
     params_dtype, zero = layout
-    return [*SMALL, *MESHES[mesh], f"train.params_dtype={params_dtype}", f"parallel.zero={zero}"]
+    # bf16 weights compute in bf16 (config/checks._check_params_dtype)
+    dtype = f"train.dtype={params_dtype}"
+    return [
+        *SMALL,
+        *MESHES[mesh],
+        dtype,
+        f"train.params_dtype={params_dtype}",
+        f"parallel.zero={zero}",
+    ]
 
 
 @pytest.mark.spawn
@@ -145,6 +159,19 @@ def test_dry_run_json_is_what_a_run_allocates(gloo_pool, mesh, layout):
             assert got[kind] == pytest.approx(want[f"{kind}_bytes"], rel=TOLERANCE), (kind, got)
         total = sum(got[k] for k in KINDS)
         assert total == pytest.approx(want["peak_bytes"], rel=TOLERANCE), (got, want)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=lambda x: f"{x[0]}-zero{x[1]}")
+@pytest.mark.parametrize("mesh", ["dp2", "pp2-zb_h2", "tp2-sp"])
+def test_dry_run_json_holds_the_bf16_state(gloo_pool, mesh, layout):
+    overrides = case(mesh, layout)
+    cfg = load_config(TINY, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
+    plan = {(r["pp"], r["tp"]): r for r in as_json(cfg, "cpu")["ranks"]}
+    for got in gloo_pool(2).run(measure_run, overrides):
+        want = plan[got["pp"], got["tp"]]
+        for kind in STATE_KINDS:
+            assert got[kind] == pytest.approx(want[f"{kind}_bytes"], rel=TOLERANCE), (kind, got)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-zero{x[1]}")

@@ -308,18 +308,18 @@ def _check_params_dtype(cfg: Config) -> None:
         "parallel.post_validation=true (weight versions and rollbacks of bf16 weights are not "
         "built); set train.params_dtype=float32",
     )
-    _require(
-        p.zero <= 1,
-        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
-        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
-        "train.params_dtype=float32",
-    )
 
 
 def _check_not_built(cfg: Config) -> None:
     """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
     _require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
+    _require(
+        cfg.train.params_dtype == "float32" or p.zero <= 1,
+        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
+        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
+        "train.params_dtype=float32",
+    )
 
 
 def not_built(cfg: Config) -> str | None:

@@ -42,10 +42,11 @@ on published measurements. They differ in facts about the code, none fitted:
                   and clip (12), fused Adam over fp32 master weights and moments (4·4 read +
                   3·4 written), the fp16 weights written back (6): 56 B.
   param gather    zero>=1: the updated weights all-gathered over dp·cp after the step, in the
-                  weights' dtype. Ours gathers inside the optimizer step, every bucket before
-                  the step returns (parallel/data/zero.ShardedOptimizer.step;
-                  tests/test_perf_runtime.py pins it), so it is exposed; overlapped (Megatron-
-                  Core's --overlap-param-gather) only the first bucket's would be.
+                  weights' dtype. Ours launches every bucket's gather at the end of the step
+                  and waits for each at the first use of its bucket in the next forward
+                  (parallel/data/zero2.OverlappedGatherReducer; tests/test_perf_runtime.py pins
+                  it), as Megatron-Core's --overlap-param-gather does: only the first
+                  bucket's is exposed.
   zero 2, 3       grads reduce-scattered every microbatch (each rank keeps its shard only), and
                   at zero=3 each block's weights all-gathered before its forward and again
                   for its backward, every microbatch (perf/data_parallel.py prices both as
@@ -101,7 +102,7 @@ MEGAPIPE = Runtime(
     dp_bucket_mb=25.0,
     optimizer_bytes=ADAMW_BYTES[device_adamw_kind("cuda")] + NORM_CLIP_BYTES,
     adamw=device_adamw_kind("cuda"),
-    param_gather_overlap=False,  # ShardedOptimizer.step waits for every gather (pinned)
+    param_gather_overlap=True,  # waited for per bucket on first use (zero2.py; pinned)
 )
 
 MEGATRON_2021 = Runtime(
