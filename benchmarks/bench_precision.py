@@ -34,6 +34,7 @@ from benchmarks.harness import (
     run_cli,
     say,
     spawn,
+    storage_bytes,
     write_json,
 )
 from megapipe.config import load_config
@@ -56,15 +57,6 @@ def _config(args, params_dtype: str, zero: int):
     ])  # fmt: skip
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 class _GradBytes(TrainHooks):
     """The grad storage the optimizer reads, seen right before each step (the core's hook)."""
 
@@ -73,7 +65,7 @@ class _GradBytes(TrainHooks):
 
     def optimizer_begin(self) -> None:
         grads = [g for g in map(grad_of, self.model.parameters()) if g is not None]
-        self.most = max(self.most, _storage_bytes(grads))
+        self.most = max(self.most, storage_bytes(grads))
 
 
 def _optimizer_bytes(optimizer) -> int:

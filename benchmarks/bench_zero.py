@@ -38,7 +38,14 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.harness import ROOT, add_model_args, echo_command, spawn, write_json
+from benchmarks.harness import (
+    ROOT,
+    add_model_args,
+    echo_command,
+    spawn,
+    storage_bytes,
+    write_json,
+)
 from megapipe.config import load_config
 from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
 from megapipe.train.hooks import TrainHooks
@@ -54,15 +61,6 @@ def make_config(args, dp: int, zero: int):
         f"train.steps={args.warmup + args.steps}", f"parallel.dp={dp}", f"parallel.zero={zero}",
         f"run.dir={tempfile.mkdtemp()}", "log.progress=false",
     ])  # fmt: skip
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one flat bucket count once)."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def _state_bytes(optimizer) -> int:
@@ -91,9 +89,9 @@ class _GradBytes(TrainHooks):
     def optimizer_begin(self) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grads += self.reducer.shards() if hasattr(self.reducer, "shards") else []
-        self.most = max(self.most, _storage_bytes(grads))
+        self.most = max(self.most, storage_bytes(grads))
         masters = getattr(self.reducer, "master", [])
-        resident = _storage_bytes(_resident(self.model.parameters()) + masters)
+        resident = storage_bytes(_resident(self.model.parameters()) + masters)
         self.weights = max(self.weights, resident)
 
 
@@ -116,7 +114,7 @@ class _GatheredPeak:
             module.register_forward_hook(self._seen)
 
     def _seen(self, *_) -> None:
-        self.most = max(self.most, _storage_bytes(_resident(self.model.parameters())))
+        self.most = max(self.most, storage_bytes(_resident(self.model.parameters())))
 
 
 class Run:

@@ -79,6 +79,17 @@ def alternate(
     return out
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped; views of one flat buffer
+    count once): what a rank holds, as the benchmarks and the memory tests measure it."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """Wall seconds of one call."""
     began = time.perf_counter()

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 
+from benchmarks.harness import storage_bytes
 from megapipe.config import load_config
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
@@ -59,16 +60,6 @@ MESHES = {
 }  # fmt: skip
 STEPS = 2
 KINDS = ("weights", "grads", "optimizer", "activations")
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the storages the tensors live in, each storage once."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 class Allocations(TrainHooks):
