@@ -72,8 +72,9 @@ def test_torchrun_command():
 
 @pytest.mark.spawn
 def test_sigterm_to_the_launcher_is_passed_on_to_torchrun(tmp_path):
-    """SLURM signals every process of the job: tools/launch.py passes SIGTERM on and waits for
-    torchrun's code instead of dying and closing the pipe the workers' stderr goes to."""
+    """SLURM signals every process of the job: tools/launch.py passes a stop signal of the run
+    (checkpoint.signals) on and waits for torchrun's code instead of dying and closing the pipe
+    the workers' stderr goes to."""
     ready = tmp_path / "ready"
     child = (
         "import pathlib, signal, sys, time\n"
@@ -94,7 +95,7 @@ def test_sigterm_to_the_launcher_is_passed_on_to_torchrun(tmp_path):
     previous = signal.signal(signal.SIGTERM, guard)
     try:
         threading.Thread(target=signal_when_ready, daemon=True).start()
-        code, tail = launch_tool.run_torchrun([sys.executable, "-c", child])
+        code, tail = launch_tool.run_torchrun([sys.executable, "-c", child], ["SIGTERM"])
         assert (code, tail, reached) == (7, "passed on\n", [])
         assert signal.getsignal(signal.SIGTERM) is guard  # the handler before it is back
     finally:
