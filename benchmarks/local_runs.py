@@ -79,7 +79,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers(proc: subprocess.Popen, world: int) -> list[int]:
-    """The train.py processes: `proc` itself on one process, else torchrun's workers."""
+    """The train.py processes: `proc` itself on one process, else the agent's workers (the
+    agent, tools/launch.py's megapipe.cli.agent or torchrun's, has train.py in its argv too)."""
     if world == 1:
         return [proc.pid]
     found = []
@@ -89,7 +90,8 @@ def _workers(proc: subprocess.Popen, world: int) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if any(a.endswith(b"train.py") for a in argv) and b"torch.distributed.run" not in argv:
+        agent = b"torch.distributed.run" in argv or b"megapipe.cli.agent" in argv
+        if any(a.endswith(b"train.py") for a in argv) and not agent:
             found.append(pid)
     return found
 
