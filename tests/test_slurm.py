@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -254,5 +255,9 @@ def test_a_job_whose_step_dies_is_collected_failed_with_its_error(tmp_path):
     assert done.returncode == 0, done.stderr
     record = json.loads((out / "points" / "p" / "point.json").read_text())
     assert record["status"] == "failed" and "\n" not in record["error"]
-    # the surviving rank's line (train.py: its peer lost), else SLURM's (srun: error: ...)
-    assert "peer rank died" in record["error"] or record["error"].startswith("srun: error:")
+    # the surviving rank's line (train.py: the lost peer named, distributed/diagnosis.py),
+    # else SLURM's (srun: error: ...)
+    error = record["error"]
+    assert re.match(r"rank \d \(pp=\d dp=\d cp=\d tp=\d\) died ", error) or error.startswith(
+        "srun: error:"
+    ), error

@@ -186,7 +186,6 @@ def save(
     returns its directory. A write that fails (a full disk) raises SaveFailed on every rank,
     nothing saved before lost."""
     tmp, final = begin(cfg, step)
-    state = save_state(cfg, model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP warns when used without a group
         with whole_weights(optimizer):

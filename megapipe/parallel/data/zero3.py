@@ -186,6 +186,7 @@ class Zero3Optimizer(Zero2Optimizer):
     def __init__(self, reducers: list[Zero3Reducer], groups: list[dict], make, stage_group=None):
         self.reducers, self.stage_group = reducers, stage_group
         self.slots, self.views = [], []
+        self.low, self.main = False, {}  # float32 weights only (bf16 zero=3 is refused)
         for r in reducers:
             for slots, master in zip(r.slots, r.master):
                 for s in slots:
