@@ -137,15 +137,19 @@ def case(mesh: str, layout: tuple[str, int]) -> list[str]:
     ]
 
 
+def measured_and_planned(gloo_pool, mesh: str, layout: tuple[str, int]) -> list:
+    """(what each of two ranks allocated, the dry run's JSON entry for its (pp, tp) rank)."""
+    overrides = case(mesh, layout)
+    cfg = load_config(TINY, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
+    plan = {(r["pp"], r["tp"]): r for r in as_json(cfg, "cpu")["ranks"]}
+    return [(got, plan[got["pp"], got["tp"]]) for got in gloo_pool(2).run(measure_run, overrides)]
+
+
 @pytest.mark.spawn
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-zero{x[1]}")
 @pytest.mark.parametrize("mesh", MESHES)
 def test_dry_run_json_is_what_a_run_allocates(gloo_pool, mesh, layout):
-    overrides = case(mesh, layout)
-    cfg = load_config(TINY, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
-    plan = {(r["pp"], r["tp"]): r for r in as_json(cfg, "cpu")["ranks"]}
-    for got in gloo_pool(2).run(measure_run, overrides):
-        want = plan[got["pp"], got["tp"]]
+    for got, want in measured_and_planned(gloo_pool, mesh, layout):
         for kind in KINDS:
             assert got[kind] == pytest.approx(want[f"{kind}_bytes"], rel=TOLERANCE), (kind, got)
         total = sum(got[k] for k in KINDS)
@@ -156,11 +160,7 @@ def test_dry_run_json_is_what_a_run_allocates(gloo_pool, mesh, layout):
 @pytest.mark.parametrize("layout", STATE_LAYOUTS, ids=lambda x: f"{x[0]}-zero{x[1]}")
 @pytest.mark.parametrize("mesh", ["dp2", "pp2-zb_h2", "tp2-sp"])
 def test_dry_run_json_holds_the_bf16_state(gloo_pool, mesh, layout):
-    overrides = case(mesh, layout)
-    cfg = load_config(TINY, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
-    plan = {(r["pp"], r["tp"]): r for r in as_json(cfg, "cpu")["ranks"]}
-    for got in gloo_pool(2).run(measure_run, overrides):
-        want = plan[got["pp"], got["tp"]]
+    for got, want in measured_and_planned(gloo_pool, mesh, layout):
         for kind in STATE_KINDS:
             assert got[kind] == pytest.approx(want[f"{kind}_bytes"], rel=TOLERANCE), (kind, got)
 
