@@ -12,8 +12,8 @@ the same, checked below), and so is their sum to `peak_bytes`.
 
 LAYOUTS are the state layouts measured: one row per (train.params_dtype, parallel.zero). The
 layouts of issue 33 whose runtime is not built yet (bf16 weights; zero 2 and 3) are refused by
-the config checks (config/checks._check_not_built), so they cannot run here yet; each gets its
-row below once its runtime lands, and every mesh and schedule is then measured under it.
+the config checks (config/checks_runtime.check_not_built), so they cannot run here yet; each
+gets its row below once its runtime lands, and every mesh and schedule is then measured under it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ LAYOUTS = [
     ("float32", 1),
     # ("float32", 2), ("float32", 3): the grad shards and the master weight shards live in
     # the reducer (parallel/data/zero2.py, zero3.py), which Allocations does not read yet;
-    # ("bfloat16", 2), ("bfloat16", 3): not built yet (config/checks._check_not_built)
+    # ("bfloat16", 2), ("bfloat16", 3): not built yet (config/checks_runtime.check_not_built)
 ]
 # bf16 weights: the state (weights, float32 main grads, main params and moments) is held to the
 # plan; their activations are not yet: a run saves 10-12% less than the plan counts (bf16
@@ -126,7 +126,7 @@ def measure_run(overrides: list[str]) -> dict:
 
 def case(mesh: str, layout: tuple[str, int]) -> list[str]:
     params_dtype, zero = layout
-    # bf16 weights compute in bf16 (config/checks._check_params_dtype)
+    # bf16 weights compute in bf16 (config/checks_runtime.check_params_dtype)
     dtype = f"train.dtype={params_dtype}"
     return [
         *SMALL,

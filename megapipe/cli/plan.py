@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
-from megapipe.config.checks import not_built
+from megapipe.config.checks_runtime import not_built
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster

@@ -17,6 +17,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from megapipe.config.blend import parse_blend
+from megapipe.config.checks_runtime import (
+    check_not_built,
+    check_params_dtype,
+    check_post_validation,
+    check_spikes,
+    check_zero,
+)
+from megapipe.config.checks_runtime import require as _require
 from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
 from megapipe.config.stages import check_partition
 from megapipe.plan.schedules import SCHEDULES
@@ -55,21 +63,16 @@ def validate(cfg: Config, built_only: bool = True) -> None:
     _check_dirs(cfg)
     _check_model(cfg)
     if built_only:
-        _check_not_built(cfg)
+        check_not_built(cfg)
     _check_parallel(cfg)
     check_partition(cfg)
     _check_chunks(cfg)
     _check_segments(cfg)
     _check_pipedream(cfg)
-    _check_post_validation(cfg)
+    check_post_validation(cfg)
     _check_train(cfg)
-    _check_spikes(cfg)
+    check_spikes(cfg)
     _check_rest(cfg)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -156,7 +159,7 @@ def _check_model(cfg: Config) -> None:
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
-    _check_zero(cfg)
+    check_zero(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",
@@ -271,90 +274,6 @@ def _check_pipedream(cfg: Config) -> None:
     )
 
 
-def _check_zero(cfg: Config) -> None:
-    """What ZeRO-2/3 (parallel/data/zero2.py, zero3.py) do not combine with, in one line each."""
-    p = cfg.parallel
-    spec = SCHEDULES[p.schedule]
-    _require(
-        not (p.zero >= 2 and p.pp > 1 and spec.placement == "dual"),
-        f"parallel.zero={p.zero} with parallel.schedule={p.schedule}: DualPipe's twin stage "
-        "copies sum full-size grads; set parallel.zero=0 or 1, or another schedule",
-    )
-    _require(
-        not (p.zero == 3 and p.pp > 1 and spec.segmented),
-        f"parallel.zero=3 with parallel.schedule={p.schedule}: a segment's backward reads "
-        "weights through the kept K/V before its block's output grad; set parallel.zero<=2",
-    )
-    _require(
-        not (p.zero == 3 and cfg.train.compile),
-        "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
-        "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",
-    )
-
-
-def _check_params_dtype(cfg: Config) -> None:
-    """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
-    t, p = cfg.train, cfg.parallel
-    if t.params_dtype == "float32":
-        return
-    _require(
-        t.dtype == "bfloat16",
-        f"train.params_dtype=bfloat16 with train.dtype={t.dtype}: bf16 weights compute in "
-        "bf16; set train.dtype=bfloat16 (or train.params_dtype=float32)",
-    )
-    _require(
-        not (p.pp > 1 and p.schedule == "pipedream_async") and not p.post_validation,
-        "train.params_dtype=bfloat16 with parallel.schedule=pipedream_async or "
-        "parallel.post_validation=true (weight versions and rollbacks of bf16 weights are not "
-        "built); set train.params_dtype=float32",
-    )
-
-
-def _check_not_built(cfg: Config) -> None:
-    """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
-    p = cfg.parallel
-    _require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
-    _require(
-        cfg.train.params_dtype == "float32" or p.zero <= 1,
-        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
-        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
-        "train.params_dtype=float32",
-    )
-
-
-def not_built(cfg: Config) -> str | None:
-    """Why `cfg` cannot train yet (a key whose runtime is being built), or None."""
-    try:
-        _check_not_built(cfg)
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-def _check_post_validation(cfg: Config) -> None:
-    """Zero Bubble §4 post-validation replaces the pipeline's global reduction before the
-    optimizer: it needs a pipeline whose stages step once per step, on whole (unsharded) state."""
-    p = cfg.parallel
-    if not p.post_validation:
-        return
-    _require(
-        p.pp > 1,
-        f"parallel.post_validation=true needs a pipeline (parallel.pp > 1, got {p.pp}): "
-        "with one stage there is no synchronisation to bypass; remove parallel.post_validation",
-    )
-    _require(
-        p.schedule != "pipedream_async",
-        "parallel.post_validation=true with parallel.schedule=pipedream_async: PipeDream steps "
-        "each stage after every microbatch without a global reduction already; remove "
-        "parallel.post_validation",
-    )
-    _require(
-        not (p.zero and p.dp * p.cp > 1),
-        f"parallel.post_validation=true with parallel.zero={p.zero} is not supported yet (the "
-        "rollback copies are not sharded); set parallel.zero=0 or parallel.post_validation=false",
-    )
-
-
 def _check_segments(cfg: Config) -> None:
     """Seq1F1B (Sun et al. 2024) cuts each sequence into parallel.seq_segments pieces, each a
     multiple of tp under sequence parallelism; no other schedule reads the key."""
@@ -392,7 +311,7 @@ def _check_train(cfg: Config) -> None:
     )
     _one_of("train.dtype", t.dtype, DTYPES)
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
-    _check_params_dtype(cfg)
+    check_params_dtype(cfg)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
@@ -402,38 +321,6 @@ def _check_train(cfg: Config) -> None:
         not (t.compile and SCHEDULES[cfg.parallel.schedule].segmented and cfg.parallel.pp > 1),
         "train.compile=true with parallel.schedule=seq1f1b: a layer's K/V carry between "
         "sequence segments cannot be compiled; set train.compile=false or another schedule",
-    )
-
-
-def _check_spikes(cfg: Config) -> None:
-    """Loss spikes are judged on the step's loss before the optimizer steps (train/spikes.py):
-    post-validation and PipeDream step before that loss is known."""
-    t, p = cfg.train, cfg.parallel
-    if not (t.spike_factor or t.spike_rollback):
-        return
-    _require(
-        t.spike_factor != 0,
-        f"train.spike_rollback={t.spike_rollback} counts loss spikes, but train.spike_factor=0 "
-        "finds none; set train.spike_factor (e.g. 3)",
-    )
-    _require(
-        t.spike_factor > 1,
-        f"train.spike_factor={t.spike_factor} must be 0 (off) or > 1 (a multiple of the median "
-        "loss)",
-    )
-    stepped_early = "parallel.post_validation=true" if p.post_validation else ""
-    if p.pp > 1 and p.schedule == "pipedream_async":
-        stepped_early = "parallel.schedule=pipedream_async"
-    _require(
-        not stepped_early,
-        f"train.spike_factor with {stepped_early}: the optimizer steps before the step's loss "
-        "is known, so a spike cannot be skipped; set train.spike_factor=0 or "
-        + ("parallel.post_validation=false" if p.post_validation else "another schedule"),
-    )
-    _require(
-        not t.spike_rollback or cfg.checkpoint.interval,
-        f"train.spike_rollback={t.spike_rollback} reloads the newest checkpoint, but "
-        "checkpoint.interval=0 saves none; set checkpoint.interval",
     )
 
 

@@ -1,0 +1,132 @@
+"""The runtime rules of validation: what the precision, sharding, rollback and spike runtimes
+(parallel/precision.py, parallel/data/zero*.py, post-validation, train/spikes.py) combine with,
+and the keys whose runtime is still being built. config/checks.validate runs them; each raises a
+one-line `ConfigError` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from megapipe.config.schema import Config, ConfigError
+from megapipe.plan.schedules import SCHEDULES
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise `ConfigError(message)` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_zero(cfg: Config) -> None:
+    """What ZeRO-2/3 (parallel/data/zero2.py, zero3.py) do not combine with, in one line each."""
+    p = cfg.parallel
+    spec = SCHEDULES[p.schedule]
+    require(
+        not (p.zero >= 2 and p.pp > 1 and spec.placement == "dual"),
+        f"parallel.zero={p.zero} with parallel.schedule={p.schedule}: DualPipe's twin stage "
+        "copies sum full-size grads; set parallel.zero=0 or 1, or another schedule",
+    )
+    require(
+        not (p.zero == 3 and p.pp > 1 and spec.segmented),
+        f"parallel.zero=3 with parallel.schedule={p.schedule}: a segment's backward reads "
+        "weights through the kept K/V before its block's output grad; set parallel.zero<=2",
+    )
+    require(
+        not (p.zero == 3 and cfg.train.compile),
+        "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
+        "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",
+    )
+
+
+def check_params_dtype(cfg: Config) -> None:
+    """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
+    t, p = cfg.train, cfg.parallel
+    if t.params_dtype == "float32":
+        return
+    require(
+        t.dtype == "bfloat16",
+        f"train.params_dtype=bfloat16 with train.dtype={t.dtype}: bf16 weights compute in "
+        "bf16; set train.dtype=bfloat16 (or train.params_dtype=float32)",
+    )
+    require(
+        not (p.pp > 1 and p.schedule == "pipedream_async") and not p.post_validation,
+        "train.params_dtype=bfloat16 with parallel.schedule=pipedream_async or "
+        "parallel.post_validation=true (weight versions and rollbacks of bf16 weights are not "
+        "built); set train.params_dtype=float32",
+    )
+
+
+def check_not_built(cfg: Config) -> None:
+    """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
+    p = cfg.parallel
+    require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
+    require(
+        cfg.train.params_dtype == "float32" or p.zero <= 1,
+        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
+        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
+        "train.params_dtype=float32",
+    )
+
+
+def not_built(cfg: Config) -> str | None:
+    """Why `cfg` cannot train yet (a key whose runtime is being built), or None."""
+    try:
+        check_not_built(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def check_post_validation(cfg: Config) -> None:
+    """Zero Bubble §4 post-validation replaces the pipeline's global reduction before the
+    optimizer: it needs a pipeline whose stages step once per step, on whole (unsharded) state."""
+    p = cfg.parallel
+    if not p.post_validation:
+        return
+    require(
+        p.pp > 1,
+        f"parallel.post_validation=true needs a pipeline (parallel.pp > 1, got {p.pp}): "
+        "with one stage there is no synchronisation to bypass; remove parallel.post_validation",
+    )
+    require(
+        p.schedule != "pipedream_async",
+        "parallel.post_validation=true with parallel.schedule=pipedream_async: PipeDream steps "
+        "each stage after every microbatch without a global reduction already; remove "
+        "parallel.post_validation",
+    )
+    require(
+        not (p.zero and p.dp * p.cp > 1),
+        f"parallel.post_validation=true with parallel.zero={p.zero} is not supported yet (the "
+        "rollback copies are not sharded); set parallel.zero=0 or parallel.post_validation=false",
+    )
+
+
+def check_spikes(cfg: Config) -> None:
+    """Loss spikes are judged on the step's loss before the optimizer steps (train/spikes.py):
+    post-validation and PipeDream step before that loss is known."""
+    t, p = cfg.train, cfg.parallel
+    if not (t.spike_factor or t.spike_rollback):
+        return
+    require(
+        t.spike_factor != 0,
+        f"train.spike_rollback={t.spike_rollback} counts loss spikes, but train.spike_factor=0 "
+        "finds none; set train.spike_factor (e.g. 3)",
+    )
+    require(
+        t.spike_factor > 1,
+        f"train.spike_factor={t.spike_factor} must be 0 (off) or > 1 (a multiple of the median "
+        "loss)",
+    )
+    stepped_early = "parallel.post_validation=true" if p.post_validation else ""
+    if p.pp > 1 and p.schedule == "pipedream_async":
+        stepped_early = "parallel.schedule=pipedream_async"
+    require(
+        not stepped_early,
+        f"train.spike_factor with {stepped_early}: the optimizer steps before the step's loss "
+        "is known, so a spike cannot be skipped; set train.spike_factor=0 or "
+        + ("parallel.post_validation=false" if p.post_validation else "another schedule"),
+    )
+    require(
+        not t.spike_rollback or cfg.checkpoint.interval,
+        f"train.spike_rollback={t.spike_rollback} reloads the newest checkpoint, but "
+        "checkpoint.interval=0 saves none; set checkpoint.interval",
+    )
