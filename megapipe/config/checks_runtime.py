@@ -56,8 +56,13 @@ def check_params_dtype(cfg: Config) -> None:
 
 
 def check_not_built(cfg: Config) -> None:
-    """Keys of issue 33 whose runtime is being built (each refusal goes when its part lands)."""
+    """Keys whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
+    require(
+        cfg.model.n_experts == 0 and p.ep == 1,
+        "model.n_experts / parallel.ep (mixture of experts) is not built yet; set "
+        "model.n_experts=0 and parallel.ep=1",
+    )
     require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
     require(
         cfg.train.params_dtype == "float32" or p.zero <= 1,

@@ -79,6 +79,16 @@ class ModelConfig:
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
+    # mixture of experts (docs/moe.md): routed experts per MoE layer; 0: dense (every MLP whole)
+    n_experts: int = bounded(0, low=0, note="0: dense")
+    top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice, renormalised)
+    moe_ffn: int = bounded(0, low=0, note="0: model.d_ff")  # one expert's hidden size
+    moe_every: int = bounded(1, low=1)  # every k-th layer is MoE (layers k-1, 2k-1, ...)
+    moe_shared_experts: int = bounded(0, low=0)  # experts every token also goes through
+    # tokens an expert takes, as a multiple of its even share (tokens·top_k/n_experts); 0: dropless
+    moe_capacity_factor: float = bounded(0.0, low=0, note="0: dropless")
+    moe_aux_coef: float = bounded(0.01, low=0)  # load-balancing loss weight (Switch / GShard)
+    moe_z_coef: float = bounded(0.0, low=0)  # router z-loss weight (ST-MoE)
 
 
 @dataclass
@@ -113,6 +123,9 @@ class ParallelConfig:
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
     # chunked decomposition (Wang et al., ASPLOS 2023); needs parallel.sequence_parallel
     tp_overlap: bool = False
+    # expert-parallel ranks: each MoE layer's experts sharded over ep ranks of the data-parallel
+    # group (must divide parallel.dp), tokens exchanged by all-to-all (docs/moe.md)
+    ep: int = bounded(1, low=1)
     # a collective or p2p waiting longer on a peer (a dead rank) errors
     timeout_s: float = bounded(
         600.0, low=0, low_open=True, high=MAX_TIMEOUT_S, unit="seconds", note="at most 7 days"
