@@ -1,0 +1,2 @@
+"""Expert parallelism: a mixture-of-experts layer's experts sharded over ep ranks of the
+data-parallel group, tokens exchanged by all-to-all (docs/moe.md)."""

@@ -1,0 +1,44 @@
+"""Token dispatch to experts and the combine back (the contract every MoE layer goes through).
+
+`dispatch` takes one row per (token, choice) with the global expert id it was routed to and
+returns the rows this rank's experts take, grouped by local expert in a fixed order, with the
+count per local expert; `combine` returns expert outputs to the rows' original order on the rank
+they came from. With one ep rank both are a stable sort and its inverse; with ep > 1 the rows
+cross ranks by all-to-all (parallel/expert/all_to_all.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.parallel.expert.sharding import EPInfo
+
+
+@dataclass
+class DispatchPlan:
+    """What `combine` needs to undo a `dispatch`."""
+
+    order: torch.Tensor  # the stable sort of the rows by expert id
+    extra: object = None  # the all-to-all's splits when ep > 1
+
+
+def dispatch(
+    rows: torch.Tensor, expert_of: torch.Tensor, n_experts: int, ep: EPInfo
+) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+    """(rows for this rank's experts grouped by local expert, count per local expert, plan)."""
+    if ep.size > 1:
+        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not built yet")
+    order = torch.argsort(expert_of, stable=True)
+    counts = torch.bincount(expert_of, minlength=n_experts)
+    return rows[order], counts, DispatchPlan(order)
+
+
+def combine(out: torch.Tensor, plan: DispatchPlan, ep: EPInfo) -> torch.Tensor:
+    """Expert outputs back in the order of the rows given to `dispatch`."""
+    if ep.size > 1:
+        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not built yet")
+    back = torch.empty_like(out)
+    back[plan.order] = out
+    return back

@@ -1,0 +1,32 @@
+"""This rank's place on the expert-parallel axis, and which experts it holds.
+
+The ep ranks are taken from the data-parallel group (parallel.ep divides parallel.dp, as in
+Megatron-Core): ep rank r holds the contiguous experts [r·E/ep, (r+1)·E/ep) of every MoE layer.
+Expert weights are stacked along a leading expert dimension, so a rank's experts are one slice
+of each logical tensor, as a tp shard is (parallel/tensor/sharding.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EPInfo:
+    """Expert-parallel rank and group (size 1: every rank holds every expert)."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None  # torch.distributed ProcessGroup when size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"ep rank {self.rank} outside ep size {self.size}")
+
+    def local_experts(self, n_experts: int) -> range:
+        """The global ids of the experts this rank holds."""
+        per_rank = n_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+NO_EP = EPInfo()
