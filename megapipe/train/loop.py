@@ -121,25 +121,17 @@ def train_loop(
     the loop's state from the checkpoint resumed (loss spikes, train/spikes.py)."""
     t = cfg.train
     hooks = HookList([hooks, StepProfile(cfg)]) if cfg.log.profile else hooks
-    last = t.stop_at_step or t.steps
     stop = stop if stop is not None else StopSignals(cfg)  # not entered: no handlers, no flag
-    log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
-    throughput, skips = Throughput(cfg, device), Skips(cfg)
-    spikes = Spikes(cfg, data, state, start)
-    blend = _blend_tokens(data, spikes.batch(start), t.global_batch)
-    saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
-    records = []
-    settled = Settled(job, optimizer, hooks)
-    interval = cfg.checkpoint.interval
+    loop = _Loop(cfg, job, optimizer, data, start, device, hooks, state)
     rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
     try:
         step = start
-        while step < last:  # a rollback (train/spikes.py) goes back to a checkpoint's step
+        while step < loop.last:  # a rollback (train/spikes.py) goes back to a checkpoint's step
             job.progress.step(step + 1)  # numbered as metrics.jsonl numbers it
             hooks.step_begin(step)
             began = time.perf_counter()
-            batch = data.batch(spikes.batch(step), t.global_batch, rows=rows)
-            result = job.train_step(optimizer, batch, step, hooks, spikes.limit())
+            batch = data.batch(loop.spikes.batch(step), t.global_batch, rows=rows)
+            result = job.train_step(optimizer, batch, step, hooks, loop.spikes.limit())
             done = step + 1
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
@@ -148,46 +140,77 @@ def train_loop(
             stopping = stop.agreed(deferred=job.post_validated) or done == t.stop_at_step
             job.progress.waited()
             evaluating = t.eval_interval and (done % t.eval_interval == 0 or done == t.steps)
-            saving = (interval and done % interval == 0) or stopping
-            now = bool(stopping or evaluating or saving or done == last)
-            for d, secs, final in settled(done, seconds, result, now):
-                record = _record(d, secs, final, throughput, blend, spikes.batch(d - 1))
-                spiked = spikes.observe(d, final, record)
-                if d == done and evaluating:
-                    job.progress.doing("eval")
-                    losses = _validate(cfg, job, data)
-                    record.update(losses)
-                    hooks.evaluated(d, losses)
-                ends = d == last or (d == done and stopping)
-                if d % cfg.log.interval == 0 or ends or "val_loss" in record:
-                    log.log(record)
-                log.progress(d, final.loss, record["tokens_per_s"], skips.total)
-                records.append(record)
-                skips.count(d, final.skipped, spiked, rolling_back=spikes.due)
-            if spikes.due:  # back to the newest checkpoint; a stop saves that step, no other
-                back = spikes.roll_back(done, saver, job, optimizer)
-                saving, done = (saving if back == done else stopping), back
-                blend = _blend_tokens(data, spikes.batch(done), t.global_batch)
-            if stopping and not stop.in_time():  # past checkpoint.preempt_grace_s: no save
-                saving = False
-            if saving:
-                job.progress.doing("save")
-                with stop.timed():
-                    saver.save(done, job.model, optimizer, spikes.state())
+            saving = bool(cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0)
+            loop.settle(done, seconds, result, stopping, evaluating, saving or stopping)
+            done = loop.save_or_stop(done, saving or stopping, stopping, stop)
             if stopping:
-                stop.saved_step = done if saving else None
-                stop.stopped_step = done
                 break
             step = done
     finally:
-        log.close()
+        loop.log.close()
     stop.finish()  # a deferred agreement still in flight (post-validation)
-    saver.wait()  # a background save finishes before the run reports it
-    if stop.saved_step in saver.failed:  # checkpoint.on_save_error=continue: nothing saved
+    loop.saver.wait()  # a background save finishes before the run reports it
+    if stop.saved_step in loop.saver.failed:  # checkpoint.on_save_error=continue: nothing saved
         stop.saved_step = None
     with job.full_weights():  # zero >= 1: the last step's weight gathers done; zero=3 whole
-        hooks.train_end(job, records)
-    return records
+        hooks.train_end(job, loop.records)
+    return loop.records
+
+
+class _Loop:
+    """What the training loop keeps across steps: the metrics log and its records, throughput,
+    skip counts, loss spikes and their rollbacks, the checkpoint saver."""
+
+    def __init__(self, cfg: Config, job: Job, optimizer, data, start, device, hooks, state):
+        self.cfg, self.job, self.optimizer, self.data, self.hooks = cfg, job, optimizer, data, hooks
+        self.last = cfg.train.stop_at_step or cfg.train.steps
+        self.log = MetricsLog(cfg, start, enabled=is_rank0())  # only rank 0 writes
+        self.throughput, self.skips = Throughput(cfg, device), Skips(cfg)
+        self.spikes = Spikes(cfg, data, state, start)
+        self.blend = _blend_tokens(data, self.spikes.batch(start), cfg.train.global_batch)
+        self.saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
+        self.records: list[dict] = []
+        self.settled = Settled(job, optimizer, hooks)
+
+    def settle(self, done: int, seconds, result, stopping, evaluating, saving) -> None:
+        """Log and count every step whose figures are known after step `done` (Settled), with
+        step `done`'s validation losses when `evaluating`."""
+        now = bool(stopping or evaluating or saving or done == self.last)
+        for d, secs, final in self.settled(done, seconds, result, now):
+            record = _record(d, secs, final, self.throughput, self.blend, self.spikes.batch(d - 1))
+            spiked = self.spikes.observe(d, final, record)
+            if d == done and evaluating:
+                self.job.progress.doing("eval")
+                losses = _validate(self.cfg, self.job, self.data)
+                record.update(losses)
+                self.hooks.evaluated(d, losses)
+            ends = d == self.last or (d == done and stopping)
+            if d % self.cfg.log.interval == 0 or ends or "val_loss" in record:
+                self.log.log(record)
+            self.log.progress(d, final.loss, record["tokens_per_s"], self.skips.total)
+            self.records.append(record)
+            self.skips.count(d, final.skipped, spiked, rolling_back=self.spikes.due)
+
+    def save_or_stop(self, done: int, saving: bool, stopping: bool, stop: StopSignals) -> int:
+        """After step `done`: roll back to the newest checkpoint if a spike asks for it, save
+        as due (a stop past checkpoint.preempt_grace_s saves nothing), mark where a stop ends.
+        Returns the step the run is at (a rollback's)."""
+        if self.spikes.due:  # back to the newest checkpoint; a stop saves that step, no other
+            back = self.spikes.roll_back(done, self.saver, self.job, self.optimizer)
+            saving, done = (saving if back == done else stopping), back
+            self.blend = _blend_tokens(
+                self.data, self.spikes.batch(done), self.cfg.train.global_batch
+            )
+        if stopping and not stop.in_time():
+            saving = False
+        if saving:
+            self.job.progress.doing("save")
+            with stop.timed():
+                self.saver.save(done, self.job.model, self.optimizer, self.spikes.state())
+        if stopping:
+            stop.saved_step = done if saving else None
+            stop.stopped_step = done
+        return done
 
 
 def _record(d: int, seconds: float, final, throughput: Throughput, blend, data_step: int) -> dict:
