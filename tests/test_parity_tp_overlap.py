@@ -44,6 +44,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # ring attention rounds differently: parity.LOW_LR, as tests/test_parity_cp.py
         ("cp2-tp2-gqa", 1, 2, [*OV, "parallel.cp=2", *GQA2, LOW_LR]),
         ("pp2-tp2-zb_h1-bf16", 1, 2, [*OV, *pp("zb_h1", 4), *BF16]),
+        # Seq1F1B's segments: each linear sees a segment, split over tp (LOW_LR: per-segment
+        # sums, as tests/test_parity_seq1f1b.py)
+        ("pp2-tp2-seq1f1b", 1, 2, [*OV, *pp("seq1f1b", 2), "parallel.seq_segments=2", LOW_LR]),
     ],
 }
 
