@@ -5,6 +5,7 @@ python -m benchmarks.bench train [--layers 4 --d-model 256 ...]
 python -m benchmarks.bench matmuls [--preset 124m --variant eager|transformers]
 python -m benchmarks.bench kernels [--preset default|124m --rounds 15]
 python -m benchmarks.bench tp
+python -m benchmarks.bench tp_overlap [--tp 2 4 --seq-len 256 --d-model 256 --rounds 15]
 python -m benchmarks.bench cp
 python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
@@ -32,6 +33,10 @@ SUBCOMMANDS = {
     "matmuls": ("bench_matmuls", "a training step's matmuls by shape: ms, GFLOP/s, page faults"),
     "kernels": ("bench_kernels", "CPU elementwise kernels megapipe computes its own way vs aten"),
     "tp": ("bench_tp", "tensor-parallel bytes per layer and dp=2 step-time overhead"),
+    "tp_overlap": (
+        "bench_tp_overlap",
+        "SP linears and a layer with the tp collectives overlapped or not: share of comm hidden",
+    ),
     "cp": ("bench_cp", "ring attention per-rank time vs one process, and overlap"),
     "pipeline": (
         "bench_pipeline",

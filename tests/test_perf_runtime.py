@@ -11,6 +11,9 @@ changes.
   runs (dp_overlap), and under zero=1 the weights' all-gather runs inside the optimizer step
   (param_gather_overlap False: the step waits for it). When parallel/data moves the gather to
   the next forward this test fails until the runtime says so.
+- The tp overlap: the runtime's `tp_comm_overlap` is parallel/tensor/overlap.TP_COMM_OVERLAP,
+  the SP linears take that path under parallel.tp_overlap, and the costs price it as hidden
+  behind the matmul chunks (only what outlasts them exposed).
 """
 
 from __future__ import annotations
@@ -177,3 +180,49 @@ def test_plan_prices_what_train_refuses(tmp_path, capsys):
     assert "not built yet" in captured.err
     assert "not built yet" in json.loads(captured.out)["detail"]["not_built"]
     assert train.main(["--config", small, "--dry-run", *over]) == 2
+
+
+def test_tp_comm_overlap_is_the_codes():
+    """The runtime's tp overlap is the code's (parallel/tensor/overlap.py exports it), and the
+    SP linears take the overlapped path exactly when parallel.tp_overlap's TPInfo says so
+    (tests/test_tp_overlap.py checks that path's ring steps under gloo)."""
+    from megapipe.parallel.tensor import overlap
+    from megapipe.parallel.tensor.layers import RowParallelLinear
+    from megapipe.parallel.tensor.sharding import TPInfo
+
+    assert MEGAPIPE.tp_comm_overlap == overlap.TP_COMM_OVERLAP
+    for lapped in (False, True):
+        tp = TPInfo(2, 0, None, True, None, lapped)
+        for layer in (ColumnParallelLinear(8, 8, True, tp), RowParallelLinear(8, 8, True, tp)):
+            assert layer._overlapped() == lapped
+
+
+def _tp_costs(runtime_name: str, *extra):
+    """(layer F, its forward GEMMs' seconds, the projection's tp_comm_s) at tp=8 with SP."""
+    from megapipe.perf.cost_terms import CALIBRATION, shapes
+    from megapipe.perf.costs import CostModel
+    from megapipe.perf.runtime import RUNTIMES
+
+    cfg = load_config(os.path.join(ROOT, "configs", "gpt2_1.3b.yaml"), [
+        "parallel.tp=8", "parallel.sequence_parallel=true", "train.dtype=bfloat16",
+        "parallel.dp=1", "parallel.pp=1", "parallel.microbatches=1", "train.global_batch=8", *extra,
+    ])  # fmt: skip
+    h100, runtime = load_cluster("h100"), RUNTIMES[runtime_name]
+    cm = CostModel(cfg, h100, runtime, CALIBRATION)
+    gemm_s = sum(cm.dev.gemm(m, n, k, 1, cm.c) for m, n, k in cm.gemm_shapes(shapes(cfg, None)))
+    step = project(cfg, h100, runtime, memory=False).breakdown["tp_comm_s"]
+    return cm.layer("none").F, gemm_s, step
+
+
+def test_overlapped_tp_collectives_are_priced_as_hidden_behind_their_matmul_chunks():
+    """parallel.tp_overlap on megapipe's runtime: a layer's SP collectives exposed only where
+    a ring step outlasts its chunk's matmul: less than the whole, never less than what the
+    matmuls cannot cover; a runtime without the overlap (Megatron 2021) pays it whole."""
+    (off, gemm_s, step_off), (on, _, step_on) = (
+        _tp_costs("megapipe", f"parallel.tp_overlap={v}") for v in ("false", "true")
+    )
+    assert on.compute == off.compute
+    assert max(0.0, off.tp - gemm_s) <= on.tp < off.tp, (on.tp, off.tp, gemm_s)
+    assert step_on < step_off
+    old = [_tp_costs("megatron2021", f"parallel.tp_overlap={v}")[0] for v in ("false", "true")]
+    assert old[0] == old[1] and old[0].tp > 0

@@ -22,6 +22,7 @@ from megapipe.config.checks_runtime import (
     check_params_dtype,
     check_post_validation,
     check_spikes,
+    check_tp_overlap,
     check_zero,
 )
 from megapipe.config.checks_runtime import require as _require
@@ -160,6 +161,7 @@ def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
     check_zero(cfg)
+    check_tp_overlap(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",

@@ -55,6 +55,18 @@ def check_params_dtype(cfg: Config) -> None:
     )
 
 
+def check_tp_overlap(cfg: Config) -> None:
+    """tp_overlap chunks SP's all-gather / reduce-scatter (parallel/tensor/overlap.py): it
+    needs both."""
+    p = cfg.parallel
+    require(
+        not p.tp_overlap or (p.sequence_parallel and p.tp > 1),
+        f"parallel.tp_overlap=true overlaps sequence parallelism's collectives, with "
+        f"parallel.tp={p.tp} and parallel.sequence_parallel={str(p.sequence_parallel).lower()}"
+        ": set parallel.sequence_parallel=true and parallel.tp>1, or parallel.tp_overlap=false",
+    )
+
+
 def check_not_built(cfg: Config) -> None:
     """Keys whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
@@ -63,7 +75,6 @@ def check_not_built(cfg: Config) -> None:
         "model.n_experts / parallel.ep (mixture of experts) is not built yet; set "
         "model.n_experts=0 and parallel.ep=1",
     )
-    require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
     require(
         cfg.train.params_dtype == "float32" or p.zero <= 1,
         f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "

@@ -121,7 +121,8 @@ class ParallelConfig:
     # (distributed optimizer); 2 also the reduced grads; 3 also the weights (gathered per block)
     zero: int = bounded(0, low=0, high=3)
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
-    # chunked decomposition (Wang et al., ASPLOS 2023); needs parallel.sequence_parallel
+    # chunked decomposition into tp ring steps (Wang et al., ASPLOS 2023; docs/parallelism.md);
+    # needs parallel.sequence_parallel=true and parallel.tp > 1
     tp_overlap: bool = False
     # expert-parallel ranks: each MoE layer's experts sharded over ep ranks of the data-parallel
     # group (must divide parallel.dp), tokens exchanged by all-to-all (docs/moe.md)

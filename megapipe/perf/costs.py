@@ -31,12 +31,16 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
 
 Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), priced by
 comm.ring_time on the tp group's link and not overlapped: per layer F two all-reduces of
-N·d·c (SP: two all-gathers and two reduce-scatters), B the same; the vocab-parallel embedding
-an all-reduce of its output, the cross entropy three all-reduces of N floats (ours: the max
-per chunk, then two of N), the head input grad an all-reduce in B. Context parallelism: the
-ring (parallel/context/ring.py) sends the K, V block (2·N·hkv·hd·c) cp−1 times per layer
-forward while a block is computed, so only max(0, transfer − block compute) per step is
-exposed; backward sends K, V and dK, dV, and the dK, dV home after the last step.
+N·d·c (SP: two all-gathers and two reduce-scatters), B the same; under parallel.tp_overlap on
+a runtime that overlaps them (runtime.tp_comm_overlap; Wang et al. 2023) each SP collective is
+tp − 1 ring steps of 1/tp of it, each beside the matmul of one sequence chunk of its linear
+(F: qkv, proj, fc1, fc2; B: their input-grad GEMMs), so only Σ max(0, step − chunk) is
+exposed; the vocab-parallel embedding an all-reduce of its output, the cross entropy three
+all-reduces of N floats (ours: the max per chunk, then two of N), the head input grad an
+all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends the K, V
+block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
+max(0, transfer − block compute) per step is exposed; backward sends K, V and dK, dV, and
+the dK, dV home after the last step.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ from megapipe.perf.runtime import Runtime, resolved
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
 # megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
 FUSED_HEAD_RUNTIMES = {"megapipe"}
+# SP's collective at each linear of a layer (gemm_shapes' order: qkv, proj, fc1, fc2): the
+# column linears gather their input and scatter its grad, the row linears the reverse
+SP_FORWARD = ("all_gather", "reduce_scatter", "all_gather", "reduce_scatter")
+SP_BACKWARD = ("reduce_scatter", "all_gather", "reduce_scatter", "all_gather")
 
 
 class CostModel:
@@ -94,15 +102,24 @@ class CostModel:
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
         return self.host.skewed(work) if self.host else work
 
-    def _tp_layer(self, x: Shapes) -> float:
-        """One direction's tp collectives of a layer (F or B: the same volume)."""
+    def _tp_layer(self, x: Shapes, gemm_s: list[float], kinds: tuple[str, ...]) -> float:
+        """One direction's exposed tp collectives of a layer (F or B: the same volume): under
+        tp overlap each linear's SP collective (`kinds`, in gemm_shapes' order) behind its
+        GEMM's chunks (`gemm_s`: their seconds), tp − 1 ring steps of 1/tp of the tensor each
+        overlapping one chunk's matmul (parallel/tensor/overlap.py)."""
         p = self.cfg.parallel
         if p.tp == 1:
             return 0.0
         act = x.n * self.cfg.model.d_model * self.c
-        if p.sequence_parallel:
+        if not p.sequence_parallel:
+            return 2 * self._tp("all_reduce", act)
+        if not (p.tp_overlap and self.rt.tp_comm_overlap):
             return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
-        return 2 * self._tp("all_reduce", act)
+        exposed = 0.0
+        for kind, seconds in zip(kinds, gemm_s, strict=True):
+            step = self._tp(kind, act) / (p.tp - 1)  # one ring step: 1/tp of the tensor
+            exposed += (p.tp - 1) * max(0.0, step - seconds / p.tp)
+        return exposed
 
     # -- a transformer layer -----------------------------------------------------------------
 
@@ -197,21 +214,19 @@ class CostModel:
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self.gemm_shapes(x)
-        tp = self._tp_layer(x)
+        fwd_s = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
+        dgrad_s = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
         f = Work(
-            compute=sum(dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms)
+            compute=sum(fwd_s)
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes)
             + act_f,
-            tp=tp,
+            tp=self._tp_layer(x, fwd_s, SP_FORWARD),
             cp=cp_f,
         )
         b = Work(
-            compute=sum(dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms)
-            + attn_b
-            + dev.mem(2 * elem)
-            + act_b,
-            tp=tp,
+            compute=sum(dgrad_s) + attn_b + dev.mem(2 * elem) + act_b,
+            tp=self._tp_layer(x, dgrad_s, SP_BACKWARD),
             cp=cp_b,
         )
         w = Work(

@@ -51,6 +51,11 @@ on published measurements. They differ in facts about the code, none fitted:
                   at zero=3 each block's weights all-gathered before its forward and again
                   for its backward, every microbatch (perf/data_parallel.py prices both as
                   traffic beside the compute).
+  tp overlap      sequence parallelism's all-gather / reduce-scatter decomposed into tp ring
+                  steps beside the linears' matmul chunks where parallel.tp_overlap asks
+                  for it (parallel/tensor/overlap.py, Wang et al. 2023: TP_COMM_OVERLAP, read
+                  here): only what a step's transfer outlasts its chunk's matmul is exposed
+                  (costs.CostModel._tp_layer). Megatron 2021 had no such overlap.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
 from megapipe.train.optim import device_adamw_kind
 
 ADAMW_BYTES = {"fused": 28.0, "foreach": 80.0}  # HBM bytes per float32 parameter of one step
@@ -85,6 +91,7 @@ class Runtime:
     adamw: str = ""  # ours: the AdamW kind the code runs on CUDA; "": optimizer_bytes as given
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
     param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
+    tp_comm_overlap: bool = False  # SP's collectives chunked beside the linears' matmuls
 
 
 MEGAPIPE = Runtime(
@@ -103,6 +110,7 @@ MEGAPIPE = Runtime(
     optimizer_bytes=ADAMW_BYTES[device_adamw_kind("cuda")] + NORM_CLIP_BYTES,
     adamw=device_adamw_kind("cuda"),
     param_gather_overlap=True,  # waited for per bucket on first use (zero2.py; pinned)
+    tp_comm_overlap=TP_COMM_OVERLAP,  # under parallel.tp_overlap (parallel/tensor/overlap.py)
 )
 
 MEGATRON_2021 = Runtime(

@@ -53,7 +53,8 @@ def build_chunks(cfg: Config, mesh, device, placement: Placement) -> list[GPT]:
 
 
 def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
-    tp = tp_info(mesh, cfg.parallel.sequence_parallel, cfg.train.seed)
+    p = cfg.parallel
+    tp = tp_info(mesh, p.sequence_parallel, cfg.train.seed, p.tp_overlap)
     model = GPT(
         cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
     )

@@ -59,7 +59,7 @@ def defer_weight_grads(model: nn.Module, key):
             q.key = before
 
 
-def _cast(*tensors):
+def autocast_operands(*tensors):
     """The dtype F.linear would compute in under autocast (bf16 on the GPU path), else as is."""
     device = tensors[0].device.type
     if not torch.is_autocast_enabled(device):
@@ -73,7 +73,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
-        x, weight, bias = _cast(x, weight, bias)
+        x, weight, bias = autocast_operands(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.owner, ctx.has_bias = owner, bias is not None
         with torch.autocast(x.device.type, enabled=False):
@@ -85,17 +85,25 @@ class _Linear(torch.autograd.Function):
         grad_out = grad_out.to(weight.dtype)
         grad_x = grad_out @ weight  # (..., in)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        key = ctx.owner.wgrad_queue.key
-        if key is not None:
-            ctx.owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
-            return grad_x, None, grad_b, None
-        weight_param = ctx.owner.weight
-        main = getattr(weight_param, "main_grad", None)
-        if main is not None:  # fused into the float32 main grad: no bf16 weight grad
-            _into_main(main, x, grad_out)
-            main_grad_arrived(weight_param)
-            return grad_x, None, grad_b, None
-        return grad_x, _weight_grad(x, grad_out, ctx.owner), grad_b, None
+        return grad_x, weight_grad_now_or_later(ctx.owner, x, grad_out), grad_b, None
+
+
+def weight_grad_now_or_later(owner: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    """The weight grad a linear's backward hands autograd: None where it is queued on `owner`
+    for a W action (the B action's key is set) or added into the float32 main grad (bf16
+    weights); else grad_outᵀ · x. The tp linears' backward (this one and the overlapped ones,
+    parallel/tensor/overlap.py) all end here."""
+    key = owner.wgrad_queue.key
+    if key is not None:
+        owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
+        return None
+    weight_param = owner.weight
+    main = getattr(weight_param, "main_grad", None)
+    if main is not None:  # fused into the float32 main grad: no bf16 weight grad
+        _into_main(main, x, grad_out)
+        main_grad_arrived(weight_param)
+        return None
+    return _weight_grad(x, grad_out, owner)
 
 
 def _into_main(main: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 With sequence parallelism (Korthikanti et al. 2022, §4.2.2) the column linear's f becomes an
 all-gather along the sequence and the row linear's g a reduce-scatter along it, so norms and
-dropout between them run on this rank's sequence chunk.
+dropout between them run on this rank's sequence chunk; with `parallel.tp_overlap` that
+collective runs chunk by chunk beside the linear's matmul (overlap.py, Wang et al. 2023).
 
 With `TPInfo()` (size 1) each layer is exactly nn.Linear / nn.Embedding, so the single-process
 model is written against these classes and tensor parallelism only changes `tp`.
@@ -23,6 +24,7 @@ from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
 from megapipe.parallel.precision import add_bias
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
+from megapipe.parallel.tensor.overlap import gather_linear, linear_scatter
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
 
@@ -66,6 +68,11 @@ class ParallelLinear(ShardedModule):
         if self._builtin:
             return F.linear(x, self.weight, bias)
         return linear(x, self.weight, bias, self)
+
+    def _overlapped(self) -> bool:
+        """SP's collective overlapped with this linear's matmul (overlap.py): tp_overlap on,
+        and the deferrable linear (the built-in one splits no B/W the ring could follow)."""
+        return self.tp.sp and self.tp.overlap and not self._builtin
 
     def keep_eager(self) -> None:
         """Run outside compiled graphs from now on: a graph break where compiled code calls
@@ -114,7 +121,10 @@ class ColumnParallelLinear(ParallelLinear):
             self.register_parameter("bias", None)
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._linear(enter_column(x, self.tp), self.bias)
+        if self._overlapped():  # (B, T/tp, in) -> (B, T, out/tp), the gather on the ring
+            y = gather_linear(x, self.weight, self.bias, self)
+        else:
+            y = self._linear(enter_column(x, self.tp), self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
@@ -142,7 +152,10 @@ class RowParallelLinear(ParallelLinear):
             self.register_parameter("bias", None)
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
-        y = exit_row(self._linear(x, None), self.tp)
+        if self._overlapped():  # (B, T, in/tp) -> (B, T/tp, out), the scatter on the ring
+            y = linear_scatter(x, self.weight, self)
+        else:
+            y = exit_row(self._linear(x, None), self.tp)
         return y if self.bias is None else add_bias(y, self.bias)
 
 

@@ -85,11 +85,11 @@ def replayable(fn, tp):
     return run
 
 
-def tp_info(mesh, sequence_parallel: bool = False, seed: int = 0) -> TPInfo:
+def tp_info(mesh, sequence_parallel: bool = False, seed: int = 0, overlap: bool = False) -> TPInfo:
     """TPInfo of this rank of `mesh` (None: one process), with the dropout RNG tracker seeded by
-    (seed, tp_rank)."""
+    (seed, tp_rank); `overlap`: parallel.tp_overlap."""
     if mesh is None or mesh.size("tp") == 1:
         return NO_TP
     tp_rank = mesh.coord("tp")
     rng = TPRNGTracker(seed, tp_rank, mesh.device_type)
-    return TPInfo(mesh.size("tp"), tp_rank, mesh.group("tp"), sequence_parallel, rng)
+    return TPInfo(mesh.size("tp"), tp_rank, mesh.group("tp"), sequence_parallel, rng, overlap)

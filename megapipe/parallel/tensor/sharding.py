@@ -20,7 +20,8 @@ class TPInfo:
 
     `sequence_parallel` turns on Megatron SP (Korthikanti et al. 2022, §4.2.2): activations
     outside the tp-split regions are split along the sequence. `rng` is the tracker whose
-    forked stream drives dropout inside tp-split regions (see random.py).
+    forked stream drives dropout inside tp-split regions (see random.py). `overlap`: the SP
+    linears run their collective chunk by chunk beside the matmul (overlap.py).
     """
 
     size: int = 1
@@ -28,6 +29,7 @@ class TPInfo:
     group: object = None  # torch.distributed ProcessGroup when size > 1
     sequence_parallel: bool = False
     rng: object = None  # random.TPRNGTracker when size > 1
+    overlap: bool = False  # parallel.tp_overlap: SP's collectives chunked beside the matmuls
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
