@@ -7,7 +7,9 @@ on published measurements. They differ in facts about the code, none fitted:
   attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
                   bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
                   GEMMs with the s² scores in HBM, its fused scale-mask-softmax kernel and the
-                  attention dropout in between (FlashAttention came in 2022).
+                  attention dropout in between (FlashAttention came in 2022). The fused
+                  kernel's own rate is the profile's (attention_kernel: ours "flash", PyTorch
+                  SDPA's flash backend, FlashAttention-2 on Hopper).
   residual bytes  ours keeps the residual stream and norms in float32 (config/memory.py);
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
@@ -92,6 +94,10 @@ class Runtime:
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
     param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
     tp_comm_overlap: bool = False  # SP's collectives chunked beside the linears' matmuls
+    # the fused attention kernel: "flash" (FlashAttention-2 class: PyTorch SDPA's flash
+    # backend) or "cudnn" (cuDNN's, Transformer Engine's choice on Hopper); the profile
+    # prices each (cluster.Cluster.attention_factor)
+    attention_kernel: str = "flash"
 
 
 MEGAPIPE = Runtime(
