@@ -28,6 +28,9 @@ from tests.util import assert_state_close
 
 BF16 = ["train.params_dtype=bfloat16", "train.dtype=bfloat16", LOW_LR]
 MB2 = ["parallel.microbatches=2"]
+Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
+SP = ["parallel.sequence_parallel=true"]
+CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 LOSS_REL = 5e-5  # measured <= 7e-6
 WEIGHT_REL = 1.5e-2  # measured <= 7.9e-3 (zb_v's norm bias)
 BF16_SPLIT_REL = 0.25  # measured <= 0.125 (tp2-sp's attention output bias)
@@ -50,11 +53,27 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-interleaved", 1, 1, pp("interleaved_1f1b", 4, 2)),
         ("pp2-seq1f1b", 1, 1, [*pp("seq1f1b", 2), "parallel.seq_segments=2"]),
         ("cp2", 1, 1, ["parallel.cp=2"]),
+        ("dp2-zero2", 2, 1, [*MB2, *Z2]),
+        ("dp2-zero3", 2, 1, [*MB2, *Z3]),
     ],
     4: [
         ("dp2-pp2-zb_h1-zero1", 2, 1, [*pp("zb_h1", 2), "parallel.zero=1"]),
         ("tp2-pp2-1f1b-sp", 1, 2, [*pp("1f1b", 2), "parallel.sequence_parallel=true"]),
         ("dp2-pp2-seq1f1b", 2, 1, [*pp("seq1f1b", 2), "parallel.seq_segments=2"]),
+        # ZeRO-2/3 under bf16 weights (parallel/data/zero2.py, zero3.py): float32 main grads
+        # reduce-scattered, float32 main params stepped per shard, bf16 weight gathers
+        ("dp4-zero2", 4, 1, [*MB2, *Z2]),
+        ("dp4-zero3-clip", 4, 1, [*MB2, *Z3, *CLIP]),
+        ("dp2-tp2-sp-zero2", 2, 2, [*MB2, *Z2, *SP]),
+        ("dp2-tp2-sp-zero3", 2, 2, [*MB2, *Z3, *SP]),
+        ("dp2-pp2-1f1b-zero2-clip", 2, 1, [*pp("1f1b", 2), *Z2, *CLIP]),
+        ("dp2-pp2-1f1b-zero3", 2, 1, [*pp("1f1b", 4), *Z3]),
+        ("dp2-pp2-zb_h1-zero2", 2, 1, [*pp("zb_h1", 4), *Z2]),
+        ("dp2-pp2-zb_h1-zero3", 2, 1, [*pp("zb_h1", 4), *Z3]),
+        ("dp2-pp2-interleaved-zero2", 2, 1, [*pp("interleaved_1f1b", 2, 2), *Z2]),
+        ("dp2-pp2-interleaved-zero3", 2, 1, [*pp("interleaved_1f1b", 2, 2), *Z3]),
+        ("dp2-cp2-zero2", 2, 1, [*MB2, *Z2, "parallel.cp=2"]),
+        ("dp2-cp2-zero3", 2, 1, [*MB2, *Z3, "parallel.cp=2"]),
     ],
 }
 
@@ -65,8 +84,8 @@ def reference(extra: tuple[str, ...]) -> dict:
 
 
 def _reference_overrides(extra: list[str]) -> tuple[str, ...]:
-    """The one-process config of a case: its microbatches, no mesh."""
-    return tuple(x for x in extra if x.startswith("parallel.microbatches"))
+    """The one-process config of a case: its microbatches and clip, no mesh."""
+    return tuple(x for x in extra if x.startswith(("parallel.microbatches", "train.grad_clip")))
 
 
 @pytest.mark.spawn
