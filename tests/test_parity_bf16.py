@@ -147,6 +147,51 @@ def test_bf16_checkpoints_hold_float32_main_params(gloo_pool, tmp_path):
     assert any((w != w.bfloat16().float()).any() for w in weights)  # not the bf16 weights
 
 
+def cross_zero_case(root: str) -> dict:
+    """bf16 zero=3 under dp2-pp2 (tied table on two stages): 4 steps straight; 2 + 2 resumed;
+    2 steps then 2 as float32 zero=0, and as bf16 zero=1; and both of those 2 steps, then 2
+    as bf16 zero=3."""
+    import train
+    from tests.parity import tiny_config
+
+    def run(where, *extra):
+        cfg = tiny_config([*BF16, *CKPT, *extra], f"{root}/{where}")
+        return [r["loss"] for r in train.run(cfg)]
+
+    stop, z3, z1 = "train.stop_at_step=2", "parallel.zero=3", "parallel.zero=1"
+    fp32 = [*FP32, "parallel.zero=0"]
+    return {
+        "full": run("full", z3, "checkpoint.resume=none"),
+        "split": run("split", z3, stop) + run("split", z3),
+        "to_fp32": run("to_fp32", z3, stop) + run("to_fp32", *fp32),
+        "to_zero1": run("to_zero1", z3, stop) + run("to_zero1", z1),
+        "from_fp32": run("from_fp32", stop, *fp32) + run("from_fp32", z3),
+        "from_zero1": run("from_zero1", stop, z1) + run("from_zero1", z3),
+    }
+
+
+@pytest.mark.spawn
+def test_bf16_zero3_checkpoints_cross_load(gloo_pool, tmp_path):
+    """A bf16 zero=3 checkpoint holds the float32 main params under logical names: it resumes
+    bit for bit, resumes a float32 zero=0 run (bf16's bound, as above) and a bf16 zero=1 run
+    (the same float32 state: `LOSS_REL`), and the reverse."""
+    from megapipe.train import checkpoint
+
+    got = gloo_pool(4).run(cross_zero_case, str(tmp_path))[0]
+    assert got["split"] == got["full"]
+    bounds = {"to_fp32": 1e-3, "from_fp32": 1e-3, "to_zero1": LOSS_REL, "from_zero1": LOSS_REL}
+    for name, rel in bounds.items():
+        for step, (a, b) in enumerate(zip(got[name], got["full"])):
+            assert abs(a - b) <= rel * abs(b), f"{name} step {step}: {a} != {b}"
+    path = checkpoint.complete_checkpoints(str(tmp_path / "split" / "checkpoints"))[0]
+    _, model = checkpoint.load_for_inference(path)
+    names = {n for n, _ in model.named_parameters()}
+    assert "embed.tok.weight" in names and "layers.0.attn.qkv.weight" in names  # logical
+    weights = [p.detach() for p in model.parameters()]
+    assert all(w.dtype == torch.float32 for w in weights)
+    assert any((w != w.bfloat16().float()).any() for w in weights)  # not the bf16 weights
+
+
 @pytest.mark.parametrize(
     "overrides,match",
     [
