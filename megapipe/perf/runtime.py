@@ -47,10 +47,12 @@ on published measurements. They differ in facts about the code, none fitted:
                   (parallel/data/zero2.OverlappedGatherReducer; tests/test_perf_runtime.py pins
                   it), as Megatron-Core's --overlap-param-gather does: only the first
                   bucket's is exposed.
-  zero 2, 3       grads reduce-scattered every microbatch (each rank keeps its shard only), and
-                  at zero=3 each block's weights all-gathered before its forward and again
-                  for its backward, every microbatch (perf/data_parallel.py prices both as
-                  traffic beside the compute).
+  zero 2, 3       grads reduce-scattered once per step in float32, in the last backward, as at
+                  zero=1 (the earlier microbatches accumulate local grads; each rank keeps its
+                  shard after), and at zero=3 each block's weights all-gathered in the
+                  weights' dtype before its forward and again for its backward, every
+                  microbatch (perf/data_parallel.py prices them as traffic beside the compute;
+                  tests/test_perf_runtime.py pins the dtypes and counts).
 """
 
 from __future__ import annotations
