@@ -35,6 +35,7 @@ MB2 = ["parallel.microbatches=2"]
 Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
 SP = ["parallel.sequence_parallel=true"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
+GQA2 = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64", "model.n_kv_heads=2"]
 LOSS_REL = 5e-5  # measured <= 1.8e-5 (dp4 zero=2)
 WEIGHT_REL = 1.5e-2  # measured <= 1.3e-2 (dp2-pp2 1f1b zero=2 clipped: a norm bias)
 BF16_SPLIT_REL = 0.25  # measured <= 0.125 (tp2-sp's attention output bias)
@@ -59,6 +60,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2", 1, 1, ["parallel.cp=2"]),
         ("dp2-zero2", 2, 1, [*MB2, *Z2]),
         ("dp2-zero3", 2, 1, [*MB2, *Z3]),
+        ("dp2-zero3-full", 2, 1, [*MB2, *Z3, "recompute.mode=full"]),
     ],
     4: [
         ("dp2-pp2-zb_h1-zero1", 2, 1, [*pp("zb_h1", 2), "parallel.zero=1"]),
@@ -78,6 +80,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-pp2-interleaved-zero3", 2, 1, [*pp("interleaved_1f1b", 2, 2), *Z3]),
         ("dp2-cp2-zero2", 2, 1, [*MB2, *Z2, "parallel.cp=2"]),
         ("dp2-cp2-zero3", 2, 1, [*MB2, *Z3, "parallel.cp=2"]),
+        ("dp2-pp2-zb_v-zero3", 2, 1, [*pp("zb_v", 2, 2), *Z3]),
+        ("dp2-pp2-seq1f1b-zero2", 2, 1, [*pp("seq1f1b", 2), "parallel.seq_segments=2", *Z2]),
+        ("dp2-tp2-gqa-sp-zero3", 2, 2, [*MB2, *Z3, *SP, *GQA2]),
     ],
 }
 
@@ -88,8 +93,9 @@ def reference(extra: tuple[str, ...]) -> dict:
 
 
 def _reference_overrides(extra: list[str]) -> tuple[str, ...]:
-    """The one-process config of a case: its microbatches and clip, no mesh."""
-    return tuple(x for x in extra if x.startswith(("parallel.microbatches", "train.grad_clip")))
+    """The one-process config of a case: its model, microbatches and clip, no mesh."""
+    kept = ("model.", "parallel.microbatches", "train.grad_clip")
+    return tuple(x for x in extra if x.startswith(kept))
 
 
 @pytest.mark.spawn
