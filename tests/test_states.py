@@ -1,9 +1,9 @@
 """State bytes per parameter (config/states.py) by train.params_dtype × parallel.zero, pinned to
 issue 33's targets at d = dp·cp = 4 (float32 zero1 10; bf16 zero1 9 = Megatron's 6 + 12/d, zero2
 6, zero3 4.5), and carried into the one memory plan per rank, zero=3's gathered blocks included.
-Pure arithmetic: quick tier; the configs are the tiny config with the keys set after loading
-(bf16 weights need train.dtype=bfloat16 to pass the checks). What a run holds at each layout is
-measured in tests/test_zero23.py (test_bytes_per_parameter_follow_zero)."""
+Pure arithmetic: quick tier. The layouts whose runtime is not built yet (bf16, zero 2/3) are
+refused by the config checks, so their configs here are the tiny config with the keys set after
+loading."""
 
 from __future__ import annotations
 

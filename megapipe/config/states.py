@@ -19,10 +19,8 @@ multiple of d (ceil(n/d) per rank; the padding, < d elements per bucket, is left
 
 zero=3 also holds, while a block runs, that block's full (gathered) weights, and the next
 block's, prefetched while it runs (parallel/data: one block gathered plus the next): twice the
-rank's largest block in the weights' dtype (`gathered_bytes`). At zero>=2 the grads held over
-the step are the reduced shard; the local full-size grads a rank accumulates from the step's
-first backward to its reduce-scatter (float32 .grad, or bf16 weights' float32 main-grad buffer,
-freed after it: parallel/data/zero2.py) are transient within the step and left out.
+rank's largest block in the weights' dtype (`gathered_bytes`). Grads of a bucket in flight
+before their reduce-scatter, at zero>=2, are transient and left out.
 """
 
 from __future__ import annotations

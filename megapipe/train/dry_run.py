@@ -101,8 +101,7 @@ def _notes(cfg: Config) -> list[str]:
     notes = [
         f"(memory per rank: {weights} B/parameter, float32 grads 4, AdamW's two float32 "
         f"moments 8{main}; parallel.zero shards over dp·cp the optimizer state (1), the grads "
-        "too (2: the local full grads of the backward before the reduce-scatter left out), the "
-        "weights too (3, plus the largest block gathered twice for the prefetch); "
+        "too (2), the weights too (3, plus the largest block gathered twice for the prefetch); "
         "activations: what the model's "
         f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
         f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})"
