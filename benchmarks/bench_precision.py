@@ -3,13 +3,14 @@
     python -m benchmarks.bench precision [--dp 4 --steps 60 --skip-loss --out F.json]
 
 1. Bytes per parameter held at dp=`--dp` (gloo workers, one thread each, the tiny config made
-   larger: `add_model_args`), for float32 and bf16 weights at zero=0 and zero=1, each job
-   built by train/build.py's `build()` and trained two steps: weights (the parameters' own
-   storage), grads (the distinct storages of the grads the optimizer reads, right before the
-   step: float32 .grad or bucket views; bf16: the float32 main-grad buffer), optimizer (AdamW's
-   moment tensors plus float32 main params: a copy per parameter at zero=0, the owned shard at
-   zero=1). The largest rank, against the issue's targets (Megatron's 4 + 4 + 8/d and
-   2 + 4 + 12/d).
+   larger: `add_model_args`), for float32 and bf16 weights at zero 0-3, each job built by
+   train/build.py's `build()` and trained two steps: weights (the parameters' resident storage
+   and zero=3's master shards, after the step), grads (the distinct storages of the grads the
+   optimizer reads, right before the step: float32 .grad or bucket views; bf16: the float32
+   main-grad buffer; zero>=2: the reduce-scattered shards, the main grads being freed),
+   optimizer (AdamW's moment tensors plus float32 main params: a copy per parameter at zero=0,
+   the owned shard at zero>=1). The largest rank, against the issue's targets (Megatron's
+   4 + 4 + 8/d and 2 + 4 + 12/d; bf16 zero=2 2 + 16/d, zero=3 18/d).
 2. The loss of the quick-start config (configs/shakespeare_tiny.yaml, data/shakespeare) over
    `--steps` steps, run as a user runs it (`train.py`, one process): float32 weights without
    autocast, float32 weights with bf16 autocast, bf16 weights; the largest relative gap of each
@@ -41,8 +42,13 @@ from megapipe.config import load_config
 from megapipe.parallel.precision import grad_of
 from megapipe.train.hooks import TrainHooks
 
-LAYOUTS = [("float32", 0), ("float32", 1), ("bfloat16", 0), ("bfloat16", 1)]
-TARGETS = {("float32", 1): 10.0, ("bfloat16", 1): 9.0}  # issue 33's, at dp=4
+LAYOUTS = [(dtype, zero) for dtype in ("float32", "bfloat16") for zero in range(4)]
+TARGETS = {  # issue 33's, at dp=4
+    ("float32", 1): 10.0,
+    ("bfloat16", 1): 9.0,
+    ("bfloat16", 2): 6.0,
+    ("bfloat16", 3): 4.5,
+}
 
 
 def _config(args, params_dtype: str, zero: int):
@@ -60,11 +66,12 @@ def _config(args, params_dtype: str, zero: int):
 class _GradBytes(TrainHooks):
     """The grad storage the optimizer reads, seen right before each step (the core's hook)."""
 
-    def __init__(self, model) -> None:
-        self.model, self.most = model, 0
+    def __init__(self, model, reducer) -> None:
+        self.model, self.reducer, self.most = model, reducer, 0
 
     def optimizer_begin(self) -> None:
         grads = [g for g in map(grad_of, self.model.parameters()) if g is not None]
+        grads += getattr(self.reducer, "shards", list)()  # zero>=2
         self.most = max(self.most, storage_bytes(grads))
 
 
@@ -88,7 +95,8 @@ def _measure(args) -> list[dict]:
     for params_dtype, zero in LAYOUTS:
         cfg = _config(args, params_dtype, zero)
         job = build(cfg, ParallelMesh(MeshSizes.of(cfg)), "cpu")
-        optimizer, hooks = job.optimizer(), _GradBytes(job.model)
+        reducer = job.engine.reducer
+        optimizer, hooks = job.optimizer(), _GradBytes(job.model, reducer)
         data = build_data(cfg.data, cfg.model, cfg.train.seed)
         for step in range(2):
             job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step, hooks)
@@ -96,7 +104,7 @@ def _measure(args) -> list[dict]:
         out.append({
             "params_dtype": params_dtype, "zero": zero,
             "params": sum(p.numel() for p in params),
-            "weights": sum(p.numel() * p.element_size() for p in params),
+            "weights": storage_bytes([*params, *getattr(reducer, "master", [])]),
             "grads": hooks.most, "optimizer": _optimizer_bytes(optimizer),
         })  # fmt: skip
     return out

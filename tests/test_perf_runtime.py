@@ -14,6 +14,9 @@ changes.
 - The tp overlap: the runtime's `tp_comm_overlap` is parallel/tensor/overlap.TP_COMM_OVERLAP,
   the SP linears take that path under parallel.tp_overlap, and the costs price it as hidden
   behind the matmul chunks (only what outlasts them exposed).
+- ZeRO-2/3 traffic (gloo, dp=2): one float32 reduce-scatter per bucket per step (grad_bytes,
+  under bf16 weights too), the weight all-gathers in the weights' dtype (param_bytes), zero=3's
+  per block and microbatch; the projection prices no per-microbatch reduction at zero=2.
 """
 
 from __future__ import annotations
@@ -153,9 +156,57 @@ def test_the_overlaps_are_the_codes(gloo_pool, zero):
             assert (got["gathers_in_flight"] > 0) == MEGAPIPE.param_gather_overlap, got
 
 
+def traffic(overrides: list[str]) -> dict:
+    """One dp=2 step's collectives (op, bytes), and each bucket's padded flat size."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.build import build
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    torch.manual_seed(cfg.train.seed)
+    job = build(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
+    reducers = [r for r in job.engine.reducers if r is not None]
+    optimizer = job.optimizer()
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    job.train_step(optimizer, data.batch(0, cfg.train.global_batch), 0)  # gathers pending after
+    C.COUNTER = []
+    try:
+        job.train_step(optimizer, data.batch(1, cfg.train.global_batch), 1)
+    finally:
+        calls, C.COUNTER = C.COUNTER, None
+    padded = [r.size * -(-b.numel // r.size) for r in reducers for b in r.buckets]
+    return {"calls": calls, "padded": padded}
+
+
+ZERO23 = [("bfloat16", 2), ("bfloat16", 3), ("float32", 2), ("float32", 3)]
+
+
+@pytest.mark.spawn
+def test_zero23_traffic_is_the_codes(gloo_pool):
+    """What perf/data_parallel.py prices at zero 2 and 3 is what a step sends (gloo, dp=2, two
+    microbatches): one float32 reduce-scatter per bucket per step (grad_bytes: float32 main
+    grads under bf16 weights too), and every weight all-gather in the weights' dtype
+    (param_bytes: bf16 under bf16 weights): one per bucket after the step at zero=2, at
+    zero=3 each block's for its forward and its backward, each microbatch."""
+    for params_dtype, zero in ZERO23:
+        dtypes = [f"train.params_dtype={params_dtype}", f"train.dtype={params_dtype}"]
+        overrides = ["parallel.dp=2", "parallel.microbatches=2", f"parallel.zero={zero}", *dtypes]
+        rt = resolved(MEGAPIPE, params_dtype, params_dtype)
+        for got in gloo_pool(2).run(traffic, overrides):
+            sent = {op: sorted(b for o, b in got["calls"] if o == op) for op, _ in got["calls"]}
+            padded = sorted(got["padded"])
+            assert sent["reduce_scatter"] == [n * rt.grad_bytes for n in padded], sent
+            gathers = [n * rt.param_bytes for n in padded]
+            if zero == 2:
+                assert sent["all_gather"] == gathers, sent
+            else:  # every microbatch: each block for its forward, again for its backward
+                assert set(sent["all_gather"]) <= set(gathers), sent
+                assert len(sent["all_gather"]) > 2 * len(gathers), sent
+
+
 def test_projection_prices_the_layouts(tmp_path):
-    """bf16 weights drop the casts (a faster step than float32 weights); zero 2 and 3 add the
-    per-microbatch collectives; the peak falls with each level (config/states.py)."""
+    """bf16 weights drop the casts (a faster step than float32 weights); zero=3 adds the
+    per-microbatch weight gathers (zero=2 reduce-scatters once per step, as zero=1: pinned by
+    test_zero23_traffic_is_the_codes); the peak falls with each level (config/states.py)."""
     cluster = load_cluster("h100", 8)
     base = ["parallel.dp=8", "parallel.microbatches=4", f"run.dir={tmp_path}"]
     out = {}
@@ -166,13 +217,13 @@ def test_projection_prices_the_layouts(tmp_path):
     f32, z1, z2, z3 = out.values()
     assert z1["step_time_s"] < f32["step_time_s"]
     every = [p["detail"]["dp_per_microbatch_max_rank_s"] for p in out.values()]
-    assert every[0] == every[1] == 0 < every[2] < every[3]
+    assert every[0] == every[1] == every[2] == 0 < every[3]
     peaks = [p["peak_memory_gib"] for p in out.values()]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
 
 
 def test_plan_prices_what_train_refuses(tmp_path, capsys):
-    over = ["--train.params_dtype=bfloat16", "--parallel.zero=3", "--parallel.dp=8"]
+    over = ["--model.n_experts=4", "--parallel.ep=2", "--parallel.dp=2"]
     small = os.path.join(ROOT, "configs", "gpt2_124m.yaml")
     argv = ["project", "--config", small, "--gpu", "h100", *over, "--json"]
     assert plan.main(argv) == 0

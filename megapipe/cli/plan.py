@@ -76,7 +76,7 @@ def run_project(args: argparse.Namespace, overrides: list[str]) -> int:
     cluster = load_cluster(args.gpu, args.gpus_per_node)
     if args.runtime not in RUNTIMES:
         raise UsageError(f"unknown --runtime {args.runtime!r}: choose one of {', '.join(RUNTIMES)}")
-    # a layout whose runtime is still being built (train.params_dtype, parallel.zero 2/3) is
+    # a config whose runtime is still being built (config/checks_runtime.check_not_built) is
     # priced all the same, as the layout, and said so
     cfg = load_config(args.config, overrides, built_only=False)
     began = time.perf_counter()

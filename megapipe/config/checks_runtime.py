@@ -75,12 +75,6 @@ def check_not_built(cfg: Config) -> None:
         "model.n_experts / parallel.ep (mixture of experts) is not built yet; set "
         "model.n_experts=0 and parallel.ep=1",
     )
-    require(
-        cfg.train.params_dtype == "float32" or p.zero <= 1,
-        f"train.params_dtype=bfloat16 with parallel.zero={p.zero} is not built yet (bf16 "
-        "weights shard their main params at zero=1); set parallel.zero=0 or 1, or "
-        "train.params_dtype=float32",
-    )
 
 
 def not_built(cfg: Config) -> str | None:

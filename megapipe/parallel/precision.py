@@ -14,7 +14,10 @@ path accumulates into it in place: the linears' weight grads (now or in a Zero B
 gradient-accumulation fusion; every other grad autograd makes (norms, biases, embeddings, the
 fused head's) by a post-accumulate-grad hook that adds the bf16 grad into it and drops it. The
 optimizer steps float32 main params (`MainParamOptimizer` here for zero=0, the owned shard
-only under zero=1: parallel/data/zero.py) and writes them back into the bf16 weights.
+only under zero>=1: parallel/data/zero.py, zero2.py, zero3.py) and writes them back into the
+bf16 weights (their shard under zero=3). Under zero>=2 the buffer lives only from a step's first
+forward to its reduce-scatter (`MainGrads.release` / `ensure`), as Megatron-Core's grad buffer
+would if it were sharded: what is held over the step is each rank's float32 shard.
 Reductions, the grad norm and the clip read `grad_of(p)`: the main grad where there is one.
 """
 
@@ -70,6 +73,18 @@ class MainGrads:
             p.main_grad_hooks = []  # called when a backward has added into it (the reducer)
             p.register_post_accumulate_grad_hook(_into_main_grad)
             offset += p.numel()
+
+    def release(self) -> None:
+        """Free the buffer's storage (parallel.zero >= 2 once the grads are reduce-scattered:
+        each rank then holds only its shard); the `main_grad` views stay, storage-less."""
+        self.flat.untyped_storage().resize_(0)
+
+    def ensure(self) -> None:
+        """The buffer allocated again and zeroed, if `release` freed it (before a backward)."""
+        storage = self.flat.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.flat.numel() * self.flat.element_size())
+            self.flat.zero_()
 
 
 def _into_main_grad(param: torch.Tensor) -> None:

@@ -6,12 +6,16 @@ dtypes).
 - zero=0: each chunk's grads all-reduced in buckets; zero>=1: reduce-scattered (Rajbhandari
   et al. 2020 §5; Megatron's distributed optimizer), launched during the chunk's last backward
   (perf/model._dp_end times when they end).
-- zero>=2: a rank keeps only its shard of the reduced grads, so every microbatch's grads are
-  reduce-scattered, not just the last's: m − 1 more reductions per chunk (`per_microbatch`).
+- zero>=2: a rank keeps only its shard of the reduced grads after the step's reduction; the
+  earlier microbatches accumulate local grads (float32 .grad, or bf16 weights' float32 main
+  grads) and the reduce-scatter runs once, in the last backward, as at zero=1
+  (parallel/data/zero2.py; Megatron's distributed optimizer and DeepSpeed's ZeRO-2 under
+  gradient accumulation): no more reductions than zero=1 (tests/test_perf_runtime.py pins it).
 - zero=3: the weights are sharded too: each block's are all-gathered before its forward and
   again before its backward, every microbatch (the gathered copy is freed in between): 2·m
-  all-gathers of the rank's weights in their dtype, prefetched a block ahead, so they run
-  beside the compute (`per_microbatch`); no weight all-gather after the step.
+  all-gathers of the rank's weights in their dtype (bf16 under train.params_dtype=bfloat16),
+  prefetched a block ahead, so they run beside the compute (`per_microbatch`); no weight
+  all-gather after the step. The reductions stay float32 (`grad_bytes`) at every level.
 - The optimizer: AdamW over the rank's parameters or its 1/(dp·cp) shard at the runtime's
   bytes per parameter, the global grad norm's tree all-reduce (latency only), and at zero 1
   and 2 the all-gather of the updated weights in their dtype, exposed unless the runtime
@@ -40,7 +44,7 @@ class DPPlan:
     total: list[float]  # per rank
     tied: float  # the tied embedding's all-reduce between the first and last stage
     # per rank: seconds of the collectives issued every microbatch besides the last one's
-    # reduction (zero>=2's earlier reduce-scatters, zero=3's weight gathers)
+    # reduction (zero=3's weight gathers)
     per_microbatch: list[float]
 
 
@@ -74,17 +78,16 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
         table = -(-m.vocab_size // p.tp) * m.d_model
         tied = ring_time("all_reduce", table * grad_bytes, 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
-    every = _per_microbatch(cfg, rt, link, held, chunk)
+    every = _per_microbatch(cfg, rt, link, held)
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
 
 
-def _per_microbatch(cfg: Config, rt: Runtime, link, held, chunk) -> list[float]:
-    """Per rank, zero>=2's reduce-scatters of the m − 1 earlier microbatches and zero=3's two
-    weight all-gathers per microbatch (module docstring)."""
+def _per_microbatch(cfg: Config, rt: Runtime, link, held) -> list[float]:
+    """Per rank, zero=3's two weight all-gathers per microbatch (module docstring)."""
     s, m = state_layout(cfg), cfg.parallel.microbatches
     out = []
-    for per_chunk, times in zip(held, chunk):
-        t = (m - 1) * sum(times) if s.grad_shards > 1 else 0.0
+    for per_chunk in held:
+        t = 0.0
         if s.weight_shards > 1:
             t += 2 * m * sum(ring_time("all_gather", n * rt.param_bytes, s.d, link)
                              for n in per_chunk)  # fmt: skip

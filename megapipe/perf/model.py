@@ -19,8 +19,8 @@ A step, as our runtime runs it (docs/architecture.md, "One training step"):
    that backward's end plus one bucket, one chunk after another, whatever of it outlasts the
    rank's pipeline work being exposed; then the tied embedding's all-reduce between the first
    and last stage. A runtime without overlap (runtime.py) starts it when the rank's pipeline
-   work ends. zero>=2's reduce-scatters of the earlier microbatches and zero=3's weight
-   gathers run beside the compute from the step's start (exposed only past it). Without a
+   work ends. zero=3's weight gathers of every microbatch run beside the compute from the
+   step's start (exposed only past it); zero=2 reduce-scatters once, as zero=1. Without a
    pipeline or tp, a measured profile's ranks also wait `step_skew` of the step's compute there.
 3. The optimizer: the global grad norm (a tree all-reduce, latency only), AdamW over the
    rank's parameters (or its 1/(dp·cp) shard) at the runtime's bytes per parameter, and under
@@ -192,7 +192,7 @@ def project(
             "pp": p2p_link(cluster, shape, 0, 1).name if pipelined else None,
         },
         "dp_comm_max_rank_s": max(dp.total),
-        "dp_per_microbatch_max_rank_s": max(dp.per_microbatch),  # zero 2/3's, beside compute
+        "dp_per_microbatch_max_rank_s": max(dp.per_microbatch),  # zero=3's, beside compute
     })  # fmt: skip
 
 
@@ -362,7 +362,7 @@ def _dp_end(dag: Dag, timing: Timing, dp: DPPlan, runtime: Runtime, place: Place
                 free = max(begin + dp.chunk[r][c], timing.end[i] + dp.last_bucket[r][c])
             else:
                 free += dp.chunk[r][c]
-        # zero>=2/3's per-microbatch collectives run beside the compute from the step's start
+        # zero=3's per-microbatch weight gathers run beside the compute from the step's start
         ready = max(rank_end[r], free, dp.per_microbatch[r] + dp.total[r])
         if r in (0, last_rank) and dp.tied:
             ready += dp.tied

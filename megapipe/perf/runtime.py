@@ -49,10 +49,12 @@ on published measurements. They differ in facts about the code, none fitted:
                   (parallel/data/zero2.OverlappedGatherReducer; tests/test_perf_runtime.py pins
                   it), as Megatron-Core's --overlap-param-gather does: only the first
                   bucket's is exposed.
-  zero 2, 3       grads reduce-scattered every microbatch (each rank keeps its shard only), and
-                  at zero=3 each block's weights all-gathered before its forward and again
-                  for its backward, every microbatch (perf/data_parallel.py prices both as
-                  traffic beside the compute).
+  zero 2, 3       grads reduce-scattered once per step in float32, in the last backward, as at
+                  zero=1 (the earlier microbatches accumulate local grads; each rank keeps its
+                  shard after), and at zero=3 each block's weights all-gathered in the
+                  weights' dtype before its forward and again for its backward, every
+                  microbatch (perf/data_parallel.py prices them as traffic beside the compute;
+                  tests/test_perf_runtime.py pins the dtypes and counts).
   tp overlap      sequence parallelism's all-gather / reduce-scatter decomposed into tp ring
                   steps beside the linears' matmul chunks where parallel.tp_overlap asks
                   for it (parallel/tensor/overlap.py, Wang et al. 2023: TP_COMM_OVERLAP, read

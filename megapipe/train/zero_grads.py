@@ -50,19 +50,28 @@ def _sync_tp_partial(chunk: nn.Module, reducer) -> None:
     params = [p for _, p, _, spec, tp in sharded_params(chunk) if _tp_partial(spec, tp)]
     if not params:
         return
+    whole = {}  # by id(p): each parameter's float32 grad of its local shape
     for p in params:  # every tp rank materialises the same set: one flat all-reduce
-        p.grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        whole[id(p)] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         piece = reducer.grad_piece(p)
         if piece is not None:
             slot, _ = reducer.slot_of[id(p)]
-            p.grad.view(-1)[slot.lo : slot.hi].copy_(piece)
+            whole[id(p)].view(-1)[slot.lo : slot.hi].copy_(piece)
+    # sync_tp_partial_grads reads grad_of(p): bf16 weights' main grad (its buffer is freed
+    # after the reduce-scatter: the float32 stand-in is bound in its place), else .grad
+    mains = {id(p): p.main_grad for p in params if hasattr(p, "main_grad")}
+    for p in params:
+        setattr(p, "main_grad" if id(p) in mains else "grad", whole[id(p)])
     sync_tp_partial_grads(chunk)
     for p in params:
         piece = reducer.grad_piece(p)
         if piece is not None:
             slot, _ = reducer.slot_of[id(p)]
-            piece.copy_(p.grad.view(-1)[slot.lo : slot.hi])
-        p.grad = None
+            piece.copy_(whole[id(p)].view(-1)[slot.lo : slot.hi])
+        if id(p) in mains:
+            p.main_grad = mains[id(p)]
+        else:
+            p.grad = None
 
 
 def _piece(reducers: list, param: nn.Parameter, device) -> torch.Tensor:

@@ -12,6 +12,14 @@ bucket): no parameter holds a `.grad`. The tp partial sums, the tied embedding's
 global norm and the clip then run on the shards (train/zero_grads.py): they are linear or
 elementwise and the shards line up across the ranks they combine (zero.py's docstring).
 
+bf16 weights (train.params_dtype, parallel/precision.py; Megatron-Core's distributed optimizer
+with bf16 params): the local grads are the float32 main grads, accumulated in place over the
+microbatches in the chunk's one buffer; after `finish()` that buffer is freed (`MainGrads.
+release`) and the step's first forward allocates it again, so over the step a rank holds bf16
+weights 2 + its float32 grad shard 4/d + main params and moments 12/d bytes per parameter. The
+optimizer steps the owned float32 main params, rounds them into the weights' owned ranges and
+all-gathers the weights in bf16; the reduce-scatter stays float32.
+
 Overlap (Megatron's distributed optimizer, `overlap_param_gather`): after the step the updated
 shards' all-gathers are all launched asynchronously, in forward order, and the step returns. A
 forward pre-hook on each block (embedding, each layer, head: `Block`) waits for the buckets
@@ -128,6 +136,27 @@ class OverlappedGatherReducer(ShardedGradReducer):
 class Zero2Reducer(OverlappedGatherReducer):
     """Grads reduce-scattered into shards; nothing full-size is kept (module docstring)."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.main_grads = getattr(self.model, "main_grads", None)  # bf16 weights' buffer
+        if self.main_grads is not None:  # allocated again by the step's first forward
+            for module in [b.module for b in self.blocks] or [self.model]:
+                module.register_forward_pre_hook(self._ensure_main_grads)
+
+    def _ensure_main_grads(self, *_) -> None:
+        if torch.is_grad_enabled():
+            self.main_grads.ensure()
+
+    def finish(self) -> None:
+        """The reduce-scatter; then bf16 weights' float32 main grads go (copied into the send
+        buffers at launch): the rank keeps its float32 shard of each bucket only."""
+        super().finish()
+        self._release_main_grads()
+
+    def _release_main_grads(self) -> None:
+        if self.main_grads is not None:
+            self.main_grads.release()
+
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         super()._launch(bucket, in_backward)
         for p in bucket.params:  # their values are in the send buffer now
@@ -158,6 +187,7 @@ class Zero2Reducer(OverlappedGatherReducer):
             bucket.shard = None
         for p in self.model.parameters():
             p.grad = None
+        self._release_main_grads()  # a skipped step's too: the next forward zeroes them
 
 
 class Zero2Optimizer(ShardedOptimizer):
@@ -169,6 +199,7 @@ class Zero2Optimizer(ShardedOptimizer):
         for s, view in zip(self.slots, self.views):
             view.grad = reducer_of[id(s.param)].grad_piece(s.param)
         self.inner.step()
+        self._round_into_weights()  # bf16 weights: the owned ranges from the main params
         for r in self.reducers:
             r.gather_params()
 

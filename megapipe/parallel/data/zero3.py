@@ -23,6 +23,12 @@ inside that layer's backward, while it is gathered; Zero Bubble's deferred W com
 grad_W = grad_outᵀ · x from the queued activations and reads no weight, so it gathers nothing.
 Gradients are zero=2's (zero2.py): local full-size grads accumulate over microbatches, the
 last microbatch's reduce-scatter leaves each rank its shard.
+bf16 weights (train.params_dtype; FSDP2's MixedPrecisionPolicy with bf16 params and float32
+reduce, Megatron's float32 main params): the master shard, the full buffers and so every
+gather are bf16; the main grads float32, freed after the reduce-scatter as at zero=2; the
+optimizer steps float32 main params of the owned ranges and rounds them into the master shard.
+Over the step a rank holds 2/d + 4/d + 12/d = 18/d bytes per parameter, plus the blocks
+gathered in bf16.
 """
 
 from __future__ import annotations
@@ -180,18 +186,21 @@ class Zero3Reducer(Zero2Reducer):
 
 class Zero3Optimizer(Zero2Optimizer):
     """The distributed optimizer over the weight shards (`Zero3Reducer.master`): each owned
-    range of a parameter is a view of its bucket's master shard; nothing is gathered after the
-    step (the next forward gathers)."""
+    range of a parameter is a view of its bucket's master shard (float32 weights: stepped in
+    place), or a float32 main param rounded into it after each step (bf16 weights); nothing is
+    gathered after the step (the next forward gathers)."""
 
     def __init__(self, reducers: list[Zero3Reducer], groups: list[dict], make, stage_group=None):
         self.reducers, self.stage_group = reducers, stage_group
-        self.slots, self.views = [], []
-        self.low, self.main = False, {}  # float32 weights only (bf16 zero=3 is refused)
+        self.slots, self.masters = [], []
         for r in reducers:
             for slots, master in zip(r.slots, r.master):
                 for s in slots:
                     self.slots.append(s)
-                    self.views.append(master[s.shard_lo : s.shard_lo + s.hi - s.lo])
+                    self.masters.append(master[s.shard_lo : s.shard_lo + s.hi - s.lo])
+        self.low = any(p.dtype != torch.float32 for r in reducers for p in r.model.parameters())
+        self.views = [m.float().clone() if self.low else m for m in self.masters]
+        self.main = {id(s.param): v for s, v in zip(self.slots, self.views)} if self.low else {}
         self.slot_of = {id(s.param): (s, v) for s, v in zip(self.slots, self.views)}
         group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         shard_groups = [{**g, "params": []} for g in groups]
@@ -199,6 +208,18 @@ class Zero3Optimizer(Zero2Optimizer):
             shard_groups[group_of[id(s.param)]]["params"].append(view)
         empty = [{"params": [torch.zeros(0)]}]
         self.inner = make([g for g in shard_groups if g["params"]] or empty)
+
+    @torch.no_grad()
+    def _round_into_weights(self) -> None:
+        """bf16 weights: each master range takes its float32 main param, rounded; where the
+        bucket is gathered (a checkpoint load, within `full_weights`) the whole buffer too, so
+        its write-back keeps the rounded values."""
+        if not self.main:
+            return
+        for s, master, main in zip(self.slots, self.masters, self.views):
+            master.copy_(main)
+            if _resident(s.param):
+                s.param.detach().view(-1)[s.lo : s.hi].copy_(main)
 
 
 def _free(full: torch.Tensor) -> None:
