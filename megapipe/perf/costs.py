@@ -94,12 +94,20 @@ class CostModel:
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
         return self.host.skewed(work) if self.host else work
 
-    def _tp_layer(self, x: Shapes) -> float:
-        """One direction's tp collectives of a layer (F or B: the same volume)."""
+    def _tp_layer(self, x: Shapes, gemms: list[float] | None = None) -> float:
+        """One direction's tp collectives of a layer (F or B: the same volume). With the
+        runtime's tp_comm_overlap under sequence parallelism, `gemms` (seconds of the qkv,
+        proj, fc1, fc2 GEMMs of that direction) hide them: each all-gather runs as a ring
+        exchange beside its GEMM's chunks, each reduce-scatter pipelined behind them
+        (Transformer Engine's userbuffers; Wang et al., ASPLOS 2023), so a collective is
+        exposed by what outlasts its GEMM, and at least by its last chunk's step (1/tp)."""
         p = self.cfg.parallel
         if p.tp == 1:
             return 0.0
         act = x.n * self.cfg.model.d_model * self.c
+        if p.sequence_parallel and self.rt.tp_comm_overlap and gemms:
+            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
+            return sum(max(comm - gemm, comm / p.tp) for comm, gemm in zip((ag, rs, ag, rs), gemms))
         if p.sequence_parallel:
             return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
         return 2 * self._tp("all_reduce", act)
@@ -197,9 +205,13 @@ class CostModel:
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self.gemm_shapes(x)
-        tp = self._tp_layer(x)
+        fprop = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
+        dgrad = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
+        # backward pairs the grad's all-gather with fc2's and proj's dgrad, the reduce-scatter
+        # with fc1's and qkv's (the forward order reversed)
+        tp, tp_b = self._tp_layer(x, fprop), self._tp_layer(x, dgrad[::-1])
         f = Work(
-            compute=sum(dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms)
+            compute=sum(fprop)
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes)
             + act_f,
@@ -207,11 +219,8 @@ class CostModel:
             cp=cp_f,
         )
         b = Work(
-            compute=sum(dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms)
-            + attn_b
-            + dev.mem(2 * elem)
-            + act_b,
-            tp=tp,
+            compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
+            tp=tp_b,
             cp=cp_b,
         )
         w = Work(

@@ -1,8 +1,11 @@
 """The software the model prices: what the runtime does with a step's work, besides the FLOPs.
 
-Two runtimes: `megapipe` (ours, the default: what tools/plan.py projects) and `megatron2021`,
-the Megatron-LM of Narayanan et al. 2021 that produced Table 1, used to validate the mechanisms
-on published measurements. They differ in facts about the code, none fitted:
+Four runtimes: `megapipe` (ours, the default: what tools/plan.py projects), `megatron2021`, the
+Megatron-LM of Narayanan et al. 2021 that produced Table 1, `megatron_core` (Megatron-Core
+0.8-0.12 as its published H100 runs used it) and `torchtitan` (PyTorch's FSDP2 trainer); the
+last three validate the mechanisms on published measurements (perf/table1.py,
+perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
+its source. Ours and Megatron 2021's differ in facts about the code, none fitted:
 
   attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
                   bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
@@ -85,6 +88,12 @@ class Runtime:
     adamw: str = ""  # ours: the AdamW kind the code runs on CUDA; "": optimizer_bytes as given
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
     param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
+    # sequence parallelism's all-gathers / reduce-scatters split into chunks that overlap the
+    # linears' GEMMs (perf/costs.CostModel._tp_layer: only what outlasts its GEMM is exposed)
+    tp_comm_overlap: bool = False
+    p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
+    dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
+    dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
 
 
 MEGAPIPE = Runtime(
@@ -121,7 +130,79 @@ MEGATRON_2021 = Runtime(
     optimizer_bytes=56.0,
 )
 
-RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021)}
+# Megatron-Core 0.8-0.12 with the flags its published H100 runs (NVIDIA NeMo / Megatron-LM
+# performance recipes) set. Sources: NVIDIA/Megatron-LM megatron/training/arguments.py,
+# megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py,
+# megatron/core/optimizer/distrib_optimizer.py, megatron/core/pipeline_parallel/schedules.py,
+# megatron/core/transformer/transformer_config.py; Transformer Engine's docs.
+MEGATRON_CORE = Runtime(
+    name="megatron_core",
+    # --attention-backend / TE DotProductAttention: cuDNN or flash-attn fused kernels on sm90
+    attention="fused",
+    residual_bytes=0,  # fp32_residual_connection defaults False: the residual in bf16
+    # bias_activation_fusion, bias_dropout_fusion, bias_swiglu_fusion, apply_rope_fusion default
+    # True; TE's LayerNormLinear / LayerNormMLP fuse the norm with the GEMM's input (bf16 out)
+    fused_elementwise=True,
+    weight_cast_bytes=0.0,  # --bf16: the model's weights are bf16, no per-forward cast
+    # gradient_accumulation_fusion (default True with TE): the wgrad GEMM accumulates into the
+    # fp32 main_grad in its epilogue (wgrad_gemm_accum_fp32): read and write it, 4 + 4 B
+    grad_accum_bytes=8.0,
+    p2p_bytes=0,  # the pipeline's tensors in the compute dtype (bf16)
+    p2p_scatter_gather=False,  # under sequence parallelism each tp rank sends its own shard
+    p2p_blocking=True,  # 1F1B: batched isend/irecv pairs waited for at once (schedules.py)
+    # --overlap-p2p-communication (default on for interleaved schedules): sends posted
+    # asynchronously and waited for only where their tensor is used
+    p2p_overlap=True,
+    # --bf16 sets accumulate_allreduce_grads_in_fp32: grads reduced in fp32 (arguments.py)
+    grad_bytes=4,
+    dp_overlap=True,  # --overlap-grad-reduce: a bucket reduce-scattered once its grads are done
+    # ddp bucket_size default max(40M, 1M·dp) parameters of fp32 grads: 40M · 4 B
+    dp_bucket_mb=40e6 * 4 / 2**20,
+    # distributed optimizer over fp32 main params: grad norm (4) and clip (8), fused Adam
+    # (param, grad, two moments read, three written: 16 + 12), main param -> bf16 weight (4 + 2);
+    # bf16 needs no loss scale, so no unscale or inf check
+    optimizer_bytes=NORM_CLIP_BYTES + ADAMW_BYTES["fused"] + WRITE_BACK_BYTES,
+    autocast_casts=False,  # no autocast: TE's modules run on bf16 weights and inputs
+    param_bytes=2,  # --overlap-param-gather all-gathers the bf16 weights
+    param_gather_overlap=True,  # bucket by bucket in the next forward's pre-hooks
+    tp_comm_overlap=True,  # --tp-comm-overlap: TE userbuffers (ring-exchange AG, pipelined RS)
+    # distributed_data_parallel.py: bucketing off on pipeline stages after the first and for
+    # model chunks after the first (their reduction is off the critical path)
+    dp_bucket_first_only=True,
+)
+
+# torchtitan (Dec 2024 - mid 2025) as its published H100 benchmarks ran it. Sources: pytorch/
+# torchtitan torchtitan/config_manager.py (job config defaults), torchtitan/parallelisms/
+# parallelize_llama.py (fully_shard per transformer block and the root), docs/fsdp.md.
+TORCHTITAN = Runtime(
+    name="torchtitan",
+    attention="fused",  # F.scaled_dot_product_attention: the flash backend on H100
+    residual_bytes=0,  # FSDP2 MixedPrecisionPolicy param_dtype bf16: activations in bf16
+    # torch.compile (training.compile; a row that compiles) fuses the norms, SwiGLU and the
+    # residual adds per block; eager runs them op by op (validation rows set it per run)
+    fused_elementwise=True,
+    # the fp32 shard is cast to bf16 before each all-gather: 6 B per parameter per gather on
+    # 1/dp of them, not priced (the gathered weight is already bf16)
+    weight_cast_bytes=0.0,
+    # mixed_precision_reduce float32: each microbatch's bf16 weight grad cast to fp32 (2 + 4)
+    # before its reduce-scatter; the sum into the fp32 sharded grad is on 1/dp of them
+    grad_accum_bytes=6.0,
+    p2p_bytes=0,
+    p2p_scatter_gather=False,
+    p2p_blocking=False,  # torch.distributed.pipelining posts isend/irecv and waits at use
+    grad_bytes=4,  # reduce_dtype float32
+    dp_overlap=True,  # each block's reduce-scatter on its own stream as its backward ends
+    dp_bucket_mb=0.0,
+    dp_bucket_per_block=True,  # fully_shard per transformer block: one collective per block
+    # optimizer.implementation "fused" AdamW over the fp32 sharded params (16 read, 12
+    # written) with the grad norm and clip (12); no write-back: weights are cast at gather
+    optimizer_bytes=ADAMW_BYTES["fused"] + NORM_CLIP_BYTES,
+    autocast_casts=False,
+    param_bytes=2,  # param_dtype bf16: the all-gathers move bf16
+    param_gather_overlap=True,  # the next block's all-gather prefetched (FSDP2's default)
+)
+
+RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
 
 
 def weight_cast_bytes(params_dtype: str, compute: int) -> float:
