@@ -1,0 +1,183 @@
+"""Published end-to-end training runs on H100 (and H200) GPUs, read from the data files in data/
+(one CSV per source; each file's header comment names its source, the code base that ran it,
+and how the source counts tokens, FLOPs and MFU), and each row as a megapipe Config.
+
+A row is one measured run: the model's shape, the cluster (`gpu`, `gpus`, `gpus_per_node`), the
+mesh (tp, pp, cp, dp, vpp), the batch (mbs: sequences per micro-batch; gbs: sequences per
+step), the settings that change the step's cost (recompute, precision, weight dtype, sharding,
+sequence parallelism, tp overlap, torch.compile, layer balance), the runtime that ran it
+(`megatron_core`, `torchtitan` or another named code base) and the figures as published:
+seconds per step, tokens/s per GPU, model TFLOP/s per GPU, MFU (empty where not published).
+
+`row_config` maps a row onto megapipe's keys: model.arch llama (RMSNorm, SwiGLU, RoPE, GQA) or
+gpt2; parallel.microbatches = gbs / (dp · mbs); parallel.schedule interleaved_1f1b when vpp > 1
+(Megatron's interleaved 1F1B, Narayanan et al. 2021 §2.2.2), else 1f1b; the sharding as a
+parallel.zero level (Megatron's distributed optimizer shards the optimizer state: ZeRO-1;
+PyTorch FSDP2 shards weights, grads and state: ZeRO-3; Llama 3's FSDP that keeps the weights
+gathered from forward to backward: ZeRO-2); train.dtype bfloat16. `measured` gives the
+comparable figures: tokens/s per GPU (derived from the published TFLOP/s with megapipe's own
+count where only those are published) and model TFLOP/s per GPU under megapipe's count
+(config/flops.flops_per_token: 6N + 12·L·d·s, the count the NVIDIA tables use too).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from megapipe.config import Config, load_config
+from megapipe.config.flops import flops_per_token
+
+DATA = Path(__file__).resolve().parent / "data"
+H100_SOURCES = [
+    "nvidia_dgxc_benchmarking_h100_bf16.csv",  # Megatron-Core (NeMo), NVIDIA's recipes
+    "torchtitan_h100_bf16.csv",  # torchtitan's published benchmarks
+    "meta_llama3_2407.21783_table4.csv",  # Llama 3 paper, Table 4
+]
+"""The H100/H200 end-to-end runs the project validates on (data/, module docstring)."""
+
+ZERO = {"dist_opt": 1, "fsdp_noreshard": 2, "fsdp": 3}
+"""A row's `sharding` as a parallel.zero level (module docstring)."""
+DTYPES = {"bf16": "bfloat16"}  # the compute precisions a row may give (FP8 is not priced)
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    model: str
+    runtime: str
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    tied: bool
+    dropout: float
+    params_b: float  # the model's size as published, billions of parameters
+    gpu: str  # the cluster profile (perf/clusters/<gpu>.yaml)
+    gpus: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int
+    mbs: int
+    gbs: int
+    recompute: str
+    precision: str
+    params_dtype: str
+    sharding: str
+    sequence_parallel: bool
+    tp_overlap: bool
+    compile: bool
+    balance: str
+    step_time_s: float | None
+    tokens_per_s_per_gpu: float | None
+    tflops_per_gpu: float | None
+    mfu: float | None
+    notes: str
+    source: str  # the data file's name
+
+    @property
+    def microbatches(self) -> int:
+        return self.gbs // (self.dp * self.mbs)
+
+
+def _value(kind: str, text: str):
+    text = text.strip()
+    if kind == "bool":
+        return text not in ("", "0", "false", "False")
+    if kind == "float | None":
+        return float(text) if text else None
+    return {"int": int, "float": float}.get(kind, str)(text)
+
+
+def load_rows(path_or_name: Path | str) -> list[Row]:
+    """The rows of one data file: a path, or a file name in data/."""
+    path = Path(path_or_name)
+    if not path.exists():
+        path = DATA / path_or_name
+    with open(path) as f:
+        lines = [line for line in f if not line.startswith("#")]
+    kinds = {f.name: f.type for f in fields(Row)}
+    out = []
+    for n, rec in enumerate(csv.DictReader(lines), start=1):
+        missing = [k for k in kinds if k != "source" and rec.get(k) is None]
+        if missing:
+            raise ValueError(f"{path.name}: row {n} lacks column(s) {', '.join(missing)}")
+        values = {k: _value(kinds[k], rec[k]) for k in kinds if k != "source"}
+        out.append(Row(**values, source=path.name))
+    return out
+
+
+def load_all(names: list[str] = H100_SOURCES) -> list[Row]:
+    """Every row of the named data files, in order."""
+    return [row for name in names for row in load_rows(name)]
+
+
+def row_config(row: Row) -> Config:
+    """The megapipe config of one row (module docstring), validated with built_only=False (the
+    keys still being built, such as bf16 weights under ZeRO-3, pass: it is priced, not run)."""
+    if row.precision not in DTYPES:
+        raise ValueError(f"{row.source}: {row.label} has precision {row.precision}; only bf16")
+    schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
+    overrides = [
+        f"model.arch={row.arch}",
+        f"model.n_layers={row.layers}",
+        f"model.d_model={row.hidden}",
+        f"model.n_heads={row.heads}",
+        f"model.n_kv_heads={row.kv_heads}",
+        f"model.d_ff={row.ffn}",
+        f"model.vocab_size={row.vocab}",
+        f"model.seq_len={row.seq_len}",
+        f"model.tie_embeddings={str(row.tied).lower()}",
+        f"model.dropout={row.dropout}",
+        f"parallel.tp={row.tp}",
+        f"parallel.pp={row.pp}",
+        f"parallel.cp={row.cp}",
+        f"parallel.dp={row.dp}",
+        f"parallel.vpp={row.vpp}",
+        f"parallel.schedule={schedule}",
+        f"parallel.microbatches={row.microbatches}",
+        f"parallel.balance={row.balance}",
+        f"parallel.sequence_parallel={str(row.sequence_parallel and row.tp > 1).lower()}",
+        f"parallel.tp_overlap={str(row.tp_overlap).lower()}",
+        f"parallel.zero={ZERO[row.sharding]}",
+        f"train.global_batch={row.gbs}",
+        f"train.dtype={DTYPES[row.precision]}",
+        f"train.params_dtype={row.params_dtype}",
+        # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
+        # so a torchtitan row's compile stays on the Row for the runtime to price
+        f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
+        f"recompute.mode={row.recompute}",
+    ]
+    return load_config(None, overrides, built_only=False)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One row as the validation compares it."""
+
+    row: Row
+    config: Config
+    cluster: str  # perf/clusters/<name>.yaml
+    runtime: str
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float  # megapipe's FLOP count (config/flops.flops_per_token)
+
+
+def measured(row: Row) -> Measured:
+    """The row's config, cluster, runtime and measured throughput on megapipe's FLOP count."""
+    cfg = row_config(row)
+    per_token = flops_per_token(cfg)
+    tokens = row.tokens_per_s_per_gpu
+    if tokens is None:  # only TFLOP/s published: the source's count taken as megapipe's
+        if row.tflops_per_gpu is None:
+            raise ValueError(f"{row.source}: {row.label} publishes no throughput")
+        tokens = row.tflops_per_gpu * 1e12 / per_token
+    return Measured(row, cfg, row.gpu, row.runtime, tokens, tokens * per_token / 1e12)

@@ -1,0 +1,68 @@
+"""The published H100/H200 runs (perf/published.py, perf/data/*.csv): every row loads into a
+valid config of the published model's size on the published GPU count."""
+
+import pytest
+
+from megapipe.config.checks import validate
+from megapipe.perf.cluster import cluster_names
+from megapipe.perf.published import (
+    DATA,
+    H100_SOURCES,
+    load_all,
+    load_rows,
+    measured,
+    row_config,
+)
+from megapipe.train.memory import model_params
+
+ROWS = load_all()
+
+
+def test_sources_are_files_with_their_source_in_the_header():
+    for name in H100_SOURCES:
+        head = [line for line in (DATA / name).read_text().splitlines() if line.startswith("#")]
+        assert head, f"{name} has no header comment"
+        assert any(("github.com" in h or "arXiv" in h) for h in head), name
+
+
+def test_enough_rows_from_enough_code_bases():
+    assert len(ROWS) >= 6
+    assert {"megatron_core", "torchtitan"} <= {r.runtime for r in ROWS}
+    assert {r.gpu for r in ROWS} <= {"h100", "h200"}
+    assert len({r.label for r in ROWS}) == len(ROWS), "labels must be unique"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
+def test_row_is_a_valid_config_of_the_published_model_and_mesh(row):
+    cfg = row_config(row)
+    validate(cfg, built_only=False)
+    p = cfg.parallel
+    assert p.tp * p.pp * p.cp * p.dp == row.gpus
+    assert p.dp * p.microbatches * row.mbs == row.gbs == cfg.train.global_batch
+    assert row.gpus % row.gpus_per_node == 0 or row.gpus < row.gpus_per_node
+    assert row.gpu in cluster_names()
+    params = model_params(cfg)
+    assert abs(params / (row.params_b * 1e9) - 1) < 0.03, f"{params / 1e9:.2f}B"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
+def test_measured_figures_agree_with_the_source(row):
+    m = measured(row)
+    assert m.tokens_per_s_per_gpu > 0 and m.model_tflops_per_gpu > 0
+    if row.tokens_per_s_per_gpu is None:  # derived from the published TFLOP/s
+        assert m.model_tflops_per_gpu == pytest.approx(row.tflops_per_gpu)
+    # the NVIDIA tables count FLOPs as megapipe does (6N + 12·L·d·s) except Nemotron's, which
+    # leaves out GQA: both figures published, they agree on the other rows
+    both = row.tokens_per_s_per_gpu is not None and row.tflops_per_gpu is not None
+    if both and not row.model.startswith("Nemotron"):
+        assert m.model_tflops_per_gpu == pytest.approx(row.tflops_per_gpu, rel=0.02)
+
+
+def test_load_rows_takes_a_path_or_a_name_and_names_a_missing_column(tmp_path):
+    name = H100_SOURCES[0]
+    assert load_rows(DATA / name) == load_rows(name)
+    text = (DATA / name).read_text().replace(",mfu,", ",", 1)  # the header loses a column
+    bad = tmp_path / "bad.csv"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match="lacks column"):
+        load_rows(bad)
