@@ -29,7 +29,7 @@ from megapipe.config.states import state_layout
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.runtime import Runtime, bucket_bytes, resolved
 from megapipe.plan.actions import Placement
 
 
@@ -58,7 +58,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     link = group_link(cluster, shape, ("dp", "cp"))
     kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    bucket = rt.dp_bucket_mb * 2**20
+    bucket = bucket_bytes(rt, n, grad_bytes)
     blocks = layers_per_chunk(cfg)
     chunk, last = [], []
     for r, per_chunk in enumerate(held):
@@ -123,7 +123,7 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
     gather = 0.0
     if shards > 1 and s.weight_shards == 1:  # zero=3 gathers per block instead (dp_plan)
         link = group_link(cluster, shape, ("dp", "cp"))
-        bucket = rt.dp_bucket_mb * 2**20 if rt.param_gather_overlap else math.inf
+        bucket = bucket_bytes(rt, n, rt.param_bytes) if rt.param_gather_overlap else math.inf
         if rt.dp_bucket_first_only and rt.param_gather_overlap:
             # only the first stage's first chunk is bucketed; its first bucket is what the next
             # forward waits for (the other chunks gather behind it, and later stages' first

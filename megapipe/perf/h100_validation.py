@@ -172,7 +172,8 @@ TERMS = {
     "tp overlap": ("tp_comm_overlap",),
     "p2p": ("p2p_bytes", "p2p_scatter_gather", "p2p_blocking", "p2p_overlap"),
     "dp buckets and dtype": ("grad_bytes", "dp_bucket_mb", "dp_bucket_first_only",
-                             "dp_bucket_per_block", "param_bytes", "param_gather_overlap"),
+                             "dp_bucket_per_block", "dp_bucket_params", "dp_bucket_params_per_rank",
+                             "param_bytes", "param_gather_overlap"),
     "optimizer": ("optimizer_bytes",),
 }  # fmt: skip
 
@@ -196,3 +197,14 @@ def attribution(b: Beside) -> dict[str, float]:
         out[term], before = step - before, step
     out["LM head by chunks"] = b.megapipe.step_time_s - before
     return out
+
+
+def attribution_markdown(results: list[Beside]) -> str:
+    """attribution() of each row as a table of shares of Megatron-Core's step."""
+    terms = [*TERMS, "LM head by chunks"]
+    lines = ["| row | " + " | ".join(terms) + " |", "|---|" + "---:|" * len(terms)]
+    for b in results:
+        a = attribution(b)
+        cells = " | ".join(f"{a[t] / b.megatron_core.step_time_s:+.1%}" for t in terms)
+        lines.append(f"| {b.row.label} | {cells} |")
+    return "\n".join(lines)

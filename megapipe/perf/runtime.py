@@ -94,6 +94,9 @@ class Runtime:
     p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
     dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
     dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
+    # buckets counted in parameters (0: dp_bucket_mb): max(dp_bucket_params, per_rank · dp)
+    dp_bucket_params: float = 0.0
+    dp_bucket_params_per_rank: float = 0.0
 
 
 MEGAPIPE = Runtime(
@@ -156,8 +159,11 @@ MEGATRON_CORE = Runtime(
     # --bf16 sets accumulate_allreduce_grads_in_fp32: grads reduced in fp32 (arguments.py)
     grad_bytes=4,
     dp_overlap=True,  # --overlap-grad-reduce: a bucket reduce-scattered once its grads are done
-    # ddp bucket_size default max(40M, 1M·dp) parameters of fp32 grads: 40M · 4 B
-    dp_bucket_mb=40e6 * 4 / 2**20,
+    dp_bucket_mb=0.0,
+    # DistributedDataParallelConfig.bucket_size default: max(40M, 1M · dp) parameters ("larger
+    # DP sizes need larger buckets to ensure collectives do not become latency-bound")
+    dp_bucket_params=40e6,
+    dp_bucket_params_per_rank=1e6,
     # distributed optimizer over fp32 main params: grad norm (4) and clip (8), fused Adam
     # (param, grad, two moments read, three written: 16 + 12), main param -> bf16 weight (4 + 2);
     # bf16 needs no loss scale, so no unscale or inf check
@@ -165,7 +171,9 @@ MEGATRON_CORE = Runtime(
     autocast_casts=False,  # no autocast: TE's modules run on bf16 weights and inputs
     param_bytes=2,  # --overlap-param-gather all-gathers the bf16 weights
     param_gather_overlap=True,  # bucket by bucket in the next forward's pre-hooks
-    tp_comm_overlap=True,  # --tp-comm-overlap: TE userbuffers (ring-exchange AG, pipelined RS)
+    # --tp-comm-overlap (TE userbuffers: ring-exchange all-gathers, pipelined reduce-scatters
+    # beside the GEMMs) is opt-in (default False); a run that sets it prices it (h100_validation)
+    tp_comm_overlap=False,
     # distributed_data_parallel.py: bucketing off on pipeline stages after the first and for
     # model chunks after the first (their reduction is off the critical path)
     dp_bucket_first_only=True,
@@ -203,6 +211,13 @@ TORCHTITAN = Runtime(
 )
 
 RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
+
+
+def bucket_bytes(runtime: Runtime, ranks: int, element: int) -> float:
+    """Bytes of one dp bucket of `element`-byte values over `ranks` ranks (0: one buffer)."""
+    if runtime.dp_bucket_params:
+        return max(runtime.dp_bucket_params, runtime.dp_bucket_params_per_rank * ranks) * element
+    return runtime.dp_bucket_mb * 2**20
 
 
 def weight_cast_bytes(params_dtype: str, compute: int) -> float:
