@@ -39,7 +39,7 @@ def results():
 
 
 def test_published_rows_within_target(results):
-    assert len(results) >= 6 and len({r.row.runtime for r in results}) >= 1
+    assert len(results) >= 6
     mean, worst = h100.errors(h100.leave_one_out(results))
     table = h100.markdown(results)
     assert mean <= h100.TARGET_MEAN, table

@@ -45,6 +45,7 @@ from megapipe.config import Config
 from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
+from megapipe.perf import tp_overlap
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
@@ -94,23 +95,28 @@ class CostModel:
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
         return self.host.skewed(work) if self.host else work
 
-    def _tp_layer(self, x: Shapes, gemms: list[float] | None = None) -> float:
-        """One direction's tp collectives of a layer (F or B: the same volume). With the
-        runtime's tp_comm_overlap under sequence parallelism, `gemms` (seconds of the qkv,
-        proj, fc1, fc2 GEMMs of that direction) hide them: each all-gather runs as a ring
-        exchange beside its GEMM's chunks, each reduce-scatter pipelined behind them
-        (Transformer Engine's userbuffers; Wang et al., ASPLOS 2023), so a collective is
-        exposed by what outlasts its GEMM, and at least by its last chunk's step (1/tp)."""
+    def _tp_layer(self, x: Shapes) -> float:
+        """One direction's tp collectives of a layer (F or B: the same volume)."""
         p = self.cfg.parallel
         if p.tp == 1:
             return 0.0
         act = x.n * self.cfg.model.d_model * self.c
-        if p.sequence_parallel and self.rt.tp_comm_overlap and gemms:
-            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
-            return sum(max(comm - gemm, comm / p.tp) for comm, gemm in zip((ag, rs, ag, rs), gemms))
         if p.sequence_parallel:
             return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
         return 2 * self._tp("all_reduce", act)
+
+    def _tp_overlapped(self, x: Shapes, fprop, dgrad, wgrad) -> tuple[float, ...]:
+        """A layer's exposed tp seconds forward and backward, and the seconds the SM margin
+        adds to F and W (perf/tp_overlap.py), under the runtime's tp_comm_overlap with
+        sequence parallelism; else the plain collectives."""
+        p = self.cfg.parallel
+        if not (p.tp > 1 and p.sequence_parallel and self.rt.tp_comm_overlap):
+            tp = self._tp_layer(x)
+            return tp, tp, 0.0, 0.0
+        act = x.n * self.cfg.model.d_model * self.c
+        ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
+        f, b = tp_overlap.exposed(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
+        return f, b, *tp_overlap.sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
 
     # -- a transformer layer -----------------------------------------------------------------
 
@@ -207,11 +213,11 @@ class CostModel:
         gemms = self.gemm_shapes(x)
         fprop = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
         dgrad = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
-        # backward pairs the grad's all-gather with fc2's and proj's dgrad, the reduce-scatter
-        # with fc1's and qkv's (the forward order reversed)
-        tp, tp_b = self._tp_layer(x, fprop), self._tp_layer(x, dgrad[::-1])
+        wgrad = [dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms]
+        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, fprop, dgrad, wgrad)
         f = Work(
             compute=sum(fprop)
+            + margin_f
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes)
             + act_f,
@@ -223,13 +229,14 @@ class CostModel:
             tp=tp_b,
             cp=cp_b,
         )
-        w = Work(
-            compute=sum(dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms)
-            + dev.mem(params * self.rt.grad_accum_bytes)
-        )
+        w = Work(compute=sum(wgrad) + margin_w + dev.mem(params * self.rt.grad_accum_bytes))
         f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
             b = b + f
+        elif mode == "selective" and self.rt.selective_recompute == "op":
+            # torchtitan's per-op policy: every op's output saved (attention's too) but every
+            # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops
+            b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
         elif mode == "selective":
             b = b + Work(compute=attn_f, cp=cp_f)
         out = self._cache[key] = BlockCosts(f, b, w)

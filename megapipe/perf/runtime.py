@@ -89,11 +89,16 @@ class Runtime:
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
     param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
     # sequence parallelism's all-gathers / reduce-scatters split into chunks that overlap the
-    # linears' GEMMs (perf/costs.CostModel._tp_layer: only what outlasts its GEMM is exposed)
+    # linears' GEMMs (perf/tp_overlap.py: only what outlasts its GEMM is exposed)
     tp_comm_overlap: bool = False
+    tp_overlap_splits: int = 0  # chunks of a pipelined reduce-scatter (0: tp)
+    tp_overlap_sm_share: float = 0.0  # of the SMs the overlapped collectives keep
     p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
     dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
     dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
+    # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core) or
+    # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops)
+    selective_recompute: str = "attention"
     # buckets counted in parameters (0: dp_bucket_mb): max(dp_bucket_params, per_rank · dp)
     dp_bucket_params: float = 0.0
     dp_bucket_params_per_rank: float = 0.0
@@ -174,6 +179,11 @@ MEGATRON_CORE = Runtime(
     # --tp-comm-overlap (TE userbuffers: ring-exchange all-gathers, pipelined reduce-scatters
     # beside the GEMMs) is opt-in (default False); a run that sets it prices it (h100_validation)
     tp_comm_overlap=False,
+    # TE's default userbuffers layout (module/base.py initialize_ub): pipelined reduce-scatters
+    # in 4 splits, pipeline and bulk methods with num_sm 16 and set_sm_margin: 16 of an H100
+    # SXM's 132 SMs (datasheet) kept from the GEMMs beside them
+    tp_overlap_splits=4,
+    tp_overlap_sm_share=16 / 132,
     # distributed_data_parallel.py: bucketing off on pipeline stages after the first and for
     # model chunks after the first (their reduction is off the critical path)
     dp_bucket_first_only=True,
@@ -208,6 +218,9 @@ TORCHTITAN = Runtime(
     autocast_casts=False,
     param_bytes=2,  # param_dtype bf16: the all-gathers move bf16
     param_gather_overlap=True,  # the next block's all-gather prefetched (FSDP2's default)
+    # activation_checkpoint.selective_ac_option "op" (the published rows'): _save_list keeps
+    # mm and SDPA outputs, "except every second mm" (parallelize_llama.py)
+    selective_recompute="op",
 )
 
 RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
