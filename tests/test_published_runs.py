@@ -66,3 +66,21 @@ def test_load_rows_takes_a_path_or_a_name_and_names_a_missing_column(tmp_path):
     bad.write_text(text)
     with pytest.raises(ValueError, match="lacks column"):
         load_rows(bad)
+
+
+def test_moe_file_rows_are_complete_and_their_mesh_covers_the_gpus():
+    """perf/data/moe_published_runs.csv (issue 38's targets): no loader yet, so the CSV itself."""
+    import csv
+
+    text = (DATA / "moe_published_runs.csv").read_text().splitlines()
+    header = [line for line in text if line.startswith("#")]
+    rows = list(csv.DictReader(line for line in text if not line.startswith("#")))
+    tags = {r["source"] for r in rows}
+    assert all(any(f"[{t}]" in h for h in header) for t in tags), "each source tag in the header"
+    assert len(rows) >= 2
+    for r in rows:
+        assert None not in r and all(r[k] is not None for k in r), r["label"]
+        mesh = int(r["tp"]) * int(r["pp"]) * int(r["cp"]) * int(r["dp"])
+        assert mesh == int(r["gpus"]), r["label"]
+        assert int(r["n_experts"]) > 0 and 0 < int(r["top_k"]) <= int(r["n_experts"])
+        assert r["tokens_per_s_per_gpu"] or r["tflops_per_gpu"], r["label"]

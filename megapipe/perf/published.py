@@ -32,8 +32,10 @@ from megapipe.config.flops import flops_per_token
 DATA = Path(__file__).resolve().parent / "data"
 H100_SOURCES = [
     "nvidia_dgxc_benchmarking_h100_bf16.csv",  # Megatron-Core (NeMo), NVIDIA's recipes
+    "nvidia_dgxc_benchmarking_v25.04_h100_bf16.csv",  # the same recipes on NeMo 2 (25.02.01)
     "torchtitan_h100_bf16.csv",  # torchtitan's published benchmarks
     "meta_llama3_2407.21783_table4.csv",  # Llama 3 paper, Table 4
+    "llm_foundry_h100_bf16.csv",  # MosaicML LLM Foundry's MPT benchmarks (FSDP)
 ]
 """The H100/H200 end-to-end runs the project validates on (data/, module docstring)."""
 
