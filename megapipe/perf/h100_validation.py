@@ -66,7 +66,7 @@ NOT_PRICED = {
 }
 
 
-def rows(runtimes: tuple[str, ...] = ("megatron_core", "torchtitan"),
+def rows(runtimes: tuple[str, ...] = ("megatron_core", "torchtitan", "llm_foundry"),
          priced: bool = True) -> list[published.Row]:  # fmt: skip
     """The published rows whose code base has a runtime here and (`priced`) whose hardware a
     cluster profile describes (NOT_PRICED); `priced=False`: the others."""

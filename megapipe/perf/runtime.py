@@ -223,7 +223,23 @@ TORCHTITAN = Runtime(
     selective_recompute="op",
 )
 
-RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN)}
+# MosaicML LLM Foundry on Composer with PyTorch FSDP (FSDP1) as its H100 benchmark table ran it
+# (scripts/train/benchmarking/submit_benchmarks.py and the MPT yamls; perf/data/
+# llm_foundry_h100_bf16.csv's header): FULL_SHARD, mixed precision DEFAULT, amp_bf16, eager.
+LLM_FOUNDRY = dataclasses.replace(
+    TORCHTITAN,
+    name="llm_foundry",
+    attention="fused",  # attn_impl flash: FlashAttention-2 (attention_kernel "flash")
+    # eager: norms, GeLU and the residual adds op by op (low_precision_layernorm keeps the norm
+    # in bf16 under autocast, so no cast of its output)
+    fused_elementwise=False,
+    # decoupled LionW (one moment: param, grad, momentum read, param and momentum written,
+    # 12 + 8) over the fp32 shard, with the grad norm clip (12)
+    optimizer_bytes=32.0,
+    selective_recompute="attention",
+)
+
+RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN, LLM_FOUNDRY)}
 
 
 def bucket_bytes(runtime: Runtime, ranks: int, element: int) -> float:
