@@ -159,7 +159,10 @@ def test_measured_profile_is_priced_with_its_constants(tmp_path):
     cluster = calibrate.write_profile(tmp_path / "cpu_test.yaml", values, m, "test")
     cfg = load_config(TINY, ["model.n_layers=2"])
     cm = CostModel(cfg, cluster, MEGAPIPE, CALIBRATION)  # the Table 1 fit is passed ...
-    assert cm.dev.cal == Calibration(*cluster.measured_constants)  # ... the measured one used
+    measured = Calibration(
+        values["gemm_efficiency"], values["gemm_knee"], values["memory_efficiency"]
+    )
+    assert cm.dev.cal == measured  # ... the measured one used
     assert cm.attention == "fused"  # config/memory.attention_path on CPU, no dropout
     fixed_f, fixed_b = cm.fixed(1)
     assert fixed_f == pytest.approx(500e-6) and fixed_b == pytest.approx(450e-6)
@@ -172,15 +175,15 @@ def test_committed_cpu_profiles_load():
     assert "cpu" in names
     for name in names:
         cluster = load_cluster(name)
-        assert cluster.device == "cpu" and cluster.measured_constants is not None
+        assert cluster.device == "cpu" and cluster.calibration(CALIBRATION) != CALIBRATION
         assert cluster.p2p.name == "p2p" and cluster.host.layer_forward_us > 0
         assert name.startswith("cpu") and name not in cluster_names()
 
 
-def test_gpu_profiles_keep_no_measured_fields():
+def test_gpu_profiles_keep_no_host_fields():
     for name in cluster_names():
         cluster = load_cluster(name)
-        assert cluster.measured_constants is None and cluster.device == "cuda"
+        assert cluster.device == "cuda"
         assert cluster.p2p == cluster.nvlink
         assert cluster.host is None  # no host terms: the datasheet model only
         raw = yaml.safe_load((CLUSTER_DIR / f"{name}.yaml").read_text())

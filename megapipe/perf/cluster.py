@@ -7,10 +7,19 @@ NICs) and a latency per hop of each. Every number is cited in its YAML file. `ef
 are the fraction of the signalling rate NCCL's rings reach at large messages (nccl-tests), taken
 from published measurements, not fitted here.
 
-A profile measured on the machine at hand rather than read from datasheets (clusters/cpu*.yaml,
-written by benchmarks/calibrate.py) also has its host's terms, in the same flat YAML: the loader
-gathers those keys into one `host.HostOverheads` (`Cluster.host`; None for the GPU profiles, so
-their projections price the datasheet terms only).
+A profile may also state the device's own achievable rates, the constants of the cost model
+(cost_terms.Calibration) it otherwise takes from Table 1's fit on A100s: `gemm_efficiency`
+(e_max), `gemm_knee` (κ), `memory_efficiency` (μ), and `attention_efficiency`, the fused
+attention kernel's rate as a fraction of the GEMM rate the model gives its FLOPs
+(`cudnn_attention_efficiency` for cuDNN's kernel, which a runtime with attention_kernel "cudnn"
+runs). Each is 0 (absent) where the profile has no measurement of it: the fit's, or 1 for
+attention. The measured profiles (clusters/cpu*.yaml, benchmarks/calibrate.py) measure them
+on the machine; the H100 and H200 profiles read them from published H100 kernel benchmarks,
+each cited in the YAML.
+
+A profile measured on the machine at hand (clusters/cpu*.yaml) also has its host's terms, in
+the same flat YAML: the loader gathers those keys into one `host.HostOverheads`
+(`Cluster.host`; None for the GPU profiles, so their projections price no host terms).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.host import HostOverheads
 
 CLUSTER_DIR = Path(__file__).resolve().parent / "clusters"
@@ -54,6 +64,12 @@ class Cluster:
     network_gbps: float  # per node (all its NICs), per direction, GB/s
     network_efficiency: float
     network_latency_us: float
+    # the device's own constants (module docstring); 0: the Table 1 fit's (attention: 1)
+    gemm_efficiency: float = 0.0
+    gemm_knee: float = 0.0
+    memory_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
+    cudnn_attention_efficiency: float = 0.0
     host: HostOverheads | None = None  # a measured profile's host terms (module docstring)
 
     @property
@@ -61,10 +77,21 @@ class Cluster:
         """The kernels the memory plan and the attention path assume: "cuda" or "cpu"."""
         return self.host.device if self.host else "cuda"
 
-    @property
-    def measured_constants(self) -> tuple[float, float, float] | None:
-        """(e_max, κ, μ) measured for this device, or None: use the calibrated fit."""
-        return self.host.measured_constants if self.host else None
+    def calibration(self, fit: Calibration) -> Calibration:
+        """The cost model's constants on this device: each one the profile states, else the
+        fit's (Table 1's on A100s, unless a refit is passed)."""
+        return Calibration(
+            gemm=self.gemm_efficiency or fit.gemm,
+            knee=self.gemm_knee or fit.knee,
+            memory=self.memory_efficiency or fit.memory,
+        )
+
+    def attention_factor(self, kernel: str) -> float:
+        """The fused attention kernel's rate over the GEMM rate the model gives its FLOPs:
+        cuDNN's where asked for and stated, else the profile's flash kernel's, else 1."""
+        if kernel == "cudnn" and self.cudnn_attention_efficiency > 0:
+            return self.cudnn_attention_efficiency
+        return self.attention_efficiency or 1.0
 
     @property
     def p2p(self) -> Link:
@@ -116,6 +143,8 @@ def measured_names() -> list[str]:
 _FIELDS = {f.name: f.type for f in dataclasses.fields(Cluster) if f.name != "host"}
 _HOST_FIELDS = {f.name: f.type for f in dataclasses.fields(HostOverheads)}
 _REQUIRED = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING}
+_CONSTANTS = ("gemm_efficiency", "gemm_knee", "memory_efficiency", "attention_efficiency",
+              "cudnn_attention_efficiency")  # fmt: skip
 
 
 def with_values(cluster: Cluster, values: dict) -> Cluster:
@@ -154,6 +183,9 @@ def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
     for key in ("peak_tflops", "hbm_gib", "hbm_gbps", "nvlink_gbps", "network_gbps"):
         if not getattr(cluster, key) > 0:
             raise ClusterError(f"{path}: {key} must be > 0")
+    for key in _CONSTANTS:
+        if getattr(cluster, key) < 0:
+            raise ClusterError(f"{path}: {key} must be >= 0 (0 or absent: not measured)")
     if cluster.device not in ("cuda", "cpu"):
         raise ClusterError(f"{path}: device must be cuda or cpu, got {cluster.device!r}")
     return cluster

@@ -63,9 +63,8 @@ class CostModel:
         rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
         self.cfg, self.cluster, self.rt = cfg, cluster, rt
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
-        measured = cluster.measured_constants  # a measured profile's own (the CPU's)
-        self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth,
-                          Calibration(*measured) if measured else cal)  # fmt: skip
+        # the profile's own constants where it states them (cluster.Cluster.calibration)
+        self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth, cluster.calibration(cal))
         p, m = cfg.parallel, cfg.model
         self.shape = (p.pp, p.dp, p.cp, p.tp)
         self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
@@ -141,8 +140,7 @@ class CostModel:
             fwd = 4.0 * x.hd * x.pairs * heads
             moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
             intensity = 4.0 * x.hd * x.pairs / moved
-            eff = self.host.attention_efficiency if self.host else 0.0
-            eff = eff or 1.0  # measured profiles: the kernel's own
+            eff = self.cluster.attention_factor(self.rt.attention_kernel)  # the kernel's own
             return dev.matmul(fwd, intensity) / eff, dev.matmul(2.5 * fwd, intensity) / eff
         scores = heads * x.q * x.kv  # the unfused path computes the masked half too
         mask = 1 if self.dropout else 0

@@ -35,7 +35,7 @@ def runtime_of(row: published.Row) -> Runtime:
     rt = dataclasses.replace(rt, tp_comm_overlap=bool(row.tp_overlap and row.sequence_parallel))
     if row.runtime == "torchtitan":
         rt = dataclasses.replace(rt, fused_elementwise=bool(row.compile))
-    if "NVTE_FUSED_ATTN=0" in row.notes and hasattr(rt, "attention_kernel"):
+    if "NVTE_FUSED_ATTN=0" in row.notes:
         rt = dataclasses.replace(rt, attention_kernel="flash")  # TE's flash-attn backend
     return rt
 

@@ -6,22 +6,20 @@ line. A profile measured on a CPU (benchmarks/calibrate.py writes clusters/cpu*.
 value commented there) carries them as one `HostOverheads` (cluster.Cluster.host); the GPU
 profiles have none, so the core prices only the datasheet terms for them.
 
-The fields: `device` (which attention kernel config/memory.attention_path picks: "cuda" or
-"cpu"), `threads` (torch threads per rank the profile was measured with), the three model
-constants measured instead of Table 1's fit (`gemm_efficiency` e_max, `gemm_knee` κ,
-`memory_efficiency` μ: cost_terms.Calibration; 0 means "use the fit"), a separate
-point-to-point link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce;
-0: the intra-node link), the framework's fixed seconds per block and action
-(`layer_forward_us`, `layer_backward_us` per transformer layer, `ends_forward_us`,
-`ends_backward_us` for the embedding and head together), GPT-2's tanh GeLU per element
-(`gelu_forward_ns`, `gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes), the
-fused attention kernel's fraction of the GEMM rate the model gives its FLOPs
-(`attention_efficiency`; 0: 1), and what a blocking collective costs in training beyond the
-aligned probe (`collective_sync_us`: the waiting one's wake-up, added to each tp collective;
-`collective_skew`: the ranks' arrival skew as a fraction of the compute since the previous
-collective, added to each F and B with a tp collective; `step_skew`: the same wait at the
-step-scale synchronisations of a run without tp, the dp gradient reduction and each pipeline
-message, as a fraction of the compute before them).
+The device's own constants (e_max, κ, μ and the attention kernel's rate) are not host terms:
+they are the profile's (cluster.Cluster), as any profile may state them. The fields here:
+`device` (which attention kernel config/memory.attention_path picks: "cuda" or "cpu"),
+`threads` (torch threads per rank the profile was measured with), a separate point-to-point
+link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce; 0: the
+intra-node link), the framework's fixed seconds per block and action (`layer_forward_us`,
+`layer_backward_us` per transformer layer, `ends_forward_us`, `ends_backward_us` for the
+embedding and head together), GPT-2's tanh GeLU per element (`gelu_forward_ns`,
+`gelu_backward_ns`: compute-bound on a CPU, so not priced by bytes), and what a blocking
+collective costs in training beyond the aligned probe (`collective_sync_us`: the waiting one's
+wake-up, added to each tp collective; `collective_skew`: the ranks' arrival skew as a fraction
+of the compute since the previous collective, added to each F and B with a tp collective;
+`step_skew`: the same wait at the step-scale synchronisations of a run without tp, the dp
+gradient reduction and each pipeline message, as a fraction of the compute before them).
 """
 
 from __future__ import annotations
@@ -37,9 +35,6 @@ class HostOverheads:
 
     device: str = "cuda"
     threads: int = 0
-    gemm_efficiency: float = 0.0
-    gemm_knee: float = 0.0
-    memory_efficiency: float = 0.0
     p2p_gbps: float = 0.0
     p2p_latency_us: float = 0.0
     layer_forward_us: float = 0.0
@@ -48,16 +43,9 @@ class HostOverheads:
     ends_backward_us: float = 0.0
     gelu_forward_ns: float = 0.0
     gelu_backward_ns: float = 0.0
-    attention_efficiency: float = 0.0
     collective_sync_us: float = 0.0
     collective_skew: float = 0.0
     step_skew: float = 0.0
-
-    @property
-    def measured_constants(self) -> tuple[float, float, float] | None:
-        """(e_max, κ, μ) measured for this device, or None: use the calibrated fit."""
-        c = (self.gemm_efficiency, self.gemm_knee, self.memory_efficiency)
-        return c if all(x > 0 for x in c) else None
 
     def tp_sync(self) -> float:
         """Seconds a blocking tp collective's waiting rank pays to wake up."""

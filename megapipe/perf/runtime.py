@@ -10,7 +10,9 @@ its source. Ours and Megatron 2021's differ in facts about the code, none fitted
   attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
                   bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
                   GEMMs with the s² scores in HBM, its fused scale-mask-softmax kernel and the
-                  attention dropout in between (FlashAttention came in 2022).
+                  attention dropout in between (FlashAttention came in 2022). The fused
+                  kernel's own rate is the profile's (attention_kernel: ours "flash", PyTorch
+                  SDPA's flash backend, FlashAttention-2 on Hopper).
   residual bytes  ours keeps the residual stream and norms in float32 (config/memory.py);
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
@@ -102,6 +104,10 @@ class Runtime:
     # buckets counted in parameters (0: dp_bucket_mb): max(dp_bucket_params, per_rank · dp)
     dp_bucket_params: float = 0.0
     dp_bucket_params_per_rank: float = 0.0
+    # the fused attention kernel: "flash" (FlashAttention-2 class: PyTorch SDPA's flash
+    # backend) or "cudnn" (cuDNN's, Transformer Engine's choice on Hopper); the profile
+    # prices each (cluster.Cluster.attention_factor)
+    attention_kernel: str = "flash"
 
 
 MEGAPIPE = Runtime(
@@ -145,8 +151,10 @@ MEGATRON_2021 = Runtime(
 # megatron/core/transformer/transformer_config.py; Transformer Engine's docs.
 MEGATRON_CORE = Runtime(
     name="megatron_core",
-    # --attention-backend / TE DotProductAttention: cuDNN or flash-attn fused kernels on sm90
     attention="fused",
+    # TE's DotProductAttention on Hopper: "Disabling FlashAttention to give FusedAttention
+    # preference on Hopper+ for performance reasons" (attention/dot_product_attention/utils.py)
+    attention_kernel="cudnn",
     residual_bytes=0,  # fp32_residual_connection defaults False: the residual in bf16
     # bias_activation_fusion, bias_dropout_fusion, bias_swiglu_fusion, apply_rope_fusion default
     # True; TE's LayerNormLinear / LayerNormMLP fuse the norm with the GEMM's input (bf16 out)
