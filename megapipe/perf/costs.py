@@ -45,11 +45,11 @@ from megapipe.config import Config
 from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
-from megapipe.perf import tp_overlap
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.tp_overlap import exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
 # megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
@@ -114,8 +114,8 @@ class CostModel:
             return tp, tp, 0.0, 0.0
         act = x.n * self.cfg.model.d_model * self.c
         ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
-        f, b = tp_overlap.exposed(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
-        return f, b, *tp_overlap.sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
+        f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
+        return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
 
     # -- a transformer layer -----------------------------------------------------------------
 
@@ -290,13 +290,14 @@ class CostModel:
             f_tp += self._tp("all_gather", x.n * d * c) if p.sequence_parallel else 0.0
         f = Work(
             compute=dev.gemm(x.n, x.vocab, d, 1, c)
-            + dev.mem(norm + 16 * logits + table * self.rt.weight_cast_bytes),
+            + dev.mem(norm + self.rt.loss_bytes[0] * logits + table * self.rt.weight_cast_bytes),
             tp=f_tp,
         )
         wgrad = Work(
             compute=dev.gemm(d, x.vocab, x.n, 1, c) + dev.mem(table * self.rt.grad_accum_bytes)
         )
-        b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + dev.mem(2 * norm + 12 * logits), tp=b_tp)
+        loss_b = dev.mem(2 * norm + self.rt.loss_bytes[1] * logits)
+        b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + loss_b, tp=b_tp)
         # a tied head is F.linear on the table: its weight grad comes in B
         tied = m.tie_embeddings
         f, b = self._skewed(f), self._skewed(b)

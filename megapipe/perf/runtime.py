@@ -101,6 +101,9 @@ class Runtime:
     # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core) or
     # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops)
     selective_recompute: str = "attention"
+    # HBM bytes per logit of the whole-logits cross entropy (forward, backward): Table 1's
+    # float32 log-softmax (the constants were fitted with it); not used by our fused head
+    loss_bytes: tuple[float, float] = (16.0, 12.0)
     # buckets counted in parameters (0: dp_bucket_mb): max(dp_bucket_params, per_rank · dp)
     dp_bucket_params: float = 0.0
     dp_bucket_params_per_rank: float = 0.0
@@ -182,6 +185,10 @@ MEGATRON_CORE = Runtime(
     # bf16 needs no loss scale, so no unscale or inf check
     optimizer_bytes=NORM_CLIP_BYTES + ADAMW_BYTES["fused"] + WRITE_BACK_BYTES,
     autocast_casts=False,  # no autocast: TE's modules run on bf16 weights and inputs
+    # core/tensor_parallel/cross_entropy.py on logits.float(): the cast (2 + 4), max (4),
+    # subtract (8), exp in place (8), sum (4), divide (8) = 38; backward: the softmax times the
+    # grad in place (8) and the cast back to bf16 (4 + 2) = 14
+    loss_bytes=(38.0, 14.0),
     param_bytes=2,  # --overlap-param-gather all-gathers the bf16 weights
     param_gather_overlap=True,  # bucket by bucket in the next forward's pre-hooks
     # --tp-comm-overlap (TE userbuffers: ring-exchange all-gathers, pipelined reduce-scatters

@@ -21,7 +21,7 @@ with the same pairs, tp chunks each.
 from __future__ import annotations
 
 
-def exposed(tp: int, ag: float, rs: float, fprop: list[float], dgrad: list[float],
+def exposed_tp(tp: int, ag: float, rs: float, fprop: list[float], dgrad: list[float],
             wgrad: list[float], splits: int) -> tuple[float, float]:  # fmt: skip
     """Exposed seconds of one layer's forward and backward collectives (one all-gather `ag`,
     one reduce-scatter `rs`); fprop, dgrad, wgrad: the qkv, proj, fc1, fc2 GEMMs' seconds."""
