@@ -35,7 +35,9 @@ def runtime_of(row: published.Row) -> Runtime:
     rt = dataclasses.replace(rt, tp_comm_overlap=bool(row.tp_overlap and row.sequence_parallel))
     if row.runtime == "torchtitan":
         rt = dataclasses.replace(rt, fused_elementwise=bool(row.compile))
-    if "NVTE_FUSED_ATTN=0" in row.notes:
+    # the recipe's NVTE_FUSED_ATTN=0 (said once per model and source, "as the ... row" after)
+    flash = {(r.source, r.model) for r in published.load_all() if "NVTE_FUSED_ATTN=0" in r.notes}
+    if (row.source, row.model) in flash:
         rt = dataclasses.replace(rt, attention_kernel="flash")  # TE's flash-attn backend
     return rt
 
