@@ -248,6 +248,10 @@ LLM_FOUNDRY = dataclasses.replace(
     # eager: norms, GeLU and the residual adds op by op (low_precision_layernorm keeps the norm
     # in bf16 under autocast, so no cast of its output)
     fused_elementwise=False,
+    # torch/distributed/fsdp/_runtime_utils.py: each microbatch's bf16 flat grad cast to the
+    # fp32 reduce dtype (2 + 4) and divided in place by the predivide factor before its
+    # reduce-scatter (4 + 4)
+    grad_accum_bytes=14.0,
     # decoupled LionW (one moment: param, grad, momentum read, param and momentum written,
     # 12 + 8) over the fp32 shard, with the grad norm clip (12)
     optimizer_bytes=32.0,
