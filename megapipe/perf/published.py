@@ -36,6 +36,7 @@ H100_SOURCES = [
     "torchtitan_h100_bf16.csv",  # torchtitan's published benchmarks
     "meta_llama3_2407.21783_table4.csv",  # Llama 3 paper, Table 4
     "llm_foundry_h100_bf16.csv",  # MosaicML LLM Foundry's MPT benchmarks (FSDP)
+    "maxtext_dgxc_h100_bf16.csv",  # MaxText (JAX) Llama 2 70B, NVIDIA's recipe
 ]
 """The H100/H200 end-to-end runs the project validates on (data/, module docstring)."""
 
