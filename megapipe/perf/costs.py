@@ -235,6 +235,8 @@ class CostModel:
             # torchtitan's per-op policy: every op's output saved (attention's too) but every
             # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops
             b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
+        elif mode == "selective" and self.rt.selective_recompute == "mlpwi":
+            b = b + Work(compute=fprop[2] + attn_f + dev.mem(elem) + act_f, cp=cp_f)
         elif mode == "selective":
             b = b + Work(compute=attn_f, cp=cp_f)
         out = self._cache[key] = BlockCosts(f, b, w)

@@ -98,8 +98,10 @@ class Runtime:
     p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
     dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
     dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
-    # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core) or
-    # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops)
+    # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core),
+    # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops) or
+    # "mlpwi" (MaxText's save_dot_except_mlpwi: the MLP input matmul, the attention core and
+    # the elementwise ops)
     selective_recompute: str = "attention"
     # HBM bytes per logit of the whole-logits cross entropy (forward, backward): Table 1's
     # float32 log-softmax (the constants were fitted with it); not used by our fused head
@@ -258,7 +260,23 @@ LLM_FOUNDRY = dataclasses.replace(
     selective_recompute="attention",
 )
 
-RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN, LLM_FOUNDRY)}
+# MaxText (JAX/XLA) as NVIDIA's DGX Cloud recipe ran it (perf/data/maxtext_dgxc_h100_bf16.csv's
+# header: maxtext/configure.sh): FSDP over all GPUs, float32 weights with bf16 compute.
+MAXTEXT = dataclasses.replace(
+    TORCHTITAN,
+    name="maxtext",
+    attention_kernel="cudnn",  # attention=cudnn_flash_te: cuDNN's flash kernel through TE
+    fused_elementwise=True,  # XLA fuses the element-wise ops into their neighbours
+    # the weight grads of the bf16 dots converted to the float32 weights' dtype (2 + 4)
+    grad_accum_bytes=6.0,
+    # remat_policy save_dot_except_mlpwi: the projections' and the MLP output's dots saved;
+    # the MLP input dots, the attention core and the element-wise ops recomputed
+    selective_recompute="mlpwi",
+)
+
+RUNTIMES = {
+    r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN, LLM_FOUNDRY, MAXTEXT)
+}
 
 
 def bucket_bytes(runtime: Runtime, ranks: int, element: int) -> float:
