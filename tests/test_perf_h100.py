@@ -8,6 +8,8 @@ that ran them (perf/runtime.py: megatron_core, torchtitan) and the mechanisms th
   46 B optimizer, buckets of max(40M, 1M·dp) parameters, only the first stage's first chunk
   bucketed), untouched by resolved(); TE's tp overlap hides what its GEMM covers and no more;
   p2p overlap only under interleaving.
+- The selective recompute policies of torchtitan (per-op) and MaxText (save_dot_except_mlpwi)
+  rerun more than the attention core and less than the whole layer.
 - Megapipe's runtime beside it: the attribution's terms add up to the difference.
 """
 
@@ -158,3 +160,22 @@ def test_cli_validate(capsys):
     out = capsys.readouterr().out
     assert "| row | runtime |" in out and "mean |error|" in out
     assert plan_cli.main(["validate", "--parallel.tp=2"]) == 2
+
+
+@pytest.mark.parametrize("runtime", [TORCHTITAN, RUNTIMES["maxtext"]], ids=lambda r: r.name)
+def test_selective_policies_rerun_what_they_say(runtime):
+    """torchtitan's per-op policy and MaxText's save_dot_except_mlpwi rerun more than the
+    attention core and less than the whole layer; the attention policy reruns the core."""
+    cluster = load_cluster("h100")
+    base = ["parallel.dp=8", "parallel.microbatches=1", "train.global_batch=8", "parallel.tp=1",
+            "parallel.sequence_parallel=false", "parallel.zero=3"]  # fmt: skip
+    steps = {}
+    for mode in ("none", "selective", "full"):
+        cfg = _llama70b([*base, f"recompute.mode={mode}"])
+        for rt in (runtime, dataclasses.replace(runtime, selective_recompute="attention")):
+            steps[mode, rt.selective_recompute] = project(cfg, cluster, rt, memory=False)
+    own = steps["selective", runtime.selective_recompute].breakdown["compute_s"]
+    core = steps["selective", "attention"].breakdown["compute_s"]
+    none = steps["none", "attention"].breakdown["compute_s"]
+    full = steps["full", "attention"].breakdown["compute_s"]
+    assert none < core < own < full
