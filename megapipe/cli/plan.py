@@ -6,6 +6,7 @@ fit, and check the projection on Megatron-LM's Table 1.
     python tools/plan.py search --config FILE --gpus N --gpu a100|h100|h200 \\
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
+    python tools/plan.py validate [--megapipe]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
@@ -13,7 +14,12 @@ TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the brea
 `train.*` and `recompute.*` keys mean what they mean for training. `table1` prints the ten rows
 of Narayanan et al. 2021's Table 1, measured against projected hardware TFLOP/s per GPU, with
 the error per row, mean and max, and the leave-one-out error of the calibrated constants
-(megapipe/perf/table1.py; --refit fits the constants again first). This machine's CPU
+(megapipe/perf/table1.py; --refit fits the constants again first). `validate` projects the
+published H100/H200 runs (megapipe/perf/published.py's data) with the runtime of the code base
+that ran each (megatron_core, torchtitan) against their measured tokens/s per GPU, with the
+error per row, mean and max (megapipe/perf/h100_validation.py); --megapipe adds megapipe's own
+runtime (bf16 weights) projected on the Megatron-Core rows beside Megatron-Core's, and the
+seconds each of its differing facts adds. This machine's CPU
 profile and the local truth are benchmarks' (python -m benchmarks.bench calibrate | local).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
@@ -33,6 +39,7 @@ import yaml
 
 from megapipe.config import ConfigError, load_config
 from megapipe.config.checks_runtime import not_built
+from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster
@@ -63,12 +70,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     table = sub.add_parser("table1", help="Megatron-LM Table 1: paper vs projected")
     table.add_argument("--refit", action="store_true", help="fit the constants again first")
     table.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
+    check = sub.add_parser("validate", help="published H100/H200 runs: measured vs projected")
+    check.add_argument("--megapipe", action="store_true", help="megapipe's runtime beside")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
             raise UsageError(f"argument '{item}' is not --section.key=value")
-    if args.command == "table1" and rest:
-        raise UsageError("table1 takes no --section.key=value overrides")
+    if args.command in ("table1", "validate") and rest:
+        raise UsageError(f"{args.command} takes no --section.key=value overrides")
     return args, rest
 
 
@@ -193,6 +202,17 @@ def run_table1(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_validate(args: argparse.Namespace) -> int:
+    print(h100.markdown(h100.compare()))
+    if args.megapipe:
+        beside = h100.beside_megapipe()
+        print("\nmegapipe's runtime (bf16 weights) beside megatron_core's, same configs:\n")
+        print(h100.beside_markdown(beside))
+        print("\nseconds each of megapipe's facts adds (share of megatron_core's step):\n")
+        print(h100.attribution_markdown(beside))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -201,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_project(args, overrides)
         if args.command == "search":
             return run_search(args, overrides, argv)
+        if args.command == "validate":
+            return run_validate(args)
         return run_table1(args)
     except (UsageError, ConfigError, ClusterError, plan_search.PlanError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -32,10 +32,10 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
 Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), priced by
 comm.ring_time on the tp group's link and not overlapped: per layer F two all-reduces of
 N·d·c (SP: two all-gathers and two reduce-scatters), B the same; under parallel.tp_overlap on
-a runtime that overlaps them (runtime.tp_comm_overlap; Wang et al. 2023) each SP collective is
-tp − 1 ring steps of 1/tp of it, each beside the matmul of one sequence chunk of its linear
-(F: qkv, proj, fc1, fc2; B: their input-grad GEMMs), so only Σ max(0, step − chunk) is
-exposed; the vocab-parallel embedding an all-reduce of its output, the cross entropy three
+a runtime that overlaps them (runtime.tp_comm_overlap; Wang et al. 2023) perf/tp_overlap.py
+prices each SP collective beside its linear's GEMM chunks (ring-exchange all-gathers,
+reduce-scatters pipelined in the runtime's splits; ours: tp − 1 ring steps), only what outlasts
+them exposed; the vocab-parallel embedding an all-reduce of its output, the cross entropy three
 all-reduces of N floats (ours: the max per chunk, then two of N), the head input grad an
 all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends the K, V
 block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
@@ -53,14 +53,13 @@ from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.tp_overlap import exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
 # megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
 FUSED_HEAD_RUNTIMES = {"megapipe"}
 # SP's collective at each linear of a layer (gemm_shapes' order: qkv, proj, fc1, fc2): the
 # column linears gather their input and scatter its grad, the row linears the reverse
-SP_FORWARD = ("all_gather", "reduce_scatter", "all_gather", "reduce_scatter")
-SP_BACKWARD = ("reduce_scatter", "all_gather", "reduce_scatter", "all_gather")
 
 
 class CostModel:
@@ -101,24 +100,29 @@ class CostModel:
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
         return self.host.skewed(work) if self.host else work
 
-    def _tp_layer(self, x: Shapes, gemm_s: list[float], kinds: tuple[str, ...]) -> float:
-        """One direction's exposed tp collectives of a layer (F or B: the same volume): under
-        tp overlap each linear's SP collective (`kinds`, in gemm_shapes' order) behind its
-        GEMM's chunks (`gemm_s`: their seconds), tp − 1 ring steps of 1/tp of the tensor each
-        overlapping one chunk's matmul (parallel/tensor/overlap.py)."""
+    def _tp_layer(self, x: Shapes) -> float:
+        """One direction's tp collectives of a layer (F or B: the same volume), not overlapped."""
         p = self.cfg.parallel
         if p.tp == 1:
             return 0.0
         act = x.n * self.cfg.model.d_model * self.c
-        if not p.sequence_parallel:
-            return 2 * self._tp("all_reduce", act)
-        if not (p.tp_overlap and self.rt.tp_comm_overlap):
+        if p.sequence_parallel:
             return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
-        exposed = 0.0
-        for kind, seconds in zip(kinds, gemm_s, strict=True):
-            step = self._tp(kind, act) / (p.tp - 1)  # one ring step: 1/tp of the tensor
-            exposed += (p.tp - 1) * max(0.0, step - seconds / p.tp)
-        return exposed
+        return 2 * self._tp("all_reduce", act)
+
+    def _tp_overlapped(self, x: Shapes, fprop, dgrad, wgrad) -> tuple[float, ...]:
+        """A layer's exposed tp seconds forward and backward, and the seconds the SM margin
+        adds to F and W (perf/tp_overlap.py), where parallel.tp_overlap asks for it, with
+        sequence parallelism, of a runtime that has it (ours: parallel/tensor/overlap.py);
+        else the plain collectives."""
+        p = self.cfg.parallel
+        if not (p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap):
+            tp = self._tp_layer(x)
+            return tp, tp, 0.0, 0.0
+        act = x.n * self.cfg.model.d_model * self.c
+        ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
+        f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
+        return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
 
     # -- a transformer layer -----------------------------------------------------------------
 
@@ -212,28 +216,34 @@ class CostModel:
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self.gemm_shapes(x)
-        fwd_s = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
-        dgrad_s = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
+        fprop = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
+        dgrad = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
+        wgrad = [dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms]
+        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, fprop, dgrad, wgrad)
         f = Work(
-            compute=sum(fwd_s)
+            compute=sum(fprop)
+            + margin_f
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes)
             + act_f,
-            tp=self._tp_layer(x, fwd_s, SP_FORWARD),
+            tp=tp,
             cp=cp_f,
         )
         b = Work(
-            compute=sum(dgrad_s) + attn_b + dev.mem(2 * elem) + act_b,
-            tp=self._tp_layer(x, dgrad_s, SP_BACKWARD),
+            compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
+            tp=tp_b,
             cp=cp_b,
         )
-        w = Work(
-            compute=sum(dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms)
-            + dev.mem(params * self.rt.grad_accum_bytes)
-        )
+        w = Work(compute=sum(wgrad) + margin_w + dev.mem(params * self.rt.grad_accum_bytes))
         f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
             b = b + f
+        elif mode == "selective" and self.rt.selective_recompute == "op":
+            # torchtitan's per-op policy: every op's output saved (attention's too) but every
+            # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops
+            b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
+        elif mode == "selective" and self.rt.selective_recompute == "mlpwi":
+            b = b + Work(compute=fprop[2] + attn_f + dev.mem(elem) + act_f, cp=cp_f)
         elif mode == "selective":
             b = b + Work(compute=attn_f, cp=cp_f)
         out = self._cache[key] = BlockCosts(f, b, w)
@@ -289,13 +299,14 @@ class CostModel:
             f_tp += self._tp("all_gather", x.n * d * c) if p.sequence_parallel else 0.0
         f = Work(
             compute=dev.gemm(x.n, x.vocab, d, 1, c)
-            + dev.mem(norm + 16 * logits + table * self.rt.weight_cast_bytes),
+            + dev.mem(norm + self.rt.loss_bytes[0] * logits + table * self.rt.weight_cast_bytes),
             tp=f_tp,
         )
         wgrad = Work(
             compute=dev.gemm(d, x.vocab, x.n, 1, c) + dev.mem(table * self.rt.grad_accum_bytes)
         )
-        b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + dev.mem(2 * norm + 12 * logits), tp=b_tp)
+        loss_b = dev.mem(2 * norm + self.rt.loss_bytes[1] * logits)
+        b = Work(compute=dev.gemm(x.n, d, x.vocab, 1, c) + loss_b, tp=b_tp)
         # a tied head is F.linear on the table: its weight grad comes in B
         tied = m.tie_embeddings
         f, b = self._skewed(f), self._skewed(b)

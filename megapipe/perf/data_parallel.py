@@ -33,8 +33,14 @@ from megapipe.config.states import state_layout
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.runtime import Runtime, bucket_bytes, resolved
 from megapipe.plan.actions import Placement
+
+
+def layers_per_chunk(cfg: Config) -> int:
+    """Transformer layers of one model chunk (at least 1): a per-block runtime's buckets."""
+    p = cfg.parallel
+    return max(1, cfg.model.n_layers // (placement_of(cfg).num_stages if p.pp > 1 else 1))
 
 
 @dataclass
@@ -56,16 +62,19 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     link = group_link(cluster, shape, ("dp", "cp"))
     kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    bucket = rt.dp_bucket_mb * 2**20
+    bucket = bucket_bytes(rt, n, grad_bytes)
+    blocks = layers_per_chunk(cfg)
     chunk, last = [], []
-    for per_chunk in held:
+    for r, per_chunk in enumerate(held):
         times, lasts = [], []
-        for params in per_chunk:
+        for c, params in enumerate(per_chunk):
             nbytes = params * grad_bytes
             t = ring_time(kind, nbytes, n, link)
-            if bucket and nbytes > bucket and n > 1:
-                t += (math.ceil(nbytes / bucket) - 1) * steps * link.latency
-                lasts.append(ring_time(kind, bucket, n, link))
+            size = nbytes / blocks if rt.dp_bucket_per_block else bucket
+            bucketed = size and not (rt.dp_bucket_first_only and (r, c) != (0, 0))
+            if bucketed and nbytes > size and n > 1:
+                t += (math.ceil(nbytes / size) - 1) * steps * link.latency
+                lasts.append(ring_time(kind, size, n, link))
             else:
                 lasts.append(t)
             times.append(t)
@@ -117,8 +126,15 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
     gather = 0.0
     if shards > 1 and s.weight_shards == 1:  # zero=3 gathers per block instead (dp_plan)
         link = group_link(cluster, shape, ("dp", "cp"))
-        bucket = rt.dp_bucket_mb * 2**20 if rt.param_gather_overlap else math.inf
-        gather = max(
-            ring_time("all_gather", min(sum(ps) * rt.param_bytes, bucket), n, link) for ps in held
-        )
+        bucket = bucket_bytes(rt, n, rt.param_bytes) if rt.param_gather_overlap else math.inf
+        if rt.dp_bucket_first_only and rt.param_gather_overlap:
+            # only the first stage's first chunk is bucketed; its first bucket is what the next
+            # forward waits for (the other chunks gather behind it, and later stages' first
+            # forwards wait for their inputs)
+            held = [held[0][:1]]
+        blocks = layers_per_chunk(cfg)
+        first = [sum(ps) * rt.param_bytes for ps in held]
+        if rt.dp_bucket_per_block and rt.param_gather_overlap:
+            first = [b / blocks for b in first]  # the first block's gather, the rest behind it
+        gather = max(ring_time("all_gather", min(b, bucket or b), n, link) for b in first)
     return OptPlan(per_rank, norm + max(per_rank), gather)

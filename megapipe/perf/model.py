@@ -324,7 +324,9 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
     b = cfg.derived.micro_batch_size
     q_full = m.seq_len // p.cp
     delay = [0.0] * len(dag.messages)
-    extra = [0.0] * len(dag.messages) if runtime.p2p_blocking else None
+    # a runtime that overlaps p2p under interleaving posts the sends and waits at first use
+    blocking = runtime.p2p_blocking and not (runtime.p2p_overlap and place_vpp(cfg) > 1)
+    extra = [0.0] * len(dag.messages) if blocking else None
     for key, (src, dst, seg, _grad) in enumerate(dag.messages):
         q = q_full if len(bounds) == 1 else bounds[seg][1] - bounds[seg][0]
         nbytes = b * q * m.d_model * (runtime.p2p_bytes or cm.c)
@@ -340,6 +342,11 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
         else:
             delay[key] = t
     return delay, extra
+
+
+def place_vpp(cfg: Config) -> int:
+    """Chunks per pp rank of the configured placement (1 without a pipeline)."""
+    return placement_of(cfg).vpp if cfg.parallel.pp > 1 else 1
 
 
 def _dp_end(dag: Dag, timing: Timing, dp: DPPlan, runtime: Runtime, place: Placement) -> float:

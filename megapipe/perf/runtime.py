@@ -1,8 +1,11 @@
 """The software the model prices: what the runtime does with a step's work, besides the FLOPs.
 
-Two runtimes: `megapipe` (ours, the default: what tools/plan.py projects) and `megatron2021`,
-the Megatron-LM of Narayanan et al. 2021 that produced Table 1, used to validate the mechanisms
-on published measurements. They differ in facts about the code, none fitted:
+Four runtimes: `megapipe` (ours, the default: what tools/plan.py projects), `megatron2021`, the
+Megatron-LM of Narayanan et al. 2021 that produced Table 1, `megatron_core` (Megatron-Core
+0.8-0.12 as its published H100 runs used it) and `torchtitan` (PyTorch's FSDP2 trainer); the
+last three validate the mechanisms on published measurements (perf/table1.py,
+perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
+its source. Ours and Megatron 2021's differ in facts about the code, none fitted:
 
   attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
                   bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
@@ -59,7 +62,8 @@ on published measurements. They differ in facts about the code, none fitted:
                   steps beside the linears' matmul chunks where parallel.tp_overlap asks
                   for it (parallel/tensor/overlap.py, Wang et al. 2023: TP_COMM_OVERLAP, read
                   here): only what a step's transfer outlasts its chunk's matmul is exposed
-                  (costs.CostModel._tp_layer). Megatron 2021 had no such overlap.
+                  (costs.CostModel._tp_overlapped, perf/tp_overlap.py). Megatron 2021 had no
+                  such overlap.
 """
 
 from __future__ import annotations
@@ -95,7 +99,25 @@ class Runtime:
     adamw: str = ""  # ours: the AdamW kind the code runs on CUDA; "": optimizer_bytes as given
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
     param_gather_overlap: bool = False  # zero>=1's gather hidden behind the next forward
-    tp_comm_overlap: bool = False  # SP's collectives chunked beside the linears' matmuls
+    # sequence parallelism's all-gathers / reduce-scatters split into chunks that overlap the
+    # linears' GEMMs (perf/tp_overlap.py: only what outlasts its GEMM is exposed)
+    tp_comm_overlap: bool = False
+    tp_overlap_splits: int = 0  # chunks of a pipelined reduce-scatter (0: tp)
+    tp_overlap_sm_share: float = 0.0  # of the SMs the overlapped collectives keep
+    p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
+    dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
+    dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
+    # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core),
+    # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops) or
+    # "mlpwi" (MaxText's save_dot_except_mlpwi: the MLP input matmul, the attention core and
+    # the elementwise ops)
+    selective_recompute: str = "attention"
+    # HBM bytes per logit of the whole-logits cross entropy (forward, backward): Table 1's
+    # float32 log-softmax (the constants were fitted with it); not used by our fused head
+    loss_bytes: tuple[float, float] = (16.0, 12.0)
+    # buckets counted in parameters (0: dp_bucket_mb): max(dp_bucket_params, per_rank · dp)
+    dp_bucket_params: float = 0.0
+    dp_bucket_params_per_rank: float = 0.0
     # the fused attention kernel: "flash" (FlashAttention-2 class: PyTorch SDPA's flash
     # backend) or "cudnn" (cuDNN's, Transformer Engine's choice on Hopper); the profile
     # prices each (cluster.Cluster.attention_factor)
@@ -137,7 +159,142 @@ MEGATRON_2021 = Runtime(
     optimizer_bytes=56.0,
 )
 
-RUNTIMES = {r.name: r for r in (MEGAPIPE, MEGATRON_2021)}
+# Megatron-Core 0.8-0.12 with the flags its published H100 runs (NVIDIA NeMo / Megatron-LM
+# performance recipes) set. Sources: NVIDIA/Megatron-LM megatron/training/arguments.py,
+# megatron/core/distributed/{distributed_data_parallel,param_and_grad_buffer}.py,
+# megatron/core/optimizer/distrib_optimizer.py, megatron/core/pipeline_parallel/schedules.py,
+# megatron/core/transformer/transformer_config.py; Transformer Engine's docs.
+MEGATRON_CORE = Runtime(
+    name="megatron_core",
+    attention="fused",
+    # TE's DotProductAttention on Hopper: "Disabling FlashAttention to give FusedAttention
+    # preference on Hopper+ for performance reasons" (attention/dot_product_attention/utils.py)
+    attention_kernel="cudnn",
+    residual_bytes=0,  # fp32_residual_connection defaults False: the residual in bf16
+    # bias_activation_fusion, bias_dropout_fusion, bias_swiglu_fusion, apply_rope_fusion default
+    # True; TE's LayerNormLinear / LayerNormMLP fuse the norm with the GEMM's input (bf16 out)
+    fused_elementwise=True,
+    weight_cast_bytes=0.0,  # --bf16: the model's weights are bf16, no per-forward cast
+    # gradient_accumulation_fusion (default True with TE): the wgrad GEMM accumulates into the
+    # fp32 main_grad in its epilogue (wgrad_gemm_accum_fp32): read and write it, 4 + 4 B
+    grad_accum_bytes=8.0,
+    p2p_bytes=0,  # the pipeline's tensors in the compute dtype (bf16)
+    p2p_scatter_gather=False,  # under sequence parallelism each tp rank sends its own shard
+    p2p_blocking=True,  # 1F1B: batched isend/irecv pairs waited for at once (schedules.py)
+    # --overlap-p2p-communication (default on for interleaved schedules): sends posted
+    # asynchronously and waited for only where their tensor is used
+    p2p_overlap=True,
+    # --bf16 sets accumulate_allreduce_grads_in_fp32: grads reduced in fp32 (arguments.py)
+    grad_bytes=4,
+    dp_overlap=True,  # --overlap-grad-reduce: a bucket reduce-scattered once its grads are done
+    dp_bucket_mb=0.0,
+    # DistributedDataParallelConfig.bucket_size default: max(40M, 1M · dp) parameters ("larger
+    # DP sizes need larger buckets to ensure collectives do not become latency-bound")
+    dp_bucket_params=40e6,
+    dp_bucket_params_per_rank=1e6,
+    # distributed optimizer over fp32 main params: grad norm (4) and clip (8), fused Adam
+    # (param, grad, two moments read, three written: 16 + 12), main param -> bf16 weight (4 + 2);
+    # bf16 needs no loss scale, so no unscale or inf check
+    optimizer_bytes=NORM_CLIP_BYTES + ADAMW_BYTES["fused"] + WRITE_BACK_BYTES,
+    autocast_casts=False,  # no autocast: TE's modules run on bf16 weights and inputs
+    # core/tensor_parallel/cross_entropy.py on logits.float(): the cast (2 + 4), max (4),
+    # subtract (8), exp in place (8), sum (4), divide (8) = 38; backward: the softmax times the
+    # grad in place (8) and the cast back to bf16 (4 + 2) = 14
+    loss_bytes=(38.0, 14.0),
+    param_bytes=2,  # --overlap-param-gather all-gathers the bf16 weights
+    param_gather_overlap=True,  # bucket by bucket in the next forward's pre-hooks
+    # --tp-comm-overlap (TE userbuffers: ring-exchange all-gathers, pipelined reduce-scatters
+    # beside the GEMMs) is opt-in (default False): priced where the config sets
+    # parallel.tp_overlap, as for ours
+    tp_comm_overlap=True,
+    # TE's default userbuffers layout (module/base.py initialize_ub): pipelined reduce-scatters
+    # in 4 splits, pipeline and bulk methods with num_sm 16 and set_sm_margin: 16 of an H100
+    # SXM's 132 SMs (datasheet) kept from the GEMMs beside them
+    tp_overlap_splits=4,
+    tp_overlap_sm_share=16 / 132,
+    # distributed_data_parallel.py: bucketing off on pipeline stages after the first and for
+    # model chunks after the first (their reduction is off the critical path)
+    dp_bucket_first_only=True,
+)
+
+# torchtitan (Dec 2024 - mid 2025) as its published H100 benchmarks ran it. Sources: pytorch/
+# torchtitan torchtitan/config_manager.py (job config defaults), torchtitan/parallelisms/
+# parallelize_llama.py (fully_shard per transformer block and the root), docs/fsdp.md.
+TORCHTITAN = Runtime(
+    name="torchtitan",
+    attention="fused",  # F.scaled_dot_product_attention: the flash backend on H100
+    residual_bytes=0,  # FSDP2 MixedPrecisionPolicy param_dtype bf16: activations in bf16
+    # torch.compile (training.compile; a row that compiles) fuses the norms, SwiGLU and the
+    # residual adds per block; eager runs them op by op (validation rows set it per run)
+    fused_elementwise=True,
+    # the fp32 shard is cast to bf16 before each all-gather: 6 B per parameter per gather on
+    # 1/dp of them, not priced (the gathered weight is already bf16)
+    weight_cast_bytes=0.0,
+    # mixed_precision_reduce float32: each microbatch's bf16 weight grad cast to fp32 (2 + 4)
+    # before its reduce-scatter; the sum into the fp32 sharded grad is on 1/dp of them
+    grad_accum_bytes=6.0,
+    p2p_bytes=0,
+    p2p_scatter_gather=False,
+    p2p_blocking=False,  # torch.distributed.pipelining posts isend/irecv and waits at use
+    grad_bytes=4,  # reduce_dtype float32
+    dp_overlap=True,  # each block's reduce-scatter on its own stream as its backward ends
+    dp_bucket_mb=0.0,
+    dp_bucket_per_block=True,  # fully_shard per transformer block: one collective per block
+    # optimizer.implementation "fused" AdamW over the fp32 sharded params (16 read, 12
+    # written) with the grad norm and clip (12); no write-back: weights are cast at gather
+    optimizer_bytes=ADAMW_BYTES["fused"] + NORM_CLIP_BYTES,
+    autocast_casts=False,
+    param_bytes=2,  # param_dtype bf16: the all-gathers move bf16
+    param_gather_overlap=True,  # the next block's all-gather prefetched (FSDP2's default)
+    # activation_checkpoint.selective_ac_option "op" (the published rows'): _save_list keeps
+    # mm and SDPA outputs, "except every second mm" (parallelize_llama.py)
+    selective_recompute="op",
+)
+
+# MosaicML LLM Foundry on Composer with PyTorch FSDP (FSDP1) as its H100 benchmark table ran it
+# (scripts/train/benchmarking/submit_benchmarks.py and the MPT yamls; perf/data/
+# llm_foundry_h100_bf16.csv's header): FULL_SHARD, mixed precision DEFAULT, amp_bf16, eager.
+LLM_FOUNDRY = dataclasses.replace(
+    TORCHTITAN,
+    name="llm_foundry",
+    attention="fused",  # attn_impl flash: FlashAttention-2 (attention_kernel "flash")
+    # eager: norms, GeLU and the residual adds op by op (low_precision_layernorm keeps the norm
+    # in bf16 under autocast, so no cast of its output)
+    fused_elementwise=False,
+    # torch/distributed/fsdp/_runtime_utils.py: each microbatch's bf16 flat grad cast to the
+    # fp32 reduce dtype (2 + 4) and divided in place by the predivide factor before its
+    # reduce-scatter (4 + 4)
+    grad_accum_bytes=14.0,
+    # decoupled LionW (one moment: param, grad, momentum read, param and momentum written,
+    # 12 + 8) over the fp32 shard, with the grad norm clip (12)
+    optimizer_bytes=32.0,
+    selective_recompute="attention",
+)
+
+# MaxText (JAX/XLA) as NVIDIA's DGX Cloud recipe ran it (perf/data/maxtext_dgxc_h100_bf16.csv's
+# header: maxtext/configure.sh): FSDP over all GPUs, float32 weights with bf16 compute.
+MAXTEXT = dataclasses.replace(
+    TORCHTITAN,
+    name="maxtext",
+    attention_kernel="cudnn",  # attention=cudnn_flash_te: cuDNN's flash kernel through TE
+    fused_elementwise=True,  # XLA fuses the element-wise ops into their neighbours
+    # the weight grads of the bf16 dots converted to the float32 weights' dtype (2 + 4)
+    grad_accum_bytes=6.0,
+    # remat_policy save_dot_except_mlpwi: the projections' and the MLP output's dots saved;
+    # the MLP input dots, the attention core and the element-wise ops recomputed
+    selective_recompute="mlpwi",
+)
+
+RUNTIMES = {
+    r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN, LLM_FOUNDRY, MAXTEXT)
+}
+
+
+def bucket_bytes(runtime: Runtime, ranks: int, element: int) -> float:
+    """Bytes of one dp bucket of `element`-byte values over `ranks` ranks (0: one buffer)."""
+    if runtime.dp_bucket_params:
+        return max(runtime.dp_bucket_params, runtime.dp_bucket_params_per_rank * ranks) * element
+    return runtime.dp_bucket_mb * 2**20
 
 
 def weight_cast_bytes(params_dtype: str, compute: int) -> float:

@@ -1,0 +1,183 @@
+"""The performance model on published H100/H200 runs (perf/h100_validation.py), the runtimes
+that ran them (perf/runtime.py: megatron_core, torchtitan) and the mechanisms they add.
+
+- The published rows, each projected with its code base's runtime on its cluster: mean absolute
+  error of tokens/s per GPU ≤ 8%, max ≤ 15%; nothing is fitted on them, so leave-one-out is
+  the same.
+- Megatron-Core's runtime: its facts as stated (bf16 weights and p2p, fp32 grad reduction,
+  46 B optimizer, buckets of max(40M, 1M·dp) parameters, only the first stage's first chunk
+  bucketed), untouched by resolved(); TE's tp overlap hides what its GEMM covers and no more;
+  p2p overlap only under interleaving.
+- The selective recompute policies of torchtitan (per-op) and MaxText (save_dot_except_mlpwi)
+  rerun more than the attention core and less than the whole layer.
+- Megapipe's runtime beside it: the attribution's terms add up to the difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megapipe.cli import plan as plan_cli
+from megapipe.config import load_config
+from megapipe.perf import h100_validation as h100
+from megapipe.perf.cluster import load_cluster
+from megapipe.perf.model import project
+from megapipe.perf.runtime import (
+    MEGAPIPE,
+    MEGATRON_2021,
+    MEGATRON_CORE,
+    RUNTIMES,
+    TORCHTITAN,
+    bucket_bytes,
+    resolved,
+)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return h100.compare()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met: megatron_core 9.6% / 18.1%, maxtext 12% / 13%, llm_foundry 26% / "
+    "39% (docs/benchmarks/2026-11-26-h100-projection.md)",
+)
+def test_published_rows_within_target(results):
+    assert len(results) >= 6
+    mean, worst = h100.errors(h100.leave_one_out(results))
+    table = h100.markdown(results)
+    assert mean <= h100.TARGET_MEAN, table
+    assert worst <= h100.TARGET_MAX, table
+
+
+def test_megatron_core_rows_within_the_held_out_target(results):
+    """Issue 34's target for Megatron-Core's H100 runs: ≤ 10% mean, ≤ 20% max."""
+    core = [r for r in results if r.row.runtime == "megatron_core"]
+    assert len(core) >= 6
+    mean, worst = h100.errors(core)
+    assert mean <= 0.10 and worst <= 0.20, h100.markdown(core)
+
+
+def test_each_row_runs_its_own_runtime_and_switches():
+    for row in h100.rows():
+        rt = h100.runtime_of(row)
+        assert rt.name == row.runtime
+
+
+def test_runtimes_are_registered_and_not_resolved_away():
+    assert RUNTIMES["megatron_core"] is MEGATRON_CORE and RUNTIMES["torchtitan"] is TORCHTITAN
+    for rt in (MEGATRON_CORE, TORCHTITAN, MEGATRON_2021):
+        assert resolved(rt, "bfloat16", "bfloat16") == rt
+
+
+def test_megatron_core_facts():
+    rt = MEGATRON_CORE
+    assert (rt.weight_cast_bytes, rt.grad_accum_bytes, rt.grad_bytes, rt.param_bytes) == (
+        0.0,
+        8.0,
+        4,
+        2,
+    )
+    assert rt.optimizer_bytes == 12 + 28 + 6  # norm and clip, fused Adam, write-back
+    assert rt.attention_kernel == "cudnn" and rt.loss_bytes == (38.0, 14.0)
+    assert rt.dp_overlap and rt.param_gather_overlap and rt.fused_elementwise
+    assert rt.tp_comm_overlap  # --tp-comm-overlap, priced where parallel.tp_overlap asks
+    assert bucket_bytes(rt, 8, 4) == 40e6 * 4 and bucket_bytes(rt, 512, 4) == 512e6 * 4
+    assert bucket_bytes(MEGAPIPE, 512, 4) == 25 * 2**20  # ours: fixed 25 MB
+
+
+def _llama70b(overrides: list[str]) -> object:
+    base = [
+        "model.arch=llama",
+        "model.n_layers=16",
+        "model.d_model=8192",
+        "model.n_heads=64",
+        "model.n_kv_heads=8",
+        "model.d_ff=28672",
+        "model.vocab_size=32000",
+        "model.seq_len=4096",
+        "model.tie_embeddings=false",
+        "parallel.tp=8",
+        "parallel.sequence_parallel=true",
+        "train.dtype=bfloat16",
+        "train.params_dtype=bfloat16",
+    ]
+    return load_config(None, base + overrides, built_only=False)
+
+
+def test_tp_overlap_hides_what_its_gemm_covers():
+    cluster = load_cluster("h100")
+    keys = ["parallel.dp=1", "parallel.microbatches=2", "train.global_batch=2"]
+    plain = project(_llama70b(keys), cluster, MEGATRON_CORE, memory=False)
+    over = project(_llama70b([*keys, "parallel.tp_overlap=true"]), cluster, MEGATRON_CORE,
+                   memory=False)  # fmt: skip
+    off = dataclasses.replace(MEGATRON_CORE, tp_comm_overlap=False)  # a runtime without it
+    assert project(_llama70b([*keys, "parallel.tp_overlap=true"]), cluster, off,
+                   memory=False).breakdown == plain.breakdown  # fmt: skip
+    assert 0 < over.breakdown["tp_comm_s"] < plain.breakdown["tp_comm_s"] / 2
+    # at least the last split of each pipelined reduce-scatter stays exposed (a quarter of
+    # the two forward ones: 1/16 of the plain forward and backward collectives)
+    assert over.breakdown["tp_comm_s"] >= plain.breakdown["tp_comm_s"] / 16 * 0.99
+    # the 16 SMs TE keeps for the pipelined and bulk collectives slow the GEMMs beside them
+    share = MEGATRON_CORE.tp_overlap_sm_share
+    assert share > 0
+    slower = over.breakdown["compute_s"] / plain.breakdown["compute_s"] - 1
+    assert 0 < slower < share / (1 - share)
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_p2p_overlap_only_under_interleaving(vpp):
+    cluster = load_cluster("h100", 1)  # every stage on its own node: p2p over the network
+    schedule = "interleaved_1f1b" if vpp > 1 else "1f1b"
+    cfg = _llama70b([
+        "parallel.pp=4", f"parallel.vpp={vpp}", f"parallel.schedule={schedule}",
+        "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.microbatches=8",
+        "train.global_batch=8",
+    ])  # fmt: skip
+    steps = [
+        project(cfg, cluster, dataclasses.replace(MEGATRON_CORE, p2p_overlap=o), memory=False)
+        for o in (False, True)
+    ]
+    if vpp == 1:
+        assert steps[0].step_time_s == steps[1].step_time_s
+    else:
+        assert steps[1].step_time_s < steps[0].step_time_s
+
+
+def test_attribution_adds_up_to_the_difference():
+    beside = h100.beside_megapipe(h100.rows(("megatron_core",))[:1])
+    (b,) = beside
+    parts = h100.attribution(b)
+    assert set(parts) == {*h100.TERMS, "LM head by chunks"}
+    total = b.megapipe.step_time_s - b.megatron_core.step_time_s
+    assert sum(parts.values()) == pytest.approx(total, rel=1e-9, abs=1e-12)
+    assert b.ratio == pytest.approx(b.megatron_core.step_time_s / b.megapipe.step_time_s)
+
+
+def test_cli_validate(capsys):
+    assert plan_cli.main(["validate"]) == 0
+    out = capsys.readouterr().out
+    assert "| row | runtime |" in out and "mean |error|" in out
+    assert plan_cli.main(["validate", "--parallel.tp=2"]) == 2
+
+
+@pytest.mark.parametrize("runtime", [TORCHTITAN, RUNTIMES["maxtext"]], ids=lambda r: r.name)
+def test_selective_policies_rerun_what_they_say(runtime):
+    """torchtitan's per-op policy and MaxText's save_dot_except_mlpwi rerun more than the
+    attention core and less than the whole layer; the attention policy reruns the core."""
+    cluster = load_cluster("h100")
+    base = ["parallel.dp=8", "parallel.microbatches=1", "train.global_batch=8", "parallel.tp=1",
+            "parallel.sequence_parallel=false", "parallel.zero=3"]  # fmt: skip
+    steps = {}
+    for mode in ("none", "selective", "full"):
+        cfg = _llama70b([*base, f"recompute.mode={mode}"])
+        for rt in (runtime, dataclasses.replace(runtime, selective_recompute="attention")):
+            steps[mode, rt.selective_recompute] = project(cfg, cluster, rt, memory=False)
+    own = steps["selective", runtime.selective_recompute].breakdown["compute_s"]
+    core = steps["selective", "attention"].breakdown["compute_s"]
+    none = steps["none", "attention"].breakdown["compute_s"]
+    full = steps["full", "attention"].breakdown["compute_s"]
+    assert none < core < own < full
