@@ -2,10 +2,12 @@
 any job runs. The dry run (train/memory.py), the planner's bounds (perf/bounds.py) and the
 performance model (perf/memory.py) all call these functions; none keeps terms of its own.
 
-For each (pp, tp) coordinate (dp and cp replicas hold the same): weights, grads and optimizer
-state by train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param,
-bf16 weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), zero=3's
-gathered blocks, and the activations of one microbatch through the rank's chunks
+For each (pp, tp) coordinate (dp and cp replicas hold the same): weights and optimizer state by
+train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param, bf16
+weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), the grads as held
+while activations peak (full-size local grads at every level: the reduction runs in the last
+microbatch's backward) and while that reduction runs (send buffers, shards), zero=3's gathered
+blocks, and the activations of one microbatch through the rank's chunks
 (config/memory.py's terms per block: what our ops save for backward, after Korthikanti et
 al. 2022's structure) times the most microbatches the configured schedule keeps in flight on
 the rank, replayed from the timeline of its action list (plan/simulate.py; a vpp chunk weighs
@@ -38,7 +40,9 @@ from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, sc
 from megapipe.config.states import (
     gathered_bytes,
     grads_bytes,
+    local_grads_bytes,
     optimizer_bytes,
+    reduction_bytes,
     state_layout,
     weights_bytes,
 )
@@ -58,14 +62,16 @@ class RankMemory:
     pp_rank: int
     tp_rank: int
     params: int  # parameters held, over all the rank's chunks (a tied table's copy included)
-    weights: float
-    grads: float
+    weights: float  # held between steps (zero=3: the shard)
+    grads: float  # while activations peak: the full-size local grads (config/states.py)
     optimizer: float
     chunk_activations: tuple[float, ...]  # one microbatch through each local chunk
     # peak in-flight microbatches, in units of one through all the rank's chunks (under a B/W
     # split, what a microbatch keeps from B to W weighs its bytes: peak_inflight)
     inflight: float
-    gathered: float = 0.0  # zero=3: the largest block's weights gathered, and the next one's
+    gathered: float = 0.0  # zero=3: two consecutive blocks gathered (config/states.py)
+    reducing: float = 0.0  # grads while the last backward's reduction runs (reduction_bytes)
+    step_grads: float = 0.0  # grads held over the optimizer step (zero>=2: the shard)
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -82,7 +88,9 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        return self.states + self.activations
+        """The larger of the activation peak (states + activations) and the end of the last
+        backward (weights, the grads while reducing, optimizer state; activations freed)."""
+        return max(self.states + self.activations, self.weights + self.reducing + self.optimizer)
 
 
 @dataclass(frozen=True)
@@ -121,20 +129,29 @@ def memory_plan(
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
-            ranks.append(
-                RankMemory(
-                    pp_rank=pp_rank,
-                    tp_rank=tp_rank,
-                    params=n,
-                    weights=weights_bytes(n, cfg),
-                    grads=grads_bytes(n, cfg),
-                    optimizer=optimizer_bytes(n, cfg),
-                    chunk_activations=acts,
-                    inflight=inflight[pp_rank],
-                    gathered=rank_gathered(cfg, held, tp_rank, chunk_params),
-                )
-            )
+            gathered = rank_gathered(cfg, held, tp_rank, chunk_params)
+            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, inflight[pp_rank]))
     return MemoryPlan(tuple(ranks), device)
+
+
+def rank_memory(
+    cfg: Config, coord: tuple[int, int], n: int, gathered: float, acts: tuple, inflight: float
+) -> RankMemory:
+    """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
+    bytes, `acts` per chunk for one microbatch and `inflight` microbatches at most."""
+    return RankMemory(
+        pp_rank=coord[0],
+        tp_rank=coord[1],
+        params=n,
+        weights=weights_bytes(n, cfg),
+        grads=local_grads_bytes(n, cfg),
+        optimizer=optimizer_bytes(n, cfg),
+        chunk_activations=acts,
+        inflight=inflight,
+        gathered=gathered,
+        reducing=reduction_bytes(n, cfg),
+        step_grads=grads_bytes(n, cfg),
+    )
 
 
 def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
@@ -142,7 +159,7 @@ def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: Ch
     .gathered_bytes of its blocks' parameters; 0 at other levels, without counting them)."""
     if state_layout(cfg).weight_shards == 1:
         return 0.0
-    blocks = [chunk_params(range(b, b + 1), tp_rank) for chunk in held for b in chunk]
+    blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
     return gathered_bytes(blocks, cfg)
 
 

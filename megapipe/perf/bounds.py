@@ -35,6 +35,7 @@ from megapipe.config.memory_plan import (
     chunk_activations,
     live_change,
     rank_gathered,
+    rank_memory,
 )
 from megapipe.config.stages import partition, placement_of
 from megapipe.config.states import state_bytes
@@ -324,7 +325,7 @@ class Bounds:
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
                 count = functools.partial(self._chunk_params, cfg)
                 gathered = rank_gathered(cfg, chunks, tp_rank, count)
-                total = state_bytes(n, cfg, gathered) + sum(acts) * inflight
+                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, inflight).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
