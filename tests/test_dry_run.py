@@ -282,8 +282,10 @@ def test_json_is_the_plan_the_text_prints(capsys, tmp_path, args):
         assert got["peak_bytes"] / MIB == pytest.approx(line["peak"], abs=0.006)
         parts = sum(got[f"{k}_bytes"] for k in [*keys, "activations"])
         reducing = got["weights_bytes"] + got["grads_reducing_bytes"] + got["optimizer_bytes"]
-        # the larger moment, each part rounded down to whole bytes
-        assert abs(got["peak_bytes"] - max(parts, reducing)) <= 4
+        # the larger moment (the grads, where float32 ones do not exist yet at the activation
+        # peak, may be left out of it), each part rounded down to whole bytes
+        no_grads = parts - got["grads_bytes"]
+        assert max(no_grads, reducing) - 4 <= got["peak_bytes"] <= max(parts, reducing) + 4
     assert out["max_peak_bytes"] == max(r["peak_bytes"] for r in out["ranks"])
     if "--parallel.pp=2" in args and cfg.model.tie_embeddings:  # both ends hold the table
         assert sum(r["params"] for r in out["ranks"]) > out["params"]

@@ -22,6 +22,7 @@ real steps save.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from megapipe.config.memory import (
 from megapipe.config.schema import Config
 from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.states import (
+    FLOAT32,
     gathered_bytes,
     grads_bytes,
     local_grads_bytes,
@@ -72,6 +74,9 @@ class RankMemory:
     gathered: float = 0.0  # zero=3: two consecutive blocks gathered (config/states.py)
     reducing: float = 0.0  # grads while the last backward's reduction runs (reduction_bytes)
     step_grads: float = 0.0  # grads held over the optimizer step (zero>=2: the shard)
+    # peak in flight once the grads exist (peak_inflight's with_grads; bf16 weights' main
+    # grads exist all along: = inflight)
+    inflight_with_grads: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -88,9 +93,12 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        """The larger of the activation peak (states + activations) and the end of the last
-        backward (weights, the grads while reducing, optimizer state; activations freed)."""
-        return max(self.states + self.activations, self.weights + self.reducing + self.optimizer)
+        """The largest of: the activation peak, with the grads where they exist by then (else
+        the most live once they do), and the end of the last backward (weights, the grads
+        while reducing, optimizer state; activations freed)."""
+        with_grads = self.grads + self.activations_per_microbatch * self.inflight_with_grads
+        held = self.weights + self.gathered + self.optimizer
+        return max(held + max(self.activations, with_grads), held + self.reducing - self.gathered)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ def memory_plan(
     unit_timeline)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
+    with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
     ranks = []
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
@@ -130,15 +139,18 @@ def memory_plan(
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = rank_gathered(cfg, held, tp_rank, chunk_params)
-            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, inflight[pp_rank]))
+            flight = (inflight[pp_rank], with_grads[pp_rank])
+            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, flight))
     return MemoryPlan(tuple(ranks), device)
 
 
 def rank_memory(
-    cfg: Config, coord: tuple[int, int], n: int, gathered: float, acts: tuple, inflight: float
+    cfg: Config, coord: tuple[int, int], n: int, gathered: float, acts: tuple, inflight: tuple
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
-    bytes, `acts` per chunk for one microbatch and `inflight` microbatches at most."""
+    bytes, `acts` per chunk for one microbatch and `inflight` microbatches at most (peak_inflight:
+    in all, and once the grads exist)."""
+    persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     return RankMemory(
         pp_rank=coord[0],
         tp_rank=coord[1],
@@ -147,7 +159,8 @@ def rank_memory(
         grads=local_grads_bytes(n, cfg),
         optimizer=optimizer_bytes(n, cfg),
         chunk_activations=acts,
-        inflight=inflight,
+        inflight=inflight[0],
+        inflight_with_grads=inflight[0] if persist else inflight[1],
         gathered=gathered,
         reducing=reduction_bytes(n, cfg),
         step_grads=grads_bytes(n, cfg),
@@ -267,13 +280,15 @@ def live_change(kind: str, size: float, kept: float) -> float:
     return -size
 
 
-def rank_peak(events: Iterable[tuple[float, float]]) -> float:
+def rank_peak(events: Iterable[tuple[float, float]], after: float = -math.inf) -> float:
     """The peak of the running sum of (time, change) events in time order, frees before
-    allocations at equal times (F allocates at its start, the others free at their end)."""
+    allocations at equal times (F allocates at its start, the others free at their end);
+    counted from time `after` on."""
     live = peak = 0.0
-    for _, delta in sorted(events):
+    for time, delta in sorted(events):
         live += delta
-        peak = max(peak, live)
+        if time >= after:
+            peak = max(peak, live)
     return round(peak, 9)
 
 
@@ -286,7 +301,9 @@ def unit_timeline(cfg: Config) -> Timeline:
     return out
 
 
-def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None = None) -> list:
+def peak_inflight(
+    cfg: Config, device: str = "cuda", timeline: Timeline | None = None, with_grads: bool = False
+) -> list:
     """Per pp rank, the peak of its live activation bytes over the schedule's `timeline`
     (default unit_timeline), in units of one microbatch through the rank's whole share: how
     many microbatches it holds at once.
@@ -296,10 +313,15 @@ def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None =
     E.g. 1F1B: pp−r on rank r (warm-up of pp−r−1 forwards, Narayanan et al. 2021 §2.2);
     GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3), but only
     the deferred weight-grad inputs between B and W.
+
+    `with_grads`: the peak once the rank's first weight grads exist, from the end of its first
+    BW or W on (float32 weights' grads are made by the first backward and dropped after the
+    step); 0 where nothing is live then. 1F1B's steady state holds as many as its warm-up;
+    GPipe one fewer; without a pipeline one microbatch when there is a second.
     """
     p = cfg.parallel
     if p.pp == 1:  # no pipeline: the microbatches run one after another
-        return [1.0]
+        return [1.0 if p.microbatches > 1 or not with_grads else 0.0]
     timeline = unit_timeline(cfg) if timeline is None else timeline
     peaks = []
     for rank in range(p.pp):
@@ -309,13 +331,17 @@ def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None =
                 size[c, k] = segment_activations(cfg, blocks, device, i)
                 kept[c, k] = chunk_deferred(cfg, blocks, i)
         unit = sum(size.values()) or 1.0  # one microbatch through the rank's whole share
+        grads = [end for kind, *_, end in timeline[rank] if kind in (FULL_BACKWARD, WEIGHT_GRAD)]
         peaks.append(
             rank_peak(
                 (
-                    start if kind == FORWARD else end,
-                    live_change(kind, size[c, k] / unit, kept[c, k] / unit),
-                )
-                for kind, c, k, start, end in timeline[rank]
-            )  # fmt: skip
+                    (
+                        start if kind == FORWARD else end,
+                        live_change(kind, size[c, k] / unit, kept[c, k] / unit),
+                    )
+                    for kind, c, k, start, end in timeline[rank]
+                ),
+                min(grads, default=math.inf) if with_grads else -math.inf,
+            )
         )
     return peaks
