@@ -303,3 +303,35 @@ def test_zero_levels_are_measured_where_they_shard():
     assert json[3]["weights_bytes"] == pytest.approx(
         json[0]["weights_bytes"] / 2 + 8 * layer, abs=8
     )
+
+
+def table() -> str:
+    """Every case planned against measured, a markdown table (the benchmarks page's)."""
+    from tests.parity import Pools
+
+    pools, rows = Pools(), []
+    fields = [*KINDS, "peak"]
+    try:
+        for param in CASES:
+            mesh, layout = param.values
+            seen = set()
+            for got, want in measured_and_planned(pools, mesh, layout):
+                if (got["pp"], got["tp"]) in seen:
+                    continue
+                seen.add((got["pp"], got["tp"]))
+                cells = [
+                    f"{want[f'{k}_bytes']:,} / {got[k]:,} ({got[k] / want[f'{k}_bytes'] - 1:+.1%})"
+                    for k in fields
+                ]
+                rank = f"pp{got['pp']} tp{got['tp']}"
+                rows.append(
+                    f"| {mesh} | {layout[0]} zero={layout[1]} | {rank} | {' | '.join(cells)} |"
+                )
+    finally:
+        pools.close()
+    head = "| mesh | layout | rank | " + " | ".join(f"{k} planned / measured" for k in fields)
+    return "\n".join([head + " |", "|---" * (3 + len(fields)) + "|", *rows])
+
+
+if __name__ == "__main__":  # python -m tests.test_dry_run_allocations: the table
+    print(table())

@@ -24,7 +24,8 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   backward makes full-size local grads, 4 B/param, that the microbatches accumulate into (the
   reduction, all-reduce or reduce-scatter, runs once, in the last microbatch's backward:
   parallel/data/reducer.py, zero2.py), so the grads there are `local_grads_bytes`, not the
-  shard; zero=3 also holds gathered blocks (`gathered_bytes`): in forward the running block
+  shard (float32 grads once the rank's first backward made them: memory_plan.peak_inflight's
+  with_grads; bf16 main grads are allocated with the model); zero=3 also holds gathered blocks (`gathered_bytes`): in forward the running block
   and the next one, prefetched (parallel/data/zero3.py `_pre_forward`), in backward the running
   block and the one before it; the largest such pair of consecutive blocks of a chunk, in the
   weights' dtype.
@@ -36,7 +37,10 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
 
 Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
 between the step and each block's first use (a second copy of the weights, but no grads are
-held then, and grads >= weights per parameter: below the activation peak).
+held then, and grads >= weights per parameter: below the reduction's moment), zero=3's third
+block under full recompute (a layer's recomputed forward prefetches the next block while its
+backward holds the previous one), and what activations are still live at the reduction (the
+head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2).
 """
 
 from __future__ import annotations
