@@ -25,10 +25,10 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   reduction, all-reduce or reduce-scatter, runs once, in the last microbatch's backward:
   parallel/data/reducer.py, zero2.py), so the grads there are `local_grads_bytes`, not the
   shard (float32 grads once the rank's first backward made them: memory_plan.peak_inflight's
-  with_grads; bf16 main grads are allocated with the model); zero=3 also holds gathered blocks (`gathered_bytes`): in forward the running block
-  and the next one, prefetched (parallel/data/zero3.py `_pre_forward`), in backward the running
-  block and the one before it; the largest such pair of consecutive blocks of a chunk, in the
-  weights' dtype.
+  with_grads; bf16 main grads are allocated with the model); zero=3 also holds gathered
+  blocks (`gathered_bytes`): in forward the running block and the next one, prefetched
+  (parallel/data/zero3.py `_pre_forward`), in backward the running block and the one before
+  it; the largest such pair of consecutive blocks of a chunk, in the weights' dtype.
 - while the last backward's reduction runs (`reduction_bytes`): the local grads (dropped into
   the send buffer at zero>=2 under float32 weights, Zero2Reducer._launch; bf16 weights' main
   grads are one buffer, kept), each bucket's float32 send buffer (a copy, except bf16 weights'
