@@ -1,7 +1,8 @@
 """The planner's lower bounds (perf/search.py prunes the space with them): for each candidate
-two from arithmetic alone, no schedule built: memory (each rank's weights, grads and AdamW
-state plus one microbatch's activations through its chunks: every schedule has at least that
-in flight on every rank when the last chunk's forward of the first microbatch starts) and step
+two from arithmetic alone, no schedule built: memory (each rank's weights and AdamW state
+plus one microbatch's activations through its chunks: every schedule has at least that in
+flight on every rank when the last chunk's forward of the first microbatch starts; float32
+grads need not exist by then, so the grads count only where a bound takes the larger) and step
 time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory.plan's peak without
 timing the schedule).
 
