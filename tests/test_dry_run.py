@@ -182,7 +182,14 @@ def test_zero1_shards_the_optimizer_over_dp_cp(capsys, tmp_path):
     assert zero[0]["layout"] == "8 + 8/d B/param, d=2" and zero[0]["zero"] == 1
     assert zero[0]["optimizer"] == pytest.approx(plain[0]["optimizer"] / 2, abs=0.006)
     assert zero[0]["weights"] == plain[0]["weights"] and zero[0]["grads"] == plain[0]["grads"]
-    assert zero[0]["peak"] == pytest.approx(plain[0]["peak"] - plain[0]["optimizer"] / 2, abs=0.01)
+    # the peak: the larger of the activation peak (a half of the moments fewer) and the end of
+    # the last backward, where the local grads, the reduce-scatter's send buffers and the
+    # shards are held at once (config/states.reduction_bytes): 4 + 4 + 4/d B/param of grads
+    z = zero[0]
+    reducing = z["weights"] + 2.5 * z["grads"] + z["optimizer"]
+    at_activations = plain[0]["peak"] - plain[0]["optimizer"] / 2
+    assert z["peak"] == pytest.approx(max(reducing, at_activations), abs=0.02)
+    assert reducing > at_activations
     # dp·cp = 1: nothing to shard, the whole state as zero=0
     assert alone[0]["layout"].startswith("16 B/param, nothing to shard")
     assert alone[0]["optimizer"] == plain[0]["optimizer"]
@@ -267,13 +274,18 @@ def test_json_is_the_plan_the_text_prints(capsys, tmp_path, args):
     assert [(r["pp"], r["tp"]) for r in out["ranks"]] == [(r["pp"], r["tp"]) for r in lines]
     for got, line in zip(out["ranks"], lines):
         assert set(got) == {"pp", "tp", "params", "activations_bytes", "peak_bytes",
+                            "grads_step_bytes", "grads_reducing_bytes",
                             *(f"{k}_bytes" for k in keys)}  # fmt: skip
         assert got["params"] == line["params"]
         for k in keys:
             assert got[f"{k}_bytes"] / MIB == pytest.approx(line[k], abs=0.006)
         assert got["peak_bytes"] / MIB == pytest.approx(line["peak"], abs=0.006)
         parts = sum(got[f"{k}_bytes"] for k in [*keys, "activations"])
-        assert abs(got["peak_bytes"] - parts) <= 4  # each part rounded down to whole bytes
+        reducing = got["weights_bytes"] + got["grads_reducing_bytes"] + got["optimizer_bytes"]
+        # the larger moment (the grads, where float32 ones do not exist yet at the activation
+        # peak, may be left out of it), each part rounded down to whole bytes
+        no_grads = parts - got["grads_bytes"]
+        assert max(no_grads, reducing) - 4 <= got["peak_bytes"] <= max(parts, reducing) + 4
     assert out["max_peak_bytes"] == max(r["peak_bytes"] for r in out["ranks"])
     if "--parallel.pp=2" in args and cfg.model.tie_embeddings:  # both ends hold the table
         assert sum(r["params"] for r in out["ranks"]) > out["params"]

@@ -91,6 +91,15 @@ ONE_PROCESS = {
                              "recompute.mode=selective"],
     "long-bf16": ["model.d_model=64", "model.n_heads=2", "model.seq_len=64", "model.d_ff=96",
                   "model.dropout=0.05", "train.dtype=bfloat16"],
+    # bf16 weights (train.params_dtype): a bf16 residual stream, so bf16 norm inputs and
+    # statistics on the CPU, RMSNorm's float32 copy of its input, bf16 dropout noise
+    "bf16-weights": ["train.dtype=bfloat16", "train.params_dtype=bfloat16"],
+    "bf16-weights-dropout": ["train.dtype=bfloat16", "train.params_dtype=bfloat16",
+                             "model.dropout=0.1"],
+    "bf16-weights-full": ["train.dtype=bfloat16", "train.params_dtype=bfloat16",
+                          "recompute.mode=full"],
+    "llama-gqa-bf16-weights": ["model.arch=llama", "model.n_kv_heads=2", "train.dtype=bfloat16",
+                               "train.params_dtype=bfloat16"],
     # data.document_mask: the fused kernel's mask bias, per-row RoPE tables; math path alike
     "docs": ["data.document_mask=true", "model.vocab_size=8"],
     "docs-llama-bf16": ["data.document_mask=true", "model.arch=llama", "train.dtype=bfloat16"],
@@ -107,6 +116,8 @@ TWO_RANKS = {
     "tp2-sp-full": ["parallel.tp=2", "parallel.sequence_parallel=true", "recompute.mode=full"],
     "tp2-sp-llama-bf16": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.arch=llama",
                           "model.n_kv_heads=2", "train.dtype=bfloat16"],
+    "tp2-sp-bf16-weights": ["parallel.tp=2", "parallel.sequence_parallel=true",
+                            "train.dtype=bfloat16", "train.params_dtype=bfloat16"],
     "tp2-untied-odd-vocab": ["parallel.tp=2", "model.vocab_size=97",
                              "model.tie_embeddings=false"],
     "cp2": ["parallel.cp=2"],
@@ -212,12 +223,12 @@ def measure_step(overrides: list[str], bucket_mb: float = 0.01) -> dict:
 def measure_blocks(overrides: list[str]) -> dict[str, tuple[int, float]]:
     """Saved bytes of one microbatch's forward through the embedding, one layer and the head,
     each built alone as a pipeline chunk on this rank: {block: (measured, model)}."""
-    from megapipe.parallel.precision import autocast
+    from megapipe.parallel.precision import DTYPES, autocast
     from megapipe.pipeline.stages import build_model
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
-    m, p = cfg.model, cfg.parallel
+    m, p, dtype = cfg.model, cfg.parallel, DTYPES[cfg.train.params_dtype]
     b, seq = cfg.derived.micro_batch_size, m.seq_len // p.cp
     rows = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq  # a stage's (b, T, d) input
     blocks = {
@@ -232,7 +243,8 @@ def measure_blocks(overrides: list[str]) -> dict[str, tuple[int, float]]:
         if name == "embedding":
             x = torch.randint(m.vocab_size, (b, seq))
         else:
-            x = torch.randn(b, rows, m.d_model, requires_grad=True)
+            # the residual stream's dtype: the weights' (bf16 weights: bf16)
+            x = torch.randn(b, rows, m.d_model, dtype=dtype, requires_grad=True)
         targets = torch.randint(m.vocab_size, (b, seq)) if name == "head" else None
         positions = chunk.cp.positions(m.seq_len, "cpu")  # one per rank in training: left out
         documents = None  # data.document_mask: the rows' ids and positions, left out as well

@@ -1,6 +1,8 @@
 """State bytes per parameter (config/states.py) by train.params_dtype × parallel.zero, pinned to
 issue 33's targets at d = dp·cp = 4 (float32 zero1 10; bf16 zero1 9 = Megatron's 6 + 12/d, zero2
-6, zero3 4.5), and carried into the one memory plan per rank, zero=3's gathered blocks included.
+6, zero3 4.5), and carried into the one memory plan per rank: the grads while activations peak
+(full-size local grads at every level) and while the last backward's reduction runs, zero=3's
+gathered blocks.
 Pure arithmetic: quick tier. The layouts whose runtime is not built yet (bf16, zero 2/3) are
 refused by the config checks, so their configs here are the tiny config with the keys set after
 loading."""
@@ -50,40 +52,53 @@ def config(tmp_path, params_dtype: str, zero: int, *overrides: str):
 
 @pytest.mark.parametrize("key", TARGETS)
 def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
-    """Each (pp, tp) rank's weights, grads and optimizer bytes are its parameters times the
-    layout's bytes (sharded parts rounded up per rank), zero=3 adding twice its largest block."""
+    """Each (pp, tp) rank's weights, grads held over the step and optimizer bytes are its
+    parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
+    activations peak are whole (4 B/param); while reducing they add the send buffers and
+    shards; zero=3 adds its two largest consecutive blocks."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
     for r in memory_plan(cfg).ranks:
         n = r.params
         assert r.weights == s.weight * math.ceil(n / s.weight_shards)
-        assert r.grads == s.grad * math.ceil(n / s.grad_shards)
+        assert r.step_grads == s.grad * math.ceil(n / s.grad_shards)
+        assert r.grads == 4 * n
+        kept = 0 if key == ("float32", 2) or key == ("float32", 3) else 4 * n
+        send = 0 if key == ("bfloat16", 0) else 4 * n
+        assert r.reducing == kept + send + (4 * math.ceil(n / 4) if key[1] else 0)
         assert r.optimizer == s.optimizer * math.ceil(n / s.optimizer_shards)
-        assert r.states == pytest.approx(s.per_param * n + r.gathered, abs=s.optimizer + 6)
-        assert r.states == state_bytes(n, cfg, r.gathered)
+        held = s.per_param * n + r.gathered + r.grads - r.step_grads
+        assert r.states == pytest.approx(held, abs=s.optimizer + 6)
+        assert r.states - r.grads + r.step_grads == state_bytes(n, cfg, r.gathered)
         blocks = [range(b, b + 1) for b in ((0, 1, 2) if r.pp_rank == 0 else (3, 4, 5))]
-        largest = max(chunk_params(cfg, b, r.tp_rank) for b in blocks)
-        assert r.gathered == (2 * s.weight * largest if key[1] == 3 else 0)
+        sizes = [chunk_params(cfg, b, r.tp_rank) for b in blocks]
+        pair = max(a + b for a, b in zip(sizes, sizes[1:]))
+        assert r.gathered == (s.weight * pair if key[1] == 3 else 0)
 
 
 def test_zero3_gathers_the_largest_block(tmp_path):
-    """The tiny model's embedding table is its largest block: zero=3 on the first stage holds
-    it gathered twice (the running block and the prefetched next), not a layer."""
+    """The embedding table is the largest block here: zero=3 on the first stage holds it
+    gathered with the first layer, prefetched while the embedding runs (zero3.py
+    `_pre_forward`): table + layer, not twice the table."""
     cfg = config(tmp_path, "bfloat16", 3, "parallel.dp=4", "parallel.pp=2", "model.n_layers=4",
                  "model.vocab_size=4096", "parallel.microbatches=2")  # fmt: skip
     first = memory_plan(cfg).rank(0)
     table = chunk_params(cfg, range(0, 1), 0)
     assert table > chunk_params(cfg, range(1, 2), 0)
-    assert first.gathered == 2 * 2 * table
+    layer = chunk_params(cfg, range(1, 2), 0)
+    assert first.gathered == 2 * (table + layer)
 
 
 def test_bf16_weights_save_no_weight_copies(tmp_path):
     """Under bf16 autocast with float32 weights the linears save autocast's bf16 copies of their
-    weights; bf16 weights are saved as they are (the parameter): activations shrink by them."""
+    weights; bf16 weights are saved as they are (the parameter): activations shrink by them, less
+    the float32 copies of each LayerNorm's gain and bias that CUDA's autocast makes of bf16
+    weights (2 per layer and the final norm; config/memory._norm)."""
     f32 = config(tmp_path, "float32", 0, "train.dtype=bfloat16")
     bf16 = config(tmp_path, "bfloat16", 0, "train.dtype=bfloat16")
     a, b = memory_plan(f32).rank(0), memory_plan(bf16).rank(0)
     layers, m = f32.model.n_layers, f32.model
     copies = layers * 2 * (4 * m.d_model * m.d_model + 2 * m.d_model * f32.derived.d_ff)
-    assert a.activations_per_microbatch - b.activations_per_microbatch == copies
+    gains = (2 * layers + 1) * 2 * m.d_model * 4
+    assert a.activations_per_microbatch - b.activations_per_microbatch == copies - gains

@@ -18,12 +18,16 @@ every term with saved_tensors_hooks):
 
   N = b·q tokens (b = micro_batch_size, q = seq_len/cp, or a Seq1F1B segment's length),
   Nₛ = N/tp under sequence parallelism (else N), H, Hkv, d_ff: this tp rank's share,
-  c = bytes of the compute dtype (2 under bfloat16 autocast, else 4); the residual stream,
-  norms, log-sum-exp and loss are float32 (4 B) whatever train.dtype is (fp32 master weights).
+  c = bytes of the compute dtype (2 under bfloat16 autocast, else 4); r = bytes of the
+  residual stream: the weights' dtype (4 under float32 weights whatever train.dtype is, 2
+  under train.params_dtype=bfloat16: no float32 master copy in the model); log-sum-exp and
+  loss are float32.
 
-  layer   norm1, norm2 input        2 · Nₛ·d·4
-          LayerNorm mean + rstd     2 · 2·Nₛ·4        (RMSNorm: rstd Nₛ·4 and the
-                                                       normalised x, Nₛ·d·4, kept by ·weight)
+  layer   norm1, norm2 input        2 · Nₛ·d·r        (bf16 stream on CUDA: autocast's float32
+          LayerNorm mean + rstd     2 · 2·Nₛ·r         layer_norm keeps a float32 copy, stats
+                                                       and gain/bias copies: _norm; RMSNorm:
+                                                       its float32 input, rstd Nₛ·4 and the
+                                                       normalised x, Nₛ·d·r, kept by ·weight)
           qkv, fc1 linear inputs    2 · N·d·c         (gathered over tp under SP)
           attention inputs          q|k|v, N·(H+2·Hkv)·hd·c (the fused qkv output: SDPA's
                                     q, k, v are views of it; ring attention and selective
@@ -47,7 +51,7 @@ every term with saved_tensors_hooks):
           bf16 weight copies        2 · the layer's linear weights (autocast's casts, saved by
                                     the linears; float32 saves the parameter itself: nothing;
                                     nor bf16 weights, train.params_dtype=bfloat16: no cast)
-          full recompute: only the layer input, Nₛ·d·4. Residual adds save nothing.
+          full recompute: only the layer input, Nₛ·d·r. Residual adds save nothing.
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
   head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
           .linear_cross_entropy) keeps the head input N·d·c, the float32 row max and sum of
@@ -84,7 +88,7 @@ from dataclasses import dataclass
 
 from megapipe.config.flops import segment_bounds
 from megapipe.config.schema import Config, RecomputeConfig
-from megapipe.config.states import FLOAT32
+from megapipe.config.states import FLOAT32, PARAM_BYTES
 
 INDEX = 8  # int64 token ids and targets
 
@@ -175,13 +179,30 @@ def _mask_bytes(device: str, dropped: int) -> int:
     return 1 if device == "cuda" else dropped
 
 
-def _norm(cfg: Config, tokens: int) -> dict[str, float]:
-    """A norm on `tokens` rows: LayerNorm keeps its input, mean and rstd; RMSNorm (computed in
-    float32, then · weight) keeps its input, rstd and the normalised x the product reads."""
-    d = cfg.model.d_model
+def residual_bytes(cfg: Config) -> int:
+    """Bytes of an element of the residual stream: the weights' dtype (train.params_dtype; bf16
+    weights make the embedding's output, every bias add and the stage messages bf16:
+    pipeline/engine.py), not the compute dtype: float32 weights keep it float32 under autocast."""
+    return PARAM_BYTES[cfg.train.params_dtype]
+
+
+def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
+    """A norm on `tokens` rows of the residual stream (r = residual_bytes).
+
+    LayerNorm keeps its input, mean and rstd. With a float32 stream all are float32. With a
+    bf16 stream (bf16 weights) CUDA's autocast runs layer_norm in float32 (it is on autocast's
+    float32 list), so it keeps float32 copies of the input and the gain and bias (2·d·4) and
+    float32 statistics; the CPU's autocast leaves layer_norm alone: the bf16 input and bf16
+    statistics (measured, tests/test_memory_model.py).
+    RMSNorm (models: computed on x.float(), then .to(x.dtype) · weight) keeps the float32 input
+    (x itself, or its float32 copy under bf16 weights), the float32 rstd, and the normalised x
+    the product reads, in the stream's dtype."""
+    d, r = cfg.model.d_model, residual_bytes(cfg)
     if cfg.model.arch == "llama":
-        return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * FLOAT32}
-    return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32}
+        return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * r}
+    if r != FLOAT32 and device == "cuda":  # autocast's float32 layer_norm
+        return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32, "gain": 2 * d * 4}
+    return {"input": tokens * d * r, "stats": 2 * tokens * r}
 
 
 def layer_terms(
@@ -197,10 +218,10 @@ def layer_terms(
     segmented = segment is not None and len(segment_bounds(cfg)) > 1
     store = _segment_store(cfg, x) if segmented else None
     if mode == "full":  # the checkpoint keeps the layer input alone
-        terms = {"layer input (full recompute)": x.ns * m.d_model * FLOAT32}
+        terms = {"layer input (full recompute)": x.ns * m.d_model * residual_bytes(cfg)}
         return terms | ({"segment k, v store": store} if segmented else {})
     terms: dict[str, float] = {}
-    for name, value in _norm(cfg, x.ns).items():
+    for name, value in _norm(cfg, x.ns, device).items():
         terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
     terms["qkv input"] = terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
     terms |= _attention_terms(cfg, x, mode, device, store)
@@ -275,8 +296,8 @@ def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, 
     """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
     m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
     terms: dict[str, float] = {}
-    if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is promoted to fp32
-        dropped = FLOAT32 if not llama else c
+    if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
+        dropped = residual_bytes(cfg) if not llama else c
         terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)
     # autocast's bf16 copies of the linear weights, saved by the linears (bf16 weights: none)
     if c != FLOAT32 and cfg.train.params_dtype == "float32":
@@ -312,7 +333,7 @@ def embedding_terms(
     m, x = cfg.model, rank_dims(cfg, segment)
     terms = {"token ids": x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)}
     if m.dropout > 0:
-        terms["dropout mask"] = x.ns * m.d_model * _mask_bytes(device, FLOAT32)
+        terms["dropout mask"] = x.ns * m.d_model * _mask_bytes(device, residual_bytes(cfg))
     return terms
 
 
@@ -342,7 +363,7 @@ def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) ->
     forward (head_grad_in_forward) the input grad N·d·c and the float32 weight grad V/tp·d·4
     instead of the head input, maxima, sums and targets."""
     m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
-    terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns).items()}
+    terms = {f"norm {name}": value for name, value in _norm(cfg, x.ns, device).items()}
     if head_grad_in_forward(cfg):
         terms["head input grad"] = x.n * m.d_model * c
         terms["head weight grad"] = x.vocab * m.d_model * FLOAT32

@@ -2,10 +2,12 @@
 any job runs. The dry run (train/memory.py), the planner's bounds (perf/bounds.py) and the
 performance model (perf/memory.py) all call these functions; none keeps terms of its own.
 
-For each (pp, tp) coordinate (dp and cp replicas hold the same): weights, grads and optimizer
-state by train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param,
-bf16 weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), zero=3's
-gathered blocks, and the activations of one microbatch through the rank's chunks
+For each (pp, tp) coordinate (dp and cp replicas hold the same): weights and optimizer state by
+train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param, bf16
+weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), the grads as held
+while activations peak (full-size local grads at every level: the reduction runs in the last
+microbatch's backward) and while that reduction runs (send buffers, shards), zero=3's gathered
+blocks, and the activations of one microbatch through the rank's chunks
 (config/memory.py's terms per block: what our ops save for backward, after Korthikanti et
 al. 2022's structure) times the most microbatches the configured schedule keeps in flight on
 the rank, replayed from the timeline of its action list (plan/simulate.py; a vpp chunk weighs
@@ -20,6 +22,7 @@ real steps save.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -36,9 +39,12 @@ from megapipe.config.memory import (
 from megapipe.config.schema import Config
 from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.states import (
+    FLOAT32,
     gathered_bytes,
     grads_bytes,
+    local_grads_bytes,
     optimizer_bytes,
+    reduction_bytes,
     state_layout,
     weights_bytes,
 )
@@ -58,14 +64,22 @@ class RankMemory:
     pp_rank: int
     tp_rank: int
     params: int  # parameters held, over all the rank's chunks (a tied table's copy included)
-    weights: float
-    grads: float
+    weights: float  # held between steps (zero=3: the shard)
+    grads: float  # while activations peak: the full-size local grads (config/states.py)
     optimizer: float
     chunk_activations: tuple[float, ...]  # one microbatch through each local chunk
     # peak in-flight microbatches, in units of one through all the rank's chunks (under a B/W
     # split, what a microbatch keeps from B to W weighs its bytes: peak_inflight)
     inflight: float
-    gathered: float = 0.0  # zero=3: the largest block's weights gathered, and the next one's
+    gathered: float = 0.0  # zero=3: two consecutive blocks gathered (config/states.py)
+    # zero=3: the last backward's two blocks (a chunk's first two), still gathered while the
+    # reduction it ends with runs
+    gathered_reducing: float = 0.0
+    reducing: float = 0.0  # grads while the last backward's reduction runs (reduction_bytes)
+    step_grads: float = 0.0  # grads held over the optimizer step (zero>=2: the shard)
+    # peak in flight once the grads exist (peak_inflight's with_grads; bf16 weights' main
+    # grads exist all along: = inflight)
+    inflight_with_grads: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -82,7 +96,13 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        return self.states + self.activations
+        """The largest of: the activation peak, with the grads where they exist by then (else
+        the most live once they do), and the end of the last backward (weights, the grads
+        while reducing, optimizer state; activations freed)."""
+        with_grads = self.grads + self.activations_per_microbatch * self.inflight_with_grads
+        held = self.weights + self.gathered + self.optimizer
+        reducing = held - self.gathered + self.gathered_reducing + self.reducing
+        return max(held + max(self.activations, with_grads), reducing)
 
 
 @dataclass(frozen=True)
@@ -115,26 +135,42 @@ def memory_plan(
     unit_timeline)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
+    with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
     ranks = []
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
-            ranks.append(
-                RankMemory(
-                    pp_rank=pp_rank,
-                    tp_rank=tp_rank,
-                    params=n,
-                    weights=weights_bytes(n, cfg),
-                    grads=grads_bytes(n, cfg),
-                    optimizer=optimizer_bytes(n, cfg),
-                    chunk_activations=acts,
-                    inflight=inflight[pp_rank],
-                    gathered=rank_gathered(cfg, held, tp_rank, chunk_params),
-                )
-            )
+            gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
+            flight = (inflight[pp_rank], with_grads[pp_rank])
+            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, flight))
     return MemoryPlan(tuple(ranks), device)
+
+
+def rank_memory(
+    cfg: Config, coord: tuple[int, int], n: int, gathered: tuple, acts: tuple, inflight: tuple
+) -> RankMemory:
+    """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
+    bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
+    per chunk for one microbatch and `inflight` microbatches at most (peak_inflight: in all, and
+    once the grads exist)."""
+    persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
+    return RankMemory(
+        pp_rank=coord[0],
+        tp_rank=coord[1],
+        params=n,
+        weights=weights_bytes(n, cfg),
+        grads=local_grads_bytes(n, cfg),
+        optimizer=optimizer_bytes(n, cfg),
+        chunk_activations=acts,
+        inflight=inflight[0],
+        inflight_with_grads=inflight[0] if persist else inflight[1],
+        gathered=gathered[0],
+        gathered_reducing=gathered[1],
+        reducing=reduction_bytes(n, cfg),
+        step_grads=grads_bytes(n, cfg),
+    )
 
 
 def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
@@ -142,8 +178,19 @@ def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: Ch
     .gathered_bytes of its blocks' parameters; 0 at other levels, without counting them)."""
     if state_layout(cfg).weight_shards == 1:
         return 0.0
-    blocks = [chunk_params(range(b, b + 1), tp_rank) for chunk in held for b in chunk]
+    blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
     return gathered_bytes(blocks, cfg)
+
+
+def gathered_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
+    """zero=3's gathered weights (at most at once; while the last backward's reduction runs:
+    the two blocks it ends with, the first two of the rank's first chunk, whose buckets are
+    still being reduced) for rank_memory."""
+    first = [range(held[0].start, min(held[0].start + 2, held[0].stop))] if held else []
+    return (
+        rank_gathered(cfg, held, tp_rank, chunk_params),
+        rank_gathered(cfg, first, tp_rank, chunk_params),
+    )
 
 
 @dataclass(frozen=True)
@@ -250,13 +297,15 @@ def live_change(kind: str, size: float, kept: float) -> float:
     return -size
 
 
-def rank_peak(events: Iterable[tuple[float, float]]) -> float:
+def rank_peak(events: Iterable[tuple[float, float]], after: float = -math.inf) -> float:
     """The peak of the running sum of (time, change) events in time order, frees before
-    allocations at equal times (F allocates at its start, the others free at their end)."""
+    allocations at equal times (F allocates at its start, the others free at their end);
+    counted from time `after` on."""
     live = peak = 0.0
-    for _, delta in sorted(events):
+    for time, delta in sorted(events):
         live += delta
-        peak = max(peak, live)
+        if time >= after:
+            peak = max(peak, live)
     return round(peak, 9)
 
 
@@ -269,7 +318,9 @@ def unit_timeline(cfg: Config) -> Timeline:
     return out
 
 
-def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None = None) -> list:
+def peak_inflight(
+    cfg: Config, device: str = "cuda", timeline: Timeline | None = None, with_grads: bool = False
+) -> list:
     """Per pp rank, the peak of its live activation bytes over the schedule's `timeline`
     (default unit_timeline), in units of one microbatch through the rank's whole share: how
     many microbatches it holds at once.
@@ -279,10 +330,15 @@ def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None =
     E.g. 1F1B: pp−r on rank r (warm-up of pp−r−1 forwards, Narayanan et al. 2021 §2.2);
     GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3), but only
     the deferred weight-grad inputs between B and W.
+
+    `with_grads`: the peak once the rank's first weight grads exist, from the end of its first
+    BW or W on (float32 weights' grads are made by the first backward and dropped after the
+    step); 0 where nothing is live then. 1F1B's steady state holds as many as its warm-up;
+    GPipe one fewer; without a pipeline one microbatch when there is a second.
     """
     p = cfg.parallel
     if p.pp == 1:  # no pipeline: the microbatches run one after another
-        return [1.0]
+        return [1.0 if p.microbatches > 1 or not with_grads else 0.0]
     timeline = unit_timeline(cfg) if timeline is None else timeline
     peaks = []
     for rank in range(p.pp):
@@ -292,13 +348,17 @@ def peak_inflight(cfg: Config, device: str = "cuda", timeline: Timeline | None =
                 size[c, k] = segment_activations(cfg, blocks, device, i)
                 kept[c, k] = chunk_deferred(cfg, blocks, i)
         unit = sum(size.values()) or 1.0  # one microbatch through the rank's whole share
+        grads = [end for kind, *_, end in timeline[rank] if kind in (FULL_BACKWARD, WEIGHT_GRAD)]
         peaks.append(
             rank_peak(
                 (
-                    start if kind == FORWARD else end,
-                    live_change(kind, size[c, k] / unit, kept[c, k] / unit),
-                )
-                for kind, c, k, start, end in timeline[rank]
-            )  # fmt: skip
+                    (
+                        start if kind == FORWARD else end,
+                        live_change(kind, size[c, k] / unit, kept[c, k] / unit),
+                    )
+                    for kind, c, k, start, end in timeline[rank]
+                ),
+                min(grads, default=math.inf) if with_grads else -math.inf,
+            )
         )
     return peaks

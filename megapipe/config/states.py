@@ -17,16 +17,36 @@ each step: 6 + 12/d.) zero=2 divides the grad too, zero=3 the weight as well: bf
 whole state, as zero=0 does. A sharded piece is the rank's shard of each flat bucket, padded to a
 multiple of d (ceil(n/d) per rank; the padding, < d elements per bucket, is left out).
 
-zero=3 also holds, while a block runs, that block's full (gathered) weights, and the next
-block's, prefetched while it runs (parallel/data: one block gathered plus the next): twice the
-rank's largest block in the weights' dtype (`gathered_bytes`). Grads of a bucket in flight
-before their reduce-scatter, at zero>=2, are transient and left out.
+These are the state *held over the optimizer step*. Around it the code holds more, at two
+moments the memory plan (config/memory_plan.py) takes the larger of:
+
+- while activations peak (a microbatch's forward done, its backward starting): every level's
+  backward makes full-size local grads, 4 B/param, that the microbatches accumulate into (the
+  reduction, all-reduce or reduce-scatter, runs once, in the last microbatch's backward:
+  parallel/data/reducer.py, zero2.py), so the grads there are `local_grads_bytes`, not the
+  shard (float32 grads once the rank's first backward made them: memory_plan.peak_inflight's
+  with_grads; bf16 main grads are allocated with the model); zero=3 also holds gathered
+  blocks (`gathered_bytes`): in forward the running block and the next one, prefetched
+  (parallel/data/zero3.py `_pre_forward`), in backward the running block and the one before
+  it; the largest such pair of consecutive blocks of a chunk, in the weights' dtype.
+- while the last backward's reduction runs (`reduction_bytes`): the local grads (dropped into
+  the send buffer at zero>=2 under float32 weights, Zero2Reducer._launch; bf16 weights' main
+  grads are one buffer, kept), each bucket's float32 send buffer (a copy, except bf16 weights'
+  all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
+  all held until the reducer's finish().
+
+Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
+between the step and each block's first use (a second copy of the weights, but no grads are
+held then, and grads >= weights per parameter: below the reduction's moment), zero=3's third
+block under full recompute (a layer's recomputed forward prefetches the next block while its
+backward holds the previous one), and what activations are still live at the reduction (the
+head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from megapipe.config.schema import Config
@@ -36,7 +56,6 @@ PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # a weight, by train.params_dtype
 GRAD_BYTES = FLOAT32  # grads (main grads under bf16 weights) are float32 whatever the weights
 ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq
 MAIN_PARAM_BYTES = FLOAT32  # the optimizer's float32 copy of a weight held in bf16
-PREFETCHED_BLOCKS = 2  # zero=3: the block running and the next one, gathered ahead
 
 
 @dataclass(frozen=True)
@@ -120,13 +139,39 @@ def optimizer_bytes(n_params: float, cfg: Config) -> float:
     return _bytes(n_params, s.optimizer, s.optimizer_shards)
 
 
-def gathered_bytes(block_params: Iterable[int], cfg: Config) -> float:
-    """zero=3's working set: the largest of the rank's blocks (`block_params`: each block's
-    parameters on this tp rank), gathered whole, times PREFETCHED_BLOCKS; 0 below zero=3."""
+def gathered_bytes(chunks: Iterable[Sequence[int]], cfg: Config) -> float:
+    """zero=3's gathered weights at most at once on a rank: per chunk (`chunks`: each chunk's
+    blocks' parameters on this tp rank, in forward order; a head counts the tied table it
+    reads) the largest two consecutive blocks (a chunk of one block: that block), in the
+    weights' dtype (module docstring); 0 below zero=3."""
     s = state_layout(cfg)
     if s.weight_shards == 1:
         return 0.0
-    return PREFETCHED_BLOCKS * s.weight * max(block_params, default=0)
+    pairs = [
+        max([a + b for a, b in zip(blocks, blocks[1:])] or list(blocks), default=0)
+        for blocks in chunks
+    ]
+    return float(s.weight * max(pairs, default=0))
+
+
+def local_grads_bytes(n_params: float, cfg: Config) -> float:
+    """The full-size (main) grads backward accumulates into over the microbatches, before the
+    reduction: what every level holds while activations peak (module docstring)."""
+    return GRAD_BYTES * n_params
+
+
+def reduction_bytes(n_params: float, cfg: Config) -> float:
+    """The grads while the last backward's dp × cp reduction runs (module docstring): the local
+    grads kept, the float32 send buffers and the reduce-scattered shards; with no replicas
+    (d = 1) only the local grads."""
+    s, n = state_layout(cfg), n_params
+    if s.d == 1:
+        return local_grads_bytes(n, cfg)
+    bf16 = s.weight != FLOAT32
+    kept = 0.0 if s.zero >= 2 and not bf16 else local_grads_bytes(n, cfg)
+    send = 0.0 if s.zero == 0 and bf16 else FLOAT32 * n
+    shard = _bytes(n, GRAD_BYTES, s.d) if s.zero >= 1 else 0.0
+    return kept + send + shard
 
 
 def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0) -> float:

@@ -1,7 +1,8 @@
 """The planner's lower bounds (perf/search.py prunes the space with them): for each candidate
-two from arithmetic alone, no schedule built: memory (each rank's weights, grads and AdamW
-state plus one microbatch's activations through its chunks: every schedule has at least that
-in flight on every rank when the last chunk's forward of the first microbatch starts) and step
+two from arithmetic alone, no schedule built: memory (each rank's weights and AdamW state
+plus one microbatch's activations through its chunks: every schedule has at least that in
+flight on every rank when the last chunk's forward of the first microbatch starts; float32
+grads need not exist by then, so the grads count only where a bound takes the larger) and step
 time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory.plan's peak without
 timing the schedule).
 
@@ -33,11 +34,12 @@ from megapipe.config.memory_plan import (
     block_deferred,
     block_role,
     chunk_activations,
+    gathered_pair,
     live_change,
-    rank_gathered,
+    rank_memory,
 )
 from megapipe.config.stages import partition, placement_of
-from megapipe.config.states import state_bytes
+from megapipe.config.states import local_grads_bytes, optimizer_bytes, weights_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, ring_time
@@ -47,9 +49,11 @@ from megapipe.perf.memory import chunk_params
 from megapipe.perf.pipeline import ScheduleKey
 from megapipe.perf.runtime import Runtime
 from megapipe.perf.space import Candidate
-from megapipe.plan.actions import Placement
+from megapipe.plan.actions import FULL_BACKWARD, WEIGHT_GRAD, Placement
 from megapipe.plan.dag import KIND_INDEX
 from megapipe.plan.schedules import SCHEDULES
+
+GRAD_KINDS = (KIND_INDEX[FULL_BACKWARD], KIND_INDEX[WEIGHT_GRAD])  # the actions making grads
 
 EPS = 1e-9  # relative slack on the bounds: they sum the same floats in another order
 
@@ -61,7 +65,7 @@ class Bound:
 
     time: float
     memory: float
-    states: list[float]  # per pp rank: weights, grads and AdamW bytes (tp rank 0)
+    states: list[float]  # per pp rank: weights and AdamW bytes (tp rank 0; _held)
     spans: list[float]  # per pp rank: a microbatch's least time from its forward to its
     # backward on the rank's lowest stage (the stages above: F, then B back down)
     firsts: list[float]  # per pp rank: one microbatch's activations on that stage (bytes)
@@ -138,8 +142,7 @@ class Bounds:
         chain = f0 + g0
         acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
         params = self._params(cfg) / pp  # a rank's mean parameters (tp rank 0)
-        states = state_bytes(params, cfg)
-        memory = states + acts / pp
+        memory = _held(params, cfg) + max(local_grads_bytes(params, cfg), acts / pp)
         if pipedream:
             return max(busy, chain), memory
         shape = (pp, dp, cp, tp)
@@ -236,7 +239,7 @@ class Bounds:
         return ends, chain, acts, spans, firsts
 
     def _state(self, cfg: Config):
-        """Per rank the state bytes (weights, grads, AdamW) and the dp reduction's least part
+        """Per rank the state bytes (weights, AdamW: _held) and the dp reduction's least part
         after the rank's last action; the optimizer step (seconds)."""
         p = cfg.parallel
         place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
@@ -245,7 +248,7 @@ class Bounds:
             [self._chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
             for r in range(place.pp)
         ]
-        states = [state_bytes(sum(h), cfg) for h in held]
+        states = [_held(sum(h), cfg) for h in held]
         _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
         dp = dp_plan(cfg, self.cluster, self.runtime, shape, held,
@@ -307,7 +310,7 @@ class Bounds:
             chunks = [stages[place.stage(r, k)] for k in range(place.vpp)]
             size = [[self._block_bytes(cfg, mesh, b, i, False) for i in seg_ids] for b in chunks]
             acts = tuple(sum(per_seg) for per_seg in size)
-            inflight = 1.0
+            inflight, with_grads = 1.0, 1.0 if p.microbatches > 1 else 0.0
             if codes is not None:
                 unit = sum(x for per_seg in size for x in per_seg) or 1.0
                 table = np.zeros(4 * place.vpp * n_seg)
@@ -320,11 +323,16 @@ class Bounds:
                             table[(index * place.vpp + c) * n_seg + k] = change
                 live = np.cumsum(table[codes[r]])  # sequential, as the running sum
                 inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
+                # from the first BW or W on (memory_plan.peak_inflight's with_grads)
+                made = np.flatnonzero(np.isin(codes[r] // (place.vpp * n_seg), GRAD_KINDS))
+                after = live[made[0] :] if len(made) else live[:0]
+                with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
                 count = functools.partial(self._chunk_params, cfg)
-                gathered = rank_gathered(cfg, chunks, tp_rank, count)
-                total = state_bytes(n, cfg, gathered) + sum(acts) * inflight
+                gathered = gathered_pair(cfg, chunks, tp_rank, count)
+                flight = (inflight, with_grads)
+                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, flight).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
@@ -366,3 +374,10 @@ class Bounds:
                     self._bytes[key] = 0.0 + block_activations(cfg, b, self.device, segment)
             total += self._bytes[key]
         return float(total)
+
+
+def _held(n_params: float, cfg: Config) -> float:
+    """The state a rank holds at every moment of the step: weights and AdamW's. Its grads
+    are left to the bounds (float32 ones need not exist at the activation peak:
+    config/memory_plan.peak_inflight's with_grads), except where a bound adds them itself."""
+    return weights_bytes(n_params, cfg) + optimizer_bytes(n_params, cfg)

@@ -6,7 +6,9 @@ Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta d
 partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
 parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). Its memory is
 weights, grads and optimizer state by train.params_dtype and parallel.zero (config/states.py;
-zero=3 adds its gathered blocks to the weights) plus the activations our model saves for one
+zero=3 adds its gathered blocks to the weights; the grads as held while activations peak, the
+full-size local ones, also held over the step and while the last backward's reduction runs)
+plus the activations our model saves for one
 microbatch times the microbatches the configured schedule keeps in flight on the rank, from
 running that schedule through the planner's simulator: a pipeline rank's activation memory is
 its stash of microbatches that went forward but not yet backward (Narayanan et al. 2021 §2.2;
@@ -37,9 +39,13 @@ def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
 
 def as_json(cfg: Config, device: str = DEVICE) -> dict:
     """`--dry-run --json`: the model's parameters, per (pp, tp) rank its parameters and bytes of
-    weights (zero=3: its shard plus the gathered blocks), grads, optimizer state, activations at
-    the peak in flight and the peak; and the largest peak. `device`: whose kernels' saved
-    tensors (tests measure CPU runs)."""
+    weights (zero=3: its shard plus the two consecutive blocks gathered at most at once), grads
+    while activations peak (full-size local grads at every level), grads held over the optimizer
+    step (`grads_step_bytes`: zero>=2 the shard) and while the last backward's reduction runs
+    (`grads_reducing_bytes`: local grads kept, send buffers, shards), optimizer state,
+    activations at the peak in flight, and the peak: the larger of the two moments, weights +
+    grads + optimizer + activations, or weights + grads_reducing + optimizer; and the largest
+    peak. `device`: whose kernels' saved tensors (tests measure CPU runs)."""
     plan = memory_plan(cfg, device)
     ranks = [
         {
@@ -48,6 +54,8 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
             "params": r.params,
             "weights_bytes": int(r.weights + r.gathered),
             "grads_bytes": int(r.grads),
+            "grads_step_bytes": int(r.step_grads),
+            "grads_reducing_bytes": int(r.reducing),
             "optimizer_bytes": int(r.optimizer),
             "activations_bytes": int(r.activations),
             "peak_bytes": int(r.peak),
@@ -101,7 +109,11 @@ def _notes(cfg: Config) -> list[str]:
     notes = [
         f"(memory per rank: {weights} B/parameter, float32 grads 4, AdamW's two float32 "
         f"moments 8{main}; parallel.zero shards over dp·cp the optimizer state (1), the grads "
-        "too (2), the weights too (3, plus the largest block gathered twice for the prefetch); "
+        "too (2), the weights too (3, plus two consecutive blocks gathered: the running one and "
+        "the prefetched one); grads at the peak are the full-size local ones the microbatches "
+        "accumulate into (the reduction runs in the last backward; zero>=2 keeps only the shard "
+        "after it); the peak is the larger of the activation peak and the last backward's "
+        "reduction (local grads, send buffers and shards held at once); "
         "activations: what the model's "
         f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
         f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})"

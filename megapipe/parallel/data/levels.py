@@ -32,11 +32,12 @@ def make_reducer(
 ) -> GradReducer:
     """The dp × cp gradient reducer of `model` at ZeRO level `zero`: `shared` (a pipeline
     stage's copy of the tied table, summed with another stage's after the reduction) gets a
-    bucket of its own so both copies shard alike; `blocks` (the model's units of weight use,
+    bucket of its own so both copies shard alike (zero=0: so that the sum's new grad leaves no
+    other grad viewing the old one's flat buffer); `blocks` (the model's units of weight use,
     in forward order) are where the weight gathers wait (1, 2) or gather and free (3)."""
-    if not zero:
-        return GradReducer(model, group, bucket_mb)
     own = (shared,) if shared is not None else ()
+    if not zero:  # own bucket: the tied sum's new grad frees the old one's whole flat buffer
+        return GradReducer(model, group, bucket_mb, own_bucket=own)
     return REDUCERS[zero](model, group, bucket_mb, own_bucket=own, blocks=tuple(blocks))
 
 
