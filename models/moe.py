@@ -84,13 +84,13 @@ class Experts(ShardedModule):
         """Rows grouped by local expert (`counts`) through their expert's FFN."""
         in_bias = self.in_bias if self.has_bias else None
         out_bias = self.out_bias if self.has_bias else None
-        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in")
+        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in", "in_bias")
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = gelu_tanh(h)
-        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out")
+        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out", "out_bias")
 
     @torch.no_grad()
     def deferred_weight_grad(self, name: str, x, grad_out, counts) -> None:
