@@ -177,3 +177,27 @@ def test_training_run_logs_moe_metrics(tiny_cfg, tmp_path):
     assert 0 < record["moe_dropped"] < tokens * 2 * 2
     assert 0.5 < record["moe_aux"] < 2  # E·Σ f·P is 1 under even routing
     assert record["moe_z"] > 0 and math.isfinite(record["loss"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flops_count_active_experts_and_the_dry_run_all(tiny_cfg, arch):
+    from megapipe.config.flops import matmul_params
+    from megapipe.train.dry_run import as_json
+
+    overrides = [f"model.arch={arch}", "model.n_layers=4", "model.n_experts=8", "model.top_k=2",
+                 "model.moe_every=2", "model.moe_shared_experts=1", "model.moe_ffn=40"]  # fmt: skip
+    cfg = tiny_cfg(*overrides)
+    model = GPT(cfg.model, seed=1)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    dense = cfg.model.d_model * cfg.model.vocab_size  # the LM head (tied table)
+    for name, n in numel.items():
+        if name.endswith("weight") and ("attn." in name or "fc" in name or "router" in name):
+            dense += n  # attention, dense and shared MLPs, routers
+    experts = sum(n for name, n in numel.items() if ".experts.w_" in name)
+    assert matmul_params(cfg) == dense + experts * 2 // 8  # top_k of E experts' matrices
+    figures = as_json(cfg, "cpu")
+    assert figures["params"] == sum(numel.values())
+    stacked = sum(n for name, n in numel.items() if ".experts." in name)
+    assert figures["moe"]["expert_params"] == stacked
+    assert figures["moe"]["active_params"] == matmul_params(cfg)
+    assert "moe" not in as_json(tiny_cfg(f"model.arch={arch}"), "cpu")
