@@ -201,3 +201,25 @@ def test_flops_count_active_experts_and_the_dry_run_all(tiny_cfg, arch):
     assert figures["moe"]["expert_params"] == stacked
     assert figures["moe"]["active_params"] == matmul_params(cfg)
     assert "moe" not in as_json(tiny_cfg(f"model.arch={arch}"), "cpu")
+
+
+def test_checkpoint_resumes_with_logical_expert_names(tiny_cfg, tmp_path):
+    """A run cut at step 2 and resumed trains as the uninterrupted one, bit for bit; the
+    checkpoint holds the stacked experts under their logical names and shapes."""
+    from megapipe.train import checkpoint
+    from megapipe.train.loop import run
+
+    base = ["model.n_experts=4", "model.moe_capacity_factor=1.0", "model.moe_shared_experts=1",
+            "train.steps=4", "checkpoint.interval=2", "log.progress=false"]  # fmt: skip
+
+    def losses(where, *extra):
+        return [r["loss"] for r in run(tiny_cfg(*base, f"run.dir={tmp_path / where}", *extra))]
+
+    full = losses("full")
+    split = losses("split", "train.stop_at_step=2") + losses("split")
+    assert split == full
+    _, model = checkpoint.load_for_inference(str(tmp_path / "split"))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["layers.1.mlp.experts.w_in"] == (4, 128, 32)
+    assert shapes["layers.1.mlp.router.weight"] == (4, 32)
+    assert "layers.1.mlp.shared.fc1.weight" in shapes
