@@ -7,7 +7,7 @@ bias grads now; the stacked weight grad now, or queued on `owner.wgrad_queue` un
 B key (parallel/autograd/weight_grad.py) and done by `owner.deferred_weight_grad` when the W
 action runs. Under bf16 weights the weight grad goes in float32 straight into the parameter's
 `main_grad` (parallel/precision.py), one expert's slice at a time. The groups are a loop of
-matmuls (the CPU has no grouped GEMM kernel; torch's `_grouped_mm` is a CUDA kernel).
+matmuls (torch's private `_grouped_mm` is not used: docs/moe.md, "The layer").
 """
 
 from __future__ import annotations
