@@ -16,7 +16,12 @@ from torch import nn
 
 from megapipe.parallel.tensor.layers import sharded_params
 
-RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.fc2.weight")
+RESIDUAL_PROJECTIONS = (
+    "attn.proj.weight",
+    "mlp.fc2.weight",
+    "mlp.experts.w_out",
+    "shared.fc2.weight",
+)
 STD = 0.02
 
 

@@ -206,7 +206,7 @@ def test_zero23_traffic_is_the_codes(gloo_pool):
 def test_projection_prices_the_layouts(tmp_path):
     """bf16 weights drop the casts (a faster step than float32 weights); zero=3 adds the
     per-microbatch weight gathers (zero=2 reduce-scatters once per step, as zero=1: pinned by
-    test_zero23_traffic_is_the_codes); the peak falls with each level (config/states.py)."""
+    test_zero23_traffic_is_the_codes); the peak falls with bf16 weights and zero=3."""
     cluster = load_cluster("h100", 8)
     base = ["parallel.dp=8", "parallel.microbatches=4", f"run.dir={tmp_path}"]
     out = {}
@@ -218,8 +218,10 @@ def test_projection_prices_the_layouts(tmp_path):
     assert z1["step_time_s"] < f32["step_time_s"]
     every = [p["detail"]["dp_per_microbatch_max_rank_s"] for p in out.values()]
     assert every[0] == every[1] == every[2] == 0 < every[3]
-    peaks = [p["peak_memory_gib"] for p in out.values()]
-    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    # zero=2 shards the grads held over the step, but with 4 microbatches the full local grads
+    # they accumulate into live beside the activation peak: its peak is zero=1's
+    f32_peak, z1_peak, z2_peak, z3_peak = (p["peak_memory_gib"] for p in out.values())
+    assert f32_peak > z1_peak == z2_peak > z3_peak
 
 
 def test_plan_prices_what_train_refuses(tmp_path, capsys):

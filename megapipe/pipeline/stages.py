@@ -28,6 +28,7 @@ from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import SCHEDULES
 from models.gpt import GPT
+from models.moe import set_loss_scale
 
 
 def build_model(
@@ -58,7 +59,16 @@ def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
     model = GPT(
         cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
     )
+    set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     return hold_params(model.to(device), cfg.train.params_dtype)
+
+
+def loss_scale(cfg: Config) -> float:
+    """What the summed LM loss is divided by before backward (train/step.py): the global
+    batch's tokens, per microbatch under PipeDream's per-microbatch steps."""
+    tokens = cfg.derived.tokens_per_step
+    pipedream = cfg.parallel.schedule == "pipedream_async"
+    return tokens / cfg.parallel.microbatches if pipedream else tokens
 
 
 def hold_params(model: GPT, params_dtype: str) -> GPT:
@@ -68,8 +78,11 @@ def hold_params(model: GPT, params_dtype: str) -> GPT:
     dtype = DTYPES[params_dtype]
     if dtype == torch.float32:
         return model
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    for module in model.modules():
+        if getattr(module, "keep_float32", False):  # the MoE router (models/moe.py)
+            continue
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(dtype)
     attach_main_grads(model)
     return model
 

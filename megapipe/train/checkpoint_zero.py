@@ -1,12 +1,13 @@
 """Checkpoint pieces of the distributed optimizer (parallel.zero=1): the same logical names and
 shapes as a zero=0 checkpoint, so either loads into the other.
 
-A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-major,
-that range is at most three rectangles of the local tensor: the tail of a first row, whole rows,
-the head of a last row. Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding
-rows dropped, a replicated kv head written by its first holder), is a block of the logical
-tensor at known offsets, so every rank writes only the moments it steps, as a ShardedTensor over
-the ranks holding this pipeline stage (dp × cp × tp). A load asks for the same blocks
+A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-
+major, that range is at most three rectangles of a 2-D local tensor: the tail of a first row,
+whole rows, the head of a last row (an N-D one, such as stacked experts, cuts its partial rows
+again). Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding rows dropped, a
+replicated kv head written by its first holder), is a block of the logical tensor at known
+offsets, so every rank writes only the moments it steps, as a ShardedTensor over the ranks
+holding this pipeline stage (dp × cp × tp). A load asks for the same blocks
 (train/checkpoint_read.py), from a checkpoint written under any mesh and either zero setting.
 """
 
@@ -26,24 +27,33 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def flat_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[list, list, int]]:
-    """The flat range [lo, hi) of a row-major tensor of `shape` as rectangles:
-    (offsets, sizes, start in the range) each, in order."""
+    """The flat range [lo, hi) of a row-major tensor of `shape` as boxes, each a contiguous
+    run of the range: (offsets, sizes, start in the range) each, in order. Along the first dim:
+    the tail of a first row, whole rows, the head of a last row; a partial row of an N-D tensor
+    (stacked experts, (E, f, d)) is cut the same way one dim down."""
+    if hi <= lo:
+        return []
     if len(shape) == 1:
-        return [([lo], [hi - lo], 0)] if hi > lo else []
+        return [([lo], [hi - lo], 0)]
     cols = math.prod(shape[1:])
-    if len(shape) > 2:
-        raise ValueError(f"zero=1 checkpoints handle 1-D and 2-D parameters, got {shape}")
+
+    def part_of_row(at: int, end: int) -> list[tuple[list, list, int]]:
+        row = at // cols
+        inner = flat_blocks(shape[1:], at - row * cols, end - row * cols)
+        return [([row, *o], [1, *z], s + at - lo) for o, z, s in inner]
+
     out, at = [], lo
-    if at % cols and at < hi:  # the tail of a first row
+    if at % cols:  # the tail of a first row
         end = min(hi, (at // cols + 1) * cols)
-        out.append(([at // cols, at % cols], [1, end - at], at - lo))
+        out += part_of_row(at, end)
         at = end
     whole = hi // cols * cols
     if at < whole:
-        out.append(([at // cols, 0], [(whole - at) // cols, cols], at - lo))
+        out.append(([at // cols] + [0] * (len(shape) - 1), [(whole - at) // cols, *shape[1:]],
+                    at - lo))  # fmt: skip
         at = whole
     if at < hi:  # the head of a last row
-        out.append(([at // cols, 0], [1, hi - at], at - lo))
+        out += part_of_row(at, hi)
     return out
 
 

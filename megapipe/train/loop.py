@@ -22,6 +22,7 @@ from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
+from megapipe.train.moe_metrics import moe_record
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
 from megapipe.train.spikes import NonFiniteError, Spikes
@@ -133,6 +134,7 @@ def train_loop(
             batch = data.batch(loop.spikes.batch(step), t.global_batch, rows=rows)
             result = job.train_step(optimizer, batch, step, hooks, loop.spikes.limit())
             done = step + 1
+            loop.moe[done] = moe_record(cfg, job.model, job.mesh)  # {} for a dense model
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
             # the same on every rank; under post-validation read one step late (preempt.py)
@@ -170,6 +172,7 @@ class _Loop:
         self.blend = _blend_tokens(data, self.spikes.batch(start), cfg.train.global_batch)
         self.saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
         self.records: list[dict] = []
+        self.moe: dict[int, dict] = {}  # each step's MoE figures until its record is written
         self.settled = Settled(job, optimizer, hooks)
 
     def settle(self, done: int, seconds, result, stopping, evaluating, saving) -> None:
@@ -178,6 +181,7 @@ class _Loop:
         now = bool(stopping or evaluating or saving or done == self.last)
         for d, secs, final in self.settled(done, seconds, result, now):
             record = _record(d, secs, final, self.throughput, self.blend, self.spikes.batch(d - 1))
+            record.update(self.moe.pop(d, {}))
             spiked = self.spikes.observe(d, final, record)
             if d == done and evaluating:
                 self.job.progress.doing("eval")
