@@ -18,6 +18,7 @@ from typing import Any
 
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
+    check_expert_parallel,
     check_not_built,
     check_params_dtype,
     check_post_validation,
@@ -160,6 +161,7 @@ def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
     check_zero(cfg)
+    check_expert_parallel(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",

@@ -37,6 +37,29 @@ def check_zero(cfg: Config) -> None:
     )
 
 
+def check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep (parallel/expert/): ranks taken from dp, whole experts per rank."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1:
+        return
+    require(
+        p.dp % p.ep == 0,
+        f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert-parallel ranks are taken "
+        "from the data-parallel group); set parallel.ep to a divisor of parallel.dp",
+    )
+    require(
+        m.n_experts > 0 and m.n_experts % p.ep == 0,
+        f"parallel.ep={p.ep} needs model.n_experts={m.n_experts} to be a positive multiple of "
+        "it (each ep rank holds n_experts/ep whole experts); change either",
+    )
+    require(
+        p.zero <= 1 and not (p.pp > 1 and p.schedule == "pipedream_async"),
+        f"parallel.ep={p.ep} with parallel.zero={p.zero} or parallel.schedule={p.schedule}: "
+        "expert grads are reduced over the expert replicas only at zero<=1 with a synchronous "
+        "schedule; set parallel.zero<=1 and another schedule, or parallel.ep=1",
+    )
+
+
 def check_params_dtype(cfg: Config) -> None:
     """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
     t, p = cfg.train, cfg.parallel

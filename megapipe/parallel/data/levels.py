@@ -29,15 +29,18 @@ def make_reducer(
     zero: int,
     shared: nn.Parameter | None = None,
     blocks: tuple[Block, ...] = (),
+    expert_group=None,
 ) -> GradReducer:
     """The dp × cp gradient reducer of `model` at ZeRO level `zero`: `shared` (a pipeline
     stage's copy of the tied table, summed with another stage's after the reduction) gets a
     bucket of its own so both copies shard alike; `blocks` (the model's units of weight use,
-    in forward order) are where the weight gathers wait (1, 2) or gather and free (3)."""
+    in forward order) are where the weight gathers wait (1, 2) or gather and free (3);
+    `expert_group` (parallel.ep > 1) is where the expert weights' buckets are summed."""
     if not zero:
-        return GradReducer(model, group, bucket_mb)
+        return GradReducer(model, group, bucket_mb, expert_group=expert_group)
     own = (shared,) if shared is not None else ()
-    return REDUCERS[zero](model, group, bucket_mb, own_bucket=own, blocks=tuple(blocks))
+    kind = REDUCERS[zero]
+    return kind(model, group, bucket_mb, own, blocks=tuple(blocks), expert_group=expert_group)
 
 
 def sharded_optimizer(reducers: list, groups: list[dict], make, stage_group=None):

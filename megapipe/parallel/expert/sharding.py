@@ -30,3 +30,27 @@ class EPInfo:
 
 
 NO_EP = EPInfo()
+
+
+def ep_info(mesh) -> EPInfo:
+    """This rank's EPInfo on `mesh` (distributed/mesh.py: ep consecutive dp ranks); mesh None or
+    parallel.ep=1: NO_EP."""
+    if mesh is None or mesh.sizes.ep == 1:
+        return NO_EP
+    return EPInfo(mesh.sizes.ep, mesh.ep_rank, mesh.ep_group)
+
+
+EXPERT_MARK = "expert_parallel"  # attribute set on a parameter holding this rank's experts only
+
+
+def mark_experts(*params) -> None:
+    """Mark `params` as expert weights (stacked, leading expert dim, this ep rank's slice): their
+    grads are summed over the expert-replica group, not every dp × cp replica
+    (parallel/data/reducer.py)."""
+    for p in params:
+        setattr(p, EXPERT_MARK, True)
+
+
+def is_expert(param) -> bool:
+    """`param` is an expert weight (`mark_experts`)."""
+    return getattr(param, EXPERT_MARK, False)
