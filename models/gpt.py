@@ -16,6 +16,7 @@ from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
 from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
@@ -32,6 +33,7 @@ from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from models.activations import gelu_tanh
 from models.attention import Attention
 from models.init import init_parameters
+from models.moe import MoE, expert_ffn, is_moe_layer
 
 
 def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:
@@ -65,6 +67,19 @@ class MLP(nn.Module):
         else:
             h = gelu_tanh(h)
         return self.fc2(h)
+
+    def linears(self) -> tuple[nn.Module, ...]:
+        return (self.fc1, self.fc2)
+
+
+def make_mlp(cfg: ModelConfig, d: Derived, tp: TPInfo, cp: CPInfo, ep: EPInfo, index: int):
+    """Layer `index`'s MLP: dense, or a mixture of experts (models/moe.py) on every
+    `model.moe_every`-th layer, its shared experts one MLP of moe_shared_experts · ffn."""
+    if not is_moe_layer(cfg, index):
+        return MLP(cfg, d.d_ff, tp)
+    ffn = expert_ffn(cfg, d.d_ff)
+    shared = MLP(cfg, cfg.moe_shared_experts * ffn, tp) if cfg.moe_shared_experts else None
+    return MoE(cfg, d.d_ff, tp, cp, ep, shared)
 
 
 class Embedding(nn.Module):
@@ -103,13 +118,20 @@ class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm1 x), then + mlp(norm2 x)."""
 
     def __init__(
-        self, cfg: ModelConfig, d: Derived, tp: TPInfo, recompute: str, cp: CPInfo = NO_CP
+        self,
+        cfg: ModelConfig,
+        d: Derived,
+        tp: TPInfo,
+        recompute: str,
+        cp: CPInfo = NO_CP,
+        index: int = 0,
+        ep: EPInfo = NO_EP,
     ) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
         self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp)
         self.norm2 = make_norm(cfg, tp)
-        self.mlp = MLP(cfg, d.d_ff, tp)
+        self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)
         self.full_recompute = recompute == "full"
         self.tp = tp
@@ -143,8 +165,13 @@ class TransformerLayer(nn.Module):
         rebinding its methods. Dropout draws from the same generator as eager: inductor's
         `fallback_random`, set for this compile only (no process-global config)."""
         main_grads = hasattr(self.attn.qkv.weight, "main_grad")
+        if isinstance(self.mlp, MoE):  # dispatch's row counts are data-dependent
+            self.mlp.keep_eager()
+        elif split_weight_grads or self.tp.size > 1 or main_grads:
+            for linear in self.mlp.linears():
+                linear.keep_eager()
         if split_weight_grads or self.tp.size > 1 or main_grads:
-            for linear in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2):
+            for linear in (self.attn.qkv, self.attn.proj):
                 linear.keep_eager()
         if self.tp.size > 1 or self.attn.cp.size > 1:
             self.attn.keep_core_eager()
@@ -206,6 +233,7 @@ class GPT(nn.Module):
         recompute: RecomputeConfig | None = None,
         init: bool = True,
         cp: CPInfo = NO_CP,
+        ep: EPInfo = NO_EP,
     ) -> None:
         super().__init__()
         self.cfg, self.cp = cfg, cp
@@ -224,7 +252,8 @@ class GPT(nn.Module):
         for b in self.blocks:
             if 1 <= b <= cfg.n_layers:
                 mode = layer_mode(recompute, b - 1)
-                self.layers[str(b - 1)] = TransformerLayer(cfg, derived, tp, mode, cp)
+                layer = TransformerLayer(cfg, derived, tp, mode, cp, b - 1, ep)
+                self.layers[str(b - 1)] = layer
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)
 

@@ -40,7 +40,7 @@ class Toy(ShardedModule):
         self.ep = ep
         self._add_param("w", (D, D), REPLICATED, tp)
         self._add_param("experts", (E // ep.size, D, D), REPLICATED, tp)
-        mark_experts(self.experts)
+        mark_experts(ep, self.experts)
         g = torch.Generator().manual_seed(3)
         w, experts = torch.randn(D, D, generator=g), torch.randn(E, D, D, generator=g)
         with torch.no_grad():

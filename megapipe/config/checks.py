@@ -19,6 +19,7 @@ from typing import Any
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
     check_expert_parallel,
+    check_moe,
     check_not_built,
     check_params_dtype,
     check_post_validation,
@@ -63,6 +64,7 @@ def validate(cfg: Config, built_only: bool = True) -> None:
     _check_values(cfg)
     _check_dirs(cfg)
     _check_model(cfg)
+    check_moe(cfg)
     if built_only:
         check_not_built(cfg)
     _check_parallel(cfg)

@@ -81,11 +81,6 @@ def check_params_dtype(cfg: Config) -> None:
 def check_not_built(cfg: Config) -> None:
     """Keys whose runtime is being built (each refusal goes when its part lands)."""
     p = cfg.parallel
-    require(
-        cfg.model.n_experts == 0 and p.ep == 1,
-        "model.n_experts / parallel.ep (mixture of experts) is not built yet; set "
-        "model.n_experts=0 and parallel.ep=1",
-    )
     require(not p.tp_overlap, "parallel.tp_overlap=true is not built yet; remove it")
     require(
         cfg.train.params_dtype == "float32" or p.zero <= 1,
@@ -157,4 +152,29 @@ def check_spikes(cfg: Config) -> None:
         not t.spike_rollback or cfg.checkpoint.interval,
         f"train.spike_rollback={t.spike_rollback} reloads the newest checkpoint, but "
         "checkpoint.interval=0 saves none; set checkpoint.interval",
+    )
+
+
+def check_moe(cfg: Config) -> None:
+    """The mixture-of-experts keys (models/moe.py, docs/moe.md), in one line each."""
+    m, p = cfg.model, cfg.parallel
+    if m.n_experts == 0:
+        return
+    require(
+        m.top_k <= m.n_experts,
+        f"model.top_k={m.top_k} exceeds model.n_experts={m.n_experts}; lower model.top_k",
+    )
+    require(
+        m.moe_every <= m.n_layers,
+        f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}, so no layer "
+        "would be MoE; lower model.moe_every",
+    )
+    require(
+        p.seq_segments == 1,
+        f"parallel.seq_segments={p.seq_segments} with model.n_experts>0: the balance loss "
+        "and capacity are per whole sequence; set parallel.seq_segments=1",
+    )
+    require(
+        p.zero <= 1,
+        f"parallel.zero={p.zero} with model.n_experts>0 is not built yet; set parallel.zero<=1",
     )

@@ -23,11 +23,13 @@ from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import Block
+from megapipe.parallel.expert.sharding import ep_info
 from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import SCHEDULES
 from models.gpt import GPT
+from models.moe import set_loss_scale
 
 
 def build_model(
@@ -55,9 +57,24 @@ def build_chunks(cfg: Config, mesh, device, placement: Placement) -> list[GPT]:
 def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
     tp = tp_info(mesh, cfg.parallel.sequence_parallel, cfg.train.seed)
     model = GPT(
-        cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
+        cfg.model,
+        blocks,
+        seed=cfg.train.seed,
+        tp=tp,
+        recompute=cfg.recompute,
+        cp=cp_info(mesh),
+        ep=ep_info(mesh),
     )
+    set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     return hold_params(model.to(device), cfg.train.params_dtype)
+
+
+def loss_scale(cfg: Config) -> float:
+    """What the summed LM loss is divided by before backward (train/step.py): the global
+    batch's tokens, per microbatch under PipeDream's per-microbatch steps."""
+    tokens = cfg.derived.tokens_per_step
+    pipedream = cfg.parallel.schedule == "pipedream_async"
+    return tokens / cfg.parallel.microbatches if pipedream else tokens
 
 
 def hold_params(model: GPT, params_dtype: str) -> GPT:
@@ -67,8 +84,11 @@ def hold_params(model: GPT, params_dtype: str) -> GPT:
     dtype = DTYPES[params_dtype]
     if dtype == torch.float32:
         return model
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
+    for module in model.modules():
+        if getattr(module, "keep_float32", False):  # the MoE router (models/moe.py)
+            continue
+        for p in module.parameters(recurse=False):
+            p.data = p.data.to(dtype)
     attach_main_grads(model)
     return model
 

@@ -22,6 +22,7 @@ from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
+from megapipe.train.moe_metrics import moe_record
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
 from megapipe.train.spikes import NonFiniteError, Spikes
@@ -128,7 +129,7 @@ def train_loop(
     spikes = Spikes(cfg, data, state, start)
     blend = _blend_tokens(data, spikes.batch(start), t.global_batch)
     saver = Saver(cfg)  # synchronous, or in the background under checkpoint.async_save
-    records = []
+    records, moe = [], {}  # moe: each step's MoE figures until its record is written
     settled = Settled(job, optimizer, hooks)
     interval = cfg.checkpoint.interval
     rows = job.slice.rows(t.global_batch)  # this dp rank reads only its rows of each batch
@@ -141,6 +142,7 @@ def train_loop(
             batch = data.batch(spikes.batch(step), t.global_batch, rows=rows)
             result = job.train_step(optimizer, batch, step, hooks, spikes.limit())
             done = step + 1
+            moe[done] = moe_record(cfg, job.model, job.mesh)  # {} for a dense model
             seconds = time.perf_counter() - began
             hooks.step_end(step, result, seconds)
             # the same on every rank; under post-validation read one step late (preempt.py)
@@ -152,6 +154,7 @@ def train_loop(
             now = bool(stopping or evaluating or saving or done == last)
             for d, secs, final in settled(done, seconds, result, now):
                 record = _record(d, secs, final, throughput, blend, spikes.batch(d - 1))
+                record.update(moe.pop(d, {}))
                 spiked = spikes.observe(d, final, record)
                 if d == done and evaluating:
                     job.progress.doing("eval")

@@ -24,12 +24,14 @@ from megapipe.parallel.precision import MainParamOptimizer, grad_of
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Matrices decay; biases, norm gains and other vectors do not (GPT-3 / Megatron practice).
 
-    Embedding tables are matrices and decay, as in Megatron-LM.
+    Embedding tables are matrices and decay, as in Megatron-LM. Stacked expert biases
+    (models/moe.py: `in_bias`, `out_bias`, one vector per expert) are biases and do not.
     """
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            matrix = param.ndim >= 2 and not name.endswith("bias")
+            (decay if matrix else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -130,17 +130,21 @@ def run_weight_grads(model: nn.Module, key) -> int:
     """W: do the weight-grad work queued under `key` in `model`; returns the matmuls run."""
     done = 0
     for module in model.modules():
-        for x, grad_out in getattr(module, "wgrad_queue", {}).pop(key, []):
+        for item in getattr(module, "wgrad_queue", {}).pop(key, []):
+            done += 1
+            if len(item) != 2:  # a stacked experts' matmul (parallel/autograd/grouped_linear.py)
+                module.deferred_weight_grad(*item)
+                continue
+            x, grad_out = item
             main = getattr(module.weight, "main_grad", None)
             if main is not None:
                 _into_main(main, x, grad_out)
             else:
-                _accumulate(module.weight, _weight_grad(x, grad_out, module))
-            done += 1
+                accumulate(module.weight, _weight_grad(x, grad_out, module))
     return done
 
 
-def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+def accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad

@@ -1,0 +1,266 @@
+"""The mixture-of-experts MLP (docs/moe.md): a float32 router, token-choice top-k, stacked experts
+computed through parallel/expert/dispatch.py, optional shared experts, a per-sequence capacity,
+and the load-balancing and z losses.
+
+Routing (Mixtral, Jiang et al. 2024; Switch, Fedus et al. 2021): logits = x W_rᵀ in float32,
+p = softmax(logits), each token takes its top_k experts with weights p / Σ_top-k p. With
+`moe_capacity_factor` cf > 0 each expert takes at most ceil(cf · T · top_k / E) rows of a
+sequence of T tokens, the first ones in token order (a rule of the sequence alone: cp and
+sequence-parallel ranks learn their tokens' places from the whole sequence's choices); a dropped
+row contributes nothing (the token keeps its residual). Losses, per sequence (the sequence-wise
+balance loss of DeepSeek-V3 §2.1.2; GShard's groups = sequences) because a pipeline runs
+microbatch 0's backward before the last microbatch's forward, so no batch-wide statistic exists
+in time: aux = E · Σ_e f_e · P_e (f_e: the share of the sequence's routed rows that chose e,
+P_e: its mean router probability), z = mean over tokens of logsumexp(logits)² (ST-MoE, Zoph et
+al. 2022). Both are averaged over the global batch as the LM loss is: the layer adds
+coef · (T · aux + Σ_t z_t) in the LM loss's summed units to the backward through `attach_loss`
+(an identity on the hidden states whose backward seeds the loss's grad, 1 / `loss_scale`), so
+the reported LM loss stays the LM loss. Experts whole in every tp rank (docs/moe.md): the layer
+works on the tokens the rank holds, like a norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.distributed import collectives as C
+from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_weight_grad
+from megapipe.parallel.autograd.weight_grad import accumulate
+from megapipe.parallel.context.zigzag import NO_CP, CPInfo
+from megapipe.parallel.expert.dispatch import combine, dispatch
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo, mark_experts
+from megapipe.parallel.tensor.layers import REPLICATED, ShardedModule
+from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
+from models.activations import gelu_tanh
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """Layer `index` (0-based) has a mixture-of-experts MLP: layers k-1, 2k-1, ... of k."""
+    return cfg.n_experts > 0 and (index + 1) % cfg.moe_every == 0
+
+
+def expert_ffn(cfg: ModelConfig, d_ff: int) -> int:
+    return cfg.moe_ffn or d_ff
+
+
+class Router(ShardedModule):
+    """The gate: a d → E linear held and computed in float32 whatever the weights' dtype."""
+
+    keep_float32 = True  # pipeline/stages.hold_params leaves it in float32
+
+    def __init__(self, d: int, n_experts: int, tp: TPInfo) -> None:
+        super().__init__(tp)
+        self._add_param("weight", (n_experts, d), REPLICATED, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+
+class Experts(ShardedModule):
+    """E FFNs as stacked weights with a leading expert dim (ep shards are slices of dim 0):
+    `w_in` (E, f, d) or (E, 2f, d) as [gate | up] for llama, `w_out` (E, d, f); gpt2 also
+    `in_bias` (E, f) and `out_bias` (E, d)."""
+
+    def __init__(self, cfg: ModelConfig, ffn: int, tp: TPInfo, ep: EPInfo) -> None:
+        super().__init__(tp)
+        self.swiglu = cfg.arch == "llama"
+        e, d = cfg.n_experts, cfg.d_model
+        fan = 2 * ffn if self.swiglu else ffn
+        self.ep = ep
+        self._add_experts("w_in", (e, fan, d))
+        self._add_experts("w_out", (e, d, ffn))
+        self.has_bias = not self.swiglu
+        if self.has_bias:
+            self._add_experts("in_bias", (e, fan))
+            self._add_experts("out_bias", (e, d))
+
+    def _add_experts(self, name: str, shape: tuple[int, ...]) -> None:
+        """A stacked expert weight of logical `shape`, holding this ep rank's E/ep experts
+        (parallel/expert/sharding.py), whole on every tp rank."""
+        self._add_param(name, shape, REPLICATED, self.tp)
+        local = (shape[0] // self.ep.size, *shape[1:])
+        self.register_parameter(name, nn.Parameter(torch.empty(local)))
+        mark_experts(self.ep, getattr(self, name))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by local expert (`counts`) through their expert's FFN."""
+        in_bias = self.in_bias if self.has_bias else None
+        out_bias = self.out_bias if self.has_bias else None
+        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in")
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = gelu_tanh(h)
+        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out")
+
+    @torch.no_grad()
+    def deferred_weight_grad(self, name: str, x, grad_out, counts) -> None:
+        """A Zero Bubble W action's share: the queued stacked weight grad (weight_grad.py)."""
+        param = getattr(self, name)
+        grad = stacked_weight_grad(param, x, grad_out, counts)
+        if grad is not None:
+            accumulate(param, grad)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on x; backward seeds `loss`'s grad with `scale` and hands `stats` to `sink`
+    (once per microbatch, also under recompute, whose forward runs twice)."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale, stats, sink):
+        ctx.scale, ctx.stats, ctx.sink = scale, stats, sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.add(ctx.stats)
+        seed = torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
+        return grad, seed, None, None, None
+
+
+class StatsSink:
+    """A MoE layer's statistics summed over a step's microbatches: routed rows per expert,
+    dropped rows, T·aux and Σ z (the losses in the LM loss's summed units, before their coefs)."""
+
+    def __init__(self, n_experts: int) -> None:
+        self.total = torch.zeros(n_experts + 3, dtype=torch.float64)
+
+    def add(self, stats: torch.Tensor) -> None:
+        self.total += stats.to(self.total.device, self.total.dtype)
+
+    def take(self) -> torch.Tensor:
+        out, self.total = self.total, torch.zeros_like(self.total)
+        return out
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) in place of a layer's MLP; input and output (B, n, d),
+    n the tokens this rank holds (its cp slice, its tp chunk under sequence parallelism)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        d_ff: int,
+        tp: TPInfo = NO_TP,
+        cp: CPInfo = NO_CP,
+        ep: EPInfo = NO_EP,
+        shared: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coef, self.z_coef = cfg.moe_aux_coef, cfg.moe_z_coef
+        self.router = Router(cfg.d_model, cfg.n_experts, tp)
+        self.experts = Experts(cfg, expert_ffn(cfg, d_ff), tp, ep)
+        self.shared = shared  # an MLP of moe_shared_experts · ffn (models/gpt.py), or None
+        self.tp, self.cp, self.ep = tp, cp, ep
+        self.loss_scale = 1.0  # the LM loss's divisor (pipeline/stages.py sets it)
+        self.stats = StatsSink(cfg.n_experts)
+        self._eager = None
+
+    def keep_eager(self) -> None:
+        """Run outside compiled graphs (dispatch's sizes are data-dependent)."""
+        self._eager = torch.compiler.disable(self._math)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._eager or self._math)(x)
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        flat = x.reshape(-1, d)
+        logits = self.router(flat)  # (b·n, E) float32
+        probs = logits.softmax(-1)
+        top_p, top_i = probs.topk(self.top_k, dim=-1)  # (b·n, k)
+        gates = top_p / top_p.sum(-1, keepdim=True)
+        chosen = torch.zeros_like(probs, dtype=torch.int32).scatter_(1, top_i, 1).view(b, n, -1)
+        seq_len = n * self._ranks_per_sequence()
+        keep = self._kept(chosen, seq_len)  # (b, n, E) int, or None: dropless
+        rows_kept = None if keep is None else keep.view(b * n, -1).gather(1, top_i).bool()
+        y = self._experts(flat, top_i, gates, rows_kept).view(b, n, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        loss, stats = self._losses(logits, probs, chosen, rows_kept, seq_len)
+        return _AttachLoss.apply(y, loss, 1.0 / self.loss_scale, stats, self.stats)
+
+    def _experts(self, flat, top_i, gates, rows_kept) -> torch.Tensor:
+        """Σ over a token's kept choices of gate · expert(x): rows are (token, choice) pairs in
+        token order, dispatched to their experts and combined back."""
+        k = self.top_k
+        token_of = torch.arange(flat.shape[0], device=flat.device).repeat_interleave(k)
+        expert_of, weight = top_i.reshape(-1), gates.reshape(-1)
+        if rows_kept is not None:
+            kept = rows_kept.reshape(-1)
+            token_of, expert_of, weight = token_of[kept], expert_of[kept], weight[kept]
+        grouped, counts, plan = dispatch(flat[token_of], expert_of, self.n_experts, self.ep)
+        out = combine(self.experts(grouped, counts.tolist()), plan, self.ep)
+        out = out * weight.to(out.dtype).unsqueeze(-1)
+        return torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
+
+    def _ranks_per_sequence(self) -> int:
+        return self.cp.size * (self.tp.size if self.tp.sp else 1)
+
+    def _sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks holding parts of the same sequences (tp under SP, cp)."""
+        if self.tp.sp:
+            t = C.all_reduce(t, self.tp.group)
+        if self.cp.size > 1:
+            t = C.all_reduce(t, self.cp.group)
+        return t
+
+    def _positions(self, n: int, device) -> torch.Tensor:
+        """The places (n,) of this rank's tokens in their sequence: cp's zigzag slice, then
+        this tp rank's chunk of it under sequence parallelism."""
+        per_cp = n * (self.tp.size if self.tp.sp else 1)
+        pos = self.cp.positions(per_cp * self.cp.size, device)
+        return pos.chunk(self.tp.size)[self.tp.rank] if self.tp.sp else pos
+
+    def _kept(self, chosen: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+        """(b, n, E): 1 where a token's choice of expert e is within e's capacity, the first
+        ceil(cf · T · k / E) choices of e in the sequence's token order; None: dropless."""
+        if self.capacity_factor <= 0:
+            return None
+        capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)
+        if self._ranks_per_sequence() == 1:
+            return chosen * (chosen.cumsum(1) <= capacity)
+        pos = self._positions(chosen.shape[1], chosen.device)
+        all_pos, all_chosen = pos, chosen
+        for group in self._sequence_groups():
+            all_pos = C.all_gather(all_pos, 0, group)
+            all_chosen = C.all_gather(all_chosen, 1, group)
+        whole = torch.zeros_like(all_chosen)
+        whole[:, all_pos] = all_chosen  # the whole sequences' choices in token order
+        place = whole.cumsum(1)[:, pos]
+        return chosen * (place <= capacity)
+
+    def _sequence_groups(self) -> list:
+        groups = [self.tp.group] if self.tp.sp else []
+        return groups + ([self.cp.group] if self.cp.size > 1 else [])
+
+    def _losses(self, logits, probs, chosen, rows_kept, seq_len: int):
+        """This rank's share of coef · (T · aux + Σ z) over its sequences, and its stats row."""
+        b, n, e = chosen.shape
+        counts = self._sequence_sum(chosen.sum(1).double())  # (b, E): whole sequences' rows
+        share = (counts / (seq_len * self.top_k)).float()  # f_e, not differentiated
+        mass = probs.view(b, n, e).sum(1)  # (b, E): this rank's part of T · P_e
+        aux = e * (share * mass).sum()  # Σ_b T · aux_b, this rank's part
+        z = torch.logsumexp(logits, -1).pow(2).sum()
+        loss = self.aux_coef * aux + self.z_coef * z
+        dropped = 0 if rows_kept is None else rows_kept.numel() - rows_kept.sum()
+        routed = chosen.sum((0, 1)).double()
+        extra = torch.stack([torch.as_tensor(dropped).double(), aux.detach(), z.detach()])
+        return loss, torch.cat([routed, extra.to(routed)])
+
+
+def set_loss_scale(model: nn.Module, scale: float) -> None:
+    """What the summed LM loss is divided by before backward, for `model`'s MoE layers' losses
+    (pipeline/stages.py sets it from the config; tests that build a GPT by hand set it too)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.loss_scale = scale
