@@ -154,7 +154,7 @@ def test_zero_checkpoints_cross_load(gloo_pool, tmp_path, name, first, then):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: resumed {a} != straight {b}"
 
 
-@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 6), (1, 9)])
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 6), (1, 9), (3, 2, 4), (2, 3, 1, 2)])
 def test_flat_range_as_rectangles_covers_it_once(shape):
     """Every flat range of a row-major tensor is covered, once and in order, by its blocks."""
     import math

@@ -6,8 +6,10 @@ that range is at most three rectangles of the local tensor: the tail of a first 
 the head of a last row. Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding
 rows dropped, a replicated kv head written by its first holder), is a block of the logical
 tensor at known offsets, so every rank writes only the moments it steps, as a ShardedTensor over
-the ranks holding this pipeline stage (dp × cp × tp). A load asks for the same blocks
-(train/checkpoint_read.py), from a checkpoint written under any mesh and either zero setting.
+the ranks holding this pipeline stage (dp × cp × tp). An ep rank's experts are a slice of the
+logical stacked tensor from its first expert on (parallel/expert/sharding.expert_offset). A
+load asks for the same blocks (train/checkpoint_read.py), from a checkpoint written under any
+mesh and either zero setting.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from megapipe._torch_compat import sharded_tensor
 from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 
@@ -27,23 +30,27 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def flat_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[list, list, int]]:
     """The flat range [lo, hi) of a row-major tensor of `shape` as rectangles:
-    (offsets, sizes, start in the range) each, in order."""
+    (offsets, sizes, start in the range) each, in order: a partial first slice along dim 0
+    (recursively), the whole slices, a partial last slice (stacked experts are 3-D)."""
     if len(shape) == 1:
         return [([lo], [hi - lo], 0)] if hi > lo else []
-    cols = math.prod(shape[1:])
-    if len(shape) > 2:
-        raise ValueError(f"zero=1 checkpoints handle 1-D and 2-D parameters, got {shape}")
+    inner, rest = math.prod(shape[1:]), list(shape[1:])
     out, at = [], lo
-    if at % cols and at < hi:  # the tail of a first row
-        end = min(hi, (at // cols + 1) * cols)
-        out.append(([at // cols, at % cols], [1, end - at], at - lo))
+
+    def partial(i: int, a: int, b: int) -> None:  # [a, b) inside slice i
+        for offsets, sizes, start in flat_blocks(tuple(rest), a - i * inner, b - i * inner):
+            out.append(([i, *offsets], [1, *sizes], start + a - lo))
+
+    if at % inner and at < hi:
+        end = min(hi, (at // inner + 1) * inner)
+        partial(at // inner, at, end)
         at = end
-    whole = hi // cols * cols
+    whole = hi // inner * inner
     if at < whole:
-        out.append(([at // cols, 0], [(whole - at) // cols, cols], at - lo))
+        out.append(([at // inner] + [0] * len(rest), [(whole - at) // inner, *rest], at - lo))
         at = whole
-    if at < hi:  # the head of a last row
-        out.append(([at // cols, 0], [1, hi - at], at - lo))
+    if at < hi:
+        partial(at // inner, at, hi)
     return out
 
 
@@ -55,13 +62,16 @@ def logical_pieces(
     spec: ShardSpec,
     tp: TPInfo,
     every_holder: bool = False,
+    first: int = 0,
 ) -> list[tuple[list, torch.Tensor]]:
     """(logical offsets, block: a view of `data`) for the elements [lo, hi) of a local tensor
     of `shape` whose values are `data` (1-D, hi − lo long): the blocks this rank writes (tp
-    replicas and replicated kv heads once), or with `every_holder` all it holds (to read)."""
+    replicas and replicated kv heads once), or with `every_holder` all it holds (to read).
+    `first`: the logical index of the local tensor's dim 0 (an ep rank's first expert)."""
     out = []
     for offsets, sizes, start in flat_blocks(shape, lo, hi):
         block = data[start : start + math.prod(sizes)].view(sizes)
+        offsets = [offsets[0] + first, *offsets[1:]]
         if spec.dim is None or tp.size == 1:
             if spec.dim is None and tp.rank and not every_holder:  # tp replicas: rank 0
                 continue
@@ -104,7 +114,10 @@ def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer
             pieces = []
             if owned is not None:
                 slot, st = owned
-                pieces = logical_pieces(st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp)
+                pieces = logical_pieces(
+                    st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp,
+                    first=expert_offset(param),
+                )  # fmt: skip
             state[f"optim.{name}.{key}"] = sharded_tensor(pieces, shape, optimizer.stage_group)
         if writer:
             state[f"optim.{name}.step"] = optimizer.step_count()
