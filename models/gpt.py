@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
+from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
@@ -33,7 +34,7 @@ from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from models.activations import gelu_tanh
 from models.attention import Attention
 from models.init import init_parameters
-from models.moe import MoE, expert_ffn, is_moe_layer
+from models.moe import MoE
 
 
 def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:

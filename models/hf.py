@@ -1,8 +1,11 @@
-"""Import and export of Hugging Face GPT-2 and Llama causal LMs (the whole model, tp=1).
+"""Import and export of Hugging Face GPT-2, Llama and Mixtral causal LMs (the whole model, tp=1).
 
 Weights move by name through one table per architecture: our logical name -> the HF names whose
 tensors it holds. A fused tensor of ours (q|k|v, gate|up) is the row-wise concatenation of several
 HF tensors; GPT-2's Conv1D weights are stored as [in, out] and are transposed on the way.
+Mixtral (transformers' MixtralForCausalLM) is the llama table with each MLP a mixture of experts
+(models/moe.py): its router `mlp.gate`, and the stacked experts `mlp.experts.gate_up_proj`
+(E, 2f, d: [gate | up], as our `w_in`) and `down_proj` (E, d, f, as our `w_out`), same layout.
 A config either side cannot represent exactly is a one-line ValueError naming the field.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megapipe.config import Config, ModelConfig
+from megapipe.config.flops import expert_ffn
 from models.gpt import GPT
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
@@ -48,16 +52,29 @@ LLAMA_LAYER = {
     "mlp.fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.fc2.weight": ("mlp.down_proj.weight",),
 }
+MIXTRAL_LAYER = {
+    **{k: v for k, v in LLAMA_LAYER.items() if not k.startswith("mlp.")},
+    "mlp.router.weight": ("mlp.gate.weight",),
+    "mlp.experts.w_in": ("mlp.experts.gate_up_proj",),
+    "mlp.experts.w_out": ("mlp.experts.down_proj",),
+}
 TABLES = {
     "gpt2": (GPT2_TOP, GPT2_LAYER, "transformer.h."),
     "llama": (LLAMA_TOP, LLAMA_LAYER, "model.layers."),
+    "mixtral": (LLAMA_TOP, MIXTRAL_LAYER, "model.layers."),
 }
 GPT2_CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 
+def table_of(cfg: ModelConfig) -> str:
+    """Which name table a model uses: its arch, or mixtral for a llama mixture of experts."""
+    return "mixtral" if cfg.n_experts else cfg.arch
+
+
 def hf_names(arch: str, name: str) -> tuple[tuple[str, ...], bool]:
-    """The HF names that our parameter `name` concatenates, and whether they are transposed."""
+    """The HF names that our parameter `name` concatenates, and whether they are transposed
+    (`arch`: a TABLES key, table_of(cfg))."""
     top, layer, prefix = TABLES[arch]
     if not name.startswith("layers."):
         return top[name], False
@@ -82,7 +99,19 @@ def config_from_hf(hf) -> ModelConfig:
         return _gpt2_config(hf)
     if kind == "llama":
         return _llama_config(hf)
-    raise ValueError(f"HF model_type {kind!r} is not supported; use a gpt2 or llama model")
+    if kind == "mixtral":
+        return _mixtral_config(hf)
+    raise ValueError(f"HF model_type {kind!r} is not supported; use a gpt2, llama or mixtral model")
+
+
+def _mixtral_config(hf) -> ModelConfig:
+    """Llama's fields, every layer's MLP a dropless mixture of experts (models/moe.py)."""
+    _require(hf.sliding_window is None, "HF sliding_window is unsupported; set it None")
+    _require(not hf.router_jitter_noise, "HF router_jitter_noise != 0 is unsupported")
+    base = _llama_config(hf)
+    moe = {"n_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok, "moe_every": 1}
+    moe |= {"moe_ffn": hf.intermediate_size, "moe_aux_coef": float(hf.router_aux_loss_coef)}
+    return ModelConfig(**(vars(base) | moe))
 
 
 def _gpt2_config(hf) -> ModelConfig:
@@ -117,7 +146,7 @@ def _llama_config(hf) -> ModelConfig:
         rope_type == "default", f"HF rope_parameters/rope_scaling type {rope_type!r} unsupported"
     )
     _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
-    _require(not hf.attention_bias, "HF attention_bias=True is unsupported")
+    _require(not getattr(hf, "attention_bias", False), "HF attention_bias=True is unsupported")
     _require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
     _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -152,7 +181,7 @@ def from_hf(model) -> GPT:
     gpt = GPT(cfg)
     hf_state = model.state_dict()
     for name, param in gpt.named_parameters():
-        names, transpose = hf_names(cfg.arch, name)
+        names, transpose = hf_names(table_of(cfg), name)
         parts = [hf_state[n].t() if transpose else hf_state[n] for n in names]
         value = torch.cat(parts, dim=0)
         _require(
@@ -189,6 +218,8 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         )
     _require(cfg.arch == "llama", f"model.arch={cfg.arch!r} has no HF export")
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
+    if cfg.n_experts:
+        return _mixtral_hf_config(cfg, d, common)
     return LlamaConfig(
         hidden_size=cfg.d_model,
         intermediate_size=d.d_ff,
@@ -202,6 +233,38 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         attention_bias=False,
         mlp_bias=False,
         attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **common,
+    )
+
+
+def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
+    """MixtralConfig of a llama mixture of experts: every layer MoE, dropless, no shared
+    experts (what Mixtral computes)."""
+    from transformers import MixtralConfig
+
+    _require(cfg.moe_every == 1, "model.moe_every != 1: every Mixtral layer is MoE; set it 1")
+    _require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Mixtral has none; set 0")
+    _require(
+        cfg.moe_capacity_factor == 0,
+        "model.moe_capacity_factor > 0: Mixtral routes dropless; set it 0 to export",
+    )
+    return MixtralConfig(
+        hidden_size=cfg.d_model,
+        intermediate_size=expert_ffn(cfg, d.d_ff),
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=d.n_kv_heads,
+        head_dim=d.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        attention_dropout=0.0,
+        sliding_window=None,
+        num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k,
+        router_aux_loss_coef=cfg.moe_aux_coef,
+        router_jitter_noise=0.0,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         **common,
     )
@@ -224,7 +287,7 @@ def to_hf(gpt: GPT, out_dir: str, eos_id: int | None = None):
     hf_params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
     written = set()
     for name, param in gpt.named_parameters():
-        names, transpose = hf_names(cfg.arch, name)
+        names, transpose = hf_names(table_of(cfg), name)
         value = param.detach().float()
         sizes = [hf_params[n].shape[-1 if transpose else 0] for n in names]
         for n, part in zip(names, value.split(sizes, dim=0), strict=True):

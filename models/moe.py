@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.config.flops import expert_ffn
 from megapipe.distributed import collectives as C
 from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_weight_grad
 from megapipe.parallel.autograd.weight_grad import accumulate
@@ -37,15 +38,6 @@ from megapipe.parallel.expert.sharding import NO_EP, EPInfo, mark_experts
 from megapipe.parallel.tensor.layers import REPLICATED, ShardedModule
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from models.activations import gelu_tanh
-
-
-def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
-    """Layer `index` (0-based) has a mixture-of-experts MLP: layers k-1, 2k-1, ... of k."""
-    return cfg.n_experts > 0 and (index + 1) % cfg.moe_every == 0
-
-
-def expert_ffn(cfg: ModelConfig, d_ff: int) -> int:
-    return cfg.moe_ffn or d_ff
 
 
 class Router(ShardedModule):
@@ -92,13 +84,13 @@ class Experts(ShardedModule):
         """Rows grouped by local expert (`counts`) through their expert's FFN."""
         in_bias = self.in_bias if self.has_bias else None
         out_bias = self.out_bias if self.has_bias else None
-        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in")
+        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in", "in_bias")
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = gelu_tanh(h)
-        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out")
+        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out", "out_bias")
 
     @torch.no_grad()
     def deferred_weight_grad(self, name: str, x, grad_out, counts) -> None:

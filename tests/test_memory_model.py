@@ -46,6 +46,7 @@ from tests.conftest import TINY
 from tests.parity import build_mesh, tiny_config
 
 TOLERANCE = 0.10
+MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_ffn=48"]
 PIPELINE = ["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=4"]
 SCHEDULES = {
     "1f1b": ["parallel.schedule=1f1b"],
@@ -72,6 +73,8 @@ OTHER_STEPS = {
     "dp2": ["parallel.dp=2", "parallel.microbatches=2"],
     # the distributed optimizer: each replica's AdamW moments are its 1/dp shard
     "dp2-zero1": ["parallel.dp=2", "parallel.microbatches=2", "parallel.zero=1"],
+    # MoE layers every other layer: stacked expert weight grads deferred to W
+    "moe-zb_h2": [*PIPELINE, *SCHEDULES["zb_h2"], *MOE, "model.moe_every=2"],
 }
 # Per-block variants: a different width / length / head count / vocab, every recompute mode,
 # dropout (the CPU's math attention path), bf16 autocast, Llama's RMSNorm, RoPE, SwiGLU, GQA.
@@ -98,6 +101,12 @@ ONE_PROCESS = {
                                "model.n_kv_heads=2", "model.dropout=0.1"],
     "docs-selective": ["data.document_mask=true", "recompute.mode=selective"],
     "docs-llama-gqa": ["data.document_mask=true", "model.arch=llama", "model.n_kv_heads=2"],
+    # mixture of experts (config/memory_moe.py): router, dispatch, experts, combine, shared
+    "moe": [*MOE],
+    "moe-llama-shared-bf16": [*MOE, "model.arch=llama", "model.moe_shared_experts=1",
+                              "train.dtype=bfloat16"],
+    "moe-shared-selective-dropout": [*MOE, "model.moe_shared_experts=2",
+                                     "recompute.mode=selective", "model.dropout=0.1"],
 }  # fmt: skip
 TWO_RANKS = {
     "tp2": ["parallel.tp=2"],
@@ -113,6 +122,11 @@ TWO_RANKS = {
     "cp2-llama-gqa": ["parallel.cp=2", "model.arch=llama", "model.n_kv_heads=2"],
     "cp2-selective-bf16": ["parallel.cp=2", "recompute.mode=selective", "train.dtype=bfloat16"],
     "cp2-docs-llama": ["parallel.cp=2", "data.document_mask=true", "model.arch=llama"],
+    "moe-tp2-sp-shared": [*MOE, "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "model.moe_shared_experts=1"],
+    "moe-tp2-llama-shared": [*MOE, "parallel.tp=2", "model.arch=llama",
+                             "model.moe_shared_experts=1"],
+    "moe-cp2": [*MOE, "parallel.cp=2"],
 }  # fmt: skip
 SCALARS = 16  # bytes the model leaves out of a block: the loss's 0-dim total weight (4 B)
 
@@ -146,9 +160,10 @@ class LiveSaved:
         self.live = {ptr: v for ptr, v in self.live.items() if not v[0].expired()}
         for queue in self.queues:
             for work in queue.values():
-                for x, grad_out in work:
-                    self._add(x)
-                    self._add(grad_out)
+                for item in work:  # (x, grad_out), or a stacked matmul's (name, x, grad_out, n)
+                    for t in item:
+                        if torch.is_tensor(t):
+                            self._add(t)
         for store in getattr(self.runtime, "kv", {}).values():  # parallel/autograd/segment_kv
             for kept in store.layers.values():
                 for segment in kept.values():

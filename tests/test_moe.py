@@ -177,3 +177,49 @@ def test_training_run_logs_moe_metrics(tiny_cfg, tmp_path):
     assert 0 < record["moe_dropped"] < tokens * 2 * 2
     assert 0.5 < record["moe_aux"] < 2  # E·Σ f·P is 1 under even routing
     assert record["moe_z"] > 0 and math.isfinite(record["loss"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flops_count_active_experts_and_the_dry_run_all(tiny_cfg, arch):
+    from megapipe.config.flops import matmul_params
+    from megapipe.train.dry_run import as_json
+
+    overrides = [f"model.arch={arch}", "model.n_layers=4", "model.n_experts=8", "model.top_k=2",
+                 "model.moe_every=2", "model.moe_shared_experts=1", "model.moe_ffn=40"]  # fmt: skip
+    cfg = tiny_cfg(*overrides)
+    model = GPT(cfg.model, seed=1)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    dense = cfg.model.d_model * cfg.model.vocab_size  # the LM head (tied table)
+    for name, n in numel.items():
+        if name.endswith("weight") and ("attn." in name or "fc" in name or "router" in name):
+            dense += n  # attention, dense and shared MLPs, routers
+    experts = sum(n for name, n in numel.items() if ".experts.w_" in name)
+    assert matmul_params(cfg) == dense + experts * 2 // 8  # top_k of E experts' matrices
+    figures = as_json(cfg, "cpu")
+    assert figures["params"] == sum(numel.values())
+    stacked = sum(n for name, n in numel.items() if ".experts." in name)
+    assert figures["moe"]["expert_params"] == stacked
+    assert figures["moe"]["active_params"] == matmul_params(cfg)
+    assert "moe" not in as_json(tiny_cfg(f"model.arch={arch}"), "cpu")
+
+
+def test_checkpoint_resumes_with_logical_expert_names(tiny_cfg, tmp_path):
+    """A run cut at step 2 and resumed trains as the uninterrupted one, bit for bit; the
+    checkpoint holds the stacked experts under their logical names and shapes."""
+    from megapipe.train import checkpoint
+    from megapipe.train.loop import run
+
+    base = ["model.n_experts=4", "model.moe_capacity_factor=1.0", "model.moe_shared_experts=1",
+            "train.steps=4", "checkpoint.interval=2", "log.progress=false"]  # fmt: skip
+
+    def losses(where, *extra):
+        return [r["loss"] for r in run(tiny_cfg(*base, f"run.dir={tmp_path / where}", *extra))]
+
+    full = losses("full")
+    split = losses("split", "train.stop_at_step=2") + losses("split")
+    assert split == full
+    _, model = checkpoint.load_for_inference(str(tmp_path / "split"))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["layers.1.mlp.experts.w_in"] == (4, 128, 32)
+    assert shapes["layers.1.mlp.router.weight"] == (4, 32)
+    assert "layers.1.mlp.shared.fc1.weight" in shapes

@@ -7,20 +7,44 @@ from __future__ import annotations
 
 import functools
 
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, ModelConfig
 from megapipe.plan.seq1f1b import balanced_segments
 
 
-def matmul_params(cfg: Config) -> int:
-    """Parameters that take part in a matmul per token: every layer weight plus the LM head.
+def is_moe_layer(m: ModelConfig, index: int) -> bool:
+    """Layer `index` (0-based) has a mixture-of-experts MLP: layers k-1, 2k-1, ... of
+    k = model.moe_every (models/moe.py)."""
+    return m.n_experts > 0 and (index + 1) % m.moe_every == 0
 
-    Embedding lookups and norm gains cost no matmul FLOPs.
-    """
+
+def expert_ffn(m: ModelConfig, d_ff: int) -> int:
+    """One expert's hidden size: model.moe_ffn, or the dense d_ff."""
+    return m.moe_ffn or d_ff
+
+
+def layer_matmul_params(cfg: Config, index: int) -> int:
+    """The matmul parameters a token meets in layer `index`: attention, and the dense MLP or,
+    in a MoE layer, the router and the active experts (top_k routed + the shared ones), the
+    "active parameters" of Mixtral and DeepSeek's 6N."""
     m, d = cfg.model, cfg.derived
     hd = d.head_dim
     attn = m.d_model * (m.n_heads + 2 * d.n_kv_heads) * hd + m.n_heads * hd * m.d_model
-    mlp = m.d_model * d.d_ff * (3 if m.arch == "llama" else 2)
-    return m.n_layers * (attn + mlp) + m.d_model * m.vocab_size
+    per_ffn = m.d_model * (3 if m.arch == "llama" else 2)
+    if not is_moe_layer(m, index):
+        return attn + per_ffn * d.d_ff
+    active = (m.top_k + m.moe_shared_experts) * expert_ffn(m, d.d_ff)
+    return attn + per_ffn * active + m.d_model * m.n_experts
+
+
+def matmul_params(cfg: Config) -> int:
+    """Parameters that take part in a matmul per token: every layer weight (a MoE layer's
+    active experts only) plus the LM head.
+
+    Embedding lookups and norm gains cost no matmul FLOPs.
+    """
+    m = cfg.model
+    layers = sum(layer_matmul_params(cfg, i) for i in range(m.n_layers))
+    return layers + m.d_model * m.vocab_size
 
 
 def flops_per_token(cfg: Config, attention_window: float | None = None) -> float:
@@ -56,10 +80,11 @@ def block_costs_from_flops(cfg: Config) -> list[float]:
     """
     m = cfg.model
     d, vocab = m.d_model, m.vocab_size
-    layer = 6.0 * (matmul_params(cfg) - d * vocab) / m.n_layers + 12.0 * d * m.seq_len
+    attention = 12.0 * d * m.seq_len
+    layers = [6.0 * layer_matmul_params(cfg, i) + attention for i in range(m.n_layers)]
     embed = 4.0 * d * (2 if m.arch == "gpt2" else 1)  # GPT-2 adds learned positions
     head = 6.0 * d * vocab + 10.0 * vocab + 10.0 * d
-    return [embed] + [layer] * m.n_layers + [head]
+    return [embed, *layers, head]
 
 
 def segment_bounds(cfg: Config) -> list[tuple[int, int]]:

@@ -82,7 +82,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.config.flops import segment_bounds
+from megapipe.config.flops import is_moe_layer, segment_bounds
+from megapipe.config.memory_moe import moe_deferred, moe_terms
 from megapipe.config.schema import Config, RecomputeConfig
 from megapipe.config.states import FLOAT32
 
@@ -185,13 +186,18 @@ def _norm(cfg: Config, tokens: int) -> dict[str, float]:
 
 
 def layer_terms(
-    cfg: Config, mode: str | None = None, device: str = "cuda", segment: int | None = None
+    cfg: Config,
+    mode: str | None = None,
+    device: str = "cuda",
+    segment: int | None = None,
+    index: int | None = None,
 ) -> dict[str, float]:
     """Bytes one transformer layer saves for backward for one microbatch on one rank, by term
     (module docstring). `mode` is the layer's recompute mode (default cfg.recompute.mode;
     recompute.layers leaves later layers at "none"); `device` "cuda" or "cpu" picks the
     kernels (attention_path, dropout masks); `segment`: only Seq1F1B segment i's tokens, whose
-    queries attend over cat(earlier segments' K/V, their own), new tensors the core keeps."""
+    queries attend over cat(earlier segments' K/V, their own), new tensors the core keeps;
+    `index`: the layer's (a MoE layer saves config/memory_moe.py's terms for its MLP)."""
     m, x = cfg.model, rank_dims(cfg, segment)
     mode = mode or cfg.recompute.mode
     segmented = segment is not None and len(segment_bounds(cfg)) > 1
@@ -202,11 +208,24 @@ def layer_terms(
     terms: dict[str, float] = {}
     for name, value in _norm(cfg, x.ns).items():
         terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
-    terms["qkv input"] = terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
+    terms["qkv input"] = x.n * m.d_model * compute_bytes(cfg)
     terms |= _attention_terms(cfg, x, mode, device, store)
-    terms |= _proj_and_mlp_terms(cfg, x)
-    terms |= _dropout_and_cast_terms(cfg, x, device)
+    terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
+    if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
+        terms |= moe_terms(cfg, x.ns, x.n, x.b, compute_bytes(cfg), cfg.parallel.tp)
+    else:
+        terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
+        terms |= _mlp_terms(cfg, x)
+    terms |= _dropout_and_cast_terms(cfg, x, device, _moe(cfg, index))
     return terms
+
+
+def _moe(cfg: Config, index: int | None) -> bool:
+    """Layer `index` is MoE; None: a layer of the model's, MoE when every layer is."""
+    m = cfg.model
+    if index is None:
+        return m.n_experts > 0 and m.moe_every == 1
+    return is_moe_layer(m, index)
 
 
 def _segment_store(cfg: Config, x: RankDims) -> float:
@@ -259,10 +278,10 @@ def _attention_terms(
     return terms
 
 
-def _proj_and_mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
-    """The linear inputs after the attention core (proj, fc2) and the MLP activation's."""
+def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
+    """The dense MLP's activation and fc2's input."""
     c, llama = compute_bytes(cfg), cfg.model.arch == "llama"
-    terms = {"proj input": x.n * x.h * x.hd * c}
+    terms = {}
     if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
         terms["swiglu"] = 3 * x.n * x.ff * c
     else:
@@ -271,7 +290,9 @@ def _proj_and_mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     return terms
 
 
-def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
+def _dropout_and_cast_terms(
+    cfg: Config, x: RankDims, device: str, moe: bool = False
+) -> dict[str, float]:
     """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
     m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
     terms: dict[str, float] = {}
@@ -281,17 +302,26 @@ def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, 
     # autocast's bf16 copies of the linear weights, saved by the linears (bf16 weights: none)
     if c != FLOAT32 and cfg.train.params_dtype == "float32":
         qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
-        terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * x.ff * m.d_model) * c
+        ff = 0 if moe else x.ff  # a MoE layer's: config/memory_moe.py
+        terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * ff * m.d_model) * c
     return terms
 
 
-def layer_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:
+def layer_deferred(
+    cfg: Config, segment: int | None = None, index: int | None = None
+) -> dict[str, float]:
     """Bytes a layer keeps from its B to its W when the schedule splits backward (Zero Bubble,
     Qi et al. 2023 §2; parallel/autograd/weight_grad.py): each linear's input and output grad,
     queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
     recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
     m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
     fc1_out = (2 if m.arch == "llama" else 1) * x.ff
+    if _moe(cfg, index):  # qkv | proj, then the experts' (config/memory_moe.py)
+        attention = {
+            "linear inputs": x.n * (m.d_model + x.h * x.hd) * c,
+            "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + m.d_model) * c,
+        }
+        return attention | moe_deferred(cfg, x.ns, x.n, c, cfg.parallel.tp)
     return {
         "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
         "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + 2 * m.d_model + fc1_out) * c,

@@ -202,7 +202,7 @@ def block_activations(cfg: Config, block: int, device: str, segment: int | None)
     elif role == "head":
         terms = head_terms(cfg, device, segment)
     else:
-        terms = layer_terms(cfg, role, device, segment)
+        terms = layer_terms(cfg, role, device, segment, block - 1)
     return sum(terms.values())
 
 
@@ -228,7 +228,7 @@ def block_deferred(cfg: Config, block: int, segment: int | None = None) -> float
         return 0
     if role == "head":
         return sum(head_deferred(cfg, segment).values())
-    return sum(layer_deferred(cfg, segment).values())
+    return sum(layer_deferred(cfg, segment, block - 1).values())
 
 
 def chunk_deferred(cfg: Config, blocks: range, segment: int | None = None) -> float:

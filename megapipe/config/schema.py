@@ -85,7 +85,8 @@ class ModelConfig:
     moe_ffn: int = bounded(0, low=0, note="0: model.d_ff")  # one expert's hidden size
     moe_every: int = bounded(1, low=1)  # every k-th layer is MoE (layers k-1, 2k-1, ...)
     moe_shared_experts: int = bounded(0, low=0)  # experts every token also goes through
-    # tokens an expert takes, as a multiple of its even share (tokens·top_k/n_experts); 0: dropless
+    # rows an expert takes from each sequence, as a multiple of its even share
+    # (seq_len·top_k/n_experts), the first in token order; 0: dropless
     moe_capacity_factor: float = bounded(0.0, low=0, note="0: dropless")
     moe_aux_coef: float = bounded(0.01, low=0)  # load-balancing loss weight (Switch / GShard)
     moe_z_coef: float = bounded(0.0, low=0)  # router z-loss weight (ST-MoE)

@@ -54,13 +54,13 @@ def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class MainGrads:
-    """One flat float32 buffer holding the `main_grad` of every low-precision trainable
-    parameter of `module`, in reverse registration order (the optimizer's zero_grad clears it:
-    zero_main_grads)."""
+    """One flat float32 buffer holding the `main_grad` of every trainable parameter of a
+    low-precision `module`, in reverse registration order (the optimizer's zero_grad clears it:
+    zero_main_grads); the few kept in float32 (an MoE router, models/moe.py) have one too, so
+    every optimizer and reducer path treats them alike."""
 
     def __init__(self, module: nn.Module) -> None:
         params = [p for p in module.parameters() if p.requires_grad][::-1]
-        params = [p for p in params if p.dtype != torch.float32]
         device = params[0].device if params else torch.device("cpu")
         self.flat = torch.zeros(sum(p.numel() for p in params), device=device)
         offset = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
 from megapipe.config.memory import attention_path
+from megapipe.config.memory_moe import moe_summary
 from megapipe.config.memory_plan import RankMemory
 from megapipe.config.stages import describe_partition, schedule_costs
 from megapipe.config.states import state_layout
@@ -54,7 +55,10 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
         }
         for r in plan.ranks
     ]
-    return {"params": model_params(cfg), "ranks": ranks, "max_peak_bytes": int(plan.max)}
+    out = {"params": model_params(cfg), "ranks": ranks, "max_peak_bytes": int(plan.max)}
+    if cfg.model.n_experts:  # config/memory_moe.moe_summary
+        out["moe"] = moe_summary(cfg)
+    return out
 
 
 def describe(cfg: Config) -> str:
@@ -75,6 +79,14 @@ def describe(cfg: Config) -> str:
         f"(of {len(plan.ranks)} (pp, tp) ranks; dp and cp replicas hold the same)"
     )
     lines += _notes(cfg)
+    if cfg.model.n_experts:
+        moe = moe_summary(cfg)
+        lines.append(
+            f"mixture of experts: {moe['moe_layers']} MoE layers, {moe['expert_params']:,} "
+            f"expert parameters (all held), {moe['active_params']:,} active matmul parameters "
+            f"per token (6N), dispatch buffers ~{_size(moe['dispatch_bytes_per_layer'])} per "
+            "MoE layer per microbatch (in the activations)"
+        )
     lines.append(f"training FLOPs per token: {flops_per_token(cfg):.3e}")
     return "\n".join(lines)
 

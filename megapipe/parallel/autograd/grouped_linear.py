@@ -7,7 +7,7 @@ bias grads now; the stacked weight grad now, or queued on `owner.wgrad_queue` un
 B key (parallel/autograd/weight_grad.py) and done by `owner.deferred_weight_grad` when the W
 action runs. Under bf16 weights the weight grad goes in float32 straight into the parameter's
 `main_grad` (parallel/precision.py), one expert's slice at a time. The groups are a loop of
-matmuls (the CPU has no grouped GEMM kernel; torch's `_grouped_mm` is a CUDA kernel).
+matmuls (torch's private `_grouped_mm` is not used: docs/moe.md, "The layer").
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def _cast(*tensors):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, counts, owner, name):
+    def forward(ctx, x, weight, bias, counts, owner, name, bias_name):
         x, weight, bias = _cast(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.owner, ctx.name, ctx.has_bias = counts, owner, name, bias is not None
+        ctx.bias_name = bias_name
         outs = []
         with torch.autocast(x.device.type, enabled=False):
             for e, xe in enumerate(x.split(counts)):
@@ -45,14 +46,27 @@ class _GroupedLinear(torch.autograd.Function):
         grad_out = grad_out.to(weight.dtype)
         groups = grad_out.split(ctx.counts)
         grad_x = torch.cat([g @ weight[e] for e, g in enumerate(groups)])
-        grad_b = torch.stack([g.sum(0) for g in groups]) if ctx.has_bias else None
         owner = ctx.owner
+        grad_b = _bias_grad(getattr(owner, ctx.bias_name), groups) if ctx.has_bias else None
         key = owner.wgrad_queue.key
         if key is not None:
             owner.wgrad_queue.setdefault(key, []).append((ctx.name, x, grad_out, ctx.counts))
-            return grad_x, None, grad_b, None, None, None
+            return grad_x, None, grad_b, None, None, None, None
         grad_w = stacked_weight_grad(getattr(owner, ctx.name), x, grad_out, ctx.counts)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def _bias_grad(param, groups) -> torch.Tensor | None:
+    """(E, out) grad of a stacked bias, each expert's rows summed in float32: straight into
+    the bias's main grad under bf16 weights (None returned), as parallel/precision.add_bias
+    does for the dense row biases (a bf16 sum would round differently per split of rows)."""
+    grad = torch.stack([g.float().sum(0) for g in groups])
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        return grad.to(param.dtype)
+    main.add_(grad)
+    main_grad_arrived(param)
+    return None
 
 
 def stacked_weight_grad(param, x, grad_out, counts) -> torch.Tensor | None:
@@ -68,6 +82,9 @@ def stacked_weight_grad(param, x, grad_out, counts) -> torch.Tensor | None:
     return torch.stack([g.t() @ xe for g, xe in pairs])
 
 
-def grouped_linear(x, weight, bias, counts: list[int], owner, name: str) -> torch.Tensor:
-    """Rows `x` (N, in) grouped by expert (`counts`), each group times its expert's weight."""
-    return _GroupedLinear.apply(x, weight, bias, tuple(counts), owner, name)
+def grouped_linear(
+    x, weight, bias, counts: list[int], owner, name: str, bias_name: str | None = None
+) -> torch.Tensor:
+    """Rows `x` (N, in) grouped by expert (`counts`), each group times its expert's weight
+    `owner.<name>` plus its bias `owner.<bias_name>`."""
+    return _GroupedLinear.apply(x, weight, bias, tuple(counts), owner, name, bias_name)

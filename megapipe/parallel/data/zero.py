@@ -139,7 +139,8 @@ class ShardedGradReducer(GradReducer):
         pending, out = [], []
         for bucket, slots in zip(self.buckets, self.slots):
             lo, hi = self.shard_range(bucket)
-            kind = dtype or bucket.params[0].dtype
+            # a bucket holding a float32 weight (an MoE router) among bf16 ones goes in float32
+            kind = dtype or max((p.dtype for p in bucket.params), key=lambda d: d.itemsize)
             mine = torch.zeros(hi - lo, dtype=kind, device=bucket.params[0].device)
             for s in slots:
                 src = main[id(s.param)] if main else s.param.view(-1)[s.lo : s.hi]

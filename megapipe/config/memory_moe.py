@@ -1,0 +1,102 @@
+"""Memory arithmetic of a mixture-of-experts layer's MLP (models/moe.py): what it saves for
+backward in place of the dense MLP's terms (config/memory.py), and what a Zero Bubble B keeps
+for W. Pure arithmetic, no torch.
+
+The layer works on the tokens the rank holds (Nₛ: its cp slice, its tp chunk under sequence
+parallelism) with every expert whole (docs/moe.md), so nothing here divides by tp. With
+R = Nₛ·top_k routed rows and f the expert width (dropless; under a capacity factor the terms
+are an upper bound: a dropped row saves nothing):
+
+  router                            Nₛ·d·4 (its float32 input) + 2·Nₛ·E·4 (softmax output,
+                                    logsumexp's input) + Nₛ·4 (the z-loss's lse) + b·E·4 (the
+                                    balance loss's shares, b sequences)
+  top-k                             Nₛ·k·(4 + 8) (probabilities, indices) + Nₛ·4 (their sum)
+  dispatch buffers                  R·d·c (the rows sorted by expert: w_in's input) and the
+                                    token and sort indices 2·R·8
+  expert hidden                     R·f·c (GELU input) + R·f·c (w_out input); SwiGLU
+                                    3·R·f·c + R·f·c
+  combine                           R·d·c (the experts' outputs) + R·c (their gates) + R·d·4
+                                    (gated, in the residual's float32, summed per token)
+  shared experts                    the dense MLP's terms at width S·f/tp (S shared experts)
+                                    (fc1's input is the router's, unless cast or gathered)
+  bf16 weight copies                under float32 weights and bf16 autocast, every expert's
+                                    weights cast (the stacked matmul casts the whole stack)
+"""
+
+from __future__ import annotations
+
+from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
+from megapipe.config.schema import Config
+from megapipe.config.states import FLOAT32
+
+INDEX = 8  # int64 indices
+
+
+def moe_terms(
+    cfg: Config, tokens: int, gathered: int, rows_b: int, c: int, tp: int
+) -> dict[str, float]:
+    """A MoE layer's MLP terms for `tokens` (Nₛ) rows of `rows_b` sequences on this rank;
+    `gathered` (N) rows enter the shared experts' column linear (its SP all-gather), whose
+    width is split over `tp`; `c` the compute dtype's bytes."""
+    m = cfg.model
+    d, e, k = m.d_model, m.n_experts, m.top_k
+    f = expert_ffn(m, cfg.derived.d_ff)
+    rows = tokens * k
+    llama = m.arch == "llama"
+    terms = {
+        "router": (tokens * (d + 2 * e + 1) + rows_b * e) * FLOAT32,
+        "top-k": tokens * k * (FLOAT32 + INDEX) + tokens * FLOAT32,
+        "dispatch buffers": rows * d * c + 2 * rows * INDEX,
+        "expert hidden": rows * f * c * (4 if llama else 2),
+        "combine": rows * d * c + rows * c + rows * d * FLOAT32,
+    }
+    if m.moe_shared_experts:
+        width = m.moe_shared_experts * f // tp
+        # its fc1 input: the router's float32 input itself, unless cast or SP-gathered
+        copied = c != FLOAT32 or gathered != tokens
+        hidden = gathered * width * c * (4 if llama else 2)
+        terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
+    if c != FLOAT32 and cfg.train.params_dtype == "float32":
+        shared = m.moe_shared_experts * f // tp
+        fan = 3 if llama else 2
+        terms["expert bf16 weight copies"] = fan * (e * f + shared) * d * c
+    return terms
+
+
+def moe_deferred(cfg: Config, tokens: int, gathered: int, c: int, tp: int) -> dict[str, float]:
+    """What a MoE layer's MLP keeps from B to W (parallel/autograd/grouped_linear.py): each
+    stacked matmul's input rows and output grads, and the shared experts' linears'."""
+    m = cfg.model
+    d, f = m.d_model, expert_ffn(m, cfg.derived.d_ff)
+    fan = 2 * f if m.arch == "llama" else f
+    rows = tokens * m.top_k
+    terms = {"expert linear inputs, output grads": rows * (d + f + fan + d) * c}
+    if m.moe_shared_experts:
+        width = m.moe_shared_experts * f // tp
+        fan_s = 2 * width if m.arch == "llama" else width
+        terms["shared linear inputs, output grads"] = gathered * (d + width + fan_s + d) * c
+    return terms
+
+
+def moe_summary(cfg: Config) -> dict[str, int]:
+    """The dry run's MoE figures: every expert's parameters (all of them held and stepped),
+    the active matmul parameters a token meets (config/flops.matmul_params, the 6N of the FLOP
+    count) and one MoE layer's dispatch buffers for one microbatch on one rank (the sorted rows
+    and indices, the combined outputs: `moe_terms`' "dispatch buffers" and "combine")."""
+    m, d, p = cfg.model, cfg.derived, cfg.parallel
+    f = expert_ffn(m, d.d_ff)
+    per_expert = m.d_model * f * (3 if m.arch == "llama" else 2)
+    if m.arch == "gpt2":
+        per_expert += f + m.d_model  # the stacked biases
+    layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
+    tokens = d.micro_batch_size * m.seq_len // p.cp
+    if p.sequence_parallel:
+        tokens //= p.tp
+    c = 2 if cfg.train.dtype == "bfloat16" else FLOAT32
+    terms = moe_terms(cfg, tokens, tokens, d.micro_batch_size, c, p.tp)
+    return {
+        "moe_layers": layers,
+        "expert_params": layers * m.n_experts * per_expert,
+        "active_params": matmul_params(cfg),
+        "dispatch_bytes_per_layer": int(terms["dispatch buffers"] + terms["combine"]),
+    }
