@@ -49,6 +49,7 @@ combine are two all-to-alls of the N·k rows (N·k·d·c bytes per rank) over th
 from __future__ import annotations
 
 from megapipe.config import Config
+from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
@@ -56,7 +57,6 @@ from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.runtime import Runtime, resolved
-from models.moe import expert_ffn, is_moe_layer
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
 # megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
