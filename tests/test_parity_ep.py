@@ -6,7 +6,7 @@ grads), cp and zero=1. Experts are gathered over the ep group to compare them wh
 import pytest
 import torch
 
-from tests import test_parity_cp, test_parity_pp
+from tests import test_parity_cp, test_parity_moe, test_parity_pp
 from tests.parity import mesh_params, train_case
 from tests.test_parity_pp import pp
 from tests.test_parity_tp_dp import reference
@@ -73,3 +73,32 @@ def test_expert_parallel_context_trains_like_one_process(gloo_pool, world, dp, t
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(PIPELINE))
 def test_expert_parallel_pipeline_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     test_parity_pp.check_parity(gloo_pool, world, dp, tp, extra)
+
+
+# The MoE suite's check (tests/test_parity_moe.py): also the step's load per expert, drops, aux
+# and z losses equal to one process's, whatever ep; shared experts, full recompute, ZB-V, bf16.
+MOE_EP = {
+    2: [
+        (
+            "dp2-ep2-cap-shared-full",
+            2,
+            1,
+            [*EP2, *CAP, *MB2, "model.moe_shared_experts=1", "recompute.mode=full"],
+        ),  # fmt: skip
+    ],
+    4: [
+        ("dp4-ep4-cap-llama", 4, 1, [*EP4, *CAP, *LLAMA]),
+        ("dp2-ep2-pp2-zb_v-cap", 2, 1, [*EP2, *CAP, *test_parity_moe.pp("zb_v", 2, 2)]),
+    ],
+}
+MOE_EP_BF16 = {2: [("dp2-ep2-bf16-zero1", 2, 1, [*EP2, *test_parity_moe.BF16, *MB2, *ZERO])]}
+
+
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(MOE_EP))
+def test_expert_parallel_figures_match_one_process(gloo_pool, world, dp, tp, extra):
+    test_parity_moe.test_moe_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(MOE_EP_BF16))
+def test_expert_parallel_bf16_weights(gloo_pool, world, dp, tp, extra):
+    test_parity_moe.test_moe_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra)
