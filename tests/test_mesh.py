@@ -122,3 +122,18 @@ def test_expert_groups_of_megatron_layout():
     assert ep_group_ranks(sizes)[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert expert_replica_ranks(sizes)[:2] == [[0, 8], [1, 9]]
     assert str(sizes) == "pp=1 dp=8 cp=1 tp=2 ep=4"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["parallel.dp=4", "parallel.ep=3"], "parallel.ep=3 must divide parallel.dp=4"),
+        (["parallel.dp=4", "parallel.ep=4", "model.n_experts=6"], "n_experts=6 to be a positive"),
+        (["parallel.dp=2", "parallel.ep=2", "model.n_experts=0"], "n_experts=0 to be a positive"),
+        (["parallel.dp=2", "parallel.ep=2", "parallel.zero=2"], "parallel.zero=2"),
+    ],
+)
+def test_expert_parallel_rules_are_one_line(tiny_cfg, overrides, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        tiny_cfg("model.n_experts=4", *overrides)
+    assert "\n" not in str(err.value)
