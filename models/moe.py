@@ -122,13 +122,18 @@ class StatsSink:
     dropped rows, T·aux and Σ z (the losses in the LM loss's summed units, before their coefs)."""
 
     def __init__(self, n_experts: int) -> None:
-        self.total = torch.zeros(n_experts + 3, dtype=torch.float64)
+        self.size = n_experts + 3
+        self.total = None  # on the stats' device: no host sync per microbatch
 
     def add(self, stats: torch.Tensor) -> None:
-        self.total += stats.to(self.total.device, self.total.dtype)
+        if self.total is None:
+            self.total = torch.zeros(self.size, dtype=torch.float64, device=stats.device)
+        self.total += stats
 
     def take(self) -> torch.Tensor:
-        out, self.total = self.total, torch.zeros_like(self.total)
+        """The sums since the last take (zeros when no backward ran)."""
+        out = self.total if self.total is not None else torch.zeros(self.size, dtype=torch.float64)
+        self.total = None
         return out
 
 
