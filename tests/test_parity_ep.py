@@ -89,6 +89,8 @@ MOE_EP = {
     4: [
         ("dp4-ep4-cap-llama", 4, 1, [*EP4, *CAP, *LLAMA]),
         ("dp2-ep2-pp2-zb_v-cap", 2, 1, [*EP2, *CAP, *test_parity_moe.pp("zb_v", 2, 2)]),
+        ("dp2-ep2-pp2-interleaved", 2, 1, [*EP2, *test_parity_moe.pp("interleaved_1f1b", 2, 2)]),
+        ("dp2-ep2-pp2-dualpipe-cap", 2, 1, [*EP2, *CAP, *test_parity_moe.pp("dualpipe", 4, 2)]),
     ],
 }
 MOE_EP_BF16 = {2: [("dp2-ep2-bf16-zero1", 2, 1, [*EP2, *test_parity_moe.BF16, *MB2, *ZERO])]}
