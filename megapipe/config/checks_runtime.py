@@ -58,6 +58,11 @@ def check_expert_parallel(cfg: Config) -> None:
         "expert grads are reduced over the expert replicas only at zero<=1 with a synchronous "
         "schedule; set parallel.zero<=1 and another schedule, or parallel.ep=1",
     )
+    require(
+        not p.post_validation,
+        f"parallel.ep={p.ep} with parallel.post_validation=true is not built (its rollback "
+        "is untested with expert shards); set parallel.post_validation=false or parallel.ep=1",
+    )
 
 
 def check_params_dtype(cfg: Config) -> None:
