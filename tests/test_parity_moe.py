@@ -49,6 +49,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),
         ("cp2-tp2-sp-cap", 1, 2, ["parallel.cp=2", *SP, *CAP, *SHARED]),
         ("dp2-pp2-zb_h1-cap-zero1", 2, 1, [*pp("zb_h1", 2), *CAP, "parallel.zero=1"]),
+        ("dp4-zero2-cap", 4, 1, [*MB2, *CAP, "parallel.zero=2"]),
+        ("dp2-pp2-1f1b-zero3-shared", 2, 1, [*pp("1f1b", 2), *SHARED, "parallel.zero=3"]),
+        ("dp4-zero3-llama", 4, 1, [*LLAMA, *CAP, "parallel.zero=3"]),
     ],
 }
 # bf16: dropless, since a split's bf16 round-off of the hidden states (~2^-8) can flip a token
@@ -149,6 +152,12 @@ def test_moe_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra
 RESHARD = {  # id -> (world, saved under, world, resumed under): MoE with a capacity factor
     "tp2-sp-to-pp2-zb_h1": (2, ["parallel.tp=2", *SP], 2, pp("zb_h1", 2)),
     "dp2-cp2-to-1": (4, ["parallel.dp=2", "parallel.cp=2"], 1, []),
+    "zero1-dp4-to-zero3-dp2": (
+        4,
+        ["parallel.dp=4", "parallel.zero=1"],
+        2,
+        ["parallel.dp=2", "parallel.zero=3"],
+    ),
 }
 
 

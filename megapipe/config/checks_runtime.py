@@ -179,7 +179,3 @@ def check_moe(cfg: Config) -> None:
         f"parallel.seq_segments={p.seq_segments} with model.n_experts>0: the balance loss "
         "and capacity are per whole sequence; set parallel.seq_segments=1",
     )
-    require(
-        p.zero <= 1,
-        f"parallel.zero={p.zero} with model.n_experts>0 is not built yet; set parallel.zero<=1",
-    )

@@ -1,15 +1,16 @@
 """Checkpoint pieces of the distributed optimizer (parallel.zero=1): the same logical names and
 shapes as a zero=0 checkpoint, so either loads into the other.
 
-A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-major,
-that range is at most three rectangles of the local tensor: the tail of a first row, whole rows,
-the head of a last row. Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding
-rows dropped, a replicated kv head written by its first holder), is a block of the logical
-tensor at known offsets, so every rank writes only the moments it steps, as a ShardedTensor over
-the ranks holding this pipeline stage (dp × cp × tp). An ep rank's experts are a slice of the
-logical stacked tensor from its first expert on (parallel/expert/sharding.expert_offset). A
-load asks for the same blocks (train/checkpoint_read.py), from a checkpoint written under any
-mesh and either zero setting.
+A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-
+major, that range is at most three rectangles of a 2-D local tensor: the tail of a first row,
+whole rows, the head of a last row (an N-D one, such as stacked experts, cuts its partial rows
+again). Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding rows dropped, a
+replicated kv head written by its first holder), is a block of the logical tensor at known
+offsets, so every rank writes only the moments it steps, as a ShardedTensor over the ranks
+holding this pipeline stage (dp × cp × tp). An ep rank's experts are a slice of the logical
+stacked tensor from its first expert on (parallel/expert/sharding.expert_offset). A load asks
+for the same blocks (train/checkpoint_read.py), from a checkpoint written under any mesh and
+either zero setting.
 """
 
 from __future__ import annotations
@@ -29,28 +30,33 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def flat_blocks(shape: tuple, lo: int, hi: int) -> list[tuple[list, list, int]]:
-    """The flat range [lo, hi) of a row-major tensor of `shape` as rectangles:
-    (offsets, sizes, start in the range) each, in order: a partial first slice along dim 0
-    (recursively), the whole slices, a partial last slice (stacked experts are 3-D)."""
+    """The flat range [lo, hi) of a row-major tensor of `shape` as boxes, each a contiguous
+    run of the range: (offsets, sizes, start in the range) each, in order. Along the first dim:
+    the tail of a first row, whole rows, the head of a last row; a partial row of an N-D tensor
+    (stacked experts, (E, f, d)) is cut the same way one dim down."""
+    if hi <= lo:
+        return []
     if len(shape) == 1:
-        return [([lo], [hi - lo], 0)] if hi > lo else []
-    inner, rest = math.prod(shape[1:]), list(shape[1:])
+        return [([lo], [hi - lo], 0)]
+    cols = math.prod(shape[1:])
+
+    def part_of_row(at: int, end: int) -> list[tuple[list, list, int]]:
+        row = at // cols
+        inner = flat_blocks(shape[1:], at - row * cols, end - row * cols)
+        return [([row, *o], [1, *z], s + at - lo) for o, z, s in inner]
+
     out, at = [], lo
-
-    def partial(i: int, a: int, b: int) -> None:  # [a, b) inside slice i
-        for offsets, sizes, start in flat_blocks(tuple(rest), a - i * inner, b - i * inner):
-            out.append(([i, *offsets], [1, *sizes], start + a - lo))
-
-    if at % inner and at < hi:
-        end = min(hi, (at // inner + 1) * inner)
-        partial(at // inner, at, end)
+    if at % cols:  # the tail of a first row
+        end = min(hi, (at // cols + 1) * cols)
+        out += part_of_row(at, end)
         at = end
-    whole = hi // inner * inner
+    whole = hi // cols * cols
     if at < whole:
-        out.append(([at // inner] + [0] * len(rest), [(whole - at) // inner, *rest], at - lo))
+        out.append(([at // cols] + [0] * (len(shape) - 1), [(whole - at) // cols, *shape[1:]],
+                    at - lo))  # fmt: skip
         at = whole
-    if at < hi:
-        partial(at // inner, at, hi)
+    if at < hi:  # the head of a last row
+        out += part_of_row(at, hi)
     return out
 
 
