@@ -13,6 +13,7 @@ python -m benchmarks.bench data_index [--docs 1e8 --big-gb 1000 --batch 512 --bl
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 python -m benchmarks.bench precision [--dp 4 --steps 60 --skip-loss --out F.json]
 python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
+python -m benchmarks.bench moe [--layers 2 --d-model 128 --seq-len 64 --batch 8 --ep 2 4]
 python -m benchmarks.bench progress [--layers 4 --d-model 256 --seq-len 128 --steps 8]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
@@ -62,6 +63,10 @@ SUBCOMMANDS = {
     "progress": (
         "bench_progress",
         "each rank's progress record: ns per update, its share of a pp=2 and a dp=2 step",
+    ),
+    "moe": (
+        "bench_moe",
+        "expert parallelism: all-to-all bytes vs the formula, dispatch/combine vs the dense step",
     ),
     "calibrate": ("calibrate", "measure this machine's CPU into a profile (clusters/cpu*.yaml)"),
     "local": ("local_truth", "projected vs measured train.py steps on this machine"),

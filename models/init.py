@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from megapipe.parallel.expert.sharding import expert_slice
 from megapipe.parallel.tensor.layers import sharded_params
 
 RESIDUAL_PROJECTIONS = (
@@ -46,4 +47,5 @@ def logical_init(seed: int, name: str, shape: tuple[int, ...], n_layers: int) ->
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, n_layers: int) -> None:
     for name, param, shape, spec, tp in sharded_params(model):
-        param.copy_(spec.shard(logical_init(seed, name, shape, n_layers), tp))
+        value = spec.shard(logical_init(seed, name, shape, n_layers), tp)
+        param.copy_(expert_slice(value, param))  # ep: this rank's experts

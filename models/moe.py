@@ -34,7 +34,7 @@ from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_we
 from megapipe.parallel.autograd.weight_grad import accumulate
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.dispatch import combine, dispatch
-from megapipe.parallel.expert.sharding import NO_EP, EPInfo
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo, mark_experts
 from megapipe.parallel.tensor.layers import REPLICATED, ShardedModule
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from models.activations import gelu_tanh
@@ -64,13 +64,21 @@ class Experts(ShardedModule):
         self.swiglu = cfg.arch == "llama"
         e, d = cfg.n_experts, cfg.d_model
         fan = 2 * ffn if self.swiglu else ffn
-        self._add_param("w_in", (e, fan, d), REPLICATED, tp)
-        self._add_param("w_out", (e, d, ffn), REPLICATED, tp)
+        self.ep = ep
+        self._add_experts("w_in", (e, fan, d))
+        self._add_experts("w_out", (e, d, ffn))
         self.has_bias = not self.swiglu
         if self.has_bias:
-            self._add_param("in_bias", (e, fan), REPLICATED, tp)
-            self._add_param("out_bias", (e, d), REPLICATED, tp)
-        self.ep = ep
+            self._add_experts("in_bias", (e, fan))
+            self._add_experts("out_bias", (e, d))
+
+    def _add_experts(self, name: str, shape: tuple[int, ...]) -> None:
+        """A stacked expert weight of logical `shape`, holding this ep rank's E/ep experts
+        (parallel/expert/sharding.py), whole on every tp rank."""
+        self._add_param(name, shape, REPLICATED, self.tp)
+        local = (shape[0] // self.ep.size, *shape[1:])
+        self.register_parameter(name, nn.Parameter(torch.empty(local)))
+        mark_experts(self.ep, getattr(self, name))
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows grouped by local expert (`counts`) through their expert's FFN."""

@@ -1,5 +1,7 @@
 """The rank grid as pure functions: coordinates, groups and pp neighbours, no process group."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from megapipe.distributed.mesh import (
     all_meshes,
     check_world_size,
     coords,
+    ep_group_ranks,
+    expert_replica_ranks,
     group_ranks,
     pp_neighbours,
     rank_at,
@@ -86,3 +90,54 @@ def test_dry_run_per_rank_counts_without_process_group():
     assert sum(counts) == whole + 3 * replicated + padded_rows * d
     text = describe(cfg)
     assert "world size 8" in text and "pp=0 tp=3: " in text and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_expert_groups_come_from_dp(world):
+    """ep groups: ep consecutive dp ranks agreeing on pp, cp, tp; expert-replica groups: the
+    ranks of one ep rank (same pp, tp) over every dp block and cp rank; together with the ep
+    groups they tile the dp × cp group of each (pp, tp)."""
+    for base in all_meshes(world):
+        for ep in [e for e in (2, 4) if base.dp % e == 0]:
+            sizes = MeshSizes(base.pp, base.dp, base.cp, base.tp, ep=ep)
+            eps, reps = ep_group_ranks(sizes), expert_replica_ranks(sizes)
+            for groups in (eps, reps):
+                assert sorted(r for g in groups for r in g) == list(range(world))
+            for g in eps:
+                cs = [coords(r, sizes) for r in g]
+                assert [c["dp"] for c in cs] == list(range(cs[0]["dp"], cs[0]["dp"] + ep))
+                assert cs[0]["dp"] % ep == 0
+                assert all((c["pp"], c["cp"], c["tp"]) == (cs[0]["pp"], cs[0]["cp"], cs[0]["tp"])
+                           for c in cs)  # fmt: skip
+            for g in reps:
+                cs = [coords(r, sizes) for r in g]
+                assert len(g) == sizes.dp // ep * sizes.cp
+                assert len({(c["pp"], c["tp"], c["dp"] % ep) for c in cs}) == 1
+            for e, r in itertools.product(eps, reps):
+                assert len(set(e) & set(r)) <= 1  # one rank of each ep group holds those experts
+
+
+def test_expert_groups_of_megatron_layout():
+    sizes = MeshSizes(pp=1, dp=8, cp=1, tp=2, ep=4)
+    assert ep_group_ranks(sizes)[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert expert_replica_ranks(sizes)[:2] == [[0, 8], [1, 9]]
+    assert str(sizes) == "pp=1 dp=8 cp=1 tp=2 ep=4"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["parallel.dp=4", "parallel.ep=3"], "parallel.ep=3 must divide parallel.dp=4"),
+        (["parallel.dp=4", "parallel.ep=4", "model.n_experts=6"], "n_experts=6 to be a positive"),
+        (["parallel.dp=2", "parallel.ep=2", "model.n_experts=0"], "n_experts=0 to be a positive"),
+        (["parallel.dp=2", "parallel.ep=2", "parallel.zero=2"], "parallel.zero=2"),
+        (
+            ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.post_validation=true"],
+            "post_validation=true is not built",
+        ),  # fmt: skip
+    ],
+)
+def test_expert_parallel_rules_are_one_line(tiny_cfg, overrides, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        tiny_cfg("model.n_experts=4", *overrides)
+    assert "\n" not in str(err.value)

@@ -142,7 +142,7 @@ def test_moe_every_and_names():
     [
         ("model.top_k=5", "model.top_k=5 exceeds model.n_experts=4"),
         ("model.moe_every=3", "model.moe_every=3 exceeds model.n_layers=2"),
-        ("parallel.ep=2", "parallel.ep=2 (expert parallelism) is not built yet"),
+        ("parallel.ep=2", "parallel.ep=2 must divide parallel.dp=1"),
         ("parallel.seq_segments=2", "balance loss and capacity are per whole sequence"),
     ],
 )

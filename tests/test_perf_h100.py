@@ -105,7 +105,7 @@ def _llama70b(overrides: list[str]) -> object:
         "train.dtype=bfloat16",
         "train.params_dtype=bfloat16",
     ]
-    return load_config(None, base + overrides, built_only=False)
+    return load_config(None, base + overrides)
 
 
 def test_tp_overlap_hides_what_its_gemm_covers():

@@ -35,7 +35,7 @@ def test_enough_rows_from_enough_code_bases():
 @pytest.mark.parametrize("row", ROWS, ids=[r.label for r in ROWS])
 def test_row_is_a_valid_config_of_the_published_model_and_mesh(row):
     cfg = row_config(row)
-    validate(cfg, built_only=False)
+    validate(cfg)
     p = cfg.parallel
     assert p.tp * p.pp * p.cp * p.dp == row.gpus
     assert p.dp * p.microbatches * row.mbs == row.gbs == cfg.train.global_batch

@@ -3,9 +3,7 @@ issue 33's targets at d = dp·cp = 4 (float32 zero1 10; bf16 zero1 9 = Megatron'
 6, zero3 4.5), and carried into the one memory plan per rank: the grads while activations peak
 (full-size local grads at every level) and while the last backward's reduction runs, zero=3's
 gathered blocks.
-Pure arithmetic: quick tier. The layouts whose runtime is not built yet (bf16, zero 2/3) are
-refused by the config checks, so their configs here are the tiny config with the keys set after
-loading."""
+Pure arithmetic: quick tier."""
 
 from __future__ import annotations
 

@@ -38,7 +38,6 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
-from megapipe.config.checks_runtime import not_built
 from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -85,16 +84,11 @@ def run_project(args: argparse.Namespace, overrides: list[str]) -> int:
     cluster = load_cluster(args.gpu, args.gpus_per_node)
     if args.runtime not in RUNTIMES:
         raise UsageError(f"unknown --runtime {args.runtime!r}: choose one of {', '.join(RUNTIMES)}")
-    # a config whose runtime is still being built (config/checks_runtime.check_not_built) is
-    # priced all the same, as the layout, and said so
-    cfg = load_config(args.config, overrides, built_only=False)
+    cfg = load_config(args.config, overrides)
     began = time.perf_counter()
     proj = project(cfg, cluster, RUNTIMES[args.runtime])
     out = proj.to_dict()
     out["detail"]["projection_s"] = time.perf_counter() - began
-    out["detail"]["not_built"] = not_built(cfg)
-    if out["detail"]["not_built"]:
-        print(f"note: priced, but cannot train yet: {not_built(cfg)}", file=sys.stderr)
     if args.json:
         print(json.dumps(out))
         return 0

@@ -18,8 +18,8 @@ from typing import Any
 
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
+    check_expert_parallel,
     check_moe,
-    check_not_built,
     check_params_dtype,
     check_post_validation,
     check_spikes,
@@ -58,15 +58,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
 """The keys whose value is one of a fixed list (the configuration reference prints them)."""
 
 
-def validate(cfg: Config, built_only: bool = True) -> None:
-    """Every rule below; `built_only=False` (the performance model's projection, which prices a
-    layout before its runtime exists) lets through the keys still being built."""
+def validate(cfg: Config) -> None:
+    """Every rule below."""
     _check_values(cfg)
     _check_dirs(cfg)
     _check_model(cfg)
     check_moe(cfg)
-    if built_only:
-        check_not_built(cfg)
     _check_parallel(cfg)
     check_partition(cfg)
     _check_chunks(cfg)
@@ -164,6 +161,7 @@ def _check_parallel(cfg: Config) -> None:
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
     check_zero(cfg)
     check_tp_overlap(cfg)
+    check_expert_parallel(cfg)
     _require(
         m.n_heads % p.tp == 0,
         f"model.n_heads={m.n_heads} must be divisible by parallel.tp={p.tp}",

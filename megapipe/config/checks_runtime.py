@@ -1,6 +1,6 @@
 """The runtime rules of validation: what the precision, sharding, rollback and spike runtimes
-(parallel/precision.py, parallel/data/zero*.py, post-validation, train/spikes.py) combine with,
-and the keys whose runtime is still being built. config/checks.validate runs them; each raises a
+(parallel/precision.py, parallel/data/zero*.py, post-validation, train/spikes.py) combine with.
+config/checks.validate runs them; each raises a
 one-line `ConfigError` naming the key and the fix.
 """
 
@@ -37,6 +37,34 @@ def check_zero(cfg: Config) -> None:
     )
 
 
+def check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep (parallel/expert/): ranks taken from dp, whole experts per rank."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1:
+        return
+    require(
+        p.dp % p.ep == 0,
+        f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert-parallel ranks are taken "
+        "from the data-parallel group); set parallel.ep to a divisor of parallel.dp",
+    )
+    require(
+        m.n_experts > 0 and m.n_experts % p.ep == 0,
+        f"parallel.ep={p.ep} needs model.n_experts={m.n_experts} to be a positive multiple of "
+        "it (each ep rank holds n_experts/ep whole experts); change either",
+    )
+    require(
+        p.zero <= 1 and not (p.pp > 1 and p.schedule == "pipedream_async"),
+        f"parallel.ep={p.ep} with parallel.zero={p.zero} or parallel.schedule={p.schedule}: "
+        "expert grads are reduced over the expert replicas only at zero<=1 with a synchronous "
+        "schedule; set parallel.zero<=1 and another schedule, or parallel.ep=1",
+    )
+    require(
+        not p.post_validation,
+        f"parallel.ep={p.ep} with parallel.post_validation=true is not built (its rollback "
+        "is untested with expert shards); set parallel.post_validation=false or parallel.ep=1",
+    )
+
+
 def check_params_dtype(cfg: Config) -> None:
     """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
     t, p = cfg.train, cfg.parallel
@@ -65,24 +93,6 @@ def check_tp_overlap(cfg: Config) -> None:
         f"parallel.tp={p.tp} and parallel.sequence_parallel={str(p.sequence_parallel).lower()}"
         ": set parallel.sequence_parallel=true and parallel.tp>1, or parallel.tp_overlap=false",
     )
-
-
-def check_not_built(cfg: Config) -> None:
-    """Keys whose runtime is being built (each refusal goes when its part lands)."""
-    p = cfg.parallel
-    require(
-        p.ep == 1,
-        f"parallel.ep={p.ep} (expert parallelism) is not built yet; set parallel.ep=1",
-    )
-
-
-def not_built(cfg: Config) -> str | None:
-    """Why `cfg` cannot train yet (a key whose runtime is being built), or None."""
-    try:
-        check_not_built(cfg)
-    except ConfigError as e:
-        return str(e)
-    return None
 
 
 def check_post_validation(cfg: Config) -> None:

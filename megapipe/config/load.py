@@ -16,18 +16,15 @@ from megapipe.config.checks import validate
 from megapipe.config.schema import SECTIONS, Config, ConfigError
 
 
-def load_config(
-    path: str | None = None, overrides: list[str] = (), built_only: bool = True
-) -> Config:
-    """YAML file (optional) then overrides `section.key=value`, in order; then validate
-    (`built_only=False`: keys whose runtime is still being built pass, for projections)."""
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (optional) then overrides `section.key=value`, in order; then validate."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)
     cfg = from_dict(raw, source=path or "<defaults>")
     for item in overrides:
         apply_override(cfg, item)
-    validate(cfg, built_only)
+    validate(cfg)
     return cfg
 
 

@@ -4,6 +4,11 @@ The rank grid is a pure function (picotron: `arange(world).view(pp, dp, cp, tp)`
 fastest so a tp group sits on one node (Megatron, Narayanan et al. 2021 §3.3; BLOOM's
 8DP·12PP·4TP). Groups come from torch's DeviceMesh with axes ("pp", "dp", "cp", "tp"). The mesh
 is passed explicitly to whatever communicates; nothing here is a module-level group.
+
+Expert parallelism (docs/moe.md) adds no axis: as in Megatron-Core, its ranks are taken from the
+dp axis. ep consecutive dp ranks (same pp, cp, tp) form an ep group, which exchanges tokens by
+all-to-all; the ranks holding the same experts (same ep rank, every dp block and cp rank: dp/ep ·
+cp of them) form the expert-replica group, over which the expert weights' grads are summed.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ class MeshSizes:
     dp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert-parallel ranks, taken from dp (not an axis of the grid)
 
     @staticmethod
     def of(cfg: Config) -> MeshSizes:
         p = cfg.parallel
-        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -43,7 +49,8 @@ class MeshSizes:
         return self.pp * self.dp * self.cp * self.tp
 
     def __str__(self) -> str:
-        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}{ep}"
 
 
 def rank_grid(pp: int, dp: int, cp: int, tp: int) -> torch.Tensor:
@@ -86,6 +93,24 @@ def group_ranks(sizes: MeshSizes, axes: tuple[str, ...]) -> list[list[int]]:
     return grid.permute(*other, *keep).reshape(-1, n).tolist()
 
 
+def _expert_grid(sizes: MeshSizes) -> torch.Tensor:
+    """Ranks as (pp, dp/ep, ep, cp, tp): the dp axis split into blocks of ep consecutive ranks."""
+    pp, dp, cp, tp = sizes.shape
+    return rank_grid(pp, dp, cp, tp).view(pp, dp // sizes.ep, sizes.ep, cp, tp)
+
+
+def ep_group_ranks(sizes: MeshSizes) -> list[list[int]]:
+    """Every ep group: ep consecutive dp ranks of one (pp, dp block, cp, tp), in ep-rank order."""
+    return _expert_grid(sizes).permute(0, 1, 3, 4, 2).reshape(-1, sizes.ep).tolist()
+
+
+def expert_replica_ranks(sizes: MeshSizes) -> list[list[int]]:
+    """Every expert-replica group: the dp/ep · cp ranks of one (pp, ep rank, tp), which hold the
+    same experts and see different tokens (dp block major, cp minor)."""
+    n = sizes.dp // sizes.ep * sizes.cp
+    return _expert_grid(sizes).permute(0, 2, 4, 1, 3).reshape(-1, n).tolist()
+
+
 def check_world_size(sizes: MeshSizes, world: int) -> None:
     """One-line error when the launched world does not match the mesh (before any collective)."""
     if world != sizes.world:
@@ -120,6 +145,10 @@ class ParallelMesh:
         self.norm_group = self._new_group(("pp", "tp"))  # one copy of every parameter
         # every rank holding this pp stage's parameters: zero=1 checkpoints write shards over it
         self.stage_group = self._new_group(("dp", "cp", "tp"))
+        self.ep_group = self.expert_replica_group = None
+        if sizes.ep > 1:
+            self.ep_group = self._new_group_of(ep_group_ranks(sizes))
+            self.expert_replica_group = self._new_group_of(expert_replica_ranks(sizes))
         self._set_timeouts()
 
     def _set_timeouts(self) -> None:
@@ -132,8 +161,11 @@ class ParallelMesh:
                 set_group_timeout(group, self.timeout)
 
     def _new_group(self, axes: tuple[str, ...]):
+        return self._new_group_of(group_ranks(self.sizes, axes))
+
+    def _new_group_of(self, groups: list[list[int]]):
         mine = None
-        for ranks in group_ranks(self.sizes, axes):  # every rank creates every group, in order
+        for ranks in groups:  # every rank creates every group, in order
             group = dist.new_group(ranks, timeout=self.timeout)
             if self.rank in ranks:
                 mine = group
@@ -161,6 +193,11 @@ class ParallelMesh:
 
     def pp_neighbours(self) -> tuple[int, int]:
         return pp_neighbours(self.rank, self.sizes)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group (its experts: parallel/expert/sharding.py)."""
+        return self.coords["dp"] % self.sizes.ep
 
     def __str__(self) -> str:
         c = " ".join(f"{a}={self.coords[a]}" for a in AXES)

@@ -113,8 +113,8 @@ class Bounds:
     @staticmethod
     def group(c: Candidate) -> tuple:
         """The candidates `coarse` bounds together: one mesh, micro-batch count, sequence
-        parallelism, recompute, Seq1F1B segment count and zero; any schedule and vpp."""
-        return (*Bounds._work(c), c.zero)
+        parallelism, recompute, Seq1F1B segment count, zero and ep; any schedule and vpp."""
+        return (*Bounds._work(c), c.zero, c.ep)
 
     @staticmethod
     def _work(c: Candidate) -> tuple:
@@ -133,7 +133,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, pp, dp, mb, sp, rec, segs, zero = self.group(c)
+        tp, cp, pp, dp, mb, sp, rec, segs, zero, _ = self.group(c)
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)
@@ -187,12 +187,12 @@ class Bounds:
         style = spec.placement if piped else "loop"
         split = piped and spec.split_backward
         cfg = None
-        key = (self._work(c), style, vpp, split, fine)
+        key = (self._work(c), c.ep, style, vpp, split, fine)
         if key not in self._pipes:
             cfg = c.config(self.base, check=False)
             self._pipes[key] = self._pipeline(c, cfg, split, fine)
         ends, chain, acts, spans, firsts = self._pipes[key]
-        skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero)
+        skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero, c.ep)
         if skey not in self._states:
             self._states[skey] = self._state(cfg or c.config(self.base, check=False))
         states, after, opt = self._states[skey]

@@ -13,6 +13,13 @@ tensor of S bytes, with α the per-step latency and β the per-GPU bandwidth of 
     reduce-scatter    (n−1)·α +  (n−1)/n · S/β     (S: the full input)
     all-gather        (n−1)·α +  (n−1)/n · S/β     (S: the full output)
     p2p                      α +          S/β
+    all-to-all        (n−1)·α +  (n−1)/n · S/β     (S: what one rank sends, its own share
+                                                   included; pairwise exchange, as NCCL's
+                                                   send/recv all-to-all)
+
+Expert parallelism's all-to-all (parallel/expert/all_to_all.py) runs inside an ep group: ep
+consecutive dp ranks (distributed/mesh.py), so rank stride tp·cp; with balanced routing each
+rank keeps 1/ep of its rows and sends (ep−1)/ep of them, and receives as many.
 
 Bandwidth of a ring that spans nodes: every GPU of a node runs the same collective at once in
 its own group (all tp ranks reduce their dp groups together, every stage sends its activations
@@ -68,11 +75,33 @@ def groups(shape: tuple[int, int, int, int], axes: tuple[str, ...]) -> list[list
     return [[b + r for r in inside] for b in bases]
 
 
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """Seconds of one all-to-all over `n` ranks on `link`, each rank holding `nbytes` to spread
+    evenly (module doc): it sends and receives (n−1)/n of them."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def ep_groups(shape: tuple[int, int, int, int], ep: int) -> list[list[int]]:
+    """Every ep group: ep consecutive dp ranks of one dp block (distributed/mesh.py)."""
+    stride = strides(shape)["dp"]
+    return [
+        [r + i * stride for i in range(ep)]
+        for members in groups(shape, ("dp",))
+        for r in members[::ep]
+    ]
+
+
 @lru_cache(maxsize=4096)
 def _group_link(shape, axes, gpus_per_node, cluster) -> Link:
+    return _worst_link(groups(shape, axes), gpus_per_node, cluster)
+
+
+def _worst_link(members_of: list[list[int]], gpus_per_node: int, cluster) -> Link:
     nvlink = cluster.nvlink
     worst = None
-    for members in groups(shape, axes):
+    for members in members_of:
         per_node = Counter(r // gpus_per_node for r in members)
         if len(per_node) == 1:
             link = nvlink
@@ -90,6 +119,16 @@ def group_link(cluster: Cluster, shape: tuple[int, int, int, int], axes: tuple[s
     """The link of the slowest group along `axes` (they all run at once and wait for each
     other): NVLink when each group sits in one node, else the network share (module doc)."""
     return _group_link(tuple(shape), tuple(axes), cluster.gpus_per_node, cluster)
+
+
+@lru_cache(maxsize=4096)
+def _ep_link(shape, ep, gpus_per_node, cluster) -> Link:
+    return _worst_link(ep_groups(shape, ep), gpus_per_node, cluster)
+
+
+def ep_link(cluster: Cluster, shape: tuple[int, int, int, int], ep: int) -> Link:
+    """The link of the slowest ep group, by the rule of `group_link`."""
+    return _ep_link(tuple(shape), ep, cluster.gpus_per_node, cluster)
 
 
 @lru_cache(maxsize=4096)

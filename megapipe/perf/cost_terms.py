@@ -79,16 +79,18 @@ class Work:
     compute: float = 0.0
     tp: float = 0.0  # exposed tp/sp collectives
     cp: float = 0.0  # exposed cp ring transfers
+    ep: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.compute + other.compute, self.tp + other.tp, self.cp + other.cp)
+        return Work(self.compute + other.compute, self.tp + other.tp, self.cp + other.cp,
+                    self.ep + other.ep)  # fmt: skip
 
     def __mul__(self, k: float) -> Work:
-        return Work(self.compute * k, self.tp * k, self.cp * k)
+        return Work(self.compute * k, self.tp * k, self.cp * k, self.ep * k)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp
+        return self.compute + self.tp + self.cp + self.ep
 
 
 ZERO = Work()

@@ -41,16 +41,24 @@ all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends 
 block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
 max(0, transfer − block compute) per step is exposed; backward sends K, V and dK, dV, and
 the dK, dV home after the last step.
+
+Mixture of experts (models/moe.py; every model.moe_every-th layer): the MLP GEMMs become the
+router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, whole on every tp
+rank, so N is the tokens the rank holds: N/tp under SP) and the shared experts' tp-split MLP.
+Balanced routing is assumed. Expert parallelism (parallel/expert/all_to_all.py): dispatch and
+combine are two all-to-alls of the N·k rows (N·k·d·c bytes per rank) over the ep group's link
+(comm.all_to_all_time) in F and two more in B (their transposes), not overlapped.
 """
 
 from __future__ import annotations
 
 from megapipe.config import Config
+from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
-from megapipe.perf.comm import group_link, p2p_time, ring_time
+from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.runtime import Runtime, resolved
 from megapipe.perf.tp_overlap import exposed_tp, sm_margin
@@ -75,6 +83,7 @@ class CostModel:
         self.shape = (p.pp, p.dp, p.cp, p.tp)
         self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
         self.cp_link: Link = group_link(cluster, self.shape, ("cp",))
+        self.ep_link: Link = ep_link(cluster, self.shape, p.ep)
         self.c = 2 if cfg.train.dtype == "bfloat16" else 4
         self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
         self.llama = m.arch == "llama"
@@ -126,19 +135,47 @@ class CostModel:
 
     # -- a transformer layer -----------------------------------------------------------------
 
-    def _layer_params(self, x: Shapes) -> float:
-        d = self.cfg.model.d_model
-        return d * (x.h + 2 * x.hkv) * x.hd + x.h * x.hd * d + d * x.ff * (3 if self.llama else 2)
+    def _layer_params(self, x: Shapes, moe: bool = False) -> float:
+        attn = sum(k * n for _, n, k in self.gemm_shapes(x, moe)[:2])  # qkv, proj
+        return attn + self._mlp_params(x, moe)
 
-    def gemm_shapes(self, x: Shapes) -> list[tuple[int, int, int]]:
-        """(m, n, k) of a layer's GEMMs: qkv, the output projection, fc1 (or gate|up), fc2."""
-        d = self.cfg.model.d_model
-        return [
-            (x.n, (x.h + 2 * x.hkv) * x.hd, d),
-            (x.n, d, x.h * x.hd),
-            (x.n, x.ff * (2 if self.llama else 1), d),
-            (x.n, d, x.ff),
-        ]
+    def _mlp_params(self, x: Shapes, moe: bool) -> float:
+        """This rank's MLP weights: the dense MLP's, or its experts', router and shared MLP."""
+        m, d, gates = self.cfg.model, self.cfg.model.d_model, 3 if self.llama else 2
+        if not moe:
+            return d * x.ff * gates
+        ffn = expert_ffn(m, m.d_ff)
+        shared = m.moe_shared_experts * ffn // self.cfg.parallel.tp
+        return (m.n_experts // self.cfg.parallel.ep * ffn + shared) * d * gates + m.n_experts * d
+
+    def gemm_shapes(self, x: Shapes, moe: bool = False) -> list[tuple[int, int, int]]:
+        """(m, n, k) of a layer's GEMMs: qkv, the output projection, fc1 (or gate|up), fc2; a
+        MoE layer's router, experts (the rank's N·k routed rows) and shared experts instead of
+        fc1 and fc2 (module doc)."""
+        d, g = self.cfg.model.d_model, 2 if self.llama else 1
+        attn = [(x.n, (x.h + 2 * x.hkv) * x.hd, d), (x.n, d, x.h * x.hd)]
+        if not moe:
+            return [*attn, (x.n, x.ff * g, d), (x.n, d, x.ff)]
+        m = self.cfg.model
+        ffn, tokens = expert_ffn(m, m.d_ff), self._moe_tokens(x)
+        rows = tokens * m.top_k
+        out = [*attn, (tokens, m.n_experts, d), (rows, ffn * g, d), (rows, d, ffn)]
+        if m.moe_shared_experts:
+            width = m.moe_shared_experts * ffn // self.cfg.parallel.tp
+            out += [(x.n, width * g, d), (x.n, d, width)]
+        return out
+
+    def _moe_tokens(self, x: Shapes) -> int:
+        """The tokens a rank's MoE layer routes: those it holds (N/tp under SP)."""
+        return x.ns if self.cfg.parallel.sequence_parallel else x.n
+
+    def _ep_layer(self, x: Shapes, moe: bool) -> float:
+        """One direction's all-to-alls of a MoE layer: dispatch and combine (module doc)."""
+        ep = self.cfg.parallel.ep
+        if not moe or ep == 1:
+            return 0.0
+        rows = self._moe_tokens(x) * self.cfg.model.top_k
+        return 2 * all_to_all_time(rows * self.cfg.model.d_model * self.c, ep, self.ep_link)
 
     def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
@@ -202,12 +239,12 @@ class CostModel:
         bwd = (cp - 1) * max(0.0, bwd_step - attn_bwd / cp) + step  # dK, dV come home
         return fwd, bwd
 
-    def layer(self, mode: str, segment: int | None = None) -> BlockCosts:
-        key = ("layer", mode, segment)
+    def layer(self, mode: str, segment: int | None = None, moe: bool = False) -> BlockCosts:
+        key = ("layer", mode, segment, moe)
         if key in self._cache:
             return self._cache[key]
         x, dev = shapes(self.cfg, segment), self.dev
-        params = self._layer_params(x)
+        params, ep = self._layer_params(x, moe), self._ep_layer(x, moe)
         attn_f, attn_b = self.attention_seconds(x)
         cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
         elem = self._elementwise(x)
@@ -215,11 +252,15 @@ class CostModel:
         act = None if self.llama or not self.host else self.host.gelu(x.n * x.ff, self.c)
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
-        gemms = self.gemm_shapes(x)
+        gemms = self.gemm_shapes(x, moe)
         fprop = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
         dgrad = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
         wgrad = [dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms]
-        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, fprop, dgrad, wgrad)
+        # under tp overlap a MoE layer's MLP collectives are priced beside its routed experts'
+        # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
+        mlp = slice(3, 5) if moe else slice(2, 4)
+        order = [(s[0], s[1], *s[mlp]) for s in (fprop, dgrad, wgrad)]
+        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, *order)
         f = Work(
             compute=sum(fprop)
             + margin_f
@@ -228,11 +269,13 @@ class CostModel:
             + act_f,
             tp=tp,
             cp=cp_f,
+            ep=ep,
         )
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
             tp=tp_b,
             cp=cp_b,
+            ep=ep,
         )
         w = Work(compute=sum(wgrad) + margin_w + dev.mem(params * self.rt.grad_accum_bytes))
         f, b = self._skewed(f), self._skewed(b)
@@ -385,7 +428,8 @@ class CostModel:
             return self.embedding(segment)
         if index == n_layers + 1:
             return self.head(segment)
-        return self.layer(layer_mode(self.cfg.recompute, index - 1), segment)
+        moe = is_moe_layer(self.cfg.model, index - 1)
+        return self.layer(layer_mode(self.cfg.recompute, index - 1), segment, moe)
 
     def stage(self, blocks: range, segment: int | None = None) -> BlockCosts:
         """Sum over a chunk's blocks."""

@@ -58,7 +58,7 @@ class HostOverheads:
         without waits for no one."""
         if not self.collective_skew or not work.tp:  # tp = 1: no collective
             return work
-        return Work(work.compute, work.tp + self.collective_skew * work.compute, work.cp)
+        return Work(work.compute, work.tp + self.collective_skew * work.compute, work.cp, work.ep)
 
     def gelu(self, elements: int, c: int) -> tuple[float, float, float] | None:
         """(bytes the byte model counts for GPT-2's GeLU over `elements` of `c` bytes, forward

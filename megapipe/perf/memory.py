@@ -52,8 +52,8 @@ class BoundedCache:
 
 @dataclass(frozen=True)
 class ChunkKey:
-    """What a chunk's parameter count reads: the model, tp and sp, its tp rank, and its shape
-    (holds the embedding, how many layers, holds the head; layers are all alike)."""
+    """What a chunk's parameter count reads: the model, tp and sp, its tp rank, its shape
+    (holds the embedding, how many layers, holds the head; layers are all alike), and ep."""
 
     model: tuple
     tp: int
@@ -62,6 +62,7 @@ class ChunkKey:
     embed: bool
     layers: int
     head: bool
+    ep: int = 1  # a MoE layer's experts held: E/ep
 
     @staticmethod
     def of(cfg: Config, blocks: range, tp_rank: int) -> ChunkKey:
@@ -69,7 +70,7 @@ class ChunkKey:
         embed, head = 0 in blocks, head_block in blocks
         layers = len(blocks) - embed - head
         model = dataclasses.astuple(cfg.model)
-        return ChunkKey(model, p.tp, p.sequence_parallel, tp_rank, embed, layers, head)
+        return ChunkKey(model, p.tp, p.sequence_parallel, tp_rank, embed, layers, head, p.ep)
 
 
 _COUNTS = BoundedCache(4096)

@@ -252,6 +252,7 @@ def _breakdown(cfg, dag: Dag, timing: Timing, busiest: int, parts: Work, dp_end:
         "compute_s": parts.compute,
         "tp_comm_s": parts.tp,
         "cp_comm_s": parts.cp,
+        "ep_comm_s": parts.ep,
         "pipeline_bubble_p2p_s": timing.makespan - timing.busy[busiest],
         "dp_comm_s": dp_end - timing.makespan,
         "optimizer_s": opt_time,

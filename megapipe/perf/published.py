@@ -124,8 +124,7 @@ def load_all(names: list[str] = H100_SOURCES) -> list[Row]:
 
 
 def row_config(row: Row) -> Config:
-    """The megapipe config of one row (module docstring), validated with built_only=False (the
-    keys still being built, such as bf16 weights under ZeRO-3, pass: it is priced, not run)."""
+    """The megapipe config of one row (module docstring), validated as train.py would."""
     if row.precision not in DTYPES:
         raise ValueError(f"{row.source}: {row.label} has precision {row.precision}; only bf16")
     schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
@@ -159,7 +158,7 @@ def row_config(row: Row) -> Config:
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
         f"recompute.mode={row.recompute}",
     ]
-    return load_config(None, overrides, built_only=False)
+    return load_config(None, overrides)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ SEARCHED = {
     "parallel.zero": 0,
     "parallel.seq_segments": 1,
     "parallel.zb_memory": "1p",
+    "parallel.ep": 1,
     "recompute.mode": "none",
 }
 
@@ -386,6 +387,8 @@ def describe(c: Candidate) -> str:
         parts += [f"vpp={c.vpp}", f"schedule={c.schedule_label.replace(' ', ':')}"]
     parts += [f"microbatches={c.microbatches}", f"recompute={c.recompute}",
               f"sp={int(c.sequence_parallel)}", f"zero={c.zero}"]  # fmt: skip
+    if c.ep > 1:
+        parts.append(f"ep={c.ep}")
     return " ".join(parts)
 
 

@@ -6,7 +6,8 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
 selective / full (recompute.layers as the config has it), sequence parallelism on or off under
-tp > 1, zero 0 or 1 under dp·cp > 1, and under pp > 1 every registered schedule
+tp > 1, zero 0 or 1 under dp·cp > 1, for a mixture of experts every ep dividing both dp and
+model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
 (plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to VPP_MAX and
 pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
 the defaults of any other option. Left out: pipedream_async (its asynchronous updates do not
@@ -59,6 +60,7 @@ class Candidate:
     recompute: str
     seq_segments: int = 1
     zb_memory: str = "1p"
+    ep: int = 1
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -75,6 +77,7 @@ class Candidate:
             zero=self.zero,
             seq_segments=self.seq_segments,
             zb_memory=self.zb_memory,
+            ep=self.ep,
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
         cfg = dataclasses.replace(base, parallel=par, recompute=rec)
@@ -159,14 +162,17 @@ def candidates(
                 recs = ("none", "selective", "full")
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = (0, 1) if dp * cp > 1 else (0,)
-                for mb, rec, sp, zero in itertools.product(
+                eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
+                for mb, rec, sp, zero, ep in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
                     _pick(f, "recompute.mode", recs),
                     _pick(f, "parallel.sequence_parallel", sps),
                     _pick(f, "parallel.zero", zeros),
+                    _pick(f, "parallel.ep", eps),
                 ):
                     for name, vpp, k, mem in shapes:
-                        out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec, k, mem))
+                        out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec,
+                                             k, mem, ep))  # fmt: skip
     return out
 
 

@@ -61,7 +61,9 @@ class Pipeline:
         """pp × tp holds one copy of every parameter; under zero=1 each dp × cp replica holds
         its own shard of the summed grads (zeros elsewhere), so the norm spans every rank."""
         sharded = self.cfg.parallel.zero and any(self.reducers)
-        return self.mesh.world_group if sharded else self.mesh.norm_group
+        # ep > 1: ep ranks hold different experts, so the norm spans every rank too
+        world = sharded or self.cfg.parallel.ep > 1
+        return self.mesh.world_group if world else self.mesh.norm_group
 
     @property
     def device(self) -> torch.device:
@@ -115,7 +117,13 @@ class Pipeline:
         """Each logical grad once over pp × tp: the last stage's tied copy is left out, and
         DualPipe's up copies (dual.py)."""
         chunks = counted_chunks(self.chunks, self.runtime.placement)
-        return [g for c in chunks for g in grads_counted_once(c, c.tied_copy_names())]
+        keep = {id(c): r.counts if r is not None else None
+                for c, r in zip(self.chunks, self.reducers)}  # fmt: skip
+        if not (self.cfg.parallel.zero or self.cfg.parallel.ep > 1):
+            keep = {}  # the norm spans pp × tp: every replica counts
+        return [
+            g for c in chunks for g in grads_counted_once(c, c.tied_copy_names(), keep.get(id(c)))
+        ]
 
     def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss summed on the last stage, on every pp rank (the others add 0)."""
@@ -165,8 +173,11 @@ def build_pipeline(
     place = placement(p.schedule, p.pp, p.vpp)
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)
+    experts = mesh.expert_replica_group  # parallel.ep > 1: the expert weights' replicas
     reducers = [
-        make_reducer(c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c))
+        make_reducer(
+            c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c), experts
+        )
         if p.dp * p.cp > 1
         else None
         for c in chunks

@@ -23,6 +23,7 @@ from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import Block
+from megapipe.parallel.expert.sharding import ep_info
 from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
@@ -57,7 +58,13 @@ def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
     p = cfg.parallel
     tp = tp_info(mesh, p.sequence_parallel, cfg.train.seed, p.tp_overlap)
     model = GPT(
-        cfg.model, blocks, seed=cfg.train.seed, tp=tp, recompute=cfg.recompute, cp=cp_info(mesh)
+        cfg.model,
+        blocks,
+        seed=cfg.train.seed,
+        tp=tp,
+        recompute=cfg.recompute,
+        cp=cp_info(mesh),
+        ep=ep_info(mesh),
     )
     set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     return hold_params(model.to(device), cfg.train.params_dtype)

@@ -113,7 +113,9 @@ def replica(
         return Replica(cfg, model)
     if mesh.size("dp") * mesh.size("cp") == 1:
         return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
-    zero = cfg.parallel.zero
-    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero, None, weight_blocks(model))
-    norm_group = mesh.world_group if zero else mesh.norm_group
+    zero, blocks = cfg.parallel.zero, weight_blocks(model)
+    experts = mesh.expert_replica_group  # parallel.ep > 1: expert weights' grads summed there
+    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero, None, blocks, experts)
+    # zero=1 shards, and ep ranks hold different experts: the norm spans every rank
+    norm_group = mesh.world_group if zero or experts is not None else mesh.norm_group
     return Replica(cfg, model, reducer, norm_group, mesh.progress)

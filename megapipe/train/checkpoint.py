@@ -47,6 +47,7 @@ from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.parallel.data.levels import full_weights
 from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo, expert_ep
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.train.checkpoint_faults import (
@@ -106,6 +107,7 @@ class Entry(NamedTuple):
     spec: ShardSpec
     tp: TPInfo
     copy: bool  # the last pipeline stage's copy of the tied embedding: restored, not written
+    ep: EPInfo = NO_EP  # an expert weight's (or its moments'): this ep rank's experts only
 
 
 def _chunks(model: nn.Module) -> list[nn.Module]:
@@ -123,15 +125,16 @@ def training_entries(model: nn.Module, optimizer, mains: dict | None = None) -> 
     for chunk in _chunks(model):
         copies = chunk.tied_copy_names()
         for name, param, shape, spec, tp in sharded_params(chunk):
-            copy = name in copies
+            copy, ep = name in copies, expert_ep(param)
             weight = (mains or {}).get(id(param), param.data)
-            out.append(Entry(f"model.{name}", weight, shape, spec, tp, copy))
+            out.append(Entry(f"model.{name}", weight, shape, spec, tp, copy, ep))
             if optimizer is None:
                 continue
             for key, value in _ensure_optim_state(param, optimizer).items():
                 sharded = value.shape == param.shape
                 out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
-                                 spec if sharded else ShardSpec(), tp, copy))  # fmt: skip
+                                 spec if sharded else ShardSpec(), tp, copy,
+                                 ep if sharded else NO_EP))  # fmt: skip
     return out
 
 
@@ -143,7 +146,12 @@ def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def _sharded(e: Entry):
     """A ShardedTensor of the logical shape holding this rank's pieces of `e`. Built over the
-    tp group: the metadata exchange is a collective, and pp ranks hold different keys."""
+    tp group: the metadata exchange is a collective, and pp ranks hold different keys. An
+    expert weight: this ep rank's experts, over the ep group (whole on every tp rank: DCP keeps
+    one copy of each chunk)."""
+    if e.ep.size > 1:
+        at = [e.ep.rank * e.local.shape[0]] + [0] * (len(e.shape) - 1)
+        return sharded_tensor([(at, e.local)], e.shape, e.ep.group)
     blocks = []
     for piece in e.spec.pieces(e.tp.size, e.tp.rank):
         if not (piece.owner and piece.length):
@@ -158,16 +166,20 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
     ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written.
+    Expert weights sharded by parallel.ep are written by the ep ranks of dp block 0, cp rank 0.
     Under zero=1 every replica writes the optimizer moments of its own shard."""
     if not distributed():
         return training_tensors(model, optimizer)
-    c = coords(rank(), MeshSizes.of(cfg))
+    c, sizes = coords(rank(), MeshSizes.of(cfg)), MeshSizes.of(cfg)
     writer = not (c["dp"] or c["cp"])  # else a replica of what dp/cp rank 0 writes
+    experts = c["dp"] < sizes.ep and not c["cp"]  # an ep rank of the first dp block
     zero = isinstance(optimizer, ShardedOptimizer)
     state, mains = {}, main_weights(optimizer)  # a collective under zero=1: every rank
-    for e in training_entries(model, None if zero else optimizer, mains) if writer else ():
-        if not e.copy:
-            state[e.key] = e.local if e.spec.dim is None or e.tp.size == 1 else _sharded(e)
+    for e in training_entries(model, None if zero else optimizer, mains) if experts else ():
+        if e.copy or not (experts if e.ep.size > 1 else writer):
+            continue
+        whole = e.ep.size == 1 and (e.spec.dim is None or e.tp.size == 1)
+        state[e.key] = e.local if whole else _sharded(e)
     if zero:
         state.update(optimizer_state(_chunks(model), optimizer, writer))
     return state

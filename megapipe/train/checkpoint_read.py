@@ -30,6 +30,7 @@ from torch.futures import Future
 from megapipe._torch_compat import narrow_to_block
 from megapipe.distributed.launch import distributed, rank
 from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.train.checkpoint_faults import first_failure
@@ -41,9 +42,12 @@ from megapipe.train.rng import set_rng_states
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
 
 
-def tp_blocks(local: torch.Tensor, shape: tuple, spec: ShardSpec, tp: TPInfo) -> list:
+def tp_blocks(local: torch.Tensor, shape: tuple, spec: ShardSpec, tp: TPInfo, first=0) -> list:
     """The logical blocks a tp rank's local tensor holds (padding rows excluded, replicated
-    pieces included: every holder needs them)."""
+    pieces included: every holder needs them); `first`: the logical index of its dim 0 (an ep
+    rank's first expert: experts are whole on every tp rank)."""
+    if first:
+        return [([first] + [0] * (len(shape) - 1), local)]
     if spec.dim is None or tp.size == 1:
         return [([0] * len(shape), local)]
     out = []
@@ -92,8 +96,8 @@ def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
     zero = isinstance(optimizer, ShardedOptimizer)
     for chunk in chunks:
         for name, param, shape, spec, tp in sharded_params(chunk):
-            weight = mains.get(id(param), param.data)
-            t.add(f"model.{name}", tp_blocks(weight, shape, spec, tp))
+            weight, first = mains.get(id(param), param.data), expert_offset(param)
+            t.add(f"model.{name}", tp_blocks(weight, shape, spec, tp, first))
             if optimizer is None:
                 continue
             if zero:
@@ -101,7 +105,7 @@ def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
                 continue
             for key, value in ensure_state(param).items():
                 if value.shape == param.shape:
-                    t.add(f"optim.{name}.{key}", tp_blocks(value, shape, spec, tp))
+                    t.add(f"optim.{name}.{key}", tp_blocks(value, shape, spec, tp, first))
                 else:
                     t.scalar(f"optim.{name}.{key}", value)
     return t
@@ -118,7 +122,9 @@ def _zero_state(t: Targets, name, param, shape, spec, tp, optimizer: ShardedOpti
         local = tuple(param.shape)
         t.add(
             f"optim.{name}.{key}",
-            logical_pieces(state[key], local, slot.lo, slot.hi, spec, tp, every_holder=True),
+            logical_pieces(
+                state[key], local, slot.lo, slot.hi, spec, tp, True, expert_offset(param)
+            ),
         )
 
 

@@ -7,8 +7,10 @@ whole rows, the head of a last row (an N-D one, such as stacked experts, cuts it
 again). Each rectangle, cut by the tp pieces this rank owns (ShardSpec: padding rows dropped, a
 replicated kv head written by its first holder), is a block of the logical tensor at known
 offsets, so every rank writes only the moments it steps, as a ShardedTensor over the ranks
-holding this pipeline stage (dp × cp × tp). A load asks for the same blocks
-(train/checkpoint_read.py), from a checkpoint written under any mesh and either zero setting.
+holding this pipeline stage (dp × cp × tp). An ep rank's experts are a slice of the logical
+stacked tensor from its first expert on (parallel/expert/sharding.expert_offset). A load asks
+for the same blocks (train/checkpoint_read.py), from a checkpoint written under any mesh and
+either zero setting.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from megapipe._torch_compat import sharded_tensor
 from megapipe.parallel.data.zero import ShardedOptimizer
+from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 
@@ -65,13 +68,16 @@ def logical_pieces(
     spec: ShardSpec,
     tp: TPInfo,
     every_holder: bool = False,
+    first: int = 0,
 ) -> list[tuple[list, torch.Tensor]]:
     """(logical offsets, block: a view of `data`) for the elements [lo, hi) of a local tensor
     of `shape` whose values are `data` (1-D, hi − lo long): the blocks this rank writes (tp
-    replicas and replicated kv heads once), or with `every_holder` all it holds (to read)."""
+    replicas and replicated kv heads once), or with `every_holder` all it holds (to read).
+    `first`: the logical index of the local tensor's dim 0 (an ep rank's first expert)."""
     out = []
     for offsets, sizes, start in flat_blocks(shape, lo, hi):
         block = data[start : start + math.prod(sizes)].view(sizes)
+        offsets = [offsets[0] + first, *offsets[1:]]
         if spec.dim is None or tp.size == 1:
             if spec.dim is None and tp.rank and not every_holder:  # tp replicas: rank 0
                 continue
@@ -114,7 +120,10 @@ def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer
             pieces = []
             if owned is not None:
                 slot, st = owned
-                pieces = logical_pieces(st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp)
+                pieces = logical_pieces(
+                    st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp,
+                    first=expert_offset(param),
+                )  # fmt: skip
             state[f"optim.{name}.{key}"] = sharded_tensor(pieces, shape, optimizer.stage_group)
         if writer:
             state[f"optim.{name}.step"] = optimizer.step_count()

@@ -73,7 +73,8 @@ def describe(cfg: Config) -> str:
     p, d = cfg.parallel, cfg.derived
     lines = [
         f"mesh: pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp} (world size {d.world_size}; "
-        "rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank)",
+        "rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank)"
+        + (f"; ep={p.ep}: ep consecutive dp ranks exchange tokens" if p.ep > 1 else ""),
         f"schedule: {p.schedule}, vpp={p.vpp}, microbatches={p.microbatches}, "
         f"micro_batch_size={d.micro_batch_size}, sequence_parallel={p.sequence_parallel}",
     ]
@@ -91,7 +92,8 @@ def describe(cfg: Config) -> str:
         moe = moe_summary(cfg)
         lines.append(
             f"mixture of experts: {moe['moe_layers']} MoE layers, {moe['expert_params']:,} "
-            f"expert parameters (all held), {moe['active_params']:,} active matmul parameters "
+            f"expert parameters ({'all' if p.ep == 1 else f'1/{p.ep}'} held per rank), "
+            f"{moe['active_params']:,} active matmul parameters "
             f"per token (6N), dispatch buffers ~{_size(moe['dispatch_bytes_per_layer'])} per "
             "MoE layer per microbatch (in the activations)"
         )

@@ -13,6 +13,7 @@ from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
 from megapipe.config.stages import rank_blocks
+from megapipe.parallel.expert.sharding import EPInfo
 from megapipe.parallel.tensor.sharding import TPInfo
 from models.gpt import GPT
 
@@ -23,10 +24,13 @@ def memory_plan(cfg: Config, device: str = "cuda", timeline: Timeline | None = N
 
 
 def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:
-    """The meta-device chunk holding `blocks` on `tp_rank`."""
-    tp = TPInfo(cfg.parallel.tp, tp_rank, None, cfg.parallel.sequence_parallel)
+    """The meta-device chunk holding `blocks` on `tp_rank` (its E/ep experts under parallel.ep:
+    every ep rank holds as many)."""
+    p = cfg.parallel
+    tp = TPInfo(p.tp, tp_rank, None, p.sequence_parallel)
+    ep = EPInfo(p.ep, 0, None)
     with torch.device("meta"):
-        return GPT(cfg.model, blocks=blocks, seed=cfg.train.seed, tp=tp, init=False)
+        return GPT(cfg.model, blocks=blocks, seed=cfg.train.seed, tp=tp, init=False, ep=ep)
 
 
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:

@@ -66,7 +66,11 @@ class Replica:
         return None  # the tied table is one parameter here
 
     def grads_counted_once(self) -> list[torch.Tensor]:
-        return grads_counted_once(self.model)
+        """Each logical grad once over `norm_group`: over every rank (zero=1, or ep > 1), the
+        replicas the reducer names (GradReducer.counts)."""
+        p = self.cfg.parallel
+        keep = self.reducer.counts if self.reducer and (p.zero or p.ep > 1) else None
+        return grads_counted_once(self.model, keep=keep)
 
     def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss

@@ -29,16 +29,19 @@ def make_reducer(
     zero: int,
     shared: nn.Parameter | None = None,
     blocks: tuple[Block, ...] = (),
+    expert_group=None,
 ) -> GradReducer:
     """The dp × cp gradient reducer of `model` at ZeRO level `zero`: `shared` (a pipeline
     stage's copy of the tied table, summed with another stage's after the reduction) gets a
     bucket of its own so both copies shard alike (zero=0: so that the sum's new grad leaves no
     other grad viewing the old one's flat buffer); `blocks` (the model's units of weight use,
-    in forward order) are where the weight gathers wait (1, 2) or gather and free (3)."""
+    in forward order) are where the weight gathers wait (1, 2) or gather and free (3);
+    `expert_group` (parallel.ep > 1) is where the expert weights' buckets are summed."""
     own = (shared,) if shared is not None else ()
     if not zero:  # own bucket: the tied sum's new grad frees the old one's whole flat buffer
-        return GradReducer(model, group, bucket_mb, own_bucket=own)
-    return REDUCERS[zero](model, group, bucket_mb, own_bucket=own, blocks=tuple(blocks))
+        return GradReducer(model, group, bucket_mb, own_bucket=own, expert_group=expert_group)
+    kind = REDUCERS[zero]
+    return kind(model, group, bucket_mb, own, blocks=tuple(blocks), expert_group=expert_group)
 
 
 def sharded_optimizer(reducers: list, groups: list[dict], make, stage_group=None):

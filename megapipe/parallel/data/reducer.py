@@ -7,6 +7,10 @@ bucket (and every bucket before it, so all ranks launch in one order) starts an 
 all-reduce, overlapping communication with the rest of backward. Earlier microbatches run under
 `no_sync()`: their grads just accumulate. `finish()` waits and writes the sums back.
 Grads are summed, not averaged: the loss is already divided by the global token count.
+Expert parallelism (parallel/expert/): a parameter marked as an expert weight holds this ep
+rank's experts only, the same on the dp/ep · cp ranks of its expert-replica group and different
+on the others; its buckets are summed over `expert_group` (Megatron-Core's expert data-parallel
+group), the dense ones over `group` as before. Buckets never mix the two.
 Under bf16 params (parallel/precision.py) a bucket's float32 main grads are one contiguous span
 of the module's main-grad buffer, all-reduced in place (Megatron-Core's grad buffer): no copy
 in or out, and arrivals are counted by the main grads' own hooks.
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.expert.sharding import is_expert
 from megapipe.parallel.precision import grad_of, main_grad_span, set_grad
 
 DEFAULT_BUCKET_MB = 25.0
@@ -35,6 +40,7 @@ class Bucket:
     work: object = None
     launched_in_backward: bool = False
     shard: torch.Tensor | None = None  # zero=1: this rank's reduce-scattered part
+    experts: bool = False  # expert weights: summed over the expert-replica group
 
     @property
     def ready(self) -> bool:
@@ -54,12 +60,15 @@ class GradReducer:
     bucket_mb: float = DEFAULT_BUCKET_MB
     own_bucket: tuple = ()  # parameters that get a bucket of their own
     buckets: list[Bucket] = field(default_factory=list)
+    expert_group: object = None  # parallel.ep > 1: the expert weights' replicas
 
     def __post_init__(self) -> None:
         self.syncing, self.next_launch = True, 0
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
         alone = {id(p) for p in self.own_bucket}
-        self.buckets = [Bucket(b) for b in pack(params, self.bucket_mb * 2**20, alone)]
+        kind = is_expert if self.expert_group is not None else None
+        packed = pack(params, self.bucket_mb * 2**20, alone, kind)
+        self.buckets = [Bucket(b, experts=bool(kind and kind(b[0]))) for b in packed]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.hooks = [self._hook(p) for p in params]
 
@@ -94,9 +103,18 @@ class GradReducer:
                      for p in bucket.params]  # fmt: skip
             bucket.flat = torch.cat([g.detach().float().flatten() for g in grads])
         C.count("all_reduce", bucket.flat)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group_of(bucket), async_op=True)
         bucket.launched_in_backward = in_backward
         self.next_launch += 1
+
+    def group_of(self, bucket: Bucket):
+        """The ranks `bucket` is summed over: the expert replicas or every dp × cp replica."""
+        return self.expert_group if bucket.experts else self.group
+
+    def counts(self, param: nn.Parameter) -> bool:
+        """This rank counts `param`'s summed grad in a grad norm taken over every rank: the
+        grad is whole on each replica of its group, so the group's first rank counts it."""
+        return dist.get_rank(self.group_of(self.bucket_of[id(param)])) == 0
 
     def finish(self) -> None:
         """Launch what backward did not (unused params), wait, and write the sums back."""
@@ -119,11 +137,15 @@ class GradReducer:
             set_grad(p, chunk.view_as(p))
 
 
-def pack(params: list[nn.Parameter], limit_bytes: float, alone: set[int]) -> list[list]:
+def pack(params: list[nn.Parameter], limit_bytes: float, alone: set[int], kind=None) -> list:
     """Consecutive float32 buckets of about `limit_bytes`; a parameter in `alone` (by id) gets
-    a bucket of its own, so its place in the flat index space is the same on every rank."""
+    a bucket of its own, so its place in the flat index space is the same on every rank; where
+    `kind(p)` changes (expert or dense weights) a new bucket starts."""
     out, current, size = [], [], 0
     for p in params:
+        if current and kind is not None and kind(p) != kind(current[-1]):
+            out.append(current)
+            current, size = [], 0
         if id(p) in alone:
             out += [current, [p]] if current else [[p]]
             current, size = [], 0

@@ -73,12 +73,20 @@ class ShardedGradReducer(GradReducer):
         super().__post_init__()
         self.size = dist.get_world_size(self.group)
         self.index = dist.get_rank(self.group)
+        if self.expert_group is not None:  # expert buckets shard over the expert replicas
+            self.expert_size = dist.get_world_size(self.expert_group)
+            self.expert_index = dist.get_rank(self.expert_group)
         self.slots = [self._slots(b) for b in self.buckets]
+
+    def size_of(self, bucket: Bucket) -> int:
+        """The ranks sharing `bucket`'s shards (its group's size)."""
+        return self.expert_size if bucket.experts else self.size
 
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """This rank's [lo, hi) of the bucket's padded flat index space."""
-        per = -(-bucket.numel // self.size)
-        return self.index * per, (self.index + 1) * per
+        index = self.expert_index if bucket.experts else self.index
+        per = -(-bucket.numel // self.size_of(bucket))
+        return index * per, (index + 1) * per
 
     def _slots(self, bucket: Bucket) -> list[Slot]:
         lo, hi = self.shard_range(bucket)
@@ -90,6 +98,10 @@ class ShardedGradReducer(GradReducer):
             offset += p.numel()
         return out
 
+    def counts(self, param: nn.Parameter) -> bool:
+        """Every rank counts its shard: the summed grad is zero outside it."""
+        return True
+
     def owned(self) -> list[Slot]:
         """Every parameter range this rank steps, bucket by bucket."""
         return [s for slots in self.slots for s in slots]
@@ -98,11 +110,13 @@ class ShardedGradReducer(GradReducer):
         lo, hi = self.shard_range(bucket)
         grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)
                  for p in bucket.params]  # fmt: skip
-        flat = torch.zeros(self.size * (hi - lo), dtype=torch.float32, device=grads[0].device)
+        flat = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=torch.float32,
+                           device=grads[0].device)  # fmt: skip
         torch.cat([g.detach().float().flatten() for g in grads], out=flat[: bucket.numel])
         bucket.flat, bucket.shard = flat, flat.new_empty(hi - lo)
         C.count("reduce_scatter", flat)
-        bucket.work = _reduce_scatter(bucket.shard, flat, group=self.group, async_op=True)
+        group = self.group_of(bucket)
+        bucket.work = _reduce_scatter(bucket.shard, flat, group=group, async_op=True)
         bucket.launched_in_backward = in_backward
         self.next_launch += 1
 
@@ -131,9 +145,10 @@ class ShardedGradReducer(GradReducer):
             for s in slots:
                 src = main[id(s.param)] if main else s.param.view(-1)[s.lo : s.hi]
                 mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(src)
-            full = mine.new_empty(self.size * (hi - lo))
+            full = mine.new_empty(self.size_of(bucket) * (hi - lo))
             C.count("all_gather", full)
-            pending.append((bucket, full, _all_gather(full, mine, group=self.group, async_op=True)))
+            work = _all_gather(full, mine, group=self.group_of(bucket), async_op=True)
+            pending.append((bucket, full, work))
         for bucket, full, work in pending:
             work.wait()
             sizes = [p.numel() for p in bucket.params]

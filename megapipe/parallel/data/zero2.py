@@ -104,9 +104,9 @@ class OverlappedGatherReducer(ShardedGradReducer):
         mine = torch.zeros(hi - lo, dtype=p0.dtype, device=p0.device)
         for s in slots:
             mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(s.param.view(-1)[s.lo : s.hi])
-        full = mine.new_empty(self.size * (hi - lo))
+        full = mine.new_empty(self.size_of(bucket) * (hi - lo))
         C.count("all_gather", full)
-        return full, _all_gather(full, mine, group=self.group, async_op=True)
+        return full, _all_gather(full, mine, group=self.group_of(bucket), async_op=True)
 
     @torch.no_grad()
     def _wait(self, i: int) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megapipe.parallel.expert.all_to_all import gather_rows, plan_exchange, scatter_rows
 from megapipe.parallel.expert.sharding import EPInfo
 
 
@@ -21,24 +22,25 @@ class DispatchPlan:
     """What `combine` needs to undo a `dispatch`."""
 
     order: torch.Tensor  # the stable sort of the rows by expert id
-    extra: object = None  # the all-to-all's splits when ep > 1
+    extra: object = None  # ep > 1: the all-to-all's layout (all_to_all.Layout)
 
 
 def dispatch(
     rows: torch.Tensor, expert_of: torch.Tensor, n_experts: int, ep: EPInfo
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """(rows for this rank's experts grouped by local expert, count per local expert, plan)."""
-    if ep.size > 1:
-        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not built yet")
     order = torch.argsort(expert_of, stable=True)
     counts = torch.bincount(expert_of, minlength=n_experts)
-    return rows[order], counts, DispatchPlan(order)
+    if ep.size == 1:
+        return rows[order], counts, DispatchPlan(order)
+    ex, local_counts = plan_exchange(counts, ep.size, ep.group)
+    return scatter_rows(rows[order], ex, ep.group), local_counts, DispatchPlan(order, ex)
 
 
 def combine(out: torch.Tensor, plan: DispatchPlan, ep: EPInfo) -> torch.Tensor:
     """Expert outputs back in the order of the rows given to `dispatch`."""
     if ep.size > 1:
-        raise NotImplementedError("expert parallelism (parallel.ep > 1) is not built yet")
+        out = gather_rows(out, plan.extra, ep.group)
     back = torch.empty_like(out)
     back[plan.order] = out
     return back

@@ -58,14 +58,15 @@ def sync_tp_partial_grads(model: torch.nn.Module) -> int:
     return flat.numel()
 
 
-def grads_counted_once(model: torch.nn.Module, skip=()) -> list[torch.Tensor]:
+def grads_counted_once(model: torch.nn.Module, skip=(), keep=None) -> list[torch.Tensor]:
     """Each logical gradient element once over the tp group: replicated parameters on tp rank 0
     only, replicated kv-head copies on their first holder only (for the global grad norm).
-    Parameters named in `skip` are left out (a pipeline stage's copy of the tied embedding)."""
+    Parameters named in `skip` are left out (a pipeline stage's copy of the tied embedding), and
+    those `keep(param)` rejects (a replica that another rank counts: parallel/data/reducer.py)."""
     out = []
     for name, param, _, spec, tp in sharded_params(model):
         grad = grad_of(param)
-        if grad is None or name in skip:
+        if grad is None or name in skip or (keep is not None and not keep(param)):
             continue
         if spec.dim is None or tp.size == 1:
             if tp.rank == 0:

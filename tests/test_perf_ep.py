@@ -1,0 +1,82 @@
+"""The performance model under expert parallelism (perf/comm.py, perf/costs.py): the all-to-all
+price, the ep groups against distributed/mesh.py's, their link inside and across nodes, and a
+MoE layer's dispatch + combine in F and B of the projection."""
+
+import pytest
+
+from megapipe.config import load_config
+from megapipe.distributed.mesh import MeshSizes, ep_group_ranks
+from megapipe.perf import MEGAPIPE, load_cluster, project
+from megapipe.perf.cluster import Link
+from megapipe.perf.comm import all_to_all_time, ep_groups, ep_link
+from megapipe.perf.cost_terms import CALIBRATION
+from megapipe.perf.costs import CostModel
+from tests.conftest import TINY
+
+MOE = ["model.n_experts=8", "model.top_k=2", "model.d_model=1024", "model.n_heads=16"]
+MOE += ["model.seq_len=1024", "model.n_layers=4", "train.global_batch=64", "model.vocab_size=512"]
+
+
+def test_all_to_all_sends_all_but_its_own_share():
+    link = Link("x", 100e9, 1e-5)
+    assert all_to_all_time(1e9, 1, link) == 0.0
+    assert all_to_all_time(1e9, 4, link) == pytest.approx(3 * 1e-5 + 0.75 * 1e9 / 100e9)
+
+
+@pytest.mark.parametrize("pp,dp,cp,tp,ep", [(1, 4, 1, 2, 2), (2, 8, 2, 1, 4), (1, 8, 1, 1, 8)])
+def test_ep_groups_are_the_mesh_ones(pp, dp, cp, tp, ep):
+    shape = (pp, dp, cp, tp)
+    mesh = ep_group_ranks(MeshSizes(pp, dp, cp, tp, ep=ep))
+    assert sorted(map(sorted, ep_groups(shape, ep))) == sorted(map(sorted, mesh))
+
+
+def test_ep_link_inside_and_across_nodes():
+    h100 = load_cluster("h100")  # 8 GPUs per node
+    assert ep_link(h100, (1, 8, 1, 1), 8).bandwidth == h100.nvlink.bandwidth
+    across = ep_link(h100, (1, 2, 1, 8), 2)  # dp ranks 8 apart: different nodes
+    assert across.bandwidth < h100.nvlink.bandwidth
+
+
+def _cfg(*extra):
+    return load_config(TINY, [*MOE, *extra])
+
+
+def test_moe_layer_pays_dispatch_and_combine_both_ways():
+    h100 = load_cluster("h100")
+    dense = CostModel(_cfg("parallel.dp=8"), h100, MEGAPIPE, CALIBRATION)
+    cfg = _cfg("parallel.dp=8", "parallel.ep=8")
+    ep = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    layer = ep.layer("none", None, moe=True)
+    rows = cfg.derived.micro_batch_size * cfg.model.seq_len * cfg.model.top_k
+    one = all_to_all_time(rows * cfg.model.d_model * ep.c, 8, ep.ep_link)
+    assert layer.F.ep == pytest.approx(2 * one) and layer.B.ep == pytest.approx(2 * one)
+    assert layer.W.ep == 0 and dense.layer("none", None, moe=True).F.ep == 0
+    assert ep.layer("full", None, moe=True).B.ep == pytest.approx(4 * one)  # F again
+    assert ep.layer("none", None, moe=False).F.ep == 0
+
+
+def test_projection_reports_the_all_to_all():
+    h100 = load_cluster("h100")
+    out = project(_cfg("parallel.dp=8", "parallel.ep=8"), h100, memory=False)
+    none = project(_cfg("parallel.dp=8"), h100, memory=False)
+    assert out.breakdown["ep_comm_s"] > 0 and none.breakdown["ep_comm_s"] == 0
+
+
+def test_planner_space_holds_ep_for_a_mixture_of_experts():
+    from megapipe.perf.space import candidates
+
+    moe = {c.ep for c in candidates(_cfg(), 16, 8, {"parallel.tp": 1, "parallel.cp": 1})}
+    assert moe == {1, 2, 4, 8}  # divisors of dp (up to 16) that divide 8 experts
+    dense = load_config(TINY, [])
+    assert {c.ep for c in candidates(dense, 16, 8)} == {1}
+
+
+def test_memory_model_holds_e_over_ep_experts():
+    from megapipe.train.memory import chunk_params
+
+    blocks = range(0, 6)
+    one, four = (chunk_params(_cfg("parallel.dp=8", f"parallel.ep={ep}"), blocks, 0)
+                 for ep in (1, 4))  # fmt: skip
+    m, f = _cfg().model, _cfg().derived.d_ff
+    expert = 2 * f * m.d_model + f + m.d_model  # gpt2: w_in, w_out and their biases
+    assert one - four == m.n_layers * (m.n_experts - m.n_experts // 4) * expert
