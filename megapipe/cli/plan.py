@@ -6,7 +6,7 @@ fit, and check the projection on Megatron-LM's Table 1.
     python tools/plan.py search --config FILE --gpus N --gpu a100|h100|h200 \\
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
-    python tools/plan.py validate [--megapipe]
+    python tools/plan.py validate [--refit] [--no-loo] [--megapipe]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
@@ -17,7 +17,9 @@ the error per row, mean and max, and the leave-one-out error of the calibrated c
 (megapipe/perf/table1.py; --refit fits the constants again first). `validate` projects the
 published H100/H200 runs (megapipe/perf/published.py's data) with the runtime of the code base
 that ran each (megatron_core, torchtitan) against their measured tokens/s per GPU, with the
-error per row, mean and max (megapipe/perf/h100_validation.py); --megapipe adds megapipe's own
+error per row, mean and max, and the leave-one-out error of the H100 profile's e_max, fitted
+on those rows (megapipe/perf/h100_validation.py, h100_fit.py; --refit fits it again first,
+from the profile's value); --megapipe adds megapipe's own
 runtime (bf16 weights) projected on the Megatron-Core rows beside Megatron-Core's, and the
 seconds each of its differing facts adds. This machine's CPU
 profile and the local truth are benchmarks' (python -m benchmarks.bench calibrate | local).
@@ -38,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
+from megapipe.perf import h100_fit
 from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -71,6 +74,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     table.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
     check = sub.add_parser("validate", help="published H100/H200 runs: measured vs projected")
     check.add_argument("--megapipe", action="store_true", help="megapipe's runtime beside")
+    check.add_argument("--refit", action="store_true", help="fit the H100 e_max again first")
+    check.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
@@ -197,7 +202,18 @@ def run_table1(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    print(h100.markdown(h100.compare()))
+    results = h100.compare()
+    cal = h100.refit(results) if args.refit else None
+    if cal is not None:
+        results = h100.compare(cal=cal)
+    shown = cal or h100_fit.constants(load_cluster("h100"))
+    print(
+        f"H100 constants: e_max={shown.gemm:.3f} kappa={shown.knee:.3f} mu={shown.memory:.3f} "
+        f"({'fitted again' if args.refit else 'megapipe/perf/clusters/h100.yaml'}; e_max fitted "
+        "on the fitted rows, kappa and mu from kernel benchmarks)\n"
+    )
+    loo = None if args.no_loo else h100.leave_one_out(results, cal=cal)
+    print(h100.markdown(results, loo))
     if args.megapipe:
         beside = h100.beside_megapipe()
         print("\nmegapipe's runtime (bf16 weights) beside megatron_core's, same configs:\n")

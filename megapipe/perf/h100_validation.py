@@ -6,9 +6,10 @@ the code base that ran it (perf/runtime.py: `megatron_core`, `torchtitan`), that
 defaults set as the row's run set them (`runtime_of`: TE's userbuffers tp overlap where the
 recipe turns it on, torch.compile's fusion where the run compiled, TE's flash backend where
 the recipe disables cuDNN's), and its projected tokens/s per GPU compared with the published
-figure. Nothing here is fitted on these rows: the cost model's constants are Table 1's fit
-(A100) or the H100 profile's own measured kernel rates, so a row's leave-one-out error is its
-error (`leave_one_out` says so by returning the same results).
+figure. The H100 profile's e_max is fitted on these rows (perf/h100_fit.py: the constant the
+kernel benchmarks cannot give, as Table 1 fits the A100's); the rows of FIT_LEFT_OUT's sources
+are projected and printed but neither fitted on nor held to the targets, for the reason given
+there. `leave_one_out` projects each fitted row with e_max fitted on the other fitted rows.
 
 `beside_megapipe` projects megapipe's own runtime on the Megatron-Core rows: the same model,
 mesh, batch and sharding, with bf16 weights (train.params_dtype=bfloat16: the layout of
@@ -20,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megapipe.perf import published
+from megapipe.perf import h100_fit, published
 from megapipe.perf.cluster import load_cluster
-from megapipe.perf.cost_terms import CALIBRATION, Calibration
+from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.model import Projection, project
 from megapipe.perf.runtime import MEGAPIPE, RUNTIMES, Runtime, resolved
 
@@ -77,22 +78,67 @@ def rows(runtimes: tuple[str, ...] = ("megatron_core", "torchtitan", "llm_foundr
     ]  # fmt: skip
 
 
-def compare(table: list[published.Row] | None = None, cal: Calibration = CALIBRATION,
+def compare(table: list[published.Row] | None = None, cal: Calibration | None = None,
             memory: bool = False) -> list[Result]:  # fmt: skip
-    """Every row projected with its own runtime on its own cluster."""
+    """Every row projected with its own runtime on its own cluster, with e_max, κ and μ `cal`
+    in place of the profile's (None: the profile's)."""
     out = []
     for row in rows() if table is None else table:
         m = published.measured(row)
         cluster = load_cluster(m.cluster, row.gpus_per_node)
-        proj = project(m.config, cluster, runtime_of(row), cal, memory=memory)
+        if cal is not None:
+            cluster = h100_fit.with_constants(cluster, cal)
+        proj = project(m.config, cluster, runtime_of(row), memory=memory)
         out.append(Result(row, m.tokens_per_s_per_gpu, m.model_tflops_per_gpu, proj))
     return out
 
 
-def leave_one_out(results: list[Result]) -> list[Result]:
-    """Each row's error with what is fitted on the others: nothing is fitted on these rows
-    (module docstring), so the same results."""
-    return list(results)
+# Sources whose rows are projected but neither fitted on nor held to the targets, and why.
+FIT_LEFT_OUT = {
+    "llm_foundry_h100_bf16.csv": "the source does not pin the software the rows ran: the sweep "
+    "that produced the table (scripts/train/benchmarking/sweep.sh, whose lines match each "
+    "row's GPUs, micro-batch and accumulation) names LLM Foundry v0.0.4 (May 2023) and, in its "
+    "two revisions, the images mosaicml/pytorch 2.0.1 cu118 and 2.1.0 cu121: a 2023 eager "
+    "PyTorch FSDP1 stack whose losses no runtime fact here prices",
+}
+
+
+def fitted(results: list[Result]) -> list[Result]:
+    """The results the fit and the targets take (not FIT_LEFT_OUT's)."""
+    return [r for r in results if r.row.source not in FIT_LEFT_OUT]
+
+
+def cases(results: list[Result]) -> list[h100_fit.Case]:
+    """The fitted rows of `results` made ready for h100_fit."""
+    return h100_fit.cases([r.row for r in fitted(results)], runtime_of)
+
+
+def refit(results: list[Result], names: tuple[str, ...] | None = None) -> Calibration:
+    """The H100 constants `names` (default h100_fit.CHOSEN's) fitted on the fitted rows,
+    starting from the profile's."""
+    table = cases(results)
+    names = names or h100_fit.FITS[h100_fit.CHOSEN]
+    return h100_fit.fit(table, names, h100_fit.constants(table[0].cluster))
+
+
+def leave_one_out(results: list[Result], names: tuple[str, ...] | None = None,
+                  cal: Calibration | None = None) -> list[Result]:  # fmt: skip
+    """Each fitted row projected with the constants `names` fitted on the other fitted rows
+    (from `cal`, default the profile's); a row outside the fit keeps its result (it had no
+    part in the fit)."""
+    table = cases(results)
+    names = names or h100_fit.FITS[h100_fit.CHOSEN]
+    start = cal or h100_fit.constants(table[0].cluster)
+    fits = {c.row.label: (i, c) for i, c in enumerate(table)}
+    out = []
+    for r in results:
+        if r.row.label not in fits:
+            out.append(r)
+            continue
+        i, case = fits[r.row.label]
+        fold = h100_fit.fit(table[:i] + table[i + 1 :], names, start)
+        out.append(dataclasses.replace(r, projection=h100_fit.projection(case, fold)))
+    return out
 
 
 def errors(results: list[Result]) -> tuple[float, float]:
@@ -101,28 +147,38 @@ def errors(results: list[Result]) -> tuple[float, float]:
     return sum(errs) / len(errs), max(errs)
 
 
-def markdown(results: list[Result]) -> str:
-    """The comparison as a markdown table, then mean and max errors (overall and by runtime)."""
+def markdown(results: list[Result], loo: list[Result] | None = None) -> str:
+    """The comparison as a markdown table (with `loo`'s errors as a leave-one-out column), then
+    mean and max errors over the fitted rows (the targets'), by runtime, and the rows left out."""
     lines = [
         "| row | runtime | gpus | tp | pp | cp | dp | vpp | measured tok/s/GPU | projected "
-        "| error | TFLOP/s measured | projected |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| error | TFLOP/s measured | projected |" + (" leave-one-out |" if loo else ""),
+        "|---|---|" + "---:|" * (11 + bool(loo)),
     ]
-    for r in results:
+    for k, r in enumerate(results):
         w, p = r.row, r.projection
-        lines.append(
+        line = (
             f"| {w.label} | {w.runtime} | {w.gpus} | {w.tp} | {w.pp} | {w.cp} | {w.dp} | {w.vpp} "
             f"| {r.measured:.0f} | {r.projected:.0f} | {r.error:+.1%} "
             f"| {r.measured_tflops:.0f} | {p.tflops_per_gpu:.0f} |"
         )
-    mean, worst = errors(results)
-    lines += ["", f"mean |error| {mean:.1%}, max {worst:.1%} "
-              f"(target ≤ {TARGET_MEAN:.0%}, ≤ {TARGET_MAX:.0%}); nothing is fitted on these "
-              "rows: leave-one-out is the same"]  # fmt: skip
+        if loo:
+            line += f" {loo[k].error:+.1%} |" if w.source not in FIT_LEFT_OUT else " (not fitted) |"
+        lines.append(line)
+    mean, worst = errors(fitted(results))
+    n = len(fitted(results))
+    lines += ["", f"the {n} fitted rows: mean |error| {mean:.1%}, max {worst:.1%}"]
+    if loo:
+        mean, worst = errors(fitted(loo))
+        lines.append(f"leave-one-out: mean |error| {mean:.1%}, max {worst:.1%} "
+                     f"(target ≤ {TARGET_MEAN:.0%}, ≤ {TARGET_MAX:.0%})")  # fmt: skip
     for name in sorted({r.row.runtime for r in results}):
         part = [r for r in results if r.row.runtime == name]
         mean, worst = errors(part)
         lines.append(f"- {name}: {len(part)} rows, mean {mean:.1%}, max {worst:.1%}")
+    for source, why in FIT_LEFT_OUT.items():
+        n = sum(r.row.source == source for r in results)
+        lines.append(f"- not fitted, not in the targets ({n} rows of {source}): {why}")
     held = rows(priced=False)
     for source in sorted({r.source for r in held}):
         labels = [r.label for r in held if r.source == source]

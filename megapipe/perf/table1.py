@@ -153,15 +153,18 @@ def errors(results: list[Result]) -> tuple[float, float]:
 BOUNDS = {"gemm": (0.2, 1.0), "knee": (1e-3, 50.0), "memory": (0.2, 1.0)}
 
 
-def _to_free(cal: Calibration) -> list[float]:
+def to_free(cal: Calibration) -> list[float]:
+    """The constants as unbounded values: logits within BOUNDS, log κ (what the fit moves)."""
     out = []
     for name, (lo, hi) in BOUNDS.items():
         x = (getattr(cal, name) - lo) / (hi - lo) if name != "knee" else None
+        x = None if x is None else min(max(x, 1e-9), 1 - 1e-9)  # a constant at its bound
         out.append(math.log(x / (1 - x)) if x is not None else math.log(cal.knee))
     return out
 
 
-def _from_free(z: list[float]) -> Calibration:
+def from_free(z: list[float]) -> Calibration:
+    """to_free's inverse, clamped into BOUNDS."""
     values = {}
     for (name, (lo, hi)), v in zip(BOUNDS.items(), z):
         if name == "knee":
@@ -216,9 +219,9 @@ def fit(
     table = table or rows()
     cluster = load_cluster("a100")
     z, _ = levenberg_marquardt(
-        lambda z: residuals(_from_free(z), table, cluster, runtime), _to_free(start)
+        lambda z: residuals(from_free(z), table, cluster, runtime), to_free(start)
     )
-    return _from_free(z)
+    return from_free(z)
 
 
 def leave_one_out(table: list[Row] | None = None, start: Calibration = CALIBRATION) -> list[Result]:
