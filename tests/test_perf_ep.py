@@ -2,6 +2,8 @@
 price, the ep groups against distributed/mesh.py's, their link inside and across nodes, and a
 MoE layer's dispatch + combine in F and B of the projection."""
 
+import dataclasses
+
 import pytest
 
 from megapipe.config import load_config
@@ -80,3 +82,49 @@ def test_memory_model_holds_e_over_ep_experts():
     m, f = _cfg().model, _cfg().derived.d_ff
     expert = 2 * f * m.d_model + f + m.d_model  # gpt2: w_in, w_out and their biases
     assert one - four == m.n_layers * (m.n_experts - m.n_experts // 4) * expert
+
+
+def test_expert_grads_reduce_over_the_expert_replicas():
+    """dp 8, ep 4: the routed experts' grads ring over their 2 replicas, the rest over 8."""
+    from megapipe.config.flops import held_expert_params
+    from megapipe.perf.comm import expert_replica_groups, expert_replica_link, group_link, ring_time
+    from megapipe.perf.data_parallel import dp_plan
+
+    h100 = load_cluster("h100")
+    assert sorted(map(sorted, expert_replica_groups((1, 8, 1, 2), 4)))[:2] == [[0, 8], [1, 9]]
+    across = expert_replica_link(h100, (1, 8, 1, 2), 4)  # ranks 8 apart: one GPU per node
+    assert across.bandwidth == h100.network(1).bandwidth
+    shape = (1, 8, 1, 1)
+    assert sorted(map(sorted, expert_replica_groups(shape, 4))) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    cfg = _cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=1")
+    blocks = range(0, cfg.model.n_layers + 2)
+    experts = held_expert_params(cfg, blocks)
+    f, d = cfg.derived.d_ff, cfg.model.d_model
+    assert experts == cfg.model.n_layers * (8 // 4) * (2 * f * d + f + d)  # gpt2: with biases
+    params = experts + 10_000_000
+    one = dataclasses.replace(MEGAPIPE, dp_bucket_mb=0, dp_bucket_params=0)  # one buffer
+    plan = dp_plan(cfg, h100, one, shape, [[params]], 4, [[experts]])
+    dense = ring_time("reduce_scatter", 4 * 10_000_000, 8, group_link(h100, shape, ("dp", "cp")))
+    routed = ring_time("reduce_scatter", 4 * experts, 2, expert_replica_link(h100, shape, 4))
+    assert plan.total[0] == pytest.approx(dense + routed)
+    whole = dp_plan(cfg, h100, one, shape, [[params]], 4).total[0]  # all over dp × cp
+    assert plan.total[0] < whole  # one node: 1/2 of the expert bytes cross, not 7/8
+
+
+def test_zero1_shards_expert_optimizer_state_over_the_expert_replicas():
+    """zero=1 over dp 8 with ep 4: AdamW's state of the routed experts is 1/2 per rank, the
+    rest 1/8 (parallel/data/zero.py shards expert buckets over the expert replicas)."""
+    from megapipe.config.flops import held_expert_params
+    from megapipe.config.states import optimizer_bytes, reduction_bytes
+    from megapipe.train.memory import chunk_params, memory_plan
+
+    cfg = _cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=1")
+    blocks = range(0, cfg.model.n_layers + 2)
+    n, e = chunk_params(cfg, blocks, 0), held_expert_params(cfg, blocks)
+    assert 0 < e < n
+    want = 8 * (-(-(n - e) // 8)) + 8 * (-(-e // 2))  # float32 weights: AdamW moments, 8 B
+    assert optimizer_bytes(n, cfg, e) == want
+    assert memory_plan(cfg, "cpu").rank(0).optimizer == want
+    assert reduction_bytes(n, cfg, e) - reduction_bytes(n, cfg) == pytest.approx(
+        4 * (e / 2 - e / 8), rel=1e-6
+    )

@@ -22,6 +22,20 @@ def expert_ffn(m: ModelConfig, d_ff: int) -> int:
     return m.moe_ffn or d_ff
 
 
+def held_expert_params(cfg: Config, blocks: range) -> int:
+    """The routed experts' parameters a rank holds on `blocks` (block i + 1 is layer i): per
+    MoE layer its n_experts/ep experts, each w_in (f or 2f for SwiGLU, d), w_out (d, f) and
+    gpt2's biases (models/moe.py); whole on every tp rank (docs/moe.md). Their grads and
+    optimizer state are reduced and sharded over the expert-replica group, not dp × cp."""
+    m, p = cfg.model, cfg.parallel
+    if m.n_experts == 0:
+        return 0
+    f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
+    one = f * d * (3 if m.arch == "llama" else 2) + (f + d if m.arch == "gpt2" else 0)
+    layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
+    return layers * m.n_experts // p.ep * one
+
+
 def layer_matmul_params(cfg: Config, index: int) -> int:
     """The matmul parameters a token meets in layer `index`: attention, and the dense MLP or,
     in a MoE layer, the router and the active experts (top_k routed + the shared ones), the

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from megapipe.config.flops import segment_bounds
+from megapipe.config.flops import held_expert_params, segment_bounds
 from megapipe.config.memory import (
     embedding_terms,
     head_deferred,
@@ -144,32 +144,40 @@ def memory_plan(
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
             flight = (inflight[pp_rank], with_grads[pp_rank])
-            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, flight))
+            experts = sum(held_expert_params(cfg, b) for b in held)
+            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, flight, experts))
     return MemoryPlan(tuple(ranks), device)
 
 
 def rank_memory(
-    cfg: Config, coord: tuple[int, int], n: int, gathered: tuple, acts: tuple, inflight: tuple
+    cfg: Config,
+    coord: tuple[int, int],
+    n: int,
+    gathered: tuple,
+    acts: tuple,
+    inflight: tuple,
+    experts: int = 0,
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
     bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
     per chunk for one microbatch and `inflight` microbatches at most (peak_inflight: in all, and
-    once the grads exist)."""
+    once the grads exist); `experts` of the `n` are routed experts' (their state sharded over
+    the expert replicas: config/states.expert_replicas)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     return RankMemory(
         pp_rank=coord[0],
         tp_rank=coord[1],
         params=n,
-        weights=weights_bytes(n, cfg),
+        weights=weights_bytes(n, cfg, experts),
         grads=local_grads_bytes(n, cfg),
-        optimizer=optimizer_bytes(n, cfg),
+        optimizer=optimizer_bytes(n, cfg, experts),
         chunk_activations=acts,
         inflight=inflight[0],
         inflight_with_grads=inflight[0] if persist else inflight[1],
         gathered=gathered[0],
         gathered_reducing=gathered[1],
-        reducing=reduction_bytes(n, cfg),
-        step_grads=grads_bytes(n, cfg),
+        reducing=reduction_bytes(n, cfg, experts),
+        step_grads=grads_bytes(n, cfg, experts),
     )
 
 

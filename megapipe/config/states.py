@@ -17,6 +17,11 @@ each step: 6 + 12/d.) zero=2 divides the grad too, zero=3 the weight as well: bf
 whole state, as zero=0 does. A sharded piece is the rank's shard of each flat bucket, padded to a
 multiple of d (ceil(n/d) per rank; the padding, < d elements per bucket, is left out).
 
+Under expert parallelism (parallel.ep > 1) a routed expert lives on its expert-replica group,
+dp/ep · cp ranks (parallel/data/zero.py shards its buckets there), so its sharded kinds divide
+by that instead of d (`expert_layout`; each function's `experts`: how many of the parameters
+are routed experts', config/flops.held_expert_params).
+
 These are the state *held over the optimizer step*. Around it the code holds more, at two
 moments the memory plan (config/memory_plan.py) takes the larger of:
 
@@ -113,30 +118,51 @@ def replicas(cfg: Config) -> int:
     return cfg.parallel.dp * cfg.parallel.cp
 
 
+def expert_replicas(cfg: Config) -> int:
+    """The ranks a routed expert's state is sharded over: its expert-replica group, dp/ep · cp
+    (parallel/data/zero.py shards expert buckets there; Megatron-Core's expert data-parallel
+    group)."""
+    p = cfg.parallel
+    return p.dp // p.ep * p.cp
+
+
 def state_layout(cfg: Config) -> StateLayout:
     return layout(cfg.train.params_dtype, cfg.parallel.zero, replicas(cfg))
+
+
+def expert_layout(cfg: Config) -> StateLayout:
+    """The routed experts' layout: as `state_layout`, over the expert replicas."""
+    return layout(cfg.train.params_dtype, cfg.parallel.zero, expert_replicas(cfg))
 
 
 def _bytes(n_params: float, per: int, shards: int) -> float:
     return per * (math.ceil(n_params / shards) if shards > 1 else n_params)
 
 
-def weights_bytes(n_params: float, cfg: Config) -> float:
-    """The weights a rank holding `n_params` keeps between steps (its shard under zero=3)."""
-    s = state_layout(cfg)
-    return _bytes(n_params, s.weight, s.weight_shards)
+def _split(n_params: float, experts: float, cfg: Config, kind: str) -> float:
+    """Bytes of state `kind` of `n_params`, `experts` of them routed experts' (sharded over
+    the expert replicas) and the rest over dp × cp."""
+    s, e = state_layout(cfg), expert_layout(cfg)
+    shards = {"weight": "weight_shards", "grad": "grad_shards", "optimizer": "optimizer_shards"}
+    dense = _bytes(n_params - experts, getattr(s, kind), getattr(s, shards[kind]))
+    return dense + (_bytes(experts, getattr(e, kind), getattr(e, shards[kind])) if experts else 0)
 
 
-def grads_bytes(n_params: float, cfg: Config) -> float:
+def weights_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
+    """The weights a rank holding `n_params` keeps between steps (its shard under zero=3);
+    `experts` of them routed experts' (config/flops.held_expert_params)."""
+    return _split(n_params, experts, cfg, "weight")
+
+
+def grads_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     """The (main) grads kept over the step: whole, or the reduced shard under zero>=2."""
-    s = state_layout(cfg)
-    return _bytes(n_params, s.grad, s.grad_shards)
+    return _split(n_params, experts, cfg, "grad")
 
 
-def optimizer_bytes(n_params: float, cfg: Config) -> float:
-    """AdamW's state (and the float32 main params under bf16 weights), whole or 1/d."""
-    s = state_layout(cfg)
-    return _bytes(n_params, s.optimizer, s.optimizer_shards)
+def optimizer_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
+    """AdamW's state (and the float32 main params under bf16 weights), whole or 1/d; the
+    `experts` among them 1/(dp/ep · cp)."""
+    return _split(n_params, experts, cfg, "optimizer")
 
 
 def gathered_bytes(chunks: Iterable[Sequence[int]], cfg: Config) -> float:
@@ -160,25 +186,27 @@ def local_grads_bytes(n_params: float, cfg: Config) -> float:
     return GRAD_BYTES * n_params
 
 
-def reduction_bytes(n_params: float, cfg: Config) -> float:
+def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     """The grads while the last backward's dp × cp reduction runs (module docstring): the local
-    grads kept, the float32 send buffers and the reduce-scattered shards; with no replicas
-    (d = 1) only the local grads."""
+    grads kept, the float32 send buffers and the reduce-scattered shards (the `experts`' over
+    the expert replicas); with no replicas (d = 1) only the local grads."""
     s, n = state_layout(cfg), n_params
     if s.d == 1:
         return local_grads_bytes(n, cfg)
     bf16 = s.weight != FLOAT32
     kept = 0.0 if s.zero >= 2 and not bf16 else local_grads_bytes(n, cfg)
     send = 0.0 if s.zero == 0 and bf16 else FLOAT32 * n
-    shard = _bytes(n, GRAD_BYTES, s.d) if s.zero >= 1 else 0.0
-    return kept + send + shard
+    e = expert_layout(cfg).d
+    shard = _bytes(n - experts, GRAD_BYTES, s.d) + _bytes(experts, GRAD_BYTES, e)
+    return kept + send + (shard if s.zero >= 1 else 0.0)
 
 
-def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0) -> float:
-    """Weights, grads and optimizer state of a rank holding `n_params`, plus `gathered`."""
+def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0, experts: float = 0) -> float:
+    """Weights, grads and optimizer state of a rank holding `n_params` (`experts` of them routed
+    experts'), plus `gathered`."""
     return (
-        weights_bytes(n_params, cfg)
-        + grads_bytes(n_params, cfg)
-        + optimizer_bytes(n_params, cfg)
+        weights_bytes(n_params, cfg, experts)
+        + grads_bytes(n_params, cfg, experts)
+        + optimizer_bytes(n_params, cfg, experts)
         + gathered
     )

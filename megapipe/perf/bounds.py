@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megapipe.config import Config
+from megapipe.config.flops import held_expert_params
 from megapipe.config.memory import attention_path, segments
 from megapipe.config.memory_plan import (
     BlockBytesKey,
@@ -42,7 +43,6 @@ from megapipe.config.stages import partition, placement_of
 from megapipe.config.states import local_grads_bytes, optimizer_bytes, weights_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
-from megapipe.perf.comm import group_link, ring_time
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.data_parallel import dp_plan, optimizer_plan
 from megapipe.perf.memory import chunk_params
@@ -133,7 +133,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, pp, dp, mb, sp, rec, segs, zero, _ = self.group(c)
+        tp, cp, pp, dp, mb, sp, rec, segs, _, _ = self.group(c)
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)
@@ -142,16 +142,17 @@ class Bounds:
         chain = f0 + g0
         acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
         params = self._params(cfg) / pp  # a rank's mean parameters (tp rank 0)
-        memory = _held(params, cfg) + max(local_grads_bytes(params, cfg), acts / pp)
+        experts = held_expert_params(cfg, everything) / pp  # the routed experts' among them
+        memory = _held(params, cfg, experts) + max(local_grads_bytes(params, cfg), acts / pp)
         if pipedream:
             return max(busy, chain), memory
         shape = (pp, dp, cp, tp)
-        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, [[params]])
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, [[params]], [[experts]])
         reduce = 0.0
         if not self.runtime.dp_overlap:  # ring times are affine in bytes: the mean's
-            kind = "reduce_scatter" if zero and dp * cp > 1 else "all_reduce"
-            link = group_link(self.cluster, shape, ("dp", "cp"))
-            reduce = ring_time(kind, params * (self.runtime.grad_bytes or cm.c), dp * cp, link)
+            plan = dp_plan(cfg, self.cluster, self.runtime, shape, [[params]],
+                           self.runtime.grad_bytes or cm.c, [[experts]])  # fmt: skip
+            reduce = plan.total[0]
         return max(busy + reduce, chain) + opt.step + opt.gather, memory
 
     def _params(self, cfg: Config) -> float:
@@ -248,12 +249,16 @@ class Bounds:
             [self._chunk_params(cfg, stages[place.stage(r, k)], 0) for k in range(place.vpp)]
             for r in range(place.pp)
         ]
-        states = [_held(sum(h), cfg) for h in held]
+        experts = [
+            [held_expert_params(cfg, stages[place.stage(r, k)]) for k in range(place.vpp)]
+            for r in range(place.pp)
+        ]
+        states = [_held(sum(h), cfg, sum(e)) for h, e in zip(held, experts)]
         _, cm = self.times.plain(cfg)
         shape = (p.pp, p.dp, p.cp, p.tp)
         dp = dp_plan(cfg, self.cluster, self.runtime, shape, held,
-                     self.runtime.grad_bytes or cm.c)  # fmt: skip
-        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, held)
+                     self.runtime.grad_bytes or cm.c, experts)  # fmt: skip
+        opt = optimizer_plan(cfg, self.cluster, self.runtime, cm, shape, held, experts)
         last_rank = place.locate(place.num_stages - 1)[0]
         after = [
             (min(dp.last_bucket[r]) if self.runtime.dp_overlap else dp.total[r])
@@ -332,7 +337,8 @@ class Bounds:
                 count = functools.partial(self._chunk_params, cfg)
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 flight = (inflight, with_grads)
-                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, flight).peak
+                experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
+                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, flight, experts).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
@@ -376,8 +382,8 @@ class Bounds:
         return float(total)
 
 
-def _held(n_params: float, cfg: Config) -> float:
+def _held(n_params: float, cfg: Config, experts: float = 0) -> float:
     """The state a rank holds at every moment of the step: weights and AdamW's. Its grads
     are left to the bounds (float32 ones need not exist at the activation peak:
     config/memory_plan.peak_inflight's with_grads), except where a bound adds them itself."""
-    return weights_bytes(n_params, cfg) + optimizer_bytes(n_params, cfg)
+    return weights_bytes(n_params, cfg, experts) + optimizer_bytes(n_params, cfg, experts)

@@ -131,6 +131,28 @@ def ep_link(cluster: Cluster, shape: tuple[int, int, int, int], ep: int) -> Link
     return _ep_link(tuple(shape), ep, cluster.gpus_per_node, cluster)
 
 
+def expert_replica_groups(shape: tuple[int, int, int, int], ep: int) -> list[list[int]]:
+    """Every expert-replica group (Megatron-Core's expert data-parallel group): the dp/ep · cp
+    ranks of one dp × cp group with the same ep rank (dp index mod ep), which hold the same
+    experts and sum their grads (parallel/data/reducer.py)."""
+    stride, dp = strides(shape)["dp"], shape[1]
+    out = []
+    for members in groups(shape, ("dp", "cp")):
+        for e in range(ep):
+            out.append([r for r in members if (r // stride) % dp % ep == e])
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _replica_link(shape, ep, gpus_per_node, cluster) -> Link:
+    return _worst_link(expert_replica_groups(shape, ep), gpus_per_node, cluster)
+
+
+def expert_replica_link(cluster: Cluster, shape: tuple[int, int, int, int], ep: int) -> Link:
+    """The link of the slowest expert-replica group, by the rule of `group_link`."""
+    return _replica_link(tuple(shape), ep, cluster.gpus_per_node, cluster)
+
+
 @lru_cache(maxsize=4096)
 def _p2p_link(shape, src, dst, gpus_per_node, cluster) -> Link:
     step = strides(shape)["pp"]

@@ -16,6 +16,12 @@ dtypes).
   all-gathers of the rank's weights in their dtype (bf16 under train.params_dtype=bfloat16),
   prefetched a block ahead, so they run beside the compute (`per_microbatch`); no weight
   all-gather after the step. The reductions stay float32 (`grad_bytes`) at every level.
+- Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
+  expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
+  reducer.py; Megatron-Core's expert data-parallel group), on that group's link
+  (comm.expert_replica_link), and zero=1 shards their optimizer state over it; the other
+  weights over dp × cp as above. Each chunk's routed-expert parameters come from
+  config/flops.held_expert_params.
 - The optimizer: AdamW over the rank's parameters or its 1/(dp·cp) shard at the runtime's
   bytes per parameter, the global grad norm's tree all-reduce (latency only), and at zero 1
   and 2 the all-gather of the updated weights in their dtype, exposed unless the runtime
@@ -29,9 +35,9 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.stages import placement_of
-from megapipe.config.states import state_layout
+from megapipe.config.states import expert_layout, expert_replicas, state_layout
 from megapipe.perf.cluster import Cluster
-from megapipe.perf.comm import group_link, p2p_link, ring_time
+from megapipe.perf.comm import expert_replica_link, group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
 from megapipe.perf.runtime import Runtime, bucket_bytes, resolved
 from megapipe.plan.actions import Placement
@@ -54,30 +60,27 @@ class DPPlan:
     per_microbatch: list[float]
 
 
-def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_bytes) -> DPPlan:
-    """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters)."""
+def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_bytes,
+            experts=None) -> DPPlan:  # fmt: skip
+    """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters;
+    `experts`: as many of them routed experts', reduced over the expert replicas)."""
     p, m = cfg.parallel, cfg.model
     rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
-    n = p.dp * p.cp
-    link = group_link(cluster, shape, ("dp", "cp"))
-    kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    bucket = bucket_bytes(rt, n, grad_bytes)
+    groups = [(p.dp * p.cp, group_link(cluster, shape, ("dp", "cp")))]
+    if p.ep > 1:  # expert buckets: summed over the expert-replica group (reducer.py)
+        groups.append((expert_replicas(cfg), expert_replica_link(cluster, shape, p.ep)))
     blocks = layers_per_chunk(cfg)
     chunk, last = [], []
     for r, per_chunk in enumerate(held):
         times, lasts = [], []
         for c, params in enumerate(per_chunk):
-            nbytes = params * grad_bytes
-            t = ring_time(kind, nbytes, n, link)
-            size = nbytes / blocks if rt.dp_bucket_per_block else bucket
-            bucketed = size and not (rt.dp_bucket_first_only and (r, c) != (0, 0))
-            if bucketed and nbytes > size and n > 1:
-                t += (math.ceil(nbytes / size) - 1) * steps * link.latency
-                lasts.append(ring_time(kind, size, n, link))
-            else:
-                lasts.append(t)
-            times.append(t)
+            e = experts[r][c] if experts and p.ep > 1 else 0
+            first = (r, c) == (0, 0)
+            parts = [(params - e) * grad_bytes, e * grad_bytes]
+            priced = [_reduce(cfg, rt, nb, n, link, blocks, first, grad_bytes)
+                      for nb, (n, link) in zip(parts, groups)]  # fmt: skip
+            times.append(sum(t for t, _ in priced))
+            lasts.append(max(lt for _, lt in priced))
         chunk.append(times)
         last.append(lasts)
     tied = 0.0
@@ -87,8 +90,23 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
         table = -(-m.vocab_size // p.tp) * m.d_model
         tied = ring_time("all_reduce", table * grad_bytes, 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
-    every = _per_microbatch(cfg, rt, link, held)
+    every = _per_microbatch(cfg, rt, groups[0][1], held)
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
+
+
+def _reduce(cfg: Config, rt: Runtime, nbytes: float, n: int, link, blocks: int, first: bool,
+            grad_bytes) -> tuple[float, float]:  # fmt: skip
+    """(seconds, its last bucket's) of one chunk's `nbytes` of grads reduced over `n` ranks."""
+    kind = "reduce_scatter" if cfg.parallel.zero and n > 1 else "all_reduce"
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    bucket = bucket_bytes(rt, n, grad_bytes)
+    t = ring_time(kind, nbytes, n, link)
+    size = nbytes / blocks if rt.dp_bucket_per_block else bucket
+    bucketed = size and not (rt.dp_bucket_first_only and not first)
+    if bucketed and nbytes > size and n > 1:
+        t += (math.ceil(nbytes / size) - 1) * steps * link.latency
+        return t, ring_time(kind, size, n, link)
+    return t, t
 
 
 def _per_microbatch(cfg: Config, rt: Runtime, link, held) -> list[float]:
@@ -111,8 +129,10 @@ class OptPlan:
     gather: float
 
 
-def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostModel, shape, held):
-    """The optimizer step after the reduction (module docstring): an OptPlan."""
+def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostModel, shape, held,
+                   experts=None):  # fmt: skip
+    """The optimizer step after the reduction (module docstring): an OptPlan. `experts` (as
+    `held`): the routed experts' parameters, whose state is sharded over the expert replicas."""
     p = cfg.parallel
     rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
     n = p.dp * p.cp
@@ -122,7 +142,10 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
     norm = (
         2 * math.ceil(math.log2(norm_group)) * cluster.network(1).latency if norm_group > 1 else 0
     )
-    per_rank = [cm.dev.mem(sum(ps) / shards * rt.optimizer_bytes) for ps in held]
+    eshards = expert_layout(cfg).optimizer_shards
+    own = [sum(es) if experts and p.ep > 1 else 0 for es in (experts or held)]
+    per_rank = [cm.dev.mem(((sum(ps) - e) / shards + e / eshards) * rt.optimizer_bytes)
+                for ps, e in zip(held, own)]  # fmt: skip
     gather = 0.0
     if shards > 1 and s.weight_shards == 1:  # zero=3 gathers per block instead (dp_plan)
         link = group_link(cluster, shape, ("dp", "cp"))

@@ -44,7 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megapipe.config import Config
-from megapipe.config.flops import flops_per_token, matmul_params, segment_bounds
+from megapipe.config.flops import (
+    flops_per_token,
+    held_expert_params,
+    matmul_params,
+    segment_bounds,
+)
 from megapipe.config.memory import layer_mode
 from megapipe.config.stages import partition, placement_of
 from megapipe.perf.cluster import Cluster
@@ -159,8 +164,12 @@ def project(
         [chunk_params(cfg, stages[place.stage(r, c)], 0) for c in range(place.vpp)]
         for r in range(p.pp)
     ]
-    dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c)
-    opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held)
+    experts = [
+        [held_expert_params(cfg, stages[place.stage(r, c)]) for c in range(place.vpp)]
+        for r in range(p.pp)
+    ]
+    dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c, experts)
+    opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held, experts)
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
     skew = cluster.host.sync_skew(p.tp, cfg.derived.world_size) if cluster.host else 0.0
