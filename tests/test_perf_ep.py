@@ -11,7 +11,7 @@ from megapipe.distributed.mesh import MeshSizes, ep_group_ranks
 from megapipe.perf import MEGAPIPE, load_cluster, project
 from megapipe.perf.cluster import Link
 from megapipe.perf.comm import all_to_all_time, ep_groups, ep_link
-from megapipe.perf.cost_terms import CALIBRATION
+from megapipe.perf.cost_terms import CALIBRATION, shapes
 from megapipe.perf.costs import CostModel
 from tests.conftest import TINY
 
@@ -128,3 +128,42 @@ def test_zero1_shards_expert_optimizer_state_over_the_expert_replicas():
     assert reduction_bytes(n, cfg, e) - reduction_bytes(n, cfg) == pytest.approx(
         4 * (e / 2 - e / 8), rel=1e-6
     )
+
+
+def test_local_experts_loop_unless_grouped():
+    """8 experts over ep 2: 4 local experts, each a GEMM of a quarter of the rows (ours, and
+    Megatron-Core without --moe-grouped-gemm), or one grouped GEMM of them all."""
+    h100, cfg = load_cluster("h100"), _cfg("parallel.dp=2", "parallel.ep=2")
+    loop = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    grouped = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, moe_grouped_gemm=True),
+                        CALIBRATION)  # fmt: skip
+    x = shapes(cfg, None)
+    assert loop._gemm_batches(5, True) == [1, 1, 1, 4, 4]
+    assert grouped._gemm_batches(5, True) == [1] * 5 and loop._gemm_batches(4, False) == [1] * 4
+    assert loop.gemm_shapes(x, True)[3][0] * 4 == grouped.gemm_shapes(x, True)[3][0]
+    # the same FLOPs in smaller GEMMs: no faster
+    assert (
+        loop.layer("none", None, moe=True).F.compute
+        >= grouped.layer("none", None, moe=True).F.compute
+    )
+
+
+def test_expert_tp_splits_experts_and_gathers_rows():
+    """Megatron-Core <= 0.9 (moe_expert_tp): experts at width f/tp on the tp group's rows, with
+    a tp all-gather and reduce-scatter of those rows each way."""
+    from megapipe.perf.comm import ring_time
+
+    h100 = load_cluster("h100")
+    cfg = _cfg("parallel.dp=2", "parallel.ep=2", "parallel.tp=4", "parallel.sequence_parallel=true")
+    whole = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    split = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, moe_expert_tp=True), CALIBRATION)
+    x = shapes(cfg, None)
+    (_, wn, _), (sm, sn, _) = whole.gemm_shapes(x, True)[3], split.gemm_shapes(x, True)[3]
+    assert sn * 4 == wn and sm == 4 * whole.gemm_shapes(x, True)[3][0]
+    rows = whole._moe_tokens(x) * cfg.model.top_k * 4
+    nbytes = rows * cfg.model.d_model * split.c
+    link = split.tp_link
+    want = ring_time("all_gather", nbytes, 4, link) + ring_time("reduce_scatter", nbytes, 4, link)
+    assert split._expert_tp(x, True) == pytest.approx(want) and whole._expert_tp(x, True) == 0
+    diff = split.layer("none", None, moe=True).F.tp - whole.layer("none", None, moe=True).F.tp
+    assert diff == pytest.approx(want)

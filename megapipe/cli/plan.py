@@ -40,7 +40,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
-from megapipe.perf import h100_fit
+from megapipe.perf import h100_fit, published_moe
 from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -76,6 +76,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     check.add_argument("--megapipe", action="store_true", help="megapipe's runtime beside")
     check.add_argument("--refit", action="store_true", help="fit the H100 e_max again first")
     check.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
+    check.add_argument("--moe", action="store_true", help="the published MoE runs instead")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
@@ -202,6 +203,11 @@ def run_table1(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    if args.moe:  # perf/published_moe.py: no constant fitted on these rows
+        print("published MoE runs (perf/data/moe_published_runs.csv), H100 profile as fitted on "
+              "the dense rows:\n")  # fmt: skip
+        print(published_moe.markdown(published_moe.compare()))
+        return 0
     results = h100.compare()
     cal = h100.refit(results) if args.refit else None
     if cal is not None:

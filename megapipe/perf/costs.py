@@ -47,19 +47,25 @@ router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, who
 rank, so N is the tokens the rank holds: N/tp under SP) and the shared experts' tp-split MLP.
 Balanced routing is assumed. Expert parallelism (parallel/expert/all_to_all.py): dispatch and
 combine are two all-to-alls of the N·k rows (N·k·d·c bytes per rank) over the ep group's link
-(comm.all_to_all_time) in F and two more in B (their transposes), not overlapped.
+(comm.all_to_all_time) in F and two more in B (their transposes), not overlapped. The local
+experts' GEMMs are one grouped GEMM of the rank's rows where the runtime has one
+(Runtime.moe_grouped_gemm), else one GEMM per local expert of its share of the rows (ours);
+a runtime that splits experts over tp (Runtime.moe_expert_tp: Megatron-Core <= 0.9) runs them
+on the tp group's rows at width f/tp, with a tp all-gather and reduce-scatter of those rows
+each way.
 """
 
 from __future__ import annotations
 
 from megapipe.config import Config
-from megapipe.config.flops import expert_ffn, is_moe_layer
+from megapipe.config.flops import is_moe_layer
 from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
 from megapipe.parallel.recompute import layer_mode
 from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
-from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
+from megapipe.perf.comm import ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
+from megapipe.perf.costs_moe import MoECosts
 from megapipe.perf.runtime import Runtime, resolved
 from megapipe.perf.tp_overlap import exposed_tp, sm_margin
 
@@ -70,7 +76,7 @@ FUSED_HEAD_RUNTIMES = {"megapipe"}
 # column linears gather their input and scatter its grad, the row linears the reverse
 
 
-class CostModel:
+class CostModel(MoECosts):
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
@@ -139,15 +145,6 @@ class CostModel:
         attn = sum(k * n for _, n, k in self.gemm_shapes(x, moe)[:2])  # qkv, proj
         return attn + self._mlp_params(x, moe)
 
-    def _mlp_params(self, x: Shapes, moe: bool) -> float:
-        """This rank's MLP weights: the dense MLP's, or its experts', router and shared MLP."""
-        m, d, gates = self.cfg.model, self.cfg.model.d_model, 3 if self.llama else 2
-        if not moe:
-            return d * x.ff * gates
-        ffn = expert_ffn(m, m.d_ff)
-        shared = m.moe_shared_experts * ffn // self.cfg.parallel.tp
-        return (m.n_experts // self.cfg.parallel.ep * ffn + shared) * d * gates + m.n_experts * d
-
     def gemm_shapes(self, x: Shapes, moe: bool = False) -> list[tuple[int, int, int]]:
         """(m, n, k) of a layer's GEMMs: qkv, the output projection, fc1 (or gate|up), fc2; a
         MoE layer's router, experts (the rank's N·k routed rows) and shared experts instead of
@@ -156,26 +153,7 @@ class CostModel:
         attn = [(x.n, (x.h + 2 * x.hkv) * x.hd, d), (x.n, d, x.h * x.hd)]
         if not moe:
             return [*attn, (x.n, x.ff * g, d), (x.n, d, x.ff)]
-        m = self.cfg.model
-        ffn, tokens = expert_ffn(m, m.d_ff), self._moe_tokens(x)
-        rows = tokens * m.top_k
-        out = [*attn, (tokens, m.n_experts, d), (rows, ffn * g, d), (rows, d, ffn)]
-        if m.moe_shared_experts:
-            width = m.moe_shared_experts * ffn // self.cfg.parallel.tp
-            out += [(x.n, width * g, d), (x.n, d, width)]
-        return out
-
-    def _moe_tokens(self, x: Shapes) -> int:
-        """The tokens a rank's MoE layer routes: those it holds (N/tp under SP)."""
-        return x.ns if self.cfg.parallel.sequence_parallel else x.n
-
-    def _ep_layer(self, x: Shapes, moe: bool) -> float:
-        """One direction's all-to-alls of a MoE layer: dispatch and combine (module doc)."""
-        ep = self.cfg.parallel.ep
-        if not moe or ep == 1:
-            return 0.0
-        rows = self._moe_tokens(x) * self.cfg.model.top_k
-        return 2 * all_to_all_time(rows * self.cfg.model.d_model * self.c, ep, self.ep_link)
+        return [*attn, *self._moe_shapes(x)]
 
     def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
@@ -253,9 +231,13 @@ class CostModel:
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         gemms = self.gemm_shapes(x, moe)
-        fprop = [dev.gemm(m, n, k, 1, self.c) for m, n, k in gemms]
-        dgrad = [dev.gemm(m, k, n, 1, self.c) for m, n, k in gemms]
-        wgrad = [dev.gemm(k, n, m, 1, self.c) for m, n, k in gemms]
+        runs = zip(gemms, self._gemm_batches(len(gemms), moe))
+        fprop, dgrad, wgrad = [], [], []
+        for (m, n, k), b in runs:
+            fprop.append(dev.gemm(m, n, k, b, self.c))
+            dgrad.append(dev.gemm(m, k, n, b, self.c))
+            wgrad.append(dev.gemm(k, n, m, b, self.c))
+        etp = self._expert_tp(x, moe)
         # under tp overlap a MoE layer's MLP collectives are priced beside its routed experts'
         # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
         mlp = slice(3, 5) if moe else slice(2, 4)
@@ -267,13 +249,13 @@ class CostModel:
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes)
             + act_f,
-            tp=tp,
+            tp=tp + etp,
             cp=cp_f,
             ep=ep,
         )
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
-            tp=tp_b,
+            tp=tp_b + etp,
             cp=cp_b,
             ep=ep,
         )

@@ -168,6 +168,9 @@ def project(
         [held_expert_params(cfg, stages[place.stage(r, c)]) for c in range(place.vpp)]
         for r in range(p.pp)
     ]
+    if runtime.moe_expert_tp and p.tp > 1:  # the runtime holds 1/tp of each routed expert
+        held = [[n - e + e // p.tp for n, e in zip(*pair)] for pair in zip(held, experts)]
+        experts = [[e // p.tp for e in es] for es in experts]
     dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c, experts)
     opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held, experts)
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)

@@ -122,6 +122,13 @@ class Runtime:
     # backend) or "cudnn" (cuDNN's, Transformer Engine's choice on Hopper); the profile
     # prices each (cluster.Cluster.attention_factor)
     attention_kernel: str = "flash"
+    # a MoE layer's local experts as one grouped GEMM (True) or one GEMM per local expert
+    # (ours: parallel/autograd/grouped_linear.py loops; Megatron-Core's --moe-grouped-gemm is
+    # opt-in, default False in arguments.py)
+    moe_grouped_gemm: bool = False
+    # experts split over tp like the dense MLP, the routed rows all-gathered over tp before them
+    # and reduce-scattered after (Megatron-Core <= 0.9; ours keeps experts whole: docs/moe.md)
+    moe_expert_tp: bool = False
 
 
 MEGAPIPE = Runtime(
