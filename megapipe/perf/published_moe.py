@@ -40,6 +40,10 @@ TARGET = 0.15  # issue 38: |projected / measured - 1| of each validated row
 #    dispatcher all-gathers the received rows over tp before the experts and reduce-scatters
 #    after (token_dispatcher.py MoEAlltoAllTokenDispatcher: gather_from_sequence_parallel_region
 #    / reduce_scatter_to_sequence_parallel_region), on the compute stream.
+#  - the all-to-alls: the alltoall dispatcher's dispatch and combine run on the compute stream
+#    and the experts wait for them (token_dispatcher.py, tensor_parallel.all_to_all); the
+#    expert-parallel overlap of later releases (--overlap-moe-expert-parallel-comm) is not in
+#    these runs, so costs.py prices them exposed for every runtime.
 MOE_FACTS = {
     "dgxc-grok1": {"moe_grouped_gemm": False, "moe_expert_tp": True},
     "mbridge": {"moe_grouped_gemm": True, "moe_expert_tp": False},
