@@ -265,3 +265,16 @@ def test_overlapped_tp_collectives_are_priced_as_hidden_behind_their_matmul_chun
     assert step_on < step_off
     old = [_tp_costs("megatron2021", f"parallel.tp_overlap={v}")[0] for v in ("false", "true")]
     assert old[0] == old[1] and old[0].tp > 0
+
+
+def test_head_chunk_rows_by_device():
+    """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy and the
+    costs): 256 tokens on the CPU whatever the vocabulary; on a GPU a chunk's float32 logits fill
+    256 MiB (GPT-2's padded 50304: 1334 tokens), never under 256 nor over the microbatch."""
+    from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_BYTES, head_chunk_rows
+
+    assert head_chunk_rows(50304, "cpu") == head_chunk_rows(8192, "cpu") == CHUNK_ROWS == 256
+    assert head_chunk_rows(50304, "cuda") == HEAD_CHUNK_BYTES // (4 * 50304) == 1334
+    assert head_chunk_rows(50304, "cuda", 1024) == 1024
+    assert head_chunk_rows(10**7, "cuda") == 256
+    assert head_chunk_rows(50304, "cpu", 100) == 100

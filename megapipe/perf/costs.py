@@ -54,9 +54,13 @@ from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import expert_ffn, is_moe_layer
-from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
+from megapipe.config.memory import (
+    attention_path,
+    head_chunk_rows,
+    head_grad_in_forward,
+    tied_lookup_with_head,
+)
 from megapipe.parallel.recompute import layer_mode
-from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
@@ -364,8 +368,10 @@ class CostModel:
 
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
-        CHUNK_ROWS tokens, each chunk's float32 logits made, reduced and dropped; backward makes
-        them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp, L = R·V logits):
+        config/memory.head_chunk_rows tokens (the runtime's choice: 256 on the CPU, a chunk's
+        float32 logits up to 256 MiB on a GPU), each chunk's float32 logits made, reduced and
+        dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp,
+        L = R·V logits):
           F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max
              (4), subtract (8), exp (8), sum (4); under tp a max all-reduce of R floats, then
              two of N floats for the whole microbatch (sum of exp, target logit)
@@ -383,7 +389,7 @@ class CostModel:
         weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
-        rows = min(CHUNK_ROWS, n)
+        rows = head_chunk_rows(v, self.cluster.device, n)
         k = -(-n // rows)
         norm_out = c if self.rt.fused_elementwise else 4
         norm = x.ns * d * (self.r + norm_out)
