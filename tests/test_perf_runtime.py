@@ -278,3 +278,17 @@ def test_head_chunk_rows_by_device():
     assert head_chunk_rows(50304, "cuda", 1024) == 1024
     assert head_chunk_rows(10**7, "cuda") == 256
     assert head_chunk_rows(50304, "cpu", 100) == 100
+
+
+def test_dp_bucket_size_is_the_codes():
+    """The buckets the code packs (train/build: parallel/data/reducer.replica_bucket_mb of
+    dp · cp) are the ones the projection prices (runtime.bucket_bytes of MEGAPIPE): 25 MB up to
+    6 replicas, then 1M float32 grads per replica (Megatron-Core's rule); the weights' gather
+    buckets hold the same parameters in the weights' dtype."""
+    from megapipe.parallel.data.reducer import replica_bucket_mb
+    from megapipe.perf.runtime import bucket_bytes
+
+    for n in (1, 2, 4, 6, 7, 8, 64, 512, 2048):
+        assert bucket_bytes(MEGAPIPE, n, 4) == pytest.approx(replica_bucket_mb(n) * 2**20)
+        assert bucket_bytes(MEGAPIPE, n, 2) == pytest.approx(replica_bucket_mb(n) * 2**19)
+    assert replica_bucket_mb(4) == 25.0 and replica_bucket_mb(512) > 1900

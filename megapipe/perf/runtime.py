@@ -32,7 +32,8 @@ its source. Ours and Megatron 2021's differ in facts about the code, none fitted
                   fire-and-forget (pipeline/p2p.py). Megatron: fp16, the scatter/gather
                   optimisation (§4.1: each tp rank sends 1/tp over its own NIC, then an NVLink
                   all-gather), blocking send/receive pairs (the sender waits for its transfer).
-  dp              ours: float32 buckets of 25 MB all-reduced during the last microbatch's
+  dp              ours: float32 buckets of max(25 MB, 1M parameters per dp · cp replica)
+                  (Megatron-Core's rule) all-reduced during the last microbatch's
                   backward (parallel/data/reducer.py, overlapped); Megatron 2021: one fp16
                   all-reduce of the contiguous grad buffer after the pipeline is done (its
                   `allreduce_gradients` after forward_backward, not overlapped).
@@ -72,6 +73,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
 from megapipe.train.optim import device_adamw_kind
 
@@ -136,7 +138,11 @@ MEGAPIPE = Runtime(
     p2p_blocking=False,
     grad_bytes=GRAD_BYTES,
     dp_overlap=True,  # buckets launched from the grad hooks (parallel/data/reducer.py; pinned)
-    dp_bucket_mb=25.0,
+    dp_bucket_mb=DEFAULT_BUCKET_MB,
+    # the reducer's buckets (parallel/data/reducer.replica_bucket_mb, pinned): float32 grads of
+    # max(25 MB, 1M per dp · cp replica) parameters, so the same parameters in another dtype
+    dp_bucket_params=DEFAULT_BUCKET_MB * 2**20 / GRAD_BYTES,
+    dp_bucket_params_per_rank=BUCKET_PARAMS_PER_REPLICA,
     optimizer_bytes=ADAMW_BYTES[device_adamw_kind("cuda")] + NORM_CLIP_BYTES,
     adamw=device_adamw_kind("cuda"),
     param_gather_overlap=True,  # waited for per bucket on first use (zero2.py; pinned)
