@@ -292,3 +292,28 @@ def test_dp_bucket_size_is_the_codes():
         assert bucket_bytes(MEGAPIPE, n, 4) == pytest.approx(replica_bucket_mb(n) * 2**20)
         assert bucket_bytes(MEGAPIPE, n, 2) == pytest.approx(replica_bucket_mb(n) * 2**19)
     assert replica_bucket_mb(4) == 25.0 and replica_bucket_mb(512) > 1900
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_compile_prices_what_compile_math_fuses(params_dtype, tmp_path):
+    """train.compile: the runtime fuses the layers' elementwise ops (fused_elementwise), and
+    drops the norm outputs' autocast casts only where compile_math compiles the linears too
+    (float32 weights at tp = 1); with bf16 weights the linears stay eager, and so the casts.
+    Eager, neither: the runtime is resolved()'s by dtypes."""
+    from megapipe.perf.runtime import resolved_for
+    from megapipe.pipeline.stages import build_model
+    from models.gpt import compiled_linears
+
+    over = [f"train.params_dtype={params_dtype}", "train.dtype=bfloat16"]
+    eager_cfg = tiny_config(over, str(tmp_path))
+    assert resolved_for(MEGAPIPE, eager_cfg) == resolved(MEGAPIPE, "bfloat16", params_dtype)
+    cfg = tiny_config([*over, "train.compile=true"], str(tmp_path))
+    layer = next(iter(build_model(eager_cfg, None, "cpu").layers.values()))
+    layer.compile_math()  # as build_model does under train.compile, less the warm-up
+    linears = (layer.attn.qkv, layer.attn.proj, *layer.mlp.linears())
+    compiled = [linear._eager_math is None for linear in linears]
+    assert compiled == [compiled_linears(cfg)] * 4 == [params_dtype == "float32"] * 4
+    rt = resolved_for(MEGAPIPE, cfg)
+    assert rt.fused_elementwise and rt.compiled_layers
+    assert rt.autocast_casts == (params_dtype != "float32")
+    assert not resolved_for(MEGAPIPE, eager_cfg).fused_elementwise

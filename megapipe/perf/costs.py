@@ -64,7 +64,7 @@ from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
-from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.runtime import Runtime, resolved_for
 from megapipe.perf.tp_overlap import exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
@@ -78,7 +78,7 @@ class CostModel:
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
-        rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+        rt = resolved_for(runtime, cfg)
         self.cfg, self.cluster, self.rt = cfg, cluster, rt
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
         # the profile's own constants where it states them (cluster.Cluster.calibration)
@@ -215,10 +215,16 @@ class CostModel:
         fused = self.rt.fused_elementwise
         region = x.ns * d  # the norm / residual region (1/tp of the tokens under SP)
         mask = 1 if self.dropout else 0
-        norm_out = c if fused else 4  # autocast runs norms in float32, the linear casts
-        cast = x.n * d * (4 + c) if self.rt.autocast_casts and not fused else 0
+        # autocast runs norms in float32 and the linear casts, unless both are fused (ours:
+        # compiled together, runtime.resolved)
+        norm_out = c if fused and not self.rt.autocast_casts else 4
+        cast = x.n * d * (4 + c) if self.rt.autocast_casts else 0
         norm = region * (r + norm_out) + cast
-        if fused:  # bias + dropout + add in one kernel
+        # ours compiled: the residual dropout under SP stays eager (models/gpt.compile_math)
+        eager_dropout = (
+            self.rt.compiled_layers and self.dropout and self.cfg.parallel.sequence_parallel
+        )
+        if fused and not eager_dropout:  # bias + dropout + add in one kernel
             residual = region * (c + 2 * r + mask)
         else:
             residual = region * (c + 2 * r) + (region * (2 * c + mask) if self.dropout else 0)
@@ -335,7 +341,7 @@ class CostModel:
             return res
         x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
         d, c = m.d_model, self.c
-        norm_out = c if self.rt.fused_elementwise else 4
+        norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
         logits = x.n * x.vocab
         table = x.vocab * d
@@ -391,7 +397,7 @@ class CostModel:
         d, v, n = m.d_model, x.vocab, x.n
         rows = head_chunk_rows(v, self.cluster.device, n)
         k = -(-n // rows)
-        norm_out = c if self.rt.fused_elementwise else 4
+        norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
         logits = n * v
         table = v * d

@@ -33,7 +33,7 @@ from megapipe.config.states import state_layout
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime, bucket_bytes, resolved
+from megapipe.perf.runtime import Runtime, bucket_bytes, resolved_for
 from megapipe.plan.actions import Placement
 
 
@@ -57,7 +57,7 @@ class DPPlan:
 def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_bytes) -> DPPlan:
     """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters)."""
     p, m = cfg.parallel, cfg.model
-    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    rt = resolved_for(runtime, cfg)
     n = p.dp * p.cp
     link = group_link(cluster, shape, ("dp", "cp"))
     kind = "reduce_scatter" if p.zero and n > 1 else "all_reduce"
@@ -114,7 +114,7 @@ class OptPlan:
 def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostModel, shape, held):
     """The optimizer step after the reduction (module docstring): an OptPlan."""
     p = cfg.parallel
-    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    rt = resolved_for(runtime, cfg)
     n = p.dp * p.cp
     s = state_layout(cfg)
     shards = s.optimizer_shards
