@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from benchmarks import bench_train
 from benchmarks.harness import alternate, timed
-from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS, exp_shifted_
+from megapipe.config.memory import CHUNK_ROWS
+from megapipe.parallel.tensor.cross_entropy import exp_shifted_
 from models.activations import gelu_tanh
 
 

@@ -31,6 +31,7 @@ from megapipe.parallel.tensor.layers import (
 from megapipe.parallel.tensor.mappings import enter_column, gather_from_tp
 from megapipe.parallel.tensor.random import replayable, sharded_rng
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
+from megapipe.plan.schedules import SCHEDULES
 from models.activations import gelu_tanh
 from models.attention import Attention
 from models.init import init_parameters
@@ -115,6 +116,25 @@ class Embedding(nn.Module):
         return (h, table) if with_table else h
 
 
+def eager_linears(split_weight_grads: bool, tp: int, main_grads: bool) -> bool:
+    """Whether TransformerLayer.compile_math leaves the layer's linears eager (its docstring
+    says why): weight grads deferred to a Zero Bubble W, tp > 1, or bf16 weights' main grads.
+    Then the autocast cast of each linear's input stays in the eager linear, unfused."""
+    return split_weight_grads or tp > 1 or main_grads
+
+
+def split_weight_grads(cfg: Config) -> bool:
+    """Whether the schedule defers the linears' weight grads to W actions (Zero Bubble)."""
+    return cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.schedule].split_backward
+
+
+def compiled_linears(cfg: Config) -> bool:
+    """Whether train.compile compiles the layers' linears with their math (compile_math)."""
+    main_grads = cfg.train.params_dtype != "float32"  # parallel/precision.attach_main_grads
+    eager = eager_linears(split_weight_grads(cfg), cfg.parallel.tp, main_grads)
+    return cfg.train.compile and not eager
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm1 x), then + mlp(norm2 x)."""
 
@@ -166,12 +186,13 @@ class TransformerLayer(nn.Module):
         rebinding its methods. Dropout draws from the same generator as eager: inductor's
         `fallback_random`, set for this compile only (no process-global config)."""
         main_grads = hasattr(self.attn.qkv.weight, "main_grad")
+        eager = eager_linears(split_weight_grads, self.tp.size, main_grads)
         if isinstance(self.mlp, MoE):  # dispatch's row counts are data-dependent
             self.mlp.keep_eager()
-        elif split_weight_grads or self.tp.size > 1 or main_grads:
+        elif eager:
             for linear in self.mlp.linears():
                 linear.keep_eager()
-        if split_weight_grads or self.tp.size > 1 or main_grads:
+        if eager:
             for linear in (self.attn.qkv, self.attn.proj):
                 linear.keep_eager()
         if self.tp.size > 1 or self.attn.cp.size > 1:

@@ -265,3 +265,55 @@ def test_overlapped_tp_collectives_are_priced_as_hidden_behind_their_matmul_chun
     assert step_on < step_off
     old = [_tp_costs("megatron2021", f"parallel.tp_overlap={v}")[0] for v in ("false", "true")]
     assert old[0] == old[1] and old[0].tp > 0
+
+
+def test_head_chunk_rows_by_device():
+    """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy and the
+    costs): 256 tokens on the CPU whatever the vocabulary; on a GPU a chunk's float32 logits fill
+    256 MiB (GPT-2's padded 50304: 1334 tokens), never under 256 nor over the microbatch."""
+    from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_BYTES, head_chunk_rows
+
+    assert head_chunk_rows(50304, "cpu") == head_chunk_rows(8192, "cpu") == CHUNK_ROWS == 256
+    assert head_chunk_rows(50304, "cuda") == HEAD_CHUNK_BYTES // (4 * 50304) == 1334
+    assert head_chunk_rows(50304, "cuda", 1024) == 1024
+    assert head_chunk_rows(10**7, "cuda") == 256
+    assert head_chunk_rows(50304, "cpu", 100) == 100
+
+
+def test_dp_bucket_size_is_the_codes():
+    """The buckets the code packs (train/build: parallel/data/reducer.replica_bucket_mb of
+    dp · cp) are the ones the projection prices (runtime.bucket_bytes of MEGAPIPE): 25 MB up to
+    6 replicas, then 1M float32 grads per replica (Megatron-Core's rule); the weights' gather
+    buckets hold the same parameters in the weights' dtype."""
+    from megapipe.parallel.data.reducer import replica_bucket_mb
+    from megapipe.perf.runtime import bucket_bytes
+
+    for n in (1, 2, 4, 6, 7, 8, 64, 512, 2048):
+        assert bucket_bytes(MEGAPIPE, n, 4) == pytest.approx(replica_bucket_mb(n) * 2**20)
+        assert bucket_bytes(MEGAPIPE, n, 2) == pytest.approx(replica_bucket_mb(n) * 2**19)
+    assert replica_bucket_mb(4) == 25.0 and replica_bucket_mb(512) > 1900
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_compile_prices_what_compile_math_fuses(params_dtype, tmp_path):
+    """train.compile: the runtime fuses the layers' elementwise ops (fused_elementwise), and
+    drops the norm outputs' autocast casts only where compile_math compiles the linears too
+    (float32 weights at tp = 1); with bf16 weights the linears stay eager, and so the casts.
+    Eager, neither: the runtime is resolved()'s by dtypes."""
+    from megapipe.perf.runtime import resolved_for
+    from megapipe.pipeline.stages import build_model
+    from models.gpt import compiled_linears
+
+    over = [f"train.params_dtype={params_dtype}", "train.dtype=bfloat16"]
+    eager_cfg = tiny_config(over, str(tmp_path))
+    assert resolved_for(MEGAPIPE, eager_cfg) == resolved(MEGAPIPE, "bfloat16", params_dtype)
+    cfg = tiny_config([*over, "train.compile=true"], str(tmp_path))
+    layer = next(iter(build_model(eager_cfg, None, "cpu").layers.values()))
+    layer.compile_math()  # as build_model does under train.compile, less the warm-up
+    linears = (layer.attn.qkv, layer.attn.proj, *layer.mlp.linears())
+    compiled = [linear._eager_math is None for linear in linears]
+    assert compiled == [compiled_linears(cfg)] * 4 == [params_dtype == "float32"] * 4
+    rt = resolved_for(MEGAPIPE, cfg)
+    assert rt.fused_elementwise and rt.compiled_layers
+    assert rt.autocast_casts == (params_dtype != "float32")
+    assert not resolved_for(MEGAPIPE, eager_cfg).fused_elementwise

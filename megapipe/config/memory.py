@@ -76,8 +76,9 @@ every term with saved_tensors_hooks):
           (layer_deferred); the rest goes at B. The head does its weight grad in B.
 
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
-rank), the loss's scalars, bucket padding. The head's chunk of logits (O(chunk·V/tp), in forward
-and again in backward) is transient, not saved. The fused kernels' workspace, the recompute's
+rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
+floats, at most HEAD_CHUNK_BYTES on a GPU, in forward and again in backward) is transient, not
+saved. The fused kernels' workspace, the recompute's
 transient layer, grads in flight and Seq1F1B's K/V grads waiting for the earlier segment's
 backward are not saved tensors.
 """
@@ -92,6 +93,28 @@ from megapipe.config.schema import Config, RecomputeConfig
 from megapipe.config.states import FLOAT32, PARAM_BYTES
 
 INDEX = 8  # int64 token ids and targets
+
+# The fused LM head's tokens per chunk (parallel/tensor/cross_entropy.linear_cross_entropy).
+# CPU: a chunk's logits are CHUNK_ROWS · V/tp floats (12.9M, 51 MB, for GPT-2's 50257 on one
+# rank), the fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer rows re-read
+# the head weight more often, more leave the chunk's elementwise passes less cache.
+CHUNK_ROWS = 256
+# CUDA: chunks as large as HEAD_CHUNK_BYTES of float32 logits allow. Each chunk adds its weight
+# grad into the float32 V/tp·d table and launches its GEMMs and elementwise kernels, so 256-row
+# chunks spend up to a fifth of a small model's step re-reading that table; a GPU has no cache
+# to keep the chunk in, only HBM to bound it (Liger-Kernel's fused linear cross entropy sizes its
+# chunks by the logits' bytes the same way).
+HEAD_CHUNK_BYTES = 256 * 2**20
+
+
+def head_chunk_rows(vocab_shard: int, device: str = "cuda", tokens: int | None = None) -> int:
+    """Tokens per chunk of the fused head + loss for a V/tp = `vocab_shard` slice: CHUNK_ROWS on
+    the CPU; on a GPU as many as keep one chunk's float32 logits within HEAD_CHUNK_BYTES, at
+    least CHUNK_ROWS; at most the microbatch's `tokens` where given."""
+    rows = CHUNK_ROWS
+    if device != "cpu":
+        rows = max(CHUNK_ROWS, HEAD_CHUNK_BYTES // (FLOAT32 * max(vocab_shard, 1)))
+    return rows if tokens is None else max(1, min(rows, tokens))
 
 
 def compute_bytes(cfg: Config) -> int:

@@ -59,14 +59,18 @@ from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
-from megapipe.config.memory import attention_path, head_grad_in_forward, tied_lookup_with_head
+from megapipe.config.memory import (
+    attention_path,
+    head_chunk_rows,
+    head_grad_in_forward,
+    tied_lookup_with_head,
+)
 from megapipe.parallel.recompute import layer_mode
-from megapipe.parallel.tensor.cross_entropy import CHUNK_ROWS
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
-from megapipe.perf.runtime import Runtime, resolved
+from megapipe.perf.runtime import Runtime, resolved_for
 from megapipe.perf.tp_overlap import exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
@@ -80,7 +84,7 @@ class CostModel(MoECosts):
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
-        rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+        rt = resolved_for(runtime, cfg)
         self.cfg, self.cluster, self.rt = cfg, cluster, rt
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
         # the profile's own constants where it states them (cluster.Cluster.calibration)
@@ -189,10 +193,16 @@ class CostModel(MoECosts):
         fused = self.rt.fused_elementwise
         region = x.ns * d  # the norm / residual region (1/tp of the tokens under SP)
         mask = 1 if self.dropout else 0
-        norm_out = c if fused else 4  # autocast runs norms in float32, the linear casts
-        cast = x.n * d * (4 + c) if self.rt.autocast_casts and not fused else 0
+        # autocast runs norms in float32 and the linear casts, unless both are fused (ours:
+        # compiled together, runtime.resolved)
+        norm_out = c if fused and not self.rt.autocast_casts else 4
+        cast = x.n * d * (4 + c) if self.rt.autocast_casts else 0
         norm = region * (r + norm_out) + cast
-        if fused:  # bias + dropout + add in one kernel
+        # ours compiled: the residual dropout under SP stays eager (models/gpt.compile_math)
+        eager_dropout = (
+            self.rt.compiled_layers and self.dropout and self.cfg.parallel.sequence_parallel
+        )
+        if fused and not eager_dropout:  # bias + dropout + add in one kernel
             residual = region * (c + 2 * r + mask)
         else:
             residual = region * (c + 2 * r) + (region * (2 * c + mask) if self.dropout else 0)
@@ -313,7 +323,7 @@ class CostModel(MoECosts):
             return res
         x, dev, m, p = shapes(self.cfg, segment), self.dev, self.cfg.model, self.cfg.parallel
         d, c = m.d_model, self.c
-        norm_out = c if self.rt.fused_elementwise else 4
+        norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
         logits = x.n * x.vocab
         table = x.vocab * d
@@ -346,8 +356,10 @@ class CostModel(MoECosts):
 
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
-        CHUNK_ROWS tokens, each chunk's float32 logits made, reduced and dropped; backward makes
-        them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp, L = R·V logits):
+        config/memory.head_chunk_rows tokens (the runtime's choice: 256 on the CPU, a chunk's
+        float32 logits up to 256 MiB on a GPU), each chunk's float32 logits made, reduced and
+        dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp,
+        L = R·V logits):
           F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max
              (4), subtract (8), exp (8), sum (4); under tp a max all-reduce of R floats, then
              two of N floats for the whole microbatch (sum of exp, target logit)
@@ -365,9 +377,9 @@ class CostModel(MoECosts):
         weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
-        rows = min(CHUNK_ROWS, n)
+        rows = head_chunk_rows(v, self.cluster.device, n)
         k = -(-n // rows)
-        norm_out = c if self.rt.fused_elementwise else 4
+        norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
         logits = n * v
         table = v * d

@@ -39,7 +39,7 @@ from megapipe.config.states import expert_layout, expert_replicas, state_layout
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import expert_replica_link, group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime, bucket_bytes, resolved
+from megapipe.perf.runtime import Runtime, bucket_bytes, resolved_for
 from megapipe.plan.actions import Placement
 
 
@@ -65,7 +65,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters;
     `experts`: as many of them routed experts', reduced over the expert replicas)."""
     p, m = cfg.parallel, cfg.model
-    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    rt = resolved_for(runtime, cfg)
     groups = [(p.dp * p.cp, group_link(cluster, shape, ("dp", "cp")))]
     if p.ep > 1:  # expert buckets: summed over the expert-replica group (reducer.py)
         groups.append((expert_replicas(cfg), expert_replica_link(cluster, shape, p.ep)))
@@ -134,7 +134,7 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
     """The optimizer step after the reduction (module docstring): an OptPlan. `experts` (as
     `held`): the routed experts' parameters, whose state is sharded over the expert replicas."""
     p = cfg.parallel
-    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype)
+    rt = resolved_for(runtime, cfg)
     n = p.dp * p.cp
     s = state_layout(cfg)
     shards = s.optimizer_shards

@@ -13,7 +13,8 @@ there. `leave_one_out` projects each fitted row with e_max fitted on the other f
 
 `beside_megapipe` projects megapipe's own runtime on the Megatron-Core rows: the same model,
 mesh, batch and sharding, with bf16 weights (train.params_dtype=bfloat16: the layout of
-Megatron's distributed optimizer) and megapipe's facts (runtime.resolved).
+Megatron's distributed optimizer), train.compile where the config allows it (megapipe_config)
+and megapipe's facts (runtime.resolved_for).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megapipe.config import Config
 from megapipe.perf import h100_fit, published
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.model import Projection, project
-from megapipe.perf.runtime import MEGAPIPE, RUNTIMES, Runtime, resolved
+from megapipe.perf.runtime import MEGAPIPE, RUNTIMES, Runtime, resolved_for
+from megapipe.plan.schedules import SCHEDULES
 
 TARGET_MEAN, TARGET_MAX = 0.08, 0.15  # mean and max absolute relative error (issue 34)
 
@@ -201,15 +204,26 @@ class Beside:
         return self.megapipe.tflops_per_gpu / self.megatron_core.tflops_per_gpu
 
 
+def megapipe_config(cfg: Config) -> Config:
+    """A Megatron-Core row's config as megapipe would run it best: bf16 weights (the layout of
+    Megatron's distributed optimizer) and train.compile where the config checks allow it (not
+    with parallel.zero=3, nor Seq1F1B's segments over a pipeline); parallel.tp_overlap as the
+    row sets it for both."""
+    p = cfg.parallel
+    segmented = SCHEDULES[p.schedule].segmented and p.pp > 1
+    train = dataclasses.replace(
+        cfg.train, params_dtype="bfloat16", compile=p.zero != 3 and not segmented
+    )
+    return dataclasses.replace(cfg, train=train)
+
+
 def beside_megapipe(table: list[published.Row] | None = None) -> list[Beside]:
     """Megapipe's runtime with bf16 weights projected beside Megatron-Core's on its rows."""
     out = []
     for row in rows(("megatron_core",)) if table is None else table:
         m = published.measured(row)
         cluster = load_cluster(m.cluster, row.gpus_per_node)
-        ours = dataclasses.replace(
-            m.config, train=dataclasses.replace(m.config.train, params_dtype="bfloat16")
-        )
+        ours = megapipe_config(m.config)
         core = project(m.config, cluster, runtime_of(row), memory=False)
         out.append(Beside(row, core, project(ours, cluster, MEGAPIPE, memory=False)))
     return out
@@ -242,7 +256,8 @@ def beside_markdown(results: list[Beside]) -> str:
 TERMS = {
     "attention kernel": ("attention", "attention_kernel"),
     "residual fp32": ("residual_bytes",),
-    "unfused elementwise, autocast casts": ("fused_elementwise", "autocast_casts"),
+    "unfused elementwise, autocast casts": ("fused_elementwise", "autocast_casts",
+                                            "compiled_layers"),
     "grad accumulation": ("grad_accum_bytes", "weight_cast_bytes"),
     "tp overlap": ("tp_comm_overlap",),
     "p2p": ("p2p_bytes", "p2p_scatter_gather", "p2p_blocking", "p2p_overlap"),
@@ -260,10 +275,8 @@ def attribution(b: Beside) -> dict[str, float]:
     row = b.row
     m = published.measured(row)
     cluster = load_cluster(m.cluster, row.gpus_per_node)
-    cfg = dataclasses.replace(
-        m.config, train=dataclasses.replace(m.config.train, params_dtype="bfloat16")
-    )
-    ours = resolved(MEGAPIPE, cfg.train.dtype, cfg.train.params_dtype)
+    cfg = megapipe_config(m.config)
+    ours = resolved_for(MEGAPIPE, cfg)
     rt, before, out = runtime_of(row), b.megatron_core.step_time_s, {}
     for term, names in TERMS.items():
         names = [n for n in names if hasattr(ours, n)]

@@ -16,7 +16,10 @@ its source. Ours and Megatron 2021's differ in facts about the code, none fitted
   residual bytes  ours keeps the residual stream and norms in float32 (config/memory.py);
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
-                  dropout, add and the autocast casts as separate kernels.
+                  dropout, add and the autocast casts as separate kernels, except under
+                  train.compile: inductor fuses each layer's norms, adds, activation and RoPE;
+                  the norm outputs' casts only where the linears compile too (tp = 1, float32
+                  weights, no Zero Bubble W: models/gpt.compiled_linears).
   weight cast     bytes per parameter per forward: ours with float32 weights under bf16 autocast
                   casts every weight to bf16 (read 4, write 2); with bf16 weights
                   (train.params_dtype=bfloat16) nothing; Megatron keeps fp16 weights (0).
@@ -32,7 +35,8 @@ its source. Ours and Megatron 2021's differ in facts about the code, none fitted
                   fire-and-forget (pipeline/p2p.py). Megatron: fp16, the scatter/gather
                   optimisation (§4.1: each tp rank sends 1/tp over its own NIC, then an NVLink
                   all-gather), blocking send/receive pairs (the sender waits for its transfer).
-  dp              ours: float32 buckets of 25 MB all-reduced during the last microbatch's
+  dp              ours: float32 buckets of max(25 MB, 1M parameters per dp · cp replica)
+                  (Megatron-Core's rule) all-reduced during the last microbatch's
                   backward (parallel/data/reducer.py, overlapped); Megatron 2021: one fp16
                   all-reduce of the contiguous grad buffer after the pipeline is done (its
                   `allreduce_gradients` after forward_backward, not overlapped).
@@ -71,9 +75,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megapipe.config import Config
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
 from megapipe.train.optim import device_adamw_kind
+from models.gpt import compiled_linears
 
 ADAMW_BYTES = {"fused": 28.0, "foreach": 80.0}  # HBM bytes per float32 parameter of one step
 NORM_CLIP_BYTES = 12.0  # the global grad norm reads the grads (4), the clip rescales them (8)
@@ -129,6 +136,10 @@ class Runtime:
     # experts split over tp like the dense MLP, the routed rows all-gathered over tp before them
     # and reduce-scattered after (Megatron-Core <= 0.9; ours keeps experts whole: docs/moe.md)
     moe_expert_tp: bool = False
+    # ours under train.compile (resolved_for): only the transformer layers are compiled
+    # (models/gpt.TransformerLayer.compile_math); the final norm stays eager, and so does the
+    # residual dropout under sequence parallelism
+    compiled_layers: bool = False
 
 
 MEGAPIPE = Runtime(
@@ -143,7 +154,11 @@ MEGAPIPE = Runtime(
     p2p_blocking=False,
     grad_bytes=GRAD_BYTES,
     dp_overlap=True,  # buckets launched from the grad hooks (parallel/data/reducer.py; pinned)
-    dp_bucket_mb=25.0,
+    dp_bucket_mb=DEFAULT_BUCKET_MB,
+    # the reducer's buckets (parallel/data/reducer.replica_bucket_mb, pinned): float32 grads of
+    # max(25 MB, 1M per dp · cp replica) parameters, so the same parameters in another dtype
+    dp_bucket_params=DEFAULT_BUCKET_MB * 2**20 / GRAD_BYTES,
+    dp_bucket_params_per_rank=BUCKET_PARAMS_PER_REPLICA,
     optimizer_bytes=ADAMW_BYTES[device_adamw_kind("cuda")] + NORM_CLIP_BYTES,
     adamw=device_adamw_kind("cuda"),
     param_gather_overlap=True,  # waited for per bucket on first use (zero2.py; pinned)
@@ -164,6 +179,7 @@ MEGATRON_2021 = Runtime(
     dp_overlap=False,
     dp_bucket_mb=0.0,
     optimizer_bytes=56.0,
+    autocast_casts=False,  # fp16 weights, no autocast
 )
 
 # Megatron-Core 0.8-0.12 with the flags its published H100 runs (NVIDIA NeMo / Megatron-LM
@@ -322,12 +338,28 @@ def grad_accum_bytes(params_dtype: str, compute: int) -> float:
     return float(compute + 2 * GRAD_BYTES)
 
 
-def resolved(runtime: Runtime, dtype: str, params_dtype: str = "float32") -> Runtime:
+def resolved_for(runtime: Runtime, cfg: Config) -> Runtime:
+    """`runtime` as it runs `cfg` (resolved: its dtypes, and train.compile)."""
+    compiled = cfg.train.compile
+    linears = compiled_linears(cfg)
+    return resolved(runtime, cfg.train.dtype, cfg.train.params_dtype, compiled, linears)
+
+
+def resolved(
+    runtime: Runtime,
+    dtype: str,
+    params_dtype: str = "float32",
+    compiled: bool = False,
+    linears_compiled: bool = False,
+) -> Runtime:
     """`runtime` as it runs a config of train.dtype `dtype` and train.params_dtype
     `params_dtype` (idempotent). Ours: the weight casts and grad accumulation of the weights'
     and compute dtypes (float32 without autocast also casts no norm output), the optimizer of
     the AdamW kind the code runs plus the bf16 write-back, the gather in the weights' dtype.
-    Megatron 2021 (fp16 weights) is unchanged."""
+    Under train.compile (`compiled`) inductor fuses each layer's norms, residual adds,
+    activation, RoPE and head relayouts (fused_elementwise); the norm output's autocast cast
+    goes only where the linears are compiled too (`linears_compiled`: models/gpt
+    .compiled_linears), else the eager linear still makes it. Others are unchanged."""
     if runtime.name != "megapipe":
         return runtime
     compute = FLOAT32 if dtype == "float32" else 2
@@ -338,7 +370,9 @@ def resolved(runtime: Runtime, dtype: str, params_dtype: str = "float32") -> Run
         runtime,
         weight_cast_bytes=weight_cast_bytes(params_dtype, compute),
         grad_accum_bytes=grad_accum_bytes(params_dtype, compute),
-        autocast_casts=dtype != "float32",
+        autocast_casts=dtype != "float32" and not linears_compiled,
+        fused_elementwise=compiled,
+        compiled_layers=compiled,
         optimizer_bytes=optimizer,
         param_bytes=PARAM_BYTES[params_dtype],
     )

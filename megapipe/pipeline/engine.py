@@ -22,7 +22,7 @@ from megapipe.config.flops import segment_bounds
 from megapipe.config.stages import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import make_reducer
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.parallel.precision import DTYPES, autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
@@ -165,11 +165,13 @@ def build_pipeline(
     cfg: Config,
     mesh,
     device="cpu",
-    bucket_mb: float = DEFAULT_BUCKET_MB,
+    bucket_mb: float | None = None,
     kind: type[Pipeline] = Pipeline,
 ) -> Pipeline:
-    """This rank's `kind` of Pipeline for cfg's schedule, on `mesh`."""
+    """This rank's `kind` of Pipeline for cfg's schedule, on `mesh` (dp buckets of `bucket_mb`
+    MB; None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas)."""
     p = cfg.parallel
+    bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
     place = placement(p.schedule, p.pp, p.vpp)
     chunks = build_chunks(cfg, mesh, device, place)
     runtime = _runtime(cfg, mesh, device, chunks, place)

@@ -27,8 +27,7 @@ from megapipe.parallel.expert.sharding import ep_info
 from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
-from megapipe.plan.schedules import SCHEDULES
-from models.gpt import GPT
+from models.gpt import GPT, split_weight_grads
 from models.moe import set_loss_scale
 
 
@@ -118,7 +117,7 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     layers = [layer for chunk in chunks for layer in chunk.layers.values()]
     if not cfg.train.compile or not layers:
         return None
-    split = cfg.parallel.pp > 1 and SCHEDULES[cfg.parallel.schedule].split_backward
+    split = split_weight_grads(cfg)
     began = time.perf_counter()
     for layer in layers:
         layer.compile_math(split_weight_grads=split)

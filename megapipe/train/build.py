@@ -11,7 +11,7 @@ from torch import nn
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.levels import full_weights, make_reducer
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine
@@ -85,9 +85,11 @@ class Job:
         return evaluate(self.engine, self.slice, data, self.cfg)
 
 
-def build(cfg: Config, mesh, device="cpu", bucket_mb: float = DEFAULT_BUCKET_MB) -> Job:
+def build(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None) -> Job:
     """This rank's Job: the pipeline of its chunks when parallel.pp > 1, else the whole
-    (tp-sharded) model; mesh None is one process."""
+    (tp-sharded) model; mesh None is one process. dp buckets of `bucket_mb` MB (None: the
+    reducer's size for dp · cp replicas, parallel/data/reducer.replica_bucket_mb)."""
+    bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
     if cfg.parallel.pp > 1:
         kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
         pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
@@ -105,15 +107,14 @@ def _slice(cfg: Config, mesh) -> BatchSlice:
     return BatchSlice.of(mesh, cfg.train.global_batch, document_eos(cfg))
 
 
-def replica(
-    cfg: Config, model: nn.Module, mesh=None, bucket_mb: float = DEFAULT_BUCKET_MB
-) -> Replica:
+def replica(cfg: Config, model: nn.Module, mesh=None, bucket_mb: float | None = None) -> Replica:
     """The plain engine over `model`: dp × cp buckets when there are replicas."""
     if mesh is None:
         return Replica(cfg, model)
     if mesh.size("dp") * mesh.size("cp") == 1:
         return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
     zero, blocks = cfg.parallel.zero, weight_blocks(model)
+    bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
     experts = mesh.expert_replica_group  # parallel.ep > 1: expert weights' grads summed there
     reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero, None, blocks, experts)
     # zero=1 shards, and ep ranks hold different experts: the norm spans every rank

@@ -7,7 +7,8 @@ three all-reduces of per-token scalars (max, sum of exp, target logit) instead o
 
 `linear_cross_entropy` goes one step further: the head's matmul and the loss in one autograd
 Function that never holds the logits of the whole microbatch. Forward walks the tokens in
-chunks of CHUNK_ROWS tokens, keeping per token only the log-sum-exp and the target's logit;
+chunks (config/memory.head_chunk_rows: 256 tokens on the CPU, more on a GPU), keeping per token
+only the log-sum-exp and the target's logit;
 over a vocabulary split by tp, each chunk's row maxima are all-reduced (so every rank, and one
 process, subtract the same maximum) and the sums of exp and the target logits once at the end.
 It saves the head input, the targets and per token the row max and sum of exp, O(tokens·d),
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapipe.config.memory import head_chunk_rows
 from megapipe.distributed import collectives as C
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers, kept_or_new
 from megapipe.parallel.tensor.sharding import TPInfo
@@ -72,12 +74,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(out.shape[0], device=out.device)
         out[rows, local] -= inside.to(out.dtype)
         return (out * grad).to(ctx.dtype), None, None, None, None
-
-
-# Tokens per chunk: a chunk's logits are CHUNK_ROWS · V/tp floats (12.9M, 51 MB, for GPT-2's
-# 50257 on one rank). The fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer
-# rows re-read the head weight more often, more leave the chunk's elementwise passes less cache.
-CHUNK_ROWS = 256
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -306,14 +302,15 @@ def linear_cross_entropy(
     """Σ over tokens of −log softmax(h Wᵀ)[target] without the whole (tokens, V/tp) logits: h
     (B, T, d) the head input on this rank (after f, or SP's all-gather), W (V/tp, d) this rank's
     vocabulary slice starting at `vocab_start` (rows past `vocab_size` are padding), targets
-    (B, T); `rows` tokens per chunk (default CHUNK_ROWS). `grad_in_forward`: make the input and
+    (B, T); `rows` tokens per chunk (default config/memory.head_chunk_rows: 256 on the CPU, larger
+    chunks on a GPU). `grad_in_forward`: make the input and
     weight grads in forward, each chunk's logits made once (module docstring); only where grad
     is being recorded; `reuse`: the buffers its weight grad and chunk logits are written into,
     kept from step to step (HeadBuffers), else fresh ones each call."""
-    rows = rows or CHUNK_ROWS
     recording = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     early = grad_in_forward and recording
     flat, flat_targets = h.flatten(0, 1), targets.flatten()
+    rows = rows or head_chunk_rows(weight.shape[0], h.device.type, flat.shape[0])
     return _LinearCrossEntropy.apply(
         flat, weight, flat_targets, vocab_start, vocab_size, tp, rows, early, reuse
     )
