@@ -218,29 +218,26 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         )
     _require(cfg.arch == "llama", f"model.arch={cfg.arch!r} has no HF export")
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
+    common |= {
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": d.n_kv_heads,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    }
     if cfg.n_experts:
         return _mixtral_hf_config(cfg, d, common)
-    return LlamaConfig(
-        hidden_size=cfg.d_model,
-        intermediate_size=d.d_ff,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=d.n_kv_heads,
-        head_dim=d.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        **common,
-    )
+    return LlamaConfig(intermediate_size=d.d_ff, attention_bias=False, mlp_bias=False, **common)
 
 
 def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
     """MixtralConfig of a llama mixture of experts: every layer MoE, dropless, no shared
-    experts (what Mixtral computes)."""
+    experts (what Mixtral computes); `common`: the llama family's keys."""
     from transformers import MixtralConfig
 
     _require(cfg.moe_every == 1, "model.moe_every != 1: every Mixtral layer is MoE; set it 1")
@@ -250,22 +247,12 @@ def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
         "model.moe_capacity_factor > 0: Mixtral routes dropless; set it 0 to export",
     )
     return MixtralConfig(
-        hidden_size=cfg.d_model,
         intermediate_size=expert_ffn(cfg, d.d_ff),
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=d.n_kv_heads,
-        head_dim=d.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        attention_dropout=0.0,
         sliding_window=None,
         num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
         router_aux_loss_coef=cfg.moe_aux_coef,
         router_jitter_noise=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         **common,
     )
 

@@ -45,11 +45,11 @@ def runtime_of(row: published.Row) -> Runtime:
     return rt
 
 
-@dataclass(frozen=True)
-class Result:
-    row: published.Row
-    measured: float  # tokens/s per GPU as published (or derived, perf/published.measured)
-    measured_tflops: float  # model TFLOP/s per GPU on megapipe's count
+class TokensError:
+    """A projection (`projection`) beside a published tokens/s per GPU (`measured`): the
+    projected figure and the relative error (validated results of dense and MoE rows)."""
+
+    measured: float
     projection: Projection
 
     @property
@@ -61,6 +61,14 @@ class Result:
     @property
     def error(self) -> float:
         return self.projected / self.measured - 1.0
+
+
+@dataclass(frozen=True)
+class Result(TokensError):
+    row: published.Row
+    measured: float  # tokens/s per GPU as published (or derived, perf/published.measured)
+    measured_tflops: float  # model TFLOP/s per GPU on megapipe's count
+    projection: Projection
 
 
 # Rows held but not validated, by data file: why the model cannot price them as they ran.

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from megapipe.config import Config, load_config
 from megapipe.config.flops import flops_per_token
 from megapipe.perf.cluster import load_cluster
+from megapipe.perf.h100_validation import TokensError
 from megapipe.perf.model import Projection, project
 from megapipe.perf.published import DATA, DTYPES, ZERO
 from megapipe.perf.runtime import RUNTIMES, Runtime
@@ -162,19 +163,10 @@ def runtime_of(row: MoERow) -> Runtime:
 
 
 @dataclass(frozen=True)
-class Result:
+class Result(TokensError):
     row: MoERow
     measured: float  # tokens/s per GPU as published
     projection: Projection
-
-    @property
-    def projected(self) -> float:
-        p = self.projection
-        return p.tokens_per_step / p.step_time_s / p.world_size
-
-    @property
-    def error(self) -> float:
-        return self.projected / self.measured - 1.0
 
 
 def validated() -> list[MoERow]:
