@@ -23,24 +23,22 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
   layer W   wgrad GEMMs (K, N, M) and the accumulation of the weight grads (runtime.py)
   embed     the lookup (and learned positions), dropout; backward the scatter-add
   head      final norm, the LM head GEMM, the vocab-parallel cross entropy. Ours
-            (CostModel._fused_head): by chunks of tokens, no whole logits kept, backward makes
-            each chunk's logits again; its weight grad comes in B. With no pipeline and no
-            segments (config/memory.head_grad_in_forward) F makes both grads and B only
-            scales them. Megatron 2021's: the whole logits, a float32 log-softmax (16 B per
-            logit forward, 12 backward); tied, its weight grad in B
+            (CostModel._fused_head): by chunks of tokens (config/memory.head_chunk_rows), no
+            whole logits kept, backward makes each chunk's logits again, weight grad in B;
+            with no pipeline and no segments (head_grad_in_forward) F makes both grads.
+            Megatron 2021's: whole logits, float32 log-softmax (16 + 12 B per logit), grad in B
 
-Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP), priced by
-comm.ring_time on the tp group's link and not overlapped: per layer F two all-reduces of
-N·d·c (SP: two all-gathers and two reduce-scatters), B the same; under parallel.tp_overlap on
-a runtime that overlaps them (runtime.tp_comm_overlap; Wang et al. 2023) perf/tp_overlap.py
-prices each SP collective beside its linear's GEMM chunks (ring-exchange all-gathers,
-reduce-scatters pipelined in the runtime's splits; ours: tp − 1 ring steps), only what outlasts
-them exposed; the vocab-parallel embedding an all-reduce of its output, the cross entropy three
-all-reduces of N floats (ours: the max per chunk, then two of N), the head input grad an
-all-reduce in B. Context parallelism: the ring (parallel/context/ring.py) sends the K, V
-block (2·N·hkv·hd·c) cp−1 times per layer forward while a block is computed, so only
-max(0, transfer − block compute) per step is exposed; backward sends K, V and dK, dV, and
-the dK, dV home after the last step.
+Tensor parallelism (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2 for SP) on the tp
+group's link (comm.ring_time): per layer F two all-reduces of N·d·c (SP: two all-gathers and
+two reduce-scatters), B the same, exposed; under parallel.tp_overlap on a runtime that has it
+(runtime.tp_comm_overlap; Wang et al. 2023) perf/tp_overlap.py prices each SP collective beside
+its linear's GEMM chunks (ring-exchange all-gathers, reduce-scatters pipelined in the runtime's
+splits; ours: tp − 1 ring steps), only what outlasts them exposed. The vocab-parallel
+embedding all-reduces its output, the cross entropy three times N floats (ours: the max per
+chunk, then two of N), the head input grad once in B. Context parallelism: the ring
+(parallel/context/ring.py) sends the K, V block (2·N·hkv·hd·c) cp−1 times per layer forward
+while a block is computed, so only max(0, transfer − block compute) per step is exposed;
+backward sends K, V and dK, dV, and the dK, dV home after the last step.
 
 Mixture of experts (models/moe.py; every model.moe_every-th layer): the MLP GEMMs become the
 router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, whole on every tp
