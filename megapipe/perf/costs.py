@@ -37,8 +37,7 @@ splits; ours: tp − 1 ring steps), only what outlasts them exposed. The vocab-p
 embedding all-reduces its output, the cross entropy three times N floats (ours: the max per
 chunk, then two of N), the head input grad once in B. Context parallelism: the ring
 (parallel/context/ring.py) sends the K, V block (2·N·hkv·hd·c) cp−1 times per layer forward
-while a block is computed, so only max(0, transfer − block compute) per step is exposed;
-backward sends K, V and dK, dV, and the dK, dV home after the last step.
+beside a block's compute, only max(0, transfer − compute) exposed per step; B also dK, dV.
 
 Mixture of experts (models/moe.py; every model.moe_every-th layer): the MLP GEMMs become the
 router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, whole on every tp
