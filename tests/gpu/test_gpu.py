@@ -245,11 +245,13 @@ def test_compiled_layers_train_like_eager_on_cuda(dtype):
     assert loss <= bound and weights <= bound
 
 
-def test_memory_model_against_the_allocator():
-    """One bf16 step (after a first that made the AdamW state): the bytes held after the
-    forward are the model's activations (within 10%), the step's peak its predicted peak
-    (-20% .. +10%: with one microbatch the plan's peak is the forward's end, before any float32
-    grad exists, while the allocator also sees backward's transient activation grads)."""
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_memory_model_against_the_allocator(params_dtype):
+    """One bf16 step (after a first that made the AdamW state), with float32 weights under
+    autocast and with bf16 weights (train.params_dtype): the bytes held after the forward are
+    the model's activations (within 10%), the step's peak its predicted peak (-20% .. +10%:
+    with one microbatch the plan's peak is the forward's end, before any float32 grad exists,
+    while the allocator also sees backward's transient activation grads)."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.precision import autocast
     from megapipe.train.build import build
@@ -258,7 +260,8 @@ def test_memory_model_against_the_allocator():
 
     cfg = tiny_config(
         ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_len=512",
-         "model.vocab_size=8192", "train.global_batch=8", "train.dtype=bfloat16"],
+         "model.vocab_size=8192", "train.global_batch=8", "train.dtype=bfloat16",
+         f"train.params_dtype={params_dtype}"],
         tempfile.mkdtemp(),
     )  # fmt: skip
     plan = memory_plan(cfg, "cuda").rank(0)
@@ -281,7 +284,8 @@ def test_memory_model_against_the_allocator():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     figure(
-        "memory_model", activations_model=plan.activations, activations_held=held,
+        "memory_model", params_dtype=params_dtype, activations_model=plan.activations,
+        activations_held=held,
         peak_model=plan.peak, peak_allocated=peak, states_model=plan.states,
     )  # fmt: skip
     assert held == pytest.approx(plan.activations, rel=0.10)
