@@ -26,7 +26,7 @@ from tests.conftest import ROOT, TINY
 
 pytestmark = pytest.mark.spawn  # every case starts torchrun agents
 
-STEPS = 8
+STEPS = 16  # a SIGTERM after step 2 must land before the last step, also when steps are fast
 COMMON = [f"--train.steps={STEPS}", "--train.warmup=2", "--model.dropout=0.1",
           "--checkpoint.interval=2", "--parallel.timeout_s=60", "--log.progress=false"]  # fmt: skip
 MESHES = {"dp2": ["--parallel.dp=2"], "pp2": ["--parallel.pp=2", "--parallel.microbatches=2"]}
