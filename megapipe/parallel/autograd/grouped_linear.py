@@ -15,22 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
-
-
-def _cast(*tensors):
-    """The dtype F.linear would compute in under autocast (bf16 on the GPU path), else as is."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, counts, owner, name, bias_name):
-        x, weight, bias = _cast(x, weight, bias)
+        x, weight, bias = autocast_operands(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.owner, ctx.name, ctx.has_bias = counts, owner, name, bias is not None
         ctx.bias_name = bias_name
