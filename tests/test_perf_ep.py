@@ -10,7 +10,7 @@ from megapipe.config import load_config
 from megapipe.distributed.mesh import MeshSizes, ep_group_ranks
 from megapipe.perf import MEGAPIPE, load_cluster, project
 from megapipe.perf.cluster import Link
-from megapipe.perf.comm import all_to_all_time, ep_groups, ep_link
+from megapipe.perf.comm import all_to_all_time, ep_groups, ep_link, group_link
 from megapipe.perf.cost_terms import CALIBRATION, shapes
 from megapipe.perf.costs import CostModel
 from tests.conftest import TINY
@@ -37,6 +37,22 @@ def test_ep_link_inside_and_across_nodes():
     assert ep_link(h100, (1, 8, 1, 1), 8).bandwidth == h100.nvlink.bandwidth
     across = ep_link(h100, (1, 2, 1, 8), 2)  # dp ranks 8 apart: different nodes
     assert across.bandwidth < h100.nvlink.bandwidth
+    assert across.bandwidth == pytest.approx(h100.network(1).bandwidth)
+
+
+def test_all_to_all_leaves_the_node_through_each_members_own_nic():
+    """Llama 4 Maverick's mesh (dgxc-benchmarking v25.05): tp 4, ep 128 over dp 128, so two
+    members of each ep group per node. A ring of such a group would get two NICs (group_link);
+    each all-to-all member sends its own 126/128 of its rows off the node through one."""
+    h100 = load_cluster("h100")
+    shape = (1, 128, 1, 4)
+    link = ep_link(h100, shape, 128)
+    nbytes = 2048 * 5120 * 2  # one rank's rows: 8192 / tp tokens of d 5120 in bf16
+    off_node = 126 / 128 * nbytes / h100.network(1).bandwidth
+    assert all_to_all_time(nbytes, 128, link) == pytest.approx(127 * link.latency + off_node)
+    ring = group_link(h100, shape, ("dp",))
+    assert ring.bandwidth == pytest.approx(2 * h100.network(1).bandwidth)
+    assert link.bandwidth < 0.6 * ring.bandwidth
 
 
 def _cfg(*extra):

@@ -123,11 +123,28 @@ def group_link(cluster: Cluster, shape: tuple[int, int, int, int], axes: tuple[s
 
 @lru_cache(maxsize=4096)
 def _ep_link(shape, ep, gpus_per_node, cluster) -> Link:
-    return _worst_link(ep_groups(shape, ep), gpus_per_node, cluster)
+    worst = None
+    for members in ep_groups(shape, ep):
+        per_node = Counter(r // gpus_per_node for r in members)
+        if len(per_node) == 1:
+            link = cluster.nvlink
+        else:  # the member with the fewest group-mates on its node sends the most off it
+            g = min(per_node.values())
+            own = cluster.network(1)
+            bandwidth = min(own.bandwidth * (ep - 1) / (ep - g), cluster.nvlink.bandwidth)
+            link = Link("network", bandwidth, own.latency)
+        if worst is None or (link.bandwidth, -link.latency) < (worst.bandwidth, -worst.latency):
+            worst = link
+    return worst
 
 
 def ep_link(cluster: Cluster, shape: tuple[int, int, int, int], ep: int) -> Link:
-    """The link of the slowest ep group, by the rule of `group_link`."""
+    """The link of the slowest ep group's all-to-all. Unlike a ring (one stream crosses each
+    node boundary, carried on g NICs), every member of an all-to-all sends its own rows off
+    the node: its (ep−g)/ep share leaves through its own NIC (network/G; the node's other
+    GPUs run their own ep groups' all-to-alls at once) while the rows for its g−1 node-mates
+    cross NVLink beside it. As a Link for all_to_all_time's (ep−1)/ep · S: β = network/G ·
+    (ep−1)/(ep−g), at most NVLink (g = 1: network/G, as group_link)."""
     return _ep_link(tuple(shape), ep, cluster.gpus_per_node, cluster)
 
 
