@@ -73,6 +73,29 @@ def test_moe_layer_pays_dispatch_and_combine_both_ways():
     assert ep.layer("none", None, moe=False).F.ep == 0
 
 
+def test_shared_experts_overlap_the_all_to_alls_where_the_runtime_does():
+    """Megatron-Core's --moe-shared-expert-overlap: the shared expert's GEMMs on a side stream
+    beside dispatch and combine; each direction hides at most its all-to-alls."""
+    h100 = load_cluster("h100")
+    cfg = _cfg("parallel.dp=8", "parallel.ep=8", "model.moe_shared_experts=1")
+    inline = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    side = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, moe_shared_expert_overlap=True),
+                     CALIBRATION)  # fmt: skip
+    a, b = inline.layer("none", None, moe=True), side.layer("none", None, moe=True)
+    x, dev, c = shapes(cfg, None), inline.dev, inline.c
+    m, n, k = inline.gemm_shapes(x, True)[-1]  # the shared expert's fc2
+    assert (m, k) == (x.n, cfg.derived.d_ff)
+    shared_f = sum(dev.gemm(m, n, k, 1, c) for m, n, k in inline.gemm_shapes(x, True)[-2:])
+    assert b.F.ep == pytest.approx(max(0.0, a.F.ep - shared_f))
+    assert 0 <= b.B.ep < a.B.ep and b.F.compute == a.F.compute and b.W == a.W
+    no_shared = _cfg("parallel.dp=8", "parallel.ep=8")
+    plain = CostModel(no_shared, h100, side.rt, CALIBRATION).layer("none", None, moe=True)
+    assert (
+        plain.F.ep
+        == CostModel(no_shared, h100, MEGAPIPE, CALIBRATION).layer("none", None, moe=True).F.ep
+    )
+
+
 def test_projection_reports_the_all_to_all():
     h100 = load_cluster("h100")
     out = project(_cfg("parallel.dp=8", "parallel.ep=8"), h100, memory=False)

@@ -92,9 +92,9 @@ def test_two_published_models_within_target(results):
 
 
 def test_projection_moves_without_its_mechanisms(results, monkeypatch):
-    """The Llama 4 row is within the target because its all-to-alls and its tp overlap are
-    priced: without the all-to-alls (EP 128 over 64 nodes) it leaves the target; without the
-    recipe's tp overlap it moves by the exposed sequence-parallel collectives."""
+    """The Llama 4 row's projection rests on priced mechanisms, each of which moves it: the
+    all-to-alls (EP 128 over 64 nodes: without them it leaves the target), the shared
+    expert beside them (moe_shared_expert_overlap), the recipe's tp overlap, expert tp."""
     from megapipe.perf import costs_moe
     from megapipe.perf.cluster import load_cluster
     from megapipe.perf.model import project
@@ -113,6 +113,8 @@ def test_projection_moves_without_its_mechanisms(results, monkeypatch):
     assert error(no_overlap) < got.error - 0.05
     whole = dataclasses.replace(rt, moe_expert_tp=False)  # experts whole: no etp collectives
     assert error(cfg, whole) > got.error
+    inline = dataclasses.replace(rt, moe_shared_expert_overlap=False)
+    assert error(cfg, inline) < got.error - 0.05
     monkeypatch.setattr(costs_moe, "all_to_all_time", lambda *a: 0.0)
     free = error(cfg)
     assert free > got.error + 0.1 and abs(free) > pm.TARGET

@@ -244,7 +244,7 @@ class CostModel(MoECosts):
             fprop.append(dev.gemm(m, n, k, b, self.c))
             dgrad.append(dev.gemm(m, k, n, b, self.c))
             wgrad.append(dev.gemm(k, n, m, b, self.c))
-        etp = self._expert_tp(x, moe)
+        etp, hide = self._expert_tp(x, moe), self._shared_hidden(moe, ep, fprop, dgrad, wgrad)
         # under tp overlap a MoE layer's MLP collectives are priced beside its routed experts'
         # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
         mlp = slice(3, 5) if moe else slice(2, 4)
@@ -258,13 +258,13 @@ class CostModel(MoECosts):
             + act_f,
             tp=tp + etp,
             cp=cp_f,
-            ep=ep,
+            ep=ep - hide[0],
         )
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
             tp=tp_b + etp,
             cp=cp_b,
-            ep=ep,
+            ep=ep - hide[1],
         )
         w = Work(compute=sum(wgrad) + margin_w + dev.mem(params * self.rt.grad_accum_bytes))
         f, b = self._skewed(f), self._skewed(b)

@@ -18,7 +18,7 @@ class MoECosts:
         m, d, gates = self.cfg.model, self.cfg.model.d_model, 3 if self.llama else 2
         if not moe:
             return d * x.ff * gates
-        ffn = expert_ffn(m, m.d_ff)
+        ffn = expert_ffn(m, self.cfg.derived.d_ff)
         shared = m.moe_shared_experts * ffn // self.cfg.parallel.tp
         routed = m.n_experts // self.cfg.parallel.ep * ffn // self._etp
         return (routed + shared) * d * gates + m.n_experts * d
@@ -50,7 +50,7 @@ class MoECosts:
         """A MoE layer's GEMMs after attention: the router, the routed experts (one local
         expert's share of the rows unless grouped: _gemm_batches) and the shared experts."""
         m, d, g = self.cfg.model, self.cfg.model.d_model, 2 if self.llama else 1
-        ffn, tokens = expert_ffn(m, m.d_ff), self._moe_tokens(x)
+        ffn, tokens = expert_ffn(m, self.cfg.derived.d_ff), self._moe_tokens(x)
         rows, width = tokens * m.top_k * self._etp, ffn // self._etp
         if not self.rt.moe_grouped_gemm:
             rows = rows / max(1, m.n_experts // self.cfg.parallel.ep)
@@ -63,6 +63,20 @@ class MoECosts:
     def _moe_tokens(self, x: Shapes) -> int:
         """The tokens a rank's MoE layer routes: those it holds (N/tp under SP)."""
         return x.ns if self.cfg.parallel.sequence_parallel else x.n
+
+    def _shared_hidden(self, moe: bool, ep: float, fprop, dgrad, wgrad) -> tuple[float, float]:
+        """Seconds of the shared experts' GEMMs (gemm_shapes' last two) hidden beside one
+        direction's all-to-alls `ep`, forward and backward, under the runtime's
+        moe_shared_expert_overlap: Megatron-Core runs them on a side stream the dispatcher
+        launches around its all-to-alls, and orders their grad_fns first in backward
+        (shared_experts.py set_tensor_grad_fn_sequence_sr), where each linear's weight grad
+        is computed with its input grad (no deferred W), so backward hides both."""
+        if not (
+            moe and ep and self.rt.moe_shared_expert_overlap and self.cfg.model.moe_shared_experts
+        ):
+            return 0.0, 0.0
+        shared = slice(-2, None)
+        return min(ep, sum(fprop[shared])), min(ep, sum(dgrad[shared]) + sum(wgrad[shared]))
 
     def _ep_layer(self, x: Shapes, moe: bool) -> float:
         """One direction's all-to-alls of a MoE layer: dispatch and combine (module doc)."""

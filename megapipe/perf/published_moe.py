@@ -50,10 +50,15 @@ MODELS_TARGET = 2  # issue 38: "at least two published MoE training throughputs"
 #  - dgxc Llama 4 Maverick (NeMo 25.04.01, Megatron-Core commit 7094270c): Llama4Config sets
 #    moe_grouped_gemm=True; expert_tensor_parallel_size 4 = tp keeps the experts tp-split, and
 #    the alltoall dispatcher all-gathers the received rows over the expert-tp group before them
-#    and reduce-scatters after, as in 0.9.
+#    and reduce-scatters after, as in 0.9; moe_shared_expert_overlap=True runs the shared
+#    expert on a side stream beside the all-to-alls.
 MOE_FACTS = {
     "dgxc-grok1": {"moe_grouped_gemm": False, "moe_expert_tp": True},
-    "dgxc-llama4": {"moe_grouped_gemm": True, "moe_expert_tp": True},
+    "dgxc-llama4": {
+        "moe_grouped_gemm": True,
+        "moe_expert_tp": True,
+        "moe_shared_expert_overlap": True,
+    },
     "mbridge": {"moe_grouped_gemm": True, "moe_expert_tp": False},
     "mcore-moe": {"moe_grouped_gemm": True, "moe_expert_tp": False},
 }

@@ -136,6 +136,10 @@ class Runtime:
     # experts split over tp like the dense MLP, the routed rows all-gathered over tp before them
     # and reduce-scattered after (Megatron-Core <= 0.9; ours keeps experts whole: docs/moe.md)
     moe_expert_tp: bool = False
+    # the shared experts on a side stream beside the dispatch and combine all-to-alls, both
+    # ways (Megatron-Core's --moe-shared-expert-overlap, moe/shared_experts.py; ours runs them
+    # in line): perf/costs_moe.MoECosts._shared_hidden
+    moe_shared_expert_overlap: bool = False
     # ours under train.compile (resolved_for): only the transformer layers are compiled
     # (models/gpt.TransformerLayer.compile_math); the final norm stays eager, and so does the
     # residual dropout under sequence parallelism
