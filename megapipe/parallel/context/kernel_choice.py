@@ -6,11 +6,12 @@ model prices megapipe's attention with it for a profile's GPU (perf/runtime.reso
 the profile's compute capability). Pure Python: no torch, so the projection can ask it about a
 GPU this machine does not have.
 
-The rule is Transformer Engine's (attention/dot_product_attention/utils.py,
-get_attention_backend): on Hopper and later, where both apply, cuDNN's fused attention is
-preferred over FlashAttention-2 "for performance reasons" (FlashAttention-3 paper, Shah et al.
-2024, Figs. 5-6: cuDNN's kernel at 1.6x FA2's rate on an H100); before Hopper the flash kernel
-(flash-attn's FA2 or SDPA's flash backend, PyTorch's own default order there).
+The rule is Transformer Engine's (attention/dot_product_attention/utils.py: "Disabling
+FlashAttention to give FusedAttention preference on Hopper+ for performance reasons"): on
+Hopper and later, where both apply, cuDNN's fused attention before FlashAttention-2 (the
+FlashAttention-3 paper, Shah et al. 2024, Figs. 5-6, measures cuDNN's kernel at ~1.6x FA2's
+rate on an H100: perf/clusters/h100.yaml); before Hopper the flash kernel (flash-attn's FA2 or
+SDPA's flash backend, first in PyTorch's own order there).
 """
 
 from __future__ import annotations
