@@ -362,8 +362,8 @@ def attention_kernel(cfg: Config, cluster: Cluster) -> str:
     """The fused attention kernel megapipe's code runs for `cfg` on `cluster`'s GPU: the rule
     models/attention.py and the ring's pick_kernel apply to the device they run on
     (kernel_choice.attention_kernel_for), here to the profile's device and compute capability.
-    The default install (no flash-attn: it changes only the document-masked kernel, which the
-    profile prices as the flash one either way)."""
+    It assumes the default install, without flash-attn: that changes only the document-masked
+    kernel, which the profile prices at the flash rate either way."""
     return attention_kernel_for(
         cluster.device, cluster.capability, cfg.train.dtype, documents=cfg.data.document_mask
     )
