@@ -14,6 +14,7 @@ a GPU). This module imports only torch: it is the lowest torch layer (tests/test
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -166,6 +167,43 @@ def flash_attention_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: 
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse,
         None, None, tq, tk, 0.0, causal, None, None, scale=scale,
+    )  # fmt: skip
+
+
+def cudnn_attention_cuda(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """(out, lse (B, H, Tq) fp32, natural log) of torch's cuDNN attention kernel (fp16/bf16)
+    (aten._scaled_dot_product_cudnn_attention with compute_log_sumexp; no bias, no dropout).
+    torch 2.13 returns the lse as (B, H, Tq, 1): reshaped to the flash kernel's (B, H, Tq).
+    Its signature and shapes are checked on meta tensors here (torch 2.13); written for the GPU
+    machines' torch 2.11, where kernels.pick_kernel checks its values against the flash
+    kernel's before a ring uses it."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return res[0], res[1].reshape(q.shape[0], q.shape[1], q.shape[2])
+
+
+@functools.cache
+def _cudnn_lse_is_4d() -> bool:
+    """Whether this torch's cuDNN attention keeps the lse as (B, H, Tq, 1) (its meta kernel,
+    the shape its backward reads), asked once."""
+    x = torch.empty(1, 1, 2, 8, device="meta", dtype=torch.bfloat16)
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, True)
+    return res[1].dim() == 4
+
+
+def cudnn_attention_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of cudnn_attention_cuda from the row's out and lse (B, H, Tq)
+    (aten._scaled_dot_product_cudnn_attention_backward) for dense inputs: no bias, cum_seq_*
+    undefined, max_* the block lengths, no dropout (the philox seed and offset unused).
+    Checked on meta tensors here (torch 2.13); written for the GPU machines' torch 2.11."""
+    tq, tk = q.shape[2], k.shape[2]
+    shape = (*lse.shape, 1) if _cudnn_lse_is_4d() else lse.shape
+    lse = lse.reshape(shape).contiguous()
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, unused, unused,
+        None, None, None, tq, tk, 0.0, causal, scale=scale,
     )  # fmt: skip
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
+from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.context.ring import ring_attention
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import maybe_checkpoint
@@ -19,6 +23,19 @@ try:  # the flash-attn package (GPU extra); scaled_dot_product_attention otherwi
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
+
+try:  # SDPA backends in an order of our choosing (torch >= 2.6: sdpa_kernel's set_priority)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    CUDNN_FIRST = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+except (ImportError, AttributeError):
+    CUDNN_FIRST, SDPA_PRIORITY = [], False
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
@@ -43,20 +60,45 @@ def _flash_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device `index`, asked once."""
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def dense_kernel(q: torch.Tensor) -> str:
+    """The kernel attention_core runs for q (kernel_choice.attention_kernel_for: cuDNN's on
+    Hopper+, FlashAttention-2 before; the CPU's kernels on a CPU tensor)."""
+    if not q.is_cuda:
+        return "cpu"
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    dtype = str(q.dtype).removeprefix("torch.")
+    flash = flash_attn_func is not None
+    return attention_kernel_for(
+        "cuda", device_capability(index), dtype, flash_attn=flash, cudnn=SDPA_PRIORITY
+    )
+
+
 def attention_core(q, k, v, dropout_p: float, documents=None) -> torch.Tensor:
     """Causal attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys/values, S >= T: the
     queries are the last T positions (S > T for a Seq1F1B segment after the first).
     `documents` (B, >= S) int64, the row's document ids (parallel/context/documents.py):
-    also mask keys of other documents."""
+    also mask keys of other documents. The kernel is dense_kernel's: on Hopper+ SDPA with
+    cuDNN's backend first (Transformer Engine's preference there; where cuDNN cannot take the
+    inputs SDPA goes on down the list), else flash-attn's FA2 where installed, else SDPA."""
     if documents is not None:
         return _document_core(q, k, v, dropout_p, documents)
-    if flash_attn_func is not None and _flash_ok(q):
+    kernel = dense_kernel(q)
+    if kernel == "flash" and flash_attn_func is not None:
         out = flash_attn_func(  # (B, T, H, hd), GQA built in; causal is bottom-right aligned
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal=True
         )
         return out.transpose(1, 2)
     T, S = q.shape[2], k.shape[2]
     mask = None if S == T else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if kernel == "cudnn":
+        with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+            return _sdpa(q, k, v, mask, dropout_p)
     return _sdpa(q, k, v, mask, dropout_p)
 
 

@@ -72,15 +72,16 @@ def test_hopper_profiles_load_their_own_constants(name):
 
 
 @pytest.mark.parametrize(
-    "key, scale",
-    [("gemm_efficiency", 0.8), ("memory_efficiency", 0.8), ("attention_efficiency", 0.8),
-     ("gemm_knee", 2.0)],
+    "key, scale, kernel",
+    [("gemm_efficiency", 0.8, "auto"), ("memory_efficiency", 0.8, "auto"),
+     ("cudnn_attention_efficiency", 0.8, "auto"),  # megapipe's own kernel on Hopper
+     ("attention_efficiency", 0.8, "flash"), ("gemm_knee", 2.0, "auto")],
 )  # fmt: skip
-def test_changing_the_h100_yaml_changes_the_projection(tmp_path, key, scale):
-    cfg = _llama()
-    base = project(cfg, load_cluster("h100"), memory=False).step_time_s
+def test_changing_the_h100_yaml_changes_the_projection(tmp_path, key, scale, kernel):
+    cfg, rt = _llama(), dataclasses.replace(MEGAPIPE, attention_kernel=kernel)
+    base = project(cfg, load_cluster("h100"), rt, memory=False).step_time_s
     value = (_raw("h100").get(key) or CALIBRATION.knee) * scale
-    changed = project(cfg, load_cluster(_with(tmp_path, "h100", **{key: value})), memory=False)
+    changed = project(cfg, load_cluster(_with(tmp_path, "h100", **{key: value})), rt, memory=False)
     assert changed.step_time_s > base * 1.005, key  # slower rates: a longer step
 
 
@@ -97,7 +98,8 @@ def test_h100_without_its_constants_is_priced_as_before(tmp_path):
 
 def test_cudnn_kernel_prices_attention_faster_on_h100():
     cfg, h100 = _llama(), load_cluster("h100")
-    flash = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    flash = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, attention_kernel="flash"),
+                      CALIBRATION)  # fmt: skip
     cudnn = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, attention_kernel="cudnn"),
                       CALIBRATION)  # fmt: skip
     assert flash.attention == "fused"
@@ -111,3 +113,14 @@ def test_negative_constant_is_one_line(tmp_path):
     path = _with(tmp_path, "h100", memory_efficiency=-0.5)
     with pytest.raises(ClusterError, match="memory_efficiency must be >= 0"):
         load_cluster(path)
+
+
+def test_compute_capability_of_each_gpu_profile(tmp_path):
+    """Each GPU profile states its compute capability (the attention kernel megapipe runs
+    there, runtime.resolved_for); a malformed one is a one-line error."""
+    caps = {name: load_cluster(name).capability for name in ("a100", "h100", "h200")}
+    assert caps == {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0)}
+    assert load_cluster("cpu").capability is None
+    with pytest.raises(ClusterError, match='compute_capability must read like "9.0"') as err:
+        load_cluster(_with(tmp_path, "h100", compute_capability="sm90"))
+    assert "\n" not in str(err.value)

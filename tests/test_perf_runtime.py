@@ -21,8 +21,10 @@ changes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -317,3 +319,39 @@ def test_compile_prices_what_compile_math_fuses(params_dtype, tmp_path):
     assert rt.fused_elementwise and rt.compiled_layers
     assert rt.autocast_casts == (params_dtype != "float32")
     assert not resolved_for(MEGAPIPE, eager_cfg).fused_elementwise
+
+
+def test_attention_kernel_is_the_codes(tmp_path, monkeypatch):
+    """The attention kernel priced for megapipe is the one models/attention.py runs on the
+    profile's GPU: one rule (kernel_choice.attention_kernel_for) read by the model, the ring's
+    kernel pick and the runtime; cuDNN's on the H100 and H200 profiles, flash on the A100."""
+    import models.attention as attention
+    from megapipe.parallel.context import kernel_choice, kernels
+    from megapipe.perf import runtime
+    from megapipe.perf.cost_terms import CALIBRATION, shapes
+    from megapipe.perf.costs import CostModel
+
+    rule = kernel_choice.attention_kernel_for
+    assert attention.attention_kernel_for is rule and kernels.attention_kernel_for is rule
+    assert runtime.attention_kernel_for is rule and MEGAPIPE.attention_kernel == "auto"
+    cfg = tiny_config(["train.dtype=bfloat16"], str(tmp_path))
+    want = {"h100": "cudnn", "h200": "cudnn", "a100": "flash"}
+    for gpu, kernel in want.items():
+        cluster = load_cluster(gpu)
+        assert CostModel(cfg, cluster, MEGAPIPE, CALIBRATION).rt.attention_kernel == kernel
+        # the model's own choice on a bf16 CUDA tensor of that GPU's compute capability
+        monkeypatch.setattr(attention, "device_capability", lambda i, c=cluster: c.capability)
+        q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.bfloat16)
+        assert attention.dense_kernel(q) == kernel
+    f32 = tiny_config(["train.dtype=float32"], str(tmp_path))
+    assert CostModel(f32, load_cluster("h100"), MEGAPIPE, CALIBRATION).rt.attention_kernel != (
+        "cudnn"
+    )  # no cuDNN kernel for float32: SDPA's own choice
+    # on H100 the cuDNN rate prices megapipe's attention; before, the flash rate did
+    h100 = load_cluster("h100")
+    cm = CostModel(cfg, h100, MEGAPIPE, CALIBRATION)
+    flash = CostModel(cfg, h100, dataclasses.replace(MEGAPIPE, attention_kernel="flash"),
+                      CALIBRATION)  # fmt: skip
+    x = shapes(cfg)
+    ratio = flash.attention_seconds(x)[0] / cm.attention_seconds(x)[0]
+    assert ratio == pytest.approx(h100.cudnn_attention_efficiency / h100.attention_efficiency)

@@ -9,7 +9,9 @@ SPAWN_TIMEOUT_S instead of hanging pytest.
 from __future__ import annotations
 
 import datetime
+import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from megapipe.parallel.context.kernels import KERNELS, pick_kernel, plan_step
+from megapipe.parallel.context import kernels as K
+from megapipe.parallel.context.kernels import CUDA_KERNELS, KERNELS, pick_kernel, plan_step
 from megapipe.parallel.context.ring import RingStats, ring_attention
 from megapipe.parallel.context.zigzag import (
     local_chunks,
@@ -109,7 +112,7 @@ def test_block_plan_is_exactly_the_mask(cp, causal, zigzag):
             assert torch.equal(_plan_mask(cp, rank, src, zigzag, causal, chunk), want)
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS.keys() - {"aten_cuda"}))
+@pytest.mark.parametrize("name", sorted(KERNELS.keys() - set(CUDA_KERNELS)))
 @pytest.mark.parametrize("causal,hkv", [(True, 4), (False, 2), (True, 2)])
 def test_block_kernel_matches_sdpa(name, causal, hkv):
     (q, k, v, dout), want = full_attention(12, hkv, causal, seed=1)
@@ -139,6 +142,104 @@ def test_unsupported_variants_are_one_line_errors():
         ring_attention(torch.zeros(1, 3, 4, 8), q, q, None)
     with pytest.raises(ValueError, match="kernel 'nope' unknown"):
         pick_kernel(q, "nope")
+
+
+# ---------------------------------------------------------------- choosing the CUDA kernel
+
+
+def _broken(forward=None, backward=None, name="broken") -> K.BlockKernel:
+    """The reference kernel with its forward or backward replaced."""
+    ref = KERNELS["reference"]
+    return K.BlockKernel(name, forward or ref.forward, backward or ref.backward)
+
+
+def _scaled(i: int, factor: float):
+    """A forward (i < 2: out, lse) or backward (i >= 2: dq, dk, dv) off by `factor` in one
+    output: a kernel with another convention (log2 lse, unscaled dq, ...)."""
+    ref = KERNELS["reference"]
+
+    def forward(*a):
+        res = list(ref.forward(*a))
+        res[i] = res[i] * factor if i < 2 else res[i]
+        return tuple(res)
+
+    def backward(*a):
+        res = list(ref.backward(*a))
+        res[i - 2] = res[i - 2] * factor
+        return tuple(res)
+
+    return _broken(forward=forward) if i < 2 else _broken(backward=backward)
+
+
+def test_probe_takes_an_agreeing_kernel():
+    """torch's CPU flash kernel agrees with the reference: the candidate is taken, no warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert K.probe(KERNELS["aten_cpu"], KERNELS["reference"], "cpu", torch.float32, 16)
+
+
+@pytest.mark.parametrize("i,factor", [(0, 1.01), (1, 1 / math.log(2)), (2, 0.98), (3, 1.02),
+                                      (4, float("nan"))])  # fmt: skip
+def test_probe_rejects_a_disagreeing_kernel(i, factor):
+    """A kernel off in any one of out, lse (log2 instead of ln), dq, dk, dv falls back."""
+    with pytest.warns(UserWarning, match=r"ring attention: the broken block kernel gave "):
+        agree = K.probe(_scaled(i, factor), KERNELS["reference"], "cpu", torch.float32, 16)
+    assert agree is False
+
+
+def test_probe_rejects_a_raising_kernel():
+    def fail(*a):
+        raise RuntimeError("cuDNN Frontend error: no valid engine configs\nmore")
+
+    with pytest.warns(UserWarning, match="raised RuntimeError: cuDNN Frontend error") as w:
+        assert not K.probe(_broken(forward=fail), KERNELS["reference"], "cpu", torch.bfloat16, 8)
+    assert "\n" not in str(w[0].message)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """pick_kernel's CUDA choice on CPU tensors: a device capability, the CUDA kernels replaced
+    by CPU ones (the flash one the reference, cuDNN's `cudnn`), a probe that counts its calls."""
+    calls = []
+    real = K.probe
+
+    def counting(*a):
+        calls.append(a[2:])
+        return real(*a)
+
+    monkeypatch.setattr(K, "probe", counting)
+    monkeypatch.setattr(K, "_PROBED", {})
+    monkeypatch.setitem(KERNELS, "aten_cuda", KERNELS["reference"])
+
+    def setup(capability, cudnn: K.BlockKernel):
+        monkeypatch.setattr(K, "device_capability", lambda device: capability)
+        monkeypatch.setitem(KERNELS, "aten_cudnn", cudnn)
+        return calls
+
+    return setup
+
+
+def test_cudnn_is_picked_on_hopper_once_probed(fake_cuda):
+    calls = fake_cuda((9, 0), KERNELS["aten_cpu"])
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
+    assert K.cuda_kernel_name(q) == "aten_cudnn" and K.cuda_kernel_name(q) == "aten_cudnn"
+    assert calls == [("cpu", torch.bfloat16, 16)]  # once per (device, dtype, head dim)
+    assert K.cuda_kernel_name(q.float()) == "aten_cuda"  # float32: no cuDNN kernel, no probe
+    assert len(calls) == 1
+
+
+def test_disagreeing_cudnn_falls_back_to_flash(fake_cuda):
+    calls = fake_cuda((9, 0), _scaled(1, 1 / math.log(2)))
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="broken block kernel gave lse off"):
+        assert K.cuda_kernel_name(q) == "aten_cuda"
+    assert K.cuda_kernel_name(q) == "aten_cuda" and len(calls) == 1  # remembered, one warning
+
+
+def test_no_cudnn_before_hopper(fake_cuda):
+    calls = fake_cuda((8, 0), KERNELS["aten_cpu"])
+    assert K.cuda_kernel_name(torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)) == "aten_cuda"
+    assert not calls
 
 
 # ---------------------------------------------------------------- spawned gloo workers

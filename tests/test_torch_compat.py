@@ -204,6 +204,34 @@ def test_flash_attention_cuda_values(compat):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
 
 
+def test_cudnn_attention_cuda_signature(compat):
+    """The cuDNN ops' arguments, bound on meta tensors: a changed signature or lse shape fails
+    here (the wrapper gives the flash kernel's (B, H, Tq)); values on a GPU below."""
+    q, k, v = _qkv("meta", torch.bfloat16, hkv=4)
+    name = "torch.ops.aten._scaled_dot_product_cudnn_attention"
+    with api(name):
+        out, lse = compat.cudnn_attention_cuda(q, k, v, True, 0.25)
+    expect(out.shape == q.shape and lse.shape == q.shape[:3], name, "returns other shapes")
+    expect(lse.dtype == torch.float32, name, "returns an lse not in float32")
+    name += "_backward"
+    with api(name):
+        grads = compat.cudnn_attention_cuda_backward(out, q, k, v, out, lse, True, 0.25)
+    expect([g.shape for g in grads] == [q.shape] * 3, name, "returns other shapes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_attention_cuda_values(compat):
+    """Natural-log lse and out of whole causal attention, as the flash wrapper's."""
+    from megapipe.parallel.context.kernels import reference_forward
+
+    q, k, v = _qkv("cuda", torch.bfloat16, hkv=4)
+    with api("torch.ops.aten._scaled_dot_product_cudnn_attention"):
+        out, lse = compat.cudnn_attention_cuda(q, k, v, True, 0.25)
+    ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), True, 0.25)
+    assert torch.allclose(out.double(), ref_out, atol=3e-2)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
+
+
 def test_dispatch_mode_sees_aten_calls(compat):
     seen = []
 

@@ -132,12 +132,13 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:
     """Which attention core runs, as models/attention.py picks it: "ring" (cp > 1), "fused" (a
-    kernel that keeps q, k, v, out and the log-sum-exp: flash-attn, SDPA's flash or
-    memory-efficient backend, the CPU flash kernel) or "math" (SDPA's fallback, which keeps the
-    s² probabilities).
+    kernel that keeps q, k, v, out and the log-sum-exp: SDPA's cuDNN, flash or memory-efficient
+    backend, flash-attn, the CPU flash kernel) or "math" (SDPA's fallback, which keeps the s²
+    probabilities).
 
-    The CPU flash kernel takes no dropout. On CUDA, bf16 runs the flash-attn package when it is
-    installed, else SDPA's flash backend, either with any head grouping and dropout; float32
+    The CPU flash kernel takes no dropout. On CUDA, bf16 runs SDPA's cuDNN backend on sm90+,
+    else the flash-attn package when it is installed, else SDPA's flash backend
+    (parallel/context/kernel_choice.py), each with any head grouping and dropout; float32
     runs SDPA's memory-efficient backend, which takes no grouped-query heads, so float32 with
     GQA falls back to math (as do head_dim > 256 and Seq1F1B's masks with GQA: not modelled).
     The CUDA rules are torch's documented backend constraints, not measured here."""

@@ -12,7 +12,9 @@ A profile may also state the device's own achievable rates, the constants of the
 (e_max), `gemm_knee` (κ), `memory_efficiency` (μ), and `attention_efficiency`, the fused
 attention kernel's rate as a fraction of the GEMM rate the model gives its FLOPs
 (`cudnn_attention_efficiency` for cuDNN's kernel, which a runtime with attention_kernel "cudnn"
-runs). Each is 0 (absent) where the profile has no measurement of it: the fit's, or 1 for
+runs). `compute_capability` ("9.0") names the GPU's generation: which attention kernel
+megapipe's code runs there (runtime.resolved_for). Each constant is 0 (absent) where the
+profile has no measurement of it: the fit's, or 1 for
 attention. The measured profiles (clusters/cpu*.yaml, benchmarks/calibrate.py) measure them
 on the machine; the H100 and H200 profiles read them from published H100 kernel benchmarks,
 each cited in the YAML.
@@ -25,6 +27,7 @@ the same flat YAML: the loader gathers those keys into one `host.HostOverheads`
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +73,23 @@ class Cluster:
     memory_efficiency: float = 0.0
     attention_efficiency: float = 0.0
     cudnn_attention_efficiency: float = 0.0
+    # CUDA compute capability "major.minor" ("": not stated, or a CPU): the attention kernel
+    # megapipe's code runs on the GPU (parallel/context/kernel_choice.attention_kernel_for)
+    compute_capability: str = ""
     host: HostOverheads | None = None  # a measured profile's host terms (module docstring)
 
     @property
     def device(self) -> str:
         """The kernels the memory plan and the attention path assume: "cuda" or "cpu"."""
         return self.host.device if self.host else "cuda"
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """(major, minor) of compute_capability, None where the profile states none."""
+        if not self.compute_capability:
+            return None
+        major, _, minor = self.compute_capability.partition(".")
+        return int(major), int(minor or 0)
 
     def calibration(self, fit: Calibration) -> Calibration:
         """The cost model's constants on this device: each one the profile states, else the
@@ -186,6 +200,9 @@ def load_cluster(name: str, gpus_per_node: int | None = None) -> Cluster:
     for key in _CONSTANTS:
         if getattr(cluster, key) < 0:
             raise ClusterError(f"{path}: {key} must be >= 0 (0 or absent: not measured)")
+    cap = cluster.compute_capability
+    if cap and not re.fullmatch(r"\d+\.\d+", cap):
+        raise ClusterError(f'{path}: compute_capability must read like "9.0", got {cap!r}')
     if cluster.device not in ("cuda", "cpu"):
         raise ClusterError(f"{path}: device must be cuda or cpu, got {cluster.device!r}")
     return cluster

@@ -81,7 +81,7 @@ class CostModel(MoECosts):
     """Per-block costs of a config on a cluster under a runtime (module docstring)."""
 
     def __init__(self, cfg: Config, cluster: Cluster, runtime: Runtime, cal: Calibration):
-        rt = resolved_for(runtime, cfg)
+        rt = resolved_for(runtime, cfg, cluster)  # ours: the attention kernel of its GPU
         self.cfg, self.cluster, self.rt = cfg, cluster, rt
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
         # the profile's own constants where it states them (cluster.Cluster.calibration)

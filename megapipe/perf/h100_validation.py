@@ -284,7 +284,7 @@ def attribution(b: Beside) -> dict[str, float]:
     m = published.measured(row)
     cluster = load_cluster(m.cluster, row.gpus_per_node)
     cfg = megapipe_config(m.config)
-    ours = resolved_for(MEGAPIPE, cfg)
+    ours = resolved_for(MEGAPIPE, cfg, cluster)
     rt, before, out = runtime_of(row), b.megatron_core.step_time_s, {}
     for term, names in TERMS.items():
         names = [n for n in names if hasattr(ours, n)]

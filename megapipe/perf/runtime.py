@@ -7,12 +7,17 @@ last three validate the mechanisms on published measurements (perf/table1.py,
 perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
 its source. Ours and Megatron 2021's differ in facts about the code, none fitted:
 
-  attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
-                  bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
+  attention       ours: config/memory.attention_path on CUDA (a fused kernel under bf16;
+                  ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
                   GEMMs with the s² scores in HBM, its fused scale-mask-softmax kernel and the
                   attention dropout in between (FlashAttention came in 2022). The fused
-                  kernel's own rate is the profile's (attention_kernel: ours "flash", PyTorch
-                  SDPA's flash backend, FlashAttention-2 on Hopper).
+                  kernel's own rate is the profile's (cluster.attention_factor) for the kernel
+                  ours runs on the profile's GPU, resolved_for asks the code
+                  (parallel/context/kernel_choice.attention_kernel_for of the profile's
+                  compute_capability, models/attention.py's and the ring's rule): "cudnn" on
+                  Hopper (SDPA's cuDNN backend first, Transformer Engine's preference; the
+                  ring's cuDNN block kernel, taken once its probe agrees with the flash one),
+                  "flash" before it (FlashAttention-2: flash-attn or SDPA's flash backend).
   residual bytes  ours keeps the residual stream and norms in float32 (config/memory.py);
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
@@ -77,8 +82,10 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
+from megapipe.perf.cluster import Cluster
 from megapipe.train.optim import device_adamw_kind
 from models.gpt import compiled_linears
 
@@ -127,7 +134,8 @@ class Runtime:
     dp_bucket_params_per_rank: float = 0.0
     # the fused attention kernel: "flash" (FlashAttention-2 class: PyTorch SDPA's flash
     # backend) or "cudnn" (cuDNN's, Transformer Engine's choice on Hopper); the profile
-    # prices each (cluster.Cluster.attention_factor)
+    # prices each (cluster.Cluster.attention_factor); "auto" (ours): the code's choice for
+    # the profile's GPU, made by resolved_for (kernel_choice.attention_kernel_for)
     attention_kernel: str = "flash"
     # a MoE layer's local experts as one grouped GEMM (True) or one GEMM per local expert
     # (ours: parallel/autograd/grouped_linear.py loops; Megatron-Core's --moe-grouped-gemm is
@@ -149,6 +157,7 @@ class Runtime:
 MEGAPIPE = Runtime(
     name="megapipe",
     attention="auto",
+    attention_kernel="auto",  # models/attention.py's rule for the profile's GPU (resolved_for)
     residual_bytes=4,
     fused_elementwise=False,
     weight_cast_bytes=6.0,
@@ -342,11 +351,26 @@ def grad_accum_bytes(params_dtype: str, compute: int) -> float:
     return float(compute + 2 * GRAD_BYTES)
 
 
-def resolved_for(runtime: Runtime, cfg: Config) -> Runtime:
-    """`runtime` as it runs `cfg` (resolved: its dtypes, and train.compile)."""
+def resolved_for(runtime: Runtime, cfg: Config, cluster: Cluster | None = None) -> Runtime:
+    """`runtime` as it runs `cfg` (resolved: its dtypes, and train.compile) on `cluster`'s GPU:
+    an "auto" attention kernel becomes the one the code runs there (attention_kernel)."""
     compiled = cfg.train.compile
     linears = compiled_linears(cfg)
-    return resolved(runtime, cfg.train.dtype, cfg.train.params_dtype, compiled, linears)
+    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype, compiled, linears)
+    if cluster is not None and rt.attention_kernel == "auto":
+        rt = dataclasses.replace(rt, attention_kernel=attention_kernel(cfg, cluster))
+    return rt
+
+
+def attention_kernel(cfg: Config, cluster: Cluster) -> str:
+    """The fused attention kernel megapipe's code runs for `cfg` on `cluster`'s GPU: the rule
+    models/attention.py and the ring's pick_kernel apply to the device they run on
+    (kernel_choice.attention_kernel_for), here to the profile's device and compute capability.
+    It assumes the default install, without flash-attn: that changes only the document-masked
+    kernel, which the profile prices at the flash rate either way."""
+    return attention_kernel_for(
+        cluster.device, cluster.capability, cfg.train.dtype, documents=cfg.data.document_mask
+    )
 
 
 def resolved(

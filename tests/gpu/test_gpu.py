@@ -8,6 +8,9 @@ figures each test prints (`GPU-FIGURE name {...}`) into one results file.
   with the document mask (data.document_mask: SDPA's dense mask or flash-attn's varlen kernel);
 - ring attention's CUDA block kernel (parallel/context/kernels.aten_cuda) against the reference
   kernel, and the ring's log-sum-exp merge of two kv blocks against whole attention;
+- on sm90+ (megapipe's cuDNN choice, parallel/context/kernel_choice.py): the dense core with only
+  SDPA's cuDNN backend enabled on the model's shapes against the math backend, and the ring's
+  cuDNN block kernel (kernels.aten_cudnn) against the flash one, forward and backward;
 - bf16 autocast training against float32: per-step loss and weights within a stated bound;
 - train.compile on CUDA (inductor, Triton) against eager, float32;
 - the memory model (train/memory.memory_plan) against torch.cuda.max_memory_allocated().
@@ -135,10 +138,10 @@ def test_flash_attn_package_matches_sdpa():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_ring_block_kernel_matches_reference(causal, hkv):
-    from megapipe.parallel.context.kernels import KERNELS, pick_kernel
+    from megapipe.parallel.context.kernels import CUDA_KERNELS, KERNELS, pick_kernel
 
     q, k, v, dout = _qkv(2, 4, hkv, 128, 128, 64, torch.bfloat16, seed=2)
-    assert pick_kernel(q).name == "aten_cuda"
+    assert pick_kernel(q).name in CUDA_KERNELS
     scale = 64**-0.5
     results = {}
     for name in ("aten_cuda", "reference"):
@@ -189,6 +192,83 @@ def test_ring_merge_of_two_kv_blocks_is_whole_attention():
     }
     figure("ring_merge", **errors)
     assert max(errors.values()) <= TOL[torch.bfloat16], errors
+
+
+# ---- cuDNN's attention on Hopper (parallel/context/kernel_choice.py) ----------------------------
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="cuDNN's attention is megapipe's choice on sm90+ only",
+)
+
+
+def _model_grads(fn, b, h, hkv, t, hd, seed=0):
+    """fn's output and the grad of the fused q|k|v projection output (B, T, (h + 2·hkv)·hd)
+    that models/attention.py takes q, k, v from as strided (B, heads, T, hd) views, bf16."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    fused = torch.randn(b, t, (h + 2 * hkv) * hd, device=CUDA, generator=g, dtype=torch.bfloat16)
+    dout = torch.randn(b, h, t, hd, device=CUDA, generator=g, dtype=torch.bfloat16)
+    leaf = fused.requires_grad_()
+    q, k, v = leaf.split([h * hd, hkv * hd, hkv * hd], dim=-1)
+    out = fn(*(x.view(b, t, -1, hd).transpose(1, 2) for x in (q, k, v)))
+    out.backward(dout.to(out.dtype))
+    return out.detach(), leaf.grad
+
+
+@hopper
+@pytest.mark.parametrize("hkv", [8, 2])
+@pytest.mark.parametrize("t,hd", [(256, 64), (512, 128)])
+def test_dense_core_runs_cudnn_alone_on_hopper(monkeypatch, hkv, t, hd):
+    """On sm90 the dense core's choice is cuDNN's, and with only SDPBackend.CUDNN_ATTENTION
+    enabled (the core's priority list cut to it: SDPA raises where no enabled backend can take
+    the inputs) it runs the model's shapes (strided q|k|v views, GQA, head dims 64 and 128)
+    and matches the math backend, forward and backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import models.attention as attention
+
+    probe = torch.empty(1, 1, 8, hd, device=CUDA, dtype=torch.bfloat16)
+    assert attention.dense_kernel(probe) == "cudnn"
+    monkeypatch.setattr(attention, "CUDNN_FIRST", [SDPBackend.CUDNN_ATTENTION])
+    got = _model_grads(lambda *x: attention.attention_core(*x, 0.0), 2, 8, hkv, t, hd, seed=5)
+
+    def math_backend(q, k, v):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), is_causal=True, enable_gqa=hkv != 8
+            )
+
+    want = _model_grads(math_backend, 2, 8, hkv, t, hd, seed=5)
+    errors = {n: rel(a, b) for n, a, b in zip(("out", "dqkv"), got, want)}
+    figure("cudnn_dense_core", hkv=hkv, t=t, hd=hd, **errors)
+    assert max(errors.values()) <= TOL[torch.bfloat16], errors
+
+
+@hopper
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("causal,tq,tk", [(True, 128, 128), (False, 64, 192)])
+def test_ring_cudnn_block_kernel_matches_flash(hkv, causal, tq, tk):
+    """The ring's cuDNN block kernel against the flash one, forward (out, natural-log lse) and
+    backward from the flash kernel's out and lse (as a ring hands a block the merged row's),
+    on a causal diagonal block and a full rectangular one; the probe takes it, and pick_kernel
+    picks it on this device."""
+    from megapipe.parallel.context import kernels
+
+    g = torch.Generator(device=CUDA).manual_seed(7)
+    q, dout = (torch.randn(1, 4, tq, 64, device=CUDA, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, hkv, tk, 64, device=CUDA, generator=g).bfloat16() for _ in range(2))
+    scale, flash, cudnn = 64**-0.5, kernels.KERNELS["aten_cuda"], kernels.KERNELS["aten_cudnn"]
+    want = flash.forward(q, k, v, causal, scale)
+    got = cudnn.forward(q, k, v, causal, scale)
+    want_grads = flash.backward(dout, q, k, v, *want, causal, scale)
+    got_grads = cudnn.backward(dout, q, k, v, *want, causal, scale)
+    names = ("out", "lse", "dq", "dk", "dv")
+    errors = {n: rel(a, b) for n, a, b in zip(names, [*got, *got_grads], [*want, *want_grads])}
+    figure("ring_cudnn_kernel", hkv=hkv, causal=causal, tq=tq, tk=tk, **errors)
+    assert got[1].shape == want[1].shape == q.shape[:3] and got[1].dtype == torch.float32
+    assert max(errors.values()) <= TOL[torch.bfloat16], errors
+    assert kernels.probe(cudnn, flash, CUDA, torch.bfloat16, 64)
+    assert kernels.pick_kernel(q).name == "aten_cudnn"
 
 
 # ---- training on CUDA -------------------------------------------------------------------------

@@ -12,21 +12,31 @@ query head h reads kv head h // (H/Hkv), as `scaled_dot_product_attention(enable
 back with Hkv heads (summed over each head group). The reference kernel also takes `hide`
 (B, Tq, Tk) bool, keys hidden from each query besides causality (document masking); a row
 with every key hidden gets out 0 and lse −inf.
+
+On CUDA the block kernel is torch's flash one, or on Hopper+ cuDNN's (kernel_choice: Transformer
+Engine's preference there), used only once probe() has seen it give the flash kernel's out, lse
+and gradients on this device and dtype: the two kernels' lse conventions and the cuDNN op's
+arguments cannot be checked without a GPU (torch's ring attention,
+torch/distributed/tensor/experimental/_context_parallel, merges either kernel's natural-log lse).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
 
 from megapipe._torch_compat import (
+    cudnn_attention_cuda,
+    cudnn_attention_cuda_backward,
     flash_attention_cpu,
     flash_attention_cpu_backward,
     flash_attention_cuda,
     flash_attention_cuda_backward,
 )
+from megapipe.parallel.context.kernel_choice import attention_kernel_for
 
 Tensor = torch.Tensor
 
@@ -176,22 +186,115 @@ def aten_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 
+def aten_cudnn_forward(q, k, v, causal: bool, scale: float):
+    """torch's cuDNN attention kernel (fp16/bf16), lse as the flash kernel's. Written for the
+    GPU machines: pick_kernel runs it only after probe() found it agreeing with aten_cuda."""
+    q, ek, ev = (t.contiguous() for t in (q, _expand_kv(q, k), _expand_kv(q, v)))
+    return cudnn_attention_cuda(q, ek, ev, causal, scale)
+
+
+def aten_cudnn_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    hkv = k.shape[1]
+    # one layout for all (cuDNN reads dout with out's strides); row slices are strided views
+    dout, q, out = (t.contiguous() for t in (dout, q, out))
+    ek, ev = _expand_kv(q, k).contiguous(), _expand_kv(q, v).contiguous()
+    dq, dk, dv = cudnn_attention_cuda_backward(dout, q, ek, ev, out, lse, causal, scale)
+    return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+
+
 KERNELS = {
     "reference": BlockKernel("reference", reference_forward, reference_backward),
     "aten_cpu": BlockKernel("aten_cpu", aten_cpu_forward, aten_cpu_backward),
     "aten_cuda": BlockKernel("aten_cuda", aten_cuda_forward, aten_cuda_backward),
+    "aten_cudnn": BlockKernel("aten_cudnn", aten_cudnn_forward, aten_cudnn_backward),
 }
+CUDA_KERNELS = ("aten_cuda", "aten_cudnn")
 
 
 def pick_kernel(q: Tensor, name: str | None = None) -> BlockKernel:
-    """The kernel for q's device and dtype, or the one named ("reference", "aten_cpu", ...)."""
+    """The kernel for q's device and dtype, or the one named ("reference", "aten_cpu", ...).
+    On CUDA: cuDNN's where kernel_choice names it for the device (Hopper+) and probe() found
+    it agreeing with the flash kernel, else the flash kernel."""
     if name is not None:
         if name not in KERNELS:
             raise ValueError(f"ring attention kernel {name!r} unknown; one of {sorted(KERNELS)}")
         return KERNELS[name]
     if q.is_cuda:  # flash kernel wants half precision and hd a multiple of 8
         ok = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-        return KERNELS["aten_cuda" if ok else "reference"]
+        return KERNELS[cuda_kernel_name(q) if ok else "reference"]
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
         return KERNELS["aten_cpu"]
     return KERNELS["reference"]
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+_PROBED: dict[tuple, str] = {}  # (device, dtype, head dim) -> the kernel probe() chose
+
+
+def cuda_kernel_name(q: Tensor) -> str:
+    """The CUDA block kernel for q: "aten_cudnn" where the device prefers cuDNN (kernel_choice)
+    and its block kernel agrees with the flash one on this (device, dtype, head dim), probed
+    once; else "aten_cuda"."""
+    dtype = str(q.dtype).removeprefix("torch.")
+    if attention_kernel_for("cuda", device_capability(q.device), dtype) != "cudnn":
+        return "aten_cuda"
+    key = (str(q.device), q.dtype, q.shape[-1])
+    if key not in _PROBED:
+        agree = probe(KERNELS["aten_cudnn"], KERNELS["aten_cuda"], *key)
+        _PROBED[key] = "aten_cudnn" if agree else "aten_cuda"
+    return _PROBED[key]
+
+
+def probe(candidate: BlockKernel, trusted: BlockKernel, device, dtype, hd: int) -> bool:
+    """Whether candidate gives trusted's out, lse and gradients on small random blocks (a
+    causal square one and a full rectangular one, 2 query heads per kv head); if not, a
+    one-line warning says why and that trusted runs. Both backwards get trusted's out and lse:
+    the ring hands a block the merged row's, not the block's own."""
+    with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        return _probe(candidate, trusted, device, dtype, hd)
+
+
+def _probe(candidate: BlockKernel, trusted: BlockKernel, device, dtype, hd: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    scale = hd**-0.5
+    for causal, tq, tk in ((True, 128, 128), (False, 64, 128)):
+        q, dout = (torch.randn(1, 4, tq, hd, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, 2, tk, hd, generator=gen) for _ in range(2))
+        q, k, v, dout = (t.to(device, dtype) for t in (q, k, v, dout))
+        want = trusted.forward(q, k, v, causal, scale)
+        want_grads = trusted.backward(dout, q, k, v, *want, causal, scale)
+        try:
+            got = candidate.forward(q, k, v, causal, scale)
+            got_grads = candidate.backward(dout, q, k, v, *want, causal, scale)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            why = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            why = _disagreement([*got, *got_grads], [*want, *want_grads])
+        if why:
+            warnings.warn(
+                f"ring attention: the {candidate.name} block kernel {why} on {device} {dtype} "
+                f"(head dim {hd}, causal {causal}); using {trusted.name}",
+                stacklevel=2,
+            )
+            return False
+    return True
+
+
+PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-8}  # else half precision's: 2e-2
+
+
+def _disagreement(got: list[Tensor], want: list[Tensor]) -> str:
+    """Which of out, lse, dq, dk, dv differs beyond the dtype's tolerance ("": none), each
+    relative to the largest value of trusted's (lse: absolute, in natural-log units)."""
+    tol = PROBE_TOL.get(want[0].dtype, 2e-2)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        if a.shape != b.shape:
+            return f"gave {name} of shape {tuple(a.shape)}, not {tuple(b.shape)}"
+        err = (a.double() - b.double()).abs().max().item()
+        bound = tol * (1.0 if name == "lse" else max(b.double().abs().max().item(), 1e-6))
+        if not err <= bound:  # NaN fails too
+            return f"gave {name} off by {err:.3g} (tolerance {bound:.3g})"
+    return ""
