@@ -95,3 +95,15 @@ def test_plan_validate_a100_prints_both_tables(capsys):
     assert plan_main(["validate", "--a100"]) == 0
     out = capsys.readouterr().out
     assert out.count("mean |error|") == 2 and "K22 1T sel+SP" in out and "megatron2022" in out
+
+
+def test_sequence_parallel_sends_skip_the_scatter_gather():
+    """Under SP each tp rank sends its own sequence shard and Megatron-LM skips its scatter/
+    gather (p2p_communication.py): the runtime's scatter_gather flag changes nothing there."""
+    run = next(r for r in mr.runs() if r.label == "K22 175B sel+SP")
+    plain = dataclasses.replace(MEGATRON_2021, p2p_scatter_gather=False)
+    steps = [mr.compare(rt, table=[run])[0].step_time_s for rt in (MEGATRON_2021, plain)]
+    assert steps[0] == pytest.approx(steps[1], rel=1e-9)
+    full = dataclasses.replace(run, recompute="full", sequence_parallel=False)  # without SP it does
+    steps = [mr.compare(rt, table=[full])[0].step_time_s for rt in (MEGATRON_2021, plain)]
+    assert steps[0] != pytest.approx(steps[1], rel=1e-6)
