@@ -5,7 +5,9 @@ Megatron-LM of Narayanan et al. 2021 that produced Table 1, `megatron_core` (Meg
 0.8-0.12 as its published H100 runs used it) and `torchtitan` (PyTorch's FSDP2 trainer); the
 last three validate the mechanisms on published measurements (perf/table1.py,
 perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
-its source. Ours and Megatron 2021's differ in facts about the code, none fitted:
+its source; `megatron2022` (Korthikanti et al. 2022's code: perf/megatron_runs.py) is
+`megatron2021` with Megatron-LM's asynchronous tp communication. Ours and Megatron 2021's
+differ in facts about the code, none fitted:
 
   attention       ours: config/memory.attention_path on CUDA (a fused flash/SDPA kernel under
                   bf16; ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
