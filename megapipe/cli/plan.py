@@ -6,7 +6,7 @@ fit, and check the projection on Megatron-LM's Table 1.
     python tools/plan.py search --config FILE --gpus N --gpu a100|h100|h200 \\
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
     python tools/plan.py table1 [--refit] [--no-loo]
-    python tools/plan.py validate [--refit] [--no-loo] [--megapipe]
+    python tools/plan.py validate [--refit] [--no-loo] [--megapipe] [--moe] [--a100]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
@@ -21,7 +21,9 @@ error per row, mean and max, and the leave-one-out error of the H100 profile's e
 on those rows (megapipe/perf/h100_validation.py, h100_fit.py; --refit fits it again first,
 from the profile's value); --megapipe adds megapipe's own
 runtime (bf16 weights) projected on the Megatron-Core rows beside Megatron-Core's, and the
-seconds each of its differing facts adds. This machine's CPU
+seconds each of its differing facts adds; --a100 instead projects the other published
+2021-2022 Megatron-LM runs on A100 (megapipe/perf/megatron_runs.py, held out of every fit),
+under the megatron2021 runtime and under the runtime of each run's code. This machine's CPU
 profile and the local truth are benchmarks' (python -m benchmarks.bench calibrate | local).
 Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
 that fits nowhere) is one line on stderr and exit code 2.
@@ -40,7 +42,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
-from megapipe.perf import h100_fit, published_moe
+from megapipe.perf import h100_fit, megatron_runs, published_moe
 from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
 from megapipe.perf import table1 as t1
@@ -77,6 +79,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     check.add_argument("--refit", action="store_true", help="fit the H100 e_max again first")
     check.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
     check.add_argument("--moe", action="store_true", help="the published MoE runs instead")
+    check.add_argument("--a100", action="store_true", help="2021-2022 Megatron runs instead")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
@@ -208,6 +211,8 @@ def run_validate(args: argparse.Namespace) -> int:
               "the dense rows:\n")  # fmt: skip
         print(published_moe.markdown(published_moe.compare()))
         return 0
+    if args.a100:
+        return run_validate_a100()
     results = h100.compare()
     cal = h100.refit(results) if args.refit else None
     if cal is not None:
@@ -226,6 +231,16 @@ def run_validate(args: argparse.Namespace) -> int:
         print(h100.beside_markdown(beside))
         print("\nseconds each of megapipe's facts adds (share of megatron_core's step):\n")
         print(h100.attribution_markdown(beside))
+    return 0
+
+
+def run_validate_a100() -> int:
+    print(f"other 2021-2022 Megatron-LM runs on A100 ({megatron_runs.DATA.name}), held out; "
+          "the A100 profile and Table 1's constants:\n")  # fmt: skip
+    print("under the megatron2021 runtime (the 2021 code):\n")
+    print(megatron_runs.markdown(megatron_runs.compare()))
+    print("\nunder the runtime of each run's code (megatron2022: Korthikanti et al. 2022's):\n")
+    print(megatron_runs.markdown(megatron_runs.compare(None)))
     return 0
 
 

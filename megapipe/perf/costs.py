@@ -68,7 +68,7 @@ from megapipe.perf.comm import ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
 from megapipe.perf.runtime import Runtime, resolved_for
-from megapipe.perf.tp_overlap import exposed_tp, sm_margin
+from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
 # megatron2021 (Table 1) made the whole logits and kept them for backward (CostModel.head).
@@ -130,15 +130,15 @@ class CostModel(MoECosts):
         """A layer's exposed tp seconds forward and backward, and the seconds the SM margin
         adds to F and W (perf/tp_overlap.py), where parallel.tp_overlap asks for it, with
         sequence parallelism, of a runtime that has it (ours: parallel/tensor/overlap.py);
-        else the plain collectives."""
-        p = self.cfg.parallel
-        if not (p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap):
-            tp = self._tp_layer(x)
-            return tp, tp, 0.0, 0.0
-        act = x.n * self.cfg.model.d_model * self.c
+        else the plain collectives (Megatron-LM's async tp: tp_overlap.async_backward)."""
+        p, act = self.cfg.parallel, x.n * self.cfg.model.d_model * self.c
         ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
-        f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
-        return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
+        if p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap:
+            f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
+            return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
+        tp, ar = self._tp_layer(x), self._tp("all_reduce", act)
+        async_b = async_backward(p.sequence_parallel, ar, ag, rs, dgrad, wgrad)
+        return tp, async_b if self.rt.tp_async_wgrad and p.tp > 1 else tp, 0.0, 0.0
 
     # -- a transformer layer -----------------------------------------------------------------
 

@@ -343,10 +343,13 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
     for key, (src, dst, seg, _grad) in enumerate(dag.messages):
         q = q_full if len(bounds) == 1 else bounds[seg][1] - bounds[seg][0]
         nbytes = b * q * m.d_model * (runtime.p2p_bytes or cm.c)
-        if p.sequence_parallel and p.tp > 1 and not runtime.p2p_scatter_gather:
-            nbytes /= p.tp  # each tp rank sends its sequence shard
+        # under SP each tp rank sends its sequence shard, and Megatron-LM skips its scatter/
+        # gather (p2p_communication.py: scatter_gather_tensors_in_pipeline and not
+        # sequence_parallel)
+        sp = p.sequence_parallel and p.tp > 1
+        nbytes /= p.tp if sp else 1
         link = p2p_link(cluster, shape, src, dst)
-        if runtime.p2p_scatter_gather and p.tp > 1 and link.name == "network":
+        if runtime.p2p_scatter_gather and p.tp > 1 and link.name == "network" and not sp:
             t = p2p_time(nbytes / p.tp, link) + ring_time("all_gather", nbytes, p.tp, cm.tp_link)
         else:
             t = p2p_time(nbytes, link)

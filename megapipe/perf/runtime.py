@@ -5,7 +5,9 @@ Megatron-LM of Narayanan et al. 2021 that produced Table 1, `megatron_core` (Meg
 0.8-0.12 as its published H100 runs used it) and `torchtitan` (PyTorch's FSDP2 trainer); the
 last three validate the mechanisms on published measurements (perf/table1.py,
 perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
-its source. Ours and Megatron 2021's differ in facts about the code, none fitted:
+its source; `megatron2022` (Korthikanti et al. 2022's code: perf/megatron_runs.py) is
+`megatron2021` with Megatron-LM's asynchronous tp communication. Ours and Megatron 2021's
+differ in facts about the code, none fitted:
 
   attention       ours: config/memory.attention_path on CUDA (a fused kernel under bf16;
                   ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
@@ -152,6 +154,10 @@ class Runtime:
     # (models/gpt.TransformerLayer.compile_math); the final norm stays eager, and so does the
     # residual dropout under sequence parallelism
     compiled_layers: bool = False
+    # Megatron-LM's asynchronous tp communication (2021-09 on): the column-parallel linears'
+    # input-grad all-reduce (reduce-scatter under SP) beside their wgrad GEMMs, under SP the
+    # input's all-gather again beside the dgrad GEMMs (perf/tp_overlap.async_backward)
+    tp_async_wgrad: bool = False
 
 
 MEGAPIPE = Runtime(
@@ -194,6 +200,15 @@ MEGATRON_2021 = Runtime(
     optimizer_bytes=56.0,
     autocast_casts=False,  # fp16 weights, no autocast
 )
+
+# Megatron-LM as Korthikanti et al. 2022 (arXiv 2205.05198) ran it (NVIDIA/Megatron-LM as of
+# 2022-05, commit de593298): the 2021 code's facts, and its asynchronous tp communication,
+# default on since 2021-09 (merge request !316, commit 6e1bde1e: --no-async-tensor-model-
+# parallel-allreduce turns it off; megatron/mpu/layers.py LinearWithGradAccumulationAndAsync
+# Communication). Its gradient accumulation fusion (2022-02, commit 83b1e42f) runs only with
+# fp32 grad accumulation (arguments.py turns it off otherwise), which the 2021 runtime's fp16
+# grads do not have: not priced.
+MEGATRON_2022 = dataclasses.replace(MEGATRON_2021, name="megatron2022", tp_async_wgrad=True)
 
 # Megatron-Core 0.8-0.12 with the flags its published H100 runs (NVIDIA NeMo / Megatron-LM
 # performance recipes) set. Sources: NVIDIA/Megatron-LM megatron/training/arguments.py,
@@ -322,7 +337,16 @@ MAXTEXT = dataclasses.replace(
 )
 
 RUNTIMES = {
-    r.name: r for r in (MEGAPIPE, MEGATRON_2021, MEGATRON_CORE, TORCHTITAN, LLM_FOUNDRY, MAXTEXT)
+    r.name: r
+    for r in (
+        MEGAPIPE,
+        MEGATRON_2021,
+        MEGATRON_2022,
+        MEGATRON_CORE,
+        TORCHTITAN,
+        LLM_FOUNDRY,
+        MAXTEXT,
+    )
 }
 
 

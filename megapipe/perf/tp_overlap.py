@@ -16,6 +16,11 @@ perf/costs.py. TE's default layout (transformer_engine/pytorch/module/base.py, i
 
 A runtime without a layout of its own (split count 0, no SM margin: torch's async TP) is priced
 with the same pairs, tp chunks each.
+
+Megatron-LM's asynchronous tensor-parallel communication (from 2021-09, default on; NVIDIA/
+Megatron-LM merge request !316, commit 6e1bde1e, megatron/mpu/layers.py
+ColumnParallelLinearWithAsyncAllreduce, in 2022 LinearWithGradAccumulationAndAsyncCommunication)
+is priced by `async_backward`: no decomposition, whole collectives beside whole GEMMs.
 """
 
 from __future__ import annotations
@@ -51,3 +56,18 @@ def sm_margin(share: float, fprop: list[float], wgrad: list[float]) -> tuple[flo
         return 0.0, 0.0
     slow = share / (1.0 - share)
     return slow * (fprop[1] + fprop[3]), slow * (wgrad[0] + wgrad[2])
+
+
+def async_backward(sp: bool, ar: float, ag: float, rs: float, dgrad: list[float],
+                   wgrad: list[float]) -> float:  # fmt: skip
+    """Exposed seconds of one layer's backward tp collectives under Megatron-LM's asynchronous
+    tp communication (module docstring): each column-parallel linear's (qkv, fc1) input grad is
+    all-reduced (`ar`), or reduce-scattered under SP (`rs`), launched before its wgrad GEMM and
+    waited for after it; under SP that linear's input, saved as its sequence shard, is
+    all-gathered again (`ag`) beside its dgrad GEMM. The row-parallel linears' (proj, fc2)
+    backward stays blocking: nothing without SP, the grad's all-gather with SP. The SMs NCCL
+    takes from the GEMMs beside it are not priced."""
+    qkv, fc1 = 0, 2
+    if not sp:
+        return sum(max(0.0, ar - wgrad[i]) for i in (qkv, fc1))
+    return 2 * ag + sum(max(0.0, ag - dgrad[i]) + max(0.0, rs - wgrad[i]) for i in (qkv, fc1))
