@@ -17,6 +17,12 @@ coef · (T · aux + Σ_t z_t) in the LM loss's summed units to the backward thro
 (an identity on the hidden states whose backward seeds the loss's grad, 1 / `loss_scale`), so
 the reported LM loss stays the LM loss. Experts whole in every tp rank (docs/moe.md): the layer
 works on the tokens the rank holds, like a norm.
+
+Under Seq1F1B (Sun et al. 2024) a forward sees one segment of its sequences: it keeps the
+segment's counts per expert (and its probability mass) in the segment store
+(parallel/autograd/segment_kv.py), starts the capacity after the earlier segments' counts, and
+makes the balance loss's grad in backward, when every segment's counts are known, so routing,
+drops and losses are the whole sequence's (docs/moe.md, "Under Seq1F1B").
 """
 
 from __future__ import annotations
@@ -105,9 +111,9 @@ class _AttachLoss(torch.autograd.Function):
     """Identity on x whose backward seeds the layer's losses in the LM loss's summed units,
     times `scale`: the z-loss (`z`, Σ over tokens) with z_coef, and the balance loss through
     `mass` (b, E), Σ over this part's tokens of the router probabilities, whose grad is
-    aux_coef · E · f_e with f the whole sequences' shares (`moe.share`: a Seq1F1B segment's
-    known only once every segment ran forward). Hands `stats` to the sink (once per microbatch,
-    also under recompute, whose forward runs twice)."""
+    aux_coef · E · f_e with f the whole sequences' shares (a Seq1F1B segment's from every
+    segment's counts, `MoE.segment_share`, known by its backward). Hands `stats` to the sink
+    (once per microbatch, also under recompute, whose forward runs twice)."""
 
     @staticmethod
     def forward(ctx, x, mass, z, share, scale, stats, moe, segment):
@@ -125,7 +131,7 @@ class _AttachLoss(torch.autograd.Function):
             share, own_mass = moe.segment_share(segment)
             aux = moe.n_experts * (share * own_mass).sum()  # this segment's part of T · aux
             stats = torch.cat([stats[:-2], aux.detach().reshape(1).to(stats), stats[-1:]])
-        ctx.moe.stats.add(stats)
+        moe.stats.add(stats)
         grad_mass = share * (ctx.scale * moe.aux_coef * moe.n_experts)
         grad_z = torch.full((), ctx.scale * moe.z_coef, dtype=torch.float32, device=grad.device)
         return grad, grad_mass, grad_z, None, None, None, None, None
