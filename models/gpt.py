@@ -164,6 +164,8 @@ class TransformerLayer(nn.Module):
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment, documents=None):
         h = self.attn(self.norm1(x), positions, segment, documents)
         x = x + self._dropout(h)  # (B, T[/tp], d)
+        if isinstance(self.mlp, MoE):  # a Seq1F1B segment's routing reads earlier segments'
+            return x + self._dropout(self.mlp(self.norm2(x), segment))
         return x + self._dropout(self.mlp(self.norm2(x)))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,12 @@ coef · (T · aux + Σ_t z_t) in the LM loss's summed units to the backward thro
 (an identity on the hidden states whose backward seeds the loss's grad, 1 / `loss_scale`), so
 the reported LM loss stays the LM loss. Experts whole in every tp rank (docs/moe.md): the layer
 works on the tokens the rank holds, like a norm.
+
+Under Seq1F1B (Sun et al. 2024) a forward sees one segment of its sequences: it keeps the
+segment's counts per expert (and its probability mass) in the segment store
+(parallel/autograd/segment_kv.py), starts the capacity after the earlier segments' counts, and
+makes the balance loss's grad in backward, when every segment's counts are known, so routing,
+drops and losses are the whole sequence's (docs/moe.md, "Under Seq1F1B").
 """
 
 from __future__ import annotations
@@ -102,19 +108,33 @@ class Experts(ShardedModule):
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Identity on x; backward seeds `loss`'s grad with `scale` and hands `stats` to `sink`
+    """Identity on x whose backward seeds the layer's losses in the LM loss's summed units,
+    times `scale`: the z-loss (`z`, Σ over tokens) with z_coef, and the balance loss through
+    `mass` (b, E), Σ over this part's tokens of the router probabilities, whose grad is
+    aux_coef · E · f_e with f the whole sequences' shares (a Seq1F1B segment's from every
+    segment's counts, `MoE.segment_share`, known by its backward). Hands `stats` to the sink
     (once per microbatch, also under recompute, whose forward runs twice)."""
 
     @staticmethod
-    def forward(ctx, x, loss, scale, stats, sink):
-        ctx.scale, ctx.stats, ctx.sink = scale, stats, sink
+    def forward(ctx, x, mass, z, share, scale, stats, moe, segment):
+        if share is not None:  # unsegmented: f known now
+            ctx.save_for_backward(share)
+        ctx.scale, ctx.stats, ctx.moe, ctx.segment = scale, stats, moe, segment
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.sink.add(ctx.stats)
-        seed = torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
-        return grad, seed, None, None, None
+        moe, segment, stats = ctx.moe, ctx.segment, ctx.stats
+        if segment is None:
+            (share,) = ctx.saved_tensors
+        else:
+            share, own_mass = moe.segment_share(segment)
+            aux = moe.n_experts * (share * own_mass).sum()  # this segment's part of T · aux
+            stats = torch.cat([stats[:-2], aux.detach().reshape(1).to(stats), stats[-1:]])
+        moe.stats.add(stats)
+        grad_mass = share * (ctx.scale * moe.aux_coef * moe.n_experts)
+        grad_z = torch.full((), ctx.scale * moe.z_coef, dtype=torch.float32, device=grad.device)
+        return grad, grad_mass, grad_z, None, None, None, None, None
 
 
 class StatsSink:
@@ -166,10 +186,12 @@ class MoE(nn.Module):
         """Run outside compiled graphs (dispatch's sizes are data-dependent)."""
         self._eager = torch.compiler.disable(self._math)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._eager or self._math)(x)
+    def forward(self, x: torch.Tensor, segment=None) -> torch.Tensor:
+        """`segment`: a Seq1F1B SegmentScope (parallel/autograd/segment_kv.py) when x is one
+        segment of its sequences, else None."""
+        return (self._eager or self._math)(x, segment)
 
-    def _math(self, x: torch.Tensor) -> torch.Tensor:
+    def _math(self, x: torch.Tensor, segment=None) -> torch.Tensor:
         b, n, d = x.shape
         flat = x.reshape(-1, d)
         logits = self.router(flat)  # (b·n, E) float32
@@ -177,14 +199,22 @@ class MoE(nn.Module):
         top_p, top_i = probs.topk(self.top_k, dim=-1)  # (b·n, k)
         gates = top_p / top_p.sum(-1, keepdim=True)
         chosen = torch.zeros_like(probs, dtype=torch.int32).scatter_(1, top_i, 1).view(b, n, -1)
-        seq_len = n * self._ranks_per_sequence()
-        keep = self._kept(chosen, seq_len)  # (b, n, E) int, or None: dropless
+        counts = self._sequence_sum(chosen.sum(1).double()).float()  # (b, E): the sequences'
+        mass = probs.view(b, n, -1).sum(1)  # (b, E): this rank's part of T · P_e
+        seq_len, carried = n * self._ranks_per_sequence(), None
+        if segment is not None:  # Seq1F1B: the earlier segments' rows count first
+            earlier = segment.carry(self, (counts, mass.detach()))
+            seq_len, carried = segment.tokens, sum(c for c, _ in earlier) if earlier else None
+        keep = self._kept(chosen, seq_len, carried)  # (b, n, E) int, or None: dropless
         rows_kept = None if keep is None else keep.view(b * n, -1).gather(1, top_i).bool()
         y = self._experts(flat, top_i, gates, rows_kept).view(b, n, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        loss, stats = self._losses(logits, probs, chosen, rows_kept, seq_len)
-        return _AttachLoss.apply(y, loss, 1.0 / self.loss_scale, stats, self.stats)
+        z = torch.logsumexp(logits, -1).pow(2).sum()
+        share = None if segment is not None else self._share(counts, seq_len)
+        stats = self._stats(chosen, rows_kept, mass, share, z)
+        args = (mass, z, share, 1.0 / self.loss_scale, stats, self, segment)
+        return _AttachLoss.apply(y, *args)
 
     def _experts(self, flat, top_i, gates, rows_kept) -> torch.Tensor:
         """Σ over a token's kept choices of gate · expert(x): rows are (token, choice) pairs in
@@ -218,12 +248,16 @@ class MoE(nn.Module):
         pos = self.cp.positions(per_cp * self.cp.size, device)
         return pos.chunk(self.tp.size)[self.tp.rank] if self.tp.sp else pos
 
-    def _kept(self, chosen: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+    def _kept(self, chosen: torch.Tensor, seq_len: int, carried=None) -> torch.Tensor | None:
         """(b, n, E): 1 where a token's choice of expert e is within e's capacity, the first
-        ceil(cf · T · k / E) choices of e in the sequence's token order; None: dropless."""
+        ceil(cf · T · k / E) choices of e in the sequence's token order; None: dropless.
+        `carried` (b, E): the choices of the sequences' earlier Seq1F1B segments, which come
+        first (T: the whole sequence)."""
         if self.capacity_factor <= 0:
             return None
         capacity = math.ceil(self.capacity_factor * seq_len * self.top_k / self.n_experts)
+        if carried is not None:
+            capacity = capacity - carried.long().unsqueeze(1)  # (b, 1, E) places left
         if self._ranks_per_sequence() == 1:
             return chosen * (chosen.cumsum(1) <= capacity)
         pos = self._positions(chosen.shape[1], chosen.device)
@@ -240,19 +274,26 @@ class MoE(nn.Module):
         groups = [self.tp.group] if self.tp.sp else []
         return groups + ([self.cp.group] if self.cp.size > 1 else [])
 
-    def _losses(self, logits, probs, chosen, rows_kept, seq_len: int):
-        """This rank's share of coef · (T · aux + Σ z) over its sequences, and its stats row."""
-        b, n, e = chosen.shape
-        counts = self._sequence_sum(chosen.sum(1).double())  # (b, E): whole sequences' rows
-        share = (counts / (seq_len * self.top_k)).float()  # f_e, not differentiated
-        mass = probs.view(b, n, e).sum(1)  # (b, E): this rank's part of T · P_e
-        aux = e * (share * mass).sum()  # Σ_b T · aux_b, this rank's part
-        z = torch.logsumexp(logits, -1).pow(2).sum()
-        loss = self.aux_coef * aux + self.z_coef * z
+    def _share(self, counts: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """f_e (b, E): the share of each sequence's T · k routed rows that chose e (before
+        drops), from its whole counts; float32, not differentiated."""
+        return (counts.double() / (seq_len * self.top_k)).float()
+
+    def segment_share(self, segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a Seq1F1B segment's backward: f over the whole sequences (every segment's counts)
+        and this segment's probability mass (b, E)."""
+        records = segment.whole(self)
+        counts = torch.stack([c for c, _ in records]).sum(0)
+        return self._share(counts, segment.tokens), records[segment.segment][1]
+
+    def _stats(self, chosen, rows_kept, mass, share, z) -> torch.Tensor:
+        """This rank's stats row: routed rows per expert, dropped rows, T·aux (Σ over its
+        sequences, its part; a Seq1F1B segment's is added in backward) and Σ z."""
+        aux = 0.0 if share is None else self.n_experts * (share * mass.detach()).sum()
         dropped = 0 if rows_kept is None else rows_kept.numel() - rows_kept.sum()
         routed = chosen.sum((0, 1)).double()
-        extra = torch.stack([torch.as_tensor(dropped).double(), aux.detach(), z.detach()])
-        return loss, torch.cat([routed, extra.to(routed)])
+        extra = [torch.as_tensor(v).double().to(routed.device) for v in (dropped, aux, z.detach())]
+        return torch.cat([routed, torch.stack(extra)])
 
 
 def set_loss_scale(model: nn.Module, scale: float) -> None:

@@ -75,6 +75,21 @@ OTHER_STEPS = {
     "dp2-zero1": ["parallel.dp=2", "parallel.microbatches=2", "parallel.zero=1"],
     # MoE layers every other layer: stacked expert weight grads deferred to W
     "moe-zb_h2": [*PIPELINE, *SCHEDULES["zb_h2"], *MOE, "model.moe_every=2"],
+    # MoE under Seq1F1B: each segment's expert counts and mass kept in the segment store
+    "moe-seq1f1b-3-cap": [
+        *PIPELINE,
+        "parallel.schedule=seq1f1b",
+        "parallel.seq_segments=3",
+        *MOE,
+        "model.moe_capacity_factor=1.0",
+    ],
+    "moe-seq1f1b-2-full": [
+        *PIPELINE,
+        "parallel.schedule=seq1f1b",
+        "parallel.seq_segments=2",
+        *MOE,
+        "recompute.mode=full",
+    ],
 }
 # Per-block variants: a different width / length / head count / vocab, every recompute mode,
 # dropout (the CPU's math attention path), bf16 autocast, Llama's RMSNorm, RoPE, SwiGLU, GQA.
@@ -180,6 +195,10 @@ class LiveSaved:
                 for segment in kept.values():
                     self._add(segment.k)
                     self._add(segment.v)
+            for records in store.records.values():  # a MoE layer's counts and mass
+                for record in records.values():
+                    for t in record:
+                        self._add(t)
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -291,6 +310,44 @@ def check_blocks(name: str, measured: dict[str, tuple[int, float]]) -> None:
 @pytest.mark.parametrize("name", ONE_PROCESS)
 def test_block_terms_are_the_saved_tensors(name):
     check_blocks(name, measure_blocks(ONE_PROCESS[name]))
+
+
+@pytest.mark.parametrize("capacity", ["0", "1.0"])
+def test_moe_terms_per_seq1f1b_segment(capacity):
+    """A MoE layer run segment by segment (the store of parallel/autograd/segment_kv.py): each
+    segment's saved tensors and its records in the store equal config/memory_moe.py's
+    segmented terms; the whole sequence's, the unsegmented ones (under a capacity factor the
+    terms bound them: a dropped row saves nothing)."""
+    from megapipe.config.memory import rank_dims
+    from megapipe.config.memory_moe import moe_terms
+    from megapipe.parallel.autograd.segment_kv import SegmentKV
+    from models.gpt import GPT
+    from models.moe import set_loss_scale
+
+    seq1f1b = ["parallel.schedule=seq1f1b", "parallel.seq_segments=3"]
+    cfg = config([*PIPELINE, *seq1f1b, *MOE, f"model.moe_capacity_factor={capacity}",
+                  "model.moe_shared_experts=1"])  # fmt: skip
+    torch.manual_seed(0)
+    moe = GPT(cfg.model, blocks=range(1, 2)).layers["0"].mlp
+    set_loss_scale(moe, 1.0)
+    b, seq, d = cfg.derived.micro_batch_size, cfg.model.seq_len, cfg.model.d_model
+    x = torch.randn(b, seq, d)
+    kv, outs = SegmentKV(3, seq), []
+    for i in [None, 0, 1, 2]:
+        dims = rank_dims(cfg, i)
+        s, e = (0, seq) if i is None else (dims.kv - dims.q, dims.kv)
+        part = x[:, s:e].clone().requires_grad_()
+        live = LiveSaved(moe)
+        with live.hooks():
+            outs.append(moe(part, None if i is None else kv.scope(i)))
+        for t in kv.records.get(moe, {}).get(i, ()):
+            live._add(t)
+        live.poll()
+        model = sum(moe_terms(cfg, dims.ns, dims.n, dims.b, 4, 1, i is not None).values())
+        low = 0 if capacity == "0" else -model
+        assert low <= live.peak - model <= SCALARS, (i, live.peak, model)
+    for i in reversed(range(3)):
+        kv.backward(i, outs[i + 1], torch.ones_like(outs[i + 1]))
 
 
 @pytest.mark.spawn

@@ -95,6 +95,62 @@ def test_layer_matches_token_by_token_reference(arch, capacity):
     assert stats[:-3].sum().item() == 3 * 12 * 2  # every (token, choice) routed
 
 
+def _segmented(moe: MoE, x, c, bounds, recompute: bool):
+    """The layer over Seq1F1B segments as the pipeline runs them (parallel/autograd/segment_kv):
+    forwards in order, backwards last segment first, each under full recompute if asked."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megapipe.parallel.autograd.segment_kv import SegmentKV
+
+    kv, outs = SegmentKV(len(bounds), x.shape[1]), []
+    for j, (s, e) in enumerate(bounds):
+        scope = kv.scope(j)
+        if recompute:
+            outs.append(checkpoint(moe, x[:, s:e], scope, use_reentrant=False))
+        else:
+            outs.append(moe(x[:, s:e], scope))
+    for j in reversed(range(len(bounds))):
+        s, e = bounds[j]
+        kv.backward(j, outs[j], c[:, s:e])
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("capacity", [0.0, 0.75])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_segments_route_like_the_whole_sequence(arch, capacity, recompute):
+    """Seq1F1B segments of a sequence: the same drops (the earlier segments' counts carried),
+    outputs, grads (the balance loss's f over the whole sequence) and figures as the whole."""
+    moe = _layer(arch, moe_capacity_factor=capacity)
+    x = torch.randn(3, 12, 16, requires_grad=True)
+    c = torch.randn(3, 12, 16)
+    whole = moe(x)
+    (whole * c).sum().backward()
+    want = {n: p.grad.clone() for n, p in moe.named_parameters()} | {"x": x.grad.clone()}
+    want_stats = moe.stats.take()
+    for p in [*moe.parameters(), x]:
+        p.grad = None
+    out = _segmented(moe, x, c, [(0, 5), (5, 8), (8, 12)], recompute)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+    got = {n: p.grad for n, p in moe.named_parameters()} | {"x": x.grad}
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    stats = moe.stats.take()
+    assert stats[:-2].tolist() == want_stats[:-2].tolist()  # load and drops
+    assert (want_stats[-3] > 0) == (capacity > 0)
+    torch.testing.assert_close(stats[-2:], want_stats[-2:], rtol=1e-6, atol=0)
+
+
+def test_a_segment_backward_before_a_later_forward_is_refused():
+    from megapipe.parallel.autograd.segment_kv import SegmentKV
+
+    moe = _layer("gpt2")
+    kv = SegmentKV(2, 12)
+    out = moe(torch.randn(2, 6, 16), kv.scope(0))
+    with pytest.raises(RuntimeError, match="before all 2 segments"):
+        kv.backward(0, out, torch.ones_like(out))
+
+
 def test_losses_scaled_like_the_lm_loss():
     moe = _layer("llama")
     x = torch.randn(2, 12, 16, requires_grad=True)
@@ -143,13 +199,11 @@ def test_moe_every_and_names():
         ("model.top_k=5", "model.top_k=5 exceeds model.n_experts=4"),
         ("model.moe_every=3", "model.moe_every=3 exceeds model.n_layers=2"),
         ("parallel.ep=2", "parallel.ep=2 must divide parallel.dp=1"),
-        ("parallel.seq_segments=2", "balance loss and capacity are per whole sequence"),
     ],
 )
 def test_config_rules(tiny_cfg, override, words):
-    extra = ["parallel.schedule=seq1f1b", "parallel.pp=2"] if "segments" in override else []
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")) as err:
-        tiny_cfg("model.n_experts=4", override, *extra)
+        tiny_cfg("model.n_experts=4", override)
     assert "\n" not in str(err.value)
 
 

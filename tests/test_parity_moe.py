@@ -30,6 +30,12 @@ def pp(schedule: str, m: int, vpp: int = 1) -> list[str]:
             f"parallel.vpp={vpp}"]  # fmt: skip
 
 
+def seq(k: int, m: int) -> list[str]:
+    """Seq1F1B over pp=2 with k segments of each sequence; its per-segment attention sums round
+    differently, hence tests/parity.LOW_LR."""
+    return [*pp("seq1f1b", m), f"parallel.seq_segments={k}", LOW_LR]
+
+
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
         ("dp2", 2, 1, [*MB2, *SHARED]),
@@ -52,6 +58,19 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp4-zero2-cap", 4, 1, [*MB2, *CAP, "parallel.zero=2"]),
         ("dp2-pp2-1f1b-zero3-shared", 2, 1, [*pp("1f1b", 2), *SHARED, "parallel.zero=3"]),
         ("dp4-zero3-llama", 4, 1, [*LLAMA, *CAP, "parallel.zero=3"]),
+    ],
+}
+# Seq1F1B (parallel.seq_segments): the capacity reads the earlier segments' counts, the balance
+# loss's f the whole sequence's; the reference is the unsegmented one process
+SEGMENT_CASES = {
+    2: [
+        ("pp2-seq1f1b-2-cap", 1, 1, [*seq(2, 4), *CAP, *SHARED]),
+        ("pp2-seq1f1b-3", 1, 1, [*seq(3, 2)]),
+        ("pp2-seq1f1b-4-llama-cap-full", 1, 1, [*seq(4, 2), *LLAMA, *CAP, "recompute.mode=full"]),
+    ],
+    4: [
+        ("tp2-sp-pp2-seq1f1b-2-cap", 1, 2, [*seq(2, 2), *SP, *CAP]),
+        ("dp2-pp2-seq1f1b-3-cap-ep2", 2, 1, [*seq(3, 2), *CAP, "parallel.ep=2"]),
     ],
 }
 # bf16: dropless, since a split's bf16 round-off of the hidden states (~2^-8) can flip a token
@@ -132,6 +151,15 @@ def test_moe_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     assert_state_close(weights, ref["weights"])
     if any("zb_" in x for x in extra):  # the stacked expert weight grads were deferred to W
         assert sum(got["deferred"] for got in results) > 0
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(SEGMENT_CASES))
+def test_moe_seq1f1b_segments_train_like_one_process(gloo_pool, world, dp, tp, extra):
+    """Capacity cases drop rows (so a routing that forgot the earlier segments would differ)."""
+    test_moe_mesh_trains_like_one_process(gloo_pool, world, dp, tp, extra)
+    dropped = [figures["moe_dropped"] for figures in reference(tuple(extra))["moe"]]
+    assert all(dropped) if CAP[0] in extra else not any(dropped), dropped
 
 
 @pytest.mark.spawn

@@ -152,8 +152,9 @@ def check_spikes(cfg: Config) -> None:
 
 
 def check_moe(cfg: Config) -> None:
-    """The mixture-of-experts keys (models/moe.py, docs/moe.md), in one line each."""
-    m, p = cfg.model, cfg.parallel
+    """The mixture-of-experts keys (models/moe.py, docs/moe.md), in one line each. Seq1F1B's
+    segments carry each sequence's expert counts (parallel/autograd/segment_kv.py)."""
+    m = cfg.model
     if m.n_experts == 0:
         return
     require(
@@ -164,9 +165,4 @@ def check_moe(cfg: Config) -> None:
         m.moe_every <= m.n_layers,
         f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}, so no layer "
         "would be MoE; lower model.moe_every",
-    )
-    require(
-        p.seq_segments == 1,
-        f"parallel.seq_segments={p.seq_segments} with model.n_experts>0: the balance loss "
-        "and capacity are per whole sequence; set parallel.seq_segments=1",
     )

@@ -88,7 +88,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.config.flops import is_moe_layer, segment_bounds
-from megapipe.config.memory_moe import moe_deferred, moe_terms
+from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, RecomputeConfig
 from megapipe.config.states import FLOAT32, PARAM_BYTES
 
@@ -249,6 +249,8 @@ def layer_terms(
     store = _segment_store(cfg, x) if segmented else None
     if mode == "full":  # the checkpoint keeps the layer input alone
         terms = {"layer input (full recompute)": x.ns * m.d_model * residual_bytes(cfg)}
+        if segmented and _moe(cfg, index):
+            terms |= segment_records(cfg, x.b)
         return terms | ({"segment k, v store": store} if segmented else {})
     terms: dict[str, float] = {}
     for name, value in _norm(cfg, x.ns, device).items():
@@ -257,7 +259,8 @@ def layer_terms(
     terms |= _attention_terms(cfg, x, mode, device, store)
     terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
-        terms |= moe_terms(cfg, x.ns, x.n, x.b, compute_bytes(cfg), cfg.parallel.tp)
+        c, tp = compute_bytes(cfg), cfg.parallel.tp
+        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
     else:
         terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
         terms |= _mlp_terms(cfg, x)

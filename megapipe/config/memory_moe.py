@@ -9,10 +9,17 @@ are an upper bound: a dropped row saves nothing):
 
   router                            Nₛ·d·4 (its float32 input) + 2·Nₛ·E·4 (softmax output,
                                     logsumexp's input) + Nₛ·4 (the z-loss's lse) + b·E·4 (the
-                                    balance loss's shares, b sequences)
+                                    balance loss's shares, b sequences; not for a segment)
+  segment expert records            a Seq1F1B segment's (b, E) float32 expert counts and
+                                    probability mass, 2·b·E·4, in the segment store
+                                    (parallel/autograd/segment_kv.py) under every recompute
+                                    mode: later segments' capacity and every segment's balance
+                                    loss grad read them, so they stay until the microbatch's
+                                    last backward (the model frees them at the segment's B)
   top-k                             Nₛ·k·(4 + 8) (probabilities, indices) + Nₛ·4 (their sum)
   dispatch buffers                  R·d·c (the rows sorted by expert: w_in's input) and the
-                                    token and sort indices 2·R·8
+                                    token and sort indices 2·R·8; under a capacity factor the
+                                    kept rows' bool mask R·1 (their gates' index)
   expert hidden                     R·f·c (GELU input) + R·f·c (w_out input); SwiGLU
                                     3·R·f·c + R·f·c
   combine                           R·d·c (the experts' outputs) + R·c (their gates) + R·d·4
@@ -33,23 +40,28 @@ INDEX = 8  # int64 indices
 
 
 def moe_terms(
-    cfg: Config, tokens: int, gathered: int, rows_b: int, c: int, tp: int
+    cfg: Config, tokens: int, gathered: int, rows_b: int, c: int, tp: int, segmented: bool = False
 ) -> dict[str, float]:
     """A MoE layer's MLP terms for `tokens` (Nₛ) rows of `rows_b` sequences on this rank;
     `gathered` (N) rows enter the shared experts' column linear (its SP all-gather), whose
-    width is split over `tp`; `c` the compute dtype's bytes."""
+    width is split over `tp`; `c` the compute dtype's bytes; `segmented`: a Seq1F1B segment,
+    whose shares are made in backward from the records (`segment_records`)."""
     m = cfg.model
     d, e, k = m.d_model, m.n_experts, m.top_k
     f = expert_ffn(m, cfg.derived.d_ff)
     rows = tokens * k
     llama = m.arch == "llama"
+    shares = 0 if segmented else rows_b * e
+    capped = m.moe_capacity_factor > 0
     terms = {
-        "router": (tokens * (d + 2 * e + 1) + rows_b * e) * FLOAT32,
+        "router": (tokens * (d + 2 * e + 1) + shares) * FLOAT32,
         "top-k": tokens * k * (FLOAT32 + INDEX) + tokens * FLOAT32,
-        "dispatch buffers": rows * d * c + 2 * rows * INDEX,
+        "dispatch buffers": rows * d * c + 2 * rows * INDEX + (rows if capped else 0),
         "expert hidden": rows * f * c * (4 if llama else 2),
         "combine": rows * d * c + rows * c + rows * d * FLOAT32,
     }
+    if segmented:
+        terms |= segment_records(cfg, rows_b)
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
         # its fc1 input: the router's float32 input itself, unless cast or SP-gathered
@@ -61,6 +73,12 @@ def moe_terms(
         fan = 3 if llama else 2
         terms["expert bf16 weight copies"] = fan * (e * f + shared) * d * c
     return terms
+
+
+def segment_records(cfg: Config, rows_b: int) -> dict[str, float]:
+    """A Seq1F1B segment's expert counts and probability mass for `rows_b` sequences, which
+    the segment store keeps whatever the recompute mode (module docstring)."""
+    return {"segment expert records": 2 * rows_b * cfg.model.n_experts * FLOAT32}
 
 
 def moe_deferred(cfg: Config, tokens: int, gathered: int, c: int, tp: int) -> dict[str, float]:

@@ -1,7 +1,10 @@
 """A mixture-of-experts layer's costs (models/moe.py), mixed into perf/costs.CostModel: its
 MLP weights, its GEMMs (router, routed and shared experts), the expert-parallel all-to-alls
 and, under a runtime that splits experts over tp, the tp collectives around them (the
-mechanisms: perf/costs.py's module docstring)."""
+mechanisms: perf/costs.py's module docstring). A Seq1F1B segment's are priced on its own
+`Shapes` (its tokens); the expert counts it carries to the next segment stay on the rank (the
+(b, E) counts' all-reduce over SP's tp, made per segment as per microbatch, is left out both
+ways: latency-sized, like the capacity's all-gather of the choices)."""
 
 from __future__ import annotations
 

@@ -173,7 +173,10 @@ class PipelineRuntime:
         """The kept K/V of `a`'s microbatch and chunk when its sequence is in segments."""
         if a.segment is None or len(self.segments) == 1:
             return None
-        return self.kv.setdefault((a.microbatch, a.chunk), SegmentKV())
+        key = (a.microbatch, a.chunk)
+        if key not in self.kv:
+            self.kv[key] = SegmentKV(len(self.segments), self.segments[-1][1])
+        return self.kv[key]
 
     def _forward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:
         stage, (x, targets, positions) = self.stages[a.chunk], self._tokens(a)

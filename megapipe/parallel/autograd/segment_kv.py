@@ -21,6 +21,15 @@ of pipelining. Before the segment's backward its scope stops keeping, so a full-
 of a layer (which replays the forward with the same arguments) reads the same leaves and keeps
 nothing. Under sequence parallelism a segment is a multiple of tp tokens, split over tp like a
 whole sequence; segments under cp (ring attention) are refused by the config checks.
+
+A layer whose forward depends on earlier tokens other than through K/V (a mixture of experts'
+per-sequence capacity and balance loss, models/moe.py) keeps a small record per segment with
+`SegmentScope.carry` (forward: the earlier segments' records; a recompute replays them) and
+reads all of them in backward with `SegmentScope.whole`. Every segment's forward of a
+microbatch precedes its first backward on every rank: a segment's backward needs the grad of
+its output, which the last stage makes only after the microbatch's last segment has run
+forward there (the schedule runs a microbatch's backwards from the last segment down,
+plan/seq1f1b.py), and that forward follows this rank's. `whole` checks it.
 """
 
 from __future__ import annotations
@@ -51,6 +60,30 @@ class SegmentScope:
     segment: int
     keep: bool = True  # forward: keep this segment's K/V; from its backward on (recompute): read
 
+    @property
+    def tokens(self) -> int:
+        """Tokens of each whole sequence the segments cut (all segments together)."""
+        return self.store.tokens
+
+    def carry(self, layer: object, record: object) -> list:
+        """`layer`'s records of this microbatch's earlier segments, in order; `record` is kept
+        as this segment's (forward; a recompute replays with what the forward kept)."""
+        records = self.store.records.setdefault(layer, {})
+        if self.keep:
+            records[self.segment] = record
+        return [records[j] for j in range(self.segment)]
+
+    def whole(self, layer: object) -> list:
+        """`layer`'s records of every segment of the microbatch, in order (in backward)."""
+        records = self.store.records.get(layer, {})
+        if len(records) != self.store.count:
+            raise RuntimeError(
+                f"segment {self.segment}'s backward ran before all {self.store.count} segments "
+                f"of its microbatch ran forward ({sorted(records)}); the schedule must run "
+                "every segment's forward before the microbatch's first backward"
+            )
+        return [records[j] for j in range(self.store.count)]
+
     def extend(self, layer: object, k: torch.Tensor, v: torch.Tensor):
         """(B, Hkv, n_i, hd) K/V of this segment -> (B, Hkv, e_i, hd) with earlier segments'."""
         kept = self.store.layers.setdefault(layer, {})
@@ -70,10 +103,14 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 class SegmentKV:
-    """The kept K/V of one (microbatch, chunk): {attention layer: {segment: _Kept}}."""
+    """The kept K/V of one (microbatch, chunk): {attention layer: {segment: _Kept}}, and the
+    other layers' per-segment records ({layer: {segment: record}}, `SegmentScope.carry`) of a
+    microbatch cut into `count` segments of sequences of `tokens`."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 1, tokens: int = 0) -> None:
+        self.count, self.tokens = count, tokens
         self.layers: dict[object, dict[int, _Kept]] = {}
+        self.records: dict[object, dict[int, object]] = {}
         self.scopes: dict[int, SegmentScope] = {}
 
     def scope(self, segment: int) -> SegmentScope:
