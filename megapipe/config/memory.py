@@ -77,10 +77,10 @@ every term with saved_tensors_hooks):
 
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
 rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
-floats, at most HEAD_CHUNK_BYTES on a GPU, in forward and again in backward) is transient, not
-saved. The fused kernels' workspace, the recompute's
-transient layer, grads in flight and Seq1F1B's K/V grads waiting for the earlier segment's
-backward are not saved tensors.
+floats, at most 1/HEAD_CHUNK_SHARE of the device's memory on a GPU, ~1.5 times that at its
+height under bf16, in forward and again in backward) is transient, not saved. The fused
+kernels' workspace, the recompute's transient layer, grads in flight and Seq1F1B's K/V grads
+waiting for the earlier segment's backward are not saved tensors.
 """
 
 from __future__ import annotations
@@ -99,21 +99,38 @@ INDEX = 8  # int64 token ids and targets
 # rank), the fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer rows re-read
 # the head weight more often, more leave the chunk's elementwise passes less cache.
 CHUNK_ROWS = 256
-# CUDA: chunks as large as HEAD_CHUNK_BYTES of float32 logits allow. Each chunk adds its weight
-# grad into the float32 V/tp·d table and launches its GEMMs and elementwise kernels, so 256-row
-# chunks spend up to a fifth of a small model's step re-reading that table; a GPU has no cache
-# to keep the chunk in, only HBM to bound it (Liger-Kernel's fused linear cross entropy sizes its
-# chunks by the logits' bytes the same way).
-HEAD_CHUNK_BYTES = 256 * 2**20
+# GPU: a chunk's float32 logits may fill 1/HEAD_CHUNK_SHARE of the device's memory. The trade:
+# a chunk of R rows holds R·V/tp·4 bytes of float32 logits (and, under bf16, their bf16 copy
+# and the probabilities cast back: ~6 bytes per logit at its height), while each chunk past the
+# first adds its weight grad into the float32 V/tp·d grad: the bf16 product written, read with
+# the grad and the sum written, 12 B per table element (perf/costs.CostModel._fused_head), an
+# HBM pass that costs, beside the chunk's wgrad GEMM (2·R·V/tp·d FLOPs),
+# 6·(peak FLOP/s ÷ HBM B/s)/R of its time: on an H100 (989e12 / 3.35e12 = 295 FLOP per byte)
+# 1771/R, i.e. 10% at R = 17.7k rows, 339% at the 523 rows a fixed 256 MiB gave Llama 3's
+# 128256 vocabulary. 1/16 of an 80 GiB H100 (5 GiB) holds 10.5k rows of that vocabulary at one
+# tp rank (17% where a microbatch is longer; a 4096-token one is then one chunk, no
+# accumulation at all) and 21k of 64000 (Nemotron-4's 256000 over tp 4: under 10%), while the
+# transient stays under a tenth of the device (1.5 × 1/16), as Megatron-Core's whole-microbatch
+# logits (bf16, then float32 in its cross entropy) take about as much. Liger-Kernel's fused
+# linear cross entropy also sizes its chunks by the logits' bytes; torchtitan's by a count.
+HEAD_CHUNK_SHARE = 16
 
 
-def head_chunk_rows(vocab_shard: int, device: str = "cuda", tokens: int | None = None) -> int:
+def head_chunk_rows(
+    vocab_shard: int,
+    device: str = "cuda",
+    tokens: int | None = None,
+    memory_bytes: float | None = None,
+) -> int:
     """Tokens per chunk of the fused head + loss for a V/tp = `vocab_shard` slice: CHUNK_ROWS on
-    the CPU; on a GPU as many as keep one chunk's float32 logits within HEAD_CHUNK_BYTES, at
-    least CHUNK_ROWS; at most the microbatch's `tokens` where given."""
+    the CPU (or a device whose `memory_bytes` is not given); on a GPU as many as keep one
+    chunk's float32 logits within 1/HEAD_CHUNK_SHARE of its `memory_bytes`, at least
+    CHUNK_ROWS; at most the microbatch's `tokens` where given. The code passes the device's
+    own memory (torch.cuda.get_device_properties), the performance model its cluster's."""
     rows = CHUNK_ROWS
-    if device != "cpu":
-        rows = max(CHUNK_ROWS, HEAD_CHUNK_BYTES // (FLOAT32 * max(vocab_shard, 1)))
+    if device != "cpu" and memory_bytes:
+        budget = memory_bytes / HEAD_CHUNK_SHARE
+        rows = max(CHUNK_ROWS, int(budget // (FLOAT32 * max(vocab_shard, 1))))
     return rows if tokens is None else max(1, min(rows, tokens))
 
 

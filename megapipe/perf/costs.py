@@ -353,9 +353,10 @@ class CostModel(MoECosts):
 
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
-        config/memory.head_chunk_rows tokens (the runtime's choice: 256 on the CPU, a chunk's
-        float32 logits up to 256 MiB on a GPU), each chunk's float32 logits made, reduced and
-        dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp,
+        config/memory.head_chunk_rows tokens (the runtime's choice, from the cluster's memory
+        as the code reads the device's: 256 on the CPU, a chunk's float32 logits up to 1/16 of
+        the GPU's memory), each chunk's float32 logits made, reduced and dropped; backward
+        makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp,
         L = R·V logits):
           F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max
              (4), subtract (8), exp (8), sum (4); under tp a max all-reduce of R floats, then
@@ -364,7 +365,11 @@ class CostModel(MoECosts):
              probabilities to the compute dtype (4 + c); dgrad GEMM (R, d, V), wgrad GEMM
              (V, d, R) added into a float32 V·d grad (bf16: the product written, then read
              with the grad and the sum written, c + 4 + c + 4 B per element, the first chunk a
-             copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B)
+             copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B).
+             The k − 1 accumulations are why the chunks are large on a GPU: each costs
+             6·(peak ÷ HBM B/s)/R of the chunk's wgrad GEMM (config/memory.HEAD_CHUNK_SHARE).
+             No one GEMM writes the float32 sum in place (addmm with out_dtype float32 onto
+             the grad): torch's CUDA kernel for it is not pinned here, so neither is it run.
         The weight is cast to the compute dtype in F and again in B; the weight grad is in B,
         tied or not (config/memory.head_deferred), then added into .grad as every weight's.
         Grads made in forward (config/memory.head_grad_in_forward): F does all of B's work but
@@ -374,7 +379,7 @@ class CostModel(MoECosts):
         weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
-        rows = head_chunk_rows(v, self.cluster.device, n)
+        rows = head_chunk_rows(v, self.cluster.device, n, self.cluster.hbm_bytes)
         k = -(-n // rows)
         norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
