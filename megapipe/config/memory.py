@@ -99,39 +99,37 @@ INDEX = 8  # int64 token ids and targets
 # rank), the fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer rows re-read
 # the head weight more often, more leave the chunk's elementwise passes less cache.
 CHUNK_ROWS = 256
-# GPU: a chunk's float32 logits may fill 1/HEAD_CHUNK_SHARE of the device's memory. The trade:
-# a chunk of R rows holds R·V/tp·4 bytes of float32 logits (and, under bf16, their bf16 copy
-# and the probabilities cast back: ~6 bytes per logit at its height), while each chunk past the
-# first adds its weight grad into the float32 V/tp·d grad: the bf16 product written, read with
-# the grad and the sum written, 12 B per table element (perf/costs.CostModel._fused_head), an
-# HBM pass that costs, beside the chunk's wgrad GEMM (2·R·V/tp·d FLOPs),
-# 6·(peak FLOP/s ÷ HBM B/s)/R of its time: on an H100 (989e12 / 3.35e12 = 295 FLOP per byte)
-# 1771/R, i.e. 10% at R = 17.7k rows, 339% at the 523 rows a fixed 256 MiB gave Llama 3's
-# 128256 vocabulary. 1/16 of an 80 GiB H100 (5 GiB) holds 10.5k rows of that vocabulary at one
-# tp rank (17% where a microbatch is longer; a 4096-token one is then one chunk, no
-# accumulation at all) and 21k of 64000 (Nemotron-4's 256000 over tp 4: under 10%), while the
-# transient stays under a tenth of the device (1.5 × 1/16), as Megatron-Core's whole-microbatch
-# logits (bf16, then float32 in its cross entropy) take about as much. Liger-Kernel's fused
-# linear cross entropy also sizes its chunks by the logits' bytes; torchtitan's by a count.
+# GPU: a chunk's float32 logits may fill 1/HEAD_CHUNK_SHARE of the device's memory. A chunk of
+# R rows holds R·V/tp·4 B of float32 logits (~6 B per logit at its height under bf16: their bf16
+# copy, the probabilities cast back); each chunk past the first adds its weight grad into the
+# float32 V/tp·d grad, 12 B per element (bf16 product written, read with the grad, sum written:
+# perf/costs.CostModel._fused_head), which beside the chunk's wgrad GEMM (2·R·V/tp·d FLOPs)
+# takes 6·(peak FLOP/s ÷ HBM B/s)/R of its time: on an H100 (989e12 / 3.35e12 B/s) 1771/R, 10%
+# at R = 17.7k, 339% at the 523 rows a fixed 256 MiB gave Llama 3's 128256 vocabulary. 1/16 of
+# 80 GiB holds 10.5k rows of it on one tp rank (17% past that; a 4096-token microbatch is one
+# chunk: nothing added up) and 21k of Nemotron-4's 256000 over tp 4 (8%), the transient under a
+# tenth of the device (1.5/16), as Megatron-Core's whole-microbatch logits (bf16, then float32).
 HEAD_CHUNK_SHARE = 16
 
 
 def head_chunk_rows(
-    vocab_shard: int,
-    device: str = "cuda",
-    tokens: int | None = None,
-    memory_bytes: float | None = None,
+    vocab_shard: int, device: str = "cuda", tokens: int | None = None, memory: float | None = None
 ) -> int:
     """Tokens per chunk of the fused head + loss for a V/tp = `vocab_shard` slice: CHUNK_ROWS on
-    the CPU (or a device whose `memory_bytes` is not given); on a GPU as many as keep one
-    chunk's float32 logits within 1/HEAD_CHUNK_SHARE of its `memory_bytes`, at least
-    CHUNK_ROWS; at most the microbatch's `tokens` where given. The code passes the device's
-    own memory (torch.cuda.get_device_properties), the performance model its cluster's."""
+    the CPU (or a device whose `memory`, in bytes, is not given); on a GPU as many as keep one
+    chunk's float32 logits within 1/HEAD_CHUNK_SHARE of its `memory`, at least CHUNK_ROWS; at
+    most the microbatch's `tokens` where given. The code passes the device's own memory
+    (torch.cuda.get_device_properties), the performance model its cluster's."""
     rows = CHUNK_ROWS
-    if device != "cpu" and memory_bytes:
-        budget = memory_bytes / HEAD_CHUNK_SHARE
-        rows = max(CHUNK_ROWS, int(budget // (FLOAT32 * max(vocab_shard, 1))))
+    if device != "cpu" and memory:
+        rows = max(CHUNK_ROWS, int(memory / HEAD_CHUNK_SHARE // (FLOAT32 * max(vocab_shard, 1))))
     return rows if tokens is None else max(1, min(rows, tokens))
+
+
+def head_chunks(tokens: int, rows: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, how many chunks of them) of the head's walk: ⌈tokens/rows⌉, the last the rest."""
+    k = -(-tokens // rows)
+    return (rows, k - 1), (tokens - (k - 1) * rows, 1)
 
 
 def compute_bytes(cfg: Config) -> int:
