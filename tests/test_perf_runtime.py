@@ -293,9 +293,10 @@ def test_head_chunks_priced_by_the_rule():
     8B row (one 4096-token microbatch per rank, pp 1: the grads made in forward) is one chunk on
     an 80 GiB H100, no weight grad added up; on an 8 GiB one, 1046-row chunks, four, and the
     head's F pays at least the three float32 accumulations of the V·d grad (12 B per element
-    each) more, and the step is slower."""
+    each) more, and the step is slower; a last chunk of 1 token is priced as 1 token."""
     import dataclasses
 
+    from megapipe.config.memory import head_chunk_rows, head_chunks
     from megapipe.perf import published
     from megapipe.perf.cost_terms import CALIBRATION
     from megapipe.perf.costs import CostModel
@@ -312,6 +313,15 @@ def test_head_chunks_priced_by_the_rule():
     assert f[1] - f[0] >= cm.dev.mem(3 * 12 * table) > 0, (f, cm.dev.mem(3 * 12 * table))
     steps = [project(cfg, c, MEGAPIPE, memory=False).step_time_s for c in (big, small)]
     assert steps[0] < steps[1]
+    # memory for 4095-row chunks: one of 4095 and one of 1 token, priced as such (not as two
+    # of 4095): beside one chunk, one accumulation more and three 1-row GEMMs at most
+    v, d = cfg.model.vocab_size, cfg.model.d_model
+    odd = dataclasses.replace(big, hbm_gib=4095 * 4 * v * 16 / 2**30)
+    assert head_chunks(4096, head_chunk_rows(v, "cuda", 4096, odd.hbm_bytes)) == ((4095, 1), (1, 1))
+    two = CostModel(cfg, odd, MEGAPIPE, CALIBRATION)
+    one_row = sum(two.dev.gemm(*s, 1, two.c) for s in ((1, v, d), (1, d, v), (v, d, 1)))
+    extra = two.block(head).F.compute - f[0]
+    assert two.dev.mem(12 * table) < extra <= two.dev.mem(12 * table) + one_row, extra
 
 
 def test_dp_bucket_size_is_the_codes():
