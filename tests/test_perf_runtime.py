@@ -270,16 +270,60 @@ def test_overlapped_tp_collectives_are_priced_as_hidden_behind_their_matmul_chun
 
 
 def test_head_chunk_rows_by_device():
-    """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy and the
-    costs): 256 tokens on the CPU whatever the vocabulary; on a GPU a chunk's float32 logits fill
-    256 MiB (GPT-2's padded 50304: 1334 tokens), never under 256 nor over the microbatch."""
-    from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_BYTES, head_chunk_rows
+    """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy with the
+    device's memory and by the costs with the cluster's): 256 tokens on the CPU whatever the
+    vocabulary, and on a device that does not say its memory; on a GPU a chunk's float32 logits
+    fill 1/16 of its memory: Llama 3's 128256 on an 80 GiB H100, 10464 tokens (81559 MiB as
+    torch reads it: 10418), so the 8B rows' 4096-token microbatch is one chunk; never under 256
+    nor over the microbatch."""
+    from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_SHARE, head_chunk_rows
 
-    assert head_chunk_rows(50304, "cpu") == head_chunk_rows(8192, "cpu") == CHUNK_ROWS == 256
-    assert head_chunk_rows(50304, "cuda") == HEAD_CHUNK_BYTES // (4 * 50304) == 1334
-    assert head_chunk_rows(50304, "cuda", 1024) == 1024
-    assert head_chunk_rows(10**7, "cuda") == 256
+    h100 = load_cluster("h100").hbm_bytes
+    assert head_chunk_rows(50304, "cpu", None, h100) == head_chunk_rows(8192, "cpu") == 256
+    assert CHUNK_ROWS == 256 and HEAD_CHUNK_SHARE == 16
+    assert head_chunk_rows(128256, "cuda") == 256  # memory not given
+    assert head_chunk_rows(128256, "cuda", None, h100) == 10464
+    assert head_chunk_rows(128256, "cuda", None, 81559 * 2**20) == 10418
+    assert head_chunk_rows(128256, "cuda", 4096, h100) == 4096
+    assert head_chunk_rows(64000, "cuda", None, h100) == 20971  # Nemotron-4 over tp 4
+    assert head_chunk_rows(10**8, "cuda", None, h100) == 256
     assert head_chunk_rows(50304, "cpu", 100) == 100
+
+
+def test_head_chunks_priced_by_the_rule():
+    """The projection prices the chunks the rule gives on the cluster's memory: the Llama 3.1
+    8B row (one 4096-token microbatch per rank, pp 1: the grads made in forward) is one chunk on
+    an 80 GiB H100, no weight grad added up; on an 8 GiB one, 1046-row chunks, four, and the
+    head's F pays at least the three float32 accumulations of the V·d grad (12 B per element
+    each) more, and the step is slower; a last chunk of 1 token is priced as 1 token."""
+    import dataclasses
+
+    from megapipe.config.memory import head_chunk_rows, head_chunks
+    from megapipe.perf import published
+    from megapipe.perf.cost_terms import CALIBRATION
+    from megapipe.perf.costs import CostModel
+    from megapipe.perf.h100_validation import megapipe_config
+
+    (row,) = [r for r in published.load_all() if r.label == "dgxc-llama3.1-8b-8"]
+    cfg = megapipe_config(published.measured(row).config)
+    big = load_cluster("h100", row.gpus_per_node)
+    small = dataclasses.replace(big, hbm_gib=8.0)
+    head = cfg.model.n_layers + 1
+    f = [CostModel(cfg, c, MEGAPIPE, CALIBRATION).block(head).F.compute for c in (big, small)]
+    cm = CostModel(cfg, small, MEGAPIPE, CALIBRATION)
+    table = cm.cfg.model.vocab_size * cfg.model.d_model  # tp 1: the whole (padded) table
+    assert f[1] - f[0] >= cm.dev.mem(3 * 12 * table) > 0, (f, cm.dev.mem(3 * 12 * table))
+    steps = [project(cfg, c, MEGAPIPE, memory=False).step_time_s for c in (big, small)]
+    assert steps[0] < steps[1]
+    # memory for 4095-row chunks: one of 4095 and one of 1 token, priced as such (not as two
+    # of 4095): beside one chunk, one accumulation more and three 1-row GEMMs at most
+    v, d = cfg.model.vocab_size, cfg.model.d_model
+    odd = dataclasses.replace(big, hbm_gib=4095 * 4 * v * 16 / 2**30)
+    assert head_chunks(4096, head_chunk_rows(v, "cuda", 4096, odd.hbm_bytes)) == ((4095, 1), (1, 1))
+    two = CostModel(cfg, odd, MEGAPIPE, CALIBRATION)
+    one_row = sum(two.dev.gemm(*s, 1, two.c) for s in ((1, v, d), (1, d, v), (v, d, 1)))
+    extra = two.block(head).F.compute - f[0]
+    assert two.dev.mem(12 * table) < extra <= two.dev.mem(12 * table) + one_row, extra
 
 
 def test_dp_bucket_size_is_the_codes():

@@ -77,10 +77,10 @@ every term with saved_tensors_hooks):
 
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
 rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
-floats, at most HEAD_CHUNK_BYTES on a GPU, in forward and again in backward) is transient, not
-saved. The fused kernels' workspace, the recompute's
-transient layer, grads in flight and Seq1F1B's K/V grads waiting for the earlier segment's
-backward are not saved tensors.
+floats, at most 1/HEAD_CHUNK_SHARE of the device's memory on a GPU, ~1.5 times that at its
+height under bf16, in forward and again in backward) is transient, not saved. The fused
+kernels' workspace, the recompute's transient layer, grads in flight and Seq1F1B's K/V grads
+waiting for the earlier segment's backward are not saved tensors.
 """
 
 from __future__ import annotations
@@ -99,22 +99,37 @@ INDEX = 8  # int64 token ids and targets
 # rank), the fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer rows re-read
 # the head weight more often, more leave the chunk's elementwise passes less cache.
 CHUNK_ROWS = 256
-# CUDA: chunks as large as HEAD_CHUNK_BYTES of float32 logits allow. Each chunk adds its weight
-# grad into the float32 V/tp·d table and launches its GEMMs and elementwise kernels, so 256-row
-# chunks spend up to a fifth of a small model's step re-reading that table; a GPU has no cache
-# to keep the chunk in, only HBM to bound it (Liger-Kernel's fused linear cross entropy sizes its
-# chunks by the logits' bytes the same way).
-HEAD_CHUNK_BYTES = 256 * 2**20
+# GPU: a chunk's float32 logits may fill 1/HEAD_CHUNK_SHARE of the device's memory. A chunk of
+# R rows holds R·V/tp·4 B of float32 logits (~6 B per logit at its height under bf16: their bf16
+# copy, the probabilities cast back); each chunk past the first adds its weight grad into the
+# float32 V/tp·d grad, 12 B per element (bf16 product written, read with the grad, sum written:
+# perf/costs.CostModel._fused_head), which beside the chunk's wgrad GEMM (2·R·V/tp·d FLOPs)
+# takes 6·(peak FLOP/s ÷ HBM B/s)/R of its time: on an H100 (989e12 / 3.35e12 B/s) 1771/R, 10%
+# at R = 17.7k, 339% at the 523 rows a fixed 256 MiB gave Llama 3's 128256 vocabulary. 1/16 of
+# 80 GiB holds 10.5k rows of it on one tp rank (17% past that; a 4096-token microbatch is one
+# chunk: nothing added up) and 21k of Nemotron-4's 256000 over tp 4 (8%), the transient under a
+# tenth of the device (1.5/16), as Megatron-Core's whole-microbatch logits (bf16, then float32).
+HEAD_CHUNK_SHARE = 16
 
 
-def head_chunk_rows(vocab_shard: int, device: str = "cuda", tokens: int | None = None) -> int:
+def head_chunk_rows(
+    vocab_shard: int, device: str = "cuda", tokens: int | None = None, memory: float | None = None
+) -> int:
     """Tokens per chunk of the fused head + loss for a V/tp = `vocab_shard` slice: CHUNK_ROWS on
-    the CPU; on a GPU as many as keep one chunk's float32 logits within HEAD_CHUNK_BYTES, at
-    least CHUNK_ROWS; at most the microbatch's `tokens` where given."""
+    the CPU (or a device whose `memory`, in bytes, is not given); on a GPU as many as keep one
+    chunk's float32 logits within 1/HEAD_CHUNK_SHARE of its `memory`, at least CHUNK_ROWS; at
+    most the microbatch's `tokens` where given. The code passes the device's own memory
+    (torch.cuda.get_device_properties), the performance model its cluster's."""
     rows = CHUNK_ROWS
-    if device != "cpu":
-        rows = max(CHUNK_ROWS, HEAD_CHUNK_BYTES // (FLOAT32 * max(vocab_shard, 1)))
+    if device != "cpu" and memory:
+        rows = max(CHUNK_ROWS, int(memory / HEAD_CHUNK_SHARE // (FLOAT32 * max(vocab_shard, 1))))
     return rows if tokens is None else max(1, min(rows, tokens))
+
+
+def head_chunks(tokens: int, rows: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, how many chunks of them) of the head's walk: ⌈tokens/rows⌉, the last the rest."""
+    k = -(-tokens // rows)
+    return (rows, k - 1), (tokens - (k - 1) * rows, 1)
 
 
 def compute_bytes(cfg: Config) -> int:

@@ -59,6 +59,7 @@ from megapipe.config.flops import is_moe_layer
 from megapipe.config.memory import (
     attention_path,
     head_chunk_rows,
+    head_chunks,
     head_grad_in_forward,
     tied_lookup_with_head,
 )
@@ -353,10 +354,10 @@ class CostModel(MoECosts):
 
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
-        config/memory.head_chunk_rows tokens (the runtime's choice: 256 on the CPU, a chunk's
-        float32 logits up to 256 MiB on a GPU), each chunk's float32 logits made, reduced and
-        dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, V = V/tp,
-        L = R·V logits):
+        config/memory.head_chunk_rows tokens (the code's rule on the cluster's memory: 256 on the
+        CPU, float32 logits up to 1/16 of a GPU's), each chunk's float32 logits made, reduced
+        and dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, the
+        last the rest; V = V/tp, L = R·V logits):
           F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max
              (4), subtract (8), exp (8), sum (4); under tp a max all-reduce of R floats, then
              two of N floats for the whole microbatch (sum of exp, target logit)
@@ -374,12 +375,12 @@ class CostModel(MoECosts):
         weight grads in place."""
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
-        rows = head_chunk_rows(v, self.cluster.device, n)
-        k = -(-n // rows)
+        rows = head_chunk_rows(v, self.cluster.device, n, self.cluster.hbm_bytes)
+        k, each = -(-n // rows), head_chunks(n, rows)  # (tokens, how many) of the k chunks
+        maxima = sum(j * self._tp("all_reduce", r * 4) for r, j in each)  # each chunk's row max
         norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)
-        logits = n * v
-        table = v * d
+        logits, table = n * v, v * d
         half = c < 4  # the bf16 path casts the logits up and the probabilities down
         f_bytes = logits * ((c + 4 if half else 0) + 4 + 8 + 8 + 4)
         probs = logits * (8 + (4 + c if half else 0))  # exp / sum, cast to the compute dtype
@@ -387,20 +388,19 @@ class CostModel(MoECosts):
         accumulate = table * ((c + 4) + (k - 1) * (2 * c + 8) if half else (k - 1) * 8) + 8 * table
         f_tp = b_tp = 0.0
         if p.tp > 1:
-            f_tp = k * self._tp("all_reduce", rows * 4) + 2 * self._tp("all_reduce", n * 4)
+            f_tp = maxima + 2 * self._tp("all_reduce", n * 4)
             f_tp += self._tp("all_gather", n * d * c) if p.sequence_parallel else 0.0
             b_tp = self._head_input_grad_tp(x)
-        logits_gemm = dev.gemm(rows, v, d, k, c)
-        grad_gemms = dev.gemm(rows, d, v, k, c) + dev.gemm(v, d, rows, k, c)  # dgrad, wgrad
+        logits_gemm = sum(dev.gemm(r, v, d, j, c) for r, j in each)
+        grad_gemms = sum(dev.gemm(r, d, v, j, c) + dev.gemm(v, d, r, j, c) for r, j in each)
         loss_bytes = norm + f_bytes + table * self.rt.weight_cast_bytes  # F's elementwise
         grad_bytes = probs + accumulate + n * d * 12 + table * self.rt.grad_accum_bytes
         if head_grad_in_forward(self.cfg):  # F makes the grads with its own logits and weight
-            sums = k * self._tp("all_reduce", rows * 4) - self._tp("all_reduce", n * 4)
             scale = 2 * (n * d * c + table * 4)  # B: the two grads scaled in place
             return BlockCosts(
                 Work(
                     compute=logits_gemm + grad_gemms + dev.mem(loss_bytes + grad_bytes),
-                    tp=f_tp + (sums if p.tp > 1 else 0.0),
+                    tp=f_tp + maxima - self._tp("all_reduce", n * 4),  # chunks' sums, not N's
                 ),
                 Work(compute=dev.mem(2 * norm + scale), tp=b_tp),
                 ZERO,

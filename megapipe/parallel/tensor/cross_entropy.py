@@ -7,7 +7,9 @@ three all-reduces of per-token scalars (max, sum of exp, target logit) instead o
 
 `linear_cross_entropy` goes one step further: the head's matmul and the loss in one autograd
 Function that never holds the logits of the whole microbatch. Forward walks the tokens in
-chunks (config/memory.head_chunk_rows: 256 tokens on the CPU, more on a GPU), keeping per token
+chunks (config/memory.head_chunk_rows: 256 tokens on the CPU; on a GPU as many as 1/16 of its
+memory holds as float32 logits, so each chunk's weight grad added into the float32 grad stays
+small beside its wgrad GEMM), keeping per token
 only the log-sum-exp and the target's logit;
 over a vocabulary split by tp, each chunk's row maxima are all-reduced (so every rank, and one
 process, subtract the same maximum) and the sums of exp and the target logits once at the end.
@@ -123,10 +125,13 @@ def _buffer(
 ) -> torch.Tensor | None:
     """The chunks' float32 logits buffer, flat (each chunk views its first V/tp·rows floats as
     one contiguous (V/tp, rows) matrix; float32 matmuls write into it), or None; kept in
-    `reuse` from call to call where given."""
+    `reuse` from call to call where given, on the CPU only: there a fresh buffer costs page
+    faults, while CUDA's caching allocator hands the block back without them, and a chunk
+    there may fill 1/16 of the device (config/memory.head_chunk_rows), which a kept buffer
+    would hold between steps where the memory model counts no logits."""
     if h.dtype != torch.float32:
         return None
-    kept = None if reuse is None else reuse.logits
+    kept = None if reuse is None or h.device.type != "cpu" else reuse.logits
     return kept_or_new(kept, (min(rows, h.shape[0]) * n_local,), torch.float32, h.device)
 
 
@@ -219,8 +224,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 class HeadBuffers:
     """What the fused head keeps from step to step (parallel/autograd/kept_buffers.py): the
-    float32 weight grads made in forward, and the chunk-logits buffer. At GPT-2's 50257 × 768 a
-    fresh weight grad was 37.7k page faults a step (154 MB) and the logits buffer 12.5k (51 MB).
+    float32 weight grads made in forward, and (on the CPU, `_buffer`) the chunk-logits buffer.
+    At GPT-2's 50257 × 768 a fresh weight grad was 37.7k page faults a step (154 MB) and the
+    logits buffer 12.5k (51 MB).
     Two weight grads are kept: under grad accumulation the first is still the weight's .grad
     while the next microbatch's is made, which the memory model already counts (the
     parameter's grad and the head's weight grad in flight)."""
@@ -288,6 +294,12 @@ class _EarlyGrads:
             self.weight_grad.zero_()
 
 
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of a CUDA device (its chunk budget, config/memory.head_chunk_rows); None
+    elsewhere (the CPU's rule, or 256-row chunks on a device that does not say)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
 def linear_cross_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -302,15 +314,17 @@ def linear_cross_entropy(
     """Σ over tokens of −log softmax(h Wᵀ)[target] without the whole (tokens, V/tp) logits: h
     (B, T, d) the head input on this rank (after f, or SP's all-gather), W (V/tp, d) this rank's
     vocabulary slice starting at `vocab_start` (rows past `vocab_size` are padding), targets
-    (B, T); `rows` tokens per chunk (default config/memory.head_chunk_rows: 256 on the CPU, larger
-    chunks on a GPU). `grad_in_forward`: make the input and
-    weight grads in forward, each chunk's logits made once (module docstring); only where grad
-    is being recorded; `reuse`: the buffers its weight grad and chunk logits are written into,
-    kept from step to step (HeadBuffers), else fresh ones each call."""
+    (B, T); `rows` tokens per chunk (default config/memory.head_chunk_rows: 256 on the CPU, on a
+    GPU as many as 1/16 of its memory holds as float32 logits). `grad_in_forward`: make the
+    input and weight grads in forward, each chunk's logits made once (module docstring); only
+    where grad is being recorded; `reuse`: the buffers its weight grad and chunk logits are
+    written into, kept from step to step (HeadBuffers), else fresh ones each call."""
     recording = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     early = grad_in_forward and recording
     flat, flat_targets = h.flatten(0, 1), targets.flatten()
-    rows = rows or head_chunk_rows(weight.shape[0], h.device.type, flat.shape[0])
+    rows = rows or head_chunk_rows(
+        weight.shape[0], h.device.type, flat.shape[0], _device_memory(h.device)
+    )
     return _LinearCrossEntropy.apply(
         flat, weight, flat_targets, vocab_start, vocab_size, tp, rows, early, reuse
     )
