@@ -5,8 +5,9 @@ for each expert count E, the rows of `--rows` routed (token, choice) pairs sprea
 experts at random (seeded; some experts get more rows than others), through one expert linear
 (d_model -> ffn): the forward x·Wᵀ, the input grad g·W and the stacked weight grad gᵀ·x, the
 three calls the layer's forward and backward make. The two variants alternate within each
-round; reported: each one's median ms with the spread (min-max) and the ratio of medians
-(loop / grouped: above 1, the grouped matmul is faster).
+round; reported: each one's median ms with the spread (min-max), the ratio of medians
+(loop / grouped: above 1, the grouped matmul is faster) and the median of the rounds' own
+ratios (each round's two variants ran back to back: the machine's drift cancels).
 
     python -m benchmarks.bench grouped [--rows 2048 --d-model 256 --ffn 512 \\
         --experts 2 4 8 16 32 --dtype float32 bfloat16 --rounds 15 --threads 1]
@@ -57,11 +58,12 @@ def row(label: str, cases: dict, rounds: int) -> str:
     for run in cases.values():  # warm-up
         run(), run()
     t = alternate({name: partial(timed, run) for name, run in cases.items()}, rounds)
+    paired = statistics.median(a / b for a, b in zip(t["loop"], t["grouped"], strict=True))
     t = {k: sorted(v) for k, v in t.items()}
     cells = [f"{1e3 * statistics.median(v):.2f} ({1e3 * v[0]:.2f}-{1e3 * v[-1]:.2f})"
              for v in t.values()]  # fmt: skip
     loop, grouped = (statistics.median(v) for v in t.values())
-    return f"| {label} | {cells[0]} | {cells[1]} | {loop / grouped:.2f}x |"
+    return f"| {label} | {cells[0]} | {cells[1]} | {loop / grouped:.2f}x | {paired:.2f}x |"
 
 
 def main(argv=None) -> int:
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     shape = f"{args.rows} rows, d_model {args.d_model} -> ffn {args.ffn}"
     print(f"{shape}, {args.threads} threads, {args.rounds} rounds: median ms (min-max) of "
           "forward + grad_x + grad_W")  # fmt: skip
-    print("| dtype, experts | loop | grouped | loop / grouped |\n|---|---|---|---|")
+    print("| dtype, experts | loop | grouped | loop / grouped | per round |\n|---|---|---|---|---|")
     for name in args.dtype:
         dtype = getattr(torch, name)
         for e in args.experts:
