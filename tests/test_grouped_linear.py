@@ -144,7 +144,9 @@ def test_rule_and_shapes():
     """Pinned: where the grouped kernel runs, and the shapes the MoE tests use take it."""
     assert G.grouped_mm_for("cpu", None, "float32") and G.grouped_mm_for("cpu", None, "bfloat16")
     assert G.grouped_mm_for("cuda", (9, 0), "bfloat16")
-    assert not G.grouped_mm_for("cuda", (8, 0), "bfloat16")  # torch's kernel: sm90+
+    assert G.grouped_mm_for("cuda", (10, 0), "bfloat16")
+    assert not G.grouped_mm_for("cuda", (8, 0), "bfloat16")  # torch's kernel: sm90, sm100
+    assert not G.grouped_mm_for("cuda", (12, 0), "bfloat16")
     assert not G.grouped_mm_for("cuda", None, "bfloat16")
     assert not G.grouped_mm_for("cuda", (9, 0), "float32")  # torch's fallback syncs
     assert not G.grouped_mm_for("mps", None, "float32")

@@ -141,7 +141,7 @@ class Runtime:
     # a MoE layer's local experts as one grouped GEMM (True) or one GEMM per local expert
     # (Megatron-Core's --moe-grouped-gemm is opt-in, default False in arguments.py); None (ours):
     # the code's choice for the profile's device and train.dtype, made by resolved_for
-    # (parallel/autograd/grouped_linear.grouped_mm_for: bf16 on sm90+, the CPU)
+    # (parallel/autograd/grouped_linear.grouped_mm_for: bf16 on sm90/sm100, the CPU)
     moe_grouped_gemm: bool | None = False
     # experts split over tp like the dense MLP, the routed rows all-gathered over tp before them
     # and reduce-scattered after (Megatron-Core <= 0.9; ours keeps experts whole: docs/moe.md)

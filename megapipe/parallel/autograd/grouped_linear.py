@@ -15,8 +15,9 @@ GEMM for the same reason: one kernel instead of E small ones) where `grouped_mm_
 can take it, and a loop of per-expert matmuls otherwise. The rule (`grouped_mm_for`, also read by
 perf/runtime.resolved_for for a profile's GPU): on the CPU for float32, bf16 and fp16 (torch's
 CPU kernel: its own loop of matmuls in C++, without Python's per-expert dispatch); on CUDA for
-bf16 on sm90+ (torch's CUTLASS grouped kernel); not float32 on CUDA, where torch falls back to
-a loop that reads the offsets on the host (a sync ours does not need). A call also needs its
+bf16 on sm90 and sm100 (torch's CUTLASS grouped kernel); not float32 nor other GPUs on CUDA,
+where torch falls back to a loop that reads the offsets on the host (a sync ours does not
+need). A call also needs its
 `in` and `out` widths in whole 16-byte units (every operand's leading stride, transposes
 included) and fewer than 1024 groups, and the device and dtype must have passed a one-time
 probe against the loop (`_probe`: a warning and the loop where not). Under bf16 weights the
@@ -39,7 +40,9 @@ from megapipe._torch_compat import grouped_mm, has_grouped_mm
 from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
 
-HOPPER = (9, 0)  # CUDA compute capability of torch's bf16 grouped kernel (sm90, CUTLASS)
+# CUDA compute capability majors of torch's bf16 grouped kernel (CUTLASS, sm90 and sm100: its
+# fast path's _scaled_mm_allowed_device(sm90_only, sm100_only) in aten's GroupedBlas.cpp)
+GROUPED_MAJORS = (9, 10)
 CPU_DTYPES = ("float32", "bfloat16", "float16")
 ALIGN_BYTES = 16  # each operand's leading stride (torch's grouped kernels' TMA alignment)
 MAX_GROUPS = 1023  # torch's bf16 CUDA kernel takes fewer than 1024 groups
@@ -53,7 +56,7 @@ def grouped_mm_for(device: str, capability: tuple[int, int] | None, dtype: str) 
     if device == "cpu":
         return dtype in CPU_DTYPES
     if device == "cuda":
-        return dtype == "bfloat16" and capability is not None and tuple(capability) >= HOPPER
+        return dtype == "bfloat16" and capability is not None and capability[0] in GROUPED_MAJORS
     return False
 
 
