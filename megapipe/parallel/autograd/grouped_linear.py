@@ -8,26 +8,25 @@ B key (parallel/autograd/weight_grad.py) and done by `owner.deferred_weight_grad
 action runs. Under bf16 weights the weight grad goes in float32 straight into the parameter's
 `main_grad` (parallel/precision.py).
 
-Each of the three matmuls (forward x·Wᵀ, grad_x = g·W, grad_W = gᵀ·x with the groups cutting
-the contraction) is one call of torch's grouped matmul (`torch._grouped_mm`, behind
+Each of the three matmuls (forward x·Wᵀ, grad_x = g·W, grad_W = gᵀ·x with the groups cutting the
+contraction) is one call of torch's grouped matmul (`torch._grouped_mm`, behind
 _torch_compat.grouped_mm; Megatron-Core's --moe-grouped-gemm and torchtitan's MoE use a grouped
-GEMM for the same reason: one kernel instead of E small ones) where `grouped_mm_ok` says the call
-can take it, and a loop of per-expert matmuls otherwise. The rule (`grouped_mm_for`, also read by
-perf/runtime.resolved_for for a profile's GPU): on the CPU for float32, bf16 and fp16 (torch's
-CPU kernel: its own loop of matmuls in C++, without Python's per-expert dispatch); on CUDA for
-bf16 on sm90 and sm100 (torch's CUTLASS grouped kernel); not float32 nor other GPUs on CUDA,
-where torch falls back to a loop that reads the offsets on the host (a sync ours does not
-need). A call also needs its
-`in` and `out` widths in whole 16-byte units (every operand's leading stride, transposes
-included) and fewer than 1024 groups, and the device and dtype must have passed a one-time
-probe against the loop (`_probe`: a warning and the loop where not). A bf16 forward with a
-bias (gpt2's experts) stays the loop, whose F.linear adds the bias inside its float32 sums;
-its input and weight grads are grouped. Under bf16 weights the
-weight grad into the float32 main grad is grouped on the CPU with widened operands (exact
-products, float32 sums, as precision.fused_weight_grad widens there), then added: the same
-numerics as the loop's addmm but for the rounding of that one add (float32 round-off). On CUDA
-it stays a loop of fused_weight_grad, whose matmul writes float32 (torch's grouped bf16 kernel
-writes only bf16: the grad would be rounded to bf16 before its float32 sum).
+GEMM for the same reason: one kernel instead of E small ones) where `grouped_mm_ok` says the
+call can take it, and a loop of per-expert matmuls otherwise. The rule (`grouped_mm_for`, also
+read by perf/runtime.resolved_for for a profile's GPU): on the CPU for float32, bf16 and fp16
+(torch's CPU kernel: its own loop of matmuls in C++, without Python's per-expert dispatch); on
+CUDA for bf16 on sm90 and sm100 (torch's CUTLASS grouped kernel); not float32 nor other GPUs on
+CUDA, where torch falls back to a loop that reads the offsets on the host (a sync ours does not
+need). A call also needs its `in` and `out` widths in whole 16-byte units (every operand's
+leading stride, transposes included) and fewer than 1024 groups, and the device and dtype must
+have passed a one-time probe against the loop (`_probe`: a warning and the loop where not). A
+bf16 forward with a bias (gpt2's experts) stays the loop, whose F.linear adds the bias inside
+its float32 sums; its input and weight grads are grouped. Under bf16 weights the weight grad
+into the float32 main grad is grouped on the CPU with widened operands (exact products, float32
+sums, as precision.fused_weight_grad widens there), then added: the same numerics as the loop's
+addmm but for the rounding of that one add (float32 round-off). On CUDA it stays a loop of
+fused_weight_grad, whose matmul writes float32 (torch's grouped bf16 kernel writes only bf16:
+the grad would be rounded to bf16 before its float32 sum).
 """
 
 from __future__ import annotations
