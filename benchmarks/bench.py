@@ -14,6 +14,7 @@ python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 
 python -m benchmarks.bench precision [--dp 4 --steps 60 --skip-loss --out F.json]
 python -m benchmarks.bench checkpoint [--d-model 256 --vocab 4096 --repeats 5 --out F.json]
 python -m benchmarks.bench moe [--layers 2 --d-model 128 --seq-len 64 --batch 8 --ep 2 4]
+python -m benchmarks.bench grouped [--rows 2048 --experts 2 4 8 16 32 --dtype float32 bfloat16]
 python -m benchmarks.bench progress [--layers 4 --d-model 256 --seq-len 128 --steps 8]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
@@ -59,6 +60,10 @@ SUBCOMMANDS = {
     "checkpoint": (
         "bench_checkpoint",
         "checkpoint save/resume time and bytes read per rank across meshes, save step overhead",
+    ),
+    "grouped": (
+        "bench_grouped",
+        "local experts' matmuls: torch's grouped matmul vs a loop of per-expert matmuls (CPU)",
     ),
     "progress": (
         "bench_progress",

@@ -65,6 +65,23 @@ def queue_backward_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+# ---------------------------------------------------------------- grouped matmul
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has `torch._grouped_mm` (torch 2.8 and later)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """torch._grouped_mm(a, b, offs=offs): with `a` 2-D (N, k) and `b` 3-D (G, k, n), row
+    group g (rows offs[g-1]..offs[g]) times b[g], (N, n); with both 2-D, `a` (m, N) and `b`
+    (N, n), the groups cut the contraction: (G, m, n), an empty group giving zeros. `offs` is
+    the int32 cumulative group sizes. Each matrix's leading stride must be a multiple of 16
+    bytes. The experts' matmul (parallel/autograd/grouped_linear.py). Works on torch 2.13."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
 # ---------------------------------------------------------------- optimizer kernels
 
 

@@ -115,6 +115,23 @@ def test_foreach_norm_and_mul(compat):
     expect(a.tolist() == [1.5, 2.0] and b[1, 1] == 2.0, "torch._foreach_mul_", "did not scale")
 
 
+def test_grouped_mm(compat):
+    name = "torch._grouped_mm"
+    with api(name):
+        has = compat.has_grouped_mm()
+    expect(has, name, "is missing")
+    x = torch.arange(12.0).view(3, 4)  # rows 0 | (none) | 1, 2
+    w = torch.stack([torch.eye(4), torch.zeros(4, 4), 2 * torch.eye(4)])
+    offs = torch.tensor([1, 1, 3], dtype=torch.int32)
+    with api(name):
+        y = compat.grouped_mm(x, w, offs)
+        gw = compat.grouped_mm(x.t(), x, offs)  # (4, 3) · (3, 4), groups along the 3
+    want = torch.cat([x[:1], 2 * x[1:]])
+    expect(torch.equal(y, want), name, f"gave {y} (expected {want})")
+    want = torch.stack([x[:1].t() @ x[:1], torch.zeros(4, 4), x[1:].t() @ x[1:]])
+    expect(torch.equal(gw, want), name, f"gave the split-contraction {gw} (expected {want})")
+
+
 def test_fused_adamw_devices(compat):
     name = "torch.utils._foreach_utils._get_fused_kernels_supported_devices"
     with api(name):

@@ -46,7 +46,8 @@ Balanced routing is assumed. Expert parallelism (parallel/expert/all_to_all.py):
 combine are two all-to-alls of the N·k rows (N·k·d·c bytes per rank) over the ep group's link
 (comm.all_to_all_time) in F and two more in B (their transposes), not overlapped. The local
 experts' GEMMs are one grouped GEMM of the rank's rows where the runtime has one
-(Runtime.moe_grouped_gemm), else one GEMM per local expert of its share of the rows (ours);
+(Runtime.moe_grouped_gemm; ours per profile: grouped_linear.grouped_mm_for), else one GEMM
+per local expert of its share of the rows;
 a runtime that splits experts over tp (Runtime.moe_expert_tp: Megatron-Core <= 0.9) runs them
 on the tp group's rows at width f/tp, with a tp all-gather and reduce-scatter of those rows
 each way.

@@ -84,6 +84,7 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.parallel.autograd.grouped_linear import grouped_mm_for
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
@@ -140,9 +141,10 @@ class Runtime:
     # the profile's GPU, made by resolved_for (kernel_choice.attention_kernel_for)
     attention_kernel: str = "flash"
     # a MoE layer's local experts as one grouped GEMM (True) or one GEMM per local expert
-    # (ours: parallel/autograd/grouped_linear.py loops; Megatron-Core's --moe-grouped-gemm is
-    # opt-in, default False in arguments.py)
-    moe_grouped_gemm: bool = False
+    # (Megatron-Core's --moe-grouped-gemm is opt-in, default False in arguments.py); None (ours):
+    # the code's choice for the profile's device and train.dtype, made by resolved_for
+    # (parallel/autograd/grouped_linear.grouped_mm_for: bf16 on sm90/sm100, the CPU)
+    moe_grouped_gemm: bool | None = False
     # experts split over tp like the dense MLP, the routed rows all-gathered over tp before them
     # and reduce-scattered after (Megatron-Core <= 0.9; ours keeps experts whole: docs/moe.md)
     moe_expert_tp: bool = False
@@ -182,6 +184,7 @@ MEGAPIPE = Runtime(
     adamw=device_adamw_kind("cuda"),
     param_gather_overlap=True,  # waited for per bucket on first use (zero2.py; pinned)
     tp_comm_overlap=TP_COMM_OVERLAP,  # under parallel.tp_overlap (parallel/tensor/overlap.py)
+    moe_grouped_gemm=None,  # grouped_linear.grouped_mm_for of the profile's GPU (resolved_for)
 )
 
 MEGATRON_2021 = Runtime(
@@ -377,12 +380,16 @@ def grad_accum_bytes(params_dtype: str, compute: int) -> float:
 
 def resolved_for(runtime: Runtime, cfg: Config, cluster: Cluster | None = None) -> Runtime:
     """`runtime` as it runs `cfg` (resolved: its dtypes, and train.compile) on `cluster`'s GPU:
-    an "auto" attention kernel becomes the one the code runs there (attention_kernel)."""
+    an "auto" attention kernel becomes the one the code runs there (attention_kernel), and so
+    does an unset (None) grouped experts' GEMM."""
     compiled = cfg.train.compile
     linears = compiled_linears(cfg)
     rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype, compiled, linears)
     if cluster is not None and rt.attention_kernel == "auto":
         rt = dataclasses.replace(rt, attention_kernel=attention_kernel(cfg, cluster))
+    if cluster is not None and rt.moe_grouped_gemm is None:  # the experts' matmul's own rule
+        grouped = grouped_mm_for(cluster.device, cluster.capability, cfg.train.dtype)
+        rt = dataclasses.replace(rt, moe_grouped_gemm=grouped)
     return rt
 
 
