@@ -1,7 +1,9 @@
 """Parity: expert parallelism (parallel.ep, parallel/expert/) trains the mixture-of-experts tiny
 model as one process does (per-step loss, grad norm and final logical weights, relative 1e-5),
 dropless and with a capacity factor, alone and with tp, pp (1F1B and ZB-H1's deferred weight
-grads), cp and zero=1. Experts are gathered over the ep group to compare them whole."""
+grads), cp and zero=1, 2 and 3 (expert shards over the expert-replica group, float32 and bf16
+weights, clipping active in the `clip` cases). Experts are gathered over the ep group to
+compare them whole."""
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 MB2 = ["parallel.microbatches=2"]
 EP2, EP4 = ["parallel.ep=2"], ["parallel.ep=4"]
 ZERO = ["parallel.zero=1"]
+Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
+CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
+SP = ["parallel.sequence_parallel=true"]
 
 PLAIN = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -32,10 +37,24 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
         ("dp4-ep2-zero1", 4, 1, [*MOE, *EP2, *ZERO, *MB2]),
     ],
 }
+ZERO23 = {  # expert shards over the expert replicas (dp/ep · cp ranks), dense over dp · cp
+    2: [
+        ("dp2-ep2-zero2-clip", 2, 1, [*MOE, *EP2, *Z2, *MB2, *CLIP]),
+        ("dp2-ep2-zero3-capacity-llama", 2, 1, [*MOE, *CAP, *LLAMA, *EP2, *Z3, *MB2]),
+    ],
+    4: [
+        ("dp4-ep2-zero2", 4, 1, [*MOE, *EP2, *Z2, *MB2]),
+        ("dp4-ep2-zero3-clip", 4, 1, [*MOE, *EP2, *Z3, *MB2, *CLIP]),
+        ("dp4-ep4-zero3-capacity", 4, 1, [*MOE, *CAP, *EP4, *Z3]),
+        ("dp2-ep2-tp2-sp-zero2-clip", 2, 2, [*MOE, *EP2, *Z2, *SP, *CLIP]),
+        ("dp2-ep2-tp2-sp-zero3", 2, 2, [*MOE, *EP2, *Z3, *SP, *MB2]),
+    ],
+}
 CONTEXT = {
     4: [
         ("dp2-ep2-cp2", 2, 1, [*MOE, *EP2, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero1-capacity", 2, 1, [*MOE, *CAP, *EP2, *ZERO, "parallel.cp=2"]),
+        ("dp2-ep2-cp2-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, "parallel.cp=2"]),
     ],
 }
 PIPELINE = {
@@ -43,6 +62,10 @@ PIPELINE = {
         ("dp2-ep2-pp2-1f1b", 2, 1, [*MOE, *EP2, *pp("1f1b", 2, 2)]),
         ("dp2-ep2-pp2-zb_h1-capacity", 2, 1, [*MOE, *CAP, *EP2, *pp("zb_h1", 2, 2)]),
         ("dp2-ep2-pp2-1f1b-zero1", 2, 1, [*MOE, *EP2, *ZERO, *pp("1f1b", 2, 2)]),
+        ("dp2-ep2-pp2-1f1b-zero2-clip", 2, 1, [*MOE, *EP2, *Z2, *CLIP, *pp("1f1b", 2, 2)]),
+        ("dp2-ep2-pp2-zb_h1-zero2", 2, 1, [*MOE, *EP2, *Z2, *pp("zb_h1", 2, 4)]),
+        ("dp2-ep2-pp2-1f1b-zero3", 2, 1, [*MOE, *EP2, *Z3, *pp("1f1b", 2, 2)]),
+        ("dp2-ep2-pp2-zb_h1-zero3-cap", 2, 1, [*MOE, *CAP, *EP2, *Z3, *pp("zb_h1", 2, 4)]),
     ],
 }
 
@@ -62,6 +85,11 @@ def check_parity(gloo_pool, world: int, dp: int, tp: int, extra: list[str]) -> N
 
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(PLAIN))
 def test_expert_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extra):
+    check_parity(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(ZERO23))
+def test_expert_parallel_zero23_trains_like_one_process(gloo_pool, world, dp, tp, extra):
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
@@ -93,7 +121,18 @@ MOE_EP = {
         ("dp2-ep2-pp2-dualpipe-cap", 2, 1, [*EP2, *CAP, *test_parity_moe.pp("dualpipe", 4, 2)]),
     ],
 }
-MOE_EP_BF16 = {2: [("dp2-ep2-bf16-zero1", 2, 1, [*EP2, *test_parity_moe.BF16, *MB2, *ZERO])]}
+BF16 = test_parity_moe.BF16
+MOE_EP_BF16 = {
+    2: [
+        ("dp2-ep2-bf16-zero1", 2, 1, [*EP2, *BF16, *MB2, *ZERO]),
+        ("dp2-ep2-bf16-zero2", 2, 1, [*EP2, *BF16, *MB2, *Z2]),
+        ("dp2-ep2-bf16-zero3", 2, 1, [*EP2, *BF16, *MB2, *Z3]),
+    ],
+    4: [
+        ("dp4-ep2-bf16-zero3", 4, 1, [*EP2, *BF16, *Z3]),
+        ("dp2-ep2-pp2-zb_h1-bf16-zero2", 2, 1, [*EP2, *BF16, *Z2, *test_parity_moe.pp("zb_h1", 4)]),
+    ],
+}
 
 
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(MOE_EP))
