@@ -134,10 +134,6 @@ def test_expert_groups_of_megatron_layout():
         (["parallel.dp=4", "parallel.ep=4", "model.n_experts=6"], "n_experts=6 to be a positive"),
         (["parallel.dp=2", "parallel.ep=2", "model.n_experts=0"], "n_experts=0 to be a positive"),
         (["parallel.dp=2", "parallel.ep=2", *ASYNC], "schedule=pipedream_async"),
-        (
-            ["parallel.dp=2", "parallel.ep=2", "parallel.pp=2", "parallel.post_validation=true"],
-            "post_validation=true is not built",
-        ),  # fmt: skip
     ],
 )
 def test_expert_parallel_rules_are_one_line(tiny_cfg, overrides, words):

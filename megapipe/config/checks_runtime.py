@@ -58,11 +58,6 @@ def check_expert_parallel(cfg: Config) -> None:
         "over the expert replicas only under a synchronous schedule; choose another schedule "
         "or set parallel.ep=1",
     )
-    require(
-        not p.post_validation,
-        f"parallel.ep={p.ep} with parallel.post_validation=true is not built (its rollback "
-        "is untested with expert shards); set parallel.post_validation=false or parallel.ep=1",
-    )
 
 
 def check_params_dtype(cfg: Config) -> None:
