@@ -143,3 +143,18 @@ def test_expert_parallel_figures_match_one_process(gloo_pool, world, dp, tp, ext
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(MOE_EP_BF16))
 def test_expert_parallel_bf16_weights(gloo_pool, world, dp, tp, extra):
     test_parity_moe.test_moe_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("ep", [1, 2])
+def test_router_stays_float32_in_sharded_bf16_buckets(gloo_pool, zero, ep):
+    """Under bf16 weights the router is a float32 weight among bf16 ones (at ep=1 in a bucket
+    after bf16 experts): zero 1 and 2 gather a bucket holding it in float32, zero 3 keeps it in
+    a bucket of its own, so after the steps it still holds values no bf16 can
+    (parallel/data/zero.widest, zero3._pack)."""
+    extra = [*MOE, *BF16, *MB2, f"parallel.zero={zero}", "parallel.dp=2", f"parallel.ep={ep}"]
+    for got in gloo_pool(2).run(train_case, extra, 3, 1.0):  # 1 MB: buckets of mixed dtypes
+        routers = [w for name, w in got["weights"].items() if "router" in name]
+        assert routers and all(w.dtype == torch.float32 for w in routers)
+        assert all((w != w.bfloat16().float()).any() for w in routers)
