@@ -187,3 +187,14 @@ def test_zero3_gathers_experts_over_their_replicas():
     assert plan.per_microbatch[0] == pytest.approx(2 * 2 * (dense + routed))
     whole = dp_plan(cfg, h100, MEGAPIPE, shape, [[params]], 4).per_microbatch[0]
     assert plan.per_microbatch[0] < whole  # 1/2 of the expert bytes cross, not 7/8
+
+
+def test_dry_run_names_the_expert_state_layout():
+    """The dry run's MoE line gives the routed experts' ZeRO layout over their replicas."""
+    from megapipe.train.dry_run import describe
+
+    text = describe(_cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=3"))
+    assert "1/4 held per rank; their states 16/d B/param, d=2 over the expert replicas" in text
+    alone = describe(_cfg("parallel.dp=4", "parallel.ep=4", "parallel.zero=2"))
+    assert "their states 16 B/param whole: one rank holds each expert" in alone
+    assert "their states" not in describe(_cfg("parallel.dp=8", "parallel.ep=4"))
