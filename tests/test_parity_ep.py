@@ -55,6 +55,7 @@ CONTEXT = {
         ("dp2-ep2-cp2", 2, 1, [*MOE, *EP2, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero1-capacity", 2, 1, [*MOE, *CAP, *EP2, *ZERO, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, "parallel.cp=2"]),
+        ("dp2-ep2-cp2-zero2-capacity", 2, 1, [*MOE, *CAP, *EP2, *Z2, "parallel.cp=2"]),
     ],
 }
 PIPELINE = {
@@ -66,6 +67,8 @@ PIPELINE = {
         ("dp2-ep2-pp2-zb_h1-zero2", 2, 1, [*MOE, *EP2, *Z2, *pp("zb_h1", 2, 4)]),
         ("dp2-ep2-pp2-1f1b-zero3", 2, 1, [*MOE, *EP2, *Z3, *pp("1f1b", 2, 2)]),
         ("dp2-ep2-pp2-zb_h1-zero3-cap", 2, 1, [*MOE, *CAP, *EP2, *Z3, *pp("zb_h1", 2, 4)]),
+        ("dp2-ep2-pp2-zb_v-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, *pp("zb_v", 2, 2, 2)]),
+        ("dp2-ep2-pp2-interleaved-z2", 2, 1, [*MOE, *EP2, *Z2, *pp("interleaved_1f1b", 2, 2, 2)]),
     ],
 }
 
