@@ -21,7 +21,8 @@ train.py prints is the same but for bf16 weights' LayerNorm, checked below).
 
 LAYOUTS: one row per (train.params_dtype, parallel.zero); every row runs on every mesh. On a
 mesh without replicas (dp·cp = 1) every zero level is zero=0 (no reducer, nothing to shard),
-so there each params dtype runs once (CASES).
+so there each params dtype runs once (CASES). EP_MESHES: a mixture of experts under parallel.ep
+at the sharded layouts, its state kinds held to the byte (float32 weights).
 """
 
 from __future__ import annotations
