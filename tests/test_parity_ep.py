@@ -23,6 +23,7 @@ ZERO = ["parallel.zero=1"]
 Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 SP = ["parallel.sequence_parallel=true"]
+SHARED, FULL = ["model.moe_shared_experts=1"], ["recompute.mode=full"]
 
 PLAIN = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -41,6 +42,7 @@ ZERO23 = {  # expert shards over the expert replicas (dp/ep · cp ranks), dense 
     2: [
         ("dp2-ep2-zero2-clip", 2, 1, [*MOE, *EP2, *Z2, *MB2, *CLIP]),
         ("dp2-ep2-zero3-capacity-llama", 2, 1, [*MOE, *CAP, *LLAMA, *EP2, *Z3, *MB2]),
+        ("dp2-ep2-zero3-shared-full", 2, 1, [*MOE, *EP2, *Z3, *MB2, *SHARED, *FULL]),
     ],
     4: [
         ("dp4-ep2-zero2", 4, 1, [*MOE, *EP2, *Z2, *MB2]),
