@@ -21,7 +21,8 @@ train.py prints is the same but for bf16 weights' LayerNorm, checked below).
 
 LAYOUTS: one row per (train.params_dtype, parallel.zero); every row runs on every mesh. On a
 mesh without replicas (dp·cp = 1) every zero level is zero=0 (no reducer, nothing to shard),
-so there each params dtype runs once (CASES).
+so there each params dtype runs once (CASES). EP_MESHES: a mixture of experts under parallel.ep
+at the sharded layouts, its state kinds held to the byte (float32 weights).
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ MESHES = {
     "dp2-tp2-sp": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                    "parallel.microbatches=2"],
 }  # fmt: skip
+# expert parallelism: the routed experts' state sharded over their expert replicas (dp/ep = 2
+# ranks), the rest over dp = 4 (config/states.expert_layout, parallel/data/zero*.py)
+EP_MESHES = {
+    "dp4-ep2-moe": ["parallel.dp=4", "parallel.ep=2", "parallel.microbatches=2",
+                    "model.n_experts=4", "model.top_k=2"],
+}  # fmt: skip
+EP_LAYOUTS = [("float32", 1), ("float32", 2), ("float32", 3), ("bfloat16", 2), ("bfloat16", 3)]
 STEPS = 2
 KINDS = ("weights", "grads", "optimizer", "activations")
 
@@ -200,7 +208,7 @@ def case(mesh: str, layout: tuple[str, int]) -> list[str]:
     params_dtype, zero = layout
     return [
         *SMALL,
-        *MESHES[mesh],
+        *{**MESHES, **EP_MESHES}[mesh],
         f"train.dtype={params_dtype}",  # bf16 weights compute in bf16 (checks_runtime)
         f"train.params_dtype={params_dtype}",
         f"parallel.zero={zero}",
@@ -246,6 +254,22 @@ def test_dry_run_json_is_what_a_run_allocates(gloo_pool, mesh, layout):
         assert got["step_grads"] == pytest.approx(want["grads_step_bytes"], rel=TOLERANCE)
         assert got["reducing"] == pytest.approx(want["grads_reducing_bytes"], rel=TOLERANCE)
         assert got["peak"] == pytest.approx(want["peak_bytes"], rel=TOLERANCE), (got, want)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("layout", EP_LAYOUTS, ids=lambda x: f"{x[0]}-zero{x[1]}")
+def test_dry_run_holds_the_expert_shards_a_run_allocates(gloo_pool, layout):
+    """Under parallel.ep each rank's weights, grads and optimizer state, over the step and
+    while the reduction runs, are the plan's to the byte (float32 weights; bf16 weights: the
+    plan counts the float32 router as bf16, a few hundred bytes). The activations are left out:
+    the rows a rank's experts receive follow the routing, the plan counts an even share."""
+    for got, want in measured_and_planned(gloo_pool, "dp4-ep2-moe", layout):
+        pairs = [(got[k], want[f"{k}_bytes"]) for k in KINDS[:3]]
+        pairs += [(got["step_grads"], want["grads_step_bytes"])]
+        pairs += [(got["reducing"], want["grads_reducing_bytes"])]
+        rel = 0 if layout[0] == "float32" else 0.01
+        for a, b in pairs:
+            assert a == pytest.approx(b, rel=rel, abs=0), (got, want)
 
 
 @pytest.mark.parametrize(("mesh", "layout"), CASES)

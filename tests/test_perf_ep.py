@@ -206,3 +206,34 @@ def test_expert_tp_splits_experts_and_gathers_rows():
     assert split._expert_tp(x, True) == pytest.approx(want) and whole._expert_tp(x, True) == 0
     diff = split.layer("none", None, moe=True).F.tp - whole.layer("none", None, moe=True).F.tp
     assert diff == pytest.approx(want)
+
+
+def test_zero3_gathers_experts_over_their_replicas():
+    """zero=3 over dp 8 with ep 4: each microbatch's two weight all-gathers move the routed
+    experts over their 2 replicas and the rest over dp 8 (parallel/data/zero3.py)."""
+    from megapipe.config.flops import held_expert_params
+    from megapipe.perf.comm import expert_replica_link, group_link, ring_time
+    from megapipe.perf.data_parallel import dp_plan
+
+    h100, shape = load_cluster("h100"), (1, 8, 1, 1)
+    cfg = _cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=3", "parallel.microbatches=2")
+    experts = held_expert_params(cfg, range(0, cfg.model.n_layers + 2))
+    params = experts + 10_000_000
+    plan = dp_plan(cfg, h100, MEGAPIPE, shape, [[params]], 4, [[experts]])
+    pb = 4  # float32 weights
+    dense = ring_time("all_gather", pb * 10_000_000, 8, group_link(h100, shape, ("dp", "cp")))
+    routed = ring_time("all_gather", pb * experts, 2, expert_replica_link(h100, shape, 4))
+    assert plan.per_microbatch[0] == pytest.approx(2 * 2 * (dense + routed))
+    whole = dp_plan(cfg, h100, MEGAPIPE, shape, [[params]], 4).per_microbatch[0]
+    assert plan.per_microbatch[0] < whole  # 1/2 of the expert bytes cross, not 7/8
+
+
+def test_dry_run_names_the_expert_state_layout():
+    """The dry run's MoE line gives the routed experts' ZeRO layout over their replicas."""
+    from megapipe.train.dry_run import describe
+
+    text = describe(_cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=3"))
+    assert "1/4 held per rank; their states 16/d B/param, d=2 over the expert replicas" in text
+    alone = describe(_cfg("parallel.dp=4", "parallel.ep=4", "parallel.zero=2"))
+    assert "their states 16 B/param whole: one rank holds each expert" in alone
+    assert "their states" not in describe(_cfg("parallel.dp=8", "parallel.ep=4"))

@@ -181,6 +181,24 @@ def test_with_dp_or_tp_replicas(gloo_pool, mesh):
     assert all(r["redone"] == [True] * STEPS for r in post)
 
 
+MOE_EP = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_coef=0.01", "parallel.ep=2"]
+
+
+def test_with_expert_parallel_shards(gloo_pool):
+    """pp2 × dp2 with the experts sharded over ep2 (each dp rank steps other experts): the
+    stage's norm² sums every dp rank's experts, each expert shard is rolled back with the
+    weights and moments it stepped, and training matches the synchronous step (whose parity
+    with one process is tests/test_parity_ep.py's); clipping every step, an inf at step 1."""
+    overrides = [*_pp("1f1b", 2), "parallel.dp=2", *MOE_EP, "train.grad_clip=0.01"]
+    pool = gloo_pool(4)
+    sync = pool.run(pv_case, overrides, {1: (1, math.inf)})
+    post = pool.run(pv_case, [*overrides, PV], {1: (1, math.inf)})
+    assert sync[0]["skipped"] == [False, True, False, False, False]
+    assert any(".experts." in name for r in post for name in r["weights"])
+    assert_same_training(sync, post)
+    assert all(r["redone"] == [True] * STEPS for r in post)
+
+
 def test_rollback_restores_weights_moments_and_step_counts_bitwise():
     """The copies taken before a step undo AdamW exactly, including a first step's new state."""
     from megapipe.train.optim import make_adamw

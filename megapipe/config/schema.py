@@ -118,8 +118,9 @@ class ParallelConfig:
     # pp > 1: no global grad-norm/NaN reduction before the optimizer; stages chain the state,
     # step optimistically, validate when it comes back (Zero Bubble §4)
     post_validation: bool = False
-    # ZeRO over the dp × cp replicas: 0 whole state everywhere; 1 optimizer state sharded
-    # (distributed optimizer); 2 also the reduced grads; 3 also the weights (gathered per block)
+    # ZeRO over the dp × cp replicas (routed experts under parallel.ep: over their dp/ep · cp
+    # expert replicas): 0 whole state everywhere; 1 optimizer state sharded (distributed
+    # optimizer); 2 also the reduced grads; 3 also the weights (gathered per block)
     zero: int = bounded(0, low=0, high=3)
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
     # chunked decomposition into tp ring steps (Wang et al., ASPLOS 2023; docs/parallelism.md);

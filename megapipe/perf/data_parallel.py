@@ -19,9 +19,9 @@ dtypes).
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link
-  (comm.expert_replica_link), and zero=1 shards their optimizer state over it; the other
-  weights over dp × cp as above. Each chunk's routed-expert parameters come from
-  config/flops.held_expert_params.
+  (comm.expert_replica_link), and zero>=1 shards their state over it (zero=3 gathers their
+  weights there, per microbatch); the other weights over dp × cp as above. Each chunk's
+  routed-expert parameters come from config/flops.held_expert_params.
 - The optimizer: AdamW over the rank's parameters or its 1/(dp·cp) shard at the runtime's
   bytes per parameter, the global grad norm's tree all-reduce (latency only), and at zero 1
   and 2 the all-gather of the updated weights in their dtype, exposed unless the runtime
@@ -90,7 +90,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
         table = -(-m.vocab_size // p.tp) * m.d_model
         tied = ring_time("all_reduce", table * grad_bytes, 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
-    every = _per_microbatch(cfg, rt, groups[0][1], held)
+    every = _per_microbatch(cfg, rt, groups, held, experts)
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
 
 
@@ -109,15 +109,20 @@ def _reduce(cfg: Config, rt: Runtime, nbytes: float, n: int, link, blocks: int, 
     return t, t
 
 
-def _per_microbatch(cfg: Config, rt: Runtime, link, held) -> list[float]:
-    """Per rank, zero=3's two weight all-gathers per microbatch (module docstring)."""
+def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None) -> list[float]:
+    """Per rank, zero=3's two weight all-gathers per microbatch (module docstring): the routed
+    experts' (`experts`, as `held`) over their expert replicas (`groups[1]`), the rest over
+    dp × cp (`groups[0]`)."""
     s, m = state_layout(cfg), cfg.parallel.microbatches
     out = []
-    for per_chunk in held:
+    for r, per_chunk in enumerate(held):
         t = 0.0
         if s.weight_shards > 1:
-            t += 2 * m * sum(ring_time("all_gather", n * rt.param_bytes, s.d, link)
-                             for n in per_chunk)  # fmt: skip
+            for c, n in enumerate(per_chunk):
+                e = experts[r][c] if experts and len(groups) > 1 else 0
+                parts = [(n - e, groups[0])] + ([(e, groups[1])] if e else [])
+                t += 2 * m * sum(ring_time("all_gather", k * rt.param_bytes, d, link)
+                                 for k, (d, link) in parts)  # fmt: skip
         out.append(t)
     return out
 

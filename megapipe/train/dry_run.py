@@ -23,7 +23,7 @@ from megapipe.config.memory import attention_path
 from megapipe.config.memory_moe import moe_summary
 from megapipe.config.memory_plan import RankMemory
 from megapipe.config.stages import describe_partition, schedule_costs
-from megapipe.config.states import state_layout
+from megapipe.config.states import expert_layout, state_layout
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
@@ -92,13 +92,23 @@ def describe(cfg: Config) -> str:
         moe = moe_summary(cfg)
         lines.append(
             f"mixture of experts: {moe['moe_layers']} MoE layers, {moe['expert_params']:,} "
-            f"expert parameters ({'all' if p.ep == 1 else f'1/{p.ep}'} held per rank), "
+            f"expert parameters ({'all' if p.ep == 1 else f'1/{p.ep}'} held per rank"
+            f"{_expert_states(cfg)}), "
             f"{moe['active_params']:,} active matmul parameters "
             f"per token (6N), dispatch buffers ~{_size(moe['dispatch_bytes_per_layer'])} per "
             "MoE layer per microbatch (in the activations)"
         )
     lines.append(f"training FLOPs per token: {flops_per_token(cfg):.3e}")
     return "\n".join(lines)
+
+
+def _expert_states(cfg: Config) -> str:
+    """Under parallel.ep with ZeRO: the routed experts' state layout over their replicas."""
+    if cfg.parallel.ep == 1 or not cfg.parallel.zero:
+        return ""
+    e = expert_layout(cfg)
+    where = "over the expert replicas" if e.d > 1 else "whole: one rank holds each expert"
+    return f"; their states {e.text()} {where}"
 
 
 def _notes(cfg: Config) -> list[str]:

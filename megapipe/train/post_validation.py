@@ -87,7 +87,8 @@ class PostValidator:
         self.mesh = mesh
         self.pp_rank, self.pp = mesh.coord("pp"), mesh.size("pp")
         self.last = self.pp - 1
-        # the grads this stage holds once: tp shards; under zero=1 also the dp × cp shards
+        # the grads this stage holds once: tp shards; under zero=1 also the dp × cp shards,
+        # under parallel.ep also the dp ranks' experts
         self.stage_group = mesh.stage_group if sharded else mesh.group("tp")
         self.peer = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r}) for r in range(self.pp)]
         self.pending: Pending | None = None
@@ -207,8 +208,10 @@ class PostValidatedEngine:
     @classmethod
     def of(cls, pipe: Pipeline, cfg) -> PostValidatedEngine:
         """`pipe` post-validated (parallel.post_validation under pp > 1)."""
-        sharded = bool(cfg.parallel.zero and any(pipe.reducers))
-        return cls(pipe, PostValidator(pipe.mesh, sharded))
+        # zero=1 shards, or ep ranks holding different experts (parallel.ep > 1): a grad is
+        # counted by one rank of the stage's dp × cp × tp, so the stage sums over all of them
+        spread = bool(cfg.parallel.zero and any(pipe.reducers)) or cfg.parallel.ep > 1
+        return cls(pipe, PostValidator(pipe.mesh, spread))
 
     # ---- the protocol, as the pipeline's ----------------------------------------------------
 

@@ -78,11 +78,15 @@ class GradReducer:
         self.syncing, self.next_launch = True, 0
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
         alone = {id(p) for p in self.own_bucket}
-        kind = is_expert if self.expert_group is not None else None
+        kind = self.expert_kind()
         packed = pack(params, self.bucket_mb * 2**20, alone, kind)
         self.buckets = [Bucket(b, experts=bool(kind and kind(b[0]))) for b in packed]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.hooks = [self._hook(p) for p in params]
+
+    def expert_kind(self):
+        """`pack`'s kind: expert weights apart from dense ones (parallel.ep > 1), else None."""
+        return is_expert if self.expert_group is not None else None
 
     def _hook(self, param: nn.Parameter):
         """Count `param`'s arrival after each backward: when its main grad is added into (bf16

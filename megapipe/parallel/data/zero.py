@@ -139,8 +139,7 @@ class ShardedGradReducer(GradReducer):
         pending, out = [], []
         for bucket, slots in zip(self.buckets, self.slots):
             lo, hi = self.shard_range(bucket)
-            # a bucket holding a float32 weight (an MoE router) among bf16 ones goes in float32
-            kind = dtype or max((p.dtype for p in bucket.params), key=lambda d: d.itemsize)
+            kind = dtype or widest(bucket.params)
             mine = torch.zeros(hi - lo, dtype=kind, device=bucket.params[0].device)
             for s in slots:
                 src = main[id(s.param)] if main else s.param.view(-1)[s.lo : s.hi]
@@ -158,6 +157,12 @@ class ShardedGradReducer(GradReducer):
                 else:
                     out.append((p, chunk.view_as(p)))
         return out
+
+
+def widest(params) -> torch.dtype:
+    """The dtype a flat buffer of `params` is gathered in: a bucket holding a float32 weight
+    (an MoE router) among bf16 ones goes in float32, so the router is never rounded."""
+    return max((p.dtype for p in params), key=lambda d: d.itemsize)
 
 
 def _low(param: nn.Parameter) -> bool:

@@ -40,7 +40,13 @@ from torch import nn
 
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.reducer import Bucket
-from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer, Slot, _all_gather
+from megapipe.parallel.data.zero import (
+    ShardedGradReducer,
+    ShardedOptimizer,
+    Slot,
+    _all_gather,
+    widest,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ class OverlappedGatherReducer(ShardedGradReducer):
     def _launch_gather(self, bucket: Bucket, slots: list[Slot]):
         lo, hi = self.shard_range(bucket)
         p0 = bucket.params[0]
-        mine = torch.zeros(hi - lo, dtype=p0.dtype, device=p0.device)
+        mine = torch.zeros(hi - lo, dtype=widest(bucket.params), device=p0.device)
         for s in slots:
             mine[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(s.param.view(-1)[s.lo : s.hi])
         full = mine.new_empty(self.size_of(bucket) * (hi - lo))

@@ -63,27 +63,34 @@ class Zero3Reducer(Zero2Reducer):
 
     def rebucket(self) -> None:
         """Per-block buckets in place of the size-packed ones (before any hook counts them)."""
-        self.buckets = [Bucket(b) for b in self._pack()]
+        experts = self.expert_kind() or (lambda p: False)
+        self.buckets = [Bucket(b, experts=experts(b[0])) for b in self._pack()]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.slots = [self._slots(b) for b in self.buckets]
 
     def _pack(self) -> list[list[nn.Parameter]]:
-        """Each block's own parameters (first user wins) in buckets, in backward order."""
+        """Each block's own parameters (first user wins) in buckets, in backward order; a
+        bucket holds one dtype (its flat buffer is the parameters' storage: an MoE router stays
+        float32 beside bf16 weights) and, under parallel.ep, experts or dense weights only."""
         seen, per_block = set(), []
-        alone = {id(p) for p in self.own_bucket}
+        alone, experts = {id(p) for p in self.own_bucket}, self.expert_kind()
+
+        def kind(p):
+            return p.dtype, bool(experts and experts(p))
+
         for block in self.blocks:
             own = [p for p in block.forward if id(p) not in seen]
             seen.update(id(p) for p in own)
-            per_block.append(pack(own[::-1], self.bucket_mb * 2**20, alone))
+            per_block.append(pack(own[::-1], self.bucket_mb * 2**20, alone, kind))
         rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in seen]
         out = [b for buckets in per_block[::-1] for b in buckets]
-        return out + pack(rest[::-1], self.bucket_mb * 2**20, alone)
+        return out + pack(rest[::-1], self.bucket_mb * 2**20, alone, kind)
 
     def _shard(self, bucket: Bucket) -> None:
         """Move `bucket`'s parameters into one flat buffer, keep this rank's range, free it."""
         lo, hi = self.shard_range(bucket)
         p0 = bucket.params[0]
-        full = torch.zeros(self.size * (hi - lo), dtype=p0.dtype, device=p0.device)
+        full = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=p0.dtype, device=p0.device)
         offset = 0
         for p in bucket.params:
             view = full[offset : offset + p.numel()]
@@ -108,7 +115,8 @@ class Zero3Reducer(Zero2Reducer):
             return
         _alloc(self.full[i])
         C.count("all_gather", self.full[i])
-        self.work[i] = _all_gather(self.full[i], self.master[i], group=self.group, async_op=True)
+        group = self.group_of(self.buckets[i])  # the expert replicas for an expert bucket
+        self.work[i] = _all_gather(self.full[i], self.master[i], group=group, async_op=True)
 
     def _acquire(self, needs: list[int]) -> None:
         for i in needs:
