@@ -117,9 +117,6 @@ def test_expert_groups_come_from_dp(world):
                 assert len(set(e) & set(r)) <= 1  # one rank of each ep group holds those experts
 
 
-ASYNC = ["parallel.pp=2", "parallel.schedule=pipedream_async"]
-
-
 def test_expert_groups_of_megatron_layout():
     sizes = MeshSizes(pp=1, dp=8, cp=1, tp=2, ep=4)
     assert ep_group_ranks(sizes)[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -133,7 +130,6 @@ def test_expert_groups_of_megatron_layout():
         (["parallel.dp=4", "parallel.ep=3"], "parallel.ep=3 must divide parallel.dp=4"),
         (["parallel.dp=4", "parallel.ep=4", "model.n_experts=6"], "n_experts=6 to be a positive"),
         (["parallel.dp=2", "parallel.ep=2", "model.n_experts=0"], "n_experts=0 to be a positive"),
-        (["parallel.dp=2", "parallel.ep=2", *ASYNC], "schedule=pipedream_async"),
     ],
 )
 def test_expert_parallel_rules_are_one_line(tiny_cfg, overrides, words):

@@ -52,12 +52,6 @@ def check_expert_parallel(cfg: Config) -> None:
         f"parallel.ep={p.ep} needs model.n_experts={m.n_experts} to be a positive multiple of "
         "it (each ep rank holds n_experts/ep whole experts); change either",
     )
-    require(
-        not (p.pp > 1 and p.schedule == "pipedream_async"),
-        f"parallel.ep={p.ep} with parallel.schedule={p.schedule}: expert grads are reduced "
-        "over the expert replicas only under a synchronous schedule; choose another schedule "
-        "or set parallel.ep=1",
-    )
 
 
 def check_params_dtype(cfg: Config) -> None:

@@ -4,9 +4,11 @@ Narayanan et al., PipeDream, SOSP'19 §3.3. The semantics implemented here:
 
 - Every microbatch is one of PipeDream's minibatches: right after a stage's backward of
   microbatch i, that stage takes its own optimizer step (§3.3: "each stage independently
-  applies weight updates"). The gradient is the mean over microbatch i's tokens (over dp × cp);
-  it is clipped by this stage's own grad norm (over tp; a norm over all stages would need the
-  other stages' gradients of i, i.e. a flush), then AdamW runs at the step's LR, `lr_at(step)`.
+  applies weight updates"). The gradient is the mean over microbatch i's tokens (over dp × cp;
+  under parallel.ep the expert weights' summed over their expert replicas); it is clipped by
+  this stage's own grad norm (over tp, or the stage's dp × cp × tp under parallel.ep; a norm
+  over all stages would need the other stages' gradients of i, i.e. a flush), then AdamW runs
+  at the step's LR, `lr_at(step)`.
 - A training step runs the schedule's M microbatches in 1F1B order with no flush between them;
   the action list ends with 1F1B's cool-down, so the pipeline drains at the end of the step and
   checkpoints, eval and logging see one consistent set of weights per stage.
@@ -152,11 +154,16 @@ class _Versions(Hooks):
 
 class _StageGrads:
     """One stage's gradients as the step core's `update` sees them (no tied copies: PipeDream
-    refuses tied embeddings)."""
+    refuses tied embeddings). The reducers sum the dense grads over dp × cp and, under
+    parallel.ep > 1, the expert grads over their expert-replica group only (reducer.py); the
+    ep ranks of the stage then hold different experts, so the stage's norm spans its
+    dp × cp × tp ranks with each grad counted by one replica (as post-validation's stage norm)."""
 
     def __init__(self, pipe: PipeDreamPipeline, live: list[nn.Parameter]) -> None:
         self.chunks, self.reducers, self.live = pipe.chunks, pipe.reducers, live
-        self.norm_group = pipe.mesh.group("tp")
+        experts = pipe.cfg.parallel.ep > 1
+        self.norm_group = pipe.mesh.stage_group if experts else pipe.mesh.group("tp")
+        self.keep = pipe.reducers[0].counts if experts else None
 
     def params(self) -> list[nn.Parameter]:
         return self.live
@@ -165,7 +172,7 @@ class _StageGrads:
         return None
 
     def grads_counted_once(self) -> list[torch.Tensor]:
-        return grads_counted_once(self.chunks[0])
+        return grads_counted_once(self.chunks[0], keep=self.keep)
 
 
 class PipeDreamPipeline(Pipeline):
