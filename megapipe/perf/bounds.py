@@ -36,6 +36,7 @@ from megapipe.config.memory_plan import (
     block_role,
     chunk_activations,
     gathered_pair,
+    head_gathered,
     live_change,
     rank_head_transient,
     rank_memory,
@@ -340,8 +341,9 @@ class Bounds:
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 flight = (inflight, with_grads)
                 experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
+                at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
                 coord = (r, tp_rank)
-                total = rank_memory(cfg, coord, n, gathered, acts, flight, experts, head).peak
+                total = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
