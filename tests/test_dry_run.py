@@ -162,10 +162,10 @@ def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_pat
     head = 4 * n * (d + 2) + 4 * n * d + 8 * n + 8 * n  # norm, head input, max + sum, targets
     expected = {0: embed + layer, 1: layer, 2: layer, 3: layer + head}  # E,t | t | t | t,L
     # the LM head's chunk transient on the last rank (config/memory_head.py; 256-row chunks
-    # without a GPU): float32, its backward's chunk of logits, the targets' rows of W and h/Σexp
-    # beside the input and weight grads it returns
+    # without a GPU): float32, its backward's chunk of logits, the targets' rows of W, h/Σexp
+    # and −h beside the input and weight grads it returns
     rows, v = min(256, n), m.vocab_size
-    transient = {3: 4 * (rows * v + 2 * rows * d + n * d + v * d)}
+    transient = {3: 4 * (rows * v + 3 * rows * d + n * d + v * d)}
     for r in ranks:
         assert r["layout"] == "16 B/param" and r["zero"] == 0
         assert r["weights"] == r["grads"] == pytest.approx(r["params"] * 4 / MIB, abs=0.006)

@@ -329,6 +329,54 @@ def test_the_head_transient_is_what_a_run_allocates(gloo_pool, mesh, layout):
             assert got["head"] == 0
 
 
+class _Peak:
+    """The most bytes a HeadAllocations held at once, polled at each of the head's ops."""
+
+    def __init__(self) -> None:
+        self.mode = HeadAllocations(self.poll)
+        self.peak = 0
+
+    def poll(self) -> None:
+        self.peak = max(self.peak, sum(self.mode.live().values()))
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["grads-in-forward", "pipeline"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_transient_bytes_is_what_the_head_allocates(pipeline, dtype):
+    """config/memory_head.head_transient_bytes against the fused head + loss called as the
+    model calls it (CPU: 256-row chunks, here 2 or 4), float32 weights, float32 or under
+    bf16 autocast (autocast's weight cast, 6 B per logit): forward's height is what it holds at
+    most beyond what it keeps when it returns (the saved tensors, the activations' terms),
+    backward's all it allocates, the grads it returns included; the larger within TOLERANCE."""
+    from megapipe.config.memory import head_grad_in_forward, rank_dims
+    from megapipe.config.memory_head import head_transient_bytes
+    from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
+    from megapipe.parallel.tensor.sharding import TPInfo
+
+    extra = ["parallel.pp=2", "parallel.microbatches=2"] if pipeline else []
+    run = f"run.dir={tempfile.mkdtemp()}"
+    cfg = load_config(TINY, [*SMALL, *WIDE_VOCAB, "train.global_batch=16", f"train.dtype={dtype}",
+                             "model.seq_len=64", *extra, run])  # fmt: skip
+    assert head_grad_in_forward(cfg) != pipeline
+    x = rank_dims(cfg)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(x.b, x.q, cfg.model.d_model, generator=gen, requires_grad=True)
+    weight = torch.randn(x.vocab, cfg.model.d_model, generator=gen).mul_(0.02).requires_grad_()
+    targets = torch.randint(0, cfg.model.vocab_size, (x.b, x.q), generator=gen)
+    tp = TPInfo(1, 0, None, False)
+    forward, backward = _Peak(), _Peak()
+    with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"), forward.mode:
+        loss = linear_cross_entropy(
+            h, weight, targets, 0, cfg.model.vocab_size, tp, grad_in_forward=not pipeline
+        )
+    kept = sum(forward.mode.live().values())
+    with backward.mode:
+        loss.backward()
+    measured = max(forward.peak - kept, backward.peak)
+    assert x.n >= 2 * 256  # several chunks
+    assert measured == pytest.approx(head_transient_bytes(cfg, "cpu"), rel=TOLERANCE)
+
+
 @pytest.mark.parametrize(("mesh", "layout"), CASES)
 def test_the_cases_plan_alike_on_cuda(mesh, layout):
     """What train.py prints (the CUDA kernels' plan) is what the CPU run is held to; under

@@ -10,8 +10,8 @@ c = bytes of the compute dtype, r = bytes of the residual stream (the head's inp
   float32 (c = 4): the chunk's logits, one float32 buffer of R·V·4 that every chunk's matmul
       writes into (exp and the softmax in place). Backward adds the grads it returns, the input
       grad N·d·4 and the float32 weight grad V·d·4 (before autograd adds it into .grad), and
-      the folded one-hot's (R, d) operands: the targets' rows of W and h/Σexp (2·R·d·4; under
-      tp a third, the masked h).
+      the folded one-hot's (R, d) operands: the targets' rows of W, h/Σexp and the −h that
+      index_add_ scales (3·R·d·4; under tp a fourth, the masked h).
   bf16 autocast (c = 2): autocast's weight cast V·d·2 (float32 weights only: the forward and
       the backward each recast it); per chunk the bf16 product R·V·2 and its float32 copy
       R·V·4 (6 B per logit), then the float32 probabilities, their bf16 copy R·V·2 and the
@@ -19,8 +19,9 @@ c = bytes of the compute dtype, r = bytes of the residual stream (the head's inp
       the float32 weight grad V·d·4; as it returns, the input grad cast to the stream's dtype
       (N·d·r, float32 weights) and the weight grad to the weights' (V·d·2, bf16 weights).
   grads made in forward (config/memory.head_grad_in_forward): forward holds the chunk as
-      backward does, but the input and weight grads are saved (head_terms); backward only
-      scales them and casts them as above.
+      backward does, but the input and weight grads are saved (head_terms) and the head's
+      input in the compute dtype (its bf16 copy N·d·2 under float32 weights) is not, so it is
+      transient here; backward only scales the grads and casts them as above.
 
 Left out: the per-token (R,) vectors of a chunk (its maxima, sums, picked logits).
 """
@@ -55,7 +56,7 @@ def _transient(cfg: Config, device: str, memory: float | None, segment: int | No
     early = head_grad_in_forward(cfg)
     returned = x.n * d * r * (r != c) + x.vocab * d * 2 * (r != FLOAT32)  # the final casts
     if c == FLOAT32:
-        folded = rows * d * FLOAT32 * (3 if cfg.parallel.tp > 1 else 2)
+        folded = rows * d * FLOAT32 * (4 if cfg.parallel.tp > 1 else 3)
         chunk = logits * FLOAT32 + folded
         grads = x.n * d * FLOAT32 + x.vocab * d * FLOAT32
         if early:
@@ -64,7 +65,7 @@ def _transient(cfg: Config, device: str, memory: float | None, segment: int | No
     cast = x.vocab * d * c if r == FLOAT32 else 0  # autocast's copy of the float32 weight
     chunk = cast + logits * (c + FLOAT32) + x.vocab * d * c
     grads = x.n * d * c + x.vocab * d * FLOAT32
-    if early:
-        return max(chunk, returned)
+    if early:  # the head input's bf16 copy is not saved here
+        return max(chunk + x.n * d * c * (r != c), returned)
     forward = cast + logits * (c + FLOAT32)
     return max(forward, chunk + grads, cast + grads + returned)
