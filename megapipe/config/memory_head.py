@@ -23,7 +23,11 @@ c = bytes of the compute dtype, r = bytes of the residual stream (the head's inp
       input in the compute dtype (its bf16 copy N·d·2 under float32 weights) is not, so it is
       transient here; backward only scales the grads and casts them as above.
 
-Left out: the per-token (R,) vectors of a chunk (its maxima, sums, picked logits).
+Left out: the per-token (R,) vectors of a chunk (its maxima, sums, picked logits). On the CPU
+the float32 buffer is kept from call to call (cross_entropy.HeadBuffers); counted here, at the
+head, only. config/memory_plan.RankMemory.peak adds the larger of forward's and backward's to
+the activation peak of the ranks holding the head; tests/test_dry_run_allocations.py measures
+it, alone and in runs' peaks.
 """
 
 from __future__ import annotations
