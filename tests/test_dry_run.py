@@ -22,7 +22,8 @@ RANK_LINE = re.compile(
     r"^pp=(\d+) tp=(\d+): ([\d,]+) parameters, (\d+) layers \(chunks: ([^)]*)\); "
     r"weights ([\d.]+) MiB, grads ([\d.]+) MiB, optimizer ([\d.]+) MiB \(zero=(\d); states "
     r"([^)]*)\), activations ~([\d.]+) MiB per microbatch, "
-    r"peak in flight ([\d.]+) microbatches -> peak ~([\d.]+) MiB$",
+    r"peak in flight ([\d.]+) microbatches(?:, LM head chunk transient ~([\d.]+) MiB)? "
+    r"-> peak ~([\d.]+) MiB$",
     re.M,
 )
 MAX_LINE = re.compile(r"^max peak ~([\d.]+) MiB on pp=(\d+) tp=(\d+) ", re.M)
@@ -38,7 +39,8 @@ def dry_run(capsys, tmp_path, *overrides: str) -> tuple[str, list[dict]]:
         {"pp": int(m[1]), "tp": int(m[2]), "params": int(m[3].replace(",", "")),
          "layers": int(m[4]), "chunks": m[5].split(" | "), "weights": float(m[6]),
          "grads": float(m[7]), "optimizer": float(m[8]), "zero": int(m[9]), "layout": m[10],
-         "acts": float(m[11]), "inflight": float(m[12]), "peak": float(m[13])}
+         "acts": float(m[11]), "inflight": float(m[12]), "head": float(m[13] or 0),
+         "peak": float(m[14])}
         for m in RANK_LINE.finditer(out)
     ]  # fmt: skip
     return out, ranks
@@ -159,12 +161,18 @@ def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_pat
     embed = 8 * n  # token ids
     head = 4 * n * (d + 2) + 4 * n * d + 8 * n + 8 * n  # norm, head input, max + sum, targets
     expected = {0: embed + layer, 1: layer, 2: layer, 3: layer + head}  # E,t | t | t | t,L
+    # the LM head's chunk transient on the last rank (config/memory_head.py; 256-row chunks
+    # without a GPU): float32, its backward's chunk of logits, the targets' rows of W, h/Σexp
+    # and −h beside the input and weight grads it returns
+    rows, v = min(256, n), m.vocab_size
+    transient = {3: 4 * (rows * v + 3 * rows * d + n * d + v * d)}
     for r in ranks:
         assert r["layout"] == "16 B/param" and r["zero"] == 0
         assert r["weights"] == r["grads"] == pytest.approx(r["params"] * 4 / MIB, abs=0.006)
         assert r["optimizer"] == pytest.approx(r["params"] * 8 / MIB, abs=0.006)
         assert r["acts"] == pytest.approx(expected[r["pp"]] / MIB, abs=0.006)
-        peak = r["params"] * 16 + expected[r["pp"]] * r["inflight"]
+        assert r["head"] == pytest.approx(transient.get(r["pp"], 0) / MIB, abs=0.006)
+        peak = r["params"] * 16 + expected[r["pp"]] * r["inflight"] + transient.get(r["pp"], 0)
         assert r["peak"] == pytest.approx(peak / MIB, abs=0.006)
     assert [r["inflight"] for r in ranks] == [4, 3, 2, 1]
     top = max(ranks, key=lambda r: r["peak"])
@@ -274,13 +282,16 @@ def test_json_is_the_plan_the_text_prints(capsys, tmp_path, args):
     assert [(r["pp"], r["tp"]) for r in out["ranks"]] == [(r["pp"], r["tp"]) for r in lines]
     for got, line in zip(out["ranks"], lines):
         assert set(got) == {"pp", "tp", "params", "activations_bytes", "peak_bytes",
-                            "grads_step_bytes", "grads_reducing_bytes",
+                            "grads_step_bytes", "grads_reducing_bytes", "head_transient_bytes",
                             *(f"{k}_bytes" for k in keys)}  # fmt: skip
+        assert got["head_transient_bytes"] / MIB == pytest.approx(line["head"], abs=0.006)
+        holds_head = any(c.endswith("L") for c in line["chunks"])
+        assert (got["head_transient_bytes"] > 0) == holds_head
         assert got["params"] == line["params"]
         for k in keys:
             assert got[f"{k}_bytes"] / MIB == pytest.approx(line[k], abs=0.006)
         assert got["peak_bytes"] / MIB == pytest.approx(line["peak"], abs=0.006)
-        parts = sum(got[f"{k}_bytes"] for k in [*keys, "activations"])
+        parts = sum(got[f"{k}_bytes"] for k in [*keys, "activations", "head_transient"])
         reducing = got["weights_bytes"] + got["grads_reducing_bytes"] + got["optimizer_bytes"]
         # the larger moment (the grads, where float32 ones do not exist yet at the activation
         # peak, may be left out of it), each part rounded down to whole bytes

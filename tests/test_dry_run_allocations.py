@@ -27,13 +27,18 @@ at the sharded layouts, its state kinds held to the byte (float32 weights).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megapipe.config import load_config
 from megapipe.config.states import state_layout
+from megapipe.parallel.tensor.cross_entropy import _LinearCrossEntropy
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
 from megapipe.train.memory import chunk_params
@@ -95,7 +100,9 @@ class Held(LiveSaved):
     - in flight: the reducers' send buffers and reduce-scattered shards (`bucket.flat`,
       `bucket.shard`);
     - gathers: zero>=1's weight all-gathers from the step to each block's first use
-      (`pending`).
+      (`pending`);
+    - head: inside the fused LM head + loss (polled at each of its ops, HeadAllocations), the
+      storages it allocated that are still alive (its chunk of logits, their casts, its grads).
 
     `kinds`: each kind's largest; `step_grads`: grads and shards as the optimizer begins;
     `reducing`: grads and in-flight grads at their largest; `peak`: the largest total."""
@@ -104,8 +111,9 @@ class Held(LiveSaved):
         super().__init__(model, runtime=runtime)
         self.model, self.reducers, self.optimizer = model, [r for r in reducers if r], None
         self.kinds = dict.fromkeys(KINDS, 0)
-        self.peak = self.step_grads = self.reducing = 0
+        self.peak = self.step_grads = self.reducing = self.head_peak = 0
         self.now: dict[str, int] = {}
+        self.head = HeadAllocations(self.poll)
 
     def _add(self, t: torch.Tensor) -> None:
         if t.untyped_storage().data_ptr() not in {
@@ -148,6 +156,8 @@ class Held(LiveSaved):
                     mine[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             seen |= set(mine)
             out[kind] = sum(mine.values())
+        head = self.head.live().items() if self.head.inside else ()
+        out["head"] = sum(n for p, n in head if p not in seen and p not in self.live)
         return out
 
     def poll(self, *_) -> None:
@@ -155,10 +165,54 @@ class Held(LiveSaved):
         now = self.held()
         now["activations"] = sum(n for _, n in self.live.values())
         self.peak = max(self.peak, sum(now.values()))
+        self.head_peak = max(self.head_peak, now["head"])
         self.reducing = max(self.reducing, now["grads"] + now["in flight"])
         for kind in KINDS:
             self.kinds[kind] = max(self.kinds[kind], now[kind])
         self.now = now
+
+
+class HeadAllocations(TorchDispatchMode):
+    """The storages the fused LM head + loss (parallel/tensor/cross_entropy._LinearCrossEntropy)
+    allocates in its forward and its backward: each op's outputs while one of the two is on the
+    Python stack, held by weak reference (alive until freed: the CPU's allocator statistics
+    for these tensors), `on_op` called after each such op with `inside` set."""
+
+    CODES = {_LinearCrossEntropy.forward.__code__, _LinearCrossEntropy.backward.__code__}
+
+    def __init__(self, on_op) -> None:
+        super().__init__()
+        self.on_op, self.inside = on_op, False
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def _in_head(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in self.CODES:
+                return True
+            frame = frame.f_back
+        return False
+
+    def live(self) -> dict[int, int]:
+        """Bytes of each tracked storage still alive (the CPU's kept buffers included)."""
+        self.refs = {ptr: v for ptr, v in self.refs.items() if not v[0].expired()}
+        return {ptr: n for ptr, (_, n) in self.refs.items()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._in_head():
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    s = t.untyped_storage()
+                    old = self.refs.get(s.data_ptr())
+                    if s.nbytes() and (old is None or old[0].expired()):
+                        self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+            self.inside = True
+            try:
+                self.on_op()
+            finally:
+                self.inside = False
+        return out
 
 
 class Allocations(TrainHooks):
@@ -194,29 +248,31 @@ def measure_run(overrides: list[str]) -> dict:
     try:
         for step in range(STEPS):
             batch = data.batch(step, cfg.train.global_batch)
-            with held.hooks():
+            with held.hooks(), held.head:
                 job.train_step(optimizer, batch, step, Allocations(held))
     finally:
         for hook in hooks:
             hook.remove()
     coord = (lambda axis: mesh.coord(axis)) if mesh is not None else (lambda axis: 0)
     return {"pp": coord("pp"), "tp": coord("tp"), **held.kinds, "peak": held.peak,
-            "step_grads": held.step_grads, "reducing": held.reducing}  # fmt: skip
+            "step_grads": held.step_grads, "reducing": held.reducing,
+            "head": held.head_peak}  # fmt: skip
 
 
-def case(mesh: str, layout: tuple[str, int]) -> list[str]:
+def case(mesh: str, layout: tuple[str, int], extra: tuple[str, ...] = ()) -> list[str]:
     params_dtype, zero = layout
     return [
         *SMALL,
         *{**MESHES, **EP_MESHES}[mesh],
+        *extra,
         f"train.dtype={params_dtype}",  # bf16 weights compute in bf16 (checks_runtime)
         f"train.params_dtype={params_dtype}",
         f"parallel.zero={zero}",
     ]
 
 
-def config(mesh: str, layout: tuple[str, int]):
-    return load_config(TINY, [*case(mesh, layout), f"run.dir={tempfile.mkdtemp()}"])
+def config(mesh: str, layout: tuple[str, int], extra: tuple[str, ...] = ()):
+    return load_config(TINY, [*case(mesh, layout, extra), f"run.dir={tempfile.mkdtemp()}"])
 
 
 def cases() -> list:
@@ -237,11 +293,13 @@ def cases() -> list:
 CASES = cases()
 
 
-def measured_and_planned(gloo_pool, mesh: str, layout: tuple[str, int]) -> list:
+def measured_and_planned(
+    gloo_pool, mesh: str, layout: tuple[str, int], extra: tuple[str, ...] = ()
+) -> list:
     """(what each rank allocated, the dry run's JSON entry for its (pp, tp) rank)."""
-    cfg = config(mesh, layout)
+    cfg = config(mesh, layout, extra)
     plan = {(r["pp"], r["tp"]): r for r in as_json(cfg, "cpu")["ranks"]}
-    runs = gloo_pool(cfg.derived.world_size).run(measure_run, case(mesh, layout))
+    runs = gloo_pool(cfg.derived.world_size).run(measure_run, case(mesh, layout, extra))
     return [(got, plan[got["pp"], got["tp"]]) for got in runs]
 
 
@@ -270,6 +328,77 @@ def test_dry_run_holds_the_expert_shards_a_run_allocates(gloo_pool, layout):
         rel = 0 if layout[0] == "float32" else 0.01
         for a, b in pairs:
             assert a == pytest.approx(b, rel=rel, abs=0), (got, want)
+
+
+# a vocabulary where the LM head's chunk transient is a large part of its rank's peak
+WIDE_VOCAB = ("model.vocab_size=4096",)
+HEAD_CASES = [("pp2-1f1b", ("float32", 0)), ("dp2", ("bfloat16", 1)), ("tp2-sp", ("float32", 0))]
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize(("mesh", "layout"), HEAD_CASES, ids=lambda v: str(v))
+def test_the_head_transient_is_what_a_run_allocates(gloo_pool, mesh, layout):
+    """A 4096-token vocabulary: the fused head's chunk transient (config/memory_head.py) is
+    measured (HeadAllocations: what the head allocates at its height beside the saved bytes
+    and grads) and the peak with it is the plan's within TOLERANCE; without the term the
+    plan's peak would be more than TOLERANCE short on the head's ranks. Float32 with the
+    grads made in backward (pp2, tp2) and bf16 weights with the grads made in forward (dp2)."""
+    for got, want in measured_and_planned(gloo_pool, mesh, layout, WIDE_VOCAB):
+        transient = want["head_transient_bytes"]
+        assert got["peak"] == pytest.approx(want["peak_bytes"], rel=TOLERANCE), (got, want)
+        if transient:  # the head's rank: the term is measured, and it matters
+            assert got["head"] > 0
+            assert got["peak"] > (want["peak_bytes"] - transient) * (1 + TOLERANCE), (got, want)
+        else:
+            assert got["head"] == 0
+
+
+class _Peak:
+    """The most bytes a HeadAllocations held at once, polled at each of the head's ops."""
+
+    def __init__(self) -> None:
+        self.mode = HeadAllocations(self.poll)
+        self.peak = 0
+
+    def poll(self) -> None:
+        self.peak = max(self.peak, sum(self.mode.live().values()))
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["grads-in-forward", "pipeline"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_transient_bytes_is_what_the_head_allocates(pipeline, dtype):
+    """config/memory_head.head_transient_bytes against the fused head + loss called as the
+    model calls it (CPU: 256-row chunks, here 2 or 4), float32 weights, float32 or under
+    bf16 autocast (autocast's weight cast, 6 B per logit): forward's height is what it holds at
+    most beyond what it keeps when it returns (the saved tensors, the activations' terms),
+    backward's all it allocates, the grads it returns included; the larger within TOLERANCE."""
+    from megapipe.config.memory import head_grad_in_forward, rank_dims
+    from megapipe.config.memory_head import head_transient_bytes
+    from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
+    from megapipe.parallel.tensor.sharding import TPInfo
+
+    extra = ["parallel.pp=2", "parallel.microbatches=2"] if pipeline else []
+    run = f"run.dir={tempfile.mkdtemp()}"
+    cfg = load_config(TINY, [*SMALL, *WIDE_VOCAB, "train.global_batch=16", f"train.dtype={dtype}",
+                             "model.seq_len=64", *extra, run])  # fmt: skip
+    assert head_grad_in_forward(cfg) != pipeline
+    x = rank_dims(cfg)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(x.b, x.q, cfg.model.d_model, generator=gen, requires_grad=True)
+    weight = torch.randn(x.vocab, cfg.model.d_model, generator=gen).mul_(0.02).requires_grad_()
+    targets = torch.randint(0, cfg.model.vocab_size, (x.b, x.q), generator=gen)
+    tp = TPInfo(1, 0, None, False)
+    forward, backward = _Peak(), _Peak()
+    with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"), forward.mode:
+        loss = linear_cross_entropy(
+            h, weight, targets, 0, cfg.model.vocab_size, tp, grad_in_forward=not pipeline
+        )
+    kept = sum(forward.mode.live().values())
+    with backward.mode:
+        loss.backward()
+    measured = max(forward.peak - kept, backward.peak)
+    assert x.n >= 2 * 256  # several chunks
+    assert measured == pytest.approx(head_transient_bytes(cfg, "cpu"), rel=TOLERANCE)
 
 
 @pytest.mark.parametrize(("mesh", "layout"), CASES)
@@ -308,9 +437,10 @@ def test_every_field_is_in_the_json():
                 "grads_reducing_bytes",
                 "optimizer_bytes",
                 "activations_bytes",
+                "head_transient_bytes",
                 "peak_bytes",
             }
-            at_activations = sum(r[f"{k}_bytes"] for k in KINDS)
+            at_activations = sum(r[f"{k}_bytes"] for k in [*KINDS, "head_transient"])
             reducing = r["weights_bytes"] + r["grads_reducing_bytes"] + r["optimizer_bytes"]
             no_grads = at_activations - r["grads_bytes"]  # float32 grads made after the peak
             # zero=3: weights_bytes counts the most gathered at once; the reduction holds the

@@ -85,7 +85,7 @@ def test_search_is_exact_on_a_small_cluster(cached_segments):
         except ConfigError:
             continue
         checked += 1
-        exact = perf_memory.plan(cfg).max
+        exact = perf_memory.plan(cfg, "cuda", cluster.hbm_bytes).max
         lb = bounds(c)
         assert lb.memory <= exact * (1 + REL), plan_search.describe(c)
         fast, _ = bounds.memory(cfg)
@@ -104,7 +104,7 @@ def test_search_is_exact_on_a_small_cluster(cached_segments):
     pick = result.best
     assert pick.step_time_s <= feasible[0][0] * (1 + REL)
     assert pick.candidate in {c for _, c in feasible}
-    assert perf_memory.plan(pick.config).max <= cluster.hbm_bytes
+    assert perf_memory.plan(pick.config, "cuda", cluster.hbm_bytes).max <= cluster.hbm_bytes
     ranked = [r.step_time_s for r in result.ranked]
     assert ranked == pytest.approx([s for s, _ in feasible[: len(ranked)]], rel=REL)
     assert len(ranked) == min(plan_search.TOP, len(feasible))
@@ -220,7 +220,8 @@ def test_a_model_that_fits_nowhere_says_the_least_it_needs(capsys, tmp_path):
     err = _error(capsys)
     base, fixed = plan_search.base_config(None, [o[2:] for o in overrides])
     least = min(
-        perf_memory.plan(c.config(base)).max for c in plan_space.candidates(base, 1, 8, fixed)
+        perf_memory.plan(c.config(base), "cuda", 16 * GIB).max
+        for c in plan_space.candidates(base, 1, 8, fixed)
     )
     assert least > 16 * GIB
     assert f"{least / GIB:.1f} GiB" in err and "16 GiB" in err

@@ -78,9 +78,11 @@ every term with saved_tensors_hooks):
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
 rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
 floats, at most 1/HEAD_CHUNK_SHARE of the device's memory on a GPU, ~1.5 times that at its
-height under bf16, in forward and again in backward) is transient, not saved. The fused
-kernels' workspace, the recompute's transient layer, grads in flight and Seq1F1B's K/V grads
-waiting for the earlier segment's backward are not saved tensors.
+height under bf16, in forward and again in backward) is transient, not saved: not a term
+here, but config/memory_head.py's, which the memory plan adds to the peak of the ranks
+holding the head. The fused kernels' workspace, the recompute's transient layer, other grads
+in flight and Seq1F1B's K/V grads waiting for the earlier segment's backward are not saved
+tensors.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ CHUNK_ROWS = 256
 # 80 GiB holds 10.5k rows of it on one tp rank (17% past that; a 4096-token microbatch is one
 # chunk: nothing added up) and 21k of Nemotron-4's 256000 over tp 4 (8%), the transient under a
 # tenth of the device (1.5/16), as Megatron-Core's whole-microbatch logits (bf16, then float32).
+# The memory plan counts it at the head (config/memory_head.head_transient_bytes).
 HEAD_CHUNK_SHARE = 16
 
 

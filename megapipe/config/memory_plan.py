@@ -36,6 +36,7 @@ from megapipe.config.memory import (
     layer_terms,
     segments,
 )
+from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.schema import Config
 from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.states import (
@@ -80,6 +81,12 @@ class RankMemory:
     # peak in flight once the grads exist (peak_inflight's with_grads; bf16 weights' main
     # grads exist all along: = inflight)
     inflight_with_grads: float = 0.0
+    # the fused LM head's chunk transient (config/memory_head.py) on the rank holding the head
+    # block, on top of the activations (and grads) live when the head runs; 0 elsewhere
+    head_transient: float = 0.0
+    # zero=3: the blocks gathered while the head runs (the head and the layer before it, whose
+    # gather its backward prefetches), in place of the rank's largest pair
+    gathered_head: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -97,12 +104,17 @@ class RankMemory:
     @property
     def peak(self) -> float:
         """The largest of: the activation peak, with the grads where they exist by then (else
-        the most live once they do), and the end of the last backward (weights, the grads
-        while reducing, optimizer state; activations freed)."""
+        the most live once they do); on the head's rank the same with the LM head's chunk
+        transient added (and zero=3's blocks gathered at the head); and the end of the last
+        backward (weights, the grads while reducing, optimizer state; activations freed). The
+        transient is added to the activation peak: exact where the head runs at that peak (no
+        pipeline; 1F1B's and GPipe's last stage, whose in-flight microbatches are all live at
+        the head's F and B), an upper bound elsewhere."""
         with_grads = self.grads + self.activations_per_microbatch * self.inflight_with_grads
         held = self.weights + self.gathered + self.optimizer
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
-        return max(held + max(self.activations, with_grads), reducing)
+        at_head = held - self.gathered + self.gathered_head + self.head_transient
+        return max(max(held, at_head) + max(self.activations, with_grads), reducing)
 
 
 @dataclass(frozen=True)
@@ -127,12 +139,17 @@ class MemoryPlan:
 
 
 def memory_plan(
-    cfg: Config, device: str, chunk_params: ChunkParams, timeline: Timeline | None = None
+    cfg: Config,
+    device: str,
+    chunk_params: ChunkParams,
+    timeline: Timeline | None = None,
+    memory: float | None = None,
 ) -> MemoryPlan:
     """Per (pp, tp) rank: weights, grads, optimizer state, activations per microbatch, peak
     in-flight microbatches and the peak (RankMemory), for a job running on `device`, with
-    `chunk_params` counting a chunk's parameters and the schedule's `timeline` (default:
-    unit_timeline)."""
+    `chunk_params` counting a chunk's parameters, the schedule's `timeline` (default:
+    unit_timeline) and `memory` bytes of device memory (the LM head's chunk size,
+    config/memory.head_chunk_rows: None, 256 rows)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
     with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
@@ -140,13 +157,35 @@ def memory_plan(
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
+        head = rank_head_transient(cfg, held, device, memory)
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
             flight = (inflight[pp_rank], with_grads[pp_rank])
             experts = sum(held_expert_params(cfg, b) for b in held)
-            ranks.append(rank_memory(cfg, (pp_rank, tp_rank), n, gathered, acts, flight, experts))
+            at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
+            coord = (pp_rank, tp_rank)
+            ranks.append(rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head))
     return MemoryPlan(tuple(ranks), device)
+
+
+def rank_head_transient(
+    cfg: Config, held: list[range], device: str, memory: float | None = None
+) -> float:
+    """config/memory_head.head_transient_bytes on a rank holding the chunks `held` where one
+    of them holds the head block (n_layers + 1), else 0."""
+    if not any(cfg.model.n_layers + 1 in blocks for blocks in held):
+        return 0.0
+    return head_transient_bytes(cfg, device, memory)
+
+
+def head_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
+    """zero=3's gathered weights while the LM head runs on a rank holding the chunks `held`:
+    the head block and the layer before it in its chunk (its backward prefetches that layer's
+    gather); 0 at other levels."""
+    last = cfg.model.n_layers + 1
+    blocks = [range(max(b.start, last - 1), last + 1) for b in held if last in b]
+    return rank_gathered(cfg, blocks, tp_rank, chunk_params)
 
 
 def rank_memory(
@@ -157,12 +196,15 @@ def rank_memory(
     acts: tuple,
     inflight: tuple,
     experts: int = 0,
+    head: tuple[float, float] = (0.0, 0.0),
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
     bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
     per chunk for one microbatch and `inflight` microbatches at most (peak_inflight: in all, and
     once the grads exist); `experts` of the `n` are routed experts' (their state sharded over
-    the expert replicas: config/states.expert_replicas)."""
+    the expert replicas: config/states.expert_replicas); `head` the LM head's chunk transient
+    where the rank holds it and zero=3's bytes gathered then (rank_head_transient,
+    head_gathered)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     return RankMemory(
         pp_rank=coord[0],
@@ -178,6 +220,8 @@ def rank_memory(
         gathered_reducing=gathered[1],
         reducing=reduction_bytes(n, cfg, experts),
         step_grads=grads_bytes(n, cfg, experts),
+        head_transient=head[0],
+        gathered_head=head[1],
     )
 
 

@@ -36,7 +36,9 @@ from megapipe.config.memory_plan import (
     block_role,
     chunk_activations,
     gathered_pair,
+    head_gathered,
     live_change,
+    rank_head_transient,
     rank_memory,
 )
 from megapipe.config.stages import partition, placement_of
@@ -332,13 +334,16 @@ class Bounds:
                 made = np.flatnonzero(np.isin(codes[r] // (place.vpp * n_seg), GRAD_KINDS))
                 after = live[made[0] :] if len(made) else live[:0]
                 with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
+            head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
                 count = functools.partial(self._chunk_params, cfg)
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 flight = (inflight, with_grads)
                 experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
-                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, flight, experts).peak
+                at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
+                coord = (r, tp_rank)
+                total = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where

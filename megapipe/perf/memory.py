@@ -108,8 +108,8 @@ def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
 @dataclass(frozen=True)
 class PlanKey:
     """What a memory plan reads of its config: the model, parallel and recompute sections, the
-    global batch (the micro-batch size), the compute and weights' dtypes; and the device whose
-    kernels it counts."""
+    global batch (the micro-batch size), the compute and weights' dtypes; the device whose
+    kernels it counts and its memory (the LM head's chunk size)."""
 
     model: tuple
     parallel: tuple
@@ -118,24 +118,26 @@ class PlanKey:
     dtype: str
     params_dtype: str
     device: str
+    memory: float | None = None
 
     @staticmethod
-    def of(cfg: Config, device: str) -> PlanKey:
+    def of(cfg: Config, device: str, memory: float | None = None) -> PlanKey:
         sections = (
             dataclasses.astuple(getattr(cfg, s)) for s in ("model", "parallel", "recompute")
         )
         t = cfg.train
-        return PlanKey(*sections, t.global_batch, t.dtype, t.params_dtype, device)
+        return PlanKey(*sections, t.global_batch, t.dtype, t.params_dtype, device, memory)
 
 
 _PLANS = BoundedCache(4096)
 
 
-def plan(cfg: Config, device: str = "cuda") -> MemoryPlan:
-    """The same MemoryPlan as train/memory.memory_plan(cfg, device), cached per PlanKey."""
+def plan(cfg: Config, device: str = "cuda", memory: float | None = None) -> MemoryPlan:
+    """The same MemoryPlan as train/memory.memory_plan(cfg, device, memory=memory) (`memory`:
+    the device's bytes, sizing the LM head's chunks), cached per PlanKey."""
 
     def build() -> MemoryPlan:
         flight = timeline(cfg) if cfg.parallel.pp > 1 else None
-        return memory_plan(cfg, device, functools.partial(chunk_params, cfg), flight)
+        return memory_plan(cfg, device, functools.partial(chunk_params, cfg), flight, memory)
 
-    return _PLANS.get(PlanKey.of(cfg, device), build)
+    return _PLANS.get(PlanKey.of(cfg, device, memory), build)

@@ -289,7 +289,7 @@ def _projection(cfg: Config, cluster: Cluster, step: float, timing: Timing, brea
     detail["hw_tflops_per_step"] = hw_flops / 1e12
     peak = rank = fits = None
     if memory:
-        mem = memory_plan(cfg, "cuda")
+        mem = memory_plan(cfg, "cuda", cluster.hbm_bytes)
         peak, rank = mem.max / GIB, mem.argmax
         fits = mem.max <= cluster.hbm_bytes
     return Projection(

@@ -27,7 +27,13 @@ from megapipe.config.states import expert_layout, state_layout
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
-from megapipe.train.memory import count_params, memory_plan, model_params, rank_chunks
+from megapipe.train.memory import (
+    count_params,
+    local_memory,
+    memory_plan,
+    model_params,
+    rank_chunks,
+)
 
 DEVICE = "cuda"  # the dry run plans a training job: its activations are CUDA's kernels'
 
@@ -44,10 +50,13 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
     while activations peak (full-size local grads at every level), grads held over the optimizer
     step (`grads_step_bytes`: zero>=2 the shard) and while the last backward's reduction runs
     (`grads_reducing_bytes`: local grads kept, send buffers, shards), optimizer state,
-    activations at the peak in flight, and the peak: the larger of the two moments, weights +
-    grads + optimizer + activations, or weights + grads_reducing + optimizer; and the largest
-    peak. `device`: whose kernels' saved tensors (tests measure CPU runs)."""
-    plan = memory_plan(cfg, device)
+    activations at the peak in flight, the LM head's chunk transient on the ranks holding the
+    head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), and the peak: the larger
+    of the two moments, weights + grads + optimizer + activations + head transient, or weights
+    + grads_reducing + optimizer; and the largest peak. `device`: whose kernels' saved tensors
+    (tests measure CPU runs); the head's chunks are sized by this machine's CUDA device where
+    it has one (train/memory.local_memory), else 256 rows."""
+    plan = memory_plan(cfg, device, memory=local_memory(device))
     ranks = [
         {
             "pp": r.pp_rank,
@@ -59,6 +68,7 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
             "grads_reducing_bytes": int(r.reducing),
             "optimizer_bytes": int(r.optimizer),
             "activations_bytes": int(r.activations),
+            "head_transient_bytes": int(r.head_transient),
             "peak_bytes": int(r.peak),
         }
         for r in plan.ranks
@@ -80,7 +90,7 @@ def describe(cfg: Config) -> str:
     ]
     if p.pp > 1:
         lines.append(describe_partition(cfg))
-    plan = memory_plan(cfg, DEVICE)
+    plan = memory_plan(cfg, DEVICE, memory=local_memory(DEVICE))
     lines += [_rank_line(cfg, r) for r in plan.ranks]
     top = plan.rank(*plan.argmax)
     lines.append(
@@ -140,7 +150,11 @@ def _notes(cfg: Config) -> list[str]:
         "reduction (local grads, send buffers and shards held at once); "
         "activations: what the model's "
         f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
-        f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})"
+        f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})",
+        "(the LM head's chunk transient, on the ranks holding the head, is added to the "
+        "activation peak: one chunk's logits and their casts, the chunk's grads and the "
+        "head's input and weight grads, as the fused head + loss allocates them at its height; "
+        "chunks sized by this machine's GPU memory, else 256 rows)",
     ]
     if p.pp > 1 and SCHEDULES[p.schedule].split_backward:
         notes.append(
@@ -165,7 +179,9 @@ def _rank_line(cfg: Config, r: RankMemory) -> str:
         f"(chunks: {held}); weights {_size(r.weights + r.gathered)}, grads {_size(r.grads)}, "
         f"optimizer {_size(r.optimizer)} (zero={cfg.parallel.zero}; states {_layout(cfg)}), "
         f"activations ~{_size(r.activations_per_microbatch)} per microbatch, peak in flight "
-        f"{_amount(r.inflight)} microbatches -> peak ~{_size(r.peak)}"
+        f"{_amount(r.inflight)} microbatches"
+        + (f", LM head chunk transient ~{_size(r.head_transient)}" if r.head_transient else "")
+        + f" -> peak ~{_size(r.peak)}"
     )
 
 

@@ -18,9 +18,24 @@ from megapipe.parallel.tensor.sharding import TPInfo
 from models.gpt import GPT
 
 
-def memory_plan(cfg: Config, device: str = "cuda", timeline: Timeline | None = None) -> MemoryPlan:
-    """config/memory_plan.memory_plan of `cfg` on `device`, parameters from chunk_params."""
-    return plan_of(cfg, device, functools.partial(chunk_params, cfg), timeline)
+def memory_plan(
+    cfg: Config,
+    device: str = "cuda",
+    timeline: Timeline | None = None,
+    memory: float | None = None,
+) -> MemoryPlan:
+    """config/memory_plan.memory_plan of `cfg` on `device`, parameters from chunk_params;
+    `memory`: the device's bytes, which size the LM head's chunks (None: 256 rows)."""
+    return plan_of(cfg, device, functools.partial(chunk_params, cfg), timeline, memory)
+
+
+def local_memory(device: str = "cuda") -> int | None:
+    """Bytes of memory of this machine's CUDA device where the plan is for CUDA and one is
+    present (the budget parallel/tensor/cross_entropy sizes the LM head's chunks by), else
+    None (256-row chunks, config/memory.head_chunk_rows)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
 def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:

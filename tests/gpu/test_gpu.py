@@ -331,11 +331,14 @@ def test_memory_model_against_the_allocator(params_dtype):
     autocast and with bf16 weights (train.params_dtype): the bytes held after the forward are
     the model's activations (within 10%), the step's peak its predicted peak (-20% .. +10%:
     with one microbatch the plan's peak is the forward's end, before any float32 grad exists,
-    while the allocator also sees backward's transient activation grads)."""
+    while the allocator also sees backward's transient activation grads). The plan's peak
+    counts the LM head's chunk transient (config/memory_head.py) with the chunks sized by this
+    device's memory, as the code sizes them (train/memory.local_memory): here one 4096-row
+    chunk of 8192 logits a row, ~0.2 GB at its height under bf16, which the allocator sees."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.precision import autocast
     from megapipe.train.build import build
-    from megapipe.train.memory import memory_plan
+    from megapipe.train.memory import local_memory, memory_plan
     from tests.parity import tiny_config
 
     cfg = tiny_config(
@@ -344,7 +347,8 @@ def test_memory_model_against_the_allocator(params_dtype):
          f"train.params_dtype={params_dtype}"],
         tempfile.mkdtemp(),
     )  # fmt: skip
-    plan = memory_plan(cfg, "cuda").rank(0)
+    plan = memory_plan(cfg, "cuda", memory=local_memory()).rank(0)
+    assert plan.head_transient > 0.15e9  # the head's chunk: 6 B per logit of 4096 × 8192
     job = build(cfg, None, CUDA)
     optimizer = job.optimizer()
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
@@ -367,6 +371,7 @@ def test_memory_model_against_the_allocator(params_dtype):
         "memory_model", params_dtype=params_dtype, activations_model=plan.activations,
         activations_held=held,
         peak_model=plan.peak, peak_allocated=peak, states_model=plan.states,
+        head_transient_model=plan.head_transient,
     )  # fmt: skip
     assert held == pytest.approx(plan.activations, rel=0.10)
     assert 0.8 * plan.peak <= peak <= 1.1 * plan.peak
