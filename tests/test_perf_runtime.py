@@ -273,32 +273,31 @@ def test_head_chunk_rows_by_device():
     """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy with the
     device's memory and by the costs with the cluster's): 256 tokens on the CPU whatever the
     vocabulary, and on a device that does not say its memory; on a GPU a chunk's float32 logits
-    fill 1/16 of its memory: Llama 3's 128256 on an 80 GiB H100, 10464 tokens (81559 MiB as
-    torch reads it: 10418), so the 8B rows' 4096-token microbatch is one chunk; never under 256
-    nor over the microbatch."""
+    fill 1/128 of its memory: Llama 3's 128256 on an 80 GiB H100, 1308 tokens (81559 MiB as
+    torch reads it: 1302); never under 256 nor over the microbatch."""
     from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_SHARE, head_chunk_rows
 
     h100 = load_cluster("h100").hbm_bytes
     assert head_chunk_rows(50304, "cpu", None, h100) == head_chunk_rows(8192, "cpu") == 256
-    assert CHUNK_ROWS == 256 and HEAD_CHUNK_SHARE == 16
+    assert CHUNK_ROWS == 256 and HEAD_CHUNK_SHARE == 128
     assert head_chunk_rows(128256, "cuda") == 256  # memory not given
-    assert head_chunk_rows(128256, "cuda", None, h100) == 10464
-    assert head_chunk_rows(128256, "cuda", None, 81559 * 2**20) == 10418
-    assert head_chunk_rows(128256, "cuda", 4096, h100) == 4096
-    assert head_chunk_rows(64000, "cuda", None, h100) == 20971  # Nemotron-4 over tp 4
+    assert head_chunk_rows(128256, "cuda", None, h100) == 1308
+    assert head_chunk_rows(128256, "cuda", None, 81559 * 2**20) == 1302
+    assert head_chunk_rows(128256, "cuda", 1000, h100) == 1000
+    assert head_chunk_rows(64000, "cuda", None, h100) == 2621  # Nemotron-4 over tp 4
     assert head_chunk_rows(10**8, "cuda", None, h100) == 256
     assert head_chunk_rows(50304, "cpu", 100) == 100
 
 
 def test_head_chunks_priced_by_the_rule():
     """The projection prices the chunks the rule gives on the cluster's memory: the Llama 3.1
-    8B row (one 4096-token microbatch per rank, pp 1: the grads made in forward) is one chunk on
-    an 80 GiB H100, no weight grad added up; on an 8 GiB one, 1046-row chunks, four, and the
-    head's F pays at least the three float32 accumulations of the V·d grad (12 B per element
-    each) more, and the step is slower; a last chunk of 1 token is priced as 1 token."""
+    8B row (one 4096-token microbatch per rank, pp 1: the grads made in forward) is four chunks
+    on an 80 GiB H100; on an 8 GiB one, 256-row chunks, sixteen, and the head's F pays at least
+    three more float32 accumulations of the V·d grad (12 B per element each), and the step is
+    slower; a last chunk of 1 token is priced as 1 token."""
     import dataclasses
 
-    from megapipe.config.memory import head_chunk_rows, head_chunks
+    from megapipe.config.memory import HEAD_CHUNK_SHARE, head_chunk_rows, head_chunks
     from megapipe.perf import published
     from megapipe.perf.cost_terms import CALIBRATION
     from megapipe.perf.costs import CostModel
@@ -318,11 +317,17 @@ def test_head_chunks_priced_by_the_rule():
     # memory for 4095-row chunks: one of 4095 and one of 1 token, priced as such (not as two
     # of 4095): beside one chunk, one accumulation more and three 1-row GEMMs at most
     v, d = cfg.model.vocab_size, cfg.model.d_model
-    odd = dataclasses.replace(big, hbm_gib=4095 * 4 * v * 16 / 2**30)
+
+    def holding(rows: int):  # a cluster whose memory gives chunks of `rows` tokens
+        return dataclasses.replace(big, hbm_gib=rows * 4 * v * HEAD_CHUNK_SHARE / 2**30)
+
+    odd, whole = holding(4095), holding(4096)
     assert head_chunks(4096, head_chunk_rows(v, "cuda", 4096, odd.hbm_bytes)) == ((4095, 1), (1, 1))
+    assert head_chunks(4096, head_chunk_rows(v, "cuda", 4096, whole.hbm_bytes))[1] == (4096, 1)
     two = CostModel(cfg, odd, MEGAPIPE, CALIBRATION)
+    one = CostModel(cfg, whole, MEGAPIPE, CALIBRATION).block(head).F.compute
     one_row = sum(two.dev.gemm(*s, 1, two.c) for s in ((1, v, d), (1, d, v), (v, d, 1)))
-    extra = two.block(head).F.compute - f[0]
+    extra = two.block(head).F.compute - one
     assert two.dev.mem(12 * table) < extra <= two.dev.mem(12 * table) + one_row, extra
 
 

@@ -77,12 +77,10 @@ every term with saved_tensors_hooks):
 
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
 rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
-floats, at most 1/HEAD_CHUNK_SHARE of the device's memory on a GPU, ~1.5 times that at its
-height under bf16, in forward and again in backward) is transient, not saved: not a term
-here, but config/memory_head.py's, which the memory plan adds to the peak of the ranks
-holding the head. The fused kernels' workspace, the recompute's transient layer, other grads
-in flight and Seq1F1B's K/V grads waiting for the earlier segment's backward are not saved
-tensors.
+floats, ~1.5 times that at its height under bf16) is transient: config/memory_head.py's term,
+added to the peak of the head's ranks by the memory plan. The fused kernels' workspace, the
+recompute's transient layer, other grads in flight and Seq1F1B's K/V grads waiting for the
+earlier segment's backward are not saved tensors.
 """
 
 from __future__ import annotations
@@ -101,18 +99,15 @@ INDEX = 8  # int64 token ids and targets
 # rank), the fastest of 64..1024 on this CPU (2 cores) at V = 8192 and 50257: fewer rows re-read
 # the head weight more often, more leave the chunk's elementwise passes less cache.
 CHUNK_ROWS = 256
-# GPU: a chunk's float32 logits may fill 1/HEAD_CHUNK_SHARE of the device's memory. A chunk of
-# R rows holds R·V/tp·4 B of float32 logits (~6 B per logit at its height under bf16: their bf16
-# copy, the probabilities cast back); each chunk past the first adds its weight grad into the
-# float32 V/tp·d grad, 12 B per element (bf16 product written, read with the grad, sum written:
-# perf/costs.CostModel._fused_head), which beside the chunk's wgrad GEMM (2·R·V/tp·d FLOPs)
-# takes 6·(peak FLOP/s ÷ HBM B/s)/R of its time: on an H100 (989e12 / 3.35e12 B/s) 1771/R, 10%
-# at R = 17.7k, 339% at the 523 rows a fixed 256 MiB gave Llama 3's 128256 vocabulary. 1/16 of
-# 80 GiB holds 10.5k rows of it on one tp rank (17% past that; a 4096-token microbatch is one
-# chunk: nothing added up) and 21k of Nemotron-4's 256000 over tp 4 (8%), the transient under a
-# tenth of the device (1.5/16), as Megatron-Core's whole-microbatch logits (bf16, then float32).
-# The memory plan counts it at the head (config/memory_head.head_transient_bytes).
-HEAD_CHUNK_SHARE = 16
+# GPU: a chunk's float32 logits (R·V/tp·4 B; ~6 B per logit at its height under bf16, counted
+# by config/memory_head.py) may fill 1/HEAD_CHUNK_SHARE of the device's memory. Each chunk past
+# the first adds its weight grad into the float32 V/tp·d grad (12 B per element:
+# perf/costs.CostModel._fused_head), 6·(peak FLOP/s ÷ HBM B/s)/R of the chunk's wgrad GEMM: on
+# an H100 1771/R, 339% at the 523 rows a fixed 256 MiB gave Llama 3's 128256 vocabulary. 1/128
+# of 80 GiB holds 1308 such rows (GPT-2's 50304: 3335), keeps the presets written for one 80 GB
+# GPU inside it (gpt2_1.3b, llama_1b: 78.1, 79.0 GiB; 1/16: 84.7, 84.0) and megapipe's projected
+# step ≥ 0.93 of Megatron-Core's on the published H100 rows (1/16: 0.95; 256 MiB: 0.90).
+HEAD_CHUNK_SHARE = 128
 
 
 def head_chunk_rows(

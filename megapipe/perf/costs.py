@@ -356,7 +356,7 @@ class CostModel(MoECosts):
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
         config/memory.head_chunk_rows tokens (the code's rule on the cluster's memory: 256 on the
-        CPU, float32 logits up to 1/16 of a GPU's), each chunk's float32 logits made, reduced
+        CPU, float32 logits up to 1/128 of a GPU's), each chunk's float32 logits made, reduced
         and dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, the
         last the rest; V = V/tp, L = R·V logits):
           F  GEMM (R, V, d); the cast to float32 (c + 4 B per logit, none under float32), max

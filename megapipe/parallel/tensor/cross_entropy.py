@@ -7,7 +7,7 @@ three all-reduces of per-token scalars (max, sum of exp, target logit) instead o
 
 `linear_cross_entropy` goes one step further: the head's matmul and the loss in one autograd
 Function that never holds the logits of the whole microbatch. Forward walks the tokens in
-chunks (config/memory.head_chunk_rows: 256 tokens on the CPU; on a GPU as many as 1/16 of its
+chunks (config/memory.head_chunk_rows: 256 tokens on the CPU; on a GPU as many as 1/128 of its
 memory holds as float32 logits, so each chunk's weight grad added into the float32 grad stays
 small beside its wgrad GEMM), keeping per token
 only the log-sum-exp and the target's logit;
@@ -127,7 +127,7 @@ def _buffer(
     one contiguous (V/tp, rows) matrix; float32 matmuls write into it), or None; kept in
     `reuse` from call to call where given, on the CPU only: there a fresh buffer costs page
     faults, while CUDA's caching allocator hands the block back without them, and a chunk
-    there may fill 1/16 of the device (config/memory.head_chunk_rows), which a kept buffer
+    there may fill 1/128 of the device (config/memory.head_chunk_rows), which a kept buffer
     would hold between steps where the memory model counts no logits."""
     if h.dtype != torch.float32:
         return None
@@ -315,7 +315,7 @@ def linear_cross_entropy(
     (B, T, d) the head input on this rank (after f, or SP's all-gather), W (V/tp, d) this rank's
     vocabulary slice starting at `vocab_start` (rows past `vocab_size` are padding), targets
     (B, T); `rows` tokens per chunk (default config/memory.head_chunk_rows: 256 on the CPU, on a
-    GPU as many as 1/16 of its memory holds as float32 logits). `grad_in_forward`: make the
+    GPU as many as 1/128 of its memory holds as float32 logits). `grad_in_forward`: make the
     input and weight grads in forward, each chunk's logits made once (module docstring); only
     where grad is being recorded; `reuse`: the buffers its weight grad and chunk logits are
     written into, kept from step to step (HeadBuffers), else fresh ones each call."""
