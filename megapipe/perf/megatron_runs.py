@@ -20,11 +20,12 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from megapipe.config import Config, load_config
+from megapipe.config import Config
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
 from megapipe.perf.runtime import MEGATRON_2021, RUNTIMES, Runtime
+from megapipe.perf.table1 import megatron_config
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron_2021_2022_runs.csv"
 TARGET_MEAN, TARGET_MAX = 0.08, 0.15  # issue 34's held-out target for these runs
@@ -86,29 +87,7 @@ def runs(path: Path | str = DATA) -> list[Run]:
 
 def run_config(run: Run) -> Config:
     """The megapipe config of one run (module docstring)."""
-    schedule = "interleaved_1f1b" if run.v > 1 else "1f1b"
-    return load_config(
-        None,
-        [
-            "model.arch=gpt2",
-            f"model.n_layers={run.layers}",
-            f"model.d_model={run.hidden}",
-            f"model.n_heads={run.heads}",
-            "model.vocab_size=51200",
-            "model.seq_len=2048",
-            "model.dropout=0.1",
-            f"parallel.tp={run.tp}",
-            f"parallel.pp={run.pp}",
-            f"parallel.dp={run.dp}",
-            f"parallel.vpp={run.v}",
-            f"parallel.schedule={schedule}",
-            f"parallel.microbatches={run.microbatches}",
-            f"parallel.sequence_parallel={str(run.sequence_parallel).lower()}",
-            f"train.global_batch={run.gbs}",
-            "train.dtype=bfloat16",
-            f"recompute.mode={run.recompute}",
-        ],
-    )
+    return megatron_config(run, run.recompute, run.sequence_parallel)
 
 
 @dataclass(frozen=True)

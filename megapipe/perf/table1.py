@@ -81,26 +81,34 @@ def rows(path: Path | str = TABLE1) -> list[Row]:
 
 def row_config(row: Row) -> Config:
     """The megapipe config of one Table 1 row (module docstring)."""
-    schedule = "interleaved_1f1b" if row.v > 1 else "1f1b"
+    return megatron_config(row)
+
+
+def megatron_config(run, recompute: str = "full", sequence_parallel: bool = False) -> Config:
+    """The megapipe config of a published Megatron-LM GPT run (Table 1's or perf/megatron_runs'):
+    `run` has layers, hidden, heads, tp, pp, dp, v, microbatches and gbs; GPT-2's 51200-token
+    padded vocabulary, 2048 tokens, dropout 0.1, bf16, interleaved 1F1B where v > 1."""
+    schedule = "interleaved_1f1b" if run.v > 1 else "1f1b"
     return load_config(
         None,
         [
             "model.arch=gpt2",
-            f"model.n_layers={row.layers}",
-            f"model.d_model={row.hidden}",
-            f"model.n_heads={row.heads}",
+            f"model.n_layers={run.layers}",
+            f"model.d_model={run.hidden}",
+            f"model.n_heads={run.heads}",
             "model.vocab_size=51200",
             "model.seq_len=2048",
             "model.dropout=0.1",
-            f"parallel.tp={row.tp}",
-            f"parallel.pp={row.pp}",
-            f"parallel.dp={row.dp}",
-            f"parallel.vpp={row.v}",
+            f"parallel.tp={run.tp}",
+            f"parallel.pp={run.pp}",
+            f"parallel.dp={run.dp}",
+            f"parallel.vpp={run.v}",
             f"parallel.schedule={schedule}",
-            f"parallel.microbatches={row.microbatches}",
-            f"train.global_batch={row.gbs}",
+            f"parallel.microbatches={run.microbatches}",
+            f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
+            f"train.global_batch={run.gbs}",
             "train.dtype=bfloat16",
-            "recompute.mode=full",
+            f"recompute.mode={recompute}",
         ],
     )
 
