@@ -140,3 +140,30 @@ def test_dp2_ranks_agree_on_a_failed_save_and_resume(gloo_pool, tmp_path, small_
         for r in results:
             assert r[background]["left"] == ["step_00000001"]
             assert r[background]["losses"] == r["straight"][1:]  # bit for bit from step 1
+
+
+def test_a_short_write_in_torchs_zip_writer_is_a_full_disk():
+    """DCP's writers torch.save into file streams; when the disk fills inside a record, torch's
+    zip writer raises a RuntimeError ("unexpected pos") with no errno. `written` takes it as the
+    disk's fault (ENOSPC), so the ranks agree on a one-line SaveFailed; any other RuntimeError
+    is a bug and propagates."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megapipe.train.checkpoint_faults import written
+
+    def failing(exc):
+        def fn():
+            stack = traceback.StackSummary.from_list([])
+            raise CheckpointException("write", {0: (exc, stack), 1: (exc, stack)})
+
+        return fn
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    got = written(failing(short))
+    assert isinstance(got, OSError) and got.errno == errno.ENOSPC
+    assert "no space left on device" in got.strerror.lower()
+    with pytest.raises(CheckpointException):
+        written(failing(RuntimeError("a bug")))

@@ -45,10 +45,26 @@ def written(fn, *args: Any, **kwargs: Any) -> OSError | None:
     except OSError as e:
         return e
     except CheckpointException as e:
-        found = [exc for exc, _ in e.failures.values() if isinstance(exc, OSError)]
+        found = [as_os_error(exc) for exc, _ in e.failures.values()]
+        found = [exc for exc in found if exc is not None]
         if not found:
             raise
         return found[0]
+    return None
+
+
+# torch's zip writer (torch.save into DCP's file streams) checks its position after each record;
+# a write the OS cut short, which for a regular file means the device or the quota is full
+# (POSIX write(2)), surfaces as this RuntimeError with no errno instead of the OSError
+SHORT_WRITE = "unexpected pos"
+
+
+def as_os_error(exc: BaseException) -> OSError | None:
+    """A writer's error as the OSError of the disk's fault, or None for any other error."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, RuntimeError) and SHORT_WRITE in str(exc):
+        return OSError(errno.ENOSPC, "No space left on device (a write was cut short)")
     return None
 
 
