@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.context.ring import ring_attention
@@ -58,12 +58,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _flash_ok(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def device_capability(index: int) -> tuple[int, int]:
-    """(major, minor) compute capability of CUDA device `index`, asked once."""
-    return tuple(torch.cuda.get_device_capability(index))
 
 
 def dense_kernel(q: torch.Tensor) -> str:

@@ -13,6 +13,7 @@ from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
 from megapipe.config.stages import rank_blocks
+from megapipe.distributed.devices import memory as device_memory
 from megapipe.parallel.expert.sharding import EPInfo
 from megapipe.parallel.tensor.sharding import TPInfo
 from models.gpt import GPT
@@ -33,9 +34,7 @@ def local_memory(device: str = "cuda") -> int | None:
     """Bytes of memory of this machine's CUDA device where the plan is for CUDA and one is
     present (the budget parallel/tensor/cross_entropy sizes the LM head's chunks by), else
     None (256-row chunks, config/memory.head_chunk_rows)."""
-    if device != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return device_memory(None) if device == "cuda" else None
 
 
 def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from megapipe._torch_compat import grouped_mm, has_grouped_mm
+from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
 
@@ -68,7 +69,7 @@ def grouped_mm_ok(x: torch.Tensor, out_features: int, groups: int) -> bool:
     fewer than 1024 groups, and the probe of this device and dtype agreed with the loop."""
     if not has_grouped_mm() or groups > MAX_GROUPS or x.dim() != 2:
         return False
-    capability = _capability(x.device) if x.device.type == "cuda" else None
+    capability = device_capability(x.device) if x.device.type == "cuda" else None
     if not grouped_mm_for(x.device.type, capability, str(x.dtype).removeprefix("torch.")):
         return False
     if (x.shape[1] * x.element_size()) % ALIGN_BYTES:
@@ -76,11 +77,6 @@ def grouped_mm_ok(x: torch.Tensor, out_features: int, groups: int) -> bool:
     if (out_features * x.element_size()) % ALIGN_BYTES:
         return False
     return _probe(x.device, x.dtype)
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from megapipe._torch_compat import (
     flash_attention_cuda,
     flash_attention_cuda_backward,
 )
+from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 
 Tensor = torch.Tensor
@@ -225,10 +226,6 @@ def pick_kernel(q: Tensor, name: str | None = None) -> BlockKernel:
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
         return KERNELS["aten_cpu"]
     return KERNELS["reference"]
-
-
-def device_capability(device: torch.device) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(device))
 
 
 _PROBED: dict[tuple, str] = {}  # (device, dtype, head dim) -> the kernel probe() chose

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from megapipe.config.memory import head_chunk_rows
 from megapipe.distributed import collectives as C
+from megapipe.distributed.devices import memory as device_memory
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers, kept_or_new
 from megapipe.parallel.tensor.sharding import TPInfo
 
@@ -294,12 +295,6 @@ class _EarlyGrads:
             self.weight_grad.zero_()
 
 
-def _device_memory(device: torch.device) -> int | None:
-    """Bytes of memory of a CUDA device (its chunk budget, config/memory.head_chunk_rows); None
-    elsewhere (the CPU's rule, or 256-row chunks on a device that does not say)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-
 def linear_cross_entropy(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -323,7 +318,7 @@ def linear_cross_entropy(
     early = grad_in_forward and recording
     flat, flat_targets = h.flatten(0, 1), targets.flatten()
     rows = rows or head_chunk_rows(
-        weight.shape[0], h.device.type, flat.shape[0], _device_memory(h.device)
+        weight.shape[0], h.device.type, flat.shape[0], device_memory(h.device)
     )
     return _LinearCrossEntropy.apply(
         flat, weight, flat_targets, vocab_start, vocab_size, tp, rows, early, reuse
