@@ -124,15 +124,20 @@ def profile_values(m: Measured, name: str) -> dict:
 
 
 def probe_around(
-    cluster: Cluster, ranks: int, threads: int, run: Callable[[], T], rounds: int = 1
+    cluster: Cluster,
+    ranks: int,
+    threads: int,
+    run: Callable[[], T],
+    rounds: int = 1,
+    links: bool = True,
 ) -> tuple[Cluster, T]:
     """`run()` bracketed by the probes, and `cluster` with what they measured: gloo's first
-    (two ranks or more, GLOO_ROUNDS rounds, ~15 s), then one quick round of the
+    (with `links` and two ranks or more, GLOO_ROUNDS rounds, ~15 s), then one quick round of the
     compute probes (in `ranks` processes of `threads` threads at once, ~4 s) just before
     `run` and again just after it, pooled (probes.pool_ranks: their mean). This shared
     machine's speed moves by tens of percent within minutes (other tenants' load on the host),
     and the run's compute sits between the two compute probes."""
-    gloo = probe_gloo(threads, max(rounds, GLOO_ROUNDS)) if ranks > 1 else {}
+    gloo = probe_gloo(threads, max(rounds, GLOO_ROUNDS)) if links and ranks > 1 else {}
     before = concurrent_compute_probes(threads, rounds, ranks)
     result = run()
     after = concurrent_compute_probes(threads, rounds, ranks)
