@@ -377,7 +377,8 @@ class CostModel(MoECosts):
         dev, m, p, c = self.dev, self.cfg.model, self.cfg.parallel, self.c
         d, v, n = m.d_model, x.vocab, x.n
         rows = head_chunk_rows(v, self.cluster.device, n, self.cluster.hbm_bytes)
-        k, each = -(-n // rows), head_chunks(n, rows)  # (tokens, how many) of the k chunks
+        each = head_chunks(n, rows)  # (tokens, how many) of the k chunks
+        k = sum(j for _, j in each)
         maxima = sum(j * self._tp("all_reduce", r * 4) for r, j in each)  # each chunk's row max
         norm_out = c if self.rt.fused_elementwise and not self.rt.compiled_layers else 4
         norm = x.ns * d * (self.r + norm_out)

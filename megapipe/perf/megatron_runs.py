@@ -25,40 +25,22 @@ from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
 from megapipe.perf.runtime import MEGATRON_2021, RUNTIMES, Runtime
-from megapipe.perf.table1 import megatron_config
+from megapipe.perf.table1 import MegatronShape, megatron_config, shape_fields
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron_2021_2022_runs.csv"
 TARGET_MEAN, TARGET_MAX = 0.08, 0.15  # issue 34's held-out target for these runs
 
 
 @dataclass(frozen=True)
-class Run:
+class Run(MegatronShape):
     label: str
     source: str
     code: str  # the runtime of the code the run used (by its paper's date)
-    params_b: float
-    heads: int
-    hidden: int
-    layers: int
-    tp: int
-    pp: int
-    dp: int
-    gpus: int
-    gbs: int
-    mbs: int
-    v: int
     recompute: str
     sequence_parallel: bool
     iteration_s: float | None
     tflops_per_gpu: float | None
     measure: str  # "tflops" or "time": which published figure the comparison uses
-
-    @property
-    def microbatches(self) -> int:
-        return self.gbs // (self.dp * self.mbs)
-
-
-INTS = ("heads", "hidden", "layers", "tp", "pp", "dp", "gpus", "gbs", "mbs", "v")
 
 
 def runs(path: Path | str = DATA) -> list[Run]:
@@ -71,8 +53,7 @@ def runs(path: Path | str = DATA) -> list[Run]:
             label=rec["label"],
             source=rec["source"],
             code=rec["code"],
-            params_b=float(rec["params_b"]),
-            **{k: int(rec[k]) for k in INTS},
+            **shape_fields(rec),
             recompute=rec["recompute"],
             sequence_parallel=rec["sequence_parallel"] == "1",
             iteration_s=float(rec["iteration_s"]) if rec["iteration_s"] else None,

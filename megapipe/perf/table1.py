@@ -38,7 +38,10 @@ TARGET_MEAN, TARGET_MAX = 0.05, 0.10  # mean and max absolute relative error (is
 
 
 @dataclass(frozen=True)
-class Row:
+class MegatronShape:
+    """A published Megatron-LM GPT run's model and mesh (Table 1's rows, perf/megatron_runs'):
+    what megatron_config reads."""
+
     params_b: float
     heads: int
     hidden: int
@@ -50,12 +53,24 @@ class Row:
     gbs: int
     mbs: int
     v: int
-    tflops_per_gpu: float  # measured hardware TFLOP/s per GPU
-    pct_peak: float
 
     @property
     def microbatches(self) -> int:
         return self.gbs // (self.dp * self.mbs)
+
+
+SHAPE_INTS = ("heads", "hidden", "layers", "tp", "pp", "dp", "gpus", "gbs", "mbs", "v")
+
+
+def shape_fields(rec: dict[str, str]) -> dict:
+    """MegatronShape's fields of one CSV record."""
+    return {"params_b": float(rec["params_b"]), **{k: int(rec[k]) for k in SHAPE_INTS}}
+
+
+@dataclass(frozen=True)
+class Row(MegatronShape):
+    tflops_per_gpu: float  # measured hardware TFLOP/s per GPU
+    pct_peak: float
 
     @property
     def label(self) -> str:
@@ -69,9 +84,7 @@ def rows(path: Path | str = TABLE1) -> list[Row]:
     for rec in csv.DictReader(lines):
         out.append(
             Row(
-                params_b=float(rec["params_b"]),
-                **{k: int(rec[k]) for k in ("heads", "hidden", "layers", "tp", "pp", "dp")},
-                **{k: int(rec[k]) for k in ("gpus", "gbs", "mbs", "v")},
+                **shape_fields(rec),
                 tflops_per_gpu=float(rec["tflops_per_gpu"]),
                 pct_peak=float(rec["pct_peak"]),
             )
@@ -84,9 +97,11 @@ def row_config(row: Row) -> Config:
     return megatron_config(row)
 
 
-def megatron_config(run, recompute: str = "full", sequence_parallel: bool = False) -> Config:
+def megatron_config(
+    run: MegatronShape, recompute: str = "full", sequence_parallel: bool = False
+) -> Config:
     """The megapipe config of a published Megatron-LM GPT run (Table 1's or perf/megatron_runs'):
-    `run` has layers, hidden, heads, tp, pp, dp, v, microbatches and gbs; GPT-2's 51200-token
+    `run`'s model and mesh; GPT-2's 51200-token
     padded vocabulary, 2048 tokens, dropout 0.1, bf16, interleaved 1F1B where v > 1."""
     schedule = "interleaved_1f1b" if run.v > 1 else "1f1b"
     return load_config(

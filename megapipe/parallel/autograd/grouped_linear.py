@@ -160,6 +160,8 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.counts, ctx.owner, ctx.name, ctx.has_bias = counts, owner, name, bias is not None
         ctx.bias_name, ctx.grouped = bias_name, grouped
+        # the groups' offsets on the device, made once for forward and backward (a host copy)
+        ctx.offs = _offsets(counts, x.device) if grouped else None
         # a low-precision bias goes inside the matmul's float32 sums as F.linear adds it (one
         # rounding): after the grouped kernel's bf16 output it would round twice, and the
         # training's bf16 bounds (tests/test_parity_bf16.py) hold for the loop's numerics
@@ -167,7 +169,7 @@ class _GroupedLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             if not grouped or inside:
                 return _loop_forward(x, weight, bias, counts)
-            y = _forward(x, weight, _offsets(counts, x.device))
+            y = _forward(x, weight, ctx.offs)
             if bias is not None:  # each row its expert's bias, in float32
                 sizes = torch.tensor(counts, device=x.device)
                 y = y + bias.repeat_interleave(sizes, dim=0, output_size=x.shape[0])
@@ -179,7 +181,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad_out, counts = grad_out.to(weight.dtype), ctx.counts
         if ctx.grouped:
             grad_out = grad_out.contiguous()  # an expanded grad has no leading stride
-            grad_x = _input_grad(grad_out, weight, _offsets(counts, x.device))
+            grad_x = _input_grad(grad_out, weight, ctx.offs)
         else:
             grad_x = _loop_input_grad(grad_out, weight, counts)
         owner = ctx.owner
@@ -189,7 +191,7 @@ class _GroupedLinear(torch.autograd.Function):
         if key is not None:
             owner.wgrad_queue.setdefault(key, []).append((ctx.name, x, grad_out, counts))
             return grad_x, None, grad_b, None, None, None, None
-        grad_w = stacked_weight_grad(getattr(owner, ctx.name), x, grad_out, counts)
+        grad_w = stacked_weight_grad(getattr(owner, ctx.name), x, grad_out, counts, ctx.offs)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -206,20 +208,22 @@ def _bias_grad(param, groups) -> torch.Tensor | None:
     return None
 
 
-def stacked_weight_grad(param, x, grad_out, counts) -> torch.Tensor | None:
+def stacked_weight_grad(param, x, grad_out, counts, offs=None) -> torch.Tensor | None:
     """(E, out, in) grad of the stacked weight `param`: each expert's g_eᵀ x_e, grouped where
-    grouped_mm_ok says so. Under bf16 weights it is added into `param.main_grad` in float32
-    instead (module docstring), and None returned."""
+    grouped_mm_ok says so (`offs`: the groups' offsets where the caller has them). Under bf16
+    weights it is added into `param.main_grad` in float32 instead (module docstring), and None
+    returned."""
     main = getattr(param, "main_grad", None)
     grouped = grouped_mm_ok(x, grad_out.shape[1], len(counts))
     if grouped:
         x, grad_out = x.contiguous(), grad_out.contiguous()
+        offs = _offsets(counts, x.device) if offs is None else offs
     if main is None:
         if grouped:
-            return _weight_grad(x, grad_out, _offsets(counts, x.device))
+            return _weight_grad(x, grad_out, offs)
         return _loop_weight_grad(x, grad_out, counts)
     if grouped and x.device.type == "cpu":  # widened: exact products, float32 sums
-        main.add_(_weight_grad(x.float(), grad_out.float(), _offsets(counts, x.device)))
+        main.add_(_weight_grad(x.float(), grad_out.float(), offs))
     else:
         for e, (g, xe) in enumerate(zip(grad_out.split(counts), x.split(counts))):
             fused_weight_grad(main[e], g, xe)

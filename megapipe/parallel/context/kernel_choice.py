@@ -19,7 +19,6 @@ from __future__ import annotations
 HOPPER = (9, 0)  # compute capability from which cuDNN's kernel is preferred (TE's rule)
 AMPERE = (8, 0)  # compute capability from which FlashAttention-2 runs half precision
 HALF = ("float16", "bfloat16")
-KERNELS = ("cudnn", "flash", "sdpa", "cpu")
 
 
 def attention_kernel_for(
