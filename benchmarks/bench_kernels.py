@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from benchmarks import bench_train
 from benchmarks.harness import alternate, timed
 from megapipe.config.memory import CHUNK_ROWS
+from megapipe.models.activations import gelu_tanh
 from megapipe.parallel.tensor.cross_entropy import exp_shifted_
-from models.activations import gelu_tanh
 
 
 def aten_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ def _pair(d: int, overlap: bool, seed: int):
 
 def _layer(args, overlap: bool, seed: int):
     from megapipe.config import load_config
-    from models.gpt import TransformerLayer
+    from megapipe.models.gpt import TransformerLayer
 
     overrides = [f"model.d_model={args.d_model}", f"model.seq_len={args.seq_len}"]
     cfg = load_config(None, [*overrides, "model.n_heads=8", "model.dropout=0"])

@@ -42,9 +42,9 @@ from collections.abc import Callable
 import torch
 
 from megapipe.config import load_config
+from megapipe.models.activations import gelu_tanh
+from megapipe.models.gpt import GPT
 from megapipe.pipeline.stages import build_model
-from models.activations import gelu_tanh
-from models.gpt import GPT
 
 GEMM_SHAPES = [(m, n, k) for m in (64, 256, 1024) for n in (64, 256, 1024) for k in (64, 256, 1024)]
 GEMM_SHAPES += [(s, s, s) for s in (128, 512, 2048)]

@@ -16,6 +16,10 @@ from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.config.flops import expert_ffn, is_moe_layer
+from megapipe.models.activations import gelu_tanh
+from megapipe.models.attention import Attention
+from megapipe.models.init import init_parameters
+from megapipe.models.moe import MoE
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
@@ -32,10 +36,6 @@ from megapipe.parallel.tensor.mappings import enter_column, gather_from_tp
 from megapipe.parallel.tensor.random import replayable, sharded_rng
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 from megapipe.plan.schedules import SCHEDULES
-from models.activations import gelu_tanh
-from models.attention import Attention
-from models.init import init_parameters
-from models.moe import MoE
 
 
 def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:

@@ -15,7 +15,7 @@ import torch
 
 from megapipe.config import Config, ModelConfig
 from megapipe.config.flops import expert_ffn
-from models.gpt import GPT
+from megapipe.models.gpt import GPT
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
 GPT2_TOP = {

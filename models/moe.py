@@ -36,6 +36,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.config.flops import expert_ffn
 from megapipe.distributed import collectives as C
+from megapipe.models.activations import gelu_tanh
 from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_weight_grad
 from megapipe.parallel.autograd.weight_grad import accumulate
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
@@ -43,7 +44,6 @@ from megapipe.parallel.expert.dispatch import combine, dispatch
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, mark_experts
 from megapipe.parallel.tensor.layers import REPLICATED, ShardedModule
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
-from models.activations import gelu_tanh
 
 
 class Router(ShardedModule):

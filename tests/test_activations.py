@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.activations import gelu_tanh
+from megapipe.models.activations import gelu_tanh
 
 
 def _inputs() -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megapipe.models import attention
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
-from models import attention
 
 H100, A100, V100 = (9, 0), (8, 0), (7, 0)
 

@@ -72,7 +72,7 @@ def test_compiled_linears_still_defer_weight_grads():
     """With the B/W split, a compiled layer's linears stay eager (graph breaks), so B queues
     their weight-grad matmuls and W runs them: the same grads as one eager backward."""
     from megapipe.config import load_config
-    from models.gpt import GPT
+    from megapipe.models.gpt import GPT
     from tests.conftest import TINY
 
     torch._dynamo.reset()

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from megapipe.config import load_config
 from megapipe.config.flops import document_window, flops_per_token
 from megapipe.config.memory import layer_terms
+from megapipe.models import attention
+from megapipe.models.attention import attention_core
+from megapipe.models.gpt import GPT
 from megapipe.parallel.context.documents import (
     document_ids,
     document_positions,
@@ -23,9 +26,6 @@ from megapipe.parallel.context.kernels import reference_backward, reference_forw
 from megapipe.parallel.context.ring import _merge, ring_attention
 from megapipe.parallel.context.zigzag import CPInfo, zigzag_shard
 from megapipe.train.batches import BatchSlice, document_eos
-from models import attention
-from models.attention import attention_core
-from models.gpt import GPT
 from tests.conftest import TINY
 from tests.parity import train_case
 from tests.test_parity_cp import check_parity

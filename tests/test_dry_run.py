@@ -15,7 +15,7 @@ import torch
 import train
 from megapipe.config import load_config
 from megapipe.config.stages import rank_blocks
-from models.gpt import GPT
+from megapipe.models.gpt import GPT
 from tests.conftest import TINY
 
 RANK_LINE = re.compile(

@@ -206,7 +206,7 @@ def test_chunk_logits_buffer_is_kept_from_call_to_call(early):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_head_loss_equals_logits_then_cross_entropy(tied):
-    from models.gpt import GPT
+    from megapipe.models.gpt import GPT
 
     cfg = load_config(TINY, ["run.dir=unused", f"model.tie_embeddings={str(tied).lower()}"])
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))

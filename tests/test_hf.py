@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from megapipe.config import Config, ModelConfig
-from models.gpt import GPT
-from models.hf import from_hf, to_hf
+from megapipe.models.gpt import GPT
+from megapipe.models.hf import from_hf, to_hf
 
 TOL = 1e-5
 VOCAB, SEQ = 100, 32

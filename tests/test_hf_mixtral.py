@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from megapipe.config import ModelConfig
-from models.gpt import GPT
-from models.hf import from_hf, to_hf
+from megapipe.models.gpt import GPT
+from megapipe.models.hf import from_hf, to_hf
 from tests.util import rel_error
 
 REL = 1e-5

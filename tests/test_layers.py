@@ -27,14 +27,15 @@ LAYERS = (
     "megapipe._torch_compat",  # the lowest torch layer: private torch APIs, behind names
     "megapipe.distributed",
     "megapipe.parallel",
-    "models",
+    "megapipe.models",  # the folder models/ (pyproject's package-dir)
     "megapipe.pipeline",
     "megapipe.train",
     "megapipe.perf",
     "megapipe.study",
     "megapipe.cli",  # the tools' command lines (tools/*.py are thin mains over them)
 )
-PROJECT = ("megapipe", "models")
+PROJECT = ("megapipe",)
+SOURCES = {"megapipe": "megapipe", "models": "megapipe.models"}  # folder -> package it installs as
 
 
 def layer_of(module: str) -> int | None:
@@ -47,6 +48,7 @@ def layer_of(module: str) -> int | None:
 
 def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
+    parts = SOURCES[parts[0]].split(".") + parts[1:]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -81,10 +83,16 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[str, int, 
 def library_modules(root: Path) -> dict[str, tuple[Path, str]]:
     """{module: (path, source)} of the library: megapipe/ and models/."""
     out = {}
-    for package in PROJECT:
-        for path in sorted((root / package).rglob("*.py")):
+    for folder in SOURCES:
+        for path in sorted((root / folder).rglob("*.py")):
             out[module_name(path, root)] = (path, path.read_text())
     return out
+
+
+def shown(path: Path, module: str) -> str:
+    """`path` from its source folder on (megapipe/..., models/...)."""
+    depth = len(module.split(".")) - module.startswith("megapipe.models")
+    return str(path.relative_to(path.parents[depth - 1 + (path.name == "__init__.py")]))
 
 
 def resolve(name: str, known: set[str]) -> str | None:
@@ -105,7 +113,7 @@ def violations(modules: dict[str, tuple[Path, str]]) -> list[str]:
             if target is None or target == module or (target, line) in seen:
                 continue
             seen.add((target, line))
-            where = f"{path.relative_to(path.parents[len(module.split('.')) - 1])}:{line}"
+            where = f"{shown(path, module)}:{line}"
             if in_function:
                 problems.append(f"{where}: function-level import of {target}")
             there = layer_of(target)

@@ -320,9 +320,9 @@ def test_moe_terms_per_seq1f1b_segment(capacity):
     terms bound them: a dropped row saves nothing)."""
     from megapipe.config.memory import rank_dims
     from megapipe.config.memory_moe import moe_terms
+    from megapipe.models.gpt import GPT
+    from megapipe.models.moe import set_loss_scale
     from megapipe.parallel.autograd.segment_kv import SegmentKV
-    from models.gpt import GPT
-    from models.moe import set_loss_scale
 
     seq1f1b = ["parallel.schedule=seq1f1b", "parallel.seq_segments=3"]
     cfg = config([*PIPELINE, *seq1f1b, *MOE, f"model.moe_capacity_factor={capacity}",

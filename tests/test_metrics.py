@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megapipe.config.flops import flops_per_token, matmul_params
+from megapipe.models.gpt import GPT
 from megapipe.train.metrics import MetricsLog, peak_tflops, read_metrics
-from models.gpt import GPT
 
 
 @pytest.mark.parametrize(

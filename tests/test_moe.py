@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ConfigError, ModelConfig
+from megapipe.models.activations import gelu_tanh
+from megapipe.models.gpt import GPT
+from megapipe.models.moe import MoE, set_loss_scale
 from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
-from models.activations import gelu_tanh
-from models.gpt import GPT
-from models.moe import MoE, set_loss_scale
 
 ARCHS = ("gpt2", "llama")
 

@@ -39,7 +39,7 @@ def seq(p: int, m: int, k: int) -> list[str]:
 
 
 def _model(overrides, tmp_path, blocks=None):
-    from models.gpt import GPT
+    from megapipe.models.gpt import GPT
 
     cfg = tiny_config(overrides, str(tmp_path))
     return GPT(cfg.model, blocks, seed=cfg.train.seed, recompute=cfg.recompute)

@@ -351,9 +351,9 @@ def test_compile_prices_what_compile_math_fuses(params_dtype, tmp_path):
     drops the norm outputs' autocast casts only where compile_math compiles the linears too
     (float32 weights at tp = 1); with bf16 weights the linears stay eager, and so the casts.
     Eager, neither: the runtime is resolved()'s by dtypes."""
+    from megapipe.models.gpt import compiled_linears
     from megapipe.perf.runtime import resolved_for
     from megapipe.pipeline.stages import build_model
-    from models.gpt import compiled_linears
 
     over = [f"train.params_dtype={params_dtype}", "train.dtype=bfloat16"]
     eager_cfg = tiny_config(over, str(tmp_path))
@@ -374,7 +374,7 @@ def test_attention_kernel_is_the_codes(tmp_path, monkeypatch):
     """The attention kernel priced for megapipe is the one models/attention.py runs on the
     profile's GPU: one rule (kernel_choice.attention_kernel_for) read by the model, the ring's
     kernel pick and the runtime; cuDNN's on the H100 and H200 profiles, flash on the A100."""
-    import models.attention as attention
+    import megapipe.models.attention as attention
     from megapipe.parallel.context import kernel_choice, kernels
     from megapipe.perf import runtime
     from megapipe.perf.cost_terms import CALIBRATION, shapes

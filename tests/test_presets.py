@@ -12,7 +12,7 @@ import torch
 import train
 from megapipe.cli import plan
 from megapipe.config import load_config
-from models.gpt import GPT
+from megapipe.models.gpt import GPT
 from tests.conftest import ROOT
 
 PRESETS = sorted(Path(ROOT, "configs").glob("*.yaml"))

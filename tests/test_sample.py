@@ -15,10 +15,10 @@ from megapipe.cli import generate as generate_cli
 from megapipe.config import Config, DataConfig, ModelConfig
 from megapipe.data.prepare import train_sentencepiece
 from megapipe.data.tokenizers import load_tokenizer
+from megapipe.models.gpt import GPT
+from megapipe.models.hf import to_hf
+from megapipe.models.sample import next_token, sample
 from megapipe.train import checkpoint
-from models.gpt import GPT
-from models.hf import to_hf
-from models.sample import next_token, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16

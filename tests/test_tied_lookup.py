@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megapipe.config import load_config
 from megapipe.config.memory import tied_lookup_with_head
 from megapipe.config.stages import placement_of, rank_blocks
+from megapipe.models.gpt import GPT
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
 from megapipe.parallel.tensor.sharding import NO_TP
-from models.gpt import GPT
 from tests.conftest import TINY
 from tests.util import assert_rel_close
 

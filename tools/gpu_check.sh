@@ -19,6 +19,11 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: no CUDA device visible to $PY" >&2
     exit 2
 fi
+# an uninstalled checkout (a bare device python): megapipe.models is the models/ folder only once
+# installed (pyproject's package-dir), so install it in place, offline and without dependencies
+"$PY" -c "import megapipe.models" 2>/dev/null ||
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
+    { echo "gpu_check: cannot install megapipe with $PY" >&2; exit 2; }
 LOG=$(mktemp)
 BENCH_JSON=$(mktemp --suffix=.json)
 trap 'rm -f "$LOG" "$BENCH_JSON"' EXIT

@@ -18,9 +18,9 @@ import torch
 from megapipe.config.blend import parse_blend
 from megapipe.data.layout import read_meta
 from megapipe.data.tokenizers import load_tokenizer
+from megapipe.models.hf import from_hf
+from megapipe.models.sample import sample
 from megapipe.train.checkpoint import CheckpointError, load_for_inference
-from models.hf import from_hf
-from models.sample import sample
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -84,13 +84,13 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.models.gpt import compiled_linears
 from megapipe.parallel.autograd.grouped_linear import grouped_mm_for
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
 from megapipe.perf.cluster import Cluster
 from megapipe.train.optim import device_adamw_kind
-from models.gpt import compiled_linears
 
 ADAMW_BYTES = {"fused": 28.0, "foreach": 80.0}  # HBM bytes per float32 parameter of one step
 NORM_CLIP_BYTES = 12.0  # the global grad norm reads the grads (4), the clip rescales them (8)

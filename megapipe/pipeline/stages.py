@@ -21,14 +21,14 @@ import torch
 from megapipe.config import Config
 from megapipe.config.memory import head_grad_in_forward
 from megapipe.config.stages import rank_blocks
+from megapipe.models.gpt import GPT, split_weight_grads
+from megapipe.models.moe import set_loss_scale
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import Block
 from megapipe.parallel.expert.sharding import ep_info
 from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
-from models.gpt import GPT, split_weight_grads
-from models.moe import set_loss_scale
 
 
 def build_model(

@@ -45,6 +45,7 @@ from megapipe._torch_compat import sharded_tensor
 from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.models.gpt import GPT
 from megapipe.parallel.data.levels import full_weights
 from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, expert_ep
@@ -73,7 +74,6 @@ from megapipe.train.checkpoint_files import (
 from megapipe.train.checkpoint_read import load_tensors, read_blocks, read_targets, restore_rng
 from megapipe.train.checkpoint_zero import main_weights, optimizer_state
 from megapipe.train.rng import rng_states
-from models.gpt import GPT
 
 FORMAT_VERSION = 2  # 2: meta.json records every file's size and CRC-32
 READABLE = (1, 2)

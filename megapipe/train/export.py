@@ -37,8 +37,8 @@ from megapipe.data.layout import META_FILE
 from megapipe.data.layout import read_meta as read_data_meta
 from megapipe.data.prepare import replace_dir
 from megapipe.data.tokenizers import load_tokenizer
+from megapipe.models.hf import to_hf
 from megapipe.train.checkpoint import complete_checkpoints, load_for_inference, read_meta
-from models.hf import to_hf
 
 SPM_FILE = "tokenizer.model"
 # Encoded by both sentencepiece and the converted tokenizer.json at export: a mismatch is reported.

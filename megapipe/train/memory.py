@@ -14,9 +14,9 @@ from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
 from megapipe.config.stages import rank_blocks
 from megapipe.distributed.devices import memory as device_memory
+from megapipe.models.gpt import GPT
 from megapipe.parallel.expert.sharding import EPInfo
 from megapipe.parallel.tensor.sharding import TPInfo
-from models.gpt import GPT
 
 
 def memory_plan(

@@ -18,7 +18,7 @@ import torch
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
 from megapipe.distributed import collectives as C
-from models.moe import MoE
+from megapipe.models.moe import MoE
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp$")
 

@@ -75,7 +75,7 @@ def _grads(fn, q, k, v, dout):
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("extra_keys", [0, 64])  # 64: a later Seq1F1B segment (S > T)
 def test_attention_core_matches_math(dtype, hkv, extra_keys):
-    from models.attention import attention_core
+    from megapipe.models.attention import attention_core
 
     q, k, v, dout = _qkv(2, 4, hkv, 64, 64 + extra_keys, 64, dtype)
     got = _grads(lambda *x: attention_core(*x, 0.0), q, k, v, dout)
@@ -97,8 +97,8 @@ def _documents(b: int, t: int, seed: int = 0) -> torch.Tensor:
 def test_document_masked_attention_matches_math(dtype, hkv):
     """data.document_mask on CUDA: SDPA with the dense mask (memory-efficient or math backend),
     or flash-attn's varlen kernel when installed (bf16), against float64 masked attention."""
+    from megapipe.models.attention import attention_core
     from megapipe.parallel.context.documents import visible_keys
-    from models.attention import attention_core
 
     q, k, v, dout = _qkv(2, 4, hkv, 128, 128, 64, dtype, seed=3)
     ids = _documents(2, 128)
@@ -122,7 +122,7 @@ def test_flash_attn_package_matches_sdpa():
     flash_attn = pytest.importorskip("flash_attn")
     import torch.nn.functional as F
 
-    from models.attention import attention_core
+    from megapipe.models.attention import attention_core
 
     q, k, v, dout = _qkv(2, 8, 2, 128, 128, 64, torch.bfloat16, seed=1)
     got = _grads(lambda *x: attention_core(*x, 0.0), q, k, v, dout)  # flash_attn_func
@@ -225,7 +225,7 @@ def test_dense_core_runs_cudnn_alone_on_hopper(monkeypatch, hkv, t, hd):
     and matches the math backend, forward and backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import models.attention as attention
+    import megapipe.models.attention as attention
 
     probe = torch.empty(1, 1, 8, hd, device=CUDA, dtype=torch.bfloat16)
     assert attention.dense_kernel(probe) == "cudnn"
