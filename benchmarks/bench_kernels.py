@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from benchmarks import bench_train
 from benchmarks.harness import alternate, timed
-from megapipe.config.memory import CHUNK_ROWS
+from megapipe.config.memory_terms import CHUNK_ROWS
 from megapipe.models.activations import gelu_tanh
 from megapipe.parallel.tensor.cross_entropy import exp_shifted_
 

@@ -174,7 +174,7 @@ class Theirs:
     def __init__(self, class_name: str, mesh) -> None:
         from torch.distributed.pipelining import PipelineStage, schedules
 
-        from megapipe.config.stages import rank_blocks
+        from megapipe.config.pipeline_split import rank_blocks
         from megapipe.pipeline.stages import build_model
         from megapipe.plan.actions import Placement
 

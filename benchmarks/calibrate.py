@@ -171,7 +171,7 @@ def render(values: dict, m: Measured, command: str) -> str:
         *_machine_lines(values, m, command),
         *_compute_lines(values, m),
         *_ring_lines(values, ar, sizes),
-        "device: cpu  # attention as config/memory.attention_path picks it on CPU",
+        "device: cpu  # attention as config/memory_terms.attention_path picks it on CPU",
         f"threads: {values['threads']}",
         *_efficiency_lines(values, m),
         *_p2p_lines(values, m, sizes),

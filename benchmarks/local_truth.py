@@ -32,7 +32,7 @@ from benchmarks.probes import wait_quiet
 from megapipe.config import Config, ConfigError
 from megapipe.perf.cluster import Cluster, ClusterError, load_cluster
 from megapipe.perf.model import Projection, project
-from megapipe.perf.runtime import MEGAPIPE
+from megapipe.perf.software import MEGAPIPE
 
 
 def project_point(cfg: Config, cluster: Cluster) -> Projection:

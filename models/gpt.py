@@ -292,7 +292,7 @@ class GPT(nn.Module):
     def holds_tied_ends(self) -> bool:
         """The token lookup and the tied head in this one module: the lookup hands the head its
         table (parallel/autograd/tied_lookup.py), so the table's grad is made once, by the head
-        (config/memory.tied_lookup_with_head predicts it from the config)."""
+        (config/memory_terms.tied_lookup_with_head predicts it from the config)."""
         return self.has_embedding and self.head is not None and self.tied_table is not None
 
     def tied_copy_names(self) -> tuple[str, ...]:

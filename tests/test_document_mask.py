@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megapipe.config import load_config
 from megapipe.config.flops import document_window, flops_per_token
-from megapipe.config.memory import layer_terms
+from megapipe.config.memory_terms import layer_terms
 from megapipe.models import attention
 from megapipe.models.attention import attention_core
 from megapipe.models.gpt import GPT

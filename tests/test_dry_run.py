@@ -1,7 +1,8 @@
 """`train.py --dry-run` reports what training does: the partition training builds its chunks from
-(config/stages.py `rank_blocks`), the microbatches each schedule keeps in flight (as the papers
+(config/pipeline_split.py `rank_blocks`), the microbatches each schedule keeps in flight (as the
+papers
 state them), the state bytes per parameter (parallel.zero) and the activations our model saves
-(train/memory.py; tests/test_memory_model.py measures them). No process groups: quick tier.
+(train/meta_memory.py; tests/test_memory_model.py measures them). No process groups: quick tier.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 import train
 from megapipe.config import load_config
-from megapipe.config.stages import rank_blocks
+from megapipe.config.pipeline_split import rank_blocks
 from megapipe.models.gpt import GPT
 from tests.conftest import TINY
 
@@ -153,7 +154,7 @@ def test_memory_is_states_plus_saved_activations_times_in_flight(capsys, tmp_pat
     m = cfg.model
     s, b, d, a = m.seq_len, cfg.train.global_batch // 8, m.d_model, m.n_heads
     n, ff = s * b, 4 * d  # tokens of a microbatch, GELU MLP width
-    # What the gpt2 float32 model saves (config/memory.py), not Korthikanti et al.'s 16-bit
+    # What the gpt2 float32 model saves (config/memory_terms.py), not Korthikanti et al.'s 16-bit
     # s·b·h·(34 + 5·a·s/h): per layer the inputs of norm1, norm2 (d each) with their mean and
     # rstd (2 each), of qkv and fc1 (d each), q|k|v (3d), the attention output = proj input (d),
     # the GELU input and fc2 input (d_ff each), all float32; the fused kernel's log-sum-exp
@@ -207,7 +208,7 @@ def test_uneven_chunks_weigh_what_they_hold(capsys, tmp_path):
     """Chunks of one rank with different blocks: the peak is the most activation bytes live at
     once, counted here microbatch by microbatch from the simulated action times."""
     from megapipe.config.memory_plan import chunk_activations
-    from megapipe.config.stages import placement_of, schedule_of
+    from megapipe.config.pipeline_split import placement_of, schedule_of
     from megapipe.plan.simulate import Costs, simulate
 
     args = (

@@ -41,7 +41,7 @@ from megapipe.config.states import state_layout
 from megapipe.parallel.tensor.cross_entropy import _LinearCrossEntropy
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
-from megapipe.train.memory import chunk_params
+from megapipe.train.meta_memory import chunk_params
 from tests.conftest import TINY
 from tests.parity import build_mesh, tiny_config
 from tests.test_memory_model import LiveSaved
@@ -372,8 +372,8 @@ def test_head_transient_bytes_is_what_the_head_allocates(pipeline, dtype):
     bf16 autocast (autocast's weight cast, 6 B per logit): forward's height is what it holds at
     most beyond what it keeps when it returns (the saved tensors, the activations' terms),
     backward's all it allocates, the grads it returns included; the larger within TOLERANCE."""
-    from megapipe.config.memory import head_grad_in_forward, rank_dims
     from megapipe.config.memory_head import head_transient_bytes
+    from megapipe.config.memory_terms import head_grad_in_forward, rank_dims
     from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
     from megapipe.parallel.tensor.sharding import TPInfo
 
@@ -405,7 +405,8 @@ def test_head_transient_bytes_is_what_the_head_allocates(pipeline, dtype):
 def test_the_cases_plan_alike_on_cuda(mesh, layout):
     """What train.py prints (the CUDA kernels' plan) is what the CPU run is held to; under
     bf16 weights but for the activations (and so the peak): CUDA's autocast runs LayerNorm in
-    float32 (config/memory._norm), keeping float32 copies the CPU's bf16 LayerNorm does not."""
+    float32 (config/memory_terms._norm), keeping float32 copies the CPU's bf16 LayerNorm does
+    not."""
     cfg = config(mesh, layout)
     cuda, cpu = as_json(cfg), as_json(cfg, "cpu")
     if layout[0] == "float32":

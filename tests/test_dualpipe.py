@@ -160,7 +160,7 @@ def test_deepseek_v3_table_2_dualpipe(x, overlap):
 
 def test_dualpipe_partitions_the_model_into_pp_stages(tmp_path):
     """Each stage held twice: pp stages, not pp·vpp (4 here: E | t | t | L fits 2 layers)."""
-    from megapipe.config.stages import partition, rank_blocks
+    from megapipe.config.pipeline_split import partition, rank_blocks
     from tests.parity import tiny_config
 
     for balance in ("uniform", "cost"):

@@ -413,9 +413,9 @@ def test_fused_adamw_on_zero1_shards_trains_like_foreach(gloo_pool, monkeypatch)
 
 def test_one_process_training_makes_the_head_grads_in_forward(monkeypatch):
     """With no pipeline the model's head makes its grads in forward (the builder's choice,
-    config/memory.head_grad_in_forward), and trains bitwise as the two-pass head does; a
+    config/memory_terms.head_grad_in_forward), and trains bitwise as the two-pass head does; a
     pipeline or Seq1F1B segments keep the two-pass head."""
-    from megapipe.config.memory import head_grad_in_forward
+    from megapipe.config.memory_terms import head_grad_in_forward
     from megapipe.pipeline import stages
 
     cfg = load_config(TINY, ["run.dir=unused"])

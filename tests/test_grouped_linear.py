@@ -21,7 +21,7 @@ from megapipe.parallel.autograd.weight_grad import (
 )
 from megapipe.parallel.precision import attach_main_grads
 from megapipe.perf import MEGAPIPE, load_cluster
-from megapipe.perf.runtime import resolved_for
+from megapipe.perf.software import resolved_for
 
 COUNTS = [(3, 0, 5, 2), (0, 7, 0, 0), (0, 0, 0, 0)]  # empty groups first, inside, last; no rows
 
@@ -193,7 +193,7 @@ def test_probe_falls_back_to_the_loop_with_a_warning(monkeypatch, fault):
 
 def test_performance_model_follows_the_code():
     """Runtime.moe_grouped_gemm of ours is grouped_mm_for of the profile's device and
-    train.dtype (perf/runtime.resolved_for): pinned per profile."""
+    train.dtype (perf/software.resolved_for): pinned per profile."""
     tiny = "configs/tiny.yaml"
     moe = ["model.n_experts=4", "model.top_k=2"]
     bf16 = load_config(tiny, [*moe, "train.dtype=bfloat16"])

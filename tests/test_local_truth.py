@@ -44,7 +44,7 @@ from megapipe.perf.cluster import (
 from megapipe.perf.comm import p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Device
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import MEGATRON_2021, resolved
+from megapipe.perf.software import MEGATRON_2021, resolved
 from tests.conftest import TINY
 
 
@@ -163,7 +163,7 @@ def test_measured_profile_is_priced_with_its_constants(tmp_path):
         values["gemm_efficiency"], values["gemm_knee"], values["memory_efficiency"]
     )
     assert cm.dev.cal == measured  # ... the measured one used
-    assert cm.attention == "fused"  # config/memory.attention_path on CPU, no dropout
+    assert cm.attention == "fused"  # config/memory_terms.attention_path on CPU, no dropout
     fixed_f, fixed_b = cm.fixed(1)
     assert fixed_f == pytest.approx(500e-6) and fixed_b == pytest.approx(450e-6)
     proj = project(cfg, cluster, memory=False)

@@ -12,7 +12,7 @@ from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.cost_terms import CALIBRATION
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import MEGATRON_2021, MEGATRON_2022, RUNTIMES
+from megapipe.perf.software import MEGATRON_2021, MEGATRON_2022, RUNTIMES
 from megapipe.perf.tp_overlap import async_backward
 
 # Megatron-LM's README at commit 2e90a342 (2022-05-19): the model FLOPs utilization of

@@ -1,4 +1,4 @@
-"""The memory model (config/memory_plan.py, its terms config/memory.py) against what training
+"""The memory model (config/memory_plan.py, its terms config/memory_terms.py) against what training
 really holds.
 
 Activations are counted as the bytes of every storage a tensor saved for backward lives in
@@ -10,7 +10,7 @@ the weight-grad queues are polled too, and so are Seq1F1B's stores of the segmen
 (parallel/autograd/segment_kv.py), which hold tensors nothing saved: the memory a rank holds.
 
 - Per block (embedding, one layer, head; one process, and tp=2 with and without sequence
-  parallelism, cp=2 in a gloo pair): the saved bytes equal config/memory.py's terms.
+  parallelism, cp=2 in a gloo pair): the saved bytes equal config/memory_terms.py's terms.
 - Per rank of a real training step (pp=2; 1f1b, zb_h2, interleaved_1f1b with vpp=2; 4
   microbatches, so each schedule holds a different number in flight; zb_h2 under full
   recompute; dp=2 without a pipeline): the peak live bytes are within 10% of the model's
@@ -30,18 +30,18 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megapipe.config import load_config
-from megapipe.config.memory import (
+from megapipe.config.memory_terms import (
     embedding_terms,
     head_terms,
     layer_terms,
     segments,
 )
-from megapipe.config.stages import placement_of, schedule_costs, schedule_of
+from megapipe.config.pipeline_split import placement_of, schedule_costs, schedule_of
 from megapipe.config.states import optimizer_bytes
 from megapipe.parallel.context.documents import document_ids, document_positions
-from megapipe.perf import memory as perf_memory
+from megapipe.perf import memory_cache as perf_memory
 from megapipe.plan.simulate import simulate
-from megapipe.train.memory import memory_plan
+from megapipe.train.meta_memory import memory_plan
 from tests.conftest import TINY
 from tests.parity import build_mesh, tiny_config
 
@@ -318,8 +318,8 @@ def test_moe_terms_per_seq1f1b_segment(capacity):
     segment's saved tensors and its records in the store equal config/memory_moe.py's
     segmented terms; the whole sequence's, the unsegmented ones (under a capacity factor the
     terms bound them: a dropped row saves nothing)."""
-    from megapipe.config.memory import rank_dims
     from megapipe.config.memory_moe import moe_terms
+    from megapipe.config.memory_terms import rank_dims
     from megapipe.models.gpt import GPT
     from megapipe.models.moe import set_loss_scale
     from megapipe.parallel.autograd.segment_kv import SegmentKV
@@ -471,7 +471,8 @@ def test_the_memory_model_is_pure_arithmetic():
 
 
 def test_dry_run_and_projection_plan_alike():
-    """train/memory (meta-device counts, plan/simulate's timeline) and perf/memory (cached
+    """train/meta_memory (meta-device counts, plan/simulate's timeline) and perf/memory_cache
+    (cached
     counts, the Dag's timeline) give one plan, both config/memory_plan.memory_plan's."""
     for overrides in [*([*PIPELINE, *o] for o in SCHEDULES.values()), *OTHER_STEPS.values()]:
         cfg = config(overrides)

@@ -7,7 +7,12 @@ import pytest
 
 from megapipe.config import Config, ConfigError, ModelConfig, ParallelConfig
 from megapipe.config.flops import block_costs_from_flops, flops_per_token
-from megapipe.config.stages import check_partition, describe_partition, partition, rank_blocks
+from megapipe.config.pipeline_split import (
+    check_partition,
+    describe_partition,
+    partition,
+    rank_blocks,
+)
 from megapipe.pipeline.stages import profile_block_costs
 from megapipe.plan.actions import Placement
 from megapipe.plan.partition import cost_balanced, format_layout, parse_layout

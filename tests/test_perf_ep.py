@@ -113,7 +113,7 @@ def test_planner_space_holds_ep_for_a_mixture_of_experts():
 
 
 def test_memory_model_holds_e_over_ep_experts():
-    from megapipe.train.memory import chunk_params
+    from megapipe.train.meta_memory import chunk_params
 
     blocks = range(0, 6)
     one, four = (chunk_params(_cfg("parallel.dp=8", f"parallel.ep={ep}"), blocks, 0)
@@ -155,7 +155,7 @@ def test_zero1_shards_expert_optimizer_state_over_the_expert_replicas():
     rest 1/8 (parallel/data/zero.py shards expert buckets over the expert replicas)."""
     from megapipe.config.flops import held_expert_params
     from megapipe.config.states import optimizer_bytes, reduction_bytes
-    from megapipe.train.memory import chunk_params, memory_plan
+    from megapipe.train.meta_memory import chunk_params, memory_plan
 
     cfg = _cfg("parallel.dp=8", "parallel.ep=4", "parallel.zero=1")
     blocks = range(0, cfg.model.n_layers + 2)

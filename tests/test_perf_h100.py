@@ -1,5 +1,5 @@
 """The performance model on published H100/H200 runs (perf/h100_validation.py), the runtimes
-that ran them (perf/runtime.py: megatron_core, torchtitan) and the mechanisms they add.
+that ran them (perf/software.py: megatron_core, torchtitan) and the mechanisms they add.
 
 - The published rows, each projected with its code base's runtime on its cluster: mean absolute
   error of tokens/s per GPU ≤ 8%, max ≤ 15%, leave-one-out (the H100 e_max refitted without
@@ -27,7 +27,7 @@ from megapipe.perf import h100_validation as h100
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.model import project
-from megapipe.perf.runtime import (
+from megapipe.perf.software import (
     MEGAPIPE,
     MEGATRON_2021,
     MEGATRON_CORE,

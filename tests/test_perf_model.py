@@ -6,7 +6,7 @@
 - Pieces: ring collective prices, the link a group crosses (against distributed/mesh.py's
   grid), the GEMM efficiency curve, the compiled schedule timing equal to plan/simulate.py for
   every schedule, bubbles of the projection against the closed forms, the cached memory plan
-  equal to train/memory.memory_plan, and the CLI's contract (JSON keys, one-line errors).
+  equal to train/meta_memory.memory_plan, and the CLI's contract (JSON keys, one-line errors).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.config.flops import flops_per_token
-from megapipe.config.stages import placement_of, schedule_costs, schedule_of
+from megapipe.config.pipeline_split import placement_of, schedule_costs, schedule_of
 from megapipe.distributed.mesh import MeshSizes, rank_at
 from megapipe.perf import MEGAPIPE, MEGATRON_2021, load_cluster, project
-from megapipe.perf import memory as perf_memory
+from megapipe.perf import memory_cache as perf_memory
 from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link
 from megapipe.perf.comm import group_link, groups, p2p_link, ring_time
@@ -35,7 +35,7 @@ from megapipe.perf.model import recompute_flops_per_token
 from megapipe.plan.dag import compile_schedule, run
 from megapipe.plan.schedules import SCHEDULES, build_schedule, placement
 from megapipe.plan.simulate import Costs, cost_table, simulate
-from megapipe.train.memory import memory_plan
+from megapipe.train.meta_memory import memory_plan
 from tests.conftest import TINY
 
 SHARED_TABLE1 = Path("/work/shared/data/megatron_2104.04473_table1.csv")

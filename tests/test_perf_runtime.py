@@ -1,4 +1,4 @@
-"""The performance model's megapipe runtime (perf/runtime.py) against the code it describes: each
+"""The performance model's megapipe runtime (perf/software.py) against the code it describes: each
 fact is read from the code's own choice or pinned here by a test that fails when the code
 changes.
 
@@ -35,7 +35,7 @@ from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.layers import ColumnParallelLinear
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.model import project
-from megapipe.perf.runtime import (
+from megapipe.perf.software import (
     ADAMW_BYTES,
     MEGAPIPE,
     NORM_CLIP_BYTES,
@@ -242,7 +242,7 @@ def _tp_costs(runtime_name: str, *extra):
     """(layer F, its forward GEMMs' seconds, the projection's tp_comm_s) at tp=8 with SP."""
     from megapipe.perf.cost_terms import CALIBRATION, shapes
     from megapipe.perf.costs import CostModel
-    from megapipe.perf.runtime import RUNTIMES
+    from megapipe.perf.software import RUNTIMES
 
     cfg = load_config(os.path.join(ROOT, "configs", "gpt2_1.3b.yaml"), [
         "parallel.tp=8", "parallel.sequence_parallel=true", "train.dtype=bfloat16",
@@ -270,12 +270,12 @@ def test_overlapped_tp_collectives_are_priced_as_hidden_behind_their_matmul_chun
 
 
 def test_head_chunk_rows_by_device():
-    """The fused head's chunk (config/memory.head_chunk_rows, read by cross_entropy with the
+    """The fused head's chunk (config/memory_terms.head_chunk_rows, read by cross_entropy with the
     device's memory and by the costs with the cluster's): 256 tokens on the CPU whatever the
     vocabulary, and on a device that does not say its memory; on a GPU a chunk's float32 logits
     fill 1/128 of its memory: Llama 3's 128256 on an 80 GiB H100, 1308 tokens (81559 MiB as
     torch reads it: 1302); never under 256 nor over the microbatch."""
-    from megapipe.config.memory import CHUNK_ROWS, HEAD_CHUNK_SHARE, head_chunk_rows
+    from megapipe.config.memory_terms import CHUNK_ROWS, HEAD_CHUNK_SHARE, head_chunk_rows
 
     h100 = load_cluster("h100").hbm_bytes
     assert head_chunk_rows(50304, "cpu", None, h100) == head_chunk_rows(8192, "cpu") == 256
@@ -297,7 +297,7 @@ def test_head_chunks_priced_by_the_rule():
     slower; a last chunk of 1 token is priced as 1 token."""
     import dataclasses
 
-    from megapipe.config.memory import HEAD_CHUNK_SHARE, head_chunk_rows, head_chunks
+    from megapipe.config.memory_terms import HEAD_CHUNK_SHARE, head_chunk_rows, head_chunks
     from megapipe.perf import published
     from megapipe.perf.cost_terms import CALIBRATION
     from megapipe.perf.costs import CostModel
@@ -337,7 +337,7 @@ def test_dp_bucket_size_is_the_codes():
     6 replicas, then 1M float32 grads per replica (Megatron-Core's rule); the weights' gather
     buckets hold the same parameters in the weights' dtype."""
     from megapipe.parallel.data.reducer import replica_bucket_mb
-    from megapipe.perf.runtime import bucket_bytes
+    from megapipe.perf.software import bucket_bytes
 
     for n in (1, 2, 4, 6, 7, 8, 64, 512, 2048):
         assert bucket_bytes(MEGAPIPE, n, 4) == pytest.approx(replica_bucket_mb(n) * 2**20)
@@ -352,7 +352,7 @@ def test_compile_prices_what_compile_math_fuses(params_dtype, tmp_path):
     (float32 weights at tp = 1); with bf16 weights the linears stay eager, and so the casts.
     Eager, neither: the runtime is resolved()'s by dtypes."""
     from megapipe.models.gpt import compiled_linears
-    from megapipe.perf.runtime import resolved_for
+    from megapipe.perf.software import resolved_for
     from megapipe.pipeline.stages import build_model
 
     over = [f"train.params_dtype={params_dtype}", "train.dtype=bfloat16"]
@@ -376,7 +376,7 @@ def test_attention_kernel_is_the_codes(tmp_path, monkeypatch):
     kernel pick and the runtime; cuDNN's on the H100 and H200 profiles, flash on the A100."""
     import megapipe.models.attention as attention
     from megapipe.parallel.context import kernel_choice, kernels
-    from megapipe.perf import runtime
+    from megapipe.perf import software as runtime
     from megapipe.perf.cost_terms import CALIBRATION, shapes
     from megapipe.perf.costs import CostModel
 

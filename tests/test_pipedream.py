@@ -85,7 +85,7 @@ def _load(params, values) -> None:
 def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
     """The pipeline's stages as separate models on one process, stepped microbatch by
     microbatch with each stage's gradient taken at its delayed weights (none if not `delayed`)."""
-    from megapipe.config.stages import rank_blocks
+    from megapipe.config.pipeline_split import rank_blocks
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.pipeline.stages import build_model

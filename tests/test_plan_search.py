@@ -2,10 +2,10 @@
 `python tools/plan.py search`).
 
 - Exactness on a small cluster: every candidate of the space checked by brute force (config
-  rules, perf/memory.plan, perf/model.project); no feasible one projects faster than the
+  rules, perf/memory_cache.plan, perf/model.project); no feasible one projects faster than the
   planner's pick, its top ten are the brute force's, and every bound it prunes with is a
   lower bound of what it bounds (time, memory, memory given a step time), with its fast exact
-  memory equal to perf/memory.plan.
+  memory equal to perf/memory_cache.plan.
 - Megatron-LM's Table 1: for every row the planner's best projects at least as fast as the
   paper's own configuration and fits in 80 GB (slow: the 1T row alone is a 3072-GPU search).
 - The CLI: one-line errors for an unknown GPU, a mesh that cannot make --gpus and a model that
@@ -25,15 +25,15 @@ import yaml
 from megapipe.cli import plan as plan_cli
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
-from megapipe.config.stages import schedule_of
+from megapipe.config.pipeline_split import schedule_of
 from megapipe.perf import load_cluster, project
-from megapipe.perf import memory as perf_memory
+from megapipe.perf import memory_cache as perf_memory
 from megapipe.perf import search as plan_search
 from megapipe.perf import space as plan_space
 from megapipe.perf import table1 as t1
 from megapipe.perf.bounds import Bounds
 from megapipe.perf.cluster import CLUSTER_DIR
-from megapipe.perf.memory import BoundedCache
+from megapipe.perf.memory_cache import BoundedCache
 from megapipe.perf.model import GIB
 from megapipe.perf.pipeline import ScheduleKey
 from tests.conftest import TINY
@@ -156,7 +156,7 @@ def test_schedule_key_builds_what_schedule_of_builds(overrides):
 def test_schedule_key_holds_every_input_the_schedule_reads():
     zb = ("parallel.schedule=zb_auto",)
     assert ScheduleKey.of(_tiny(*zb)) != ScheduleKey.of(_tiny(*zb, "parallel.zb_memory=2p"))
-    # zb_auto reads M_W / M_B, which the recompute mode changes (config/stages.zb_w_share)
+    # zb_auto reads M_W / M_B, which the recompute mode changes (config/pipeline_split.zb_w_share)
     assert ScheduleKey.of(_tiny(*zb)) != ScheduleKey.of(_tiny(*zb, "recompute.mode=full"))
     pd = ("parallel.schedule=pipedream_async", "model.tie_embeddings=false")
     assert ScheduleKey.of(_tiny(*pd)) != ScheduleKey.of(_tiny(*pd, "parallel.weight_sync=vertical"))

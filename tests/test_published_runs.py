@@ -13,7 +13,7 @@ from megapipe.perf.published import (
     measured,
     row_config,
 )
-from megapipe.train.memory import model_params
+from megapipe.train.meta_memory import model_params
 
 ROWS = load_all()
 

@@ -13,7 +13,7 @@ import pytest
 
 from megapipe.config import load_config
 from megapipe.config.states import layout, state_bytes
-from megapipe.train.memory import chunk_params, memory_plan
+from megapipe.train.meta_memory import chunk_params, memory_plan
 from tests.conftest import TINY
 
 TARGETS = {  # (params_dtype, zero): (bytes per parameter at d = 4, the dry run's text)
@@ -92,7 +92,7 @@ def test_bf16_weights_save_no_weight_copies(tmp_path):
     """Under bf16 autocast with float32 weights the linears save autocast's bf16 copies of their
     weights; bf16 weights are saved as they are (the parameter): activations shrink by them, less
     the float32 copies of each LayerNorm's gain and bias that CUDA's autocast makes of bf16
-    weights (2 per layer and the final norm; config/memory._norm)."""
+    weights (2 per layer and the final norm; config/memory_terms._norm)."""
     f32 = config(tmp_path, "float32", 0, "train.dtype=bfloat16")
     bf16 = config(tmp_path, "bfloat16", 0, "train.dtype=bfloat16")
     a, b = memory_plan(f32).rank(0), memory_plan(bf16).rank(0)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megapipe.config import load_config
-from megapipe.config.memory import tied_lookup_with_head
-from megapipe.config.stages import placement_of, rank_blocks
+from megapipe.config.memory_terms import tied_lookup_with_head
+from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.models.gpt import GPT
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
@@ -90,7 +90,7 @@ def test_lookup_alone_when_the_head_is_not_in_the_backward():
     ],
 )
 def test_the_config_predicts_the_module_that_holds_both_tied_ends(overrides):
-    """config/memory.tied_lookup_with_head (what the cost model prices) says what the modules
+    """config/memory_terms.tied_lookup_with_head (what the cost model prices) says what the modules
     training builds do (GPT.holds_tied_ends): one graph for the lookup and the head only with
     no pipeline; ZB-V's first rank holds both ends as two chunks, two graphs."""
     cfg = load_config(TINY, ["run.dir=unused", "model.n_layers=4", *overrides])

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from megapipe.config import ConfigError
-from megapipe.config.stages import schedule_costs, schedule_of, zb_w_share
+from megapipe.config.pipeline_split import schedule_costs, schedule_of, zb_w_share
 from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import SCHEDULES, build_schedule
 from megapipe.plan.simulate import Costs, simulate

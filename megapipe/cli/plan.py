@@ -49,7 +49,7 @@ from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION
 from megapipe.perf.model import project
-from megapipe.perf.runtime import RUNTIMES
+from megapipe.perf.software import RUNTIMES
 
 
 class UsageError(ValueError):

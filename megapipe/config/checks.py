@@ -27,8 +27,8 @@ from megapipe.config.checks_runtime import (
     check_zero,
 )
 from megapipe.config.checks_runtime import require as _require
+from megapipe.config.pipeline_split import check_partition
 from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
-from megapipe.config.stages import check_partition
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit

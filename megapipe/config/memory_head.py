@@ -1,8 +1,8 @@
 """The fused LM head's transient: what `parallel/tensor/cross_entropy.linear_cross_entropy`
-holds at one chunk's height beyond the tensors it saves (config/memory.head_terms) and the
+holds at one chunk's height beyond the tensors it saves (config/memory_terms.head_terms) and the
 grads the memory plan counts, in forward and in backward, as the code allocates it.
 
-Pure arithmetic (no torch). R = the chunk's rows (config/memory.head_chunk_rows with the
+Pure arithmetic (no torch). R = the chunk's rows (config/memory_terms.head_chunk_rows with the
 arguments the code passes: this rank's padded vocabulary slice V = ⌈V/tp⌉, the kernels'
 device, the microbatch's (or Seq1F1B segment's) N tokens, the device's memory), d = d_model,
 c = bytes of the compute dtype, r = bytes of the residual stream (the head's input):
@@ -18,7 +18,7 @@ c = bytes of the compute dtype, r = bytes of the residual stream (the head's inp
       chunk's bf16 weight-grad product V·d·2 at once. Backward adds the input grad N·d·2 and
       the float32 weight grad V·d·4; as it returns, the input grad cast to the stream's dtype
       (N·d·r, float32 weights) and the weight grad to the weights' (V·d·2, bf16 weights).
-  grads made in forward (config/memory.head_grad_in_forward): forward holds the chunk as
+  grads made in forward (config/memory_terms.head_grad_in_forward): forward holds the chunk as
       backward does, but the input and weight grads are saved (head_terms) and the head's
       input in the compute dtype (its bf16 copy N·d·2 under float32 weights) is not, so it is
       transient here; backward only scales the grads and casts them as above.
@@ -32,7 +32,7 @@ it, alone and in runs' peaks.
 
 from __future__ import annotations
 
-from megapipe.config.memory import (
+from megapipe.config.memory_terms import (
     compute_bytes,
     head_chunk_rows,
     head_grad_in_forward,

@@ -1,5 +1,5 @@
 """Memory arithmetic of a mixture-of-experts layer's MLP (models/moe.py): what it saves for
-backward in place of the dense MLP's terms (config/memory.py), and what a Zero Bubble B keeps
+backward in place of the dense MLP's terms (config/memory_terms.py), and what a Zero Bubble B keeps
 for W. Pure arithmetic, no torch.
 
 The layer works on the tokens the rank holds (Nₛ: its cp slice, its tp chunk under sequence

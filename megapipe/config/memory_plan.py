@@ -1,6 +1,6 @@
 """The one memory model: per (pp, tp) rank weights, grads, AdamW state and activations, before
-any job runs. The dry run (train/memory.py), the planner's bounds (perf/bounds.py) and the
-performance model (perf/memory.py) all call these functions; none keeps terms of its own.
+any job runs. The dry run (train/meta_memory.py), the planner's bounds (perf/bounds.py) and the
+performance model (perf/memory_cache.py) all call these functions; none keeps terms of its own.
 
 For each (pp, tp) coordinate (dp and cp replicas hold the same): weights and optimizer state by
 train.params_dtype and parallel.zero (config/states.py: float32 4 + 4 + 8 B/param, bf16
@@ -8,14 +8,14 @@ weights 2 + 4 + 12, each kind sharded over dp·cp from its ZeRO level on), the g
 while activations peak (full-size local grads at every level: the reduction runs in the last
 microbatch's backward) and while that reduction runs (send buffers, shards), zero=3's gathered
 blocks, and the activations of one microbatch through the rank's chunks
-(config/memory.py's terms per block: what our ops save for backward, after Korthikanti et
+(config/memory_terms.py's terms per block: what our ops save for backward, after Korthikanti et
 al. 2022's structure) times the most microbatches the configured schedule keeps in flight on
 the rank, replayed from the timeline of its action list (plan/simulate.py; a vpp chunk weighs
 what it holds, a Seq1F1B segment its token share, and under Zero Bubble's B/W split a
 microbatch keeps from B to W only its linears' inputs and output grads).
 
-Pure arithmetic: the parameters of a chunk come from the caller (`ChunkParams`: train/memory.py
-counts a meta-device GPT, perf/memory.py caches the same counts) and so may the timeline (perf
+Pure arithmetic: the parameters of a chunk come from the caller (`ChunkParams`: train/meta_memory.py
+counts a meta-device GPT, perf/memory_cache.py caches the same counts) and so may the timeline (perf
 times the same schedule from its cached Dag). tests/test_memory_model.py holds the plan to what
 real steps save.
 """
@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from megapipe.config.flops import held_expert_params, segment_bounds
-from megapipe.config.memory import (
+from megapipe.config.memory_head import head_transient_bytes
+from megapipe.config.memory_terms import (
     embedding_terms,
     head_deferred,
     head_terms,
@@ -36,9 +37,8 @@ from megapipe.config.memory import (
     layer_terms,
     segments,
 )
-from megapipe.config.memory_head import head_transient_bytes
+from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.schema import Config
-from megapipe.config.stages import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.states import (
     FLOAT32,
     gathered_bytes,
@@ -149,7 +149,7 @@ def memory_plan(
     in-flight microbatches and the peak (RankMemory), for a job running on `device`, with
     `chunk_params` counting a chunk's parameters, the schedule's `timeline` (default:
     unit_timeline) and `memory` bytes of device memory (the LM head's chunk size,
-    config/memory.head_chunk_rows: None, 256 rows)."""
+    config/memory_terms.head_chunk_rows: None, 256 rows)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
     with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
@@ -250,7 +250,7 @@ class BlockBytesKey:
     """What block_activations and block_deferred read of a config besides the block, the
     device and the segment: the model, dtypes and recompute (a layer's mode: block_role), one
     rank's share of a microbatch (micro-batch size, tp, cp, sp), the Seq1F1B segments and
-    whether a pipeline runs (config/memory.head_grad_in_forward). Callers that cache bytes
+    whether a pipeline runs (config/memory_terms.head_grad_in_forward). Callers that cache bytes
     per block or run of blocks key them by it."""
 
     model: tuple

@@ -1,6 +1,6 @@
 """Bytes of model state per parameter: weights, grads and optimizer state, by train.params_dtype
 and parallel.zero, over the d = dp·cp replicas a parameter lives on (the one memory model's
-state half; config/memory.py holds the activations').
+state half; config/memory_terms.py holds the activations').
 
 ZeRO (Rajbhandari et al. 2020, §5.1-5.3) shards over the d replicas the optimizer state
 (zero=1, P_os: Megatron's distributed optimizer), also the reduced grads (zero=2, P_os+g), also

@@ -1,6 +1,6 @@
 """This machine's CUDA devices as the code sizes and picks its kernels by: each device's compute
 capability (the attention kernel, parallel/context/kernel_choice; the experts' grouped matmul,
-parallel/autograd/grouped_linear) and its memory (the LM head's chunks, config/memory
+parallel/autograd/grouped_linear) and its memory (the LM head's chunks, config/memory_terms
 .head_chunk_rows), asked of torch once per device."""
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from torch.utils.checkpoint import checkpoint
 
-from megapipe.config.memory import layer_mode
+from megapipe.config.memory_terms import layer_mode
 
-__all__ = ["layer_mode", "maybe_checkpoint"]  # layer_mode: config/memory.py's, for the model
+__all__ = ["layer_mode", "maybe_checkpoint"]  # layer_mode: config/memory_terms.py's, for the model
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable, *args):

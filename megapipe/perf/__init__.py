@@ -9,7 +9,7 @@ config, the schedule's action lists and the memory plan.
 from megapipe.perf.cluster import Cluster, ClusterError, cluster_names, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import Projection, project
-from megapipe.perf.runtime import MEGAPIPE, MEGATRON_2021, RUNTIMES, Runtime
+from megapipe.perf.software import MEGAPIPE, MEGATRON_2021, RUNTIMES, Runtime
 
 __all__ = [
     "CALIBRATION", "Calibration", "Cluster", "ClusterError", "MEGAPIPE", "MEGATRON_2021",

@@ -16,12 +16,12 @@ from collections import Counter
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.memory import layer_mode
+from megapipe.config.memory_terms import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Work, shapes
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime
+from megapipe.perf.software import Runtime
 from megapipe.plan.schedules import SCHEDULES
 
 
@@ -144,7 +144,7 @@ def block_key(cfg: Config, *extra) -> tuple:
     """What a block's costs depend on here (the model fixed in a search): tp, cp, micro-batch
     size, sequence parallelism, recompute, `extra` (the groups' links, segment_key), and
     whether a pipeline runs: without one the head makes its grads in forward and the tied
-    lookup adds into the head's table grad (config/memory.head_grad_in_forward,
+    lookup adds into the head's table grad (config/memory_terms.head_grad_in_forward,
     tied_lookup_with_head)."""
     p, mbs = cfg.parallel, cfg.derived.micro_batch_size
     return (p.tp, p.cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)

@@ -3,7 +3,7 @@ two from arithmetic alone, no schedule built: memory (each rank's weights and Ad
 plus one microbatch's activations through its chunks: every schedule has at least that in
 flight on every rank when the last chunk's forward of the first microbatch starts; float32
 grads need not exist by then, so the grads count only where a bound takes the larger) and step
-time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory.plan's peak without
+time (below); and a candidate's exact memory (`Bounds.memory`: perf/memory_cache.plan's peak without
 timing the schedule).
 
 The time bound, from the per-stage costs the projection uses (perf/costs.py, summed per run of
@@ -28,7 +28,6 @@ import numpy as np
 
 from megapipe.config import Config
 from megapipe.config.flops import held_expert_params
-from megapipe.config.memory import attention_path, segments
 from megapipe.config.memory_plan import (
     BlockBytesKey,
     block_activations,
@@ -41,15 +40,16 @@ from megapipe.config.memory_plan import (
     rank_head_transient,
     rank_memory,
 )
-from megapipe.config.stages import partition, placement_of
+from megapipe.config.memory_terms import attention_path, segments
+from megapipe.config.pipeline_split import partition, placement_of
 from megapipe.config.states import local_grads_bytes, optimizer_bytes, weights_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.data_parallel import dp_plan, optimizer_plan
-from megapipe.perf.memory import chunk_params
+from megapipe.perf.memory_cache import chunk_params
 from megapipe.perf.pipeline import ScheduleKey
-from megapipe.perf.runtime import Runtime
+from megapipe.perf.software import Runtime
 from megapipe.perf.space import Candidate
 from megapipe.plan.actions import FULL_BACKWARD, WEIGHT_GRAD, Placement
 from megapipe.plan.dag import KIND_INDEX
@@ -169,7 +169,7 @@ class Bounds:
         return float(n_layers * layer + ends)
 
     def _chunk_params(self, cfg: Config, blocks: range, tp_rank: int) -> int:
-        """perf/memory.chunk_params, cached by what it depends on here (the model is fixed):
+        """perf/memory_cache.chunk_params, cached by what it depends on here (the model is fixed):
         tp, sequence parallelism, which blocks the chunk holds (the layers are alike)."""
         p, n_layers = cfg.parallel, cfg.model.n_layers
         embed, head = 0 in blocks, n_layers + 1 in blocks
@@ -279,12 +279,12 @@ class Bounds:
     def _acts_bound(self, cfg: Config) -> bool:
         """Whether the whole sequence's activations bound a microbatch's: always unsegmented;
         under Seq1F1B unless the attention keeps its s² probabilities (the math path), whose
-        segments keep less (config/memory.layer_terms: every other term grows with tokens)."""
+        segments keep less (config/memory_terms.layer_terms: every other term grows with tokens)."""
         return not segmented(cfg) or attention_path(cfg, self.device) != "math"
 
     def _activations(self, cfg: Config, blocks: range) -> float:
         """One microbatch's activation bytes through `blocks` (over its Seq1F1B segments),
-        summed per block (embedding, layer by recompute mode, head): config/memory.py's terms
+        summed per block (embedding, layer by recompute mode, head): config/memory_terms.py's terms
         add block by block."""
         total, mesh = 0.0, self._bytes_id(cfg)
         if (mesh, blocks.start, blocks.stop) in self._acts:
@@ -300,7 +300,7 @@ class Bounds:
     # -- the exact memory ------------------------------------------------------------------
 
     def memory(self, cfg: Config) -> tuple[float, tuple[int, int]]:
-        """perf/memory.plan(cfg).max and .argmax, without timing the schedule: a rank runs its
+        """perf/memory_cache.plan(cfg).max and .argmax, without timing the schedule: a rank runs its
         actions one after another, so the events config/memory_plan.peak_inflight sorts by time
         (an F's allocation at its start, a B's, W's or BW's release at its end, releases
         first at a tie) come in the order of the rank's action list, and the peak in flight
@@ -349,7 +349,7 @@ class Bounds:
         return best, where
 
     def _codes(self, cfg: Config, n_seg: int) -> list[np.ndarray]:
-        """Per rank, the configured schedule's actions (config/stages.schedule_of) as
+        """Per rank, the configured schedule's actions (config/pipeline_split.schedule_of) as
         indices (kind · vpp + chunk) · segments + segment; cached per schedule."""
         key = ScheduleKey.of(cfg)
         if key not in self._schedules:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapipe.config import Config
-from megapipe.config.memory import rank_dims
+from megapipe.config.memory_terms import rank_dims
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class Shapes:
 
 def shapes(cfg: Config, segment: int | None = None) -> Shapes:
     """One rank's shapes for a microbatch of `cfg` (`segment` None) or one Seq1F1B segment:
-    the memory model's (config/memory.rank_dims), with the keys a cp rank's ring attends over
+    the memory model's (config/memory_terms.rank_dims), with the keys a cp rank's ring attends over
     (the whole sequence) and the causal pairs its kernel computes."""
     x = rank_dims(cfg, segment)
     s, cp = cfg.model.seq_len, cfg.parallel.cp

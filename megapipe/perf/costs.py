@@ -23,7 +23,7 @@ h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):
   layer W   wgrad GEMMs (K, N, M) and the accumulation of the weight grads (runtime.py)
   embed     the lookup (and learned positions), dropout; backward the scatter-add
   head      final norm, the LM head GEMM, the vocab-parallel cross entropy. Ours
-            (CostModel._fused_head): by chunks of tokens (config/memory.head_chunk_rows), no
+            (CostModel._fused_head): by chunks of tokens (config/memory_terms.head_chunk_rows), no
             whole logits kept, backward makes each chunk's logits again, weight grad in B;
             with no pipeline and no segments (head_grad_in_forward) F makes both grads.
             Megatron 2021's: whole logits, float32 log-softmax (16 + 12 B per logit), grad in B
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
-from megapipe.config.memory import (
+from megapipe.config.memory_terms import (
     attention_path,
     head_chunk_rows,
     head_chunks,
@@ -69,7 +69,7 @@ from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
-from megapipe.perf.runtime import Runtime, resolved_for
+from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
 # The runtimes whose LM head is our fused linear + cross entropy by chunks (_fused_head);
@@ -355,7 +355,8 @@ class CostModel(MoECosts):
 
     def _fused_head(self, x: Shapes) -> BlockCosts:
         """Our LM head and loss (parallel/tensor/cross_entropy.linear_cross_entropy): chunks of
-        config/memory.head_chunk_rows tokens (the code's rule on the cluster's memory: 256 on the
+        config/memory_terms.head_chunk_rows tokens (the code's rule on the cluster's memory: 256 on
+        the
         CPU, float32 logits up to 1/128 of a GPU's), each chunk's float32 logits made, reduced
         and dropped; backward makes them again. Per chunk of R tokens (k = ⌈N/R⌉ chunks, the
         last the rest; V = V/tp, L = R·V logits):
@@ -368,8 +369,8 @@ class CostModel(MoECosts):
              with the grad and the sum written, c + 4 + c + 4 B per element, the first chunk a
              copy; float32: addmm in place, C read and written, 8 B); the grad scaled (8 B)
         The weight is cast to the compute dtype in F and again in B; the weight grad is in B,
-        tied or not (config/memory.head_deferred), then added into .grad as every weight's.
-        Grads made in forward (config/memory.head_grad_in_forward): F does all of B's work but
+        tied or not (config/memory_terms.head_deferred), then added into .grad as every weight's.
+        Grads made in forward (config/memory_terms.head_grad_in_forward): F does all of B's work but
         its logits GEMM, their cast, subtract and exp, the second weight cast and the norm's
         backward (F's exp is divided into the probabilities in place; under tp each chunk's sum
         of exp is all-reduced at once instead of one all-reduce of N); B scales the input and

@@ -1,6 +1,6 @@
 """The step's data-parallel parts, priced per rank for perf/model.py and the planner's bounds
 (perf/bounds.py): the dp × cp gradient reduction and the optimizer step with zero>=1's weight
-all-gather, by parallel.zero and the runtime (perf/runtime.py, resolved for the config's
+all-gather, by parallel.zero and the runtime (perf/software.py, resolved for the config's
 dtypes).
 
 - zero=0: each chunk's grads all-reduced in buckets; zero>=1: reduce-scattered (Rajbhandari
@@ -34,12 +34,12 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config import Config
-from megapipe.config.stages import placement_of
+from megapipe.config.pipeline_split import placement_of
 from megapipe.config.states import expert_layout, expert_replicas, state_layout
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import expert_replica_link, group_link, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
-from megapipe.perf.runtime import Runtime, bucket_bytes, resolved_for
+from megapipe.perf.software import Runtime, bucket_bytes, resolved_for
 from megapipe.plan.actions import Placement
 
 

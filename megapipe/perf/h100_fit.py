@@ -25,7 +25,7 @@ from megapipe.perf import published, table1
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import Projection, project
-from megapipe.perf.runtime import Runtime
+from megapipe.perf.software import Runtime
 
 # the constants each candidate fit moves (Calibration's field names; the rest stay measured)
 FITS = {"e_max": ("gemm",), "e_max, mu": ("gemm", "memory")}

@@ -2,7 +2,7 @@
 Megatron-Core recipes, torchtitan's benchmarks, ...), as perf/table1.py validates on Table 1.
 
 Each row is projected on its own cluster profile (perf/clusters/<gpu>.yaml) with the runtime of
-the code base that ran it (perf/runtime.py: `megatron_core`, `torchtitan`), that runtime's
+the code base that ran it (perf/software.py: `megatron_core`, `torchtitan`), that runtime's
 defaults set as the row's run set them (`runtime_of`: TE's userbuffers tp overlap where the
 recipe turns it on, torch.compile's fusion where the run compiled, TE's flash backend where
 the recipe disables cuDNN's), and its projected tokens/s per GPU compared with the published
@@ -27,7 +27,7 @@ from megapipe.perf import h100_fit, published
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.model import Projection, project
-from megapipe.perf.runtime import MEGAPIPE, RUNTIMES, Runtime, resolved_for
+from megapipe.perf.software import MEGAPIPE, RUNTIMES, Runtime, resolved_for
 from megapipe.plan.schedules import SCHEDULES
 
 TARGET_MEAN, TARGET_MAX = 0.08, 0.15  # mean and max absolute relative error (issue 34)

@@ -8,7 +8,7 @@ profiles have none, so the core prices only the datasheet terms for them.
 
 The device's own constants (e_max, κ, μ and the attention kernel's rate) are not host terms:
 they are the profile's (cluster.Cluster), as any profile may state them. The fields here:
-`device` (which attention kernel config/memory.attention_path picks: "cuda" or "cpu"),
+`device` (which attention kernel config/memory_terms.attention_path picks: "cuda" or "cpu"),
 `threads` (torch threads per rank the profile was measured with), a separate point-to-point
 link (`p2p_gbps`, `p2p_latency_us`: gloo's send/receive is not its all-reduce; 0: the
 intra-node link), the framework's fixed seconds per block and action (`layer_forward_us`,

@@ -24,7 +24,7 @@ from megapipe.config import Config
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
-from megapipe.perf.runtime import MEGATRON_2021, RUNTIMES, Runtime
+from megapipe.perf.software import MEGATRON_2021, RUNTIMES, Runtime
 from megapipe.perf.table1 import MegatronShape, megatron_config, shape_fields
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron_2021_2022_runs.csv"

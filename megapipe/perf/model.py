@@ -3,8 +3,9 @@ and peak memory (docs/architecture.md, "Layers", perf).
 
 A step, as our runtime runs it (docs/architecture.md, "One training step"):
 
-1. The pipeline. Every action of the configured schedule (config/stages.schedule_of, placed by
-   placement_of, the partition of config/stages.partition) costs what its chunk's blocks cost
+1. The pipeline. Every action of the configured schedule (config/pipeline_split.schedule_of,
+   placed by placement_of, the partition of config/pipeline_split.partition) costs what its
+   chunk's blocks cost
    for that kind (perf/costs.py: F, B with the recompute, W, BW = B + W; a Seq1F1B segment its
    own shapes), and a message between ranks arrives one p2p transfer after its producer ends
    (perf/comm.py, on NVLink or the network by where the two pp ranks sit). The action lists are
@@ -33,7 +34,7 @@ forward (full: 2·N_layer + 4·d·T per recomputed layer and token; selective: 4
 Narayanan et al. 2021 §5.1. The breakdown splits the step on the busiest pp rank: its compute
 (GEMMs, attention, memory-bound kernels), exposed tp/sp and cp communication, the pipeline
 bubble with p2p waits (makespan − its busy time), exposed dp communication, the optimizer. Peak
-memory is the one memory model's (config/memory_plan.py, cached by perf/memory.py).
+memory is the one memory model's (config/memory_plan.py, cached by perf/memory_cache.py).
 """
 
 from __future__ import annotations
@@ -50,17 +51,17 @@ from megapipe.config.flops import (
     matmul_params,
     segment_bounds,
 )
-from megapipe.config.memory import layer_mode
-from megapipe.config.stages import partition, placement_of
+from megapipe.config.memory_terms import layer_mode
+from megapipe.config.pipeline_split import partition, placement_of
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
 from megapipe.perf.data_parallel import DPPlan, dp_plan, optimizer_plan
-from megapipe.perf.memory import chunk_params
-from megapipe.perf.memory import plan as memory_plan
+from megapipe.perf.memory_cache import chunk_params
+from megapipe.perf.memory_cache import plan as memory_plan
 from megapipe.perf.pipeline import config_dag
-from megapipe.perf.runtime import MEGAPIPE, Runtime
+from megapipe.perf.software import MEGAPIPE, Runtime
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
 from megapipe.plan.dag import KIND_INDEX, Dag, Timing, compile_schedule, run
 from megapipe.plan.schedules import SCHEDULES

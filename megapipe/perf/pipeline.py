@@ -1,6 +1,6 @@
 """The configured schedule's compiled DAG (plan/dag.py, the one timing engine that
 plan/simulate.py also times), cached per `ScheduleKey`: perf/model.py prices it with projected
-costs, perf/memory.py replays it with the schedule's own (plan/simulate.cost_table).
+costs, perf/memory_cache.py replays it with the schedule's own (plan/simulate.cost_table).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megapipe.config import Config
-from megapipe.config.stages import schedule_options
+from megapipe.config.pipeline_split import schedule_options
 from megapipe.plan.actions import Schedule
 from megapipe.plan.dag import Dag, compile_schedule
 from megapipe.plan.schedules import build_schedule, placement
@@ -18,7 +18,7 @@ from megapipe.plan.schedules import build_schedule, placement
 
 @dataclass(frozen=True)
 class ScheduleKey:
-    """What a configured schedule's Dag depends on: the arguments config/stages.schedule_of
+    """What a configured schedule's Dag depends on: the arguments config/pipeline_split.schedule_of
     passes to plan's build_schedule (the options as sorted pairs) and the placement's."""
 
     schedule: str
@@ -35,7 +35,7 @@ class ScheduleKey:
         return ScheduleKey(p.schedule, p.pp, p.microbatches, p.vpp, p.seq_segments, options)
 
     def build(self) -> Schedule:
-        """The schedule, as config/stages.schedule_of builds it."""
+        """The schedule, as config/pipeline_split.schedule_of builds it."""
         return build_schedule(self.schedule, self.pp, self.microbatches, self.vpp,
                               self.seq_segments, **dict(self.options))  # fmt: skip
 

@@ -29,7 +29,7 @@ from megapipe.perf.cluster import load_cluster
 from megapipe.perf.h100_validation import TokensError
 from megapipe.perf.model import Projection, project
 from megapipe.perf.published import DATA, DTYPES, ZERO
-from megapipe.perf.runtime import RUNTIMES, Runtime
+from megapipe.perf.software import RUNTIMES, Runtime
 
 SOURCE = "moe_published_runs.csv"
 TARGET = 0.15  # issue 38: |projected / measured - 1| of each validated row

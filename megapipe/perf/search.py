@@ -6,7 +6,7 @@ bounds (`Bounds`) perf/bounds.py's.
 The search (`search`): for each candidate two lower bounds from arithmetic alone, no schedule
 built (perf/bounds.py): memory and step time. Candidates whose memory bound exceeds the GPU's
 are dropped; the rest are taken in order of their time bound, each checked against the config
-rules (config/checks.py: a ConfigError drops it), its exact memory planned (perf/memory.plan,
+rules (config/checks.py: a ConfigError drops it), its exact memory planned (perf/memory_cache.plan,
 the schedule's Dag compiled and cached), and, if it fits, projected (perf/model.project). The
 search stops when the next time bound is no faster than the tenth best projection: what is
 left cannot enter the top ten, so the best is the best of the whole space
@@ -31,7 +31,7 @@ from megapipe.perf.bounds import EPS, Bound, Bounds
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import GIB, Projection, project
-from megapipe.perf.runtime import MEGAPIPE, Runtime
+from megapipe.perf.software import MEGAPIPE, Runtime
 from megapipe.perf.space import (
     COSTS_BUILT_MAX,
     COSTS_BUILT_MAX_PP,
@@ -338,7 +338,7 @@ class _SearchState:
 def _exact_memory(
     c: Candidate, base: Config, bound: Bounds, counts: dict, errors: list, hbm: float = math.inf
 ) -> tuple[Config | None, float, tuple[int, int]]:
-    """(config, peak bytes, its (pp, tp) rank), as perf/memory.plan's (Bounds.memory); the
+    """(config, peak bytes, its (pp, tp) rank), as perf/memory_cache.plan's (Bounds.memory); the
     config rules checked when it fits in `hbm` (else None, its peak); (None, inf, ...) when it
     breaks a rule (counted)."""
     try:

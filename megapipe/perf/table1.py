@@ -8,7 +8,7 @@ says how the paper counts): model.arch gpt2 (learned positions, tied embeddings,
 parallel.microbatches = gbs / (dp · mbs) (so the micro-batch is mbs sequences),
 parallel.schedule interleaved_1f1b with parallel.vpp = v when v > 1 (else 1f1b),
 train.global_batch gbs, recompute.mode full, train.dtype bfloat16. It is projected on the A100
-profile under the `megatron2021` runtime (perf/runtime.py: the software that ran them), and
+profile under the `megatron2021` runtime (perf/software.py: the software that ran them), and
 its hardware TFLOP/s per GPU (the recompute's forward counted, §5.1) is compared with the
 paper's.
 
@@ -31,7 +31,7 @@ from megapipe.config import Config, load_config
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
-from megapipe.perf.runtime import MEGATRON_2021, Runtime
+from megapipe.perf.software import MEGATRON_2021, Runtime
 
 TABLE1 = Path(__file__).resolve().parent / "data" / "megatron_2104.04473_table1.csv"
 TARGET_MEAN, TARGET_MAX = 0.05, 0.10  # mean and max absolute relative error (issue 14)

@@ -19,7 +19,7 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.stages import schedule_of
+from megapipe.config.pipeline_split import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import make_reducer
 from megapipe.parallel.data.reducer import replica_bucket_mb

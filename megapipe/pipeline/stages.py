@@ -1,4 +1,4 @@
-"""Stages: the real partition (config/stages.py) turned into this rank's GPT chunks.
+"""Stages: the real partition (config/pipeline_split.py) turned into this rank's GPT chunks.
 
 A chunk is `GPT(cfg.model, blocks=range)` sharded over the mesh's tp axis and running ring
 attention over its cp axis; the whole model is the one-chunk case. Per-block costs for the `cost`
@@ -19,12 +19,12 @@ from collections.abc import Callable
 import torch
 
 from megapipe.config import Config
-from megapipe.config.memory import head_grad_in_forward
-from megapipe.config.stages import rank_blocks
+from megapipe.config.memory_terms import head_grad_in_forward
+from megapipe.config.pipeline_split import rank_blocks
 from megapipe.models.gpt import GPT, split_weight_grads
 from megapipe.models.moe import set_loss_scale
 from megapipe.parallel.context.zigzag import cp_info
-from megapipe.parallel.data.levels import Block
+from megapipe.parallel.data.levels import WeightBlock
 from megapipe.parallel.expert.sharding import ep_info
 from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
 from megapipe.parallel.tensor.random import tp_info
@@ -37,7 +37,7 @@ def build_model(
     """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
     and running ring attention over its cp axis (mesh None: one process); its layers compiled
     under train.compile. With no pipeline the head makes its grads in forward
-    (config/memory.head_grad_in_forward)."""
+    (config/memory_terms.head_grad_in_forward)."""
     model = _build(cfg, mesh, device, blocks)
     if model.head is not None:
         model.head.grad_in_forward = head_grad_in_forward(cfg)
@@ -93,20 +93,20 @@ def hold_params(model: GPT, params_dtype: str) -> GPT:
     return model
 
 
-def weight_blocks(model: GPT) -> tuple[Block, ...]:
+def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
     """The units ZeRO gathers weights by (parallel/data/zero2.py, zero3.py), in forward order:
     the embedding (its backward reads no weight), each layer, the head with the tied table it
     reads (on the last stage, its copy)."""
     out = []
     if model.has_embedding:
-        out.append(Block(model.embed, tuple(model.embed.parameters()), ()))
+        out.append(WeightBlock(model.embed, tuple(model.embed.parameters()), ()))
     for layer in model.layers.values():
         params = tuple(layer.parameters())
-        out.append(Block(layer, params, params))
+        out.append(WeightBlock(layer, params, params))
     if model.head is not None:
         table = model.tied_table
         params = tuple(model.head.parameters()) + ((table,) if table is not None else ())
-        out.append(Block(model.head, params, params))
+        out.append(WeightBlock(model.head, params, params))
     return tuple(out)
 
 

@@ -6,7 +6,8 @@ F, B, W of each stage starts) repeated every *interval* T, the time one rank nee
 microbatch (its two chunks' F+B+W; the busiest rank's when they differ). A pass of rank r and
 chunk c keeps its activations from the start of its F to the end of its W, its *lifespan* l;
 repeated every T, at most ceil(l / T) copies are alive at once, so a rank holds at most
-Σ_c ceil(l_c / T) chunk activations (`Block.lifespan_bound`; `Block.memory` counts the most
+Σ_c ceil(l_c / T) chunk activations (`MicrobatchPasses.lifespan_bound`; `MicrobatchPasses.memory`
+counts the most
 alive at once exactly).
 The steady state has no bubble when no two passes of a rank collide modulo T; warm-up and
 cool-down are squeezed: each rank runs the repeated order as early as its inputs allow,
@@ -42,7 +43,7 @@ PASS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: `_bubble` caches per block
-class Block:
+class MicrobatchPasses:
     """One microbatch's passes: ``start[(kind, stage)]``, repeated every ``interval``."""
 
     pp: int
@@ -96,7 +97,7 @@ class Block:
         return {r: [a for _, a in sorted(timed[r])] for r in range(self.pp)}
 
 
-def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> Block:
+def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> MicrobatchPasses:
     """The V-shape block with these extra `offsets` (see OFFSETS), modulo-scheduled."""
     where = Placement(pp, 2, "v")
     # each pass as the simulator prices it (rank 0 also embeds and runs the head and loss)
@@ -130,7 +131,7 @@ def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> Block:
         ready = end + (hop(s + 1, s) if s < 2 * pp - 1 else 0.0)
         end = place(INPUT_GRAD, s, ready, (b1 if s >= pp else b0) * (s not in (2 * pp - 1, pp - 1)))
         place(WEIGHT_GRAD, s, end, w)
-    return Block(pp, start, dur, interval)
+    return MicrobatchPasses(pp, start, dur, interval)
 
 
 def _earliest_free(busy: list[tuple[float, float]], ready: float, d: float, T: float) -> float:
@@ -152,20 +153,20 @@ def _apart(a: float, da: float, b: float, db: float, T: float) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _blocks(pp: int, costs: Costs) -> tuple[tuple[Block, float], ...]:
+def _blocks(pp: int, costs: Costs) -> tuple[tuple[MicrobatchPasses, float], ...]:
     """Every offset choice's block with its peak memory."""
     blocks = (v_block(pp, costs, offsets) for offsets in OFFSETS)
     return tuple((block, max(block.memory())) for block in blocks)
 
 
 @functools.lru_cache(maxsize=4096)
-def _bubble(block: Block, costs: Costs) -> float:
+def _bubble(block: MicrobatchPasses, costs: Costs) -> float:
     """The block's bubble rate (Zero Bubble's, per rank span) simulated at m = 4p."""
     result = simulate(block.repeat(4 * block.pp), costs, Placement(block.pp, 2, "v"))
     return result.bubble_rate_paper
 
 
-def _least_bubble(pp: int, costs: Costs, cap: float) -> Block:
+def _least_bubble(pp: int, costs: Costs, cap: float) -> MicrobatchPasses:
     """Among the blocks within `cap` microbatches of memory: least bubble, then least memory."""
     fits = [(b, mem) for b, mem in _blocks(pp, costs) if mem <= cap + 1e-9]
     return min(fits, key=lambda f: (round(_bubble(f[0], costs), 9), f[1]))[0]

@@ -11,7 +11,7 @@ says which (rank, local chunk) holds each stage. `parallel.balance` picks the sp
            remainder going to middle stages: the first and last stages hold one layer fewer
            (Llama 3, Dubey et al. 2024, §3.3.2; 126 layers on 16 stages is 7 | 8 ×14 | 7).
   cost     PipeDream's dynamic programme (Narayanan et al. 2019, §3.1) minimising the slowest
-           stage over per-block costs (config.stages gives FLOPs, pipeline.stages measures).
+           stage over per-block costs (config.pipeline_split gives FLOPs, pipeline.stages measures).
   layout   explicit, e.g. "E,t,t|t,t,t|t,t,L" or "E,t*2|t*3|t*2,L": stages split by |.
 
 Pure arithmetic: ints in, ranges out, ValueError (naming the config key to fix) out. Every rank

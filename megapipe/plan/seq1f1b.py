@@ -43,7 +43,7 @@ def segment_flops(lengths, params: float, layers: int, d_model: int) -> list[flo
 
 
 # Pure in its numbers and its result is frozen: the planner's bounds (perf/bounds.py) ask for
-# the same splits thousands of times through config/memory.
+# the same splits thousands of times through config/memory_terms.
 @functools.lru_cache(maxsize=4096)
 def balanced_segments(
     seq_len: int, k: int, params: float, layers: int, d_model: int, granularity: int = 1

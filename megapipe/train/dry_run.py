@@ -1,9 +1,10 @@
 """`train.py --dry-run`: the mesh, the pipeline partition, per-rank parameter counts and memory
-(the one memory model, config/memory_plan.py, through train/memory.py), no training; with
+(the one memory model, config/memory_plan.py, through train/meta_memory.py), no training; with
 `--json` the same numbers as one JSON object (`as_json`).
 
 Needs no process group. Each (pp, tp) coordinate builds its chunks on the meta device from the
-partition training uses (config/stages.py `rank_blocks`: the schedule's placement, vpp chunks,
+partition training uses (config/pipeline_split.py `rank_blocks`: the schedule's placement, vpp
+chunks,
 parallel.balance) with a `TPInfo(tp, rank)` (ShardSpec gives the local sizes). Its memory is
 weights, grads and optimizer state by train.params_dtype and parallel.zero (config/states.py;
 zero=3 adds its gathered blocks to the weights; the grads as held while activations peak, the
@@ -19,15 +20,15 @@ from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
-from megapipe.config.memory import attention_path
 from megapipe.config.memory_moe import moe_summary
 from megapipe.config.memory_plan import RankMemory
-from megapipe.config.stages import describe_partition, schedule_costs
+from megapipe.config.memory_terms import attention_path
+from megapipe.config.pipeline_split import describe_partition, schedule_costs
 from megapipe.config.states import expert_layout, state_layout
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
-from megapipe.train.memory import (
+from megapipe.train.meta_memory import (
     count_params,
     local_memory,
     memory_plan,
@@ -55,7 +56,7 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
     of the two moments, weights + grads + optimizer + activations + head transient, or weights
     + grads_reducing + optimizer; and the largest peak. `device`: whose kernels' saved tensors
     (tests measure CPU runs); the head's chunks are sized by this machine's CUDA device where
-    it has one (train/memory.local_memory), else 256 rows."""
+    it has one (train/meta_memory.local_memory), else 256 rows."""
     plan = memory_plan(cfg, device, memory=local_memory(device))
     ranks = [
         {
@@ -136,7 +137,7 @@ def _notes(cfg: Config) -> list[str]:
         "ring": "ring attention keeping q, k, v, out and the log-sum-exp",
         "math": "the math fallback keeping the s² probabilities",
     }[attention_path(cfg, DEVICE)]
-    if cfg.data.document_mask and p.cp == 1:  # config/memory.py, "document mask"
+    if cfg.data.document_mask and p.cp == 1:  # config/memory_terms.py, "document mask"
         attention += ", plus the (b, 1, T, T) document mask (none with flash-attn varlen)"
     weights = "float32 weights 4" if cfg.train.params_dtype == "float32" else "bf16 weights 2"
     main = ", the float32 main params 4" if cfg.train.params_dtype != "float32" else ""

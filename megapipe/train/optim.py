@@ -64,7 +64,7 @@ def adamw_kind(groups: list[dict]) -> str:
 
 def device_adamw_kind(device_type: str) -> str:
     """The AdamW implementation for float32 parameters on `device_type` ("cuda", "cpu"): the
-    choice adamw_kind makes, which the performance model prices (perf/runtime.py)."""
+    choice adamw_kind makes, which the performance model prices (perf/software.py)."""
     return "fused" if device_type in fused_adamw_devices() else "foreach"
 
 

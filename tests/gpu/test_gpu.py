@@ -13,7 +13,7 @@ figures each test prints (`GPU-FIGURE name {...}`) into one results file.
   cuDNN block kernel (kernels.aten_cudnn) against the flash one, forward and backward;
 - bf16 autocast training against float32: per-step loss and weights within a stated bound;
 - train.compile on CUDA (inductor, Triton) against eager, float32;
-- the memory model (train/memory.memory_plan) against torch.cuda.max_memory_allocated().
+- the memory model (train/meta_memory.memory_plan) against torch.cuda.max_memory_allocated().
 """
 
 from __future__ import annotations
@@ -333,12 +333,12 @@ def test_memory_model_against_the_allocator(params_dtype):
     with one microbatch the plan's peak is the forward's end, before any float32 grad exists,
     while the allocator also sees backward's transient activation grads). The plan's peak
     counts the LM head's chunk transient (config/memory_head.py) with the chunks sized by this
-    device's memory, as the code sizes them (train/memory.local_memory): here one 4096-row
+    device's memory, as the code sizes them (train/meta_memory.local_memory): here one 4096-row
     chunk of 8192 logits a row, ~0.2 GB at its height under bf16, which the allocator sees."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.precision import autocast
     from megapipe.train.build import build
-    from megapipe.train.memory import local_memory, memory_plan
+    from megapipe.train.meta_memory import local_memory, memory_plan
     from tests.parity import tiny_config
 
     cfg = tiny_config(

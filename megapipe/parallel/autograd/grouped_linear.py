@@ -13,7 +13,7 @@ contraction) is one call of torch's grouped matmul (`torch._grouped_mm`, behind
 _torch_compat.grouped_mm; Megatron-Core's --moe-grouped-gemm and torchtitan's MoE use a grouped
 GEMM for the same reason: one kernel instead of E small ones) where `grouped_mm_ok` says the
 call can take it, and a loop of per-expert matmuls otherwise. The rule (`grouped_mm_for`, also
-read by perf/runtime.resolved_for for a profile's GPU): on the CPU for float32, bf16 and fp16
+read by perf/software.resolved_for for a profile's GPU): on the CPU for float32, bf16 and fp16
 (torch's CPU kernel: its own loop of matmuls in C++, without Python's per-expert dispatch); on
 CUDA for bf16 on sm90 and sm100 (torch's CUTLASS grouped kernel); not float32 nor other GPUs on
 CUDA, where torch falls back to a loop that reads the offsets on the host (a sync ours does not

@@ -116,7 +116,7 @@ def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, owner: nn.Module) -> t
     the buffer `owner` keeps from step to step (`kept_grads`, kept_buffers.py: a fresh one is
     paid in page faults there). Not on CUDA, whose caching allocator already hands back the
     freed grad's block, and not in a compiled block, whose buffers inductor plans. The memory
-    model counts a grad per parameter throughout the step either way (config/memory.py)."""
+    model counts a grad per parameter throughout the step either way (config/memory_terms.py)."""
     x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # (N, in|out)
     kept = getattr(owner, "kept_grads", None)
     plain = kept is None or g2.device.type != "cpu" or g2.dtype != owner.weight.dtype

@@ -2,7 +2,7 @@
 
 models/attention.py runs the kernel this names for its dense core, the ring's block kernels
 (parallel/context/kernels.pick_kernel) try cuDNN's where it names "cudnn", and the performance
-model prices megapipe's attention with it for a profile's GPU (perf/runtime.resolved_for reads
+model prices megapipe's attention with it for a profile's GPU (perf/software.resolved_for reads
 the profile's compute capability). Pure Python: no torch, so the projection can ask it about a
 GPU this machine does not have.
 

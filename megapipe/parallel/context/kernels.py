@@ -54,7 +54,7 @@ class BlockKernel(NamedTuple):
 # ---------------------------------------------------------------- which blocks to compute
 
 
-class Block(NamedTuple):
+class RingTile(NamedTuple):
     """One kernel call of a ring step, in local chunk indices [q0, q1) x [k0, k1)."""
 
     q0: int
@@ -68,7 +68,7 @@ class Block(NamedTuple):
         return slice(self.q0 * chunk, self.q1 * chunk), slice(self.k0 * chunk, self.k1 * chunk)
 
 
-def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[Block]:
+def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[RingTile]:
     """Kernel calls for queries holding chunks q_ids against a kv block holding kv_ids.
 
     Chunk pair (a, b): full when not causal or b < a, causal diagonal when b == a, skipped when
@@ -78,8 +78,8 @@ def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[Block]:
     the queries x all keys; Llama 3 §3.3.2).
     """
     if causal and q_ids == kv_ids and q_ids == sorted(q_ids):
-        return [Block(0, len(q_ids), 0, len(kv_ids), True)]
-    blocks: list[Block] = []
+        return [RingTile(0, len(q_ids), 0, len(kv_ids), True)]
+    blocks: list[RingTile] = []
     for i, a in enumerate(q_ids):
         if causal and a in kv_ids:
             raise ValueError(f"chunk {a} on both sides outside the diagonal block: bad sharding")
@@ -89,7 +89,7 @@ def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[Block]:
             if last >= 0:
                 blocks[last] = blocks[last]._replace(q1=i + 1)
             else:
-                blocks.append(Block(i, i + 1, k0, k1, False))
+                blocks.append(RingTile(i, i + 1, k0, k1, False))
     return blocks
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapipe.parallel.context.documents import visible_keys
-from megapipe.parallel.context.kernels import Block, BlockKernel, pick_kernel, plan_step
+from megapipe.parallel.context.kernels import BlockKernel, RingTile, pick_kernel, plan_step
 from megapipe.parallel.context.zigzag import local_chunks, zigzag_shard
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
@@ -51,7 +51,7 @@ class RingStats:
     calls: int = 0  # kernel calls in forward
     steps: list = field(default_factory=list)  # (pass, step, compute_s, wait_s) per ring step
 
-    def count(self, block: Block, chunk: int) -> None:
+    def count(self, block: RingTile, chunk: int) -> None:
         nq, nk = block.q1 - block.q0, block.k1 - block.k0
         self.calls += 1
         if block.causal:  # ascending ids on both sides: the pairs with b <= a
@@ -112,7 +112,7 @@ def _merge(out, lse, blk_out, blk_lse) -> None:
     lse.copy_(new)
 
 
-def _hidden(docs, step: int, b: Block, chunk: int):
+def _hidden(docs, step: int, b: RingTile, chunk: int):
     """Keys of other documents in block b of ring step `step`: (B, nq, nk) bool, or None
     without document masking. docs = (this rank's query ids, [kv ids per step])."""
     if docs is None:
@@ -263,7 +263,7 @@ def ring_attention(
         raise ValueError("ring_attention: documents mask causal attention only; pass causal=True")
     if cp == 1:
         if stats is not None:
-            stats.count(Block(0, 1, 0, 1, causal), q.shape[2])
+            stats.count(RingTile(0, 1, 0, 1, causal), q.shape[2])
         gqa = k.shape[1] != q.shape[1]
         mask = None if documents is None else visible_keys(documents, q.shape[2], k.shape[2])
         return F.scaled_dot_product_attention(

@@ -10,8 +10,8 @@ from torch import nn
 from megapipe.parallel.data.reducer import GradReducer
 from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
 from megapipe.parallel.data.zero2 import (
-    Block,
     OverlappedGatherReducer,
+    WeightBlock,
     Zero2Optimizer,
     Zero2Reducer,
 )
@@ -19,7 +19,7 @@ from megapipe.parallel.data.zero3 import Zero3Optimizer, Zero3Reducer
 
 REDUCERS = {1: OverlappedGatherReducer, 2: Zero2Reducer, 3: Zero3Reducer}
 
-__all__ = ["Block", "full_weights", "make_reducer", "sharded_optimizer", "shards_grads"]
+__all__ = ["WeightBlock", "full_weights", "make_reducer", "sharded_optimizer", "shards_grads"]
 
 
 def make_reducer(
@@ -28,7 +28,7 @@ def make_reducer(
     bucket_mb: float,
     zero: int,
     shared: nn.Parameter | None = None,
-    blocks: tuple[Block, ...] = (),
+    blocks: tuple[WeightBlock, ...] = (),
     expert_group=None,
 ) -> GradReducer:
     """The dp × cp gradient reducer of `model` at ZeRO level `zero`: `shared` (a pipeline

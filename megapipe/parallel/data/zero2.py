@@ -22,7 +22,7 @@ all-gathers the weights in bf16; the reduce-scatter stays float32.
 
 Overlap (Megatron's distributed optimizer, `overlap_param_gather`): after the step the updated
 shards' all-gathers are all launched asynchronously, in forward order, and the step returns. A
-forward pre-hook on each block (embedding, each layer, head: `Block`) waits for the buckets
+forward pre-hook on each block (embedding, each layer, head: `WeightBlock`) waits for the buckets
 holding the parameters that block reads, so bucket b's gather overlaps the forward of every
 block before its first user. Anything else that reads weights between steps (a checkpoint,
 the tests) first calls `wait_params()` through `ShardedOptimizer.full_weights()`.
@@ -50,7 +50,7 @@ from megapipe.parallel.data.zero import (
 
 
 @dataclass(frozen=True)
-class Block:
+class WeightBlock:
     """A unit of the model for weight gathers: `module`'s forward reads `forward`, its backward
     reads `backward` (an embedding's backward reads no weight: it scatters rows of the grad)."""
 
@@ -63,7 +63,7 @@ class Block:
 class OverlappedGatherReducer(ShardedGradReducer):
     """zero=1's reducer whose weight all-gather after the step overlaps the next forward."""
 
-    blocks: tuple[Block, ...] = ()
+    blocks: tuple[WeightBlock, ...] = ()
     pending: dict = field(default_factory=dict)  # bucket index -> (gathered flat, work)
     waited_s: float = 0.0  # seconds spent waiting for weight gathers (the exposed part)
 

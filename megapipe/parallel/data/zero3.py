@@ -1,7 +1,7 @@
 """ZeRO-3 (parallel.zero=3): parameters sharded too, gathered block by block as they are used.
 
 Rajbhandari et al. 2020 (ZeRO, §5.3 "P_os+g+p") with FSDP's unit of gathering (Zhao et al.
-2023, §3.2-3.3): each block (embedding, each transformer layer, head: `Block`) has buckets of
+2023, §3.2-3.3): each block (embedding, each transformer layer, head: `WeightBlock`) has buckets of
 its own, laid out as zero=1's (a contiguous 1/R range of each padded flat bucket per replica).
 Between uses a bucket's full flat buffer has no storage (resized to 0: FSDP's free); each rank
 keeps its range of the weights (`master`, the parameter dtype) that the optimizer steps in

@@ -7,7 +7,7 @@ three all-reduces of per-token scalars (max, sum of exp, target logit) instead o
 
 `linear_cross_entropy` goes one step further: the head's matmul and the loss in one autograd
 Function that never holds the logits of the whole microbatch. Forward walks the tokens in
-chunks (config/memory.head_chunk_rows: 256 tokens on the CPU; on a GPU as many as 1/128 of its
+chunks (config/memory_terms.head_chunk_rows: 256 tokens on the CPU; on a GPU as many as 1/128 of its
 memory holds as float32 logits, so each chunk's weight grad added into the float32 grad stays
 small beside its wgrad GEMM), keeping per token
 only the log-sum-exp and the target's logit;
@@ -28,7 +28,7 @@ exp(logit − max) straight into softmax − one-hot (under tp the chunk's sum o
 at once for it) and into the input grad and the float32 weight grad; backward only scales the
 two. The price is memory held from F to B: the input grad (N·d) and a weight-sized grad
 (V/tp·d float32) per microbatch in flight at the head instead of the head input, so the model
-asks for it only where exactly one is in flight (config/memory.head_grad_in_forward).
+asks for it only where exactly one is in flight (config/memory_terms.head_grad_in_forward).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megapipe.config.memory import head_chunk_rows
+from megapipe.config.memory_terms import head_chunk_rows
 from megapipe.distributed import collectives as C
 from megapipe.distributed.devices import memory as device_memory
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers, kept_or_new
@@ -128,7 +128,7 @@ def _buffer(
     one contiguous (V/tp, rows) matrix; float32 matmuls write into it), or None; kept in
     `reuse` from call to call where given, on the CPU only: there a fresh buffer costs page
     faults, while CUDA's caching allocator hands the block back without them, and a chunk
-    there may fill 1/128 of the device (config/memory.head_chunk_rows), which a kept buffer
+    there may fill 1/128 of the device (config/memory_terms.head_chunk_rows), which a kept buffer
     would hold between steps where the memory model counts no logits."""
     if h.dtype != torch.float32:
         return None
@@ -309,7 +309,8 @@ def linear_cross_entropy(
     """Σ over tokens of −log softmax(h Wᵀ)[target] without the whole (tokens, V/tp) logits: h
     (B, T, d) the head input on this rank (after f, or SP's all-gather), W (V/tp, d) this rank's
     vocabulary slice starting at `vocab_start` (rows past `vocab_size` are padding), targets
-    (B, T); `rows` tokens per chunk (default config/memory.head_chunk_rows: 256 on the CPU, on a
+    (B, T); `rows` tokens per chunk (default config/memory_terms.head_chunk_rows: 256 on the CPU,
+    on a
     GPU as many as 1/128 of its memory holds as float32 logits). `grad_in_forward`: make the
     input and weight grads in forward, each chunk's logits made once (module docstring); only
     where grad is being recorded; `reuse`: the buffers its weight grad and chunk logits are

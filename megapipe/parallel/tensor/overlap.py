@@ -41,7 +41,7 @@ from megapipe.parallel.autograd.weight_grad import autocast_operands, weight_gra
 from megapipe.parallel.tensor.mappings import SEQ_DIM
 from megapipe.parallel.tensor.sharding import TPInfo
 
-TP_COMM_OVERLAP = True  # the runtime can overlap SP's collectives (perf/runtime.py reads it)
+TP_COMM_OVERLAP = True  # the runtime can overlap SP's collectives (perf/software.py reads it)
 
 
 def _shift(send: torch.Tensor, tp: TPInfo):

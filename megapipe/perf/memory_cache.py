@@ -1,13 +1,13 @@
 """Peak memory per rank for the performance model and the planner: the one memory model
 (config/memory_plan.py), made cheap to call many times.
 
-`train/memory.memory_plan(cfg)` builds the meta-device chunks of every (pp, tp) rank to count
+`train/meta_memory.memory_plan(cfg)` builds the meta-device chunks of every (pp, tp) rank to count
 parameters and replays the schedule's simulated timeline; for a 1T model on 3072 GPUs that is
 512 meta GPTs and 64 passes over 65536 actions (seconds). Here the same plan comes from bounded
 caches, each keyed by a frozen record of exactly what its function reads: parameter counts per
 chunk shape (ChunkKey: layers are all alike), the unit-cost timeline per schedule and costs
 (plan/dag.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
-tests/test_perf_model.py holds `plan` equal to `train/memory.memory_plan`.
+tests/test_perf_model.py holds `plan` equal to `train/meta_memory.memory_plan`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any
 
 from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
-from megapipe.config.stages import schedule_costs
+from megapipe.config.pipeline_split import schedule_costs
 from megapipe.perf.pipeline import ScheduleKey, schedule_dag
 from megapipe.plan.dag import KIND_INDEX, run
 from megapipe.plan.schedules import placement
 from megapipe.plan.simulate import Costs, cost_table, pair_saving
-from megapipe.train import memory as train_memory
+from megapipe.train import meta_memory as train_memory
 
 KINDS = {index: kind for kind, index in KIND_INDEX.items()}
 
@@ -77,7 +77,7 @@ _COUNTS = BoundedCache(4096)
 
 
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
-    """train/memory.chunk_params of `blocks`, counted once per ChunkKey on a chunk of the same
+    """train/meta_memory.chunk_params of `blocks`, counted once per ChunkKey on a chunk of the same
     shape."""
     key = ChunkKey.of(cfg, blocks, tp_rank)
     start = cfg.model.n_layers + 1 - key.layers - key.embed if key.head else int(not key.embed)
@@ -133,7 +133,7 @@ _PLANS = BoundedCache(4096)
 
 
 def plan(cfg: Config, device: str = "cuda", memory: float | None = None) -> MemoryPlan:
-    """The same MemoryPlan as train/memory.memory_plan(cfg, device, memory=memory) (`memory`:
+    """The same MemoryPlan as train/meta_memory.memory_plan(cfg, device, memory=memory) (`memory`:
     the device's bytes, sizing the LM head's chunks), cached per PlanKey."""
 
     def build() -> MemoryPlan:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megapipe.config.flops import block_costs_from_flops
-from megapipe.config.memory import layer_deferred, layer_terms, segments
+from megapipe.config.memory_terms import layer_deferred, layer_terms, segments
 from megapipe.config.schema import Config, ConfigError
 from megapipe.plan import partition as blocks
 from megapipe.plan.actions import Placement, Schedule
@@ -52,7 +52,7 @@ def schedule_costs(cfg: Config) -> Costs:
 def zb_w_share(cfg: Config) -> float:
     """Zero Bubble's M_W / M_B (Qi et al. 2023, Table 1) for this model: what a transformer
     layer keeps from its B to its W (the linears' inputs and output grads) over all it saves for
-    backward at the configured recompute mode (config/memory.py, on CUDA as the dry run
+    backward at the configured recompute mode (config/memory_terms.py, on CUDA as the dry run
     counts). At most 1: under full recompute W keeps more than F saved, and a microbatch then
     counts whole until its W."""
     kept = sum(sum(layer_deferred(cfg, i).values()) for i in segments(cfg))

@@ -2,7 +2,8 @@
 by block, for one microbatch (or Seq1F1B segment) on one rank (the state bytes per parameter,
 by train.params_dtype and parallel.zero, are config/states.py's).
 
-Pure arithmetic (no torch): which chunks a rank holds is the partition's (config/stages.py), how
+Pure arithmetic (no torch): which chunks a rank holds is the partition's
+(config/pipeline_split.py), how
 many microbatches it holds at once the schedule's; config/memory_plan.py puts them together per
 rank.
 

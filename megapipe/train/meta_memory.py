@@ -12,7 +12,7 @@ import torch
 from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
-from megapipe.config.stages import rank_blocks
+from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.devices import memory as device_memory
 from megapipe.models.gpt import GPT
 from megapipe.parallel.expert.sharding import EPInfo
@@ -33,7 +33,7 @@ def memory_plan(
 def local_memory(device: str = "cuda") -> int | None:
     """Bytes of memory of this machine's CUDA device where the plan is for CUDA and one is
     present (the budget parallel/tensor/cross_entropy sizes the LM head's chunks by), else
-    None (256-row chunks, config/memory.head_chunk_rows)."""
+    None (256-row chunks, config/memory_terms.head_chunk_rows)."""
     return device_memory(None) if device == "cuda" else None
 
 

@@ -9,7 +9,7 @@ its source; `megatron2022` (Korthikanti et al. 2022's code: perf/megatron_runs.p
 `megatron2021` with Megatron-LM's asynchronous tp communication. Ours and Megatron 2021's
 differ in facts about the code, none fitted:
 
-  attention       ours: config/memory.attention_path on CUDA (a fused kernel under bf16;
+  attention       ours: config/memory_terms.attention_path on CUDA (a fused kernel under bf16;
                   ring attention under cp). Megatron 2021: unfused: QKᵀ and PV batched
                   GEMMs with the s² scores in HBM, its fused scale-mask-softmax kernel and the
                   attention dropout in between (FlashAttention came in 2022). The fused
@@ -20,7 +20,7 @@ differ in facts about the code, none fitted:
                   Hopper (SDPA's cuDNN backend first, Transformer Engine's preference; the
                   ring's cuDNN block kernel, taken once its probe agrees with the flash one),
                   "flash" before it (FlashAttention-2: flash-attn or SDPA's flash backend).
-  residual bytes  ours keeps the residual stream and norms in float32 (config/memory.py);
+  residual bytes  ours keeps the residual stream and norms in float32 (config/memory_terms.py);
                   Megatron's fp16 run keeps them in its compute dtype.
   fused           Megatron fuses bias+dropout+add and bias+GeLU (its fused kernels); ours runs
                   dropout, add and the autocast casts as separate kernels, except under
