@@ -35,17 +35,31 @@ def preset(name: str) -> str:
     return f"configs/{name}.yaml"
 
 
-@functools.cache
 def projected(name: str, overrides: tuple[str, ...] = ()) -> Projection:
     """`python tools/plan.py project --config configs/NAME.yaml --gpu h100 --gpus-per-node 8`."""
+    return _projected(name, overrides, _text(name))
+
+
+def best(name: str) -> plan_search.Ranked:
+    """The first row of `python tools/plan.py search --config configs/NAME.yaml --gpus 8 --gpu
+    h100 --gpus-per-node 8`."""
+    return _best(name, _text(name))
+
+
+def _text(name: str) -> str:
+    return (ROOT / preset(name)).read_text()
+
+
+# cached on what they read: the preset's name and its text (a searched preset costs seconds, and
+# the README, the header and docs quote the same one)
+@functools.cache
+def _projected(name: str, overrides: tuple[str, ...], text: str) -> Projection:
     cfg = load_config(str(ROOT / preset(name)), list(overrides))
     return project(cfg, cluster(), RUNTIMES["megapipe"])
 
 
 @functools.cache
-def best(name: str) -> plan_search.Ranked:
-    """The first row of `python tools/plan.py search --config configs/NAME.yaml --gpus 8 --gpu
-    h100 --gpus-per-node 8`."""
+def _best(name: str, text: str) -> plan_search.Ranked:
     base, fixed = plan_search.base_config(str(ROOT / preset(name)), [])
     result = plan_search.search(base, GPUS, cluster(), RUNTIMES["megapipe"], fixed=fixed, top=1)
     return result.best
@@ -128,6 +142,13 @@ def one_gpu_words(name: str) -> str:
         f"Hardware: one {hbm:g} GB GPU does not hold it as written (the planner: {gib(one)} "
         f"peak); {GPUS} x {hbm:g} GB GPUs {just}hold it on the mesh below ({gib(top)} peak)."
     )
+
+
+def gpus_words(name: str) -> str:
+    """How well 8 GPUs hold the preset on the planner's best mesh: 8 × 80 GB GPUs hold it."""
+    peak, hbm = best(name).projection.peak_memory_gib, cluster().hbm_gib
+    just = "only just " if peak > hbm - JUST else ""
+    return f"{GPUS} × {hbm:g} GB GPUs {just}hold it ({peak:.1f} GiB peak)"
 
 
 def preset_header(name: str) -> str:
@@ -218,6 +239,7 @@ BLOCKS = {
     "readme": readme_table,
     "dry_run_peaks": dry_run_peaks,
     "head_transient": head_transient,
+    "gpus": gpus_words,
 }
 
 
