@@ -166,31 +166,74 @@ def build_mesh(cfg):
 
 
 def train_case(
-    overrides: list[str], steps: int = 3, bucket_mb: float = 0.01, own_rows: bool = False
+    overrides: list[str],
+    steps: int = 3,
+    bucket_mb: float = 0.01,
+    own_rows: bool = False,
+    exact: bool = False,
+    grad_error: tuple[str, float] | None = None,
 ) -> dict:
     """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
     rank's chunks, whole over tp) and the dp-replica spread. `own_rows`: each rank reads only
-    its dp rows of each batch, as train/loop.py does (else the whole global batch)."""
+    its dp rows of each batch, as train/loop.py does (else the whole global batch). `exact`
+    (one process): the same run in float64 from the float32 initial weights, the yardstick of
+    tests/util.py's bounds. `grad_error` (name, r): a planted bug, that parameter's grad off by
+    a relative r (seeded noise), for tests that show the bounds still fail."""
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.build import build
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", bucket_mb)
-    optimizer = job.optimizer()
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
-    losses, norms = [], []
-    for step in range(steps):
-        rows = job.slice.rows(cfg.train.global_batch) if own_rows else None
-        batch = data.batch(step, cfg.train.global_batch, rows=rows)
-        result = job.train_step(optimizer, batch, step)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
+    init = _float32_init(cfg, mesh, bucket_mb) if exact else None
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if exact else default)
+    try:  # float64: every tensor the run makes without naming a dtype
+        job = build(cfg, mesh, "cpu", bucket_mb)
+        _plant(job, init, grad_error)
+        optimizer = job.optimizer()
+        data = build_data(cfg.data, cfg.model, cfg.train.seed)
+        losses, norms = [], []
+        for step in range(steps):
+            rows = job.slice.rows(cfg.train.global_batch) if own_rows else None
+            batch = data.batch(step, cfg.train.global_batch, rows=rows)
+            result = job.train_step(optimizer, batch, step)
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+    finally:
+        torch.set_default_dtype(default)
+    return _outcome(cfg, mesh, job, optimizer, losses, norms, steps)
+
+
+def _float32_init(cfg, mesh, bucket_mb) -> list[torch.Tensor]:
+    """The float32 run's initial weights: a float64 init draws other numbers from the seed."""
+    from megapipe.train.build import build
+
+    assert mesh is None, "the float64 reference runs on one process"
+    chunks = build(cfg, mesh, "cpu", bucket_mb).engine.chunks
+    return [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+
+
+@torch.no_grad()
+def _plant(job, init, grad_error) -> None:
+    """The float32 initial weights into a float64 job; the planted grad error's hook."""
+    params = [p for chunk in job.engine.chunks for p in chunk.parameters()]
+    for param, value in zip(params, init or (), strict=init is not None):
+        param.copy_(value)
+    if grad_error is not None:
+        name, r = grad_error
+        param = dict(p for chunk in job.engine.chunks for p in chunk.named_parameters())[name]
+        gen = torch.Generator().manual_seed(0)
+        noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+        param.register_hook(lambda g: g + r * g.norm() / g.numel() ** 0.5 * noise)
+
+
+def _outcome(cfg, mesh, job, optimizer, losses, norms, steps) -> dict:
+    from megapipe.parallel.tensor.gather import gather_logical
+
     weights, engine = {}, job.engine
     with job.full_weights():  # zero >= 1: gathered after the step or on use
         for chunk in engine.chunks:
@@ -236,3 +279,17 @@ def _dp_spread(weights: dict, mesh) -> float:
     copies = [torch.empty_like(flat) for _ in range(mesh.size("dp"))]
     dist.all_gather(copies, flat, group=mesh.group("dp"))
     return max((c - copies[0]).abs().max().item() for c in copies)
+
+
+_REFERENCES: dict = {}
+
+
+def reference_case(overrides, steps: int = 3) -> dict:
+    """The one-process float32 reference with "exact", the weights of its float64 twin (what
+    tests/util.assert_state_close derives each tensor's bound from); cached per session."""
+    key = (tuple(overrides), steps)
+    if key not in _REFERENCES:
+        ref = train_case(list(overrides), steps)
+        ref["exact"] = train_case(list(overrides), steps, exact=True)["weights"]
+        _REFERENCES[key] = ref
+    return _REFERENCES[key]
