@@ -20,12 +20,12 @@ def test_the_float64_twin_starts_from_the_float32_weights_and_tracks_them(ref):
     exact0 = train_case([], steps=0, exact=True)["weights"]
     first = train_case([], steps=0)["weights"]
     assert all(torch.equal(exact0[k].float(), first[k]) for k in first)
-    assert all(v.dtype == torch.float64 for v in ref["exact"].values())
-    assert all(v.dtype == torch.float64 for v in one["exact"].values())
+    assert all(v.dtype == torch.float64 for v in ref["exact"][0].values())
+    assert all(v.dtype == torch.float64 for v in one["exact"][0].values())
     # the same trajectory: within 1e-3 (a wrong grad moves weights further, test below), not
     # within the fixed 1e-5: under ATEN_CPU_CAPABILITY=default the float32 run itself was
     # 1.55e-5 from float64 (docs/benchmarks/2026-11-28-tolerances-two-isas-cpu.md)
-    ratios = state_ratios(ref["exact"], ref["weights"], reach=ref["adam_reach"])
+    ratios = state_ratios(ref["exact"][0], ref["weights"], reach=ref["adam_reach"])
     assert max(ratios.values()) < 100
 
 
@@ -62,3 +62,10 @@ def test_the_floor_is_the_fixed_bound_without_a_twin(ref):
     bumped = dict(ref["weights"], **{"layers.0.mlp.fc1.weight": w * (1 + 2 * PARITY_REL)})
     with pytest.raises(AssertionError, match="fc1"):
         assert_state_close(bumped, ref["weights"])
+
+
+def test_the_noise_twin_is_round_off_sized(ref):
+    """The noise twin moves the weights more than float64 round-off does (it samples the heavy
+    tail) yet stays on the same trajectory: within 1e-3, where a wrong grad lands further."""
+    ratios = state_ratios(ref["exact"][1], ref["weights"], reach=ref["adam_reach"])
+    assert 1 < max(ratios.values()) < 100
