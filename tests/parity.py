@@ -173,6 +173,7 @@ def train_case(
     exact: bool = False,
     grad_error: tuple[str, float] | None = None,
     grad_noise: float = 0.0,
+    noise_seed: int = 0,
 ) -> dict:
     """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
@@ -196,7 +197,7 @@ def train_case(
     torch.set_default_dtype(torch.float64 if exact else default)
     try:  # float64: every tensor the run makes without naming a dtype
         job = build(cfg, mesh, "cpu", bucket_mb)
-        _plant(job, init, grad_error, grad_noise)
+        _plant(job, init, grad_error, grad_noise, noise_seed)
         optimizer = job.optimizer()
         data = build_data(cfg.data, cfg.model, cfg.train.seed)
         losses, norms = [], []
@@ -221,7 +222,7 @@ def _float32_init(cfg, mesh, bucket_mb) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _plant(job, init, grad_error, grad_noise: float = 0.0) -> None:
+def _plant(job, init, grad_error, grad_noise: float = 0.0, noise_seed: int = 0) -> None:
     """The float32 initial weights into a float64 job; the planted grad error's hook; the
     round-off noise on every grad."""
     params = [p for chunk in job.engine.chunks for p in chunk.parameters()]
@@ -233,7 +234,7 @@ def _plant(job, init, grad_error, grad_noise: float = 0.0) -> None:
         _perturb(named[name], r, seed=0, fresh=False)
     if grad_noise:
         for seed, param in enumerate(named.values()):
-            _perturb(param, grad_noise, seed=1 + seed, fresh=True)
+            _perturb(param, grad_noise, seed=1 + seed + 1000 * noise_seed, fresh=True)
 
 
 def _perturb(param, r: float, seed: int, fresh: bool) -> None:
@@ -318,19 +319,23 @@ def roundoff_noise(overrides) -> float:
     return FLOAT32_EPS * (cfg.train.global_batch * cfg.model.seq_len) ** 0.5
 
 
+NOISE_SAMPLES = 3  # CADNA's three randomly rounded runs (Vignes 2004)
+
+
 def reference_case(overrides, steps: int = 3) -> dict:
     """The one-process float32 reference with "exact": its twins, each a sample of what float32
     round-off does to this trajectory (tests/util.py derives each tensor's bound from them): the
-    same run in float64 from the float32 initial weights, and the float32 run with round-off-
-    sized noise in every grad (stochastic arithmetic's way of sampling round-off's heavy tail,
-    the grads AdamW flips when they are near zero). Cached per session."""
+    same run in float64 from the float32 initial weights, and NOISE_SAMPLES float32 runs with
+    round-off-sized noise in every grad (stochastic arithmetic's way of sampling round-off's
+    heavy tail: the grads AdamW flips when they are near zero, a routing tie; one sample's
+    spread varied 40× between seeds on an MoE expert bias). Cached per session."""
     key = (tuple(overrides), steps)
     if key not in _REFERENCES:
         ref = train_case(list(overrides), steps)
         noise = roundoff_noise(overrides)
-        ref["exact"] = [
-            train_case(list(overrides), steps, exact=True)["weights"],
-            train_case(list(overrides), steps, grad_noise=noise)["weights"],
+        ref["exact"] = [train_case(list(overrides), steps, exact=True)["weights"]] + [
+            train_case(list(overrides), steps, grad_noise=noise, noise_seed=i)["weights"]
+            for i in range(NOISE_SAMPLES)
         ]
         _REFERENCES[key] = ref
     return _REFERENCES[key]

@@ -10,7 +10,8 @@ failed on another (AVX-512: 1.1e-5 to 1.7e-5 against 1e-5). So the reference get
 machine, after these steps with this lr and Adam's ε:
 - the same run in float64 from the float32 initial weights: the float32 run's distance to it is
   the round-off this trajectory actually carries;
-- the float32 run with noise of u·√N of each grad's RMS added to every nonzero grad element
+- three float32 runs (CADNA's three samples) with noise of u·√N of each grad's RMS added to
+  every nonzero grad element
   (N the step's tokens: the random-walk size of a float32 sum's error, Higham §4.2; stochastic
   arithmetic's way of sampling round-off): it samples the heavy tail, the near-zero grads that
   AdamW flips, which one float64 comparison may miss (compiled GPT-2 lay 64× further from
