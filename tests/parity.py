@@ -166,31 +166,96 @@ def build_mesh(cfg):
 
 
 def train_case(
-    overrides: list[str], steps: int = 3, bucket_mb: float = 0.01, own_rows: bool = False
+    overrides: list[str],
+    steps: int = 3,
+    bucket_mb: float = 0.01,
+    own_rows: bool = False,
+    exact: bool = False,
+    grad_error: tuple[str, float] | None = None,
+    grad_noise: float = 0.0,
+    noise_seed: int = 0,
 ) -> dict:
     """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
     rank's chunks, whole over tp) and the dp-replica spread. `own_rows`: each rank reads only
-    its dp rows of each batch, as train/loop.py does (else the whole global batch)."""
+    its dp rows of each batch, as train/loop.py does (else the whole global batch). `exact`
+    (one process): the same run in float64 from the float32 initial weights, the yardstick of
+    tests/util.py's bounds. `grad_error` (name, r): a planted bug, that parameter's grad off by
+    a relative r (seeded noise), for tests that show the bounds still fail. `grad_noise` r:
+    every parameter's grad perturbed by r of its RMS (seeded noise), the round-off twin of
+    reference_case."""
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.build import build
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", bucket_mb)
-    optimizer = job.optimizer()
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
-    losses, norms = [], []
-    for step in range(steps):
-        rows = job.slice.rows(cfg.train.global_batch) if own_rows else None
-        batch = data.batch(step, cfg.train.global_batch, rows=rows)
-        result = job.train_step(optimizer, batch, step)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
+    init = _float32_init(cfg, mesh, bucket_mb) if exact else None
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64 if exact else default)
+    try:  # float64: every tensor the run makes without naming a dtype
+        job = build(cfg, mesh, "cpu", bucket_mb)
+        _plant(job, init, grad_error, grad_noise, noise_seed)
+        optimizer = job.optimizer()
+        data = build_data(cfg.data, cfg.model, cfg.train.seed)
+        losses, norms = [], []
+        for step in range(steps):
+            rows = job.slice.rows(cfg.train.global_batch) if own_rows else None
+            batch = data.batch(step, cfg.train.global_batch, rows=rows)
+            result = job.train_step(optimizer, batch, step)
+            losses.append(result.loss)
+            norms.append(result.grad_norm)
+    finally:
+        torch.set_default_dtype(default)
+    return _outcome(cfg, mesh, job, optimizer, losses, norms, steps)
+
+
+def _float32_init(cfg, mesh, bucket_mb) -> list[torch.Tensor]:
+    """The float32 run's initial weights: a float64 init draws other numbers from the seed."""
+    from megapipe.train.build import build
+
+    assert mesh is None, "the float64 reference runs on one process"
+    chunks = build(cfg, mesh, "cpu", bucket_mb).engine.chunks
+    return [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+
+
+@torch.no_grad()
+def _plant(job, init, grad_error, grad_noise: float = 0.0, noise_seed: int = 0) -> None:
+    """The float32 initial weights into a float64 job; the planted grad error's hook; the
+    round-off noise on every grad."""
+    params = [p for chunk in job.engine.chunks for p in chunk.parameters()]
+    for param, value in zip(params, init or (), strict=init is not None):
+        param.copy_(value)
+    named = dict(p for chunk in job.engine.chunks for p in chunk.named_parameters())
+    if grad_error is not None:
+        name, r = grad_error
+        _perturb(named[name], r, seed=0, fresh=False)
+    if grad_noise:
+        for seed, param in enumerate(named.values()):
+            _perturb(param, grad_noise, seed=1 + seed + 1000 * noise_seed, fresh=True)
+
+
+def _perturb(param, r: float, seed: int, fresh: bool) -> None:
+    """Add r × the grad's RMS × N(0, 1) noise to each grad `param` gets (`fresh`: new noise each
+    time, as round-off is; else the same noise, a systematic error)."""
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+
+    def hook(g):
+        if not fresh:
+            return g + r * g.norm() / g.numel() ** 0.5 * noise
+        # round-off: none where nothing was summed (an embedding row no token of the step hit)
+        z = torch.randn(param.shape, generator=gen, dtype=param.dtype) * (g != 0)
+        return g + r * g.norm() / g.numel() ** 0.5 * z
+
+    param.register_hook(hook)
+
+
+def _outcome(cfg, mesh, job, optimizer, losses, norms, steps) -> dict:
+    from megapipe.parallel.tensor.gather import gather_logical
+
     weights, engine = {}, job.engine
     with job.full_weights():  # zero >= 1: gathered after the step or on use
         for chunk in engine.chunks:
@@ -236,3 +301,41 @@ def _dp_spread(weights: dict, mesh) -> float:
     copies = [torch.empty_like(flat) for _ in range(mesh.size("dp"))]
     dist.all_gather(copies, flat, group=mesh.group("dp"))
     return max((c - copies[0]).abs().max().item() for c in copies)
+
+
+_REFERENCES: dict = {}
+
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps / 2  # u, the unit round-off
+
+
+def roundoff_noise(overrides) -> float:
+    """Relative size of the noise the round-off twin adds to each grad: u·√N for a grad summed
+    over the step's N = global_batch × seq_len tokens in float32, the random-walk size of
+    recursive summation's error (Higham, Accuracy and Stability, §4.2 and its probabilistic
+    remark), taken relative to the grad's RMS: cancellation makes an element's error relative
+    to its tensor's scale, not to its own value, which is what AdamW then magnifies."""
+    cfg = tiny_config(list(overrides), "unused")
+    return FLOAT32_EPS * (cfg.train.global_batch * cfg.model.seq_len) ** 0.5
+
+
+NOISE_SAMPLES = 3  # CADNA's three randomly rounded runs (Vignes 2004)
+
+
+def reference_case(overrides, steps: int = 3) -> dict:
+    """The one-process float32 reference with "exact": its twins, each a sample of what float32
+    round-off does to this trajectory (tests/util.py derives each tensor's bound from them): the
+    same run in float64 from the float32 initial weights, and NOISE_SAMPLES float32 runs with
+    round-off-sized noise in every grad (stochastic arithmetic's way of sampling round-off's
+    heavy tail: the grads AdamW flips when they are near zero, a routing tie; one sample's
+    spread varied 40× between seeds on an MoE expert bias). Cached per session."""
+    key = (tuple(overrides), steps)
+    if key not in _REFERENCES:
+        ref = train_case(list(overrides), steps)
+        noise = roundoff_noise(overrides)
+        ref["exact"] = [train_case(list(overrides), steps, exact=True)["weights"]] + [
+            train_case(list(overrides), steps, grad_noise=noise, noise_seed=i)["weights"]
+            for i in range(NOISE_SAMPLES)
+        ]
+        _REFERENCES[key] = ref
+    return _REFERENCES[key]

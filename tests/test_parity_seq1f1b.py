@@ -189,7 +189,8 @@ def test_seq1f1b_with_split_backward_trains_like_one_process(gloo_pool):
     assert all(got["events"] == got["actions"] for got in results)
     assert all(got["deferred_matmuls"] > 0 for got in results), "W actions did the matmuls"
     assert_rel_close(torch.tensor(results[0]["losses"]), torch.tensor(ref["losses"]), name="loss")
-    assert_state_close(union_of_ranks(results), ref["weights"], reach=ref["adam_reach"])
+    weights = union_of_ranks(results)
+    assert_state_close(weights, ref["weights"], reach=ref["adam_reach"], exact=ref["exact"])
 
 
 @pytest.mark.parametrize(

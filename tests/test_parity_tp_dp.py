@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.dataset_files import random_documents, write_dataset
-from tests.parity import LOW_LR, mesh_params, train_case
+from tests.parity import LOW_LR, mesh_params, reference_case, train_case
 from tests.util import assert_rel_close, assert_state_close
 
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
@@ -59,7 +59,7 @@ SLOW = {16: [("dp4-tp4-sp", 4, 4, SP), ("dp4-tp4-llama-gqa", 4, 4, GQA2)]}
 @cache
 def reference(extra: tuple[str, ...]) -> dict:
     """One process, same config (in the pytest process, no process group)."""
-    return train_case([*extra, "parallel.sequence_parallel=false"])
+    return reference_case([*extra, "parallel.sequence_parallel=false"])
 
 
 def check_parity(gloo_pool, world, dp, tp, extra):
@@ -71,7 +71,7 @@ def check_parity(gloo_pool, world, dp, tp, extra):
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} != {b}"
         assert_rel_close(*map(_t, (got["grad_norms"], ref["grad_norms"])), name="grad norms")
-        assert_state_close(got["weights"], ref["weights"])
+        assert_state_close(got["weights"], ref["weights"], exact=ref["exact"])
     if dp > 1:  # buckets of 0.01 MB: several, launched while backward still ran
         assert results[0]["buckets"] > 1 and results[0]["overlapped_buckets"] >= 1
 

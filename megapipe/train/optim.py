@@ -49,7 +49,7 @@ def build_optimizer(
     sharded = sharded_optimizer(list(reducers), groups, adamw, stage_group)
     if sharded is not None:
         return sharded
-    if any(p.dtype != torch.float32 for p in model.parameters()):  # bf16 weights
+    if any(p.element_size() < 4 for p in model.parameters()):  # bf16 weights (not float64's)
         return MainParamOptimizer(groups, adamw)  # float32 main params, written back
     return adamw(groups)
 
@@ -110,7 +110,8 @@ def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     fresh 154 MB buffer per step (its page faults alone cost more than the norm)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = foreach_norm([g.detach() for g in grads], torch.float32)
+    wide = torch.float64 if grads[0].dtype == torch.float64 else torch.float32  # tests' float64
+    norms = foreach_norm([g.detach() for g in grads], wide)
     return torch.stack(norms).square().sum()
 
 

@@ -85,6 +85,12 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The logits' and sums' dtype: float32, or float64 where the operands are (the float64
+    reference run that tests/parity.py bounds float32 round-off with)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _chunk_logits(
     h: torch.Tensor, weight: torch.Tensor, valid: int, buffer: torch.Tensor | None
 ) -> torch.Tensor:
@@ -100,7 +106,7 @@ def _chunk_logits(
         out = buffer[: weight.shape[0] * rows].view(weight.shape[0], rows)
         logits = torch.mm(weight, h.t(), out=out)
     else:
-        logits = (weight @ h.t()).float()
+        logits = (weight @ h.t()).to(_acc_dtype(h.dtype))
     if valid < logits.shape[0]:
         logits[valid:] = float("-inf")
     return logits
@@ -152,9 +158,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 local = targets - vocab_start
                 inside = (local >= 0) & (local < valid)
                 local = local.clamp(0, n_local - 1)
-            top = torch.full((n,), float("-inf"), device=h.device)  # row max over the vocab
-            sum_exp = torch.zeros(n, device=h.device)  # Σ exp(logit − top) over this slice
-            picked = torch.zeros(n, device=h.device)  # the target's logit
+            acc = {"dtype": _acc_dtype(dtype), "device": h.device}
+            top = torch.full((n,), float("-inf"), **acc)  # row max over the vocab
+            sum_exp = torch.zeros(n, **acc)  # Σ exp(logit − top) over this slice
+            picked = torch.zeros(n, **acc)  # the target's logit
             grads = _EarlyGrads(hc, weight, reuse) if early else None
             buffer = _buffer(hc, rows, n_local, reuse)
             for lo in range(0, n, rows):
@@ -206,7 +213,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h, grad_w = grad_h.mul_(grad), grad_w.mul_(grad)
             return grad_h.to(ctx.in_dtype), grad_w.to(ctx.weight_dtype), *(None,) * 7
         hc, weight, local, top, sum_exp, *mask = ctx.saved_tensors
-        inside = mask[0].to(torch.float32) if mask else None
+        inside = mask[0].to(top.dtype) if mask else None
         n, rows = hc.shape[0], ctx.rows
         wc = weight.to(ctx.dtype)
         grads = _EarlyGrads(hc, weight)
@@ -248,14 +255,15 @@ class _EarlyGrads:
         self.hc = hc
         self.input_grad = torch.empty_like(hc)  # every chunk writes its rows
         kept = None if reuse is None else reuse.weight_grad
-        self.weight_grad = kept_or_new(kept, weight.shape, torch.float32, weight.device)
+        acc = _acc_dtype(hc.dtype)
+        self.weight_grad = kept_or_new(kept, weight.shape, acc, weight.device)
         self.first = True
 
     def add_chunk(self, lo, hi, exp, sum_exp, local, inside, wc) -> None:
         """Grads of the chunk's tokens from `exp` (V/tp, rows) float32, exp(logit − max)."""
         h_c, target = self.hc[lo:hi], local[lo:hi]
-        hit = None if inside is None else inside.to(torch.float32)  # the target in this slice
-        if wc.dtype == torch.float32:
+        hit = None if inside is None else inside.to(exp.dtype)  # the target in this slice
+        if wc.dtype == exp.dtype:  # float32 (or the float64 reference)
             self._add_folded(exp, sum_exp[lo:hi].reciprocal()[:, None], target, hit, h_c, lo, wc)
         else:
             self._add_probs(exp.div_(sum_exp[None, lo:hi]), target, hit, h_c, lo, wc)
