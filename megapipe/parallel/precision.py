@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from megapipe.parallel.data.optimizer_interface import WholeState
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -177,7 +179,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return _AddBias.apply(y, bias)
 
 
-class MainParamOptimizer:
+class MainParamOptimizer(WholeState):
     """The optimizer over float32 main params for low-precision weights (zero=0): one float32
     copy of each parameter, whose `.grad` is the parameter's main grad; `step()` steps them and
     writes them back into the weights. `state` is keyed by the model's parameters (checkpoints
