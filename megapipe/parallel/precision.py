@@ -77,7 +77,7 @@ class MainGrads:
             offset += p.numel()
 
     def release(self) -> None:
-        """Free the buffer's storage (parallel.zero >= 2 once the grads are reduce-scattered:
+        """Free the buffer's storage (ZeRO-2 and -3 once the grads are reduce-scattered:
         each rank then holds only its shard); the `main_grad` views stay, storage-less."""
         self.flat.untyped_storage().resize_(0)
 

@@ -78,7 +78,7 @@ class Job:
         return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group, sharding)
 
     def full_weights(self, write_back: bool = False):
-        """Within: every local parameter holds its whole, current value (parallel.zero >= 1
+        """Within: every local parameter holds its whole, current value (ZeRO-1 and up
         gathers weights after the step, or on use: parallel/data/levels.full_weights)."""
         return full_weights([r for r in self.engine.reducers if r is not None], write_back)
 
@@ -125,7 +125,7 @@ def replica(
     sharding: Sharding | None = None,
 ) -> Replica:
     """The plain engine over `model`: dp × cp buckets, reduced and sharded by `sharding`
-    (None: parallel.zero's), when there are replicas."""
+    (None: the config's), when there are replicas."""
     sharding = sharding or _sharding(cfg, mesh)
     if mesh is None:
         return Replica(cfg, model)

@@ -10,7 +10,7 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         checkpoint resumes under any mesh. Under pp each rank writes the
                         tensors of its chunks; the tied embedding that the last stage also
                         holds (Megatron's shared word embeddings) is written by stage 0 only
-                        and restored into both copies. Under parallel.zero=1 every replica
+                        and restored into both copies. Under ZeRO-1 and up every replica
                         writes the AdamW moments of the flat ranges it owns, as blocks of the
                         same logical tensors (train/checkpoint_zero.py), so zero=0 and zero=1
                         checkpoints are one format
@@ -173,7 +173,7 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
 
 
 def whole_weights(optimizer, write_back: bool = False):
-    """Within: the parameters whole (parallel.zero >= 1 gathers them after the step or on use:
+    """Within: the parameters whole (ZeRO-1 and up gather them after the step or on use:
     the optimizer interface's full_weights); `write_back`: zero=3's shards take them back."""
     if optimizer is None:
         return contextlib.nullcontext()

@@ -1,4 +1,4 @@
-"""Checkpoint pieces of the distributed optimizer (parallel.zero=1): the same logical names and
+"""Checkpoint pieces of the distributed optimizer (ZeRO-1 and up): the same logical names and
 shapes as a zero=0 checkpoint, so either loads into the other.
 
 A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-

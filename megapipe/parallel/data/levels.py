@@ -1,4 +1,4 @@
-"""The ZeRO level as a sharding strategy (parallel.zero: 0 plain all-reduce; 1 moments sharded,
+"""The ZeRO level as a sharding strategy (the config's zero: 0 plain all-reduce; 1 moments sharded,
 zero.py; 2 + grads, zero2.py; 3 + weights, zero3.py): one `Sharding` object, resolved once from
 the config (train/build.py) and handed to the reducers, the optimizer, the engines and the
 checkpoint code, which ask it instead of reading the level again.
@@ -112,7 +112,7 @@ PLAIN = LEVELS[0]
 
 
 def sharding_of(level: int, replicas: bool) -> Sharding:
-    """The strategy of ZeRO `level` (parallel.zero); without dp × cp `replicas` nothing is
+    """The strategy of ZeRO `level` (the config's); without dp × cp `replicas` nothing is
     sharded, whatever the level."""
     return LEVELS[level if replicas else 0]
 
