@@ -154,11 +154,12 @@ class TorchStage(nn.Module):
 
 class Ours:
     def __init__(self, name: str, mesh) -> None:
+        from megapipe.parallel.data.levels import PLAIN
         from megapipe.pipeline.engine import build_pipeline
 
         schedule, self.vpp, _ = OURS[name]
         cfg = make_config(schedule, self.vpp, extra_of(name))
-        self.name, self.pipe = name, build_pipeline(cfg, mesh)
+        self.name, self.pipe = name, build_pipeline(cfg, mesh, PLAIN)  # pp only: no replicas
         if OURS[name][2] is not None:  # torch's order on our runtime
             self.pipe.use_schedule(our_actions(name)[0])
         self.params = [p for c in self.pipe.chunks for p in c.parameters()]

@@ -11,7 +11,7 @@ import torch
 
 from megapipe.distributed.local_world import spawn
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh
-from megapipe.parallel.data.levels import make_reducer
+from megapipe.parallel.data.levels import LEVELS
 from megapipe.parallel.expert.dispatch import combine, dispatch
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, ep_info, mark_experts
 from megapipe.parallel.precision import grad_of
@@ -65,16 +65,15 @@ def _case(sizes: MeshSizes, zero: int) -> dict:
     mesh = ParallelMesh(sizes)
     c = mesh.coords
     model = Toy(ep_info(mesh), tp_info(mesh))
-    reducer = make_reducer(
-        model, mesh.replica_group, 1e-4, zero, None, (), mesh.expert_replica_group
-    )
+    sharding = LEVELS[zero]
+    reducer = sharding.reducer(model, mesh.replica_group, 1e-4, None, (), mesh.expert_replica_group)
     replica = c["dp"] * sizes.cp + c["cp"]  # the rows this dp × cp replica reads
     rows = slice(replica * T, (replica + 1) * T)
     x, choice, cot = (t[rows] for t in batch(sizes.dp * sizes.cp))
     model(x, choice, cot).backward()
     reducer.finish()
-    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=zero, ep=sizes.ep))
-    engine = Replica(cfg, model, reducer, mesh.world_group)
+    engine = Replica(SimpleNamespace(), model, reducer, mesh, sharding)
+    assert engine.norm_group is mesh.world_group  # ep ranks hold different experts
     norm = global_grad_norm(engine.grads_counted_once(), mesh.world_group)
     grads = {n: grad_of(p).clone() for n, p in model.named_parameters()}
     owned = [(n, s.lo, s.hi) for s in reducer.owned() for n, p in model.named_parameters()

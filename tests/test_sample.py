@@ -19,6 +19,7 @@ from megapipe.models.gpt import GPT
 from megapipe.models.hf import to_hf
 from megapipe.models.sample import next_token, sample
 from megapipe.train import checkpoint
+from megapipe.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ = 16
@@ -140,7 +141,7 @@ def saved_run(run_dir: Path, dataset_dir: Path) -> GPT:
     with torch.no_grad():
         for param in gpt.parameters():
             param.add_(torch.randn_like(param))
-    checkpoint.save(cfg, 3, gpt, torch.optim.AdamW(gpt.parameters()))
+    checkpoint.save(cfg, 3, gpt, build_optimizer(gpt, cfg.train))
     return gpt.eval()
 
 

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from megapipe.parallel.data.optimizer_interface import WholeState
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -75,7 +77,7 @@ class MainGrads:
             offset += p.numel()
 
     def release(self) -> None:
-        """Free the buffer's storage (parallel.zero >= 2 once the grads are reduce-scattered:
+        """Free the buffer's storage (ZeRO-2 and -3 once the grads are reduce-scattered:
         each rank then holds only its shard); the `main_grad` views stay, storage-less."""
         self.flat.untyped_storage().resize_(0)
 
@@ -177,7 +179,7 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return _AddBias.apply(y, bias)
 
 
-class MainParamOptimizer:
+class MainParamOptimizer(WholeState):
     """The optimizer over float32 main params for low-precision weights (zero=0): one float32
     copy of each parameter, whose `.grad` is the parameter's main grad; `step()` steps them and
     writes them back into the weights. `state` is keyed by the model's parameters (checkpoints

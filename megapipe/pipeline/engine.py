@@ -21,13 +21,14 @@ from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.pipeline_split import schedule_of
 from megapipe.parallel.context.zigzag import cp_info
-from megapipe.parallel.data.levels import make_reducer
+from megapipe.parallel.data.levels import Sharding
 from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.parallel.precision import DTYPES, autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
 from megapipe.pipeline.p2p import StageLinks
+from megapipe.pipeline.protocol import SynchronousStep
 from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
 from megapipe.pipeline.stages import build_chunks, weight_blocks
 from megapipe.pipeline.tied import TiedEmbedding
@@ -37,7 +38,7 @@ from megapipe.plan.schedules import SCHEDULES, placement
 
 
 @dataclass
-class Pipeline:
+class Pipeline(SynchronousStep):
     """This rank's chunks, its runtime and the schedule it runs."""
 
     cfg: Config
@@ -46,6 +47,7 @@ class Pipeline:
     runtime: PipelineRuntime
     reducers: list  # one dp × cp GradReducer per chunk (None without replicas)
     tied: TiedEmbedding
+    sharding: Sharding  # the ZeRO level (parallel/data/levels.py)
     actions: list = field(default_factory=list)  # this rank's
     arrivals: dict = field(default_factory=dict)  # {peer pp rank: its send order to us}
     # a schedule built for costs under parallel.schedule_costs=profile (zb_v, zb_auto): rebuild
@@ -58,12 +60,9 @@ class Pipeline:
 
     @property
     def norm_group(self):
-        """pp × tp holds one copy of every parameter; under zero=1 each dp × cp replica holds
-        its own shard of the summed grads (zeros elsewhere), so the norm spans every rank."""
-        sharded = self.cfg.parallel.zero and any(self.reducers)
-        # ep > 1: ep ranks hold different experts, so the norm spans every rank too
-        world = sharded or self.cfg.parallel.ep > 1
-        return self.mesh.world_group if world else self.mesh.norm_group
+        """pp × tp holds one copy of every parameter, unless the grads are spread over the
+        replicas (the sharding's norm rule, parallel/data/levels.py): then every rank."""
+        return self.sharding.norm_group(self.mesh)
 
     @property
     def device(self) -> torch.device:
@@ -117,10 +116,8 @@ class Pipeline:
         """Each logical grad once over pp × tp: the last stage's tied copy is left out, and
         DualPipe's up copies (dual.py)."""
         chunks = counted_chunks(self.chunks, self.runtime.placement)
-        keep = {id(c): r.counts if r is not None else None
+        keep = {id(c): self.sharding.counted(self.mesh, r)
                 for c, r in zip(self.chunks, self.reducers)}  # fmt: skip
-        if not (self.cfg.parallel.zero or self.cfg.parallel.ep > 1):
-            keep = {}  # the norm spans pp × tp: every replica counts
         return [
             g for c in chunks for g in grads_counted_once(c, c.tied_copy_names(), keep.get(id(c)))
         ]
@@ -164,12 +161,14 @@ class Pipeline:
 def build_pipeline(
     cfg: Config,
     mesh,
+    sharding: Sharding,
     device="cpu",
     bucket_mb: float | None = None,
     kind: type[Pipeline] = Pipeline,
 ) -> Pipeline:
-    """This rank's `kind` of Pipeline for cfg's schedule, on `mesh` (dp buckets of `bucket_mb`
-    MB; None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas)."""
+    """This rank's `kind` of Pipeline for cfg's schedule, on `mesh`, its grads reduced and
+    sharded by `sharding` (parallel/data/levels.sharding_of) in dp buckets of `bucket_mb` MB
+    (None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas)."""
     p = cfg.parallel
     bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
     place = placement(p.schedule, p.pp, p.vpp)
@@ -177,15 +176,13 @@ def build_pipeline(
     runtime = _runtime(cfg, mesh, device, chunks, place)
     experts = mesh.expert_replica_group  # parallel.ep > 1: the expert weights' replicas
     reducers = [
-        make_reducer(
-            c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c), experts
-        )
+        sharding.reducer(c, mesh.replica_group, bucket_mb, c.tied_table, weight_blocks(c), experts)
         if p.dp * p.cp > 1
         else None
         for c in chunks
     ]
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
-    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)
+    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied, sharding)
     pipe.use_schedule(schedule_of(cfg))
     # the second step is profiled: the first pays one-off costs (allocations, lazy init)
     built_for_costs = SCHEDULES[p.schedule].built_for_costs

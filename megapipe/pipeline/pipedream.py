@@ -40,6 +40,7 @@ from torch import nn
 
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline.engine import Pipeline
+from megapipe.pipeline.protocol import StepCore, StepResult
 from megapipe.pipeline.runtime import Hooks, MicroBatch
 from megapipe.plan.actions import FULL_BACKWARD, Action
 
@@ -157,13 +158,14 @@ class _StageGrads:
     refuses tied embeddings). The reducers sum the dense grads over dp × cp and, under
     parallel.ep > 1, the expert grads over their expert-replica group only (reducer.py); the
     ep ranks of the stage then hold different experts, so the stage's norm spans its
-    dp × cp × tp ranks with each grad counted by one replica (as post-validation's stage norm)."""
+    dp × cp × tp ranks with each grad counted by one replica (the sharding's norm rule for one
+    stage, parallel/data/levels.py, as post-validation's stage norm)."""
 
     def __init__(self, pipe: PipeDreamPipeline, live: list[nn.Parameter]) -> None:
         self.chunks, self.reducers, self.live = pipe.chunks, pipe.reducers, live
-        experts = pipe.cfg.parallel.ep > 1
-        self.norm_group = pipe.mesh.stage_group if experts else pipe.mesh.group("tp")
-        self.keep = pipe.reducers[0].counts if experts else None
+        self.sharding = pipe.sharding
+        self.norm_group = pipe.sharding.stage_norm_group(pipe.mesh)
+        self.keep = pipe.sharding.counted(pipe.mesh, pipe.reducers[0])
 
     def params(self) -> list[nn.Parameter]:
         return self.live
@@ -199,6 +201,15 @@ class PipeDreamPipeline(Pipeline):
         if self.store.snapshots:
             raise RuntimeError(f"weight versions left stashed: {sorted(self.store.snapshots)}")
         return loss_sum
+
+    def run_step(self, micro: list[MicroBatch], core: StepCore) -> StepResult:
+        """§3.3: each stage stepped by the step core's `update` after every microbatch's
+        backward; the loss agreed as the synchronous step's, the logged norm the mean of the
+        updates' (step_grad_norm)."""
+        loss_sum = core.forward_backward(self, micro, core.update)
+        loss = core.global_loss(loss_sum, stages=self)
+        norm, skipped = self.step_grad_norm()
+        return StepResult(loss=loss.item(), grad_norm=norm, lr=core.lr, skipped=skipped)
 
     def step_grad_norm(self) -> tuple[float, bool]:
         """The logged norm: mean over the step's microbatches of each update's whole-model

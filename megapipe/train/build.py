@@ -10,7 +10,7 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
-from megapipe.parallel.data.levels import full_weights, make_reducer
+from megapipe.parallel.data.levels import Sharding, full_weights, sharding_of
 from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.pipeline.engine import Pipeline, build_pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
@@ -22,7 +22,7 @@ from megapipe.train.hooks import NO_HOOKS, TrainHooks
 from megapipe.train.optim import build_optimizer
 from megapipe.train.post_validation import PostValidatedEngine
 from megapipe.train.replica import Replica
-from megapipe.train.step import StepResult, settle, train_step
+from megapipe.train.step import StepResult, train_step
 
 
 @dataclass
@@ -64,20 +64,21 @@ class Job:
     @property
     def post_validated(self) -> bool:
         """Zero Bubble §4 post-validation is on: no collective joins the ranks between steps."""
-        return isinstance(self.engine, PostValidatedEngine)
+        return self.engine.post_validated
 
     def settle(self, optimizer, hooks: TrainHooks = NO_HOOKS) -> StepResult | None:
         """Post-validation: validate the pending step now; its final result (None: none)."""
-        return settle(self.engine, optimizer, self.cfg, hooks)
+        return self.engine.settle(optimizer, self.cfg, hooks)
 
     def optimizer(self):
-        """AdamW over this rank's parameters; under parallel.zero >= 1 with replicas, over its
-        shard of each gradient bucket (parallel/data/levels.py: zero.py, zero2.py, zero3.py)."""
+        """AdamW over this rank's parameters; under a sharded ZeRO level, over its shard of
+        each gradient bucket (the engine's sharding: parallel/data/levels.py)."""
         group = self.mesh.stage_group if self.mesh is not None else None
-        return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group)
+        sharding = self.engine.sharding
+        return build_optimizer(self.model, self.cfg.train, self.engine.reducers, group, sharding)
 
     def full_weights(self, write_back: bool = False):
-        """Within: every local parameter holds its whole, current value (parallel.zero >= 1
+        """Within: every local parameter holds its whole, current value (ZeRO-1 and up
         gathers weights after the step, or on use: parallel/data/levels.full_weights)."""
         return full_weights([r for r in self.engine.reducers if r is not None], write_back)
 
@@ -90,16 +91,25 @@ def build(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None) -> Jo
     (tp-sharded) model; mesh None is one process. dp buckets of `bucket_mb` MB (None: the
     reducer's size for dp · cp replicas, parallel/data/reducer.replica_bucket_mb)."""
     bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
+    sharding = _sharding(cfg, mesh)
     if cfg.parallel.pp > 1:
         kind = PipeDreamPipeline if cfg.parallel.schedule == "pipedream_async" else Pipeline
-        pipe = build_pipeline(cfg, mesh, device, bucket_mb, kind)
+        pipe = build_pipeline(cfg, mesh, sharding, device, bucket_mb, kind)
         engine: Engine = pipe
         if cfg.parallel.post_validation and kind is Pipeline:
             # Zero Bubble §4: no global reduction before the optimizer
-            engine = PostValidatedEngine.of(pipe, cfg)
+            engine = PostValidatedEngine.of(pipe)
         return Job(cfg, nn.ModuleList(pipe.chunks), engine, _slice(cfg, mesh), mesh)
     model = build_model(cfg, mesh, device)
-    return Job(cfg, model, replica(cfg, model, mesh, bucket_mb), _slice(cfg, mesh), mesh)
+    engine = replica(cfg, model, mesh, bucket_mb, sharding)
+    return Job(cfg, model, engine, _slice(cfg, mesh), mesh)
+
+
+def _sharding(cfg: Config, mesh) -> Sharding:
+    """The ZeRO level's strategy (parallel.zero, read here once): nothing is sharded without
+    dp × cp replicas."""
+    replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
+    return sharding_of(cfg.parallel.zero, replicas)
 
 
 def _slice(cfg: Config, mesh) -> BatchSlice:
@@ -107,16 +117,22 @@ def _slice(cfg: Config, mesh) -> BatchSlice:
     return BatchSlice.of(mesh, cfg.train.global_batch, document_eos(cfg))
 
 
-def replica(cfg: Config, model: nn.Module, mesh=None, bucket_mb: float | None = None) -> Replica:
-    """The plain engine over `model`: dp × cp buckets when there are replicas."""
+def replica(
+    cfg: Config,
+    model: nn.Module,
+    mesh=None,
+    bucket_mb: float | None = None,
+    sharding: Sharding | None = None,
+) -> Replica:
+    """The plain engine over `model`: dp × cp buckets, reduced and sharded by `sharding`
+    (None: the config's), when there are replicas."""
+    sharding = sharding or _sharding(cfg, mesh)
     if mesh is None:
         return Replica(cfg, model)
     if mesh.size("dp") * mesh.size("cp") == 1:
-        return Replica(cfg, model, None, mesh.norm_group, mesh.progress)
-    zero, blocks = cfg.parallel.zero, weight_blocks(model)
+        return Replica(cfg, model, None, mesh, sharding, mesh.progress)
     bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
     experts = mesh.expert_replica_group  # parallel.ep > 1: expert weights' grads summed there
-    reducer = make_reducer(model, mesh.replica_group, bucket_mb, zero, None, blocks, experts)
-    # zero=1 shards, and ep ranks hold different experts: the norm spans every rank
-    norm_group = mesh.world_group if zero or experts is not None else mesh.norm_group
-    return Replica(cfg, model, reducer, norm_group, mesh.progress)
+    blocks = weight_blocks(model)
+    reducer = sharding.reducer(model, mesh.replica_group, bucket_mb, None, blocks, experts)
+    return Replica(cfg, model, reducer, mesh, sharding, mesh.progress)

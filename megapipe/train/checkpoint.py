@@ -10,7 +10,7 @@ Layout of one checkpoint, `<checkpoint.dir>/step_00000100/`:
                         checkpoint resumes under any mesh. Under pp each rank writes the
                         tensors of its chunks; the tied embedding that the last stage also
                         holds (Megatron's shared word embeddings) is written by stage 0 only
-                        and restored into both copies. Under parallel.zero=1 every replica
+                        and restored into both copies. Under ZeRO-1 and up every replica
                         writes the AdamW moments of the flat ranges it owns, as blocks of the
                         same logical tensors (train/checkpoint_zero.py), so zero=0 and zero=1
                         checkpoints are one format
@@ -46,8 +46,6 @@ from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.models.gpt import GPT
-from megapipe.parallel.data.levels import full_weights
-from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, expert_ep
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -87,17 +85,6 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def _ensure_optim_state(param: nn.Parameter, optimizer) -> dict:
-    """AdamW state of `param`, created (zeros) if absent so a load has tensors to fill."""
-    state = optimizer.state[param]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        # float32 moments whatever the weights' dtype (bf16 weights: of the main params)
-        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-    return state
-
-
 class Entry(NamedTuple):
     """One model or optimizer tensor: its logical key and shape, this rank's local tensor."""
 
@@ -130,7 +117,7 @@ def training_entries(model: nn.Module, optimizer, mains: dict | None = None) -> 
             out.append(Entry(f"model.{name}", weight, shape, spec, tp, copy, ep))
             if optimizer is None:
                 continue
-            for key, value in _ensure_optim_state(param, optimizer).items():
+            for key, value in optimizer.param_state(param).items():
                 sharded = value.shape == param.shape
                 out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
                                  spec if sharded else ShardSpec(), tp, copy,
@@ -173,7 +160,7 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
     c, sizes = coords(rank(), MeshSizes.of(cfg)), MeshSizes.of(cfg)
     writer = not (c["dp"] or c["cp"])  # else a replica of what dp/cp rank 0 writes
     experts = c["dp"] < sizes.ep and not c["cp"]  # an ep rank of the first dp block
-    zero = isinstance(optimizer, ShardedOptimizer)
+    zero = optimizer is not None and optimizer.shards_state
     state, mains = {}, main_weights(optimizer)  # a collective under zero=1: every rank
     for e in training_entries(model, None if zero else optimizer, mains) if experts else ():
         if e.copy or not (experts if e.ep.size > 1 else writer):
@@ -186,9 +173,11 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
 
 
 def whole_weights(optimizer, write_back: bool = False):
-    """Within: the parameters whole (parallel.zero >= 1 gathers them after the step or on use:
-    parallel/data/levels.full_weights); `write_back`: zero=3's shards take them back after."""
-    return full_weights(getattr(optimizer, "reducers", []), write_back)
+    """Within: the parameters whole (ZeRO-1 and up gather them after the step or on use:
+    the optimizer interface's full_weights); `write_back`: zero=3's shards take them back."""
+    if optimizer is None:
+        return contextlib.nullcontext()
+    return optimizer.full_weights(write_back)
 
 
 def save(
@@ -394,8 +383,7 @@ def load(path: str, cfg: Config, model: nn.Module, optimizer) -> dict:
     meta = read_meta(path)
     saved = _check_resumable(path, cfg)
     with whole_weights(optimizer, write_back=True):  # zero=3: the shards take the loaded values
-        ensure = lambda p: _ensure_optim_state(p, optimizer)  # noqa: E731
-        targets = read_targets(_chunks(model), optimizer, ensure)
+        targets = read_targets(_chunks(model), optimizer)
         meta["bytes_read"] = read_blocks(path, targets, meta.get("files"))
         targets.finish()  # bf16 weights: rounded from the float32 main params just read
     same_mesh = MeshSizes(**meta["mesh"]) == MeshSizes.of(cfg) and (

@@ -29,7 +29,6 @@ from torch.futures import Future
 
 from megapipe._torch_compat import narrow_to_block
 from megapipe.distributed.launch import distributed, rank
-from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -85,15 +84,16 @@ class Targets:
                 fn()
 
 
-def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
-    """Every block of weights and optimizer state this rank holds, for either optimizer:
-    AdamW's moments are blocks like their parameter's (zero=0, `ensure_state(param)` gives the
-    state) or the owned flat ranges (zero=1). The last stage's tied copy reads the table. A
-    bf16 weights are read into their float32 main params, then rounded (`restore_main`)."""
+def read_targets(chunks: list[nn.Module], optimizer) -> Targets:
+    """Every block of weights and optimizer state this rank holds, through the optimizer
+    interface (parallel/data/optimizer_interface.py): AdamW's moments are blocks like their
+    parameter's (zero=0, `param_state`) or the owned flat ranges (zero >= 1, `owned_state`).
+    The last stage's tied copy reads the table. bf16 weights are read into their float32 main
+    params, then rounded (`restore_main`)."""
     t, mains = Targets(), main_weights(optimizer, load=True)
     if mains:
         t.after.append(lambda: optimizer.restore_main(mains))
-    zero = isinstance(optimizer, ShardedOptimizer)
+    zero = optimizer is not None and optimizer.shards_state
     for chunk in chunks:
         for name, param, shape, spec, tp in sharded_params(chunk):
             weight, first = mains.get(id(param), param.data), expert_offset(param)
@@ -103,7 +103,7 @@ def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
             if zero:
                 _zero_state(t, name, param, shape, spec, tp, optimizer)
                 continue
-            for key, value in ensure_state(param).items():
+            for key, value in optimizer.param_state(param).items():
                 if value.shape == param.shape:
                     t.add(f"optim.{name}.{key}", tp_blocks(value, shape, spec, tp, first))
                 else:
@@ -111,7 +111,7 @@ def read_targets(chunks: list[nn.Module], optimizer, ensure_state) -> Targets:
     return t
 
 
-def _zero_state(t: Targets, name, param, shape, spec, tp, optimizer: ShardedOptimizer) -> None:
+def _zero_state(t: Targets, name, param, shape, spec, tp, optimizer) -> None:
     owned = optimizer.owned_state(param)
     step = t.scalar(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
     t.after.append(lambda: optimizer.set_step_count(step))

@@ -1,4 +1,4 @@
-"""Checkpoint pieces of the distributed optimizer (parallel.zero=1): the same logical names and
+"""Checkpoint pieces of the distributed optimizer (ZeRO-1 and up): the same logical names and
 shapes as a zero=0 checkpoint, so either loads into the other.
 
 A rank owns a flat range of each local (tp-sharded) parameter (parallel/data/zero.py). Row-
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from megapipe._torch_compat import sharded_tensor
-from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -106,11 +105,12 @@ def _logical(chunks: list[nn.Module]):
 def main_weights(optimizer, load: bool = False) -> dict:
     """bf16 weights: {id(param): its whole float32 main param}, written and read as the
     model's weights, so float32 and bf16 runs resume each other (parallel/precision.py)."""
-    fn = getattr(optimizer, "load_targets" if load else "main_weights", None)
-    return fn() if fn is not None else {}
+    if optimizer is None:
+        return {}
+    return optimizer.load_targets() if load else optimizer.main_weights()
 
 
-def optimizer_state(chunks: list[nn.Module], optimizer: ShardedOptimizer, writer: bool) -> dict:
+def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool) -> dict:
     """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
     logical names and shapes; the step count (replicated) from `writer` ranks."""
     state = {}

@@ -17,8 +17,14 @@ from torch import nn
 
 from megapipe._torch_compat import foreach_mul_, foreach_norm, fused_adamw_devices
 from megapipe.config import TrainConfig
-from megapipe.parallel.data.levels import sharded_optimizer
+from megapipe.parallel.data.levels import PLAIN, Sharding
+from megapipe.parallel.data.optimizer_interface import WholeState
 from megapipe.parallel.precision import MainParamOptimizer, grad_of
+
+
+class AdamW(WholeState, torch.optim.AdamW):
+    """torch's AdamW with the optimizer interface that checkpoints use
+    (parallel/data/optimizer_interface.py): its state whole per parameter."""
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -39,14 +45,18 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: TrainConfig, reducers=(), stage_group=None
+    model: nn.Module,
+    cfg: TrainConfig,
+    reducers=(),
+    stage_group=None,
+    sharding: Sharding = PLAIN,
 ) -> torch.optim.Optimizer:
-    """AdamW over `model`; over this rank's shards when `reducers` are the distributed
-    optimizer's (parallel/data/zero.ShardedGradReducer, one per chunk), whose checkpoints are
-    written over `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
+    """AdamW over `model`; under a sharded level (`sharding`, parallel/data/levels.py) over
+    this rank's shards of `reducers` (one per chunk), whose checkpoints are written over
+    `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    sharded = sharded_optimizer(list(reducers), groups, adamw, stage_group)
+    sharded = sharding.optimizer(list(reducers), groups, adamw, stage_group)
     if sharded is not None:
         return sharded
     if any(p.element_size() < 4 for p in model.parameters()):  # bf16 weights (not float64's)
@@ -68,11 +78,11 @@ def device_adamw_kind(device_type: str) -> str:
     return "fused" if device_type in fused_adamw_devices() else "foreach"
 
 
-def make_adamw(groups: list[dict], **hyper) -> torch.optim.AdamW:
+def make_adamw(groups: list[dict], **hyper) -> AdamW:
     """torch's AdamW over `groups`, fused where the devices allow (adamw_kind), else foreach.
     The distributed optimizer builds its inner optimizer over shard views with this too."""
     kind = adamw_kind(groups)
-    optimizer = torch.optim.AdamW(groups, **hyper, **{kind: True})
+    optimizer = AdamW(groups, **hyper, **{kind: True})
     if kind == "fused":
         optimizer.register_step_pre_hook(_steps_on_param_device)
     return optimizer

@@ -40,13 +40,14 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed.mesh import rank_at
-from megapipe.parallel.tensor.grad_sync import sync_tp_partial_grads
 from megapipe.pipeline.engine import Pipeline
+from megapipe.pipeline.protocol import StepCore, StepResult
 from megapipe.pipeline.runtime import NO_HOOKS, Hooks
 from megapipe.train.hooks import NO_HOOKS as NO_TRAIN_HOOKS
-from megapipe.train.hooks import TrainHooks, optimizer_step
-from megapipe.train.optim import clip_gradients, lr_at, set_lr, sum_of_squares
+from megapipe.train.hooks import TrainHooks
+from megapipe.train.optim import lr_at, sum_of_squares
 from megapipe.train.rng import rng_states, set_rng_states
+from megapipe.train.step import clip_and_step, finish_grads
 
 PV_TAG = 1 << 29  # post-validation messages (pipeline messages go untagged, the tied grad 1<<30)
 STATE = 4  # [norm², loss, first stage's non-finite flag, the last stage's send time]
@@ -83,13 +84,12 @@ class Evidence:
 class PostValidator:
     """Post-validation state of one pipeline rank."""
 
-    def __init__(self, mesh, sharded: bool) -> None:
+    def __init__(self, mesh, stage_group) -> None:
         self.mesh = mesh
         self.pp_rank, self.pp = mesh.coord("pp"), mesh.size("pp")
         self.last = self.pp - 1
-        # the grads this stage holds once: tp shards; under zero=1 also the dp × cp shards,
-        # under parallel.ep also the dp ranks' experts
-        self.stage_group = mesh.stage_group if sharded else mesh.group("tp")
+        # the ranks holding this stage's grads once (the sharding's norm rule for one stage)
+        self.stage_group = stage_group
         self.peer = [rank_at(mesh.sizes, **{**mesh.coords, "pp": r}) for r in range(self.pp)]
         self.pending: Pending | None = None
         self.evidence: list[Evidence] = []
@@ -103,14 +103,12 @@ class PostValidator:
         self, engine: Pipeline, optimizer, loss: torch.Tensor, step: int, cfg, hooks: TrainHooks
     ) -> None:
         """Finish this stage's grads, chain the partial state on, step optimistically."""
-        for chunk, reducer in zip(engine.chunks, engine.reducers):
-            if reducer is not None:
-                reducer.finish()
-            sync_tp_partial_grads(chunk)
-        engine.sync_shared_grads()  # tied table: a p2p exchange between first and last stage
+        # the update's first half (train/step.finish_grads); the tied table's copies summed
+        # by a p2p exchange between the first and last stage
+        counted, _ = finish_grads(engine)
         self.device = engine.device  # NCCL sends device tensors only
         local = torch.zeros(STATE, dtype=torch.float64, device=self.device)
-        local[0] = sum_of_squares(list(engine.grads_counted_once())).double()
+        local[0] = sum_of_squares(list(counted)).double()
         if dist.get_world_size(self.stage_group) > 1:
             dist.all_reduce(local, group=self.stage_group)  # within this stage only
         local[1] = loss.double()  # already summed over dp × cp; 0 off the last stage
@@ -196,9 +194,9 @@ class PollHooks(Hooks):
 
 class PostValidatedEngine:
     """A pipeline engine (pipeline/engine.Pipeline) with its optimizer step post-validated: the
-    `Engine` protocol (pipeline/protocol.py) as the pipeline's, plus the step core's
-    post-validated step (train/step.py): `step` (optimistic), `settle` the pending one, `redo`
-    this step's forwards and backwards on the corrected weights."""
+    `Engine` protocol (pipeline/protocol.py) as the pipeline's, with its own step variant
+    (`run_step`: settle the pending step, `redo` this step's forwards and backwards on the
+    corrected weights if it must, step optimistically) and `settle`."""
 
     def __init__(self, inner: Pipeline, validator: PostValidator) -> None:
         self.inner, self.validator = inner, validator
@@ -206,12 +204,10 @@ class PostValidatedEngine:
         self._rng: dict | None = None
 
     @classmethod
-    def of(cls, pipe: Pipeline, cfg) -> PostValidatedEngine:
-        """`pipe` post-validated (parallel.post_validation under pp > 1)."""
-        # zero=1 shards, or ep ranks holding different experts (parallel.ep > 1): a grad is
-        # counted by one rank of the stage's dp × cp × tp, so the stage sums over all of them
-        spread = bool(cfg.parallel.zero and any(pipe.reducers)) or cfg.parallel.ep > 1
-        return cls(pipe, PostValidator(pipe.mesh, spread))
+    def of(cls, pipe: Pipeline) -> PostValidatedEngine:
+        """`pipe` post-validated (parallel.post_validation under pp > 1): the stage's partial
+        state summed over the group the sharding's norm rule gives one stage."""
+        return cls(pipe, PostValidator(pipe.mesh, pipe.sharding.stage_norm_group(pipe.mesh)))
 
     # ---- the protocol, as the pipeline's ----------------------------------------------------
 
@@ -222,6 +218,10 @@ class PostValidatedEngine:
     @property
     def reducers(self) -> list:
         return self.inner.reducers
+
+    @property
+    def sharding(self):
+        return self.inner.sharding
 
     @property
     def norm_group(self):
@@ -268,13 +268,36 @@ class PostValidatedEngine:
         """A step's optimistic update waits for validation."""
         return self.validator.pending is not None
 
-    def step(self, optimizer, loss: torch.Tensor, step: int, cfg, hooks=NO_TRAIN_HOOKS) -> None:
-        """This step's optimistic optimizer step (PostValidator.step)."""
-        self.validator.step(self.inner, optimizer, loss, step, cfg, hooks)
+    post_validated = True
 
-    def settle(self, optimizer, cfg, hooks=NO_TRAIN_HOOKS, first_start: float | None = None):
-        """Validate the pending step: (loss, grad_norm, lr, skipped), redo (PostValidator)."""
-        return self.validator.settle(self.inner, optimizer, cfg, first_start, hooks)
+    def run_step(self, micro: list, core: StepCore) -> StepResult:
+        """Zero Bubble §4: this step's forwards and backwards run on the weights of the
+        previous step's optimistic update; the previous step is validated after them (its
+        global state came back meanwhile) and, if any stage's optimistic step was wrong, every
+        stage rolls back and redoes it, and this step's work runs again on the corrected
+        weights (same RNG draws). Then this step's optimistic update (PostValidator.step)."""
+        loss_sum = core.forward_backward(self, micro)
+        previous = None
+        if self.pending:
+            started = self.events[0].t0 if self.events else None
+            fields, redo = self.validator.settle(
+                self.inner, core.optimizer, core.cfg, started, core.hooks
+            )
+            previous = StepResult(*fields)
+            if redo:
+                loss_sum = self.redo(micro, core.tokens)
+        loss = core.global_loss(loss_sum)  # this stage's: the chain sums the stages
+        self.validator.step(self.inner, core.optimizer, loss, core.step, core.cfg, core.hooks)
+        nan = float("nan")
+        return StepResult(nan, nan, core.lr, final=False, previous=previous)
+
+    def settle(self, optimizer, cfg, hooks=NO_TRAIN_HOOKS) -> StepResult | None:
+        """Validate the pending step now (rolled back and redone if it must be): its final
+        result; None when nothing is pending."""
+        if not self.pending:
+            return None
+        fields, _ = self.validator.settle(self.inner, optimizer, cfg, None, hooks)
+        return StepResult(*fields)
 
     def redo(self, micro: list, loss_scale: float) -> torch.Tensor:
         """The last `forward_backward` again on the corrected weights, with the same RNG draws:
@@ -316,12 +339,11 @@ def _apply(
 ) -> None:
     """One optimizer step under `state` ([norm², loss, ...]), as train/step.update takes it:
     skip (grads dropped) when non-finite, else clip by its norm, set the LR, AdamW."""
-    if _finite(state):
-        norm = torch.tensor(state[0].item(), dtype=torch.float32, device=state.device).sqrt()
-        clip_gradients(params, norm, clip)
-        set_lr(optimizer, lr)
-        optimizer_step(optimizer, hooks)
-    optimizer.zero_grad(set_to_none=True)
+    if not _finite(state):
+        optimizer.zero_grad(set_to_none=True)
+        return
+    norm = torch.tensor(state[0].item(), dtype=torch.float32, device=state.device).sqrt()
+    clip_and_step(optimizer, params, norm, clip, lr, hooks)
 
 
 def _save(params: list, optimizer) -> dict:

@@ -12,18 +12,21 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
+from megapipe.parallel.data.levels import PLAIN, Sharding
 from megapipe.parallel.data.reducer import GradReducer
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
+from megapipe.pipeline.protocol import SynchronousStep
 from megapipe.pipeline.runtime import Event, MicroBatch
 
 
 @dataclass
-class Replica:
+class Replica(SynchronousStep):
     cfg: Config
     model: nn.Module
     reducer: GradReducer | None = None  # dp × cp gradient buckets
-    norm_group: object = None  # tp: one copy of every parameter over it
+    mesh: object = None  # None: one process
+    sharding: Sharding = PLAIN  # the ZeRO level (parallel/data/levels.py)
     progress: Progress = NO_PROGRESS  # this rank's record (distributed/progress.py)
 
     @property
@@ -33,6 +36,11 @@ class Replica:
     @property
     def reducers(self) -> list:
         return [self.reducer]
+
+    @property
+    def norm_group(self):
+        """The group the grad norm is summed over (the sharding's norm rule)."""
+        return self.sharding.norm_group(self.mesh)
 
     @property
     def device(self) -> torch.device:
@@ -66,10 +74,9 @@ class Replica:
         return None  # the tied table is one parameter here
 
     def grads_counted_once(self) -> list[torch.Tensor]:
-        """Each logical grad once over `norm_group`: over every rank (zero=1, or ep > 1), the
-        replicas the reducer names (GradReducer.counts)."""
-        p = self.cfg.parallel
-        keep = self.reducer.counts if self.reducer and (p.zero or p.ep > 1) else None
+        """Each logical grad once over `norm_group`: where it spans every rank, on the replica
+        the reducer names (the sharding's norm rule, parallel/data/levels.py)."""
+        keep = self.sharding.counted(self.mesh, self.reducer)
         return grads_counted_once(self.model, keep=keep)
 
     def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:

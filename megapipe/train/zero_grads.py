@@ -1,4 +1,4 @@
-"""Step 3 of a training step on gradient shards (parallel.zero >= 2, parallel/data/zero2.py):
+"""Step 3 of a training step on gradient shards (ZeRO-2 and -3, parallel/data/zero2.py):
 the same sums, norm and clip as on full-size grads, each on the part this rank holds.
 
 After the dp × cp reduce-scatter a rank holds, per bucket, the summed grads of one contiguous

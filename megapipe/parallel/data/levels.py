@@ -1,14 +1,26 @@
-"""The ZeRO level's reducer and optimizer (parallel.zero: 0 plain all-reduce; 1 moments
-sharded, zero.py; 2 + grads, zero2.py; 3 + weights, zero3.py), chosen in one place."""
+"""The ZeRO level as a sharding strategy (the config's zero: 0 plain all-reduce; 1 moments sharded,
+zero.py; 2 + grads, zero2.py; 3 + weights, zero3.py): one `Sharding` object, resolved once from
+the config (train/build.py) and handed to the reducers, the optimizer, the engines and the
+checkpoint code, which ask it instead of reading the level again.
+
+It also holds the norm-group rule, once for every engine: a logical grad is summed whole on
+each of its replicas, except where its replicas hold different pieces of it (a sharded level
+with replicas: each rank's shard of the summed grads, zeros elsewhere) or where the ranks of
+one replica group hold different parameters (parallel.ep > 1: different experts). Then the
+grad norm spans every rank (the whole model) or the stage's dp × cp × tp ranks (one stage), and
+each grad is counted by the replica its reducer names (GradReducer.counts); otherwise it spans
+pp × tp (the mesh's norm group) or tp, where every replica holds every grad.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 from torch import nn
 
 from megapipe.parallel.data.reducer import GradReducer
-from megapipe.parallel.data.zero import ShardedGradReducer, ShardedOptimizer
+from megapipe.parallel.data.zero import ShardedOptimizer
 from megapipe.parallel.data.zero2 import (
     OverlappedGatherReducer,
     WeightBlock,
@@ -17,47 +29,92 @@ from megapipe.parallel.data.zero2 import (
 )
 from megapipe.parallel.data.zero3 import Zero3Optimizer, Zero3Reducer
 
-REDUCERS = {1: OverlappedGatherReducer, 2: Zero2Reducer, 3: Zero3Reducer}
-
-__all__ = ["WeightBlock", "full_weights", "make_reducer", "sharded_optimizer", "shards_grads"]
+__all__ = ["LEVELS", "PLAIN", "Sharding", "WeightBlock", "full_weights", "sharding_of"]
 
 
-def make_reducer(
-    model: nn.Module,
-    group,
-    bucket_mb: float,
-    zero: int,
-    shared: nn.Parameter | None = None,
-    blocks: tuple[WeightBlock, ...] = (),
-    expert_group=None,
-) -> GradReducer:
-    """The dp × cp gradient reducer of `model` at ZeRO level `zero`: `shared` (a pipeline
-    stage's copy of the tied table, summed with another stage's after the reduction) gets a
-    bucket of its own so both copies shard alike (zero=0: so that the sum's new grad leaves no
-    other grad viewing the old one's flat buffer); `blocks` (the model's units of weight use,
-    in forward order) are where the weight gathers wait (1, 2) or gather and free (3);
-    `expert_group` (parallel.ep > 1) is where the expert weights' buckets are summed."""
-    own = (shared,) if shared is not None else ()
-    if not zero:  # own bucket: the tied sum's new grad frees the old one's whole flat buffer
-        return GradReducer(model, group, bucket_mb, own_bucket=own, expert_group=expert_group)
-    kind = REDUCERS[zero]
-    return kind(model, group, bucket_mb, own, blocks=tuple(blocks), expert_group=expert_group)
+@dataclass(frozen=True)
+class Sharding:
+    """One ZeRO level: the reducer and optimizer it builds, what it shards, and the norm rule."""
+
+    level: int
+    reducer_kind: type[GradReducer]
+    optimizer_kind: type[ShardedOptimizer] | None  # None: the plain optimizer (optim.py)
+
+    @property
+    def grads_as_shards(self) -> bool:
+        """The summed grads live as each rank's shards (zero >= 2), not in the params' .grad."""
+        return self.level >= 2
+
+    def reducer(
+        self,
+        model: nn.Module,
+        group,
+        bucket_mb: float,
+        shared: nn.Parameter | None = None,
+        blocks: tuple[WeightBlock, ...] = (),
+        expert_group=None,
+    ) -> GradReducer:
+        """The dp × cp gradient reducer of `model`: `shared` (a pipeline stage's copy of the
+        tied table, summed with another stage's after the reduction) gets a bucket of its own
+        so both copies shard alike (zero=0: so that the sum's new grad frees the old one's
+        whole flat buffer); `blocks` (the model's units of weight use, in forward order) are
+        where the weight gathers wait (1, 2) or gather and free (3); `expert_group`
+        (parallel.ep > 1) is where the expert weights' buckets are summed."""
+        own = (shared,) if shared is not None else ()
+        if self.optimizer_kind is None:
+            return self.reducer_kind(
+                model, group, bucket_mb, own_bucket=own, expert_group=expert_group
+            )
+        return self.reducer_kind(
+            model, group, bucket_mb, own, blocks=tuple(blocks), expert_group=expert_group
+        )
+
+    def optimizer(self, reducers: list, groups: list[dict], make, stage_group=None):
+        """The distributed optimizer over `reducers`' shards; None at zero=0 or without
+        reducers (no replicas): the plain one."""
+        mine = [r for r in reducers if r is not None]
+        if self.optimizer_kind is None or not mine:
+            return None
+        return self.optimizer_kind(mine, groups, make, stage_group)
+
+    # ---- the norm-group rule ------------------------------------------------------------------
+
+    def spread(self, mesh) -> bool:
+        """Each logical grad is whole on one rank of its replica group only (a sharded level
+        with replicas; or parallel.ep > 1, whose ep ranks hold different experts)."""
+        if mesh is None:
+            return False
+        return bool(self.level) or mesh.expert_replica_group is not None
+
+    def norm_group(self, mesh):
+        """The group the whole model's grad norm is summed over (None: one process)."""
+        if mesh is None:
+            return None
+        return mesh.world_group if self.spread(mesh) else mesh.norm_group
+
+    def stage_norm_group(self, mesh):
+        """The group one pipeline stage's grad norm is summed over (PipeDream's per-stage
+        clip, post-validation's partial state)."""
+        return mesh.stage_group if self.spread(mesh) else mesh.group("tp")
+
+    def counted(self, mesh, reducer: GradReducer | None):
+        """`reducer`'s test of which grads this rank counts in that norm (None: all)."""
+        return reducer.counts if reducer is not None and self.spread(mesh) else None
 
 
-def sharded_optimizer(reducers: list, groups: list[dict], make, stage_group=None):
-    """The distributed optimizer over `reducers`' shards (None: they are not sharded)."""
-    sharded = [r for r in reducers if isinstance(r, ShardedGradReducer)]
-    if not sharded:
-        return None
-    if isinstance(sharded[0], Zero3Reducer):
-        return Zero3Optimizer(sharded, groups, make, stage_group)
-    kind = Zero2Optimizer if isinstance(sharded[0], Zero2Reducer) else ShardedOptimizer
-    return kind(sharded, groups, make, stage_group)
+LEVELS = {
+    0: Sharding(0, GradReducer, None),
+    1: Sharding(1, OverlappedGatherReducer, ShardedOptimizer),
+    2: Sharding(2, Zero2Reducer, Zero2Optimizer),
+    3: Sharding(3, Zero3Reducer, Zero3Optimizer),
+}
+PLAIN = LEVELS[0]
 
 
-def shards_grads(reducers: list) -> bool:
-    """The summed grads live as shards (zero >= 2), not in the parameters' .grad."""
-    return any(isinstance(r, Zero2Reducer) for r in reducers)
+def sharding_of(level: int, replicas: bool) -> Sharding:
+    """The strategy of ZeRO `level` (the config's); without dp × cp `replicas` nothing is
+    sharded, whatever the level."""
+    return LEVELS[level if replicas else 0]
 
 
 @contextlib.contextmanager
@@ -66,6 +123,6 @@ def full_weights(reducers: list, write_back: bool = False):
     waited for; zero=3's blocks gathered); `write_back`: zero=3 shards take them back after."""
     with contextlib.ExitStack() as stack:
         for r in reducers:
-            if isinstance(r, OverlappedGatherReducer):
+            if r is not None:
                 stack.enter_context(r.full_weights(write_back))
         yield

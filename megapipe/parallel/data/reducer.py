@@ -105,6 +105,10 @@ class GradReducer:
         finally:
             self.syncing = True
 
+    def full_weights(self, write_back: bool = False):
+        """Within: every parameter whole; here always (a sharded level gathers, zero2.py)."""
+        return contextlib.nullcontext()
+
     def _arrived(self, param: nn.Parameter) -> None:
         if not self.syncing:
             return

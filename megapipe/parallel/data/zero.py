@@ -23,6 +23,7 @@ The zeros also make the squared-norm sum over every rank count each element once
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -39,19 +40,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 _EMPTY = torch.zeros(0)
-
-
-def make_reducer(
-    model: nn.Module, group, bucket_mb: float, zero: int, shared: nn.Parameter | None = None
-) -> GradReducer:
-    """The dp × cp gradient reducer for `model`: sharded for the distributed optimizer, where
-    `shared` (a pipeline stage's copy of the tied table, whose grad is summed with another
-    stage's after the reduction) gets a bucket of its own so both copies shard alike."""
-    if not zero:
-        return GradReducer(model, group, bucket_mb)
-    return ShardedGradReducer(
-        model, group, bucket_mb, own_bucket=(shared,) if shared is not None else ()
-    )
 
 
 @dataclass(frozen=True)
@@ -180,7 +168,10 @@ class ShardedOptimizer:
     """An optimizer over this rank's shard of every bucket: each owned range of a parameter is a
     view of the weight (so the step writes the weight in place) whose grad is the same range of
     the parameter's grad; `step()` then all-gathers the weights. `param_groups` are the model's
-    (e.g. decay / no decay), each mapped to its owned views."""
+    (e.g. decay / no decay), each mapped to its owned views. It offers the optimizer interface
+    (optimizer_interface.py) with its state as owned ranges (`owned_state`)."""
+
+    shards_state = True
 
     def __init__(
         self, reducers: list[ShardedGradReducer], groups: list[dict], make, stage_group=None
@@ -232,6 +223,15 @@ class ShardedOptimizer:
             for p in r.model.parameters():
                 p.grad = None
             zero_main_grads(r.model.parameters())
+
+    @contextlib.contextmanager
+    def full_weights(self, write_back: bool = False):
+        """Within: every parameter whole (gathers waited for; zero=3's blocks gathered, and
+        with `write_back` their shards taken back after)."""
+        with contextlib.ExitStack() as stack:
+            for r in self.reducers:
+                stack.enter_context(r.full_weights(write_back))
+            yield
 
     def main_weights(self) -> dict[int, torch.Tensor]:
         """bf16 weights: {id(param): its whole float32 main param}, every rank's shards

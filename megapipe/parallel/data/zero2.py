@@ -1,4 +1,4 @@
-"""ZeRO-2 (parallel.zero=2) and the overlapped parameter all-gather of every sharded level.
+"""ZeRO-2 (the config's zero: 2) and the overlapped parameter all-gather of every sharded level.
 
 Rajbhandari et al. 2020 (ZeRO, §5.2 "P_os+g"): besides the AdamW moments, each of the R
 replicas (dp × cp) keeps only its shard of the summed gradients. The buckets, their padded

@@ -1,4 +1,4 @@
-"""ZeRO-3 (parallel.zero=3): parameters sharded too, gathered block by block as they are used.
+"""ZeRO-3 (the config's zero: 3): parameters sharded too, gathered block by block as they are used.
 
 Rajbhandari et al. 2020 (ZeRO, §5.3 "P_os+g+p") with FSDP's unit of gathering (Zhao et al.
 2023, §3.2-3.3): each block (embedding, each transformer layer, head: `WeightBlock`) has buckets of
