@@ -64,7 +64,8 @@ def batch(replicas: int):
 def _case(sizes: MeshSizes, zero: int) -> dict:
     mesh = ParallelMesh(sizes)
     c = mesh.coords
-    model = Toy(ep_info(mesh), tp_info(mesh))
+    ep = ep_info(mesh)
+    model = Toy(ep, tp_info(mesh))
     reducer = make_reducer(
         model, mesh.replica_group, 1e-4, zero, None, (), mesh.expert_replica_group
     )
@@ -73,8 +74,8 @@ def _case(sizes: MeshSizes, zero: int) -> dict:
     x, choice, cot = (t[rows] for t in batch(sizes.dp * sizes.cp))
     model(x, choice, cot).backward()
     reducer.finish()
-    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=zero, ep=sizes.ep))
-    engine = Replica(cfg, model, reducer, mesh.world_group)
+    cfg = SimpleNamespace(parallel=SimpleNamespace(zero=zero))
+    engine = Replica(cfg, model, reducer, mesh.world_group, ep=ep)
     norm = global_grad_norm(engine.grads_counted_once(), mesh.world_group)
     grads = {n: grad_of(p).clone() for n, p in model.named_parameters()}
     owned = [(n, s.lo, s.hi) for s in reducer.owned() for n, p in model.named_parameters()

@@ -20,20 +20,19 @@ from torch import nn
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.pipeline_split import schedule_of
-from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import make_reducer
 from megapipe.parallel.data.reducer import replica_bucket_mb
-from megapipe.parallel.precision import DTYPES, autocast
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
 from megapipe.pipeline.p2p import StageLinks
 from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
-from megapipe.pipeline.stages import build_chunks, weight_blocks
+from megapipe.pipeline.stages import Components, build_chunks, chunk_placement, weight_blocks
 from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
 from megapipe.plan.messages import Message
-from megapipe.plan.schedules import SCHEDULES, placement
+from megapipe.plan.schedules import SCHEDULES
 
 
 @dataclass
@@ -52,6 +51,7 @@ class Pipeline:
     # from the costs measured in this many steps (0: never)
     profile_in: int = 0
     hooks: Hooks = NO_HOOKS  # additions to each action (an observer in tests; PipeDream's own)
+    ep: EPInfo = NO_EP  # the expert-parallel axis the chunks were built on
 
     def __post_init__(self) -> None:  # a kind of pipeline sets up its own state here
         return None
@@ -62,7 +62,7 @@ class Pipeline:
         its own shard of the summed grads (zeros elsewhere), so the norm spans every rank."""
         sharded = self.cfg.parallel.zero and any(self.reducers)
         # ep > 1: ep ranks hold different experts, so the norm spans every rank too
-        world = sharded or self.cfg.parallel.ep > 1
+        world = sharded or self.ep.size > 1
         return self.mesh.world_group if world else self.mesh.norm_group
 
     @property
@@ -119,7 +119,7 @@ class Pipeline:
         chunks = counted_chunks(self.chunks, self.runtime.placement)
         keep = {id(c): r.counts if r is not None else None
                 for c, r in zip(self.chunks, self.reducers)}  # fmt: skip
-        if not (self.cfg.parallel.zero or self.cfg.parallel.ep > 1):
+        if not (self.cfg.parallel.zero or self.ep.size > 1):
             keep = {}  # the norm spans pp × tp: every replica counts
         return [
             g for c in chunks for g in grads_counted_once(c, c.tied_copy_names(), keep.get(id(c)))
@@ -169,23 +169,43 @@ def build_pipeline(
     kind: type[Pipeline] = Pipeline,
 ) -> Pipeline:
     """This rank's `kind` of Pipeline for cfg's schedule, on `mesh` (dp buckets of `bucket_mb`
-    MB; None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas)."""
+    MB; None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas), its chunks built
+    and compiled here (training lists these steps in train/parallelize.py)."""
+    parts = Components.of(cfg, mesh)
+    chunks = build_chunks(cfg, mesh, device, chunk_placement(cfg), parts)
+    return pipeline_of(cfg, mesh, chunks, chunk_reducers(cfg, mesh, chunks, bucket_mb), parts, kind)
+
+
+def chunk_reducers(cfg: Config, mesh, chunks: list[nn.Module], bucket_mb: float | None) -> list:
+    """One dp × cp gradient reducer per chunk (None without replicas)."""
     p = cfg.parallel
+    if p.dp * p.cp == 1:
+        return [None for _ in chunks]
     bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
-    place = placement(p.schedule, p.pp, p.vpp)
-    chunks = build_chunks(cfg, mesh, device, place)
-    runtime = _runtime(cfg, mesh, device, chunks, place)
     experts = mesh.expert_replica_group  # parallel.ep > 1: the expert weights' replicas
-    reducers = [
+    return [
         make_reducer(
             c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c), experts
         )
-        if p.dp * p.cp > 1
-        else None
         for c in chunks
     ]
+
+
+def pipeline_of(
+    cfg: Config,
+    mesh,
+    chunks: list[nn.Module],
+    reducers: list,
+    parts: Components,
+    kind: type[Pipeline] = Pipeline,
+) -> Pipeline:
+    """The `kind` of Pipeline over this rank's built `chunks` and their `reducers`, running
+    cfg's schedule."""
+    p = cfg.parallel
+    place = chunk_placement(cfg)
+    runtime = _runtime(cfg, mesh, chunks, place, parts)
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
-    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied)
+    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied, ep=parts.ep)
     pipe.use_schedule(schedule_of(cfg))
     # the second step is profiled: the first pays one-off costs (allocations, lazy init)
     built_for_costs = SCHEDULES[p.schedule].built_for_costs
@@ -193,24 +213,25 @@ def build_pipeline(
     return pipe
 
 
-def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> PipelineRuntime:
+def _runtime(cfg: Config, mesh, chunks: list[nn.Module], place, parts: Components):
     """The runtime over this rank's chunks: message shapes from the config, the segments."""
     p, m = cfg.parallel, cfg.model
+    device = next(chunks[0].parameters()).device
     seq = m.seq_len // p.cp  # cp: every stage passes this rank's zigzag slice
     seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
     shape = (cfg.derived.micro_batch_size, seq, m.d_model)  # (b, T/cp[/tp], d)
     segments = segment_bounds(cfg)  # Seq1F1B: [(s_i, e_i)]; [(0, T)] otherwise
     lengths = tuple((e - s) * shape[1] // m.seq_len for s, e in segments)  # local n_i
-    dtype = DTYPES[cfg.train.params_dtype]  # the residual stream's: bf16 weights make it bf16
+    dtype = parts.precision.weight_dtype  # the residual stream's: bf16 weights make it bf16
     links = StageLinks(mesh, place, shape, dtype, device=device, segments=lengths)
-    positions = cp_info(mesh).positions(m.seq_len)
+    precision = parts.precision
     return PipelineRuntime(
         chunks,
         place,
         mesh.coord("pp"),
         links,
-        positions,
-        lambda: autocast(cfg.train.dtype, device),
+        parts.cp.positions(m.seq_len),
+        lambda: precision.autocast(device),
         segments,
         mesh.progress,
     )

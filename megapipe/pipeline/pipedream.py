@@ -161,7 +161,7 @@ class _StageGrads:
 
     def __init__(self, pipe: PipeDreamPipeline, live: list[nn.Parameter]) -> None:
         self.chunks, self.reducers, self.live = pipe.chunks, pipe.reducers, live
-        experts = pipe.cfg.parallel.ep > 1
+        experts = pipe.ep.size > 1
         self.norm_group = pipe.mesh.stage_group if experts else pipe.mesh.group("tp")
         self.keep = pipe.reducers[0].counts if experts else None
 

@@ -210,7 +210,7 @@ class PostValidatedEngine:
         """`pipe` post-validated (parallel.post_validation under pp > 1)."""
         # zero=1 shards, or ep ranks holding different experts (parallel.ep > 1): a grad is
         # counted by one rank of the stage's dp × cp × tp, so the stage sums over all of them
-        spread = bool(cfg.parallel.zero and any(pipe.reducers)) or cfg.parallel.ep > 1
+        spread = bool(cfg.parallel.zero and any(pipe.reducers)) or pipe.ep.size > 1
         return cls(pipe, PostValidator(pipe.mesh, spread))
 
     # ---- the protocol, as the pipeline's ----------------------------------------------------

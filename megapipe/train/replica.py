@@ -13,7 +13,8 @@ from torch import nn
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.reducer import GradReducer
-from megapipe.parallel.precision import autocast
+from megapipe.parallel.expert.sharding import NO_EP, EPInfo
+from megapipe.parallel.precision import FLOAT32, Precision
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline.runtime import Event, MicroBatch
 
@@ -25,6 +26,8 @@ class Replica:
     reducer: GradReducer | None = None  # dp × cp gradient buckets
     norm_group: object = None  # tp: one copy of every parameter over it
     progress: Progress = NO_PROGRESS  # this rank's record (distributed/progress.py)
+    precision: Precision = FLOAT32  # the policy the model was built with (autocast)
+    ep: EPInfo = NO_EP  # the expert-parallel axis the model was built on
 
     @property
     def chunks(self) -> list[nn.Module]:
@@ -56,7 +59,7 @@ class Replica:
             last = i == len(micro) - 1
             sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
             with sync:
-                with autocast(self.cfg.train.dtype, self.device):
+                with self.precision.autocast(self.device):
                     loss = self.model(m.inputs, m.targets, m.positions, documents=m.documents)
                 (loss / loss_scale).backward()
             loss_sum += loss.detach()
@@ -68,8 +71,8 @@ class Replica:
     def grads_counted_once(self) -> list[torch.Tensor]:
         """Each logical grad once over `norm_group`: over every rank (zero=1, or ep > 1), the
         replicas the reducer names (GradReducer.counts)."""
-        p = self.cfg.parallel
-        keep = self.reducer.counts if self.reducer and (p.zero or p.ep > 1) else None
+        spread = self.cfg.parallel.zero or self.ep.size > 1
+        keep = self.reducer.counts if self.reducer and spread else None
         return grads_counted_once(self.model, keep=keep)
 
     def stage_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ class Replica:
         """Each microbatch's summed cross entropy, forward only."""
         out = []
         for m in micro:
-            with autocast(self.cfg.train.dtype, self.device):
+            with self.precision.autocast(self.device):
                 out.append(
                     self.model(m.inputs, m.targets, m.positions, documents=m.documents).item()
                 )
