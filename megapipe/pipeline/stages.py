@@ -27,7 +27,7 @@ from megapipe.models.moe import set_loss_scale
 from megapipe.parallel.context.zigzag import CPInfo, cp_info
 from megapipe.parallel.data.levels import WeightBlock
 from megapipe.parallel.expert.sharding import EPInfo, ep_info
-from megapipe.parallel.precision import Precision, autocast
+from megapipe.parallel.precision import Precision
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
 from megapipe.plan.schedules import placement
@@ -60,8 +60,9 @@ def build_model(
     and running ring attention over its cp axis (mesh None: one process); its layers compiled
     under train.compile. With no pipeline the head makes its grads in forward
     (config/memory_terms.head_grad_in_forward). `parts`: None, resolved here."""
-    model = build_chunk(cfg, mesh, device, blocks, parts or Components.of(cfg, mesh))
-    compile_chunks(cfg, mesh, [model])
+    parts = parts or Components.of(cfg, mesh)
+    model = build_chunk(cfg, mesh, device, blocks, parts)
+    compile_chunks(cfg, mesh, [model], parts.precision)
     return model
 
 
@@ -70,8 +71,9 @@ def build_chunks(
 ) -> list[GPT]:
     """This pp rank's chunks, in local chunk order, from the partition training uses; compiled
     under train.compile."""
-    chunks = model_chunks(cfg, mesh, device, parts or Components.of(cfg, mesh), placement)
-    compile_chunks(cfg, mesh, chunks)
+    parts = parts or Components.of(cfg, mesh)
+    chunks = model_chunks(cfg, mesh, device, parts, placement)
+    compile_chunks(cfg, mesh, chunks, parts.precision)
     return chunks
 
 
@@ -136,10 +138,11 @@ def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
     return tuple(out)
 
 
-def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
-    """Under train.compile: compile the chunks' transformer layers, warm them up (module
-    docstring) and print the seconds it took from rank 0; returns them (None: not compiled).
-    The linears stay eager when the schedule defers weight grads to W actions (Zero Bubble)."""
+def compile_chunks(cfg: Config, mesh, chunks: list[GPT], precision: Precision) -> float | None:
+    """Under train.compile: compile the chunks' transformer layers, warm them up under the
+    `precision` they train in (module docstring) and print the seconds it took from rank 0;
+    returns them (None: not compiled). The linears stay eager when the schedule defers weight
+    grads to W actions (Zero Bubble)."""
     layers = [layer for chunk in chunks for layer in chunk.layers.values()]
     if not cfg.train.compile or not layers:
         return None
@@ -147,7 +150,7 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     began = time.perf_counter()
     for layer in layers:
         layer.compile_math(split_weight_grads=split)
-    _warm_up(cfg, layers)
+    _warm_up(cfg, layers, precision)
     seconds = time.perf_counter() - began
     if mesh is None or mesh.rank == 0:
         device = next(layers[0].parameters()).device.type
@@ -159,7 +162,7 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     return seconds
 
 
-def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
+def _warm_up(cfg: Config, layers: list[torch.nn.Module], precision: Precision) -> None:
     """One forward and backward through `layers` with the shapes, dtype and grad mode of
     training (and an eval-mode no-grad forward when training validates), compiling every graph
     they need. RNG states (CPU, CUDA, the tp tracker) are put back, the grads dropped."""
@@ -178,13 +181,13 @@ def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
     tracker = tp.rng.state.clone() if tp.rng is not None else None
     try:
         x = torch.zeros(shape, device=device, requires_grad=True)
-        with autocast(cfg.train.dtype, device):
+        with precision.autocast(device):
             h = x
             for layer in layers:
                 h = layer(h, positions, None, documents)
         h.float().sum().backward()
         if cfg.train.eval_interval:  # train/evaluate.py: eval mode, no grad
-            with torch.no_grad(), autocast(cfg.train.dtype, device):
+            with torch.no_grad(), precision.autocast(device):
                 h = x.detach()
                 for layer in layers:
                     h = layer.eval()(h, positions, None, documents)

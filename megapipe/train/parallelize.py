@@ -108,7 +108,7 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
     place = chunk_placement(cfg) if cfg.parallel.pp > 1 else None  # the pipeline's stages
     # the model: this rank's chunks, their tp/sp, cp and ep layers, recompute, weights' dtype
     chunks = model_chunks(cfg, mesh, device, parts, place)
-    compile_chunks(cfg, mesh, chunks)  # train.compile
+    compile_chunks(cfg, mesh, chunks, parts.precision)  # train.compile
     if place is None:  # no pipeline: the one replica and its dp × cp sharding
         engine: Engine = replica(cfg, chunks[0], mesh, bucket_mb, parts)
         return Job(cfg, chunks[0], engine, _slice(cfg, mesh), mesh)
