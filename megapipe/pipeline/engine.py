@@ -182,7 +182,7 @@ def chunk_reducers(cfg: Config, mesh, chunks: list[nn.Module], bucket_mb: float 
     if p.dp * p.cp == 1:
         return [None for _ in chunks]
     bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
-    experts = mesh.expert_replica_group  # parallel.ep > 1: the expert weights' replicas
+    experts = mesh.expert_replica_group  # ep > 1: the expert weights' replicas
     return [
         make_reducer(
             c, mesh.replica_group, bucket_mb, p.zero, c.tied_table, weight_blocks(c), experts

@@ -4,9 +4,10 @@ tests.
 
 Each feature is resolved once into a component that what uses it is built with (Components:
 the cp ring, the ep axis, the precision policy; the tp layers per chunk), so nothing below
-`train/` re-reads the config keys they own: `train.dtype` and `train.params_dtype` are read
-where the precision policy is made (parallel/precision.Precision.of), `parallel.ep` where the
-mesh is (distributed/mesh.MeshSizes.of).
+`train/` re-reads the config keys they own: the compute and weight dtypes are read where the
+precision policy is made (parallel/precision.Precision.of), the expert-parallel size where the
+mesh is (distributed/mesh.MeshSizes.of). tests/test_component_reads.py counts the files that
+read them.
 """
 
 from __future__ import annotations
