@@ -22,6 +22,7 @@ from megapipe.models.init import init_parameters
 from megapipe.models.moe import MoE
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
+from megapipe.parallel.precision import Precision
 from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
 from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
@@ -130,7 +131,7 @@ def split_weight_grads(cfg: Config) -> bool:
 
 def compiled_linears(cfg: Config) -> bool:
     """Whether train.compile compiles the layers' linears with their math (compile_math)."""
-    main_grads = cfg.train.params_dtype != "float32"  # parallel/precision.attach_main_grads
+    main_grads = Precision.of(cfg.train).main_grads  # bf16 weights' float32 main grads
     eager = eager_linears(split_weight_grads(cfg), cfg.parallel.tp, main_grads)
     return cfg.train.compile and not eager
 

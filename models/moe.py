@@ -49,7 +49,7 @@ from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 class Router(ShardedModule):
     """The gate: a d → E linear held and computed in float32 whatever the weights' dtype."""
 
-    keep_float32 = True  # pipeline/stages.hold_params leaves it in float32
+    keep_float32 = True  # parallel/precision.Precision.hold leaves it in float32
 
     def __init__(self, d: int, n_experts: int, tp: TPInfo) -> None:
         super().__init__(tp)

@@ -33,12 +33,12 @@ def record(config: str, overrides: list[str], steps: int) -> list:
     from megapipe.config import load_config
     from megapipe.data.loader import build_data
     from megapipe.distributed.launch import init_distributed
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
 
     cfg = load_config(config, [*overrides, f"run.dir={tempfile.mkdtemp()}"])
     mesh = init_distributed(cfg)
-    job = build(cfg, mesh)
+    job = parallelize(cfg, mesh)
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(steps):

@@ -1,5 +1,9 @@
 """Mixed precision: bfloat16 autocast; under `train.params_dtype: bfloat16` Megatron's layout.
 
+`Precision` is the policy, resolved once from the config (train/parallelize.py) and asked by what
+it affects: the model's weights (`hold`), the autocast of the engines, the pipeline's message
+dtype; a weight's own float32 `main_grad` (below) is what the linears, reducers and optimizers ask.
+
 float32 params (the default): the weights, their grads and AdamW stay float32 and autocast
 computes the matmuls in bf16 (each forward casts each weight).
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,6 +44,52 @@ def autocast(dtype: str, device: torch.device | str):
     if dtype == "bfloat16":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision policy: `compute`, the autocast dtype (train.dtype); `weights`, the
+    parameters' dtype (train.params_dtype; bf16: float32 main grads and main params)."""
+
+    compute: str = "float32"
+    weights: str = "float32"
+
+    @staticmethod
+    def of(train) -> Precision:
+        """The policy of the config's `train` section: where its two keys are read."""
+        return Precision(train.dtype, train.params_dtype)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The parameters' dtype, and the residual stream's between pipeline stages."""
+        return DTYPES[self.weights]
+
+    @property
+    def main_grads(self) -> bool:
+        """Low-precision weights: each has a float32 main grad (`attach_main_grads`)."""
+        return self.weight_dtype != torch.float32
+
+    def autocast(self, device: torch.device | str):
+        """The forward's autocast on `device` (none for float32 compute)."""
+        return autocast(self.compute, device)
+
+    def hold(self, model: nn.Module) -> nn.Module:
+        """`model`'s weights in this dtype (each initialised in float32 from (seed, name), then
+        rounded: the same bf16 weights on every mesh), with float32 main grads under bf16.
+        Buffers (RoPE tables) keep their dtype, and so do modules marked `keep_float32` (the
+        MoE router, models/moe.py)."""
+        if not self.main_grads:
+            return model
+        for module in model.modules():
+            if getattr(module, "keep_float32", False):
+                continue
+            for p in module.parameters(recurse=False):
+                p.data = p.data.to(self.weight_dtype)
+        attach_main_grads(model)
+        return model
+
+
+FLOAT32 = Precision()
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:

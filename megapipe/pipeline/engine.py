@@ -20,21 +20,19 @@ from torch import nn
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.pipeline_split import schedule_of
-from megapipe.parallel.context.zigzag import cp_info
 from megapipe.parallel.data.levels import Sharding
 from megapipe.parallel.data.reducer import replica_bucket_mb
-from megapipe.parallel.precision import DTYPES, autocast
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
 from megapipe.pipeline.p2p import StageLinks
 from megapipe.pipeline.protocol import SynchronousStep
 from megapipe.pipeline.runtime import NO_HOOKS, Event, Hooks, MicroBatch, PipelineRuntime
-from megapipe.pipeline.stages import build_chunks, weight_blocks
+from megapipe.pipeline.stages import Components, build_chunks, chunk_placement, weight_blocks
 from megapipe.pipeline.tied import TiedEmbedding
 from megapipe.plan.channels import arrival_order
 from megapipe.plan.messages import Message
-from megapipe.plan.schedules import SCHEDULES, placement
+from megapipe.plan.schedules import SCHEDULES
 
 
 @dataclass
@@ -168,19 +166,43 @@ def build_pipeline(
 ) -> Pipeline:
     """This rank's `kind` of Pipeline for cfg's schedule, on `mesh`, its grads reduced and
     sharded by `sharding` (parallel/data/levels.sharding_of) in dp buckets of `bucket_mb` MB
-    (None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas)."""
+    (None: parallel/data/reducer.replica_bucket_mb's for dp · cp replicas), its chunks built
+    and compiled here (training lists these steps in train/parallelize.py)."""
+    parts = Components.of(cfg, mesh)
+    chunks = build_chunks(cfg, mesh, device, chunk_placement(cfg), parts)
+    reducers = chunk_reducers(cfg, mesh, chunks, bucket_mb, sharding)
+    return pipeline_of(cfg, mesh, chunks, reducers, parts, sharding, kind)
+
+
+def chunk_reducers(
+    cfg: Config, mesh, chunks: list[nn.Module], bucket_mb: float | None, sharding: Sharding
+) -> list:
+    """One dp × cp gradient reducer per chunk, of `sharding`'s level (None without replicas)."""
     p = cfg.parallel
+    if p.dp * p.cp == 1:
+        return [None for _ in chunks]
     bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
-    place = placement(p.schedule, p.pp, p.vpp)
-    chunks = build_chunks(cfg, mesh, device, place)
-    runtime = _runtime(cfg, mesh, device, chunks, place)
-    experts = mesh.expert_replica_group  # parallel.ep > 1: the expert weights' replicas
-    reducers = [
+    experts = mesh.expert_replica_group  # ep > 1: the expert weights' replicas
+    return [
         sharding.reducer(c, mesh.replica_group, bucket_mb, c.tied_table, weight_blocks(c), experts)
-        if p.dp * p.cp > 1
-        else None
         for c in chunks
     ]
+
+
+def pipeline_of(
+    cfg: Config,
+    mesh,
+    chunks: list[nn.Module],
+    reducers: list,
+    parts: Components,
+    sharding: Sharding,
+    kind: type[Pipeline] = Pipeline,
+) -> Pipeline:
+    """The `kind` of Pipeline over this rank's built `chunks` and their `reducers` (of
+    `sharding`'s level), running cfg's schedule."""
+    p = cfg.parallel
+    place = chunk_placement(cfg)
+    runtime = _runtime(cfg, mesh, chunks, place, parts)
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
     pipe = kind(cfg, mesh, chunks, runtime, reducers, tied, sharding)
     pipe.use_schedule(schedule_of(cfg))
@@ -190,24 +212,25 @@ def build_pipeline(
     return pipe
 
 
-def _runtime(cfg: Config, mesh, device, chunks: list[nn.Module], place) -> PipelineRuntime:
+def _runtime(cfg: Config, mesh, chunks: list[nn.Module], place, parts: Components):
     """The runtime over this rank's chunks: message shapes from the config, the segments."""
     p, m = cfg.parallel, cfg.model
+    device = next(chunks[0].parameters()).device
     seq = m.seq_len // p.cp  # cp: every stage passes this rank's zigzag slice
     seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
     shape = (cfg.derived.micro_batch_size, seq, m.d_model)  # (b, T/cp[/tp], d)
     segments = segment_bounds(cfg)  # Seq1F1B: [(s_i, e_i)]; [(0, T)] otherwise
     lengths = tuple((e - s) * shape[1] // m.seq_len for s, e in segments)  # local n_i
-    dtype = DTYPES[cfg.train.params_dtype]  # the residual stream's: bf16 weights make it bf16
+    dtype = parts.precision.weight_dtype  # the residual stream's: bf16 weights make it bf16
     links = StageLinks(mesh, place, shape, dtype, device=device, segments=lengths)
-    positions = cp_info(mesh).positions(m.seq_len)
+    precision = parts.precision
     return PipelineRuntime(
         chunks,
         place,
         mesh.coord("pp"),
         links,
-        positions,
-        lambda: autocast(cfg.train.dtype, device),
+        parts.cp.positions(m.seq_len),
+        lambda: precision.autocast(device),
         segments,
         mesh.progress,
     )

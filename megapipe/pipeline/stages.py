@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,37 +24,78 @@ from megapipe.config.memory_terms import head_grad_in_forward
 from megapipe.config.pipeline_split import rank_blocks
 from megapipe.models.gpt import GPT, split_weight_grads
 from megapipe.models.moe import set_loss_scale
-from megapipe.parallel.context.zigzag import cp_info
+from megapipe.parallel.context.zigzag import CPInfo, cp_info
 from megapipe.parallel.data.levels import WeightBlock
-from megapipe.parallel.expert.sharding import ep_info
-from megapipe.parallel.precision import DTYPES, attach_main_grads, autocast
+from megapipe.parallel.expert.sharding import EPInfo, ep_info
+from megapipe.parallel.precision import Precision
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
+from megapipe.plan.schedules import placement
+
+
+@dataclass(frozen=True)
+class Components:
+    """What every chunk of this rank is built with, each resolved once from the config and the
+    mesh (train/parallelize.py): its place on the cp ring and the ep axis, and the precision
+    policy. The tp layers' info is made per chunk (tp_info): each chunk keeps its own dropout RNG
+    tracker, seeded by (seed, tp rank)."""
+
+    cp: CPInfo
+    ep: EPInfo
+    precision: Precision
+
+    @staticmethod
+    def of(cfg: Config, mesh) -> Components:
+        return Components(cp_info(mesh), ep_info(mesh), Precision.of(cfg.train))
 
 
 def build_model(
-    cfg: Config, mesh=None, device: torch.device | str = "cpu", blocks: range | None = None
+    cfg: Config,
+    mesh=None,
+    device: torch.device | str = "cpu",
+    blocks: range | None = None,
+    parts: Components | None = None,
 ) -> GPT:
     """The GPT of `cfg` (or its `blocks`: a pipeline chunk), sharded over the mesh's tp axis
     and running ring attention over its cp axis (mesh None: one process); its layers compiled
     under train.compile. With no pipeline the head makes its grads in forward
-    (config/memory_terms.head_grad_in_forward)."""
-    model = _build(cfg, mesh, device, blocks)
-    if model.head is not None:
-        model.head.grad_in_forward = head_grad_in_forward(cfg)
-    compile_chunks(cfg, mesh, [model])
+    (config/memory_terms.head_grad_in_forward). `parts`: None, resolved here."""
+    parts = parts or Components.of(cfg, mesh)
+    model = build_chunk(cfg, mesh, device, blocks, parts)
+    compile_chunks(cfg, mesh, [model], parts.precision)
     return model
 
 
-def build_chunks(cfg: Config, mesh, device, placement: Placement) -> list[GPT]:
-    """This pp rank's chunks, in local chunk order, from the partition training uses."""
-    ranges = rank_blocks(cfg, mesh.coord("pp"), placement)
-    chunks = [_build(cfg, mesh, device, blocks) for blocks in ranges]
-    compile_chunks(cfg, mesh, chunks)
+def build_chunks(
+    cfg: Config, mesh, device, placement: Placement, parts: Components | None = None
+) -> list[GPT]:
+    """This pp rank's chunks, in local chunk order, from the partition training uses; compiled
+    under train.compile."""
+    parts = parts or Components.of(cfg, mesh)
+    chunks = model_chunks(cfg, mesh, device, parts, placement)
+    compile_chunks(cfg, mesh, chunks, parts.precision)
     return chunks
 
 
-def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
+def model_chunks(
+    cfg: Config, mesh, device, parts: Components, placement: Placement | None = None
+) -> list[GPT]:
+    """This rank's chunks of the model, not compiled: the whole model (`placement` None), else
+    this pp rank's in local chunk order."""
+    if placement is None:
+        return [build_chunk(cfg, mesh, device, None, parts)]
+    ranges = rank_blocks(cfg, mesh.coord("pp"), placement)
+    return [build_chunk(cfg, mesh, device, blocks, parts) for blocks in ranges]
+
+
+def chunk_placement(cfg: Config) -> Placement:
+    """Which stages cfg's schedule puts on which pp rank."""
+    return placement(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.vpp)
+
+
+def build_chunk(cfg: Config, mesh, device, blocks: range | None, parts: Components) -> GPT:
+    """The chunk holding `blocks` (None: all) on this rank: its tp/sp, cp and ep layers, its
+    recompute mode, its weights held as the precision policy says, not compiled."""
     p = cfg.parallel
     tp = tp_info(mesh, p.sequence_parallel, cfg.train.seed, p.tp_overlap)
     model = GPT(
@@ -62,11 +104,13 @@ def _build(cfg: Config, mesh, device, blocks: range | None) -> GPT:
         seed=cfg.train.seed,
         tp=tp,
         recompute=cfg.recompute,
-        cp=cp_info(mesh),
-        ep=ep_info(mesh),
+        cp=parts.cp,
+        ep=parts.ep,
     )
     set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
-    return hold_params(model.to(device), cfg.train.params_dtype)
+    if model.head is not None:
+        model.head.grad_in_forward = head_grad_in_forward(cfg)
+    return parts.precision.hold(model.to(device))
 
 
 def loss_scale(cfg: Config) -> float:
@@ -75,22 +119,6 @@ def loss_scale(cfg: Config) -> float:
     tokens = cfg.derived.tokens_per_step
     pipedream = cfg.parallel.schedule == "pipedream_async"
     return tokens / cfg.parallel.microbatches if pipedream else tokens
-
-
-def hold_params(model: GPT, params_dtype: str) -> GPT:
-    """The weights in `train.params_dtype` (each initialised in float32 from (seed, name), then
-    rounded: the same bf16 weights on every mesh), with float32 main grads under bf16
-    (parallel/precision.py). Buffers (RoPE tables) keep their dtype."""
-    dtype = DTYPES[params_dtype]
-    if dtype == torch.float32:
-        return model
-    for module in model.modules():
-        if getattr(module, "keep_float32", False):  # the MoE router (models/moe.py)
-            continue
-        for p in module.parameters(recurse=False):
-            p.data = p.data.to(dtype)
-    attach_main_grads(model)
-    return model
 
 
 def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
@@ -110,10 +138,11 @@ def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
     return tuple(out)
 
 
-def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
-    """Under train.compile: compile the chunks' transformer layers, warm them up (module
-    docstring) and print the seconds it took from rank 0; returns them (None: not compiled).
-    The linears stay eager when the schedule defers weight grads to W actions (Zero Bubble)."""
+def compile_chunks(cfg: Config, mesh, chunks: list[GPT], precision: Precision) -> float | None:
+    """Under train.compile: compile the chunks' transformer layers, warm them up under the
+    `precision` they train in (module docstring) and print the seconds it took from rank 0;
+    returns them (None: not compiled). The linears stay eager when the schedule defers weight
+    grads to W actions (Zero Bubble)."""
     layers = [layer for chunk in chunks for layer in chunk.layers.values()]
     if not cfg.train.compile or not layers:
         return None
@@ -121,7 +150,7 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     began = time.perf_counter()
     for layer in layers:
         layer.compile_math(split_weight_grads=split)
-    _warm_up(cfg, layers)
+    _warm_up(cfg, layers, precision)
     seconds = time.perf_counter() - began
     if mesh is None or mesh.rank == 0:
         device = next(layers[0].parameters()).device.type
@@ -133,7 +162,7 @@ def compile_chunks(cfg: Config, mesh, chunks: list[GPT]) -> float | None:
     return seconds
 
 
-def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
+def _warm_up(cfg: Config, layers: list[torch.nn.Module], precision: Precision) -> None:
     """One forward and backward through `layers` with the shapes, dtype and grad mode of
     training (and an eval-mode no-grad forward when training validates), compiling every graph
     they need. RNG states (CPU, CUDA, the tp tracker) are put back, the grads dropped."""
@@ -152,13 +181,13 @@ def _warm_up(cfg: Config, layers: list[torch.nn.Module]) -> None:
     tracker = tp.rng.state.clone() if tp.rng is not None else None
     try:
         x = torch.zeros(shape, device=device, requires_grad=True)
-        with autocast(cfg.train.dtype, device):
+        with precision.autocast(device):
             h = x
             for layer in layers:
                 h = layer(h, positions, None, documents)
         h.float().sum().backward()
         if cfg.train.eval_interval:  # train/evaluate.py: eval mode, no grad
-            with torch.no_grad(), autocast(cfg.train.dtype, device):
+            with torch.no_grad(), precision.autocast(device):
                 h = x.detach()
                 for layer in layers:
                     h = layer.eval()(h, positions, None, documents)

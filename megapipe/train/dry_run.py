@@ -25,6 +25,7 @@ from megapipe.config.memory_plan import RankMemory
 from megapipe.config.memory_terms import attention_path
 from megapipe.config.pipeline_split import describe_partition, schedule_costs
 from megapipe.config.states import expert_layout, state_layout
+from megapipe.parallel.precision import Precision
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
@@ -139,8 +140,9 @@ def _notes(cfg: Config) -> list[str]:
     }[attention_path(cfg, DEVICE)]
     if cfg.data.document_mask and p.cp == 1:  # config/memory_terms.py, "document mask"
         attention += ", plus the (b, 1, T, T) document mask (none with flash-attn varlen)"
-    weights = "float32 weights 4" if cfg.train.params_dtype == "float32" else "bf16 weights 2"
-    main = ", the float32 main params 4" if cfg.train.params_dtype != "float32" else ""
+    low = Precision.of(cfg.train).main_grads  # bf16 weights: float32 main params beside them
+    weights = "bf16 weights 2" if low else "float32 weights 4"
+    main = ", the float32 main params 4" if low else ""
     notes = [
         f"(memory per rank: {weights} B/parameter, float32 grads 4, AdamW's two float32 "
         f"moments 8{main}; parallel.zero shards over dp·cp the optimizer state (1), the grads "

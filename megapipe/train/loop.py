@@ -17,12 +17,12 @@ from megapipe.distributed.launch import distributed, init_distributed, is_rank0
 from megapipe.distributed.mesh import MeshSizes
 from megapipe.distributed.progress import NO_PROGRESS
 from megapipe.train import checkpoint, runlock
-from megapipe.train.build import Job, build
 from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.moe_metrics import moe_record
+from megapipe.train.parallelize import Job, parallelize
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
 from megapipe.train.spikes import NonFiniteError, Spikes
@@ -68,7 +68,7 @@ def _run(cfg: Config, mesh, stop: StopSignals, hooks: TrainHooks) -> list[dict]:
     checkpoint.check_shared_dir(cfg)  # before any step: node-local dirs would split a save
     data = build_data(cfg.data, cfg.model, cfg.train.seed, run_samples(cfg.train))
     torch.manual_seed(cfg.train.seed)  # dropout stream; saved and restored by checkpoints
-    job = build(cfg, mesh, device)
+    job = parallelize(cfg, mesh, device)
     optimizer = job.optimizer()
     start = 0
     resume = checkpoint.resume_path(cfg)

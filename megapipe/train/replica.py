@@ -14,7 +14,7 @@ from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.levels import PLAIN, Sharding
 from megapipe.parallel.data.reducer import GradReducer
-from megapipe.parallel.precision import autocast
+from megapipe.parallel.precision import FLOAT32, Precision
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline.protocol import SynchronousStep
 from megapipe.pipeline.runtime import Event, MicroBatch
@@ -28,6 +28,7 @@ class Replica(SynchronousStep):
     mesh: object = None  # None: one process
     sharding: Sharding = PLAIN  # the ZeRO level (parallel/data/levels.py)
     progress: Progress = NO_PROGRESS  # this rank's record (distributed/progress.py)
+    precision: Precision = FLOAT32  # the policy the model was built with (autocast)
 
     @property
     def chunks(self) -> list[nn.Module]:
@@ -64,7 +65,7 @@ class Replica(SynchronousStep):
             last = i == len(micro) - 1
             sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
             with sync:
-                with autocast(self.cfg.train.dtype, self.device):
+                with self.precision.autocast(self.device):
                     loss = self.model(m.inputs, m.targets, m.positions, documents=m.documents)
                 (loss / loss_scale).backward()
             loss_sum += loss.detach()
@@ -86,7 +87,7 @@ class Replica(SynchronousStep):
         """Each microbatch's summed cross entropy, forward only."""
         out = []
         for m in micro:
-            with autocast(self.cfg.train.dtype, self.device):
+            with self.precision.autocast(self.device):
                 out.append(
                     self.model(m.inputs, m.targets, m.positions, documents=m.documents).item()
                 )
