@@ -175,7 +175,7 @@ def train_case(
     grad_noise: float = 0.0,
     noise_seed: int = 0,
 ) -> dict:
-    """Train `steps` steps of the tiny config under its mesh, wired by the same `build()` that
+    """Train `steps` steps of the tiny config under its mesh, wired by the same `parallelize()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
     rank's chunks, whole over tp) and the dp-replica spread. `own_rows`: each rank reads only
     its dp rows of each batch, as train/loop.py does (else the whole global batch). `exact`
@@ -187,7 +187,7 @@ def train_case(
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
@@ -196,7 +196,7 @@ def train_case(
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64 if exact else default)
     try:  # float64: every tensor the run makes without naming a dtype
-        job = build(cfg, mesh, "cpu", bucket_mb)
+        job = parallelize(cfg, mesh, "cpu", bucket_mb)
         _plant(job, init, grad_error, grad_noise, noise_seed)
         optimizer = job.optimizer()
         data = build_data(cfg.data, cfg.model, cfg.train.seed)
@@ -214,10 +214,10 @@ def train_case(
 
 def _float32_init(cfg, mesh, bucket_mb) -> list[torch.Tensor]:
     """The float32 run's initial weights: a float64 init draws other numbers from the seed."""
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     assert mesh is None, "the float64 reference runs on one process"
-    chunks = build(cfg, mesh, "cpu", bucket_mb).engine.chunks
+    chunks = parallelize(cfg, mesh, "cpu", bucket_mb).engine.chunks
     return [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
 
 

@@ -20,13 +20,13 @@ def async_case(overrides: list[str], run_dir: str) -> dict:
     from megapipe.data.loader import build_data
     from megapipe.distributed.launch import init_distributed
     from megapipe.train import checkpoint
-    from megapipe.train.build import build
     from megapipe.train.checkpoint_async import Saver
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config([*overrides, "checkpoint.async=true"], run_dir)
     mesh = init_distributed(cfg)
     torch.manual_seed(cfg.train.seed)
-    job, data = build(cfg, mesh), build_data(cfg.data, cfg.model, cfg.train.seed)
+    job, data = parallelize(cfg, mesh), build_data(cfg.data, cfg.model, cfg.train.seed)
     optimizer, saver = job.optimizer(), Saver(cfg)
     for step in range(2):
         job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
@@ -35,7 +35,7 @@ def async_case(overrides: list[str], run_dir: str) -> dict:
     path = saver.save(2, job.model, optimizer)
     job.train_step(optimizer, data.batch(2, cfg.train.global_batch), 2)  # while it is written
     assert saver.wait() == path
-    fresh = build(cfg, mesh)
+    fresh = parallelize(cfg, mesh)
     fresh_optimizer = fresh.optimizer()
     checkpoint.load(checkpoint.resume_path(cfg), cfg, fresh.model, fresh_optimizer)
     loaded = dict(fresh.model.named_parameters())

@@ -239,12 +239,12 @@ def evaluate_case(overrides: list[str]) -> float:
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh, tiny_config
 
     cfg = tiny_config([*overrides, "train.eval_batches=2"], tempfile.mkdtemp())
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, build_mesh(cfg), "cpu")
+    job = parallelize(cfg, build_mesh(cfg), "cpu")
     return job.evaluate(build_data(cfg.data, cfg.model, cfg.train.seed))
 
 

@@ -1,6 +1,6 @@
 """`train.py --dry-run --json` against the bytes a run allocates (issue 33: within 5%).
 
-Real training steps of a small model on gloo CPU ranks, built by `build()` as train.py builds
+Real training steps of a small model on gloo CPU ranks, built by `parallelize()` as train.py builds
 them. Per rank, from the tensors themselves (Held), each storage counted once however many
 tensors view it (a bucket's flat buffer, a tied table, the shard views of the distributed
 optimizer), polled at every tensor saved for backward, every unpack, every grad accumulation
@@ -234,12 +234,12 @@ def measure_run(overrides: list[str]) -> dict:
     """STEPS training steps under `overrides` on this rank: its (pp, tp), the bytes of each
     kind and the peak of their sum (Held)."""
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", bucket_mb=0.05)
+    job = parallelize(cfg, mesh, "cpu", bucket_mb=0.05)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     held = Held(job.model, job.engine.reducers, getattr(job.engine, "runtime", None))

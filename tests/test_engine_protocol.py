@@ -15,8 +15,8 @@ from megapipe.parallel.precision import MainParamOptimizer
 from megapipe.pipeline.engine import Pipeline
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine, Grads
-from megapipe.train.build import build
 from megapipe.train.optim import AdamW
+from megapipe.train.parallelize import parallelize
 from megapipe.train.post_validation import PostValidatedEngine
 from megapipe.train.replica import Replica
 
@@ -40,7 +40,7 @@ def test_the_pipeline_takes_no_validator():
 
 
 def test_one_process_job_is_a_replica_and_not_post_validated(tiny_cfg):
-    job = build(tiny_cfg(), None)
+    job = parallelize(tiny_cfg(), None)
     assert isinstance(job.engine, Replica) and not job.post_validated
     assert job.engine.events == [] and job.settle(job.optimizer()) is None
 
@@ -65,7 +65,7 @@ def test_optimizers_have_every_interface_member(cls):
 
 
 def test_the_plain_optimizer_offers_the_interface(tiny_cfg):
-    job = build(tiny_cfg(), None)
+    job = parallelize(tiny_cfg(), None)
     optimizer = job.optimizer()
     param = next(job.model.parameters())
     assert not optimizer.shards_state and optimizer.main_weights() == {}

@@ -390,11 +390,11 @@ def zero_case(overrides: list[str]) -> dict:
     """train_case under the distributed optimizer, with the kind of its inner AdamW."""
     import tempfile
 
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh, tiny_config
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
-    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", 0.01)
     inner = job.optimizer().inner
     return {"kind": optim.adamw_kind(inner.param_groups), **train_case(overrides)}
 

@@ -226,15 +226,15 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def measure_step(overrides: list[str], bucket_mb: float = 0.01) -> dict:
     """One training step of the tiny config under `overrides` (a mesh over the pool's ranks;
-    e.g. parallel.zero=1 with dp=2 for the distributed optimizer), wired by `build()` as
+    e.g. parallel.zero=1 with dp=2 for the distributed optimizer), wired by `parallelize()` as
     train.py does: this rank's (pp, tp), its peak live saved bytes and its optimizer state."""
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", bucket_mb)
+    job = parallelize(cfg, mesh, "cpu", bucket_mb)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     live = LiveSaved(job.model, runtime=getattr(job.engine, "runtime", None))

@@ -4,8 +4,8 @@ import torch
 from megapipe.config import RecomputeConfig
 from megapipe.models.gpt import GPT
 from megapipe.train.batches import BatchSlice
-from megapipe.train.build import replica
 from megapipe.train.optim import build_optimizer
+from megapipe.train.parallelize import replica
 from megapipe.train.step import train_step
 from tests.util import PARITY_REL, assert_state_close
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import train
-from megapipe.train import build as build_module
 from megapipe.train import checkpoint, runlock
+from megapipe.train import parallelize as parallelize_module
 from megapipe.train.loop import NonFiniteError
 from tests.conftest import TINY
 from tests.parity import LOW_LR, build_mesh, tiny_config
@@ -36,7 +36,7 @@ def _rank() -> int:
 @contextlib.contextmanager
 def poisoned(at: set[int]):
     """Within: Job.train_step of a step in `at` gets a NaN grad on rank 0's first parameter."""
-    real = build_module.train_step
+    real = parallelize_module.train_step
 
     def step_fn(engine, slice_, optimizer, batch, step, cfg, *hooks):
         if step not in at or _rank() != 0:
@@ -48,23 +48,23 @@ def poisoned(at: set[int]):
         finally:
             handle.remove()
 
-    build_module.train_step = step_fn
+    parallelize_module.train_step = step_fn
     try:
         yield
     finally:
-        build_module.train_step = real
+        parallelize_module.train_step = real
 
 
 def poisoned_case(overrides: list[str], steps: int = 4) -> dict:
     """Train `steps` steps with a NaN at POISON_AT: losses, skip flags, final logical weights."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", 0.01)
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     with poisoned({POISON_AT}):
@@ -91,11 +91,11 @@ MESHES = {
 
 def test_skipped_step_leaves_weights_and_optimizer_untouched(tmp_path):
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config([], str(tmp_path))
-    job = build(cfg, None)
+    job = parallelize(cfg, None)
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     job.train_step(optimizer, data.batch(0, cfg.train.global_batch), 0)

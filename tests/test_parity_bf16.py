@@ -226,11 +226,11 @@ def test_bf16_weights_one_process(tmp_path):
     """One process: bf16 weights, float32 main grads that no step leaves as .grad, and the
     AdamW state over float32 main params (the moments float32 too)."""
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
     from tests.parity import tiny_config
 
     cfg = tiny_config([*BF16, "parallel.microbatches=2"], str(tmp_path))
-    job = build(cfg, None)
+    job = parallelize(cfg, None)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     before = {n: p.detach().clone() for n, p in job.model.named_parameters()}

@@ -91,14 +91,14 @@ def moe_case(overrides: list[str], steps: int = 3) -> dict:
 
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
     from megapipe.train.moe_metrics import moe_record
+    from megapipe.train.parallelize import parallelize
     from tests.parity import _dp_spread, build_mesh, tiny_config
 
     cfg = tiny_config([*MOE, *overrides], tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", 0.01)
+    job = parallelize(cfg, mesh, "cpu", 0.01)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     losses, norms, figures = [], [], []

@@ -266,8 +266,8 @@ def held_output_elements(overrides: list[str]) -> list[int]:
 
     from megapipe.data.loader import build_data
     from megapipe.pipeline.runtime import Hooks
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh
 
     class Held(Hooks):  # after each action: the elements the stash still holds
@@ -275,7 +275,7 @@ def held_output_elements(overrides: list[str]) -> list[int]:
             held.append(sum(out.numel() for _, out in job.engine.runtime.stash.values()))
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
-    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", 0.01)
     held = []
     job.engine.hooks = Held()
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)

@@ -122,11 +122,11 @@ class GatherWatch(TrainHooks):
 def overlaps(overrides: list[str]) -> dict:
     """One dp=2 step: the buckets launched in backward, and the collectives of the step."""
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
     reducers = [r for r in job.engine.reducers if r is not None]
     optimizer, watch = job.optimizer(), GatherWatch(reducers)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
@@ -158,11 +158,11 @@ def test_the_overlaps_are_the_codes(gloo_pool, zero):
 def traffic(overrides: list[str]) -> dict:
     """One dp=2 step's collectives (op, bytes), and each bucket's padded flat size."""
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", bucket_mb=0.02)
     reducers = [r for r in job.engine.reducers if r is not None]
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
@@ -332,7 +332,7 @@ def test_head_chunks_priced_by_the_rule():
 
 
 def test_dp_bucket_size_is_the_codes():
-    """The buckets the code packs (train/build: parallel/data/reducer.replica_bucket_mb of
+    """The buckets the code packs (train/parallelize: parallel/data/reducer.replica_bucket_mb of
     dp · cp) are the ones the projection prices (runtime.bucket_bytes of MEGAPIPE): 25 MB up to
     6 replicas, then 1M float32 grads per replica (Megatron-Core's rule); the weights' gather
     buckets hold the same parameters in the weights' dtype."""

@@ -147,12 +147,12 @@ def pipedream_case(overrides: list[str]) -> dict:
     """Train STEPS steps under the mesh: losses, norms, this rank's weights, versions stashed."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
-    job = build(cfg, mesh, "cpu", 0.01)
+    job = parallelize(cfg, mesh, "cpu", 0.01)
     pipe = job.engine
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)

@@ -43,12 +43,12 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
 
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     mesh = build_mesh(cfg)
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, mesh, "cpu", 0.01)
+    job = parallelize(cfg, mesh, "cpu", 0.01)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     finals, calls = [], []

@@ -101,11 +101,11 @@ def live_case(overrides: list[str], root: str) -> dict:
     logical weights (whole under tp) and the validation loss."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
     from megapipe.train.optim import build_optimizer
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, root)
-    job = build(cfg, build_mesh(cfg))
+    job = parallelize(cfg, build_mesh(cfg))
     optimizer = build_optimizer(job.model, cfg.train)
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     for step in range(2):
@@ -122,8 +122,8 @@ def check_live(results: list[dict]) -> None:
     pipelined validation loss equals train/evaluate.evaluate of that model on one process."""
     from megapipe.data.loader import build_data
     from megapipe.train.batches import BatchSlice
-    from megapipe.train.build import replica
     from megapipe.train.evaluate import evaluate
+    from megapipe.train.parallelize import replica
 
     cfg, model = checkpoint.load_for_inference(results[0]["path"])
     loaded = dict(model.named_parameters())

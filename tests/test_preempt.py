@@ -18,7 +18,7 @@ import pytest
 import train
 from megapipe.config import ConfigError, load_config
 from megapipe.config.checks import signal_names
-from megapipe.train import build, checkpoint, loop
+from megapipe.train import checkpoint, loop, parallelize
 from tests.conftest import ROOT, TINY
 from tests.parity import free_port
 
@@ -28,7 +28,7 @@ COMMON = ["model.dropout=0.1", "train.steps=6", "train.warmup=2"]  # dropout: RN
 
 def signal_after(monkeypatch, sig: int, step: int) -> None:
     """Send `sig` to this process when training step `step` (1-based) has finished."""
-    real = build.Job.train_step
+    real = parallelize.Job.train_step
 
     def train_step(self, optimizer, batch, index, *hooks):
         result = real(self, optimizer, batch, index, *hooks)
@@ -36,7 +36,7 @@ def signal_after(monkeypatch, sig: int, step: int) -> None:
             os.kill(os.getpid(), sig)
         return result
 
-    monkeypatch.setattr(build.Job, "train_step", train_step)
+    monkeypatch.setattr(parallelize.Job, "train_step", train_step)
 
 
 class Uncaught(Exception):
@@ -151,13 +151,13 @@ def test_a_run_without_a_signal_says_nothing_of_it(tiny_cfg, capsys):
 
 def test_handlers_are_set_only_while_the_run_lasts(tiny_cfg, monkeypatch, guarded):
     seen = []
-    real = build.Job.train_step
+    real = parallelize.Job.train_step
 
     def train_step(self, *args):
         seen.append({s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)})
         return real(self, *args)
 
-    monkeypatch.setattr(build.Job, "train_step", train_step)
+    monkeypatch.setattr(parallelize.Job, "train_step", train_step)
     train.run(tiny_cfg("train.steps=1", "checkpoint.signals=SIGUSR1"))
     assert seen[0][signal.SIGTERM] is guarded  # not listed: untouched
     assert seen[0][signal.SIGUSR1] is not guarded
@@ -196,7 +196,7 @@ def child() -> None:
     itself SIGNAL after step STEP if its RANK is SIGNALLED_RANK (STEP 0: never)."""
     name, step, signalled, args = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     if step and int(os.environ.get("RANK", "0")) == signalled:
-        real = build.Job.train_step
+        real = parallelize.Job.train_step
 
         def train_step(self, optimizer, batch, index, *hooks):
             result = real(self, optimizer, batch, index, *hooks)
@@ -204,7 +204,7 @@ def child() -> None:
                 os.kill(os.getpid(), signal.Signals[name])
             return result
 
-        build.Job.train_step = train_step
+        parallelize.Job.train_step = train_step
     sys.exit(train.main(args))
 
 

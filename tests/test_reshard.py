@@ -145,10 +145,10 @@ def read_case(overrides: list[str], run_dir: str) -> dict:
     the bytes of every saved chunk."""
     from megapipe.distributed.launch import init_distributed
     from megapipe.train import checkpoint
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     cfg = tiny_config(overrides, run_dir)
-    job = build(cfg, init_distributed(cfg))
+    job = parallelize(cfg, init_distributed(cfg))
     path = checkpoint.resume_path(cfg)
     meta = checkpoint.load(path, cfg, job.model, job.optimizer())
     files = [f for f in os.listdir(path) if f.endswith(".distcp")]

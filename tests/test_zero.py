@@ -181,11 +181,11 @@ def test_zero1_without_replicas_runs_as_zero0(tmp_path):
     import torch
 
     from megapipe.parallel.data.zero import ShardedOptimizer
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     runs = {z: train_case([f"parallel.zero={z}", "train.grad_clip=0.05"], 2) for z in (0, 1)}
     assert runs[1]["losses"] == runs[0]["losses"]
     for name, value in runs[0]["weights"].items():
         assert torch.equal(runs[1]["weights"][name], value), name
-    job = build(tiny_config(["parallel.zero=1"], str(tmp_path)), None)
+    job = parallelize(tiny_config(["parallel.zero=1"], str(tmp_path)), None)
     assert not isinstance(job.optimizer(), ShardedOptimizer)

@@ -101,8 +101,8 @@ def held_bytes_case(zero: int, params_dtype: str = "float32") -> dict:
     import torch
 
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
     from megapipe.train.hooks import TrainHooks
+    from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh, tiny_config
 
     def storage(tensors) -> int:
@@ -112,7 +112,7 @@ def held_bytes_case(zero: int, params_dtype: str = "float32") -> dict:
 
     dtypes = [f"train.params_dtype={params_dtype}", f"train.dtype={params_dtype}"]
     cfg = tiny_config([f"parallel.zero={zero}", "parallel.dp=4", *dtypes], tempfile.mkdtemp())
-    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", 0.01)
     optimizer, reducer = job.optimizer(), job.engine.reducer
     params = list(job.model.parameters())
     resident = lambda: [p for p in params if p.untyped_storage().nbytes()]  # noqa: E731
@@ -179,11 +179,11 @@ def first_use_case(zero: int) -> dict:
     import tempfile
 
     from megapipe.data.loader import build_data
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh, tiny_config
 
     cfg = tiny_config([f"parallel.zero={zero}", "parallel.dp=2"], tempfile.mkdtemp())
-    job = build(cfg, build_mesh(cfg), "cpu", 0.01)
+    job = parallelize(cfg, build_mesh(cfg), "cpu", 0.01)
     optimizer, reducer, model = job.optimizer(), job.engine.reducer, job.model
     seen = {}
 

@@ -1,5 +1,5 @@
 """The `Engine` protocol: what the training layer (train/step.py, train/evaluate.py,
-train/build.py, checkpoints) calls on whatever runs this rank's microbatches.
+train/parallelize.py, checkpoints) calls on whatever runs this rank's microbatches.
 
 Three engines implement it: train/replica.Replica (no pipeline), pipeline/engine.Pipeline and
 pipeline/pipedream.PipeDreamPipeline; train/post_validation.PostValidatedEngine wraps a Pipeline

@@ -40,7 +40,7 @@ class TrainHooks:
         """After the validation at step `step`: {"val_loss": ..., "val_loss/NAME": ...}."""
 
     def train_end(self, job, records: list[dict]) -> None:
-        """Once, after the loop's last step, its checkpoints written (train/build.Job)."""
+        """Once, after the loop's last step, its checkpoints written (train/parallelize.Job)."""
 
 
 NO_HOOKS = TrainHooks()

@@ -282,12 +282,12 @@ def train_on_cuda(overrides: list[str], steps: int = 3) -> dict:
     """tests/parity.train_case on the GPU: per-step losses and the final weights."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
     from tests.parity import tiny_config
 
     cfg = tiny_config(overrides, tempfile.mkdtemp())
     torch.manual_seed(cfg.train.seed)
-    job = build(cfg, None, CUDA)
+    job = parallelize(cfg, None, CUDA)
     optimizer = job.optimizer()
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     losses = [
@@ -337,8 +337,8 @@ def test_memory_model_against_the_allocator(params_dtype):
     chunk of 8192 logits a row, ~0.2 GB at its height under bf16, which the allocator sees."""
     from megapipe.data.loader import build_data
     from megapipe.parallel.precision import autocast
-    from megapipe.train.build import build
     from megapipe.train.meta_memory import local_memory, memory_plan
+    from megapipe.train.parallelize import parallelize
     from tests.parity import tiny_config
 
     cfg = tiny_config(
@@ -349,7 +349,7 @@ def test_memory_model_against_the_allocator(params_dtype):
     )  # fmt: skip
     plan = memory_plan(cfg, "cuda", memory=local_memory()).rank(0)
     assert plan.head_transient > 0.15e9  # the head's chunk: 6 B per logit of 4096 × 8192
-    job = build(cfg, None, CUDA)
+    job = parallelize(cfg, None, CUDA)
     optimizer = job.optimizer()
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
     job.train_step(optimizer, batch, 0)

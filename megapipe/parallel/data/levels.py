@@ -1,6 +1,6 @@
 """The ZeRO level as a sharding strategy (the config's zero: 0 plain all-reduce; 1 moments sharded,
 zero.py; 2 + grads, zero2.py; 3 + weights, zero3.py): one `Sharding` object, resolved once from
-the config (train/build.py) and handed to the reducers, the optimizer, the engines and the
+the config (train/parallelize.py) and handed to the reducers, the optimizer, the engines and the
 checkpoint code, which ask it instead of reading the level again.
 
 It also holds the norm-group rule, once for every engine: a logical grad is summed whole on
