@@ -5,7 +5,7 @@ lr·m̂/(√v̂ + ε) divides each gradient by its own size, so float32 round-of
 reaches the weights magnified wherever a gradient is small beside its tensor's others (up to
 ±lr per step where it is within round-off of zero, ~lr·δ/|g| where it is not); which elements
 those are, and how the kernels round, differs per instruction set: a bar tuned on one machine
-failed on another (AVX-512: 1.1e-5 to 1.7e-5 against 1e-5). So the reference gets two twins
+failed on another (AVX-512: 1.1e-5 to 1.7e-5 against 1e-5). So the reference gets twins
 (tests/parity.reference_case), each a sample of what round-off does to this trajectory, on this
 machine, after these steps with this lr and Adam's ε:
 - the same run in float64 from the float32 initial weights: the float32 run's distance to it is
@@ -26,7 +26,7 @@ the bound (tests/test_tolerance.py).
 
 import torch
 
-PARITY_REL = 1e-5  # docs/architecture.md: relative 1e-5 in float32
+PARITY_REL = 1e-5  # the floor of every bound: relative 1e-5 in float32
 ROUNDOFF_K = 4  # ‖run − ref‖ ≤ K·max ‖ref − twin‖ (+ the floor): module docstring
 
 
