@@ -2,13 +2,15 @@
 
 Each transformer layer's math is compiled with torch.compile (inductor's C++ backend here;
 models/gpt.TransformerLayer.compile_math, pipeline/stages.compile_chunks), what cannot be traced
-runs eagerly between the compiled pieces. The bound: compiled and eager float32 runs of the tiny
-config agree to <= 2e-7 relative in the per-step loss (equal in the cases below when last
-measured) and to ~1e-6 in the weights after 3 AdamW steps at lr 3e-3 (gpt2 1.1e-6, dropout with
-full recompute 1.5e-6, llama with selective recompute 8.3e-7; AdamW divides each grad by its
-own size, so round-off in near-zero grads moves weights by up to ~lr: tests/parity.LOW_LR),
-held to the 1e-5 bar. The mesh cases run at LOW_LR and are held to the same 1e-5 against one
-eager process.
+runs eagerly between the compiled pieces. The bounds: per-step losses and grad norms to 1e-5
+relative; the weights after 3 AdamW steps at lr 3e-3 to the bound tests/util.py derives from
+the eager run's own twins (float64, and three runs with round-off-sized grad noise): inductor
+rounds differently (its GeLU backward's RMS error against float64 is 2.3x eager's), and AdamW
+divides each grad by its own size, so a near-zero grad that flips moves a weight by ~lr
+(compiled gpt2 measured 1.6e-5 from eager, 0.09 of its bound:
+docs/benchmarks/2026-11-28-tolerances-two-isas-cpu.md). The mesh cases run at LOW_LR against
+one eager process with its twins; the PipeDream case compares two spawned runs, no twins, so
+the fixed floor at LOW_LR.
 
 Cold compiles take ~10-20 s per layer kind on this CPU (inductor caches them on disk after).
 """
@@ -34,7 +36,9 @@ def check_like(got: dict, ref: dict, rel: float = LOSS_REL) -> None:
     assert_rel_close(
         torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), name="grad norms"
     )
-    assert_state_close(got["weights"], ref["weights"], reach=ref["adam_reach"], exact=ref["exact"])
+    assert_state_close(
+        got["weights"], ref["weights"], reach=ref["adam_reach"], exact=ref.get("exact")
+    )
 
 
 ONE_PROCESS = {
