@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.validation import table1 as t1
 from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.config.flops import flops_per_token
@@ -27,7 +28,6 @@ from megapipe.config.pipeline_split import placement_of, schedule_costs, schedul
 from megapipe.distributed.mesh import MeshSizes, rank_at
 from megapipe.perf import MEGAPIPE, MEGATRON_2021, load_cluster, project
 from megapipe.perf import memory_cache as perf_memory
-from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link
 from megapipe.perf.comm import group_link, groups, p2p_link, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Device

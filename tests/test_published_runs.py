@@ -1,11 +1,9 @@
-"""The published H100/H200 runs (perf/published.py, perf/data/*.csv): every row loads into a
-valid config of the published model's size on the published GPU count."""
+"""The published H100/H200 runs (benchmarks/validation/published.py, data/*.csv): every row
+loads into a valid config of the published model's size on the published GPU count."""
 
 import pytest
 
-from megapipe.config.checks import validate
-from megapipe.perf.cluster import cluster_names
-from megapipe.perf.published import (
+from benchmarks.validation.published import (
     DATA,
     H100_SOURCES,
     load_all,
@@ -13,6 +11,8 @@ from megapipe.perf.published import (
     measured,
     row_config,
 )
+from megapipe.config.checks import validate
+from megapipe.perf.cluster import cluster_names
 from megapipe.train.meta_memory import model_params
 
 ROWS = load_all()
