@@ -69,7 +69,7 @@ def test_load_rows_takes_a_path_or_a_name_and_names_a_missing_column(tmp_path):
 
 
 def test_moe_file_rows_are_complete_and_their_mesh_covers_the_gpus():
-    """perf/data/moe_published_runs.csv as a CSV (perf/published_moe loads it)."""
+    """data/moe_published_runs.csv as a CSV (validation/published_moe loads it)."""
     import csv
 
     text = (DATA / "moe_published_runs.csv").read_text().splitlines()
