@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.validation import table1 as t1
+from benchmarks.validation.cli import main as validation_main
 from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.config.flops import flops_per_token
@@ -400,3 +401,19 @@ def test_cli_runs_as_a_command():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["world_size"] == 8 and out["fits"] is True
+
+
+def test_tools_plan_hands_validation_to_benchmarks(tmp_path, capsys):
+    """tools/plan.py runs `table1` and `validate` from benchmarks/validation/ (the library never
+    imports it), from any working directory: the output of the validation CLI run in-process,
+    and its one-line errors with exit code 2."""
+    plan = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "plan.py")]
+    done = subprocess.run([*plan, "table1", "--no-loo"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert validation_main(["table1", "--no-loo"]) == 0
+    assert done.stdout == capsys.readouterr().out
+    bad = subprocess.run([*plan, "validate", "--parallel.tp=2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "error: validate takes no --section.key=value overrides\n"
