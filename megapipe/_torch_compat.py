@@ -24,7 +24,6 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-from torch.utils._python_dispatch import TorchDispatchMode
 
 Tensor = torch.Tensor
 
@@ -222,10 +221,3 @@ def cudnn_attention_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: 
         dout, q, k, v, out, lse, unused, unused,
         None, None, None, tq, tk, 0.0, causal, scale=scale,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------- observing aten calls
-
-# The base class of a mode that sees every aten call under it (`__torch_dispatch__`), for
-# benchmarks/bench_matmuls.py's log of a step's matmuls. Works on torch 2.13.
-DispatchMode = TorchDispatchMode

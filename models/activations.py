@@ -8,7 +8,7 @@ CPU (aten's tanh GeLU ran ~5× slower than its sigmoid over the same 2M floats),
 
 - eager, CPU: the forward is four passes (addcmul, mul, sigmoid, mul), 1.7-2× faster than
   aten's tanh GeLU; the backward stays aten's `gelu_backward` (the sigmoid form's backward is
-  more passes than it saves). `benchmarks/bench.py kernels` times both.
+  more passes than it saves); docs/benchmarks/2026-11-24-train-throughput-cpu.md timed both.
 - compiled blocks: the expression is left to inductor, which fuses it (and its derivative) into
   one loop each, ~2.5× faster than its own tanh lowering forward and backward.
 - CUDA (and other dtypes/devices): aten's fused tanh GeLU kernel, which is already one pass.

@@ -300,6 +300,50 @@ def test_library_never_runs_entry_points_by_path():
     assert not problems, "\n".join(problems)
 
 
+ENTRY_POINT_PACKAGES = ("benchmarks", "tools", "train")  # above the library, never imported by it
+
+
+def entry_point_imports(modules: dict[str, tuple[Path, str]]) -> list[str]:
+    """The library must not import benchmarks/ (published runs and their fits live there, apart
+    from the model), tools/ or train.py: `imports` sees only megapipe's names, so look here."""
+    found = []
+    for path, source in modules.values():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [
+                f"{path}:{node.lineno}: the library imports the entry point {name}"
+                for name in names
+                if name.split(".")[0] in ENTRY_POINT_PACKAGES
+            ]
+    return found
+
+
+def test_library_never_imports_entry_points():
+    problems = entry_point_imports(library_modules(ROOT))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from benchmarks.validation import table1\n",
+        "import benchmarks.validation.published as published\n",
+        "from tools import plan\n",
+    ],
+)
+def test_a_planted_entry_point_import_is_caught(tmp_path, source):
+    path = tmp_path / "megapipe" / "perf" / "fit.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import math\n" + source)
+    problems = entry_point_imports(library_modules(tmp_path))
+    assert len(problems) == 1 and "fit.py:2: the library imports the entry point" in problems[0]
+
+
 @pytest.mark.parametrize(
     "source",
     [

@@ -1,4 +1,4 @@
-"""The held-out 2021-2022 Megatron-LM A100 runs (perf/megatron_runs.py, data/
+"""The held-out 2021-2022 Megatron-LM A100 runs (benchmarks/validation/megatron_runs.py, data/
 megatron_2021_2022_runs.csv) and the megatron2022 runtime's asynchronous tp communication
 (perf/tp_overlap.async_backward)."""
 
@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from megapipe.cli.plan import main as plan_main
-from megapipe.perf import megatron_runs as mr
-from megapipe.perf import table1 as t1
+from benchmarks.validation import megatron_runs as mr
+from benchmarks.validation import table1 as t1
+from benchmarks.validation.cli import main as validation_main
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.cost_terms import CALIBRATION
 from megapipe.perf.costs import CostModel
@@ -92,7 +92,7 @@ def test_removing_async_tp_loses_the_22b_rows():
 
 
 def test_plan_validate_a100_prints_both_tables(capsys):
-    assert plan_main(["validate", "--a100"]) == 0
+    assert validation_main(["validate", "--a100"]) == 0
     out = capsys.readouterr().out
     assert out.count("mean |error|") == 2 and "K22 1T sel+SP" in out and "megatron2022" in out
 

@@ -1,9 +1,10 @@
-"""The performance model on published H100/H200 runs (perf/h100_validation.py), the runtimes
-that ran them (perf/software.py: megatron_core, torchtitan) and the mechanisms they add.
+"""The performance model on published H100/H200 runs (benchmarks/validation/h100_validation.py),
+the runtimes that ran them (perf/software.py: megatron_core, torchtitan) and the mechanisms they
+add.
 
 - The published rows, each projected with its code base's runtime on its cluster: mean absolute
   error of tokens/s per GPU ≤ 8%, max ≤ 15%, leave-one-out (the H100 e_max refitted without
-  the row, perf/h100_fit.py); the fit is reproducible from the profile's value and moves only
+  the row, validation/h100_fit.py); the fit is reproducible from the profile's value and moves only
   e_max; Table 1 (A100) still meets its target.
 - Megatron-Core's runtime: its facts as stated (bf16 weights and p2p, fp32 grad reduction,
   46 B optimizer, buckets of max(40M, 1M·dp) parameters, only the first stage's first chunk
@@ -20,11 +21,11 @@ import dataclasses
 
 import pytest
 
-from megapipe.cli import plan as plan_cli
+from benchmarks.validation import h100_fit
+from benchmarks.validation import h100_validation as h100
+from benchmarks.validation import table1 as t1
+from benchmarks.validation.cli import main as validation_main
 from megapipe.config import load_config
-from megapipe.perf import h100_fit
-from megapipe.perf import h100_validation as h100
-from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.model import project
 from megapipe.perf.software import (
@@ -197,14 +198,14 @@ def test_attribution_adds_up_to_the_difference():
 
 
 def test_cli_validate(capsys):
-    assert plan_cli.main(["validate"]) == 0
+    assert validation_main(["validate"]) == 0
     out = capsys.readouterr().out
     assert "| row | runtime |" in out and "leave-one-out |" in out and "mean |error|" in out
     assert "not fitted" in out
-    assert plan_cli.main(["validate", "--refit", "--no-loo"]) == 0
+    assert validation_main(["validate", "--refit", "--no-loo"]) == 0
     out = capsys.readouterr().out
     assert "fitted again" in out and "leave-one-out |" not in out
-    assert plan_cli.main(["validate", "--parallel.tp=2"]) == 2
+    assert validation_main(["validate", "--parallel.tp=2"]) == 2
 
 
 @pytest.mark.parametrize("runtime", [TORCHTITAN, RUNTIMES["maxtext"]], ids=lambda r: r.name)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.validation import table1 as t1
+from benchmarks.validation.cli import main as validation_main
 from megapipe.cli import plan as plan_cli
 from megapipe.config import load_config
 from megapipe.config.flops import flops_per_token
@@ -27,7 +29,6 @@ from megapipe.config.pipeline_split import placement_of, schedule_costs, schedul
 from megapipe.distributed.mesh import MeshSizes, rank_at
 from megapipe.perf import MEGAPIPE, MEGATRON_2021, load_cluster, project
 from megapipe.perf import memory_cache as perf_memory
-from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, Link
 from megapipe.perf.comm import group_link, groups, p2p_link, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Device
@@ -400,3 +401,20 @@ def test_cli_runs_as_a_command():
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["world_size"] == 8 and out["fits"] is True
+
+
+def test_tools_plan_hands_validation_to_benchmarks(tmp_path, capsys):
+    """tools/plan.py runs `table1` and `validate` from benchmarks/validation/ (the library never
+    imports it), from any working directory: the validation CLI's own help and its one-line
+    errors with exit code 2 (what they print: tests/test_perf_h100.py, test_megatron_runs.py)."""
+    plan = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "plan.py")]
+    done = subprocess.run([*plan, "table1", "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(SystemExit):
+        validation_main(["table1", "--help"])
+    assert done.stdout == capsys.readouterr().out and "--no-loo" in done.stdout
+    bad = subprocess.run([*plan, "validate", "--parallel.tp=2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "error: validate takes no --section.key=value overrides\n"

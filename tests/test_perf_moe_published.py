@@ -1,12 +1,12 @@
-"""The published MoE runs (perf/data/moe_published_runs.csv) as configs and their projection
-with Megatron-Core's runtime (perf/published_moe.py): issue 38's target, each validated row's
-tokens/s per GPU within 15%, with no constant fitted on these rows."""
+"""The published MoE runs (benchmarks/validation/data/moe_published_runs.csv) as configs and
+their projection with Megatron-Core's runtime (validation/published_moe.py): issue 38's target,
+each validated row's tokens/s per GPU within 15%, with no constant fitted on these rows."""
 
 import dataclasses
 
 import pytest
 
-from megapipe.perf import published_moe as pm
+from benchmarks.validation import published_moe as pm
 
 
 def test_rows_load_with_their_sources():

@@ -29,6 +29,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.validation import published
+from benchmarks.validation.h100_validation import megapipe_config
 from megapipe.config import load_config
 from megapipe.distributed import collectives as C
 from megapipe.parallel.precision import autocast
@@ -298,10 +300,8 @@ def test_head_chunks_priced_by_the_rule():
     import dataclasses
 
     from megapipe.config.memory_terms import HEAD_CHUNK_SHARE, head_chunk_rows, head_chunks
-    from megapipe.perf import published
     from megapipe.perf.cost_terms import CALIBRATION
     from megapipe.perf.costs import CostModel
-    from megapipe.perf.h100_validation import megapipe_config
 
     (row,) = [r for r in published.load_all() if r.label == "dgxc-llama3.1-8b-8"]
     cfg = megapipe_config(published.measured(row).config)

@@ -22,6 +22,7 @@ import math
 import pytest
 import yaml
 
+from benchmarks.validation import table1 as t1
 from megapipe.cli import plan as plan_cli
 from megapipe.config import ConfigError, load_config
 from megapipe.config import flops as config_flops
@@ -30,7 +31,6 @@ from megapipe.perf import load_cluster, project
 from megapipe.perf import memory_cache as perf_memory
 from megapipe.perf import search as plan_search
 from megapipe.perf import space as plan_space
-from megapipe.perf import table1 as t1
 from megapipe.perf.bounds import Bounds
 from megapipe.perf.cluster import CLUSTER_DIR
 from megapipe.perf.memory_cache import BoundedCache

@@ -1,11 +1,9 @@
-"""The published H100/H200 runs (perf/published.py, perf/data/*.csv): every row loads into a
-valid config of the published model's size on the published GPU count."""
+"""The published H100/H200 runs (benchmarks/validation/published.py, data/*.csv): every row
+loads into a valid config of the published model's size on the published GPU count."""
 
 import pytest
 
-from megapipe.config.checks import validate
-from megapipe.perf.cluster import cluster_names
-from megapipe.perf.published import (
+from benchmarks.validation.published import (
     DATA,
     H100_SOURCES,
     load_all,
@@ -13,6 +11,8 @@ from megapipe.perf.published import (
     measured,
     row_config,
 )
+from megapipe.config.checks import validate
+from megapipe.perf.cluster import cluster_names
 from megapipe.train.meta_memory import model_params
 
 ROWS = load_all()
@@ -69,7 +69,7 @@ def test_load_rows_takes_a_path_or_a_name_and_names_a_missing_column(tmp_path):
 
 
 def test_moe_file_rows_are_complete_and_their_mesh_covers_the_gpus():
-    """perf/data/moe_published_runs.csv as a CSV (perf/published_moe loads it)."""
+    """data/moe_published_runs.csv as a CSV (validation/published_moe loads it)."""
     import csv
 
     text = (DATA / "moe_published_runs.csv").read_text().splitlines()

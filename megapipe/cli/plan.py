@@ -1,32 +1,21 @@
-"""`tools/plan.py`'s command line: project a config onto a GPU cluster, search the meshes that
-fit, and check the projection on Megatron-LM's Table 1.
+"""`tools/plan.py`'s command line: project a config onto a GPU cluster and search the meshes
+that fit.
 
     python tools/plan.py project --config FILE --gpu a100|h100|h200 --gpus-per-node 8 \\
         [--section.key=value ...] [--runtime megapipe|megatron2021] [--json]
     python tools/plan.py search --config FILE --gpus N --gpu a100|h100|h200 \\
         [--gpus-per-node G] [--out PATH] [--top 10] [--section.key=value ...]
-    python tools/plan.py table1 [--refit] [--no-loo]
-    python tools/plan.py validate [--refit] [--no-loo] [--megapipe] [--moe] [--a100]
 
 `project` prints the projected step (megapipe/perf/model.py): step time, model and hardware
 TFLOP/s per GPU, MFU, bubble fraction, peak memory (max over ranks) and the breakdown; with
 --json one JSON object. The world size is dp·pp·cp·tp from the config; `model.*`, `parallel.*`,
-`train.*` and `recompute.*` keys mean what they mean for training. `table1` prints the ten rows
-of Narayanan et al. 2021's Table 1, measured against projected hardware TFLOP/s per GPU, with
-the error per row, mean and max, and the leave-one-out error of the calibrated constants
-(megapipe/perf/table1.py; --refit fits the constants again first). `validate` projects the
-published H100/H200 runs (megapipe/perf/published.py's data) with the runtime of the code base
-that ran each (megatron_core, torchtitan) against their measured tokens/s per GPU, with the
-error per row, mean and max, and the leave-one-out error of the H100 profile's e_max, fitted
-on those rows (megapipe/perf/h100_validation.py, h100_fit.py; --refit fits it again first,
-from the profile's value); --megapipe adds megapipe's own
-runtime (bf16 weights) projected on the Megatron-Core rows beside Megatron-Core's, and the
-seconds each of its differing facts adds; --a100 instead projects the other published
-2021-2022 Megatron-LM runs on A100 (megapipe/perf/megatron_runs.py, held out of every fit),
-under the megatron2021 runtime and under the runtime of each run's code. This machine's CPU
-profile and the local truth are benchmarks' (python -m benchmarks.bench calibrate | local).
-Bad input (an unknown GPU, a bad config or override, a mesh that cannot make --gpus, a model
-that fits nowhere) is one line on stderr and exit code 2.
+`train.*` and `recompute.*` keys mean what they mean for training. `search` prints the fastest
+meshes and schedules that fit and writes the best config. The model's check on published runs
+(`tools/plan.py table1` and `validate`) is not the library's: tools/plan.py hands those two
+commands to benchmarks/validation/. This machine's CPU profile and the local truth are
+benchmarks' too (python -m benchmarks.bench calibrate | local). Bad input (an unknown GPU, a bad
+config or override, a mesh that cannot make --gpus, a model that fits nowhere) is one line on
+stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -42,14 +31,13 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
-from megapipe.perf import h100_fit, megatron_runs, published_moe
-from megapipe.perf import h100_validation as h100
 from megapipe.perf import search as plan_search
-from megapipe.perf import table1 as t1
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster
-from megapipe.perf.cost_terms import CALIBRATION
 from megapipe.perf.model import project
 from megapipe.perf.software import RUNTIMES
+
+# The model's check on published runs is not the library's (it lives above it, in benchmarks/)
+VALIDATION = "table1, validate: published runs, measured vs projected (tools/plan.py runs them)"
 
 
 class UsageError(ValueError):
@@ -62,7 +50,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = _Parser(prog="plan.py", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="plan.py", description=__doc__.split("\n\n")[0], epilog=VALIDATION)
     sub = parser.add_subparsers(dest="command", required=True)
     proj = sub.add_parser("project", help="project one config onto a cluster")
     proj.add_argument("--config", help="YAML config file (see configs/)")
@@ -71,21 +59,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     proj.add_argument("--runtime", default="megapipe", help=f"one of {', '.join(RUNTIMES)}")
     proj.add_argument("--json", action="store_true", help="one JSON object")
     add_search_parser(sub)
-    table = sub.add_parser("table1", help="Megatron-LM Table 1: paper vs projected")
-    table.add_argument("--refit", action="store_true", help="fit the constants again first")
-    table.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
-    check = sub.add_parser("validate", help="published H100/H200 runs: measured vs projected")
-    check.add_argument("--megapipe", action="store_true", help="megapipe's runtime beside")
-    check.add_argument("--refit", action="store_true", help="fit the H100 e_max again first")
-    check.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
-    check.add_argument("--moe", action="store_true", help="the published MoE runs instead")
-    check.add_argument("--a100", action="store_true", help="2021-2022 Megatron runs instead")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
             raise UsageError(f"argument '{item}' is not --section.key=value")
-    if args.command in ("table1", "validate") and rest:
-        raise UsageError(f"{args.command} takes no --section.key=value overrides")
     return args, rest
 
 
@@ -191,70 +168,13 @@ def run_search(args: argparse.Namespace, overrides: list[str], argv: list[str]) 
     return 0
 
 
-def run_table1(args: argparse.Namespace) -> int:
-    cal = CALIBRATION
-    if args.refit:
-        cal = t1.fit()
-    print(
-        f"constants: e_max={cal.gemm:.3f} kappa={cal.knee:.3f} mu={cal.memory:.3f} "
-        "(megapipe/perf/cost_terms.py; fitted on all ten rows)\n"
-    )
-    results = t1.compare(cal)
-    loo = None if args.no_loo else t1.leave_one_out(start=cal)
-    print(t1.markdown(results, loo))
-    return 0
-
-
-def run_validate(args: argparse.Namespace) -> int:
-    if args.moe:  # perf/published_moe.py: no constant fitted on these rows
-        print("published MoE runs (perf/data/moe_published_runs.csv), H100 profile as fitted on "
-              "the dense rows:\n")  # fmt: skip
-        print(published_moe.markdown(published_moe.compare()))
-        return 0
-    if args.a100:
-        return run_validate_a100()
-    results = h100.compare()
-    cal = h100.refit(results) if args.refit else None
-    if cal is not None:
-        results = h100.compare(cal=cal)
-    shown = cal or h100_fit.constants(load_cluster("h100"))
-    print(
-        f"H100 constants: e_max={shown.gemm:.3f} kappa={shown.knee:.3f} mu={shown.memory:.3f} "
-        f"({'fitted again' if args.refit else 'megapipe/perf/clusters/h100.yaml'}; e_max fitted "
-        "on the fitted rows, kappa and mu from kernel benchmarks)\n"
-    )
-    loo = None if args.no_loo else h100.leave_one_out(results, cal=cal)
-    print(h100.markdown(results, loo))
-    if args.megapipe:
-        beside = h100.beside_megapipe()
-        print("\nmegapipe's runtime (bf16 weights) beside megatron_core's, same configs:\n")
-        print(h100.beside_markdown(beside))
-        print("\nseconds each of megapipe's facts adds (share of megatron_core's step):\n")
-        print(h100.attribution_markdown(beside))
-    return 0
-
-
-def run_validate_a100() -> int:
-    print(f"other 2021-2022 Megatron-LM runs on A100 ({megatron_runs.DATA.name}), held out; "
-          "the A100 profile and Table 1's constants:\n")  # fmt: skip
-    print("under the megatron2021 runtime (the 2021 code):\n")
-    print(megatron_runs.markdown(megatron_runs.compare()))
-    print("\nunder the runtime of each run's code (megatron2022: Korthikanti et al. 2022's):\n")
-    print(megatron_runs.markdown(megatron_runs.compare(None)))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args, overrides = parse(argv)
         if args.command == "project":
             return run_project(args, overrides)
-        if args.command == "search":
-            return run_search(args, overrides, argv)
-        if args.command == "validate":
-            return run_validate(args)
-        return run_table1(args)
+        return run_search(args, overrides, argv)
     except (UsageError, ConfigError, ClusterError, plan_search.PlanError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

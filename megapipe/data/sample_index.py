@@ -20,7 +20,7 @@ the epochs: so an index of more epochs begins with this one's samples). Megatron
 by two searchsorted calls over `cum` when it is read (~2·log2(n_docs) page touches a row,
 nothing next to reading seq_len tokens). That costs 12 bytes a document an epoch and saves a
 pass over every window at build time and 8 bytes a window; the build is one shuffle and one
-cumsum per epoch, all numpy (python -m benchmarks.bench data_index).
+cumsum per epoch, all numpy (docs/benchmarks/2026-11-26-data-at-scale-cpu.md).
 
 The cache: `<dataset>/index/<name>-<key>/` (key: sha256 of the seed, seq_len, split, epochs and
 the data's identity: meta.json's bytes, the .bin's and docs.npy's size and mtime), built by one

@@ -3,7 +3,7 @@
 Every function takes its process group explicitly. `dist.all_gather` (list form) exists on all
 backends; reduce-scatter is missing from gloo before torch 2.12, so it falls back to all-reduce +
 slice (same result, tp× the traffic). `COUNTER`, when set, records every call's payload: the
-benchmark (benchmarks/bench_tp.py) uses it to count bytes per layer.
+benchmarks and tests count bytes per layer with it (docs/benchmarks/2026-11-26-tp-dp-cpu.md).
 """
 
 from __future__ import annotations

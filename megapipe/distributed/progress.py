@@ -4,14 +4,14 @@ PyTorch's Flight Recorder keeps per-rank records of the last collectives so that
 located after the fact; Megatron's straggler detection compares ranks' timings. Here every rank
 keeps one small fixed-size record in a memory-mapped file, written in place: an update is a
 `struct.pack_into` into the mapping (no system call), so it costs about a microsecond
-(`python -m benchmarks.bench progress`). The record holds, written once, the rank, its mesh
-coordinates, host, pid, `parallel.timeout_s` and a tag of the launch; and, updated as the rank
-runs, the step, what it is doing (a pipeline action `F`/`B`/`W`/`BW` with its microbatch, the
-step core's phases, a save), and what it waits for, if anything (`recv F` from a peer, an
-all-reduce over a group). A thread of the rank writes a heartbeat into it once a second (and
-flushes the mapping, so a reader on another node of a shared file system sees it): the thread
-stops when the process dies or is frozen, not when it waits or computes, which is what tells a
-stopped rank from a slow or waiting one (distributed/diagnosis.py reads the records).
+(docs/benchmarks/2026-11-26-progress-record-cpu.md). The record holds, written once, the rank, its
+mesh coordinates, host, pid, `parallel.timeout_s` and a tag of the launch; and, updated as the rank
+runs, the step, what it is doing (a pipeline action `F`/`B`/`W`/`BW` with its microbatch, the step
+core's phases, a save), and what it waits for, if anything (`recv F` from a peer, an all-reduce over
+a group). A thread of the rank writes a heartbeat into it once a second (and flushes the mapping, so
+a reader on another node of a shared file system sees it): the thread stops when the process dies or
+is frozen, not when it waits or computes, which is what tells a stopped rank from a slow or waiting
+one (distributed/diagnosis.py reads the records).
 
 The recorder rides on the mesh (`ParallelMesh.progress`), which is passed explicitly to
 everything that communicates; `NO_PROGRESS` records nothing (one process, tests).

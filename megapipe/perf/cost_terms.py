@@ -16,7 +16,8 @@ GEMMs (thin tp shards, small micro-batches, a head dimension as the inner size o
 batched QKᵀ and PV) therefore run below large ones, and more so on GPUs whose peak grew faster
 than their bandwidth. Memory-bound kernels (norms, GeLU, dropout, residual adds, softmax, the
 autocast casts, grad accumulation, the optimizer) take bytes / (μ · B). The three constants
-e_max, κ and μ are the model's only calibrated numbers (Calibration; perf/table1.py fits them).
+e_max, κ and μ are the model's only calibrated numbers (Calibration; the values live here, the
+fit on published runs in benchmarks/validation/table1.py).
 
 Shapes are one rank's: b sequences of q query tokens (s/cp, or a Seq1F1B segment's length)
 attending over kv keys, and the heads, MLP width and vocabulary of its tp shard.
@@ -39,8 +40,9 @@ class Calibration:
     memory: float  # μ: fraction of HBM bandwidth memory-bound kernels reach
 
 
-# Fitted on all ten rows of Megatron-LM's Table 1 (perf/table1.fit: least squares on
-# log(projected / measured hardware TFLOP/s per GPU); the same minimum from every start tried);
+# Fitted on all ten rows of Megatron-LM's Table 1 (benchmarks/validation/table1.fit: least
+# squares on log(projected / measured hardware TFLOP/s per GPU); the same minimum from every
+# start tried);
 # `python tools/plan.py table1 --refit` fits them again.
 CALIBRATION = Calibration(gemm=0.785, knee=0.889, memory=0.776)
 

@@ -5,7 +5,7 @@ Compute. Every matmul is a GEMM priced on the GPU's achievable throughput for it
 peak × e(arithmetic intensity), and every memory-bound kernel (norms, GeLU, dropout, residual
 adds, softmax, the autocast casts, grad accumulation, the optimizer) at μ times the HBM
 bandwidth: perf/cost_terms.Device (that module's docstring derives e and its three calibrated
-constants e_max, κ and μ: Calibration, which perf/table1.py fits).
+constants e_max, κ and μ: Calibration, which benchmarks/validation/table1.py fits).
 
 What each block runs (per tp rank; N = b·q tokens of the microbatch on this rank, d, heads
 h = H/tp, kv heads, head dim hd, MLP width f = d_ff/tp, vocabulary v = V/tp):

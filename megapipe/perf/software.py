@@ -3,9 +3,9 @@
 Four runtimes: `megapipe` (ours, the default: what tools/plan.py projects), `megatron2021`, the
 Megatron-LM of Narayanan et al. 2021 that produced Table 1, `megatron_core` (Megatron-Core
 0.8-0.12 as its published H100 runs used it) and `torchtitan` (PyTorch's FSDP2 trainer); the
-last three validate the mechanisms on published measurements (perf/table1.py,
-perf/h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
-its source; `megatron2022` (Korthikanti et al. 2022's code: perf/megatron_runs.py) is
+last three validate the mechanisms on published measurements (benchmarks/validation/: table1.py,
+h100_validation.py). MEGATRON_CORE and TORCHTITAN state their facts beside each field with
+its source; `megatron2022` (Korthikanti et al. 2022's code: validation/megatron_runs.py) is
 `megatron2021` with Megatron-LM's asynchronous tp communication. Ours and Megatron 2021's
 differ in facts about the code, none fitted:
 
@@ -306,8 +306,9 @@ TORCHTITAN = Runtime(
 )
 
 # MosaicML LLM Foundry on Composer with PyTorch FSDP (FSDP1) as its H100 benchmark table ran it
-# (scripts/train/benchmarking/submit_benchmarks.py and the MPT yamls; perf/data/
-# llm_foundry_h100_bf16.csv's header): FULL_SHARD, mixed precision DEFAULT, amp_bf16, eager.
+# (scripts/train/benchmarking/submit_benchmarks.py and the MPT yamls;
+# benchmarks/validation/data/llm_foundry_h100_bf16.csv's header): FULL_SHARD, mixed precision
+# DEFAULT, amp_bf16, eager.
 LLM_FOUNDRY = dataclasses.replace(
     TORCHTITAN,
     name="llm_foundry",
@@ -325,8 +326,9 @@ LLM_FOUNDRY = dataclasses.replace(
     selective_recompute="attention",
 )
 
-# MaxText (JAX/XLA) as NVIDIA's DGX Cloud recipe ran it (perf/data/maxtext_dgxc_h100_bf16.csv's
-# header: maxtext/configure.sh): FSDP over all GPUs, float32 weights with bf16 compute.
+# MaxText (JAX/XLA) as NVIDIA's DGX Cloud recipe ran it (benchmarks/validation/data/
+# maxtext_dgxc_h100_bf16.csv's header: maxtext/configure.sh): FSDP over all GPUs, float32 weights
+# with bf16 compute.
 MAXTEXT = dataclasses.replace(
     TORCHTITAN,
     name="maxtext",

@@ -4,12 +4,12 @@ On the CPU a tensor of a few MB or more is served by fresh pages from the kernel
 large frees back to it), and each 4 KiB page costs a fault on first touch. At GPT-2 124M
 (batch 2 × 256, 2 threads) the fresh weight grads of the fc, proj and qkv linears and the LM
 head's chunk-logits buffer took ~60k faults a step, and their matmuls ran at 150-195 GFLOP/s
-where the same matmul into memory already touched runs at ~215 (`benchmarks/bench.py matmuls`
-times each matmul of a step with its faults). Writing them into buffers kept from the step before
-(`torch.mm(..., out=)`: the same kernel, so the same bits) removes that cost. Autograd hands a
-kept buffer to the parameter's .grad without a copy (it gets a view, a tensor of its own);
-after the optimizer drops .grad the storage is ours alone again and the next step writes into
-it. A buffer whose storage anything else still holds (a .grad under grad accumulation, a
+where the same matmul into memory already touched runs at ~215 (each matmul of a step timed
+with its faults: docs/benchmarks/2026-11-24-train-throughput-cpu.md). Writing them into buffers kept
+from the step before (`torch.mm(..., out=)`: the same kernel, so the same bits) removes that cost.
+Autograd hands a kept buffer to the parameter's .grad without a copy (it gets a view, a tensor of
+its own); after the optimizer drops .grad the storage is ours alone again and the next step writes
+into it. A buffer whose storage anything else still holds (a .grad under grad accumulation, a
 distributed-optimizer shard's view) is never lent: a fresh one is made instead.
 """
 

@@ -118,9 +118,10 @@ _LOG2_E = math.log2(math.e)
 def exp_shifted_(logits: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """exp(logits − top) in place, for (V/tp, rows) logits and the rows' maxima `top`. On the
     CPU as 2^((logits − top)·log2 e): this build's float32 exp ran ~4× slower there than its
-    exp2 (`benchmarks/bench.py kernels`). The product's rounding puts a relative error of about
-    1e-7·|logit − max| on a term (< 1e-6 within e^-6 of the row's largest, which carry its
-    sum), where exp has 6e-8: far under the 1e-5 parity bound, and every mesh runs it alike."""
+    exp2 (docs/benchmarks/2026-11-24-train-throughput-cpu.md). The product's rounding puts a
+    relative error of about 1e-7·|logit − max| on a term (< 1e-6 within e^-6 of the row's largest,
+    which carry its sum), where exp has 6e-8: far under the 1e-5 parity bound, and every mesh runs
+    it alike."""
     logits.sub_(top[None])
     if logits.device.type != "cpu":
         return logits.exp_()

@@ -2,7 +2,7 @@
 its `source` column, the sources in the file's header), each row as a megapipe Config, and
 their validation with the runtime of the code base that ran them (issue 38's projection target).
 
-A row maps onto the dense rows' keys (perf/published.py: arch, shape, mesh, batch, sharding as
+A row maps onto the dense rows' keys (published.py: arch, shape, mesh, batch, sharding as
 a parallel.zero level, interleaved 1F1B where vpp > 1) plus model.n_experts, top_k, moe_ffn,
 moe_every, moe_shared_experts, moe_capacity_factor and parallel.ep. Megatron-Core runs
 sequence parallelism wherever tp > 1 with MoE (its config check: "sequence parallel must be
@@ -14,7 +14,7 @@ A row is validated only when the model can price it as it ran (`why_not`): bf16 
 are not priced), a cluster profile of its GPU, a published mesh, and a shape megapipe's keys
 express (head_dim = d_model / n_heads, full causal attention, no dense leading layers, ep
 dividing dp). The others are listed with the reason. No constant is fitted on these rows: the
-H100 profile's e_max is the one fitted on the dense rows (perf/h100_fit.py).
+H100 profile's e_max is the one fitted on the dense rows (h100_fit.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import csv
 import dataclasses
 from dataclasses import dataclass
 
+from benchmarks.validation.h100_validation import TokensError
+from benchmarks.validation.published import DATA, DTYPES, ZERO
 from megapipe.config import Config, load_config
 from megapipe.config.flops import flops_per_token
 from megapipe.perf.cluster import load_cluster
-from megapipe.perf.h100_validation import TokensError
 from megapipe.perf.model import Projection, project
-from megapipe.perf.published import DATA, DTYPES, ZERO
 from megapipe.perf.software import RUNTIMES, Runtime
 
 SOURCE = "moe_published_runs.csv"

@@ -61,7 +61,7 @@ class Row:
     tied: bool
     dropout: float
     params_b: float  # the model's size as published, billions of parameters
-    gpu: str  # the cluster profile (perf/clusters/<gpu>.yaml)
+    gpu: str  # the cluster profile (megapipe/perf/clusters/<gpu>.yaml)
     gpus: int
     gpus_per_node: int
     tp: int
@@ -167,7 +167,7 @@ class Measured:
 
     row: Row
     config: Config
-    cluster: str  # perf/clusters/<name>.yaml
+    cluster: str  # megapipe/perf/clusters/<name>.yaml
     runtime: str
     tokens_per_s_per_gpu: float
     model_tflops_per_gpu: float  # megapipe's FLOP count (config/flops.flops_per_token)

@@ -8,12 +8,12 @@ says how the paper counts): model.arch gpt2 (learned positions, tied embeddings,
 parallel.microbatches = gbs / (dp · mbs) (so the micro-batch is mbs sequences),
 parallel.schedule interleaved_1f1b with parallel.vpp = v when v > 1 (else 1f1b),
 train.global_batch gbs, recompute.mode full, train.dtype bfloat16. It is projected on the A100
-profile under the `megatron2021` runtime (perf/software.py: the software that ran them), and
-its hardware TFLOP/s per GPU (the recompute's forward counted, §5.1) is compared with the
-paper's.
+profile under the `megatron2021` runtime (megapipe/perf/software.py: the software that ran
+them), and its hardware TFLOP/s per GPU (the recompute's forward counted, §5.1) is compared
+with the paper's.
 
-The model's three constants (perf/cost_terms.Calibration: e_max, κ, μ) are fitted to these rows
-by least squares on log(projected / measured) (Levenberg-Marquardt over the constants'
+The model's three constants (megapipe/perf/cost_terms.Calibration: e_max, κ, μ) are fitted to
+these rows by least squares on log(projected / measured) (Levenberg-Marquardt over the constants'
 logits / logs, so they stay in range); the leave-one-out error of a row is its error
 when the constants are fitted on the other nine.
 """
@@ -39,7 +39,7 @@ TARGET_MEAN, TARGET_MAX = 0.05, 0.10  # mean and max absolute relative error (is
 
 @dataclass(frozen=True)
 class MegatronShape:
-    """A published Megatron-LM GPT run's model and mesh (Table 1's rows, perf/megatron_runs'):
+    """A published Megatron-LM GPT run's model and mesh (Table 1's rows, megatron_runs'):
     what megatron_config reads."""
 
     params_b: float
@@ -100,7 +100,7 @@ def row_config(row: Row) -> Config:
 def megatron_config(
     run: MegatronShape, recompute: str = "full", sequence_parallel: bool = False
 ) -> Config:
-    """The megapipe config of a published Megatron-LM GPT run (Table 1's or perf/megatron_runs'):
+    """The megapipe config of a published Megatron-LM GPT run (Table 1's or megatron_runs'):
     `run`'s model and mesh; GPT-2's 51200-token
     padded vocabulary, 2048 tokens, dropout 0.1, bf16, interleaved 1F1B where v > 1."""
     schedule = "interleaved_1f1b" if run.v > 1 else "1f1b"

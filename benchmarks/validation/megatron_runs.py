@@ -4,7 +4,7 @@ Narayanan et al. 2021's Table 2 (175B and 530B, 384 to 2240 GPUs, full recompute
 Korthikanti et al. 2022's end-to-end runs (Tables 3 and 5: 22B to 1T, full recompute, and
 sequence parallelism with selective recompute).
 
-Each row becomes a megapipe Config as perf/table1.row_config builds Table 1's (gpt2 arch,
+Each row becomes a megapipe Config as table1.row_config builds Table 1's (gpt2 arch,
 seq_len 2048, vocab 51200, dropout 0.1, bf16, the row's mesh, micro-batch and schedule), with
 the row's recompute.mode and parallel.sequence_parallel, and is projected on the A100 profile
 under a runtime: `megatron2021` for every row (the issue's held-out check), or the runtime of
@@ -20,12 +20,12 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.validation.table1 import MegatronShape, megatron_config, shape_fields
 from megapipe.config import Config
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import project
 from megapipe.perf.software import MEGATRON_2021, RUNTIMES, Runtime
-from megapipe.perf.table1 import MegatronShape, megatron_config, shape_fields
 
 DATA = Path(__file__).resolve().parent / "data" / "megatron_2021_2022_runs.csv"
 TARGET_MEAN, TARGET_MAX = 0.08, 0.15  # issue 34's held-out target for these runs

@@ -1,12 +1,12 @@
-"""Validation on published H100/H200 training runs (perf/published.py reads them: NVIDIA's
-Megatron-Core recipes, torchtitan's benchmarks, ...), as perf/table1.py validates on Table 1.
+"""Validation on published H100/H200 training runs (published.py reads them: NVIDIA's
+Megatron-Core recipes, torchtitan's benchmarks, ...), as table1.py validates on Table 1.
 
-Each row is projected on its own cluster profile (perf/clusters/<gpu>.yaml) with the runtime of
-the code base that ran it (perf/software.py: `megatron_core`, `torchtitan`), that runtime's
-defaults set as the row's run set them (`runtime_of`: TE's userbuffers tp overlap where the
-recipe turns it on, torch.compile's fusion where the run compiled, TE's flash backend where
-the recipe disables cuDNN's), and its projected tokens/s per GPU compared with the published
-figure. The H100 profile's e_max is fitted on these rows (perf/h100_fit.py: the constant the
+Each row is projected on its own cluster profile (megapipe/perf/clusters/<gpu>.yaml) with the
+runtime of the code base that ran it (megapipe/perf/software.py: `megatron_core`, `torchtitan`),
+that runtime's defaults set as the row's run set them (`runtime_of`: TE's userbuffers tp overlap
+where the recipe turns it on, torch.compile's fusion where the run compiled, TE's flash backend
+where the recipe disables cuDNN's), and its projected tokens/s per GPU compared with the
+published figure. The H100 profile's e_max is fitted on these rows (h100_fit.py: the constant the
 kernel benchmarks cannot give, as Table 1 fits the A100's); the rows of FIT_LEFT_OUT's sources
 are projected and printed but neither fitted on nor held to the targets, for the reason given
 there. `leave_one_out` projects each fitted row with e_max fitted on the other fitted rows.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from benchmarks.validation import h100_fit, published
 from megapipe.config import Config
-from megapipe.perf import h100_fit, published
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.model import Projection, project
@@ -66,7 +66,7 @@ class TokensError:
 @dataclass(frozen=True)
 class Result(TokensError):
     row: published.Row
-    measured: float  # tokens/s per GPU as published (or derived, perf/published.measured)
+    measured: float  # tokens/s per GPU as published (or derived, published.measured)
     measured_tflops: float  # model TFLOP/s per GPU on megapipe's count
     projection: Projection
 

@@ -1,8 +1,8 @@
 """The H100 constants the kernel benchmarks cannot give, fitted on the published H100 runs
-(perf/h100_validation.py) as perf/table1.py fits Table 1's on A100s.
+(h100_validation.py) as table1.py fits Table 1's on A100s.
 
-The H100 profile's rates come from kernel benchmarks (perf/clusters/h100.yaml): the best-shape
-matmul (e_max 0.801), a GEMM size sweep (κ), a stream benchmark (μ), FlashAttention-3's
+The H100 profile's rates come from kernel benchmarks (megapipe/perf/clusters/h100.yaml): the
+best-shape matmul (e_max 0.801), a GEMM size sweep (κ), a stream benchmark (μ), FlashAttention-3's
 attention rates. End-to-end training reaches less than a best-shape benchmark: clocks
 sustained under the power limit over hours, real shapes' tile and wave quantisation, kernels
 beside NCCL's on the SMs. On A100s the Table 1 fit absorbs that (its e_max 0.785 is 0.91 of
@@ -20,8 +20,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from benchmarks.validation import published, table1
 from megapipe.config import Config
-from megapipe.perf import published, table1
 from megapipe.perf.cluster import Cluster, load_cluster
 from megapipe.perf.cost_terms import CALIBRATION, Calibration
 from megapipe.perf.model import Projection, project
