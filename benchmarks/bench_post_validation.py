@@ -83,7 +83,7 @@ def job(block: int, rounds: int, warmup: int) -> dict:
     from megapipe.data.loader import build_data
     from megapipe.distributed.launch import init_distributed
     from megapipe.pipeline import timeline
-    from megapipe.train.build import build
+    from megapipe.train.parallelize import parallelize
 
     table = runs()
     mesh = init_distributed(make_config("1f1b", [], False, 0.0))
@@ -91,7 +91,7 @@ def job(block: int, rounds: int, warmup: int) -> dict:
     for name, schedule, extra, post, clip in table:
         cfg = make_config(schedule, extra, post, clip)
         torch.manual_seed(cfg.train.seed)
-        built = build(cfg, mesh)
+        built = parallelize(cfg, mesh)
         jobs[name] = (cfg, built, built.optimizer(), build_data(cfg.data, cfg.model, 0))
     steps = {name: 0 for name in jobs}
     wall = {name: [] for name in jobs}

@@ -1,10 +1,10 @@
 """Training-step throughput of megapipe's GPT (eager and compiled) against transformers'
 GPT2LMHeadModel trained the way transformers' Trainer trains it by default, on one device.
 
-- megapipe: the real step core (`train/build.build(cfg, None)`, `Job.train_step`): fused head +
-  loss, global grad norm, clip at 1.0, AdamW as `train/optim.build_optimizer` makes it (fused
-  where the device has the kernel); "compiled" is the same with `train.compile=true` (its
-  compile time is printed once, before timing).
+- megapipe: the real step core (`train/parallelize.parallelize(cfg, None)`, `Job.train_step`):
+  fused head + loss, global grad norm, clip at 1.0, AdamW as `train/optim.build_optimizer`
+  makes it (fused where the device has the kernel); "compiled" is the same with
+  `train.compile=true` (its compile time is printed once, before timing).
 - transformers: GPT2LMHeadModel (SDPA attention) stepped as `Trainer` does by default, with
   the defaults read from `TrainingArguments`' fields: the optimizer of its default `optim`
   (transformers >= 5 on torch >= 2.8: `adamw_torch_fused`, i.e. torch's AdamW with fused=True),
@@ -102,11 +102,11 @@ class Megapipe:
     """megapipe's own training step on one process."""
 
     def __init__(self, s: Shape, compile_: bool) -> None:
-        from megapipe.train.build import build
+        from megapipe.train.parallelize import parallelize
 
         self.cfg = megapipe_config(s, compile_)
         torch.manual_seed(0)
-        self.job = build(self.cfg, None, s.device)
+        self.job = parallelize(self.cfg, None, s.device)
         self.optimizer = self.job.optimizer()
         self.n = 0
 

@@ -4,7 +4,7 @@
                                      --zero 0 1 2 3 --dp 1 2 4 --out F.json]
 
 Gloo workers, one thread each; every world builds one job per level from the same seed with
-train/build.py's `build()`, as train.py does, and trains them on the same batches.
+train/parallelize.py's `parallelize()`, as train.py does, and trains them on the same batches.
 
 1. Step time at dp=2: the jobs step in turn (zero=0, 1, 2, 3, and each sharded level without
    its overlap: zero=1/2's gathers waited for right after the step, zero=3 unprefetched), each
@@ -122,11 +122,11 @@ class Run:
     optimizer steps."""
 
     def __init__(self, args, mesh, dp: int, zero: int, overlap: bool = True) -> None:
-        from megapipe.train.build import build
+        from megapipe.train.parallelize import parallelize
 
         self.cfg = make_config(args, dp, zero)
         torch.manual_seed(self.cfg.train.seed)
-        self.job = build(self.cfg, mesh, "cpu", args.bucket_mb)
+        self.job = parallelize(self.cfg, mesh, "cpu", args.bucket_mb)
         self.optimizer = self.job.optimizer()
         self.reducer = getattr(self.job.engine, "reducer", None)
         self.grads = (_GradBytes if overlap else _GathersAtStep)(self.job.model, self.reducer)
