@@ -64,10 +64,10 @@ def hub(tmp_path, monkeypatch):
 
     cache = cache_hub_tokenizer(tmp_path / "hub", "gpt2", word_tokenizer(50257, 50256))
     owt, edu = make_docs(5, seed=11), make_docs(6, seed=12)
-    lay_out(cache, "Skylion007/openwebtext", "main", "1" * 40,
-            {"openwebtext.py": "# a loading script\n", "README.md": "---\npretty_name: OWT\n---\n"})  # fmt: skip
-    lay_out(cache, "Skylion007/openwebtext", "refs/convert/parquet", "2" * 40,
-            {"plain_text/train/0000.parquet": owt[:3], "plain_text/train/0001.parquet": owt[3:]})  # fmt: skip
+    script = {"openwebtext.py": "# a loading script\n", "README.md": "---\npretty_name: OWT\n---\n"}
+    lay_out(cache, "Skylion007/openwebtext", "main", "1" * 40, script)
+    export = {"plain_text/train/0000.parquet": owt[:3], "plain_text/train/0001.parquet": owt[3:]}
+    lay_out(cache, "Skylion007/openwebtext", "refs/convert/parquet", "2" * 40, export)
     lay_out(cache, "HuggingFaceFW/fineweb-edu", "main", "3" * 40, {
         "README.md": FINEWEB_README,
         "sample/10BT/000_00000.parquet": edu[:4],
