@@ -147,8 +147,8 @@ def test_config_checks_blend(tiny_cfg, blend):
 def test_missing_preset_data_names_its_prepare_command():
     hint = prepare_hint("data/openwebtext")
     assert hint.endswith(
-        "python tools/prepare_data.py --input hf:Skylion007/openwebtext --tokenizer gpt2 "
-        "--out data/openwebtext --workers 8"
+        "python tools/prepare_data.py --input hf:Skylion007/openwebtext@refs/convert/parquet "
+        "--tokenizer gpt2 --out data/openwebtext --workers 8"
     )
     assert "--vocab-size 32000 --out data/openwebtext_32k" in prepare_hint("data/openwebtext_32k")
     assert prepare_hint("data/shakespeare") == "run python tools/prepare_data.py or set data.path"

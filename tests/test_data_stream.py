@@ -211,7 +211,8 @@ def test_hf_cache_input_errors(hf_cache):
         r"\['default', 'small'\]\)$",
         "hf:megapipe-test/tiny_corpus:small:train": r"has no split 'train' in the cache \(Should "
         r"be one of \['validation'\]\.\)$",
-        "hf:": r"input hf:: write hf:NAME\[:CONFIG\[:SPLIT\]\], e.g. hf:org/name$",
+        "hf:": r"input hf:: write hf:NAME\[:CONFIG\[:SPLIT\]\]\[@REVISION\], e.g. hf:org/name or "
+        r"hf:org/name@refs/convert/parquet$",
     }
     for given, message in cases.items():
         with pytest.raises(DataError, match=message) as err:

@@ -70,7 +70,8 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     corpus = write_txt(tmp_path, make_docs(6, seed=4))
     commands = preset_commands()
-    presets = {"gpt2_124m", "gpt2_350m", "gpt2_1.3b", "gpt3_13b", "llama_1b", "llama_8b"}
+    presets = {"gpt2_124m", "gpt2_124m_fineweb", "gpt2_350m", "gpt2_1.3b", "gpt3_13b", "llama_1b",
+               "llama_8b"}  # fmt: skip
     assert presets <= set(commands)
     prepared: dict[str, Path] = {}  # presets sharing a command share its dataset
     for preset, command in commands.items():
@@ -98,4 +99,6 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
         assert (
             int(batch.max()) < cfg.model.vocab_size and meta["vocab_size"] <= cfg.model.vocab_size
         )
-    assert len(prepared) == 3  # GPT-2's tokenizer, llama_1b's 32000 pieces, Llama 3's tokenizer
+    # OpenWebText with GPT-2's tokenizer, llama_1b's 32000 pieces and Llama 3's tokenizer;
+    # FineWeb-Edu with GPT-2's
+    assert len(prepared) == 4

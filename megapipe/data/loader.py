@@ -253,12 +253,13 @@ def build_data(
 # tests/test_presets_data.py runs them): GPT-2's own tokenizer, 50257 ids, which the models pad
 # to 50304; llama_1b's 32000-piece sentencepiece; llama_8b's Llama 3 tokenizer (128256 ids).
 # Any other path keeps the plain hint, which makes data/shakespeare.
+OPENWEBTEXT = "hf:Skylion007/openwebtext@refs/convert/parquet"  # a script repo: data/hub.py
+FINEWEB_EDU = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"  # gpt2_124m_fineweb, parquet
 PRESET_CORPORA = {
-    "openwebtext": "--input hf:Skylion007/openwebtext --tokenizer gpt2",
-    "openwebtext_32k": "--input hf:Skylion007/openwebtext --vocab-size 32000",
-    "openwebtext_llama3": (
-        "--input hf:Skylion007/openwebtext --tokenizer meta-llama/Meta-Llama-3-8B"
-    ),
+    "openwebtext": f"--input {OPENWEBTEXT} --tokenizer gpt2",
+    "openwebtext_32k": f"--input {OPENWEBTEXT} --vocab-size 32000",
+    "openwebtext_llama3": f"--input {OPENWEBTEXT} --tokenizer meta-llama/Meta-Llama-3-8B",
+    "fineweb_edu_10b": f"--input {FINEWEB_EDU} --tokenizer gpt2 --val-fraction 0.01",
 }
 
 
