@@ -18,6 +18,7 @@ from megapipe.config import ConfigError, load_config
 from megapipe.config.args import parse_train_args
 from megapipe.data.errors import DataError
 from megapipe.distributed.diagnosis import lost_peer_line
+from megapipe.distributed.flight import dump
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import as_json, describe
@@ -47,7 +48,9 @@ def train(argv: list[str], seen: dict) -> int:
 def peer_lost_error(cause: str, run_dir: str | None = None) -> int:
     """Every rank that sees a lost peer says so: each rank's own log must tell what it saw. The
     line names the ranks that stopped and where, read from their records in run.dir
-    (megapipe/distributed/diagnosis.py); without records, only that a peer was lost."""
+    (megapipe/distributed/diagnosis.py); without records, only that a peer was lost. The rank's
+    flight-recorder trace goes beside its record first (megapipe/distributed/flight.py)."""
+    dump(run_dir, launched_rank())
     named = lost_peer_line(run_dir, launched_rank(), cause)
     print(
         f"error: {named}"

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace_json
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.distributed_c10d import _set_pg_timeout, _world
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 Tensor = torch.Tensor
@@ -119,6 +121,24 @@ def set_group_timeout(group, timeout: datetime.timedelta) -> None:
     groups with torch's default, and a dead peer must fail every wait within the run's
     timeout (distributed/mesh.py). Works on torch 2.13."""
     _set_pg_timeout(timeout, group)
+
+
+def flight_recorder_trace() -> dict:
+    """This process's flight-recorder trace (_C._dump_fr_trace_json): the last
+    TORCH_FR_BUFFER_SIZE collectives of its groups, each with its name, group, sizes, state and
+    sequence id. The JSON form, so nothing pickled is ever read (distributed/flight.py). Works on
+    torch 2.13, under gloo too (which records collectives, not send/recv)."""
+    return json.loads(_dump_fr_trace_json(includeCollectives=True))
+
+
+def process_group_ranks() -> dict[str, tuple[str, list[int]]]:
+    """{group name: (description, global ranks)} of every group this process belongs to
+    (distributed_c10d._world.pg_names): the flight recorder names a group, not its ranks.
+    Works on torch 2.13."""
+    return {
+        name: (getattr(group, "group_desc", ""), dist.get_process_group_ranks(group))
+        for group, name in _world.pg_names.items()
+    }
 
 
 # ---------------------------------------------------------------- sharded checkpoints

@@ -1,7 +1,10 @@
 """A stuck rank is named: with real torchrun agents (tools/launch.py), one rank is frozen
 (SIGSTOP) mid-run; the survivor's one error line names it and what it last did, within
 parallel.timeout_s + 15 s, and the job exits 3. A job killed from outside leaves records that
-tools/diagnose.py (megapipe/cli/diagnose.py) reads, the frozen rank first.
+tools/diagnose.py (megapipe/cli/diagnose.py) reads, the frozen rank first. The survivor's
+flight-recorder trace, dumped as it gives up (megapipe/distributed/flight.py), names the
+collective it waits in and the frozen rank as the one that never entered it; a wait in a
+send/recv (pp2), which gloo does not record, is named from the progress record.
 
 The rank to freeze is found, and the moment chosen, from its own progress record in run.dir
 (megapipe/distributed/progress.py): its pid, and a step past the first.
@@ -18,6 +21,7 @@ import time
 import pytest
 
 from megapipe.cli import diagnose
+from megapipe.distributed import flight
 from megapipe.distributed.diagnosis import GONE, process_state, stale_s
 from megapipe.distributed.progress import read_records
 from tests.conftest import ROOT, TINY
@@ -96,6 +100,7 @@ def test_frozen_rank_is_named_in_the_survivors_line(tmp_path, mesh, frozen, surv
         time.sleep(0.5)  # the record as the frozen rank left it
         where = read_records(str(tmp_path))[frozen].where()
         line, seconds = job.error_line(stopped_at, NAMED_WITHIN_S)
+        flight_lines = diagnosis_of_the_frozen(str(tmp_path))  # before the frozen rank resumes
         os.kill(record.pid, signal.SIGCONT)  # it meets the lost peer too, or torchrun's SIGTERM
         code = job.proc.wait(timeout=120)
     finally:
@@ -106,6 +111,30 @@ def test_frozen_rank_is_named_in_the_survivors_line(tmp_path, mesh, frozen, surv
     assert seconds < NAMED_WITHIN_S, f"named after {seconds:.0f} s: {line}"
     assert code == 3, job.stderr()
     assert 'train.py", line' not in job.stderr()  # no worker traceback (torchrun's own is there)
+    check_flight_lines(flight_lines, read_records(str(tmp_path))[survivor], frozen)
+
+
+def diagnosis_of_the_frozen(run_dir: str) -> list[str]:
+    """tools/diagnose.py's flight-recorder lines while the frozen rank is still frozen."""
+    return flight.report(run_dir, read_records(run_dir))
+
+
+def check_flight_lines(lines: list[str], waiter, frozen: int) -> None:
+    """The survivor (`waiter`, its record) left a trace; the last line names where it waits:
+    a collective the frozen rank never entered, or (gloo records no p2p) its send/recv."""
+    me = waiter.rank
+    assert lines[0] == "flight recorder: 1 traces (rank<R>.fr.json)", lines
+    assert lines[1].startswith(f"rank {me} last entered "), lines
+    if waiter.wait.startswith("all_reduce"):
+        assert lines[-1].startswith("first collective some rank never entered: all_reduce ")
+        assert f"; rank {frozen} never entered it (no trace: stopped or died); " in lines[-1]
+        assert lines[-1].endswith(f"waiting in it: rank {me}"), lines
+    else:
+        assert waiter.wait.startswith(flight.P2P) and waiter.peer == frozen, waiter
+        assert lines[-1] == (
+            f"every recorded collective matches; waiting in send/recv: rank {me} "
+            f"{waiter.where()} (not in gloo's flight recorder: from the progress records)"
+        ), lines
 
 
 def test_diagnose_names_the_rank_frozen_before_the_job_was_killed(tmp_path, capsys):

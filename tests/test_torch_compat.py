@@ -153,6 +153,28 @@ def test_flatten_mesh_and_group_timeout(compat, world_of_one):
     expect(timeout == datetime.timedelta(seconds=7), "_set_pg_timeout", f"left {timeout}")
 
 
+def test_flight_recorder_trace_and_group_ranks(compat, monkeypatch):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "50")  # before the group exists, as launch does
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], group_desc="mine")
+        dist.all_reduce(torch.ones(3, 2), group=group)
+        name = "torch._C._distributed_c10d._dump_fr_trace_json"
+        with api(name):
+            entries = compat.flight_recorder_trace().get("entries", [])
+        mine = [e for e in entries if e["process_group"][1] == "mine"]
+        expect(len(mine) == 1, name, f"recorded {entries}")
+        e = mine[0]
+        got = (e["profiling_name"], e["input_sizes"], e["collective_seq_id"], e["retired"])
+        expect(got == ("gloo:all_reduce", [[3, 2]], 1, True), name, f"recorded {e}")
+        name = "torch.distributed.distributed_c10d._world.pg_names"
+        with api(name):
+            groups = compat.process_group_ranks()
+        expect(groups.get(e["process_group"][0]) == ("mine", [0]), name, f"gave {groups}")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.filterwarnings("ignore:Please use DTensor:FutureWarning")
 def test_sharded_tensor_and_narrow(compat, world_of_one):
     name = "ShardedTensor._init_from_local_shards (with Shard, ShardMetadata)"

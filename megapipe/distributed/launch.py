@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.config import Config
+from megapipe.distributed.flight import ensure_buffer
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, check_world_size, coords
 from megapipe.distributed.progress import Progress
 from megapipe.distributed.rendezvous import agent_store_in_use, attempt_store
@@ -47,6 +48,7 @@ def init_distributed(cfg: Config) -> ParallelMesh | None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        ensure_buffer()  # every multi-rank run records its collectives (distributed/flight.py)
         timeout = datetime.timedelta(seconds=timeout_s)  # a dead rank: error, not a hang
         backend = "nccl" if cuda else "gloo"
         if agent_store_in_use():  # torchrun's store outlives a restart: a namespace per start
