@@ -99,4 +99,3 @@ def main(argv: list[str] | None = None) -> int:
             f"acc_norm {result['acc_norm']:.4f}"
         )
     return 0
-

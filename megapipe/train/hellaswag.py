@@ -62,7 +62,7 @@ def item_of(row: dict, where: str = "row") -> Item:
 def read_jsonl(path: Path) -> list[Item]:
     """Items from a jsonl file of HellaSwag rows."""
     if not path.is_file():
-        raise DataError(f"HellaSwag data '{path}' not found; pass --data FILE (a jsonl of {FIELDS})")
+        raise DataError(f"HellaSwag data '{path}' not found; give a jsonl of {FIELDS}")
     items = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

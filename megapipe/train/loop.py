@@ -19,7 +19,6 @@ from megapipe.distributed.progress import NO_PROGRESS
 from megapipe.train import checkpoint, runlock
 from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
-from megapipe.train.tasks import TaskEval
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_tflops
 from megapipe.train.moe_metrics import moe_record
@@ -27,6 +26,7 @@ from megapipe.train.parallelize import Job, parallelize
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
 from megapipe.train.spikes import NonFiniteError, Spikes
+from megapipe.train.tasks import TaskEval
 
 
 def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
