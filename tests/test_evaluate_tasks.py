@@ -12,7 +12,6 @@ a context ending in spaces, and one longer than the model's window (left-truncat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -51,15 +50,10 @@ ROWS = [  # as Rowan/hellaswag's validation rows hold them (label a string)
 
 
 def lm_eval_hellaswag_utils():
-    """lm-eval's tasks/hellaswag/utils.py, loaded by its path (the tasks package's __init__
-    pulls in every task's metrics)."""
-    import lm_eval
+    """lm-eval's tasks/hellaswag/utils.py (`preprocess`, `process_docs`)."""
+    from lm_eval.tasks.hellaswag import utils
 
-    path = Path(lm_eval.__file__).parent / "tasks" / "hellaswag" / "utils.py"
-    spec = importlib.util.spec_from_file_location("lm_eval_hellaswag_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return utils
 
 
 @pytest.fixture(scope="module")
