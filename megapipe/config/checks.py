@@ -18,6 +18,7 @@ from typing import Any
 
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
+    check_eval_tasks,
     check_expert_parallel,
     check_moe,
     check_params_dtype,
@@ -73,6 +74,7 @@ def validate(cfg: Config) -> None:
     _check_train(cfg)
     check_spikes(cfg)
     _check_rest(cfg)
+    check_eval_tasks(cfg)
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

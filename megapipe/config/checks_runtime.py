@@ -155,3 +155,34 @@ def check_moe(cfg: Config) -> None:
         f"model.moe_every={m.moe_every} exceeds model.n_layers={m.n_layers}, so no layer "
         "would be MoE; lower model.moe_every",
     )
+
+
+EVAL_TASKS = ("hellaswag",)  # train/tasks.py TASKS
+
+
+def check_eval_tasks(cfg: Config) -> None:
+    """`train.eval_tasks` (train/tasks.py): known names, scored on a whole model by the run's
+    tokenizer at each evaluation."""
+    t, p = cfg.train, cfg.parallel
+    names = [name.strip() for name in t.eval_tasks.split(",") if name.strip()]
+    for name in names:
+        require(
+            name in EVAL_TASKS,
+            f"train.eval_tasks: {name!r} is not one of {', '.join(EVAL_TASKS)}",
+        )
+    if not names:
+        return
+    require(
+        p.pp == 1 and p.cp == 1,
+        f"train.eval_tasks with parallel.pp={p.pp}, parallel.cp={p.cp}: tasks are scored on a "
+        "whole model per rank; set train.eval_tasks='' and score a checkpoint with "
+        "tools/evaluate.py",
+    )
+    require(
+        t.eval_interval > 0,
+        "train.eval_tasks are scored at each evaluation, but train.eval_interval=0; set it",
+    )
+    require(
+        cfg.data.source == "memmap" or bool(cfg.data.tokenizer),
+        "train.eval_tasks needs the run's tokenizer: data.source=memmap or data.tokenizer",
+    )

@@ -166,6 +166,11 @@ class TrainConfig:
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
     eval_batches: int = bounded(4, low=1)  # validation batches of train.global_batch sequences
+    # downstream tasks scored at each evaluation beside the validation loss, comma-separated
+    # (hellaswag): the records' <task>_acc and <task>_acc_norm (train/tasks.py); "" : none
+    eval_tasks: str = ""
+    # the local jsonl the tasks read (HellaSwag rows: ctx, endings, label); "" : the Hub's
+    eval_tasks_data: str = ""
     # a step whose loss or grad norm is inf/NaN: skip it (weights untouched) or stop the run
     on_nonfinite: str = "skip"  # skip | stop
     max_skipped: int = bounded(3, low=1)  # stop after this many consecutive skipped steps

@@ -26,6 +26,7 @@ from megapipe.train.parallelize import Job, parallelize
 from megapipe.train.preempt import StopSignals
 from megapipe.train.profile import StepProfile
 from megapipe.train.spikes import NonFiniteError, Spikes
+from megapipe.train.tasks import TaskEval
 
 
 def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
@@ -174,6 +175,7 @@ class _Loop:
         self.records: list[dict] = []
         self.moe: dict[int, dict] = {}  # each step's MoE figures until its record is written
         self.settled = Settled(job, optimizer, hooks)
+        self.tasks = TaskEval(cfg)  # train.eval_tasks, scored beside the validation loss
 
     def settle(self, done: int, seconds, result, stopping, evaluating, saving) -> None:
         """Log and count every step whose figures are known after step `done` (Settled), with
@@ -185,7 +187,7 @@ class _Loop:
             spiked = self.spikes.observe(d, final, record)
             if d == done and evaluating:
                 self.job.progress.doing("eval")
-                losses = _validate(self.cfg, self.job, self.data)
+                losses = {**_validate(self.cfg, self.job, self.data), **self.tasks(self.job)}
                 record.update(losses)
                 self.hooks.evaluated(d, losses)
             ends = d == self.last or (d == done and stopping)
