@@ -49,7 +49,11 @@ def test_every_numeric_field_of_every_record_is_one_scalar_at_its_step(tiny_cfg)
     records = read_metrics(os.path.join(cfg.run.dir, "metrics.jsonl"))
     assert [r["step"] for r in records] == [2, 3, 4, 5]  # every 2nd, the evaluations, the end
     want = expected(records)
-    assert {"loss", "val_loss", "lr", "grad_norm", "skipped", "tokens_per_s", "mfu"} <= set(want)
+    named = {"loss", "val_loss", "lr", "grad_norm", "skipped", "tokens_per_s", "mfu", "tflops",
+             "consumed_tokens", "peak_memory_gib"}  # fmt: skip
+    assert named <= set(want)
+    memory = [v for _, v in want["peak_memory_gib"]]
+    assert memory[0] > 0 and memory == sorted(memory)  # the run's peak so far
     assert [s for s, _ in want["val_loss"]] == [3, 5]
     assert_same(scalars_read(os.path.join(cfg.run.dir, "tensorboard")), want)
 

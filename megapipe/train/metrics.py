@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 from typing import Any
 
 import torch
@@ -37,6 +38,17 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
         if key in name:
             return by_dtype[cfg.train.dtype]
     return None
+
+
+def peak_memory(cuda: bool) -> tuple[int, str]:
+    """This process's peak memory so far in bytes, and what was counted: CUDA's max allocated
+    (tensors only, as torchtitan's memory monitor reports) or, on CPU, the process's max RSS
+    (the interpreter, torch and the model; torch keeps no allocator count there). Nothing is
+    reset, so the figure of a record and of the profile (train/profile.py) is the run's peak."""
+    if cuda:
+        return torch.cuda.max_memory_allocated(), "max allocated (CUDA)"
+    # Linux reports kilobytes (getrusage(2))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
 
 
 class MetricsLog:
