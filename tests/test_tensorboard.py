@@ -10,14 +10,17 @@ from tensorboard.backend.event_processing import event_accumulator
 import train
 from megapipe.train.metrics import read_metrics
 from megapipe.train.sinks import TensorBoardSink
+from tests.test_spikes import ROLLBACK, config, spiky, write_counting_dataset
 
 
 def scalars_read(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     """(step, value) of every scalar under `log_dir`, by tag, as TensorBoard shows them: its
-    EventAccumulator, all points kept (size guidance 0), orphaned points purged (its default)."""
+    EventAccumulator, all points kept (size guidance 0), orphaned points purged (its default;
+    a tag whose points were all purged is left out)."""
     acc = event_accumulator.EventAccumulator(log_dir, size_guidance={event_accumulator.SCALARS: 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    points = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return {tag: p for tag, p in points.items() if p}
 
 
 def expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -75,8 +78,20 @@ def test_a_resumed_run_leaves_one_scalar_a_step(tiny_cfg):
     assert_same(scalars_read(os.path.join(run.run.dir, "tensorboard")), expected(records))
 
 
+def test_a_rollback_leaves_one_scalar_a_step(tmp_path):
+    """A loss-spike rollback (tests/test_spikes.py's run: spikes at steps 10 and 13, back to
+    step 8) logs steps 9-13 again within the run: TensorBoard shows their second records."""
+    write_counting_dataset(tmp_path / "data")
+    with spiky():
+        logged = train.run(config(str(tmp_path), *ROLLBACK, "log.tensorboard=true"))
+    assert [r["step"] for r in logged] == [*range(1, 14), *range(9, 17)]
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert "spike" in logged[9] and not any("spike" in r for r in records)
+    assert_same(scalars_read(str(tmp_path / "run" / "tensorboard")), expected(records))
+
+
 def test_a_step_logged_again_replaces_its_points(tmp_path):
-    """A loss-spike rollback logs the steps after its checkpoint again within one run."""
+    """The sink alone: a step at or before the last one logged hides the earlier points."""
     sink = TensorBoardSink(str(tmp_path), start_step=0)
     for step, loss in [(1, 9.0), (2, 8.0), (3, 7.0), (2, 6.5), (3, 5.5), (4, 4.5)]:
         sink.write({"step": step, "loss": loss, "moe_load": [[1, 2]], "mfu": None, "tag": "x"})

@@ -63,27 +63,29 @@ class TensorBoardSink:
 
     A resumed run opens its writer with `purge_step=start_step + 1`: SummaryWriter then writes a
     SessionLog.START event at that step, and TensorBoard's reader (EventAccumulator with
-    purge_orphaned_data, its default) drops every earlier-read event at that step or later, so
-    the interrupted run's points past the checkpoint vanish as metrics.jsonl's records do
-    (torch.utils.tensorboard.SummaryWriter's `purge_step`). A fresh run passes 1, which hides
-    a previous run's points in the same run.dir as metrics.jsonl drops its records. The reader
-    purges on restarts only, not on a step that goes back within one file, so a step logged
-    again (a loss-spike rollback, train/spikes.py) reopens the writer with that step as its
-    purge step: the later record wins, as in `read_metrics`."""
+    purge_orphaned_data, its default) drops every event read before it at that step or later,
+    so the interrupted run's points past the checkpoint vanish as metrics.jsonl's records do
+    (torch.utils.tensorboard.SummaryWriter's `purge_step`; the resumed run's file sorts after
+    the interrupted run's, its name starting with the later time). A fresh run passes 1, which
+    hides a previous run's points in the same run.dir as metrics.jsonl drops its records. The
+    reader purges on a START event only, not on a step that goes back (event files of version
+    2), so a step logged again within the run (a loss-spike rollback, train/spikes.py) is
+    preceded by such an event of its own: the later record wins, as in `read_metrics`."""
 
     def __init__(self, log_dir: str, start_step: int) -> None:
         # optional third-party package (pinned in pyproject.toml); imported only when asked for
+        from tensorboard.compat.proto import event_pb2
         from torch.utils.tensorboard import SummaryWriter
 
-        self.open, self.log_dir = SummaryWriter, log_dir
         self.writer = SummaryWriter(log_dir, purge_step=start_step + 1)
         self.last = start_step
+        self.proto = event_pb2  # the START event of a step logged again
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
-        if step <= self.last:  # logged again after a rollback: hide the first run of it
-            self.writer.close()
-            self.writer = self.open(self.log_dir, purge_step=step)
+        if step <= self.last:  # logged again after a rollback: hide the first run's points
+            start = self.proto.SessionLog(status=self.proto.SessionLog.START)
+            self.writer.file_writer.add_event(self.proto.Event(step=step, session_log=start))
         self.last = step
         for key, value in scalars(record).items():
             self.writer.add_scalar(key, value, global_step=step)
