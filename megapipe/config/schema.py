@@ -230,12 +230,16 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     """What a run writes besides its checkpoints: run.dir/metrics.jsonl every `interval` steps,
-    wandb, the progress line, and with `profile` the per-step profile a scaling study reports
-    (run.dir/study_profile.json and, under pp > 1, trace.json: train/profile.py)."""
+    each record also to wandb and TensorBoard when asked (train/sinks.py), the progress line, and
+    with `profile` the per-step profile a scaling study reports (run.dir/study_profile.json and,
+    under pp > 1, trace.json: train/profile.py)."""
 
     interval: int = bounded(1, low=1)  # steps between metrics.jsonl records
     wandb: str = "disabled"  # Weights & Biases logging: disabled | offline | online
     wandb_project: str = "megapipe"  # wandb project name
+    # every numeric field of each metrics.jsonl record as a TensorBoard scalar at its step, in
+    # event files under run.dir/tensorboard (rank 0; a resumed run hides the points it redoes)
+    tensorboard: bool = False
     # peak device TFLOP/s for MFU; 0: look the device up (metrics.PEAK_TFLOPS; null on CPU)
     peak_tflops: float = bounded(0.0, low=0, note="0: look the device up")
     progress: bool = True  # a progress line with loss and tokens/s
@@ -244,7 +248,7 @@ class LogConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"  # outputs: config.yaml, metrics.jsonl, checkpoints
+    dir: str = "runs/default"  # outputs: config.yaml, metrics.jsonl, checkpoints, tensorboard/
 
 
 @dataclass

@@ -20,7 +20,7 @@ from megapipe.train import checkpoint, runlock
 from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
-from megapipe.train.metrics import MetricsLog, peak_tflops
+from megapipe.train.metrics import MetricsLog, peak_memory, peak_tflops
 from megapipe.train.moe_metrics import moe_record
 from megapipe.train.parallelize import Job, parallelize
 from megapipe.train.preempt import StopSignals
@@ -318,12 +318,14 @@ def _say(line: str) -> None:
 
 class Throughput:
     """tokens/s, model TFLOP/s per device and MFU of one step (PaLM's MFU: model FLOPs only;
-    attention charged the full window, also under data.document_mask: config/flops.py)."""
+    attention charged the full window, also under data.document_mask: config/flops.py), and the
+    rank's peak memory so far (metrics.peak_memory)."""
 
     def __init__(self, cfg: Config, device) -> None:
         self.tokens = cfg.derived.tokens_per_step
         self.world = cfg.derived.world_size
         self.flops_per_token, self.peak = flops_per_token(cfg), peak_tflops(cfg, device)
+        self.cuda = device.type == "cuda"
 
     def of(self, done: int, seconds: float) -> dict:
         tokens_per_s = self.tokens / seconds
@@ -333,4 +335,5 @@ class Throughput:
             "tflops": tflops,
             "mfu": tflops / self.peak if self.peak else None,
             "consumed_tokens": done * self.tokens,
+            "peak_memory_gib": peak_memory(self.cuda)[0] / 2**30,
         }

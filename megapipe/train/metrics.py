@@ -1,16 +1,18 @@
 """Throughput accounting (tokens/s, TFLOP/s, MFU) and the run's outputs: metrics.jsonl, a
-progress bar and wandb."""
+progress bar, and the sinks each record also goes to (wandb, TensorBoard: train/sinks.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from megapipe.config import Config
+from megapipe.train.sinks import sinks_of
 
 # Dense peak TFLOP/s per device, by autocast dtype (vendor data sheets; SXM parts where the
 # name does not say). float32 means TF32 tensor cores, which torch uses for matmuls when allowed.
@@ -38,9 +40,21 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
     return None
 
 
+def peak_memory(cuda: bool) -> tuple[int, str]:
+    """This process's peak memory so far in bytes, and what was counted: CUDA's max allocated
+    (tensors only, as torchtitan's memory monitor reports) or, on CPU, the process's max RSS
+    (the interpreter, torch and the model; torch keeps no allocator count there). Nothing is
+    reset, so the figure of a record and of the profile (train/profile.py) is the run's peak."""
+    if cuda:
+        return torch.cuda.max_memory_allocated(), "max allocated (CUDA)"
+    # Linux reports kilobytes (getrusage(2))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
+
+
 class MetricsLog:
     """Writes one JSON object per logged step to run.dir/metrics.jsonl, drives the progress bar
-    and mirrors to wandb. Only the rank that owns it writes (rank 0).
+    and hands each record to the sinks the config asks for (wandb, TensorBoard: train/sinks.py).
+    Only the rank that owns it writes (rank 0).
 
     A resumed run (a rerun, or torchrun's restart after a worker died) first drops the records
     after the checkpoint's step, which the interrupted run logged and this one logs again; its
@@ -52,7 +66,7 @@ class MetricsLog:
     def __init__(self, cfg: Config, start_step: int, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = os.path.join(cfg.run.dir, "metrics.jsonl")
-        self.bar = self.wandb_run = None
+        self.bar, self.sinks = None, []
         self.joined = _joined(start_step)  # added to this run's first record; {} when fresh
         if not enabled:
             return
@@ -60,13 +74,7 @@ class MetricsLog:
         self.file = open(self.path, "a")
         if cfg.log.progress:
             self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc="train", unit="step")
-        if cfg.log.wandb != "disabled":
-            import wandb
-
-            self.wandb_run = wandb.init(
-                project=cfg.log.wandb_project, mode=cfg.log.wandb, dir=cfg.run.dir,
-                config=cfg.to_dict(),
-            )  # fmt: skip
+        self.sinks = sinks_of(cfg, start_step)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -75,8 +83,8 @@ class MetricsLog:
             record, self.joined = {**record, **self.joined}, {}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(record, step=record["step"])
+        for sink in self.sinks:
+            sink.write(record)
 
     def progress(self, step: int, loss: float, tokens_per_s: float, skipped: int = 0) -> None:
         if self.bar is not None:
@@ -92,8 +100,8 @@ class MetricsLog:
         self.file.close()
         if self.bar is not None:
             self.bar.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _joined(start_step: int) -> dict[str, int]:

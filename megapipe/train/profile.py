@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from megapipe.pipeline import timeline
 from megapipe.pipeline.runtime import Event
 from megapipe.train.hooks import TrainHooks
+from megapipe.train.metrics import peak_memory
 
 PROFILE_FILE, TRACE_FILE = "study_profile.json", "trace.json"
 
@@ -65,10 +65,7 @@ class StepProfile(TrainHooks):
 
     def summary(self, events: list[Event]) -> dict:
         """This rank's entry, with the spans of `events` (the last run's) under last_spans."""
-        if self.cuda:
-            peak, kind = torch.cuda.max_memory_allocated(), "max allocated (CUDA)"
-        else:  # Linux reports kilobytes; the whole process: interpreter, torch and the model
-            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
+        peak, kind = peak_memory(self.cuda)
         return {"steps": self.steps, "peak_memory_bytes": peak, "memory_kind": kind,
                 "last_spans": timeline.spans(events)}  # fmt: skip
 
