@@ -102,6 +102,9 @@ def _info(files: dict[str, bytes], path: str) -> dict | None:
 def _handler(server: HubServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the Hub serves
+        # headers and body go out in two writes: without TCP_NODELAY, Nagle's algorithm holds
+        # the second until the client's delayed ACK (~40 ms a response on Linux)
+        disable_nagle_algorithm = True
 
         def log_message(self, *args) -> None:  # quiet: `requests` records them
             pass
