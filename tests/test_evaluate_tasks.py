@@ -8,6 +8,11 @@ log-prob agrees (relative 1e-5: the two models' float32 round-off) and acc and a
 equal; the run's metrics.jsonl holds the same acc and acc_norm. The fixture rows hold what the
 preprocessing and the token split must get right: " [title]", bracketed text, doubled spaces,
 a context ending in spaces, and one longer than the model's window (left-truncated).
+
+In training the scores come through the job's engine on its mesh (train/evaluate.py
+EngineLogprobs): one more 2-rank case list (the same pool) trains under pp=2 (zb_h1), cp=2 and
+dp=2 with ZeRO-3, and each run's acc, acc_norm and every ending's log-prob equal tools/evaluate.py's
+one-process scoring of its checkpoint (which the tp2 case holds to lm-eval).
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from megapipe.data.errors import DataError
 from megapipe.data.prepare import prepare
 from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train import choices, hellaswag
+from megapipe.train.evaluate import EngineLogprobs
 from megapipe.train.export import export_hf
+from megapipe.train.hooks import TrainHooks
+from megapipe.train.parallelize import parallelize
+from megapipe.train.tasks import TASKS, run_tokenizer_path, score_task
 from tests.parity import tiny_config
 from tests.test_data import make_docs, make_hf_tokenizer, write_txt
 from tests.test_tensorboard import scalars_read
@@ -113,7 +122,6 @@ def test_bad_rows_and_offline_hub_are_one_line_errors(tmp_path, monkeypatch):
     "overrides, message",
     [
         (["train.eval_tasks=mmlu"], "'mmlu' is not one of hellaswag"),
-        (["train.eval_tasks=hellaswag", "parallel.pp=2"], "score a checkpoint with tools/"),
         (["train.eval_tasks=hellaswag", "train.eval_interval=0"], "train.eval_interval=0"),
         (["train.eval_tasks=hellaswag"], "needs the run's tokenizer"),
     ],
@@ -201,3 +209,87 @@ def test_tp2_run_checkpoint_scores_equal_lm_eval(gloo_pool, files, tmp_path, cap
             # (u = 6e-8); 1e-5 is far above that and far below a token's log-prob
             assert a == pytest.approx(b, rel=1e-5), f"item {i}"
         assert (got["acc"], got["acc_norm"]) == (want["acc"], want["acc_norm"]), f"item {i}"
+
+
+def test_engine_logprobs_equal_the_models_on_padded_rows(files):
+    """One process: the engine's per-token log-probs of rows shorter and fewer than a call's
+    (padded to global_batch rows of seq_len + 1) equal those of the model's own logits."""
+    import torch
+
+    cfg = tiny_config([f"model.seq_len={SEQ_LEN}", "parallel.microbatches=2"], "unused")
+    job = parallelize(cfg, None)
+    rows = torch.randint(0, cfg.model.vocab_size, (3, 11))
+    got = EngineLogprobs(job.engine, job.slice, cfg)(rows)
+    want = choices.from_logits(job.model)(rows)
+    assert got.shape == want.shape == (3, 10)
+    # the same float32 forward on rows of another length: matmul round-off only
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _ItemScores(TrainHooks):
+    """At the end of a run, each item's scores through the job's engine, as TaskEval takes them
+    (the run's own acc and acc_norm are its records')."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg, self.scores = cfg, None
+
+    def train_end(self, job, records) -> None:
+        cfg, mesh = self.cfg, job.mesh
+        items = TASKS["hellaswag"](Path(cfg.train.eval_tasks_data))
+        dp = mesh.group("dp") if mesh.size("dp") > 1 else None
+        logprobs_of = EngineLogprobs(job.engine, job.slice, cfg)
+        _, self.scores = score_task(
+            "hellaswag", items, load_tokenizer(run_tokenizer_path(cfg)), logprobs_of,
+            cfg.model.seq_len, logprobs_of.rows, job.engine.device, group=dp,
+        )  # fmt: skip
+
+
+def train_mesh_cases(cases: list[list[str]], common: list[str], run_root: str) -> list:
+    """Each case's run (its own run dir): its last evaluated record and per-item scores."""
+    from megapipe.train.loop import run
+
+    out = []
+    for i, case in enumerate(cases):
+        cfg = tiny_config([*common, *case], f"{run_root}/case{i}")
+        hook = _ItemScores(cfg)
+        records = run(cfg, hook)
+        out.append(([r for r in records if "val_loss" in r][-1], hook.scores))
+    return out
+
+
+MESH_CASES = [
+    ["parallel.pp=2", "parallel.schedule=zb_h1", "parallel.microbatches=2"],
+    ["parallel.cp=2"],
+    ["parallel.dp=2", "parallel.zero=3"],  # 5 items: 3 and 2, the second padded
+]
+
+
+def test_engine_scores_on_pp_cp_dp_equal_one_process(gloo_pool, files, tmp_path, capsys):
+    common = [
+        "train.steps=2", "train.eval_interval=2", "train.eval_batches=1",
+        "checkpoint.interval=2", "data.source=memmap", f"data.path={files['dataset']}",
+        "model.vocab_size=320", f"model.seq_len={SEQ_LEN}", "train.eval_tasks=hellaswag",
+        f"train.eval_tasks_data={files['rows']}",
+    ]  # fmt: skip
+    per_rank = gloo_pool(2).run(train_mesh_cases, MESH_CASES, common, str(tmp_path))
+    for i, case in enumerate(MESH_CASES):
+        (record, scores), (record1, scores1) = per_rank[0][i], per_rank[1][i]
+        keys = ("step", "hellaswag_acc", "hellaswag_acc_norm")
+        assert [record[k] for k in keys] == [record1[k] for k in keys], case  # every rank
+        assert scores == scores1, case
+        items_path = tmp_path / f"items{i}.jsonl"
+        argv = ["--checkpoint", str(tmp_path / f"case{i}"), "--task", "hellaswag"]
+        argv += ["--data", str(files["rows"]), "--json", "--items", str(items_path)]
+        assert evaluate_cli.main(argv) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (record["hellaswag_acc"], record["hellaswag_acc_norm"]) == (
+            result["acc"],
+            result["acc_norm"],
+        ), case
+        one = [json.loads(line) for line in items_path.read_text().splitlines()]
+        assert len(scores) == len(one) == len(ROWS), case
+        for item, (got, want) in enumerate(zip(scores, one)):
+            # float32 forwards of the same weights on two meshes: the parity bound (relative
+            # 1e-5, design.md) on a sum of <= SEQ_LEN float64 log-softmax terms of their logits
+            assert got["logprobs"] == pytest.approx(want["logprobs"], rel=1e-5), (case, item)
+            assert (got["acc"], got["acc_norm"]) == (want["acc"], want["acc_norm"]), (case, item)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megapipe.data.tokenizers import load_tokenizer
+from megapipe.train import choices
 from megapipe.train.checkpoint import CheckpointError, load_for_inference
 from megapipe.train.tasks import TASKS, run_tokenizer_path, score_task
 
@@ -67,11 +68,12 @@ def evaluate(args: argparse.Namespace, group=None) -> tuple[dict, list[dict]]:
     model.to(device)
     rank0 = group is None or dist.get_rank(group) == 0
     world = 1 if group is None else dist.get_world_size(group)
-    requests = sum(len(item.choices) for item in items[::world])  # rank 0's share
+    # every rank's share is padded to the largest (score_task)
+    requests = max(sum(len(item.choices) for item in items[r::world]) for r in range(world))
     with tqdm(total=requests, desc=args.task, unit="req", disable=not rank0) as bar:
         return score_task(
-            args.task, items, tokenizer, model, cfg.model.seq_len, args.batch_size, device,
-            bar.update, group,
+            args.task, items, tokenizer, choices.from_logits(model), cfg.model.seq_len,
+            args.batch_size, device, bar.update, group,
         )  # fmt: skip
 
 

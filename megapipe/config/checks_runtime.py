@@ -161,9 +161,9 @@ EVAL_TASKS = ("hellaswag",)  # train/tasks.py TASKS
 
 
 def check_eval_tasks(cfg: Config) -> None:
-    """`train.eval_tasks` (train/tasks.py): known names, scored on a whole model by the run's
-    tokenizer at each evaluation."""
-    t, p = cfg.train, cfg.parallel
+    """`train.eval_tasks` (train/tasks.py): known names, scored through the engine on any mesh
+    with the run's tokenizer at each evaluation."""
+    t = cfg.train
     names = [name.strip() for name in t.eval_tasks.split(",") if name.strip()]
     for name in names:
         require(
@@ -172,12 +172,6 @@ def check_eval_tasks(cfg: Config) -> None:
         )
     if not names:
         return
-    require(
-        p.pp == 1 and p.cp == 1,
-        f"train.eval_tasks with parallel.pp={p.pp}, parallel.cp={p.cp}: tasks are scored on a "
-        "whole model per rank; set train.eval_tasks='' and score a checkpoint with "
-        "tools/evaluate.py",
-    )
     require(
         t.eval_interval > 0,
         "train.eval_tasks are scored at each evaluation, but train.eval_interval=0; set it",

@@ -167,7 +167,8 @@ class TrainConfig:
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
     eval_batches: int = bounded(4, low=1)  # validation batches of train.global_batch sequences
     # downstream tasks scored at each evaluation beside the validation loss, comma-separated
-    # (hellaswag): the records' <task>_acc and <task>_acc_norm (train/tasks.py); "" : none
+    # (hellaswag): the records' <task>_acc and <task>_acc_norm (train/tasks.py), on any mesh,
+    # the dp replicas splitting the items; "" : none
     eval_tasks: str = ""
     # the local jsonl the tasks read (HellaSwag rows: ctx, endings, label); "" : the Hub's
     eval_tasks_data: str = ""

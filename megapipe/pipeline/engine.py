@@ -127,33 +127,59 @@ class Pipeline(SynchronousStep):
 
     def forward_only(self, micro: list[MicroBatch]) -> list[float]:
         """Each microbatch's summed cross entropy (0 off the last stage), forward only."""
-        losses = [self._forward_only(mb, m) for mb, m in enumerate(micro)]
+        losses = [self._walk(mb, m, _summed_loss, 0.0) for mb, m in enumerate(micro)]
         self.runtime.links.flush()  # every send done before its buffer could be reused
         return losses
 
-    def _forward_only(self, mb: int, m: MicroBatch) -> float:
+    def token_logprobs(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each microbatch's per-token target log-prob (b, T/cp) float64, forward only: made by
+        the rank that runs the microbatch's last stage from its logits (gathered over tp), zeros
+        on the others, then summed over pp so every pp rank holds them (one all-reduce)."""
+        out = [
+            self._walk(mb, m, _logprobs, m.targets.new_zeros(m.targets.shape, dtype=torch.float64))
+            for mb, m in enumerate(micro)
+        ]
+        self.runtime.links.flush()
+        if not out:
+            return out
+        joined = torch.stack(out)  # (microbatches, b, T/cp)
+        dist.all_reduce(joined, group=self.mesh.group("pp"))
+        return list(joined.unbind(0))
+
+    def _walk(self, mb: int, m: MicroBatch, read, otherwise):
         """Microbatch `mb` through this rank's stages in ascending order (every rank walks the
         stages in one global order, so each receive's send is already posted or next); returns
-        its summed cross entropy on the last stage, else 0."""
-        rt, loss = self.runtime, 0.0
+        `read(last chunk, its input, m, runtime)` on the last stage, else `otherwise`."""
+        rt, result = self.runtime, otherwise
         for c in sorted(range(len(self.chunks)), key=rt.stages.__getitem__):
             if not rt.placement.runs(mb, c):  # DualPipe: the copy of mb's direction only
                 continue
             stage = rt.stages[c]
             x = m.inputs if stage == 0 else rt.links.take(Message(False, mb, stage - 1))
-            last = stage == rt.last_stage
+            if stage == rt.last_stage:
+                result = read(self.chunks[c], x, m, rt)
+                continue
             with rt.autocast():
                 out = self.chunks[c](
-                    x,
-                    targets=m.targets if last else None,
-                    positions=m.position_ids(rt.positions),
-                    documents=m.documents,
+                    x, positions=m.position_ids(rt.positions), documents=m.documents
                 )
-            if last:
-                loss += out.item()
-            else:
-                rt.links.exchange([(Message(False, mb, stage), out)], [])
-        return loss
+            rt.links.exchange([(Message(False, mb, stage), out)], [])
+        return result
+
+
+def _summed_loss(chunk: nn.Module, x: torch.Tensor, m: MicroBatch, rt) -> float:
+    """The last stage's summed cross entropy of microbatch `m`."""
+    with rt.autocast():
+        out = chunk(x, targets=m.targets, positions=m.position_ids(rt.positions),
+                    documents=m.documents)  # fmt: skip
+    return out.item()
+
+
+def _logprobs(chunk: nn.Module, x: torch.Tensor, m: MicroBatch, rt) -> torch.Tensor:
+    """The last stage's per-token target log-probs of microbatch `m` (b, T/cp), float64."""
+    with rt.autocast():
+        logits = chunk(x, positions=m.position_ids(rt.positions), documents=m.documents)
+    return m.target_logprobs(logits)
 
 
 def build_pipeline(

@@ -117,6 +117,12 @@ class Engine(Grads, Protocol):
         """The loss summed over the pipeline's stages (on every pp rank)."""
         ...
 
+    def token_logprobs(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each microbatch's log-prob of every target token, (b, T/cp) float64 (this cp rank's
+        slice; train/batches.BatchSlice.whole joins them), forward only: computed where the
+        head is (the last stage) from its logits gathered over tp, and held on every pp rank."""
+        ...
+
 
 class SynchronousStep:
     """The step of an engine whose update follows its forwards and backwards, every rank

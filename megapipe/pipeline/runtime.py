@@ -52,6 +52,17 @@ class MicroBatch(NamedTuple):
         """This microbatch's positions: its own per document, else `default` (T/cp,)."""
         return default if self.positions is None else self.positions
 
+    def target_logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """log softmax(logits)[target] per token, (b, T) float64, from the whole-vocabulary
+        logits (b, T, V): what a scorer sums over a continuation (train/choices.py). The
+        log-softmax runs in float64 as tools/evaluate.py's, one row at a time so that only one
+        row's float64 copy of the logits is held."""
+        rows = [
+            torch.log_softmax(row.double(), dim=-1).gather(1, t[:, None]).squeeze(1)
+            for row, t in zip(logits, self.targets)
+        ]
+        return torch.stack(rows)
+
 
 class Hooks:
     """What a driver may add to each action (PipeDream, pipedream.py): the weights its compute

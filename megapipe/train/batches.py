@@ -95,6 +95,11 @@ class BatchSlice:
         ids = document_ids(inputs, self.eos_id)  # (b, T): on the whole rows, before the cut
         return MicroBatch(cut(inputs), cut(targets), cut(document_positions(ids)), ids)
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token values of this rank's cp slice of its rows, (b, T/cp), as the whole rows
+        (b, T): gathered over cp and put back in order (the inverse of `microbatches`' cut)."""
+        return self.cp.unshard(x, dim=1)
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over dp × cp: every rank's share of the loss and the token count."""
         if self.dp_size * self.cp.size > 1:

@@ -10,7 +10,7 @@ items -> requests (token ids) -> batched log-probs -> acc and acc_norm.
   tokenizer, our tokenizers' `encode`).
 - Log-prob (lm_eval/models/huggingface.py `_loglikelihood_tokens`): the model reads the last
   seq_len + 1 tokens of context + continuation, less the last; the continuation's log-prob is
-  the sum of its tokens' log-softmax.
+  the sum of its tokens' log-softmax (taken in float64 here: `from_logits`).
 - Scores (lm_eval/api/task.py `process_results`, multiple_choice): acc = argmax of the summed
   log-probs is gold; acc_norm = argmax of log-prob / len(choice) in characters (the choice
   without the delimiter) is gold. Ties go to the first choice (numpy's argmax).
@@ -54,40 +54,50 @@ def requests_of(items: Sequence, tokenizer) -> list[Request]:
 
 
 def window(request: Request, seq_len: int) -> tuple[list[int], int]:
-    """(the model's input: the last seq_len + 1 tokens of the pair less the last, the
-    continuation's token count)."""
-    whole = list(request.context + request.continuation)[-(seq_len + 1) :]
-    return whole[:-1], min(len(request.continuation), len(whole) - 1)
+    """(the row the model reads: the last seq_len + 1 tokens of the pair, its input all but the
+    last and each input's next token its target; the continuation's token count in it, whose
+    targets are the row's last ones)."""
+    row = list(request.context + request.continuation)[-(seq_len + 1) :]
+    return row, min(len(request.continuation), len(row) - 1)
+
+
+def from_logits(logits_of: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """`rows (B, W+1) -> (B, W)` per-token log-probs from a model's `logits_of(ids (B, W))` ->
+    (B, W, V): the log-softmax in float64 read at each next token (a model whole on one
+    process; train/evaluate.EngineLogprobs is the same on an engine of any mesh)."""
+
+    def logprobs_of(rows: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits_of(rows[:, :-1]).double(), dim=-1)
+        return logp.gather(2, rows[:, 1:, None]).squeeze(2)
+
+    return logprobs_of
 
 
 @torch.no_grad()
 def loglikelihoods(
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logprobs_of: Callable[[torch.Tensor], torch.Tensor],
     requests: Sequence[Request],
     seq_len: int,
     batch_size: int,
     device: torch.device | str = "cpu",
     progress: Callable | None = None,
 ) -> list[float]:
-    """Each request's continuation log-prob. `logits_of(ids (B, T))` -> (B, T, V); rows are
-    right-padded (a causal model's later tokens change no earlier logit), longest first so a
-    batch wastes little. `progress(n)` is told of each batch's size."""
+    """Each request's continuation log-prob. `logprobs_of(rows (B, W+1))` -> (B, W): the
+    log-prob of each row's tokens after the first (`from_logits`); rows are the windows with
+    their next token, right-padded (a causal model's later tokens change no earlier log-prob),
+    longest first so a batch wastes little. `progress(n)` is told of each batch's size."""
     windows = [window(r, seq_len) for r in requests]
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
     out = [0.0] * len(windows)
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
-        width = len(windows[batch[0]][0])
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        rows = torch.zeros(len(batch), len(windows[batch[0]][0]), dtype=torch.long)
         for row, i in enumerate(batch):
-            ids[row, : len(windows[i][0])] = torch.tensor(windows[i][0])
-        logp = torch.log_softmax(logits_of(ids.to(device)).double(), dim=-1)
+            rows[row, : len(windows[i][0])] = torch.tensor(windows[i][0])
+        logp = logprobs_of(rows.to(device))  # (B, W): logp[:, t] is that of rows[:, t + 1]
         for row, i in enumerate(batch):
-            inputs, n = windows[i]
-            end = len(inputs)
-            targets = torch.tensor(requests[i].continuation[-n:], device=logp.device)
-            picked = logp[row, end - n : end].gather(1, targets[:, None])
-            out[i] = picked.sum().item()
+            whole, n = windows[i]
+            out[i] = logp[row, len(whole) - 1 - n : len(whole) - 1].sum().item()
         if progress is not None:
             progress(len(batch))
     return out

@@ -250,6 +250,9 @@ class PostValidatedEngine:
     def forward_only(self, micro: list) -> list[float]:
         return self.inner.forward_only(micro)
 
+    def token_logprobs(self, micro: list) -> list[torch.Tensor]:
+        return self.inner.token_logprobs(micro)
+
     def forward_backward(self, micro: list, loss_scale: float, update=None) -> torch.Tensor:
         """The pipeline's run, the validator looking after each action whether the previous
         step's global state has arrived; the RNG states are kept for a `redo`."""

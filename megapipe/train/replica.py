@@ -92,3 +92,13 @@ class Replica(SynchronousStep):
                     self.model(m.inputs, m.targets, m.positions, documents=m.documents).item()
                 )
         return out
+
+    def token_logprobs(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each microbatch's per-token target log-prob (b, T/cp), forward only: the model's
+        logits (gathered over tp by its head) read at the targets."""
+        out = []
+        for m in micro:
+            with self.precision.autocast(self.device):
+                logits = self.model(m.inputs, None, m.positions, documents=m.documents)
+            out.append(m.target_logprobs(logits))
+        return out

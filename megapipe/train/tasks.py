@@ -1,10 +1,11 @@
 """Downstream tasks scored beside the validation loss: `train.eval_tasks` in training
 (`TaskEval`, built once by the loop) and tools/evaluate.py on a checkpoint (`score_task`).
 
-A task is its items (train/hellaswag.py) scored by train/choices.py. The model is whole on the
-process that scores (pp = cp = 1 in training, config/checks.py; a checkpoint of any mesh is
-loaded whole by tools/evaluate.py); `ranks` split the items between processes that each hold
-it, and the per-item scores are gathered so every rank returns the same figures.
+A task is its items (train/hellaswag.py) scored by train/choices.py from per-token log-probs:
+in training those of the job's engine on its mesh (train/evaluate.EngineLogprobs: any pp, cp,
+tp, ZeRO level), the dp replicas splitting the items; in tools/evaluate.py those of a checkpoint
+(of any mesh) loaded whole, the processes splitting the items. The per-item scores are gathered
+so every rank returns the same figures.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from megapipe.config.blend import parse_blend
 from megapipe.data.layout import read_meta
 from megapipe.data.tokenizers import load_tokenizer
 from megapipe.train import choices
+from megapipe.train.evaluate import EngineLogprobs
 from megapipe.train.hellaswag import read_items
 
 TASKS = {"hellaswag": read_items}  # name -> read(path or None for the Hub, limit) -> items
+PAD = choices.Request((0,), (0,))  # a request that fills a rank's share up (its score dropped)
 
 
 def task_names(text: str) -> list[str]:
@@ -45,23 +48,27 @@ def score_task(
     task: str,
     items: Sequence,
     tokenizer,
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    logprobs_of: Callable[[torch.Tensor], torch.Tensor],
     seq_len: int,
     batch_size: int,
     device="cpu",
     progress: Callable | None = None,
     group=None,
 ) -> tuple[dict, list[dict]]:
-    """({"task", "n", "acc", "acc_norm"}, per-item scores) of `items`. With a process `group`
-    each of its ranks scores every world-th item and the scores are gathered in item order;
-    None: this process scores them all."""
+    """({"task", "n", "acc", "acc_norm"}, per-item scores) of `items`, by `logprobs_of`
+    (choices.loglikelihoods). With a process `group` each of its ranks scores every world-th
+    item, padded with one-token requests to the largest share so every rank makes the same
+    number of `logprobs_of` calls (an engine's collectives then pair up), and the scores are
+    gathered in item order; None: this process scores them all."""
     rank, world = 0, 1
     if group is not None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = list(items[rank::world])
     requests = choices.requests_of(mine, tokenizer)
-    lls = choices.loglikelihoods(logits_of, requests, seq_len, batch_size, device, progress)
-    scores = choices.item_scores(mine, lls)
+    most = max(sum(len(item.choices) for item in items[r::world]) for r in range(world))
+    padded = requests + [PAD] * (most - len(requests))
+    lls = choices.loglikelihoods(logprobs_of, padded, seq_len, batch_size, device, progress)
+    scores = choices.item_scores(mine, lls[: len(requests)])
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, scores, group=group)
@@ -85,18 +92,18 @@ class TaskEval:
 
     @torch.no_grad()
     def __call__(self, job) -> dict[str, float]:
-        """The scores of `job.model` (pp = 1: the whole GPT on this rank, its tp shards
-        joined by its forward); every rank runs the same forwards, as tp needs."""
+        """The scores of the job's model through its engine, on any mesh (EngineLogprobs:
+        the rows of a call go through the pipeline's stages, over cp and tp as in training);
+        the dp replicas split the items, so every rank returns the same figures."""
         out: dict[str, float] = {}
-        device = next(job.model.parameters()).device
-        was_training = job.model.training
-        job.model.eval()
-        with job.full_weights():
-            for name in self.names:
-                result, _ = score_task(
-                    name, self.items[name], self.tokenizer, job.model,
-                    self.cfg.model.seq_len, self.cfg.train.global_batch, device,
-                )  # fmt: skip
-                out[f"{name}_acc"], out[f"{name}_acc_norm"] = result["acc"], result["acc_norm"]
-        job.model.train(was_training)
+        if not self.names:
+            return out
+        logprobs_of = EngineLogprobs(job.engine, job.slice, self.cfg)
+        dp = job.mesh.group("dp") if job.mesh is not None and job.mesh.size("dp") > 1 else None
+        for name in self.names:
+            result, _ = score_task(
+                name, self.items[name], self.tokenizer, logprobs_of, self.cfg.model.seq_len,
+                logprobs_of.rows, job.engine.device, group=dp,
+            )  # fmt: skip
+            out[f"{name}_acc"], out[f"{name}_acc_norm"] = result["acc"], result["acc_norm"]
         return out

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megapipe.distributed import collectives as C
+
 
 def _check_zigzag(seq_len: int, cp: int) -> None:
     if seq_len % (2 * cp):
@@ -76,6 +78,14 @@ class CPInfo:
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's zigzag slice of full sequences x along `dim` (the data loader's cut)."""
         return x if self.size == 1 else zigzag_shard(x, self.size, self.rank, dim)
+
+    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full sequences from every cp rank's slice x along `dim` (the inverse of `shard`:
+        all-gather over the cp group, then the zigzag chunks put back in order)."""
+        if self.size == 1:
+            return x
+        parts = C.all_gather(x, dim, self.group).chunk(self.size, dim=dim)  # rank order
+        return zigzag_unshard(list(parts), self.size, dim)
 
 
 NO_CP = CPInfo()
