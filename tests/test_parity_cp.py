@@ -77,6 +77,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-pp2-tp2-gqa-sp-1f1b", 1, 2, [*cp(2), *pp("1f1b", 2, 2), *GQA2, *SP]),
         ("dp2-cp2-pp2-zb_h1", 2, 1, [*cp(2), *pp("zb_h1", 2, 2), *L4]),
         ("cp4-tp2-llama-gqa", 1, 2, [*cp(4), *GQA2]),
+        ("dp2-cp2-tp2-a2a-sp-zero1", 2, 2, [*cp(2), *A2A, *SP, *MB2, "parallel.zero=1"]),
     ],
 }
 
