@@ -12,7 +12,6 @@ from megapipe.config import ModelConfig
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
-from megapipe.parallel.context.ring import ring_attention
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import maybe_checkpoint
 from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -132,7 +131,8 @@ def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
-    """Heads split over tp; under cp the sequence is split too and the core is ring attention."""
+    """Heads split over tp; under cp the sequence is split too and the core is the cp variant's
+    (ring attention or Ulysses)."""
 
     def __init__(
         self,
@@ -196,9 +196,11 @@ class Attention(nn.Module):
     def _core(self, q, k, v, dropout_p: float, documents=None) -> torch.Tensor:
         """Attention on this rank's heads: dropout draws from the tp-rank stream (Megatron).
         Under cp the queries of this rank's zigzag slice attend over the whole sequence by the
-        kv ring (parallel/context/ring.py); config checks keep attention dropout off there."""
+        cp variant (parallel/context/variants.py: the kv ring, or Ulysses' all-to-all around
+        attention_core); config checks keep attention dropout off there."""
         if self.cp.size > 1:
-            return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p, documents=documents)
+            variant = self.cp.attention
+            return variant(q, k, v, self.cp.group, attention_core, dropout_p, documents)
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p, documents)
 

@@ -1,7 +1,8 @@
-"""Parity: context parallelism (ring attention over zigzag slices), alone and mixed with dp, tp
-(+SP) and pp, trains the same model as one process: same per-step loss and grad norm, same final
-logical weights to relative 1e-5 (docs/architecture.md, Invariants). Every rank that holds a
-tensor (cp and dp replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
+"""Parity: context parallelism (ring attention over zigzag slices, or Ulysses' all-to-all under
+parallel.cp_comm=a2a), alone and mixed with dp, tp (+SP) and pp, trains the same model as one
+process: same per-step loss and grad norm, same final logical weights to relative 1e-5
+(docs/architecture.md, Invariants). Every rank that holds a tensor (cp and dp replicas, tp
+shards' gathers, pipeline chunks) must hold exactly the same values.
 
 Cases are grouped by world size so each size spawns its gloo workers once.
 
@@ -23,6 +24,8 @@ GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 SP = ["parallel.sequence_parallel=true"]
 MB2 = ["parallel.microbatches=2"]
 L4 = ["model.n_layers=4"]
+A2A = ["parallel.cp_comm=a2a"]  # Ulysses (parallel/context/ulysses.py)
+KV1 = [*LLAMA, "model.n_kv_heads=1"]  # fewer kv heads than cp: each is repeated (kv_repeats)
 
 
 def cp(n: int) -> list[str]:
@@ -45,6 +48,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-full-recompute-m2", 1, 1, [*cp(2), "recompute.mode=full", *MB2]),
         ("cp2-llama-selective-recompute", 1, 1, [*cp(2), *LLAMA, "recompute.mode=selective"]),
         ("cp2-seq32", 1, 1, [*cp(2), "model.seq_len=32"]),
+        ("cp2-a2a", 1, 1, [*cp(2), *A2A]),
+        (
+            "cp2-a2a-llama-kv1-selective-recompute",
+            1,
+            1,
+            [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
+        ),
     ],
     4: [
         ("cp4", 1, 1, cp(4)),
@@ -58,12 +68,16 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-cp2-v_min", 1, 1, [*cp(2), *pp("v_min", 2, 4, 2)]),
         ("pp2-cp2-dualpipe_v", 1, 1, [*cp(2), *pp("dualpipe_v", 2, 4, 2)]),
         ("pp2-cp2-dualpipe", 1, 1, [*cp(2), *pp("dualpipe", 2, 4, 2)]),
+        ("cp4-a2a-llama-kv1", 1, 1, [*cp(4), *A2A, *KV1]),
+        ("cp2-tp2-a2a-llama-gqa-sp", 1, 2, [*cp(2), *A2A, *GQA2, *SP]),
+        ("pp2-cp2-a2a-zb_h1", 1, 1, [*cp(2), *A2A, *pp("zb_h1", 2, 2)]),
     ],
     8: [
         ("dp2-cp2-tp2-sp", 2, 2, [*cp(2), *SP, *MB2]),
         ("cp2-pp2-tp2-gqa-sp-1f1b", 1, 2, [*cp(2), *pp("1f1b", 2, 2), *GQA2, *SP]),
         ("dp2-cp2-pp2-zb_h1", 2, 1, [*cp(2), *pp("zb_h1", 2, 2), *L4]),
         ("cp4-tp2-llama-gqa", 1, 2, [*cp(4), *GQA2]),
+        ("dp2-cp2-tp2-a2a-sp-zero1", 2, 2, [*cp(2), *A2A, *SP, *MB2, "parallel.zero=1"]),
     ],
 }
 
@@ -106,6 +120,16 @@ def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extr
         (
             [*cp(4), "parallel.tp=4", *SP, "model.seq_len=24"],
             r"local sequence model.seq_len/cp=6 divisible by parallel.tp=4",
+        ),
+        ([*cp(2), "parallel.cp_comm=p2p"], r"parallel.cp_comm='p2p' is not one of ring, a2a"),
+        (
+            [*cp(4), *A2A, "parallel.tp=2"],
+            r"parallel.cp_comm=a2a needs the query heads per tp rank, model.n_heads/parallel.tp=2,"
+            r" divisible by parallel.cp=4",
+        ),
+        (
+            [*cp(2), *A2A, "model.dropout=0.1"],
+            r"model.dropout=0.1 with parallel.cp=2: Ulysses attention \(parallel.cp_comm=a2a\)",
         ),
     ],
 )

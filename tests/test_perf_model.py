@@ -418,3 +418,23 @@ def test_tools_plan_hands_validation_to_benchmarks(tmp_path, capsys):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == "error: validate takes no --section.key=value overrides\n"
+
+
+def test_ulysses_prices_four_all_to_alls_each_way():
+    """parallel.cp_comm=a2a (perf/costs.py): per layer F and B each pay the all-to-alls of q,
+    k, v and out over the cp link, k and v at the kv heads repeated to a multiple of cp; the
+    ring instead hides its K/V steps behind the blocks' compute."""
+    from megapipe.perf.comm import all_to_all_time
+    from megapipe.perf.costs import CostModel
+
+    h100 = load_cluster("h100")
+    base = ["parallel.cp=4", "train.global_batch=1", "model.arch=llama", "model.n_kv_heads=2"]
+    a2a = CostModel(_big(*base, "parallel.cp_comm=a2a"), h100, MEGAPIPE, CALIBRATION)
+    ring = CostModel(_big(*base), h100, MEGAPIPE, CALIBRATION)
+    assert (a2a.attention, ring.attention) == ("a2a", "ring")
+    layer = a2a.layer("none")
+    n, hd, c = 2048 // 4, 2048 // 16, 2  # b·s/cp tokens (b = 1), head dim, bf16 bytes
+    heads = [16, 4, 4, 16]  # q; k, v: 2 kv heads repeated twice (cp / gcd(2, 4)); out
+    want = sum(all_to_all_time(n * h * hd * c, 4, a2a.cp_link) for h in heads)
+    assert layer.F.cp == pytest.approx(want) and layer.B.cp == pytest.approx(want)
+    assert layer.F.compute == pytest.approx(ring.layer("none").F.compute)

@@ -18,6 +18,7 @@ from typing import Any
 
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
+    check_context_parallel,
     check_eval_tasks,
     check_expert_parallel,
     check_moe,
@@ -43,10 +44,12 @@ WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE_ACTIONS = ("skip", "stop")
 SAVE_ERROR_ACTIONS = ("stop", "continue")  # train/checkpoint_faults.py
 WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
+CP_COMMS = ("ring", "a2a")  # parallel/context/variants.py's CP_VARIANTS
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ARCHS,
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.weight_sync": WEIGHT_SYNCS,
+    "parallel.cp_comm": CP_COMMS,
     "recompute.mode": RECOMPUTE_MODES,
     "train.dtype": DTYPES,
     "train.params_dtype": DTYPES,
@@ -180,23 +183,8 @@ def _check_parallel(cfg: Config) -> None:
             f"parallel.sequence_parallel needs model.seq_len={m.seq_len} divisible by "
             f"parallel.tp={p.tp}",
         )
-    if p.cp > 1:
-        _require(
-            m.seq_len % (2 * p.cp) == 0,
-            f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp={2 * p.cp} "
-            "(zigzag sharding)",
-        )
-        _require(
-            m.dropout == 0.0,
-            f"model.dropout={m.dropout} with parallel.cp={p.cp}: ring attention has no "
-            "attention dropout (it would not match one process); set model.dropout=0",
-        )
-        if p.sequence_parallel:
-            _require(
-                m.seq_len // p.cp % p.tp == 0,
-                f"parallel.sequence_parallel with parallel.cp={p.cp} needs the local sequence "
-                f"model.seq_len/cp={m.seq_len // p.cp} divisible by parallel.tp={p.tp}",
-            )
+    _one_of("parallel.cp_comm", p.cp_comm, CP_COMMS)
+    check_context_parallel(cfg)
     _require(
         cfg.train.global_batch % (p.dp * p.microbatches) == 0,
         f"train.global_batch={cfg.train.global_batch} must be divisible by "

@@ -37,6 +37,38 @@ def check_zero(cfg: Config) -> None:
     )
 
 
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp > 1 (parallel/context/): zigzag chunks, no attention dropout, and under
+    parallel.cp_comm=a2a (Ulysses) whole query heads per cp rank."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return
+    require(
+        m.seq_len % (2 * p.cp) == 0,
+        f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp={2 * p.cp} "
+        "(zigzag sharding)",
+    )
+    name = "ring attention" if p.cp_comm == "ring" else "Ulysses attention (parallel.cp_comm=a2a)"
+    require(
+        m.dropout == 0.0,
+        f"model.dropout={m.dropout} with parallel.cp={p.cp}: {name} has no "
+        "attention dropout (it would not match one process); set model.dropout=0",
+    )
+    if p.sequence_parallel:
+        require(
+            m.seq_len // p.cp % p.tp == 0,
+            f"parallel.sequence_parallel with parallel.cp={p.cp} needs the local sequence "
+            f"model.seq_len/cp={m.seq_len // p.cp} divisible by parallel.tp={p.tp}",
+        )
+    heads = m.n_heads // p.tp
+    require(
+        p.cp_comm != "a2a" or heads % p.cp == 0,
+        f"parallel.cp_comm=a2a needs the query heads per tp rank, model.n_heads/parallel.tp="
+        f"{heads}, divisible by parallel.cp={p.cp} (Ulysses splits them over cp); change "
+        "model.n_heads or use parallel.cp_comm=ring",
+    )
+
+
 def check_expert_parallel(cfg: Config) -> None:
     """parallel.ep (parallel/expert/): ranks taken from dp, whole experts per rank."""
     p, m = cfg.parallel, cfg.model

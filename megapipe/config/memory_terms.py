@@ -86,6 +86,7 @@ earlier segment's backward are not saved tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megapipe.config.flops import is_moe_layer, segment_bounds
@@ -145,7 +146,8 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
 
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:
-    """Which attention core runs, as models/attention.py picks it: "ring" (cp > 1), "fused" (a
+    """Which attention core runs, as models/attention.py picks it: "ring" or "a2a" (cp > 1, by
+    parallel.cp_comm; a2a runs the fused kernel on whole sequences of H/cp heads), "fused" (a
     kernel that keeps q, k, v, out and the log-sum-exp: SDPA's cuDNN, flash or memory-efficient
     backend, flash-attn, the CPU flash kernel) or "math" (SDPA's fallback, which keeps the s²
     probabilities).
@@ -158,7 +160,7 @@ def attention_path(cfg: Config, device: str = "cuda") -> str:
     The CUDA rules are torch's documented backend constraints, not measured here."""
     m, d, t = cfg.model, cfg.derived, cfg.parallel.tp
     if cfg.parallel.cp > 1:
-        return "ring"
+        return "a2a" if cfg.parallel.cp_comm == "a2a" else "ring"
     gqa = m.n_heads // t != max(d.n_kv_heads // t, 1)
     bf16 = cfg.train.dtype == "bfloat16"
     if device == "cpu":
@@ -311,6 +313,8 @@ def _attention_terms(
     documents = cfg.data.document_mask and path != "ring"  # a dense (b, 1, q, kv) mask
     if llama:  # per row under document masking: positions restart per document
         terms["rope cos, sin"] = 2 * (x.b if cfg.data.document_mask else 1) * x.q * x.hd * FLOAT32
+    if path == "a2a" and mode != "selective":
+        return terms | _a2a_terms(cfg, x, device, documents)
     earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask
     lse = x.b * x.h * x.q * FLOAT32
     if mode == "selective" or path == "fused":
@@ -337,6 +341,27 @@ def _attention_terms(
             terms["attention dropout"] = scores * (_mask_bytes(device, cm) + cm)
         if store is not None:  # the copies leave qkv to the store alone
             terms["segment k, v store"] = store
+    return terms
+
+
+def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[str, float]:
+    """Ulysses (parallel/context/ulysses.py): the fused kernel keeps the gathered q, k, v of the
+    whole sequence (s = q·cp) at H/cp heads, k and v at rep·Hkv/cp (kv heads repeated where cp
+    does not divide them), its own out and lse: per rank as many elements as the local q, k, v
+    at rep·Hkv. The qkv output and RoPE's q, k are freed (nothing saved them); the proj input
+    is the copy after the return all-to-all. Document masking: the (b, 1, s, s) mask as a bias,
+    and on CUDA k, v expanded to the H/cp query heads (attention_core's GQA rule)."""
+    c, cp = compute_bytes(cfg), cfg.parallel.cp
+    rep = cp // math.gcd(x.hkv, cp)  # ulysses.kv_repeats
+    terms = {
+        "q, k, v (a2a, whole sequence)": x.n * (x.h + 2 * rep * x.hkv) * x.hd * c,
+        "attention out + lse": x.n * x.h * x.hd * c + x.b * x.h * x.q * FLOAT32,
+    }
+    if documents:
+        s = x.q * cp
+        terms["document mask"] = x.b * s * s * c
+        if device == "cuda" and x.h != rep * x.hkv:
+            terms["expanded k, v"] = 2 * x.n * x.h * x.hd * c
     return terms
 
 

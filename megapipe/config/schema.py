@@ -97,6 +97,10 @@ class ParallelConfig:
     dp: int = bounded(1, low=1)  # data-parallel replicas; world size = dp·pp·cp·tp
     pp: int = bounded(1, low=1)  # pipeline stages
     cp: int = bounded(1, low=1)  # context-parallel ranks: the sequence split over them (ring)
+    # how cp attention communicates (docs/parallelism.md): ring (K/V blocks pass around the cp
+    # ranks, Liu et al. 2023) | a2a (Ulysses: all-to-all from sequence to head shards and back,
+    # Jacobs et al. 2023; query heads per tp rank must divide by parallel.cp)
+    cp_comm: str = "ring"
     tp: int = bounded(1, low=1)  # tensor-parallel ranks (Megatron's column/row split)
     vpp: int = bounded(1, low=1)  # model chunks (virtual stages) per pipeline rank
     schedule: str = "1f1b"  # pipeline schedule (docs/pipeline-schedules.md)

@@ -2,7 +2,8 @@
 
 Every function takes its process group explicitly. `dist.all_gather` (list form) exists on all
 backends; reduce-scatter is missing from gloo before torch 2.12, so it falls back to all-reduce +
-slice (same result, tp× the traffic). `COUNTER`, when set, records every call's payload: the
+slice (same result, tp× the traffic). `all_to_all` (even splits, list form) runs on gloo as on
+NCCL (checked on torch 2.13). `COUNTER`, when set, records every call's payload: the
 benchmarks and tests count bytes per layer with it (docs/benchmarks/2026-11-26-tp-dp-cpu.md).
 """
 
@@ -35,6 +36,17 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = torch.cat(parts, dim=dim)
     count("all_gather", out)
     return out
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Chunk r of `x` along `scatter_dim` goes to rank r; the chunks received, in rank order,
+    are concatenated along `gather_dim` (Ulysses' exchange: sequence shards <-> head shards)."""
+    size = dist.get_world_size(group)
+    send = [c.contiguous() for c in x.chunk(size, dim=scatter_dim)]
+    recv = [torch.empty_like(c) for c in send]
+    count("all_to_all", x)
+    dist.all_to_all(recv, send, group=group)
+    return torch.cat(recv, dim=gather_dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group, fallback: bool = False) -> torch.Tensor:

@@ -38,6 +38,10 @@ embedding all-reduces its output, the cross entropy three times N floats (ours: 
 chunk, then two of N), the head input grad once in B. Context parallelism: the ring
 (parallel/context/ring.py) sends the K, V block (2·N·hkv·hd·c) cp−1 times per layer forward
 beside a block's compute, only max(0, transfer − compute) exposed per step; B also dK, dV.
+Under parallel.cp_comm=a2a (Ulysses, parallel/context/ulysses.py) F moves q, k, v and the
+output by four all-to-alls over the cp link (comm.all_to_all_time: N·H·hd·c for q and out,
+N·rep·Hkv·hd·c for k and v), B their four transposes, none overlapped; the core is the fused
+kernel on whole sequences at H/cp heads (the same FLOPs as the balanced ring's).
 
 Mixture of experts (models/moe.py; every model.moe_every-th layer): the MLP GEMMs become the
 router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, whole on every tp
@@ -55,6 +59,8 @@ each way.
 
 from __future__ import annotations
 
+import math
+
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
 from megapipe.config.memory_terms import (
@@ -66,7 +72,7 @@ from megapipe.config.memory_terms import (
 )
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster, Link
-from megapipe.perf.comm import ep_link, group_link, p2p_time, ring_time
+from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
 from megapipe.perf.software import Runtime, resolved_for
@@ -100,7 +106,7 @@ class CostModel(MoECosts):
         if runtime.attention == "auto":
             self.attention = attention_path(cfg, cluster.device)
         else:
-            self.attention = "ring" if p.cp > 1 else runtime.attention
+            self.attention = attention_path(cfg, cluster.device) if p.cp > 1 else runtime.attention
         self._cache: dict = {}
 
     # -- collectives -------------------------------------------------------------------------
@@ -161,7 +167,7 @@ class CostModel(MoECosts):
     def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
         dev, c, heads = self.dev, self.c, x.b * x.h
-        if self.attention in ("fused", "ring"):
+        if self.attention in ("fused", "ring", "a2a"):
             fwd = 4.0 * x.hd * x.pairs * heads
             moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
             intensity = 4.0 * x.hd * x.pairs / moved
@@ -215,10 +221,16 @@ class CostModel(MoECosts):
         return 2 * norm + 2 * residual + act + relayout
 
     def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
-        """Exposed ring seconds of a layer's forward and backward (module docstring)."""
+        """Exposed ring (or Ulysses all-to-all) seconds of a layer's forward and backward
+        (module docstring)."""
         cp = self.cfg.parallel.cp
         if cp == 1:
             return 0.0, 0.0
+        if self.attention == "a2a":  # q, k, v in and out back; B their transposes, exposed
+            rep = cp // math.gcd(x.hkv, cp)  # parallel/context/ulysses.kv_repeats
+            moved = [x.h, rep * x.hkv, rep * x.hkv, x.h]
+            t = sum(all_to_all_time(x.n * h * x.hd * self.c, cp, self.cp_link) for h in moved)
+            return t, t
         kv = 2 * x.n * x.hkv * x.hd * self.c
         step = p2p_time(kv, self.cp_link)
         fwd = (cp - 1) * max(0.0, step - attn_fwd / cp)

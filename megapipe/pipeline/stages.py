@@ -24,6 +24,7 @@ from megapipe.config.memory_terms import head_grad_in_forward
 from megapipe.config.pipeline_split import rank_blocks
 from megapipe.models.gpt import GPT, split_weight_grads
 from megapipe.models.moe import set_loss_scale
+from megapipe.parallel.context.variants import cp_variant
 from megapipe.parallel.context.zigzag import CPInfo, cp_info
 from megapipe.parallel.data.levels import WeightBlock
 from megapipe.parallel.expert.sharding import EPInfo, ep_info
@@ -36,9 +37,10 @@ from megapipe.plan.schedules import placement
 @dataclass(frozen=True)
 class Components:
     """What every chunk of this rank is built with, each resolved once from the config and the
-    mesh (train/parallelize.py): its place on the cp ring and the ep axis, and the precision
-    policy. The tp layers' info is made per chunk (tp_info): each chunk keeps its own dropout RNG
-    tracker, seeded by (seed, tp rank)."""
+    mesh (train/parallelize.py): its place on the cp axis with the attention variant run over it
+    (parallel.cp_comm), its place on the ep axis, and the precision policy. The tp layers' info
+    is made per chunk (tp_info): each chunk keeps its own dropout RNG tracker, seeded by
+    (seed, tp rank)."""
 
     cp: CPInfo
     ep: EPInfo
@@ -46,7 +48,8 @@ class Components:
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
-        return Components(cp_info(mesh), ep_info(mesh), Precision.of(cfg.train))
+        cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm))
+        return Components(cp, ep_info(mesh), Precision.of(cfg.train))
 
 
 def build_model(

@@ -136,9 +136,10 @@ def _notes(cfg: Config) -> list[str]:
     attention = {
         "fused": "a fused kernel keeping q, k, v, out and the log-sum-exp",
         "ring": "ring attention keeping q, k, v, out and the log-sum-exp",
+        "a2a": "Ulysses' fused kernel keeping whole-sequence q, k, v at H/cp heads, out and lse",
         "math": "the math fallback keeping the s² probabilities",
     }[attention_path(cfg, DEVICE)]
-    if cfg.data.document_mask and p.cp == 1:  # config/memory_terms.py, "document mask"
+    if cfg.data.document_mask and (p.cp == 1 or p.cp_comm == "a2a"):  # memory_terms.py
         attention += ", plus the (b, 1, T, T) document mask (none with flash-attn varlen)"
     low = Precision.of(cfg.train).main_grads  # bf16 weights: float32 main params beside them
     weights = "bf16 weights 2" if low else "float32 weights 4"

@@ -106,7 +106,7 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
     """This rank's Job, its stack built in the order it is applied; mesh None is one process.
     dp buckets of `bucket_mb` MB (None: the reducer's size for dp · cp replicas,
     parallel/data/reducer.replica_bucket_mb)."""
-    parts = Components.of(cfg, mesh)  # the cp ring, the ep axis, the precision policy
+    parts = Components.of(cfg, mesh)  # the cp axis and variant, the ep axis, the precision
     place = chunk_placement(cfg) if cfg.parallel.pp > 1 else None  # the pipeline's stages
     # the model: this rank's chunks, their tp/sp, cp and ep layers, recompute, weights' dtype
     chunks = model_chunks(cfg, mesh, device, parts, place)

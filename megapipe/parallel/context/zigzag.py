@@ -61,13 +61,15 @@ class CPInfo:
     """This rank's place on the context-parallel axis (size 1: the whole sequence is local).
 
     Under cp > 1 every sequence is zigzag-sharded: this rank holds positions
-    `positions(T)` of each sequence, its attention runs the ring over `group`, and gradients
-    are summed over dp × cp (each cp rank saw different tokens of the same rows).
+    `positions(T)` of each sequence, its attention runs `attention` (the parallel.cp_comm
+    variant, variants.py: the ring or Ulysses' all-to-all) over `group`, and gradients are
+    summed over dp × cp (each cp rank saw different tokens of the same rows).
     """
 
     size: int = 1
     rank: int = 0
     group: object = None  # torch.distributed ProcessGroup when size > 1
+    attention: object = None  # the cp attention variant (variants.py); the model's needs one
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Global positions (T/cp,) of this rank's tokens: RoPE and learned positions use them."""
@@ -91,8 +93,9 @@ class CPInfo:
 NO_CP = CPInfo()
 
 
-def cp_info(mesh) -> CPInfo:
-    """CPInfo of this rank of `mesh`: its zigzag slice of every sequence and the ring's group."""
+def cp_info(mesh, attention=None) -> CPInfo:
+    """CPInfo of this rank of `mesh`: its zigzag slice of every sequence, the cp group and the
+    attention variant run over it (None: the data loader's, which only shards)."""
     if mesh is None or mesh.size("cp") == 1:
         return NO_CP
-    return CPInfo(mesh.size("cp"), mesh.coord("cp"), mesh.group("cp"))
+    return CPInfo(mesh.size("cp"), mesh.coord("cp"), mesh.group("cp"), attention)

@@ -1,0 +1,42 @@
+"""The attention's cp variant (`parallel.cp_comm`), resolved once into the object the model's
+attention is built with (CPInfo.attention): the kv ring (ring.py) or Ulysses' all-to-all
+(ulysses.py). Both take the same zigzag sequence shard and give the same result; they differ in
+what travels (docs/parallelism.md, Context parallelism).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megapipe.parallel.context.ring import ring_attention
+from megapipe.parallel.context.ulysses import ulysses_attention
+
+
+@dataclass(frozen=True)
+class RingVariant:
+    """K/V blocks around the ring, merged by log-sum-exp; `core` is not used (the ring runs its
+    own block kernels)."""
+
+    name: str = "ring"
+
+    def __call__(self, q, k, v, group, core: Callable, dropout_p: float, documents=None):
+        return ring_attention(q, k, v, group, dropout_p=dropout_p, documents=documents)
+
+
+@dataclass(frozen=True)
+class UlyssesVariant:
+    """Sequence shards to head shards by all-to-all, `core` on whole sequences, and back."""
+
+    name: str = "a2a"
+
+    def __call__(self, q, k, v, group, core: Callable, dropout_p: float, documents=None):
+        return ulysses_attention(q, k, v, group, core, dropout_p, documents)
+
+
+CP_VARIANTS = {"ring": RingVariant(), "a2a": UlyssesVariant()}
+
+
+def cp_variant(comm: str):
+    """The variant named by parallel.cp_comm (config checks keep the name one of these)."""
+    return CP_VARIANTS[comm]
