@@ -1,5 +1,6 @@
 """Train a GPT from a YAML config: `python train.py --config FILE [--section.key=value ...]`
-(`--dry-run [--json]`: the plan and its memory per rank, no training), on one process or
+(`--dry-run [--json]`: the plan and its memory per rank, no training; `--fake-ranks=SPEC
+[--json]`: those ranks of the world built, run and measured in this process), on one process or
 under `torchrun --nproc_per_node=N` with dp·pp·cp·tp = N.
 
 main() is the steps of docs/architecture.md: parse, load the config, dry run or train
@@ -22,6 +23,8 @@ from megapipe.distributed.flight import dump
 from megapipe.distributed.launch import launched_rank, peer_lost, shutdown
 from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import as_json, describe
+from megapipe.train.fake_ranks import describe as describe_ranks
+from megapipe.train.fake_ranks import fake_ranks
 from megapipe.train.loop import NonFiniteError, run
 from megapipe.train.runlock import RunDirBusy
 
@@ -39,6 +42,10 @@ def train(argv: list[str], seen: dict) -> int:
     cfg = load_config(args.config, overrides)
     if args.dry_run:
         print(json.dumps(as_json(cfg)) if args.json else describe(cfg))
+        return 0
+    if args.fake_ranks:  # any ranks of the world, in this process (megapipe/train/fake_ranks.py)
+        result = fake_ranks(cfg, args.fake_ranks)
+        print(json.dumps(result) if args.json else describe_ranks(result))
         return 0
     seen["run_dir"] = cfg.run.dir
     run(cfg)

@@ -241,3 +241,76 @@ def cudnn_attention_cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: 
         dout, q, k, v, out, lse, unused, unused,
         None, None, None, tq, tk, 0.0, causal, scale=scale,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------- fake ranks (one process)
+# `train.py --fake-ranks` runs any rank of any world in this process: torch's fake process
+# group backend (every collective returns at once) and fake tensors (shapes, no data).
+
+
+def fake_store():
+    """The store the "fake" process-group backend is initialised with
+    (torch.testing._internal.distributed.fake_pg.FakeStore; torchtitan's dry runs use it).
+    distributed/fake_world.py. Works on torch 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """A mode in which every tensor made is a FakeTensor (torch._subclasses.FakeTensorMode):
+    the real code runs on shapes and devices, no data, no memory. Tensors made outside it are
+    accepted. train/fake_ranks.py. Works on torch 2.13."""
+    from torch._subclasses import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def local_scalar_op():
+    """The aten op behind `.item()`, `bool(t)` and `float(t)` (aten._local_scalar_dense):
+    fake tensors hold no value, so the fake-rank run answers it (train/fake_ranks.py).
+    Works on torch 2.13."""
+    return torch.ops.aten._local_scalar_dense.default
+
+
+def cpu_attention_flops() -> dict:
+    """FlopCounterMode's formulas for the CPU flash-attention ops, which it does not count
+    (it knows the CUDA flash, efficient and cuDNN ones): the same 4·b·h·s_q·s_k·d forward and
+    its backward as for those (aten._scaled_dot_product_flash_attention_for_cpu and
+    _backward). Works on torch 2.13."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q, k, v)
+
+    def backward(dout, q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(dout, q, k, v)
+
+    ops = torch.ops.aten
+    return {
+        ops._scaled_dot_product_flash_attention_for_cpu: forward,
+        ops._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
+def unbox_group(script_object):
+    """The ProcessGroup a c10d op received as a TorchScript object (ProcessGroup.unbox): a
+    dispatch mode sees collectives as c10d ops on boxed groups (train/fake_ranks.py).
+    Works on torch 2.13."""
+    return dist.ProcessGroup.unbox(script_object)
+
+
+def dispatch_mode_base() -> type:
+    """The base class of a mode that sees every aten and c10d op
+    (torch.utils._python_dispatch.TorchDispatchMode): the fake-rank run's measure
+    (train/fake_ranks.py). Works on torch 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def storage_key(tensor: Tensor) -> int:
+    """The identity of `tensor`'s storage, the same for every view of it (the C handle
+    UntypedStorage._cdata): live bytes are counted once per storage (train/fake_ranks.py).
+    Works on torch 2.13."""
+    return tensor.untyped_storage()._cdata

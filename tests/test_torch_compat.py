@@ -271,6 +271,46 @@ def test_cudnn_attention_cuda_values(compat):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
 
 
+def test_fake_world_and_fake_tensors(compat):
+    """The fake backend takes any rank of any world; a dispatch mode under fake tensors sees
+    the c10d op on its boxed group, answers `.item()`, and keys views by one storage."""
+    with api("FakeStore / FakeTensorMode / TorchDispatchMode / ProcessGroup.unbox"):
+        dist.init_process_group("fake", store=compat.fake_store(), rank=5, world_size=4096)
+        seen = []
+
+        class Seen(compat.dispatch_mode_base()):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is compat.local_scalar_op():
+                    return 7.0
+                if func.namespace == "c10d":
+                    seen.append(compat.unbox_group(args[1]))
+                return func(*args, **(kwargs or {}))
+
+        try:
+            with compat.fake_tensor_mode(), Seen():
+                x = torch.ones(4, 4)
+                dist.all_reduce(x)
+                expect(x.sum().item() == 7.0, "aten._local_scalar_dense", "is not seen")
+                expect(compat.storage_key(x[1]) == compat.storage_key(x), "_cdata", "differs")
+        finally:
+            dist.destroy_process_group()
+    expect(len(seen) == 1 and seen[0] is not None, "c10d allreduce_", "is not seen boxed")
+
+
+def test_cpu_attention_flops(compat):
+    """FlopCounterMode counts the CPU flash ops with the given formulas."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with api("aten._scaled_dot_product_flash_attention_for_cpu flops"):
+        counter = FlopCounterMode(display=False, custom_mapping=compat.cpu_attention_flops())
+        with counter:
+            out = compat.flash_attention_cpu(q, q, q, True, 0.5)[0]
+            out.sum().backward()
+    forward = 4 * 1 * 2 * 8 * 8 * 4  # two (8 x 8) x 4 matmuls per head, 2 FLOPs a MAC
+    expect(counter.get_total_flops() == forward * 7 // 2, "the cpu flash flops", "changed")
+
+
 # ---------------------------------------------------------------- nothing else touches them
 
 SCANNED = ("megapipe", "models", "tools", "benchmarks")  # and train.py, beside them

@@ -113,7 +113,20 @@ def build_chunk(cfg: Config, mesh, device, blocks: range | None, parts: Componen
     set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     if model.head is not None:
         model.head.grad_in_forward = head_grad_in_forward(cfg)
-    return parts.precision.hold(model.to(device))
+    return parts.precision.hold(_moved(model, device))
+
+
+def _moved(model: GPT, device) -> GPT:
+    """`model` on `device`; left alone when every parameter is there already, as under fake
+    tensors (train/fake_ranks.py), whose parameters torch cannot swap in `Module.to`."""
+    target = torch.device(device)
+    if all(_on(p.device, target) for p in model.parameters()):
+        return model
+    return model.to(device)
+
+
+def _on(device: torch.device, target: torch.device) -> bool:
+    return device.type == target.type and target.index in (None, device.index)
 
 
 def loss_scale(cfg: Config) -> float:

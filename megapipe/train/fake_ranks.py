@@ -1,0 +1,261 @@
+"""`train.py --fake-ranks=SPEC`: named ranks of the configured world built and run in this one
+process, on fake tensors under the fake process-group backend, and measured.
+
+Each rank in turn: the fake group as that rank (distributed/fake_world.py), the real mesh and
+`parallelize`, two real steps (forward, backward, reductions, clip, AdamW) on a fake batch.
+(The checkpoint's save plan is not run yet: its ShardedTensors exchange metadata by
+all_gather_object, which pickles data fake tensors do not hold.)
+`Measure`, one dispatch mode, sees every op: it keeps the bytes of every live storage by kind
+(the peak is the code's, not a model's), records each c10d collective and p2p op (kind, the
+megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
+give (`.item()`: True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
+numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py) and
+the model FLOPs (config/flops.py). docs/architecture.md, "Layers".
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megapipe._torch_compat import (
+    cpu_attention_flops,
+    dispatch_mode_base,
+    fake_tensor_mode,
+    local_scalar_op,
+    storage_key,
+    unbox_group,
+)
+from megapipe.config import Config
+from megapipe.config.flops import flops_per_token
+from megapipe.distributed.fake_world import fake_world, ranks_of
+from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
+from megapipe.train.dry_run import as_json
+from megapipe.train.hooks import TrainHooks
+from megapipe.train.parallelize import parallelize
+from megapipe.train.step import StepResult
+
+KINDS = ("weights", "grads", "optimizer", "activations", "comm")
+AXIS_KEYS = ("dp", "tp", "pp", "cp", "ep")
+STEPS = 2
+P2P = {"send": "send", "recv_": "recv"}
+
+
+@dataclass
+class CommOp:
+    kind: str  # the c10d op: allreduce_, _allgather_base_, send, recv_, ...
+    axis: str  # the megapipe group it ran on: dp, tp, pp, cp, ep, or norm / stage / world
+    nbytes: int  # what this rank puts in
+    peer: int | None = None  # p2p: the global rank at the other end
+    tag: int = 0
+
+
+@dataclass
+class Measure(dispatch_mode_base()):
+    """Live storage bytes by kind and their peak; every c10d op; answers to `.item()`."""
+
+    axes: dict = field(default_factory=dict)  # ProcessGroup -> axis name
+    live: dict = field(default_factory=dict)  # storage key -> [bytes, kind]
+    totals: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    peak: int = 0
+    peak_kinds: dict = field(default_factory=dict)
+    comm: list = field(default_factory=list)
+    phase: str = "activations"
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is local_scalar_op():
+            return _answer(args[0])
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self._record(func, args)
+        for t in _tensors(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t, "comm" if func.namespace == "c10d" else self.phase)
+        return out
+
+    def track(self, t: torch.Tensor, kind: str) -> None:
+        storage, key = t.untyped_storage(), storage_key(t)
+        if key in self.live:
+            return
+        self.live[key] = [storage.nbytes(), kind]
+        self.totals[kind] += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+        total = sum(self.totals.values())
+        if total > self.peak:
+            self.peak, self.peak_kinds = total, dict(self.totals)
+
+    def relabel(self, tensors, kind: str) -> None:
+        """The live storages of `tensors` are `kind` (weights once built, grads at the step)."""
+        for t in tensors:
+            entry = self.live.get(storage_key(t))
+            if entry is not None and entry[1] != kind:
+                self.totals[entry[1]] -= entry[0]
+                self.totals[kind] += entry[0]
+                entry[1] = kind
+
+    def _free(self, key: int) -> None:
+        nbytes, kind = self.live.pop(key)
+        self.totals[kind] -= nbytes
+
+    def _record(self, func, args) -> None:
+        name = func.overloadpacket.__name__
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+        pg = unbox_group(group) if group is not None else None
+        axis = self.axes.get(pg, "world")
+        tensors = args[1] if name.endswith("_base_") else args[0]  # (output, input): input
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
+        op = CommOp(name, axis, nbytes)
+        if name in P2P:
+            op.peer = torch.distributed.get_global_rank(pg, args[2])
+            op.tag = int(args[3])
+        self.comm.append(op)
+
+
+def _tensors(value) -> list:
+    """The tensors in nested lists, tuples and dicts."""
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _answer(t: torch.Tensor):
+    """A fake tensor's value when code must branch on it: finite, not spiked, unit scale."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.dtype.is_floating_point else 1
+
+
+class _Phases(TrainHooks):
+    """Storages made during the optimizer step are its state; grads are named at its start."""
+
+    def __init__(self, measure: Measure, model: torch.nn.Module) -> None:
+        self.measure, self.model = measure, model
+
+    def optimizer_begin(self) -> None:
+        grads = [g for p in self.model.parameters() for g in _grads_of(p)]
+        self.measure.relabel(grads, "grads")
+        self.measure.phase = "optimizer"
+
+    def optimizer_end(self) -> None:
+        self.measure.phase = "activations"
+
+
+def _grads_of(p: torch.nn.Parameter) -> list[torch.Tensor]:
+    return [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
+
+
+def _axes(mesh: ParallelMesh) -> dict:
+    """Each megapipe group by the axis its traffic is priced on (dp × cp sums: dp)."""
+    named = {mesh.norm_group: "norm", mesh.stage_group: "stage"}
+    named[mesh.dp_cp_group] = "dp"
+    named.update({g: a for a, g in mesh.groups.items()})
+    if mesh.ep_group is not None:
+        named.update({mesh.ep_group: "ep", mesh.expert_replica_group: "dp"})
+    return named
+
+
+def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
+    """Build and run `rank` of cfg's world on fake tensors; its JSON entry and its comm ops."""
+    sizes, began = MeshSizes.of(cfg), time.perf_counter()
+    flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    with fake_world(rank, sizes.world):
+        mesh = ParallelMesh(sizes)
+        measure = Measure(_axes(mesh))
+        with fake_tensor_mode(), measure:
+            job = parallelize(cfg, mesh, "cpu")
+            measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
+            measure.phase = "optimizer"
+            optimizer = job.optimizer()
+            measure.phase = "activations"
+            hooks = _Phases(measure, job.model)
+            m = cfg.model
+            batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
+            with flops:
+                results = [job.train_step(optimizer, batch, s, hooks) for s in range(STEPS)]
+    c = coords(rank, sizes)
+    entry = {
+        "rank": rank,
+        "coords": c,
+        "peak_bytes": measure.peak,
+        "peak_by_kind": measure.peak_kinds,
+        "plan_peak_bytes": plan.get((c["pp"], c["tp"])),
+        "flops": flops.get_total_flops() // STEPS,
+        "plan_flops": int(flops_per_token(cfg) * cfg.derived.tokens_per_step / sizes.world),
+        "comm_bytes": _per_axis(measure.comm),
+        "plan_comm_bytes": None,  # the performance model prices time, not bytes per rank yet
+        "stepped": all(isinstance(r, StepResult) for r in results),
+        "seconds": round(time.perf_counter() - began, 3),
+    }
+    return entry, measure.comm
+
+
+def _per_axis(ops: list[CommOp]) -> dict[str, int]:
+    """Bytes per axis over the run's steps, divided by STEPS: one step's traffic."""
+    out = dict.fromkeys(AXIS_KEYS, 0)
+    for op in ops:
+        out[op.axis] = out.get(op.axis, 0) + op.nbytes
+    return {axis: n // STEPS for axis, n in out.items()}
+
+
+def match_p2p(ops: dict[int, list[CommOp]]) -> tuple[int, int]:
+    """(matched, unmatched) sends and receives between the ranks run: tagless as NCCL, the
+    k-th send from a to b meets b's k-th receive from a (plan/channels.py), of the same size.
+    A p2p op whose peer was not run is not counted."""
+    sends, recvs = defaultdict(list), defaultdict(list)
+    for rank, rank_ops in ops.items():
+        for op in rank_ops:
+            if op.peer is None or op.peer not in ops:
+                continue
+            if op.kind == "send":
+                sends[(rank, op.peer, op.tag)].append(op.nbytes)
+            else:
+                recvs[(op.peer, rank, op.tag)].append(op.nbytes)
+    matched = unmatched = 0
+    for key in sends.keys() | recvs.keys():
+        s, r = sends.get(key, []), recvs.get(key, [])
+        pairs = sum(a == b for a, b in zip(s, r))
+        matched += pairs
+        unmatched += len(s) + len(r) - 2 * pairs
+    return matched, unmatched
+
+
+def fake_ranks(cfg: Config, spec: str) -> dict:
+    """`--fake-ranks=SPEC --json`: every named rank run and measured, and the p2p match."""
+    sizes = MeshSizes.of(cfg)
+    ranks = ranks_of(spec, sizes)
+    dry = as_json(cfg, "cpu")
+    plan = {(r["pp"], r["tp"]): r["peak_bytes"] for r in dry["ranks"]}
+    entries, ops = [], {}
+    for rank in ranks:
+        entry, ops[rank] = run_rank(cfg, rank, plan)
+        entries.append(entry)
+    matched, unmatched = match_p2p(ops)
+    return {"world": sizes.world, "ranks": entries, "p2p_matched": matched,
+            "p2p_unmatched": unmatched}  # fmt: skip
+
+
+def describe(result: dict) -> str:
+    """One line per rank, then the p2p match."""
+    lines = [f"world {result['world']}: {len(result['ranks'])} ranks run on fake tensors"]
+    for r in result["ranks"]:
+        where = " ".join(f"{a}={v}" for a, v in r["coords"].items())
+        plan = r["plan_peak_bytes"]
+        ratio = f" ({r['peak_bytes'] / plan:.2f}× plan)" if plan else ""
+        comm = " ".join(f"{a}={n / 2**20:.1f}MiB" for a, n in r["comm_bytes"].items() if n)
+        lines.append(
+            f"rank {r['rank']} ({where}): peak {r['peak_bytes'] / 2**20:.1f} MiB{ratio}, "
+            f"{r['flops'] / 1e9:.3g} GFLOP/step (plan {r['plan_flops'] / 1e9:.3g}), "
+            f"comm/step {comm or 'none'}, {r['seconds']:.1f} s"
+        )
+    lines.append(f"p2p: {result['p2p_matched']} matched, {result['p2p_unmatched']} unmatched")
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""`train.py --fake-ranks=SPEC`: ranks of any world built and run in this process on fake tensors
+under the fake backend (megapipe/train/fake_ranks.py), no spawned processes.
+
+The JSON contract of design.md, every pipeline send met by its receive, the FLOPs the code does
+against the config's arithmetic, a 4,096-rank world's edge ranks built and stepped, and one-line
+errors for a bad SPEC.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import train
+from megapipe.config import ConfigError, load_config
+from megapipe.config.flops import matmul_params
+from megapipe.distributed.fake_world import ranks_of
+from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.train.fake_ranks import AXIS_KEYS, CommOp, fake_ranks, match_p2p
+
+TINY = "configs/tiny.yaml"
+ENTRY = {"rank", "coords", "peak_bytes", "plan_peak_bytes", "flops", "plan_flops",
+         "comm_bytes", "plan_comm_bytes", "seconds"}  # fmt: skip
+BIG = MeshSizes(pp=8, dp=64, cp=1, tp=8)
+
+
+def test_specs_name_the_ranks():
+    assert ranks_of("3,1,3", BIG) == [1, 3]
+    assert len(ranks_of("all", MeshSizes(2, 2, 1, 2))) == 8
+    edges = ranks_of("edges", BIG)
+    assert len(edges) == 8 and edges[0] == 0 and edges[-1] == BIG.world - 1
+    assert {tuple(coords(r, BIG).values()) for r in edges} == {
+        (p, d, 0, t) for p in (0, 7) for d in (0, 63) for t in (0, 7)
+    }
+    pipe = ranks_of("pipeline:9", BIG)  # the 9th (dp, cp, tp): dp 1, tp 1
+    assert [coords(r, BIG) for r in pipe] == [
+        {"pp": p, "dp": 1, "cp": 0, "tp": 1} for p in range(8)
+    ]
+
+
+@pytest.mark.parametrize("spec", ["evens", "pipeline:512", "pipeline:x", "4096", "1,-2"])
+def test_bad_specs_are_one_line(spec):
+    with pytest.raises(ConfigError) as err:
+        ranks_of(spec, BIG)
+    assert "\n" not in str(err.value) and "fake-ranks" in str(err.value)
+
+
+def test_p2p_matching_finds_a_size_mismatch():
+    ops = {0: [CommOp("send", "pp", 64, peer=1)], 1: [CommOp("recv_", "pp", 64, peer=0)]}
+    assert match_p2p(ops) == (1, 0)
+    ops[1][0].nbytes = 32
+    assert match_p2p(ops) == (0, 2)
+    ops[0].append(CommOp("send", "pp", 64, peer=2))  # rank 2 not run: not counted
+    assert match_p2p(ops) == (0, 2)
+
+
+def test_pipeline_json_contract_and_p2p(capsys, tmp_path):
+    """train.py --json for a whole pipeline of dp2 · tp2 · pp2 under zero=1."""
+    argv = ["--config", TINY, "--fake-ranks=pipeline:0", "--json", f"--run.dir={tmp_path}",
+            "--parallel.dp=2", "--parallel.tp=2", "--parallel.pp=2", "--parallel.zero=1",
+            "--parallel.microbatches=2"]  # fmt: skip
+    assert train.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"world", "ranks", "p2p_matched", "p2p_unmatched"}
+    assert out["world"] == 8 and [r["rank"] for r in out["ranks"]] == [0, 4]
+    assert out["p2p_matched"] > 0 and out["p2p_unmatched"] == 0
+    for r in out["ranks"]:
+        assert set(r) >= ENTRY
+        assert set(r["comm_bytes"]) >= set(AXIS_KEYS)
+        assert r["comm_bytes"]["dp"] > 0 and r["comm_bytes"]["tp"] > 0
+        assert r["comm_bytes"]["pp"] > 0 and r["peak_bytes"] > 0 and r["plan_peak_bytes"] > 0
+
+
+def test_flops_are_the_config_arithmetic(tmp_path):
+    """dp2 · tp2, no pipeline: each rank does 1/4 of 6N per token plus attention's matmuls,
+    counted by FlopCounterMode as torch's flash kernels run them: 4·s·d per token and layer
+    forward and 2.5 times that backward (the backward recomputes QKᵀ), so 14·L·d·s where the
+    model FLOPs' PaLM count (config/flops.py) has 12: the measured attention is that much more."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2"])
+    (r,) = fake_ranks(cfg, "3")["ranks"]
+    m, tokens = cfg.model, cfg.derived.tokens_per_step
+    code = (6 * matmul_params(cfg) + 14 * m.n_layers * m.d_model * m.seq_len) * tokens // 4
+    assert r["flops"] == code
+    model = (6 * matmul_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len) * tokens // 4
+    assert r["plan_flops"] == model
+
+
+def test_a_4096_rank_world_builds_and_steps_at_its_edges(tmp_path):
+    """dp64 · pp8 · tp8: the eight corner ranks build their groups, stages and buckets and take
+    two steps. pp 0 and pp 7 of one pipeline are not neighbours, but they swap the tied
+    embedding's grads (pipeline/tied.py): those sends must meet their receives."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=64", "--parallel.tp=8",
+                             "--parallel.pp=8", "--model.n_layers=8", "--train.global_batch=128",
+                             "--model.d_model=64", "--model.n_heads=8",
+                             "--parallel.microbatches=2"])  # fmt: skip
+    out = fake_ranks(cfg, "edges")
+    assert out["world"] == 4096 and len(out["ranks"]) == 8
+    assert out["p2p_matched"] > 0 and out["p2p_unmatched"] == 0
+    for r in out["ranks"]:
+        assert r["flops"] > 0 and r["comm_bytes"]["dp"] > 0 and r["comm_bytes"]["tp"] > 0
