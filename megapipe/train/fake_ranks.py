@@ -35,6 +35,7 @@ from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
 from megapipe.distributed.fake_world import fake_world, ranks_of
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
+from megapipe.parallel.autograd.kept_buffers import keep_none
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
 from megapipe.train.parallelize import parallelize
@@ -173,6 +174,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         measure = Measure(_axes(mesh))
         with fake_tensor_mode(), measure:
             job = parallelize(cfg, mesh, "cpu")
+            keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
             measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
             measure.phase = "optimizer"
             optimizer = job.optimizer()
