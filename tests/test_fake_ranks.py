@@ -14,7 +14,7 @@ import pytest
 
 import train
 from megapipe.config import ConfigError, load_config
-from megapipe.config.flops import matmul_params
+from megapipe.config.flops import flops_per_token, matmul_params
 from megapipe.distributed.fake_world import ranks_of
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.train.fake_ranks import AXIS_KEYS, CommOp, fake_ranks, match_p2p
@@ -63,6 +63,8 @@ def test_pipeline_json_contract_and_p2p(capsys, tmp_path):
     assert train.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"world", "ranks", "p2p_matched", "p2p_unmatched"}
+    # the stage's hardware FLOPs (config/flops.hardware_flops_per_token): both are exact counts
+    assert [r["flops"] for r in out["ranks"]] == [r["plan_flops"] for r in out["ranks"]]
     assert out["world"] == 8 and [r["rank"] for r in out["ranks"]] == [0, 4]
     assert out["p2p_matched"] > 0 and out["p2p_unmatched"] == 0
     for r in out["ranks"]:
@@ -82,8 +84,18 @@ def test_flops_are_the_config_arithmetic(tmp_path):
     m, tokens = cfg.model, cfg.derived.tokens_per_step
     code = (6 * matmul_params(cfg) + 14 * m.n_layers * m.d_model * m.seq_len) * tokens // 4
     assert r["flops"] == code
-    model = (6 * matmul_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len) * tokens // 4
-    assert r["plan_flops"] == model
+    assert r["plan_flops"] == code  # the plan is the hardware FLOPs the rank executes
+    model = (6 * matmul_params(cfg) + 12 * m.n_layers * m.d_model * m.seq_len) * tokens
+    assert flops_per_token(cfg) * tokens == model  # MFU's model FLOPs keep PaLM's 12
+
+
+def test_one_rank_peak_is_the_dry_run_plan(tmp_path):
+    """tiny on one rank: the live storages' peak is the dry run's (CPU kernels) within 5%. It was
+    1.10× while the CPU's kept weight-grad buffers (parallel/autograd/kept_buffers.py), which a
+    device does not hold, were counted from one step into the next; they are off in the run."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}"])
+    (r,) = fake_ranks(cfg, "0")["ranks"]
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
 def test_a_4096_rank_world_builds_and_steps_at_its_edges(tmp_path):
@@ -99,3 +111,13 @@ def test_a_4096_rank_world_builds_and_steps_at_its_edges(tmp_path):
     assert out["p2p_matched"] > 0 and out["p2p_unmatched"] == 0
     for r in out["ranks"]:
         assert r["flops"] > 0 and r["comm_bytes"]["dp"] > 0 and r["comm_bytes"]["tp"] > 0
+
+
+def test_ring_cp_rank_flops_and_peak_are_the_plans(tmp_path):
+    """cp2 · dp2 under the ring: the rank's FLOPs are the plan's exactly (the zigzag ring runs
+    (cp + 1)/2cp of its rows' causal attention, config/flops._ring_share) and its peak is the
+    dry run's within 5%."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.cp=2", "--parallel.dp=2"])
+    (r,) = fake_ranks(cfg, "1")["ranks"]
+    assert r["flops"] == r["plan_flops"] and r["comm_bytes"]["cp"] > 0
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05

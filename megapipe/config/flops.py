@@ -121,3 +121,50 @@ def _segment_bounds(
     split = balanced_segments(seq_len, k, params, layers, d_model, granularity)
     ends = [sum(split.lengths[: i + 1]) for i in range(len(split.lengths))]
     return tuple(zip([0, *ends[:-1]], ends))
+
+
+def head_grad_in_forward(cfg: Config) -> bool:
+    """Whether the fused head + loss makes its grads in forward (parallel/tensor/cross_entropy
+    .linear_cross_entropy): where exactly one microbatch is ever in flight at the head, i.e. no
+    pipeline (each microbatch's F then its B) and no Seq1F1B segments (all of a microbatch's
+    segments go forward before the first backward). There it costs no more memory than the
+    weight grad backward would make anyway, and saves the head's third matmul; under a
+    pipeline the last stage may hold several microbatches (GPipe: all m), each with a V/tp·d
+    float32 grad."""
+    return cfg.parallel.pp == 1 and len(segment_bounds(cfg)) == 1
+
+
+def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
+    """FLOPs per token the code executes on the blocks `blocks` (block i + 1 is layer i; 0 the
+    embedding, a lookup; n_layers + 1 the head), before tp's split: what FlopCounterMode counts
+    on a rank (train/fake_ranks.py `plan_flops`). A layer is 6·N_layer plus 14·d·T for
+    attention, not flops_per_token's 12: the flash backward recomputes QKᵀ (Dao et al. 2022,
+    Alg. 4), so 4·d·T forward and 10·d·T backward; full recompute runs the layer's forward
+    again (2·N_layer + 4·d·T), selective its attention core (4·d·T); under ring cp the
+    attention is _ring_share of that. The head is 6·d·V where
+    its grads are made in forward, else 8·d·V (backward recomputes the chunk's logits). These
+    are hardware FLOPs; the model FLOPs of MFU stay flops_per_token's."""
+    m = cfg.model
+    attention = 4.0 * m.d_model * m.seq_len * _ring_share(cfg)
+    again = {"full": 1.0, "selective": 0.0}.get(cfg.recompute.mode, 0.0)
+    extra = attention if cfg.recompute.mode in ("full", "selective") else 0.0
+    head = (6.0 if head_grad_in_forward(cfg) else 8.0) * m.d_model * m.vocab_size
+    total = 0.0
+    for block in (b for chunk in blocks for b in chunk):
+        if block == m.n_layers + 1:
+            total += head
+        elif block > 0:
+            n = layer_matmul_params(cfg, block - 1)
+            total += (6.0 + 2.0 * again) * n + 3.5 * attention + extra
+    return total
+
+
+def _ring_share(cfg: Config) -> float:
+    """The attention FLOPs a ring cp rank runs, as a share of its queries' full causal rows:
+    with zigzag chunks (parallel/context/zigzag.py) the diagonal step runs its whole
+    (2T/2cp)² block under the causal flag and each of the cp − 1 other steps half of one,
+    (cp + 1) / 2cp. Ulysses (cp_comm=a2a) runs the whole sequence at H/cp heads: 1."""
+    p = cfg.parallel
+    if p.cp == 1 or p.cp_comm == "a2a":
+        return 1.0
+    return (p.cp + 1) / (2 * p.cp)

@@ -89,7 +89,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megapipe.config.flops import is_moe_layer, segment_bounds
+from megapipe.config.flops import head_grad_in_forward, is_moe_layer, segment_bounds
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, RecomputeConfig
 from megapipe.config.states import FLOAT32, PARAM_BYTES
@@ -431,17 +431,6 @@ def embedding_terms(
     if m.dropout > 0:
         terms["dropout mask"] = x.ns * m.d_model * _mask_bytes(device, residual_bytes(cfg))
     return terms
-
-
-def head_grad_in_forward(cfg: Config) -> bool:
-    """Whether the fused head + loss makes its grads in forward (parallel/tensor/cross_entropy
-    .linear_cross_entropy): where exactly one microbatch is ever in flight at the head, i.e. no
-    pipeline (each microbatch's F then its B) and no Seq1F1B segments (all of a microbatch's
-    segments go forward before the first backward). There it costs no more memory than the
-    weight grad backward would make anyway, and saves the head's third matmul; under a
-    pipeline the last stage may hold several microbatches (GPipe: all m), each with a V/tp·d
-    float32 grad."""
-    return cfg.parallel.pp == 1 and len(segment_bounds(cfg)) == 1
 
 
 def tied_lookup_with_head(cfg: Config) -> bool:

@@ -10,7 +10,8 @@ all_gather_object, which pickles data fake tensors do not hold.)
 megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
 give (`.item()`: True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
 numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py) and
-the model FLOPs (config/flops.py). docs/architecture.md, "Layers".
+the hardware FLOPs of its stage (config/flops.hardware_flops_per_token).
+docs/architecture.md, "Layers".
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from megapipe._torch_compat import (
     unbox_group,
 )
 from megapipe.config import Config
-from megapipe.config.flops import flops_per_token
+from megapipe.config.flops import hardware_flops_per_token
+from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.fake_world import fake_world, ranks_of
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
+from megapipe.parallel.autograd.kept_buffers import keep_none
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
 from megapipe.train.parallelize import parallelize
@@ -136,10 +139,17 @@ def _answer(t: torch.Tensor):
 
 
 class _Phases(TrainHooks):
-    """Storages made during the optimizer step are its state; grads are named at its start."""
+    """Storages made during the optimizer step are its state; grads are named as autograd
+    accumulates them (a main grad written in place, at the optimizer step's start)."""
 
     def __init__(self, measure: Measure, model: torch.nn.Module) -> None:
         self.measure, self.model = measure, model
+        for p in model.parameters():  # a grad is named as autograd accumulates it
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_made)
+
+    def _grad_made(self, p: torch.nn.Parameter) -> None:
+        self.measure.relabel(_grads_of(p), "grads")
 
     def optimizer_begin(self) -> None:
         grads = [g for p in self.model.parameters() for g in _grads_of(p)]
@@ -173,6 +183,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         measure = Measure(_axes(mesh))
         with fake_tensor_mode(), measure:
             job = parallelize(cfg, mesh, "cpu")
+            keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
             measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
             measure.phase = "optimizer"
             optimizer = job.optimizer()
@@ -190,13 +201,22 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "peak_by_kind": measure.peak_kinds,
         "plan_peak_bytes": plan.get((c["pp"], c["tp"])),
         "flops": flops.get_total_flops() // STEPS,
-        "plan_flops": int(flops_per_token(cfg) * cfg.derived.tokens_per_step / sizes.world),
+        "plan_flops": plan_flops(cfg, c),
         "comm_bytes": _per_axis(measure.comm),
         "plan_comm_bytes": None,  # the performance model prices time, not bytes per rank yet
         "stepped": all(isinstance(r, StepResult) for r in results),
         "seconds": round(time.perf_counter() - began, 3),
     }
     return entry, measure.comm
+
+
+def plan_flops(cfg: Config, c: dict) -> int:
+    """The hardware FLOPs of one step on the rank at coordinates `c`: its pp stage's blocks
+    (config/flops.hardware_flops_per_token), split over tp, on its share of the batch's tokens
+    (1/(dp·cp))."""
+    p = cfg.parallel
+    tokens = cfg.derived.tokens_per_step / (p.dp * p.cp)
+    return int(hardware_flops_per_token(cfg, rank_blocks(cfg, c["pp"])) * tokens / p.tp)
 
 
 def _per_axis(ops: list[CommOp]) -> dict[str, int]:

@@ -16,6 +16,7 @@ distributed-optimizer shard's view) is never lent: a fresh one is made instead.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from megapipe._torch_compat import storage_use_count
 
@@ -59,3 +60,16 @@ def only_holder(tensor: torch.Tensor) -> bool:
     """No other tensor (a view, a .grad, a saved tensor) shares `tensor`'s storage: the count
     is `tensor` itself and the temporary storage object made to ask."""
     return storage_use_count(tensor) == 2
+
+
+def keep_none(model: nn.Module) -> None:
+    """Every KeptBuffers of `model`'s modules (and of the objects they hold, the head's
+    HeadBuffers) keeps nothing from now on: a CPU run that stands for a device, where a fresh
+    buffer costs no page faults and none is held between steps (train/fake_ranks.py measures
+    what a device holds)."""
+    for module in model.modules():
+        for value in vars(module).values():
+            held = [value, *vars(value).values()] if hasattr(value, "__dict__") else [value]
+            for kept in held:
+                if isinstance(kept, KeptBuffers):
+                    kept.keep, kept.kept = 0, []
