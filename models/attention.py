@@ -198,7 +198,10 @@ class Attention(nn.Module):
         Under cp the queries of this rank's zigzag slice attend over the whole sequence by the
         kv ring (parallel/context/ring.py); config checks keep attention dropout off there."""
         if self.cp.size > 1:
-            return ring_attention(q, k, v, self.cp.group, dropout_p=dropout_p, documents=documents)
+            layout = self.cp.layout(documents)  # parallel.cp_balance=documents: by work
+            return ring_attention(
+                q, k, v, self.cp.group, dropout_p=dropout_p, documents=documents, layout=layout
+            )
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p, documents)
 

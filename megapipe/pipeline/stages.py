@@ -46,7 +46,8 @@ class Components:
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
-        return Components(cp_info(mesh), ep_info(mesh), Precision.of(cfg.train))
+        cp = cp_info(mesh, cfg.parallel.cp_balance)
+        return Components(cp, ep_info(mesh), Precision.of(cfg.train))
 
 
 def build_model(
