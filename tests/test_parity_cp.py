@@ -8,12 +8,15 @@ Cases are grouped by world size so each size spawns its gloo workers once.
 The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds differently).
 """
 
+import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
 
 from megapipe.config import ConfigError
+from tests.dataset_files import zen_dataset
 from tests.parity import LOW_LR, mesh_params, reference_case, tiny_config, train_case
 from tests.test_parity_pp import union_of_ranks
 from tests.util import assert_rel_close, assert_state_close
@@ -23,6 +26,10 @@ GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 SP = ["parallel.sequence_parallel=true"]
 MB2 = ["parallel.microbatches=2"]
 L4 = ["model.n_layers=4"]
+ZEN = "data.path=<zen>"  # the real-text dataset, written once per session (zen_data)
+# parallel.cp_balance=documents on real packed text: rows of 128 tokens, 3-4 documents each
+BALANCED = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128",
+            "parallel.cp_balance=documents"]  # fmt: skip
 
 
 def cp(n: int) -> list[str]:
@@ -45,10 +52,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-full-recompute-m2", 1, 1, [*cp(2), "recompute.mode=full", *MB2]),
         ("cp2-llama-selective-recompute", 1, 1, [*cp(2), *LLAMA, "recompute.mode=selective"]),
         ("cp2-seq32", 1, 1, [*cp(2), "model.seq_len=32"]),
+        ("cp2-documents-balanced", 1, 1, [*cp(2), *BALANCED]),
     ],
     4: [
         ("cp4", 1, 1, cp(4)),
         ("cp4-llama-gqa", 1, 1, [*cp(4), *GQA2]),
+        ("cp4-documents-balanced-llama-gqa", 1, 1, [*cp(4), *BALANCED, *GQA2]),
         ("dp2-cp2", 2, 1, [*cp(2), *MB2]),
         ("cp2-tp2", 1, 2, cp(2)),
         ("cp2-tp2-llama-gqa-sp", 1, 2, [*cp(2), *GQA2, *SP]),
@@ -66,6 +75,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp4-tp2-llama-gqa", 1, 2, [*cp(4), *GQA2]),
     ],
 }
+
+
+@cache
+def zen_data() -> str:
+    """The Zen-of-Python dataset (tests/dataset_files.zen_dataset) in a fresh temporary dir."""
+    return str(zen_dataset(Path(tempfile.mkdtemp(prefix="megapipe-zen-"))))
 
 
 @cache
@@ -95,6 +110,7 @@ def _t(values):
 
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
 def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extra):
+    extra = [f"data.path={zen_data()}" if o == ZEN else o for o in extra]
     check_parity(gloo_pool, world, dp, tp, extra)
 
 
