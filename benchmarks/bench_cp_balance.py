@@ -17,8 +17,9 @@ Distributions: OWT-like, documents of lognormal length with OpenWebText's mean (
 documents, Gokaslan & Cohen 2019; ~9.04e9 GPT-2 tokens in nanoGPT's prepare: ~1,127 tokens
 each) and sigma 1.0 (an assumption: no published spread; it gives the long tail, 2% of
 documents over 8k tokens); real packed text: the quick-start Shakespeare (36 plays, each tens
-of thousands of tokens: most rows hold one play), and the Zen of Python by lines, char-level
-(short real documents, ~40 tokens: many per row).
+of thousands of tokens: only the rows across a boundary between plays hold two documents,
+and those are the rows measured), and the Zen of Python by lines, char-level (short real
+documents, ~40 tokens: many per row).
 """
 
 from __future__ import annotations
@@ -83,17 +84,18 @@ def zen_packed(seq_len: int, rows: int) -> torch.Tensor:
     return rows_of_lengths(lengths * reps, seq_len, rows)
 
 
-def shakespeare_packed(path: Path, seq_len: int, rows: int) -> torch.Tensor:
-    """Rows packed from a prepared dataset's train documents (data/shakespeare), evenly spaced
-    windows over the whole split."""
+def shakespeare_packed(path: Path, seq_len: int, rows: int, seed: int = 0) -> torch.Tensor:
+    """Rows of a prepared dataset's train split (data/shakespeare) that hold a document
+    boundary: each starts at a random offset before one of the boundaries (the plays are tens
+    of thousands of tokens, so a row without one is a single document, balanced by position)."""
     starts = np.load(path / "train.docs.npy")
     lengths = np.diff(starts).tolist()
-    total, out = starts[-1], []
+    rng = np.random.default_rng(seed)
+    out = []
     for i in range(rows):
-        begin = int(i * (total - seq_len) // max(rows - 1, 1))
-        doc = int(np.searchsorted(starts, begin, side="right") - 1)
-        first = [int(starts[doc + 1] - begin)] + lengths[doc + 1 :]
-        out.append(rows_of_lengths(first, seq_len, 1))
+        doc = 1 + i % (len(lengths) - 2)  # the boundary between documents doc and doc + 1
+        head = int(rng.integers(1, min(seq_len, lengths[doc])))  # tokens of doc in the row
+        out.append(rows_of_lengths([head, *lengths[doc + 1 :]], seq_len, 1))
     return torch.cat(out)
 
 

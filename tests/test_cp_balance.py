@@ -5,6 +5,8 @@ plan computes every visible pair exactly once and skips hidden tiles; the loader
 the layout. The spawned parity runs are in tests/test_parity_cp.py and test_ring_attention.py.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from benchmarks.bench_cp_balance import (
     imbalance,
     owt_like,
     rows_of_lengths,
+    shakespeare_packed,
     visible_work,
     zen_packed,
 )
@@ -28,6 +31,7 @@ from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.parallel.context.kernels import plan_step
 from megapipe.parallel.context.zigzag import CPInfo
 from megapipe.train.batches import BatchSlice
+from tests.conftest import ROOT
 from tests.parity import tiny_config
 
 SEQ = 1024
@@ -61,12 +65,13 @@ def test_deal_gives_heaviest_first_to_the_lightest_rank_with_room():
 
 @pytest.mark.parametrize("seq", [1024, 4096])
 @pytest.mark.parametrize("cp", [2, 4, 8])
-@pytest.mark.parametrize("rows", ["owt-like", "zen-lines"])
+@pytest.mark.parametrize("rows", ["owt-like", "zen-lines", "shakespeare"])
 def test_worst_rank_within_ten_percent_of_the_mean(rows, seq, cp):
-    """OWT-like rows: the positional split's visible work is off by more than 10% (measured
-    first); zen lines (~40-token documents, many per row) spread evenly by position already,
-    and there the positional split's cost is the waste: every masked tile computed."""
-    ids = owt_like(seq, 8, seed=seq + cp) if rows == "owt-like" else zen_packed(seq, 8)
+    """OWT-like rows and Shakespeare's rows across a play boundary: the positional split's
+    visible work is off by more than 10% (measured first); zen lines (~40-token documents,
+    many per row) spread evenly by position already, and there the positional split's cost
+    is the waste: every masked tile computed."""
+    ids = _rows(rows, seq, cp)
     worst_zigzag = worst_docs = 0.0
     computed = {"zigzag": 0, "documents": 0}
     for row in ids.split(1):
@@ -75,10 +80,21 @@ def test_worst_rank_within_ten_percent_of_the_mean(rows, seq, cp):
         worst_zigzag = max(worst_zigzag, imbalance(visible_work(row, zigzag_layout(cp))))
         computed["zigzag"] += sum(rank_work(zigzag_layout(cp), seq, 1))
         computed["documents"] += sum(rank_work(docs, seq, 1))
-    if rows == "owt-like":
+    if rows != "zen-lines":
         assert worst_zigzag > 1.1, worst_zigzag
     assert worst_docs <= 1.1, worst_docs
     assert computed["documents"] < computed["zigzag"] / (2 if rows == "zen-lines" else 1)
+
+
+def _rows(name: str, seq: int, cp: int) -> torch.Tensor:
+    if name == "owt-like":
+        return owt_like(seq, 8, seed=seq + cp)
+    if name == "zen-lines":
+        return zen_packed(seq, 8)
+    data = Path(ROOT, "data", "shakespeare")
+    if not (data / "train.docs.npy").is_file():
+        pytest.skip("the quick-start data (data/shakespeare) is not prepared")
+    return shakespeare_packed(data, seq, 8)
 
 
 def test_one_document_keeps_zigzag_balance_and_computes_the_causal_triangle():
