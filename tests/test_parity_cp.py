@@ -3,7 +3,9 @@
 logical weights to relative 1e-5 (docs/architecture.md, Invariants). Every rank that holds a
 tensor (cp and dp replicas, tp shards' gathers, pipeline chunks) must hold exactly the same values.
 
-Cases are grouped by world size so each size spawns its gloo workers once.
+Cases are grouped by world size so each size spawns its gloo workers once. The
+`documents-balanced` cases train on real packed text (the Zen of Python's lines) with
+document masking under parallel.cp_balance=documents (parallel/context/balance.py).
 
 The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds differently).
 """
@@ -62,6 +64,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-tp2", 1, 2, cp(2)),
         ("cp2-tp2-llama-gqa-sp", 1, 2, [*cp(2), *GQA2, *SP]),
         ("pp2-cp2-1f1b", 1, 1, [*cp(2), *pp("1f1b", 2, 2)]),
+        ("pp2-cp2-1f1b-documents-balanced", 1, 1, [*cp(2), *pp("1f1b", 2, 2), *BALANCED]),
         ("pp2-cp2-interleaved-llama", 1, 1, [*cp(2), *pp("interleaved_1f1b", 2, 2, 2), *LLAMA]),
         ("pp2-cp2-zb_v", 1, 1, [*cp(2), *pp("zb_v", 2, 4, 2)]),
         ("pp2-cp2-v_min", 1, 1, [*cp(2), *pp("v_min", 2, 4, 2)]),
