@@ -97,6 +97,11 @@ def zigzag_layout(cp: int, ids: Tensor | None = None) -> ChunkLayout:
     return ChunkLayout(2 * cp, ranks, visible)
 
 
+def positional_layout(cp: int, zigzag: bool) -> ChunkLayout:
+    """Zigzag's chunks r and 2cp−1−r per rank, or the r-th of cp contiguous slices."""
+    return zigzag_layout(cp) if zigzag else ChunkLayout(cp, tuple((r,) for r in range(cp)))
+
+
 def take(x: Tensor, layout: ChunkLayout, rank: int, dim: int = 1) -> Tensor:
     """Rank `rank`'s chunks of whole rows x along dim, in ascending chunk order: (…, T/cp, …)."""
     chunks = x.chunk(layout.n, dim=dim)

@@ -35,10 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megapipe.parallel.context.balance import ChunkLayout, take
+from megapipe.parallel.context.balance import ChunkLayout, positional_layout, take
 from megapipe.parallel.context.documents import visible_keys
 from megapipe.parallel.context.kernels import BlockKernel, RingTile, pick_kernel, plan_step
-from megapipe.parallel.context.zigzag import local_chunks, zigzag_shard
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
 
@@ -282,26 +281,15 @@ def ring_attention(
     if layout is not None and (documents is None or not causal):
         raise ValueError("ring_attention: a layout needs documents and causal=True")
     ring = RingComm(cp_group, stats, q.device)
-    held = [_chunks(layout, cp, (ring.rank - s) % cp, zigzag) for s in range(cp)]
-    visible = None if layout is None else layout.visible
-    plans = [plan_step(held[0], kv, causal, visible) for kv in held]  # step s: rank r − s's kv
+    layout = positional_layout(cp, zigzag) if layout is None else layout
+    src = [(ring.rank - s) % cp for s in range(cp)]  # step s holds the kv block of rank r − s
+    held = [list(layout.ranks[r]) for r in src]
+    plans = [plan_step(held[0], kv, causal, layout.visible) for kv in held]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     kern = pick_kernel(q, kernel if documents is None else "reference")
     docs = None
     if documents is not None:  # ids of this rank's queries, and of the kv block at each step
-        ids = [_rank_slice(documents, cp, (ring.rank - s) % cp, zigzag, layout) for s in range(cp)]
+        ids = [take(documents, layout, r) for r in src]
         docs = (ids[0], ids)
     chunk = q.shape[2] // len(held[0])
     return _RingAttention.apply(q, k, v, ring, plans, chunk, kern, scale, docs)
-
-
-def _chunks(layout: ChunkLayout | None, cp: int, rank: int, zigzag: bool) -> list[int]:
-    """Global chunk ids a cp rank holds: the layout's, else zigzag's or the contiguous one."""
-    return local_chunks(cp, rank, zigzag) if layout is None else list(layout.ranks[rank])
-
-
-def _rank_slice(x: torch.Tensor, cp: int, rank: int, zigzag: bool, layout=None) -> torch.Tensor:
-    """A cp rank's slice of whole rows x (B, T) along the sequence: zigzag or contiguous."""
-    if layout is not None:
-        return take(x, layout, rank)
-    return zigzag_shard(x, cp, rank, 1) if zigzag else x.chunk(cp, dim=1)[rank]
