@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_cp_balance import zen_lines
+
 
 def write_dataset(
     out: Path,
@@ -46,7 +48,5 @@ def zen_dataset(out: Path) -> Path:
     """Real packed text: the Zen of Python's lines as documents, char-level (ids 1-95 for
     printable ASCII, EOS 0; vocab 96 as configs/tiny.yaml), ~40 tokens each, so a 128-token
     row holds three or four documents; the last four lines are the validation split."""
-    from benchmarks.bench_cp_balance import zen_lines
-
     docs = [np.array([ord(c) - 31 for c in line], dtype=np.int64) for line in zen_lines()]
     return write_dataset(out, {"train": docs[:-4], "val": docs[-4:]}, 96, eos_id=0)
