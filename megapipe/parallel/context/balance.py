@@ -3,9 +3,9 @@
 Under `data.document_mask` a query sees only the earlier keys of its own document, so the zigzag
 split by position (zigzag.py) no longer balances the work: a rank holding the tails of long
 documents attends far more (query, key) pairs than one holding many short ones (torchtitan RFC
-#2536, "Varlen + CP with document-aware load balancing"; Megatron-Core's THD packing balances
-its cp shards by sequence length the same way). Here the row is cut into more, smaller chunks
-(`chunks_per_rank` per rank), each chunk's attention work is computed from the document ids,
+#2536, "Varlen + CP with document-aware load balancing"; Megatron-Core's THD path, #1647 and
+PR #3386, zigzags each packed sequence on its own instead). Here the row is cut into more,
+smaller chunks (`chunks_per_rank` per rank), each chunk's work is computed from the document ids,
 and the chunks are dealt to the cp ranks by longest-processing-time-first greedy (Graham 1969)
 with a cardinality bound, so every rank holds the same number of tokens (the ring sends equal
 blocks). The ring then skips (q chunk, kv chunk) tiles in which every pair is hidden.
