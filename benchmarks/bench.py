@@ -5,10 +5,11 @@ python -m benchmarks.bench train [--layers 4 --d-model 256 ...]
 python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
+python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
-Five living benchmarks, and the CPU profile's calibration with its local truth. The others
+Six living benchmarks, and the CPU profile's calibration with its local truth. The others
 (matmuls, kernels, tp, tp_overlap, cp, data_index, precision, checkpoint, moe, grouped, progress)
 were retired in issue 46: the dated files under docs/benchmarks/ record what each answered and
 the command it ran. The published runs the performance model is checked on are
@@ -36,6 +37,10 @@ SUBCOMMANDS = {
         "ZeRO levels 1-3 vs zero=0: dp=2 step time and gathers hidden, bytes per rank, comm volume",
     ),
     "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
+    "cp_balance": (
+        "bench_cp_balance",
+        "attention work per cp rank on packed documents: zigzag vs document-balanced split",
+    ),
     "calibrate": ("calibrate", "measure this machine's CPU into a profile (clusters/cpu*.yaml)"),
     "local": ("local_truth", "projected vs measured train.py steps on this machine"),
 }

@@ -199,8 +199,10 @@ class Attention(nn.Module):
         cp variant (parallel/context/variants.py: the kv ring, or Ulysses' all-to-all around
         attention_core); config checks keep attention dropout off there."""
         if self.cp.size > 1:
-            variant = self.cp.attention
-            return variant(q, k, v, self.cp.group, attention_core, dropout_p, documents)
+            layout = self.cp.layout(documents)  # parallel.cp_balance=documents: by work
+            return self.cp.attention(
+                q, k, v, self.cp.group, attention_core, dropout_p, documents, layout
+            )
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p, documents)
 

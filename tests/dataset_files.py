@@ -5,6 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.bench_cp_balance import zen_lines
+
 
 def write_dataset(
     out: Path,
@@ -40,3 +42,11 @@ def random_documents(
     """`n_docs` documents of ids in [low, high) (no EOS inside), lengths in [lengths)."""
     sizes = rng.integers(lengths[0], lengths[1], n_docs)
     return [rng.integers(low, high, n) for n in sizes]
+
+
+def zen_dataset(out: Path) -> Path:
+    """Real packed text: the Zen of Python's lines as documents, char-level (ids 1-95 for
+    printable ASCII, EOS 0; vocab 96 as configs/tiny.yaml), ~40 tokens each, so a 128-token
+    row holds three or four documents; the last four lines are the validation split."""
+    docs = [np.array([ord(c) - 31 for c in line], dtype=np.int64) for line in zen_lines()]
+    return write_dataset(out, {"train": docs[:-4], "val": docs[-4:]}, 96, eos_id=0)

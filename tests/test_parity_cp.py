@@ -4,17 +4,22 @@ process: same per-step loss and grad norm, same final logical weights to relativ
 (docs/architecture.md, Invariants). Every rank that holds a tensor (cp and dp replicas, tp
 shards' gathers, pipeline chunks) must hold exactly the same values.
 
-Cases are grouped by world size so each size spawns its gloo workers once.
+Cases are grouped by world size so each size spawns its gloo workers once. The
+`documents-balanced` cases train on real packed text (the Zen of Python's lines) with
+document masking under parallel.cp_balance=documents (parallel/context/balance.py).
 
 The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds differently).
 """
 
+import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
 
 from megapipe.config import ConfigError
+from tests.dataset_files import zen_dataset
 from tests.parity import LOW_LR, mesh_params, reference_case, tiny_config, train_case
 from tests.test_parity_pp import union_of_ranks
 from tests.util import assert_rel_close, assert_state_close
@@ -26,6 +31,10 @@ MB2 = ["parallel.microbatches=2"]
 L4 = ["model.n_layers=4"]
 A2A = ["parallel.cp_comm=a2a"]  # Ulysses (parallel/context/ulysses.py)
 KV1 = [*LLAMA, "model.n_kv_heads=1"]  # fewer kv heads than cp: each is repeated (kv_repeats)
+ZEN = "data.path=<zen>"  # the real-text dataset, written once per session (zen_data)
+# parallel.cp_balance=documents on real packed text: rows of 128 tokens, 3-4 documents each
+BALANCED = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128",
+            "parallel.cp_balance=documents"]  # fmt: skip
 
 
 def cp(n: int) -> list[str]:
@@ -55,14 +64,17 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
         ),
+        ("cp2-documents-balanced", 1, 1, [*cp(2), *BALANCED]),
     ],
     4: [
         ("cp4", 1, 1, cp(4)),
         ("cp4-llama-gqa", 1, 1, [*cp(4), *GQA2]),
+        ("cp4-documents-balanced-llama-gqa", 1, 1, [*cp(4), *BALANCED, *GQA2]),
         ("dp2-cp2", 2, 1, [*cp(2), *MB2]),
         ("cp2-tp2", 1, 2, cp(2)),
         ("cp2-tp2-llama-gqa-sp", 1, 2, [*cp(2), *GQA2, *SP]),
         ("pp2-cp2-1f1b", 1, 1, [*cp(2), *pp("1f1b", 2, 2)]),
+        ("pp2-cp2-1f1b-documents-balanced", 1, 1, [*cp(2), *pp("1f1b", 2, 2), *BALANCED]),
         ("pp2-cp2-interleaved-llama", 1, 1, [*cp(2), *pp("interleaved_1f1b", 2, 2, 2), *LLAMA]),
         ("pp2-cp2-zb_v", 1, 1, [*cp(2), *pp("zb_v", 2, 4, 2)]),
         ("pp2-cp2-v_min", 1, 1, [*cp(2), *pp("v_min", 2, 4, 2)]),
@@ -80,6 +92,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-cp2-tp2-a2a-sp-zero1", 2, 2, [*cp(2), *A2A, *SP, *MB2, "parallel.zero=1"]),
     ],
 }
+
+
+@cache
+def zen_data() -> str:
+    """The Zen-of-Python dataset (tests/dataset_files.zen_dataset) in a fresh temporary dir."""
+    return str(zen_dataset(Path(tempfile.mkdtemp(prefix="megapipe-zen-"))))
 
 
 @cache
@@ -109,6 +127,7 @@ def _t(values):
 
 @pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
 def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extra):
+    extra = [f"data.path={zen_data()}" if o == ZEN else o for o in extra]
     check_parity(gloo_pool, world, dp, tp, extra)
 
 

@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megapipe.parallel.context import kernels as K
+from megapipe.parallel.context.balance import document_layout, rank_work, take
+from megapipe.parallel.context.documents import visible_keys
 from megapipe.parallel.context.kernels import CUDA_KERNELS, KERNELS, pick_kernel, plan_step
 from megapipe.parallel.context.ring import RingStats, ring_attention
 from megapipe.parallel.context.zigzag import (
@@ -305,6 +307,51 @@ def _work_and_errors(rank: int, cp: int, group) -> dict:
     return res
 
 
+def _balanced_cases(rank: int, cp: int, group) -> dict:
+    """Document-masked ring over the document-balanced layout (balance.py) against one-process
+    masked attention: rel errors of out, dq, dk, dv; forward scores with and without it."""
+    ids = balanced_rows()
+    layout, res = document_layout(ids, cp), {}
+    for hkv in KV_HEADS:
+        (q, k, v, dout), _ = full_attention(128, hkv, True, seed=21 + hkv)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        mask = visible_keys(ids, 128, 128).unsqueeze(1)  # (B, 1, T, T)
+        want = F.scaled_dot_product_attention(*leaves, mask, enable_gqa=hkv != H)
+        want.backward(dout.double())
+        want = [want.detach()] + [t.grad for t in leaves]
+        local = [take(t, layout, rank, 2).requires_grad_() for t in (q, k, v)]
+        stats = RingStats()
+        out = ring_attention(*local, group, documents=ids, layout=layout, stats=stats)
+        out.backward(take(dout, layout, rank, 2))
+        got = [out.detach()] + [t.grad for t in local]
+        got = [_gather_layout(t, group, cp, layout) for t in got]
+        res[("balanced", hkv)] = [rel(a, b.float()) for a, b in zip(got, want)]
+        masked = RingStats()  # the positional split: every causal tile, masked
+        ring_attention(*(shard(t, cp, rank, True) for t in (q, k, v)), group, documents=ids,
+                       stats=masked)  # fmt: skip
+        res[("scores", hkv)] = (stats.scores, masked.scores)
+    return res
+
+
+def balanced_rows() -> torch.Tensor:
+    """(B, 128) document ids of two packed rows of short documents."""
+    lengths = [[40, 3, 30, 9, 6, 40], [20, 28, 30, 50]]
+    return torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
+    )
+
+
+def _gather_layout(x: torch.Tensor, group, cp: int, layout) -> torch.Tensor:
+    """The whole sequence (dim 2) from every rank's chunks of `layout`."""
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    chunks: list = [None] * layout.n
+    for held, part in zip(layout.ranks, parts):
+        for c, piece in zip(held, part.chunk(len(held), dim=2)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim=2)
+
+
 def _strided_subgroups(rank: int, world: int) -> dict:
     """cp=2 on global ranks {0, 2} and {1, 3}: group ranks differ from global ranks."""
     groups = [dist.new_group([r, r + 2]) for r in range(world // 2)]
@@ -327,6 +374,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     res = _accuracy_cases(rank, world, group)
     res["saved_bytes"] = _saved_bytes(rank, world, group)
     res.update(_work_and_errors(rank, world, group))
+    res.update(_balanced_cases(rank, world, group))
     if world == 4:
         res.update(_strided_subgroups(rank, world))
     torch.save(res, f"{out_dir}/rank{rank}.pt")
@@ -392,6 +440,22 @@ def test_zigzag_balances_work(runs, cp):
     scores = [w[1] for w in contig]
     assert scores == sorted(scores) and scores[-1] >= (2 * cp - 1) * scores[0] // 2, scores
     assert zig[0][1] == (2 * chunk) * (2 * chunk + 1) // 2 + 2 * (cp - 1) * chunk**2
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_balanced_layout_matches_masked_attention_and_skips_hidden_tiles(runs, cp):
+    """parallel.cp_balance=documents' ring: exact to float32 round-off (TOL, as the other ring
+    cases) against the masked one-process attention, and fewer scores than the masked zigzag."""
+    results = runs(cp)
+    for hkv in KV_HEADS:
+        errors = results[0][("balanced", hkv)]
+        assert max(errors) <= TOL, (hkv, errors)
+        balanced = sum(res[("scores", hkv)][0] for res in results)
+        masked = sum(res[("scores", hkv)][1] for res in results)
+        assert masked == 128 * 129 // 2  # zigzag computes the causal triangle (per row)
+        predicted = sum(rank_work(document_layout(balanced_rows(), cp), 128, 1))
+        assert balanced == predicted, (balanced, predicted)  # the work model is the ring's
+        assert balanced < masked * 0.6, (balanced, masked)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

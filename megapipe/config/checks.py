@@ -19,6 +19,7 @@ from typing import Any
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
     check_context_parallel,
+    check_cp_balance,
     check_eval_tasks,
     check_expert_parallel,
     check_moe,
@@ -45,11 +46,13 @@ NONFINITE_ACTIONS = ("skip", "stop")
 SAVE_ERROR_ACTIONS = ("stop", "continue")  # train/checkpoint_faults.py
 WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
 CP_COMMS = ("ring", "a2a")  # parallel/context/variants.py's CP_VARIANTS
+CP_BALANCES = ("position", "documents")  # parallel/context/zigzag.py, balance.py
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ARCHS,
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.weight_sync": WEIGHT_SYNCS,
     "parallel.cp_comm": CP_COMMS,
+    "parallel.cp_balance": CP_BALANCES,
     "recompute.mode": RECOMPUTE_MODES,
     "train.dtype": DTYPES,
     "train.params_dtype": DTYPES,
@@ -74,6 +77,8 @@ def validate(cfg: Config) -> None:
     _check_segments(cfg)
     _check_pipedream(cfg)
     check_post_validation(cfg)
+    _one_of("parallel.cp_balance", cfg.parallel.cp_balance, CP_BALANCES)
+    check_cp_balance(cfg)
     _check_train(cfg)
     check_spikes(cfg)
     _check_rest(cfg)

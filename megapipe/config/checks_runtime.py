@@ -116,6 +116,31 @@ def check_tp_overlap(cfg: Config) -> None:
     )
 
 
+def check_cp_balance(cfg: Config) -> None:
+    """parallel.cp_balance=documents deals chunks of each row by document-masked attention work
+    (parallel/context/balance.py): it needs the documents, and MoE capacity, which drops tokens
+    by their place in the sequence, reads the zigzag positions."""
+    p = cfg.parallel
+    if p.cp_balance != "documents":
+        return
+    require(
+        cfg.data.document_mask,
+        "parallel.cp_balance=documents needs data.document_mask=true (it balances documents' "
+        "attention work): set data.document_mask=true or parallel.cp_balance=position",
+    )
+    require(
+        cfg.model.n_experts == 0,
+        f"parallel.cp_balance=documents with model.n_experts={cfg.model.n_experts}: MoE capacity "
+        "orders tokens by zigzag position; set parallel.cp_balance=position",
+    )
+    require(
+        p.cp_comm == "ring",
+        f"parallel.cp_balance=documents with parallel.cp_comm={p.cp_comm}: the split is the "
+        "ring's (Ulysses attends whole sequences, balanced already); set "
+        "parallel.cp_balance=position",
+    )
+
+
 def check_post_validation(cfg: Config) -> None:
     """Zero Bubble §4 post-validation replaces the pipeline's global reduction before the
     optimizer: it needs a pipeline whose stages step once per step, on whole (unsharded) state."""

@@ -133,6 +133,9 @@ class ParallelConfig:
     # expert-parallel ranks: each MoE layer's experts sharded over ep ranks of the data-parallel
     # group (must divide parallel.dp), tokens exchanged by all-to-all (docs/moe.md)
     ep: int = bounded(1, low=1)
+    # split of packed rows over cp under data.document_mask: position (zigzag, Llama 3 §3.3.2)
+    # or documents (chunks dealt by attention work, hidden ring tiles skipped; balance.py)
+    cp_balance: str = "position"
     # a collective or p2p waiting longer on a peer (a dead rank) errors
     timeout_s: float = bounded(
         600.0, low=0, low_open=True, high=MAX_TIMEOUT_S, unit="seconds", note="at most 7 days"

@@ -58,11 +58,13 @@ class BatchSlice:
     eos_id: int | None = None  # document masking: the token that ends a document; None: off
 
     @staticmethod
-    def of(mesh, global_batch: int = 0, eos_id: int | None = None) -> BatchSlice:
+    def of(
+        mesh, global_batch: int = 0, eos_id: int | None = None, balance: str = "position"
+    ) -> BatchSlice:
         if mesh is None:
             return BatchSlice(global_batch=global_batch, eos_id=eos_id)
-        dp, rank = mesh.size("dp"), mesh.coord("dp")
-        return BatchSlice(dp, rank, cp_info(mesh), mesh.replica_group, global_batch, eos_id)
+        dp, rank, cp = mesh.size("dp"), mesh.coord("dp"), cp_info(mesh, balance)
+        return BatchSlice(dp, rank, cp, mesh.replica_group, global_batch, eos_id)
 
     def rows(self, size: int) -> slice:
         """This dp rank's rows of a global batch of `size`: what it reads (TokenData.batch)."""
@@ -88,12 +90,17 @@ class BatchSlice:
 
     def _micro(self, inputs: torch.Tensor, targets: torch.Tensor) -> MicroBatch:
         """(b, T) inputs and targets cut for cp, (b, T/cp); under document masking with the
-        rows' document ids (whole rows) and this rank's slice of their per-document positions."""
-        cut = self.cp.shard
+        rows' document ids (whole rows) and this rank's slice of their per-document positions,
+        cut by the microbatch's document-balanced layout under parallel.cp_balance=documents
+        (the ring computes the same layout from the same ids)."""
         if self.eos_id is None:
-            return MicroBatch(cut(inputs), cut(targets))
+            return MicroBatch(self.cp.shard(inputs), self.cp.shard(targets))
         ids = document_ids(inputs, self.eos_id)  # (b, T): on the whole rows, before the cut
-        return MicroBatch(cut(inputs), cut(targets), cut(document_positions(ids)), ids)
+        layout = self.cp.layout(ids)
+        inputs, targets, pos = (
+            self.cp.shard(x, 1, layout) for x in (inputs, targets, document_positions(ids))
+        )
+        return MicroBatch(inputs, targets, pos, ids)
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token values of this rank's cp slice of its rows, (b, T/cp), as the whole rows

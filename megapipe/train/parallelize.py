@@ -138,7 +138,7 @@ def _pipeline(cfg: Config, mesh, chunks, reducers: list, parts: Components, shar
 
 def _slice(cfg: Config, mesh) -> BatchSlice:
     """This rank's rows and sequence slice; with the EOS id under data.document_mask."""
-    return BatchSlice.of(mesh, cfg.train.global_batch, document_eos(cfg))
+    return BatchSlice.of(mesh, cfg.train.global_batch, document_eos(cfg), cfg.parallel.cp_balance)
 
 
 def replica(

@@ -68,7 +68,7 @@ class RingTile(NamedTuple):
         return slice(self.q0 * chunk, self.q1 * chunk), slice(self.k0 * chunk, self.k1 * chunk)
 
 
-def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[RingTile]:
+def plan_step(q_ids, kv_ids, causal: bool, visible=None) -> list[RingTile]:
     """Kernel calls for queries holding chunks q_ids against a kv block holding kv_ids.
 
     Chunk pair (a, b): full when not causal or b < a, causal diagonal when b == a, skipped when
@@ -76,16 +76,31 @@ def plan_step(q_ids: list[int], kv_ids: list[int], causal: bool) -> list[RingTil
     the concatenation is exactly that pattern. Elsewhere, query chunks seeing the same run of
     kv chunks are merged into one call (zigzag: all queries x first half, or the second half of
     the queries x all keys; Llama 3 §3.3.2).
+
+    `visible[a][b]` (balance.ChunkLayout): False where every pair of chunk pair (a, b) is
+    hidden by document masking; such pairs are skipped, and the own block is then one causal
+    call per chunk, so that hidden pairs between its chunks cost nothing either.
     """
-    if causal and q_ids == kv_ids and q_ids == sorted(q_ids):
+    if visible is None and causal and q_ids == kv_ids and q_ids == sorted(q_ids):
         return [RingTile(0, len(q_ids), 0, len(kv_ids), True)]
     blocks: list[RingTile] = []
     for i, a in enumerate(q_ids):
         if causal and a in kv_ids:
-            raise ValueError(f"chunk {a} on both sides outside the diagonal block: bad sharding")
-        seen = [j for j, b in enumerate(kv_ids) if not causal or b < a]
+            if visible is None or q_ids != kv_ids:
+                raise ValueError(
+                    f"chunk {a} on both sides outside the diagonal block: bad sharding"
+                )
+            blocks.append(RingTile(i, i + 1, i, i + 1, True))
+        seen = [
+            j
+            for j, b in enumerate(kv_ids)
+            if (not causal or b < a) and (visible is None or visible[a][b])
+        ]
         for k0, k1 in _runs(seen):
-            last = next((n for n, b in enumerate(blocks) if (b.q1, b.k0, b.k1) == (i, k0, k1)), -1)
+            key = (i, k0, k1, False)
+            last = next(
+                (n for n, b in enumerate(blocks) if (b.q1, b.k0, b.k1, b.causal) == key), -1
+            )
             if last >= 0:
                 blocks[last] = blocks[last]._replace(q1=i + 1)
             else:

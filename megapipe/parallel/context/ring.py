@@ -19,6 +19,10 @@ Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r h
 "Striped Attention", balance by permutation; this chunk pairing is the one of Llama 3's context
 parallelism, Dubey et al. 2024, §3.3.2). Per (q chunk a, kv chunk b): b < a full, b = a causal
 diagonal, b > a skipped.
+
+Document-aware balance (`layout`, balance.py): the row is cut into more chunks, dealt to the
+ranks by their attention work under document masking, and (q chunk, kv chunk) tiles with no
+visible pair are skipped, so the worst rank's work comes within a few percent of the mean.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megapipe.parallel.context.balance import ChunkLayout, positional_layout, take
 from megapipe.parallel.context.documents import visible_keys
 from megapipe.parallel.context.kernels import BlockKernel, RingTile, pick_kernel, plan_step
-from megapipe.parallel.context.zigzag import local_chunks, zigzag_shard
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
 
@@ -247,6 +251,7 @@ def ring_attention(
     kernel: str | None = None,
     stats: RingStats | None = None,
     documents: torch.Tensor | None = None,
+    layout: ChunkLayout | None = None,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
@@ -256,6 +261,8 @@ def ring_attention(
     (default: by device and dtype); stats, when given, collects work counts and timings.
     documents (B, T) int64: the whole row's document ids (not this rank's slice): each query
     also sees only keys of its own document (causal only; the masked reference kernel runs).
+    layout (balance.document_layout of documents; causal, with documents): the chunks each
+    rank holds instead of zigzag's, and the tiles to skip.
     """
     _check_inputs(q, k, v, attn_mask)
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
@@ -270,22 +277,19 @@ def ring_attention(
             q, k, v, None if mask is None else mask.unsqueeze(1), dropout_p,
             is_causal=causal and mask is None, scale=scale, enable_gqa=gqa,
         )  # fmt: skip
-    _check_ring(q, cp, zigzag, dropout_p)
+    _check_ring(q, cp, zigzag and layout is None, dropout_p)
+    if layout is not None and (documents is None or not causal):
+        raise ValueError("ring_attention: a layout needs documents and causal=True")
     ring = RingComm(cp_group, stats, q.device)
-    mine = local_chunks(cp, ring.rank, zigzag)
-    plans = [
-        plan_step(mine, local_chunks(cp, (ring.rank - s) % cp, zigzag), causal) for s in range(cp)
-    ]  # step s holds the kv block of rank r − s
+    layout = positional_layout(cp, zigzag) if layout is None else layout
+    src = [(ring.rank - s) % cp for s in range(cp)]  # step s holds the kv block of rank r − s
+    held = [list(layout.ranks[r]) for r in src]
+    plans = [plan_step(held[0], kv, causal, layout.visible) for kv in held]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     kern = pick_kernel(q, kernel if documents is None else "reference")
     docs = None
     if documents is not None:  # ids of this rank's queries, and of the kv block at each step
-        ids = [_rank_slice(documents, cp, (ring.rank - s) % cp, zigzag) for s in range(cp)]
+        ids = [take(documents, layout, r) for r in src]
         docs = (ids[0], ids)
-    chunk = q.shape[2] // len(mine)
+    chunk = q.shape[2] // len(held[0])
     return _RingAttention.apply(q, k, v, ring, plans, chunk, kern, scale, docs)
-
-
-def _rank_slice(x: torch.Tensor, cp: int, rank: int, zigzag: bool) -> torch.Tensor:
-    """A cp rank's slice of whole rows x (B, T) along the sequence: zigzag or contiguous."""
-    return zigzag_shard(x, cp, rank, 1) if zigzag else x.chunk(cp, dim=1)[rank]

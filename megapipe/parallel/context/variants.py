@@ -20,17 +20,26 @@ class RingVariant:
 
     name: str = "ring"
 
-    def __call__(self, q, k, v, group, core: Callable, dropout_p: float, documents=None):
-        return ring_attention(q, k, v, group, dropout_p=dropout_p, documents=documents)
+    def __call__(
+        self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
+    ):
+        return ring_attention(
+            q, k, v, group, dropout_p=dropout_p, documents=documents, layout=layout
+        )
 
 
 @dataclass(frozen=True)
 class UlyssesVariant:
-    """Sequence shards to head shards by all-to-all, `core` on whole sequences, and back."""
+    """Sequence shards to head shards by all-to-all, `core` on whole sequences, and back. Every
+    rank attends whole sequences over its heads, so its work is balanced by construction: no
+    document `layout` (config checks keep parallel.cp_balance=position here)."""
 
     name: str = "a2a"
 
-    def __call__(self, q, k, v, group, core: Callable, dropout_p: float, documents=None):
+    def __call__(
+        self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
+    ):
+        assert layout is None, "parallel.cp_balance=documents is the ring's (config checks)"
         return ulysses_attention(q, k, v, group, core, dropout_p, documents)
 
 

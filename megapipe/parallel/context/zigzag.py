@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.context.balance import ChunkLayout, document_layout, take
 
 
 def _check_zigzag(seq_len: int, cp: int) -> None:
@@ -64,12 +65,22 @@ class CPInfo:
     `positions(T)` of each sequence, its attention runs `attention` (the parallel.cp_comm
     variant, variants.py: the ring or Ulysses' all-to-all) over `group`, and gradients are
     summed over dp × cp (each cp rank saw different tokens of the same rows).
+    Under parallel.cp_balance=documents (ring only), rows with document ids are split by
+    `layout` instead (balance.py), the same on every rank: the loader cuts with it and the ring
+    attends over it.
     """
 
     size: int = 1
     rank: int = 0
     group: object = None  # torch.distributed ProcessGroup when size > 1
     attention: object = None  # the cp attention variant (variants.py); the model's needs one
+    balance: str = "position"  # parallel.cp_balance
+
+    def layout(self, documents: torch.Tensor | None) -> ChunkLayout | None:
+        """The split of rows with document ids (b, T) by attention work; None: zigzag's."""
+        if self.size == 1 or documents is None or self.balance != "documents":
+            return None
+        return document_layout(documents, self.size)
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Global positions (T/cp,) of this rank's tokens: RoPE and learned positions use them."""
@@ -77,9 +88,16 @@ class CPInfo:
             return torch.arange(seq_len, device=device)
         return zigzag_indices(seq_len, self.size, self.rank).to(device)
 
-    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's zigzag slice of full sequences x along `dim` (the data loader's cut)."""
-        return x if self.size == 1 else zigzag_shard(x, self.size, self.rank, dim)
+    def shard(self, x: torch.Tensor, dim: int = 1, layout: ChunkLayout | None = None):
+        """This rank's slice of full sequences x along `dim` (the data loader's cut): zigzag,
+        or its chunks of `layout`."""
+        if self.size == 1:
+            return x
+        return (
+            zigzag_shard(x, self.size, self.rank, dim)
+            if layout is None
+            else take(x, layout, self.rank, dim)
+        )
 
     def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The full sequences from every cp rank's slice x along `dim` (the inverse of `shard`:
@@ -93,9 +111,10 @@ class CPInfo:
 NO_CP = CPInfo()
 
 
-def cp_info(mesh, attention=None) -> CPInfo:
-    """CPInfo of this rank of `mesh`: its zigzag slice of every sequence, the cp group and the
-    attention variant run over it (None: the data loader's, which only shards)."""
+def cp_info(mesh, attention=None, balance: str = "position") -> CPInfo:
+    """CPInfo of this rank of `mesh`: its slice of every sequence (zigzag, or by document work
+    under balance="documents"), the cp group and the attention variant run over it (None: the
+    data loader's, which only shards)."""
     if mesh is None or mesh.size("cp") == 1:
         return NO_CP
-    return CPInfo(mesh.size("cp"), mesh.coord("cp"), mesh.group("cp"), attention)
+    return CPInfo(mesh.size("cp"), mesh.coord("cp"), mesh.group("cp"), attention, balance)
