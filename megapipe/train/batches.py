@@ -63,7 +63,7 @@ class BatchSlice:
     ) -> BatchSlice:
         if mesh is None:
             return BatchSlice(global_batch=global_batch, eos_id=eos_id)
-        dp, rank, cp = mesh.size("dp"), mesh.coord("dp"), cp_info(mesh, balance)
+        dp, rank, cp = mesh.size("dp"), mesh.coord("dp"), cp_info(mesh, balance=balance)
         return BatchSlice(dp, rank, cp, mesh.replica_group, global_batch, eos_id)
 
     def rows(self, size: int) -> slice:
