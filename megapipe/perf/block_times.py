@@ -115,7 +115,7 @@ class BlockTimes:
             fwd, bwd = cm.attention_seconds(x)
             flops = 4.0 * x.hd * x.pairs * x.b * x.h
             best = dev.peak * dev.cal.gemm
-            bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
+            bwd_flops = (2.5 if cm.attention in ("fused", "ring", "hybrid") else 2.0) * flops
             again = 1 if mode in ("full", "selective") else 0
             excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
             first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))

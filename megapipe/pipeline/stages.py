@@ -48,7 +48,7 @@ class Components:
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
-        cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm))
+        cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm, mesh))
         return Components(cp, ep_info(mesh), Precision.of(cfg.train))
 
 
