@@ -222,6 +222,8 @@ WORLD4 = [  # (id, dp, tp, overrides): every case document-masked
     ("dp2-tp2-sp-learned-positions", 2, 2, [*SP, "parallel.microbatches=2"]),
     ("cp4-llama-gqa", 1, 1, ["parallel.cp=4", *LLAMA_GQA]),
     ("cp4-a2a-llama-gqa", 1, 1, ["parallel.cp=4", "parallel.cp_comm=a2a", *LLAMA_GQA]),
+    ("cp4-hybrid2-llama-gqa", 1, 1, ["parallel.cp=4", "parallel.cp_comm=hybrid",
+                                      "parallel.cp_a2a=2", *LLAMA_GQA]),
     ("cp2-tp2-llama-gqa-sp", 1, 2, ["parallel.cp=2", *LLAMA_GQA, *SP]),
     ("pp2-cp2-1f1b", 1, 1, ["parallel.cp=2", *_pp("1f1b", 2)]),
     ("pp2-tp2-seq1f1b-llama-sp", 1, 2, [*_pp("seq1f1b", 2), *SEG2, *LLAMA, *SP]),

@@ -157,6 +157,11 @@ TWO_RANKS = {
                              "model.moe_shared_experts=1"],
     "moe-cp2": [*MOE, "parallel.cp=2"],
 }  # fmt: skip
+FOUR_RANKS = {  # hybrid cp needs 1 < cp_a2a < cp: the world-4 pool the cp parity tests spawn
+    "cp4-hybrid2-docs-llama-kv1": ["parallel.cp=4", "parallel.cp_comm=hybrid", "parallel.cp_a2a=2",
+                                   "data.document_mask=true", "model.arch=llama",
+                                   "model.n_kv_heads=1", "model.seq_len=32"],
+}  # fmt: skip
 SCALARS = 16  # bytes the model leaves out of a block: the loss's 0-dim total weight (4 B)
 
 
@@ -357,6 +362,13 @@ def test_moe_terms_per_seq1f1b_segment(capacity):
 @pytest.mark.parametrize("name", TWO_RANKS)
 def test_block_terms_under_tp_sp_and_cp(gloo_pool, name):
     for measured in gloo_pool(2).run(measure_blocks, TWO_RANKS[name]):
+        check_blocks(name, measured)
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_block_terms_under_hybrid_cp(gloo_pool, name):
+    for measured in gloo_pool(4).run(measure_blocks, FOUR_RANKS[name]):
         check_blocks(name, measured)
 
 

@@ -12,6 +12,7 @@ from megapipe.distributed.mesh import (
     all_meshes,
     check_world_size,
     coords,
+    cp_split_ranks,
     ep_group_ranks,
     expert_replica_ranks,
     group_ranks,
@@ -136,3 +137,20 @@ def test_expert_parallel_rules_are_one_line(tiny_cfg, overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         tiny_cfg("model.n_experts=4", *overrides)
     assert "\n" not in str(err.value)
+
+
+def test_hybrid_cp_groups_are_adjacent_a2a_blocks_and_rings_across_them():
+    """parallel.cp_comm=hybrid (parallel/context/hybrid.py): a2a groups of K adjacent cp ranks
+    (stride tp), ring groups of the ranks at one place in every block, in block order; each cp
+    group is the disjoint union of its a2a groups and of its ring groups."""
+    sizes = MeshSizes(dp=2, cp=8, tp=2, cp_a2a=4)
+    a2a, ring = cp_split_ranks(sizes)
+    assert a2a[:2] == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert ring[:4] == [[0, 8], [2, 10], [4, 12], [6, 14]]
+    for members in group_ranks(sizes, ("cp",)):
+        mine = set(members)
+        assert sorted(r for g in a2a if set(g) <= mine for r in g) == sorted(members)
+        assert sorted(r for g in ring if set(g) <= mine for r in g) == sorted(members)
+    assert len(a2a) == 2 * 2 * 2 and len(ring) == 2 * 2 * 4
+    assert cp_split_ranks(MeshSizes(cp=4)) == ([], [])  # not hybrid
+    assert MeshSizes(cp=4, cp_a2a=2) == MeshSizes(cp=4)  # a resume sees the same mesh

@@ -1,8 +1,9 @@
-"""Parity: context parallelism (ring attention over zigzag slices, or Ulysses' all-to-all under
-parallel.cp_comm=a2a), alone and mixed with dp, tp (+SP) and pp, trains the same model as one
-process: same per-step loss and grad norm, same final logical weights to relative 1e-5
-(docs/architecture.md, Invariants). Every rank that holds a tensor (cp and dp replicas, tp
-shards' gathers, pipeline chunks) must hold exactly the same values.
+"""Parity: context parallelism (ring attention over zigzag slices, Ulysses' all-to-all under
+parallel.cp_comm=a2a, or the two nested under cp_comm=hybrid), alone and mixed with dp, tp
+(+SP) and pp, trains the same model as one process: same per-step loss and grad norm, same
+final logical weights to relative 1e-5 (docs/architecture.md, Invariants). Every rank that
+holds a tensor (cp and dp replicas, tp shards' gathers, pipeline chunks) must hold exactly the
+same values.
 
 Cases are grouped by world size so each size spawns its gloo workers once. The
 `documents-balanced` cases train on real packed text (the Zen of Python's lines) with
@@ -35,6 +36,7 @@ ZEN = "data.path=<zen>"  # the real-text dataset, written once per session (zen_
 # parallel.cp_balance=documents on real packed text: rows of 128 tokens, 3-4 documents each
 BALANCED = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128",
             "parallel.cp_balance=documents"]  # fmt: skip
+HYB2 = ["parallel.cp_comm=hybrid", "parallel.cp_a2a=2"]  # a2a 2 × ring 2 (context/hybrid.py)
 
 
 def cp(n: int) -> list[str]:
@@ -83,6 +85,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp4-a2a-llama-kv1", 1, 1, [*cp(4), *A2A, *KV1]),
         ("cp2-tp2-a2a-llama-gqa-sp", 1, 2, [*cp(2), *A2A, *GQA2, *SP]),
         ("pp2-cp2-a2a-zb_h1", 1, 1, [*cp(2), *A2A, *pp("zb_h1", 2, 2)]),
+        ("cp4-hybrid2", 1, 1, [*cp(4), *HYB2]),
+        (
+            "cp4-hybrid2-llama-kv1-selective-recompute",
+            1,
+            1,
+            [*cp(4), *HYB2, *KV1, "recompute.mode=selective"],
+        ),
     ],
     8: [
         ("dp2-cp2-tp2-sp", 2, 2, [*cp(2), *SP, *MB2]),
@@ -140,7 +149,16 @@ def test_context_parallel_trains_like_one_process(gloo_pool, world, dp, tp, extr
             [*cp(4), "parallel.tp=4", *SP, "model.seq_len=24"],
             r"local sequence model.seq_len/cp=6 divisible by parallel.tp=4",
         ),
-        ([*cp(2), "parallel.cp_comm=p2p"], r"parallel.cp_comm='p2p' is not one of ring, a2a"),
+        ([*cp(2), "parallel.cp_comm=p2p"], r"parallel.cp_comm='p2p' is not one of ring, a2a, hyb"),
+        ([*cp(4), "parallel.cp_comm=hybrid"], r"needs 1 < parallel.cp_a2a < parallel.cp=4, got "),
+        ([*cp(4), *HYB2[:1], "parallel.cp_a2a=4"], r"1 < parallel.cp_a2a < parallel.cp=4"),
+        ([*cp(6), "model.seq_len=24", *HYB2[:1], "parallel.cp_a2a=4"], r"cp_a2a=4 must divide"),
+        (
+            [*cp(4), *HYB2, "parallel.tp=4"],
+            r"hybrid needs the query heads per tp rank, model.n_heads/parallel.tp=1, divisible by "
+            r"parallel.cp_a2a=2",
+        ),
+        ([*cp(4), "parallel.cp_a2a=2"], r"parallel.cp_a2a=2 is read only under parallel.cp_comm"),
         (
             [*cp(4), *A2A, "parallel.tp=2"],
             r"parallel.cp_comm=a2a needs the query heads per tp rank, model.n_heads/parallel.tp=2,"

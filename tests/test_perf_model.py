@@ -438,3 +438,28 @@ def test_ulysses_prices_four_all_to_alls_each_way():
     want = sum(all_to_all_time(n * h * hd * c, 4, a2a.cp_link) for h in heads)
     assert layer.F.cp == pytest.approx(want) and layer.B.cp == pytest.approx(want)
     assert layer.F.compute == pytest.approx(ring.layer("none").F.compute)
+
+
+def test_hybrid_prices_a2a_inside_the_node_and_the_ring_across():
+    """parallel.cp_comm=hybrid (perf/costs.py): the four all-to-alls over K = cp_a2a adjacent
+    cp ranks on their link (NVLink: K·tp fits the node) and the ring over cp/K on its own (the
+    network when the cp axis spans nodes), its K/V the K·N tokens at the repeated kv heads / K."""
+    from megapipe.perf.comm import all_to_all_time, p2p_time
+    from megapipe.perf.cost_terms import shapes
+    from megapipe.perf.costs import CostModel
+
+    h100 = load_cluster("h100")  # 8 GPUs per node; cp 16 · tp 1: two nodes
+    base = ["parallel.cp=16", "train.global_batch=1", "model.arch=llama", "model.n_kv_heads=2"]
+    hyb = CostModel(_big(*base, "parallel.cp_comm=hybrid", "parallel.cp_a2a=8"), h100,
+                    MEGAPIPE, CALIBRATION)  # fmt: skip
+    assert hyb.attention == "hybrid" and hyb.cp_a2a_link.name == "nvlink"
+    assert hyb.cp_ring_link.name == "network" and hyb.cp_link.name == "network"
+    n, hd, c = 2048 // 16, 2048 // 16, 2
+    heads = [16, 8, 8, 16]  # q; k, v: 2 kv heads repeated 4 times (8 / gcd(2, 8)); out
+    a2a = sum(all_to_all_time(n * h * hd * c, 8, hyb.cp_a2a_link) for h in heads)
+    layer = hyb.layer("none")
+    step = p2p_time(2 * n * 8 * hd * c, hyb.cp_ring_link)  # K·N tokens at 8/K kv heads
+    attn_fwd = hyb.attention_seconds(shapes(hyb.cfg, None))[0]
+    assert layer.F.cp == pytest.approx(a2a + max(0.0, step - attn_fwd / 2))
+    ring = CostModel(_big(*base), h100, MEGAPIPE, CALIBRATION)
+    assert layer.F.compute == pytest.approx(ring.layer("none").F.compute)

@@ -288,3 +288,16 @@ def test_space_holds_the_v_shape_blocks_and_prices_their_memory():
         cfg = _tiny("parallel.microbatches=8", f"parallel.schedule={name}", f"parallel.vpp={vpp}")
         most[name] = max(r.inflight for r in perf_memory.plan(cfg).ranks)
     assert most["v_min"] < most["v_half"] < most["1f1b"]
+
+
+def test_planner_searches_cp_comm_and_cp_a2a_only_under_cp():
+    """perf/space.cp_comms: under cp > 1 the ring, a2a where the heads per tp rank divide by
+    cp, hybrid for each proper divisor K of cp that divides them; cp = 1 keeps the config's."""
+    from megapipe.perf.space import cp_comms
+
+    base = load_config(None, ["model.n_heads=8"])
+    assert cp_comms(base, 1, 1, {}) == [("ring", 1)]
+    assert cp_comms(base, 1, 8, {}) == [("ring", 1), ("a2a", 1), ("hybrid", 2), ("hybrid", 4)]
+    assert cp_comms(base, 2, 8, {}) == [("ring", 1), ("hybrid", 2), ("hybrid", 4)]  # 4 heads
+    assert cp_comms(base, 1, 8, {"parallel.cp_comm": "hybrid"}) == [("hybrid", 2), ("hybrid", 4)]
+    assert cp_comms(base, 1, 8, {"parallel.cp_a2a": 4}) == [("hybrid", 4)]

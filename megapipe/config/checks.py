@@ -45,7 +45,7 @@ WANDB_MODES = ("disabled", "offline", "online")
 NONFINITE_ACTIONS = ("skip", "stop")
 SAVE_ERROR_ACTIONS = ("stop", "continue")  # train/checkpoint_faults.py
 WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
-CP_COMMS = ("ring", "a2a")  # parallel/context/variants.py's CP_VARIANTS
+CP_COMMS = ("ring", "a2a", "hybrid")  # parallel/context/variants.py's cp_variant
 CP_BALANCES = ("position", "documents")  # parallel/context/zigzag.py, balance.py
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ARCHS,

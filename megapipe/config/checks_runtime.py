@@ -41,6 +41,11 @@ def check_context_parallel(cfg: Config) -> None:
     """parallel.cp > 1 (parallel/context/): zigzag chunks, no attention dropout, and under
     parallel.cp_comm=a2a (Ulysses) whole query heads per cp rank."""
     p, m = cfg.parallel, cfg.model
+    require(
+        p.cp_a2a <= 1 or p.cp_comm == "hybrid",
+        f"parallel.cp_a2a={p.cp_a2a} is read only under parallel.cp_comm=hybrid (it is "
+        f"{p.cp_comm}); set parallel.cp_comm=hybrid or parallel.cp_a2a=1",
+    )
     if p.cp == 1:
         return
     require(
@@ -48,7 +53,11 @@ def check_context_parallel(cfg: Config) -> None:
         f"model.seq_len={m.seq_len} must be divisible by 2·parallel.cp={2 * p.cp} "
         "(zigzag sharding)",
     )
-    name = "ring attention" if p.cp_comm == "ring" else "Ulysses attention (parallel.cp_comm=a2a)"
+    name = {
+        "ring": "ring attention",
+        "a2a": "Ulysses attention (parallel.cp_comm=a2a)",
+        "hybrid": "hybrid attention (parallel.cp_comm=hybrid)",
+    }[p.cp_comm]
     require(
         m.dropout == 0.0,
         f"model.dropout={m.dropout} with parallel.cp={p.cp}: {name} has no "
@@ -66,6 +75,28 @@ def check_context_parallel(cfg: Config) -> None:
         f"parallel.cp_comm=a2a needs the query heads per tp rank, model.n_heads/parallel.tp="
         f"{heads}, divisible by parallel.cp={p.cp} (Ulysses splits them over cp); change "
         "model.n_heads or use parallel.cp_comm=ring",
+    )
+    if p.cp_comm == "hybrid":
+        check_hybrid(p.cp, p.cp_a2a, heads)
+
+
+def check_hybrid(cp: int, k: int, heads: int) -> None:
+    """parallel.cp_comm=hybrid (parallel/context/hybrid.py): a2a groups of K = cp_a2a, a
+    proper divisor of cp above 1, each splitting the query heads per tp rank."""
+    require(
+        1 < k < cp,
+        f"parallel.cp_comm=hybrid needs 1 < parallel.cp_a2a < parallel.cp={cp}, got "
+        f"cp_a2a={k}; set parallel.cp_a2a to a divisor of cp (or use cp_comm=a2a or ring)",
+    )
+    require(
+        cp % k == 0,
+        f"parallel.cp_a2a={k} must divide parallel.cp={cp} (the ring runs over cp/cp_a2a "
+        "groups); set parallel.cp_a2a to a divisor of cp",
+    )
+    require(
+        heads % k == 0,
+        f"parallel.cp_comm=hybrid needs the query heads per tp rank, model.n_heads/parallel.tp="
+        f"{heads}, divisible by parallel.cp_a2a={k}; change model.n_heads or parallel.cp_a2a",
     )
 
 
@@ -136,7 +167,8 @@ def check_cp_balance(cfg: Config) -> None:
     require(
         p.cp_comm == "ring",
         f"parallel.cp_balance=documents with parallel.cp_comm={p.cp_comm}: the split is the "
-        "ring's (Ulysses attends whole sequences, balanced already); set "
+        "ring's alone (Ulysses attends whole sequences, balanced already; hybrid's ring runs on "
+        "the a2a groups' zigzag shards); set "
         "parallel.cp_balance=position",
     )
 

@@ -249,9 +249,9 @@ def gathered_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: Ch
 class BlockBytesKey:
     """What block_activations and block_deferred read of a config besides the block, the
     device and the segment: the model, dtypes and recompute (a layer's mode: block_role), one
-    rank's share of a microbatch (micro-batch size, tp, cp, sp), the Seq1F1B segments and
-    whether a pipeline runs (config/memory_terms.head_grad_in_forward). Callers that cache bytes
-    per block or run of blocks key them by it."""
+    rank's share of a microbatch (micro-batch size, tp, cp and its attention variant, sp), the
+    Seq1F1B segments and whether a pipeline runs (config/memory_terms.head_grad_in_forward).
+    Callers that cache bytes per block or run of blocks key them by it."""
 
     model: tuple
     dtype: str
@@ -260,6 +260,7 @@ class BlockBytesKey:
     micro_batch_size: int
     tp: int
     cp: int
+    cp_comm: tuple[str, int]  # parallel.cp_comm, cp_a2a: what the attention saves (a2a, hybrid)
     sequence_parallel: bool
     segments: tuple[tuple[int, int], ...]
     pipeline: bool
@@ -269,7 +270,7 @@ class BlockBytesKey:
         p = cfg.parallel
         return BlockBytesKey(
             _values(cfg.model), cfg.train.dtype, cfg.train.params_dtype, _values(cfg.recompute),
-            cfg.derived.micro_batch_size, p.tp, p.cp, p.sequence_parallel,
+            cfg.derived.micro_batch_size, p.tp, p.cp, (p.cp_comm, p.cp_a2a), p.sequence_parallel,
             tuple(segment_bounds(cfg)), p.pp > 1,
         )  # fmt: skip
 

@@ -146,8 +146,9 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
 
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:
-    """Which attention core runs, as models/attention.py picks it: "ring" or "a2a" (cp > 1, by
-    parallel.cp_comm; a2a runs the fused kernel on whole sequences of H/cp heads), "fused" (a
+    """Which attention core runs, as models/attention.py picks it: "ring", "a2a" or "hybrid"
+    (cp > 1, by parallel.cp_comm; a2a runs the fused kernel on whole sequences of H/cp heads,
+    hybrid the ring's kernels on the a2a group's shard at H/cp_a2a heads), "fused" (a
     kernel that keeps q, k, v, out and the log-sum-exp: SDPA's cuDNN, flash or memory-efficient
     backend, flash-attn, the CPU flash kernel) or "math" (SDPA's fallback, which keeps the s²
     probabilities).
@@ -160,7 +161,7 @@ def attention_path(cfg: Config, device: str = "cuda") -> str:
     The CUDA rules are torch's documented backend constraints, not measured here."""
     m, d, t = cfg.model, cfg.derived, cfg.parallel.tp
     if cfg.parallel.cp > 1:
-        return "a2a" if cfg.parallel.cp_comm == "a2a" else "ring"
+        return cfg.parallel.cp_comm  # ring | a2a | hybrid
     gqa = m.n_heads // t != max(d.n_kv_heads // t, 1)
     bf16 = cfg.train.dtype == "bfloat16"
     if device == "cpu":
@@ -310,10 +311,11 @@ def _attention_terms(
     terms: dict[str, float] = {}
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
     rope = x.n * (x.h + x.hkv) * x.hd * c if llama else 0
-    documents = cfg.data.document_mask and path != "ring"  # a dense (b, 1, q, kv) mask
+    # a dense (b, 1, q, kv) mask, except in the ring's kernels (ring, hybrid): ids per block
+    documents = cfg.data.document_mask and path not in ("ring", "hybrid")
     if llama:  # per row under document masking: positions restart per document
         terms["rope cos, sin"] = 2 * (x.b if cfg.data.document_mask else 1) * x.q * x.hd * FLOAT32
-    if path == "a2a" and mode != "selective":
+    if path in ("a2a", "hybrid") and mode != "selective":
         return terms | _a2a_terms(cfg, x, device, documents)
     earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask
     lse = x.b * x.h * x.q * FLOAT32
@@ -350,15 +352,21 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
     does not divide them), its own out and lse: per rank as many elements as the local q, k, v
     at rep·Hkv. The qkv output and RoPE's q, k are freed (nothing saved them); the proj input
     is the copy after the return all-to-all. Document masking: the (b, 1, s, s) mask as a bias,
-    and on CUDA k, v expanded to the H/cp query heads (attention_core's GQA rule)."""
-    c, cp = compute_bytes(cfg), cfg.parallel.cp
-    rep = cp // math.gcd(x.hkv, cp)  # ulysses.kv_repeats
+    and on CUDA k, v expanded to the H/cp query heads (attention_core's GQA rule).
+
+    Hybrid (parallel/context/hybrid.py): the same all-to-alls over K = cp_a2a; the ring then
+    keeps its contiguous inputs, q, k, v of the group's s/R tokens at H/K heads (rep over K),
+    and its out and lse: the same element counts; documents mask by ids per block, no mask."""
+    c, p = compute_bytes(cfg), cfg.parallel
+    k = p.cp_a2a if p.cp_comm == "hybrid" else p.cp  # the all-to-all's group
+    rep = k // math.gcd(x.hkv, k)  # ulysses.kv_repeats
+    what = "ring shard" if k < p.cp else "whole sequence"
     terms = {
-        "q, k, v (a2a, whole sequence)": x.n * (x.h + 2 * rep * x.hkv) * x.hd * c,
+        f"q, k, v (a2a, {what})": x.n * (x.h + 2 * rep * x.hkv) * x.hd * c,
         "attention out + lse": x.n * x.h * x.hd * c + x.b * x.h * x.q * FLOAT32,
     }
     if documents:
-        s = x.q * cp
+        s = x.q * p.cp
         terms["document mask"] = x.b * s * s * c
         if device == "cuda" and x.h != rep * x.hkv:
             terms["expanded k, v"] = 2 * x.n * x.h * x.hd * c

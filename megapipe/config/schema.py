@@ -99,8 +99,12 @@ class ParallelConfig:
     cp: int = bounded(1, low=1)  # context-parallel ranks: the sequence split over them (ring)
     # how cp attention communicates (docs/parallelism.md): ring (K/V blocks pass around the cp
     # ranks, Liu et al. 2023) | a2a (Ulysses: all-to-all from sequence to head shards and back,
-    # Jacobs et al. 2023; query heads per tp rank must divide by parallel.cp)
+    # Jacobs et al. 2023; query heads per tp rank must divide by parallel.cp) | hybrid (a2a
+    # inside groups of parallel.cp_a2a adjacent cp ranks, the ring across them: USP, Fang and
+    # Zhao 2024)
     cp_comm: str = "ring"
+    # parallel.cp_comm=hybrid: the a2a group size K (1 < K < cp, K | cp, K | heads per tp rank)
+    cp_a2a: int = bounded(1, low=0, note="0, 1: not hybrid")
     tp: int = bounded(1, low=1)  # tensor-parallel ranks (Megatron's column/row split)
     vpp: int = bounded(1, low=1)  # model chunks (virtual stages) per pipeline rank
     schedule: str = "1f1b"  # pipeline schedule (docs/pipeline-schedules.md)

@@ -9,13 +9,18 @@ Expert parallelism (docs/moe.md) adds no axis: as in Megatron-Core, its ranks ar
 dp axis. ep consecutive dp ranks (same pp, cp, tp) form an ep group, which exchanges tokens by
 all-to-all; the ranks holding the same experts (same ep rank, every dp block and cp rank: dp/ep ·
 cp of them) form the expert-replica group, over which the expert weights' grads are summed.
+
+Hybrid context parallelism (parallel.cp_comm=hybrid, parallel/context/hybrid.py) adds no axis
+either: the cp axis is cut into cp/K blocks of K adjacent cp ranks (K = parallel.cp_a2a), the
+a2a groups, inner so they sit on one node as tp does; the ranks of the same place in every
+block form the ring groups (USP's "ulysses degree × ring degree", Fang and Zhao 2024 §3).
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,11 +39,15 @@ class MeshSizes:
     cp: int = 1
     tp: int = 1
     ep: int = 1  # expert-parallel ranks, taken from dp (not an axis of the grid)
+    # hybrid cp: a2a group size K, taken from cp (1: not hybrid). It shards nothing a checkpoint
+    # holds, so two meshes that differ only in it are the same mesh to a resume.
+    cp_a2a: int = field(default=1, compare=False)
 
     @staticmethod
     def of(cfg: Config) -> MeshSizes:
         p = cfg.parallel
-        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep)
+        k = p.cp_a2a if p.cp_comm == "hybrid" else 1
+        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, cp_a2a=k)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -50,7 +59,8 @@ class MeshSizes:
 
     def __str__(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}{ep}"
+        a2a = f" cp_a2a={self.cp_a2a}" if self.cp_a2a > 1 else ""
+        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}{ep}{a2a}"
 
 
 def rank_grid(pp: int, dp: int, cp: int, tp: int) -> torch.Tensor:
@@ -111,6 +121,20 @@ def expert_replica_ranks(sizes: MeshSizes) -> list[list[int]]:
     return _expert_grid(sizes).permute(0, 2, 4, 1, 3).reshape(-1, n).tolist()
 
 
+def cp_split_ranks(sizes: MeshSizes) -> tuple[list[list[int]], list[list[int]]]:
+    """Hybrid cp's (a2a groups, ring groups): each cp group cut into blocks of K = cp_a2a
+    adjacent cp ranks (the a2a groups, in cp order), and the ranks at the same place of every
+    block (the ring groups, block order = ring order). Empty lists unless 1 < K < cp."""
+    k, cp = sizes.cp_a2a, sizes.cp
+    if not 1 < k < cp:
+        return [], []
+    a2a, ring = [], []
+    for ranks in group_ranks(sizes, ("cp",)):  # (cp,) ranks of one (pp, dp, tp), in cp order
+        a2a += [ranks[g * k : (g + 1) * k] for g in range(cp // k)]
+        ring += [ranks[j::k] for j in range(k)]
+    return a2a, ring
+
+
 def check_world_size(sizes: MeshSizes, world: int) -> None:
     """One-line error when the launched world does not match the mesh (before any collective)."""
     if world != sizes.world:
@@ -149,6 +173,10 @@ class ParallelMesh:
         if sizes.ep > 1:
             self.ep_group = self._new_group_of(ep_group_ranks(sizes))
             self.expert_replica_group = self._new_group_of(expert_replica_ranks(sizes))
+        self.cp_a2a_group = self.cp_ring_group = None  # hybrid cp's sub-groups of the cp axis
+        if 1 < sizes.cp_a2a < sizes.cp:
+            a2a, ring = cp_split_ranks(sizes)
+            self.cp_a2a_group, self.cp_ring_group = map(self._new_group_of, (a2a, ring))
         self._set_timeouts()
 
     def _set_timeouts(self) -> None:

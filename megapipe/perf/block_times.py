@@ -41,7 +41,8 @@ class BlockTimes:
         cost the same: the same tp, cp, micro-batch size, sequence parallelism and recompute,
         and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
         p = cfg.parallel
-        mesh = (p.tp, p.cp, p.pp, p.dp, p.microbatches, p.sequence_parallel, cfg.recompute.mode)
+        mesh = (p.tp, p.cp, p.cp_comm, p.cp_a2a, p.pp, p.dp, p.microbatches, p.sequence_parallel,
+                cfg.recompute.mode)  # fmt: skip
         if mesh not in self._plains:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
@@ -115,7 +116,7 @@ class BlockTimes:
             fwd, bwd = cm.attention_seconds(x)
             flops = 4.0 * x.hd * x.pairs * x.b * x.h
             best = dev.peak * dev.cal.gemm
-            bwd_flops = (2.5 if cm.attention in ("fused", "ring") else 2.0) * flops
+            bwd_flops = (2.5 if cm.attention in ("fused", "ring", "hybrid") else 2.0) * flops
             again = 1 if mode in ("full", "selective") else 0
             excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
             first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
@@ -141,13 +142,15 @@ def segment_key(cfg: Config) -> tuple[int, int]:
 
 
 def block_key(cfg: Config, *extra) -> tuple:
-    """What a block's costs depend on here (the model fixed in a search): tp, cp, micro-batch
+    """What a block's costs depend on here (the model fixed in a search): tp, cp (and
+    cp_comm, cp_a2a: the attention's collectives, whose links they also fix), micro-batch
     size, sequence parallelism, recompute, `extra` (the groups' links, segment_key), and
     whether a pipeline runs: without one the head makes its grads in forward and the tied
     lookup adds into the head's table grad (config/memory_terms.head_grad_in_forward,
     tied_lookup_with_head)."""
     p, mbs = cfg.parallel, cfg.derived.micro_batch_size
-    return (p.tp, p.cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
+    cp = (p.cp, p.cp_comm, p.cp_a2a)
+    return (p.tp, *cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
 
 
 def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:

@@ -123,7 +123,8 @@ class Bounds:
         """What a candidate's pipeline bound reads besides its schedule and vpp: the group's
         mesh, micro-batch count, sequence parallelism, recompute and segments (not zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
-        return c.tp, c.cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs
+        cp = (c.cp, c.cp_comm, c.cp_a2a)
+        return c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs
 
     # -- the group bound -------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, pp, dp, mb, sp, rec, segs, _, _ = self.group(c)
+        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _ = self.group(c)
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)

@@ -115,6 +115,21 @@ def _worst_link(members_of: list[list[int]], gpus_per_node: int, cluster) -> Lin
     return worst
 
 
+@lru_cache(maxsize=4096)
+def _cp_split_links(shape, k, gpus_per_node, cluster) -> tuple[Link, Link]:
+    a2a, ring = [], []
+    for members in groups(shape, ("cp",)):  # distributed/mesh.cp_split_ranks' layout
+        a2a += [members[g : g + k] for g in range(0, len(members), k)]
+        ring += [members[j::k] for j in range(k)]
+    return _worst_link(a2a, gpus_per_node, cluster), _worst_link(ring, gpus_per_node, cluster)
+
+
+def cp_split_links(cluster: Cluster, shape: tuple[int, int, int, int], k: int) -> tuple[Link, Link]:
+    """Hybrid cp's (a2a link, ring link): the slowest group of k adjacent cp ranks (stride tp:
+    NVLink while k·tp fits a node) and the slowest ring over the cp/k groups."""
+    return _cp_split_links(tuple(shape), k, cluster.gpus_per_node, cluster)
+
+
 def group_link(cluster: Cluster, shape: tuple[int, int, int, int], axes: tuple[str, ...]) -> Link:
     """The link of the slowest group along `axes` (they all run at once and wait for each
     other): NVLink when each group sits in one node, else the network share (module doc)."""

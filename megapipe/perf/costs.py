@@ -41,7 +41,10 @@ beside a block's compute, only max(0, transfer − compute) exposed per step; B 
 Under parallel.cp_comm=a2a (Ulysses, parallel/context/ulysses.py) F moves q, k, v and the
 output by four all-to-alls over the cp link (comm.all_to_all_time: N·H·hd·c for q and out,
 N·rep·Hkv·hd·c for k and v), B their four transposes, none overlapped; the core is the fused
-kernel on whole sequences at H/cp heads (the same FLOPs as the balanced ring's).
+kernel on whole sequences at H/cp heads (the same FLOPs as the balanced ring's). Under
+parallel.cp_comm=hybrid (parallel/context/hybrid.py) the four all-to-alls run over the a2a
+groups of K = parallel.cp_a2a adjacent cp ranks (comm.cp_split_links: NVLink while K·tp fits
+a node) and the ring over the cp/K groups, its K/V block the K·N tokens at rep·Hkv/K heads.
 
 Mixture of experts (models/moe.py; every model.moe_every-th layer): the MLP GEMMs become the
 router (N, E, d), the experts' (N·k rows over fc1 and fc2 of width moe_ffn, whole on every tp
@@ -72,7 +75,14 @@ from megapipe.config.memory_terms import (
 )
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster, Link
-from megapipe.perf.comm import all_to_all_time, ep_link, group_link, p2p_time, ring_time
+from megapipe.perf.comm import (
+    all_to_all_time,
+    cp_split_links,
+    ep_link,
+    group_link,
+    p2p_time,
+    ring_time,
+)
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
 from megapipe.perf.software import Runtime, resolved_for
@@ -98,6 +108,10 @@ class CostModel(MoECosts):
         self.shape = (p.pp, p.dp, p.cp, p.tp)
         self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
         self.cp_link: Link = group_link(cluster, self.shape, ("cp",))
+        self.cp_k = p.cp_a2a if p.cp_comm == "hybrid" and p.cp > 1 else 1  # a2a group size
+        self.cp_a2a_link, self.cp_ring_link = (
+            cp_split_links(cluster, self.shape, self.cp_k) if self.cp_k > 1 else (None, None)
+        )
         self.ep_link: Link = ep_link(cluster, self.shape, p.ep)
         self.c = 2 if cfg.train.dtype == "bfloat16" else 4
         self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
@@ -167,7 +181,7 @@ class CostModel(MoECosts):
     def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""
         dev, c, heads = self.dev, self.c, x.b * x.h
-        if self.attention in ("fused", "ring", "a2a"):
+        if self.attention in ("fused", "ring", "a2a", "hybrid"):
             fwd = 4.0 * x.hd * x.pairs * heads
             moved = c * x.hd * 2 * (x.q + x.kv)  # q, o, k, v of one head
             intensity = 4.0 * x.hd * x.pairs / moved
@@ -226,16 +240,34 @@ class CostModel(MoECosts):
         cp = self.cfg.parallel.cp
         if cp == 1:
             return 0.0, 0.0
-        if self.attention == "a2a":  # q, k, v in and out back; B their transposes, exposed
-            rep = cp // math.gcd(x.hkv, cp)  # parallel/context/ulysses.kv_repeats
-            moved = [x.h, rep * x.hkv, rep * x.hkv, x.h]
-            t = sum(all_to_all_time(x.n * h * x.hd * self.c, cp, self.cp_link) for h in moved)
+        if self.attention == "a2a":
+            t = self._a2a_exposed(x, cp, self.cp_link)
             return t, t
-        kv = 2 * x.n * x.hkv * x.hd * self.c
-        step = p2p_time(kv, self.cp_link)
-        fwd = (cp - 1) * max(0.0, step - attn_fwd / cp)
-        bwd_step = p2p_time(2 * kv, self.cp_link)
-        bwd = (cp - 1) * max(0.0, bwd_step - attn_bwd / cp) + step  # dK, dV come home
+        if self.attention == "hybrid":  # a2a over K, then the ring over cp/K at H/K heads
+            k, link = self.cp_k, self.cp_a2a_link
+            t = self._a2a_exposed(x, k, link)
+            kv_heads = x.hkv * (k // math.gcd(x.hkv, k))  # over the ring's K·N tokens, / K
+            fwd, bwd = self._ring_exposed(
+                x, kv_heads, cp // k, self.cp_ring_link, attn_fwd, attn_bwd
+            )
+            return t + fwd, t + bwd
+        return self._ring_exposed(x, x.hkv, cp, self.cp_link, attn_fwd, attn_bwd)
+
+    def _a2a_exposed(self, x: Shapes, n: int, link: Link) -> float:
+        """Four all-to-alls over n ranks, q, k, v in and out back (B: their transposes), none
+        overlapped; kv heads repeated as parallel/context/ulysses.kv_repeats."""
+        rep = n // math.gcd(x.hkv, n)
+        moved = [x.h, rep * x.hkv, rep * x.hkv, x.h]
+        return sum(all_to_all_time(x.n * h * x.hd * self.c, n, link) for h in moved)
+
+    def _ring_exposed(self, x: Shapes, hkv, n: int, link: Link, attn_fwd, attn_bwd) -> tuple:
+        """The kv ring over n ranks: each step's K, V block (2·N·hkv·hd·c) beside 1/n of the
+        attention, only the excess exposed; B also dK, dV, which come home after the last step."""
+        kv = 2 * x.n * hkv * x.hd * self.c
+        step = p2p_time(kv, link)
+        fwd = (n - 1) * max(0.0, step - attn_fwd / n)
+        bwd_step = p2p_time(2 * kv, link)
+        bwd = (n - 1) * max(0.0, bwd_step - attn_bwd / n) + step  # dK, dV come home
         return fwd, bwd
 
     def layer(self, mode: str, segment: int | None = None, moe: bool = False) -> BlockCosts:

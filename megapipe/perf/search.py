@@ -49,6 +49,8 @@ SEARCHED = {
     "parallel.pp": 1,
     "parallel.dp": 1,
     "parallel.cp": 1,
+    "parallel.cp_comm": "ring",
+    "parallel.cp_a2a": 1,
     "parallel.vpp": 1,
     "parallel.schedule": "1f1b",
     "parallel.microbatches": 1,
@@ -389,6 +391,8 @@ def describe(c: Candidate) -> str:
               f"sp={int(c.sequence_parallel)}", f"zero={c.zero}"]  # fmt: skip
     if c.ep > 1:
         parts.append(f"ep={c.ep}")
+    if c.cp > 1 and c.cp_comm != "ring":
+        parts.append(f"cp_comm={c.cp_comm}" + (f":{c.cp_a2a}" if c.cp_comm == "hybrid" else ""))
     return " ".join(parts)
 
 

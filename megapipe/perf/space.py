@@ -6,7 +6,9 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
 selective / full (recompute.layers as the config has it), sequence parallelism on or off under
-tp > 1, zero 0 or 1 under dp·cp > 1, for a mixture of experts every ep dividing both dp and
+tp > 1, zero 0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring,
+a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those
+heads: parallel/context/), for a mixture of experts every ep dividing both dp and
 model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
 (plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to VPP_MAX and
 pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
@@ -61,6 +63,8 @@ class Candidate:
     seq_segments: int = 1
     zb_memory: str = "1p"
     ep: int = 1
+    cp_comm: str = "ring"
+    cp_a2a: int = 1
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -78,6 +82,8 @@ class Candidate:
             seq_segments=self.seq_segments,
             zb_memory=self.zb_memory,
             ep=self.ep,
+            cp_comm=self.cp_comm,
+            cp_a2a=self.cp_a2a,
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
         cfg = dataclasses.replace(base, parallel=par, recompute=rec)
@@ -130,6 +136,19 @@ def structures(base: Config, pp: int, fixed: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
+def cp_comms(base: Config, tp: int, cp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """(parallel.cp_comm, cp_a2a) pairs for a cp: the ring, Ulysses where the heads per tp rank
+    divide by cp, the hybrid for each cp_a2a in (1, cp) dividing cp and those heads; cp = 1:
+    the config's own (nothing to choose)."""
+    p, heads = base.parallel, base.model.n_heads // tp
+    if cp == 1:
+        return [(p.cp_comm, p.cp_a2a)]
+    pairs = [("ring", 1)] + ([("a2a", 1)] if heads % cp == 0 else [])
+    pairs += [("hybrid", k) for k in _divisors(cp) if 1 < k < cp and heads % k == 0]
+    comm, k = fixed.get("parallel.cp_comm"), fixed.get("parallel.cp_a2a")
+    return [(c, a) for c, a in pairs if comm in (None, c) and k in (None, a)]
+
+
 def candidates(
     base: Config, gpus: int, gpus_per_node: int, fixed: dict[str, Any] | None = None
 ) -> list[Candidate]:
@@ -163,16 +182,17 @@ def candidates(
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = (0, 1) if dp * cp > 1 else (0,)
                 eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
-                for mb, rec, sp, zero, ep in itertools.product(
+                for mb, rec, sp, zero, ep, (comm, a2a) in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
                     _pick(f, "recompute.mode", recs),
                     _pick(f, "parallel.sequence_parallel", sps),
                     _pick(f, "parallel.zero", zeros),
                     _pick(f, "parallel.ep", eps),
+                    cp_comms(base, tp, cp, f),
                 ):
                     for name, vpp, k, mem in shapes:
                         out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec,
-                                             k, mem, ep))  # fmt: skip
+                                             k, mem, ep, comm, a2a))  # fmt: skip
     return out
 
 

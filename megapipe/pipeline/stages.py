@@ -48,7 +48,7 @@ class Components:
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
-        cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm), cfg.parallel.cp_balance)
+        cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm, mesh), cfg.parallel.cp_balance)
         return Components(cp, ep_info(mesh), Precision.of(cfg.train))
 
 

@@ -137,6 +137,8 @@ def _notes(cfg: Config) -> list[str]:
         "fused": "a fused kernel keeping q, k, v, out and the log-sum-exp",
         "ring": "ring attention keeping q, k, v, out and the log-sum-exp",
         "a2a": "Ulysses' fused kernel keeping whole-sequence q, k, v at H/cp heads, out and lse",
+        "hybrid": "a2a within cp_a2a ranks, then ring attention keeping q, k, v at H/cp_a2a heads, "
+        "out and lse",
         "math": "the math fallback keeping the s² probabilities",
     }[attention_path(cfg, DEVICE)]
     if cfg.data.document_mask and (p.cp == 1 or p.cp_comm == "a2a"):  # memory_terms.py
