@@ -100,15 +100,7 @@ class MicrobatchPasses:
 def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> MicrobatchPasses:
     """The V-shape block with these extra `offsets` (see OFFSETS), modulo-scheduled."""
     where = Placement(pp, 2, "v")
-    # each pass as the simulator prices it (rank 0 also embeds and runs the head and loss)
-    dur = {
-        (k, s): action_cost(Action(k, 0, where.locate(s)[1]), s, costs, where, [1.0])
-        for k in PASS
-        for s in range(2 * pp)
-    }
-    interval = max(
-        sum(dur[(k, where.stage(r, c))] for k in PASS for c in (0, 1)) for r in range(pp)
-    )
+    dur, interval = _durations(pp, costs)
     busy: dict[int, list[tuple[float, float]]] = {r: [] for r in range(pp)}
     start: dict[tuple[str, int], float] = {}
 
@@ -132,6 +124,22 @@ def v_block(pp: int, costs: Costs, offsets: tuple[int, ...]) -> MicrobatchPasses
         end = place(INPUT_GRAD, s, ready, (b1 if s >= pp else b0) * (s not in (2 * pp - 1, pp - 1)))
         place(WEIGHT_GRAD, s, end, w)
     return MicrobatchPasses(pp, start, dur, interval)
+
+
+@functools.lru_cache(maxsize=256)
+def _durations(pp: int, costs: Costs) -> tuple[dict[tuple[str, int], float], float]:
+    """Each pass's seconds as the simulator prices it (rank 0 also embeds and runs the head and
+    loss) and the interval T: the same for every offset choice, so priced once per build."""
+    where = Placement(pp, 2, "v")
+    dur = {
+        (k, s): action_cost(Action(k, 0, where.locate(s)[1]), s, costs, where, [1.0])
+        for k in PASS
+        for s in range(2 * pp)
+    }
+    interval = max(
+        sum(dur[(k, where.stage(r, c))] for k in PASS for c in (0, 1)) for r in range(pp)
+    )
+    return dur, interval
 
 
 def _earliest_free(busy: list[tuple[float, float]], ready: float, d: float, T: float) -> float:
