@@ -5,8 +5,9 @@
 parameters and replays the schedule's simulated timeline; for a 1T model on 3072 GPUs that is
 512 meta GPTs and 64 passes over 65536 actions (seconds). Here the same plan comes from bounded
 caches, each keyed by a frozen record of exactly what its function reads: parameter counts per
-chunk shape (ChunkKey: layers are all alike), the unit-cost timeline per schedule and costs
-(plan/dag.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
+chunk shape (ChunkKey: layers are all alike; each shape summed from one-block chunks), the
+unit-cost timeline per schedule and costs (plan/dag.py's Dag, timed as plan/simulate.py times
+it), and whole plans (PlanKey).
 tests/test_perf_model.py holds `plan` equal to `train/meta_memory.memory_plan`.
 """
 
