@@ -41,7 +41,7 @@ from megapipe.config.states import optimizer_bytes
 from megapipe.parallel.context.documents import document_ids, document_positions
 from megapipe.perf import memory_cache as perf_memory
 from megapipe.plan.simulate import simulate
-from megapipe.train.meta_memory import memory_plan
+from megapipe.train.meta_memory import chunk_params, memory_plan
 from tests.conftest import TINY
 from tests.parity import build_mesh, tiny_config
 
@@ -493,3 +493,25 @@ def test_dry_run_and_projection_plan_alike():
         cfg = config(overrides)
         for device in ("cuda", "cpu"):
             assert perf_memory.plan(cfg, device) == memory_plan(cfg, device)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.arch=gpt2", "model.vocab_size=1001", "parallel.tp=2"],  # uneven vocab shards
+        ["model.arch=llama", "model.tie_embeddings=true", "parallel.sequence_parallel=true",
+         "parallel.tp=2"],
+        ["model.arch=llama", "model.n_experts=4", "model.moe_shared_experts=1", "parallel.ep=2"],
+    ],
+)  # fmt: skip
+def test_chunk_counts_summed_from_blocks_are_the_chunks(overrides):
+    """perf/memory_cache.chunk_params sums one-block chunks; every chunk of the model, on
+    every tp rank, counts as the meta-device chunk itself (train/meta_memory.chunk_params)."""
+    small = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "parallel.dp=2"]
+    cfg = load_config(TINY, [*small, *overrides])
+    blocks = cfg.model.n_layers + 2
+    for start in range(blocks):
+        for stop in range(start + 1, blocks + 1):
+            for rank in range(cfg.parallel.tp):
+                mine = perf_memory.chunk_params(cfg, range(start, stop), rank)
+                assert mine == chunk_params(cfg, range(start, stop), rank), (start, stop, rank)

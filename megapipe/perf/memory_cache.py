@@ -5,8 +5,9 @@
 parameters and replays the schedule's simulated timeline; for a 1T model on 3072 GPUs that is
 512 meta GPTs and 64 passes over 65536 actions (seconds). Here the same plan comes from bounded
 caches, each keyed by a frozen record of exactly what its function reads: parameter counts per
-chunk shape (ChunkKey: layers are all alike), the unit-cost timeline per schedule and costs
-(plan/dag.py's Dag, timed as plan/simulate.py times it), and whole plans (PlanKey).
+chunk shape (ChunkKey: layers are all alike; each shape summed from one-block chunks), the
+unit-cost timeline per schedule and costs (plan/dag.py's Dag, timed as plan/simulate.py times
+it), and whole plans (PlanKey).
 tests/test_perf_model.py holds `plan` equal to `train/meta_memory.memory_plan`.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megapipe.config import Config
+from megapipe.config.flops import is_moe_layer
 from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
 from megapipe.config.pipeline_split import schedule_costs
 from megapipe.perf.pipeline import ScheduleKey, schedule_dag
@@ -82,7 +84,30 @@ def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
     key = ChunkKey.of(cfg, blocks, tp_rank)
     start = cfg.model.n_layers + 1 - key.layers - key.embed if key.head else int(not key.embed)
     shape = range(start, start + key.embed + key.layers + key.head)  # a chunk of that shape
-    return _COUNTS.get(key, lambda: train_memory.chunk_params(cfg, shape, tp_rank))
+    return _COUNTS.get(key, lambda: _summed(cfg, shape, tp_rank))
+
+
+def _summed(cfg: Config, shape: range, tp_rank: int) -> int:
+    """train/meta_memory.chunk_params of `shape`, summed over its blocks: a chunk is its blocks'
+    modules (the embedding or a tied head's table copy, each layer, the head), each counted
+    once on a one-block chunk of its kind. The chunk holding both ends (pp = 1) shares the tied
+    table between them, so it is counted whole. A search asks for hundreds of chunk shapes; a
+    few one-block chunks count them all (building each shape's layers was ~25% of a search)."""
+    head = cfg.model.n_layers + 1
+    if 0 in shape and head in shape:
+        return train_memory.chunk_params(cfg, shape, tp_rank)
+    return sum(_block_params(cfg, b, tp_rank) for b in shape)
+
+
+def _block_params(cfg: Config, block: int, tp_rank: int) -> int:
+    """train/meta_memory.chunk_params of the one block `block`, counted once per ChunkKey and
+    the layer's kind (a layer's parameters depend on its index only through whether it is a
+    MoE layer, models/gpt.py make_mlp)."""
+    layer = 1 <= block < cfg.model.n_layers + 1
+    kind = is_moe_layer(cfg.model, block - 1) if layer else block
+    key = (ChunkKey.of(cfg, range(block, block + 1), tp_rank), kind)
+    one = range(block, block + 1)
+    return _COUNTS.get(key, lambda: train_memory.chunk_params(cfg, one, tp_rank))
 
 
 def timeline(cfg: Config) -> Timeline:
