@@ -33,9 +33,10 @@ L4 = ["model.n_layers=4"]
 A2A = ["parallel.cp_comm=a2a"]  # Ulysses (parallel/context/ulysses.py)
 KV1 = [*LLAMA, "model.n_kv_heads=1"]  # fewer kv heads than cp: each is repeated (kv_repeats)
 ZEN = "data.path=<zen>"  # the real-text dataset, written once per session (zen_data)
-# parallel.cp_balance=documents on real packed text: rows of 128 tokens, 3-4 documents each
-BALANCED = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128",
-            "parallel.cp_balance=documents"]  # fmt: skip
+# document masking on real packed text: rows of 128 tokens, 3-4 documents each
+DOCS = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128"]
+BALANCED = [*DOCS, "parallel.cp_balance=documents"]  # split by attention work (balance.py)
+MOE_EP2 = ["model.n_experts=4", "model.top_k=2", "parallel.ep=2"]  # experts over dp (ep ⊂ dp)
 HYB2 = ["parallel.cp_comm=hybrid", "parallel.cp_a2a=2"]  # a2a 2 × ring 2 (context/hybrid.py)
 
 
@@ -67,6 +68,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
         ),
         ("cp2-documents-balanced", 1, 1, [*cp(2), *BALANCED]),
+        ("cp2-a2a-documents", 1, 1, [*cp(2), *A2A, *DOCS]),
     ],
     4: [
         ("cp4", 1, 1, cp(4)),
@@ -92,6 +94,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*cp(4), *HYB2, *KV1, "recompute.mode=selective"],
         ),
+        ("cp4-hybrid2-documents-llama-gqa", 1, 1, [*cp(4), *HYB2, *DOCS, *GQA2]),
+        ("dp2-cp2-a2a-moe-ep2", 2, 1, [*cp(2), *A2A, *MOE_EP2, *MB2]),
     ],
     8: [
         ("dp2-cp2-tp2-sp", 2, 2, [*cp(2), *SP, *MB2]),
