@@ -28,6 +28,7 @@ from megapipe.parallel.context.balance import (
     zigzag_layout,
 )
 from megapipe.parallel.context.documents import document_ids, document_positions
+from megapipe.parallel.context.hybrid import group_layout
 from megapipe.parallel.context.kernels import plan_step
 from megapipe.parallel.context.zigzag import CPInfo
 from megapipe.train.batches import BatchSlice
@@ -95,6 +96,20 @@ def _rows(name: str, seq: int, cp: int) -> torch.Tensor:
     if not (data / "train.docs.npy").is_file():
         pytest.skip("the quick-start data (data/shakespeare) is not prepared")
     return shakespeare_packed(data, seq, 8)
+
+
+@pytest.mark.parametrize("cp,k", [(4, 2), (8, 2), (8, 4)])
+def test_hybrid_ring_groups_hold_every_chunk_once_and_balanced_work(cp, k):
+    """Under cp_comm=hybrid the ring over the cp/k a2a groups holds each group's chunks: a
+    partition of the row, k ranks' tokens per group, and the worst group within 10% of the
+    mean (the sum of its members', each near the mean)."""
+    ids = owt_like(4096, 8, seed=cp + k)
+    layout = document_layout(ids, cp)
+    groups = group_layout(layout, k)
+    assert sorted(c for held in groups.ranks for c in held) == list(range(layout.n))
+    assert {len(held) for held in groups.ranks} == {k * layout.n // cp}
+    work = rank_work(groups, 4096, ids.shape[0])
+    assert max(work) <= 1.10 * sum(work) / len(work)
 
 
 def test_one_document_keeps_zigzag_balance_and_computes_the_causal_triangle():
@@ -168,7 +183,7 @@ def test_loader_cuts_tokens_targets_and_positions_by_the_layout():
         ),
         (
             ["parallel.cp_balance=documents", "data.document_mask=true", "parallel.cp_comm=a2a"],
-            r"parallel.cp_comm=a2a: the split is the ring's",
+            r"parallel.cp_comm=a2a: the split is for the ring",
         ),
     ],
 )

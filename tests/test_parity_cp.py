@@ -95,6 +95,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             [*cp(4), *HYB2, *KV1, "recompute.mode=selective"],
         ),
         ("cp4-hybrid2-documents-llama-gqa", 1, 1, [*cp(4), *HYB2, *DOCS, *GQA2]),
+        ("cp4-hybrid2-documents-balanced", 1, 1, [*cp(4), *HYB2, *BALANCED]),
         ("dp2-cp2-a2a-moe-ep2", 2, 1, [*cp(2), *A2A, *MOE_EP2, *MB2]),
     ],
     8: [

@@ -3,11 +3,13 @@ every cp rank's query heads the kv heads they use, with a uniform grouping; the 
 are the config's. Its parity under gloo is tests/test_parity_cp.py's and test_document_mask.py's.
 """
 
+from types import SimpleNamespace
+
 import pytest
 
 from megapipe.config.checks import CP_COMMS
 from megapipe.parallel.context.ulysses import kv_repeats
-from megapipe.parallel.context.variants import CP_VARIANTS
+from megapipe.parallel.context.variants import CP_VARIANTS, cp_variant
 
 
 def kv_heads_seen(q_heads: int, kv_heads: int, cp: int, rank: int) -> list[int]:
@@ -41,5 +43,8 @@ def test_query_heads_that_do_not_divide_by_cp_are_refused():
 
 
 def test_the_variants_are_the_configs_choices():
-    assert tuple(CP_VARIANTS) == CP_COMMS
-    assert all(v.name == k for k, v in CP_VARIANTS.items())
+    """Every parallel.cp_comm the config accepts resolves to the variant of that name (hybrid
+    takes its two sub-groups from the mesh)."""
+    mesh = SimpleNamespace(cp_a2a_group="a2a", cp_ring_group="ring")
+    assert [cp_variant(comm, mesh).name for comm in CP_COMMS] == list(CP_COMMS)
+    assert set(CP_VARIANTS) < set(CP_COMMS)

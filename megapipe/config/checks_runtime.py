@@ -165,10 +165,9 @@ def check_cp_balance(cfg: Config) -> None:
         "orders tokens by zigzag position; set parallel.cp_balance=position",
     )
     require(
-        p.cp_comm == "ring",
-        f"parallel.cp_balance=documents with parallel.cp_comm={p.cp_comm}: the split is the "
-        "ring's alone (Ulysses attends whole sequences, balanced already; hybrid's ring runs on "
-        "the a2a groups' zigzag shards); set "
+        p.cp_comm != "a2a",
+        "parallel.cp_balance=documents with parallel.cp_comm=a2a: the split is for the ring "
+        "(ring or hybrid); Ulysses attends whole sequences, balanced already: set "
         "parallel.cp_balance=position",
     )
 

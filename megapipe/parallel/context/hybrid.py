@@ -17,6 +17,13 @@ in natural order. So the ring sees a valid zigzag split over R, of the natural r
 positions, the causal plan and the document ids (the whole row's, sliced by the ring over R)
 all hold as they are, and heads_to_seq undoes the all-to-all after.
 
+Balanced packing (`parallel.cp_balance=documents`, balance.py): cp rank c holds the chunks
+`layout.ranks[c]` instead of zigzag's. The all-to-all then leaves group g's members' shards side
+by side in member order, so ring rank g holds the chunk list of cp ranks gK .. gK+K−1 in that
+order (`group_layout`): a layout over R ranks whose tile plan, with its visible tiles, takes
+chunks in any order (kernels.plan_step). A group's work is the sum of its members', each within
+a few percent of the mean, so the groups are balanced as well as the ranks.
+
 Heads: the a2a splits the heads on this tp rank over K (K must divide them; kv heads fewer than
 K are repeated by ulysses.kv_repeats with K for cp); the ring then runs with H/K query heads
 and grouped kv heads as it does anywhere.
@@ -27,8 +34,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapipe.parallel.context.balance import ChunkLayout
 from megapipe.parallel.context.ring import ring_attention
-from megapipe.parallel.context.ulysses import HEADS, heads_to_seq, kv_repeats, seq_to_heads
+from megapipe.parallel.context.ulysses import (
+    HEADS,
+    heads_to_seq,
+    heads_to_shards,
+    kv_repeats,
+    seq_to_heads,
+    shards_to_heads,
+)
+
+
+def group_layout(layout: ChunkLayout, a2a_size: int) -> ChunkLayout:
+    """`layout` over cp ranks as the ring over the cp/K a2a groups sees it: ring rank g holds
+    the chunks of cp ranks gK .. gK+K−1, in member order (the module docstring)."""
+    members = layout.ranks
+    ranks = tuple(
+        tuple(c for held in members[g : g + a2a_size] for c in held)
+        for g in range(0, len(members), a2a_size)
+    )
+    return ChunkLayout(layout.n, ranks, layout.visible)
 
 
 def hybrid_attention(
@@ -39,16 +65,25 @@ def hybrid_attention(
     ring_group,
     dropout_p: float = 0.0,
     documents: torch.Tensor | None = None,
+    layout: ChunkLayout | None = None,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
     q, k, v hold this cp rank's zigzag slice (k, v may have fewer heads: GQA); `a2a_group`
     is its K adjacent cp ranks, `ring_group` the R ranks at its place in every such group;
-    `documents` (B, T), the whole row's ids, go to the ring unchanged (module docstring).
+    `documents` (B, T), the whole row's ids, go to the ring unchanged (module docstring);
+    `layout`, a balanced split over cp (balance.py), replaces the zigzag slices.
     """
     rep = kv_repeats(q.shape[HEADS], k.shape[HEADS], dist.get_world_size(a2a_group))
     if rep > 1:  # (B, Hkv, T/cp, hd) -> (B, rep·Hkv, T/cp, hd)
         k, v = k.repeat_interleave(rep, dim=HEADS), v.repeat_interleave(rep, dim=HEADS)
+    if layout is not None:  # (B, H/K, T/R, hd): the members' chunks, in member order
+        ring_layout = group_layout(layout, dist.get_world_size(a2a_group))
+        q, k, v = (shards_to_heads(t, a2a_group) for t in (q, k, v))
+        out = ring_attention(
+            q, k, v, ring_group, dropout_p=dropout_p, documents=documents, layout=ring_layout
+        )
+        return heads_to_shards(out, a2a_group)
     # (B, H/K, T/R, hd): the group's zigzag shard over the R ring ranks, in natural order
     q, k, v = (seq_to_heads(t, a2a_group) for t in (q, k, v))
     out = ring_attention(q, k, v, ring_group, dropout_p=dropout_p, documents=documents)

@@ -55,10 +55,21 @@ class _AllToAll(torch.autograd.Function):
         return C.all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+def shards_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, h, T/cp, hd) sequence shards -> (B, h/cp, T, hd): the group's shards side by side in
+    rank order, as they were cut (hybrid.py reads a balanced layout's chunks this way)."""
+    return _AllToAll.apply(x, HEADS, SEQ, group)
+
+
+def heads_to_shards(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of shards_to_heads: (B, h/cp, T, hd) in rank order -> (B, h, T/cp, hd)."""
+    return _AllToAll.apply(x, SEQ, HEADS, group)
+
+
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """(B, h, T/cp, hd) zigzag sequence shards -> (B, h/cp, T, hd) head shards in natural order."""
     cp = dist.get_world_size(group)
-    x = _AllToAll.apply(x, HEADS, SEQ, group)  # (B, h/cp, T, hd), the ranks' shards in order
+    x = shards_to_heads(x, group)  # (B, h/cp, T, hd), the ranks' shards in order
     return zigzag_unshard(list(x.chunk(cp, dim=SEQ)), cp, SEQ)
 
 
@@ -66,7 +77,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of seq_to_heads: (B, h/cp, T, hd) natural order -> (B, h, T/cp, hd) zigzag."""
     cp = dist.get_world_size(group)
     x = torch.cat([zigzag_shard(x, cp, r, SEQ) for r in range(cp)], dim=SEQ)  # rank order
-    return _AllToAll.apply(x, SEQ, HEADS, group)  # (B, h, T/cp, hd)
+    return heads_to_shards(x, group)  # (B, h, T/cp, hd)
 
 
 def kv_repeats(q_heads: int, kv_heads: int, cp: int) -> int:

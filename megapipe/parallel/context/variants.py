@@ -41,7 +41,7 @@ class UlyssesVariant:
     def __call__(
         self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
     ):
-        assert layout is None, "parallel.cp_balance=documents is the ring's (config checks)"
+        assert layout is None, "cp_balance=documents: ring or hybrid (config checks)"
         return ulysses_attention(q, k, v, group, core, dropout_p, documents)
 
 
@@ -57,8 +57,9 @@ class HybridVariant:
     def __call__(
         self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
     ):
-        assert layout is None, "parallel.cp_balance=documents is the ring's (config checks)"
-        return hybrid_attention(q, k, v, self.a2a_group, self.ring_group, dropout_p, documents)
+        return hybrid_attention(
+            q, k, v, self.a2a_group, self.ring_group, dropout_p, documents, layout
+        )
 
 
 CP_VARIANTS = {"ring": RingVariant(), "a2a": UlyssesVariant()}

@@ -65,7 +65,7 @@ class CPInfo:
     `positions(T)` of each sequence, its attention runs `attention` (the parallel.cp_comm
     variant, variants.py: the ring or Ulysses' all-to-all) over `group`, and gradients are
     summed over dp × cp (each cp rank saw different tokens of the same rows).
-    Under parallel.cp_balance=documents (ring only), rows with document ids are split by
+    Under parallel.cp_balance=documents (ring or hybrid), rows with document ids are split by
     `layout` instead (balance.py), the same on every rank: the loader cuts with it and the ring
     attends over it.
     """
