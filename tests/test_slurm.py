@@ -196,9 +196,12 @@ def test_scancel_term_saves_every_rank_and_the_requeued_job_resumes_bitwise(tmp_
     subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=60)
     saved = saved_by_every_rank(run, ended_cleanly(wait_job(job_id), run))
     assert 2 <= saved < 300
-    # what a preempting partition does to a --requeue job; at once, not after SLURM's delay
+    # what a preempting partition does to a --requeue job; soon, not after SLURM's delay, but
+    # in a later second than the first run's end: slurmd revokes an ended job's credential by
+    # its time in whole seconds and kills a relaunch of the same job id whose new credential
+    # falls in that second ("Job credential revoked")
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True,
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], check=True,
                    timeout=60)  # fmt: skip
     ended_cleanly(wait_job(job_id, restarts=1), run)
     records = logged(run)
