@@ -4,6 +4,8 @@ train.eval_tasks scores), one code path for every engine."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -12,23 +14,32 @@ from megapipe.pipeline.protocol import Engine
 from megapipe.train.batches import BatchSlice
 
 
+@contextmanager
+def eval_mode(engine: Engine) -> Iterator[None]:
+    """The engine's chunks in eval mode (no dropout) within, back in training mode after."""
+    for chunk in engine.chunks:
+        chunk.eval()
+    try:
+        yield
+    finally:
+        for chunk in engine.chunks:
+            chunk.train()
+
+
 @torch.no_grad()
 def evaluate(engine: Engine, slice_: BatchSlice, data, cfg: Config) -> float:
     """Mean validation loss over `train.eval_batches` fixed batches of `global_batch` rows:
     forward only; under pp each microbatch walks the stages in order and the last stage's
     summed cross entropy is summed over pp (others add 0), then over dp × cp."""
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)  # summed loss, tokens
-    for chunk in engine.chunks:
-        chunk.eval()
-    for i in range(cfg.train.eval_batches):
-        size = cfg.train.global_batch  # this dp rank reads only its rows
-        batch = data.batch(i, size, split="val", rows=slice_.rows(size)).to(engine.device)
-        micro = slice_.microbatches(batch, cfg.parallel.microbatches)
-        for loss, m in zip(engine.forward_only(micro), micro):
-            total[0] += loss
-            total[1] += m.targets.numel()
-    for chunk in engine.chunks:
-        chunk.train()
+    with eval_mode(engine):
+        for i in range(cfg.train.eval_batches):
+            size = cfg.train.global_batch  # this dp rank reads only its rows
+            batch = data.batch(i, size, split="val", rows=slice_.rows(size)).to(engine.device)
+            micro = slice_.microbatches(batch, cfg.parallel.microbatches)
+            for loss, m in zip(engine.forward_only(micro), micro):
+                total[0] += loss
+                total[1] += m.targets.numel()
     total = torch.stack([engine.stage_loss(total[0].clone()), total[1]])
     total = slice_.sum(total)
     return (total[0] / total[1]).item()
@@ -68,9 +79,6 @@ class EngineLogprobs:
         full = torch.zeros(self.rows, self.cfg.model.seq_len + 1, dtype=torch.long)
         full[:n, :width] = rows
         micro = self.slice.microbatches(full.to(self.engine.device), self.cfg.parallel.microbatches)
-        for chunk in self.engine.chunks:
-            chunk.eval()
-        parts = [self.slice.whole(t) for t in self.engine.token_logprobs(micro)]
-        for chunk in self.engine.chunks:
-            chunk.train()
+        with eval_mode(self.engine):
+            parts = [self.slice.whole(t) for t in self.engine.token_logprobs(micro)]
         return torch.cat(parts)[:n, : width - 1]  # (B, W)

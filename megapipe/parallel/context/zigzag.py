@@ -8,6 +8,7 @@ The data loader cuts inputs and targets this way; ring.py attends over the cut.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,7 @@ class CPInfo:
         """The split of rows with document ids (b, T) by attention work; None: zigzag's."""
         if self.size == 1 or documents is None or self.balance != "documents":
             return None
-        return document_layout(documents, self.size)
+        return _layout_of(documents, self.size)
 
     def positions(self, seq_len: int, device=None) -> torch.Tensor:
         """Global positions (T/cp,) of this rank's tokens: RoPE and learned positions use them."""
@@ -109,6 +110,11 @@ class CPInfo:
 
 
 NO_CP = CPInfo()
+
+# Every attention layer of a microbatch asks for the layout of the same ids tensor: compute it
+# once per tensor (keyed by identity: a tensor hashes by id, and the cache holds it alive, so an
+# id is never reused while cached). A few entries cover the microbatches a schedule has in flight.
+_layout_of = functools.lru_cache(maxsize=8)(document_layout)
 
 
 def cp_info(mesh, attention=None, balance: str = "position") -> CPInfo:
