@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapipe.data.errors import DataError
+from megapipe.data.errors import DataError, first_line
 
 HF_PREFIX = "hf:"
 PARQUET_EXPORT = "refs/convert/parquet"  # the Hub's parquet export of every public dataset
@@ -73,12 +73,8 @@ def load_hub(source: HFInput):
         if isinstance(err, RuntimeError) and SCRIPT_REFUSED in str(err):
             raise DataError(_script_hint(source, err)) from None
         raise DataError(
-            f"input {source} cannot be streamed from the Hugging Face Hub: {_first_line(err)}"
+            f"input {source} cannot be streamed from the Hugging Face Hub: {first_line(err)}"
         ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def _script_hint(source: HFInput, err: RuntimeError) -> str:
@@ -101,7 +97,7 @@ def _load_cached(source: HFInput):
             source.name, source.config, split=source.split, cache_dir=str(cache)
         )
     except (ConnectionError, FileNotFoundError, ValueError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        first = first_line(err)
         if "Unknown split" in first:
             reason = f"has no split '{source.split}' in the cache ({first.split('. ', 1)[-1]})"
         elif "multiple" in first:

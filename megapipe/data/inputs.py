@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from megapipe.data.errors import DataError
+from megapipe.data.errors import DataError, first_line
 from megapipe.data.hub import HF_PREFIX, HFInput, load_hub
 
 EXTENSIONS = (".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".jsonl", ".json", ".txt",
@@ -311,7 +311,7 @@ def _parquet_documents(path: Path, field: str) -> Iterator[str]:
         for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[field]):
             yield from (text for text in batch.column(0).to_pylist() if text is not None)
     except (pa.ArrowException, OSError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = first_line(err)
         raise DataError(f"input file {path} is not valid parquet: {reason}") from None
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megapipe.data.errors import DataError
+from megapipe.data.errors import DataError, first_line
 
 
 class SentencePieceTokenizer:
@@ -110,7 +110,7 @@ def hub_tokenizer(name: str) -> HFTokenizer:
                 "Face cache (offline mode is set); run once online (unset HF_HUB_OFFLINE) to "
                 "download it, or give a local HF tokenizer dir or a sentencepiece .model file"
             ) from None
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        first = first_line(err)
         raise DataError(
             f"--tokenizer {name} is not a local dir or .model file, and the Hugging Face Hub "
             f"gives no tokenizer for it ({first}); check the id or give a local dir"
