@@ -158,6 +158,9 @@ class Attention(nn.Module):
         if bias:
             self.qkv.bias.register_hook(self._zero_key_bias_grad)
 
+    def linears(self) -> tuple[nn.Module, ...]:
+        return (self.qkv, self.proj)
+
     def _zero_key_bias_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The key bias adds q·b_k to every score of a row, which softmax cancels: its exact
         gradient is 0. Computed, it is round-off (~1e-12) that AdamW scales up to real steps,

@@ -16,9 +16,11 @@ from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.config.flops import expert_ffn, is_moe_layer
+from megapipe.config.schema import gated
 from megapipe.models.activations import gelu_tanh
 from megapipe.models.attention import Attention
 from megapipe.models.init import init_parameters
+from megapipe.models.mla import MLA
 from megapipe.models.moe import MoE
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
@@ -46,7 +48,7 @@ def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:
 
 
 def make_norm(cfg: ModelConfig, tp: TPInfo) -> nn.Module:
-    if cfg.arch == "llama":
+    if gated(cfg.arch):
         return RMSNorm(cfg.d_model, cfg.norm_eps, tp)
     return LayerNorm(cfg.d_model, cfg.norm_eps, tp)
 
@@ -56,7 +58,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d_ff: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.swiglu = cfg.arch == "llama"
+        self.swiglu = gated(cfg.arch)
         bias = not self.swiglu
         fc1_out = [d_ff, d_ff] if self.swiglu else d_ff
         self.fc1 = ColumnParallelLinear(cfg.d_model, fc1_out, bias, tp)
@@ -151,7 +153,11 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
-        self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp)
+        selective = recompute == "selective"
+        if cfg.arch == "deepseek_v3":  # multi-head latent attention
+            self.attn = MLA(cfg, tp, selective, cp)
+        else:
+            self.attn = Attention(cfg, d.n_kv_heads, tp, selective, cp)
         self.norm2 = make_norm(cfg, tp)
         self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)
@@ -188,7 +194,7 @@ class TransformerLayer(nn.Module):
         Each is asked through a method of its own (`keep_eager`, `keep_core_eager`), never by
         rebinding its methods. Dropout draws from the same generator as eager: inductor's
         `fallback_random`, set for this compile only (no process-global config)."""
-        main_grads = hasattr(self.attn.qkv.weight, "main_grad")
+        main_grads = hasattr(self.attn.proj.weight, "main_grad")
         eager = eager_linears(split_weight_grads, self.tp.size, main_grads)
         if isinstance(self.mlp, MoE):  # dispatch's row counts are data-dependent
             self.mlp.keep_eager()
@@ -196,7 +202,7 @@ class TransformerLayer(nn.Module):
             for linear in self.mlp.linears():
                 linear.keep_eager()
         if eager:
-            for linear in (self.attn.qkv, self.attn.proj):
+            for linear in self.attn.linears():
                 linear.keep_eager()
         if self.tp.size > 1 or self.attn.cp.size > 1:
             self.attn.keep_core_eager()

@@ -15,6 +15,7 @@ import torch
 
 from megapipe.config import Config, ModelConfig
 from megapipe.config.flops import expert_ffn
+from megapipe.models import hf_deepseek
 from megapipe.models.gpt import GPT
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
@@ -101,6 +102,8 @@ def config_from_hf(hf) -> ModelConfig:
         return _llama_config(hf)
     if kind == "mixtral":
         return _mixtral_config(hf)
+    if kind == "deepseek_v3":
+        return hf_deepseek.config_from_hf(hf)
     raise ValueError(f"HF model_type {kind!r} is not supported; use a gpt2, llama or mixtral model")
 
 
@@ -179,6 +182,8 @@ def from_hf(model) -> GPT:
     )
     cfg = config_from_hf(model.config)
     gpt = GPT(cfg)
+    if cfg.arch == "deepseek_v3":
+        return hf_deepseek.load_hf(gpt, model)
     hf_state = model.state_dict()
     for name, param in gpt.named_parameters():
         names, transpose = hf_names(table_of(cfg), name)
@@ -216,7 +221,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             layer_norm_epsilon=cfg.norm_eps,
             **common,
         )
-    _require(cfg.arch == "llama", f"model.arch={cfg.arch!r} has no HF export")
+    _require(cfg.arch in ("llama", "deepseek_v3"), f"model.arch={cfg.arch!r} has no HF export")
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
     common |= {
         "hidden_size": cfg.d_model,
@@ -230,6 +235,8 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         "attention_dropout": 0.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
     }
+    if cfg.arch == "deepseek_v3":
+        return hf_deepseek.hf_config(cfg, common | {"intermediate_size": d.d_ff})
     if cfg.n_experts:
         return _mixtral_hf_config(cfg, d, common)
     return LlamaConfig(intermediate_size=d.d_ff, attention_bias=False, mlp_bias=False, **common)
@@ -271,6 +278,10 @@ def to_hf(gpt: GPT, out_dir: str, eos_id: int | None = None):
     _check_whole(gpt)
     cfg = gpt.cfg
     model = AutoModelForCausalLM.from_config(hf_config(cfg, eos_id), dtype=torch.float32)
+    if cfg.arch == "deepseek_v3":
+        hf_deepseek.write_hf(gpt, model)
+        model.eval().save_pretrained(out_dir)
+        return model
     hf_params = dict(model.named_parameters())  # a tied lm_head is listed once, as the embedding
     written = set()
     for name, param in gpt.named_parameters():

@@ -35,8 +35,10 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.config.flops import expert_ffn
+from megapipe.config.schema import gated
 from megapipe.distributed import collectives as C
 from megapipe.models.activations import gelu_tanh
+from megapipe.models.routing import make_routing
 from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_weight_grad
 from megapipe.parallel.autograd.weight_grad import accumulate
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
@@ -67,7 +69,7 @@ class Experts(ShardedModule):
 
     def __init__(self, cfg: ModelConfig, ffn: int, tp: TPInfo, ep: EPInfo) -> None:
         super().__init__(tp)
-        self.swiglu = cfg.arch == "llama"
+        self.swiglu = gated(cfg.arch)
         e, d = cfg.n_experts, cfg.d_model
         fan = 2 * ffn if self.swiglu else ffn
         self.ep = ep
@@ -175,6 +177,7 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef, self.z_coef = cfg.moe_aux_coef, cfg.moe_z_coef
         self.router = Router(cfg.d_model, cfg.n_experts, tp)
+        self.routing = make_routing(cfg)  # softmax top-k, or DeepSeek-V3's (models/routing.py)
         self.experts = Experts(cfg, expert_ffn(cfg, d_ff), tp, ep)
         self.shared = shared  # an MLP of moe_shared_experts · ffn (models/gpt.py), or None
         self.tp, self.cp, self.ep = tp, cp, ep
@@ -195,9 +198,7 @@ class MoE(nn.Module):
         b, n, d = x.shape
         flat = x.reshape(-1, d)
         logits = self.router(flat)  # (b·n, E) float32
-        probs = logits.softmax(-1)
-        top_p, top_i = probs.topk(self.top_k, dim=-1)  # (b·n, k)
-        gates = top_p / top_p.sum(-1, keepdim=True)
+        probs, top_i, gates = self.routing(logits)  # (b·n, E), (b·n, k), (b·n, k)
         chosen = torch.zeros_like(probs, dtype=torch.int32).scatter_(1, top_i, 1).view(b, n, -1)
         counts = self._sequence_sum(chosen.sum(1).double()).float()  # (b, E): the sequences'
         mass = probs.view(b, n, -1).sum(1)  # (b, E): this rank's part of T · P_e

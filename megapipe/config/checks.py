@@ -36,7 +36,7 @@ from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
-ARCHS = ("gpt2", "llama")
+ARCHS = ("gpt2", "llama", "deepseek_v3")
 RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("synthetic", "memmap")
@@ -156,6 +156,8 @@ def _check_model(cfg: Config) -> None:
         m.n_heads % kv == 0,
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
     )
+    if m.arch == "deepseek_v3":
+        _check_deepseek(m, cfg.parallel.cp)
     if m.arch == "llama":
         head_dim = m.d_model // m.n_heads
         _require(
@@ -164,6 +166,36 @@ def _check_model(cfg: Config) -> None:
             "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
             f"2·model.n_heads={2 * m.n_heads}",
         )
+
+
+def _check_deepseek(m, cp: int) -> None:
+    """deepseek_v3's attention and routing shapes (models/mla.py, models/routing.py)."""
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    _require(
+        cp == 1 or m.v_head_dim <= qk,
+        f"model.v_head_dim={m.v_head_dim} > qk_nope_head_dim + qk_rope_head_dim={qk} is not "
+        "built under parallel.cp > 1 (the ring pads values to the key width); lower it",
+    )
+    _require(
+        m.qk_rope_head_dim % 2 == 0,
+        f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)",
+    )
+    if m.n_experts == 0:
+        return
+    _require(
+        m.n_experts % m.n_group == 0 and m.n_experts // m.n_group >= 2,
+        f"model.n_group={m.n_group} must divide model.n_experts={m.n_experts} into groups "
+        "of at least 2 experts (a group scores by its top 2)",
+    )
+    _require(
+        m.topk_group <= m.n_group,
+        f"model.topk_group={m.topk_group} must be at most model.n_group={m.n_group}",
+    )
+    reach = m.n_experts // m.n_group * m.topk_group
+    _require(
+        m.top_k <= reach,
+        f"model.top_k={m.top_k} exceeds the {reach} experts of model.topk_group groups",
+    )
 
 
 def _check_parallel(cfg: Config) -> None:

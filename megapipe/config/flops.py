@@ -13,8 +13,9 @@ from megapipe.plan.seq1f1b import balanced_segments
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
     """Layer `index` (0-based) has a mixture-of-experts MLP: layers k-1, 2k-1, ... of
-    k = model.moe_every (models/moe.py)."""
-    return m.n_experts > 0 and (index + 1) % m.moe_every == 0
+    k = model.moe_every (models/moe.py), past the first model.first_k_dense_replace layers."""
+    past_dense = index >= m.first_k_dense_replace
+    return m.n_experts > 0 and past_dense and (index + 1) % m.moe_every == 0
 
 
 def expert_ffn(m: ModelConfig, d_ff: int) -> int:

@@ -90,6 +90,23 @@ class ModelConfig:
     moe_capacity_factor: float = bounded(0.0, low=0, note="0: dropless")
     moe_aux_coef: float = bounded(0.01, low=0)  # load-balancing loss weight (Switch / GShard)
     moe_z_coef: float = bounded(0.0, low=0)  # router z-loss weight (ST-MoE)
+    # deepseek_v3 (docs/models.md): multi-head latent attention (models/mla.py), transformers'
+    # names; the query's low-rank compression, 0: a plain query projection
+    q_lora_rank: int = bounded(0, low=0, note="0: no query LoRA")
+    kv_lora_rank: int = bounded(32, low=1)  # the compressed K/V latent's width
+    qk_nope_head_dim: int = bounded(16, low=1)  # per-head query/key dims without RoPE
+    qk_rope_head_dim: int = bounded(8, low=2)  # the decoupled RoPE dims (one key for all heads)
+    v_head_dim: int = bounded(16, low=1)  # per-head value dims
+    # deepseek_v3 routing (models/routing.py): sigmoid scores, top-k within the topk_group best
+    # of n_group expert groups, gates renormalised (norm_topk_prob) and scaled
+    n_group: int = bounded(1, low=1)
+    topk_group: int = bounded(1, low=1)
+    routed_scaling_factor: float = bounded(1.0, low=0, low_open=True)
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = bounded(0, low=0)  # the first k layers keep a dense MLP
+    # aux-loss-free balancing (DeepSeek-V3 §2.1.2): each step, every expert's selection bias
+    # moves by rate · sign(mean load − its load), the load counted over the whole batch
+    moe_bias_update_rate: float = bounded(0.0, low=0, note="0: bias fixed")
 
 
 @dataclass
@@ -309,8 +326,13 @@ class Derived:
         )
 
 
+def gated(arch: str) -> bool:
+    """RMSNorm and SwiGLU MLPs (llama's family) rather than GPT-2's LayerNorm and GELU."""
+    return arch in ("llama", "deepseek_v3")
+
+
 def default_d_ff(arch: str, d_model: int) -> int:
-    if arch == "llama":  # SwiGLU keeps 8/3·d hidden units, rounded up to 64 (Llama paper §2)
+    if gated(arch):  # SwiGLU keeps 8/3·d hidden units, rounded up to 64 (Llama paper §2)
         return 64 * ((8 * d_model // 3 + 63) // 64)
     return 4 * d_model
 
