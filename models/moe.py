@@ -134,6 +134,7 @@ class _AttachLoss(torch.autograd.Function):
             aux = moe.n_experts * (share * own_mass).sum()  # this segment's part of T · aux
             stats = torch.cat([stats[:-2], aux.detach().reshape(1).to(stats), stats[-1:]])
         moe.stats.add(stats)
+        moe.routing.count(stats[: moe.n_experts])  # aux-loss-free balancing's load
         grad_mass = share * (ctx.scale * moe.aux_coef * moe.n_experts)
         grad_z = torch.full((), ctx.scale * moe.z_coef, dtype=torch.float32, device=grad.device)
         return grad, grad_mass, grad_z, None, None, None, None, None

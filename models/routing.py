@@ -29,6 +29,9 @@ class SoftmaxTopK(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
 
+    def count(self, routed: torch.Tensor) -> None:
+        """The load is not kept (no bias to balance)."""
+
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(probabilities (N, E) for the balance loss, chosen experts (N, k), gates (N, k))."""
         probs = logits.softmax(-1)
@@ -43,6 +46,7 @@ class SigmoidGroupTopK(nn.Module):
         self.scale, self.norm = cfg.routed_scaling_factor, cfg.norm_topk_prob
         self.rate = cfg.moe_bias_update_rate
         self.register_buffer("bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        self.load = None  # this step's rows per expert on this rank, float64
 
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         scores = logits.sigmoid()  # (N, E) float32
@@ -61,6 +65,17 @@ class SigmoidGroupTopK(nn.Module):
             gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
         probs = scores / scores.sum(-1, keepdim=True)
         return probs, top_i, gates * self.scale
+
+    def count(self, routed: torch.Tensor) -> None:
+        """Add a microbatch's rows per expert (E,) to this step's load (models/moe.py)."""
+        routed = routed.detach().to(torch.float64)
+        self.load = routed if self.load is None else self.load + routed
+
+    def take_load(self) -> torch.Tensor:
+        """This step's load on this rank (zeros when no backward ran), and start the next."""
+        load = self.load if self.load is not None else torch.zeros(self.bias.shape[0])
+        self.load = None
+        return load.to(torch.float64).cpu()
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:

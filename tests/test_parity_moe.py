@@ -23,6 +23,14 @@ LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 SP = ["parallel.sequence_parallel=true"]
 MB2, MB4 = ["parallel.microbatches=2"], ["parallel.microbatches=4"]
 BF16 = ["train.params_dtype=bfloat16", "train.dtype=bfloat16", LOW_LR]
+# deepseek_v3 (docs/models.md): latent attention with a query LoRA and v_head_dim != the qk
+# width (the ring pads v), sigmoid routing within 2 of 3 groups, a shared expert, a first dense
+# layer, and the selection bias moving each step (its load summed over the mesh)
+DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model.topk_group=2",
+        "model.first_k_dense_replace=1", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=10",
+        "model.routed_scaling_factor=2.5", "model.moe_bias_update_rate=0.01", *SHARED,
+        "model.tie_embeddings=false", "model.d_ff=64"]  # fmt: skip
 
 
 def pp(schedule: str, m: int, vpp: int = 1) -> list[str]:
@@ -50,6 +58,10 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-dualpipe-cap", 1, 1, [*pp("dualpipe", 4, 2), *CAP]),
         ("cp2", 1, 1, ["parallel.cp=2", *SHARED]),
         ("cp2-llama-cap-full", 1, 1, ["parallel.cp=2", *LLAMA, *CAP, "recompute.mode=full"]),
+        ("tp2-sp-dsv3", 1, 2, [*SP, *DSV3]),
+        ("pp2-1f1b-dsv3", 1, 1, [*pp("1f1b", 4), *DSV3]),
+        ("cp2-dsv3", 1, 1, ["parallel.cp=2", *DSV3]),
+        ("dp2-ep2-dsv3", 2, 1, [*MB2, "parallel.ep=2", *DSV3]),
     ],
     4: [
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),
@@ -111,6 +123,9 @@ def moe_case(overrides: list[str], steps: int = 3) -> dict:
     with job.full_weights():
         for chunk in job.engine.chunks:
             weights.update(gather_logical(chunk))
+            for name, buf in chunk.named_buffers():  # deepseek_v3's selection biases
+                if name.endswith("routing.bias"):
+                    weights[name] = buf.clone()
     deferred = getattr(getattr(job.engine, "runtime", None), "deferred_matmuls", 0)
     return {
         "losses": losses, "grad_norms": norms, "weights": weights, "moe": figures,

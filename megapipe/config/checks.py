@@ -156,6 +156,7 @@ def _check_model(cfg: Config) -> None:
         m.n_heads % kv == 0,
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
     )
+    _check_bias_update(cfg)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
     if m.arch == "llama":
@@ -166,6 +167,23 @@ def _check_model(cfg: Config) -> None:
             "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
             f"2·model.n_heads={2 * m.n_heads}",
         )
+
+
+def _check_bias_update(cfg: Config) -> None:
+    """Aux-loss-free balancing (train/moe_balance.py) updates once per flushed step."""
+    m, p = cfg.model, cfg.parallel
+    if m.moe_bias_update_rate == 0:
+        return
+    _require(
+        m.arch == "deepseek_v3" and m.n_experts > 0,
+        "model.moe_bias_update_rate > 0 needs model.arch=deepseek_v3 with model.n_experts > 0 "
+        "(the bias is its routing's); set it 0",
+    )
+    _require(
+        p.schedule != "pipedream_async" and not p.post_validation,
+        "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
+        "parallel.post_validation (one bias step per flushed step); set it 0",
+    )
 
 
 def _check_deepseek(m, cp: int) -> None:

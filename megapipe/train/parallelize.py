@@ -35,6 +35,7 @@ from megapipe.pipeline.stages import (
 from megapipe.train.batches import BatchSlice, document_eos
 from megapipe.train.evaluate import evaluate
 from megapipe.train.hooks import NO_HOOKS, TrainHooks
+from megapipe.train.moe_balance import BiasBalancing
 from megapipe.train.optim import build_optimizer
 from megapipe.train.post_validation import PostValidatedEngine
 from megapipe.train.replica import Replica
@@ -50,6 +51,7 @@ class Job:
     engine: Engine  # Replica | Pipeline | PipeDreamPipeline | PostValidatedEngine
     slice: BatchSlice
     mesh: object = None  # None: one process
+    balance: BiasBalancing | None = None  # model.moe_bias_update_rate (train/moe_balance.py)
 
     @property
     def progress(self) -> Progress:
@@ -65,7 +67,7 @@ class Job:
         loss_limit: float = math.inf,
     ) -> StepResult:
         """One training step (train/step.train_step); a loss above `loss_limit` is skipped."""
-        return train_step(
+        result = train_step(
             self.engine,
             self.slice,
             optimizer,
@@ -76,6 +78,9 @@ class Job:
             loss_limit,
             self.progress,
         )
+        if self.balance is not None:
+            self.balance.after_step(result.skipped)
+        return result
 
     @property
     def post_validated(self) -> bool:
@@ -114,10 +119,13 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
     sharding = _sharding(cfg, mesh)  # data-parallel sharding: the ZeRO level's strategy
     if place is None:  # no pipeline: the one replica and its dp × cp reducer
         engine: Engine = replica(cfg, chunks[0], mesh, bucket_mb, parts, sharding)
-        return Job(cfg, chunks[0], engine, _slice(cfg, mesh), mesh)
+        balance = BiasBalancing.of(cfg, chunks[0], mesh)
+        return Job(cfg, chunks[0], engine, _slice(cfg, mesh), mesh, balance)
     reducers = chunk_reducers(cfg, mesh, chunks, bucket_mb, sharding)  # dp × cp, per chunk
     engine = _pipeline(cfg, mesh, chunks, reducers, parts, sharding)  # the pipeline stages
-    return Job(cfg, nn.ModuleList(chunks), engine, _slice(cfg, mesh), mesh)  # + optimizer()
+    model = nn.ModuleList(chunks)
+    balance = BiasBalancing.of(cfg, model, mesh)
+    return Job(cfg, model, engine, _slice(cfg, mesh), mesh, balance)  # + optimizer()
 
 
 def _sharding(cfg: Config, mesh) -> Sharding:
