@@ -23,9 +23,9 @@ LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 SP = ["parallel.sequence_parallel=true"]
 MB2, MB4 = ["parallel.microbatches=2"], ["parallel.microbatches=4"]
 BF16 = ["train.params_dtype=bfloat16", "train.dtype=bfloat16", LOW_LR]
-# deepseek_v3 (docs/models.md): latent attention with a query LoRA and v_head_dim != the qk
-# width (the ring pads v), sigmoid routing within 2 of 3 groups, a shared expert, a first dense
-# layer, and the selection bias moving each step (its load summed over the mesh)
+# deepseek_v3 (docs/moe.md, "DeepSeek-V3"): latent attention with a query LoRA and v_head_dim !=
+# the qk width (the ring pads v), sigmoid routing within 2 of 3 groups, a shared expert, a first
+# dense layer, and the selection bias moving each step (its load summed over the mesh)
 DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model.topk_group=2",
         "model.first_k_dense_replace=1", "model.q_lora_rank=16", "model.kv_lora_rank=16",
         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=10",

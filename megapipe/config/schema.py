@@ -63,7 +63,8 @@ def bounds_of(f: dataclasses.Field) -> Bounds | None:
 
 @dataclass
 class ModelConfig:
-    # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no biases
+    # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no
+    # biases; deepseek_v3: llama's with latent attention and DeepSeek-V3's routing (docs/moe.md)
     arch: str = "gpt2"
     n_layers: int = bounded(2, low=1)  # transformer layers
     d_model: int = bounded(64, low=1)  # hidden size
@@ -90,19 +91,18 @@ class ModelConfig:
     moe_capacity_factor: float = bounded(0.0, low=0, note="0: dropless")
     moe_aux_coef: float = bounded(0.01, low=0)  # load-balancing loss weight (Switch / GShard)
     moe_z_coef: float = bounded(0.0, low=0)  # router z-loss weight (ST-MoE)
-    # deepseek_v3 (docs/models.md): multi-head latent attention (models/mla.py), transformers'
-    # names; the query's low-rank compression, 0: a plain query projection
+    # deepseek_v3 (docs/moe.md): latent attention (models/mla.py), transformers' names; the
+    # query's low-rank compression, 0: a plain query projection
     q_lora_rank: int = bounded(0, low=0, note="0: no query LoRA")
     kv_lora_rank: int = bounded(32, low=1)  # the compressed K/V latent's width
     qk_nope_head_dim: int = bounded(16, low=1)  # per-head query/key dims without RoPE
     qk_rope_head_dim: int = bounded(8, low=2)  # the decoupled RoPE dims (one key for all heads)
     v_head_dim: int = bounded(16, low=1)  # per-head value dims
-    # deepseek_v3 routing (models/routing.py): sigmoid scores, top-k within the topk_group best
-    # of n_group expert groups, gates renormalised (norm_topk_prob) and scaled
-    n_group: int = bounded(1, low=1)
-    topk_group: int = bounded(1, low=1)
-    routed_scaling_factor: float = bounded(1.0, low=0, low_open=True)
-    norm_topk_prob: bool = True
+    # deepseek_v3 routing (models/routing.py): sigmoid scores, top-k within the best groups
+    n_group: int = bounded(1, low=1)  # expert groups, each scored by its best two
+    topk_group: int = bounded(1, low=1)  # groups a token's experts may come from
+    routed_scaling_factor: float = bounded(1.0, low=0, low_open=True)  # gates' multiplier
+    norm_topk_prob: bool = True  # gates renormalised over the chosen experts
     first_k_dense_replace: int = bounded(0, low=0)  # the first k layers keep a dense MLP
     # aux-loss-free balancing (DeepSeek-V3 §2.1.2): each step, every expert's selection bias
     # moves by rate · sign(mean load − its load), the load counted over the whole batch
