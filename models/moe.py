@@ -304,3 +304,11 @@ def set_loss_scale(model: nn.Module, scale: float) -> None:
     for module in model.modules():
         if isinstance(module, MoE):
             module.loss_scale = scale
+
+
+def routing_biases(model: nn.Module):
+    """(logical name, buffer, TPInfo) of every selection bias of `model` (DeepSeek-V3's routing,
+    models/routing.py): state that checkpoints keep beside the parameters."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoE) and hasattr(module.routing, "bias"):
+            yield f"{name}.routing.bias", module.routing.bias, module.tp

@@ -46,6 +46,7 @@ from megapipe.config import Config, ConfigError, load_config, write_config
 from megapipe.distributed.launch import distributed, rank
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.models.gpt import GPT
+from megapipe.models.moe import routing_biases
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, expert_ep
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -122,6 +123,8 @@ def training_entries(model: nn.Module, optimizer, mains: dict | None = None) -> 
                 out.append(Entry(f"optim.{name}.{key}", value, shape if sharded else value.shape,
                                  spec if sharded else ShardSpec(), tp, copy,
                                  ep if sharded else NO_EP))  # fmt: skip
+        for name, buf, tp in routing_biases(chunk):  # replicated state, not a parameter
+            out.append(Entry(f"model.{name}", buf, tuple(buf.shape), ShardSpec(), tp, False))
     return out
 
 
@@ -433,5 +436,6 @@ def load_for_inference(path: str):
         raise CheckpointError(f"checkpoint '{path}': {e}") from None
     model = GPT(cfg.model, seed=cfg.train.seed)
     tensors = {f"model.{name}": p.data for name, p in model.named_parameters()}
+    tensors |= {f"model.{name}": buf for name, buf, _ in routing_biases(model)}
     load_tensors(path, tensors, meta.get("files"))
     return cfg, model.eval()

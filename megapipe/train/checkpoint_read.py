@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from megapipe._torch_compat import narrow_to_block
 from megapipe.distributed.launch import distributed, rank
+from megapipe.models.moe import routing_biases
 from megapipe.parallel.expert.sharding import expert_offset
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
@@ -108,6 +109,8 @@ def read_targets(chunks: list[nn.Module], optimizer) -> Targets:
                     t.add(f"optim.{name}.{key}", tp_blocks(value, shape, spec, tp, first))
                 else:
                     t.scalar(f"optim.{name}.{key}", value)
+        for name, buf, _ in routing_biases(chunk):  # replicated state, not a parameter
+            t.add(f"model.{name}", [([0] * buf.dim(), buf)])
     return t
 
 

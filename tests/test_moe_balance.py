@@ -1,0 +1,69 @@
+"""Aux-loss-free balancing (train/moe_balance.py, models/routing.py) on one process: the bias
+step is rate · sign(mean load − load) of the step's load, the bias round-trips a checkpoint,
+and the deepseek_v3 keys' one-line refusals. Mesh parity: tests/test_parity_moe.py's dsv3
+cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from megapipe.data.loader import build_data
+from megapipe.models.moe import routing_biases
+from megapipe.train import checkpoint
+from megapipe.train.moe_metrics import moe_record
+from megapipe.train.parallelize import parallelize
+from tests.parity import tiny_config
+
+RATE = 0.01
+DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model.topk_group=2",
+        "model.first_k_dense_replace=1", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+        "model.qk_rope_head_dim=4", "model.v_head_dim=8", f"model.moe_bias_update_rate={RATE}",
+        "parallel.microbatches=2"]  # fmt: skip
+
+
+def _biases(model) -> dict[str, torch.Tensor]:
+    return {name: buf.clone() for name, buf, _ in routing_biases(model)}
+
+
+def test_the_bias_steps_by_the_sign_of_the_load_error_and_survives_a_checkpoint(tmp_path):
+    cfg = tiny_config([*DSV3, f"checkpoint.dir={tmp_path}/ckpt"], str(tmp_path))
+    torch.manual_seed(cfg.train.seed)
+    job = parallelize(cfg, None)
+    optimizer = job.optimizer()
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    expected = {name: torch.zeros_like(b) for name, b in _biases(job.model).items()}
+    for step in range(2):
+        job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step)
+        loads = moe_record(cfg, job.model)["moe_load"]  # the step's rows per expert, per layer
+        for name, load in zip(sorted(expected), loads, strict=True):
+            load = torch.tensor(load, dtype=torch.float64)
+            expected[name] += RATE * torch.sign(load.mean() - load).float()
+    got = _biases(job.model)
+    assert sorted(got) == ["layers.1.mlp.routing.bias"]
+    assert all(b.abs().sum() > 0 for b in got.values())  # the loads were uneven: it moved
+    for name in got:
+        assert torch.equal(got[name], expected[name]), name
+    path = checkpoint.save(cfg, 2, job.model, optimizer)
+    fresh = parallelize(cfg, None)
+    checkpoint.load(path, cfg, fresh.model, fresh.optimizer())
+    assert all(torch.equal(got[n], b) for n, b in _biases(fresh.model).items())
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["model.n_group=4"], "model.n_group=4 must divide model.n_experts=6"),
+        (["model.topk_group=4"], "model.topk_group=4 must be at most model.n_group=3"),
+        (["model.n_group=3", "model.topk_group=1", "model.top_k=3"], "model.top_k=3 exceeds"),
+        (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim=5 must be even"),
+        (["model.arch=llama"], "model.moe_bias_update_rate > 0 needs model.arch=deepseek_v3"),
+        (["parallel.post_validation=true", "parallel.pp=2"], "post_validation"),
+        (["parallel.cp=2", "model.v_head_dim=20"], "model.v_head_dim=20 > qk_nope_head_dim"),
+    ],
+)
+def test_bad_deepseek_config_is_one_line_error(tmp_path, overrides, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        tiny_config([*DSV3, *overrides], str(tmp_path))
+    assert "\n" not in str(err.value)
