@@ -20,8 +20,9 @@ from megapipe.config.schema import gated
 from megapipe.models.activations import gelu_tanh
 from megapipe.models.attention import Attention
 from megapipe.models.init import init_parameters
-from megapipe.models.mla import MLA
+from megapipe.models.mla import MLA, ReplicatedLinear
 from megapipe.models.moe import MoE
+from megapipe.models.mtp import MTP, MTPModule
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.precision import Precision
@@ -249,6 +250,18 @@ class Head(nn.Module):
         )  # fmt: skip
 
 
+def build_mtp(cfg: ModelConfig, d: Derived, tp: TPInfo, recompute, cp: CPInfo, ep: EPInfo) -> MTP:
+    """model.mtp_layers modules, each block the kind of layer n_layers + k − 1 (MoE past the
+    dense first layers, as DeepSeek-V3's MTP layer)."""
+    modules = []
+    for k in range(cfg.mtp_layers):
+        index = cfg.n_layers + k
+        block = TransformerLayer(cfg, d, tp, layer_mode(recompute, index), cp, index, ep)
+        proj = ReplicatedLinear(2 * cfg.d_model, cfg.d_model, tp)
+        modules.append(MTPModule(cfg, block, proj, tp))
+    return MTP(cfg, modules, tp)
+
+
 TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied
 
 
@@ -277,8 +290,12 @@ class GPT(nn.Module):
         self.has_embedding = 0 in self.blocks
         self.head = Head(cfg, tp) if n_blocks - 1 in self.blocks else None
         self.embed = None
-        if self.has_embedding or (self.head is not None and cfg.tie_embeddings):
+        shares_table = cfg.tie_embeddings or cfg.mtp_layers > 0  # the head's or MTP's lookup
+        if self.has_embedding or (self.head is not None and shares_table):
             self.embed = Embedding(cfg, tp, table_only=not self.has_embedding)
+        self.mtp = None  # multi-token prediction beside the head (models/mtp.py)
+        if self.head is not None and cfg.mtp_layers:
+            self.mtp = build_mtp(cfg, derived, tp, recompute, cp, ep)
         self.layers = nn.ModuleDict()  # keyed by global layer index: names stay logical
         for b in self.blocks:
             if 1 <= b <= cfg.n_layers:
@@ -292,6 +309,14 @@ class GPT(nn.Module):
     def tied_table(self) -> nn.Parameter | None:
         """The token table the head reuses, on a chunk with the embedding or a tied head."""
         if not self.cfg.tie_embeddings or self.embed is None:
+            return None
+        return self.embed.tok.weight
+
+    @property
+    def shared_table(self) -> nn.Parameter | None:
+        """The token table that the last stage also reads (a tied head's, or MTP's lookups),
+        whose copies pipeline/tied.py keeps equal."""
+        if self.embed is None or not (self.cfg.tie_embeddings or self.cfg.mtp_layers):
             return None
         return self.embed.tok.weight
 
@@ -331,4 +356,9 @@ class GPT(nn.Module):
             x = layer(x, positions, segment, documents)
         if self.head is None:
             return x
-        return self.head(x, targets, table)
+        out = self.head(x, targets, table)
+        if self.mtp is None or targets is None:
+            return out
+        weight = self.head.out.weight  # the shared head (mtp_layers refuses a tied one)
+        extra = self.mtp.loss(x, targets, self.embed.tok, weight, positions, documents)
+        return out + (extra - extra.detach())  # MTP's grads; the reported loss stays the LM's

@@ -130,9 +130,10 @@ def hf_config(cfg: ModelConfig, common: dict):
 
 
 def _tensors(gpt: GPT):
-    yield from gpt.named_parameters()
+    """What maps to transformers' tensors: all but the MTP modules, which it has no place for."""
+    yield from ((n, p) for n, p in gpt.named_parameters() if not n.startswith("mtp."))
     for name, buf in gpt.named_buffers():
-        if name.endswith("mlp.routing.bias"):
+        if name.endswith("mlp.routing.bias") and not name.startswith("mtp."):
             yield name, buf
 
 

@@ -31,6 +31,7 @@ DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model
         "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=10",
         "model.routed_scaling_factor=2.5", "model.moe_bias_update_rate=0.01", *SHARED,
         "model.tie_embeddings=false", "model.d_ff=64"]  # fmt: skip
+MTP2 = ["model.mtp_layers=2", "model.mtp_loss_coef=0.5"]  # two depths on the last stage
 
 
 def pp(schedule: str, m: int, vpp: int = 1) -> list[str]:
@@ -58,10 +59,10 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-dualpipe-cap", 1, 1, [*pp("dualpipe", 4, 2), *CAP]),
         ("cp2", 1, 1, ["parallel.cp=2", *SHARED]),
         ("cp2-llama-cap-full", 1, 1, ["parallel.cp=2", *LLAMA, *CAP, "recompute.mode=full"]),
-        ("tp2-sp-dsv3", 1, 2, [*SP, *DSV3]),
-        ("pp2-1f1b-dsv3", 1, 1, [*pp("1f1b", 4), *DSV3]),
+        ("tp2-sp-dsv3-mtp", 1, 2, [*SP, *DSV3, *MTP2]),
+        ("pp2-1f1b-dsv3-mtp", 1, 1, [*pp("1f1b", 4), *DSV3, *MTP2]),
         ("cp2-dsv3", 1, 1, ["parallel.cp=2", *DSV3]),
-        ("dp2-ep2-dsv3", 2, 1, [*MB2, "parallel.ep=2", *DSV3]),
+        ("dp2-ep2-dsv3-mtp", 2, 1, [*MB2, "parallel.ep=2", *DSV3, *MTP2]),
     ],
     4: [
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),

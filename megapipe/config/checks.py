@@ -157,6 +157,7 @@ def _check_model(cfg: Config) -> None:
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
     )
     _check_bias_update(cfg)
+    _check_mtp(cfg)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
     if m.arch == "llama":
@@ -183,6 +184,26 @@ def _check_bias_update(cfg: Config) -> None:
         p.schedule != "pipedream_async" and not p.post_validation,
         "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
         "parallel.post_validation (one bias step per flushed step); set it 0",
+    )
+
+
+def _check_mtp(cfg: Config) -> None:
+    """Multi-token prediction (models/mtp.py) where it is built."""
+    m, p = cfg.model, cfg.parallel
+    if m.mtp_layers == 0:
+        return
+    _require(
+        not m.tie_embeddings,
+        "model.mtp_layers > 0 needs model.tie_embeddings=false (MTP shares an untied head)",
+    )
+    _require(
+        m.mtp_layers < m.seq_len,
+        f"model.mtp_layers={m.mtp_layers} must be below model.seq_len={m.seq_len}",
+    )
+    _require(
+        p.cp == 1 and p.seq_segments == 1,
+        "model.mtp_layers > 0 is not built with parallel.cp > 1 or parallel.seq_segments > 1 "
+        "(its shifted targets cross the sequence's split); set it 0",
     )
 
 

@@ -107,6 +107,10 @@ class ModelConfig:
     # aux-loss-free balancing (DeepSeek-V3 §2.1.2): each step, every expert's selection bias
     # moves by rate · sign(mean load − its load), the load counted over the whole batch
     moe_bias_update_rate: float = bounded(0.0, low=0, note="0: bias fixed")
+    # multi-token prediction (DeepSeek-V3 §2.2, models/mtp.py): modules on the last stage, the
+    # k-th predicting the token k + 1 ahead through the shared embedding and head
+    mtp_layers: int = bounded(0, low=0, note="0: none")
+    mtp_loss_coef: float = bounded(0.3, low=0)  # MTP loss weight λ, over the depths' mean
 
 
 @dataclass

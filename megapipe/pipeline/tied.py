@@ -25,7 +25,7 @@ class TiedEmbedding:
         self.last = placement.num_stages - 1
         self.copies: dict[int, nn.Parameter] = {}
         for stage, chunk in zip(stages, chunks):
-            table = chunk.tied_table
+            table = chunk.shared_table  # the tied head's or MTP's (models/gpt.py)
             if table is not None and stage in (0, self.last):
                 self.copies[stage] = table
 
