@@ -7,7 +7,8 @@ then the SHARED output head on norm_k(h_k) against t_{i+k+1}. Inputs t_{i+k} and
 t_{i+k+1} are the main targets (t_{i+1}) shifted by k − 1 and k, so the modules need no more
 tokens than a sample's seq_len + 1: position i has an MTP-k target for i < T − k only. The
 sequence keeps its length T through the blocks (the last k inputs repeat the last token;
-causal attention keeps them out of the earlier positions) and the head takes the first T − k.
+causal attention keeps them out of the earlier positions) and the head takes the first T − k;
+a MoE block's balance statistics count those k positions too.
 The embedding is the main model's: on the last stage its copy, kept equal to stage 0's as the
 tied table's is (pipeline/tied.py, models/gpt.GPT.shared_table).
 
