@@ -259,7 +259,7 @@ def build_mtp(cfg: ModelConfig, d: Derived, tp: TPInfo, recompute, cp: CPInfo, e
         block = TransformerLayer(cfg, d, tp, layer_mode(recompute, index), cp, index, ep)
         proj = ReplicatedLinear(2 * cfg.d_model, cfg.d_model, tp)
         modules.append(MTPModule(cfg, block, proj, tp))
-    return MTP(cfg, modules, tp)
+    return MTP(cfg, modules, tp, cp)
 
 
 TIED_EMBEDDING = "embed.tok.weight"  # the token table the LM head reuses when tied

@@ -7,7 +7,8 @@ then the SHARED output head on norm_k(h_k) against t_{i+k+1}. Inputs t_{i+k} and
 t_{i+k+1} are the main targets (t_{i+1}) shifted by k − 1 and k, so the modules need no more
 tokens than a sample's seq_len + 1: position i has an MTP-k target for i < T − k only. The
 sequence keeps its length T through the blocks (the last k inputs repeat the last token;
-causal attention keeps them out of the earlier positions) and the head takes the first T − k;
+causal attention keeps them out of the earlier positions) and the head takes the positions
+with a target (under cp, this rank's of them, the targets gathered over cp);
 a MoE block's balance statistics count those k positions too.
 The embedding is the main model's: on the last stage its copy, kept equal to stage 0's as the
 tied table's is (pipeline/tied.py, models/gpt.GPT.shared_table).
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.distributed import collectives as C
+from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.tensor.cross_entropy import linear_cross_entropy
 from megapipe.parallel.tensor.layers import RMSNorm
 from megapipe.parallel.tensor.mappings import enter_column
@@ -48,26 +51,39 @@ class MTPModule(nn.Module):
 class MTP(nn.Module):
     """The D modules and their loss (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, modules: list[MTPModule], tp: TPInfo = NO_TP) -> None:
+    def __init__(
+        self, cfg: ModelConfig, modules: list[MTPModule], tp: TPInfo = NO_TP, cp: CPInfo = NO_CP
+    ) -> None:
         super().__init__()
         self.depths = nn.ModuleList(modules)
-        self.coef, self.tp, self.vocab_size = cfg.mtp_loss_coef, tp, cfg.vocab_size
+        self.coef, self.tp, self.cp, self.vocab_size = cfg.mtp_loss_coef, tp, cp, cfg.vocab_size
 
     def loss(self, h, targets, embed, weight, positions, documents=None) -> torch.Tensor:
         """Σ over depths and positions of the MTP cross entropy times coef / D; `h` (B, T[/tp],
-        d) the main hidden states, `targets` (B, T) the main targets, `embed` the token lookup,
-        `weight` the head's (V/tp, d) vocabulary slice."""
-        T = targets.shape[1]
+        d) the main hidden states, `targets` (B, T/cp) this rank's main targets, `embed` the
+        token lookup, `weight` the head's (V/tp, d) vocabulary slice."""
+        whole, places = self._whole(targets)  # (B, T), (T/cp,)
+        T = whole.shape[1]
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         vocab_start = self.tp.rank * weight.shape[0]
         for k, module in enumerate(self.depths, start=1):
-            ids = torch.cat([targets[:, k - 1 :], targets[:, -1:].expand(-1, k - 1)], dim=1)
+            ids = whole[:, (places + k - 1).clamp(max=T - 1)]  # t_{i+k}; the last repeated
             h = module(h, embed(ids), positions, documents)
-            x = enter_column(module.norm(h), self.tp)[:, : T - k]  # (B, T − k, d)
-            total = (
-                total
-                + linear_cross_entropy(
-                    x, weight, targets[:, k:], vocab_start, self.vocab_size, self.tp
-                ).float()
-            )
+            keep = places < T - k  # the positions with a token k + 1 ahead
+            x = enter_column(module.norm(h), self.tp)[:, keep]  # (B, n, d)
+            want = whole[:, places[keep] + k]
+            ce = linear_cross_entropy(x, weight, want, vocab_start, self.vocab_size, self.tp)
+            total = total + ce.float()
         return total * (self.coef / len(self.depths))
+
+    def _whole(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sequences' targets and the places of this rank's tokens in them: under cp
+        its zigzag slice's (parallel/context/zigzag.py), the targets gathered over cp (the
+        shifted ones lie on other cp ranks)."""
+        places = self.cp.positions(targets.shape[1] * self.cp.size, targets.device)
+        if self.cp.size == 1:
+            return targets, places
+        every = C.all_gather(targets, 1, self.cp.group)
+        whole = torch.empty_like(every)
+        whole[:, C.all_gather(places, 0, self.cp.group)] = every
+        return whole, places

@@ -61,7 +61,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-llama-cap-full", 1, 1, ["parallel.cp=2", *LLAMA, *CAP, "recompute.mode=full"]),
         ("tp2-sp-dsv3-mtp", 1, 2, [*SP, *DSV3, *MTP2]),
         ("pp2-1f1b-dsv3-mtp", 1, 1, [*pp("1f1b", 4), *DSV3, *MTP2]),
-        ("cp2-dsv3", 1, 1, ["parallel.cp=2", *DSV3]),
+        ("cp2-dsv3-mtp", 1, 1, ["parallel.cp=2", *DSV3, *MTP2]),
         ("dp2-ep2-dsv3-mtp", 2, 1, [*MB2, "parallel.ep=2", *DSV3, *MTP2]),
     ],
     4: [

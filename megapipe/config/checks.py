@@ -201,9 +201,9 @@ def _check_mtp(cfg: Config) -> None:
         f"model.mtp_layers={m.mtp_layers} must be below model.seq_len={m.seq_len}",
     )
     _require(
-        p.cp == 1 and p.seq_segments == 1,
-        "model.mtp_layers > 0 is not built with parallel.cp > 1 or parallel.seq_segments > 1 "
-        "(its shifted targets cross the sequence's split); set it 0",
+        p.seq_segments == 1 and (p.cp == 1 or p.cp_balance == "position"),
+        "model.mtp_layers > 0 is not built with parallel.seq_segments > 1 or "
+        "parallel.cp_balance=documents (its shifted targets cross the split); set it 0",
     )
 
 
