@@ -12,6 +12,12 @@ from tests.util import PARITY_REL, assert_state_close
 ARCH_OVERRIDES = {
     "gpt2": ["model.arch=gpt2"],
     "llama": ["model.arch=llama", "model.n_kv_heads=2", "model.tie_embeddings=false"],
+    "deepseek_v3": [
+        "model.arch=deepseek_v3",
+        "model.tie_embeddings=false",
+        "model.q_lora_rank=16",
+        "model.mtp_layers=1",
+    ],  # fmt: skip
 }
 
 
