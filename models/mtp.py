@@ -58,7 +58,7 @@ class MTP(nn.Module):
         self.depths = nn.ModuleList(modules)
         self.coef, self.tp, self.cp, self.vocab_size = cfg.mtp_loss_coef, tp, cp, cfg.vocab_size
 
-    def loss(self, h, targets, embed, weight, positions, documents=None) -> torch.Tensor:
+    def forward(self, h, targets, embed, weight, positions, documents=None) -> torch.Tensor:
         """Σ over depths and positions of the MTP cross entropy times coef / D; `h` (B, T[/tp],
         d) the main hidden states, `targets` (B, T/cp) this rank's main targets, `embed` the
         token lookup, `weight` the head's (V/tp, d) vocabulary slice."""

@@ -63,6 +63,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-1f1b-dsv3-mtp", 1, 1, [*pp("1f1b", 4), *DSV3, *MTP2]),
         ("cp2-dsv3-mtp", 1, 1, ["parallel.cp=2", *DSV3, *MTP2]),
         ("dp2-ep2-dsv3-mtp", 2, 1, [*MB2, "parallel.ep=2", *DSV3, *MTP2]),
+        ("cp2-a2a-dsv3-mtp", 1, 1, ["parallel.cp=2", "parallel.cp_comm=a2a", *DSV3, *MTP2]),
+        ("dp2-zero3-dsv3-mtp", 2, 1, [*MB2, "parallel.zero=3", *DSV3, *MTP2]),
     ],
     4: [
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),

@@ -140,7 +140,7 @@ def loss_scale(cfg: Config) -> float:
 def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
     """The units ZeRO gathers weights by (parallel/data/zero2.py, zero3.py), in forward order:
     the embedding (its backward reads no weight), each layer, the head with the tied table it
-    reads (on the last stage, its copy)."""
+    reads (on the last stage, its copy), the MTP modules."""
     out = []
     if model.has_embedding:
         out.append(WeightBlock(model.embed, tuple(model.embed.parameters()), ()))
@@ -151,6 +151,9 @@ def weight_blocks(model: GPT) -> tuple[WeightBlock, ...]:
         table = model.tied_table
         params = tuple(model.head.parameters()) + ((table,) if table is not None else ())
         out.append(WeightBlock(model.head, params, params))
+    if model.mtp is not None:  # MTP (models/mtp.py) also reads the shared table and the head
+        params = tuple(model.mtp.parameters()) + (model.embed.tok.weight, model.head.out.weight)
+        out.append(WeightBlock(model.mtp, params, params))
     return tuple(out)
 
 
