@@ -10,6 +10,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.distributed.devices import capability as device_capability
+from megapipe.models.qk_norm import qk_norms
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
@@ -143,18 +144,19 @@ class Attention(nn.Module):
         cp: CPInfo = NO_CP,
     ):
         super().__init__()
-        hd = cfg.d_model // cfg.n_heads
+        hd = cfg.head_dim or cfg.d_model // cfg.n_heads
         bias = cfg.arch == "gpt2"
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp = cp
         self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
-        self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
+        self.rope_theta = cfg.rope_theta if cfg.arch != "gpt2" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
         self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)
         # Heads on this tp rank; kv heads are replicated when there are fewer than tp.
         self.local_heads = cfg.n_heads // tp.size
         self.local_kv_heads = max(n_kv_heads // tp.size, 1)
+        self.q_norm, self.k_norm = qk_norms(cfg, hd, tp)  # qwen3's QK-norm, else None
         if bias:
             self.qkv.bias.register_hook(self._zero_key_bias_grad)
 
@@ -181,6 +183,8 @@ class Attention(nn.Module):
         q = q.view(B, T, h, hd).transpose(1, 2)  # (B, H/tp, T, hd)
         k = k.view(B, T, hkv, hd).transpose(1, 2)  # (B, Hkv/tp, T, hd)
         v = v.view(B, T, hkv, hd).transpose(1, 2)
+        if self.q_norm is not None:  # per head, before RoPE (models/qk_norm.py)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             cos, sin = rope_tables(positions, hd, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -46,7 +46,7 @@ def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:
 
 
 def make_norm(cfg: ModelConfig, tp: TPInfo) -> nn.Module:
-    if cfg.arch == "llama":
+    if cfg.arch != "gpt2":
         return RMSNorm(cfg.d_model, cfg.norm_eps, tp)
     return LayerNorm(cfg.d_model, cfg.norm_eps, tp)
 
@@ -56,7 +56,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, d_ff: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.swiglu = cfg.arch == "llama"
+        self.swiglu = cfg.arch != "gpt2"
         bias = not self.swiglu
         fc1_out = [d_ff, d_ff] if self.swiglu else d_ff
         self.fc1 = ColumnParallelLinear(cfg.d_model, fc1_out, bias, tp)

@@ -3,7 +3,8 @@ computed through parallel/expert/dispatch.py, optional shared experts, a per-seq
 and the load-balancing and z losses.
 
 Routing (Mixtral, Jiang et al. 2024; Switch, Fedus et al. 2021): logits = x W_rᵀ in float32,
-p = softmax(logits), each token takes its top_k experts with weights p / Σ_top-k p. With
+p = softmax(logits), each token takes its top_k experts with weights p / Σ_top-k p (p itself
+with model.norm_topk_prob=false, as transformers' Qwen3-MoE may). With
 `moe_capacity_factor` cf > 0 each expert takes at most ceil(cf · T · top_k / E) rows of a
 sequence of T tokens, the first ones in token order (a rule of the sequence alone: cp and
 sequence-parallel ranks learn their tokens' places from the whole sequence's choices); a dropped
@@ -67,7 +68,7 @@ class Experts(ShardedModule):
 
     def __init__(self, cfg: ModelConfig, ffn: int, tp: TPInfo, ep: EPInfo) -> None:
         super().__init__(tp)
-        self.swiglu = cfg.arch == "llama"
+        self.swiglu = cfg.arch != "gpt2"
         e, d = cfg.n_experts, cfg.d_model
         fan = 2 * ffn if self.swiglu else ffn
         self.ep = ep
@@ -172,6 +173,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob  # False: Qwen3-MoE's raw top-k probabilities
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef, self.z_coef = cfg.moe_aux_coef, cfg.moe_z_coef
         self.router = Router(cfg.d_model, cfg.n_experts, tp)
@@ -197,7 +199,7 @@ class MoE(nn.Module):
         logits = self.router(flat)  # (b·n, E) float32
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)  # (b·n, k)
-        gates = top_p / top_p.sum(-1, keepdim=True)
+        gates = top_p / top_p.sum(-1, keepdim=True) if self.norm_topk_prob else top_p
         chosen = torch.zeros_like(probs, dtype=torch.int32).scatter_(1, top_i, 1).view(b, n, -1)
         counts = self._sequence_sum(chosen.sum(1).double()).float()  # (b, E): the sequences'
         mass = probs.view(b, n, -1).sum(1)  # (b, E): this rank's part of T · P_e

@@ -63,11 +63,14 @@ def bounds_of(f: dataclasses.Field) -> Bounds | None:
 
 @dataclass
 class ModelConfig:
-    # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no biases
+    # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no
+    # biases; qwen3: llama with QK-norm (an RMSNorm over head_dim on each q and k head before RoPE)
     arch: str = "gpt2"
     n_layers: int = bounded(2, low=1)  # transformer layers
     d_model: int = bounded(64, low=1)  # hidden size
     n_heads: int = bounded(4, low=1)  # attention heads; must divide model.d_model
+    # width of one attention head (transformers' head_dim); 0: model.d_model / model.n_heads
+    head_dim: int = bounded(0, low=0, note="0: d_model / n_heads")
     # key/value heads for grouped-query attention; 0: model.n_heads (MHA); must divide n_heads
     n_kv_heads: int = bounded(0, low=0, note="0: model.n_heads")
     # MLP hidden size; 0: 4·d (gpt2) or 8/3·d rounded up to 64 (llama)
@@ -81,7 +84,10 @@ class ModelConfig:
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
     # mixture of experts (docs/moe.md): routed experts per MoE layer; 0: dense (every MLP whole)
     n_experts: int = bounded(0, low=0, note="0: dense")
-    top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice, renormalised)
+    top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice)
+    # the top_k gates renormalised to sum to 1 (Mixtral; transformers' norm_topk_prob), else
+    # the softmax probabilities as they are
+    norm_topk_prob: bool = True
     moe_ffn: int = bounded(0, low=0, note="0: model.d_ff")  # one expert's hidden size
     moe_every: int = bounded(1, low=1)  # every k-th layer is MoE (layers k-1, 2k-1, ...)
     moe_shared_experts: int = bounded(0, low=0)  # experts every token also goes through
@@ -303,14 +309,14 @@ class Derived:
             micro_batch_size=t.global_batch // (p.dp * p.microbatches),
             local_batch=t.global_batch // p.dp,
             tokens_per_step=t.global_batch * m.seq_len,
-            head_dim=m.d_model // m.n_heads,
+            head_dim=m.head_dim or m.d_model // m.n_heads,
             n_kv_heads=m.n_kv_heads or m.n_heads,
             d_ff=d_ff,
         )
 
 
 def default_d_ff(arch: str, d_model: int) -> int:
-    if arch == "llama":  # SwiGLU keeps 8/3·d hidden units, rounded up to 64 (Llama paper §2)
+    if arch != "gpt2":  # SwiGLU keeps 8/3·d hidden units, rounded up to 64 (Llama paper §2)
         return 64 * ((8 * d_model // 3 + 63) // 64)
     return 4 * d_model
 
