@@ -183,6 +183,11 @@ class TrainConfig:
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
     eval_batches: int = bounded(4, low=1)  # validation batches of train.global_batch sequences
+    # a transformers directory (config.json + safetensors) to start from: config.json sets the
+    # model's architecture keys (model.seq_len, dropout and the MoE loss and capacity keys stay the
+    # run's; another model key set to a different value is refused), and each rank reads its own
+    # shard of the weights (docs/models.md); "": init from train.seed
+    init_from_hf: str = ""
     # downstream tasks scored at each evaluation beside the validation loss, comma-separated
     # (hellaswag): the records' <task>_acc and <task>_acc_norm (train/tasks.py), on any mesh,
     # the dp replicas splitting the items; "" : none

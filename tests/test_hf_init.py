@@ -1,0 +1,107 @@
+"""train.init_from_hf (megapipe/train/hf_init.py): a run started from a transformers directory
+has transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2
+meshes where each rank reads its own shard; conflicts and pickled weights are one line."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from megapipe.config import ConfigError
+from tests.parity import build_mesh, tiny_config
+
+REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
+# configs/tiny.yaml's shape (d_model 32, 4 heads, 2 layers, vocab 96), head_dim 12 != 32/4
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+             max_position_embeddings=64, tie_word_embeddings=False,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+
+
+def hf_dir(moe: bool) -> str:
+    """A random Qwen3 (Qwen3-MoE: saved in several safetensors files) written to a temp dir."""
+    torch.manual_seed(0)
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**SHAPE, **MOE))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    out = tempfile.mkdtemp()
+    model.save_pretrained(out, max_shard_size="40KB" if moe else "1GB")
+    return out
+
+
+def first_loss(overrides: list[str]) -> float:
+    """Step 0's loss of the tiny config started from train.init_from_hf, under its mesh."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.hf_init import with_hf_model
+    from megapipe.train.parallelize import parallelize
+
+    cfg = with_hf_model(tiny_config(overrides, tempfile.mkdtemp()))
+    job = parallelize(cfg, build_mesh(cfg), "cpu")
+    batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
+    return job.train_step(job.optimizer(), batch, 0).loss
+
+
+def hf_loss(src: str) -> float:
+    """transformers' mean next-token loss on the tiny config's first batch."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.hf_init import with_hf_model
+
+    cfg = with_hf_model(tiny_config([f"train.init_from_hf={src}"], tempfile.mkdtemp()))
+    batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.fixture(scope="module")
+def dirs() -> dict:
+    return {moe: hf_dir(moe) for moe in (False, True)}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_one_process_starts_at_transformers_loss(dirs, moe):
+    src = dirs[moe]
+    want = hf_loss(src)
+    got = first_loss([f"train.init_from_hf={src}"])
+    assert abs(got - want) <= REL * want, (got, want)
+
+
+MESHES = [
+    (False, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+    (True, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+]
+
+
+@pytest.mark.parametrize("moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp"])
+def test_meshes_read_their_shards_and_start_at_transformers_loss(gloo_pool, dirs, moe, mesh):
+    src = dirs[moe]
+    want = hf_loss(src)
+    for rank, got in enumerate(gloo_pool(4).run(first_loss, [f"train.init_from_hf={src}", *mesh])):
+        assert abs(got - want) <= REL * want, f"rank {rank}: {got} != {want}"
+
+
+def test_a_conflicting_model_key_is_one_line(dirs):
+    with pytest.raises(ConfigError, match="model.n_layers=3 conflicts with") as err:
+        first_loss([f"train.init_from_hf={dirs[False]}", "model.n_layers=3"])
+    assert "\n" not in str(err.value)
+
+
+def test_pickled_weights_are_refused_by_name(dirs, tmp_path):
+    (tmp_path / "config.json").write_text(open(os.path.join(dirs[False], "config.json")).read())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ConfigError, match="pytorch_model.bin is pickled") as err:
+        first_loss([f"train.init_from_hf={tmp_path}"])
+    assert "\n" not in str(err.value)
