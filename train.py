@@ -40,7 +40,7 @@ def train(argv: list[str], seen: dict) -> int:
     """Parse, load the config, then the dry run or the training run; `seen["run_dir"]`: the
     run's directory once the config is loaded (where the ranks' progress records are)."""
     args, overrides = parse_args(argv)
-    cfg = with_hf_model(load_config(args.config, overrides))  # train.init_from_hf's model keys
+    cfg = load_config(args.config, overrides, resolve=with_hf_model)  # + init_from_hf's keys
     if args.dry_run:
         print(json.dumps(as_json(cfg)) if args.json else describe(cfg))
         return 0

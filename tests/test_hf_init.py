@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers
 
 from megapipe.config import ConfigError
-from tests.parity import build_mesh, tiny_config
+from tests.parity import build_mesh
 
 REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
 # configs/tiny.yaml's shape (d_model 32, 4 heads, 2 layers, vocab 96), head_dim 12 != 32/4
@@ -41,13 +41,23 @@ def hf_dir(moe: bool) -> str:
     return out
 
 
+def tiny(overrides: list[str]):
+    """configs/tiny.yaml with `overrides`, the model keys from train.init_from_hf, as train.py
+    loads it (before validation: parallel.ep needs the experts config.json brings)."""
+    from megapipe.config import load_config
+    from megapipe.train.hf_init import with_hf_model
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = f"run.dir={tempfile.mkdtemp()}"
+    return load_config(f"{root}/configs/tiny.yaml", [*overrides, run], resolve=with_hf_model)
+
+
 def first_loss(overrides: list[str]) -> float:
     """Step 0's loss of the tiny config started from train.init_from_hf, under its mesh."""
     from megapipe.data.loader import build_data
-    from megapipe.train.hf_init import with_hf_model
     from megapipe.train.parallelize import parallelize
 
-    cfg = with_hf_model(tiny_config(overrides, tempfile.mkdtemp()))
+    cfg = tiny(overrides)
     job = parallelize(cfg, build_mesh(cfg), "cpu")
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
     return job.train_step(job.optimizer(), batch, 0).loss
@@ -56,9 +66,8 @@ def first_loss(overrides: list[str]) -> float:
 def hf_loss(src: str) -> float:
     """transformers' mean next-token loss on the tiny config's first batch."""
     from megapipe.data.loader import build_data
-    from megapipe.train.hf_init import with_hf_model
 
-    cfg = with_hf_model(tiny_config([f"train.init_from_hf={src}"], tempfile.mkdtemp()))
+    cfg = tiny([f"train.init_from_hf={src}"])
     batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
     model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
     with torch.no_grad():
