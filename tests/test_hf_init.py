@@ -16,6 +16,7 @@ import transformers
 
 from megapipe.config import ConfigError
 from tests.parity import build_mesh
+from tests.util import rel_error
 
 REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
 # configs/tiny.yaml's shape (d_model 32, 4 heads, 2 layers, vocab 96), head_dim 12 != 32/4
@@ -114,3 +115,34 @@ def test_pickled_weights_are_refused_by_name(dirs, tmp_path):
     with pytest.raises(ConfigError, match="pytorch_model.bin is pickled") as err:
         first_loss([f"train.init_from_hf={tmp_path}"])
     assert "\n" not in str(err.value)
+
+
+def test_save_hf_writes_each_checkpoint_as_a_transformers_dir(dirs):
+    """A run started from HF with checkpoint.save_hf: every step_*/hf loads in transformers
+    with the checkpoint's own logits."""
+    from megapipe.train.checkpoint import complete_checkpoints, load_for_inference
+    from megapipe.train.loop import run
+
+    src = dirs[True]  # Qwen3-MoE: the stacked experts go out one tensor per expert again
+    cfg = tiny([f"train.init_from_hf={src}", "train.steps=2", "checkpoint.interval=1"])
+    cfg.checkpoint.save_hf = True
+    run(cfg)
+    ckpts = complete_checkpoints(os.path.join(cfg.run.dir, "checkpoints"))
+    assert [os.path.basename(c) for c in ckpts] == ["step_00000001", "step_00000002"]
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    for ckpt in ckpts:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(f"{ckpt}/hf").eval()
+        assert type(hf) is transformers.Qwen3MoeForCausalLM
+        _, ours = load_for_inference(ckpt)
+        with torch.no_grad():
+            want = ours.eval()(ids)
+            assert rel_error(hf(ids).logits, want) <= REL
+
+
+def test_save_hf_of_an_arch_without_export_is_one_line():
+    from megapipe.train.checkpoint_async import Saver
+
+    cfg = tiny(["checkpoint.save_hf=true", "model.n_experts=4", "model.moe_shared_experts=1",
+                "model.arch=qwen3"])  # fmt: skip
+    with pytest.raises(ConfigError, match="checkpoint.save_hf=true: model.moe_shared_experts"):
+        Saver(cfg)

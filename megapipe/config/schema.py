@@ -248,6 +248,9 @@ class CheckpointConfig:
     # wait before SIGKILL (torchrun's agent 30 s, SLURM's KillWait); the ranks save only if the
     # longest save of the run so far fits, else exit 0 without one; 0: no limit
     preempt_grace_s: float = bounded(30.0, low=0, note="0: no limit")
+    # also write each checkpoint as a transformers directory, step_*/hf (config.json,
+    # model.safetensors and data.tokenizer's files; rank 0 reads the checkpoint whole)
+    save_hf: bool = False
 
 
 @dataclass
