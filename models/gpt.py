@@ -151,7 +151,8 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
-        self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp)
+        window = cfg.sliding_window if index >= cfg.max_window_layers else 0
+        self.attn = Attention(cfg, d.n_kv_heads, tp, recompute == "selective", cp, window)
         self.norm2 = make_norm(cfg, tp)
         self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)

@@ -235,6 +235,10 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             **common,
         )
     _require(cfg.arch in ("llama", "qwen3"), f"model.arch={cfg.arch!r} has no HF export")
+    _require(
+        cfg.arch == "qwen3" or not cfg.sliding_window,
+        "model.sliding_window: only the qwen3 export carries it; set it 0",
+    )
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
     common |= {
         "hidden_size": cfg.d_model,

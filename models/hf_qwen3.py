@@ -32,17 +32,28 @@ def _require(ok: bool, message: str) -> None:
 
 def qwen3_config(hf, base: ModelConfig) -> ModelConfig:
     """The ModelConfig of an HF Qwen3Config or Qwen3MoeConfig; `base`: its llama fields."""
-    window = getattr(hf, "sliding_window", None)
-    _require(
-        window is None or not getattr(hf, "use_sliding_window", False),
-        "HF use_sliding_window=true is unsupported (sliding-window attention); set it false",
-    )
-    kinds = set(getattr(hf, "layer_types", None) or ["full_attention"])
-    _require(kinds == {"full_attention"}, f"HF layer_types {sorted(kinds)} unsupported")
-    fields = vars(base) | {"arch": "qwen3", "head_dim": _head_dim(hf)}
+    fields = vars(base) | {"arch": "qwen3", "head_dim": _head_dim(hf)} | _window_fields(hf)
     if hf.model_type == "qwen3_moe":
         fields |= _moe_fields(hf)
     return ModelConfig(**fields)
+
+
+def _window_fields(hf) -> dict:
+    """model.sliding_window and max_window_layers: Qwen3 slides the layers whose layer_types
+    entry is sliding_attention (by default those from max_window_layers on), Qwen3-MoE every
+    layer; transformers keeps sliding_window only when use_sliding_window is true."""
+    window = hf.sliding_window if getattr(hf, "use_sliding_window", False) else None
+    if not window:
+        return {}
+    if hf.model_type == "qwen3_moe":
+        return {"sliding_window": window, "max_window_layers": 0}
+    kinds = list(hf.layer_types)
+    first = kinds.index("sliding_attention") if "sliding_attention" in kinds else len(kinds)
+    _require(
+        set(kinds[first:]) == {"sliding_attention"} or first == len(kinds),
+        f"HF layer_types {kinds} unsupported: model.max_window_layers slides the last layers only",
+    )
+    return {"sliding_window": window, "max_window_layers": first}
 
 
 def _head_dim(hf) -> int:
@@ -72,8 +83,15 @@ def qwen3_hf_config(cfg: ModelConfig, expert_ffn: int, d_ff: int, common: dict):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     full = {"use_sliding_window": False, "sliding_window": None, "attention_bias": False}
+    if cfg.sliding_window:
+        full |= {"use_sliding_window": True, "sliding_window": cfg.sliding_window}
     if not cfg.n_experts:
-        return Qwen3Config(intermediate_size=d_ff, **full, **common)
+        layers = {"max_window_layers": cfg.max_window_layers} if cfg.sliding_window else {}
+        return Qwen3Config(intermediate_size=d_ff, **full, **layers, **common)
+    _require(
+        not cfg.sliding_window or cfg.max_window_layers == 0,
+        "model.max_window_layers > 0: Qwen3-MoE slides every layer; set it 0 to export",
+    )
     _require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Qwen3-MoE has none; set 0")
     _require(
         cfg.moe_capacity_factor == 0,

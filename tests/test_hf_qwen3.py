@@ -79,6 +79,24 @@ def test_qwen3_moe_logits_both_ways(step, norm, tmp_path):
     assert [i for i in range(3) if hasattr(gpt.layers[str(i)].mlp, "fc1")] == dense
 
 
+@pytest.mark.parametrize("moe, first", [(False, 1), (True, 0)])
+def test_sliding_window_logits_both_ways(moe, first, tmp_path):
+    """Qwen3 slides the layers from max_window_layers on, Qwen3-MoE all; a window of 5 keys
+    over 32 tokens changes the logits (checked against full attention)."""
+    window = dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    hf = qwen3(moe=moe, **window)
+    kind = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    gpt = round_trip(hf, tmp_path, kind)
+    assert (gpt.cfg.sliding_window, gpt.cfg.max_window_layers) == (5, first)
+    assert [gpt.layers[str(i)].attn.window for i in range(2)] == [
+        5 * (i >= first) for i in range(2)
+    ]
+    full = GPT(ModelConfig(**(vars(gpt.cfg) | {"sliding_window": 0})))
+    full.load_state_dict(gpt.state_dict())
+    with torch.no_grad():
+        assert rel_error(full(tokens()), gpt(tokens())) > 1e-3
+
+
 def test_qwen3_without_qk_norm_differs():
     """The QK-norm gains are read: a llama with the same weights gives other logits."""
     gpt = from_hf(qwen3())
@@ -94,7 +112,15 @@ def test_qwen3_without_qk_norm_differs():
 @pytest.mark.parametrize(
     "moe, kw, key",
     [
-        (False, {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+        (
+            False,
+            {
+                "layer_types": ["sliding_attention", "full_attention"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+            },
+            "layer_types",
+        ),  # fmt: skip
         (True, {"mlp_only_layers": [0]}, "mlp_only_layers"),
         (False, {"attention_bias": True}, "attention_bias"),
     ],

@@ -170,6 +170,15 @@ def _check_model(cfg: Config) -> None:
         m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
         "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
     )
+    if m.sliding_window:  # models/attention.py's window is on the whole-sequence cores only
+        _require(
+            cfg.parallel.cp == 1,
+            "model.sliding_window with parallel.cp > 1: the cp attention has no window; set cp 1",
+        )
+        _require(
+            not cfg.data.document_mask,
+            "model.sliding_window with data.document_mask=true is unsupported; turn one off",
+        )
 
 
 def _check_parallel(cfg: Config) -> None:

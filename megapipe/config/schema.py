@@ -82,6 +82,10 @@ class ModelConfig:
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
+    # sliding-window attention (transformers' sliding_window): a query sees itself and the
+    # window - 1 keys before it, on layers from model.max_window_layers on; 0: full attention
+    sliding_window: int = bounded(0, low=0, note="0: off")
+    max_window_layers: int = bounded(0, low=0)  # layers below it keep full attention
     # mixture of experts (docs/moe.md): routed experts per MoE layer; 0: dense (every MLP whole)
     n_experts: int = bounded(0, low=0, note="0: dense")
     top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice)
