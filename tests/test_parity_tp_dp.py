@@ -21,6 +21,7 @@ FULL = ["recompute.mode=full"]
 MB2 = ["parallel.microbatches=2"]
 # QK-norm gains (models/qk_norm.py): replicated, their grads summed over tp; head_dim 24 != 64/4
 QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
+WINDOW = ["model.sliding_window=5", "model.max_window_layers=1"]  # layer 1 slides over 5 keys
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
@@ -33,7 +34,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # agree to ~3e-7, which AdamW at 3e-3 carried to 1.05e-5 after 3 steps (parity.LOW_LR)
         ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
-        ("tp2-qwen3", 1, 2, QWEN3),
+        ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
     ],
     4: [
         ("dp4", 4, 1, MB2),
