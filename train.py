@@ -25,6 +25,7 @@ from megapipe.train.checkpoint import CheckpointError
 from megapipe.train.dry_run import as_json, describe
 from megapipe.train.fake_ranks import describe as describe_ranks
 from megapipe.train.fake_ranks import fake_ranks
+from megapipe.train.hf_init import with_hf_model
 from megapipe.train.loop import NonFiniteError, run
 from megapipe.train.runlock import RunDirBusy
 
@@ -39,7 +40,7 @@ def train(argv: list[str], seen: dict) -> int:
     """Parse, load the config, then the dry run or the training run; `seen["run_dir"]`: the
     run's directory once the config is loaded (where the ranks' progress records are)."""
     args, overrides = parse_args(argv)
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, resolve=with_hf_model)  # + init_from_hf's keys
     if args.dry_run:
         print(json.dumps(as_json(cfg)) if args.json else describe(cfg))
         return 0

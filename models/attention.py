@@ -10,6 +10,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.distributed.devices import capability as device_capability
+from megapipe.models.qk_norm import qk_norms
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
@@ -72,13 +73,17 @@ def dense_kernel(q: torch.Tensor) -> str:
     )
 
 
-def attention_core(q, k, v, dropout_p: float, documents=None) -> torch.Tensor:
+def attention_core(q, k, v, dropout_p: float, documents=None, window: int = 0) -> torch.Tensor:
     """Causal attention of (B, H, T, hd) queries over (B, Hkv, S, hd) keys/values, S >= T: the
     queries are the last T positions (S > T for a Seq1F1B segment after the first).
     `documents` (B, >= S) int64, the row's document ids (parallel/context/documents.py):
     also mask keys of other documents. The kernel is dense_kernel's: on Hopper+ SDPA with
     cuDNN's backend first (Transformer Engine's preference there; where cuDNN cannot take the
-    inputs SDPA goes on down the list), else flash-attn's FA2 where installed, else SDPA."""
+    inputs SDPA goes on down the list), else flash-attn's FA2 where installed, else SDPA.
+    `window` > 0: sliding-window attention (Mistral 7B §2; transformers' sliding_window), each
+    query sees itself and the window - 1 keys before it (a boolean mask; FA2's window_size)."""
+    if window:
+        return _window_core(q, k, v, dropout_p, window)
     if documents is not None:
         return _document_core(q, k, v, dropout_p, documents)
     kernel = dense_kernel(q)
@@ -105,6 +110,21 @@ def _sdpa(q, k, v, mask, dropout_p: float) -> torch.Tensor:
         is_causal=mask is None,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def _window_core(q, k, v, dropout_p: float, window: int) -> torch.Tensor:
+    """Causal sliding-window attention; the T queries are the last T of the S keys' positions."""
+    T, S = q.shape[2], k.shape[2]
+    if flash_attn_func is not None and _flash_ok(q):
+        out = flash_attn_func(  # (B, T, H, hd); window_size=(left, right) keys around the query
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal=True,
+            window_size=(window - 1, 0),
+        )  # fmt: skip
+        return out.transpose(1, 2)
+    query = torch.arange(S - T, S, device=q.device)[:, None]  # (T, 1) absolute positions
+    key = torch.arange(S, device=q.device)[None, :]  # (1, S)
+    mask = (key <= query) & (query - key < window)  # (T, S)
+    return _sdpa(q, k, v, mask, dropout_p)
 
 
 def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.Tensor:
@@ -141,20 +161,22 @@ class Attention(nn.Module):
         tp: TPInfo = NO_TP,
         selective=False,
         cp: CPInfo = NO_CP,
+        window: int = 0,
     ):
         super().__init__()
-        hd = cfg.d_model // cfg.n_heads
+        hd = cfg.head_dim or cfg.d_model // cfg.n_heads
         bias = cfg.arch == "gpt2"
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
-        self.cp = cp
+        self.cp, self.window = cp, window  # window: sliding_window on this layer, or 0
         self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
-        self.rope_theta = cfg.rope_theta if cfg.arch == "llama" else None
+        self.rope_theta = cfg.rope_theta if cfg.arch != "gpt2" else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
         self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)
         # Heads on this tp rank; kv heads are replicated when there are fewer than tp.
         self.local_heads = cfg.n_heads // tp.size
         self.local_kv_heads = max(n_kv_heads // tp.size, 1)
+        self.q_norm, self.k_norm = qk_norms(cfg, hd, tp)  # qwen3's QK-norm, else None
         if bias:
             self.qkv.bias.register_hook(self._zero_key_bias_grad)
 
@@ -184,6 +206,8 @@ class Attention(nn.Module):
         q = q.view(B, T, h, hd).transpose(1, 2)  # (B, H/tp, T, hd)
         k = k.view(B, T, hkv, hd).transpose(1, 2)  # (B, Hkv/tp, T, hd)
         v = v.view(B, T, hkv, hd).transpose(1, 2)
+        if self.q_norm is not None:  # per head, before RoPE (models/qk_norm.py)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             cos, sin = rope_tables(positions, hd, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -207,7 +231,7 @@ class Attention(nn.Module):
                 q, k, v, self.cp.group, attention_core, dropout_p, documents, layout
             )
         with sharded_rng(self.tp):
-            return attention_core(q, k, v, dropout_p, documents)
+            return attention_core(q, k, v, dropout_p, documents, self.window)
 
     def keep_core_eager(self) -> None:
         """Run the core outside compiled graphs from now on (models/gpt.compile_math); made

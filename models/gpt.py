@@ -155,10 +155,11 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
         selective = recompute == "selective"
+        window = cfg.sliding_window if index >= cfg.max_window_layers else 0
         if cfg.arch == "deepseek_v3":  # multi-head latent attention
             self.attn = MLA(cfg, tp, selective, cp)
         else:
-            self.attn = Attention(cfg, d.n_kv_heads, tp, selective, cp)
+            self.attn = Attention(cfg, d.n_kv_heads, tp, selective, cp, window)
         self.norm2 = make_norm(cfg, tp)
         self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)

@@ -1,4 +1,5 @@
-"""Import and export of Hugging Face GPT-2, Llama and Mixtral causal LMs (the whole model, tp=1).
+"""Import and export of Hugging Face GPT-2, Llama, Mixtral, Qwen3 and Qwen3-MoE causal LMs (the
+whole model, tp=1; Qwen3's tables and configs in models/hf_qwen3.py).
 
 Weights move by name through one table per architecture: our logical name -> the HF names whose
 tensors it holds. A fused tensor of ours (q|k|v, gate|up) is the row-wise concatenation of several
@@ -17,6 +18,13 @@ from megapipe.config import Config, ModelConfig
 from megapipe.config.flops import expert_ffn
 from megapipe.models import hf_deepseek
 from megapipe.models.gpt import GPT
+from megapipe.models.hf_qwen3 import (
+    QWEN3_EXPERTS,
+    QWEN3_QK_NORMS,
+    QWEN3_TYPES,
+    qwen3_config,
+    qwen3_hf_config,
+)
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
 GPT2_TOP = {
@@ -59,10 +67,13 @@ MIXTRAL_LAYER = {
     "mlp.experts.w_in": ("mlp.experts.gate_up_proj",),
     "mlp.experts.w_out": ("mlp.experts.down_proj",),
 }
+QWEN3_LAYER = LLAMA_LAYER | QWEN3_QK_NORMS  # models/hf_qwen3.py
 TABLES = {
     "gpt2": (GPT2_TOP, GPT2_LAYER, "transformer.h."),
     "llama": (LLAMA_TOP, LLAMA_LAYER, "model.layers."),
     "mixtral": (LLAMA_TOP, MIXTRAL_LAYER, "model.layers."),
+    "qwen3": (LLAMA_TOP, QWEN3_LAYER, "model.layers."),
+    "qwen3_moe": (LLAMA_TOP, QWEN3_LAYER | QWEN3_EXPERTS, "model.layers."),
 }
 GPT2_CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -70,6 +81,8 @@ GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 
 def table_of(cfg: ModelConfig) -> str:
     """Which name table a model uses: its arch, or mixtral for a llama mixture of experts."""
+    if cfg.arch == "qwen3":
+        return "qwen3_moe" if cfg.n_experts else "qwen3"
     return "mixtral" if cfg.n_experts else cfg.arch
 
 
@@ -104,7 +117,12 @@ def config_from_hf(hf) -> ModelConfig:
         return _mixtral_config(hf)
     if kind == "deepseek_v3":
         return hf_deepseek.config_from_hf(hf)
-    raise ValueError(f"HF model_type {kind!r} is not supported; use a gpt2, llama or mixtral model")
+    if kind in QWEN3_TYPES:
+        return qwen3_config(hf, _llama_config(hf, any_head_dim=True))
+    raise ValueError(
+        f"HF model_type {kind!r} is not supported; use a gpt2, llama, mixtral, qwen3, "
+        "qwen3_moe or deepseek_v3 model"
+    )
 
 
 def _mixtral_config(hf) -> ModelConfig:
@@ -142,7 +160,7 @@ def _gpt2_config(hf) -> ModelConfig:
     )
 
 
-def _llama_config(hf) -> ModelConfig:
+def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     _require(
@@ -154,7 +172,7 @@ def _llama_config(hf) -> ModelConfig:
     _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     _require(
-        head_dim * hf.num_attention_heads == hf.hidden_size,
+        any_head_dim or head_dim * hf.num_attention_heads == hf.hidden_size,
         f"HF head_dim={head_dim} must be hidden_size / num_attention_heads",
     )
     theta = rope.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
@@ -221,7 +239,13 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             layer_norm_epsilon=cfg.norm_eps,
             **common,
         )
-    _require(cfg.arch in ("llama", "deepseek_v3"), f"model.arch={cfg.arch!r} has no HF export")
+    _require(
+        cfg.arch in ("llama", "qwen3", "deepseek_v3"), f"model.arch={cfg.arch!r} has no HF export"
+    )
+    _require(
+        cfg.arch == "qwen3" or not cfg.sliding_window,
+        "model.sliding_window: only the qwen3 export carries it; set it 0",
+    )
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
     common |= {
         "hidden_size": cfg.d_model,
@@ -237,6 +261,8 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
     }
     if cfg.arch == "deepseek_v3":
         return hf_deepseek.hf_config(cfg, common | {"intermediate_size": d.d_ff})
+    if cfg.arch == "qwen3":
+        return qwen3_hf_config(cfg, expert_ffn(cfg, d.d_ff), d.d_ff, common)
     if cfg.n_experts:
         return _mixtral_hf_config(cfg, d, common)
     return LlamaConfig(intermediate_size=d.d_ff, attention_bias=False, mlp_bias=False, **common)
@@ -249,6 +275,7 @@ def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
 
     _require(cfg.moe_every == 1, "model.moe_every != 1: every Mixtral layer is MoE; set it 1")
     _require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Mixtral has none; set 0")
+    _require(cfg.norm_topk_prob, "model.norm_topk_prob=false: Mixtral renormalises; set it true")
     _require(
         cfg.moe_capacity_factor == 0,
         "model.moe_capacity_factor > 0: Mixtral routes dropless; set it 0 to export",

@@ -70,7 +70,7 @@ class MLA(Attention):
         )
         self.head_dim = self.nope + self.rope  # the query/key width the scale is taken over
         self.dropout, self.selective, self.tp, self.cp = cfg.dropout, selective, tp, cp
-        self._eager_core = None
+        self._eager_core, self.window = None, 0  # attention_core takes a window: MLA has none
         self.rope_theta, self.kv_rank = cfg.rope_theta, cfg.kv_lora_rank
         h, d, qk = cfg.n_heads, cfg.d_model, self.head_dim
         self.local_heads = self.local_kv_heads = h // tp.size

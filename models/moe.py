@@ -3,7 +3,8 @@ computed through parallel/expert/dispatch.py, optional shared experts, a per-seq
 and the load-balancing and z losses.
 
 Routing (Mixtral, Jiang et al. 2024; Switch, Fedus et al. 2021): logits = x W_rᵀ in float32,
-p = softmax(logits), each token takes its top_k experts with weights p / Σ_top-k p. With
+p = softmax(logits), each token takes its top_k experts with weights p / Σ_top-k p (p itself
+with model.norm_topk_prob=false, as transformers' Qwen3-MoE may). With
 `moe_capacity_factor` cf > 0 each expert takes at most ceil(cf · T · top_k / E) rows of a
 sequence of T tokens, the first ones in token order (a rule of the sequence alone: cp and
 sequence-parallel ranks learn their tokens' places from the whole sequence's choices); a dropped

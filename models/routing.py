@@ -1,7 +1,7 @@
 """How a MoE layer turns router logits into each token's experts and gates (models/moe.py).
 
-- `SoftmaxTopK` (Mixtral, Jiang et al. 2024): p = softmax(logits), the top_k of p, gates
-  p / Σ_top-k p.
+- `SoftmaxTopK` (Mixtral, Jiang et al. 2024; Qwen3-MoE): p = softmax(logits), the top_k of p,
+  gates p / Σ_top-k p, or the top_k p as they are when norm_topk_prob is false.
 - `SigmoidGroupTopK` (DeepSeek-V3 §2.1.2, model.arch deepseek_v3; transformers'
   DeepseekV3TopkRouter): s = sigmoid(logits); the experts fall in n_group groups, each scored by
   the sum of its best two s + b; a token picks its top_k experts within its topk_group best
@@ -27,7 +27,7 @@ from megapipe.config import ModelConfig
 class SoftmaxTopK(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.top_k = cfg.top_k
+        self.top_k, self.norm = cfg.top_k, cfg.norm_topk_prob
 
     def count(self, routed: torch.Tensor) -> None:
         """The load is not kept (no bias to balance)."""
@@ -36,7 +36,7 @@ class SoftmaxTopK(nn.Module):
         """(probabilities (N, E) for the balance loss, chosen experts (N, k), gates (N, k))."""
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(self.top_k, dim=-1)  # (N, k)
-        return probs, top_i, top_p / top_p.sum(-1, keepdim=True)
+        return probs, top_i, top_p / top_p.sum(-1, keepdim=True) if self.norm else top_p
 
 
 class SigmoidGroupTopK(nn.Module):

@@ -28,6 +28,8 @@ from tests.util import assert_rel_close, assert_state_close
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 SP = ["parallel.sequence_parallel=true"]
+# QK-norm gains (models/qk_norm.py): replicated, their grads summed over tp; head_dim 24 != 64/4
+QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
 MB2 = ["parallel.microbatches=2"]
 L4 = ["model.n_layers=4"]
 A2A = ["parallel.cp_comm=a2a"]  # Ulysses (parallel/context/ulysses.py)
@@ -61,6 +63,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("cp2-llama-selective-recompute", 1, 1, [*cp(2), *LLAMA, "recompute.mode=selective"]),
         ("cp2-seq32", 1, 1, [*cp(2), "model.seq_len=32"]),
         ("cp2-a2a", 1, 1, [*cp(2), *A2A]),
+        ("cp2-a2a-qwen3", 1, 1, [*cp(2), *A2A, *QWEN3]),
         (
             "cp2-a2a-llama-kv1-selective-recompute",
             1,
@@ -77,6 +80,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-cp2", 2, 1, [*cp(2), *MB2]),
         ("cp2-tp2", 1, 2, cp(2)),
         ("cp2-tp2-llama-gqa-sp", 1, 2, [*cp(2), *GQA2, *SP]),
+        ("cp2-tp2-qwen3-gqa-sp", 1, 2, [*cp(2), *QWEN3, "model.n_kv_heads=2", *SP]),
         ("pp2-cp2-1f1b", 1, 1, [*cp(2), *pp("1f1b", 2, 2)]),
         ("pp2-cp2-1f1b-documents-balanced", 1, 1, [*cp(2), *pp("1f1b", 2, 2), *BALANCED]),
         ("pp2-cp2-interleaved-llama", 1, 1, [*cp(2), *pp("interleaved_1f1b", 2, 2, 2), *LLAMA]),

@@ -19,6 +19,8 @@ from tests.util import PARITY_REL, assert_rel_close, assert_state_close
 LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 SP = ["parallel.sequence_parallel=true"]
+# QK-norm gains (models/qk_norm.py): replicated, their grads summed over tp; head_dim 24 != 64/4
+QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
 B12 = ["train.global_batch=12"]  # room for 3 or 6 microbatches: m not a multiple of pp
 L4, L6 = ["model.n_layers=4"], ["model.n_layers=6"]
 B2 = ["parallel.schedule_costs=F=1,B=2,W=1"]  # a schedule built for these costs
@@ -141,6 +143,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-pp2-zb_auto-m4-2p", 2, 1, [*pp("zb_auto", 2, 4), "parallel.zb_memory=2p"]),
         ("pp2-tp2-zb_auto-gqa-sp", 1, 2, [*pp("zb_auto", 2, 4), *GQA2, *SP]),
         ("pp2-tp2-zb_v-gqa-sp", 1, 2, [*pp("zb_v", 2, 4, 2), *GQA2, *SP]),
+        (
+            "pp2-tp2-zb_v-qwen3-gqa-sp",
+            1,
+            2,
+            [*pp("zb_v", 2, 4, 2), *QWEN3, "model.n_kv_heads=2", *SP],
+        ),
         ("pp4-1f1b-m4-balance-llama3", 1, 1, [*pp("1f1b", 4, 4), *L6, "parallel.balance=llama3"]),
         (
             "pp4-zb_v-m4-balance-cost-selective",

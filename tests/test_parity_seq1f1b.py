@@ -126,11 +126,16 @@ def test_segment_bounds_are_flop_balanced_and_tp_aligned(tmp_path):
     assert segment_bounds(tiny_config(pp("1f1b", 2, 2), str(tmp_path))) == [(0, 16)]
 
 
+# Qwen3 (QK-norm, head_dim 24) with layer 1 sliding over 5 keys: the window crosses segments
+QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
+QWEN3_WINDOW = [*QWEN3, "model.sliding_window=5", "model.max_window_layers=1"]
+
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
         ("seq1f1b-k2-m2", 1, 1, seq(2, 2, 2)),
         ("seq1f1b-k4-m3-llama-gqa", 1, 1, [*seq(2, 3, 4), *B12, *GQA2]),
         ("seq1f1b-k3-m1-full-recompute", 1, 1, [*seq(2, 1, 3), "recompute.mode=full"]),
+        ("seq1f1b-k4-m2-qwen3-window", 1, 1, [*seq(2, 2, 4), *QWEN3_WINDOW]),
     ],
     4: [
         ("pp4-seq1f1b-k2-m2", 1, 1, [*seq(4, 2, 2), *L4]),

@@ -19,6 +19,9 @@ GQA2 = [*LLAMA, "model.n_kv_heads=2"]  # 2 kv heads: split over tp=2, replicated
 SP = ["parallel.sequence_parallel=true"]
 FULL = ["recompute.mode=full"]
 MB2 = ["parallel.microbatches=2"]
+# QK-norm gains (models/qk_norm.py): replicated, their grads summed over tp; head_dim 24 != 64/4
+QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
+WINDOW = ["model.sliding_window=5", "model.max_window_layers=1"]  # layer 1 slides over 5 keys
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
@@ -31,6 +34,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # agree to ~3e-7, which AdamW at 3e-3 carried to 1.05e-5 after 3 steps (parity.LOW_LR)
         ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
+        ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
     ],
     4: [
         ("dp4", 4, 1, MB2),
@@ -46,6 +50,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # fc1 after 3 steps with the fused head (7.8e-6 with the unfused one): parity.LOW_LR
         ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
+        ("tp4-qwen3-gqa-kv-replicated-sp", 1, 4, [*QWEN3, "model.n_kv_heads=2", *SP]),
     ],
     8: [
         ("dp2-tp4-sp", 2, 4, SP),

@@ -36,7 +36,7 @@ from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
-ARCHS = ("gpt2", "llama", "deepseek_v3")
+ARCHS = ("gpt2", "llama", "qwen3", "deepseek_v3")
 RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("synthetic", "memmap")
@@ -148,8 +148,8 @@ def _check_model(cfg: Config) -> None:
     m = cfg.model
     _one_of("model.arch", m.arch, ARCHS)
     _require(
-        m.d_model % m.n_heads == 0,
-        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}",
+        m.head_dim or m.d_model % m.n_heads == 0,
+        f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (or set model.head_dim)",
     )
     kv = m.n_kv_heads or m.n_heads
     _require(
@@ -160,13 +160,28 @@ def _check_model(cfg: Config) -> None:
     _check_mtp(cfg)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
-    if m.arch == "llama":
+    if m.arch != "gpt2" and m.head_dim:
+        _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs it even")
+    elif m.arch != "gpt2":
         head_dim = m.d_model // m.n_heads
         _require(
             head_dim % 2 == 0,
             f"model.d_model={m.d_model} / model.n_heads={m.n_heads} gives head dim {head_dim}, "
             "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
             f"2·model.n_heads={2 * m.n_heads}",
+        )
+    _require(
+        m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
+        "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
+    )
+    if m.sliding_window:  # models/attention.py's window is on the whole-sequence cores only
+        _require(
+            cfg.parallel.cp == 1,
+            "model.sliding_window with parallel.cp > 1: the cp attention has no window; set cp 1",
+        )
+        _require(
+            not cfg.data.document_mask,
+            "model.sliding_window with data.document_mask=true is unsupported; turn one off",
         )
 
 

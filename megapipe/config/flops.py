@@ -32,7 +32,7 @@ def held_expert_params(cfg: Config, blocks: range) -> int:
     if m.n_experts == 0:
         return 0
     f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
-    one = f * d * (3 if m.arch == "llama" else 2) + (f + d if m.arch == "gpt2" else 0)
+    one = f * d * (3 if m.arch != "gpt2" else 2) + (f + d if m.arch == "gpt2" else 0)
     layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
     return layers * m.n_experts // p.ep * one
 
@@ -44,7 +44,7 @@ def layer_matmul_params(cfg: Config, index: int) -> int:
     m, d = cfg.model, cfg.derived
     hd = d.head_dim
     attn = m.d_model * (m.n_heads + 2 * d.n_kv_heads) * hd + m.n_heads * hd * m.d_model
-    per_ffn = m.d_model * (3 if m.arch == "llama" else 2)
+    per_ffn = m.d_model * (3 if m.arch != "gpt2" else 2)
     if not is_moe_layer(m, index):
         return attn + per_ffn * d.d_ff
     active = (m.top_k + m.moe_shared_experts) * expert_ffn(m, d.d_ff)

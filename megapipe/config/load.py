@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -16,14 +17,22 @@ from megapipe.config.checks import validate
 from megapipe.config.schema import SECTIONS, Config, ConfigError
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """YAML file (optional) then overrides `section.key=value`, in order; then validate."""
+def load_config(
+    path: str | None = None,
+    overrides: list[str] = (),
+    resolve: Callable[[Config], Config] | None = None,
+) -> Config:
+    """YAML file (optional) then overrides `section.key=value`, in order; then `resolve` (keys
+    that come from elsewhere: train.init_from_hf's config.json, train/hf_init.py); then
+    validate."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(path)
     cfg = from_dict(raw, source=path or "<defaults>")
     for item in overrides:
         apply_override(cfg, item)
+    if resolve is not None:
+        cfg = resolve(cfg)
     validate(cfg)
     return cfg
 

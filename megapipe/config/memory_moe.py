@@ -50,7 +50,7 @@ def moe_terms(
     d, e, k = m.d_model, m.n_experts, m.top_k
     f = expert_ffn(m, cfg.derived.d_ff)
     rows = tokens * k
-    llama = m.arch == "llama"
+    llama = m.arch != "gpt2"
     shares = 0 if segmented else rows_b * e
     capped = m.moe_capacity_factor > 0
     terms = {
@@ -86,12 +86,12 @@ def moe_deferred(cfg: Config, tokens: int, gathered: int, c: int, tp: int) -> di
     stacked matmul's input rows and output grads, and the shared experts' linears'."""
     m = cfg.model
     d, f = m.d_model, expert_ffn(m, cfg.derived.d_ff)
-    fan = 2 * f if m.arch == "llama" else f
+    fan = 2 * f if m.arch != "gpt2" else f
     rows = tokens * m.top_k
     terms = {"expert linear inputs, output grads": rows * (d + f + fan + d) * c}
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
-        fan_s = 2 * width if m.arch == "llama" else width
+        fan_s = 2 * width if m.arch != "gpt2" else width
         terms["shared linear inputs, output grads"] = gathered * (d + width + fan_s + d) * c
     return terms
 
@@ -103,7 +103,7 @@ def moe_summary(cfg: Config) -> dict[str, int]:
     and indices, the combined outputs: `moe_terms`' "dispatch buffers" and "combine")."""
     m, d, p = cfg.model, cfg.derived, cfg.parallel
     f = expert_ffn(m, d.d_ff)
-    per_expert = m.d_model * f * (3 if m.arch == "llama" else 2)
+    per_expert = m.d_model * f * (3 if m.arch != "gpt2" else 2)
     if m.arch == "gpt2":
         per_expert += f + m.d_model  # the stacked biases
     layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))

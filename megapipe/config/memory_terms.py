@@ -240,7 +240,7 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
     (x itself, or its float32 copy under bf16 weights), the float32 rstd, and the normalised x
     the product reads, in the stream's dtype."""
     d, r = cfg.model.d_model, residual_bytes(cfg)
-    if cfg.model.arch == "llama":
+    if cfg.model.arch != "gpt2":
         return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * r}
     if r != FLOAT32 and device == "cuda":  # autocast's float32 layer_norm
         return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32, "gain": 2 * d * 4}
@@ -296,7 +296,7 @@ def _moe(cfg: Config, index: int | None) -> bool:
 def _segment_store(cfg: Config, x: RankDims) -> float:
     """Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
     segments after it: the qkv output they view, and RoPE's k, whatever else is kept."""
-    llama = cfg.model.arch == "llama"
+    llama = cfg.model.arch != "gpt2"
     return x.n * ((x.h + 2 * x.hkv) * x.hd + (x.hkv * x.hd if llama else 0)) * compute_bytes(cfg)
 
 
@@ -306,7 +306,7 @@ def _attention_terms(
     """What the attention saves, RoPE's included, by the core that runs (attention_path) under
     recompute `mode` ("none" or "selective"); `store`: the Seq1F1B segment store's bytes (None
     unsegmented), counted here where the math path's copies leave qkv to it alone."""
-    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
+    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch != "gpt2"
     path = attention_path(cfg, device)
     terms: dict[str, float] = {}
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
@@ -375,7 +375,7 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
 
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The dense MLP's activation and fc2's input."""
-    c, llama = compute_bytes(cfg), cfg.model.arch == "llama"
+    c, llama = compute_bytes(cfg), cfg.model.arch != "gpt2"
     terms = {}
     if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
         terms["swiglu"] = 3 * x.n * x.ff * c
@@ -389,7 +389,7 @@ def _dropout_and_cast_terms(
     cfg: Config, x: RankDims, device: str, moe: bool = False
 ) -> dict[str, float]:
     """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
-    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch == "llama"
+    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch != "gpt2"
     terms: dict[str, float] = {}
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
         dropped = residual_bytes(cfg) if not llama else c
@@ -410,7 +410,7 @@ def layer_deferred(
     queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
     recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
     m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
-    fc1_out = (2 if m.arch == "llama" else 1) * x.ff
+    fc1_out = (2 if m.arch != "gpt2" else 1) * x.ff
     if _moe(cfg, index):  # qkv | proj, then the experts' (config/memory_moe.py)
         attention = {
             "linear inputs": x.n * (m.d_model + x.h * x.hd) * c,

@@ -64,11 +64,14 @@ def bounds_of(f: dataclasses.Field) -> Bounds | None:
 @dataclass
 class ModelConfig:
     # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no
-    # biases; deepseek_v3: llama's with latent attention and DeepSeek-V3's routing (docs/moe.md)
+    # biases; qwen3: llama with QK-norm (an RMSNorm over head_dim on each q and k head before
+    # RoPE); deepseek_v3: llama's with latent attention and DeepSeek-V3's routing (docs/moe.md)
     arch: str = "gpt2"
     n_layers: int = bounded(2, low=1)  # transformer layers
     d_model: int = bounded(64, low=1)  # hidden size
     n_heads: int = bounded(4, low=1)  # attention heads; must divide model.d_model
+    # width of one attention head (transformers' head_dim); 0: model.d_model / model.n_heads
+    head_dim: int = bounded(0, low=0, note="0: d_model / n_heads")
     # key/value heads for grouped-query attention; 0: model.n_heads (MHA); must divide n_heads
     n_kv_heads: int = bounded(0, low=0, note="0: model.n_heads")
     # MLP hidden size; 0: 4·d (gpt2) or 8/3·d rounded up to 64 (llama)
@@ -80,9 +83,16 @@ class ModelConfig:
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
+    # sliding-window attention (transformers' sliding_window): a query sees itself and the
+    # window - 1 keys before it, on layers from model.max_window_layers on; 0: full attention
+    sliding_window: int = bounded(0, low=0, note="0: off")
+    max_window_layers: int = bounded(0, low=0)  # layers below it keep full attention
     # mixture of experts (docs/moe.md): routed experts per MoE layer; 0: dense (every MLP whole)
     n_experts: int = bounded(0, low=0, note="0: dense")
-    top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice, renormalised)
+    top_k: int = bounded(2, low=1)  # experts each token is routed to (token choice)
+    # the top_k gates renormalised to sum to 1 (Mixtral; transformers' norm_topk_prob), else
+    # the softmax probabilities as they are
+    norm_topk_prob: bool = True
     moe_ffn: int = bounded(0, low=0, note="0: model.d_ff")  # one expert's hidden size
     moe_every: int = bounded(1, low=1)  # every k-th layer is MoE (layers k-1, 2k-1, ...)
     moe_shared_experts: int = bounded(0, low=0)  # experts every token also goes through
@@ -102,7 +112,6 @@ class ModelConfig:
     n_group: int = bounded(1, low=1)  # expert groups, each scored by its best two
     topk_group: int = bounded(1, low=1)  # groups a token's experts may come from
     routed_scaling_factor: float = bounded(1.0, low=0, low_open=True)  # gates' multiplier
-    norm_topk_prob: bool = True  # gates renormalised over the chosen experts
     first_k_dense_replace: int = bounded(0, low=0)  # the first k layers keep a dense MLP
     # aux-loss-free balancing (DeepSeek-V3 §2.1.2): each step, every expert's selection bias
     # moves by rate · sign(mean load − its load), the load counted over the whole batch
@@ -198,6 +207,11 @@ class TrainConfig:
     stop_at_step: int = 0  # save and exit after this step, as if cut off; 0: run to `steps`
     eval_interval: int = bounded(0, low=0, note="0: never")  # validate every N steps and at the end
     eval_batches: int = bounded(4, low=1)  # validation batches of train.global_batch sequences
+    # a transformers directory (config.json + safetensors) to start from: config.json sets the
+    # model's architecture keys (model.seq_len, dropout and the MoE loss and capacity keys stay the
+    # run's; another model key set to a different value is refused), and each rank reads its own
+    # shard of the weights (docs/models.md); "": init from train.seed
+    init_from_hf: str = ""
     # downstream tasks scored at each evaluation beside the validation loss, comma-separated
     # (hellaswag): the records' <task>_acc and <task>_acc_norm (train/tasks.py), on any mesh,
     # the dp replicas splitting the items; "" : none
@@ -258,6 +272,9 @@ class CheckpointConfig:
     # wait before SIGKILL (torchrun's agent 30 s, SLURM's KillWait); the ranks save only if the
     # longest save of the run so far fits, else exit 0 without one; 0: no limit
     preempt_grace_s: float = bounded(30.0, low=0, note="0: no limit")
+    # also write each checkpoint as a transformers directory, step_*/hf (config.json,
+    # model.safetensors and data.tokenizer's files; rank 0 reads the checkpoint whole)
+    save_hf: bool = False
 
 
 @dataclass
@@ -324,7 +341,7 @@ class Derived:
             micro_batch_size=t.global_batch // (p.dp * p.microbatches),
             local_batch=t.global_batch // p.dp,
             tokens_per_step=t.global_batch * m.seq_len,
-            head_dim=m.d_model // m.n_heads,
+            head_dim=m.head_dim or m.d_model // m.n_heads,
             n_kv_heads=m.n_kv_heads or m.n_heads,
             d_ff=d_ff,
         )
@@ -332,7 +349,7 @@ class Derived:
 
 def gated(arch: str) -> bool:
     """RMSNorm and SwiGLU MLPs (llama's family) rather than GPT-2's LayerNorm and GELU."""
-    return arch in ("llama", "deepseek_v3")
+    return arch in ("llama", "qwen3", "deepseek_v3")
 
 
 def default_d_ff(arch: str, d_model: int) -> int:

@@ -115,7 +115,7 @@ class CostModel(MoECosts):
         self.ep_link: Link = ep_link(cluster, self.shape, p.ep)
         self.c = 2 if cfg.train.dtype == "bfloat16" else 4
         self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
-        self.llama = m.arch == "llama"
+        self.llama = m.arch != "gpt2"
         self.dropout = m.dropout > 0
         if runtime.attention == "auto":
             self.attention = attention_path(cfg, cluster.device)

@@ -11,6 +11,7 @@ write that failed in the background is found there, on every rank alike.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -20,10 +21,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from megapipe.config import Config
+from megapipe.config import Config, ConfigError
 from megapipe.distributed.launch import distributed, rank
+from megapipe.models.hf import hf_config
 from megapipe.train.checkpoint import SaveFailed, begin, complete, save, save_state, whole_weights
 from megapipe.train.checkpoint_faults import payload_bytes, written
+from megapipe.train.export import export_hf
 from megapipe.train.rng import rng_states
 
 
@@ -54,6 +57,16 @@ class AlreadyStaged(AsyncStager):
         return None
 
 
+HF_DIR = "hf"  # checkpoint.save_hf's transformers directory inside each step_* checkpoint
+
+
+def _check_exportable(cfg: Config) -> None:
+    try:
+        hf_config(cfg.model)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint.save_hf=true: {err}") from None
+
+
 class Saver:
     """Saves checkpoints for one run, synchronously or in the background. A save that cannot
     be written (train/checkpoint_faults.py) stops the run (SaveFailed) or, under
@@ -61,6 +74,8 @@ class Saver:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg, self.pending, self.failed = cfg, None, []
+        if cfg.checkpoint.save_hf:  # every rank refuses alike, before the first step
+            _check_exportable(cfg)
         self.background = cfg.checkpoint.async_save
         # a group for the background writes: created by every rank, once, at start-up
         self.group = dist.new_group(backend="gloo") if self.background and distributed() else None
@@ -75,7 +90,9 @@ class Saver:
         (async) started; returns its dir (None: it failed and the run goes on)."""
         self.wait()
         if not self.background:
-            return self._settled(step, save, self.cfg, step, model, optimizer, train_state)
+            return self._hf(
+                self._settled(step, save, self.cfg, step, model, optimizer, train_state)
+            )
         started = self._settled(step, begin, self.cfg, step)
         if started is None:
             return None
@@ -102,9 +119,19 @@ class Saver:
         future, step, tmp, final, rng, nbytes, train_state = self.pending
         self.pending = None
         failed = written(future.result)
-        return self._settled(
-            step, complete, self.cfg, step, tmp, final, rng, nbytes, failed, train_state
+        return self._hf(
+            self._settled(
+                step, complete, self.cfg, step, tmp, final, rng, nbytes, failed, train_state
+            )
         )
+
+    def _hf(self, final: str | None) -> str | None:
+        """checkpoint.save_hf: rank 0 writes the complete checkpoint `final` again as a
+        transformers directory `final`/hf (train/export.py: read whole from disk, with the run's
+        tokenizer), pruned with its checkpoint."""
+        if final is not None and self.cfg.checkpoint.save_hf and rank() == 0:
+            export_hf(final, os.path.join(final, HF_DIR), force=True)
+        return final
 
     def _settled(self, step: int, fn, *args):
         """fn(*args), or None where it raised SaveFailed and checkpoint.on_save_error=continue

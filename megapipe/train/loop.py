@@ -19,6 +19,7 @@ from megapipe.distributed.progress import NO_PROGRESS
 from megapipe.train import checkpoint, runlock
 from megapipe.train.checkpoint_async import Saver
 from megapipe.train.evaluate import evaluate_datasets
+from megapipe.train.hf_init import with_hf_model
 from megapipe.train.hooks import NO_HOOKS, HookList, TrainHooks
 from megapipe.train.metrics import MetricsLog, peak_memory, peak_tflops
 from megapipe.train.moe_metrics import moe_record
@@ -32,6 +33,7 @@ from megapipe.train.tasks import TaskEval
 def run(cfg: Config, hooks: TrainHooks = NO_HOOKS) -> list[dict]:
     """Train (or resume) per `cfg`, observed by `hooks` (train/hooks.py); returns the logged
     records of this invocation."""
+    cfg = with_hf_model(cfg)  # train.init_from_hf: config.json's model keys
     mesh = init_distributed(cfg)  # checks the world size before any collective
     with StopSignals(cfg, mesh) as stop:  # a stop signal from here on waits for a step boundary
         lock = _lock_run_dir(cfg)

@@ -34,6 +34,7 @@ from megapipe.pipeline.stages import (
 )
 from megapipe.train.batches import BatchSlice, document_eos
 from megapipe.train.evaluate import evaluate
+from megapipe.train.hf_init import load_hf_weights
 from megapipe.train.hooks import NO_HOOKS, TrainHooks
 from megapipe.train.moe_balance import BiasBalancing
 from megapipe.train.optim import build_optimizer
@@ -115,6 +116,8 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
     place = chunk_placement(cfg) if cfg.parallel.pp > 1 else None  # the pipeline's stages
     # the model: this rank's chunks, their tp/sp, cp and ep layers, recompute, weights' dtype
     chunks = model_chunks(cfg, mesh, device, parts, place)
+    if cfg.train.init_from_hf:  # a transformers directory's weights, each rank its own shard
+        load_hf_weights(chunks, cfg.train.init_from_hf, cfg.model)
     compile_chunks(cfg, mesh, chunks, parts.precision)  # train.compile
     sharding = _sharding(cfg, mesh)  # data-parallel sharding: the ZeRO level's strategy
     if place is None:  # no pipeline: the one replica and its dp × cp reducer

@@ -1,0 +1,148 @@
+"""train.init_from_hf (megapipe/train/hf_init.py): a run started from a transformers directory
+has transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2
+meshes where each rank reads its own shard; conflicts and pickled weights are one line."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from megapipe.config import ConfigError
+from tests.parity import build_mesh
+from tests.util import rel_error
+
+REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
+# configs/tiny.yaml's shape (d_model 32, 4 heads, 2 layers, vocab 96), head_dim 12 != 32/4
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+             max_position_embeddings=64, tie_word_embeddings=False,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True)
+
+
+def hf_dir(moe: bool) -> str:
+    """A random Qwen3 (Qwen3-MoE: saved in several safetensors files) written to a temp dir."""
+    torch.manual_seed(0)
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**SHAPE, **MOE))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    out = tempfile.mkdtemp()
+    model.save_pretrained(out, max_shard_size="40KB" if moe else "1GB")
+    return out
+
+
+def tiny(overrides: list[str]):
+    """configs/tiny.yaml with `overrides`, the model keys from train.init_from_hf, as train.py
+    loads it (before validation: parallel.ep needs the experts config.json brings)."""
+    from megapipe.config import load_config
+    from megapipe.train.hf_init import with_hf_model
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = f"run.dir={tempfile.mkdtemp()}"
+    return load_config(f"{root}/configs/tiny.yaml", [*overrides, run], resolve=with_hf_model)
+
+
+def first_loss(overrides: list[str]) -> float:
+    """Step 0's loss of the tiny config started from train.init_from_hf, under its mesh."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.parallelize import parallelize
+
+    cfg = tiny(overrides)
+    job = parallelize(cfg, build_mesh(cfg), "cpu")
+    batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
+    return job.train_step(job.optimizer(), batch, 0).loss
+
+
+def hf_loss(src: str) -> float:
+    """transformers' mean next-token loss on the tiny config's first batch."""
+    from megapipe.data.loader import build_data
+
+    cfg = tiny([f"train.init_from_hf={src}"])
+    batch = build_data(cfg.data, cfg.model, cfg.train.seed).batch(0, cfg.train.global_batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.fixture(scope="module")
+def dirs() -> dict:
+    return {moe: hf_dir(moe) for moe in (False, True)}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_one_process_starts_at_transformers_loss(dirs, moe):
+    src = dirs[moe]
+    want = hf_loss(src)
+    got = first_loss([f"train.init_from_hf={src}"])
+    assert abs(got - want) <= REL * want, (got, want)
+
+
+MESHES = [
+    (False, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+    (True, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+]
+
+
+@pytest.mark.parametrize("moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp"])
+def test_meshes_read_their_shards_and_start_at_transformers_loss(gloo_pool, dirs, moe, mesh):
+    src = dirs[moe]
+    want = hf_loss(src)
+    for rank, got in enumerate(gloo_pool(4).run(first_loss, [f"train.init_from_hf={src}", *mesh])):
+        assert abs(got - want) <= REL * want, f"rank {rank}: {got} != {want}"
+
+
+def test_a_conflicting_model_key_is_one_line(dirs):
+    with pytest.raises(ConfigError, match="model.n_layers=3 conflicts with") as err:
+        first_loss([f"train.init_from_hf={dirs[False]}", "model.n_layers=3"])
+    assert "\n" not in str(err.value)
+
+
+def test_pickled_weights_are_refused_by_name(dirs, tmp_path):
+    (tmp_path / "config.json").write_text(open(os.path.join(dirs[False], "config.json")).read())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ConfigError, match="pytorch_model.bin is pickled") as err:
+        first_loss([f"train.init_from_hf={tmp_path}"])
+    assert "\n" not in str(err.value)
+
+
+def test_save_hf_writes_each_checkpoint_as_a_transformers_dir(dirs):
+    """A run started from HF with checkpoint.save_hf: every step_*/hf loads in transformers
+    with the checkpoint's own logits."""
+    from megapipe.train.checkpoint import complete_checkpoints, load_for_inference
+    from megapipe.train.loop import run
+
+    src = dirs[True]  # Qwen3-MoE: the stacked experts go out one tensor per expert again
+    cfg = tiny([f"train.init_from_hf={src}", "train.steps=2", "checkpoint.interval=1"])
+    cfg.checkpoint.save_hf = True
+    run(cfg)
+    ckpts = complete_checkpoints(os.path.join(cfg.run.dir, "checkpoints"))
+    assert [os.path.basename(c) for c in ckpts] == ["step_00000001", "step_00000002"]
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    for ckpt in ckpts:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(f"{ckpt}/hf").eval()
+        assert type(hf) is transformers.Qwen3MoeForCausalLM
+        _, ours = load_for_inference(ckpt)
+        with torch.no_grad():
+            want = ours.eval()(ids)
+            assert rel_error(hf(ids).logits, want) <= REL
+
+
+def test_save_hf_of_an_arch_without_export_is_one_line():
+    from megapipe.train.checkpoint_async import Saver
+
+    cfg = tiny(["checkpoint.save_hf=true", "model.n_experts=4", "model.moe_shared_experts=1",
+                "model.arch=qwen3"])  # fmt: skip
+    with pytest.raises(ConfigError, match="checkpoint.save_hf=true: model.moe_shared_experts"):
+        Saver(cfg)
