@@ -39,6 +39,8 @@ from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 ARCHS = ("gpt2", "llama")
 RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")  # train/optim.py, train/muon.py
+MUON_LR_ADJUSTS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 DATA_SOURCES = ("synthetic", "memmap")
 DATA_SAMPLERS = ("epochs", "random")  # data/sample_index.py; data/loader.py's draw
 WANDB_MODES = ("disabled", "offline", "online")
@@ -56,6 +58,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "recompute.mode": RECOMPUTE_MODES,
     "train.dtype": DTYPES,
     "train.params_dtype": DTYPES,
+    "train.optimizer": OPTIMIZERS,
+    "train.muon_adjust_lr_fn": MUON_LR_ADJUSTS,
     "train.on_nonfinite": NONFINITE_ACTIONS,
     "checkpoint.on_save_error": SAVE_ERROR_ACTIONS,
     "data.source": DATA_SOURCES,
@@ -309,6 +313,7 @@ def _check_train(cfg: Config) -> None:
     _one_of("train.dtype", t.dtype, DTYPES)
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
     check_params_dtype(cfg)
+    _check_muon(cfg)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
@@ -318,6 +323,25 @@ def _check_train(cfg: Config) -> None:
         not (t.compile and SCHEDULES[cfg.parallel.schedule].segmented and cfg.parallel.pp > 1),
         "train.compile=true with parallel.schedule=seq1f1b: a layer's K/V carry between "
         "sequence segments cannot be compiled; set train.compile=false or another schedule",
+    )
+
+
+def _check_muon(cfg: Config) -> None:
+    """Muon orthogonalises whole matrices, which ZeRO's flat ranges cut (train/muon.py)."""
+    t, p = cfg.train, cfg.parallel
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.muon_adjust_lr_fn", t.muon_adjust_lr_fn, MUON_LR_ADJUSTS)
+    if t.optimizer != "muon":
+        return
+    _require(
+        p.zero == 0 or p.dp * p.cp == 1,
+        f"train.optimizer=muon needs whole matrices, which parallel.zero={p.zero}'s flat "
+        "ranges cut; set --parallel.zero=0 or --train.optimizer=adamw",
+    )
+    _require(
+        not p.post_validation,
+        "train.optimizer=muon with parallel.post_validation=true: its rollback restores "
+        "AdamW's state only; set --parallel.post_validation=false",
     )
 
 
