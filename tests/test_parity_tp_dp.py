@@ -20,6 +20,8 @@ SP = ["parallel.sequence_parallel=true"]
 FULL = ["recompute.mode=full"]
 MB2 = ["parallel.microbatches=2"]
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
+# Muon (train/muon.py): tp gathers each matrix; q | k | v and gate | up orthogonalised apart
+MUON = [*LLAMA, "train.optimizer=muon", "model.n_kv_heads=2"]
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -31,6 +33,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # agree to ~3e-7, which AdamW at 3e-3 carried to 1.05e-5 after 3 steps (parity.LOW_LR)
         ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
+        ("tp2-muon", 1, 2, MUON),
     ],
     4: [
         ("dp4", 4, 1, MB2),
@@ -46,6 +49,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # fc1 after 3 steps with the fused head (7.8e-6 with the unfused one): parity.LOW_LR
         ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
+        ("dp2-tp2-muon", 2, 2, MUON),
     ],
     8: [
         ("dp2-tp4-sp", 2, 4, SP),

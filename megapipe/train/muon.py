@@ -102,10 +102,12 @@ class Muon(torch.optim.Muon):
             param.narrow(dim, piece.local_lo, piece.length).add_(mine, alpha=-adjusted)
 
     def param_state(self, param: torch.Tensor) -> dict:
-        """The momentum buffer of `param` (float32 zeros if absent, so a load has a target)."""
+        """The momentum buffer of `param` (zeros if absent, so a load has a target): float32,
+        or float64 for float64 weights (the tests' exact twin)."""
         state = self.state[param]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
+            dtype = torch.promote_types(param.dtype, torch.float32)
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
         return state
 
 
