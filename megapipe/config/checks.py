@@ -37,7 +37,7 @@ from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
 ARCHS = ("gpt2", "llama")
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "full", "selective", "offload")
 DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py, train/muon.py
 MUON_LR_ADJUSTS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
@@ -351,6 +351,11 @@ def _check_rest(cfg: Config) -> None:
     _require(
         0 <= r.layers <= cfg.model.n_layers,
         f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",
+    )
+    _require(
+        r.offload_layers <= cfg.model.n_layers,
+        f"recompute.offload_layers={r.offload_layers} must be in [0, model.n_layers="
+        f"{cfg.model.n_layers}]",
     )
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     _one_of("data.sampler", cfg.data.sampler, DATA_SAMPLERS)

@@ -148,8 +148,11 @@ class ParallelConfig:
 
 @dataclass
 class RecomputeConfig:
-    mode: str = "none"  # activation recompute: none | full (whole layers) | selective (attention)
-    layers: int = bounded(0, low=0, note="0: all")  # only the first N layers; 0 means all
+    # none | full (whole layers) | selective (attention) | offload (saved activations to host)
+    mode: str = "none"
+    layers: int = bounded(0, low=0, note="0: all")  # full/selective: the first N layers; 0: all
+    # offload: only the first N layers move their saved activations to host memory; 0: all
+    offload_layers: int = bounded(0, low=0, note="0: all")
 
 
 @dataclass
