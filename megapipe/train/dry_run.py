@@ -190,6 +190,7 @@ def _rank_line(cfg: Config, r: RankMemory) -> str:
         f"{_amount(r.inflight)} microbatches"
         + (f", LM head chunk transient ~{_size(r.head_transient)}" if r.head_transient else "")
         + f" -> peak ~{_size(r.peak)}"
+        + (f"; offloaded to host ~{_size(r.host)}" if r.host else "")
     )
 
 
