@@ -97,3 +97,19 @@ def test_muon_config_errors_are_one_line(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(["train.optimizer=muon", *extra], str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+def test_bf16_weights_keep_the_momentum_under_its_name(tmp_path):
+    """bf16 weights: Muon steps the float32 main params; the checkpoint names are the same
+    before the first step (what a load reads into) as after it (what a save writes)."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.checkpoint import training_tensors
+
+    bf16 = ("train.dtype=bfloat16", "train.params_dtype=bfloat16")
+    job, opt = _job(tmp_path, "train.optimizer=muon", *bf16)
+    before = set(training_tensors(job.model, opt))
+    data = build_data(job.cfg.data, job.cfg.model, job.cfg.train.seed)
+    job.train_step(opt, data.batch(0, job.cfg.train.global_batch), 0)
+    assert set(training_tensors(job.model, opt)) == before
+    assert "optim.layers.1.mlp.fc2.weight.momentum_buffer" in before
+    assert "optim.layers.1.mlp.fc2.weight.exp_avg" not in before
