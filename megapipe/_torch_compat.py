@@ -25,6 +25,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 Tensor = torch.Tensor
@@ -104,6 +105,22 @@ def fused_adamw_devices() -> set[str]:
     (torch.utils._foreach_utils._get_fused_kernels_supported_devices): AdamW runs fused where
     every parameter's device is one (train/optim.py). Works on torch 2.13."""
     return set(_get_fused_kernels_supported_devices())
+
+
+def muon_orthogonalize(
+    update: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalisation of one 2-D matrix (a bfloat16
+    result; torch.optim._muon._zeropower_via_newtonschulz). train/muon.py runs it per logical
+    matrix of a tp shard. Works on torch 2.13 (and 2.11, which ships torch.optim.Muon)."""
+    return _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """torch.optim.Muon's learning rate for a matrix of logical `shape` (A, B): "original"
+    lr·√max(1, A/B), "match_rms_adamw" 0.2·lr·√max(A, B) (torch.optim._muon._adjust_lr).
+    Works on torch 2.13."""
+    return _adjust_lr(lr, adjust_lr_fn, torch.Size(shape))
 
 
 # ---------------------------------------------------------------- process groups

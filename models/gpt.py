@@ -26,7 +26,7 @@ from megapipe.models.mtp import MTP, MTPModule
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.precision import Precision
-from megapipe.parallel.recompute import layer_mode, maybe_checkpoint
+from megapipe.parallel.recompute import ActivationOffload, layer_mode, maybe_checkpoint
 from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -164,11 +164,13 @@ class TransformerLayer(nn.Module):
         self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)
         self.full_recompute = recompute == "full"
+        self.offload = ActivationOffload(self) if recompute == "offload" else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, segment=None, documents=None):
         fn = replayable(self._forward, self.tp)
-        return maybe_checkpoint(self.full_recompute, fn, x, positions, segment, documents)
+        with self.offload.hooks() if self.offload else contextlib.nullcontext():
+            return maybe_checkpoint(self.full_recompute, fn, x, positions, segment, documents)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment, documents=None):
         h = self.attn(self.norm1(x), positions, segment, documents)

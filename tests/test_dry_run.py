@@ -282,7 +282,7 @@ def test_json_is_the_plan_the_text_prints(capsys, tmp_path, args):
     keys = ["weights", "grads", "optimizer"]
     assert [(r["pp"], r["tp"]) for r in out["ranks"]] == [(r["pp"], r["tp"]) for r in lines]
     for got, line in zip(out["ranks"], lines):
-        assert set(got) == {"pp", "tp", "params", "activations_bytes", "peak_bytes",
+        assert set(got) == {"pp", "tp", "params", "activations_bytes", "peak_bytes", "host_bytes",
                             "grads_step_bytes", "grads_reducing_bytes", "head_transient_bytes",
                             *(f"{k}_bytes" for k in keys)}  # fmt: skip
         assert got["head_transient_bytes"] / MIB == pytest.approx(line["head"], abs=0.006)

@@ -42,6 +42,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("1f1b-m1", 1, 1, pp("1f1b", 2, 1)),
         ("1f1b-m3", 1, 1, [*pp("1f1b", 2, 3), *B12]),
         ("1f1b-m4-llama", 1, 1, [*pp("1f1b", 2, 4), *LLAMA]),
+        ("1f1b-m2-llama-muon", 1, 1, [*pp("1f1b", 2, 2), *LLAMA, "train.optimizer=muon"]),
         ("interleaved-m1", 1, 1, pp("interleaved_1f1b", 2, 1, 2)),
         ("interleaved-m4", 1, 1, pp("interleaved_1f1b", 2, 4, 2)),
         ("interleaved-m3-llama", 1, 1, [*pp("interleaved_1f1b", 2, 3, 2), *B12, *LLAMA]),

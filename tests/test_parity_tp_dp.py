@@ -23,6 +23,8 @@ MB2 = ["parallel.microbatches=2"]
 QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
 WINDOW = ["model.sliding_window=5", "model.max_window_layers=1"]  # layer 1 slides over 5 keys
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
+# Muon (train/muon.py): tp gathers each matrix; q | k | v and gate | up orthogonalised apart
+MUON = [*LLAMA, "train.optimizer=muon", "model.n_kv_heads=2"]
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -35,6 +37,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
         ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
+        ("tp2-muon", 1, 2, MUON),
     ],
     4: [
         ("dp4", 4, 1, MB2),
@@ -51,6 +54,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
         ("tp4-qwen3-gqa-kv-replicated-sp", 1, 4, [*QWEN3, "model.n_kv_heads=2", *SP]),
+        ("dp2-tp2-muon", 2, 2, MUON),
     ],
     8: [
         ("dp2-tp4-sp", 2, 4, SP),

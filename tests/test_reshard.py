@@ -53,6 +53,12 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
     ),
     "llama-gqa-tp2-kv-replicated-to-tp1": (mesh(tp=2), mesh(), LLAMA_KV1),
     "tp2-zero0-to-dp2-tp2-zero1": (mesh(tp=2), mesh(dp=2, tp=2, zero=1, **SP), []),
+    # Muon's momentum buffers, tp shards of fused q | k | v, resumed whole on other stages
+    "muon-llama-tp2-to-dp2-pp2": (
+        mesh(tp=2),
+        mesh(dp=2, pp=2, microbatches=2),
+        [*LLAMA_KV1[:3], "model.n_kv_heads=2", "train.optimizer=muon"],
+    ),
 }
 
 

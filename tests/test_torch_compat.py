@@ -132,6 +132,20 @@ def test_grouped_mm(compat):
     expect(torch.equal(gw, want), name, f"gave the split-contraction {gw} (expected {want})")
 
 
+def test_muon_orthogonalize_and_adjusted_lr(compat):
+    name = "torch.optim._muon._zeropower_via_newtonschulz"
+    g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with api(name):
+        o = compat.muon_orthogonalize(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    s = torch.linalg.svdvals(o.float())  # quintic NS: singular values near 1, not exactly
+    expect(o.shape == g.shape and bool(((s > 0.5) & (s < 1.5)).all()), name, f"gave {s}")
+    name = "torch.optim._muon._adjust_lr"
+    with api(name):
+        lr = compat.muon_adjusted_lr(0.1, "match_rms_adamw", (16, 4))
+        lr0 = compat.muon_adjusted_lr(0.1, "original", (16, 4))
+    expect(abs(lr - 0.2 * 0.1 * 4) < 1e-12 and abs(lr0 - 0.2) < 1e-12, name, f"{lr}, {lr0}")
+
+
 def test_fused_adamw_devices(compat):
     name = "torch.utils._foreach_utils._get_fused_kernels_supported_devices"
     with api(name):

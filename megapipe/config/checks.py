@@ -37,8 +37,10 @@ from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
 ARCHS = ("gpt2", "llama", "qwen3", "deepseek_v3")
-RECOMPUTE_MODES = ("none", "full", "selective")
+RECOMPUTE_MODES = ("none", "full", "selective", "offload")
 DTYPES = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "muon")  # train/optim.py, train/muon.py
+MUON_LR_ADJUSTS = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 DATA_SOURCES = ("synthetic", "memmap")
 DATA_SAMPLERS = ("epochs", "random")  # data/sample_index.py; data/loader.py's draw
 WANDB_MODES = ("disabled", "offline", "online")
@@ -56,6 +58,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "recompute.mode": RECOMPUTE_MODES,
     "train.dtype": DTYPES,
     "train.params_dtype": DTYPES,
+    "train.optimizer": OPTIMIZERS,
+    "train.muon_adjust_lr_fn": MUON_LR_ADJUSTS,
     "train.on_nonfinite": NONFINITE_ACTIONS,
     "checkpoint.on_save_error": SAVE_ERROR_ACTIONS,
     "data.source": DATA_SOURCES,
@@ -395,6 +399,7 @@ def _check_train(cfg: Config) -> None:
     _one_of("train.dtype", t.dtype, DTYPES)
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
     check_params_dtype(cfg)
+    _check_muon(cfg)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",
@@ -407,12 +412,36 @@ def _check_train(cfg: Config) -> None:
     )
 
 
+def _check_muon(cfg: Config) -> None:
+    """Muon orthogonalises whole matrices, which ZeRO's flat ranges cut (train/muon.py)."""
+    t, p = cfg.train, cfg.parallel
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.muon_adjust_lr_fn", t.muon_adjust_lr_fn, MUON_LR_ADJUSTS)
+    if t.optimizer != "muon":
+        return
+    _require(
+        p.zero == 0 or p.dp * p.cp == 1,
+        f"train.optimizer=muon needs whole matrices, which parallel.zero={p.zero}'s flat "
+        "ranges cut; set --parallel.zero=0 or --train.optimizer=adamw",
+    )
+    _require(
+        not p.post_validation,
+        "train.optimizer=muon with parallel.post_validation=true: its rollback restores "
+        "AdamW's state only; set --parallel.post_validation=false",
+    )
+
+
 def _check_rest(cfg: Config) -> None:
     r = cfg.recompute
     _one_of("recompute.mode", r.mode, RECOMPUTE_MODES)
     _require(
         0 <= r.layers <= cfg.model.n_layers,
         f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",
+    )
+    _require(
+        r.offload_layers <= cfg.model.n_layers,
+        f"recompute.offload_layers={r.offload_layers} must be in [0, model.n_layers="
+        f"{cfg.model.n_layers}]",
     )
     _one_of("data.source", cfg.data.source, DATA_SOURCES)
     _one_of("data.sampler", cfg.data.sampler, DATA_SAMPLERS)

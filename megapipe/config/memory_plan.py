@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megapipe.config.flops import held_expert_params, segment_bounds
 from megapipe.config.memory_head import head_transient_bytes
@@ -87,6 +87,7 @@ class RankMemory:
     # zero=3: the blocks gathered while the head runs (the head and the layer before it, whose
     # gather its backward prefetches), in place of the rank's largest pair
     gathered_head: float = 0.0
+    host: float = 0.0  # recompute.mode=offload: saved activations in host memory at the peak
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -157,6 +158,7 @@ def memory_plan(
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
+        host = sum(chunk_host_activations(cfg, b, device) for b in held)
         head = rank_head_transient(cfg, held, device, memory)
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
@@ -165,7 +167,8 @@ def memory_plan(
             experts = sum(held_expert_params(cfg, b) for b in held)
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
             coord = (pp_rank, tp_rank)
-            ranks.append(rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head))
+            r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head)
+            ranks.append(replace(r, host=host * inflight[pp_rank]))
     return MemoryPlan(tuple(ranks), device)
 
 
@@ -318,6 +321,17 @@ def chunk_activations(cfg: Config, blocks: range, device: str = "cuda") -> float
     """Bytes one microbatch leaves saved for backward in the chunk holding `blocks` (over all
     its Seq1F1B segments)."""
     return sum(segment_activations(cfg, blocks, device, i) for i in segments(cfg))
+
+
+def chunk_host_activations(cfg: Config, blocks: range, device: str = "cuda") -> float:
+    """Bytes one microbatch moves to host memory in the chunk holding `blocks`: what its
+    offloaded layers (block_role "offload") would have saved on the device at mode "none"."""
+    offloaded = [b for b in blocks if block_role(cfg, b) == "offload"]
+    return sum(
+        sum(layer_terms(cfg, "none", device, i, b - 1).values())
+        for b in offloaded
+        for i in segments(cfg)
+    )
 
 
 def block_deferred(cfg: Config, block: int, segment: int | None = None) -> float:

@@ -139,8 +139,10 @@ def compute_bytes(cfg: Config) -> int:
 
 def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
     """The recompute mode for transformer layer `layer_index` (0-based, global): recompute.mode
-    for the first recompute.layers layers (0: all), "none" after them."""
-    if cfg.layers and layer_index >= cfg.layers:
+    for the first recompute.layers layers (recompute.offload_layers for offload; 0: all),
+    "none" after them."""
+    first = cfg.offload_layers if cfg.mode == "offload" else cfg.layers
+    if first and layer_index >= first:
         return "none"
     return cfg.mode
 
@@ -262,6 +264,8 @@ def layer_terms(
     `index`: the layer's (a MoE layer saves config/memory_moe.py's terms for its MLP)."""
     m, x = cfg.model, rank_dims(cfg, segment)
     mode = mode or cfg.recompute.mode
+    if mode == "offload":  # all it saves lives in host memory (memory_plan.chunk_host_activations)
+        return {}
     segmented = segment is not None and len(segment_bounds(cfg)) > 1
     store = _segment_store(cfg, x) if segmented else None
     if mode == "full":  # the checkpoint keeps the layer input alone

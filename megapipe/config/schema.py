@@ -178,8 +178,11 @@ class ParallelConfig:
 
 @dataclass
 class RecomputeConfig:
-    mode: str = "none"  # activation recompute: none | full (whole layers) | selective (attention)
-    layers: int = bounded(0, low=0, note="0: all")  # only the first N layers; 0 means all
+    # none | full (whole layers) | selective (attention) | offload (saved activations to host)
+    mode: str = "none"
+    layers: int = bounded(0, low=0, note="0: all")  # full/selective: the first N layers; 0: all
+    # offload: only the first N layers move their saved activations to host memory; 0: all
+    offload_layers: int = bounded(0, low=0, note="0: all")
 
 
 @dataclass
@@ -193,6 +196,16 @@ class TrainConfig:
     weight_decay: float = bounded(0.1, low=0)
     beta1: float = bounded(0.9, low=0, high=1, high_open=True)  # AdamW first-moment decay
     beta2: float = bounded(0.95, low=0, high=1, high_open=True)  # AdamW second-moment decay
+    # adamw | muon: Muon on the layers' 2-D matrices, AdamW on embeddings, head, norms, biases
+    # (train/muon.py; docs/memory.md, Muon)
+    optimizer: str = "adamw"
+    muon_momentum: float = bounded(
+        0.95, low=0, high=1, high_open=True
+    )  # Muon's momentum (Nesterov)
+    muon_ns_steps: int = bounded(5, low=1, high=99)  # Muon's Newton-Schulz iterations
+    # Muon's per-matrix lr (torch's adjust_lr_fn): match_rms_adamw 0.2·lr·√max(A, B), so train.lr
+    # serves both optimizers (Moonlight §2.2); original lr·√max(1, A/B) (Keller Jordan's)
+    muon_adjust_lr_fn: str = "match_rms_adamw"
     # seeds init (with each parameter's name), data order and dropout
     seed: int = bounded(
         1234, low=0, high=2**32, high_open=True, note="numpy's seed range: 0 <= seed < 2**32"

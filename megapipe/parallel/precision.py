@@ -268,6 +268,11 @@ class MainParamOptimizer(WholeState):
         for p, m in self.main_of.values():
             p.data.copy_(m)
 
+    def param_state(self, param: nn.Parameter) -> dict:
+        """The inner optimizer's state of `param`'s main param (its own keys: AdamW's moments,
+        Muon's momentum buffer: train/muon.py), created if absent so a load has targets."""
+        return self.inner.param_state(self.main_of[id(param)][1])
+
     def main_weights(self) -> dict[int, torch.Tensor]:
         """{id(param): float32 main param}: what a checkpoint writes as the weights."""
         return {id(p): m for p, m in self.main_of.values()}

@@ -53,7 +53,8 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
     step (`grads_step_bytes`: zero>=2 the shard) and while the last backward's reduction runs
     (`grads_reducing_bytes`: local grads kept, send buffers, shards), optimizer state,
     activations at the peak in flight, the LM head's chunk transient on the ranks holding the
-    head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), and the peak: the larger
+    head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), the activations that
+    recompute.mode=offload keeps in host memory (`host_bytes`), and the peak: the larger
     of the two moments, weights + grads + optimizer + activations + head transient, or weights
     + grads_reducing + optimizer; and the largest peak. `device`: whose kernels' saved tensors
     (tests measure CPU runs); the head's chunks are sized by this machine's CUDA device where
@@ -72,6 +73,7 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
             "activations_bytes": int(r.activations),
             "head_transient_bytes": int(r.head_transient),
             "peak_bytes": int(r.peak),
+            "host_bytes": int(r.host),  # recompute.mode=offload's activations in host memory
         }
         for r in plan.ranks
     ]
@@ -188,6 +190,7 @@ def _rank_line(cfg: Config, r: RankMemory) -> str:
         f"{_amount(r.inflight)} microbatches"
         + (f", LM head chunk transient ~{_size(r.head_transient)}" if r.head_transient else "")
         + f" -> peak ~{_size(r.peak)}"
+        + (f"; offloaded to host ~{_size(r.host)}" if r.host else "")
     )
 
 

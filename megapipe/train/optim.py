@@ -20,6 +20,7 @@ from megapipe.config import TrainConfig
 from megapipe.parallel.data.levels import PLAIN, Sharding
 from megapipe.parallel.data.optimizer_interface import WholeState
 from megapipe.parallel.precision import MainParamOptimizer, grad_of
+from megapipe.train.muon import make_muon, muon_groups
 
 
 class AdamW(WholeState, torch.optim.AdamW):
@@ -33,8 +34,13 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     Embedding tables are matrices and decay, as in Megatron-LM. Stacked expert biases
     (models/moe.py: `in_bias`, `out_bias`, one vector per expert) are biases and do not.
     """
+    return named_decay_groups(model.named_parameters(), weight_decay)
+
+
+def named_decay_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list:
+    """decay_groups over (name, parameter) pairs."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in named:
         if param.requires_grad:
             matrix = param.ndim >= 2 and not name.endswith("bias")
             (decay if matrix else no_decay).append(param)
@@ -53,9 +59,14 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW over `model`; under a sharded level (`sharding`, parallel/data/levels.py) over
     this rank's shards of `reducers` (one per chunk), whose checkpoints are written over
-    `stage_group` (the mesh's dp × cp × tp group of this pp stage)."""
+    `stage_group` (the mesh's dp × cp × tp group of this pp stage). train.optimizer=muon:
+    Muon over the hidden matrices beside that AdamW (train/muon.py)."""
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    if cfg.optimizer == "muon":
+        hidden, rest = muon_groups(model, cfg.weight_decay)
+        groups = [hidden, *named_decay_groups(rest, cfg.weight_decay)]
+        adamw = partial(make_muon, cfg=cfg, make_adamw=adamw)
     sharded = sharding.optimizer(list(reducers), groups, adamw, stage_group)
     if sharded is not None:
         return sharded

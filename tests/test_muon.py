@@ -1,0 +1,115 @@
+"""train.optimizer=muon (train/muon.py): torch's Muon arithmetic on each logical matrix, the
+split of parameters between Muon and AdamW, its checkpoint names and its config errors. The
+distributed parity cases live in test_parity_tp_dp.py, test_parity_pp.py and test_reshard.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from megapipe.parallel.tensor.sharding import NO_TP, ShardSpec
+from megapipe.train.muon import MatrixLayout, Muon
+from tests.parity import tiny_config
+
+HYPER = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+
+
+def _steps(optimizer, params, grads) -> None:
+    for g in grads:
+        for p, gp in zip(params, g, strict=True):
+            p.grad = gp.clone()
+        optimizer.step()
+
+
+def _grads(shape, n=3, seed=0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(n)]
+
+
+def test_one_matrix_steps_bitwise_as_torch_muon():
+    w0 = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    layout = MatrixLayout((24, 16), ShardSpec(dim=1, segments=(16,)), NO_TP)
+    grads = _grads((24, 16))
+    _steps(Muon([{"params": [ours], "layouts": [layout]}], **HYPER), [ours], [[g] for g in grads])
+    _steps(torch.optim.Muon([theirs], **HYPER), [theirs], [[g] for g in grads])
+    assert torch.equal(ours, theirs)
+
+
+def test_fused_matrices_are_orthogonalised_apart():
+    """q | k | v of one fused weight step as three torch Muon matrices (their own adjusted lr)."""
+    rows = (16, 8, 8)
+    w0 = torch.randn(32, 16, generator=torch.Generator().manual_seed(2))
+    fused = w0.clone().requires_grad_()
+    parts = [p.clone().requires_grad_() for p in w0.split(rows)]
+    layout = MatrixLayout((32, 16), ShardSpec(dim=0, segments=rows, unit=8), NO_TP)
+    grads = _grads((32, 16))
+    _steps(Muon([{"params": [fused], "layouts": [layout]}], **HYPER), [fused], [[g] for g in grads])
+    _steps(torch.optim.Muon(parts, **HYPER), parts, [list(g.split(rows)) for g in grads])
+    assert torch.equal(fused.detach(), torch.cat([p.detach() for p in parts]))
+    whole = w0.clone().requires_grad_()  # the planted mistake: q | k | v as one matrix
+    _steps(torch.optim.Muon([whole], **HYPER), [whole], [[g] for g in grads])
+    assert not torch.allclose(whole, fused, rtol=1e-3)
+
+
+def _job(tmp_path, *extra):
+    from megapipe.train.parallelize import parallelize
+
+    cfg = tiny_config(["model.arch=llama", "model.tie_embeddings=false", *extra], str(tmp_path))
+    job = parallelize(cfg, None)
+    return job, job.optimizer()
+
+
+def test_hidden_matrices_get_muon_and_the_rest_adamw(tmp_path):
+    from megapipe.train.checkpoint import training_tensors
+
+    job, opt = _job(tmp_path, "train.optimizer=muon")
+    names = {id(p): n for n, p in job.model.named_parameters()}
+    muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
+    want = {f"layers.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj")}
+    want |= {f"layers.{i}.mlp.{m}.weight" for i in range(2) for m in ("fc1", "fc2")}
+    assert muon == want
+    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    assert adamw == set(names.values()) - want
+    keys = training_tensors(job.model, opt)
+    assert "optim.layers.0.attn.qkv.weight.momentum_buffer" in keys
+    assert "optim.layers.0.attn.qkv.weight.exp_avg" not in keys
+    assert "optim.embed.tok.weight.exp_avg_sq" in keys
+
+
+def test_adamw_stays_the_default(tmp_path):
+    from megapipe.train.optim import AdamW
+
+    _, opt = _job(tmp_path)
+    assert isinstance(opt, AdamW)
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["parallel.dp=2", "parallel.zero=1"], "parallel.zero=1"),
+        (["train.optimizer=lion"], "train.optimizer"),
+        (["train.muon_adjust_lr_fn=none"], "train.muon_adjust_lr_fn"),
+    ],
+)
+def test_muon_config_errors_are_one_line(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        tiny_config(["train.optimizer=muon", *extra], str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_bf16_weights_keep_the_momentum_under_its_name(tmp_path):
+    """bf16 weights: Muon steps the float32 main params; the checkpoint names are the same
+    before the first step (what a load reads into) as after it (what a save writes)."""
+    from megapipe.data.loader import build_data
+    from megapipe.train.checkpoint import training_tensors
+
+    bf16 = ("train.dtype=bfloat16", "train.params_dtype=bfloat16")
+    job, opt = _job(tmp_path, "train.optimizer=muon", *bf16)
+    before = set(training_tensors(job.model, opt))
+    data = build_data(job.cfg.data, job.cfg.model, job.cfg.train.seed)
+    job.train_step(opt, data.batch(0, job.cfg.train.global_batch), 0)
+    assert set(training_tensors(job.model, opt)) == before
+    assert "optim.layers.1.mlp.fc2.weight.momentum_buffer" in before
+    assert "optim.layers.1.mlp.fc2.weight.exp_avg" not in before
