@@ -53,13 +53,13 @@ def mesh_split(profile: cProfile.Profile) -> tuple[float, float, int]:
     stats = pstats.Stats(profile).stats
     total = torch_s = 0.0
     calls = 0
-    for (file, _, name), (_, ncalls, own, cum, _) in stats.items():
+    for (file, _, name), (_, ncalls, _, cum, callers) in stats.items():
         if name == "__init__" and file.endswith(MEGAPIPE_MESH):
             total += cum
         elif name in TORCH_GROUPS:
             torch_s += cum
-        elif name == "_new_group_of" and file.endswith(MEGAPIPE_MESH):
-            torch_s += cum - own  # its loop's body is torch's new_group
+        elif name == "wrapper" and file.endswith("c10d_logger.py"):  # new_group's decorator
+            torch_s += sum(c[3] for (f, _, _), c in callers.items() if f.endswith(MEGAPIPE_MESH))
         if name == "new_group" and file.endswith("distributed_c10d.py"):
             calls += ncalls  # DeviceMesh's and megapipe's
     return total, torch_s, calls
