@@ -10,8 +10,9 @@ same at every size: what grows is start-up. Phases: `init` (init_process_group "
 `mesh` (distributed/mesh.ParallelMesh: torch's DeviceMesh and new_group calls, and megapipe's
 own rank arithmetic around them), `parallelize` (the model, its stages and buckets), `engine`
 (the optimizer), `step` (the first training step). The mesh phase runs under cProfile, which
-splits it: `torch groups` is the time inside init_device_mesh, DeviceMesh._flatten and the
-new_group calls megapipe makes; `megapipe` is the rest of ParallelMesh. The profiler slows
+splits it: `torch groups` is the time inside the torch.distributed functions megapipe's code
+calls (init_device_mesh, DeviceMesh's slicing and _flatten, new_group); `megapipe` is the rest of
+ParallelMesh, megapipe's own Python. The profiler slows
 what it profiles alike on both sides of the split. `groups` counts torch's new_group calls
 (DeviceMesh's and megapipe's). Times are this process's CPU seconds (time.process_time), so a
 busy shared machine's waits for a core are left out.
@@ -35,8 +36,8 @@ from megapipe.train.fake_ranks import Measure
 from megapipe.train.parallelize import parallelize
 
 PP, TP = 4, 4
-TORCH_GROUPS = ("init_device_mesh", "_flatten")  # torch's own group creation, whole
-MEGAPIPE_MESH = "distributed/mesh.py"  # new_group calls from here are torch's work too
+MEGAPIPE_MESH = "megapipe/distributed/mesh.py"
+OURS = "/megapipe/"  # a file of this package: what it calls in torch.distributed is torch's
 
 
 def config(world: int, run_dir: str):
@@ -49,17 +50,17 @@ def config(world: int, run_dir: str):
 
 
 def mesh_split(profile: cProfile.Profile) -> tuple[float, float, int]:
-    """(seconds in ParallelMesh, of them in torch's group creation, new_group calls)."""
+    """(seconds in ParallelMesh, of them in torch.distributed: every function of it that
+    megapipe's code calls directly (DeviceMesh, its slicing and flattening, new_group), torch's
+    new_group calls). megapipe's own tensor arithmetic (the rank grid) stays megapipe's."""
     stats = pstats.Stats(profile).stats
     total = torch_s = 0.0
     calls = 0
     for (file, _, name), (_, ncalls, _, cum, callers) in stats.items():
         if name == "__init__" and file.endswith(MEGAPIPE_MESH):
             total += cum
-        elif name in TORCH_GROUPS:
-            torch_s += cum
-        elif name == "wrapper" and file.endswith("c10d_logger.py"):  # new_group's decorator
-            torch_s += sum(c[3] for (f, _, _), c in callers.items() if f.endswith(MEGAPIPE_MESH))
+        elif "torch/distributed/" in file:
+            torch_s += sum(c[3] for (f, _, _), c in callers.items() if OURS in f)
         if name == "new_group" and file.endswith("distributed_c10d.py"):
             calls += ncalls  # DeviceMesh's and megapipe's
     return total, torch_s, calls

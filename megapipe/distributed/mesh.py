@@ -190,10 +190,9 @@ class ParallelMesh:
 
     def _new_group(self, axes: tuple[str, ...]):
         """This rank's group along `axes`: the ranks that share its other coordinates, in
-        group_ranks' order, found without listing the world's groups."""
-        kept = [range(n) if a in axes else [self.coords[a]] for a, n in zip(AXES, self.sizes.shape)]
-        return self._own_group([rank_at(self.sizes, **dict(zip(AXES, at)))
-                                for at in itertools.product(*kept)])  # fmt: skip
+        group_ranks' order, cut from the rank grid without listing the world's groups."""
+        at = tuple(slice(None) if a in axes else self.coords[a] for a in AXES)
+        return self._own_group(rank_grid(*self.sizes.shape)[at].flatten().tolist())
 
     def _new_group_of(self, groups: list[list[int]]):
         return self._own_group(next(ranks for ranks in groups if self.rank in ranks))
