@@ -20,16 +20,15 @@ busy shared machine's waits for a core are left out.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import pstats
 import time
 
 import torch
 
+from benchmarks.harness import Parser, UsageError, run_cli, write_json
 from megapipe._torch_compat import fake_tensor_mode
-from megapipe.config import load_config
+from megapipe.config import ConfigError, load_config
 from megapipe.distributed.fake_world import fake_world
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 from megapipe.train.fake_ranks import Measure
@@ -105,15 +104,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run(argv: list[str]) -> int:
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="64,1024,16384")
     parser.add_argument("--run-dir", default="/tmp/bench_fake_startup")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    rows = [startup(int(w), args.run_dir) for w in args.worlds.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",") if w.isdigit() and int(w) % (PP * TP) == 0]
+    if len(worlds) != len(args.worlds.split(",")):
+        raise UsageError(f"--worlds={args.worlds}: give multiples of pp·tp = {PP * TP}")
+    rows = [startup(w, args.run_dir) for w in worlds]
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, argv, errors=(ConfigError,))
