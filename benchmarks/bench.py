@@ -6,10 +6,11 @@ python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.j
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
+python -m benchmarks.bench fake_startup [--worlds 64,1024,16384 --json F]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
-Six living benchmarks, and the CPU profile's calibration with its local truth. The others
+Seven living benchmarks, and the CPU profile's calibration with its local truth. The others
 (matmuls, kernels, tp, tp_overlap, cp, data_index, precision, checkpoint, moe, grouped, progress)
 were retired in issue 46: the dated files under docs/benchmarks/ record what each answered and
 the command it ran. The published runs the performance model is checked on are
@@ -40,6 +41,10 @@ SUBCOMMANDS = {
     "cp_balance": (
         "bench_cp_balance",
         "attention work per cp rank on packed documents: zigzag vs document-balanced split",
+    ),
+    "fake_startup": (
+        "bench_fake_startup",
+        "one rank's start-up phases at 64, 1,024 and 16,384 ranks under the fake backend",
     ),
     "calibrate": ("calibrate", "measure this machine's CPU into a profile (clusters/cpu*.yaml)"),
     "local": ("local_truth", "projected vs measured train.py steps on this machine"),

@@ -17,11 +17,12 @@ from megapipe.config import ConfigError, load_config
 from megapipe.config.flops import flops_per_token, matmul_params
 from megapipe.distributed.fake_world import ranks_of
 from megapipe.distributed.mesh import MeshSizes, coords
+from megapipe.train.checkpoint_plan import tiling_problems
 from megapipe.train.fake_ranks import AXIS_KEYS, CommOp, fake_ranks, match_p2p
 
 TINY = "configs/tiny.yaml"
 ENTRY = {"rank", "coords", "peak_bytes", "plan_peak_bytes", "flops", "plan_flops",
-         "comm_bytes", "plan_comm_bytes", "seconds"}  # fmt: skip
+         "comm_bytes", "plan_comm_bytes", "seconds", "save_bytes", "save_file"}  # fmt: skip
 BIG = MeshSizes(pp=8, dp=64, cp=1, tp=8)
 
 
@@ -62,7 +63,8 @@ def test_pipeline_json_contract_and_p2p(capsys, tmp_path):
             "--parallel.microbatches=2"]  # fmt: skip
     assert train.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"world", "ranks", "p2p_matched", "p2p_unmatched"}
+    assert set(out) == {"world", "ranks", "p2p_matched", "p2p_unmatched", "save_tiling"}
+    assert out["save_tiling"] is None  # not every rank ran: the save plans are not all there
     # the stage's hardware FLOPs (config/flops.hardware_flops_per_token): both are exact counts
     assert [r["flops"] for r in out["ranks"]] == [r["plan_flops"] for r in out["ranks"]]
     assert out["world"] == 8 and [r["rank"] for r in out["ranks"]] == [0, 4]
@@ -121,3 +123,33 @@ def test_ring_cp_rank_flops_and_peak_are_the_plans(tmp_path):
     (r,) = fake_ranks(cfg, "1")["ranks"]
     assert r["flops"] == r["plan_flops"] and r["comm_bytes"]["cp"] > 0
     assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+def _plan(*blocks, shape=(4, 6)):
+    return {"tensors": {"w": {"shape": shape, "blocks": [(at, n, 0) for at, n in blocks]}}}
+
+
+def test_tiling_finds_gaps_overlaps_and_disagreements():
+    halves = {0: _plan(((0, 0), (2, 6))), 1: _plan(((2, 0), (2, 6)))}
+    assert tiling_problems(halves) == []
+    assert tiling_problems({**halves, 2: _plan(((0, 0), (2, 6)))}) == []  # a replica: DCP's dedup
+    assert "cover 12 of 24" in tiling_problems({0: halves[0]})[0]
+    assert "overlap" in tiling_problems({**halves, 2: _plan(((1, 0), (2, 6)))})[0]
+    assert "leaves the shape" in tiling_problems({**halves, 2: _plan(((3, 0), (2, 6)))})[0]
+    assert "different size" in tiling_problems({**halves, 2: _plan(((0, 0), (1, 6)))})[0]
+    assert "shape" in tiling_problems({**halves, 2: _plan(shape=(4, 7))})[0]
+
+
+def test_save_plans_of_every_rank_tile_every_tensor(tmp_path):
+    """dp2 · tp2 under zero=1, every rank: the real save path's plan (train/checkpoint_plan.py)
+    tiles each logical weight and moment exactly. dp 0 writes the weights, tp-sharded, and every
+    replica its own flat range of the moments, so all four ranks write."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
+                             "--parallel.zero=1"])  # fmt: skip
+    out = fake_ranks(cfg, "all")
+    assert out["save_tiling"] == []
+    by_rank = {r["rank"]: r for r in out["ranks"]}
+    assert all(r["save_bytes"] > 0 for r in out["ranks"])
+    assert [by_rank[r]["save_file"] for r in range(4)] == [f"__{r}_0.distcp" for r in range(4)]
+    # dp 1 writes moments only: less than dp 0, which writes the weights besides
+    assert by_rank[2]["save_bytes"] < by_rank[0]["save_bytes"]

@@ -4,11 +4,14 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megapipe.config import ConfigError
+from megapipe.distributed.fake_world import fake_world
 from megapipe.distributed.mesh import (
     AXES,
     MeshSizes,
+    ParallelMesh,
     all_meshes,
     check_world_size,
     coords,
@@ -154,3 +157,20 @@ def test_hybrid_cp_groups_are_adjacent_a2a_blocks_and_rings_across_them():
     assert len(a2a) == 2 * 2 * 2 and len(ring) == 2 * 2 * 4
     assert cp_split_ranks(MeshSizes(cp=4)) == ([], [])  # not hybrid
     assert MeshSizes(cp=4, cp_a2a=2) == MeshSizes(cp=4)  # a resume sees the same mesh
+
+
+def test_each_rank_makes_only_its_own_groups_and_they_are_the_grids():
+    """ParallelMesh under the fake backend, every rank of pp2 · dp2 · cp2 · tp2 (ep 2, hybrid
+    cp is off): each group it makes by itself is the one of group_ranks (or the ep lists) that
+    holds it (new_group sorts its members)."""
+    sizes = MeshSizes(pp=2, dp=2, cp=2, tp=2, ep=2)
+    expected = {"norm_group": group_ranks(sizes, ("pp", "tp")),
+                "stage_group": group_ranks(sizes, ("dp", "cp", "tp")),
+                "ep_group": ep_group_ranks(sizes),
+                "expert_replica_group": expert_replica_ranks(sizes)}  # fmt: skip
+    for rank in range(sizes.world):
+        with fake_world(rank, sizes.world):
+            mesh = ParallelMesh(sizes)
+            for name, groups in expected.items():
+                (mine,) = [g for g in groups if rank in g]
+                assert dist.get_process_group_ranks(getattr(mesh, name)) == sorted(mine), name

@@ -6,7 +6,10 @@
     python tools/scaling_study.py collect --wait runs/s  # slurm: wait for the jobs first
     python tools/scaling_study.py report runs/study_weak
 
-`run` resolves every point of the study (megapipe/study/spec.py), then for each one: local:
+`run` resolves every point of the study (megapipe/study/spec.py) and checks each one's edge
+ranks on fake tensors (megapipe/train/fake_checks.py, docs/scale.md): a point whose check fails
+is recorded with its one line and not run (`--no-check` leaves the check out). Then for each
+point: local:
 torchrun agents on this machine (c10d rendezvous on 127.0.0.1, one agent per "node"); slurm:
 writes DIR/points/NAME/job.sbatch and submits it with sbatch (only writes it with --dry-run);
 command: runs the study's template. A point that cannot run or fails is recorded in its
@@ -29,6 +32,7 @@ from pathlib import Path
 from megapipe.study import StudyError, load_study
 from megapipe.study.report import write_report
 from megapipe.study.runner import Entry, collect, run_points, wait_for_jobs
+from megapipe.train.fake_checks import check_edges
 
 ROOT = Path(__file__).resolve().parents[1]
 # every point runs plain train.py (with --log.profile=true) from this checkout
@@ -49,6 +53,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     run.add_argument("study", help="STUDY.yaml (see configs/studies/)")
     run.add_argument("--out", required=True, help="the study's directory")
     run.add_argument("--dry-run", action="store_true", help="slurm: write the scripts only")
+    run.add_argument("--no-check", action="store_true",
+                     help="start the points without first checking their edge ranks")  # fmt: skip
     for name, text in (("collect", "find finished slurm jobs, then report"),
                        ("report", "write results.csv/json, report.md and plots")):  # fmt: skip
         p = sub.add_parser(name, help=text)
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             study, out = load_study(args.study), Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            run_points(study, out, ENTRY, args.dry_run)
+            run_points(study, out, ENTRY, args.dry_run, None if args.no_check else check_edges)
             if study.launcher["kind"] == "slurm" and not args.dry_run:
                 print(f"submitted; when the jobs end: python tools/scaling_study.py collect {out}")
                 return 0

@@ -19,6 +19,10 @@ them to every process of the job step) are passed on to the workers, which save 
 step and return 0; the agent and this then exit 0 too, not 1 as a stock agent stopped by a
 signal does.
 
+`--check` first runs the job's edge ranks on fake tensors in this process (their build, two
+steps and save plan: megapipe/train/fake_checks.py, docs/scale.md); a rank that fails is one
+line `error: check: ...` and exit 2, and torchrun is not started.
+
 Exit codes: torchrun exits 1 whenever a worker fails, whatever the worker's code. Its failure
 report on stderr (which passes through here unchanged) names each failed rank's `exitcode`;
 when every code there is the same 2 (bad config, data, checkpoint) or 3 (a lost peer) from
@@ -40,6 +44,7 @@ from megapipe.config import ConfigError, load_config
 from megapipe.config.args import parse_train_args
 from megapipe.config.checks import signal_names
 from megapipe.distributed.mesh import MeshSizes, check_world_size
+from megapipe.train.fake_checks import check_edges
 
 PASSED_ON = (2, 3)  # train.py's exit codes: bad config, data or checkpoint; a lost peer
 STOPPED = -15  # SIGTERM: how the agent ends the other workers after a first failure
@@ -59,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-restarts", "--max_restarts", type=int,
         help="restarts of the whole group after a worker fails (torchrun's; with "
         "checkpoint.resume=auto each start resumes the newest checkpoint)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--check", action="store_true",
+        help="first run the job's edge ranks on fake tensors here; start nothing if one fails",
     )  # fmt: skip
     parser.add_argument("script", help="the training script (train.py)")
     parser.add_argument(
@@ -83,6 +92,9 @@ def validate(args: argparse.Namespace) -> list[str]:
             " a restart would not continue from the newest checkpoint; set "
             "--checkpoint.resume=auto"
         )
+    problem = check_edges(cfg) if args.check else None
+    if problem:
+        raise ConfigError(f"check: {problem}")
     return signal_names(cfg.checkpoint.signals)
 
 

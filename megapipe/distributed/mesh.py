@@ -189,15 +189,20 @@ class ParallelMesh:
                 set_group_timeout(group, self.timeout)
 
     def _new_group(self, axes: tuple[str, ...]):
-        return self._new_group_of(group_ranks(self.sizes, axes))
+        """This rank's group along `axes`: the ranks that share its other coordinates, in
+        group_ranks' order, cut from the rank grid without listing the world's groups."""
+        at = tuple(slice(None) if a in axes else self.coords[a] for a in AXES)
+        return self._own_group(rank_grid(*self.sizes.shape)[at].flatten().tolist())
 
     def _new_group_of(self, groups: list[list[int]]):
-        mine = None
-        for ranks in groups:  # every rank creates every group, in order
-            group = dist.new_group(ranks, timeout=self.timeout)
-            if self.rank in ranks:
-                mine = group
-        return mine
+        return self._own_group(next(ranks for ranks in groups if self.rank in ranks))
+
+    def _own_group(self, ranks: list[int]):
+        """The group of `ranks`, made by its members only (use_local_synchronization: its
+        barrier is theirs, its name a hash of its ranks): no rank creates the groups of
+        others, so the work of a rank's start-up does not grow with the world (at 16,384
+        ranks every rank made 1,024 norm groups: docs/benchmarks/2026-11-29-fake-startup-cpu.md)."""
+        return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=True)
 
     def size(self, axis: str) -> int:
         return getattr(self.sizes, axis)

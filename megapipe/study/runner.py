@@ -141,18 +141,21 @@ def write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=1) + "\n")
 
 
-def run_points(study: Study, out: Path, entry: Entry, dry_run: bool = False) -> None:
+def run_points(study: Study, out: Path, entry: Entry, dry_run: bool = False, check=None) -> None:
     """Every point of `study` under `out`/points/NAME: run, submitted or written (`dry_run`),
-    projected only, or failed with its one-line error; its point.json says which."""
+    projected only, or failed with its one-line error; its point.json says which. `check`
+    (a config's one-line problem or None: train/fake_checks.check_edges) runs on every point
+    first, before anything is started or queued; a point it fails is not run."""
     kind = study.launcher["kind"]
     write_json(out / "study.json", study.to_dict())
+    checked = check_points(study, check) if check is not None else {}
     for point in study.points:
         pdir = out / "points" / point.name
         run_dir = pdir / "run"
         pdir.mkdir(parents=True, exist_ok=True)
         # a fresh run: an earlier one's checkpoints would be resumed (checkpoint.resume=auto)
         shutil.rmtree(run_dir, ignore_errors=True)
-        record, error = point.to_dict(), point.error
+        record, error = point.to_dict(), point.error or checked.get(point.name)
         if point.projected_only:
             status = "projected"
         elif error:
@@ -171,6 +174,19 @@ def run_points(study: Study, out: Path, entry: Entry, dry_run: bool = False) -> 
         record.update(status=status, error=error, point_dir=str(pdir), run_dir=str(run_dir))
         write_json(pdir / "point.json", record)
         print(f"{point.name}: {status}" + (f": {error}" if error else ""), flush=True)
+
+
+def check_points(study: Study, check) -> dict[str, str]:
+    """{name: "check: <its one line>"} of each point that would run and fails `check`."""
+    failed = {}
+    for point in study.points:
+        if point.projected_only or point.error:
+            continue
+        problem = check(point.cfg)
+        print(f"{point.name}: checked: {problem or 'ok'}", flush=True)
+        if problem:
+            failed[point.name] = f"check: {problem}"
+    return failed
 
 
 def _open_records(out: Path) -> list[tuple[Path, dict]]:

@@ -134,14 +134,14 @@ def training_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {e.key: e.local for e in training_entries(model, optimizer, mains) if not e.copy}
 
 
-def _sharded(e: Entry):
-    """A ShardedTensor of the logical shape holding this rank's pieces of `e`. Built over the
-    tp group: the metadata exchange is a collective, and pp ranks hold different keys. An
-    expert weight: this ep rank's experts, over the ep group (whole on every tp rank: DCP keeps
-    one copy of each chunk)."""
+def _sharded(e: Entry, shard=sharded_tensor):
+    """A ShardedTensor of the logical shape holding this rank's pieces of `e` (or what `shard`
+    makes of them: checkpoint_plan.planned). Built over the tp group: the metadata exchange is
+    a collective, and pp ranks hold different keys. An expert weight: this ep rank's experts,
+    over the ep group (whole on every tp rank: DCP keeps one copy of each chunk)."""
     if e.ep.size > 1:
         at = [e.ep.rank * e.local.shape[0]] + [0] * (len(e.shape) - 1)
-        return sharded_tensor([(at, e.local)], e.shape, e.ep.group)
+        return shard([(at, e.local)], e.shape, e.ep.group)
     blocks = []
     for piece in e.spec.pieces(e.tp.size, e.tp.rank):
         if not (piece.owner and piece.length):
@@ -149,15 +149,16 @@ def _sharded(e: Entry):
         offsets = [0] * len(e.shape)
         offsets[e.spec.dim] = piece.global_lo
         blocks.append((offsets, e.local.narrow(e.spec.dim, piece.local_lo, piece.length)))
-    return sharded_tensor(blocks, e.shape, e.tp.group)
+    return shard(blocks, e.shape, e.tp.group)
 
 
-def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
+def save_state(cfg: Config, model: nn.Module, optimizer, shard=sharded_tensor) -> dict:
     """What dcp.save writes, each logical tensor once: dp/cp rank 0 of every (pp, tp) writes
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
     ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written.
     Expert weights sharded by parallel.ep are written by the ep ranks of dp block 0, cp rank 0.
-    Under zero=1 every replica writes the optimizer moments of its own shard."""
+    Under zero=1 every replica writes the optimizer moments of its own shard. `shard` makes a
+    tensor's blocks into what is written (checkpoint_plan.py plans them without the exchange)."""
     if not distributed():
         return training_tensors(model, optimizer)
     c, sizes = coords(rank(), MeshSizes.of(cfg)), MeshSizes.of(cfg)
@@ -169,9 +170,9 @@ def save_state(cfg: Config, model: nn.Module, optimizer) -> dict:
         if e.copy or not (experts if e.ep.size > 1 else writer):
             continue
         whole = e.ep.size == 1 and (e.spec.dim is None or e.tp.size == 1)
-        state[e.key] = e.local if whole else _sharded(e)
+        state[e.key] = e.local if whole else _sharded(e, shard)
     if zero:
-        state.update(optimizer_state(_chunks(model), optimizer, writer))
+        state.update(optimizer_state(_chunks(model), optimizer, writer, shard))
     return state
 
 

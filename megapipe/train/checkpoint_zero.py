@@ -110,7 +110,7 @@ def main_weights(optimizer, load: bool = False) -> dict:
     return optimizer.load_targets() if load else optimizer.main_weights()
 
 
-def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool) -> dict:
+def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool, shard=sharded_tensor) -> dict:
     """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
     logical names and shapes; the step count (replicated) from `writer` ranks."""
     state = {}
@@ -124,7 +124,7 @@ def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool) -> dict:
                     st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp,
                     first=expert_offset(param),
                 )  # fmt: skip
-            state[f"optim.{name}.{key}"] = sharded_tensor(pieces, shape, optimizer.stage_group)
+            state[f"optim.{name}.{key}"] = shard(pieces, shape, optimizer.stage_group)
         if writer:
             state[f"optim.{name}.step"] = optimizer.step_count()
     return state

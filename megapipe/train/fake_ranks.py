@@ -2,9 +2,9 @@
 process, on fake tensors under the fake process-group backend, and measured.
 
 Each rank in turn: the fake group as that rank (distributed/fake_world.py), the real mesh and
-`parallelize`, two real steps (forward, backward, reductions, clip, AdamW) on a fake batch.
-(The checkpoint's save plan is not run yet: its ShardedTensors exchange metadata by
-all_gather_object, which pickles data fake tensors do not hold.)
+`parallelize`, two real steps (forward, backward, reductions, clip, AdamW) on a fake batch,
+then the checkpoint's save plan (train/checkpoint_plan.py: what the rank's save would write;
+when every rank runs, their plans must tile every logical tensor).
 `Measure`, one dispatch mode, sees every op: it keeps the bytes of every live storage by kind
 (the peak is the code's, not a model's), records each c10d collective and p2p op (kind, the
 megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
@@ -38,6 +38,7 @@ from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.fake_world import fake_world, ranks_of
 from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
 from megapipe.parallel.autograd.kept_buffers import keep_none
+from megapipe.train.checkpoint_plan import save_plan, tiling_problems
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
 from megapipe.train.parallelize import parallelize
@@ -175,24 +176,17 @@ def _axes(mesh: ParallelMesh) -> dict:
 
 
 def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
-    """Build and run `rank` of cfg's world on fake tensors; its JSON entry and its comm ops."""
+    """Build and run `rank` of cfg's world on fake tensors; its JSON entry (its save plan under
+    "save") and its comm ops."""
     sizes, began = MeshSizes.of(cfg), time.perf_counter()
     flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
     with fake_world(rank, sizes.world):
         mesh = ParallelMesh(sizes)
         measure = Measure(_axes(mesh))
-        with fake_tensor_mode(), measure:
-            job = parallelize(cfg, mesh, "cpu")
-            keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
-            measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
-            measure.phase = "optimizer"
-            optimizer = job.optimizer()
-            measure.phase = "activations"
-            hooks = _Phases(measure, job.model)
-            m = cfg.model
-            batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
-            with flops:
-                results = [job.train_step(optimizer, batch, s, hooks) for s in range(STEPS)]
+        with fake_tensor_mode():
+            with measure:
+                job, optimizer, results = _steps(cfg, mesh, measure, flops)
+            save = save_plan(cfg, job.model, optimizer)  # after the steps, outside their peak
     c = coords(rank, sizes)
     entry = {
         "rank": rank,
@@ -205,9 +199,28 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "comm_bytes": _per_axis(measure.comm),
         "plan_comm_bytes": None,  # the performance model prices time, not bytes per rank yet
         "stepped": all(isinstance(r, StepResult) for r in results),
+        "save_bytes": save["bytes"],
+        "save_file": save["file"],
+        "save": save,  # the whole plan: fake_ranks takes it out of the entry
         "seconds": round(time.perf_counter() - began, 3),
     }
     return entry, measure.comm
+
+
+def _steps(cfg: Config, mesh: ParallelMesh, measure: Measure, flops: FlopCounterMode):
+    """The build and STEPS real steps under `measure`: (the job, its optimizer, the results)."""
+    job = parallelize(cfg, mesh, "cpu")
+    keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
+    measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
+    measure.phase = "optimizer"
+    optimizer = job.optimizer()
+    measure.phase = "activations"
+    hooks = _Phases(measure, job.model)
+    m = cfg.model
+    batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
+    with flops:
+        results = [job.train_step(optimizer, batch, s, hooks) for s in range(STEPS)]
+    return job, optimizer, results
 
 
 def plan_flops(cfg: Config, c: dict) -> int:
@@ -255,13 +268,16 @@ def fake_ranks(cfg: Config, spec: str) -> dict:
     ranks = ranks_of(spec, sizes)
     dry = as_json(cfg, "cpu")
     plan = {(r["pp"], r["tp"]): r["peak_bytes"] for r in dry["ranks"]}
-    entries, ops = [], {}
+    entries, ops, saves = [], {}, {}
     for rank in ranks:
         entry, ops[rank] = run_rank(cfg, rank, plan)
+        saves[rank] = entry.pop("save")
         entries.append(entry)
     matched, unmatched = match_p2p(ops)
+    # the save plans tile every tensor: checked when every rank ran (None otherwise)
+    tiling = tiling_problems(saves) if len(ranks) == sizes.world else None
     return {"world": sizes.world, "ranks": entries, "p2p_matched": matched,
-            "p2p_unmatched": unmatched}  # fmt: skip
+            "p2p_unmatched": unmatched, "save_tiling": tiling}  # fmt: skip
 
 
 def describe(result: dict) -> str:
@@ -275,7 +291,11 @@ def describe(result: dict) -> str:
         lines.append(
             f"rank {r['rank']} ({where}): peak {r['peak_bytes'] / 2**20:.1f} MiB{ratio}, "
             f"{r['flops'] / 1e9:.3g} GFLOP/step (plan {r['plan_flops'] / 1e9:.3g}), "
-            f"comm/step {comm or 'none'}, {r['seconds']:.1f} s"
+            f"comm/step {comm or 'none'}, save {r['save_bytes'] / 2**20:.1f} MiB, "
+            f"{r['seconds']:.1f} s"
         )
     lines.append(f"p2p: {result['p2p_matched']} matched, {result['p2p_unmatched']} unmatched")
+    tiling = result["save_tiling"]
+    if tiling is not None:
+        lines.append("save plan: " + ("; ".join(tiling) or "every tensor tiled exactly"))
     return "\n".join(lines)
