@@ -31,6 +31,16 @@ def check_zero(cfg: Config) -> None:
         "weights through the kept K/V before its block's output grad; set parallel.zero<=2",
     )
     require(
+        p.grad_reduce != "microbatch" or p.zero >= 2,
+        f"parallel.grad_reduce=microbatch with parallel.zero={p.zero}: only the sharded grads "
+        "(zero>=2) are reduce-scattered each microbatch; set parallel.zero=2 or 3, or step",
+    )
+    require(
+        p.grad_reduce_dtype == "float32" or p.zero >= 1,
+        "parallel.grad_reduce_dtype=bfloat16 with parallel.zero=0: the all-reduce sums the "
+        "float32 grads in place; set parallel.zero>=1 or parallel.grad_reduce_dtype=float32",
+    )
+    require(
         not (p.zero == 3 and cfg.train.compile),
         "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
         "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",

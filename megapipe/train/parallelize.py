@@ -20,7 +20,7 @@ from torch import nn
 
 from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
-from megapipe.parallel.data.levels import Sharding, full_weights, sharding_of
+from megapipe.parallel.data.levels import Sharding, full_weights, grad_reduce_of, sharding_of
 from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.pipeline.engine import Pipeline, chunk_reducers, pipeline_of
 from megapipe.pipeline.pipedream import PipeDreamPipeline
@@ -123,8 +123,11 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
 def _sharding(cfg: Config, mesh) -> Sharding:
     """The ZeRO level's strategy (parallel.zero, read here once): nothing is sharded without
     dp × cp replicas."""
+    p = cfg.parallel
     replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
-    return sharding_of(cfg.parallel.zero, replicas)
+    per_microbatch = grad_reduce_of(p.grad_reduce, p.zero)
+    dtype = getattr(torch, p.grad_reduce_dtype)
+    return sharding_of(p.zero, replicas, per_microbatch, dtype)
 
 
 def _pipeline(cfg: Config, mesh, chunks, reducers: list, parts: Components, sharding) -> Engine:
