@@ -156,7 +156,7 @@ class Zero2Reducer(OverlappedGatherReducer):
                 module.register_forward_pre_hook(self._ensure_main_grads)
 
     def _ensure_main_grads(self, *_) -> None:
-        if torch.is_grad_enabled():
+        if self.main_grads is not None and torch.is_grad_enabled():
             self.main_grads.ensure()
 
     def finish(self) -> None:
@@ -186,9 +186,14 @@ class Zero2Reducer(OverlappedGatherReducer):
 
     @contextlib.contextmanager
     def _flushing(self, last: bool):
+        self._before_grads()
         yield
         if not last:  # the last one's rest is launched by finish()
             self._flush(in_backward=False)
+
+    def _before_grads(self) -> None:
+        """Before a grad action adds into grads (zero3.py allocates what W writes)."""
+        return None
 
     def _flush(self, in_backward: bool) -> None:
         """Launch the buckets this round has not, and settle every reduction."""
