@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.config.states import reduces_per_microbatch
 from megapipe.distributed.progress import NO_PROGRESS, Progress
-from megapipe.parallel.data.levels import Sharding, full_weights, grad_reduce_of, sharding_of
+from megapipe.parallel.data.levels import Sharding, full_weights, sharding_of
 from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.pipeline.engine import Pipeline, chunk_reducers, pipeline_of
 from megapipe.pipeline.pipedream import PipeDreamPipeline
@@ -125,7 +126,7 @@ def _sharding(cfg: Config, mesh) -> Sharding:
     dp × cp replicas."""
     p = cfg.parallel
     replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
-    per_microbatch = grad_reduce_of(p.grad_reduce, p.zero)
+    per_microbatch = reduces_per_microbatch(cfg)  # parallel.grad_reduce resolved
     dtype = getattr(torch, p.grad_reduce_dtype)
     return sharding_of(p.zero, replicas, per_microbatch, dtype)
 

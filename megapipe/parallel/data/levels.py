@@ -36,7 +36,6 @@ __all__ = [
     "Sharding",
     "WeightBlock",
     "full_weights",
-    "grad_reduce_of",
     "sharding_of",
 ]
 
@@ -140,14 +139,6 @@ def sharding_of(
         return base
     mode = per_microbatch and base.level >= 2
     return replace(base, per_microbatch=mode, reduce_dtype=reduce_dtype)
-
-
-def grad_reduce_of(grad_reduce: str, level: int) -> bool:
-    """parallel.grad_reduce resolved: True when each microbatch reduce-scatters (auto: at
-    zero=3, whose point is that no full-size grads are kept; step-wise below, as Megatron)."""
-    if grad_reduce == "auto":
-        return level == 3
-    return grad_reduce == "microbatch"
 
 
 @contextlib.contextmanager
