@@ -268,9 +268,6 @@ def case(mesh: str, layout: tuple[str, int], extra: tuple[str, ...] = ()) -> lis
         f"train.dtype={params_dtype}",  # bf16 weights compute in bf16 (checks_runtime)
         f"train.params_dtype={params_dtype}",
         f"parallel.zero={zero}",
-        # the step-wise reduction, whose full-size grads the plan counts to the byte; the
-        # per-microbatch one (zero=3's default) plans an upper bound, tests/test_grad_reduce.py
-        "parallel.grad_reduce=step",
     ]
 
 

@@ -20,7 +20,7 @@ LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 MB2 = ["parallel.microbatches=2"]
 EP2, EP4 = ["parallel.ep=2"], ["parallel.ep=4"]
 ZERO = ["parallel.zero=1"]
-Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]  # zero=3 reduces every microbatch (auto)
+Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
 Z2MB = [*Z2, "parallel.grad_reduce=microbatch"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 SP = ["parallel.sequence_parallel=true"]

@@ -40,11 +40,11 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
   all held until the reducer's finish().
 
-Reducing every microbatch (parallel.grad_reduce=microbatch, the default at zero=3:
-`local_grads_transient`) no full-size grads are kept: each bucket's local grads go when it is
-sent, into the rank's float32 shard sum; at both moments the grads are the shard plus at most
-two consecutive blocks' float32 grads (`block_grads_bytes`: the running block's, the previous
-one's send buffers in flight). zero=2 under bf16 weights keeps its whole main-grad buffer.
+Reducing every microbatch (parallel.grad_reduce=microbatch: `local_grads_transient`) no
+full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
+shard sum; at both moments the grads are the shard plus at most two consecutive blocks' float32
+grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight).
+zero=2 under bf16 weights keeps its whole main-grad buffer.
 
 Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
 between the step and each block's first use (a second copy of the weights, but no grads are
@@ -214,12 +214,9 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
 
 
 def reduces_per_microbatch(cfg: Config) -> bool:
-    """parallel.grad_reduce resolved: each microbatch's backward reduce-scatters (microbatch,
-    or auto at zero=3) rather than the last one only (parallel/data/zero2.py); zero >= 2."""
-    p = cfg.parallel
-    if p.zero < 2:
-        return False
-    return p.grad_reduce == "microbatch" or (p.grad_reduce == "auto" and p.zero == 3)
+    """parallel.grad_reduce=microbatch: each microbatch's backward reduce-scatters rather than
+    the last one only (parallel/data/zero2.py); zero >= 2."""
+    return cfg.parallel.zero >= 2 and cfg.parallel.grad_reduce == "microbatch"
 
 
 def local_grads_transient(cfg: Config) -> bool:
