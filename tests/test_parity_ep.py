@@ -21,6 +21,7 @@ MB2 = ["parallel.microbatches=2"]
 EP2, EP4 = ["parallel.ep=2"], ["parallel.ep=4"]
 ZERO = ["parallel.zero=1"]
 Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
+Z2MB = [*Z2, "parallel.grad_reduce=microbatch"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 SP = ["parallel.sequence_parallel=true"]
 SHARED, FULL = ["model.moe_shared_experts=1"], ["recompute.mode=full"]
@@ -67,6 +68,7 @@ PIPELINE = {
         ("dp2-ep2-pp2-1f1b-zero1", 2, 1, [*MOE, *EP2, *ZERO, *pp("1f1b", 2, 2)]),
         ("dp2-ep2-pp2-1f1b-zero2-clip", 2, 1, [*MOE, *EP2, *Z2, *CLIP, *pp("1f1b", 2, 2)]),
         ("dp2-ep2-pp2-zb_h1-zero2", 2, 1, [*MOE, *EP2, *Z2, *pp("zb_h1", 2, 4)]),
+        ("dp2-ep2-pp2-zb_h1-zero2-mb", 2, 1, [*MOE, *EP2, *Z2MB, *pp("zb_h1", 2, 4)]),
         ("dp2-ep2-pp2-1f1b-zero3", 2, 1, [*MOE, *EP2, *Z3, *pp("1f1b", 2, 2)]),
         ("dp2-ep2-pp2-zb_h1-zero3-cap", 2, 1, [*MOE, *CAP, *EP2, *Z3, *pp("zb_h1", 2, 4)]),
         ("dp2-ep2-pp2-zb_v-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, *pp("zb_v", 2, 2, 2)]),

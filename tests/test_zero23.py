@@ -1,6 +1,7 @@
 """ZeRO-2 and ZeRO-3 (parallel.zero=2, 3: parallel/data/zero2.py, zero3.py) train the same model
 as one process (loss, grad norm and final logical weights, relative 1e-5) under every mesh
-kind: dp, dp × tp (sequence parallel, replicated kv heads), dp × cp, dp × pp under 1F1B,
+kind (reducing in the last microbatch, the default, and every microbatch: `mb`): dp,
+dp × tp (sequence parallel, replicated kv heads), dp × cp, dp × pp under 1F1B,
 interleaved 1F1B, a zero-bubble schedule with deferred W (ZB-H1) and a V schedule (ZB-V), with
 full recompute; their checkpoints resume under zero 0 and 1 and the reverse; and at dp=4 a
 rank holds ZeRO's bytes per parameter at every level, float32 weights and bf16 weights (issue
@@ -18,6 +19,8 @@ from tests.test_parity_pp import pp
 from tests.test_zero import CHECKPOINT_MESHES, COMMON, cross_resume_case
 
 Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
+MB = ["parallel.grad_reduce=microbatch"]  # reduce-scattered every microbatch
+Z2MB, Z3MB = [*Z2, *MB], [*Z3, *MB]
 MB2 = ["parallel.microbatches=2"]
 SP = ["parallel.sequence_parallel=true"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
@@ -30,6 +33,8 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
         ("z2-dp2-clip", 2, 1, [*Z2, *MB2, *CLIP]),
         ("z3-dp2", 2, 1, [*Z3, *MB2]),
         ("z3-dp2-full-clip", 2, 1, [*Z3, *MB2, *FULL, *CLIP]),
+        ("z2mb-dp2-clip", 2, 1, [*Z2MB, "parallel.microbatches=4", *CLIP]),
+        ("z3mb-dp2-full-clip", 2, 1, [*Z3MB, "parallel.microbatches=4", *FULL, *CLIP]),
     ],
     4: [
         ("z2-dp2-tp2-sp", 2, 2, [*Z2, *SP, *MB2]),
@@ -37,6 +42,8 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
         ("z3-dp4", 4, 1, [*Z3, *MB2]),
         ("z3-dp2-tp2-sp-full", 2, 2, [*Z3, *SP, *MB2, *FULL]),
         ("z3-dp2-tp2-gqa-sp-clip", 2, 2, [*Z3, *GQA2, *SP, *CLIP]),
+        ("z2mb-dp2-tp2-sp-full", 2, 2, [*Z2MB, *SP, *MB2, *FULL]),
+        ("z3mb-dp2-tp2-sp-full", 2, 2, [*Z3MB, *SP, *MB2, *FULL]),
     ],
 }
 PIPELINE = {
@@ -50,6 +57,10 @@ PIPELINE = {
         ("z3-dp2-pp2-zb_v-clip", 2, 1, [*Z3, *pp("zb_v", 2, 2, 2), *CLIP]),
         ("z3-dp2-pp2-gpipe", 2, 1, [*Z3, *pp("gpipe", 2, 2)]),
         ("z3-dp2-pp2-zb_h2-full", 2, 1, [*Z3, *pp("zb_h2", 2, 4), *FULL]),
+        ("z2mb-dp2-pp2-zb_h1", 2, 1, [*Z2MB, *pp("zb_h1", 2, 4)]),
+        ("z2mb-dp2-pp2-1f1b", 2, 1, [*Z2MB, *pp("1f1b", 2, 4)]),
+        ("z3mb-dp2-pp2-zb_h1", 2, 1, [*Z3MB, *pp("zb_h1", 2, 4)]),
+        ("z3mb-dp2-pp2-interleaved", 2, 1, [*Z3MB, *pp("interleaved_1f1b", 2, 2, 2)]),
     ],
     8: [("z3-dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*Z3, *pp("zb_v", 2, 2, 2), *GQA2, *SP])],
 }
@@ -57,6 +68,8 @@ CONTEXT = {
     4: [
         ("z2-dp2-cp2", 2, 1, [*Z2, "parallel.cp=2", *MB2]),
         ("z3-dp2-cp2-clip", 2, 1, [*Z3, "parallel.cp=2", *MB2, *CLIP]),
+        ("z2mb-dp2-cp2", 2, 1, [*Z2MB, "parallel.cp=2", *MB2]),
+        ("z3mb-dp2-cp2", 2, 1, [*Z3MB, "parallel.cp=2", *MB2]),
     ],
 }
 

@@ -31,6 +31,22 @@ def check_zero(cfg: Config) -> None:
         "weights through the kept K/V before its block's output grad; set parallel.zero<=2",
     )
     require(
+        p.grad_reduce != "microbatch" or p.zero >= 2,
+        f"parallel.grad_reduce=microbatch with parallel.zero={p.zero}: only the sharded grads "
+        "(zero>=2) are reduce-scattered each microbatch; set parallel.zero=2 or 3, or step",
+    )
+    require(  # a dp2·pp2·tp2 zb_v run with per-microbatch reduction did not finish
+        p.grad_reduce != "microbatch" or p.pp == 1 or p.tp == 1 or spec.placement != "v",
+        f"parallel.grad_reduce=microbatch with parallel.tp={p.tp} under "
+        f"parallel.schedule={p.schedule} (V placement) is not supported; set "
+        "parallel.grad_reduce=step, parallel.tp=1, or a schedule without V placement",
+    )
+    require(
+        p.grad_reduce_dtype == "float32" or p.zero >= 1,
+        "parallel.grad_reduce_dtype=bfloat16 with parallel.zero=0: the all-reduce sums the "
+        "float32 grads in place; set parallel.zero>=1 or parallel.grad_reduce_dtype=float32",
+    )
+    require(
         not (p.zero == 3 and cfg.train.compile),
         "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
         "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",

@@ -41,9 +41,12 @@ from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_c
 from megapipe.config.schema import Config
 from megapipe.config.states import (
     FLOAT32,
+    block_grads_bytes,
     gathered_bytes,
     grads_bytes,
+    largest_pair,
     local_grads_bytes,
+    local_grads_transient,
     optimizer_bytes,
     reduction_bytes,
     state_layout,
@@ -163,11 +166,12 @@ def memory_plan(
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
+            pair = grads_pair(cfg, held, tp_rank, chunk_params)
             flight = (inflight[pp_rank], with_grads[pp_rank])
             experts = sum(held_expert_params(cfg, b) for b in held)
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
             coord = (pp_rank, tp_rank)
-            r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head)
+            r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
             ranks.append(replace(r, host=host * inflight[pp_rank]))
     return MemoryPlan(tuple(ranks), device)
 
@@ -200,6 +204,7 @@ def rank_memory(
     inflight: tuple,
     experts: int = 0,
     head: tuple[float, float] = (0.0, 0.0),
+    pair: float = 0.0,
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
     bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
@@ -207,21 +212,27 @@ def rank_memory(
     once the grads exist); `experts` of the `n` are routed experts' (their state sharded over
     the expert replicas: config/states.expert_replicas); `head` the LM head's chunk transient
     where the rank holds it and zero=3's bytes gathered then (rank_head_transient,
-    head_gathered)."""
+    head_gathered); `pair` the parameters of its two largest consecutive blocks (grads_pair:
+    the full-size grads at most at once when they are reduced every microbatch)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
+    if local_grads_transient(cfg):  # the shard sum, and a block pair's grads at a time
+        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair)
+        reducing, persist = local, True  # some grads exist from the first backward on
+    else:
+        local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
     return RankMemory(
         pp_rank=coord[0],
         tp_rank=coord[1],
         params=n,
         weights=weights_bytes(n, cfg, experts),
-        grads=local_grads_bytes(n, cfg),
+        grads=local,
         optimizer=optimizer_bytes(n, cfg, experts),
         chunk_activations=acts,
         inflight=inflight[0],
         inflight_with_grads=inflight[0] if persist else inflight[1],
         gathered=gathered[0],
         gathered_reducing=gathered[1],
-        reducing=reduction_bytes(n, cfg, experts),
+        reducing=reducing,
         step_grads=grads_bytes(n, cfg, experts),
         head_transient=head[0],
         gathered_head=head[1],
@@ -235,6 +246,16 @@ def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: Ch
         return 0.0
     blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
     return gathered_bytes(blocks, cfg)
+
+
+def grads_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
+    """The parameters of the two largest consecutive blocks of a chunk on the rank holding
+    `held`, where grads are reduced every microbatch (config/states.local_grads_transient);
+    else 0, without counting them."""
+    if not local_grads_transient(cfg):
+        return 0.0
+    blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
+    return largest_pair(blocks)
 
 
 def gathered_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):

@@ -160,6 +160,14 @@ class ParallelConfig:
     # expert replicas): 0 whole state everywhere; 1 optimizer state sharded (distributed
     # optimizer); 2 also the reduced grads; 3 also the weights (gathered per block)
     zero: int = bounded(0, low=0, high=3)
+    # zero >= 2: when grads are reduce-scattered: step (once, in the last microbatch's
+    # backward: Megatron) | microbatch (in every microbatch's backward, each bucket as it is
+    # complete, into the float32 shard: FSDP, DeepSpeed; no full-size grads kept;
+    # docs/parallelism.md, ZeRO)
+    grad_reduce: str = "step"
+    # zero >= 1: the dtype the grad reduce-scatter sends and sums in: float32 | bfloat16
+    # (half the bytes; the shards are widened to float32 after)
+    grad_reduce_dtype: str = "float32"
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
     # chunked decomposition into tp ring steps (Wang et al., ASPLOS 2023; docs/parallelism.md);
     # needs parallel.sequence_parallel=true and parallel.tp > 1

@@ -40,6 +40,12 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
   all held until the reducer's finish().
 
+Reducing every microbatch (parallel.grad_reduce=microbatch: `local_grads_transient`) no
+full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
+shard sum; at both moments the grads are the shard plus at most two consecutive blocks' float32
+grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight).
+zero=2 under bf16 weights keeps its whole main-grad buffer.
+
 Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
 between the step and each block's first use (a second copy of the weights, but no grads are
 held then, and grads >= weights per parameter: below the reduction's moment), zero=3's third
@@ -173,11 +179,17 @@ def gathered_bytes(chunks: Iterable[Sequence[int]], cfg: Config) -> float:
     s = state_layout(cfg)
     if s.weight_shards == 1:
         return 0.0
+    return float(s.weight * largest_pair(chunks))
+
+
+def largest_pair(chunks: Iterable[Sequence[int]]) -> float:
+    """The most parameters in two consecutive blocks of one chunk (`chunks`: each chunk's
+    blocks' parameters, in forward order; a chunk of one block: that block)."""
     pairs = [
         max([a + b for a, b in zip(blocks, blocks[1:])] or list(blocks), default=0)
         for blocks in chunks
     ]
-    return float(s.weight * max(pairs, default=0))
+    return float(max(pairs, default=0))
 
 
 def local_grads_bytes(n_params: float, cfg: Config) -> float:
@@ -199,6 +211,27 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     e = expert_layout(cfg).d
     shard = _bytes(n - experts, GRAD_BYTES, s.d) + _bytes(experts, GRAD_BYTES, e)
     return kept + send + (shard if s.zero >= 1 else 0.0)
+
+
+def reduces_per_microbatch(cfg: Config) -> bool:
+    """parallel.grad_reduce=microbatch: each microbatch's backward reduce-scatters rather than
+    the last one only (parallel/data/zero2.py); zero >= 2."""
+    return cfg.parallel.zero >= 2 and cfg.parallel.grad_reduce == "microbatch"
+
+
+def local_grads_transient(cfg: Config) -> bool:
+    """No full-size local grads are kept (module docstring, per-microbatch reduction): with
+    replicas, reducing every microbatch, and not zero=2's bf16 main-grad buffer (one buffer
+    for the whole model, kept: only zero=3 has them per bucket, parallel/data/bucket_grads.py)."""
+    s = state_layout(cfg)
+    return s.d > 1 and reduces_per_microbatch(cfg) and (s.zero >= 3 or s.weight == FLOAT32)
+
+
+def block_grads_bytes(pair_params: float) -> float:
+    """Per-microbatch reduction's full-size grads at most at once: the float32 (main) grads of
+    the two consecutive blocks of most parameters (`pair_params`: the block whose backward runs
+    and the one before, whose buckets' send buffers may still be in flight, zero2.IN_FLIGHT)."""
+    return GRAD_BYTES * pair_params
 
 
 def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0, experts: float = 0) -> float:

@@ -145,7 +145,10 @@ class PipelineRuntime:
         final = {a.chunk: i for i, a in enumerate(actions) if a.kind in GRAD_KINDS}
         for i, action in enumerate(actions):
             reducer = reducers[action.chunk] if reducers else None
-            sync = reducer.no_sync() if reducer and final.get(action.chunk) != i else None
+            sync = None
+            if reducer is not None:  # a forward makes no grads: it never syncs
+                grads = action.kind in GRAD_KINDS
+                sync = reducer.backward_of(final[action.chunk] == i) if grads else reducer.no_sync()
             t0, waited = time.perf_counter(), self.links.waited
             chunk = action.chunk if len(self.chunks) > 1 else -1
             self.progress.doing(action.kind, action.microbatch, chunk)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
+from megapipe.config.states import reduces_per_microbatch
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.levels import Sharding, full_weights, sharding_of
 from megapipe.parallel.data.reducer import replica_bucket_mb
@@ -134,8 +135,11 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
 def _sharding(cfg: Config, mesh) -> Sharding:
     """The ZeRO level's strategy (parallel.zero, read here once): nothing is sharded without
     dp × cp replicas."""
+    p = cfg.parallel
     replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
-    return sharding_of(cfg.parallel.zero, replicas)
+    per_microbatch = reduces_per_microbatch(cfg)  # parallel.grad_reduce resolved
+    dtype = getattr(torch, p.grad_reduce_dtype)
+    return sharding_of(p.zero, replicas, per_microbatch, dtype)
 
 
 def _pipeline(cfg: Config, mesh, chunks, reducers: list, parts: Components, sharding) -> Engine:

@@ -63,7 +63,7 @@ class Replica(SynchronousStep):
         for i, m in enumerate(micro):
             self.progress.doing("F+B", i)
             last = i == len(micro) - 1
-            sync = self.reducer.no_sync() if self.reducer and not last else contextlib.nullcontext()
+            sync = self.reducer.backward_of(last) if self.reducer else contextlib.nullcontext()
             with sync:
                 with self.precision.autocast(self.device):
                     loss = self.model(m.inputs, m.targets, m.positions, documents=m.documents)

@@ -15,8 +15,9 @@ pp × tp (the mesh's norm group) or tp, where every replica holds every grad.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from megapipe.parallel.data.reducer import GradReducer
@@ -29,7 +30,14 @@ from megapipe.parallel.data.zero2 import (
 )
 from megapipe.parallel.data.zero3 import Zero3Optimizer, Zero3Reducer
 
-__all__ = ["LEVELS", "PLAIN", "Sharding", "WeightBlock", "full_weights", "sharding_of"]
+__all__ = [
+    "LEVELS",
+    "PLAIN",
+    "Sharding",
+    "WeightBlock",
+    "full_weights",
+    "sharding_of",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class Sharding:
     level: int
     reducer_kind: type[GradReducer]
     optimizer_kind: type[ShardedOptimizer] | None  # None: the plain optimizer (optim.py)
+    per_microbatch: bool = False  # parallel.grad_reduce=microbatch (zero >= 2: zero2.py)
+    reduce_dtype: torch.dtype = torch.float32  # parallel.grad_reduce_dtype (zero >= 1)
 
     @property
     def grads_as_shards(self) -> bool:
@@ -66,7 +76,14 @@ class Sharding:
                 model, group, bucket_mb, own_bucket=own, expert_group=expert_group
             )
         return self.reducer_kind(
-            model, group, bucket_mb, own, blocks=tuple(blocks), expert_group=expert_group
+            model,
+            group,
+            bucket_mb,
+            own,
+            blocks=tuple(blocks),
+            expert_group=expert_group,
+            reduce_dtype=self.reduce_dtype,
+            per_microbatch=self.per_microbatch,
         )
 
     def optimizer(self, reducers: list, groups: list[dict], make, stage_group=None):
@@ -111,10 +128,17 @@ LEVELS = {
 PLAIN = LEVELS[0]
 
 
-def sharding_of(level: int, replicas: bool) -> Sharding:
+def sharding_of(
+    level: int, replicas: bool, per_microbatch: bool = False, reduce_dtype=torch.float32
+) -> Sharding:
     """The strategy of ZeRO `level` (the config's); without dp × cp `replicas` nothing is
-    sharded, whatever the level."""
-    return LEVELS[level if replicas else 0]
+    sharded, whatever the level. `per_microbatch` (zero >= 2) and `reduce_dtype` (zero >= 1):
+    how the sharded levels reduce (parallel.grad_reduce, parallel.grad_reduce_dtype)."""
+    base = LEVELS[level if replicas else 0]
+    if not base.level:
+        return base
+    mode = per_microbatch and base.level >= 2
+    return replace(base, per_microbatch=mode, reduce_dtype=reduce_dtype)
 
 
 @contextlib.contextmanager

@@ -105,6 +105,12 @@ class GradReducer:
         finally:
             self.syncing = True
 
+    def backward_of(self, last: bool):
+        """The context one microbatch's backward (a grad action) runs in: step-wise reduction,
+        so the buckets sync during the `last` one only (`no_sync` before); a per-microbatch
+        reducer (zero2.py) overrides it."""
+        return contextlib.nullcontext() if last else self.no_sync()
+
     def full_weights(self, write_back: bool = False):
         """Within: every parameter whole; here always (a sharded level gathers, zero2.py)."""
         return contextlib.nullcontext()

@@ -53,9 +53,15 @@ class Slot:
     shard_lo: int
 
 
+@dataclass(eq=False)
 class ShardedGradReducer(GradReducer):
     """GradReducer whose buckets are reduce-scattered: rank r of the replica group owns the
-    contiguous range [r·S, (r+1)·S) of each bucket padded to R·S elements."""
+    contiguous range [r·S, (r+1)·S) of each bucket padded to R·S elements. `reduce_dtype`
+    (parallel.grad_reduce_dtype) is what the reduce-scatter sends and sums in; the shards it
+    leaves are widened to float32 (bf16: FSDP2's MixedPrecisionPolicy.reduce_dtype)."""
+
+    reduce_dtype: torch.dtype = torch.float32
+    per_microbatch: bool = False  # parallel.grad_reduce=microbatch (zero2.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,9 +104,9 @@ class ShardedGradReducer(GradReducer):
         lo, hi = self.shard_range(bucket)
         grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)
                  for p in bucket.params]  # fmt: skip
-        flat = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=torch.float32,
+        flat = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=self.reduce_dtype,
                            device=grads[0].device)  # fmt: skip
-        torch.cat([g.detach().float().flatten() for g in grads], out=flat[: bucket.numel])
+        torch.cat([g.detach().to(flat.dtype).flatten() for g in grads], out=flat[: bucket.numel])
         bucket.flat, bucket.shard = flat, flat.new_empty(hi - lo)
         C.count("reduce_scatter", flat)
         group = self.group_of(bucket)
@@ -111,6 +117,7 @@ class ShardedGradReducer(GradReducer):
     def _write_back(self, bucket: Bucket) -> None:
         """The send buffer becomes the bucket's grads: this rank's summed shard, zeros around."""
         lo, hi = self.shard_range(bucket)
+        bucket.flat = bucket.flat.float()  # a bf16 reduction's sums, widened
         bucket.flat.zero_()[lo:hi].copy_(bucket.shard)
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):

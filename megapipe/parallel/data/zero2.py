@@ -48,6 +48,10 @@ from megapipe.parallel.data.zero import (
     widest,
 )
 
+# per-microbatch reductions in flight at once: FSDP2's reduce-scatter overlaps the next
+# block's backward by one (its reduce_scatter_state holds the previous one)
+IN_FLIGHT = 2
+
 
 @dataclass(frozen=True)
 class WeightBlock:
@@ -144,32 +148,100 @@ class Zero2Reducer(OverlappedGatherReducer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.sums: dict[int, torch.Tensor] = {}  # per microbatch: id(bucket) -> shard sum
+        self.in_flight: list[Bucket] = []  # per microbatch: launched, not yet settled
         self.main_grads = getattr(self.model, "main_grads", None)  # bf16 weights' buffer
         if self.main_grads is not None:  # allocated again by the step's first forward
             for module in [b.module for b in self.blocks] or [self.model]:
                 module.register_forward_pre_hook(self._ensure_main_grads)
 
     def _ensure_main_grads(self, *_) -> None:
-        if torch.is_grad_enabled():
+        if self.main_grads is not None and torch.is_grad_enabled():
             self.main_grads.ensure()
 
     def finish(self) -> None:
         """The reduce-scatter; then bf16 weights' float32 main grads go (copied into the send
         buffers at launch): the rank keeps its float32 shard of each bucket only."""
-        super().finish()
+        if self.per_microbatch:
+            self._flush(in_backward=False)
+            for bucket in self.buckets:
+                bucket.shard = self.sums.pop(id(bucket), None)
+        else:
+            super().finish()
         self._release_main_grads()
+
+    # ---- per-microbatch reduction (parallel.grad_reduce=microbatch) ---------------------------
+    # FSDP (Zhao et al. 2023, §3.3) and DeepSpeed ZeRO-3: every microbatch's backward
+    # reduce-scatters each bucket as its grads are complete (the arrival hooks, in bucket
+    # order), into a float32 sum of the rank's shard (`sums`); the local grads go at launch.
+    # A grad action's end launches the buckets it left (Zero Bubble's B leaves the deferred
+    # weight grads to W, whose end sends them) and waits: every grad is sent once, on every
+    # rank in the same order. At most IN_FLIGHT reductions run at once (FSDP's limit on
+    # in-flight reduce-scatters), so their full-size send buffers stay a bucket or two.
+
+    def backward_of(self, last: bool):
+        if not self.per_microbatch:
+            return super().backward_of(last)
+        return self._flushing(last)
+
+    @contextlib.contextmanager
+    def _flushing(self, last: bool):
+        self._before_grads()
+        yield
+        if not last:  # the last one's rest is launched by finish()
+            self._flush(in_backward=False)
+
+    def _before_grads(self) -> None:
+        """Before a grad action adds into grads (zero3.py allocates what W writes)."""
+        return None
+
+    def _flush(self, in_backward: bool) -> None:
+        """Launch the buckets this round has not, and settle every reduction."""
+        while self.next_launch < len(self.buckets):
+            self._launch(self.buckets[self.next_launch], in_backward)
+        self.overlapped = sum(b.launched_in_backward for b in self.buckets)
+        for bucket in self.buckets:
+            bucket.arrived = 0
+            self._settle(bucket)
+        self.in_flight, self.next_launch = [], 0
+
+    def _settle(self, bucket: Bucket) -> None:
+        """`bucket`'s reduction in flight waited for and added into its float32 shard sum."""
+        if bucket.work is None:
+            return
+        bucket.work.wait()
+        shard, total = bucket.shard.float(), self.sums.get(id(bucket))
+        if total is None:
+            self.sums[id(bucket)] = shard
+        else:
+            total += shard
+        bucket.flat, bucket.work, bucket.shard = None, None, None
 
     def _release_main_grads(self) -> None:
         if self.main_grads is not None:
             self.main_grads.release()
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        if self.per_microbatch:
+            while len(self.in_flight) >= IN_FLIGHT:
+                self._settle(self.in_flight.pop(0))
+            self.in_flight.append(bucket)
         super()._launch(bucket, in_backward)
         for p in bucket.params:  # their values are in the send buffer now
             p.grad = None
+        if self.per_microbatch:  # the next microbatch adds into zeros
+            self._zero_main_grads(bucket)
+
+    def _zero_main_grads(self, bucket: Bucket) -> None:
+        for p in bucket.params:
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                main.zero_()
 
     def _write_back(self, bucket: Bucket) -> None:
-        """The shard is the bucket's grad; the full-size send buffer goes (finish drops it)."""
+        """The shard is the bucket's grad (float32); the full-size send buffer goes (finish
+        drops it)."""
+        bucket.shard = bucket.shard.float()
         for p in bucket.params:
             p.grad = None
 
@@ -189,6 +261,7 @@ class Zero2Reducer(OverlappedGatherReducer):
         return [b.shard for b in self.buckets if b.shard is not None]
 
     def drop_grads(self) -> None:
+        self.sums = {}
         for bucket in self.buckets:
             bucket.shard = None
         for p in self.model.parameters():

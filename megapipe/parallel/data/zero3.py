@@ -21,8 +21,11 @@ So every F and every B (or BW) re-gathers the weights of its blocks, since holdi
 the microbatches in flight would hold the whole stage; full recompute reruns a layer's forward
 inside that layer's backward, while it is gathered; Zero Bubble's deferred W computes
 grad_W = grad_outᵀ · x from the queued activations and reads no weight, so it gathers nothing.
-Gradients are zero=2's (zero2.py): local full-size grads accumulate over microbatches, the
-last microbatch's reduce-scatter leaves each rank its shard.
+Gradients (parallel.grad_reduce): by default zero=2's: local full-size grads accumulate over
+microbatches, the last microbatch's reduce-scatter leaves each rank its shard; with
+grad_reduce=microbatch each microbatch's backward reduce-scatters each block's buckets as they
+complete, into the rank's float32 shard sum, and frees the local grads (zero2.py; bf16
+weights' main grads per bucket, bucket_grads.py), so no full-size grad exists.
 bf16 weights (train.params_dtype; FSDP2's MixedPrecisionPolicy with bf16 params and float32
 reduce, Megatron's float32 main params): the master shard, the full buffers and so every
 gather are bf16; the main grads float32, freed after the reduce-scatter as at zero=2; the
@@ -42,6 +45,7 @@ from torch import nn
 
 from megapipe._torch_compat import queue_backward_callback
 from megapipe.distributed import collectives as C
+from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, pack
 from megapipe.parallel.data.zero import _all_gather
 from megapipe.parallel.data.zero2 import Zero2Optimizer, Zero2Reducer
@@ -50,8 +54,13 @@ from megapipe.parallel.data.zero2 import Zero2Optimizer, Zero2Reducer
 class Zero3Reducer(Zero2Reducer):
     """Zero2Reducer whose buckets are per block and whose weights live as shards."""
 
+    bucket_grads: BucketMainGrads | None = None  # bf16 weights reducing every microbatch
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.per_microbatch and self.main_grads is not None:
+            self.bucket_grads = BucketMainGrads(self.buckets, self.main_grads)
+            self.main_grads = None
         self.full, self.master, self.work = [], [], {}
         with torch.no_grad():
             for bucket in self.buckets:
@@ -104,6 +113,8 @@ class Zero3Reducer(Zero2Reducer):
     def install_hooks(self) -> None:
         self.fwd = [self.buckets_of(b.forward) for b in self.blocks]
         self.bwd = [self.buckets_of(b.backward) for b in self.blocks]
+        in_blocks = {i for needs in self.fwd for i in needs}
+        self.rest = [i for i in range(len(self.buckets)) if i not in in_blocks]
         for k, block in enumerate(self.blocks):
             block.module.register_forward_pre_hook(partial(self._pre_forward, k))
             block.module.register_forward_hook(partial(self._post_forward, k))
@@ -145,6 +156,8 @@ class Zero3Reducer(Zero2Reducer):
         out = output[0] if isinstance(output, tuple) else output
         if self.bwd[k] and torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(partial(self._pre_backward, k))
+        if self.bucket_grads is not None and torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(partial(self._grads_for, k))
         self._release(self.fwd[k])
 
     def _pre_backward(self, k: int, grad: torch.Tensor) -> None:
@@ -157,6 +170,31 @@ class Zero3Reducer(Zero2Reducer):
         before = [j for j in range(k) if self.bwd[j]] if self.prefetch else []
         for i in self.bwd[before[-1]] if before else ():
             self._prefetch(i)
+
+    # ---------------------------------------------------------------- per-bucket main grads
+
+    def _grads_for(self, k: int, grad: torch.Tensor) -> None:
+        """Block k's backward starts: the main grads of what it read (and of the parameters
+        outside every block) allocated, for its backward to add into."""
+        self.bucket_grads.ensure([*self.fwd[k], *self.rest])
+
+    def _before_grads(self) -> None:
+        """Zero Bubble's W adds the deferred weight grads of the blocks with work queued."""
+        if self.bucket_grads is None:
+            return
+        for k, block in enumerate(self.blocks):
+            if any(getattr(m, "wgrad_queue", None) for m in block.module.modules()):
+                self.bucket_grads.ensure([*self.fwd[k], *self.rest])
+
+    def _launch(self, bucket: Bucket, in_backward: bool) -> None:
+        if self.bucket_grads is not None:  # zeros where this round added nothing
+            self.bucket_grads.ensure([self.index_of[id(bucket.params[0])]])
+        super()._launch(bucket, in_backward)
+
+    def _zero_main_grads(self, bucket: Bucket) -> None:
+        if self.bucket_grads is None:
+            return super()._zero_main_grads(bucket)
+        self.bucket_grads.free(self.index_of[id(bucket.params[0])])
 
     def _end_backward(self) -> None:
         self._release(self.held)
