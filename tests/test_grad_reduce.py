@@ -144,7 +144,7 @@ def test_bf16_reduce_scatter_is_within_bf16_rounding(gloo_pool):
                 "parallel.microbatches=4",
                 "model.n_layers=4",
             ],
-            r"parallel.grad_reduce=microbatch with parallel.schedule=zb_v \(V placement",
+            r"parallel.grad_reduce=microbatch with parallel.tp=2 under parallel.schedule=zb_v",
         ),
     ],
 )
