@@ -293,6 +293,32 @@ def cpu_attention_flops() -> dict:
     }
 
 
+class _NoModules:
+    """A ModuleTracker that tracks nothing: every op's parent is "Global"."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+def flop_counter() -> torch.utils.flop_counter.FlopCounterMode:
+    """FlopCounterMode (with cpu_attention_flops) without its per-module breakdown: its
+    ModuleTracker hooks every module's inputs and outputs with register_multi_grad_hook
+    (torch/utils/module_tracker.py), whose closures keep the grads they see until all of a
+    module's arrive; a pipeline stage's received grads were kept into the next step, bytes no
+    device run holds (train/fake_ranks.py measures live storages). Only the total is read.
+    Works on torch 2.13 (FlopCounterMode.mod_tracker)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    counter.mod_tracker = _NoModules()
+    return counter
+
+
 def unbox_group(script_object):
     """The ProcessGroup a c10d op received as a TorchScript object (ProcessGroup.unbox): a
     dispatch mode sees collectives as c10d ops on boxed groups (train/fake_ranks.py).

@@ -22,12 +22,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from megapipe._torch_compat import (
-    cpu_attention_flops,
     dispatch_mode_base,
     fake_tensor_mode,
+    flop_counter,
     local_scalar_op,
     storage_key,
     unbox_group,
@@ -177,7 +176,7 @@ def _axes(mesh: ParallelMesh) -> dict:
 def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
     """Build and run `rank` of cfg's world on fake tensors; its JSON entry and its comm ops."""
     sizes, began = MeshSizes.of(cfg), time.perf_counter()
-    flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    flops = flop_counter()
     with fake_world(rank, sizes.world):
         mesh = ParallelMesh(sizes)
         measure = Measure(_axes(mesh))
