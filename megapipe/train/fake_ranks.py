@@ -16,6 +16,7 @@ docs/architecture.md, "Layers".
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import defaultdict
@@ -32,6 +33,7 @@ from megapipe._torch_compat import (
     unbox_group,
 )
 from megapipe.config import Config
+from megapipe.config.comm_bytes import rank_comm_bytes
 from megapipe.config.flops import hardware_flops_per_token
 from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.fake_world import fake_world, ranks_of
@@ -39,6 +41,7 @@ from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
 from megapipe.parallel.autograd.kept_buffers import keep_none
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
+from megapipe.train.meta_memory import chunk_params
 from megapipe.train.parallelize import parallelize
 from megapipe.train.step import StepResult
 
@@ -52,7 +55,7 @@ P2P = {"send": "send", "recv_": "recv"}
 class CommOp:
     kind: str  # the c10d op: allreduce_, _allgather_base_, send, recv_, ...
     axis: str  # the megapipe group it ran on: dp, tp, pp, cp, ep, or norm / stage / world
-    nbytes: int  # what this rank puts in
+    nbytes: int  # the tensor this rank hands the op (a receive: its buffer)
     peer: int | None = None  # p2p: the global rank at the other end
     tag: int = 0
 
@@ -112,6 +115,8 @@ class Measure(dispatch_mode_base()):
         group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
         pg = unbox_group(group) if group is not None else None
         axis = self.axes.get(pg, "world")
+        if name in P2P and axis == "world":  # the pipeline's and the tied table's, global peers
+            axis = "pp"
         tensors = args[1] if name.endswith("_base_") else args[0]  # (output, input): input
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
         op = CommOp(name, axis, nbytes)
@@ -202,7 +207,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "flops": flops.get_total_flops() // STEPS,
         "plan_flops": plan_flops(cfg, c),
         "comm_bytes": _per_axis(measure.comm),
-        "plan_comm_bytes": None,  # the performance model prices time, not bytes per rank yet
+        "plan_comm_bytes": plan_comm_bytes(cfg, c),
         "stepped": all(isinstance(r, StepResult) for r in results),
         "seconds": round(time.perf_counter() - began, 3),
     }
@@ -218,11 +223,20 @@ def plan_flops(cfg: Config, c: dict) -> int:
     return int(hardware_flops_per_token(cfg, rank_blocks(cfg, c["pp"])) * tokens / p.tp)
 
 
+def plan_comm_bytes(cfg: Config, c: dict) -> dict[str, int]:
+    """The bytes per axis the performance model prices for the rank at coordinates `c`
+    (config/comm_bytes.rank_comm_bytes, parameters counted on meta-device chunks)."""
+    chunks = functools.partial(chunk_params, cfg)
+    planned = rank_comm_bytes(cfg, c["pp"], c["tp"], chunks)
+    return {axis: round(n) for axis, n in planned.items()}
+
+
 def _per_axis(ops: list[CommOp]) -> dict[str, int]:
-    """Bytes per axis over the run's steps, divided by STEPS: one step's traffic."""
+    """Bytes this rank put in per axis over the run's steps, divided by STEPS: one step's
+    traffic, by config/comm_bytes.py's convention (a receive puts in nothing)."""
     out = dict.fromkeys(AXIS_KEYS, 0)
     for op in ops:
-        out[op.axis] = out.get(op.axis, 0) + op.nbytes
+        out[op.axis] = out.get(op.axis, 0) + (0 if op.kind == "recv_" else op.nbytes)
     return {axis: n // STEPS for axis, n in out.items()}
 
 
