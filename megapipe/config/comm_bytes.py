@@ -25,7 +25,13 @@ from megapipe.config.flops import held_expert_params, is_moe_layer
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.schema import Config
-from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES, expert_replicas
+from megapipe.config.states import (
+    FLOAT32,
+    GRAD_BYTES,
+    PARAM_BYTES,
+    expert_replicas,
+    state_layout,
+)
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 Op = tuple[str, float]  # (kind, S): all_reduce, reduce_scatter, all_gather, all_to_all, send
@@ -74,6 +80,13 @@ def grad_reduction_kind(zero: int, n: int) -> str:
     return "reduce_scatter" if zero and n > 1 else "all_reduce"
 
 
+def zero3_gathers(cfg: Config, block: int) -> int:
+    """zero=3's all-gathers of `block`'s weights per step (parallel/data/zero3.py): before its
+    forward and before its backward, every microbatch; the embedding's (block 0) backward
+    reads no weight and gathers nothing."""
+    return cfg.parallel.microbatches * (1 if block == 0 else 2)
+
+
 def p2p_message_bytes(cfg: Config, tokens: int, element: int) -> float:
     """A pipeline message of `tokens` per sequence: the (b, T, d) activation or its grad in
     `element`-byte values; under SP each tp rank sends its sequence shard."""
@@ -119,6 +132,8 @@ def rank_comm_bytes(
     out["cp"] = p.microbatches * sum(_cp_block(cfg, b, w) for blocks in held for b in blocks)
     out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
+    if p.zero == 3:  # the gathers per block instead of after the step
+        out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
     return out
 
@@ -174,8 +189,21 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
     for n_params, n in groups:
         total += put_in(grad_reduction_kind(p.zero, n), n_params * w.grad, n)
-        gathers = 2 * p.microbatches if p.zero == 3 else 1 if p.zero else 0
+        gathers = 1 if p.zero in (1, 2) else 0
         total += gathers * put_in("all_gather", n_params * w.param, n)
+    return total
+
+
+def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:
+    """zero=3's gathers of each held block's weights (zero3_gathers), the routed experts' over
+    their replicas, the rest over dp × cp."""
+    p, total = cfg.parallel, 0.0
+    for b in (b for blocks in held for b in blocks):
+        n_params = chunk_params(range(b, b + 1), tp_rank)
+        e = held_expert_params(cfg, range(b, b + 1)) if p.ep > 1 else 0
+        shares = [(n_params - e, p.dp * p.cp), (e, expert_replicas(cfg) if e else 1)]
+        gathered = sum(put_in("all_gather", k * w.param, n) for k, n in shares)
+        total += zero3_gathers(cfg, b) * gathered
     return total
 
 
@@ -198,13 +226,19 @@ def _pp(cfg: Config, pp_rank: int, w: Widths) -> float:
     return sends * message + put_in("all_reduce", LOSS_BYTES, p.pp)
 
 
-def _tied(cfg: Config, pp_rank: int, w: Widths) -> float:
-    """The tied table's grad the first and last stage's ranks swap (pipeline/tied.py): each
-    sends its (V/tp, d) copy's grad once a step, as perf/data_parallel prices a two-rank
-    all-reduce of it."""
+def tied_grad_bytes(cfg: Config, element: int) -> float:
+    """The tied table's grad that the first and the last stage's ranks swap once a step
+    (pipeline/tied.py; perf/data_parallel prices it as a two-rank all-reduce): their (V/tp, d)
+    copies' grads in `element`-byte values, from zero=2 on the rank's shard of them (the swap
+    follows the dp reduction)."""
     m, p = cfg.model, cfg.parallel
+    return -(-m.vocab_size // p.tp) * m.d_model * element / state_layout(cfg).grad_shards
+
+
+def _tied(cfg: Config, pp_rank: int, w: Widths) -> float:
+    """tied_grad_bytes on the two ranks that swap them, where they are two."""
     place = placement_of(cfg)
     ends = {place.locate(0)[0], place.locate(place.num_stages - 1)[0]}
-    if not m.tie_embeddings or len(ends) == 1 or pp_rank not in ends:
+    if not cfg.model.tie_embeddings or len(ends) == 1 or pp_rank not in ends:
         return 0.0
-    return -(-m.vocab_size // p.tp) * m.d_model * w.grad
+    return tied_grad_bytes(cfg, w.grad)
