@@ -9,8 +9,11 @@ all_gather_object, which pickles data fake tensors do not hold.)
 (the peak is the code's, not a model's), records each c10d collective and p2p op (kind, the
 megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
 give (`.item()`: True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
-numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py) and
-the hardware FLOPs of its stage (config/flops.hardware_flops_per_token).
+numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py), the
+hardware FLOPs of its stage (config/flops.hardware_flops_per_token) and the bytes per axis the
+performance model prices (config/comm_bytes.rank_comm_bytes; its convention: what the rank
+puts in, a receive nothing). p2p works are handed back finished, as a device's are once the
+peer has received, so a send's buffer is freed when the code reaps it.
 docs/architecture.md, "Layers".
 """
 
