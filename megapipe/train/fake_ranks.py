@@ -123,7 +123,10 @@ class Measure(dispatch_mode_base()):
         axis = self.axes.get(pg, "world")
         if name in P2P and axis == "world":  # the pipeline's and the tied table's, global peers
             axis = "pp"
-        tensors = args[1] if name.endswith("_base_") else args[0]  # (output, input): input
+        # ops taking (output, input), as allgather_ and reduce_scatter_ (lists) and their
+        # _base_ forms: the input is what this rank puts in
+        outputs_first = func._schema.arguments[0].name.startswith("output")
+        tensors = args[1] if outputs_first else args[0]
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
         op = CommOp(name, axis, nbytes)
         if name in P2P:
