@@ -46,13 +46,17 @@ def put_in(kind: str, nbytes: float, n: int) -> float:
     return nbytes / n if kind == "all_gather" else float(nbytes)
 
 
-def tp_layer_ops(sequence_parallel: bool, act: float) -> list[Op]:
-    """One direction (F or B) of a transformer layer's tp collectives, `act` the N·d activation
-    bytes: two all-reduces (attention's and the MLP's partial sums; Shoeybi et al. 2019 §3), or
-    under SP two all-gathers and two reduce-scatters (Korthikanti et al. 2022 §4.2.2)."""
+def tp_layer_ops(sequence_parallel: bool, act: float, residual: float) -> tuple[list, list]:
+    """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
+    et al. 2022 §4.2.2), `act` the N·d bytes in the compute dtype and `residual` in the
+    residual stream's (megapipe: float32, so the row-parallel outputs are summed as the
+    single-process run adds them): F sums attention's and the MLP's partial outputs (SP:
+    gathers their norms' outputs, reduce-scatters the sums), B sums the column-parallel
+    linears' input grads (SP: gathers the residual's grads, reduce-scatters those)."""
     if sequence_parallel:
-        return [("all_gather", act), ("reduce_scatter", act)] * 2
-    return [("all_reduce", act)] * 2
+        f = [("all_gather", act), ("reduce_scatter", residual)] * 2
+        return f, [("all_gather", residual), ("reduce_scatter", act)] * 2
+    return [("all_reduce", residual)] * 2, [("all_reduce", act)] * 2
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -65,9 +69,9 @@ def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], lis
 
 def tp_head_ops(sequence_parallel: bool, n: int, act: float) -> tuple[list[Op], list[Op]]:
     """(F, B) of the vocab-parallel head and cross entropy over `n` tokens, `act` the N·d input
-    bytes: F three all-reduces of N float32 (the row max, by chunks, the sum of exp and the
-    target logit; parallel/tensor/cross_entropy.py), under SP the input's all-gather; B the
-    input grad's all-reduce (SP: reduce-scatter)."""
+    bytes (the residual stream's dtype): F three all-reduces of N float32 (the row max, by
+    chunks, the sum of exp and the target logit; parallel/tensor/cross_entropy.py), under SP
+    the input's all-gather; B the input grad's all-reduce (SP: reduce-scatter)."""
     f = [("all_reduce", n * FLOAT32)] * 3
     if sequence_parallel:
         return [*f, ("all_gather", act)], [("reduce_scatter", act)]
@@ -143,14 +147,15 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
     p, x = cfg.parallel, rank_dims(cfg)
     if p.tp == 1:
         return 0.0
-    sp, act = p.sequence_parallel, x.n * cfg.model.d_model * w.act
+    sp, nd = p.sequence_parallel, x.n * cfg.model.d_model
     if block == 0:
-        ops = sum(tp_embedding_ops(sp, x.n * cfg.model.d_model * w.param), [])
+        ops = sum(tp_embedding_ops(sp, nd * w.param), [])
     elif block == cfg.model.n_layers + 1:
-        ops = sum(tp_head_ops(sp, x.n, act), [])
+        ops = sum(tp_head_ops(sp, x.n, nd * FLOAT32), [])
     else:
+        f, b = tp_layer_ops(sp, nd * w.act, nd * FLOAT32)
         again = layer_mode(cfg.recompute, block - 1) == "full"
-        ops = tp_layer_ops(sp, act) * (3 if again else 2)
+        ops = f * (2 if again else 1) + b
     return sum(put_in(kind, nbytes, p.tp) for kind, nbytes in ops)
 
 
