@@ -310,6 +310,46 @@ def cpu_attention_flops() -> dict:
     }
 
 
+class _NoModules:
+    """A ModuleTracker that tracks nothing: every op's parent is "Global"."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+def flop_counter() -> torch.utils.flop_counter.FlopCounterMode:
+    """FlopCounterMode (with cpu_attention_flops) without its per-module breakdown: its
+    ModuleTracker hooks every module's inputs and outputs with register_multi_grad_hook
+    (torch/utils/module_tracker.py), whose closures keep the grads they see until all of a
+    module's arrive; a pipeline stage's received grads were kept into the next step, bytes no
+    device run holds (train/fake_ranks.py measures live storages). Only the total is read.
+    Works on torch 2.13 (FlopCounterMode.mod_tracker)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    counter.mod_tracker = _NoModules()
+    return counter
+
+
+def completed_work():
+    """A finished c10d Work as a c10d op returns it (boxed): the fake backend's p2p works never
+    report completion (FakeWork keeps Work's is_completed() False), so a sender polling them
+    (pipeline/p2p.StageLinks._reap) would keep every send buffer to the end of the step, which
+    a device frees once its peer has received; the fake-rank run hands back this one instead
+    (train/fake_ranks.py). torch._C._distributed_c10d._create_work_from_future. Works on torch
+    2.13."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    future = torch.futures.Future()
+    future.set_result(None)
+    return _create_work_from_future(future).boxed()
+
+
 def unbox_group(script_object):
     """The ProcessGroup a c10d op received as a TorchScript object (ProcessGroup.unbox): a
     dispatch mode sees collectives as c10d ops on boxed groups (train/fake_ranks.py).

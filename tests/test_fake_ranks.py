@@ -74,6 +74,37 @@ def test_pipeline_json_contract_and_p2p(capsys, tmp_path):
         assert set(r["comm_bytes"]) >= set(AXIS_KEYS)
         assert r["comm_bytes"]["dp"] > 0 and r["comm_bytes"]["tp"] > 0
         assert r["comm_bytes"]["pp"] > 0 and r["peak_bytes"] > 0 and r["plan_peak_bytes"] > 0
+        assert_bytes_are_the_plans(r)
+    # the last stage's peak (rank 0's, 1.14×, holds its backward's working set, which the dry
+    # run has no term for)
+    assert abs(out["ranks"][1]["peak_bytes"] / out["ranks"][1]["plan_peak_bytes"] - 1) <= 0.05
+
+
+def assert_bytes_are_the_plans(r: dict) -> None:
+    """Bytes per axis within 2% of the performance model's (config/comm_bytes.py): each axis
+    that either side names."""
+    for axis in AXIS_KEYS:
+        measured, plan = r["comm_bytes"][axis], r["plan_comm_bytes"][axis]
+        assert abs(measured - plan) <= 0.02 * max(measured, plan), (r["rank"], axis)
+
+
+@pytest.mark.parametrize(
+    ("extra", "peak"),
+    [(["--parallel.zero=3"], True), (["--parallel.zero=1", "--parallel.schedule=zb_h1"], False)],
+    ids=["zero3", "zb_h1"],
+)
+def test_last_stage_is_the_models(tmp_path, extra, peak):
+    """dp2 · tp2 · pp2, the last stage (rank 4): zero=3's gathers per block (the embedding's
+    once a microbatch) and the tied table's sharded grads, and Zero Bubble's B/W split: FLOPs
+    exact, bytes per axis within 2%; zero=3's peak within 5% of the dry run's (zb_h1's is
+    1.07×: the backward's working set, as rank 0's under 1F1B)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
+                             "--parallel.pp=2", "--parallel.microbatches=2", *extra])  # fmt: skip
+    (r,) = fake_ranks(cfg, "4")["ranks"]
+    assert r["flops"] == r["plan_flops"]
+    assert_bytes_are_the_plans(r)
+    if peak:
+        assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
 def test_flops_are_the_config_arithmetic(tmp_path):
@@ -123,6 +154,7 @@ def test_ring_cp_rank_flops_and_peak_are_the_plans(tmp_path):
     (r,) = fake_ranks(cfg, "1")["ranks"]
     assert r["flops"] == r["plan_flops"] and r["comm_bytes"]["cp"] > 0
     assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+    assert_bytes_are_the_plans(r)
 
 
 def _plan(*blocks, shape=(4, 6)):

@@ -14,8 +14,10 @@ dtypes).
 - zero=3: the weights are sharded too: each block's are all-gathered before its forward and
   again before its backward, every microbatch (the gathered copy is freed in between): 2·m
   all-gathers of the rank's weights in their dtype (bf16 under train.params_dtype=bfloat16),
-  prefetched a block ahead, so they run beside the compute (`per_microbatch`); no weight
-  all-gather after the step. The reductions stay float32 (`grad_bytes`) at every level.
+  but one of the embedding's, whose backward reads no weight (config/comm_bytes
+  .zero3_gathers), prefetched a block ahead, so they run beside the compute
+  (`per_microbatch`); no weight all-gather after the step. The reductions stay float32
+  (`grad_bytes`) at every level.
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link
@@ -34,6 +36,7 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config import Config
+from megapipe.config.comm_bytes import grad_reduction_kind, tied_grad_bytes, zero3_gathers
 from megapipe.config.pipeline_split import placement_of
 from megapipe.config.states import expert_layout, expert_replicas, state_layout
 from megapipe.perf.cluster import Cluster
@@ -61,9 +64,10 @@ class DPPlan:
 
 
 def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_bytes,
-            experts=None) -> DPPlan:  # fmt: skip
+            experts=None, embedding=0) -> DPPlan:  # fmt: skip
     """The reduction of each rank's chunks (`held`: per rank, per local chunk, parameters;
-    `experts`: as many of them routed experts', reduced over the expert replicas)."""
+    `experts`: as many of them routed experts', reduced over the expert replicas;
+    `embedding`: the embedding block's parameters, held by the first stage's rank)."""
     p, m = cfg.parallel, cfg.model
     rt = resolved_for(runtime, cfg)
     groups = [(p.dp * p.cp, group_link(cluster, shape, ("dp", "cp")))]
@@ -87,17 +91,16 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
     last_rank = place.locate(place.num_stages - 1)[0]
     if m.tie_embeddings and last_rank != 0:
-        table = -(-m.vocab_size // p.tp) * m.d_model
-        tied = ring_time("all_reduce", table * grad_bytes, 2,
+        tied = ring_time("all_reduce", tied_grad_bytes(cfg, grad_bytes), 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
-    every = _per_microbatch(cfg, rt, groups, held, experts)
+    every = _per_microbatch(cfg, rt, groups, held, experts, (place.locate(0)[0], embedding))
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
 
 
 def _reduce(cfg: Config, rt: Runtime, nbytes: float, n: int, link, blocks: int, first: bool,
             grad_bytes) -> tuple[float, float]:  # fmt: skip
     """(seconds, its last bucket's) of one chunk's `nbytes` of grads reduced over `n` ranks."""
-    kind = "reduce_scatter" if cfg.parallel.zero and n > 1 else "all_reduce"
+    kind = grad_reduction_kind(cfg.parallel.zero, n)
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     bucket = bucket_bytes(rt, n, grad_bytes)
     t = ring_time(kind, nbytes, n, link)
@@ -109,20 +112,25 @@ def _reduce(cfg: Config, rt: Runtime, nbytes: float, n: int, link, blocks: int, 
     return t, t
 
 
-def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None) -> list[float]:
-    """Per rank, zero=3's two weight all-gathers per microbatch (module docstring): the routed
-    experts' (`experts`, as `held`) over their expert replicas (`groups[1]`), the rest over
-    dp × cp (`groups[0]`)."""
-    s, m = state_layout(cfg), cfg.parallel.microbatches
+def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None,
+                    embedding=(0, 0)) -> list[float]:  # fmt: skip
+    """Per rank, zero=3's weight all-gathers per microbatch (module docstring;
+    config/comm_bytes.zero3_gathers): the routed experts' (`experts`, as `held`) over their
+    expert replicas (`groups[1]`), the rest over dp × cp (`groups[0]`); `embedding`: (the
+    rank holding it, its parameters), gathered once a microbatch in the first local chunk."""
+    s = state_layout(cfg)
+    twice, once = zero3_gathers(cfg, 1), zero3_gathers(cfg, 0)
     out = []
     for r, per_chunk in enumerate(held):
         t = 0.0
         if s.weight_shards > 1:
             for c, n in enumerate(per_chunk):
                 e = experts[r][c] if experts and len(groups) > 1 else 0
-                parts = [(n - e, groups[0])] + ([(e, groups[1])] if e else [])
-                t += 2 * m * sum(ring_time("all_gather", k * rt.param_bytes, d, link)
-                                 for k, (d, link) in parts)  # fmt: skip
+                emb = embedding[1] if (r, c) == (embedding[0], 0) else 0
+                parts = [(n - e - emb, groups[0], twice), (emb, groups[0], once)]
+                parts += [(e, groups[1], twice)] if e else []
+                t += sum(j * ring_time("all_gather", k * rt.param_bytes, d, link)
+                         for k, (d, link), j in parts)  # fmt: skip
         out.append(t)
     return out
 

@@ -172,7 +172,9 @@ def project(
     if runtime.moe_expert_tp and p.tp > 1:  # the runtime holds 1/tp of each routed expert
         held = [[n - e + e // p.tp for n, e in zip(*pair)] for pair in zip(held, experts)]
         experts = [[e // p.tp for e in es] for es in experts]
-    dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c, experts)
+    embedding = chunk_params(cfg, range(0, 1), 0)  # zero=3 gathers it once a microbatch
+    dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c, experts,
+                 embedding)  # fmt: skip
     opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held, experts)
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)

@@ -147,6 +147,7 @@ class StageLinks:
             work.wait()
         self.progress.waited()
         self.waited += time.perf_counter() - began
+        self._reap()  # sends done while this waited free their buffers before the action runs
         return buf
 
     def _reap(self) -> None:

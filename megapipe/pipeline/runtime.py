@@ -157,6 +157,7 @@ class PipelineRuntime:
             following = self._input_message(actions[i + 1]) if i + 1 < len(actions) else None
             # Send now, and post the receive the next action needs in the same batch.
             self.links.exchange(sends, [following] if following else [])
+            del sends  # a sent output is the link's until its send is done, not held past it
             hooks.after(action)
             self.events.append(Event(action, t0, time.perf_counter(), self.links.waited - waited))
         self.links.flush()

@@ -9,30 +9,35 @@ when every rank runs, their plans must tile every logical tensor).
 (the peak is the code's, not a model's), records each c10d collective and p2p op (kind, the
 megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
 give (`.item()`: True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
-numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py) and
-the hardware FLOPs of its stage (config/flops.hardware_flops_per_token).
+numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py), the
+hardware FLOPs of its stage (config/flops.hardware_flops_per_token) and the bytes per axis the
+performance model prices (config/comm_bytes.rank_comm_bytes; its convention: what the rank
+puts in, a receive nothing). p2p works are handed back finished, as a device's are once the
+peer has received, so a send's buffer is freed when the code reaps it.
 docs/architecture.md, "Layers".
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from megapipe._torch_compat import (
-    cpu_attention_flops,
+    completed_work,
     dispatch_mode_base,
     fake_tensor_mode,
+    flop_counter,
     local_scalar_op,
     storage_key,
     unbox_group,
 )
 from megapipe.config import Config
+from megapipe.config.comm_bytes import rank_comm_bytes
 from megapipe.config.flops import hardware_flops_per_token
 from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.fake_world import fake_world, ranks_of
@@ -41,6 +46,7 @@ from megapipe.parallel.autograd.kept_buffers import keep_none
 from megapipe.train.checkpoint_plan import save_plan, tiling_problems
 from megapipe.train.dry_run import as_json
 from megapipe.train.hooks import TrainHooks
+from megapipe.train.meta_memory import chunk_params
 from megapipe.train.parallelize import parallelize
 from megapipe.train.step import StepResult
 
@@ -54,7 +60,7 @@ P2P = {"send": "send", "recv_": "recv"}
 class CommOp:
     kind: str  # the c10d op: allreduce_, _allgather_base_, send, recv_, ...
     axis: str  # the megapipe group it ran on: dp, tp, pp, cp, ep, or norm / stage / world
-    nbytes: int  # what this rank puts in
+    nbytes: int  # the tensor this rank hands the op (a receive: its buffer)
     peer: int | None = None  # p2p: the global rank at the other end
     tag: int = 0
 
@@ -80,6 +86,8 @@ class Measure(dispatch_mode_base()):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
             self._record(func, args)
+            if func.overloadpacket.__name__ in P2P:  # delivered at once in a world of one
+                out = completed_work()
         for t in _tensors(out):
             if isinstance(t, torch.Tensor):
                 self.track(t, "comm" if func.namespace == "c10d" else self.phase)
@@ -114,7 +122,12 @@ class Measure(dispatch_mode_base()):
         group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
         pg = unbox_group(group) if group is not None else None
         axis = self.axes.get(pg, "world")
-        tensors = args[1] if name.endswith("_base_") else args[0]  # (output, input): input
+        if name in P2P and axis == "world":  # the pipeline's and the tied table's, global peers
+            axis = "pp"
+        # ops taking (output, input), as allgather_ and reduce_scatter_ (lists) and their
+        # _base_ forms: the input is what this rank puts in
+        outputs_first = func._schema.arguments[0].name.startswith("output")
+        tensors = args[1] if outputs_first else args[0]
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
         op = CommOp(name, axis, nbytes)
         if name in P2P:
@@ -179,7 +192,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
     """Build and run `rank` of cfg's world on fake tensors; its JSON entry (its save plan under
     "save") and its comm ops."""
     sizes, began = MeshSizes.of(cfg), time.perf_counter()
-    flops = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    flops = flop_counter()
     with fake_world(rank, sizes.world):
         mesh = ParallelMesh(sizes)
         measure = Measure(_axes(mesh))
@@ -197,7 +210,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "flops": flops.get_total_flops() // STEPS,
         "plan_flops": plan_flops(cfg, c),
         "comm_bytes": _per_axis(measure.comm),
-        "plan_comm_bytes": None,  # the performance model prices time, not bytes per rank yet
+        "plan_comm_bytes": plan_comm_bytes(cfg, c),
         "stepped": all(isinstance(r, StepResult) for r in results),
         "save_bytes": save["bytes"],
         "save_file": save["file"],
@@ -232,11 +245,20 @@ def plan_flops(cfg: Config, c: dict) -> int:
     return int(hardware_flops_per_token(cfg, rank_blocks(cfg, c["pp"])) * tokens / p.tp)
 
 
+def plan_comm_bytes(cfg: Config, c: dict) -> dict[str, int]:
+    """The bytes per axis the performance model prices for the rank at coordinates `c`
+    (config/comm_bytes.rank_comm_bytes, parameters counted on meta-device chunks)."""
+    chunks = functools.partial(chunk_params, cfg)
+    planned = rank_comm_bytes(cfg, c["pp"], c["tp"], chunks)
+    return {axis: round(n) for axis, n in planned.items()}
+
+
 def _per_axis(ops: list[CommOp]) -> dict[str, int]:
-    """Bytes per axis over the run's steps, divided by STEPS: one step's traffic."""
+    """Bytes this rank put in per axis over the run's steps, divided by STEPS: one step's
+    traffic, by config/comm_bytes.py's convention (a receive puts in nothing)."""
     out = dict.fromkeys(AXIS_KEYS, 0)
     for op in ops:
-        out[op.axis] = out.get(op.axis, 0) + op.nbytes
+        out[op.axis] = out.get(op.axis, 0) + (0 if op.kind == "recv_" else op.nbytes)
     return {axis: n // STEPS for axis, n in out.items()}
 
 

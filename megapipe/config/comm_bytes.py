@@ -1,0 +1,249 @@
+"""Bytes each collective and point-to-point transfer of a training step carries, per rank and per
+mesh axis: the one source of those sizes. The performance model prices its times from these
+lists (perf/costs.py for tp, perf/data_parallel.py for the grad reduction, perf/model.py for
+the pipeline's messages); `rank_comm_bytes` sums them for one rank, which `train.py
+--fake-ranks` sets beside the bytes the code's collectives carried (train/fake_ranks.py).
+
+Convention, for the planned and the measured bytes alike: what this rank puts into each op,
+the tensor it hands the collective.
+- all-reduce: the whole tensor S (ring_time's S);
+- reduce-scatter: its whole input S, of which it keeps S/n;
+- all-gather: its shard, S/n of the gathered S;
+- all-to-all: its whole buffer, its own share included;
+- point-to-point: what it sends; a receive puts in nothing (its sender counts the bytes).
+Per step: every microbatch's, the reductions once. Sizes are those megapipe's code moves (its
+runtime: float32 grads and pipeline messages, weights gathered in train.params_dtype), or
+the widths a caller passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megapipe.config.flops import held_expert_params, is_moe_layer
+from megapipe.config.memory_terms import layer_mode, rank_dims
+from megapipe.config.pipeline_split import placement_of, rank_blocks
+from megapipe.config.schema import Config
+from megapipe.config.states import (
+    FLOAT32,
+    GRAD_BYTES,
+    PARAM_BYTES,
+    expert_replicas,
+    state_layout,
+)
+
+AXES = ("dp", "tp", "pp", "cp", "ep")
+Op = tuple[str, float]  # (kind, S): all_reduce, reduce_scatter, all_gather, all_to_all, send
+LOSS_BYTES = 8  # the step's summed loss, float64, all-reduced over dp × cp and over pp
+
+
+def put_in(kind: str, nbytes: float, n: int) -> float:
+    """Bytes a rank puts into one op `kind` of S = `nbytes` over `n` ranks (module docstring);
+    0 where n is 1 (no op runs)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes / n if kind == "all_gather" else float(nbytes)
+
+
+def tp_layer_ops(sequence_parallel: bool, act: float, residual: float) -> tuple[list, list]:
+    """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
+    et al. 2022 §4.2.2), `act` the N·d bytes in the compute dtype and `residual` in the
+    residual stream's (megapipe: float32, so the row-parallel outputs are summed as the
+    single-process run adds them): F sums attention's and the MLP's partial outputs (SP:
+    gathers their norms' outputs, reduce-scatters the sums), B sums the column-parallel
+    linears' input grads (SP: gathers the residual's grads, reduce-scatters those)."""
+    if sequence_parallel:
+        f = [("all_gather", act), ("reduce_scatter", residual)] * 2
+        return f, [("all_gather", residual), ("reduce_scatter", act)] * 2
+    return [("all_reduce", residual)] * 2, [("all_reduce", act)] * 2
+
+
+def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
+    """(F, B) of the vocab-parallel embedding, `out` its N·d output bytes: F sums the partial
+    lookups (SP: reduce-scatters them), B under SP all-gathers the grad."""
+    if sequence_parallel:
+        return [("reduce_scatter", out)], [("all_gather", out)]
+    return [("all_reduce", out)], []
+
+
+def tp_head_ops(sequence_parallel: bool, n: int, act: float) -> tuple[list[Op], list[Op]]:
+    """(F, B) of the vocab-parallel head and cross entropy over `n` tokens, `act` the N·d input
+    bytes (the residual stream's dtype): F three all-reduces of N float32 (the row max, by
+    chunks, the sum of exp and the target logit; parallel/tensor/cross_entropy.py), under SP
+    the input's all-gather; B the input grad's all-reduce (SP: reduce-scatter)."""
+    f = [("all_reduce", n * FLOAT32)] * 3
+    if sequence_parallel:
+        return [*f, ("all_gather", act)], [("reduce_scatter", act)]
+    return f, [("all_reduce", act)]
+
+
+def grad_reduction_kind(zero: int, n: int) -> str:
+    """The dp × cp grad reduction: reduce-scatter from zero=1 on (Rajbhandari et al. 2020 §5),
+    else all-reduce."""
+    return "reduce_scatter" if zero and n > 1 else "all_reduce"
+
+
+def zero3_gathers(cfg: Config, block: int) -> int:
+    """zero=3's all-gathers of `block`'s weights per step (parallel/data/zero3.py): before its
+    forward and before its backward, every microbatch; the embedding's (block 0) backward
+    reads no weight and gathers nothing."""
+    return cfg.parallel.microbatches * (1 if block == 0 else 2)
+
+
+def p2p_message_bytes(cfg: Config, tokens: int, element: int) -> float:
+    """A pipeline message of `tokens` per sequence: the (b, T, d) activation or its grad in
+    `element`-byte values; under SP each tp rank sends its sequence shard."""
+    p = cfg.parallel
+    nbytes = cfg.derived.micro_batch_size * tokens * cfg.model.d_model * element
+    return nbytes / p.tp if p.sequence_parallel and p.tp > 1 else nbytes
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per element of each traffic: tp activations (the compute dtype), pipeline
+    messages, dp grads, gathered weights."""
+
+    act: int
+    p2p: int
+    grad: int
+    param: int
+
+    @staticmethod
+    def of(cfg: Config) -> Widths:
+        """megapipe's own: float32 pipeline messages (the residual stream) and grads, weights
+        gathered in train.params_dtype."""
+        act = FLOAT32 if cfg.train.dtype == "float32" else 2
+        return Widths(act, FLOAT32, GRAD_BYTES, PARAM_BYTES[cfg.train.params_dtype])
+
+
+ChunkParams = Callable[[range, int], int]  # (blocks, tp_rank) -> parameters of that chunk
+
+
+def rank_comm_bytes(
+    cfg: Config, pp_rank: int, tp_rank: int, chunk_params: ChunkParams, widths: Widths | None = None
+) -> dict[str, float]:
+    """Bytes the rank at (pp_rank, tp_rank) puts into one step's ops, per axis (module
+    docstring): tp's per block and microbatch, dp's grad reduction and weight gathers, the
+    pipeline's sends and the tied table's grads, the cp ring's K/V blocks, ep's all-to-alls,
+    and the step's loss sums (latency only: perf prices none of their time)."""
+    w, p = widths or Widths.of(cfg), cfg.parallel
+    held = rank_blocks(cfg, pp_rank)
+    params = [chunk_params(b, tp_rank) for b in held]
+    experts = [held_expert_params(cfg, b) for b in held]
+    out = dict.fromkeys(AXES, 0.0)
+    out["tp"] = p.microbatches * sum(_tp_block(cfg, b, w) for blocks in held for b in blocks)
+    out["cp"] = p.microbatches * sum(_cp_block(cfg, b, w) for blocks in held for b in blocks)
+    out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
+    out["dp"] = _dp(cfg, sum(params), sum(experts), w)
+    if p.zero == 3:  # the gathers per block instead of after the step
+        out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
+    out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
+    return out
+
+
+def _tp_block(cfg: Config, block: int, w: Widths) -> float:
+    """One microbatch's tp bytes in `block` (F, B, and F again under full recompute)."""
+    p, x = cfg.parallel, rank_dims(cfg)
+    if p.tp == 1:
+        return 0.0
+    sp, nd = p.sequence_parallel, x.n * cfg.model.d_model
+    if block == 0:
+        ops = sum(tp_embedding_ops(sp, nd * w.param), [])
+    elif block == cfg.model.n_layers + 1:
+        ops = sum(tp_head_ops(sp, x.n, nd * FLOAT32), [])
+    else:
+        f, b = tp_layer_ops(sp, nd * w.act, nd * FLOAT32)
+        again = layer_mode(cfg.recompute, block - 1) == "full"
+        ops = f * (2 if again else 1) + b
+    return sum(put_in(kind, nbytes, p.tp) for kind, nbytes in ops)
+
+
+def _cp_block(cfg: Config, block: int, w: Widths) -> float:
+    """One microbatch's cp ring bytes in a layer block (parallel/context/ring.py): cp − 1 K/V
+    blocks of 2·N·hkv·hd forward, cp − 1 of K/V with dK/dV backward and the dK/dV that come
+    home; the ring variant only (Ulysses' all-to-alls are not counted here)."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1 or block in (0, m.n_layers + 1) or p.cp_comm != "ring":
+        return 0.0
+    x = rank_dims(cfg)
+    kv = 2 * x.n * x.hkv * x.hd * w.act
+    again = layer_mode(cfg.recompute, block - 1) == "full"
+    return (p.cp - 1) * kv * (2 if again else 1) + (p.cp - 1) * 2 * kv + kv
+
+
+def _ep_block(cfg: Config, block: int, w: Widths) -> float:
+    """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): dispatch and
+    combine of the N·k rows forward, their transposes backward, each all-to-all the rank's
+    N·k·d buffer."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep == 1 or block in (0, m.n_layers + 1) or not is_moe_layer(m, block - 1):
+        return 0.0
+    rows = rank_dims(cfg).n * m.top_k
+    return 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
+
+
+def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
+    """The grad reduction of the rank's `params` (`experts` of them over the expert replicas)
+    and the weights' gathers: after the step at zero 1 and 2, at zero=3 each block's twice a
+    microbatch (perf/data_parallel.py); and the step's loss over dp × cp."""
+    p = cfg.parallel
+    groups = [(params - experts, p.dp * p.cp), (experts, expert_replicas(cfg) if p.ep > 1 else 0)]
+    if p.ep == 1:
+        groups = [(params, p.dp * p.cp)]
+    total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
+    for n_params, n in groups:
+        total += put_in(grad_reduction_kind(p.zero, n), n_params * w.grad, n)
+        gathers = 1 if p.zero in (1, 2) else 0
+        total += gathers * put_in("all_gather", n_params * w.param, n)
+    return total
+
+
+def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:
+    """zero=3's gathers of each held block's weights (zero3_gathers), the routed experts' over
+    their replicas, the rest over dp × cp."""
+    p, total = cfg.parallel, 0.0
+    for b in (b for blocks in held for b in blocks):
+        n_params = chunk_params(range(b, b + 1), tp_rank)
+        e = held_expert_params(cfg, range(b, b + 1)) if p.ep > 1 else 0
+        shares = [(n_params - e, p.dp * p.cp), (e, expert_replicas(cfg) if e else 1)]
+        gathered = sum(put_in("all_gather", k * w.param, n) for k, n in shares)
+        total += zero3_gathers(cfg, b) * gathered
+    return total
+
+
+def _pp(cfg: Config, pp_rank: int, w: Widths) -> float:
+    """The pipeline's sends of one step: each microbatch's activation to the next stage and
+    its grad to the previous one where that stage is on another rank; and the step's loss
+    summed over pp."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 0.0
+    place, last = placement_of(cfg), placement_of(cfg).num_stages - 1
+    message = p2p_message_bytes(cfg, cfg.model.seq_len // p.cp, w.p2p)
+    sends = 0
+    for mb in range(p.microbatches):
+        for stage in range(last + 1):
+            if place.locate(stage, mb)[0] != pp_rank:
+                continue
+            sends += stage < last and place.locate(stage + 1, mb)[0] != pp_rank
+            sends += stage > 0 and place.locate(stage - 1, mb)[0] != pp_rank
+    return sends * message + put_in("all_reduce", LOSS_BYTES, p.pp)
+
+
+def tied_grad_bytes(cfg: Config, element: int) -> float:
+    """The tied table's grad that the first and the last stage's ranks swap once a step
+    (pipeline/tied.py; perf/data_parallel prices it as a two-rank all-reduce): their (V/tp, d)
+    copies' grads in `element`-byte values, from zero=2 on the rank's shard of them (the swap
+    follows the dp reduction)."""
+    m, p = cfg.model, cfg.parallel
+    return -(-m.vocab_size // p.tp) * m.d_model * element / state_layout(cfg).grad_shards
+
+
+def _tied(cfg: Config, pp_rank: int, w: Widths) -> float:
+    """tied_grad_bytes on the two ranks that swap them, where they are two."""
+    place = placement_of(cfg)
+    ends = {place.locate(0)[0], place.locate(place.num_stages - 1)[0]}
+    if not cfg.model.tie_embeddings or len(ends) == 1 or pp_rank not in ends:
+        return 0.0
+    return tied_grad_bytes(cfg, w.grad)
