@@ -220,8 +220,9 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
     return entry, measure.comm
 
 
-def _steps(cfg: Config, mesh: ParallelMesh, measure: Measure, flops: FlopCounterMode):
-    """The build and STEPS real steps under `measure`: (the job, its optimizer, the results)."""
+def _steps(cfg: Config, mesh: ParallelMesh, measure: Measure, flops):
+    """The build and STEPS real steps under `measure`, counted by `flops` (a flop_counter()):
+    (the job, its optimizer, the results)."""
     job = parallelize(cfg, mesh, "cpu")
     keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
     measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
