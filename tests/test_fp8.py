@@ -180,3 +180,34 @@ def test_kept_layers_and_default():
     keep = {"train.fp8_keep_bf16": "head,fc2"}
     kept = cast(_cfg(**base, **{"train.fp8": "tensorwise"}, **keep))
     assert kept == [n for n in on if "fc2" not in n]
+
+
+def test_fp8_and_high_precision_runs_resume_each_other(tmp_path):
+    """A checkpoint holds no FP8 state: an FP8 run resumed in FP8 repeats the straight run bit
+    for bit, and FP8 and bf16-autocast runs resume each other's checkpoints."""
+    import shutil
+
+    import train
+    from megapipe.train import checkpoint
+    from tests.parity import tiny_config
+
+    common = ["train.steps=4", "train.warmup=1", "log.progress=false", "checkpoint.interval=2"]
+    bf16, stop = ["train.dtype=bfloat16"], "train.stop_at_step=2"
+    on = ["train.fp8=rowwise"]
+
+    def run(where, *extra):
+        cfg = tiny_config([*common, *extra], str(tmp_path / where))
+        return [r["loss"] for r in train.run(cfg)]
+
+    full = run("full", *on)
+    first = run("split", *on, stop)
+    shutil.copytree(tmp_path / "split", tmp_path / "to_bf16")  # the same step-2 checkpoint
+    assert first + run("split", *on) == full
+    to_bf16 = first + run("to_bf16", *bf16)
+    from_bf16 = run("from_bf16", *bf16, stop) + run("from_bf16", *on)
+    for losses in (to_bf16, from_bf16):  # FP8's own distance from bf16, a few percent at most
+        assert len(losses) == 4 and all(abs(a - b) < 0.05 * b for a, b in zip(losses, full))
+    assert to_bf16[:2] == full[:2]
+    path = checkpoint.complete_checkpoints(str(tmp_path / "split" / "checkpoints"))[0]
+    _, model = checkpoint.load_for_inference(path)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
