@@ -1,23 +1,24 @@
-"""The planner's space: every mesh, schedule and memory setting of a model on N GPUs of a
-cluster, as `Candidate`s (perf/search.py searches it, perf/bounds.py bounds it).
+"""The planner's space: every mesh, schedule and memory setting of a model on N GPUs of a cluster,
+as `Candidate`s (perf/search.py searches it, perf/bounds.py bounds it).
 
-The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-per-node), cp
-(1, or up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no
-dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
-size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
-selective / full (recompute.layers as the config has it), sequence parallelism on or off under
-tp > 1, zero 0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring,
-a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those
-heads: parallel/context/), for a mixture of experts every ep dividing both dp and
-model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
-(plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to VPP_MAX and
-pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
-the defaults of any other option. Left out: pipedream_async (its asynchronous updates do not
-train the model one process trains, and it cannot tie embeddings under pp) and schedules built
-for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp
-(their builders grow faster than linearly: seconds beyond; the summary counts them). A
-searched key given on the command line is held at its value (even outside these ranges);
-`balance`, `schedule_costs` and the rest keep the config's.
+The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-per-node), cp (1, or
+up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no dropout), pp
+with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch size b
+dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none / selective /
+full (recompute.layers as the config has it), sequence parallelism on or off under tp > 1, zero
+0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring, a2a where the
+heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those heads:
+parallel/context/), train.fp8 none or rowwise on a GPU with FP8 tensor cores (perf/search.py;
+tensorwise is priced alike, blockwise is emulated), for a mixture of experts every ep dividing
+both dp and model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every
+registered schedule (plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to
+VPP_MAX and pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits
+(ZB_MEMORY) and the defaults of any other option. Left out: pipedream_async (its asynchronous
+updates do not train the model one process trains, and it cannot tie embeddings under pp) and
+schedules built for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or
+COSTS_BUILT_MAX_PP of pp (their builders grow faster than linearly: seconds beyond; the summary
+counts them). A searched key given on the command line is held at its value (even outside these
+ranges); `balance`, `schedule_costs` and the rest keep the config's.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Candidate:
     ep: int = 1
     cp_comm: str = "ring"
     cp_a2a: int = 1
+    fp8: str = "none"  # train.fp8
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -86,7 +88,8 @@ class Candidate:
             cp_a2a=self.cp_a2a,
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
-        cfg = dataclasses.replace(base, parallel=par, recompute=rec)
+        train = dataclasses.replace(base.train, fp8=self.fp8)
+        cfg = dataclasses.replace(base, parallel=par, recompute=rec, train=train)
         if check:
             validate(cfg)
         return cfg
@@ -150,10 +153,15 @@ def cp_comms(base: Config, tp: int, cp: int, fixed: dict[str, Any]) -> list[tupl
 
 
 def candidates(
-    base: Config, gpus: int, gpus_per_node: int, fixed: dict[str, Any] | None = None
+    base: Config,
+    gpus: int,
+    gpus_per_node: int,
+    fixed: dict[str, Any] | None = None,
+    fp8s: tuple[str, ...] = ("none",),
 ) -> list[Candidate]:
     """Every point of the space (module docstring) for `gpus` GPUs in nodes of
-    `gpus_per_node`; the config rules are checked later (Candidate.config)."""
+    `gpus_per_node`, each train.fp8 of `fp8s` (the GPU's: perf/search.py); the config rules
+    are checked later (Candidate.config)."""
     f = fixed or {}
     m, gbs = base.model, base.train.global_batch
     out = []
@@ -182,17 +190,18 @@ def candidates(
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = (0, 1) if dp * cp > 1 else (0,)
                 eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
-                for mb, rec, sp, zero, ep, (comm, a2a) in itertools.product(
+                for mb, rec, sp, zero, ep, (comm, a2a), fp8 in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
                     _pick(f, "recompute.mode", recs),
                     _pick(f, "parallel.sequence_parallel", sps),
                     _pick(f, "parallel.zero", zeros),
                     _pick(f, "parallel.ep", eps),
                     cp_comms(base, tp, cp, f),
+                    _pick(f, "train.fp8", fp8s),
                 ):
                     for name, vpp, k, mem in shapes:
                         out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec,
-                                             k, mem, ep, comm, a2a))  # fmt: skip
+                                             k, mem, ep, comm, a2a, fp8))  # fmt: skip
     return out
 
 
