@@ -234,3 +234,17 @@ def test_performance_model_prices_fp8():
     assert step("blockwise") > none
     with pytest.raises(ClusterError, match="a100 has no FP8 tensor cores.*--train.fp8=none"):
         step("rowwise", "a100")
+
+
+def test_planner_space_holds_or_widens_fp8():
+    """The planner's candidates carry the config's train.fp8 (held), or each recipe asked for,
+    into the config each is priced with."""
+    from megapipe.perf.space import candidates
+
+    base = _cfg(**{"train.fp8": "rowwise"})
+    fixed = {"parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1}
+    held = candidates(base, 2, 2, fixed)
+    assert held and {c.config(base, check=False).train.fp8 for c in held} == {"rowwise"}
+    wide = candidates(base, 2, 2, fixed, fp8s=("none", "rowwise"))
+    assert len(wide) == 2 * len(held)
+    assert {c.config(base, check=False).train.fp8 for c in wide} == {"none", "rowwise"}

@@ -77,8 +77,7 @@ def test_search_is_exact_on_a_small_cluster(cached_segments):
     bounds = Bounds(base, cluster, result.runtime, plan_search.CALIBRATION)
 
     feasible, over, checked = [], 0, 0
-    fp8s = plan_search.FP8_SEARCHED  # the H100 has FP8 tensor cores: the search's space
-    for c in plan_space.candidates(base, GPUS, PER_NODE, fp8s=fp8s):
+    for c in plan_space.candidates(base, GPUS, PER_NODE):
         if plan_space.too_costly(c):
             continue
         try:

@@ -60,11 +60,7 @@ SEARCHED = {
     "parallel.zb_memory": "1p",
     "parallel.ep": 1,
     "recompute.mode": "none",
-    "train.fp8": "none",
 }
-# train.fp8 on a GPU with FP8 tensor cores (perf/fp8_costs.py prices tensorwise and rowwise
-# alike, and blockwise, emulated, at the compute rate: rowwise stands for them)
-FP8_SEARCHED = ("none", "rowwise")
 
 
 class PlanError(ValueError):
@@ -177,8 +173,7 @@ def search(
     began, cpu = time.perf_counter(), time.process_time()
     fixed = fixed or {}
     check_world(gpus, fixed)
-    fp8s = FP8_SEARCHED if cluster.fp8_tflops > 0 else ("none",)
-    space = candidates(base, gpus, cluster.gpus_per_node, fixed, fp8s)
+    space = candidates(base, gpus, cluster.gpus_per_node, fixed)
     state = _SearchState(base, cluster, runtime, cal, Bounds(base, cluster, runtime, cal), top)
     state.counts["candidates"] = len(space)
     state.seed(space)

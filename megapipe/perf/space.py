@@ -8,17 +8,17 @@ dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none
 full (recompute.layers as the config has it), sequence parallelism on or off under tp > 1, zero
 0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring, a2a where the
 heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those heads:
-parallel/context/), train.fp8 none or rowwise on a GPU with FP8 tensor cores (perf/search.py;
-tensorwise is priced alike, blockwise is emulated), for a mixture of experts every ep dividing
-both dp and model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every
-registered schedule (plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to
-VPP_MAX and pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits
-(ZB_MEMORY) and the defaults of any other option. Left out: pipedream_async (its asynchronous
-updates do not train the model one process trains, and it cannot tie embeddings under pp) and
-schedules built for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or
-COSTS_BUILT_MAX_PP of pp (their builders grow faster than linearly: seconds beyond; the summary
-counts them). A searched key given on the command line is held at its value (even outside these
-ranges); `balance`, `schedule_costs` and the rest keep the config's.
+parallel/context/), train.fp8 the config's (held, not searched: `candidates`' fp8s widens it),
+for a mixture of experts every ep dividing both dp and model.n_experts (distributed/mesh.py
+takes ep from dp), and under pp > 1 every registered schedule (plan/schedules.SCHEDULES) with
+the chunk counts its rule allows (vpp up to VPP_MAX and pp·vpp ≤ n_layers), Seq1F1B's segments
+(SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and the defaults of any other option. Left out:
+pipedream_async (its asynchronous updates do not train the model one process trains, and it
+cannot tie embeddings under pp) and schedules built for costs (zb_v, zb_auto) above
+COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp (their builders grow faster than
+linearly: seconds beyond; the summary counts them). A searched key given on the command line is
+held at its value (even outside these ranges); `balance`, `schedule_costs` and the rest keep the
+config's.
 """
 
 from __future__ import annotations
@@ -157,12 +157,13 @@ def candidates(
     gpus: int,
     gpus_per_node: int,
     fixed: dict[str, Any] | None = None,
-    fp8s: tuple[str, ...] = ("none",),
+    fp8s: tuple[str, ...] | None = None,
 ) -> list[Candidate]:
     """Every point of the space (module docstring) for `gpus` GPUs in nodes of
-    `gpus_per_node`, each train.fp8 of `fp8s` (the GPU's: perf/search.py); the config rules
+    `gpus_per_node`, each train.fp8 of `fp8s` (None: the config's, held); the config rules
     are checked later (Candidate.config)."""
     f = fixed or {}
+    fp8s = fp8s or (base.train.fp8,)  # the config's, held
     m, gbs = base.model, base.train.global_batch
     out = []
     tps = [t for t in _divisors(gpus_per_node) if gpus % t == 0]
