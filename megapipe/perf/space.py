@@ -1,24 +1,24 @@
-"""The planner's space: every mesh, schedule and memory setting of a model on N GPUs of a cluster,
-as `Candidate`s (perf/search.py searches it, perf/bounds.py bounds it).
+"""The planner's space: every mesh, schedule and memory setting of a model on N GPUs of a
+cluster, as `Candidate`s (perf/search.py searches it, perf/bounds.py bounds it).
 
-The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-per-node), cp (1, or
-up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no dropout), pp
-with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch size b
-dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none / selective /
-full (recompute.layers as the config has it), sequence parallelism on or off under tp > 1, zero
-0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring, a2a where the
-heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those heads:
-parallel/context/), train.fp8 the config's (held, not searched: `candidates`' fp8s widens it),
-for a mixture of experts every ep dividing both dp and model.n_experts (distributed/mesh.py
-takes ep from dp), and under pp > 1 every registered schedule (plan/schedules.SCHEDULES) with
-the chunk counts its rule allows (vpp up to VPP_MAX and pp·vpp ≤ n_layers), Seq1F1B's segments
-(SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and the defaults of any other option. Left out:
-pipedream_async (its asynchronous updates do not train the model one process trains, and it
-cannot tie embeddings under pp) and schedules built for costs (zb_v, zb_auto) above
-COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp (their builders grow faster than
-linearly: seconds beyond; the summary counts them). A searched key given on the command line is
-held at its value (even outside these ranges); `balance`, `schedule_costs` and the rest keep the
-config's.
+The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-per-node), cp
+(1, or up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no
+dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
+size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
+selective / full (recompute.layers as the config has it), sequence parallelism on or off under
+tp > 1, zero 0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring,
+a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those
+heads: parallel/context/), for a mixture of experts every ep dividing both dp and
+model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
+(plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to VPP_MAX and
+pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
+the defaults of any other option. Left out: pipedream_async (its asynchronous updates do not
+train the model one process trains, and it cannot tie embeddings under pp) and schedules built
+for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp
+(their builders grow faster than linearly: seconds beyond; the summary counts them). A
+searched key given on the command line is held at its value (even outside these ranges);
+`balance`, `schedule_costs` and the rest keep the config's; so does train.fp8 (`candidates`'
+`fp8s` widens it).
 """
 
 from __future__ import annotations
