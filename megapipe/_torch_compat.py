@@ -84,6 +84,17 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+# ---------------------------------------------------------------- float8 matmul
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor) -> Tensor:
+    """torch._scaled_mm(a, b) in float32: `a` (M, K) row-major and `b` (K, N) column-major
+    float8, each times its dequantization scale: () for the tensor, or (M, 1) and (1, N) per
+    row of `a` and column of `b` (parallel/fp8.py). torch has a CPU kernel (it upcasts) and
+    CUDA ones on sm89 and later. Works on torch 2.13."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+
+
 # ---------------------------------------------------------------- optimizer kernels
 
 

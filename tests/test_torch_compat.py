@@ -146,6 +146,21 @@ def test_muon_orthogonalize_and_adjusted_lr(compat):
     expect(abs(lr - 0.2 * 0.1 * 4) < 1e-12 and abs(lr0 - 0.2) < 1e-12, name, f"{lr}, {lr0}")
 
 
+def test_scaled_mm(compat):
+    """Small integers are exact in e4m3 and e5m2: tensorwise and rowwise scales, exactly."""
+    name = "torch._scaled_mm"
+    a = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
+    b = torch.tensor([[2.0, 0.0, 1.0], [1.0, 1.0, -2.0]])  # (K, N)
+    qa = a.to(torch.float8_e4m3fn)
+    qb = b.t().contiguous().to(torch.float8_e5m2).t()  # column-major
+    sa, sb = torch.tensor([[0.5], [2.0]]), torch.tensor([[1.0, 4.0, 0.25]])
+    with api(name):
+        whole = compat.scaled_mm(qa, qb, torch.tensor(0.5), torch.tensor(2.0))
+        rows = compat.scaled_mm(qa, qb, sa, sb)
+    expect(torch.equal(whole, a @ b), name, f"gave {whole} (expected {a @ b})")
+    expect(torch.equal(rows, sa * (a @ b) * sb), name, f"gave rowwise {rows}")
+
+
 def test_fused_adamw_devices(compat):
     name = "torch.utils._foreach_utils._get_fused_kernels_supported_devices"
     with api(name):

@@ -30,6 +30,7 @@ from megapipe.config.checks_runtime import (
     check_zero,
 )
 from megapipe.config.checks_runtime import require as _require
+from megapipe.config.fp8_checks import FP8_RECIPES, check_fp8
 from megapipe.config.pipeline_split import check_partition
 from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
 from megapipe.plan.schedules import SCHEDULES
@@ -60,6 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.params_dtype": DTYPES,
     "train.optimizer": OPTIMIZERS,
     "train.muon_adjust_lr_fn": MUON_LR_ADJUSTS,
+    "train.fp8": FP8_RECIPES,
     "train.on_nonfinite": NONFINITE_ACTIONS,
     "checkpoint.on_save_error": SAVE_ERROR_ACTIONS,
     "data.source": DATA_SOURCES,
@@ -402,6 +404,7 @@ def _check_train(cfg: Config) -> None:
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
     check_params_dtype(cfg)
     _check_muon(cfg)
+    check_fp8(cfg)
     _require(
         0 <= t.stop_at_step <= t.steps,
         f"train.stop_at_step={t.stop_at_step} must be in [0, train.steps={t.steps}]",

@@ -222,6 +222,11 @@ class TrainConfig:
     # float32 | bfloat16: weights held in bf16 (with train.dtype=bfloat16), float32 main grads
     # and main params in the optimizer (Megatron --bf16; docs/parallelism.md, Precision)
     params_dtype: str = "float32"
+    # FP8 matmuls in the linears (parallel/fp8.py; docs/precision.md): none | tensorwise |
+    # rowwise (torch._scaled_mm) | blockwise (DeepSeek-V3's 1x128 / 128x128, emulated)
+    fp8: str = "none"
+    # the linears train.fp8 leaves in high precision: module-name parts, comma-separated
+    fp8_keep_bf16: str = "embed,head"
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False
     grad_clip: float = bounded(1.0, low=0, note="0: off")  # global grad-norm clip; 0: off

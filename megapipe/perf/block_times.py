@@ -38,11 +38,11 @@ class BlockTimes:
 
     def plain(self, cfg: Config) -> tuple[Config, CostModel]:
         """`cfg` unsegmented (1f1b) and its cost model, shared by the configs whose blocks
-        cost the same: the same tp, cp, micro-batch size, sequence parallelism and recompute,
+        cost the same: the same tp, cp, micro-batch size, sequence parallelism, recompute, fp8,
         and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
         p = cfg.parallel
         mesh = (p.tp, p.cp, p.cp_comm, p.cp_a2a, p.pp, p.dp, p.microbatches, p.sequence_parallel,
-                cfg.recompute.mode)  # fmt: skip
+                cfg.recompute.mode, cfg.train.fp8)  # fmt: skip
         if mesh not in self._plains:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
@@ -144,13 +144,14 @@ def segment_key(cfg: Config) -> tuple[int, int]:
 def block_key(cfg: Config, *extra) -> tuple:
     """What a block's costs depend on here (the model fixed in a search): tp, cp (and
     cp_comm, cp_a2a: the attention's collectives, whose links they also fix), micro-batch
-    size, sequence parallelism, recompute, `extra` (the groups' links, segment_key), and
+    size, sequence parallelism, recompute, train.fp8, `extra` (the groups' links, segment_key), and
     whether a pipeline runs: without one the head makes its grads in forward and the tied
     lookup adds into the head's table grad (config/memory_terms.head_grad_in_forward,
     tied_lookup_with_head)."""
     p, mbs = cfg.parallel, cfg.derived.micro_batch_size
     cp = (p.cp, p.cp_comm, p.cp_a2a)
-    return (p.tp, *cp, mbs, p.sequence_parallel, cfg.recompute.mode, *extra, p.pp == 1)
+    return (p.tp, *cp, mbs, p.sequence_parallel, cfg.recompute.mode, cfg.train.fp8, *extra,
+            p.pp == 1)  # fmt: skip
 
 
 def _stage(cm: CostModel, blocks: range, segment: int | None = None) -> BlockCosts:

@@ -121,10 +121,12 @@ class Bounds:
     @staticmethod
     def _work(c: Candidate) -> tuple:
         """What a candidate's pipeline bound reads besides its schedule and vpp: the group's
-        mesh, micro-batch count, sequence parallelism, recompute and segments (not zero)."""
+        mesh, micro-batch count, sequence parallelism, recompute, segments and train.fp8 (not
+        zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
         cp = (c.cp, c.cp_comm, c.cp_a2a)
-        return c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs
+        return (c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
+                c.fp8)  # fmt: skip
 
     # -- the group bound -------------------------------------------------------------------
 
@@ -136,7 +138,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _ = self.group(c)
+        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _, _ = self.group(c)
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)

@@ -76,6 +76,8 @@ class Cluster:
     # CUDA compute capability "major.minor" ("": not stated, or a CPU): the attention kernel
     # megapipe's code runs on the GPU (parallel/context/kernel_choice.attention_kernel_for)
     compute_capability: str = ""
+    # dense FP8 tensor-core TFLOP/s (train.fp8's GEMMs, perf/fp8_costs.py); 0: none (A100)
+    fp8_tflops: float = 0.0
     host: HostOverheads | None = None  # a measured profile's host terms (module docstring)
 
     @property
@@ -158,7 +160,7 @@ _FIELDS = {f.name: f.type for f in dataclasses.fields(Cluster) if f.name != "hos
 _HOST_FIELDS = {f.name: f.type for f in dataclasses.fields(HostOverheads)}
 _REQUIRED = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING}
 _CONSTANTS = ("gemm_efficiency", "gemm_knee", "memory_efficiency", "attention_efficiency",
-              "cudnn_attention_efficiency")  # fmt: skip
+              "cudnn_attention_efficiency", "fp8_tflops")  # fmt: skip
 
 
 def with_values(cluster: Cluster, values: dict) -> Cluster:

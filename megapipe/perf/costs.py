@@ -85,6 +85,7 @@ from megapipe.perf.comm import (
 )
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
+from megapipe.perf.fp8_costs import cast_bytes, fp8_device
 from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
@@ -104,6 +105,7 @@ class CostModel(MoECosts):
         self.host = cluster.host  # a measured profile's host terms; None on a GPU
         # the profile's own constants where it states them (cluster.Cluster.calibration)
         self.dev = Device(cluster.peak_flops, cluster.hbm_bandwidth, cluster.calibration(cal))
+        self.fp8 = fp8_device(cfg, cluster, self.dev)  # train.fp8's GEMM device, or None
         p, m = cfg.parallel, cfg.model
         self.shape = (p.pp, p.dp, p.cp, p.tp)
         self.tp_link: Link = group_link(cluster, self.shape, ("tp",))
@@ -286,10 +288,15 @@ class CostModel(MoECosts):
         gemms = self.gemm_shapes(x, moe)
         runs = zip(gemms, self._gemm_batches(len(gemms), moe))
         fprop, dgrad, wgrad = [], [], []
-        for (m, n, k), b in runs:
-            fprop.append(dev.gemm(m, n, k, b, self.c))
-            dgrad.append(dev.gemm(m, k, n, b, self.c))
-            wgrad.append(dev.gemm(k, n, m, b, self.c))
+        casts = [0.0, 0.0, 0.0]  # train.fp8's cast passes before F, B, W (perf/fp8_costs.py)
+        for i, ((m, n, k), b) in enumerate(runs):
+            on, elt = dev, self.c
+            if self.fp8 is not None and i < (2 if moe else 4):  # the linears; not the experts
+                on, elt = self.fp8[0], self.fp8[1] or self.c
+                casts = [a + b * x for a, x in zip(casts, cast_bytes(m, n, k, self.c))]
+            fprop.append(on.gemm(m, n, k, b, elt))
+            dgrad.append(on.gemm(m, k, n, b, elt))
+            wgrad.append(on.gemm(k, n, m, b, elt))
         etp, hide = self._expert_tp(x, moe), self._shared_hidden(moe, ep, fprop, dgrad, wgrad)
         # under tp overlap a MoE layer's MLP collectives are priced beside its routed experts'
         # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
@@ -300,19 +307,20 @@ class CostModel(MoECosts):
             compute=sum(fprop)
             + margin_f
             + attn_f
-            + dev.mem(elem + params * self.rt.weight_cast_bytes)
+            + dev.mem(elem + params * self.rt.weight_cast_bytes + casts[0])
             + act_f,
             tp=tp + etp,
             cp=cp_f,
             ep=ep - hide[0],
         )
         b = Work(
-            compute=sum(dgrad) + attn_b + dev.mem(2 * elem) + act_b,
+            compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1]) + act_b,
             tp=tp_b + etp,
             cp=cp_b,
             ep=ep - hide[1],
         )
-        w = Work(compute=sum(wgrad) + margin_w + dev.mem(params * self.rt.grad_accum_bytes))
+        w_bytes = params * self.rt.grad_accum_bytes + casts[2]
+        w = Work(compute=sum(wgrad) + margin_w + dev.mem(w_bytes))
         f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
             b = b + f

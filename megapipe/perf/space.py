@@ -17,7 +17,8 @@ train the model one process trains, and it cannot tie embeddings under pp) and s
 for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp
 (their builders grow faster than linearly: seconds beyond; the summary counts them). A
 searched key given on the command line is held at its value (even outside these ranges);
-`balance`, `schedule_costs` and the rest keep the config's.
+`balance`, `schedule_costs` and the rest keep the config's; so does train.fp8 (`candidates`'
+`fp8s` widens it).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Candidate:
     ep: int = 1
     cp_comm: str = "ring"
     cp_a2a: int = 1
+    fp8: str = "none"  # train.fp8
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -86,7 +88,8 @@ class Candidate:
             cp_a2a=self.cp_a2a,
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
-        cfg = dataclasses.replace(base, parallel=par, recompute=rec)
+        train = dataclasses.replace(base.train, fp8=self.fp8)
+        cfg = dataclasses.replace(base, parallel=par, recompute=rec, train=train)
         if check:
             validate(cfg)
         return cfg
@@ -150,11 +153,17 @@ def cp_comms(base: Config, tp: int, cp: int, fixed: dict[str, Any]) -> list[tupl
 
 
 def candidates(
-    base: Config, gpus: int, gpus_per_node: int, fixed: dict[str, Any] | None = None
+    base: Config,
+    gpus: int,
+    gpus_per_node: int,
+    fixed: dict[str, Any] | None = None,
+    fp8s: tuple[str, ...] | None = None,
 ) -> list[Candidate]:
     """Every point of the space (module docstring) for `gpus` GPUs in nodes of
-    `gpus_per_node`; the config rules are checked later (Candidate.config)."""
+    `gpus_per_node`, each train.fp8 of `fp8s` (None: the config's, held); the config rules
+    are checked later (Candidate.config)."""
     f = fixed or {}
+    fp8s = fp8s or (base.train.fp8,)  # the config's, held
     m, gbs = base.model, base.train.global_batch
     out = []
     tps = [t for t in _divisors(gpus_per_node) if gpus % t == 0]
@@ -182,17 +191,18 @@ def candidates(
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = (0, 1) if dp * cp > 1 else (0,)
                 eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
-                for mb, rec, sp, zero, ep, (comm, a2a) in itertools.product(
+                for mb, rec, sp, zero, ep, (comm, a2a), fp8 in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
                     _pick(f, "recompute.mode", recs),
                     _pick(f, "parallel.sequence_parallel", sps),
                     _pick(f, "parallel.zero", zeros),
                     _pick(f, "parallel.ep", eps),
                     cp_comms(base, tp, cp, f),
+                    _pick(f, "train.fp8", fp8s),
                 ):
                     for name, vpp, k, mem in shapes:
                         out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec,
-                                             k, mem, ep, comm, a2a))  # fmt: skip
+                                             k, mem, ep, comm, a2a, fp8))  # fmt: skip
     return out
 
 

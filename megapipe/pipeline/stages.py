@@ -28,6 +28,7 @@ from megapipe.parallel.context.variants import cp_variant
 from megapipe.parallel.context.zigzag import CPInfo, cp_info
 from megapipe.parallel.data.levels import WeightBlock
 from megapipe.parallel.expert.sharding import EPInfo, ep_info
+from megapipe.parallel.fp8 import Fp8
 from megapipe.parallel.precision import Precision
 from megapipe.parallel.tensor.random import tp_info
 from megapipe.plan.actions import Placement
@@ -38,18 +39,20 @@ from megapipe.plan.schedules import placement
 class Components:
     """What every chunk of this rank is built with, each resolved once from the config and the
     mesh (train/parallelize.py): its place on the cp axis with the attention variant run over it
-    (parallel.cp_comm), its place on the ep axis, and the precision policy. The tp layers' info
+    (parallel.cp_comm), its place on the ep axis, the precision policy and the FP8 linears'
+    (train.fp8, its amax shared over the cp group, parallel/fp8.py). The tp layers' info
     is made per chunk (tp_info): each chunk keeps its own dropout RNG tracker, seeded by
     (seed, tp rank)."""
 
     cp: CPInfo
     ep: EPInfo
     precision: Precision
+    fp8: Fp8 = Fp8()
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
         cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm, mesh), cfg.parallel.cp_balance)
-        return Components(cp, ep_info(mesh), Precision.of(cfg.train))
+        return Components(cp, ep_info(mesh), Precision.of(cfg.train), Fp8.of(cfg.train, cp))
 
 
 def build_model(
@@ -113,7 +116,7 @@ def build_chunk(cfg: Config, mesh, device, blocks: range | None, parts: Componen
     set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     if model.head is not None:
         model.head.grad_in_forward = head_grad_in_forward(cfg)
-    return parts.precision.hold(_moved(model, device))
+    return parts.fp8.apply(parts.precision.hold(_moved(model, device)))
 
 
 def _moved(model: GPT, device) -> GPT:

@@ -25,6 +25,7 @@ from megapipe.config.memory_plan import RankMemory
 from megapipe.config.memory_terms import attention_path
 from megapipe.config.pipeline_split import describe_partition, schedule_costs
 from megapipe.config.states import expert_layout, state_layout
+from megapipe.parallel.fp8 import describe as describe_fp8
 from megapipe.parallel.precision import Precision
 from megapipe.plan.partition import stage_text
 from megapipe.plan.schedules import SCHEDULES
@@ -170,6 +171,8 @@ def _notes(cfg: Config) -> list[str]:
             "inputs and output grads, queued for the weight-grad matmuls; the peak in flight "
             "weighs them by their bytes: a part of a microbatch, several under full recompute)"
         )
+    if cfg.train.fp8 != "none":
+        notes.append(f"({describe_fp8(cfg.train.fp8)})")
     if p.schedule == "pipedream_async":
         notes.append(
             "(pipedream_async's weight snapshots, up to one per in-flight microbatch "

@@ -22,6 +22,7 @@ from torch import nn
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
+from megapipe.parallel.fp8 import deferred_weight_grad
 from megapipe.parallel.precision import add_bias
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.overlap import gather_linear, linear_scatter
@@ -57,6 +58,7 @@ class ParallelLinear(ShardedModule):
         super().__init__(tp)
         self._eager_math = None  # keep_eager's torch.compiler.disable'd math
         self._builtin = False  # use_builtin_linear
+        self.fp8 = None  # an Fp8Linear (parallel/fp8.py) where train.fp8 casts this linear
 
     def use_builtin_linear(self) -> None:
         """Multiply with torch's F.linear from now on (no deferred weight grads): for a caller
@@ -67,7 +69,13 @@ class ParallelLinear(ShardedModule):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._builtin:
             return F.linear(x, self.weight, bias)
+        if self.fp8 is not None:
+            return self.fp8.linear(x, self.weight, bias, self)
         return linear(x, self.weight, bias, self)
+
+    def deferred_weight_grad(self, operands) -> None:
+        """W of an FP8 matmul: its queued quantized operands (parallel/fp8.py)."""
+        deferred_weight_grad(self, operands)
 
     def _overlapped(self) -> bool:
         """SP's collective overlapped with this linear's matmul (overlap.py): tp_overlap on,
@@ -111,6 +119,7 @@ class ColumnParallelLinear(ParallelLinear):
         pad: bool = False,
     ) -> None:
         super().__init__(tp)
+        self.tp_splits = "out"  # the features tp splits: FP8 shares their amax (fp8.py)
         segments = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.gather_output = gather_output
         spec = ShardSpec(dim=0, segments=segments, unit=unit, pad=pad)
@@ -144,6 +153,7 @@ class RowParallelLinear(ParallelLinear):
         unit: int = 1,
     ) -> None:
         super().__init__(tp)
+        self.tp_splits = "in"
         segments = (in_features,) if isinstance(in_features, int) else tuple(in_features)
         self._add_param("weight", (out_features, sum(segments)), ShardSpec(1, segments, unit), tp)
         if bias:

@@ -1,0 +1,53 @@
+"""What `train.fp8` (parallel/fp8.py) combines with, one line each, before any process group."""
+
+from __future__ import annotations
+
+from megapipe.config.checks_runtime import require
+from megapipe.config.schema import Config, Derived
+from megapipe.plan.schedules import SCHEDULES
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+BLOCK = 128  # parallel/fp8_scaling.BLOCK: DeepSeek-V3's tile and block width
+
+
+def check_fp8(cfg: Config) -> None:
+    """train.fp8's value, and the settings it cannot be exact under."""
+    t, p = cfg.train, cfg.parallel
+    require(t.fp8 in FP8_RECIPES, f"train.fp8={t.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+    if t.fp8 == "none":
+        return
+    require(
+        not p.tp_overlap,
+        f"train.fp8={t.fp8} with parallel.tp_overlap=true: the chunked SP linears have no FP8 "
+        "path; set --parallel.tp_overlap=false",
+    )
+    require(
+        not (SCHEDULES[p.schedule].segmented and p.pp > 1),
+        f"train.fp8={t.fp8} with parallel.schedule={p.schedule}: sequence segments would scale "
+        "each segment apart from the whole sequence; choose another schedule",
+    )
+    if t.fp8 == "blockwise":
+        _check_blocks(cfg)
+
+
+def _check_blocks(cfg: Config) -> None:
+    """blockwise: each rank holds whole 1x128 tiles and 128x128 blocks, so none shares an amax."""
+    p, d = cfg.parallel, Derived.of(cfg)
+    require(
+        p.cp == 1,
+        f"train.fp8=blockwise with parallel.cp={p.cp}: the weight grad's 128-token tiles would "
+        "cross the cp ranks' sequence chunks; use train.fp8=rowwise or tensorwise under cp",
+    )
+    if p.tp == 1:
+        return
+    widths = {
+        "the query heads": cfg.model.n_heads * d.head_dim,
+        "the key/value heads": d.n_kv_heads * d.head_dim,
+        "model.d_ff": d.d_ff,
+    }
+    for what, width in widths.items():
+        require(
+            width % (p.tp * BLOCK) == 0,
+            f"train.fp8=blockwise with parallel.tp={p.tp}: {what} ({width} features) must split "
+            f"into whole {BLOCK}-wide blocks per tp rank; use train.fp8=rowwise or another tp",
+        )

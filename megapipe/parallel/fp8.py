@@ -1,0 +1,211 @@
+"""FP8 linears (`train.fp8`): e4m3 activations and weights forward, e5m2 output grads backward,
+current (just-in-time) scaling, as NVIDIA's H100 recipes and torchao's float8 training do.
+
+`Fp8.of(train, cp)` is the policy, resolved once (pipeline/stages.py Components) and applied to
+a built chunk (`apply`, as torchtitan applies torchao's Float8 converter to a built model): each
+tp linear (models' QKV, attention out, MLP; not the MoE experts) outside `train.fp8_keep_bf16`
+gets an `Fp8Linear`, which its `_linear` asks. Recipes:
+
+- `tensorwise`: one scale per tensor; `rowwise`: one per row of each matmul operand (per token,
+  per output or input channel); both through torch._scaled_mm (_torch_compat.scaled_mm).
+- `blockwise`: DeepSeek-V3 §3.3.2's 1 x 128 tiles of activations and grads and 128 x 128
+  blocks of weights. No torch kernel takes these scales, so it is emulated: quantize per block,
+  dequantize, matmul in float32 (what the numerics are; not the speed).
+
+Each of the three matmuls quantizes its two operands with scales along its non-contracted dim
+(fp8_scaling.py), so a forward's y = x Wᵀ, a backward's grad_x = g W and grad_W = gᵀ x each see
+the operands cast for their own contraction. Exact under parallelism: the amax of a scale is
+shared (MAX) over the groups that split its elements: tp for the features a column or row linear
+splits, cp for the tokens of a sequence. Inside the linear the tokens are whole over tp (SP
+gathers before the column linear and after the row linear's backward) and dp ranks hold whole
+rows, so every mesh casts as one process does with the same microbatch rows.
+
+Zero Bubble's deferred W keeps the FP8 operands, quantized in B: half the bytes of bf16 ones
+kept to W (the saving Transformer Engine's saved FP8 inputs make), and W then runs no amax
+collective, so it stays free of communication wherever the schedule puts it. The result is the
+same as quantizing in W. Weights, their grads and the optimizer stay high precision: the casts
+are made afresh each step, so checkpoints hold no FP8 state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapipe._torch_compat import scaled_mm
+from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
+from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, dequantize, quantize
+from megapipe.parallel.precision import main_grad_arrived
+
+RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+EMULATED = ("blockwise",)  # no torch kernel takes its scales: quantize, dequantize, float32 mm
+# (activation and grad, weight) granularity of each recipe (fp8_scaling.GRANULARITIES)
+GRANULARITY = {
+    "tensorwise": ("tensorwise", "tensorwise"),
+    "rowwise": ("rowwise", "rowwise"),
+    "blockwise": ("tile", "block"),
+}
+
+
+def describe(recipe: str) -> str:
+    """One line on what `recipe` runs: the dry run prints it, and an emulated one warns it."""
+    how = (
+        "emulated: cast per block, dequantized, float32 matmul"
+        if recipe in EMULATED
+        else ("torch._scaled_mm")
+    )
+    act, wgt = GRANULARITY[recipe]
+    return (
+        f"train.fp8={recipe}: the linears' matmuls in FP8 (e4m3 forward, e5m2 grads; scales per "
+        f"{act} of activations and grads, per {wgt} of weights), {how}"
+    )
+
+
+def _mm(a, b_t, act: str, weight_like: str) -> torch.Tensor:
+    """a · b_tᵀ in float32 from quantized operands, each (rows, contraction) with its scale."""
+    (qa, sa), (qb, sb) = a, b_t
+    if act in ("tensorwise", "rowwise"):  # torch's kernel: (M, 1) and (1, N) scales, or ()
+        sb = sb.reshape(1, -1) if sb.dim() else sb
+        return scaled_mm(qa.contiguous(), qb.contiguous().t(), sa, sb)
+    return dequantize(qa, sa, act) @ dequantize(qb, sb, weight_like).t()
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp;
+    `ins`, `outs`: tp where the linear splits its input or output features)."""
+
+    recipe: str
+    tokens: tuple = ()
+    ins: tuple = ()
+    outs: tuple = ()
+
+    @property
+    def granularity(self) -> tuple[str, str]:
+        return GRANULARITY[self.recipe]
+
+    def linear(self, x, weight, bias, owner: nn.Module) -> torch.Tensor:
+        """y = x Wᵀ + b through FP8 matmuls; the weight grad now or queued on `owner`."""
+        return _Fp8Linear.apply(x, weight, bias, owner, self)
+
+    def forward(self, x2, weight) -> torch.Tensor:
+        act, wgt = self.granularity
+        qx = quantize(x2, E4M3, act, Groups(self.tokens, self.ins))
+        qw = quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
+        return _mm(qx, qw, act, wgt)  # (N, out)
+
+    def input_grad(self, g2, weight) -> torch.Tensor:
+        act, wgt = self.granularity
+        qg = quantize(g2, E5M2, act, Groups(self.tokens, self.outs))
+        qw = quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
+        return _mm(qg, qw, act, wgt)  # (N, in)
+
+    def weight_grad_operands(self, x2, g2) -> tuple:
+        """grad_W's operands quantized for a contraction over tokens: (gᵀ, xᵀ) with scales."""
+        act, _ = self.granularity
+        qg = quantize(g2.t(), E5M2, act, Groups(self.outs, self.tokens))
+        qx = quantize(x2.t(), E4M3, act, Groups(self.ins, self.tokens))
+        return qg, qx
+
+    def weight_grad(self, operands) -> torch.Tensor:
+        act, _ = self.granularity
+        return _mm(operands[0], operands[1], act, act)  # (out, in), float32
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x Wᵀ + b in FP8 (Fp8Linear); backward: grad_x and grad_b now, grad_W now or, under a
+    Zero Bubble B key, its quantized operands queued for W (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner, fp8):
+        in_dtype = x.dtype
+        x, weight, bias = autocast_operands(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.owner, ctx.fp8, ctx.has_bias, ctx.in_dtype = owner, fp8, bias is not None, in_dtype
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        y = fp8.forward(x2, weight)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        fp8, owner = ctx.fp8, ctx.owner
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        grad_x = fp8.input_grad(g2, weight).to(ctx.in_dtype).reshape(*x.shape)
+        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        operands = fp8.weight_grad_operands(x2, g2)
+        key = owner.wgrad_queue.key
+        if key is not None:  # W later: the FP8 operands kept, not x and g
+            owner.wgrad_queue.setdefault(key, []).append((operands,))  # run_weight_grads: not 2
+            return grad_x, None, grad_b, None, None
+        return grad_x, finish_weight_grad(owner, operands), grad_b, None, None
+
+
+def finish_weight_grad(owner: nn.Module, operands) -> torch.Tensor | None:
+    """grad_W from its quantized operands: into the float32 main grad under bf16 weights (then
+    None), else returned in the weight's dtype. The W action calls it through the linear's
+    `deferred_weight_grad` (parallel/autograd/weight_grad.run_weight_grads)."""
+    grad = owner.fp8.weight_grad(operands)
+    weight = owner.weight
+    main = getattr(weight, "main_grad", None)
+    if main is not None:
+        main.add_(grad)
+        main_grad_arrived(weight)
+        return None
+    return grad.to(weight.dtype)
+
+
+def deferred_weight_grad(owner: nn.Module, operands) -> None:
+    """W: the queued FP8 operands' weight grad accumulated into the weight's grad."""
+    grad = finish_weight_grad(owner, operands)
+    if grad is not None:
+        accumulate(owner.weight, grad)
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """The FP8 policy: `recipe` (train.fp8), the linears kept in high precision (`keep`: module
+    name parts, train.fp8_keep_bf16) and the cp group that splits the tokens."""
+
+    recipe: str = "none"
+    keep: tuple[str, ...] = ()
+    cp_group: object = None
+
+    @staticmethod
+    def of(train, cp) -> Fp8:
+        """The policy of the config's `train` section on this rank's cp axis (CPInfo)."""
+        group = cp.group if cp.size > 1 else None
+        keep = tuple(k.strip() for k in train.fp8_keep_bf16.split(",") if k.strip())
+        return Fp8(train.fp8, keep, group)
+
+    @property
+    def on(self) -> bool:
+        return self.recipe != "none"
+
+    def kept(self, name: str) -> bool:
+        return any(part in self.keep for part in name.split("."))
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """`model` with an Fp8Linear on each tp linear not kept (none: left as it is)."""
+        if not self.on:
+            return model
+        if self.recipe in EMULATED:
+            warnings.warn(describe(self.recipe), stacklevel=2)
+        tokens = (self.cp_group,) if self.cp_group is not None else ()
+        for name, module in model.named_modules():
+            splits = getattr(module, "tp_splits", None)
+            if splits is None or self.kept(name):
+                continue
+            tp = (module.tp.group,) if module.tp.size > 1 else ()
+            ins, outs = (tp, ()) if splits == "in" else ((), tp)
+            module.fp8 = Fp8Linear(self.recipe, tokens, ins, outs)
+        return model
+
+
+NO_FP8 = Fp8()

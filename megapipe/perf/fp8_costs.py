@@ -1,0 +1,45 @@
+"""What `train.fp8` (parallel/fp8.py) changes in a layer's price: its linears' GEMMs at the
+profile's FP8 rate with 1-byte operands, plus the casts that feed them.
+
+tensorwise and rowwise run torch._scaled_mm: priced as GEMMs on a `Device` whose peak is the
+profile's `fp8_tflops` (H100 and H200: 1979 dense, twice bf16), with the same calibrated
+efficiency curve. blockwise is emulated in the code (cast per block, dequantize, matmul in the
+compute dtype), so its GEMMs keep the compute dtype's price. A GPU without FP8 tensor cores
+(`fp8_tflops` 0 on a CUDA profile: the A100, where torch has no _scaled_mm kernel) refuses an
+FP8 projection in one line rather than price a run that cannot start; the CPU profiles price
+FP8 at their compute rate (torch's CPU kernel upcasts).
+
+The casts are memory-bound passes: each GEMM's two operands are read for their amax, read
+again and written as 1-byte values (the amax all-reduces are a few bytes per scale: not
+priced). The MoE experts and the head stay in high precision.
+"""
+
+from __future__ import annotations
+
+from megapipe.config import Config
+from megapipe.perf.cluster import Cluster, ClusterError
+from megapipe.perf.cost_terms import Device
+
+KERNEL_RECIPES = ("tensorwise", "rowwise")  # torch._scaled_mm; blockwise is emulated
+
+
+def fp8_device(cfg: Config, cluster: Cluster, dev: Device) -> tuple[Device, int] | None:
+    """(the Device, the operand bytes) the linears' GEMMs are priced on; None: not FP8."""
+    recipe = cfg.train.fp8
+    if recipe == "none":
+        return None
+    if cluster.device == "cuda" and cluster.fp8_tflops <= 0:
+        raise ClusterError(
+            f"{cluster.name} has no FP8 tensor cores (fp8_tflops unset): project it with "
+            "--train.fp8=none"
+        )
+    if recipe not in KERNEL_RECIPES or cluster.fp8_tflops <= 0:
+        return dev, 0  # emulated, or a CPU: the compute dtype's GEMMs (0: the caller's bytes)
+    return Device(cluster.fp8_tflops * 1e12, dev.bandwidth, dev.cal), 1
+
+
+def cast_bytes(m: float, n: float, k: float, c: int) -> tuple[float, float, float]:
+    """HBM bytes of the casts before a linear's forward, input-grad and weight-grad GEMMs
+    ((m×k)·(k×n), `c`-byte high-precision operands): amax read, cast read, 1-byte write."""
+    per = 2 * c + 1
+    return (m * k + n * k) * per, (m * n + n * k) * per, (m * n + m * k) * per
