@@ -440,7 +440,9 @@ def test_every_field_is_in_the_json():
                 "activations_bytes",
                 "head_transient_bytes",
                 "peak_bytes",
+                "host_bytes",  # recompute.mode=offload's saved tensors; 0 here
             }
+            assert r["host_bytes"] == 0
             at_activations = sum(r[f"{k}_bytes"] for k in [*KINDS, "head_transient"])
             reducing = r["weights_bytes"] + r["grads_reducing_bytes"] + r["optimizer_bytes"]
             no_grads = at_activations - r["grads_bytes"]  # float32 grads made after the peak
