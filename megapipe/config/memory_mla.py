@@ -12,7 +12,8 @@ kv_lora_rank (DeepSeek-V3 §2.1.1, eq. 1-11):
                                                        query LoRA (q reads the layer input)
   rope cos, sin              2·q·rope·4                (decoupled RoPE: multiplies save them)
   q, k, v (fused kernel)     N·H·(2·qk + v')·c         (v' = qk where the values are zero-padded
-                                                       to the key width: a GPU or cp; else v)
+                                                       to the key width: a GPU or cp; else
+                                                       nope + v: v is a view of kv_b's output)
   attention lse              b·H·q·4
   kernel output (padded)     N·H·qk·c                  (only where v is padded: the pad is cut
                                                        by a slice, the proj input is a copy)
@@ -34,7 +35,8 @@ def mla_terms(cfg: Config, x, mode: str, device: str, c: int) -> dict[str, float
     m, p = cfg.model, cfg.parallel
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     padded = v < qk and (device == "cuda" or p.cp > 1)
-    v_kernel = qk if padded else v
+    # unpadded, the kernel's v is a view of kv_b's output [k_nope | v] and keeps all of it
+    v_kernel = qk if padded else m.qk_nope_head_dim + v
     downs = 2 if m.q_lora_rank else 1
     ranks = m.kv_lora_rank + m.q_lora_rank
     terms = {
