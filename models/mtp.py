@@ -69,9 +69,11 @@ class MTP(nn.Module):
         for k, module in enumerate(self.depths, start=1):
             ids = whole[:, (places + k - 1).clamp(max=T - 1)]  # t_{i+k}; the last repeated
             h = module(h, embed(ids), positions, documents)
-            keep = places < T - k  # the positions with a token k + 1 ahead
+            # the positions with a token k + 1 ahead: without cp the first T − k, a slice (no
+            # data-dependent shape, so fake tensors (train/fake_ranks.py) run it too)
+            keep = places < T - k if self.cp.size > 1 else slice(0, T - k)
             x = enter_column(module.norm(h), self.tp)[:, keep]  # (B, n, d)
-            want = whole[:, places[keep] + k]
+            want = whole[:, places[keep] + k]  # t_{i+k+1}
             ce = linear_cross_entropy(x, weight, want, vocab_start, self.vocab_size, self.tp)
             total = total + ce.float()
         return total * (self.coef / len(self.depths))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from megapipe.config.schema import Config, ModelConfig
+from megapipe.config.schema import Config, Derived, ModelConfig, gated
 from megapipe.plan.seq1f1b import balanced_segments
 
 
@@ -32,9 +32,36 @@ def held_expert_params(cfg: Config, blocks: range) -> int:
     if m.n_experts == 0:
         return 0
     f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
-    one = f * d * (3 if m.arch != "gpt2" else 2) + (f + d if m.arch == "gpt2" else 0)
+    one = f * d * (3 if gated(m.arch) else 2) + (f + d if m.arch == "gpt2" else 0)
     layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
     return layers * m.n_experts // p.ep * one
+
+
+def attention_widths(m: ModelConfig, d: Derived) -> tuple[int, int]:
+    """(query/key, value) widths summed over the heads: H·head_dim each, or under deepseek_v3's
+    latent attention H·(qk_nope + qk_rope) and H·v_head_dim (models/mla.py)."""
+    if m.arch == "deepseek_v3":
+        return m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.n_heads * m.v_head_dim
+    return m.n_heads * d.head_dim, m.n_heads * d.head_dim
+
+
+def down_projection_params(m: ModelConfig) -> int:
+    """Latent attention's down projections (DeepSeek-V3 §2.1.1, eq. 1 and 6: W^DKV with the
+    rope key's W^KR, and W^DQ under a query LoRA): whole on every tp rank (models/mla.py)."""
+    if m.arch != "deepseek_v3":
+        return 0
+    return m.d_model * (m.kv_lora_rank + m.qk_rope_head_dim + m.q_lora_rank)
+
+
+def attention_params(m: ModelConfig, d: Derived) -> int:
+    """The attention's matmul weights: q, k, v and o; under latent attention the down
+    projections, W^UQ/W^QR (or one query projection), W^UK/W^UV and W^O (DeepSeek-V3 eq. 1-10)."""
+    qk, v = attention_widths(m, d)
+    if m.arch != "deepseek_v3":
+        return m.d_model * (m.n_heads + 2 * d.n_kv_heads) * d.head_dim + qk * m.d_model
+    query_in = m.q_lora_rank or m.d_model
+    kv_up = m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return down_projection_params(m) + query_in * qk + kv_up + v * m.d_model
 
 
 def layer_matmul_params(cfg: Config, index: int) -> int:
@@ -42,13 +69,19 @@ def layer_matmul_params(cfg: Config, index: int) -> int:
     in a MoE layer, the router and the active experts (top_k routed + the shared ones), the
     "active parameters" of Mixtral and DeepSeek's 6N."""
     m, d = cfg.model, cfg.derived
-    hd = d.head_dim
-    attn = m.d_model * (m.n_heads + 2 * d.n_kv_heads) * hd + m.n_heads * hd * m.d_model
-    per_ffn = m.d_model * (3 if m.arch != "gpt2" else 2)
+    attn = attention_params(m, d)
+    per_ffn = m.d_model * (3 if gated(m.arch) else 2)
     if not is_moe_layer(m, index):
         return attn + per_ffn * d.d_ff
     active = (m.top_k + m.moe_shared_experts) * expert_ffn(m, d.d_ff)
     return attn + per_ffn * active + m.d_model * m.n_experts
+
+
+def mtp_matmul_params(cfg: Config, depth: int) -> int:
+    """MTP depth `depth`'s (1-based) matmul weights besides the shared head: its 2d → d
+    projection M_k and its block, the kind of layer n_layers + depth − 1 (DeepSeek-V3 §2.2,
+    eq. 21-22; models/gpt.build_mtp)."""
+    return 2 * cfg.model.d_model**2 + layer_matmul_params(cfg, cfg.model.n_layers + depth - 1)
 
 
 def matmul_params(cfg: Config) -> int:
@@ -64,7 +97,10 @@ def matmul_params(cfg: Config) -> int:
 
 def flops_per_token(cfg: Config, attention_window: float | None = None) -> float:
     """Training FLOPs per token: 6N plus attention's 12·L·d·W (PaLM, Chowdhery et al. 2022,
-    App. B), with N the matmul parameters and W the keys each query is charged for.
+    App. B), with N the matmul parameters and W the keys each query is charged for; latent
+    attention's scores and values are 6·(H·qk + H·v)·W, its widths (attention_widths). MTP's
+    depths add their projection, block and the shared head over the T − k positions with a
+    target (DeepSeek-V3 §2.2: they train with the model).
 
     W defaults to the whole window, seq_len, causal or not and under data.document_mask too:
     the reported model FLOPs and MFU follow the PaLM / Megatron convention, so they do not
@@ -72,7 +108,22 @@ def flops_per_token(cfg: Config, attention_window: float | None = None) -> float
     step does less attention work: `attention_window=document_window(lengths)` counts it."""
     m = cfg.model
     window = m.seq_len if attention_window is None else attention_window
-    return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * window
+    if m.arch != "deepseek_v3":
+        return 6.0 * matmul_params(cfg) + 12.0 * m.n_layers * m.d_model * window
+    attention = 6.0 * sum(attention_widths(m, cfg.derived)) * window
+    return 6.0 * matmul_params(cfg) + m.n_layers * attention + mtp_flops_per_token(cfg, window)
+
+
+def mtp_flops_per_token(cfg: Config, window: float) -> float:
+    """MTP's model FLOPs per token: each depth's 6·(projection + block) and attention over W,
+    and the shared head's 6·d·V on the (T − k)/T of the tokens with a target (models/mtp.py)."""
+    m = cfg.model
+    attention = 6.0 * sum(attention_widths(m, cfg.derived)) * window
+    total = 0.0
+    for k in range(1, m.mtp_layers + 1):
+        head = 6.0 * m.d_model * m.vocab_size * (m.seq_len - k) / m.seq_len
+        total += 6.0 * mtp_matmul_params(cfg, k) + attention + head
+    return total
 
 
 def document_window(lengths) -> float:
@@ -87,7 +138,8 @@ def block_costs_from_flops(cfg: Config) -> list[float]:
     """Training FLOPs (forward + backward) per token of each block: [E, layer × L, head].
 
     A layer is 6·N_layer (matmuls, 2 forward + 4 backward) plus 12·d·T for attention scores and
-    values (PaLM, Chowdhery et al. 2022, App. B), as in flops_per_token. The head is 6·d·V plus
+    values (PaLM, Chowdhery et al. 2022, App. B; latent attention's widths under deepseek_v3),
+    as in flops_per_token. The head, which also carries MTP's depths, is 6·d·V plus
     softmax + cross entropy (~10 element ops per vocab entry over forward and backward) and its
     norm; the embedding is a lookup and its scatter-add backward, a few ops per channel: small
     but not zero. Element-wise ops are memory-bound, so FLOPs understate them; profile
@@ -96,9 +148,11 @@ def block_costs_from_flops(cfg: Config) -> list[float]:
     m = cfg.model
     d, vocab = m.d_model, m.vocab_size
     attention = 12.0 * d * m.seq_len
+    if m.arch == "deepseek_v3":
+        attention = 6.0 * sum(attention_widths(m, cfg.derived)) * m.seq_len
     layers = [6.0 * layer_matmul_params(cfg, i) + attention for i in range(m.n_layers)]
     embed = 4.0 * d * (2 if m.arch == "gpt2" else 1)  # GPT-2 adds learned positions
-    head = 6.0 * d * vocab + 10.0 * vocab + 10.0 * d
+    head = 6.0 * d * vocab + 10.0 * vocab + 10.0 * d + mtp_flops_per_token(cfg, m.seq_len)
     return [embed, *layers, head]
 
 
@@ -137,26 +191,67 @@ def head_grad_in_forward(cfg: Config) -> bool:
 
 def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
     """FLOPs per token the code executes on the blocks `blocks` (block i + 1 is layer i; 0 the
-    embedding, a lookup; n_layers + 1 the head), before tp's split: what FlopCounterMode counts
-    on a rank (train/fake_ranks.py `plan_flops`). A layer is 6·N_layer plus 14·d·T for
-    attention, not flops_per_token's 12: the flash backward recomputes QKᵀ (Dao et al. 2022,
-    Alg. 4), so 4·d·T forward and 10·d·T backward; full recompute runs the layer's forward
-    again (2·N_layer + 4·d·T), selective its attention core (4·d·T); under ring cp the
-    attention is _ring_share of that. The head is 6·d·V where
-    its grads are made in forward, else 8·d·V (backward recomputes the chunk's logits). These
-    are hardware FLOPs; the model FLOPs of MFU stay flops_per_token's."""
+    embedding, a lookup; n_layers + 1 the head), summed over the tp ranks: what FlopCounterMode
+    counts on a rank times tp (train/fake_ranks.py `plan_flops`). A layer is 6·N_layer plus
+    14·d·T for attention, not flops_per_token's 12: the flash backward recomputes QKᵀ (Dao et
+    al. 2022, Alg. 4), so 4·d·T forward and 10·d·T backward; full recompute runs the layer's
+    forward again (2·N_layer + 4·d·T), selective its attention core (4·d·T); under ring cp the
+    attention is _ring_share of that. The head is 6·d·V where its grads are made in forward,
+    else 8·d·V (backward recomputes the chunk's logits); MTP's depths sit with it
+    (_mtp_hardware_flops). These are hardware FLOPs; the model FLOPs of MFU stay
+    flops_per_token's."""
     m = cfg.model
-    attention = 4.0 * m.d_model * m.seq_len * _ring_share(cfg)
     again = {"full": 1.0, "selective": 0.0}.get(cfg.recompute.mode, 0.0)
-    extra = attention if cfg.recompute.mode in ("full", "selective") else 0.0
     head = (6.0 if head_grad_in_forward(cfg) else 8.0) * m.d_model * m.vocab_size
     total = 0.0
     for block in (b for chunk in blocks for b in chunk):
         if block == m.n_layers + 1:
-            total += head
+            total += head + _mtp_hardware_flops(cfg, again)
         elif block > 0:
-            n = layer_matmul_params(cfg, block - 1)
-            total += (6.0 + 2.0 * again) * n + 3.5 * attention + extra
+            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg)
+            total += (6.0 + 2.0 * again) * n + _attention_hardware_flops(cfg)
+    return total
+
+
+def _attention_hardware_flops(cfg: Config) -> float:
+    """A layer's attention core per token: forward 2·T·(qk + v), the flash backward
+    2·T·(3·qk + 2·v) (torch.utils.flop_counter's sdpa counts: scores recomputed, then dP, dV,
+    dQ, dK), widths per attention_widths; recompute's forward again. Latent attention's values
+    narrower than its keys are zero-padded to the key width for the flash kernels on a GPU and
+    under cp (models/mla.py), so v counts as qk there; on the CPU without cp SDPA's math path
+    takes them unpadded and does 2·T·qk less (no recompute of the scores)."""
+    m = cfg.model
+    redo = cfg.recompute.mode in ("full", "selective")
+    if m.arch != "deepseek_v3":
+        attention = 4.0 * m.d_model * m.seq_len * _ring_share(cfg)
+        return 3.5 * attention + (attention if redo else 0.0)
+    qk, v = attention_widths(m, cfg.derived)
+    v = max(v, qk)
+    forward = 2.0 * m.seq_len * (qk + v) * _ring_share(cfg)
+    backward = 2.0 * m.seq_len * (3 * qk + 2 * v) * _ring_share(cfg)
+    return forward + backward + (forward if redo else 0.0)
+
+
+def _replicated_extra(cfg: Config) -> int:
+    """Latent attention's down projections run whole on each tp rank's tokens: all T without
+    sequence parallelism, so the tp group runs them tp times (summed over its ranks)."""
+    p = cfg.parallel
+    if p.tp == 1 or p.sequence_parallel:
+        return 0
+    return (p.tp - 1) * down_projection_params(cfg.model)
+
+
+def _mtp_hardware_flops(cfg: Config, again: float) -> float:
+    """MTP's depths per token (models/mtp.py): the projection (whole on each tp rank), the block
+    as a layer, and the shared head on the T − k positions with a target, 8·d·V there (its
+    grads are made in backward)."""
+    m, p = cfg.model, cfg.parallel
+    total = 0.0
+    for k in range(1, m.mtp_layers + 1):
+        proj = 2 * m.d_model**2 * (1 if p.sequence_parallel else p.tp)
+        block = layer_matmul_params(cfg, m.n_layers + k - 1) + _replicated_extra(cfg)
+        head = 8.0 * m.d_model * m.vocab_size * (m.seq_len - k) / m.seq_len
+        total += 6.0 * proj + (6.0 + 2.0 * again) * block + _attention_hardware_flops(cfg) + head
     return total
 
 

@@ -90,8 +90,9 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config.flops import head_grad_in_forward, is_moe_layer, segment_bounds
+from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
-from megapipe.config.schema import Config, RecomputeConfig
+from megapipe.config.schema import Config, RecomputeConfig, gated
 from megapipe.config.states import FLOAT32, PARAM_BYTES
 
 INDEX = 8  # int64 token ids and targets
@@ -242,7 +243,7 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
     (x itself, or its float32 copy under bf16 weights), the float32 rstd, and the normalised x
     the product reads, in the stream's dtype."""
     d, r = cfg.model.d_model, residual_bytes(cfg)
-    if cfg.model.arch != "gpt2":
+    if gated(cfg.model.arch):
         return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * r}
     if r != FLOAT32 and device == "cuda":  # autocast's float32 layer_norm
         return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32, "gain": 2 * d * 4}
@@ -276,9 +277,12 @@ def layer_terms(
     terms: dict[str, float] = {}
     for name, value in _norm(cfg, x.ns, device).items():
         terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
-    terms["qkv input"] = x.n * m.d_model * compute_bytes(cfg)
-    terms |= _attention_terms(cfg, x, mode, device, store)
-    terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
+    if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
+        terms |= mla_terms(cfg, x, mode, device, compute_bytes(cfg))
+    else:
+        terms["qkv input"] = x.n * m.d_model * compute_bytes(cfg)
+        terms |= _attention_terms(cfg, x, mode, device, store)
+        terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
         terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
@@ -379,7 +383,7 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
 
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The dense MLP's activation and fc2's input."""
-    c, llama = compute_bytes(cfg), cfg.model.arch != "gpt2"
+    c, llama = compute_bytes(cfg), gated(cfg.model.arch)
     terms = {}
     if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
         terms["swiglu"] = 3 * x.n * x.ff * c
@@ -393,7 +397,7 @@ def _dropout_and_cast_terms(
     cfg: Config, x: RankDims, device: str, moe: bool = False
 ) -> dict[str, float]:
     """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
-    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch != "gpt2"
+    m, c, llama = cfg.model, compute_bytes(cfg), gated(cfg.model.arch)
     terms: dict[str, float] = {}
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
         dropped = residual_bytes(cfg) if not llama else c
@@ -401,6 +405,7 @@ def _dropout_and_cast_terms(
     # autocast's bf16 copies of the linear weights, saved by the linears (bf16 weights: none)
     if c != FLOAT32 and cfg.train.params_dtype == "float32":
         qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
+        qkvo = mla_weight_elements(cfg, x) if m.arch == "deepseek_v3" else qkvo
         ff = 0 if moe else x.ff  # a MoE layer's: config/memory_moe.py
         terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * ff * m.d_model) * c
     return terms
@@ -414,7 +419,7 @@ def layer_deferred(
     queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
     recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
     m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
-    fc1_out = (2 if m.arch != "gpt2" else 1) * x.ff
+    fc1_out = (2 if gated(m.arch) else 1) * x.ff
     if _moe(cfg, index):  # qkv | proj, then the experts' (config/memory_moe.py)
         attention = {
             "linear inputs": x.n * (m.d_model + x.h * x.hd) * c,
@@ -464,10 +469,30 @@ def head_terms(cfg: Config, device: str = "cuda", segment: int | None = None) ->
     if head_grad_in_forward(cfg):
         terms["head input grad"] = x.n * m.d_model * c
         terms["head weight grad"] = x.vocab * m.d_model * FLOAT32
-        return terms
+        return terms | mtp_terms(cfg, device, segment)
     terms["head input"] = x.n * m.d_model * c
     terms["row max, sum of exp"] = 2 * x.n * FLOAT32
     terms["targets"] = x.n * INDEX if cfg.parallel.tp == 1 else x.n * (INDEX + 1)
+    return terms | mtp_terms(cfg, device, segment)
+
+
+def mtp_terms(cfg: Config, device: str = "cuda", segment: int | None = None) -> dict[str, float]:
+    """MTP's depths beside the head (models/mtp.py), each: its token ids' lookup, the two input
+    norms and the projection's 2d-wide input, a layer's terms (the kind of layer n_layers + k −
+    1), its final norm, and the shared head's on the (T − k)/T of the tokens with a target
+    (their rows a copy: the head input, row max and sum of exp, targets; its grads made in
+    backward)."""
+    m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
+    terms: dict[str, float] = {}
+    for k in range(1, m.mtp_layers + 1):
+        rows = x.n * (m.seq_len - k) // m.seq_len
+        norm = sum(_norm(cfg, x.ns, device).values())
+        layer = sum(layer_terms(cfg, None, device, segment, m.n_layers + k - 1).values())
+        terms[f"mtp {k} ids, norms, projection input"] = (
+            x.n * INDEX + 3 * norm + 2 * x.ns * m.d_model * c
+        )
+        terms[f"mtp {k} layer"] = layer
+        terms[f"mtp {k} head"] = rows * (m.d_model * c + 2 * FLOAT32 + INDEX)
     return terms
 
 

@@ -135,4 +135,8 @@ def shapes(cfg: Config, segment: int | None = None) -> Shapes:
     else:
         start = x.kv - x.q
         pairs = x.q * start + x.q * (x.q + 1) / 2
-    return Shapes(**{**vars(x), "kv": s if cp > 1 else x.kv}, pairs=pairs)
+    m = cfg.model
+    # latent attention's kernels see keys nope + rope wide and values padded to them on a GPU
+    # (models/mla.py), so its cores are priced at that head width
+    hd = m.qk_nope_head_dim + m.qk_rope_head_dim if m.arch == "deepseek_v3" else x.hd
+    return Shapes(**{**vars(x), "kv": s if cp > 1 else x.kv, "hd": hd}, pairs=pairs)

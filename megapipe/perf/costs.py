@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 
 from megapipe.config import Config
-from megapipe.config.flops import is_moe_layer
+from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
 from megapipe.config.memory_terms import (
     attention_path,
     head_chunk_rows,
@@ -73,6 +73,7 @@ from megapipe.config.memory_terms import (
     head_grad_in_forward,
     tied_lookup_with_head,
 )
+from megapipe.config.schema import gated
 from megapipe.parallel.recompute import layer_mode
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import (
@@ -117,7 +118,7 @@ class CostModel(MoECosts):
         self.ep_link: Link = ep_link(cluster, self.shape, p.ep)
         self.c = 2 if cfg.train.dtype == "bfloat16" else 4
         self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
-        self.llama = m.arch != "gpt2"
+        self.llama = gated(m.arch)  # RMSNorm, SwiGLU, RoPE, no biases
         self.dropout = m.dropout > 0
         if runtime.attention == "auto":
             self.attention = attention_path(cfg, cluster.device)
@@ -176,9 +177,22 @@ class CostModel(MoECosts):
         fc1 and fc2 (module doc)."""
         d, g = self.cfg.model.d_model, 2 if self.llama else 1
         attn = [(x.n, (x.h + 2 * x.hkv) * x.hd, d), (x.n, d, x.h * x.hd)]
+        if self.cfg.model.arch == "deepseek_v3":
+            attn = self._mla_shapes(x)
         if not moe:
             return [*attn, (x.n, x.ff * g, d), (x.n, d, x.ff)]
         return [*attn, *self._moe_shapes(x)]
+
+    def _mla_shapes(self, x: Shapes) -> list[tuple[int, int, int]]:
+        """Latent attention's GEMMs as two of gemm_shapes' order: its projections before the
+        core as one of k = d with their FLOPs (config/flops.attention_params: the down
+        projections whole on each tp rank, the up projections split), and the output
+        projection (H/tp·v_head_dim → d)."""
+        m, tp = self.cfg.model, self.cfg.parallel.tp
+        proj = m.n_heads * m.v_head_dim * m.d_model
+        down = down_projection_params(m)
+        before = (attention_params(m, self.cfg.derived) - proj - down) // tp + down
+        return [(x.n, before // m.d_model, m.d_model), (x.n, m.d_model, proj // tp // m.d_model)]
 
     def attention_seconds(self, x: Shapes) -> tuple[float, float]:
         """(forward, backward) seconds of the attention core."""

@@ -46,6 +46,7 @@ from typing import Any
 
 from megapipe.config import Config
 from megapipe.config.flops import (
+    attention_widths,
     flops_per_token,
     held_expert_params,
     matmul_params,
@@ -105,10 +106,11 @@ class Projection:
 
 def recompute_flops_per_token(cfg: Config) -> float:
     """Forward FLOPs per token the recompute adds: full reruns a layer (2·N_layer + 4·d·T),
-    selective the attention core (4·d·T), for each layer recompute.layers covers."""
+    selective the attention core (4·d·T; 2·(H·qk + H·v)·T under latent attention, its
+    widths config/flops.attention_widths), for each layer recompute.layers covers."""
     m = cfg.model
     layer_fwd = 2.0 * (matmul_params(cfg) - m.d_model * m.vocab_size) / m.n_layers
-    attn_fwd = 4.0 * m.d_model * m.seq_len
+    attn_fwd = 2.0 * sum(attention_widths(m, cfg.derived)) * m.seq_len
     total = 0.0
     for i in range(m.n_layers):
         mode = layer_mode(cfg.recompute, i)
