@@ -160,6 +160,7 @@ def test_checks():
             | {"parallel.tp_overlap": "true"},
             "tp_overlap",
         ),
+        ({"train.fp8": "tensorwise", "model.arch": "deepseek_v3"}, "model.arch=deepseek_v3"),
     ]:
         with pytest.raises(ConfigError, match=key):
             _cfg(**over)
