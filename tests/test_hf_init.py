@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import transformers
 
 from megapipe.config import ConfigError
+from megapipe.train.hf_init import INDEX
 from tests.parity import build_mesh
 from tests.util import rel_error
 
@@ -146,3 +147,62 @@ def test_save_hf_of_an_arch_without_export_is_one_line():
                 "model.arch=qwen3"])  # fmt: skip
     with pytest.raises(ConfigError, match="checkpoint.save_hf=true: model.moe_shared_experts"):
         Saver(cfg)
+
+
+def random_dir(model, tmp_path, shard: str = "1GB") -> str:
+    """`model` with its weights perturbed (no zero/one norms hide a misread), saved."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size=shard)
+    return str(tmp_path)
+
+
+def gpt2_model():
+    """GPT-2's transposed Conv1D weights, its positions longer than tiny's seq_len 16."""
+    torch.manual_seed(1)
+    shape = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                 activation_function="gelu_new", tie_word_embeddings=True,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+
+
+def mixtral_model():
+    """Mixtral's experts: saved one tensor per expert (block_sparse_moe.experts.{j}.w1/w2/w3)."""
+    torch.manual_seed(2)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+    shape = {k: SHAPE[k] for k in keys} | dict(intermediate_size=24, sliding_window=None)
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, **moe))
+
+
+def deepseek_model():
+    """DeepSeek-V3's MLA (interleaved RoPE rows), a dense first layer, shared + routed experts
+    with the selection bias."""
+    torch.manual_seed(3)
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                 max_position_embeddings=64, tie_word_embeddings=False,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**shape))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn_like(buf))
+    return model
+
+
+ARCHS = [(gpt2_model, "1GB"), (mixtral_model, "1GB"), (mixtral_model, "20KB"), (deepseek_model, "1GB")]
+
+
+@pytest.mark.parametrize("make, shard", ARCHS, ids=["gpt2", "mixtral", "mixtral-sharded", "deepseek_v3"])
+def test_other_archs_start_at_transformers_loss(make, shard, tmp_path):
+    src = random_dir(make(), tmp_path, shard)
+    assert (tmp_path / INDEX).is_file() == (shard != "1GB")
+    want = hf_loss(src)
+    got = first_loss([f"train.init_from_hf={src}"])
+    assert abs(got - want) <= REL * want, (got, want)
