@@ -224,3 +224,24 @@ def test_other_archs_start_at_transformers_loss(make, shard, tmp_path):
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert rel_error(ours(ids), hf(ids).logits) <= REL
+
+
+def test_save_hf_writes_the_run_tokenizer(dirs, tmp_path):
+    """data.tokenizer (a local HF tokenizer dir) goes into every step_*/hf beside the weights,
+    and transformers reads it back as the same tokenizer."""
+    from megapipe.train.checkpoint import complete_checkpoints
+    from megapipe.train.loop import run
+    from tests.test_hub_offline import word_tokenizer
+
+    tok = word_tokenizer(96, 95)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    cfg = tiny([f"train.init_from_hf={dirs[False]}", "train.steps=1", "checkpoint.interval=1",
+                f"data.tokenizer={tmp_path / 'tok'}", "checkpoint.save_hf=true"])  # fmt: skip
+    run(cfg)
+    (ckpt,) = complete_checkpoints(os.path.join(cfg.run.dir, "checkpoints"))
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert os.path.isfile(f"{ckpt}/hf/tokenizer.json")
+    back = transformers.AutoTokenizer.from_pretrained(f"{ckpt}/hf")
+    text = " ".join(list(tok.get_vocab())[:20])
+    assert back(text)["input_ids"] == tok(text)["input_ids"]
+    assert back.eos_token_id == 95
