@@ -1,11 +1,14 @@
 """train.init_from_hf (megapipe/train/hf_init.py): a run started from a transformers directory
-has transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2
-meshes where each rank reads its own shard; conflicts and pickled weights are one line."""
+(Qwen3, Qwen3-MoE, GPT-2, Mixtral, DeepSeek-V3; one safetensors file or an index of shards) has
+transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2 meshes
+where each rank reads its own shard; conflicts and pickled weights are one line; checkpoint.save_hf
+writes transformers dirs with the run's tokenizer."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -79,7 +82,8 @@ def hf_loss(src: str) -> float:
 
 @pytest.fixture(scope="module")
 def dirs() -> dict:
-    return {moe: hf_dir(moe) for moe in (False, True)}
+    deepseek = random_dir(deepseek_model(), Path(tempfile.mkdtemp()))
+    return {moe: hf_dir(moe) for moe in (False, True)} | {"deepseek_v3": deepseek}
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -93,10 +97,14 @@ def test_one_process_starts_at_transformers_loss(dirs, moe):
 MESHES = [
     (False, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
     (True, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # MLA's query heads split over tp: each rank de-interleaves the RoPE rows of its own heads
+    ("deepseek_v3", ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
 ]
 
 
-@pytest.mark.parametrize("moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp"])
+@pytest.mark.parametrize(
+    "moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp", "deepseek_v3-dp2-ep2-tp2"]
+)
 def test_meshes_read_their_shards_and_start_at_transformers_loss(gloo_pool, dirs, moe, mesh):
     src = dirs[moe]
     want = hf_loss(src)
