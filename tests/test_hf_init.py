@@ -1,11 +1,14 @@
 """train.init_from_hf (megapipe/train/hf_init.py): a run started from a transformers directory
-has transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2
-meshes where each rank reads its own shard; conflicts and pickled weights are one line."""
+(Qwen3, Qwen3-MoE, GPT-2, Mixtral, DeepSeek-V3; one safetensors file or an index of shards) has
+transformers' own loss on its first batch, on one process and on tp2·pp2 and dp2·ep2·tp2 meshes
+where each rank reads its own shard; conflicts and pickled weights are one line; checkpoint.save_hf
+writes transformers dirs with the run's tokenizer."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 import transformers
 
 from megapipe.config import ConfigError
+from megapipe.train.hf_init import INDEX
 from tests.parity import build_mesh
 from tests.util import rel_error
 
@@ -78,7 +82,8 @@ def hf_loss(src: str) -> float:
 
 @pytest.fixture(scope="module")
 def dirs() -> dict:
-    return {moe: hf_dir(moe) for moe in (False, True)}
+    deepseek = random_dir(deepseek_model(), Path(tempfile.mkdtemp()))
+    return {moe: hf_dir(moe) for moe in (False, True)} | {"deepseek_v3": deepseek}
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -92,10 +97,14 @@ def test_one_process_starts_at_transformers_loss(dirs, moe):
 MESHES = [
     (False, ["parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]),
     (True, ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # MLA's query heads split over tp: each rank de-interleaves the RoPE rows of its own heads
+    ("deepseek_v3", ["parallel.dp=2", "parallel.ep=2", "parallel.tp=2"]),
 ]
 
 
-@pytest.mark.parametrize("moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp"])
+@pytest.mark.parametrize(
+    "moe, mesh", MESHES, ids=["tp2-pp2", "dp2-ep2-tp2-sp", "deepseek_v3-dp2-ep2-tp2"]
+)
 def test_meshes_read_their_shards_and_start_at_transformers_loss(gloo_pool, dirs, moe, mesh):
     src = dirs[moe]
     want = hf_loss(src)
@@ -146,3 +155,101 @@ def test_save_hf_of_an_arch_without_export_is_one_line():
                 "model.arch=qwen3"])  # fmt: skip
     with pytest.raises(ConfigError, match="checkpoint.save_hf=true: model.moe_shared_experts"):
         Saver(cfg)
+
+
+def random_dir(model, tmp_path, shard: str = "1GB") -> str:
+    """`model` with its weights perturbed (no zero/one norms hide a misread), saved."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size=shard)
+    return str(tmp_path)
+
+
+def gpt2_model():
+    """GPT-2's transposed Conv1D weights, its positions longer than tiny's seq_len 16."""
+    torch.manual_seed(1)
+    shape = dict(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                 activation_function="gelu_new", tie_word_embeddings=True,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape))
+
+
+def mixtral_model():
+    """Mixtral's experts: saved one tensor per expert (block_sparse_moe.experts.{j}.w1/w2/w3)."""
+    torch.manual_seed(2)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+    shape = {k: SHAPE[k] for k in keys} | dict(intermediate_size=24, sliding_window=None)
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, **moe))
+
+
+def deepseek_model():
+    """DeepSeek-V3's MLA (interleaved RoPE rows), a dense first layer, shared + routed experts
+    with the selection bias."""
+    torch.manual_seed(3)
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                 max_position_embeddings=64, tie_word_embeddings=False,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**shape))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn_like(buf))
+    return model
+
+
+ARCHS = [
+    (gpt2_model, "1GB"),
+    (mixtral_model, "1GB"),
+    (mixtral_model, "20KB"),
+    (deepseek_model, "1GB"),
+]
+
+
+@pytest.mark.parametrize(
+    "make, shard", ARCHS, ids=["gpt2", "mixtral", "mixtral-sharded", "deepseek_v3"]
+)
+def test_other_archs_start_at_transformers_loss(make, shard, tmp_path):
+    src = random_dir(make(), tmp_path, shard)
+    assert (tmp_path / INDEX).is_file() == (shard != "1GB")
+    want = hf_loss(src)
+    got = first_loss([f"train.init_from_hf={src}"])
+    assert abs(got - want) <= REL * want, (got, want)
+    # the logits too: a loss near log(vocab) hides a misread that the logits show
+    from megapipe.models.gpt import GPT
+    from megapipe.train.hf_init import load_hf_weights
+
+    cfg = tiny([f"train.init_from_hf={src}"])
+    ours = GPT(cfg.model).eval()
+    load_hf_weights([ours], src, cfg.model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel_error(ours(ids), hf(ids).logits) <= REL
+
+
+def test_save_hf_writes_the_run_tokenizer(dirs, tmp_path):
+    """data.tokenizer (a local HF tokenizer dir) goes into every step_*/hf beside the weights,
+    and transformers reads it back as the same tokenizer."""
+    from megapipe.train.checkpoint import complete_checkpoints
+    from megapipe.train.loop import run
+    from tests.test_hub_offline import word_tokenizer
+
+    tok = word_tokenizer(96, 95)
+    tok.save_pretrained(str(tmp_path / "tok"))
+    cfg = tiny([f"train.init_from_hf={dirs[False]}", "train.steps=1", "checkpoint.interval=1",
+                f"data.tokenizer={tmp_path / 'tok'}", "checkpoint.save_hf=true"])  # fmt: skip
+    run(cfg)
+    (ckpt,) = complete_checkpoints(os.path.join(cfg.run.dir, "checkpoints"))
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    assert os.path.isfile(f"{ckpt}/hf/tokenizer.json")
+    back = transformers.AutoTokenizer.from_pretrained(f"{ckpt}/hf")
+    text = " ".join(list(tok.get_vocab())[:20])
+    assert back(text)["input_ids"] == tok(text)["input_ids"]
+    assert back.eos_token_id == 95

@@ -15,13 +15,15 @@ from tests.conftest import ROOT
 PRESETS = sorted(Path(ROOT, "configs").glob("*.yaml"))
 # preset -> (the vocabulary of the model it is named by, its parameters in millions): GPT-2's
 # 50257 ids before the padding (124M, 355M; GPT-3 XL's 1.3B), Llama 3.2 1B's 1.24B and Llama 3
-# 8B's 8.03B with their 128256 ids (Meta's model cards)
+# 8B's 8.03B with their 128256 ids (Meta's model cards), Qwen3-0.6B's 0.6B (0.44B outside the
+# embedding, its model card) with its 151936-row embedding
 NAMED = {
     "gpt2_124m": (50257, 124),
     "gpt2_350m": (50257, 355),
     "gpt2_1.3b": (50257, 1316),
     "llama_1b": (128256, 1236),
     "llama_8b": (128256, 8030),
+    "qwen3_0.6b": (151936, 596),
 }
 
 

@@ -1,7 +1,8 @@
 """Every preset's data chain, fed from a small local fixture: the prepare_data command its
 header gives is run (in-process) with the corpus swapped for a local one, the tokenizer for an
-offline fixture of the same vocabulary (`gpt2` and Llama 3's are looked up by id in a local Hub
-cache holding 50257 ids, EOS 50256, and 128256 ids, EOS 128001), one worker and the output in
+offline fixture of the same vocabulary (`gpt2`, Llama 3's and Qwen3's are looked up by id in a
+local Hub cache holding 50257 ids, EOS 50256, 128256 ids, EOS 128001, and 151669 ids, EOS 151643),
+one worker and the output in
 tmp; then the preset's own data and model config (seq_len made small) draw a batch. The
 missing-data hint names the same command."""
 
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = re.compile(r"^#\s+(python tools/prepare_data\.py .*)$", re.MULTILINE)
 SEQ_LEN = 32
 LLAMA3 = "meta-llama/Meta-Llama-3-8B"  # configs/llama_8b.yaml's tokenizer, by Hub id
+# configs/qwen3_0.6b.yaml's: 151669 ids (EOS <|endoftext|> 151643), fewer than its 151936 rows
+QWEN3, QWEN3_IDS = "Qwen/Qwen3-0.6B-Base", 151669
 
 
 def preset_commands() -> dict[str, str]:
@@ -67,11 +70,12 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
     cache = cache_hub_tokenizer(tmp_path / "hub", "gpt2", word_tokenizer(50257, 50256))
     # Llama 3's tokenizer: 128256 ids, its <|end_of_text|> at 128001
     cache_hub_tokenizer(cache, LLAMA3, word_tokenizer(128256, 128001))
+    cache_hub_tokenizer(cache, QWEN3, word_tokenizer(QWEN3_IDS, 151643))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     corpus = write_txt(tmp_path, make_docs(6, seed=4))
     commands = preset_commands()
     presets = {"gpt2_124m", "gpt2_124m_fineweb", "gpt2_350m", "gpt2_1.3b", "gpt3_13b", "llama_1b",
-               "llama_8b"}  # fmt: skip
+               "llama_8b", "qwen3_0.6b"}  # fmt: skip
     assert presets <= set(commands)
     prepared: dict[str, Path] = {}  # presets sharing a command share its dataset
     for preset, command in commands.items():
@@ -87,6 +91,9 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
         if cfg.model.arch == "gpt2":  # GPT-2's own tokenizer, as the GPT-2 papers trained
             assert "--tokenizer gpt2 " in command, preset
             assert (meta["vocab_size"], meta["eos_id"]) == (50257, 50256), preset
+        elif cfg.model.arch == "qwen3":  # Qwen3's padded embedding: its tokenizer's ids
+            assert "--tokenizer Qwen/Qwen3" in command, preset
+            assert (meta["vocab_size"], meta["eos_id"]) == (QWEN3_IDS, 151643), preset
         else:
             assert meta["vocab_size"] == cfg.model.vocab_size, preset
         cfg = load_config(
@@ -99,6 +106,6 @@ def test_presets_data_chains_run_from_local_fixtures(tmp_path, monkeypatch):
         assert (
             int(batch.max()) < cfg.model.vocab_size and meta["vocab_size"] <= cfg.model.vocab_size
         )
-    # OpenWebText with GPT-2's tokenizer, llama_1b's 32000 pieces and Llama 3's tokenizer;
-    # FineWeb-Edu with GPT-2's
-    assert len(prepared) == 4
+    # OpenWebText with GPT-2's tokenizer, llama_1b's 32000 pieces, Llama 3's and Qwen3's
+    # tokenizers; FineWeb-Edu with GPT-2's
+    assert len(prepared) == 5

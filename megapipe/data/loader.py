@@ -259,6 +259,7 @@ PRESET_CORPORA = {
     "openwebtext": f"--input {OPENWEBTEXT} --tokenizer gpt2",
     "openwebtext_32k": f"--input {OPENWEBTEXT} --vocab-size 32000",
     "openwebtext_llama3": f"--input {OPENWEBTEXT} --tokenizer meta-llama/Meta-Llama-3-8B",
+    "openwebtext_qwen3": f"--input {OPENWEBTEXT} --tokenizer Qwen/Qwen3-0.6B-Base",
     "fineweb_edu_10b": f"--input {FINEWEB_EDU} --tokenizer gpt2 --val-fraction 0.01",
 }
 

@@ -8,9 +8,10 @@ Two steps, each done once:
   value other than its default and other than config.json's is a one-line ConfigError, so a
   run never silently trains another shape than the one it names.
 - `load_hf_weights(chunks, DIR, model)`: every parameter of this rank's chunks is read from
-  the safetensors files by its HF names (models/hf.py's tables), only the rows this rank holds
-  (safetensors' `get_slice`: its tp shard along the split dim, its ep experts along dim 0), so no
-  rank reads the whole model (torchtitan's `initial_load_in_hf` does the same by DTensor).
+  the safetensors files by its HF names (models/hf.py's tables, DeepSeek-V3's in
+  models/hf_deepseek.py with its RoPE rows de-interleaved and its selection bias), only the rows
+  this rank holds (safetensors' `get_slice`: its tp shard along the split dim, its ep experts
+  along dim 0), so no rank reads the whole model (torchtitan's `initial_load_in_hf` does the same by DTensor).
 The directory is data, never code: a pickled `pytorch_model.bin` is refused by name.
 """
 
@@ -26,7 +27,10 @@ from safetensors import safe_open
 
 from megapipe.config import Config, ConfigError, ModelConfig
 from megapipe.config.checks import validate
+from megapipe.models import hf_deepseek
 from megapipe.models.hf import config_from_hf, hf_names, table_of
+from megapipe.models.hf_deepseek import _rope_rows
+from megapipe.models.moe import routing_biases
 from megapipe.parallel.expert.sharding import expert_offset, is_expert
 from megapipe.parallel.tensor.layers import sharded_params
 
@@ -129,14 +133,31 @@ class HFFiles(contextlib.ExitStack):
 @torch.no_grad()
 def load_hf_weights(chunks, src: str, model: ModelConfig) -> None:
     """Copy into this rank's chunks their shards of the weights in `src` (module docstring)."""
-    table = table_of(model)
     with HFFiles(src) as files:
         for chunk in chunks:
             for name, param, shape, spec, tp in sharded_params(chunk):
-                names, transpose = hf_names(table, name)
-                parts = [files.part(n, transpose) for n in names]
+                parts = _parts(files, model, name)
                 _check_shapes(src, name, parts, shape)
                 param.copy_(_local(parts, param, shape, spec, tp))
+            for name, buf, _ in routing_biases(chunk):  # DeepSeek-V3's selection bias, whole
+                (part,) = _parts(files, model, name)
+                _check_shapes(src, name, [part], buf.shape)
+                buf.copy_(part.read(0, 0, buf.shape[0]))
+
+
+def _parts(files: HFFiles, model: ModelConfig, name: str) -> list:
+    """The HF tensors of our `name`; DeepSeek-V3's by models/hf_deepseek.py's table, its
+    interleaved RoPE rows (config.json's rope_interleave, transformers' default true) read
+    de-interleaved as hf_deepseek.load_hf does."""
+    if model.arch != "deepseek_v3":
+        names, transpose = hf_names(table_of(model), name)
+        return [files.part(n, transpose) for n in names]
+    parts = [files.part(n, False) for n in hf_deepseek.hf_names(model, name)]
+    config = json.loads((Path(files.src) / "config.json").read_text())
+    order = _rope_rows(model, name, parts[0].shape[0]) if len(parts) == 1 else None
+    if order is None or not config.get("rope_interleave", True):
+        return parts
+    return [_Reordered(parts[0], order)]
 
 
 class _Part:
@@ -155,6 +176,21 @@ class _Part:
         index[hf_dim] = slice(lo, hi)
         value = self.sl[tuple(index)]
         return (value.t() if self.transpose else value).float()
+
+
+class _Reordered:
+    """A part whose rows along dim 0 are read in `order` (a permutation within each head, so a
+    head-aligned tp range [lo, hi) reads only its own rows)."""
+
+    def __init__(self, part: _Part, order: torch.Tensor) -> None:
+        self.part, self.order, self.name, self.shape = part, order, part.name, part.shape
+
+    def read(self, dim: int, lo: int, hi: int) -> torch.Tensor:
+        if dim > 0:
+            return self.part.read(dim, lo, hi)[self.order]
+        rows = self.order[lo:hi]
+        a, b = int(rows.min()), int(rows.max()) + 1
+        return self.part.read(0, a, b)[rows - a]
 
 
 class _ExpertStack:
