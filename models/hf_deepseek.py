@@ -62,7 +62,7 @@ def hf_names(cfg: ModelConfig, name: str) -> tuple[str, ...]:
     return tuple(f"model.layers.{index}.{n}" for n in leaf_names)
 
 
-def _rope_rows(cfg: ModelConfig, name: str, rows: int) -> torch.Tensor | None:
+def rope_rows(cfg: ModelConfig, name: str, rows: int) -> torch.Tensor | None:
     """The row order that de-interleaves the rope rows of `name` (rows in all), or None."""
     rope = cfg.qk_rope_head_dim
     pairs = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
@@ -145,7 +145,7 @@ def load_hf(gpt: GPT, model) -> GPT:
     for name, tensor in _tensors(gpt):
         names = hf_names(cfg, name)
         value = torch.cat([hf_state[n] for n in names], dim=0)
-        order = _rope_rows(cfg, name, value.shape[0]) if interleaved else None
+        order = rope_rows(cfg, name, value.shape[0]) if interleaved else None
         value = value if order is None else value[order]
         _require(
             value.shape == tensor.shape, f"HF {names} has shape {value.shape}, not {tensor.shape}"

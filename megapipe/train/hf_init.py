@@ -29,7 +29,7 @@ from megapipe.config import Config, ConfigError, ModelConfig
 from megapipe.config.checks import validate
 from megapipe.models import hf_deepseek
 from megapipe.models.hf import config_from_hf, hf_names, table_of
-from megapipe.models.hf_deepseek import _rope_rows
+from megapipe.models.hf_deepseek import rope_rows
 from megapipe.models.moe import routing_biases
 from megapipe.parallel.expert.sharding import expert_offset, is_expert
 from megapipe.parallel.tensor.layers import sharded_params
@@ -154,7 +154,7 @@ def _parts(files: HFFiles, model: ModelConfig, name: str) -> list:
         return [files.part(n, transpose) for n in names]
     parts = [files.part(n, False) for n in hf_deepseek.hf_names(model, name)]
     config = json.loads((Path(files.src) / "config.json").read_text())
-    order = _rope_rows(model, name, parts[0].shape[0]) if len(parts) == 1 else None
+    order = rope_rows(model, name, parts[0].shape[0]) if len(parts) == 1 else None
     if order is None or not config.get("rope_interleave", True):
         return parts
     return [_Reordered(parts[0], order)]
