@@ -11,7 +11,8 @@ Two steps, each done once:
   the safetensors files by its HF names (models/hf.py's tables, DeepSeek-V3's in
   models/hf_deepseek.py with its RoPE rows de-interleaved and its selection bias), only the rows
   this rank holds (safetensors' `get_slice`: its tp shard along the split dim, its ep experts
-  along dim 0), so no rank reads the whole model (torchtitan's `initial_load_in_hf` does the same by DTensor).
+  along dim 0), so no rank reads the whole model (torchtitan's `initial_load_in_hf` does the
+  same by DTensor).
 The directory is data, never code: a pickled `pytorch_model.bin` is refused by name.
 """
 
