@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from megapipe.config.arch_checks import check_arch
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
     check_context_parallel,
@@ -162,100 +163,7 @@ def _check_model(cfg: Config) -> None:
         m.n_heads % kv == 0,
         f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}",
     )
-    _check_bias_update(cfg)
-    _check_mtp(cfg)
-    if m.arch == "deepseek_v3":
-        _check_deepseek(m, cfg.parallel.cp)
-    if m.arch != "gpt2" and m.head_dim:
-        _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs it even")
-    elif m.arch != "gpt2":
-        head_dim = m.d_model // m.n_heads
-        _require(
-            head_dim % 2 == 0,
-            f"model.d_model={m.d_model} / model.n_heads={m.n_heads} gives head dim {head_dim}, "
-            "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
-            f"2·model.n_heads={2 * m.n_heads}",
-        )
-    _require(
-        m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
-        "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
-    )
-    if m.sliding_window:  # models/attention.py's window is on the whole-sequence cores only
-        _require(
-            cfg.parallel.cp == 1,
-            "model.sliding_window with parallel.cp > 1: the cp attention has no window; set cp 1",
-        )
-        _require(
-            not cfg.data.document_mask,
-            "model.sliding_window with data.document_mask=true is unsupported; turn one off",
-        )
-
-
-def _check_bias_update(cfg: Config) -> None:
-    """Aux-loss-free balancing (train/moe_balance.py) updates once per flushed step."""
-    m, p = cfg.model, cfg.parallel
-    if m.moe_bias_update_rate == 0:
-        return
-    _require(
-        m.arch == "deepseek_v3" and m.n_experts > 0,
-        "model.moe_bias_update_rate > 0 needs model.arch=deepseek_v3 with model.n_experts > 0 "
-        "(the bias is its routing's); set it 0",
-    )
-    _require(
-        p.schedule != "pipedream_async" and not p.post_validation,
-        "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
-        "parallel.post_validation (one bias step per flushed step); set it 0",
-    )
-
-
-def _check_mtp(cfg: Config) -> None:
-    """Multi-token prediction (models/mtp.py) where it is built."""
-    m, p = cfg.model, cfg.parallel
-    if m.mtp_layers == 0:
-        return
-    _require(
-        not m.tie_embeddings,
-        "model.mtp_layers > 0 needs model.tie_embeddings=false (MTP shares an untied head)",
-    )
-    _require(
-        m.mtp_layers < m.seq_len,
-        f"model.mtp_layers={m.mtp_layers} must be below model.seq_len={m.seq_len}",
-    )
-    _require(
-        p.seq_segments == 1 and (p.cp == 1 or p.cp_balance == "position"),
-        "model.mtp_layers > 0 is not built with parallel.seq_segments > 1 or "
-        "parallel.cp_balance=documents (its shifted targets cross the split); set it 0",
-    )
-
-
-def _check_deepseek(m, cp: int) -> None:
-    """deepseek_v3's attention and routing shapes (models/mla.py, models/routing.py)."""
-    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    _require(
-        cp == 1 or m.v_head_dim <= qk,
-        f"model.v_head_dim={m.v_head_dim} > qk_nope_head_dim + qk_rope_head_dim={qk} is not "
-        "built under parallel.cp > 1 (the ring pads values to the key width); lower it",
-    )
-    _require(
-        m.qk_rope_head_dim % 2 == 0,
-        f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (RoPE rotates pairs)",
-    )
-    if m.n_experts == 0:
-        return
-    _require(
-        m.n_experts % m.n_group == 0 and m.n_experts // m.n_group >= 2,
-        f"model.n_group={m.n_group} must divide model.n_experts={m.n_experts} into groups "
-        "of at least 2 experts (a group scores by its top 2)",
-    )
-    _require(
-        m.topk_group <= m.n_group,
-        f"model.topk_group={m.topk_group} must be at most model.n_group={m.n_group}",
-    )
-    reach = m.n_experts // m.n_group * m.topk_group
-    _require(
-        m.top_k <= reach,
-        f"model.top_k={m.top_k} exceeds the {reach} experts of model.topk_group groups",
-    )
+    check_arch(cfg)
 
 
 def _check_parallel(cfg: Config) -> None:
