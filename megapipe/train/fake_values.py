@@ -47,7 +47,8 @@ class Values:
         if func is aten.index.Tensor and any(_is_mask(i) for i in args[1]):
             args = (args[0], [_mask_index(i) for i in args[1]])
         elif func is aten.repeat_interleave.Tensor and args[0] in self.known:
-            kwargs = {**kwargs, "output_size": int(self.known[args[0]].sum())}
+            with real_mode():
+                return self._made(func(self.known[args[0]], **kwargs))
         out = func(*args, **kwargs)
         self._propagate(func, args, kwargs, out)
         return out
@@ -96,8 +97,8 @@ class Values:
         group = unbox_group(args[2])
         n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         with real_mode():
-            own = self.known[given].view(n, -1)[me].repeat(n)
-        self.known[output] = own.view(output.shape)
+            own = self.known[given].view(n, -1)[me].repeat(n).view(output.shape)
+        self.known[output] = own
 
 
 def _answer(t: torch.Tensor):
