@@ -132,6 +132,8 @@ class Measure(dispatch_mode_base()):
         outputs_first = func._schema.arguments[0].name.startswith("output")
         tensors = args[1] if outputs_first else args[0]
         nbytes = sum(t.numel() * t.element_size() for t in tensors_in(tensors))
+        if pg is not None and pg.size() == 1:  # e.g. the expert replicas when dp·cp = ep
+            nbytes = 0  # a group of one: nothing leaves the rank (comm_bytes prices none)
         op = CommOp(name, axis, nbytes)
         if name in P2P:
             op.peer = torch.distributed.get_global_rank(pg, args[2])
