@@ -208,7 +208,7 @@ def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
         if block == m.n_layers + 1:
             total += head + _mtp_hardware_flops(cfg, again)
         elif block > 0:
-            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg)
+            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg, block - 1)
             total += (6.0 + 2.0 * again) * n + _attention_hardware_flops(cfg)
     return total
 
@@ -232,13 +232,19 @@ def _attention_hardware_flops(cfg: Config) -> float:
     return forward + backward + (forward if redo else 0.0)
 
 
-def _replicated_extra(cfg: Config) -> int:
-    """Latent attention's down projections run whole on each tp rank's tokens: all T without
-    sequence parallelism, so the tp group runs them tp times (summed over its ranks)."""
-    p = cfg.parallel
+def _replicated_extra(cfg: Config, index: int) -> int:
+    """Matmuls layer `index` runs whole on each tp rank's tokens: latent attention's down
+    projections, and a MoE layer's router and routed experts (models/moe.py: experts whole in
+    every tp rank, on the tokens it holds). Without sequence parallelism each tp rank holds all
+    T, so the tp group runs them tp times (summed over its ranks)."""
+    p, m = cfg.parallel, cfg.model
     if p.tp == 1 or p.sequence_parallel:
         return 0
-    return (p.tp - 1) * down_projection_params(cfg.model)
+    whole = down_projection_params(m)
+    if is_moe_layer(m, index):
+        per_ffn = m.d_model * (3 if gated(m.arch) else 2)
+        whole += m.d_model * m.n_experts + m.top_k * per_ffn * expert_ffn(m, cfg.derived.d_ff)
+    return (p.tp - 1) * whole
 
 
 def _mtp_hardware_flops(cfg: Config, again: float) -> float:
@@ -249,7 +255,8 @@ def _mtp_hardware_flops(cfg: Config, again: float) -> float:
     total = 0.0
     for k in range(1, m.mtp_layers + 1):
         proj = 2 * m.d_model**2 * (1 if p.sequence_parallel else p.tp)
-        block = layer_matmul_params(cfg, m.n_layers + k - 1) + _replicated_extra(cfg)
+        block = layer_matmul_params(cfg, m.n_layers + k - 1)
+        block += _replicated_extra(cfg, m.n_layers + k - 1)
         head = 8.0 * m.d_model * m.vocab_size * (m.seq_len - k) / m.seq_len
         total += 6.0 * proj + (6.0 + 2.0 * again) * block + _attention_hardware_flops(cfg) + head
     return total
