@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megapipe.config.flops import held_expert_params, is_moe_layer
+from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.schema import Config
@@ -175,8 +175,7 @@ def _sp_expert_grads(cfg: Config, held: list[range], experts: int, w: Widths) ->
     p, m = cfg.parallel, cfg.model
     if not p.sequence_parallel or p.tp == 1 or m.n_experts == 0:
         return 0.0
-    blocks = [b for chunk in held for b in chunk if 1 <= b <= m.n_layers]
-    routers = sum(is_moe_layer(m, b - 1) for b in blocks) * m.d_model * m.n_experts
+    routers = moe_layers_in(m, [b for chunk in held for b in chunk]) * m.d_model * m.n_experts
     return put_in("all_reduce", (experts + routers) * w.grad, p.tp)
 
 
@@ -196,12 +195,10 @@ def _cp_block(cfg: Config, block: int, w: Widths) -> float:
 def _ep_block(cfg: Config, block: int, w: Widths) -> float:
     """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): dispatch and
     combine of the N·k rows forward, their transposes backward, each all-to-all the rank's
-    N·k·d buffer."""
+    N·k·d buffer; the head's block, its MTP depths' MoE layers."""
     p, m = cfg.parallel, cfg.model
-    if p.ep == 1 or block in (0, m.n_layers + 1) or not is_moe_layer(m, block - 1):
-        return 0.0
     rows = rank_dims(cfg).n * m.top_k
-    return 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
+    return moe_layers_in(m, [block]) * 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
 
 
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:

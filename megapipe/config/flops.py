@@ -18,23 +18,33 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
     return m.n_experts > 0 and past_dense and (index + 1) % m.moe_every == 0
 
 
+def moe_layers_in(m: ModelConfig, blocks) -> int:
+    """The MoE layers in `blocks` (block i + 1 is layer i): the layer blocks', and with the
+    head's block (n_layers + 1) its MTP depths' (depth k's block is layer n_layers + k − 1,
+    models/gpt.build_mtp)."""
+    layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
+    if m.n_layers + 1 in blocks:
+        layers += sum(is_moe_layer(m, m.n_layers + k - 1) for k in range(1, m.mtp_layers + 1))
+    return layers
+
+
 def expert_ffn(m: ModelConfig, d_ff: int) -> int:
     """One expert's hidden size: model.moe_ffn, or the dense d_ff."""
     return m.moe_ffn or d_ff
 
 
 def held_expert_params(cfg: Config, blocks: range) -> int:
-    """The routed experts' parameters a rank holds on `blocks` (block i + 1 is layer i): per
-    MoE layer its n_experts/ep experts, each w_in (f or 2f for SwiGLU, d), w_out (d, f) and
-    gpt2's biases (models/moe.py); whole on every tp rank (docs/moe.md). Their grads and
-    optimizer state are reduced and sharded over the expert-replica group, not dp × cp."""
+    """The routed experts' parameters a rank holds on `blocks` (block i + 1 is layer i; the
+    head's block holds the MTP depths): per MoE layer its n_experts/ep experts, each w_in (f or
+    2f for SwiGLU, d), w_out (d, f) and gpt2's biases (models/moe.py); whole on every tp rank
+    (docs/moe.md). Their grads and optimizer state are reduced and sharded over the
+    expert-replica group, not dp × cp."""
     m, p = cfg.model, cfg.parallel
     if m.n_experts == 0:
         return 0
     f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
     one = f * d * (3 if gated(m.arch) else 2) + (f + d if m.arch == "gpt2" else 0)
-    layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
-    return layers * m.n_experts // p.ep * one
+    return moe_layers_in(m, blocks) * m.n_experts // p.ep * one
 
 
 def attention_widths(m: ModelConfig, d: Derived) -> tuple[int, int]:
