@@ -195,9 +195,11 @@ def _cp_block(cfg: Config, block: int, w: Widths) -> float:
 def _ep_block(cfg: Config, block: int, w: Widths) -> float:
     """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): dispatch and
     combine of the N·k rows forward, their transposes backward, each all-to-all the rank's
-    N·k·d buffer; the head's block, its MTP depths' MoE layers."""
+    N·k·d buffer, N the tokens the rank holds (N/tp under SP); the head's block, its MTP
+    depths' MoE layers."""
     p, m = cfg.parallel, cfg.model
-    rows = rank_dims(cfg).n * m.top_k
+    held = rank_dims(cfg).n / (p.tp if p.sequence_parallel else 1)
+    rows = held * m.top_k
     return moe_layers_in(m, [block]) * 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
 
 
