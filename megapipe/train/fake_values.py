@@ -70,6 +70,8 @@ class Values:
     def _propagate(self, func, args, kwargs, out) -> None:
         """Run `func` on the known values when every tensor it reads is known; a known tensor
         written from unknown values is known no more."""
+        if not self.known:  # the common case: no counts made yet
+            return
         ins = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not any(t in self.known for t in ins):
             return
@@ -90,10 +92,12 @@ class Values:
     def _collective(self, func, args) -> None:
         """An all_to_all of known counts (equal splits): in a balanced world every rank holds the
         same counts, so chunk s of this rank's output is its own input's chunk for itself."""
-        output, given = args[0], args[1]
-        if func is not torch.ops.c10d.alltoall_base_.default or given not in self.known:
-            self.known.pop(output, None)
+        alltoall = func is torch.ops.c10d.alltoall_base_.default
+        if not alltoall or args[1] not in self.known or args[3]:  # args[3]: uneven splits
+            for t in tensors_in(args):  # c10d schemas name no writes: any may change
+                self.known.pop(t, None)
             return
+        output, given = args[0], args[1]
         group = unbox_group(args[2])
         n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
         with real_mode():
