@@ -382,3 +382,12 @@ def storage_key(tensor: Tensor) -> int:
     UntypedStorage._cdata): live bytes are counted once per storage (train/fake_ranks.py).
     Works on torch 2.13."""
     return tensor.untyped_storage()._cdata
+
+
+def real_mode():
+    """A context in which no fake mode is active (torch._subclasses.fake_tensor.
+    unset_fake_temporarily): the fake-rank run computes the values it knows, the routed experts'
+    balanced counts, on real tensors (train/fake_values.py). Works on torch 2.13."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import train
+from megapipe._torch_compat import fake_tensor_mode
 from megapipe.config import ConfigError, load_config
 from megapipe.config.flops import flops_per_token, matmul_params
 from megapipe.distributed.fake_world import ranks_of
 from megapipe.distributed.mesh import MeshSizes, coords
 from megapipe.train.checkpoint_plan import tiling_problems
-from megapipe.train.fake_ranks import AXIS_KEYS, CommOp, fake_ranks, match_p2p
+from megapipe.train.fake_ranks import AXIS_KEYS, CommOp, Measure, fake_ranks, match_p2p
 
 TINY = "configs/tiny.yaml"
 ENTRY = {"rank", "coords", "peak_bytes", "plan_peak_bytes", "flops", "plan_flops",
@@ -105,6 +107,41 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
     assert_bytes_are_the_plans(r)
     if peak:
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+MOE = ["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"]  # Mixtral-style
+MOE_CASES = {
+    "dp2_ep2": ["--parallel.dp=2", "--parallel.ep=2"],
+    "tp2": ["--parallel.tp=2"],
+    "dp2_ep2_tp2_sp": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.tp=2",
+                       "--parallel.sequence_parallel=true", "--parallel.zero=1"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_ranks_are_the_plans(tmp_path, case):
+    """Routed experts on fake tensors (train/fake_values.py answers the dispatch's counts with
+    the balanced routing the plan assumes): FLOPs exact (under tp without SP every tp rank runs
+    the whole experts on all its tokens), bytes per axis within 2% (the ep all-to-alls of the
+    rows, N/tp of them under SP; no MLP collectives beside whole experts; SP's all-reduce of
+    the experts' grads over tp; nothing over a one-rank expert-replica group)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *MOE, *MOE_CASES[case]])
+    (r,) = fake_ranks(cfg, "1")["ranks"]
+    assert r["stepped"] and r["flops"] == r["plan_flops"]
+    assert_bytes_are_the_plans(r)
+    assert (r["comm_bytes"]["ep"] > 0) == (cfg.parallel.ep > 1)
+
+
+def test_balanced_answers_of_data_dependent_ops():
+    """bincount's counts are the even shares (the remainder to the first bins) and `.tolist()`
+    reads them, also through ops on them; a boolean mask keeps every element."""
+    with fake_tensor_mode(), Measure():
+        counts = torch.bincount(torch.zeros(10, dtype=torch.long), minlength=4)
+        assert counts.tolist() == [3, 3, 2, 2]
+        assert counts.view(2, 2).sum(1).tolist() == [6, 4]
+        assert torch.repeat_interleave(counts).shape == (10,)
+        rows = torch.zeros(6, 3)
+        assert rows[rows[:, 0] > 1].shape == (6, 3)
 
 
 def test_flops_are_the_config_arithmetic(tmp_path):

@@ -18,7 +18,7 @@ from megapipe.train.dry_run import as_json
 from megapipe.train.fake_ranks import fake_ranks
 
 TINY = "configs/deepseek_v3_tiny.yaml"
-# fake tensors cannot run the routed experts' data-dependent dispatch, so the blocks are dense
+# the attention cases on dense blocks (the routed experts: test_deepseek_v3_experts_on_fake_ranks)
 DENSE = ["--model.n_experts=0", "--model.moe_bias_update_rate=0"]
 CASES = {
     "q_lora_mtp": ([], "0"),
@@ -38,6 +38,20 @@ def test_deepseek_v3_rank_flops_are_the_plans(case, tmp_path):
         assert r["flops"] == r["plan_flops"], (case, r["rank"])
     if case == "tp2":  # the one case the memory model meets within 5% (others: up to 1.17x)
         assert abs(out["ranks"][0]["peak_bytes"] / out["ranks"][0]["plan_peak_bytes"] - 1) <= 0.05
+
+
+def test_deepseek_v3_experts_on_fake_ranks(tmp_path):
+    """dp2 · ep2 with the routed experts (group-limited sigmoid routing, a shared expert, the
+    MTP depth's MoE layer on the head's block), dispatched with the balanced counts the plan
+    assumes (train/fake_values.py): FLOPs exact, dp and ep bytes within 2% of the plan's
+    (config/comm_bytes.py: the MTP depth's experts reduced over the expert replicas, its
+    all-to-alls on ep)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.ep=2"])
+    (r,) = fake_ranks(cfg, "1")["ranks"]
+    assert r["stepped"] and r["flops"] == r["plan_flops"]
+    for axis in ("dp", "ep"):
+        measured, plan = r["comm_bytes"][axis], r["plan_comm_bytes"][axis]
+        assert plan > 0 and abs(measured - plan) <= 0.02 * plan, axis
 
 
 def test_dry_run_params_are_the_models(tmp_path):

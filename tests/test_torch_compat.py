@@ -326,6 +326,16 @@ def test_fake_world_and_fake_tensors(compat):
     expect(len(seen) == 1 and seen[0] is not None, "c10d allreduce_", "is not seen boxed")
 
 
+def test_real_mode_leaves_the_fake_mode(compat):
+    """Inside real_mode a tensor made under a fake mode is a real one, with its values."""
+    with api("unset_fake_temporarily"), compat.fake_tensor_mode():
+        with compat.real_mode():
+            real = torch.arange(3)
+            expect(real.tolist() == [0, 1, 2], "unset_fake_temporarily", "keeps tensors fake")
+        fake = torch.arange(3)
+    expect(type(real) is torch.Tensor and type(fake) is not torch.Tensor, "FakeTensor", "same")
+
+
 def test_cpu_attention_flops(compat):
     """FlopCounterMode counts the CPU flash ops with the given formulas."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megapipe.config.flops import held_expert_params, is_moe_layer
+from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.schema import Config
@@ -46,17 +46,22 @@ def put_in(kind: str, nbytes: float, n: int) -> float:
     return nbytes / n if kind == "all_gather" else float(nbytes)
 
 
-def tp_layer_ops(sequence_parallel: bool, act: float, residual: float) -> tuple[list, list]:
+def tp_layer_ops(
+    sequence_parallel: bool, act: float, residual: float, mlp: bool = True
+) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
     et al. 2022 §4.2.2), `act` the N·d bytes in the compute dtype and `residual` in the
     residual stream's (megapipe: float32, so the row-parallel outputs are summed as the
     single-process run adds them): F sums attention's and the MLP's partial outputs (SP:
     gathers their norms' outputs, reduce-scatters the sums), B sums the column-parallel
-    linears' input grads (SP: gathers the residual's grads, reduce-scatters those)."""
+    linears' input grads (SP: gathers the residual's grads, reduce-scatters those). `mlp`
+    False: attention's alone (a MoE layer without shared experts: its routed experts are whole
+    on every tp rank, models/moe.py)."""
+    n = 2 if mlp else 1
     if sequence_parallel:
-        f = [("all_gather", act), ("reduce_scatter", residual)] * 2
-        return f, [("all_gather", residual), ("reduce_scatter", act)] * 2
-    return [("all_reduce", residual)] * 2, [("all_reduce", act)] * 2
+        f = [("all_gather", act), ("reduce_scatter", residual)] * n
+        return f, [("all_gather", residual), ("reduce_scatter", act)] * n
+    return [("all_reduce", residual)] * n, [("all_reduce", act)] * n
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -133,6 +138,7 @@ def rank_comm_bytes(
     experts = [held_expert_params(cfg, b) for b in held]
     out = dict.fromkeys(AXES, 0.0)
     out["tp"] = p.microbatches * sum(_tp_block(cfg, b, w) for blocks in held for b in blocks)
+    out["tp"] += _sp_expert_grads(cfg, held, sum(experts), w)
     out["cp"] = p.microbatches * sum(_cp_block(cfg, b, w) for blocks in held for b in blocks)
     out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
@@ -153,10 +159,24 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
     elif block == cfg.model.n_layers + 1:
         ops = sum(tp_head_ops(sp, x.n, nd * FLOAT32), [])
     else:
-        f, b = tp_layer_ops(sp, nd * w.act, nd * FLOAT32)
+        m = cfg.model
+        mlp = not is_moe_layer(m, block - 1) or m.moe_shared_experts > 0
+        f, b = tp_layer_ops(sp, nd * w.act, nd * FLOAT32, mlp)
         again = layer_mode(cfg.recompute, block - 1) == "full"
         ops = f * (2 if again else 1) + b
     return sum(put_in(kind, nbytes, p.tp) for kind, nbytes in ops)
+
+
+def _sp_expert_grads(cfg: Config, held: list[range], experts: int, w: Widths) -> float:
+    """Under SP a MoE layer's router and routed experts, whole on every tp rank, see only the
+    rank's sequence chunk: their grads (`experts` routed parameters on the rank) are summed over
+    tp once a step (parallel/tensor/grad_sync.py; in the same all-reduce as the norm gains,
+    latency-sized and not counted)."""
+    p, m = cfg.parallel, cfg.model
+    if not p.sequence_parallel or p.tp == 1 or m.n_experts == 0:
+        return 0.0
+    routers = moe_layers_in(m, [b for chunk in held for b in chunk]) * m.d_model * m.n_experts
+    return put_in("all_reduce", (experts + routers) * w.grad, p.tp)
 
 
 def _cp_block(cfg: Config, block: int, w: Widths) -> float:
@@ -175,12 +195,12 @@ def _cp_block(cfg: Config, block: int, w: Widths) -> float:
 def _ep_block(cfg: Config, block: int, w: Widths) -> float:
     """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): dispatch and
     combine of the N·k rows forward, their transposes backward, each all-to-all the rank's
-    N·k·d buffer."""
+    N·k·d buffer, N the tokens the rank holds (N/tp under SP); the head's block, its MTP
+    depths' MoE layers."""
     p, m = cfg.parallel, cfg.model
-    if p.ep == 1 or block in (0, m.n_layers + 1) or not is_moe_layer(m, block - 1):
-        return 0.0
-    rows = rank_dims(cfg).n * m.top_k
-    return 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
+    held = rank_dims(cfg).n / (p.tp if p.sequence_parallel else 1)
+    rows = held * m.top_k
+    return moe_layers_in(m, [block]) * 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
 
 
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:

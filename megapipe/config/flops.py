@@ -18,23 +18,33 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
     return m.n_experts > 0 and past_dense and (index + 1) % m.moe_every == 0
 
 
+def moe_layers_in(m: ModelConfig, blocks) -> int:
+    """The MoE layers in `blocks` (block i + 1 is layer i): the layer blocks', and with the
+    head's block (n_layers + 1) its MTP depths' (depth k's block is layer n_layers + k − 1,
+    models/gpt.build_mtp)."""
+    layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
+    if m.n_layers + 1 in blocks:
+        layers += sum(is_moe_layer(m, m.n_layers + k - 1) for k in range(1, m.mtp_layers + 1))
+    return layers
+
+
 def expert_ffn(m: ModelConfig, d_ff: int) -> int:
     """One expert's hidden size: model.moe_ffn, or the dense d_ff."""
     return m.moe_ffn or d_ff
 
 
 def held_expert_params(cfg: Config, blocks: range) -> int:
-    """The routed experts' parameters a rank holds on `blocks` (block i + 1 is layer i): per
-    MoE layer its n_experts/ep experts, each w_in (f or 2f for SwiGLU, d), w_out (d, f) and
-    gpt2's biases (models/moe.py); whole on every tp rank (docs/moe.md). Their grads and
-    optimizer state are reduced and sharded over the expert-replica group, not dp × cp."""
+    """The routed experts' parameters a rank holds on `blocks` (block i + 1 is layer i; the
+    head's block holds the MTP depths): per MoE layer its n_experts/ep experts, each w_in (f or
+    2f for SwiGLU, d), w_out (d, f) and gpt2's biases (models/moe.py); whole on every tp rank
+    (docs/moe.md). Their grads and optimizer state are reduced and sharded over the
+    expert-replica group, not dp × cp."""
     m, p = cfg.model, cfg.parallel
     if m.n_experts == 0:
         return 0
     f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
     one = f * d * (3 if gated(m.arch) else 2) + (f + d if m.arch == "gpt2" else 0)
-    layers = sum(is_moe_layer(m, b - 1) for b in blocks if 1 <= b <= m.n_layers)
-    return layers * m.n_experts // p.ep * one
+    return moe_layers_in(m, blocks) * m.n_experts // p.ep * one
 
 
 def attention_widths(m: ModelConfig, d: Derived) -> tuple[int, int]:
@@ -208,7 +218,7 @@ def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
         if block == m.n_layers + 1:
             total += head + _mtp_hardware_flops(cfg, again)
         elif block > 0:
-            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg)
+            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg, block - 1)
             total += (6.0 + 2.0 * again) * n + _attention_hardware_flops(cfg)
     return total
 
@@ -232,13 +242,19 @@ def _attention_hardware_flops(cfg: Config) -> float:
     return forward + backward + (forward if redo else 0.0)
 
 
-def _replicated_extra(cfg: Config) -> int:
-    """Latent attention's down projections run whole on each tp rank's tokens: all T without
-    sequence parallelism, so the tp group runs them tp times (summed over its ranks)."""
-    p = cfg.parallel
+def _replicated_extra(cfg: Config, index: int) -> int:
+    """Matmuls layer `index` runs whole on each tp rank's tokens: latent attention's down
+    projections, and a MoE layer's router and routed experts (models/moe.py: experts whole in
+    every tp rank, on the tokens it holds). Without sequence parallelism each tp rank holds all
+    T, so the tp group runs them tp times (summed over its ranks)."""
+    p, m = cfg.parallel, cfg.model
     if p.tp == 1 or p.sequence_parallel:
         return 0
-    return (p.tp - 1) * down_projection_params(cfg.model)
+    whole = down_projection_params(m)
+    if is_moe_layer(m, index):
+        per_ffn = m.d_model * (3 if gated(m.arch) else 2)
+        whole += m.d_model * m.n_experts + m.top_k * per_ffn * expert_ffn(m, cfg.derived.d_ff)
+    return (p.tp - 1) * whole
 
 
 def _mtp_hardware_flops(cfg: Config, again: float) -> float:
@@ -249,7 +265,8 @@ def _mtp_hardware_flops(cfg: Config, again: float) -> float:
     total = 0.0
     for k in range(1, m.mtp_layers + 1):
         proj = 2 * m.d_model**2 * (1 if p.sequence_parallel else p.tp)
-        block = layer_matmul_params(cfg, m.n_layers + k - 1) + _replicated_extra(cfg)
+        block = layer_matmul_params(cfg, m.n_layers + k - 1)
+        block += _replicated_extra(cfg, m.n_layers + k - 1)
         head = 8.0 * m.d_model * m.vocab_size * (m.seq_len - k) / m.seq_len
         total += 6.0 * proj + (6.0 + 2.0 * again) * block + _attention_hardware_flops(cfg) + head
     return total

@@ -8,7 +8,8 @@ when every rank runs, their plans must tile every logical tensor).
 `Measure`, one dispatch mode, sees every op: it keeps the bytes of every live storage by kind
 (the peak is the code's, not a model's), records each c10d collective and p2p op (kind, the
 megapipe group it ran on, bytes, peers), and answers the reads of a value fake tensors cannot
-give (`.item()`: True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
+give (train/fake_values.py: a routed expert's balanced counts, as the plan assumes; `.item()`
+otherwise True for a flag, 1 for a number). FLOPs are FlopCounterMode's. The plan's
 numbers beside them: the dry run's peak for the rank's (pp, tp) place (train/dry_run.py), the
 hardware FLOPs of its stage (config/flops.hardware_flops_per_token) and the bytes per axis the
 performance model prices (config/comm_bytes.rank_comm_bytes; its convention: what the rank
@@ -45,6 +46,7 @@ from megapipe.distributed.mesh import MeshSizes, ParallelMesh, coords
 from megapipe.parallel.autograd.kept_buffers import keep_none
 from megapipe.train.checkpoint_plan import save_plan, tiling_problems
 from megapipe.train.dry_run import as_json
+from megapipe.train.fake_values import Values, tensors_in
 from megapipe.train.hooks import TrainHooks
 from megapipe.train.meta_memory import chunk_params
 from megapipe.train.parallelize import parallelize
@@ -67,7 +69,7 @@ class CommOp:
 
 @dataclass
 class Measure(dispatch_mode_base()):
-    """Live storage bytes by kind and their peak; every c10d op; answers to `.item()`."""
+    """Live storage bytes by kind and their peak; every c10d op; the answers of `values`."""
 
     axes: dict = field(default_factory=dict)  # ProcessGroup -> axis name
     live: dict = field(default_factory=dict)  # storage key -> [bytes, kind]
@@ -76,19 +78,20 @@ class Measure(dispatch_mode_base()):
     peak_kinds: dict = field(default_factory=dict)
     comm: list = field(default_factory=list)
     phase: str = "activations"
+    values: Values = field(default_factory=Values)
 
     def __post_init__(self) -> None:
         super().__init__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is local_scalar_op():
-            return _answer(args[0])
-        out = func(*args, **(kwargs or {}))
+            return self.values.scalar(args[0])
+        out = self.values.run(func, args, kwargs or {})
         if func.namespace == "c10d":
             self._record(func, args)
             if func.overloadpacket.__name__ in P2P:  # delivered at once in a world of one
                 out = completed_work()
-        for t in _tensors(out):
+        for t in tensors_in(out):
             if isinstance(t, torch.Tensor):
                 self.track(t, "comm" if func.namespace == "c10d" else self.phase)
         return out
@@ -128,28 +131,14 @@ class Measure(dispatch_mode_base()):
         # _base_ forms: the input is what this rank puts in
         outputs_first = func._schema.arguments[0].name.startswith("output")
         tensors = args[1] if outputs_first else args[0]
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors_in(tensors))
+        if pg is not None and pg.size() == 1:  # e.g. the expert replicas when dp·cp = ep
+            nbytes = 0  # a group of one: nothing leaves the rank (comm_bytes prices none)
         op = CommOp(name, axis, nbytes)
         if name in P2P:
             op.peer = torch.distributed.get_global_rank(pg, args[2])
             op.tag = int(args[3])
         self.comm.append(op)
-
-
-def _tensors(value) -> list:
-    """The tensors in nested lists, tuples and dicts."""
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return [value] if isinstance(value, torch.Tensor) else []
-
-
-def _answer(t: torch.Tensor):
-    """A fake tensor's value when code must branch on it: finite, not spiked, unit scale."""
-    if t.dtype == torch.bool:
-        return True
-    return 1.0 if t.dtype.is_floating_point else 1
 
 
 class _Phases(TrainHooks):
