@@ -294,6 +294,15 @@ def fake_tensor_mode():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a FakeTensor (torch._subclasses.fake_tensor.is_fake): its ops run torch's
+    meta rules, which may take fewer dtypes than the device's kernels (grouped_linear's probe
+    asks them apart). Works on torch 2.13."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(t)
+
+
 def local_scalar_op():
     """The aten op behind `.item()`, `bool(t)` and `float(t)` (aten._local_scalar_dense):
     fake tensors hold no value, so the fake-rank run answers it (train/fake_ranks.py).

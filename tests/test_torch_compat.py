@@ -336,6 +336,15 @@ def test_real_mode_leaves_the_fake_mode(compat):
     expect(type(real) is torch.Tensor and type(fake) is not torch.Tensor, "FakeTensor", "same")
 
 
+def test_is_fake(compat):
+    """is_fake tells a fake mode's tensors from real ones."""
+    real = torch.ones(2)
+    with api("torch._subclasses.fake_tensor.is_fake"), compat.fake_tensor_mode():
+        fake = torch.ones(2)
+        answers = (compat.is_fake(fake), compat.is_fake(real))
+    expect(answers == (True, False), "is_fake", f"gave {answers} for (fake, real)")
+
+
 def test_cpu_attention_flops(compat):
     """FlopCounterMode counts the CPU flash ops with the given formulas."""
     from torch.utils.flop_counter import FlopCounterMode

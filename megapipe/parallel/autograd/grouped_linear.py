@@ -37,7 +37,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megapipe._torch_compat import grouped_mm, has_grouped_mm
+from megapipe._torch_compat import grouped_mm, has_grouped_mm, is_fake
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
@@ -76,13 +76,16 @@ def grouped_mm_ok(x: torch.Tensor, out_features: int, groups: int) -> bool:
         return False
     if (out_features * x.element_size()) % ALIGN_BYTES:
         return False
-    return _probe(x.device, x.dtype)
+    return _probe(x.device, x.dtype, fake=True) if is_fake(x) else _probe(x.device, x.dtype)
 
 
 @functools.cache
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Once per device and dtype: torch's grouped matmul against the loop, forward, grad_x and
-    grad_W, with empty groups first, inside and last, and with no rows at all. The operands
+def _probe(device: torch.device, dtype: torch.dtype, fake: bool = False) -> bool:
+    """Once per device, dtype, and fake or real tensors (fake ones run torch's meta rule, which
+    in torch 2.13 takes only bf16 where the CPU kernel takes float32 too, so `train.py
+    --fake-ranks` asks the rule its own tensors meet): torch's grouped matmul against the loop,
+    forward, grad_x and grad_W, with empty groups first, inside and last, and with no rows at
+    all. The operands
     are small integers, so every product and sum is exact and any correct kernel agrees
     bit for bit. A mismatch or an error: a one-line warning, and the loop for them."""
     try:
