@@ -36,6 +36,7 @@ from torch import nn
 
 from megapipe._torch_compat import muon_adjusted_lr, muon_orthogonalize
 from megapipe.config import TrainConfig
+from megapipe.parallel.data.optimizer_interface import WholeState
 from megapipe.parallel.tensor.layers import sharded_params
 from megapipe.parallel.tensor.sharding import Piece, ShardSpec, TPInfo, unshard
 
@@ -111,12 +112,10 @@ class Muon(torch.optim.Muon):
         return state
 
 
-class MuonAdamW:
+class MuonAdamW(WholeState):
     """Muon over the hidden matrices beside AdamW over the rest, one optimizer to the loop
-    and the checkpoints (parallel/data/optimizer_interface.py's members)."""
-
-    shards_state = False
-    stage_group = None
+    and the checkpoints (parallel/data/optimizer_interface.py's members: whole state per
+    parameter, no main weights of its own)."""
 
     def __init__(self, muon: Muon, adamw) -> None:
         self.muon, self.adamw = muon, adamw
@@ -143,15 +142,6 @@ class MuonAdamW:
         """Muon's momentum buffer, or AdamW's step and moments, of `param`."""
         inner = self.muon if param in self._muon_params else self.adamw
         return inner.param_state(param)
-
-    def main_weights(self) -> dict[int, torch.Tensor]:
-        return {}
-
-    def load_targets(self) -> dict[int, torch.Tensor]:
-        return {}
-
-    def restore_main(self, full: dict[int, torch.Tensor]) -> None:
-        return None
 
     def full_weights(self, write_back: bool = False):
         return self.adamw.full_weights(write_back)
