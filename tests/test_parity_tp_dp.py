@@ -45,7 +45,6 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
         ("tp2-muon", 1, 2, MUON),
         ("dp2-zero1-muon", 2, 1, [*MUON, "parallel.zero=1"]),
-        ("dp2-zero3-muon", 2, 1, [*MUON, "parallel.zero=3"]),
     ],
     4: [
         ("dp4", 4, 1, MB2),
