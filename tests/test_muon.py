@@ -1,6 +1,7 @@
-"""train.optimizer=muon (train/muon.py): torch's Muon arithmetic on each logical matrix, the
-split of parameters between Muon and AdamW, its checkpoint names and its config errors. The
-distributed parity cases live in test_parity_tp_dp.py, test_parity_pp.py and test_reshard.py."""
+"""train.optimizer=muon (train/muon.py, train/muon_zero.py): torch's Muon arithmetic on each
+logical matrix, the split of parameters between Muon and AdamW, its checkpoint names, its config
+errors, and its terms in the memory and FLOP models (config/muon_terms.py). The distributed
+parity cases live in test_parity_tp_dp.py, test_parity_pp.py and test_reshard.py."""
 
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ def test_adamw_stays_the_default(tmp_path):
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["parallel.dp=2", "parallel.zero=1"], "parallel.zero=1"),
         (["train.optimizer=lion"], "train.optimizer"),
         (["train.muon_adjust_lr_fn=none"], "train.muon_adjust_lr_fn"),
     ],
@@ -97,6 +97,13 @@ def test_muon_config_errors_are_one_line(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(["train.optimizer=muon", *extra], str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_muon_takes_every_zero_level(tmp_path, zero):
+    """Each matrix owned whole by one rank (train/muon_zero.py): no level is refused."""
+    cfg = tiny_config(["train.optimizer=muon", "parallel.dp=2", f"parallel.zero={zero}"], "x")
+    assert cfg.parallel.zero == zero
 
 
 def test_bf16_weights_keep_the_momentum_under_its_name(tmp_path):
@@ -168,3 +175,21 @@ def test_flop_model_prices_newton_schulz_as_the_step_runs_it(tmp_path):
         opt.muon.step()
     blocks = range(0, job.cfg.model.n_layers + 2)
     assert muon_step_flops(muon_matrices(job.cfg, blocks, 0), job.cfg) == counter.get_total_flops()
+
+
+def test_projection_adds_newton_schulz_to_the_optimizer_step():
+    """perf/muon_costs.py: the busiest rank's Newton-Schulz GEMMs join the optimizer step,
+    fewer per rank once ZeRO deals the matrices to owners."""
+    from megapipe.perf import load_cluster, project
+    from megapipe.perf.muon_costs import newton_schulz_seconds
+
+    cluster, base = load_cluster("h100"), ["model.arch=llama", "model.tie_embeddings=false"]
+    adamw = project(tiny_config(base, "x"), cluster, memory=False)
+    muon_cfg = tiny_config([*base, "train.optimizer=muon"], "x")
+    muon = project(muon_cfg, cluster, memory=False)
+    dev = type("Dev", (), {"gemm": staticmethod(lambda m, n, k, b, e: 2.0 * m * n * k * b)})
+    blocks = [range(0, muon_cfg.model.n_layers + 2)]
+    assert muon.breakdown["optimizer_s"] > adamw.breakdown["optimizer_s"]
+    flops = newton_schulz_seconds(muon_cfg, dev, blocks)
+    dealt = tiny_config([*base, "train.optimizer=muon", "parallel.dp=2", "parallel.zero=1"], "x")
+    assert 0 < newton_schulz_seconds(dealt, dev, blocks) < flops
