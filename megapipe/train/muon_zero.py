@@ -99,6 +99,8 @@ class OwnedMuon(Muon):
     def __init__(self, groups: list[dict], reducers: list, slot_of: dict, shards: bool, **hyper):
         super().__init__(groups, **hyper)
         self.shards = shards
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self.device = first.device if first is not None else torch.device("cpu")
         by_group: dict[int, list] = {}
         for g in self.param_groups:
             for param, layout in zip(g["params"], g["layouts"], strict=True):
@@ -136,7 +138,7 @@ class OwnedMuon(Muon):
         """This rank's (`index` in the group) range of `m`'s summed grad (zeros: no grad)."""
         lo, hi = m.ranges[index]
         if hi == lo:
-            return torch.zeros(0)
+            return torch.zeros(0, device=self.device)
         grad = m.reducer.grad_piece(m.param) if self.shards else grad_of(m.param)
         if grad is None:
             return torch.zeros(hi - lo, dtype=m.view.dtype, device=m.view.device)
@@ -149,7 +151,7 @@ class OwnedMuon(Muon):
         recv_sizes = [sum(m.length(r) for m in mine) for r in range(x.size)]
         send = [self._grad(m, x.index).float() for r in range(x.size) for m in x.owned_by(r)]
         send = [s for s in send if s.numel()]
-        flat = torch.cat(send) if send else torch.zeros(0)
+        flat = torch.cat(send) if send else torch.zeros(0, device=self.device)
         got = flat.new_empty(sum(recv_sizes))
         C.count("all_to_all", flat)
         dist.all_to_all_single(got, flat, recv_sizes, send_sizes, group=x.group)
@@ -176,7 +178,7 @@ class OwnedMuon(Muon):
         recv_sizes = [sum(m.length(x.index) for m in x.owned_by(r)) for r in range(x.size)]
         send = [u[slice(*m.ranges[r])] for r in range(x.size) for m, u in zip(mine, updates)]
         send = [s for s in send if s.numel()]
-        flat = torch.cat(send) if send else torch.zeros(0)
+        flat = torch.cat(send) if send else torch.zeros(0, device=self.device)
         got = flat.new_empty(sum(recv_sizes))
         C.count("all_to_all", flat)
         dist.all_to_all_single(got, flat, recv_sizes, send_sizes, group=x.group)
@@ -192,7 +194,7 @@ class OwnedMuon(Muon):
         """(the range of `param` this rank keeps state for: whole on its owner, empty elsewhere;
         {"momentum_buffer": that state, flat}), for the checkpoints (train/checkpoint_zero.py)."""
         if id(param) not in self.mine:
-            return Slot(param, 0, 0, 0), {"momentum_buffer": torch.zeros(0)}
+            return Slot(param, 0, 0, 0), {"momentum_buffer": torch.zeros(0, device=self.device)}
         buf = self.param_state(param)["momentum_buffer"]
         return Slot(param, 0, param.numel(), 0), {"momentum_buffer": buf.view(-1)}
 
