@@ -22,7 +22,8 @@ weight's logical name and shape and load it under any mesh). Gathering costs one
 of the update per matrix and tp-fold redundant Newton-Schulz FLOPs, but no second round trip
 to scatter the result, which owning each matrix on one tp rank would need. Under dp (zero=0)
 the summed grads are the same on every replica, and so are their updates. ZeRO levels 1-3 cut
-matrices into flat ranges; config/checks.py refuses them with train.optimizer=muon.
+matrices into flat ranges: there each matrix is owned whole by one rank (train/muon_zero.py),
+which runs this arithmetic (`nesterov_update`, `orthogonalised`) for it.
 """
 
 from __future__ import annotations
