@@ -104,17 +104,28 @@ class WorkerPool:
 
 
 class Pools:
-    """Session cache: one live pool per world size."""
+    """Session cache: live pools by world size, reused across test files.
+
+    Idle workers wait on their queues and use no CPU, only memory (~0.35 GB each), so pools of
+    other sizes stay up: tests alternate between world sizes ~80 times in one run, and each
+    respawn costs several seconds of start-up. Beyond MAX_IDLE_WORKERS the least recently used
+    pool is closed."""
+
+    MAX_IDLE_WORKERS = 14  # worlds 2, 4 and 8 together; a 16-rank pool evicts them
 
     def __init__(self) -> None:
-        self.pools: dict[int, WorkerPool] = {}
+        self.pools: dict[int, WorkerPool] = {}  # least recently used first
 
     def __call__(self, world: int) -> WorkerPool:
-        pool = self.pools.get(world)
-        if pool is None or not pool.alive:
-            for other in list(self.pools):  # a machine with 2 cores holds one world at a time
-                self.pools.pop(other).close()
-            pool = self.pools[world] = WorkerPool(world)
+        pool = self.pools.pop(world, None)
+        if pool is not None and not pool.alive:
+            pool.close(kill=True)
+            pool = None
+        if pool is None:
+            while self.pools and sum(self.pools) + world > self.MAX_IDLE_WORKERS:
+                self.pools.pop(next(iter(self.pools))).close()
+            pool = WorkerPool(world)
+        self.pools[world] = pool
         return pool
 
     def close(self) -> None:
