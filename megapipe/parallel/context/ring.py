@@ -23,6 +23,9 @@ diagonal, b > a skipped.
 Document-aware balance (`layout`, balance.py): the row is cut into more chunks, dealt to the
 ranks by their attention work under document masking, and (q chunk, kv chunk) tiles with no
 visible pair are skipped, so the worst rank's work comes within a few percent of the mean.
+
+Sliding window (`window`, window.py): tiles wholly outside every query's window are skipped
+too, tiles across its edge run masked; positions are the row's, so any layout masks alike.
 """
 
 from __future__ import annotations
@@ -37,13 +40,7 @@ import torch.nn.functional as F
 
 from megapipe.parallel.context.balance import ChunkLayout, positional_layout, take
 from megapipe.parallel.context.documents import visible_keys
-from megapipe.parallel.context.kernels import (
-    KERNELS,
-    BlockKernel,
-    RingTile,
-    pick_kernel,
-    plan_step,
-)
+from megapipe.parallel.context.kernels import KERNELS, BlockKernel, RingTile, pick_kernel, plan_step
 from megapipe.parallel.context.window import TileMasks, and_tiles, in_window, window_tiles
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
