@@ -1,4 +1,4 @@
-"""The architecture-specific model checks (qwen3's head_dim and windows, deepseek_v3's latent
+"""The architecture-specific model checks (qwen3's head_dim, deepseek_v3's latent
 attention, routing, aux-loss-free balancing and multi-token prediction): config/checks.py's
 `_check_model` runs `check_arch` after the keys every arch shares."""
 
@@ -28,15 +28,6 @@ def check_arch(cfg: Config) -> None:
         m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
         "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
     )
-    if m.sliding_window:  # models/attention.py's window is on the whole-sequence cores only
-        _require(
-            cfg.parallel.cp == 1,
-            "model.sliding_window with parallel.cp > 1: the cp attention has no window; set cp 1",
-        )
-        _require(
-            not cfg.data.document_mask,
-            "model.sliding_window with data.document_mask=true is unsupported; turn one off",
-        )
 
 
 def _check_bias_update(cfg: Config) -> None:
