@@ -32,8 +32,13 @@ def cfg_of(tmp_path, *overrides: str):
         (["parallel.dp=4", "parallel.zero=1", "parallel.dp_shard=3"], "does not divide"),
         (["parallel.dp=4", "parallel.dp_shard=2"], r"parallel.zero=0: .*parallel.zero>=1"),
         (
-            ["parallel.dp=4", "parallel.zero=1", "parallel.dp_shard=2", "parallel.ep=4",
-             "model.n_experts=4"],  # fmt: skip
+            [
+                "parallel.dp=4",
+                "parallel.zero=1",
+                "parallel.dp_shard=2",
+                "parallel.ep=4",
+                "model.n_experts=4",
+            ],  # fmt: skip
             "multiple of ep",
         ),
     ],
