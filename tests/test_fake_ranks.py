@@ -109,6 +109,19 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
+def test_hsdp_rank_is_the_models(tmp_path):
+    """HSDP, dp4 in shard groups of 2 under zero=3 (parallel.dp_shard=2), rank 2: the first of
+    the second group, a replica of rank 0's shards. Its dp bytes within 2% of the plan's: the
+    reduce-scatters and per-block gathers over 2 ranks, the shards' all-reduce over the 2
+    replicas; it writes nothing to a checkpoint (not dp 0; rank 0 writes the same moments)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=4", "--parallel.zero=3",
+                             "--parallel.dp_shard=2", "--parallel.microbatches=2"])  # fmt: skip
+    (r,) = fake_ranks(cfg, "2")["ranks"]
+    assert r["comm_bytes"]["dp"] > 0
+    assert_bytes_are_the_plans(r)
+    assert r["save_bytes"] == 0
+
+
 MOE = ["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"]  # Mixtral-style
 MOE_CASES = {
     "dp2_ep2": ["--parallel.dp=2", "--parallel.ep=2"],

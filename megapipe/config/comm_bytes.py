@@ -30,6 +30,8 @@ from megapipe.config.states import (
     GRAD_BYTES,
     PARAM_BYTES,
     expert_replicas,
+    replicas,
+    shard_copies,
     state_layout,
 )
 
@@ -206,14 +208,17 @@ def _ep_block(cfg: Config, block: int, w: Widths) -> float:
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     """The grad reduction of the rank's `params` (`experts` of them over the expert replicas)
     and the weights' gathers: after the step at zero 1 and 2, at zero=3 each block's twice a
-    microbatch (perf/data_parallel.py); and the step's loss over dp × cp."""
+    microbatch (perf/data_parallel.py); and the step's loss over dp × cp. Under HSDP the
+    reduce-scatters and gathers run in the shard groups and each shard is then all-reduced
+    over its dp/dp_shard replicas, once a step (parallel/data/zero.py)."""
     p = cfg.parallel
-    groups = [(params - experts, p.dp * p.cp), (experts, expert_replicas(cfg) if p.ep > 1 else 0)]
+    groups = [(params - experts, replicas(cfg)), (experts, expert_replicas(cfg) if p.ep > 1 else 0)]
     if p.ep == 1:
-        groups = [(params, p.dp * p.cp)]
+        groups = [(params, replicas(cfg))]
     total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
     for n_params, n in groups:
         total += put_in(grad_reduction_kind(p.zero, n), n_params * w.grad, n)
+        total += put_in("all_reduce", n_params * w.grad / max(n, 1), shard_copies(cfg))
         gathers = 1 if p.zero in (1, 2) else 0
         total += gathers * put_in("all_gather", n_params * w.param, n)
     return total
@@ -221,12 +226,12 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
 
 def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:
     """zero=3's gathers of each held block's weights (zero3_gathers), the routed experts' over
-    their replicas, the rest over dp × cp."""
+    their replicas, the rest over dp × cp (HSDP: over the shard groups)."""
     p, total = cfg.parallel, 0.0
     for b in (b for blocks in held for b in blocks):
         n_params = chunk_params(range(b, b + 1), tp_rank)
         e = held_expert_params(cfg, range(b, b + 1)) if p.ep > 1 else 0
-        shares = [(n_params - e, p.dp * p.cp), (e, expert_replicas(cfg) if e else 1)]
+        shares = [(n_params - e, replicas(cfg)), (e, expert_replicas(cfg) if e else 1)]
         gathered = sum(put_in("all_gather", k * w.param, n) for k, n in shares)
         total += zero3_gathers(cfg, b) * gathered
     return total

@@ -168,6 +168,10 @@ class ParallelConfig:
     # zero >= 1: the dtype the grad reduce-scatter sends and sums in: float32 | bfloat16
     # (half the bytes; the shards are widened to float32 after)
     grad_reduce_dtype: str = "float32"
+    # zero >= 1: HSDP, ZeRO's shards over groups of dp_shard consecutive dp ranks (× cp), the
+    # parallel.dp / dp_shard groups replicas that all-reduce their shards (torchtitan's
+    # dp_shard × dp_replicate; docs/parallelism.md, ZeRO); must divide parallel.dp
+    dp_shard: int = bounded(0, low=0, note="0: parallel.dp")
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
     # chunked decomposition into tp ring steps (Wang et al., ASPLOS 2023; docs/parallelism.md);
     # needs parallel.sequence_parallel=true and parallel.tp > 1
