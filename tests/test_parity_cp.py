@@ -40,6 +40,8 @@ DOCS = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128
 BALANCED = [*DOCS, "parallel.cp_balance=documents"]  # split by attention work (balance.py)
 MOE_EP2 = ["model.n_experts=4", "model.top_k=2", "parallel.ep=2"]  # experts over dp (ep ⊂ dp)
 HYB2 = ["parallel.cp_comm=hybrid", "parallel.cp_a2a=2"]  # a2a 2 × ring 2 (context/hybrid.py)
+# two multi-token prediction depths (models/mtp.py): their shifted targets follow the cp split
+MTP2 = ["model.mtp_layers=2", "model.tie_embeddings=false"]
 
 
 def cp(n: int) -> list[str]:
@@ -70,7 +72,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
         ),
-        ("cp2-documents-balanced", 1, 1, [*cp(2), *BALANCED]),
+        ("cp2-documents-balanced-mtp", 1, 1, [*cp(2), *BALANCED, *MTP2]),
         ("cp2-a2a-documents", 1, 1, [*cp(2), *A2A, *DOCS]),
     ],
     4: [
