@@ -42,6 +42,8 @@ DOCS = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128
 BALANCED = [*DOCS, "parallel.cp_balance=documents"]  # split by attention work (balance.py)
 MOE_EP2 = ["model.n_experts=4", "model.top_k=2", "parallel.ep=2"]  # experts over dp (ep ⊂ dp)
 HYB2 = ["parallel.cp_comm=hybrid", "parallel.cp_a2a=2"]  # a2a 2 × ring 2 (context/hybrid.py)
+# two multi-token prediction depths (models/mtp.py): their shifted targets follow the cp split
+MTP2 = ["model.mtp_layers=2", "model.tie_embeddings=false"]
 
 
 def cp(n: int) -> list[str]:
@@ -80,7 +82,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
         ),
-        ("cp2-documents-balanced-window24", 1, 1, [*cp(2), *BALANCED, *window(24)]),
+        ("cp2-documents-balanced-window24-mtp", 1, 1, [*cp(2), *BALANCED, *window(24), *MTP2]),
         ("cp2-a2a-documents-window10", 1, 1, [*cp(2), *A2A, *DOCS, *window(10)]),
     ],
     4: [

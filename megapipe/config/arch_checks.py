@@ -49,7 +49,7 @@ def _check_bias_update(cfg: Config) -> None:
 
 def _check_mtp(cfg: Config) -> None:
     """Multi-token prediction (models/mtp.py) where it is built."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     if m.mtp_layers == 0:
         return
     _require(
@@ -59,11 +59,6 @@ def _check_mtp(cfg: Config) -> None:
     _require(
         m.mtp_layers < m.seq_len,
         f"model.mtp_layers={m.mtp_layers} must be below model.seq_len={m.seq_len}",
-    )
-    _require(
-        p.seq_segments == 1 and (p.cp == 1 or p.cp_balance == "position"),
-        "model.mtp_layers > 0 is not built with parallel.seq_segments > 1 or "
-        "parallel.cp_balance=documents (its shifted targets cross the split); set it 0",
     )
 
 
