@@ -89,12 +89,15 @@ class ModelConfig:
     rope_factor: float = bounded(1.0, low=1)  # yarn: the context's scale s (HF `factor`)
     # yarn: the context length the model was pretrained on, before the extension
     original_max_position_embeddings: int = bounded(0, low=0, note="0: unset")
-    beta_fast: float = bounded(32.0, low=0, low_open=True)  # yarn: pairs turning more keep θ
-    beta_slow: float = bounded(1.0, low=0, low_open=True)  # yarn: pairs turning fewer take θ/s
+    # yarn: dimension pairs turning more than beta_fast times over the pretrained context keep
+    # their frequency θ, those turning fewer than beta_slow times take θ / s, a ramp between
+    beta_fast: float = bounded(32.0, low=0, low_open=True)
+    beta_slow: float = bounded(1.0, low=0, low_open=True)  # yarn: see model.beta_fast
     # yarn's temperature m(s, k) = 0.1·k·ln s + 1: cos, sin scaled by m(s, mscale) /
-    # m(s, mscale_all_dim) when both are set, else by m(s, 1); deepseek_v3 also multiplies the
-    # softmax scale by m(s, mscale_all_dim)² (transformers' DeepseekV3Attention)
+    # m(s, mscale_all_dim) when both are set, else by m(s, 1)
     mscale: float = bounded(0.0, low=0, note="0: unset")
+    # yarn: see model.mscale; deepseek_v3 also multiplies its softmax scale by
+    # m(s, mscale_all_dim)² (transformers' DeepseekV3Attention)
     mscale_all_dim: float = bounded(0.0, low=0, note="0: unset")
     # yarn: cos, sin's factor given outright (HF `attention_factor`); 0: from the above
     rope_attention_factor: float = bounded(0.0, low=0, note="0: derived")
