@@ -104,7 +104,9 @@ def rope_fields(rope: dict, max_positions: int) -> dict:
     what is not built. `max_positions`: the config's max_position_embeddings."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "yarn"):
-        raise ValueError(f"HF rope_parameters type {kind!r} unsupported (default, yarn are built)")
+        raise ValueError(
+            f"HF rope_parameters/rope_scaling type {kind!r} unsupported (default, yarn are built)"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("HF partial_rotary_factor != 1 is unsupported")
     fields = {"rope_type": kind}

@@ -128,7 +128,7 @@ def test_export_of_a_trained_config_and_round_trip(tmp_path):
     "kw,match",
     [
         ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
-         "rope_parameters type 'linear'"),
+         "rope_scaling type 'linear'"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ],

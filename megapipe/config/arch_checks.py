@@ -55,12 +55,11 @@ def _check_bias_update(cfg: Config) -> None:
 def _check_rope(m: ModelConfig) -> None:
     """YaRN (models/rope.py) needs its pretrained context; its keys are read only under it."""
     if m.rope_type == "default":
-        yarn = ("rope_factor", "original_max_position_embeddings", "mscale", "mscale_all_dim",
-                "rope_attention_factor", "beta_fast", "beta_slow")  # fmt: skip
-        unset = {"rope_factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
-        for key in yarn:
+        unset = {"rope_factor": 1.0, "original_max_position_embeddings": 0, "mscale": 0.0,
+                 "mscale_all_dim": 0.0, "rope_attention_factor": 0.0}  # fmt: skip
+        for key, value in unset.items():
             _require(
-                getattr(m, key) == unset.get(key, 0),
+                getattr(m, key) == value,
                 f"model.{key} is read only under model.rope_type=yarn; set rope_type or unset it",
             )
         return
