@@ -134,10 +134,10 @@ class PostValidator:
         else:  # the global state: back to every stage at once, before this stage's own step
             partial[3] = time.perf_counter()
             pending.sends += [self._send(partial, r) for r in range(self.last)]
-        self._apply(engine, optimizer, partial, pending, cfg.train.grad_clip, hooks)
+        self._take_step(engine, optimizer, partial, pending, cfg.train.grad_clip, hooks)
         self.pending = pending
 
-    def _apply(self, engine, optimizer, state, p: Pending, clip: float, hooks) -> None:
+    def _take_step(self, engine, optimizer, state, p: Pending, clip: float, hooks) -> None:
         """The step under `state` (`_apply`), the routing biases moved with it."""
         _apply(engine.params(), optimizer, state, p.lr, clip, hooks)
         if _finite(state):
@@ -172,7 +172,7 @@ class PostValidator:
         if redo and p.saved is not None:  # the last stage's own step was already exact
             _restore(engine.params(), optimizer, p.saved)
             self.balance.restore(p.biases)
-            self._apply(engine, optimizer, state, p, clip, hooks)
+            self._take_step(engine, optimizer, state, p, clip, hooks)
         self.evidence.append(
             Evidence(p.step, state[3].item(), seen, first_start, self._seen_after, redo)
         )
