@@ -87,7 +87,6 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
     microbatch with each stage's gradient taken at its delayed weights (none if not `delayed`)."""
     from megapipe.config.pipeline_split import rank_blocks
     from megapipe.data.loader import build_data
-    from megapipe.models.moe import routing_biases
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.pipeline.stages import build_model
     from megapipe.train.batches import split_inputs
@@ -137,11 +136,7 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
                 history[s].append(_copy(ps))
         losses.append(loss_sum / tokens)
         norms.append(sum(step_norms) / m)
-        # aux-loss-free balancing: the bias moves once per step, by all its microbatches' load
-        for routing in (r for st in stages for r in st.modules() if hasattr(r, "take_load")):
-            routing.update_bias(routing.take_load())
     weights = {k: v for st in stages for k, v in gather_logical(st).items()}
-    weights |= {n: b.clone() for st in stages for n, b, _ in routing_biases(st)}
     return {"losses": losses, "grad_norms": norms, "weights": weights}
 
 
@@ -151,7 +146,6 @@ def simulate(extra: tuple[str, ...], dp: int, delayed: bool = True) -> dict:
 def pipedream_case(overrides: list[str]) -> dict:
     """Train STEPS steps under the mesh: losses, norms, this rank's weights, versions stashed."""
     from megapipe.data.loader import build_data
-    from megapipe.models.moe import routing_biases
     from megapipe.parallel.tensor.gather import gather_logical
     from megapipe.train.optim import build_optimizer
     from megapipe.train.parallelize import parallelize
@@ -165,10 +159,9 @@ def pipedream_case(overrides: list[str]) -> dict:
     results = [
         job.train_step(optimizer, data.batch(s, cfg.train.global_batch), s) for s in range(STEPS)
     ]
-    biases = {n: b.clone() for n, b, _ in routing_biases(pipe.chunks[0])}
     return {
         "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-        "weights": gather_logical(pipe.chunks[0]) | biases, "pp_rank": mesh.coord("pp"),
+        "weights": gather_logical(pipe.chunks[0]), "pp_rank": mesh.coord("pp"),
         "peak_versions": pipe.store.peak,
         "events": [str(e.action) for e in pipe.runtime.events],
         "actions": [str(a) for a in pipe.actions],

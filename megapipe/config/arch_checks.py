@@ -41,14 +41,19 @@ def check_arch(cfg: Config) -> None:
 
 
 def _check_bias_update(cfg: Config) -> None:
-    """Aux-loss-free balancing (train/moe_balance.py): its routing's bias."""
-    m = cfg.model
+    """Aux-loss-free balancing (train/moe_balance.py) updates once per flushed step."""
+    m, p = cfg.model, cfg.parallel
     if m.moe_bias_update_rate == 0:
         return
     _require(
         m.arch == "deepseek_v3" and m.n_experts > 0,
         "model.moe_bias_update_rate > 0 needs model.arch=deepseek_v3 with model.n_experts > 0 "
         "(the bias is its routing's); set it 0",
+    )
+    _require(
+        p.schedule != "pipedream_async" and not p.post_validation,
+        "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
+        "parallel.post_validation (one bias step per flushed step); set it 0",
     )
 
 

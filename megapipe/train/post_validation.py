@@ -22,11 +22,6 @@ ends its cool-down. Here, instead:
    synchronous path skips a non-finite step), and every stage runs the next iteration's
    forwards and backwards again on the corrected weights.
 
-Aux-loss-free balancing's routing biases (train/moe_balance.py) are part of what a step
-changes: each stage moves its biases with its optimistic step (iff its chained state is
-finite, as the step itself), copies them with the weights, and restores and moves them again
-in a rollback; a redone forward/backward counts the routed load afresh.
-
 A redo costs one more forward/backward; the paper's argument is that clipping and NaNs are
 rare once training settles. The copies cost weights + AdamW state + grads of the stage, kept
 from one step to the next (the last stage keeps none: its step is always exact).
@@ -50,7 +45,6 @@ from megapipe.pipeline.protocol import StepCore, StepResult
 from megapipe.pipeline.runtime import NO_HOOKS, Hooks
 from megapipe.train.hooks import NO_HOOKS as NO_TRAIN_HOOKS
 from megapipe.train.hooks import TrainHooks
-from megapipe.train.moe_balance import NO_BALANCE, BiasBalancing
 from megapipe.train.optim import lr_at, sum_of_squares
 from megapipe.train.rng import rng_states, set_rng_states
 from megapipe.train.step import clip_and_step, finish_grads
@@ -70,8 +64,6 @@ class Pending:
     work: object = None  # its receive (None on the last stage)
     sends: list = field(default_factory=list)
     saved: dict | None = None  # weights, optimizer state, grads before the step
-    table: torch.Tensor | None = None  # the step's routed load (train/moe_balance.py)
-    biases: list = field(default_factory=list)  # the routing biases before the step
     observed_at: float | None = None  # first time this rank saw the state arrived
 
 
@@ -92,8 +84,8 @@ class Evidence:
 class PostValidator:
     """Post-validation state of one pipeline rank."""
 
-    def __init__(self, mesh, stage_group, balance: BiasBalancing = NO_BALANCE) -> None:
-        self.mesh, self.balance = mesh, balance
+    def __init__(self, mesh, stage_group) -> None:
+        self.mesh = mesh
         self.pp_rank, self.pp = mesh.coord("pp"), mesh.size("pp")
         self.last = self.pp - 1
         # the ranks holding this stage's grads once (the sharding's norm rule for one stage)
@@ -124,24 +116,16 @@ class PostValidator:
         if self.pp_rank == 0:
             partial[2] = float(not _finite(partial))
         pending = Pending(step, lr_at(step, cfg.train), partial, partial)
-        pending.table = self.balance.load()  # over this stage's replicas only
         if self.pp_rank < self.last:
             pending.sends.append(self._send(partial, self.pp_rank + 1))
             pending.incoming = torch.empty(STATE, dtype=torch.float64, device=self.device)
             pending.work = dist.irecv(pending.incoming, self.peer[self.last], tag=PV_TAG)
             pending.saved = _save(engine.params(), optimizer)
-            pending.biases = self.balance.biases()
         else:  # the global state: back to every stage at once, before this stage's own step
             partial[3] = time.perf_counter()
             pending.sends += [self._send(partial, r) for r in range(self.last)]
-        self._take_step(engine, optimizer, partial, pending, cfg.train.grad_clip, hooks)
+        _apply(engine.params(), optimizer, partial, pending.lr, cfg.train.grad_clip, hooks)
         self.pending = pending
-
-    def _take_step(self, engine, optimizer, state, p: Pending, clip: float, hooks) -> None:
-        """The step under `state` (`_apply`), the routing biases moved with it."""
-        _apply(engine.params(), optimizer, state, p.lr, clip, hooks)
-        if _finite(state):
-            self.balance.apply(p.table)
 
     def _receive_partial(self) -> torch.Tensor:
         state = torch.empty(STATE, dtype=torch.float64, device=self.device)
@@ -171,8 +155,7 @@ class PostValidator:
         redo = self.pp > 1 and _wrong_somewhere(state, clip)
         if redo and p.saved is not None:  # the last stage's own step was already exact
             _restore(engine.params(), optimizer, p.saved)
-            self.balance.restore(p.biases)
-            self._take_step(engine, optimizer, state, p, clip, hooks)
+            _apply(engine.params(), optimizer, state, p.lr, clip, hooks)
         self.evidence.append(
             Evidence(p.step, state[3].item(), seen, first_start, self._seen_after, redo)
         )
@@ -221,12 +204,10 @@ class PostValidatedEngine:
         self._rng: dict | None = None
 
     @classmethod
-    def of(cls, pipe: Pipeline, balance: BiasBalancing | None = None) -> PostValidatedEngine:
+    def of(cls, pipe: Pipeline) -> PostValidatedEngine:
         """`pipe` post-validated (parallel.post_validation under pp > 1): the stage's partial
-        state summed over the group the sharding's norm rule gives one stage; `balance`: the
-        routing biases it steps (train/moe_balance.py), None: none."""
-        group = pipe.sharding.stage_norm_group(pipe.mesh)
-        return cls(pipe, PostValidator(pipe.mesh, group, balance or NO_BALANCE))
+        state summed over the group the sharding's norm rule gives one stage."""
+        return cls(pipe, PostValidator(pipe.mesh, pipe.sharding.stage_norm_group(pipe.mesh)))
 
     # ---- the protocol, as the pipeline's ----------------------------------------------------
 
@@ -330,7 +311,6 @@ class PostValidatedEngine:
                 reducer.finish()
         for p in self.params():
             p.grad = None
-        self.validator.balance.discard()  # the load the first run counted
         set_rng_states(self._rng, self._model)
         return self._run(micro, loss_scale)
 
