@@ -11,6 +11,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.models.qk_norm import qk_norms
+from megapipe.models.rope import Rope
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
 from megapipe.parallel.context.window import in_window
@@ -37,17 +38,6 @@ try:  # SDPA backends in an order of our choosing (torch >= 2.6: sdpa_kernel's s
     SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 except (ImportError, AttributeError):
     CUDNN_FIRST, SDPA_PRIORITY = [], False
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
-    """cos, sin of shape (T, hd) for positions (T,), or (b, 1, T, hd) for per-row positions
-    (b, T) (document masking restarts them per document) (RoPE, Su et al. 2021, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # ([b,] T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hd): the rotate-half layout of HF Llama
-    if angles.dim() == 3:  # (b, T, hd) -> (b, 1, T, hd): one row's positions for all its heads
-        angles = angles.unsqueeze(1)
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,7 +167,7 @@ class Attention(nn.Module):
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp, self.window = cp, window  # window: sliding_window on this layer, or 0
         self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
-        self.rope_theta = cfg.rope_theta if cfg.arch != "gpt2" else None
+        self.rope = Rope(cfg, hd) if cfg.arch != "gpt2" else None  # models/rope.py
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
         self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)
@@ -216,8 +206,8 @@ class Attention(nn.Module):
         v = v.view(B, T, hkv, hd).transpose(1, 2)
         if self.q_norm is not None:  # per head, before RoPE (models/qk_norm.py)
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            cos, sin = rope_tables(positions, hd, self.rope_theta)
+        if self.rope is not None:
+            cos, sin = self.rope.tables(positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if segment is not None:  # Seq1F1B: prepend earlier segments' K/V
             k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end

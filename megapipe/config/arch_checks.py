@@ -5,13 +5,14 @@ attention, routing, aux-loss-free balancing and multi-token prediction): config/
 from __future__ import annotations
 
 from megapipe.config.checks_runtime import require as _require
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, ModelConfig
 
 
 def check_arch(cfg: Config) -> None:
     m = cfg.model
     _check_bias_update(cfg)
     _check_mtp(cfg)
+    _check_rope(m)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
     if m.arch != "gpt2" and m.head_dim:
@@ -44,6 +45,29 @@ def _check_bias_update(cfg: Config) -> None:
         p.schedule != "pipedream_async" and not p.post_validation,
         "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
         "parallel.post_validation (one bias step per flushed step); set it 0",
+    )
+
+
+def _check_rope(m: ModelConfig) -> None:
+    """YaRN (models/rope.py) needs its pretrained context; its keys are read only under it."""
+    if m.rope_type == "default":
+        unset = {"rope_factor": 1.0, "original_max_position_embeddings": 0, "mscale": 0.0,
+                 "mscale_all_dim": 0.0, "rope_attention_factor": 0.0}  # fmt: skip
+        for key, value in unset.items():
+            _require(
+                getattr(m, key) == value,
+                f"model.{key} is read only under model.rope_type=yarn; set rope_type or unset it",
+            )
+        return
+    _require(m.arch != "gpt2", "model.rope_type=yarn: gpt2 has no RoPE; use llama, qwen3, ...")
+    _require(
+        m.original_max_position_embeddings > 0,
+        "model.rope_type=yarn needs model.original_max_position_embeddings (the pretrained "
+        "context length) > 0",
+    )
+    _require(
+        m.beta_fast >= m.beta_slow,
+        f"model.beta_fast={m.beta_fast} must be at least model.beta_slow={m.beta_slow}",
     )
 
 
