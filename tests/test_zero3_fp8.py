@@ -11,12 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from megapipe.parallel.data.zero3_fp8 import FORMS, Fp8Bucket
+from megapipe.config import load_config
+from megapipe.config.fp8_weights import amax_entries, fp8_params
+from megapipe.parallel.data.zero3_fp8 import FORMS, Fp8Bucket, fp8_linears
 from megapipe.parallel.fp8 import GRANULARITY, Fp8Linear
 from megapipe.parallel.fp8_scaling import E4M3, quantize
+from megapipe.pipeline.stages import build_model
 
 SHAPES = [(300, 260), (96, 32), (130, 129)]  # edge blocks partial; the ranges cut rows
 RANKS = 3
+TINY = "configs/tiny.yaml"
 
 
 def _linears(recipe: str) -> list[nn.Module]:
@@ -60,3 +64,24 @@ def test_sharded_casts_are_the_whole_weights(recipe):
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (form, w.shape)
             assert inv.shape == want_inv.shape and torch.equal(inv, want_inv), (form, w.shape)
     assert len(buckets[0].forms) == (2 if recipe == "rowwise" else 1)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [("tensorwise", {}), ("rowwise", {"model.arch": "llama", "train.fp8_keep_bf16": "head,fc2"}),
+     ("blockwise", {"model.d_model": "256", "model.n_heads": "2"})],
+)  # fmt: skip
+def test_the_config_knows_the_fp8_weights(recipe, extra):
+    """config/fp8_weights.py against a built model: each layer's FP8 weights (the gathers'
+    1-byte elements) and the amax entries its casts all-reduce once a step."""
+    cfg = load_config(TINY, [f"--train.fp8={recipe}", *(f"--{k}={v}" for k, v in extra.items())])
+    model = build_model(cfg)
+    linears = fp8_linears(model)
+    for block in range(1, cfg.model.n_layers + 1):
+        mine = [m for n, m in model.named_modules() if n.startswith(f"layers.{block - 1}.")]
+        weights = [m.weight for m in mine if id(getattr(m, "weight", None)) in linears]
+        assert weights and sum(w.numel() for w in weights) == fp8_params(cfg, [block])
+        bucket = Fp8Bucket(weights, linears, 0, sum(w.numel() for w in weights), 1)
+        entries = sum(c[f].n_scales for c in bucket.casts.values() for f in bucket.forms)
+        assert entries == amax_entries(cfg, [block])[0]
+    assert fp8_params(cfg, [0, cfg.model.n_layers + 1]) == 0  # embedding, head: kept
