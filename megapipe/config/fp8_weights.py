@@ -114,3 +114,34 @@ def deferred_fp8(cfg: Config, block: int, tokens: int, element: int) -> tuple[fl
     per = {"tensorwise": 0, "rowwise": 1, "block": -(-tokens // BLOCK)}.get(granularity, 0)
     scales = 2 * len(weights) if granularity == "tensorwise" else features * per
     return features * tokens * (element - FP8_BYTES), scales * SCALE_BYTES
+
+
+def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict) -> list:
+    """The dry run's FP8 lines for a rank holding `blocks` (train/dry_run.py): the weights
+    cast, zero=3's 1-byte gathers and kept casts (`shards` > 1), and what W keeps
+    (`deferred`: a layer's memory_terms.layer_deferred under a B/W split, else {})."""
+    granularity = weight_granularity(cfg)
+    if granularity is None:
+        return []
+    blocks = list(blocks)
+    layers = [b for b in blocks if 1 <= b <= cfg.model.n_layers]
+    lines = [
+        f"(FP8 weights on pp=0 tp=0: {fp8_params(cfg, blocks):,} elements, the linears of "
+        f"{len(layers)} layers outside train.fp8_keep_bf16={cfg.train.fp8_keep_bf16}, "
+        f"{granularity} scales)"
+    ]
+    if shards > 1:
+        kept = cast_bytes(cfg, blocks, shards)
+        lines.append(
+            "(FP8 gathers, zero=3: they are gathered as 1-byte e4m3 payloads; the casts of "
+            f"the rank's shards and their scales are kept over the step: {kept:,.0f} bytes, "
+            "in the gathered weights)"
+        )
+    if deferred.get("FP8 scales"):
+        saved, scales = -deferred["FP8 cast saving"], deferred["FP8 scales"]
+        lines.append(
+            "(FP8 deferred W: a layer keeps its FP8 linears' inputs and output grads cast to "
+            f"one byte from B to W, {saved:,.0f} bytes less a microbatch, plus {scales:,.0f} "
+            "bytes of scales)"
+        )
+    return lines
