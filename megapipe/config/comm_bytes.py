@@ -22,6 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
+from megapipe.config.fp8_weights import (
+    FP8_BYTES,
+    SCALE_BYTES,
+    amax_entries,
+    fp8_params,
+    weight_granularity,
+)
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.schema import Config
@@ -98,6 +105,15 @@ def zero3_gathers(cfg: Config, block: int) -> int:
     return cfg.parallel.microbatches * (1 if block == 0 else 2)
 
 
+def fp8_gathers(cfg: Config, block: int) -> int:
+    """zero=3's gathers of `block`'s FP8 payloads beyond its others' (zero3_gathers): under
+    rowwise a full-recompute layer's forward runs again inside its backward, which holds the
+    input grad's cast, so the forward's is gathered once more a microbatch."""
+    if weight_granularity(cfg) != "rowwise" or not 1 <= block <= cfg.model.n_layers:
+        return 0
+    return cfg.parallel.microbatches * (layer_mode(cfg.recompute, block - 1) == "full")
+
+
 def p2p_message_bytes(cfg: Config, tokens: int, element: int) -> float:
     """A pipeline message of `tokens` per sequence: the (b, T, d) activation or its grad in
     `element`-byte values; under SP each tp rank sends its sequence shard."""
@@ -146,6 +162,9 @@ def rank_comm_bytes(
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
     if p.zero == 3:  # the gathers per block instead of after the step
         out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
+        dp_amax, tp_amax = amax_entries(cfg, [b for blocks in held for b in blocks])
+        out["dp"] += put_in("all_reduce", dp_amax * SCALE_BYTES, p.dp * p.cp)
+        out["tp"] += put_in("all_reduce", tp_amax * SCALE_BYTES, p.tp)
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
     return out
 
@@ -226,14 +245,18 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
 
 def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:
     """zero=3's gathers of each held block's weights (zero3_gathers), the routed experts' over
-    their replicas, the rest over dp × cp (HSDP: over the shard groups)."""
+    their replicas, the rest over dp × cp (HSDP: over the shard groups); train.fp8's weights as
+    1-byte payloads (config/fp8_weights.py; their amax all-reduces: rank_comm_bytes)."""
     p, total = cfg.parallel, 0.0
     for b in (b for blocks in held for b in blocks):
         n_params = chunk_params(range(b, b + 1), tp_rank)
         e = held_expert_params(cfg, range(b, b + 1)) if p.ep > 1 else 0
-        shares = [(n_params - e, replicas(cfg)), (e, expert_replicas(cfg) if e else 1)]
-        gathered = sum(put_in("all_gather", k * w.param, n) for k, n in shares)
+        f = fp8_params(cfg, [b]) if replicas(cfg) > 1 else 0
+        shares = [((n_params - e - f) * w.param + f * FP8_BYTES, replicas(cfg))]
+        shares.append((e * w.param, expert_replicas(cfg) if e else 1))
+        gathered = sum(put_in("all_gather", nbytes, n) for nbytes, n in shares)
         total += zero3_gathers(cfg, b) * gathered
+        total += fp8_gathers(cfg, b) * put_in("all_gather", f * FP8_BYTES, replicas(cfg))
     return total
 
 

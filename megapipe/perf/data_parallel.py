@@ -17,7 +17,11 @@ dtypes).
   but one of the embedding's, whose backward reads no weight (config/comm_bytes
   .zero3_gathers), prefetched a block ahead, so they run beside the compute
   (`per_microbatch`); no weight all-gather after the step. The reductions stay float32
-  (`grad_bytes`) at every level.
+  (`grad_bytes`) at every level. Under train.fp8 the FP8 linears' weights are gathered as
+  1-byte e4m3 payloads (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16
+  gather's bytes, and under rowwise with full recompute once more a microbatch (the forward's
+  cast again inside the backward); their once-a-step amax all-reduces are a few bytes per
+  scale (latency only, not priced, as the linears' own amax all-reduces, perf/fp8_costs.py).
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link
@@ -40,8 +44,14 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config import Config
-from megapipe.config.comm_bytes import grad_reduction_kind, tied_grad_bytes, zero3_gathers
-from megapipe.config.pipeline_split import placement_of
+from megapipe.config.comm_bytes import (
+    fp8_gathers,
+    grad_reduction_kind,
+    tied_grad_bytes,
+    zero3_gathers,
+)
+from megapipe.config.fp8_weights import FP8_BYTES, fp8_params
+from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.states import (
     expert_layout,
     expert_replicas,
@@ -159,10 +169,15 @@ def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None,
             for c, n in enumerate(per_chunk):
                 e = experts[r][c] if experts and len(groups) > 1 else 0
                 emb = embedding[1] if (r, c) == (embedding[0], 0) else 0
-                parts = [(n - e - emb, groups[0], twice), (emb, groups[0], once)]
+                blocks = rank_blocks(cfg, r)[c] if cfg.train.fp8 != "none" else range(0)
+                f = fp8_params(cfg, blocks)  # gathered as 1-byte payloads
+                parts = [(n - e - emb - f, groups[0], twice), (emb, groups[0], once)]
                 parts += [(e, groups[1], twice)] if e else []
                 t += sum(j * ring_time("all_gather", k * rt.param_bytes, d, link)
                          for k, (d, link), j in parts)  # fmt: skip
+                again = sum(fp8_gathers(cfg, b) * fp8_params(cfg, [b]) for b in blocks)
+                t += twice * ring_time("all_gather", f * FP8_BYTES, *groups[0])
+                t += ring_time("all_gather", again * FP8_BYTES, *groups[0])
         out.append(t)
     return out
 
