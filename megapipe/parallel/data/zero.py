@@ -141,9 +141,9 @@ class ShardedGradReducer(GradReducer):
     def _write_back(self, bucket: Bucket) -> None:
         """The send buffer becomes the bucket's grads: this rank's summed shard, zeros around."""
         lo, hi = self.shard_range(bucket)
-        bucket.shard = self.replicate(bucket.shard)  # HSDP: over the replicas too
+        shard = self.replicate(bucket.shard)  # HSDP: over the replicas too
         bucket.flat = bucket.flat.float()  # a bf16 reduction's sums, widened
-        bucket.flat.zero_()[lo:hi].copy_(bucket.shard)
+        bucket.flat.zero_()[lo:hi].copy_(shard)
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):
             set_grad(p, chunk.view_as(p))
