@@ -11,8 +11,10 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.models.qk_norm import qk_norms
+from megapipe.models.rope import Rope
 from megapipe.parallel.context.documents import varlen_offsets, visible_keys
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
+from megapipe.parallel.context.window import in_window
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import maybe_checkpoint
 from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
@@ -36,17 +38,6 @@ try:  # SDPA backends in an order of our choosing (torch >= 2.6: sdpa_kernel's s
     SDPA_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 except (ImportError, AttributeError):
     CUDNN_FIRST, SDPA_PRIORITY = [], False
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
-    """cos, sin of shape (T, hd) for positions (T,), or (b, 1, T, hd) for per-row positions
-    (b, T) (document masking restarts them per document) (RoPE, Su et al. 2021, eq. 34)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # ([b,] T, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hd): the rotate-half layout of HF Llama
-    if angles.dim() == 3:  # (b, T, hd) -> (b, 1, T, hd): one row's positions for all its heads
-        angles = angles.unsqueeze(1)
-    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,11 +72,12 @@ def attention_core(q, k, v, dropout_p: float, documents=None, window: int = 0) -
     cuDNN's backend first (Transformer Engine's preference there; where cuDNN cannot take the
     inputs SDPA goes on down the list), else flash-attn's FA2 where installed, else SDPA.
     `window` > 0: sliding-window attention (Mistral 7B §2; transformers' sliding_window), each
-    query sees itself and the window - 1 keys before it (a boolean mask; FA2's window_size)."""
+    query sees itself and the window - 1 keys before it (a boolean mask; FA2's window_size);
+    with `documents`, the window AND the same document (parallel/context/window.py)."""
+    if documents is not None:
+        return _document_core(q, k, v, dropout_p, documents, window)
     if window:
         return _window_core(q, k, v, dropout_p, window)
-    if documents is not None:
-        return _document_core(q, k, v, dropout_p, documents)
     kernel = dense_kernel(q)
     if kernel == "flash" and flash_attn_func is not None:
         out = flash_attn_func(  # (B, T, H, hd), GQA built in; causal is bottom-right aligned
@@ -121,17 +113,20 @@ def _window_core(q, k, v, dropout_p: float, window: int) -> torch.Tensor:
             window_size=(window - 1, 0),
         )  # fmt: skip
         return out.transpose(1, 2)
-    query = torch.arange(S - T, S, device=q.device)[:, None]  # (T, 1) absolute positions
-    key = torch.arange(S, device=q.device)[None, :]  # (1, S)
-    mask = (key <= query) & (query - key < window)  # (T, S)
-    return _sdpa(q, k, v, mask, dropout_p)
+    return _sdpa(q, k, v, _window_mask(T, S, window, q.device), dropout_p)
 
 
-def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.Tensor:
+def _window_mask(T: int, S: int, window: int, device) -> torch.Tensor:
+    """(T, S) bool: the window of each of the last T of S positions (parallel/context/window.py)."""
+    return in_window(torch.arange(S - T, S, device=device), torch.arange(S, device=device), window)
+
+
+def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor, window: int = 0):
     """Document-masked attention: on CUDA with flash-attn, its varlen kernel over the documents
     laid end to end (no mask exists; Dao 2023, FlashAttention-2's variable-length batches);
     else, and for a later Seq1F1B segment (S > T), SDPA with a dense (B, 1, T, S) boolean
-    mask (same document, key not after query)."""
+    mask (same document, key not after query). `window` > 0: also within the window (the
+    varlen kernel's window_size; a document's positions differ as the row's do)."""
     B, H, T, hd = q.shape
     if flash_attn_varlen_func is not None and _flash_ok(q) and k.shape[2] == T:
         cu, longest = varlen_offsets(documents[:, :T])
@@ -139,11 +134,14 @@ def _document_core(q, k, v, dropout_p: float, documents: torch.Tensor) -> torch.
         def flat(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, hd) -> (B·T, h, hd)
             return x.transpose(1, 2).reshape(B * T, x.shape[1], hd)
 
+        sides = {"window_size": (window - 1, 0)} if window else {}  # keys left, right of a query
         out = flash_attn_varlen_func(
-            flat(q), flat(k), flat(v), cu, cu, longest, longest, dropout_p, causal=True
+            flat(q), flat(k), flat(v), cu, cu, longest, longest, dropout_p, causal=True, **sides
         )  # (B·T, H, hd)
         return out.view(B, T, H, hd).transpose(1, 2)
     mask = visible_keys(documents, T, k.shape[2]).unsqueeze(1)  # (B, 1, T, S)
+    if window:
+        mask = mask & _window_mask(T, k.shape[2], window, q.device)
     if q.is_cuda and k.shape[1] != H:  # CUDA SDPA takes a mask with GQA only in its math
         g = H // k.shape[1]  # backend (s² probabilities): give the memory-efficient one H heads
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -169,7 +167,7 @@ class Attention(nn.Module):
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp, self.window = cp, window  # window: sliding_window on this layer, or 0
         self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
-        self.rope_theta = cfg.rope_theta if cfg.arch != "gpt2" else None
+        self.rope = Rope(cfg, hd) if cfg.arch != "gpt2" else None  # models/rope.py
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
         self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)
@@ -208,8 +206,8 @@ class Attention(nn.Module):
         v = v.view(B, T, hkv, hd).transpose(1, 2)
         if self.q_norm is not None:  # per head, before RoPE (models/qk_norm.py)
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            cos, sin = rope_tables(positions, hd, self.rope_theta)
+        if self.rope is not None:
+            cos, sin = self.rope.tables(positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if segment is not None:  # Seq1F1B: prepend earlier segments' K/V
             k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
@@ -228,7 +226,7 @@ class Attention(nn.Module):
         if self.cp.size > 1:
             layout = self.cp.layout(documents)  # parallel.cp_balance=documents: by work
             return self.cp.attention(
-                q, k, v, self.cp.group, attention_core, dropout_p, documents, layout
+                q, k, v, self.cp.group, attention_core, dropout_p, documents, layout, self.window
             )
         with sharded_rng(self.tp):
             return attention_core(q, k, v, dropout_p, documents, self.window)

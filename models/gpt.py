@@ -363,5 +363,5 @@ class GPT(nn.Module):
         if self.mtp is None or targets is None:
             return out
         weight = self.head.out.weight  # the shared head (mtp_layers refuses a tied one)
-        extra = self.mtp(x, targets, self.embed.tok, weight, positions, documents)
+        extra = self.mtp(x, targets, self.embed.tok, weight, positions, documents, segment)
         return out + (extra - extra.detach())  # MTP's grads; the reported loss stays the LM's

@@ -25,6 +25,7 @@ from megapipe.models.hf_qwen3 import (
     qwen3_config,
     qwen3_hf_config,
 )
+from megapipe.models.rope import hf_rope_parameters, rope_fields
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
 GPT2_TOP = {
@@ -162,10 +163,7 @@ def _gpt2_config(hf) -> ModelConfig:
 
 def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
     rope = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", "default")
-    _require(
-        rope_type == "default", f"HF rope_parameters/rope_scaling type {rope_type!r} unsupported"
-    )
+    scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
     _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
     _require(not getattr(hf, "attention_bias", False), "HF attention_bias=True is unsupported")
     _require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
@@ -189,6 +187,7 @@ def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
         dropout=0.0,
         norm_eps=hf.rms_norm_eps,
         rope_theta=float(theta),
+        **scaling,
     )
 
 
@@ -257,7 +256,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "attention_dropout": 0.0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": hf_rope_parameters(cfg),
     }
     if cfg.arch == "deepseek_v3":
         return hf_deepseek.hf_config(cfg, common | {"intermediate_size": d.d_ff})

@@ -18,6 +18,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models.gpt import GPT
+from megapipe.models.rope import rope_fields
 
 TOP = {
     "embed.tok.weight": ("model.embed_tokens.weight",),
@@ -83,8 +84,7 @@ def rope_rows(cfg: ModelConfig, name: str, rows: int) -> torch.Tensor | None:
 def config_from_hf(hf) -> ModelConfig:
     """The ModelConfig of an HF DeepseekV3Config; what is not built raises ValueError."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
-    kind = rope.get("rope_type", "default")
-    _require(kind == "default", f"HF rope_parameters type {kind!r} (yarn's mscale) is not built")
+    scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
     _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
     _require(not hf.attention_bias, "HF attention_bias=True is unsupported")
     _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
@@ -104,7 +104,7 @@ def config_from_hf(hf) -> ModelConfig:
         moe_aux_coef=0.0, first_k_dense_replace=hf.first_k_dense_replace,
         n_group=hf.n_group or 1, topk_group=hf.topk_group or 1,
         routed_scaling_factor=float(hf.routed_scaling_factor),
-        norm_topk_prob=bool(hf.norm_topk_prob),
+        norm_topk_prob=bool(hf.norm_topk_prob), **scaling,
     )  # fmt: skip
 
 

@@ -6,8 +6,8 @@ RoPE is decoupled: one rope key of qk_rope_head_dim per token, shared by every h
 the same down projection; each head's query is [q_nope | RoPE(q_rope)] and its key
 [k_nope | RoPE(k_rope)]. The query has its own low-rank path (x W_q_a, RMSNorm, W_q_b) when
 model.q_lora_rank > 0, else one projection. The softmax scale is 1/sqrt(qk_nope + qk_rope)
-(transformers' DeepseekV3Attention; yarn's mscale is not built, so the HF import refuses rope
-scaling). Weights hold the rope dims in rotate-half order; models/hf_deepseek.py permutes
+(transformers' DeepseekV3Attention), times m(s, mscale_all_dim)² under YaRN (models/rope.py).
+Weights hold the rope dims in rotate-half order; models/hf_deepseek.py permutes
 transformers' interleaved order (rope_interleave) on the way in.
 
 Under tp the heads split: the up projections (q_b or q, kv_b) are column-parallel by head and
@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
-from megapipe.models.attention import Attention, apply_rope, rope_tables
+from megapipe.models.attention import Attention, apply_rope
+from megapipe.models.rope import Rope, softmax_gain
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.recompute import maybe_checkpoint
 from megapipe.parallel.tensor.layers import (
@@ -71,7 +72,8 @@ class MLA(Attention):
         self.head_dim = self.nope + self.rope  # the query/key width the scale is taken over
         self.dropout, self.selective, self.tp, self.cp = cfg.dropout, selective, tp, cp
         self._eager_core, self.window = None, 0  # attention_core takes a window: MLA has none
-        self.rope_theta, self.kv_rank = cfg.rope_theta, cfg.kv_lora_rank
+        self.rotary, self.kv_rank = Rope(cfg, self.rope), cfg.kv_lora_rank
+        self.gain = softmax_gain(cfg)  # yarn's softmax scale on top of 1/sqrt(qk width)
         h, d, qk = cfg.n_heads, cfg.d_model, self.head_dim
         self.local_heads = self.local_kv_heads = h // tp.size
         if cfg.q_lora_rank:
@@ -106,10 +108,13 @@ class MLA(Attention):
         k_rope = enter_column(k_rope, self.tp)  # (B, T, rope): every head's, grad summed
         q = q.view(B, T, h, nope + rope).transpose(1, 2)  # (B, H/tp, T, nope+rope)
         k_nope, v = kv.view(B, T, h, nope + vd).transpose(1, 2).split([nope, vd], dim=-1)
-        cos, sin = rope_tables(positions, rope, self.rope_theta)
+        cos, sin = self.rotary.tables(positions)
         q_rope = apply_rope(q[..., nope:], cos, sin)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin).expand(B, h, T, rope)
         q = torch.cat([q[..., :nope], q_rope], dim=-1)
+        # the cores' 1/sqrt(qk width) times the gain: softmax((g·q)·k / sqrt(d)) is the
+        # scaled softmax, on every kernel and cp variant alike (models/rope.softmax_gain)
+        q = q * self.gain if self.gain != 1.0 else q
         k = torch.cat([k_nope, k_rope], dim=-1)  # (B, H/tp, T, nope+rope)
         # the ring (and flash-attn) want v shaped as k; config checks keep vd <= nope + rope there
         pad = nope + rope - vd if self.cp.size > 1 or q.is_cuda else 0

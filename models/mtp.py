@@ -43,9 +43,9 @@ class MTPModule(nn.Module):
         self.proj, self.block = proj, block
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp)
 
-    def forward(self, h, e, positions, documents=None) -> torch.Tensor:
+    def forward(self, h, e, positions, documents=None, segment=None) -> torch.Tensor:
         x = self.proj(torch.cat([self.hnorm(h), self.enorm(e)], dim=-1))
-        return self.block(x, positions, None, documents)
+        return self.block(x, positions, segment, documents)
 
 
 class MTP(nn.Module):
@@ -58,31 +58,44 @@ class MTP(nn.Module):
         self.depths = nn.ModuleList(modules)
         self.coef, self.tp, self.cp, self.vocab_size = cfg.mtp_loss_coef, tp, cp, cfg.vocab_size
 
-    def forward(self, h, targets, embed, weight, positions, documents=None) -> torch.Tensor:
+    def forward(
+        self, h, targets, embed, weight, positions, documents=None, segment=None
+    ) -> torch.Tensor:
         """Σ over depths and positions of the MTP cross entropy times coef / D; `h` (B, T[/tp],
         d) the main hidden states, `targets` (B, T/cp) this rank's main targets, `embed` the
-        token lookup, `weight` the head's (V/tp, d) vocabulary slice."""
-        whole, places = self._whole(targets)  # (B, T), (T/cp,)
-        T = whole.shape[1]
+        token lookup, `weight` the head's (V/tp, d) vocabulary slice. Under Seq1F1B, h and
+        targets are one segment's and `segment` its SegmentScope: each depth's block carries
+        its own K/V across segments as the main layers do, and the inputs and targets past the
+        segment's end come from the scope's whole rows (parallel/autograd/segment_kv.py)."""
+        whole, places = self._whole(targets, documents, segment)  # (B, T), (n,)
+        T, first = whole.shape[1], segment.start if segment is not None else 0
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         vocab_start = self.tp.rank * weight.shape[0]
         for k, module in enumerate(self.depths, start=1):
             ids = whole[:, (places + k - 1).clamp(max=T - 1)]  # t_{i+k}; the last repeated
-            h = module(h, embed(ids), positions, documents)
-            # the positions with a token k + 1 ahead: without cp the first T − k, a slice (no
-            # data-dependent shape, so fake tensors (train/fake_ranks.py) run it too)
-            keep = places < T - k if self.cp.size > 1 else slice(0, T - k)
+            h = module(h, embed(ids), positions, documents, segment)
+            # the positions with a token k + 1 ahead: without cp the first T − k (of a segment
+            # from `first`), a slice (no data-dependent shape, so fake tensors
+            # (train/fake_ranks.py) run it too); an empty slice keeps the block in the graph
+            keep = places < T - k if self.cp.size > 1 else slice(0, max(T - k - first, 0))
             x = enter_column(module.norm(h), self.tp)[:, keep]  # (B, n, d)
             want = whole[:, places[keep] + k]  # t_{i+k+1}
             ce = linear_cross_entropy(x, weight, want, vocab_start, self.vocab_size, self.tp)
             total = total + ce.float()
         return total * (self.coef / len(self.depths))
 
-    def _whole(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole sequences' targets and the places of this rank's tokens in them: under cp
-        its zigzag slice's (parallel/context/zigzag.py), the targets gathered over cp (the
-        shifted ones lie on other cp ranks)."""
-        places = self.cp.positions(targets.shape[1] * self.cp.size, targets.device)
+    def _whole(self, targets, documents, segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sequences' targets and the places of this rank's tokens in them: a Seq1F1B
+        segment's span of the scope's rows; under cp the rank's slice (zigzag, or the chunks of
+        parallel.cp_balance=documents' layout, parallel/context/balance.py, as the loader cut
+        them), the targets gathered over cp (the shifted ones lie on other cp ranks)."""
+        if segment is not None:  # cp = 1 (config/checks.py refuses segments under cp)
+            start = segment.start
+            places = torch.arange(start, start + targets.shape[1], device=targets.device)
+            return segment.targets, places
+        T = targets.shape[1] * self.cp.size
+        places = torch.arange(T, device=targets.device)
+        places = self.cp.shard(places, 0, self.cp.layout(documents))  # (T/cp,)
         if self.cp.size == 1:
             return targets, places
         every = C.all_gather(targets, 1, self.cp.group)

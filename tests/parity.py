@@ -31,26 +31,36 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
     torch.set_num_threads(1)
+    import gc
+
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )  # fmt: skip
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    count = 0
     while (task := tasks.get()) is not None:
+        # A world of its own for each case: a gloo group holds three threads until it is
+        # destroyed (a pool that ran a few hundred cases held ~500 a worker, most of a core
+        # between them), and each case's groups under their own store prefix, since torch
+        # names the groups it makes again from the same ranks after a destroy.
+        count += 1
+        prefix = dist.PrefixStore(f"case{count}", store)
+        dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world, timeout=timeout)
         module, name, args = task
         try:
             fn = getattr(importlib.import_module(module), name)
             results.put((rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - every failure goes back as text
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+        dist.destroy_process_group()
+        gc.collect()
 
 
 class WorkerPool:
     def __init__(self, world: int) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
+        self.cases = 0  # cases run: see Pools.MAX_CASES
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
@@ -68,6 +78,7 @@ class WorkerPool:
 
     def run(self, fn, *args, timeout: float = 180.0) -> list:
         """fn(*args) on every rank; the per-rank results in rank order."""
+        self.cases += 1
         for q in self.tasks:
             q.put((fn.__module__, fn.__name__, args))
         out, errors = [None] * self.world, {}
@@ -104,17 +115,31 @@ class WorkerPool:
 
 
 class Pools:
-    """Session cache: one live pool per world size."""
+    """Session cache: live pools by world size, reused across test files.
+
+    Idle workers wait on their queues and use no CPU, only memory (~0.35 GB each), so pools of
+    other sizes stay up: tests alternate between world sizes ~80 times in one run, and each
+    respawn costs several seconds of start-up. Beyond MAX_IDLE_WORKERS the least recently used
+    pool is closed."""
+
+    MAX_IDLE_WORKERS = 14  # worlds 2, 4 and 8 together; a 16-rank pool evicts them
+    # A training case leaves one gloo group's three threads behind in each worker even after
+    # its world is destroyed (a backend held from C++); a pool starts afresh after this many.
+    MAX_CASES = 50
 
     def __init__(self) -> None:
-        self.pools: dict[int, WorkerPool] = {}
+        self.pools: dict[int, WorkerPool] = {}  # least recently used first
 
     def __call__(self, world: int) -> WorkerPool:
-        pool = self.pools.get(world)
-        if pool is None or not pool.alive:
-            for other in list(self.pools):  # a machine with 2 cores holds one world at a time
-                self.pools.pop(other).close()
-            pool = self.pools[world] = WorkerPool(world)
+        pool = self.pools.pop(world, None)
+        if pool is not None and (not pool.alive or pool.cases >= self.MAX_CASES):
+            pool.close(kill=not pool.alive)
+            pool = None
+        if pool is None:
+            while self.pools and sum(self.pools) + world > self.MAX_IDLE_WORKERS:
+                self.pools.pop(next(iter(self.pools))).close()
+            pool = WorkerPool(world)
+        self.pools[world] = pool
         return pool
 
     def close(self) -> None:

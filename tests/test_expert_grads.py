@@ -66,7 +66,7 @@ def _case(sizes: MeshSizes, zero: int) -> dict:
     c = mesh.coords
     model = Toy(ep_info(mesh), tp_info(mesh))
     sharding = LEVELS[zero]
-    reducer = sharding.reducer(model, mesh.replica_group, 1e-4, None, (), mesh.expert_replica_group)
+    reducer = sharding.reducer(model, mesh, 1e-4, None, ())
     replica = c["dp"] * sizes.cp + c["cp"]  # the rows this dp × cp replica reads
     rows = slice(replica * T, (replica + 1) * T)
     x, choice, cot = (t[rows] for t in batch(sizes.dp * sizes.cp))

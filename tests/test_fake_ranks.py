@@ -92,21 +92,46 @@ def assert_bytes_are_the_plans(r: dict) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "peak"),
-    [(["--parallel.zero=3"], True), (["--parallel.zero=1", "--parallel.schedule=zb_h1"], False)],
-    ids=["zero3", "zb_h1"],
+    [
+        (["--parallel.zero=3"], True),
+        (["--parallel.zero=1", "--parallel.schedule=zb_h1"], False),
+        (["--parallel.zero=3", "--train.fp8=rowwise"], False),
+    ],
+    ids=["zero3", "zb_h1", "zero3_fp8"],
 )
 def test_last_stage_is_the_models(tmp_path, extra, peak):
     """dp2 · tp2 · pp2, the last stage (rank 4): zero=3's gathers per block (the embedding's
     once a microbatch) and the tied table's sharded grads, and Zero Bubble's B/W split: FLOPs
     exact, bytes per axis within 2%; zero=3's peak within 5% of the dry run's (zb_h1's is
-    1.07×: the backward's working set, as rank 0's under 1F1B)."""
+    1.07×: the backward's working set, as rank 0's under 1F1B). Under train.fp8 zero=3
+    gathers the FP8 weights' 1-byte casts and all-reduces their amax vectors once a step
+    (parallel/data/zero3_fp8.py): dp's bytes equal the plan's exactly (config/fp8_weights.py);
+    tp's also hold the linears' own amax all-reduces, which the plan leaves out."""
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
                              "--parallel.pp=2", "--parallel.microbatches=2", *extra])  # fmt: skip
     (r,) = fake_ranks(cfg, "4")["ranks"]
     assert r["flops"] == r["plan_flops"]
+    if "--train.fp8=rowwise" in extra:
+        assert r["comm_bytes"]["dp"] == r["plan_comm_bytes"]["dp"]
+        # tp also carries the activations' amax all-reduces, which the plan does not price yet
+        assert r["comm_bytes"]["tp"] >= r["plan_comm_bytes"]["tp"]
+        r = {**r, "comm_bytes": {**r["comm_bytes"], "tp": r["plan_comm_bytes"]["tp"]}}
     assert_bytes_are_the_plans(r)
     if peak:
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+def test_hsdp_rank_is_the_models(tmp_path):
+    """HSDP, dp4 in shard groups of 2 under zero=3 (parallel.dp_shard=2), rank 2: the first of
+    the second group, a replica of rank 0's shards. Its dp bytes within 2% of the plan's: the
+    reduce-scatters and per-block gathers over 2 ranks, the shards' all-reduce over the 2
+    replicas; it writes nothing to a checkpoint (not dp 0; rank 0 writes the same moments)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=4", "--parallel.zero=3",
+                             "--parallel.dp_shard=2", "--parallel.microbatches=2"])  # fmt: skip
+    (r,) = fake_ranks(cfg, "2")["ranks"]
+    assert r["comm_bytes"]["dp"] > 0
+    assert_bytes_are_the_plans(r)
+    assert r["save_bytes"] == 0
 
 
 MOE = ["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"]  # Mixtral-style

@@ -1,5 +1,5 @@
 """HF DeepSeek-V3 (transformers' DeepseekV3ForCausalLM) import and export (models/hf_deepseek.py):
-logits equal both ways, with and without a query LoRA, interleaved and plain RoPE, grouped
+logits equal both ways, with and without a query LoRA, interleaved and plain RoPE, YaRN, grouped
 routing with a nonzero selection bias, shared experts and a first dense layer; exact round
 trips; one-line refusals."""
 
@@ -50,10 +50,18 @@ def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
+# YaRN as DeepSeek-V3 configs carry it, mscale != mscale_all_dim so that both the cos/sin factor
+# and the softmax's m(s, mscale_all_dim)² differ from 1 (models/rope.py)
+YARN = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                            "original_max_position_embeddings": 16, "beta_fast": 8.0,
+                            "beta_slow": 0.5, "mscale": 1.0, "mscale_all_dim": 0.7},
+        "max_position_embeddings": 64}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"q_lora_rank": None}, {"rope_interleave": False, "norm_topk_prob": False}],
-    ids=["q-lora", "no-q-lora", "plain-rope"],
+    [{}, {"q_lora_rank": None}, {"rope_interleave": False, "norm_topk_prob": False}, YARN],
+    ids=["q-lora", "no-q-lora", "plain-rope", "yarn"],
 )
 def test_from_hf_and_back_keep_the_logits(kw, tmp_path):
     hf = deepseek(**kw)
@@ -119,8 +127,8 @@ def test_export_of_a_trained_config_and_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                              "original_max_position_embeddings": 8}}, "rope_parameters type"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}},
+         "rope_scaling type 'linear'"),
         ({"attention_bias": True}, "attention_bias"),
         ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ],

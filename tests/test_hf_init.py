@@ -186,8 +186,8 @@ def mixtral_model():
 
 
 def deepseek_model():
-    """DeepSeek-V3's MLA (interleaved RoPE rows), a dense first layer, shared + routed experts
-    with the selection bias."""
+    """DeepSeek-V3's MLA (interleaved RoPE rows, YaRN with its softmax mscale), a dense first
+    layer, shared + routed experts with the selection bias."""
     torch.manual_seed(3)
     shape = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -195,6 +195,9 @@ def deepseek_model():
                  v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                  first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
                  max_position_embeddings=64, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                  "original_max_position_embeddings": 16, "mscale": 1.0,
+                                  "mscale_all_dim": 0.7},
                  bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**shape))
     with torch.no_grad():

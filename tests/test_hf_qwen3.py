@@ -1,6 +1,7 @@
 """HF Qwen3 and Qwen3-MoE (transformers' Qwen3ForCausalLM, Qwen3MoeForCausalLM) import and
-export: logits equal both ways at head_dim != d_model / n_heads, the QK-norm gains and sparse
-layers under their logical names, one-line refusals of what the model cannot compute."""
+export: logits equal both ways at head_dim != d_model / n_heads (and with YaRN), the QK-norm
+gains and sparse layers under their logical names, one-line refusals of what the model cannot
+compute."""
 
 from __future__ import annotations
 
@@ -60,10 +61,19 @@ def round_trip(hf, tmp_path, kind) -> GPT:
     return gpt
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_qwen3_logits_both_ways(tie, tmp_path):
-    gpt = round_trip(qwen3(tie=tie), tmp_path, transformers.Qwen3ForCausalLM)
+# a long-context Qwen3's YaRN (factor 4 over the pretrained context), scaled down to SEQ
+YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize("tie,rope", [(False, None), (True, None), (False, YARN)],
+                         ids=["untied", "tied", "yarn"])  # fmt: skip
+def test_qwen3_logits_both_ways(tie, rope, tmp_path):
+    kw = {"rope_parameters": rope, "max_position_embeddings": 64} if rope else {}
+    gpt = round_trip(qwen3(tie=tie, **kw), tmp_path, transformers.Qwen3ForCausalLM)
     assert (gpt.cfg.arch, gpt.cfg.head_dim, gpt.cfg.tie_embeddings) == ("qwen3", 24, tie)
+    want = ("yarn", 4.0) if rope else ("default", 1.0)
+    assert (gpt.cfg.rope_type, gpt.cfg.rope_factor) == want
     assert gpt.layers["0"].attn.q_norm.weight.shape == (24,)
     assert gpt.layers["0"].attn.qkv.weight.shape == ((4 + 2 * 2) * 24, 64)
 

@@ -18,10 +18,13 @@ from megapipe.distributed.mesh import (
     cp_split_ranks,
     ep_group_ranks,
     expert_replica_ranks,
+    expert_shard_ranks,
     group_ranks,
     pp_neighbours,
     rank_at,
     rank_grid,
+    replicate_group_ranks,
+    shard_group_ranks,
 )
 
 
@@ -169,6 +172,34 @@ def test_each_rank_makes_only_its_own_groups_and_they_are_the_grids():
                 "ep_group": ep_group_ranks(sizes),
                 "expert_replica_group": expert_replica_ranks(sizes)}  # fmt: skip
     for rank in range(sizes.world):
+        with fake_world(rank, sizes.world):
+            mesh = ParallelMesh(sizes)
+            for name, groups in expected.items():
+                (mine,) = [g for g in groups if rank in g]
+                assert dist.get_process_group_ranks(getattr(mesh, name)) == sorted(mine), name
+
+
+def test_hsdp_groups_shard_inner_and_replicate_outer():
+    """parallel.dp_shard=S: shard groups of S consecutive dp ranks × every cp rank, replicate
+    groups of the dp/S ranks at one place of every block; per (pp, tp) they are orthogonal and
+    each tiles the dp × cp group. Experts shard over their replicas inside a block. Under the
+    fake backend each rank's ParallelMesh makes its own of each."""
+    sizes = MeshSizes(pp=2, dp=4, cp=2, tp=2, ep=2, dp_shard=2)
+    shard, rep = shard_group_ranks(sizes), replicate_group_ranks(sizes)
+    assert shard[0] == [0, 2, 4, 6] and rep[0] == [0, 8]  # dp 0, 1 × cp; dp 0 and 2
+    for groups, n in ((shard, 2 * 2), (rep, 4 // 2)):
+        assert sorted(r for g in groups for r in g) == list(range(sizes.world))
+        assert all(len(g) == n for g in groups)
+    for members in group_ranks(sizes, ("dp", "cp")):
+        inside = [g for g in shard if set(g) <= set(members)]
+        assert sorted(r for g in inside for r in g) == sorted(members)
+        assert all(len(set(a) & set(b)) <= 1 for a in inside for b in rep)
+    experts = expert_shard_ranks(sizes)
+    assert experts[0] == [0, 2] and len(experts) == sizes.world // 2  # one dp rank × cp
+    same = MeshSizes(dp=4)
+    assert shard_group_ranks(same) == group_ranks(same, ("dp", "cp"))  # no replicas
+    expected = {"shard_group": shard, "replicate_group": rep, "expert_shard_group": experts}
+    for rank in (0, 5, 31):
         with fake_world(rank, sizes.world):
             mesh = ParallelMesh(sizes)
             for name, groups in expected.items():

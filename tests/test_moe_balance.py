@@ -17,7 +17,6 @@ from megapipe.train.parallelize import parallelize
 from tests.parity import tiny_config
 
 RATE = 0.01
-SEQ1F1B = ["parallel.pp=2", "parallel.schedule=seq1f1b", "parallel.seq_segments=2"]
 DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model.topk_group=2",
         "model.first_k_dense_replace=1", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
         "model.qk_rope_head_dim=4", "model.v_head_dim=8", f"model.moe_bias_update_rate={RATE}",
@@ -63,7 +62,6 @@ def test_the_bias_steps_by_the_sign_of_the_load_error_and_survives_a_checkpoint(
         (["parallel.post_validation=true", "parallel.pp=2"], "post_validation"),
         (["parallel.cp=2", "model.v_head_dim=20"], "model.v_head_dim=20 > qk_nope_head_dim"),
         (["model.mtp_layers=1", "model.tie_embeddings=true"], "model.tie_embeddings=false"),
-        (["model.mtp_layers=1", "model.tie_embeddings=false", *SEQ1F1B], "seq_segments"),
     ],
 )
 def test_bad_deepseek_config_is_one_line_error(tmp_path, overrides, match):

@@ -9,7 +9,9 @@ Cases are grouped by world size so each size spawns its gloo workers once. The
 `documents-balanced` cases train on real packed text (the Zen of Python's lines) with
 document masking under parallel.cp_balance=documents (parallel/context/balance.py).
 
-The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds differently).
+Cases named `-windowN` slide layer 1 over N keys (model.sliding_window), smaller or larger
+than a cp chunk. The cases train at lr 3e-4 (tests/parity.py, LOW_LR: ring attention rounds
+differently).
 """
 
 import tempfile
@@ -40,10 +42,20 @@ DOCS = ["data.source=memmap", ZEN, "data.document_mask=true", "model.seq_len=128
 BALANCED = [*DOCS, "parallel.cp_balance=documents"]  # split by attention work (balance.py)
 MOE_EP2 = ["model.n_experts=4", "model.top_k=2", "parallel.ep=2"]  # experts over dp (ep ⊂ dp)
 HYB2 = ["parallel.cp_comm=hybrid", "parallel.cp_a2a=2"]  # a2a 2 × ring 2 (context/hybrid.py)
+# two multi-token prediction depths (models/mtp.py): their shifted targets follow the cp split
+MTP2 = ["model.mtp_layers=2", "model.tie_embeddings=false"]
 
 
 def cp(n: int) -> list[str]:
     return [f"parallel.cp={n}"]
+
+
+def window(w: int) -> list[str]:
+    """Sliding-window attention (parallel/context/window.py) on layer 1, full on layer 0. A cp
+    chunk is seq_len/(2·cp) tokens (16: 4, 32: 8, 128: 32; balanced, 128 at cp 2 and 4: 16), so
+    windows 3, 5 and 10 stay within a chunk, 6 and 24 reach across chunks, and the ring skips
+    the tiles beyond them."""
+    return [f"model.sliding_window={w}", "model.max_window_layers=1"]
 
 
 def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
@@ -58,20 +70,20 @@ def pp(schedule: str, p: int, m: int, vpp: int = 1) -> list[str]:
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
         ("cp2", 1, 1, cp(2)),
-        ("cp2-llama-gqa", 1, 1, [*cp(2), *GQA2]),
+        ("cp2-llama-gqa-window6", 1, 1, [*cp(2), *GQA2, *window(6)]),
         ("cp2-full-recompute-m2", 1, 1, [*cp(2), "recompute.mode=full", *MB2]),
         ("cp2-llama-selective-recompute", 1, 1, [*cp(2), *LLAMA, "recompute.mode=selective"]),
-        ("cp2-seq32", 1, 1, [*cp(2), "model.seq_len=32"]),
-        ("cp2-a2a", 1, 1, [*cp(2), *A2A]),
-        ("cp2-a2a-qwen3", 1, 1, [*cp(2), *A2A, *QWEN3]),
+        ("cp2-seq32-window5", 1, 1, [*cp(2), "model.seq_len=32", *window(5)]),
+        ("cp2-a2a-window6", 1, 1, [*cp(2), *A2A, *window(6)]),
+        ("cp2-a2a-qwen3-window3", 1, 1, [*cp(2), *A2A, *QWEN3, *window(3)]),
         (
             "cp2-a2a-llama-kv1-selective-recompute",
             1,
             1,
             [*cp(2), *A2A, *KV1, "recompute.mode=selective"],
         ),
-        ("cp2-documents-balanced", 1, 1, [*cp(2), *BALANCED]),
-        ("cp2-a2a-documents", 1, 1, [*cp(2), *A2A, *DOCS]),
+        ("cp2-documents-balanced-window24-mtp", 1, 1, [*cp(2), *BALANCED, *window(24), *MTP2]),
+        ("cp2-a2a-documents-window10", 1, 1, [*cp(2), *A2A, *DOCS, *window(10)]),
     ],
     4: [
         ("cp4", 1, 1, cp(4)),
@@ -99,7 +111,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             [*cp(4), *HYB2, *KV1, "recompute.mode=selective"],
         ),
         ("cp4-hybrid2-documents-llama-gqa", 1, 1, [*cp(4), *HYB2, *DOCS, *GQA2]),
-        ("cp4-hybrid2-documents-balanced", 1, 1, [*cp(4), *HYB2, *BALANCED]),
+        ("cp4-hybrid2-documents-balanced-window24", 1, 1, [*cp(4), *HYB2, *BALANCED, *window(24)]),
         ("dp2-cp2-a2a-moe-ep2", 2, 1, [*cp(2), *A2A, *MOE_EP2, *MB2]),
     ],
     8: [

@@ -48,7 +48,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-zb_h1-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("zb_h1", 4)]),
         ("pp2-zb_h1-blockwise", 1, 1, [*fp8("blockwise"), *pp("zb_h1", 4)]),
         ("dp2-zero1-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=1"]),
-        ("dp2-zero2-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=2"]),
+        ("dp2-zero3-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=3"]),
         ("dp2-zero3-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=3"]),
         ("dp2-ep2-tensorwise", 2, 1, [*fp8("tensorwise"), *MOE, "parallel.ep=2"]),
     ],

@@ -82,7 +82,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
 SEGMENT_CASES = {
     2: [
         ("pp2-seq1f1b-2-cap", 1, 1, [*seq(2, 4), *CAP, *SHARED]),
-        ("pp2-seq1f1b-3", 1, 1, [*seq(3, 2)]),
+        ("pp2-seq1f1b-3-dsv3-mtp", 1, 1, [*seq(3, 2), *DSV3, *MTP2]),
         ("pp2-seq1f1b-4-llama-cap-full", 1, 1, [*seq(4, 2), *LLAMA, *CAP, "recompute.mode=full"]),
     ],
     4: [

@@ -77,7 +77,8 @@ SLOW = {16: [("dp4-tp4-sp", 4, 4, SP), ("dp4-tp4-llama-gqa", 4, 4, GQA2)]}
 @cache
 def reference(extra: tuple[str, ...]) -> dict:
     """One process, same config (in the pytest process, no process group)."""
-    return reference_case([*extra, "parallel.sequence_parallel=false"])
+    keep = [o for o in extra if not o.startswith("parallel.dp_shard=")]  # one process: no dp
+    return reference_case([*keep, "parallel.sequence_parallel=false"])
 
 
 def check_parity(gloo_pool, world, dp, tp, extra):

@@ -45,8 +45,10 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
         mesh(tp=2),
         [],
     ),
-    "dp2-cp2-to-dp4": (mesh(dp=2, cp=2), mesh(dp=4), []),
-    "zero1-dp4-to-zero0-dp2": (mesh(dp=4, zero=1), mesh(dp=2), []),
+    # HSDP both ways (parallel.dp_shard): into shard groups of 2 with replicas, and from them
+    # (each shard's moments written once, by its first replica) into plain dp
+    "dp2-cp2-to-hsdp-dp4-shard2-zero2": (mesh(dp=2, cp=2), mesh(dp=4, zero=2, dp_shard=2), []),
+    "hsdp-zero1-dp4-shard2-to-zero0-dp2": (mesh(dp=4, zero=1, dp_shard=2), mesh(dp=2), []),
     "interleaved-vpp2-to-vpp1": (
         mesh(pp=2, vpp=2, schedule="interleaved_1f1b", microbatches=2),
         mesh(pp=2, microbatches=2),

@@ -24,6 +24,7 @@ from megapipe.parallel.context.balance import document_layout, rank_work, take
 from megapipe.parallel.context.documents import visible_keys
 from megapipe.parallel.context.kernels import CUDA_KERNELS, KERNELS, pick_kernel, plan_step
 from megapipe.parallel.context.ring import RingStats, ring_attention
+from megapipe.parallel.context.window import in_window
 from megapipe.parallel.context.zigzag import (
     local_chunks,
     zigzag_indices,
@@ -333,6 +334,40 @@ def _balanced_cases(rank: int, cp: int, group) -> dict:
     return res
 
 
+WINDOWS = (3, 40)  # sliding windows (window.py): within one chunk, across chunks (cp 2 and 4)
+
+
+def _window_cases(rank: int, cp: int, group) -> dict:
+    """Sliding-window ring (zigzag; and with documents over the balanced layout) against the
+    one-process masked attention in float64: rel errors of out, dq, dk, dv, and its scores."""
+    ids, res = balanced_rows(), {}
+    for window in WINDOWS:
+        for balanced in (False, True):
+            (q, k, v, dout), _ = full_attention(128, 2, True, seed=31 + window)
+            leaves = [t.double().requires_grad_() for t in (q, k, v)]
+            mask = in_window(torch.arange(128), torch.arange(128), window)  # (T, T)
+            mask = (mask & visible_keys(ids, 128, 128)).unsqueeze(1) if balanced else mask
+            want = F.scaled_dot_product_attention(*leaves, mask, enable_gqa=True)
+            want.backward(dout.double())
+            layout = document_layout(ids, cp) if balanced else None
+
+            def cut(t, layout=layout):
+                return shard(t, cp, rank, True) if layout is None else take(t, layout, rank, 2)
+
+            local = [cut(t).requires_grad_() for t in (q, k, v)]
+            stats = RingStats()
+            docs = ids if balanced else None
+            out = ring_attention(
+                *local, group, documents=docs, layout=layout, window=window, stats=stats
+            )
+            out.backward(cut(dout))
+            got = [out.detach()] + [t.grad for t in local]
+            want = [cut(t) for t in [want.detach()] + [t.grad for t in leaves]]
+            res[("window", window, balanced)] = [rel(a, b.float()) for a, b in zip(got, want)]
+            res[("window scores", window, balanced)] = stats.scores
+    return res
+
+
 def balanced_rows() -> torch.Tensor:
     """(B, 128) document ids of two packed rows of short documents."""
     lengths = [[40, 3, 30, 9, 6, 40], [20, 28, 30, 50]]
@@ -375,6 +410,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     res["saved_bytes"] = _saved_bytes(rank, world, group)
     res.update(_work_and_errors(rank, world, group))
     res.update(_balanced_cases(rank, world, group))
+    res.update(_window_cases(rank, world, group))
     if world == 4:
         res.update(_strided_subgroups(rank, world))
     torch.save(res, f"{out_dir}/rank{rank}.pt")
@@ -456,6 +492,19 @@ def test_balanced_layout_matches_masked_attention_and_skips_hidden_tiles(runs, c
         predicted = sum(rank_work(document_layout(balanced_rows(), cp), 128, 1))
         assert balanced == predicted, (balanced, predicted)  # the work model is the ring's
         assert balanced < masked * 0.6, (balanced, masked)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_sliding_window_matches_masked_attention_and_skips_far_tiles(runs, cp):
+    """model.sliding_window under the ring: exact to float32 round-off (TOL) on the zigzag and
+    the document-balanced layouts; a window within a chunk computes fewer scores than the
+    causal triangle (tiles wholly outside it are skipped), one across chunks more."""
+    results = runs(cp)
+    for key in [key for key in results[0] if key[0] == "window"]:
+        for res in results:
+            assert max(res[key]) <= TOL, (key, res[key])
+    scores = {w: sum(res[("window scores", w, False)] for res in results) for w in WINDOWS}
+    assert scores[3] < scores[40] < 128 * 129 // 2, scores  # per row, as the work counts
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -2,6 +2,7 @@
 as one process (loss, grad norm and final logical weights, relative 1e-5) under every mesh
 kind (reducing in the last microbatch, the default, and every microbatch: `mb`): dp,
 dp × tp (sequence parallel, replicated kv heads), dp × cp, dp × pp under 1F1B,
+HSDP (parallel.dp_shard: dp 4 in shard groups of 2, zero 1 to 3) with tp, pp and cp,
 interleaved 1F1B, a zero-bubble schedule with deferred W (ZB-H1) and a V schedule (ZB-V), with
 full recompute; their checkpoints resume under zero 0 and 1 and the reverse; and at dp=4 a
 rank holds ZeRO's bytes per parameter at every level, float32 weights and bf16 weights (issue
@@ -22,6 +23,7 @@ Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
 MB = ["parallel.grad_reduce=microbatch"]  # reduce-scattered every microbatch
 Z2MB, Z3MB = [*Z2, *MB], [*Z3, *MB]
 MB2 = ["parallel.microbatches=2"]
+HSDP = ["parallel.dp_shard=2"]  # dp 4: two shard groups of 2, replicas of each other
 SP = ["parallel.sequence_parallel=true"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 FULL = ["recompute.mode=full"]
@@ -39,12 +41,12 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
     4: [
         ("z2-dp2-tp2-sp", 2, 2, [*Z2, *SP, *MB2]),
         ("z2-dp2-tp2-gqa-sp-clip", 2, 2, [*Z2, *GQA2, *SP, *CLIP]),
-        ("z3-dp4", 4, 1, [*Z3, *MB2]),
         ("z3-dp2-tp2-sp-full", 2, 2, [*Z3, *SP, *MB2, *FULL]),
         ("z3-dp2-tp2-gqa-sp-clip", 2, 2, [*Z3, *GQA2, *SP, *CLIP]),
         ("z2mb-dp2-tp2-sp-full", 2, 2, [*Z2MB, *SP, *MB2, *FULL]),
         ("z3mb-dp2-tp2-sp-full", 2, 2, [*Z3MB, *SP, *MB2, *FULL]),
     ],
+    8: [("hsdp-z1-dp4-tp2-gqa-sp-clip", 4, 2, ["parallel.zero=1", *HSDP, *GQA2, *SP, *CLIP])],
 }
 PIPELINE = {
     4: [
@@ -62,15 +64,18 @@ PIPELINE = {
         ("z3mb-dp2-pp2-zb_h1", 2, 1, [*Z3MB, *pp("zb_h1", 2, 4)]),
         ("z3mb-dp2-pp2-interleaved", 2, 1, [*Z3MB, *pp("interleaved_1f1b", 2, 2, 2)]),
     ],
-    8: [("z3-dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*Z3, *pp("zb_v", 2, 2, 2), *GQA2, *SP])],
+    8: [
+        ("z3-dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*Z3, *pp("zb_v", 2, 2, 2), *GQA2, *SP]),
+        ("hsdp-z3-dp4-pp2-1f1b", 4, 1, [*Z3, *HSDP, *pp("1f1b", 2, 2)]),
+    ],
 }
 CONTEXT = {
     4: [
         ("z2-dp2-cp2", 2, 1, [*Z2, "parallel.cp=2", *MB2]),
         ("z3-dp2-cp2-clip", 2, 1, [*Z3, "parallel.cp=2", *MB2, *CLIP]),
         ("z2mb-dp2-cp2", 2, 1, [*Z2MB, "parallel.cp=2", *MB2]),
-        ("z3mb-dp2-cp2", 2, 1, [*Z3MB, "parallel.cp=2", *MB2]),
     ],
+    8: [("hsdp-z3mb-dp4-cp2", 4, 1, [*Z3MB, *HSDP, "parallel.cp=2", *MB2])],
 }
 
 

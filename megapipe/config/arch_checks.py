@@ -1,17 +1,18 @@
-"""The architecture-specific model checks (qwen3's head_dim and windows, deepseek_v3's latent
+"""The architecture-specific model checks (qwen3's head_dim, deepseek_v3's latent
 attention, routing, aux-loss-free balancing and multi-token prediction): config/checks.py's
 `_check_model` runs `check_arch` after the keys every arch shares."""
 
 from __future__ import annotations
 
 from megapipe.config.checks_runtime import require as _require
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, ModelConfig
 
 
 def check_arch(cfg: Config) -> None:
     m = cfg.model
     _check_bias_update(cfg)
     _check_mtp(cfg)
+    _check_rope(m)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
     if m.arch != "gpt2" and m.head_dim:
@@ -28,15 +29,6 @@ def check_arch(cfg: Config) -> None:
         m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
         "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
     )
-    if m.sliding_window:  # models/attention.py's window is on the whole-sequence cores only
-        _require(
-            cfg.parallel.cp == 1,
-            "model.sliding_window with parallel.cp > 1: the cp attention has no window; set cp 1",
-        )
-        _require(
-            not cfg.data.document_mask,
-            "model.sliding_window with data.document_mask=true is unsupported; turn one off",
-        )
 
 
 def _check_bias_update(cfg: Config) -> None:
@@ -56,9 +48,32 @@ def _check_bias_update(cfg: Config) -> None:
     )
 
 
+def _check_rope(m: ModelConfig) -> None:
+    """YaRN (models/rope.py) needs its pretrained context; its keys are read only under it."""
+    if m.rope_type == "default":
+        unset = {"rope_factor": 1.0, "original_max_position_embeddings": 0, "mscale": 0.0,
+                 "mscale_all_dim": 0.0, "rope_attention_factor": 0.0}  # fmt: skip
+        for key, value in unset.items():
+            _require(
+                getattr(m, key) == value,
+                f"model.{key} is read only under model.rope_type=yarn; set rope_type or unset it",
+            )
+        return
+    _require(m.arch != "gpt2", "model.rope_type=yarn: gpt2 has no RoPE; use llama, qwen3, ...")
+    _require(
+        m.original_max_position_embeddings > 0,
+        "model.rope_type=yarn needs model.original_max_position_embeddings (the pretrained "
+        "context length) > 0",
+    )
+    _require(
+        m.beta_fast >= m.beta_slow,
+        f"model.beta_fast={m.beta_fast} must be at least model.beta_slow={m.beta_slow}",
+    )
+
+
 def _check_mtp(cfg: Config) -> None:
     """Multi-token prediction (models/mtp.py) where it is built."""
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     if m.mtp_layers == 0:
         return
     _require(
@@ -68,11 +83,6 @@ def _check_mtp(cfg: Config) -> None:
     _require(
         m.mtp_layers < m.seq_len,
         f"model.mtp_layers={m.mtp_layers} must be below model.seq_len={m.seq_len}",
-    )
-    _require(
-        p.seq_segments == 1 and (p.cp == 1 or p.cp_balance == "position"),
-        "model.mtp_layers > 0 is not built with parallel.seq_segments > 1 or "
-        "parallel.cp_balance=documents (its shifted targets cross the split); set it 0",
     )
 
 

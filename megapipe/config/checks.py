@@ -51,8 +51,10 @@ SAVE_ERROR_ACTIONS = ("stop", "continue")  # train/checkpoint_faults.py
 WEIGHT_SYNCS = ("stash", "vertical")  # pipedream_async's weight versions (PipeDream §3.3)
 CP_COMMS = ("ring", "a2a", "hybrid")  # parallel/context/variants.py's cp_variant
 CP_BALANCES = ("position", "documents")  # parallel/context/zigzag.py, balance.py
+ROPE_TYPES = ("default", "yarn")  # models/rope.py
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ARCHS,
+    "model.rope_type": ROPE_TYPES,
     "parallel.schedule": tuple(SCHEDULES),
     "parallel.weight_sync": WEIGHT_SYNCS,
     "parallel.cp_comm": CP_COMMS,
@@ -154,6 +156,7 @@ def _check_dirs(cfg: Config) -> None:
 def _check_model(cfg: Config) -> None:
     m = cfg.model
     _one_of("model.arch", m.arch, ARCHS)
+    _one_of("model.rope_type", m.rope_type, ROPE_TYPES)
     _require(
         m.head_dim or m.d_model % m.n_heads == 0,
         f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model} (or set model.head_dim)",

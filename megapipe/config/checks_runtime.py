@@ -46,10 +46,34 @@ def check_zero(cfg: Config) -> None:
         "parallel.grad_reduce_dtype=bfloat16 with parallel.zero=0: the all-reduce sums the "
         "float32 grads in place; set parallel.zero>=1 or parallel.grad_reduce_dtype=float32",
     )
+    check_dp_shard(cfg)
     require(
         not (p.zero == 3 and cfg.train.compile),
         "parallel.zero=3 with train.compile=true: the compiled layers would guard on weights "
         "whose storage is freed between uses; set train.compile=false or parallel.zero<=2",
+    )
+
+
+def check_dp_shard(cfg: Config) -> None:
+    """HSDP (parallel.dp_shard): shard groups that tile the dp axis, of a sharded level, each
+    holding whole ep groups (its experts' shard groups are then the expert replicas in it)."""
+    p, s = cfg.parallel, cfg.parallel.dp_shard
+    if s in (0, p.dp):
+        return
+    require(
+        p.dp % s == 0,
+        f"parallel.dp_shard={s} does not divide parallel.dp={p.dp}; set a divisor of dp "
+        "(0: dp, no replicas)",
+    )
+    require(
+        p.zero >= 1,
+        f"parallel.dp_shard={s} with parallel.zero=0: only ZeRO's state is sharded; set "
+        "parallel.zero>=1 or parallel.dp_shard=0",
+    )
+    require(
+        s % p.ep == 0,
+        f"parallel.dp_shard={s} with parallel.ep={p.ep}: a shard group must hold whole ep "
+        "groups; set parallel.dp_shard to a multiple of ep",
     )
 
 

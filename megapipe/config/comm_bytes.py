@@ -22,6 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
+from megapipe.config.fp8_weights import (
+    FP8_BYTES,
+    SCALE_BYTES,
+    amax_entries,
+    fp8_params,
+    weight_granularity,
+)
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks
 from megapipe.config.schema import Config
@@ -30,6 +37,8 @@ from megapipe.config.states import (
     GRAD_BYTES,
     PARAM_BYTES,
     expert_replicas,
+    replicas,
+    shard_copies,
     state_layout,
 )
 
@@ -96,6 +105,15 @@ def zero3_gathers(cfg: Config, block: int) -> int:
     return cfg.parallel.microbatches * (1 if block == 0 else 2)
 
 
+def fp8_gathers(cfg: Config, block: int) -> int:
+    """zero=3's gathers of `block`'s FP8 payloads beyond its others' (zero3_gathers): under
+    rowwise a full-recompute layer's forward runs again inside its backward, which holds the
+    input grad's cast, so the forward's is gathered once more a microbatch."""
+    if weight_granularity(cfg) != "rowwise" or not 1 <= block <= cfg.model.n_layers:
+        return 0
+    return cfg.parallel.microbatches * (layer_mode(cfg.recompute, block - 1) == "full")
+
+
 def p2p_message_bytes(cfg: Config, tokens: int, element: int) -> float:
     """A pipeline message of `tokens` per sequence: the (b, T, d) activation or its grad in
     `element`-byte values; under SP each tp rank sends its sequence shard."""
@@ -144,6 +162,9 @@ def rank_comm_bytes(
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
     if p.zero == 3:  # the gathers per block instead of after the step
         out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
+        dp_amax, tp_amax = amax_entries(cfg, [b for blocks in held for b in blocks])
+        out["dp"] += put_in("all_reduce", dp_amax * SCALE_BYTES, p.dp * p.cp)
+        out["tp"] += put_in("all_reduce", tp_amax * SCALE_BYTES, p.tp)
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
     return out
 
@@ -206,14 +227,17 @@ def _ep_block(cfg: Config, block: int, w: Widths) -> float:
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     """The grad reduction of the rank's `params` (`experts` of them over the expert replicas)
     and the weights' gathers: after the step at zero 1 and 2, at zero=3 each block's twice a
-    microbatch (perf/data_parallel.py); and the step's loss over dp × cp."""
+    microbatch (perf/data_parallel.py); and the step's loss over dp × cp. Under HSDP the
+    reduce-scatters and gathers run in the shard groups and each shard is then all-reduced
+    over its dp/dp_shard replicas, once a step (parallel/data/zero.py)."""
     p = cfg.parallel
-    groups = [(params - experts, p.dp * p.cp), (experts, expert_replicas(cfg) if p.ep > 1 else 0)]
+    groups = [(params - experts, replicas(cfg)), (experts, expert_replicas(cfg) if p.ep > 1 else 0)]
     if p.ep == 1:
-        groups = [(params, p.dp * p.cp)]
+        groups = [(params, replicas(cfg))]
     total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
     for n_params, n in groups:
         total += put_in(grad_reduction_kind(p.zero, n), n_params * w.grad, n)
+        total += put_in("all_reduce", n_params * w.grad / max(n, 1), shard_copies(cfg))
         gathers = 1 if p.zero in (1, 2) else 0
         total += gathers * put_in("all_gather", n_params * w.param, n)
     return total
@@ -221,14 +245,18 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
 
 def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:
     """zero=3's gathers of each held block's weights (zero3_gathers), the routed experts' over
-    their replicas, the rest over dp × cp."""
+    their replicas, the rest over dp × cp (HSDP: over the shard groups); train.fp8's weights as
+    1-byte payloads (config/fp8_weights.py; their amax all-reduces: rank_comm_bytes)."""
     p, total = cfg.parallel, 0.0
     for b in (b for blocks in held for b in blocks):
         n_params = chunk_params(range(b, b + 1), tp_rank)
         e = held_expert_params(cfg, range(b, b + 1)) if p.ep > 1 else 0
-        shares = [(n_params - e, p.dp * p.cp), (e, expert_replicas(cfg) if e else 1)]
-        gathered = sum(put_in("all_gather", k * w.param, n) for k, n in shares)
+        f = fp8_params(cfg, [b]) if replicas(cfg) > 1 else 0
+        shares = [((n_params - e - f) * w.param + f * FP8_BYTES, replicas(cfg))]
+        shares.append((e * w.param, expert_replicas(cfg) if e else 1))
+        gathered = sum(put_in("all_gather", nbytes, n) for nbytes, n in shares)
         total += zero3_gathers(cfg, b) * gathered
+        total += fp8_gathers(cfg, b) * put_in("all_gather", f * FP8_BYTES, replicas(cfg))
     return total
 
 

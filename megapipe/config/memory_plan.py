@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from megapipe.config.flops import held_expert_params, segment_bounds
+from megapipe.config.fp8_weights import cast_bytes, fp8_params
 from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.memory_terms import (
     embedding_terms,
@@ -249,11 +250,18 @@ def rank_memory(
 
 def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
     """zero=3's gathered weights on a rank holding the chunks `held` (config/states
-    .gathered_bytes of its blocks' parameters; 0 at other levels, without counting them)."""
-    if state_layout(cfg).weight_shards == 1:
+    .gathered_bytes of its blocks' parameters; 0 at other levels, without counting them);
+    train.fp8's in one byte, with the casts of the shards kept (config/fp8_weights.py)."""
+    s = state_layout(cfg)
+    if s.weight_shards == 1:
         return 0.0
     blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
-    return gathered_bytes(blocks, cfg)
+    if cfg.train.fp8 == "none":
+        return gathered_bytes(blocks, cfg)
+    fp8 = [[fp8_params(cfg, [b]) for b in chunk] for chunk in held]
+    held_bytes = [[(n - f) * s.weight + f for n, f in zip(*pair)] for pair in zip(blocks, fp8)]
+    kept = cast_bytes(cfg, [b for chunk in held for b in chunk], s.weight_shards)
+    return largest_pair(held_bytes) + kept
 
 
 def grads_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):

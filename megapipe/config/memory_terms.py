@@ -90,6 +90,7 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config.flops import head_grad_in_forward, is_moe_layer, segment_bounds
+from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, RecomputeConfig, gated
@@ -417,19 +418,22 @@ def layer_deferred(
     """Bytes a layer keeps from its B to its W when the schedule splits backward (Zero Bubble,
     Qi et al. 2023 §2; parallel/autograd/weight_grad.py): each linear's input and output grad,
     queued for the weight-grad matmul. The layer's other saved tensors go at B. The same in any
-    recompute mode: under full recompute B reruns the layer and queues what it recomputed."""
+    recompute mode: under full recompute B reruns the layer and queues what it recomputed.
+    train.fp8's linears keep their operands cast to one byte, with scales (fp8_weights.py)."""
     m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
     fc1_out = (2 if gated(m.arch) else 1) * x.ff
+    saved, scales = deferred_fp8(cfg, (index or 0) + 1, x.n, c)
+    fp8 = {"FP8 cast saving": -saved, "FP8 scales": scales} if saved else {}
     if _moe(cfg, index):  # qkv | proj, then the experts' (config/memory_moe.py)
         attention = {
             "linear inputs": x.n * (m.d_model + x.h * x.hd) * c,
             "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + m.d_model) * c,
         }
-        return attention | moe_deferred(cfg, x.ns, x.n, c, cfg.parallel.tp)
+        return attention | moe_deferred(cfg, x.ns, x.n, c, cfg.parallel.tp) | fp8
     return {
         "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
         "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + 2 * m.d_model + fc1_out) * c,
-    }
+    } | fp8
 
 
 def head_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:

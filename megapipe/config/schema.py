@@ -83,6 +83,24 @@ class ModelConfig:
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
+    # RoPE's frequencies (models/rope.py): default | yarn (YaRN's context extension, Peng et al.
+    # 2023; transformers' rope_parameters rope_type, with the keys below under their names)
+    rope_type: str = "default"
+    rope_factor: float = bounded(1.0, low=1)  # yarn: the context's scale s (HF `factor`)
+    # yarn: the context length the model was pretrained on, before the extension
+    original_max_position_embeddings: int = bounded(0, low=0, note="0: unset")
+    # yarn: dimension pairs turning more than beta_fast times over the pretrained context keep
+    # their frequency θ, those turning fewer than beta_slow times take θ / s, a ramp between
+    beta_fast: float = bounded(32.0, low=0, low_open=True)
+    beta_slow: float = bounded(1.0, low=0, low_open=True)  # yarn: see model.beta_fast
+    # yarn's temperature m(s, k) = 0.1·k·ln s + 1: cos, sin scaled by m(s, mscale) /
+    # m(s, mscale_all_dim) when both are set, else by m(s, 1)
+    mscale: float = bounded(0.0, low=0, note="0: unset")
+    # yarn: see model.mscale; deepseek_v3 also multiplies its softmax scale by
+    # m(s, mscale_all_dim)² (transformers' DeepseekV3Attention)
+    mscale_all_dim: float = bounded(0.0, low=0, note="0: unset")
+    # yarn: cos, sin's factor given outright (HF `attention_factor`); 0: from the above
+    rope_attention_factor: float = bounded(0.0, low=0, note="0: derived")
     # sliding-window attention (transformers' sliding_window): a query sees itself and the
     # window - 1 keys before it, on layers from model.max_window_layers on; 0: full attention
     sliding_window: int = bounded(0, low=0, note="0: off")
@@ -168,6 +186,10 @@ class ParallelConfig:
     # zero >= 1: the dtype the grad reduce-scatter sends and sums in: float32 | bfloat16
     # (half the bytes; the shards are widened to float32 after)
     grad_reduce_dtype: str = "float32"
+    # zero >= 1: HSDP, ZeRO's shards over groups of dp_shard consecutive dp ranks (× cp), the
+    # parallel.dp / dp_shard groups replicas that all-reduce their shards (torchtitan's
+    # dp_shard × dp_replicate; docs/parallelism.md, ZeRO); must divide parallel.dp
+    dp_shard: int = bounded(0, low=0, note="0: parallel.dp")
     # sequence-parallel all-gather / reduce-scatter overlapped with the tp linears' matmuls by
     # chunked decomposition into tp ring steps (Wang et al., ASPLOS 2023; docs/parallelism.md);
     # needs parallel.sequence_parallel=true and parallel.tp > 1

@@ -17,6 +17,10 @@ each step: 6 + 12/d.) zero=2 divides the grad too, zero=3 the weight as well: bf
 whole state, as zero=0 does. A sharded piece is the rank's shard of each flat bucket, padded to a
 multiple of d (ceil(n/d) per rank; the padding, < d elements per bucket, is left out).
 
+HSDP (parallel.dp_shard = S < dp, distributed/mesh.py) shards over a shard group of S·cp
+ranks, not dp·cp, and its dp/S replicas each hold the same shards: d = S·cp (`replicas`), and
+a routed expert's d = S/ep · cp.
+
 Under expert parallelism (parallel.ep > 1) a routed expert lives on its expert-replica group,
 dp/ep · cp ranks (parallel/data/zero.py shards its buckets there), so its sharded kinds divide
 by that instead of d (`expert_layout`; each function's `experts`: how many of the parameters
@@ -119,17 +123,28 @@ def layout(params_dtype: str, zero: int, d: int) -> StateLayout:
     return StateLayout(weight, GRAD_BYTES, optimizer, d, zero if d > 1 else 0)
 
 
+def shard_dp(cfg: Config) -> int:
+    """The dp ranks of one shard group: parallel.dp_shard (HSDP), dp where it is 0."""
+    return cfg.parallel.dp_shard or cfg.parallel.dp
+
+
 def replicas(cfg: Config) -> int:
-    """The ranks a parameter's state can be sharded over: dp × cp (d)."""
-    return cfg.parallel.dp * cfg.parallel.cp
+    """The ranks a parameter's state can be sharded over (d): its shard group, dp × cp, or
+    under HSDP dp_shard × cp."""
+    return shard_dp(cfg) * cfg.parallel.cp
+
+
+def shard_copies(cfg: Config) -> int:
+    """HSDP's replicas of each shard, dp / dp_shard, which all-reduce it (1: none)."""
+    return cfg.parallel.dp // shard_dp(cfg)
 
 
 def expert_replicas(cfg: Config) -> int:
     """The ranks a routed expert's state is sharded over: its expert-replica group, dp/ep · cp
     (parallel/data/zero.py shards expert buckets there; Megatron-Core's expert data-parallel
-    group)."""
+    group), under HSDP the part of it in one shard group, dp_shard/ep · cp."""
     p = cfg.parallel
-    return p.dp // p.ep * p.cp
+    return shard_dp(cfg) // p.ep * p.cp
 
 
 def state_layout(cfg: Config) -> StateLayout:

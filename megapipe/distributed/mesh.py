@@ -14,6 +14,14 @@ Hybrid context parallelism (parallel.cp_comm=hybrid, parallel/context/hybrid.py)
 either: the cp axis is cut into cp/K blocks of K adjacent cp ranks (K = parallel.cp_a2a), the
 a2a groups, inner so they sit on one node as tp does; the ranks of the same place in every
 block form the ring groups (USP's "ulysses degree × ring degree", Fang and Zhao 2024 §3).
+
+HSDP (parallel.dp_shard = S < dp) adds no axis either: the dp axis is cut into dp/S blocks of S
+consecutive ranks, replicate outer and shard inner as torchtitan's ParallelDims lays out
+("dp_replicate", "dp_shard") and flattens dp_shard with cp into the FSDP mesh
+(torchtitan/distributed/parallel_dims.py). A block's S·cp ranks of one (pp, tp) are a shard
+group, over which ZeRO shards; the dp/S ranks at the same place of every block (same cp) are a
+replicate group, which all-reduces the shards. Routed experts shard over the expert replicas
+inside a block (S/ep · cp ranks: S is a multiple of ep) and replicate over the same groups.
 """
 
 from __future__ import annotations
@@ -42,12 +50,19 @@ class MeshSizes:
     # hybrid cp: a2a group size K, taken from cp (1: not hybrid). It shards nothing a checkpoint
     # holds, so two meshes that differ only in it are the same mesh to a resume.
     cp_a2a: int = field(default=1, compare=False)
+    dp_shard: int = 0  # HSDP: dp ranks per shard group, taken from dp (0: dp, no replicas)
 
     @staticmethod
     def of(cfg: Config) -> MeshSizes:
         p = cfg.parallel
         k = p.cp_a2a if p.cp_comm == "hybrid" else 1
-        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, cp_a2a=k)
+        s = p.dp_shard if p.dp_shard != p.dp else 0  # one spelling of "no replicas"
+        return MeshSizes(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, cp_a2a=k, dp_shard=s)
+
+    @property
+    def shard(self) -> int:
+        """The dp ranks of one shard group (HSDP's S; dp without replicas)."""
+        return self.dp_shard or self.dp
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -60,7 +75,8 @@ class MeshSizes:
     def __str__(self) -> str:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         a2a = f" cp_a2a={self.cp_a2a}" if self.cp_a2a > 1 else ""
-        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}{ep}{a2a}"
+        hsdp = f" dp_shard={self.dp_shard}" if self.dp_shard else ""
+        return f"pp={self.pp} dp={self.dp} cp={self.cp} tp={self.tp}{ep}{a2a}{hsdp}"
 
 
 def rank_grid(pp: int, dp: int, cp: int, tp: int) -> torch.Tensor:
@@ -121,6 +137,34 @@ def expert_replica_ranks(sizes: MeshSizes) -> list[list[int]]:
     return _expert_grid(sizes).permute(0, 2, 4, 1, 3).reshape(-1, n).tolist()
 
 
+def _hsdp_grid(sizes: MeshSizes) -> torch.Tensor:
+    """Ranks as (pp, dp/S, S, cp, tp): the dp axis cut into blocks of S consecutive ranks."""
+    pp, dp, cp, tp = sizes.shape
+    return rank_grid(pp, dp, cp, tp).view(pp, dp // sizes.shard, sizes.shard, cp, tp)
+
+
+def shard_group_ranks(sizes: MeshSizes) -> list[list[int]]:
+    """Every HSDP shard group: the S·cp ranks of one (pp, dp block, tp), dp major, cp minor
+    (the dp × cp group's order, so a shard's index is its place in that order)."""
+    n = sizes.shard * sizes.cp
+    return _hsdp_grid(sizes).permute(0, 1, 4, 2, 3).reshape(-1, n).tolist()
+
+
+def replicate_group_ranks(sizes: MeshSizes) -> list[list[int]]:
+    """Every HSDP replicate group: the dp/S ranks of one (pp, place in a block, cp, tp)."""
+    n = sizes.dp // sizes.shard
+    return _hsdp_grid(sizes).permute(0, 2, 3, 4, 1).reshape(-1, n).tolist()
+
+
+def expert_shard_ranks(sizes: MeshSizes) -> list[list[int]]:
+    """Every HSDP expert shard group: the expert replicas inside one dp block, S/ep · cp ranks
+    of one (pp, dp block, ep rank, tp) (dp major, cp minor, as expert_replica_ranks)."""
+    pp, dp, cp, tp = sizes.shape
+    s, ep = sizes.shard, sizes.ep
+    grid = rank_grid(pp, dp, cp, tp).view(pp, dp // s, s // ep, ep, cp, tp)
+    return grid.permute(0, 1, 3, 5, 2, 4).reshape(-1, s // ep * cp).tolist()
+
+
 def cp_split_ranks(sizes: MeshSizes) -> tuple[list[list[int]], list[list[int]]]:
     """Hybrid cp's (a2a groups, ring groups): each cp group cut into blocks of K = cp_a2a
     adjacent cp ranks (the a2a groups, in cp order), and the ranks at the same place of every
@@ -177,7 +221,20 @@ class ParallelMesh:
         if 1 < sizes.cp_a2a < sizes.cp:
             a2a, ring = cp_split_ranks(sizes)
             self.cp_a2a_group, self.cp_ring_group = map(self._new_group_of, (a2a, ring))
+        self._hsdp_groups()
         self._set_timeouts()
+
+    def _hsdp_groups(self) -> None:
+        """ZeRO's shard groups (dense, experts) and the replicate group across them: the dp ×
+        cp and expert-replica groups with no replicate group unless parallel.dp_shard < dp."""
+        self.shard_group = self.replica_group
+        self.expert_shard_group, self.replicate_group = self.expert_replica_group, None
+        if not self.sizes.dp_shard:
+            return
+        self.shard_group = self._new_group_of(shard_group_ranks(self.sizes))
+        self.replicate_group = self._new_group_of(replicate_group_ranks(self.sizes))
+        if self.sizes.ep > 1:
+            self.expert_shard_group = self._new_group_of(expert_shard_ranks(self.sizes))
 
     def _set_timeouts(self) -> None:
         """A dead peer fails every wait within the timeout, whatever group it waits in.

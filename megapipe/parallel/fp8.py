@@ -91,17 +91,19 @@ class Fp8Linear:
         """y = x Wᵀ + b through FP8 matmuls; the weight grad now or queued on `owner`."""
         return _Fp8Linear.apply(x, weight, bias, owner, self)
 
-    def forward(self, x2, weight) -> torch.Tensor:
+    def forward(self, x2, weight, qw=None) -> torch.Tensor:
+        """x Wᵀ; `qw`: W already cast (zero=3's FP8 gather, parallel/data/zero3_fp8.py)."""
         act, wgt = self.granularity
         qx = quantize(x2, E4M3, act, Groups(self.tokens, self.ins))
-        qw = quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
+        qw = qw or quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
         return _mm(qx, qw, act, wgt)  # (N, out)
 
-    def input_grad(self, g2, weight) -> torch.Tensor:
+    def input_grad(self, g2, weight, qw_t=None) -> torch.Tensor:
+        """g W; `qw_t`: Wᵀ already cast, as `forward`'s `qw`."""
         act, wgt = self.granularity
         qg = quantize(g2, E5M2, act, Groups(self.tokens, self.outs))
-        qw = quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
-        return _mm(qg, qw, act, wgt)  # (N, in)
+        qw_t = qw_t or quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
+        return _mm(qg, qw_t, act, wgt)  # (N, in)
 
     def weight_grad_operands(self, x2, g2) -> tuple:
         """grad_W's operands quantized for a contraction over tokens: (gᵀ, xᵀ) with scales."""
@@ -122,11 +124,14 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, owner, fp8):
         in_dtype = x.dtype
-        x, weight, bias = autocast_operands(x, weight, bias)
+        gathered = getattr(owner, "fp8_weight", None)  # zero=3 gathered W cast: never read W
+        x, cast, bias = autocast_operands(x, None if gathered else weight, bias)
+        weight = weight if cast is None else cast
         ctx.save_for_backward(x, weight)
         ctx.owner, ctx.fp8, ctx.has_bias, ctx.in_dtype = owner, fp8, bias is not None, in_dtype
+        ctx.gathered, ctx.w_dtype = gathered, _cast_dtype(weight) if gathered else weight.dtype
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = fp8.forward(x2, weight)
+        y = fp8.forward(x2, weight, gathered and gathered.operand("forward"))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -137,14 +142,21 @@ class _Fp8Linear(torch.autograd.Function):
         fp8, owner = ctx.fp8, ctx.owner
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        grad_x = fp8.input_grad(g2, weight).to(ctx.in_dtype).reshape(*x.shape)
-        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        qw_t = ctx.gathered and ctx.gathered.operand("dgrad")
+        grad_x = fp8.input_grad(g2, weight, qw_t).to(ctx.in_dtype).reshape(*x.shape)
+        grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         operands = fp8.weight_grad_operands(x2, g2)
         key = owner.wgrad_queue.key
         if key is not None:  # W later: the FP8 operands kept, not x and g
             owner.wgrad_queue.setdefault(key, []).append((operands,))  # run_weight_grads: not 2
             return grad_x, None, grad_b, None, None
         return grad_x, finish_weight_grad(owner, operands), grad_b, None, None
+
+
+def _cast_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would give `weight`, read without touching its (freed) storage."""
+    (probe,) = autocast_operands(torch.empty(0, dtype=weight.dtype, device=weight.device))
+    return probe.dtype
 
 
 def finish_weight_grad(owner: nn.Module, operands) -> torch.Tensor | None:

@@ -116,8 +116,9 @@ class Bounds:
     @staticmethod
     def group(c: Candidate) -> tuple:
         """The candidates `coarse` bounds together: one mesh, micro-batch count, sequence
-        parallelism, recompute, Seq1F1B segment count, zero and ep; any schedule and vpp."""
-        return (*Bounds._work(c), c.zero, c.ep)
+        parallelism, recompute, Seq1F1B segment count, zero, ep and dp_shard; any schedule and
+        vpp."""
+        return (*Bounds._work(c), c.zero, c.ep, c.dp_shard)
 
     @staticmethod
     def _work(c: Candidate) -> tuple:
@@ -139,7 +140,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _, _ = self.group(c)
+        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _, _, _ = self.group(c)
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)
@@ -199,7 +200,7 @@ class Bounds:
             cfg = c.config(self.base, check=False)
             self._pipes[key] = self._pipeline(c, cfg, split, fine)
         ends, chain, acts, spans, firsts = self._pipes[key]
-        skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero, c.ep)
+        skey = (c.tp, c.cp, c.pp, c.dp, c.sequence_parallel, style, vpp, c.zero, c.ep, c.dp_shard)
         if skey not in self._states:
             self._states[skey] = self._state(cfg or c.config(self.base, check=False))
         states, after, opt = self._states[skey]

@@ -30,7 +30,7 @@ the node over NVLink: β = min(g · network/G, NVLink) (network/G when g = 1).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from functools import lru_cache
 
 from megapipe.perf.cluster import Cluster, Link
@@ -128,6 +128,36 @@ def cp_split_links(cluster: Cluster, shape: tuple[int, int, int, int], k: int) -
     """Hybrid cp's (a2a link, ring link): the slowest group of k adjacent cp ranks (stride tp:
     NVLink while k·tp fits a node) and the slowest ring over the cp/k groups."""
     return _cp_split_links(tuple(shape), k, cluster.gpus_per_node, cluster)
+
+
+def hsdp_groups(shape: tuple[int, int, int, int], s: int, ep: int = 1) -> tuple[list, list, list]:
+    """HSDP's (shard groups, expert shard groups, replicate groups) as distributed/mesh.py
+    makes them: each dp × cp group cut into dp/s blocks of s consecutive dp ranks with every cp
+    rank; the experts' the ranks of one ep rank (dp mod ep) in a block; the dp/s ranks at one
+    place of every block (same dp mod s, same cp)."""
+    step, dp, cp = strides(shape), shape[1], shape[2]
+    out: tuple[list, list, list] = ([], [], [])
+    for members in groups(shape, ("dp", "cp")):
+        kinds = (defaultdict(list), defaultdict(list), defaultdict(list))
+        for r in members:
+            d, c = (r // step["dp"]) % dp, (r // step["cp"]) % cp
+            for by, key in zip(kinds, (d // s, (d // s, d % ep), (d % s, c))):
+                by[key].append(r)
+        for kind, by in zip(out, kinds):
+            kind.extend(by.values())
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _hsdp_links(shape, s, ep, gpus_per_node, cluster) -> tuple[Link, Link, Link]:
+    shard, experts, replicate = hsdp_groups(shape, s, ep)
+    return tuple(_worst_link(g, gpus_per_node, cluster) for g in (shard, experts, replicate))
+
+
+def hsdp_links(cluster: Cluster, shape: tuple[int, int, int, int], s: int, ep: int = 1):
+    """The links of HSDP's slowest shard group, expert shard group and replicate group, by the
+    rule of `group_link`."""
+    return _hsdp_links(tuple(shape), s, ep, cluster.gpus_per_node, cluster)
 
 
 def group_link(cluster: Cluster, shape: tuple[int, int, int, int], axes: tuple[str, ...]) -> Link:

@@ -17,13 +17,21 @@ dtypes).
   but one of the embedding's, whose backward reads no weight (config/comm_bytes
   .zero3_gathers), prefetched a block ahead, so they run beside the compute
   (`per_microbatch`); no weight all-gather after the step. The reductions stay float32
-  (`grad_bytes`) at every level.
+  (`grad_bytes`) at every level. Under train.fp8 the FP8 linears' weights are gathered as
+  1-byte e4m3 payloads (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16
+  gather's bytes, and under rowwise with full recompute once more a microbatch (the forward's
+  cast again inside the backward); their once-a-step amax all-reduces are a few bytes per
+  scale (latency only, not priced, as the linears' own amax all-reduces, perf/fp8_costs.py).
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link
   (comm.expert_replica_link), and zero>=1 shards their state over it (zero=3 gathers their
   weights there, per microbatch); the other weights over dp × cp as above. Each chunk's
   routed-expert parameters come from config/flops.held_expert_params.
+- HSDP (parallel.dp_shard = S < dp): the reduce-scatters and weight gathers run inside the
+  shard groups (S·cp ranks, the experts' S/ep · cp) on their links, and each rank's grad shard
+  is then all-reduced over its dp/S replicas on the replicate groups' link (parallel/data/
+  zero.py; FSDP's hybrid sharding, Zhao et al. 2023 §3.4): the two-level reduction.
 - The optimizer: AdamW over the rank's parameters or its 1/(dp·cp) shard at the runtime's
   bytes per parameter, the global grad norm's tree all-reduce (latency only), and at zero 1
   and 2 the all-gather of the updated weights in their dtype, exposed unless the runtime
@@ -36,11 +44,24 @@ import math
 from dataclasses import dataclass
 
 from megapipe.config import Config
-from megapipe.config.comm_bytes import grad_reduction_kind, tied_grad_bytes, zero3_gathers
-from megapipe.config.pipeline_split import placement_of
-from megapipe.config.states import expert_layout, expert_replicas, state_layout
+from megapipe.config.comm_bytes import (
+    fp8_gathers,
+    grad_reduction_kind,
+    tied_grad_bytes,
+    zero3_gathers,
+)
+from megapipe.config.fp8_weights import FP8_BYTES, fp8_params
+from megapipe.config.pipeline_split import placement_of, rank_blocks
+from megapipe.config.states import (
+    expert_layout,
+    expert_replicas,
+    replicas,
+    shard_copies,
+    shard_dp,
+    state_layout,
+)
 from megapipe.perf.cluster import Cluster
-from megapipe.perf.comm import expert_replica_link, group_link, p2p_link, ring_time
+from megapipe.perf.comm import expert_replica_link, group_link, hsdp_links, p2p_link, ring_time
 from megapipe.perf.costs import CostModel
 from megapipe.perf.software import Runtime, bucket_bytes, resolved_for
 from megapipe.plan.actions import Placement
@@ -70,9 +91,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     `embedding`: the embedding block's parameters, held by the first stage's rank)."""
     p, m = cfg.parallel, cfg.model
     rt = resolved_for(runtime, cfg)
-    groups = [(p.dp * p.cp, group_link(cluster, shape, ("dp", "cp")))]
-    if p.ep > 1:  # expert buckets: summed over the expert-replica group (reducer.py)
-        groups.append((expert_replicas(cfg), expert_replica_link(cluster, shape, p.ep)))
+    groups, replicate = reduction_groups(cfg, cluster, shape)
     blocks = layers_per_chunk(cfg)
     chunk, last = [], []
     for r, per_chunk in enumerate(held):
@@ -81,7 +100,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
             e = experts[r][c] if experts and p.ep > 1 else 0
             first = (r, c) == (0, 0)
             parts = [(params - e) * grad_bytes, e * grad_bytes]
-            priced = [_reduce(cfg, rt, nb, n, link, blocks, first, grad_bytes)
+            priced = [_reduce(cfg, rt, nb, n, link, blocks, first, grad_bytes, replicate)
                       for nb, (n, link) in zip(parts, groups)]  # fmt: skip
             times.append(sum(t for t, _ in priced))
             lasts.append(max(lt for _, lt in priced))
@@ -97,19 +116,42 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
 
 
+def reduction_groups(cfg: Config, cluster: Cluster, shape) -> tuple[list, tuple | None]:
+    """([(ranks, link)] the grads are reduced over: dp × cp, and the routed experts' expert
+    replicas; under HSDP the shard groups), and HSDP's (replicas, link) of the shards' all-reduce
+    (None without)."""
+    p = cfg.parallel
+    copies = shard_copies(cfg)
+    if copies > 1:
+        shard, experts, across = hsdp_links(cluster, shape, shard_dp(cfg), p.ep)
+        groups = [(replicas(cfg), shard)] + ([(expert_replicas(cfg), experts)] if p.ep > 1 else [])
+        return groups, (copies, across)
+    groups = [(p.dp * p.cp, group_link(cluster, shape, ("dp", "cp")))]
+    if p.ep > 1:  # expert buckets: summed over the expert-replica group (reducer.py)
+        groups.append((expert_replicas(cfg), expert_replica_link(cluster, shape, p.ep)))
+    return groups, None
+
+
 def _reduce(cfg: Config, rt: Runtime, nbytes: float, n: int, link, blocks: int, first: bool,
-            grad_bytes) -> tuple[float, float]:  # fmt: skip
-    """(seconds, its last bucket's) of one chunk's `nbytes` of grads reduced over `n` ranks."""
+            grad_bytes, replicate=None) -> tuple[float, float]:  # fmt: skip
+    """(seconds, its last bucket's) of one chunk's `nbytes` of grads reduced over `n` ranks,
+    then (HSDP's `replicate`: (replicas, link)) its 1/n shard all-reduced across replicas."""
     kind = grad_reduction_kind(cfg.parallel.zero, n)
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     bucket = bucket_bytes(rt, n, grad_bytes)
     t = ring_time(kind, nbytes, n, link)
+    across = 0.0
+    if replicate is not None:
+        across = ring_time("all_reduce", nbytes / n, replicate[0], replicate[1])
     size = nbytes / blocks if rt.dp_bucket_per_block else bucket
     bucketed = size and not (rt.dp_bucket_first_only and not first)
     if bucketed and nbytes > size and n > 1:
         t += (math.ceil(nbytes / size) - 1) * steps * link.latency
-        return t, ring_time(kind, size, n, link)
-    return t, t
+        last = ring_time(kind, size, n, link)
+        if replicate is not None:
+            last += ring_time("all_reduce", size / n, replicate[0], replicate[1])
+        return t + across, last
+    return t + across, t + across
 
 
 def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None,
@@ -127,10 +169,15 @@ def _per_microbatch(cfg: Config, rt: Runtime, groups, held, experts=None,
             for c, n in enumerate(per_chunk):
                 e = experts[r][c] if experts and len(groups) > 1 else 0
                 emb = embedding[1] if (r, c) == (embedding[0], 0) else 0
-                parts = [(n - e - emb, groups[0], twice), (emb, groups[0], once)]
+                blocks = rank_blocks(cfg, r)[c] if cfg.train.fp8 != "none" else range(0)
+                f = fp8_params(cfg, blocks)  # gathered as 1-byte payloads
+                parts = [(n - e - emb - f, groups[0], twice), (emb, groups[0], once)]
                 parts += [(e, groups[1], twice)] if e else []
                 t += sum(j * ring_time("all_gather", k * rt.param_bytes, d, link)
                          for k, (d, link), j in parts)  # fmt: skip
+                again = sum(fp8_gathers(cfg, b) * fp8_params(cfg, [b]) for b in blocks)
+                t += twice * ring_time("all_gather", f * FP8_BYTES, *groups[0])
+                t += ring_time("all_gather", again * FP8_BYTES, *groups[0])
         out.append(t)
     return out
 
@@ -148,7 +195,7 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
     `held`): the routed experts' parameters, whose state is sharded over the expert replicas."""
     p = cfg.parallel
     rt = resolved_for(runtime, cfg)
-    n = p.dp * p.cp
+    n = replicas(cfg)  # the shard group (HSDP), else dp × cp
     s = state_layout(cfg)
     shards = s.optimizer_shards
     norm_group = cfg.derived.world_size if shards > 1 else p.pp * p.tp
@@ -161,7 +208,7 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
                 for ps, e in zip(held, own)]  # fmt: skip
     gather = 0.0
     if shards > 1 and s.weight_shards == 1:  # zero=3 gathers per block instead (dp_plan)
-        link = group_link(cluster, shape, ("dp", "cp"))
+        link = reduction_groups(cfg, cluster, shape)[0][0][1]
         bucket = bucket_bytes(rt, n, rt.param_bytes) if rt.param_gather_overlap else math.inf
         if rt.dp_bucket_first_only and rt.param_gather_overlap:
             # only the first stage's first chunk is bucketed; its first bucket is what the next

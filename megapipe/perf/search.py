@@ -59,6 +59,7 @@ SEARCHED = {
     "parallel.seq_segments": 1,
     "parallel.zb_memory": "1p",
     "parallel.ep": 1,
+    "parallel.dp_shard": 0,
     "recompute.mode": "none",
 }
 
@@ -391,6 +392,8 @@ def describe(c: Candidate) -> str:
               f"sp={int(c.sequence_parallel)}", f"zero={c.zero}"]  # fmt: skip
     if c.ep > 1:
         parts.append(f"ep={c.ep}")
+    if c.dp_shard:
+        parts.append(f"dp_shard={c.dp_shard}")
     if c.cp > 1 and c.cp_comm != "ring":
         parts.append(f"cp_comm={c.cp_comm}" + (f":{c.cp_a2a}" if c.cp_comm == "hybrid" else ""))
     return " ".join(parts)

@@ -6,7 +6,8 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
 selective / full (recompute.layers as the config has it), sequence parallelism on or off under
-tp > 1, zero 0 or 1 under dp·cp > 1, under cp > 1 the cp attention (parallel.cp_comm ring,
+tp > 1, zero 0 or 1 under dp·cp > 1, under zero >= 1 and dp > 1 HSDP's dp_shard (`dp_shards`),
+under cp > 1 the cp attention (parallel.cp_comm ring,
 a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those
 heads: parallel/context/), for a mixture of experts every ep dividing both dp and
 model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
@@ -67,6 +68,7 @@ class Candidate:
     cp_comm: str = "ring"
     cp_a2a: int = 1
     fp8: str = "none"  # train.fp8
+    dp_shard: int = 0  # parallel.dp_shard (HSDP; 0: dp)
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -86,6 +88,7 @@ class Candidate:
             ep=self.ep,
             cp_comm=self.cp_comm,
             cp_a2a=self.cp_a2a,
+            dp_shard=self.dp_shard,
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
         train = dataclasses.replace(base.train, fp8=self.fp8)
@@ -152,6 +155,22 @@ def cp_comms(base: Config, tp: int, cp: int, fixed: dict[str, Any]) -> list[tupl
     return [(c, a) for c, a in pairs if comm in (None, c) and k in (None, a)]
 
 
+def dp_shards(
+    dp: int, zero: int, ranks_per_dp: int, gpus_per_node: int, fixed: dict[str, Any]
+) -> list[int]:
+    """HSDP's dp_shard choices: 0 (shard over all dp), and under zero >= 1 the dp ranks whose
+    shard group (with its tp × cp: `ranks_per_dp`) fills one node, where that is fewer than dp.
+    Its reduce-scatters and zero=3's gathers then stay on NVLink and only the 1/S shard's
+    all-reduce crosses nodes (torchtitan's HSDP advice: shard within the node); other divisors
+    only trade memory against traffic between these two ends, and each would multiply the
+    sharded part of the space."""
+    if "parallel.dp_shard" in fixed:
+        return [fixed["parallel.dp_shard"]]
+    per_node = gpus_per_node // ranks_per_dp if gpus_per_node % ranks_per_dp == 0 else 0
+    node = [per_node] if zero >= 1 and 0 < per_node < dp and dp % per_node == 0 else []
+    return [0, *node]
+
+
 def candidates(
     base: Config,
     gpus: int,
@@ -200,9 +219,10 @@ def candidates(
                     cp_comms(base, tp, cp, f),
                     _pick(f, "train.fp8", fp8s),
                 ):
-                    for name, vpp, k, mem in shapes:
-                        out.append(Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec,
-                                             k, mem, ep, comm, a2a, fp8))  # fmt: skip
+                    for shard in dp_shards(dp, zero, tp * cp, gpus_per_node, f):
+                        out += [Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec, k, mem,
+                                          ep, comm, a2a, fp8, shard)
+                                for name, vpp, k, mem in shapes]  # fmt: skip
     return out
 
 

@@ -208,11 +208,7 @@ def chunk_reducers(
     if p.dp * p.cp == 1:
         return [None for _ in chunks]
     bucket_mb = bucket_mb or replica_bucket_mb(p.dp * p.cp)
-    experts = mesh.expert_replica_group  # ep > 1: the expert weights' replicas
-    return [
-        sharding.reducer(c, mesh.replica_group, bucket_mb, c.tied_table, weight_blocks(c), experts)
-        for c in chunks
-    ]
+    return [sharding.reducer(c, mesh, bucket_mb, c.tied_table, weight_blocks(c)) for c in chunks]
 
 
 def pipeline_of(

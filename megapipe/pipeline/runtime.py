@@ -190,7 +190,9 @@ class PipelineRuntime:
             return None
         key = (a.microbatch, a.chunk)
         if key not in self.kv:
-            self.kv[key] = SegmentKV(len(self.segments), self.segments[-1][1])
+            starts = tuple(s for s, _ in self.segments)
+            targets = self.micro[a.microbatch].targets  # (b, T): MTP reads past the segment
+            self.kv[key] = SegmentKV(len(starts), self.segments[-1][1], starts, targets)
         return self.kv[key]
 
     def _forward(self, a: Action) -> list[tuple[Message, torch.Tensor]]:

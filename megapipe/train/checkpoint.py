@@ -157,7 +157,8 @@ def save_state(cfg: Config, model: nn.Module, optimizer, shard=sharded_tensor) -
     its chunks' tensors, whole (DCP keeps one of the tp replicas) or, where tp-sharded, as
     ShardedTensors of the pieces it owns; the tied embedding's last-stage copy is not written.
     Expert weights sharded by parallel.ep are written by the ep ranks of dp block 0, cp rank 0.
-    Under zero=1 every replica writes the optimizer moments of its own shard. `shard` makes a
+    Under zero=1 every replica writes the optimizer moments of its own shard (HSDP: the first
+    replica of each shard). `shard` makes a
     tensor's blocks into what is written (checkpoint_plan.py plans them without the exchange)."""
     if not distributed():
         return training_tensors(model, optimizer)

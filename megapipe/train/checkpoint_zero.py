@@ -121,14 +121,15 @@ def state_keys(owned) -> tuple[tuple[str, ...], bool]:
 
 def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool, shard=sharded_tensor) -> dict:
     """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
-    logical names and shapes; the step count (replicated) from `writer` ranks."""
+    logical names and shapes (HSDP: the first replica's); the step count (replicated) from
+    `writer` ranks."""
     state = {}
     for name, param, shape, spec, tp in _logical(chunks):
         owned = optimizer.owned_state(param)
         keys, counted = state_keys(owned)
         for key in keys:
             pieces = []
-            if owned is not None:
+            if owned is not None and optimizer.writes_shards:  # HSDP: one replica writes
                 slot, st = owned
                 pieces = logical_pieces(
                     st[key], tuple(param.shape), slot.lo, slot.hi, spec, tp,

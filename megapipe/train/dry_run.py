@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from megapipe.config import Config
 from megapipe.config.flops import flops_per_token
+from megapipe.config.fp8_weights import fp8_summary
 from megapipe.config.memory_moe import moe_summary
 from megapipe.config.memory_plan import RankMemory
-from megapipe.config.memory_terms import attention_path
-from megapipe.config.pipeline_split import describe_partition, schedule_costs
+from megapipe.config.memory_terms import attention_path, layer_deferred
+from megapipe.config.pipeline_split import describe_partition, rank_blocks, schedule_costs
 from megapipe.config.states import expert_layout, state_layout
 from megapipe.parallel.fp8 import describe as describe_fp8
 from megapipe.parallel.precision import Precision
@@ -173,6 +174,10 @@ def _notes(cfg: Config) -> list[str]:
         )
     if cfg.train.fp8 != "none":
         notes.append(f"({describe_fp8(cfg.train.fp8)})")
+        blocks = [b for chunk in rank_blocks(cfg, 0) for b in chunk]
+        split = p.pp > 1 and SCHEDULES[p.schedule].split_backward
+        kept = layer_deferred(cfg, None, 0) if split else {}
+        notes += fp8_summary(cfg, blocks, state_layout(cfg).weight_shards, kept)
     if p.schedule == "pipedream_async":
         notes.append(
             "(pipedream_async's weight snapshots, up to one per in-flight microbatch "

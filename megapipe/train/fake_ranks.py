@@ -174,6 +174,8 @@ def _axes(mesh: ParallelMesh) -> dict:
     named.update({g: a for a, g in mesh.groups.items()})
     if mesh.ep_group is not None:
         named.update({mesh.ep_group: "ep", mesh.expert_replica_group: "dp"})
+    hsdp = (mesh.shard_group, mesh.expert_shard_group, mesh.replicate_group)
+    named.update({g: "dp" for g in hsdp if g is not None})  # parallel.dp_shard's groups
     return named
 
 

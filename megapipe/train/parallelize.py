@@ -174,8 +174,5 @@ def replica(
     if mesh.size("dp") * mesh.size("cp") == 1:
         return Replica(cfg, model, None, mesh, sharding, mesh.progress, parts.precision)
     bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
-    experts = mesh.expert_replica_group  # ep > 1: expert weights' grads summed there
-    reducer = sharding.reducer(
-        model, mesh.replica_group, bucket_mb, None, weight_blocks(model), experts
-    )
+    reducer = sharding.reducer(model, mesh, bucket_mb, None, weight_blocks(model))
     return Replica(cfg, model, reducer, mesh, sharding, mesh.progress, parts.precision)

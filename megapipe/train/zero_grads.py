@@ -97,11 +97,12 @@ def _sync_tied(tied, reducers: list) -> None:
 
 
 def _counted_once(chunk: nn.Module, reducer) -> list[torch.Tensor]:
-    """This rank's owned grad elements that the norm counts (tp replicas, replicated kv heads
-    and the last stage's tied copy once)."""
+    """This rank's owned grad elements that the norm counts (tp replicas, replicated kv heads,
+    the last stage's tied copy and HSDP's replicas of a shard once: reducer.counts)."""
     out, copies = [], chunk.tied_copy_names()
     for name, param, _, spec, tp in sharded_params(chunk):
-        piece = None if name in copies else reducer.grad_piece(param)
+        counted = name not in copies and reducer.counts(param)
+        piece = reducer.grad_piece(param) if counted else None
         if piece is None:
             continue
         slot, _ = reducer.slot_of[id(param)]

@@ -30,6 +30,10 @@ microbatch precedes its first backward on every rank: a segment's backward needs
 its output, which the last stage makes only after the microbatch's last segment has run
 forward there (the schedule runs a microbatch's backwards from the last segment down,
 plan/seq1f1b.py), and that forward follows this rank's. `whole` checks it.
+
+A head that predicts further ahead than the next token (multi-token prediction, models/mtp.py)
+reads targets past its segment's end: the store holds the microbatch's whole target rows and
+each segment's start (`SegmentScope.start`, `SegmentScope.targets`), as the runtime cuts them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,16 @@ class SegmentScope:
     def tokens(self) -> int:
         """Tokens of each whole sequence the segments cut (all segments together)."""
         return self.store.tokens
+
+    @property
+    def start(self) -> int:
+        """This segment's first position in its sequence."""
+        return self.store.starts[self.segment]
+
+    @property
+    def targets(self) -> torch.Tensor | None:
+        """The microbatch's whole target rows (b, T), not only this segment's (None: not kept)."""
+        return self.store.targets
 
     def carry(self, layer: object, record: object) -> list:
         """`layer`'s records of this microbatch's earlier segments, in order; `record` is kept
@@ -105,10 +119,17 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 class SegmentKV:
     """The kept K/V of one (microbatch, chunk): {attention layer: {segment: _Kept}}, and the
     other layers' per-segment records ({layer: {segment: record}}, `SegmentScope.carry`) of a
-    microbatch cut into `count` segments of sequences of `tokens`."""
+    microbatch cut into `count` segments of sequences of `tokens`, starting at `starts`, with
+    the whole rows' `targets` (b, T) for a head that reads past a segment (models/mtp.py)."""
 
-    def __init__(self, count: int = 1, tokens: int = 0) -> None:
-        self.count, self.tokens = count, tokens
+    def __init__(
+        self,
+        count: int = 1,
+        tokens: int = 0,
+        starts: tuple[int, ...] = (),
+        targets: torch.Tensor | None = None,
+    ) -> None:
+        self.count, self.tokens, self.starts, self.targets = count, tokens, starts, targets
         self.layers: dict[object, dict[int, _Kept]] = {}
         self.records: dict[object, dict[int, object]] = {}
         self.scopes: dict[int, SegmentScope] = {}

@@ -66,13 +66,15 @@ def hybrid_attention(
     dropout_p: float = 0.0,
     documents: torch.Tensor | None = None,
     layout: ChunkLayout | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
     q, k, v hold this cp rank's zigzag slice (k, v may have fewer heads: GQA); `a2a_group`
     is its K adjacent cp ranks, `ring_group` the R ranks at its place in every such group;
     `documents` (B, T), the whole row's ids, go to the ring unchanged (module docstring);
-    `layout`, a balanced split over cp (balance.py), replaces the zigzag slices.
+    `layout`, a balanced split over cp (balance.py), replaces the zigzag slices; the ring
+    applies the sliding `window` on the natural row's positions, which both cases keep.
     """
     rep = kv_repeats(q.shape[HEADS], k.shape[HEADS], dist.get_world_size(a2a_group))
     if rep > 1:  # (B, Hkv, T/cp, hd) -> (B, rep·Hkv, T/cp, hd)
@@ -81,10 +83,13 @@ def hybrid_attention(
         ring_layout = group_layout(layout, dist.get_world_size(a2a_group))
         q, k, v = (shards_to_heads(t, a2a_group) for t in (q, k, v))
         out = ring_attention(
-            q, k, v, ring_group, dropout_p=dropout_p, documents=documents, layout=ring_layout
-        )
+            q, k, v, ring_group, dropout_p=dropout_p, documents=documents, layout=ring_layout,
+            window=window,
+        )  # fmt: skip
         return heads_to_shards(out, a2a_group)
     # (B, H/K, T/R, hd): the group's zigzag shard over the R ring ranks, in natural order
     q, k, v = (seq_to_heads(t, a2a_group) for t in (q, k, v))
-    out = ring_attention(q, k, v, ring_group, dropout_p=dropout_p, documents=documents)
+    out = ring_attention(
+        q, k, v, ring_group, dropout_p=dropout_p, documents=documents, window=window
+    )
     return heads_to_seq(out, a2a_group)  # (B, H, T/cp, hd)

@@ -23,6 +23,9 @@ diagonal, b > a skipped.
 Document-aware balance (`layout`, balance.py): the row is cut into more chunks, dealt to the
 ranks by their attention work under document masking, and (q chunk, kv chunk) tiles with no
 visible pair are skipped, so the worst rank's work comes within a few percent of the mean.
+
+Sliding window (`window`, window.py): tiles wholly outside every query's window are skipped
+too, tiles across its edge run masked; positions are the row's, so any layout masks alike.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import torch.nn.functional as F
 
 from megapipe.parallel.context.balance import ChunkLayout, positional_layout, take
 from megapipe.parallel.context.documents import visible_keys
-from megapipe.parallel.context.kernels import BlockKernel, RingTile, pick_kernel, plan_step
+from megapipe.parallel.context.kernels import KERNELS, BlockKernel, RingTile, pick_kernel, plan_step
+from megapipe.parallel.context.window import TileMasks, and_tiles, in_window, window_tiles
 
 KV_TAG, DKV_TAG = 0, 1  # gloo matches p2p by tag; kv and dkv transfers overlap in backward
 
@@ -116,17 +120,7 @@ def _merge(out, lse, blk_out, blk_lse) -> None:
     lse.copy_(new)
 
 
-def _hidden(docs, step: int, b: RingTile, chunk: int):
-    """Keys of other documents in block b of ring step `step`: (B, nq, nk) bool, or None
-    without document masking. docs = (this rank's query ids, [kv ids per step])."""
-    if docs is None:
-        return None
-    qs, ks = b.slices(chunk)
-    q_ids, kv_ids = docs[0][:, qs], docs[1][step][:, ks]
-    return q_ids[:, :, None] != kv_ids[:, None, :]
-
-
-def _ring_forward(q, k, v, ring: RingComm, plans, chunk, kernel: BlockKernel, scale, docs=None):
+def _ring_forward(q, k, v, ring: RingComm, plans, chunk, kernel: BlockKernel, scale, masks=None):
     """Attend q to every kv block as it passes; returns out (acc dtype) and lse (B, H, T/cp)."""
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, T/cp, hd)
@@ -137,9 +131,9 @@ def _ring_forward(q, k, v, ring: RingComm, plans, chunk, kernel: BlockKernel, sc
         pending = ring.start(kv, KV_TAG) if step < len(plans) - 1 else None  # double buffer
         for b in blocks:
             qs, ks = b.slices(chunk)
-            hide = _hidden(docs, step, b, chunk)
-            o_b, l_b = kernel.forward(
-                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], b.causal, scale, *_opt(hide)
+            kern, hide = _tile_kernel(kernel, masks, step, b)
+            o_b, l_b = kern.forward(
+                q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], b.causal, scale, *hide
             )
             _merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
             if ring.stats is not None:
@@ -151,12 +145,14 @@ def _ring_forward(q, k, v, ring: RingComm, plans, chunk, kernel: BlockKernel, sc
     return out, lse
 
 
-def _opt(hide) -> tuple:
-    """The kernel's optional hide argument: only the masked (reference) kernel takes one."""
-    return () if hide is None else (hide,)
+def _tile_kernel(kernel: BlockKernel, masks, step: int, tile: RingTile):
+    """The kernel of one tile and its optional hide argument: a tile with keys hidden besides
+    causality (window.TileMasks: documents, the window's edge) runs the masked reference one."""
+    hide = None if masks is None else masks.hide(step, tile)
+    return (kernel, ()) if hide is None else (KERNELS["reference"], (hide,))
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel, scale, docs):
+def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel, scale, masks):
     """Recompute each block's P from the saved lse; dK/dV ride the ring home (cp hops)."""
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)  # (B, H, T/cp, hd)
     kv, dkv_pending = [k, v], None
@@ -168,8 +164,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: RingComm, plans, chunk, kernel
             qs, ks = b.slices(chunk)
             rows = [t[:, :, qs] for t in (dout, q, out, lse)]  # (B, H, n·chunk, ...)
             cols = [t[:, :, ks] for t in kv]  # (B, Hkv, m·chunk, hd)
-            hide = _opt(_hidden(docs, step, b, chunk))
-            d_q, d_k, d_v = kernel.backward(*rows[:2], *cols, *rows[2:], b.causal, scale, *hide)
+            kern, hide = _tile_kernel(kernel, masks, step, b)
+            d_q, d_k, d_v = kern.backward(*rows[:2], *cols, *rows[2:], b.causal, scale, *hide)
             dq[:, :, qs] += d_q
             dkv[0][:, :, ks] += d_k
             dkv[1][:, :, ks] += d_v
@@ -191,12 +187,12 @@ class _RingAttention(torch.autograd.Function):
     """kv ring + log-sum-exp merge fwd / kv ring + dK,dV ring home bwd (Liu et al. 2023)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, plans, chunk, kernel, scale, docs):
+    def forward(ctx, q, k, v, ring, plans, chunk, kernel, scale, masks):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, ring, plans, chunk, kernel, scale, docs)
+        out, lse = _ring_forward(q, k, v, ring, plans, chunk, kernel, scale, masks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # all O(T/cp): no rank holds O(T) state
-        ctx.args = (ring, plans, chunk, kernel, scale, docs)  # docs: int64 ids, O(T) per row
+        ctx.args = (ring, plans, chunk, kernel, scale, masks)  # masks: int64 ids, O(T) per row
         return out
 
     @staticmethod
@@ -252,6 +248,7 @@ def ring_attention(
     stats: RingStats | None = None,
     documents: torch.Tensor | None = None,
     layout: ChunkLayout | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
@@ -262,34 +259,52 @@ def ring_attention(
     documents (B, T) int64: the whole row's document ids (not this rank's slice): each query
     also sees only keys of its own document (causal only; the masked reference kernel runs).
     layout (balance.document_layout of documents; causal, with documents): the chunks each
-    rank holds instead of zigzag's, and the tiles to skip.
+    rank holds instead of zigzag's, and the tiles to skip. window > 0 (causal only): each
+    query sees itself and the window − 1 keys before it in the row (window.py); tiles wholly
+    outside every window are skipped, tiles across its edge run masked.
     """
     _check_inputs(q, k, v, attn_mask)
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-    if documents is not None and not causal:
-        raise ValueError("ring_attention: documents mask causal attention only; pass causal=True")
+    if (documents is not None or window) and not causal:
+        raise ValueError(
+            "ring_attention: documents and window mask causal attention only; pass causal=True"
+        )
     if cp == 1:
-        if stats is not None:
-            stats.count(RingTile(0, 1, 0, 1, causal), q.shape[2])
-        gqa = k.shape[1] != q.shape[1]
-        mask = None if documents is None else visible_keys(documents, q.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(
-            q, k, v, None if mask is None else mask.unsqueeze(1), dropout_p,
-            is_causal=causal and mask is None, scale=scale, enable_gqa=gqa,
-        )  # fmt: skip
+        return _one_rank(q, k, v, causal, scale, dropout_p, stats, documents, window)
     _check_ring(q, cp, zigzag and layout is None, dropout_p)
     if layout is not None and (documents is None or not causal):
         raise ValueError("ring_attention: a layout needs documents and causal=True")
     ring = RingComm(cp_group, stats, q.device)
     layout = positional_layout(cp, zigzag) if layout is None else layout
     src = [(ring.rank - s) % cp for s in range(cp)]  # step s holds the kv block of rank r − s
-    held = [list(layout.ranks[r]) for r in src]
-    plans = [plan_step(held[0], kv, causal, layout.visible) for kv in held]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    kern = pick_kernel(q, kernel if documents is None else "reference")
-    docs = None
-    if documents is not None:  # ids of this rank's queries, and of the kv block at each step
-        ids = [take(documents, layout, r) for r in src]
-        docs = (ids[0], ids)
+    held = [tuple(layout.ranks[r]) for r in src]
     chunk = q.shape[2] // len(held[0])
-    return _RingAttention.apply(q, k, v, ring, plans, chunk, kern, scale, docs)
+    visible = layout.visible
+    if window:  # skip the tiles wholly outside every query's window, as those above the diagonal
+        visible = and_tiles(visible, window_tiles(layout.n, chunk, window))
+    plans = [plan_step(list(held[0]), list(kv), causal, visible) for kv in held]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    masks = None
+    if documents is not None or window:  # ids of this rank's queries and of each step's kv block
+        ids = None if documents is None else [take(documents, layout, r) for r in src]
+        q_ids = None if ids is None else ids[0]
+        masks = TileMasks(q.device, chunk, held[0], held, window, q_ids, ids)
+    kern = pick_kernel(q, kernel)  # a masked tile runs the reference kernel (_tile_kernel)
+    return _RingAttention.apply(q, k, v, ring, plans, chunk, kern, scale, masks)
+
+
+def _one_rank(q, k, v, causal: bool, scale, dropout_p: float, stats, documents, window: int):
+    """cp 1: `scaled_dot_product_attention`, with documents and the window as a boolean mask."""
+    if stats is not None:
+        stats.count(RingTile(0, 1, 0, 1, causal), q.shape[2])
+    T, S = q.shape[2], k.shape[2]
+    mask = None if documents is None else visible_keys(documents, T, S).unsqueeze(1)
+    if window:  # (T, S): the queries are the last T of the S positions
+        near = in_window(
+            torch.arange(S - T, S, device=q.device), torch.arange(S, device=q.device), window
+        )
+        mask = near if mask is None else mask & near
+    return F.scaled_dot_product_attention(
+        q, k, v, mask, dropout_p, is_causal=causal and mask is None, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip

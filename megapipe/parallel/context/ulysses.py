@@ -14,8 +14,8 @@ attention and back after, rather than give attention a permuted causal mask: in 
 the core is the one-process core itself (attention_core: SDPA's causal kernel, flash-attn,
 cuDNN, the varlen document path), and the two permutations are copies of whole chunks.
 
-Document masking comes for free: every rank holds the whole row's document ids (documents.py),
-and the core sees whole sequences in natural order.
+Document masking and the sliding window come for free: every rank holds the whole row's
+document ids (documents.py), and the core sees whole sequences in natural order.
 
 Heads: q heads on this tp rank (H/tp) must divide by cp (config checks say so). Grouped-query
 kv heads are split the same way when Hkv/tp divides by cp; otherwise each kv head is first
@@ -99,17 +99,19 @@ def ulysses_attention(
     core: Callable,
     dropout_p: float = 0.0,
     documents: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """This rank's queries (B, H, T/cp, hd) attended over the whole sequence: (B, H, T/cp, hd).
 
     q, k, v hold this cp rank's zigzag slice of the sequence (k, v may have fewer heads: GQA).
-    `core(q, k, v, dropout_p, documents)` is the one-process causal attention, run on whole
-    sequences of H/cp heads; `documents` (B, T), the whole row's ids, passes to it unchanged.
+    `core(q, k, v, dropout_p, documents, window)` is the one-process causal attention, run on
+    whole sequences of H/cp heads in natural order; `documents` (B, T), the whole row's ids,
+    and the sliding `window` pass to it unchanged (its positions are the row's).
     """
     cp = dist.get_world_size(group)
     rep = kv_repeats(q.shape[HEADS], k.shape[HEADS], cp)
     if rep > 1:  # (B, Hkv, T/cp, hd) -> (B, rep·Hkv, T/cp, hd)
         k, v = k.repeat_interleave(rep, dim=HEADS), v.repeat_interleave(rep, dim=HEADS)
     q, k, v = (seq_to_heads(t, group) for t in (q, k, v))  # (B, H/cp, T, hd), (B, rep·Hkv/cp, …)
-    out = core(q, k, v, dropout_p, documents)  # (B, H/cp, T, hd)
+    out = core(q, k, v, dropout_p, documents, window)  # (B, H/cp, T, hd)
     return heads_to_seq(out, group)

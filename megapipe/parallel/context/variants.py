@@ -1,8 +1,9 @@
 """The attention's cp variant (`parallel.cp_comm`), resolved once into the object the model's
 attention is built with (CPInfo.attention): the kv ring (ring.py), Ulysses' all-to-all
 (ulysses.py) or the two nested (hybrid.py, over the mesh's cp sub-groups). All take the same
-zigzag sequence shard and give the same result; they differ in what travels
-(docs/parallelism.md, Context parallelism).
+zigzag sequence shard and give the same result, with the layer's sliding window (`window`,
+window.py) on global positions; they differ in what travels (docs/parallelism.md, Context
+parallelism).
 """
 
 from __future__ import annotations
@@ -23,10 +24,19 @@ class RingVariant:
     name: str = "ring"
 
     def __call__(
-        self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
+        self,
+        q,
+        k,
+        v,
+        group,
+        core: Callable,
+        dropout_p: float,
+        documents=None,
+        layout=None,
+        window: int = 0,
     ):
         return ring_attention(
-            q, k, v, group, dropout_p=dropout_p, documents=documents, layout=layout
+            q, k, v, group, dropout_p=dropout_p, documents=documents, layout=layout, window=window
         )
 
 
@@ -39,10 +49,19 @@ class UlyssesVariant:
     name: str = "a2a"
 
     def __call__(
-        self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
+        self,
+        q,
+        k,
+        v,
+        group,
+        core: Callable,
+        dropout_p: float,
+        documents=None,
+        layout=None,
+        window: int = 0,
     ):
         assert layout is None, "cp_balance=documents: ring or hybrid (config checks)"
-        return ulysses_attention(q, k, v, group, core, dropout_p, documents)
+        return ulysses_attention(q, k, v, group, core, dropout_p, documents, window)
 
 
 @dataclass(frozen=True)
@@ -55,10 +74,19 @@ class HybridVariant:
     name: str = "hybrid"
 
     def __call__(
-        self, q, k, v, group, core: Callable, dropout_p: float, documents=None, layout=None
+        self,
+        q,
+        k,
+        v,
+        group,
+        core: Callable,
+        dropout_p: float,
+        documents=None,
+        layout=None,
+        window: int = 0,
     ):
         return hybrid_attention(
-            q, k, v, self.a2a_group, self.ring_group, dropout_p, documents, layout
+            q, k, v, self.a2a_group, self.ring_group, dropout_p, documents, layout, window
         )
 
 

@@ -58,32 +58,35 @@ class Sharding:
     def reducer(
         self,
         model: nn.Module,
-        group,
+        mesh,
         bucket_mb: float,
         shared: nn.Parameter | None = None,
         blocks: tuple[WeightBlock, ...] = (),
-        expert_group=None,
     ) -> GradReducer:
-        """The dp × cp gradient reducer of `model`: `shared` (a pipeline stage's copy of the
-        tied table, summed with another stage's after the reduction) gets a bucket of its own
-        so both copies shard alike (zero=0: so that the sum's new grad frees the old one's
-        whole flat buffer); `blocks` (the model's units of weight use, in forward order) are
-        where the weight gathers wait (1, 2) or gather and free (3); `expert_group`
-        (parallel.ep > 1) is where the expert weights' buckets are summed."""
+        """The dp × cp gradient reducer of `model` on `mesh`'s groups: `shared` (a pipeline
+        stage's copy of the tied table, summed with another stage's after the reduction) gets
+        a bucket of its own so both copies shard alike (zero=0: so that the sum's new grad
+        frees the old one's whole flat buffer); `blocks` (the model's units of weight use, in
+        forward order) are where the weight gathers wait (1, 2) or gather and free (3). The
+        expert weights' buckets (parallel.ep > 1) are summed over their replicas; a sharded
+        level shards over the mesh's shard groups, HSDP's replicas all-reducing the shards
+        (parallel.dp_shard: distributed/mesh.py)."""
         own = (shared,) if shared is not None else ()
         if self.optimizer_kind is None:
+            experts = mesh.expert_replica_group
             return self.reducer_kind(
-                model, group, bucket_mb, own_bucket=own, expert_group=expert_group
+                model, mesh.replica_group, bucket_mb, own_bucket=own, expert_group=experts
             )
         return self.reducer_kind(
             model,
-            group,
+            mesh.shard_group,
             bucket_mb,
             own,
             blocks=tuple(blocks),
-            expert_group=expert_group,
+            expert_group=mesh.expert_shard_group,
             reduce_dtype=self.reduce_dtype,
             per_microbatch=self.per_microbatch,
+            replicate_group=mesh.replicate_group,
         )
 
     def optimizer(self, reducers: list, groups: list[dict], make, stage_group=None):

@@ -19,6 +19,13 @@ shard because the bucket layouts agree across the ranks they sum over: tp ranks 
 tensors of equal shapes, and under pp the tied table sits in a bucket of its own on both of its
 holders.
 The zeros also make the squared-norm sum over every rank count each element once.
+
+HSDP (parallel.dp_shard, distributed/mesh.py): `group` is the shard group (S·cp ranks) and
+`replicate_group` the dp/S replicas of this rank's shard. The reduce-scatter runs within the
+shard group; its shard is then all-reduced over the replicate group (torchtitan's HSDP, FSDP2's
+reduce-scatter then all-reduce, Zhao et al. 2023 §3.4 "hybrid sharding"), so every replica holds
+the same summed shard. The norm counts it on the first replica only (`counts`), and a checkpoint
+takes its moments from that replica only (`ShardedOptimizer.writes_shards`).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class ShardedGradReducer(GradReducer):
 
     reduce_dtype: torch.dtype = torch.float32
     per_microbatch: bool = False  # parallel.grad_reduce=microbatch (zero2.py)
+    replicate_group: object = None  # HSDP: the replicas of this rank's shards (None: none)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,8 +101,24 @@ class ShardedGradReducer(GradReducer):
         return out
 
     def counts(self, param: nn.Parameter) -> bool:
-        """Every rank counts its shard: the summed grad is zero outside it."""
-        return True
+        """Every rank counts its shard (the summed grad is zero outside it), on the first of
+        its HSDP replicas."""
+        return self.first_replica
+
+    @property
+    def first_replica(self) -> bool:
+        """This rank is the first of its shard's replicas (always, without HSDP)."""
+        return self.replicate_group is None or dist.get_rank(self.replicate_group) == 0
+
+    def replicate(self, shard: torch.Tensor | None) -> torch.Tensor | None:
+        """HSDP: `shard` (summed over the shard group) summed over its replicas too, in the
+        reduce dtype; as it is without replicas."""
+        if self.replicate_group is None or shard is None:
+            return shard
+        sent = shard.to(self.reduce_dtype)
+        C.count("all_reduce", sent)
+        dist.all_reduce(sent, group=self.replicate_group)
+        return sent
 
     def owned(self) -> list[Slot]:
         """Every parameter range this rank steps, bucket by bucket."""
@@ -117,8 +141,9 @@ class ShardedGradReducer(GradReducer):
     def _write_back(self, bucket: Bucket) -> None:
         """The send buffer becomes the bucket's grads: this rank's summed shard, zeros around."""
         lo, hi = self.shard_range(bucket)
+        shard = self.replicate(bucket.shard)  # HSDP: over the replicas too
         bucket.flat = bucket.flat.float()  # a bf16 reduction's sums, widened
-        bucket.flat.zero_()[lo:hi].copy_(bucket.shard)
+        bucket.flat.zero_()[lo:hi].copy_(shard)
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):
             set_grad(p, chunk.view_as(p))
@@ -179,6 +204,12 @@ class ShardedOptimizer:
     (optimizer_interface.py) with its state as owned ranges (`owned_state`)."""
 
     shards_state = True
+
+    @property
+    def writes_shards(self) -> bool:
+        """This rank writes its owned moments to a checkpoint: HSDP's first replica only
+        (the others hold the same ones)."""
+        return all(r.first_replica for r in self.reducers)
 
     def __init__(
         self, reducers: list[ShardedGradReducer], groups: list[dict], make, stage_group=None

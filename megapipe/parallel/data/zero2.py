@@ -164,8 +164,9 @@ class Zero2Reducer(OverlappedGatherReducer):
         buffers at launch): the rank keeps its float32 shard of each bucket only."""
         if self.per_microbatch:
             self._flush(in_backward=False)
-            for bucket in self.buckets:
-                bucket.shard = self.sums.pop(id(bucket), None)
+            for bucket in self.buckets:  # HSDP: the step's sums over the replicas, once
+                total = self.replicate(self.sums.pop(id(bucket), None))
+                bucket.shard = None if total is None else total.float()
         else:
             super().finish()
         self._release_main_grads()
@@ -240,8 +241,8 @@ class Zero2Reducer(OverlappedGatherReducer):
 
     def _write_back(self, bucket: Bucket) -> None:
         """The shard is the bucket's grad (float32); the full-size send buffer goes (finish
-        drops it)."""
-        bucket.shard = bucket.shard.float()
+        drops it); HSDP: summed over the replicas first."""
+        bucket.shard = self.replicate(bucket.shard).float()
         for p in bucket.params:
             p.grad = None
 

@@ -49,6 +49,7 @@ from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, pack
 from megapipe.parallel.data.zero import _all_gather
 from megapipe.parallel.data.zero2 import Zero2Optimizer, Zero2Reducer
+from megapipe.parallel.data.zero3_fp8 import Fp8Gathers, fp8_linears
 
 
 class Zero3Reducer(Zero2Reducer):
@@ -65,7 +66,8 @@ class Zero3Reducer(Zero2Reducer):
         with torch.no_grad():
             for bucket in self.buckets:
                 self._shard(bucket)
-        self.refs = [0] * len(self.buckets)
+        self.full += self.fp8.buffers()  # train.fp8's weights gathered cast (zero3_fp8.py)
+        self.refs = [0] * len(self.full)  # per gather unit: buckets, then FP8 payloads
         self.held: list[int] = []  # buckets held for the backward running now
         self.in_backward = False
         self.prefetch = True  # False: each block's gather waited for at once (benchmarks)
@@ -83,12 +85,14 @@ class Zero3Reducer(Zero2Reducer):
         float32 beside bf16 weights) and, under parallel.ep, experts or dense weights only."""
         seen, per_block = set(), []
         alone, experts = {id(p) for p in self.own_bucket}, self.expert_kind()
+        fp8 = fp8_linears(self.model)  # their weights apart: gathered cast (zero3_fp8.py)
 
         def kind(p):
-            return p.dtype, bool(experts and experts(p))
+            return p.dtype, bool(experts and experts(p)), id(p) in fp8
 
         for block in self.blocks:
             own = [p for p in block.forward if id(p) not in seen]
+            own = sorted(own, key=lambda p: id(p) in fp8) if fp8 else own
             seen.update(id(p) for p in own)
             per_block.append(pack(own[::-1], self.bucket_mb * 2**20, alone, kind))
         rest = [p for p in self.model.parameters() if p.requires_grad and id(p) not in seen]
@@ -111,9 +115,12 @@ class Zero3Reducer(Zero2Reducer):
         _free(full)
 
     def install_hooks(self) -> None:
+        self.fp8 = Fp8Gathers(self)
         self.fwd = [self.buckets_of(b.forward) for b in self.blocks]
         self.bwd = [self.buckets_of(b.backward) for b in self.blocks]
         in_blocks = {i for needs in self.fwd for i in needs}
+        self.gather_fwd = [self.fp8.map(needs, "forward") for needs in self.fwd]
+        self.gather_bwd = [self.fp8.map(needs, "dgrad") for needs in self.bwd]
         self.rest = [i for i in range(len(self.buckets)) if i not in in_blocks]
         for k, block in enumerate(self.blocks):
             block.module.register_forward_pre_hook(partial(self._pre_forward, k))
@@ -124,10 +131,12 @@ class Zero3Reducer(Zero2Reducer):
     def _prefetch(self, i: int) -> None:
         if i in self.work or _resident(self.full[i]):
             return
+        b = self.fp8.bucket(i)  # unit i gathers bucket b (in FP8 past the buckets)
+        group = self.group_of(self.buckets[b])  # the expert replicas for an expert bucket
+        source = self.fp8.source(i, self.master[b], group)
         _alloc(self.full[i])
         C.count("all_gather", self.full[i])
-        group = self.group_of(self.buckets[i])  # the expert replicas for an expert bucket
-        self.work[i] = _all_gather(self.full[i], self.master[i], group=group, async_op=True)
+        self.work[i] = _all_gather(self.full[i], source, group=group, async_op=True)
 
     def _acquire(self, needs: list[int]) -> None:
         for i in needs:
@@ -147,9 +156,9 @@ class Zero3Reducer(Zero2Reducer):
                 _free(self.full[i])
 
     def _pre_forward(self, k: int, *_) -> None:
-        self._acquire(self.fwd[k])
+        self._acquire(self.gather_fwd[k])
         if self.prefetch and k + 1 < len(self.blocks):
-            for i in self.fwd[k + 1]:
+            for i in self.gather_fwd[k + 1]:
                 self._prefetch(i)
 
     def _post_forward(self, k: int, module, args, output) -> None:
@@ -158,17 +167,17 @@ class Zero3Reducer(Zero2Reducer):
             out.register_hook(partial(self._pre_backward, k))
         if self.bucket_grads is not None and torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(partial(self._grads_for, k))
-        self._release(self.fwd[k])
+        self._release(self.gather_fwd[k])
 
     def _pre_backward(self, k: int, grad: torch.Tensor) -> None:
         if not self.in_backward:
             self.in_backward = True
             queue_backward_callback(self._end_backward)
         self._release(self.held)
-        self._acquire(self.bwd[k])
-        self.held = list(self.bwd[k])
+        self._acquire(self.gather_bwd[k])
+        self.held = list(self.gather_bwd[k])
         before = [j for j in range(k) if self.bwd[j]] if self.prefetch else []
-        for i in self.bwd[before[-1]] if before else ():
+        for i in self.gather_bwd[before[-1]] if before else ():
             self._prefetch(i)
 
     # ---------------------------------------------------------------- per-bucket main grads
@@ -207,8 +216,9 @@ class Zero3Reducer(Zero2Reducer):
     # ---------------------------------------------------------------- step and whole weights
 
     def gather_params(self) -> None:
-        """Nothing after the step: each block gathers its updated shards when next used."""
-        return None
+        """Nothing after the step: each block gathers its updated shards when next used (the
+        FP8 casts of the new shards made then)."""
+        self.fp8.stale()
 
     def wait_params(self) -> None:
         return None
@@ -227,6 +237,7 @@ class Zero3Reducer(Zero2Reducer):
                     for bucket, full, master in zip(self.buckets, self.full, self.master):
                         lo, hi = self.shard_range(bucket)
                         master.copy_(full[lo:hi])
+                self.fp8.stale()
             self._release(everything)
 
 

@@ -59,6 +59,7 @@ class ParallelLinear(ShardedModule):
         self._eager_math = None  # keep_eager's torch.compiler.disable'd math
         self._builtin = False  # use_builtin_linear
         self.fp8 = None  # an Fp8Linear (parallel/fp8.py) where train.fp8 casts this linear
+        self.fp8_weight = None  # its weight gathered in FP8 under zero=3 (data/zero3_fp8.py)
 
     def use_builtin_linear(self) -> None:
         """Multiply with torch's F.linear from now on (no deferred weight grads): for a caller

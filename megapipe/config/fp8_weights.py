@@ -1,0 +1,147 @@
+"""The weights train.fp8 casts, as the config knows them: each layer's FP8 linears on one tp
+rank (parallel/fp8.py `Fp8.apply`: every tp linear whose module name has no part in
+train.fp8_keep_bf16; the embedding and the head by default, the routed experts never), their
+scales, and what zero=3's FP8 gathers move (parallel/data/zero3_fp8.py): the communication
+(config/comm_bytes.py) and memory (config/memory_plan.py) models read them from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from megapipe.config.flops import expert_ffn, is_moe_layer
+from megapipe.config.schema import Config, gated
+
+FP8_BYTES = 1  # e4m3, gathered bit-cast to uint8
+SCALE_BYTES = 4  # float32 amax and scale
+BLOCK = 128  # parallel/fp8_scaling.BLOCK
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One FP8 linear's weight on a tp rank: (rows, cols) = (out, in) features, and the side
+    tp splits (`out`: column-parallel, `in`: row-parallel)."""
+
+    rows: int
+    cols: int
+    splits: str
+
+    def scales(self, granularity: str) -> tuple[int, int]:
+        """Scales of its forward cast (W) and of its input grad's (Wᵀ)."""
+        if granularity == "tensorwise":
+            return 1, 1
+        if granularity == "rowwise":
+            return self.rows, self.cols
+        blocks = -(-self.rows // BLOCK) * -(-self.cols // BLOCK)
+        return blocks, blocks
+
+
+def weight_granularity(cfg: Config) -> str | None:
+    """train.fp8's weight scales (parallel/fp8.GRANULARITY), None when FP8 is off."""
+    return {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block"}.get(
+        cfg.train.fp8
+    )
+
+
+def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
+    """The FP8 weights of `block` (a layer: 1..n_layers) on one tp rank; [] for the others or
+    with train.fp8=none."""
+    m, t, d = cfg.model, cfg.parallel.tp, cfg.derived
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers:
+        return []
+    h, hkv = m.n_heads // t, max(d.n_kv_heads // t, 1)  # memory_terms.rank_dims' heads
+    mlps = {"mlp": d.d_ff // t}
+    if is_moe_layer(m, block - 1):  # the routed experts stay high precision
+        shared = m.moe_shared_experts * expert_ffn(m, d.d_ff) // t
+        mlps = {"mlp.shared": shared} if m.moe_shared_experts else {}
+    named = {
+        "attn.qkv": Fp8Weight((h + 2 * hkv) * d.head_dim, m.d_model, "out"),
+        "attn.proj": Fp8Weight(m.d_model, h * d.head_dim, "in"),
+    }
+    for name, ff in mlps.items():
+        named[f"{name}.fc1"] = Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out")
+        named[f"{name}.fc2"] = Fp8Weight(m.d_model, ff, "in")
+    keep = {k.strip() for k in cfg.train.fp8_keep_bf16.split(",") if k.strip()}
+    prefix = ("layers", str(block - 1))
+    return [w for name, w in named.items() if not keep & {*prefix, *name.split(".")}]
+
+
+def fp8_params(cfg: Config, blocks: Iterable[int]) -> int:
+    """Elements of the FP8 weights in `blocks` on one tp rank."""
+    return sum(w.rows * w.cols for b in blocks for w in layer_fp8_weights(cfg, b))
+
+
+def amax_entries(cfg: Config, blocks: Iterable[int]) -> tuple[int, int]:
+    """Float32 amax entries zero=3's casts all-reduce once a step for `blocks`' FP8 weights:
+    (over the dp × cp shard group, over tp). Tensorwise: one per weight on both; rowwise: a
+    row's of W and of Wᵀ, over tp where tp splits that row (row-parallel W, column-parallel
+    Wᵀ); blocks: whole on each tp rank."""
+    granularity = weight_granularity(cfg)
+    forms = 2 if granularity == "rowwise" else 1
+    dp = tp = 0
+    for w in (w for b in blocks for w in layer_fp8_weights(cfg, b)):
+        fwd, dgrad = w.scales(granularity)
+        dp += fwd + (dgrad if forms == 2 else 0)
+        if granularity == "tensorwise":
+            tp += 1
+        elif granularity == "rowwise":
+            tp += fwd if w.splits == "in" else dgrad
+    return dp, (tp if cfg.parallel.tp > 1 else 0)
+
+
+def cast_bytes(cfg: Config, blocks: Iterable[int], shards: int) -> float:
+    """What zero=3's FP8 gathers keep over a step on a rank holding `blocks`, its weights
+    sharded `shards` ways: the 1-byte cast of its shard of their FP8 weights (two under
+    rowwise) and the float32 inverse scales of every weight, whole on each rank."""
+    granularity = weight_granularity(cfg)
+    if granularity is None or shards <= 1:
+        return 0.0
+    blocks = list(blocks)
+    forms = 2 if granularity == "rowwise" else 1
+    shard = -(-fp8_params(cfg, blocks) // shards)
+    return forms * shard * FP8_BYTES + amax_entries(cfg, blocks)[0] * SCALE_BYTES
+
+
+def deferred_fp8(cfg: Config, block: int, tokens: int, element: int) -> tuple[float, float]:
+    """(bytes saved, scale bytes added) where Zero Bubble's W keeps a layer's FP8 operands
+    (parallel/fp8.py: gᵀ in e5m2 and xᵀ in e4m3, cast in B) in place of its `element`-byte
+    inputs and output grads over `tokens` rows: per FP8 linear (in + out)·tokens values at one
+    byte, their scales one per tensor, per feature (rowwise) or per 128-token tile."""
+    granularity = weight_granularity(cfg)
+    weights = layer_fp8_weights(cfg, block)
+    features = sum(w.rows + w.cols for w in weights)
+    per = {"tensorwise": 0, "rowwise": 1, "block": -(-tokens // BLOCK)}.get(granularity, 0)
+    scales = 2 * len(weights) if granularity == "tensorwise" else features * per
+    return features * tokens * (element - FP8_BYTES), scales * SCALE_BYTES
+
+
+def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict) -> list:
+    """The dry run's FP8 lines for a rank holding `blocks` (train/dry_run.py): the weights
+    cast, zero=3's 1-byte gathers and kept casts (`shards` > 1), and what W keeps
+    (`deferred`: a layer's memory_terms.layer_deferred under a B/W split, else {})."""
+    granularity = weight_granularity(cfg)
+    if granularity is None:
+        return []
+    blocks = list(blocks)
+    layers = [b for b in blocks if 1 <= b <= cfg.model.n_layers]
+    lines = [
+        f"(FP8 weights on pp=0 tp=0: {fp8_params(cfg, blocks):,} elements, the linears of "
+        f"{len(layers)} layers outside train.fp8_keep_bf16={cfg.train.fp8_keep_bf16}, "
+        f"{granularity} scales)"
+    ]
+    if shards > 1:
+        kept = cast_bytes(cfg, blocks, shards)
+        lines.append(
+            "(FP8 gathers, zero=3: they are gathered as 1-byte e4m3 payloads; the casts of "
+            f"the rank's shards and their scales are kept over the step: {kept:,.0f} bytes, "
+            "in the gathered weights)"
+        )
+    if deferred.get("FP8 scales"):
+        saved, scales = -deferred["FP8 cast saving"], deferred["FP8 scales"]
+        lines.append(
+            "(FP8 deferred W: a layer keeps its FP8 linears' inputs and output grads cast to "
+            f"one byte from B to W, {saved:,.0f} bytes less a microbatch, plus {scales:,.0f} "
+            "bytes of scales)"
+        )
+    return lines
