@@ -59,8 +59,12 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
     # Muon's momentum buffers, tp shards of fused q | k | v, resumed whole on other stages
     "muon-llama-tp2-to-dp2-pp2": (mesh(tp=2), mesh(dp=2, pp=2, microbatches=2), MUON),
     # under ZeRO each buffer is whole on its owner (train/muon_zero.py): written as one block,
-    # read by another deal of owners, or whole on one process
-    "muon-zero1-dp2-to-zero3-dp4": (mesh(dp=2, zero=1), mesh(dp=4, zero=3), MUON),
+    # read by another deal of owners (HSDP: in each shard group), or whole on one process
+    "muon-zero1-dp2-to-hsdp-zero3-dp4-shard2": (
+        mesh(dp=2, zero=1),
+        mesh(dp=4, zero=3, dp_shard=2),
+        MUON,
+    ),
     "muon-zero1-dp2-to-1": (mesh(dp=2, zero=1), mesh(), MUON),
 }
 

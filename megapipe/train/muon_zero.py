@@ -237,6 +237,10 @@ class ZeroMuon:
     def param_state(self, param: nn.Parameter) -> dict:
         return self.muon.param_state(param)
 
+    @property
+    def writes_shards(self) -> bool:
+        return self.sharded.writes_shards
+
     def step_count(self) -> torch.Tensor:
         return self.sharded.step_count()
 
