@@ -1,6 +1,7 @@
-"""train.optimizer=muon (train/muon.py): torch's Muon arithmetic on each logical matrix, the
-split of parameters between Muon and AdamW, its checkpoint names and its config errors. The
-distributed parity cases live in test_parity_tp_dp.py, test_parity_pp.py and test_reshard.py."""
+"""train.optimizer=muon (train/muon.py, train/muon_zero.py): torch's Muon arithmetic on each
+logical matrix, the split of parameters between Muon and AdamW, its checkpoint names, its config
+errors, and its terms in the memory and FLOP models (config/muon_terms.py). The distributed
+parity cases live in test_parity_tp_dp.py, test_parity_pp.py and test_reshard.py."""
 
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ def test_adamw_stays_the_default(tmp_path):
 @pytest.mark.parametrize(
     "extra,match",
     [
-        (["parallel.dp=2", "parallel.zero=1"], "parallel.zero=1"),
         (["train.optimizer=lion"], "train.optimizer"),
         (["train.muon_adjust_lr_fn=none"], "train.muon_adjust_lr_fn"),
     ],
@@ -97,6 +97,13 @@ def test_muon_config_errors_are_one_line(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match) as err:
         tiny_config(["train.optimizer=muon", *extra], str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_muon_takes_every_zero_level(tmp_path, zero):
+    """Each matrix owned whole by one rank (train/muon_zero.py): no level is refused."""
+    cfg = tiny_config(["train.optimizer=muon", "parallel.dp=2", f"parallel.zero={zero}"], "x")
+    assert cfg.parallel.zero == zero
 
 
 def test_bf16_weights_keep_the_momentum_under_its_name(tmp_path):
@@ -113,3 +120,76 @@ def test_bf16_weights_keep_the_momentum_under_its_name(tmp_path):
     assert set(training_tensors(job.model, opt)) == before
     assert "optim.layers.1.mlp.fc2.weight.momentum_buffer" in before
     assert "optim.layers.1.mlp.fc2.weight.exp_avg" not in before
+
+
+def _state_bytes(states) -> int:
+    """Bytes of the optimizer's state tensors (the step counts, 0-d, left out)."""
+    return sum(t.numel() * t.element_size() for st in states for t in st.values() if t.dim())
+
+
+def test_memory_plan_counts_muons_state_as_the_optimizer_holds_it(tmp_path):
+    """config/muon_terms.py against a real optimizer's tensors (made by its own `param_state`,
+    as a step or a checkpoint load makes them): one momentum buffer per Muon matrix, AdamW's
+    two moments for the rest; and the owned-whole layout under ZeRO (dp=2): AdamW's moments
+    halved, the worst owner's momentum whole."""
+    from megapipe.config.muon_terms import deal, muon_optimizer_bytes
+    from megapipe.train.meta_memory import memory_plan
+
+    job, opt = _job(tmp_path, "train.optimizer=muon")
+    for p in job.model.parameters():
+        opt.param_state(p)
+    real = _state_bytes(opt.muon.state.values()) + _state_bytes(opt.adamw.state.values())
+    assert memory_plan(job.cfg, "cpu").rank(0, 0).optimizer == real
+    sizes = [p.numel() for g in opt.muon.param_groups for p in g["params"]]
+    rest = sum(p.numel() for p in job.model.parameters()) - sum(sizes)
+    owners = deal(sizes, 2)
+    worst = max(sum(n for n, o in zip(sizes, owners) if o == r) for r in range(2))
+    zero1 = tiny_config(["train.optimizer=muon", "parallel.dp=2", "parallel.zero=1"], "x")
+    matrices = [(n, ((1, n),)) for n in sizes]
+    got = muon_optimizer_bytes(rest + sum(sizes), matrices, zero1)
+    assert got == 8 * -(-rest // 2) + 4 * worst
+    assert 4 * sum(sizes) / 2 <= 4 * worst < 4 * sum(sizes)  # dealt, not replicated
+
+
+def test_deal_balances_owners_by_elements_the_same_everywhere():
+    from megapipe.config.muon_terms import deal, most_owned
+
+    assert deal([4, 8, 4, 2], 2) == [1, 0, 1, 0]  # 8 first to rank 0, 4 and 4 to rank 1
+    assert most_owned([4, 8, 4, 2], 2) == 10
+    assert most_owned([4, 8, 4, 2], 1) == 18 and deal([], 3) == []
+
+
+def test_flop_model_prices_newton_schulz_as_the_step_runs_it(tmp_path):
+    """config/muon_terms.muon_step_flops (5 iterations of 3 matmuls per logical matrix) equals
+    the matmul FLOPs torch counts in a real Muon step (q | k | v, gate | up apart)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megapipe.config.muon_terms import muon_step_flops
+    from megapipe.train.meta_memory import muon_matrices
+
+    job, opt = _job(tmp_path, "train.optimizer=muon")
+    for g in opt.muon.param_groups:
+        for p in g["params"]:
+            p.grad = torch.randn_like(p)
+    with FlopCounterMode(display=False) as counter:
+        opt.muon.step()
+    blocks = range(0, job.cfg.model.n_layers + 2)
+    assert muon_step_flops(muon_matrices(job.cfg, blocks, 0), job.cfg) == counter.get_total_flops()
+
+
+def test_projection_adds_newton_schulz_to_the_optimizer_step():
+    """perf/muon_costs.py: the busiest rank's Newton-Schulz GEMMs join the optimizer step,
+    fewer per rank once ZeRO deals the matrices to owners."""
+    from megapipe.perf import load_cluster, project
+    from megapipe.perf.muon_costs import newton_schulz_seconds
+
+    cluster, base = load_cluster("h100"), ["model.arch=llama", "model.tie_embeddings=false"]
+    adamw = project(tiny_config(base, "x"), cluster, memory=False)
+    muon_cfg = tiny_config([*base, "train.optimizer=muon"], "x")
+    muon = project(muon_cfg, cluster, memory=False)
+    dev = type("Dev", (), {"gemm": staticmethod(lambda m, n, k, b, e: 2.0 * m * n * k * b)})
+    blocks = [range(0, muon_cfg.model.n_layers + 2)]
+    assert muon.breakdown["optimizer_s"] > adamw.breakdown["optimizer_s"]
+    flops = newton_schulz_seconds(muon_cfg, dev, blocks)
+    dealt = tiny_config([*base, "train.optimizer=muon", "parallel.dp=2", "parallel.zero=1"], "x")
+    assert 0 < newton_schulz_seconds(dealt, dev, blocks) < flops

@@ -23,8 +23,14 @@ MB2 = ["parallel.microbatches=2"]
 QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
 WINDOW = ["model.sliding_window=5", "model.max_window_layers=1"]  # layer 1 slides over 5 keys
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
-# Muon (train/muon.py): tp gathers each matrix; q | k | v and gate | up orthogonalised apart
+# Muon (train/muon.py): tp gathers each matrix; q | k | v and gate | up orthogonalised apart;
+# under ZeRO each matrix owned whole by one rank (train/muon_zero.py): buckets of 0.01 MB cut
+# matrices across ranks, so owners gather ranges from every rank and send updates back
 MUON = [*LLAMA, "train.optimizer=muon", "model.n_kv_heads=2"]
+
+# keys that change nothing on one process (no replicas: every ZeRO level is zero=0's plain
+# reduction), so cases differing only in them share one reference
+ONE_PROCESS_SAME = ("parallel.zero=", "parallel.grad_reduce=")
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -38,6 +44,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
         ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
         ("tp2-muon", 1, 2, MUON),
+        ("dp2-zero1-muon", 2, 1, [*MUON, "parallel.zero=1"]),
     ],
     4: [
         ("dp4", 4, 1, MB2),
@@ -54,7 +61,9 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
         ("tp4-qwen3-gqa-kv-replicated-sp", 1, 4, [*QWEN3, "model.n_kv_heads=2", *SP]),
-        ("dp2-tp2-muon", 2, 2, MUON),
+        # zero=0's Muon under dp is every replica's same update: dp2-tp2 runs it under zero=2
+        ("dp2-tp2-zero2-muon", 2, 2, [*MUON, "parallel.zero=2"]),
+        ("dp4-zero3-muon", 4, 1, [*MUON, "parallel.zero=3", "parallel.grad_reduce=microbatch"]),
     ],
     8: [
         ("dp2-tp4-sp", 2, 4, SP),
@@ -75,7 +84,7 @@ def reference(extra: tuple[str, ...]) -> dict:
 def check_parity(gloo_pool, world, dp, tp, extra):
     mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
     results = gloo_pool(world).run(train_case, [*extra, *mesh])
-    ref = reference(tuple(extra))
+    ref = reference(tuple(e for e in extra if not e.startswith(ONE_PROCESS_SAME)))
     for rank, got in enumerate(results):
         assert got["dp_spread"] == 0.0, f"rank {rank}: dp replicas differ"
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):

@@ -329,6 +329,8 @@ def test_recompute_costs_time_not_model_flops():
         ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.zero=1"),
         ("model.arch=llama", "model.n_kv_heads=2", "parallel.tp=4", "parallel.pp=2",
          "parallel.microbatches=2", "model.tie_embeddings=false", "train.dtype=bfloat16"),
+        ("model.arch=llama", "model.tie_embeddings=false", "train.optimizer=muon",
+         "parallel.tp=2", "parallel.dp=2", "parallel.zero=3"),
     ],
 )  # fmt: skip
 def test_cached_memory_plan_equals_memory_plan(overrides):

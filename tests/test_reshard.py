@@ -31,6 +31,7 @@ def mesh(dp=1, tp=1, pp=1, cp=1, **more) -> tuple[int, list[str]]:
 
 
 SP = {"sequence_parallel": "true"}
+MUON = [*LLAMA_KV1[:3], "model.n_kv_heads=2", "train.optimizer=muon"]
 PAIRS = {  # id -> (saved under, resumed under, model overrides)
     "dp2-to-1": (mesh(dp=2), mesh(), []),
     "1-to-tp2-sp": (mesh(), mesh(tp=2, **SP), []),
@@ -56,11 +57,15 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
     "llama-gqa-tp2-kv-replicated-to-tp1": (mesh(tp=2), mesh(), LLAMA_KV1),
     "tp2-zero0-to-dp2-tp2-zero1": (mesh(tp=2), mesh(dp=2, tp=2, zero=1, **SP), []),
     # Muon's momentum buffers, tp shards of fused q | k | v, resumed whole on other stages
-    "muon-llama-tp2-to-dp2-pp2": (
-        mesh(tp=2),
-        mesh(dp=2, pp=2, microbatches=2),
-        [*LLAMA_KV1[:3], "model.n_kv_heads=2", "train.optimizer=muon"],
+    "muon-llama-tp2-to-dp2-pp2": (mesh(tp=2), mesh(dp=2, pp=2, microbatches=2), MUON),
+    # under ZeRO each buffer is whole on its owner (train/muon_zero.py): written as one block,
+    # read by another deal of owners (HSDP: in each shard group), or whole on one process
+    "muon-zero1-dp2-to-hsdp-zero3-dp4-shard2": (
+        mesh(dp=2, zero=1),
+        mesh(dp=4, zero=3, dp_shard=2),
+        MUON,
     ),
+    "muon-zero1-dp2-to-1": (mesh(dp=2, zero=1), mesh(), MUON),
 }
 
 

@@ -329,17 +329,13 @@ def _check_train(cfg: Config) -> None:
 
 
 def _check_muon(cfg: Config) -> None:
-    """Muon orthogonalises whole matrices, which ZeRO's flat ranges cut (train/muon.py)."""
+    """Muon's names and the variants it cannot follow (train/muon.py; under ZeRO each matrix
+    is owned whole by one rank, train/muon_zero.py)."""
     t, p = cfg.train, cfg.parallel
     _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
     _one_of("train.muon_adjust_lr_fn", t.muon_adjust_lr_fn, MUON_LR_ADJUSTS)
     if t.optimizer != "muon":
         return
-    _require(
-        p.zero == 0 or p.dp * p.cp == 1,
-        f"train.optimizer=muon needs whole matrices, which parallel.zero={p.zero}'s flat "
-        "ranges cut; set --parallel.zero=0 or --train.optimizer=adamw",
-    )
     _require(
         not p.post_validation,
         "train.optimizer=muon with parallel.post_validation=true: its rollback restores "

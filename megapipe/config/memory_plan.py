@@ -38,6 +38,7 @@ from megapipe.config.memory_terms import (
     layer_terms,
     segments,
 )
+from megapipe.config.muon_terms import MuonMatrix, is_muon, muon_optimizer_bytes
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_costs, schedule_of
 from megapipe.config.schema import Config
 from megapipe.config.states import (
@@ -58,6 +59,7 @@ from megapipe.plan.simulate import simulate
 
 # (blocks, tp_rank) -> parameters of the chunk holding `blocks` on that tp rank
 ChunkParams = Callable[[range, int], int]
+MuonMatrices = Callable[[range, int], list[MuonMatrix]]  # (blocks, tp_rank) -> Muon parameters
 # per pp rank, its actions in the simulated order: (kind, chunk, segment, start, end)
 Timeline = dict[int, list[tuple[str, int, int, float, float]]]
 
@@ -149,12 +151,14 @@ def memory_plan(
     chunk_params: ChunkParams,
     timeline: Timeline | None = None,
     memory: float | None = None,
+    matrices: MuonMatrices | None = None,
 ) -> MemoryPlan:
     """Per (pp, tp) rank: weights, grads, optimizer state, activations per microbatch, peak
     in-flight microbatches and the peak (RankMemory), for a job running on `device`, with
     `chunk_params` counting a chunk's parameters, the schedule's `timeline` (default:
     unit_timeline) and `memory` bytes of device memory (the LM head's chunk size,
-    config/memory_terms.head_chunk_rows: None, 256 rows)."""
+    config/memory_terms.head_chunk_rows: None, 256 rows). `matrices` lists a chunk's Muon
+    parameters (train.optimizer=muon: its state, config/muon_terms.py)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
     with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
@@ -173,7 +177,11 @@ def memory_plan(
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
             coord = (pp_rank, tp_rank)
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
-            ranks.append(replace(r, host=host * inflight[pp_rank]))
+            r = replace(r, host=host * inflight[pp_rank])
+            if matrices is not None and is_muon(cfg):
+                mine = [m for b in held for m in matrices(b, tp_rank)]
+                r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))
+            ranks.append(r)
     return MemoryPlan(tuple(ranks), device)
 
 

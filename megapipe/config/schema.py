@@ -227,7 +227,7 @@ class TrainConfig:
     beta1: float = bounded(0.9, low=0, high=1, high_open=True)  # AdamW first-moment decay
     beta2: float = bounded(0.95, low=0, high=1, high_open=True)  # AdamW second-moment decay
     # adamw | muon: Muon on the layers' 2-D matrices, AdamW on embeddings, head, norms, biases
-    # (train/muon.py; docs/memory.md, Muon)
+    # (train/muon.py, under ZeRO train/muon_zero.py; docs/parallelism.md, Muon)
     optimizer: str = "adamw"
     muon_momentum: float = bounded(
         0.95, low=0, high=1, high_open=True

@@ -41,8 +41,9 @@ from megapipe.config.memory_plan import (
     rank_memory,
 )
 from megapipe.config.memory_terms import attention_path, segments
+from megapipe.config.muon_terms import optimizer_lower_bound
 from megapipe.config.pipeline_split import partition, placement_of
-from megapipe.config.states import local_grads_bytes, optimizer_bytes, weights_bytes
+from megapipe.config.states import local_grads_bytes, weights_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
@@ -392,7 +393,8 @@ class Bounds:
 
 
 def _held(n_params: float, cfg: Config, experts: float = 0) -> float:
-    """The state a rank holds at every moment of the step: weights and AdamW's. Its grads
-    are left to the bounds (float32 ones need not exist at the activation peak:
-    config/memory_plan.peak_inflight's with_grads), except where a bound adds them itself."""
-    return weights_bytes(n_params, cfg, experts) + optimizer_bytes(n_params, cfg, experts)
+    """The state a rank holds at every moment of the step: weights and AdamW's (at least
+    Muon's: config/muon_terms.optimizer_lower_bound). Its grads are left to the bounds (float32
+    ones need not exist at the activation peak: config/memory_plan.peak_inflight's
+    with_grads), except where a bound adds them itself."""
+    return weights_bytes(n_params, cfg, experts) + optimizer_lower_bound(n_params, cfg, experts)

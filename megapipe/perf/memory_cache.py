@@ -23,6 +23,7 @@ from typing import Any
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
 from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
+from megapipe.config.muon_terms import MuonMatrix
 from megapipe.config.pipeline_split import schedule_costs
 from megapipe.perf.pipeline import ScheduleKey, schedule_dag
 from megapipe.plan.dag import KIND_INDEX, run
@@ -110,6 +111,19 @@ def _block_params(cfg: Config, block: int, tp_rank: int) -> int:
     return _COUNTS.get(key, lambda: train_memory.chunk_params(cfg, one, tp_rank))
 
 
+def muon_matrices(cfg: Config, blocks: range, tp_rank: int) -> list[MuonMatrix]:
+    """train/meta_memory.muon_matrices of `blocks`, each block's counted once per ChunkKey and
+    layer kind (as _block_params; the tied table is AdamW's, so blocks add up)."""
+    out = []
+    for b in blocks:
+        layer = 1 <= b < cfg.model.n_layers + 1
+        kind = is_moe_layer(cfg.model, b - 1) if layer else b
+        one = range(b, b + 1)
+        key = (ChunkKey.of(cfg, one, tp_rank), kind, "muon")
+        out += _COUNTS.get(key, lambda one=one: train_memory.muon_matrices(cfg, one, tp_rank))
+    return out
+
+
 def timeline(cfg: Config) -> Timeline:
     """The timeline config/memory_plan.unit_timeline replays (plan/simulate.simulate of the
     schedule with its schedule_costs), from the cached Dag. The same floats: the Dag's pass
@@ -144,6 +158,7 @@ class PlanKey:
     params_dtype: str
     device: str
     memory: float | None = None
+    optimizer: str = "adamw"  # train.optimizer: Muon's state differs (config/muon_terms.py)
 
     @staticmethod
     def of(cfg: Config, device: str, memory: float | None = None) -> PlanKey:
@@ -151,7 +166,8 @@ class PlanKey:
             dataclasses.astuple(getattr(cfg, s)) for s in ("model", "parallel", "recompute")
         )
         t = cfg.train
-        return PlanKey(*sections, t.global_batch, t.dtype, t.params_dtype, device, memory)
+        keys = (t.global_batch, t.dtype, t.params_dtype, device, memory, t.optimizer)
+        return PlanKey(*sections, *keys)
 
 
 _PLANS = BoundedCache(4096)
@@ -163,6 +179,7 @@ def plan(cfg: Config, device: str = "cuda", memory: float | None = None) -> Memo
 
     def build() -> MemoryPlan:
         flight = timeline(cfg) if cfg.parallel.pp > 1 else None
-        return memory_plan(cfg, device, functools.partial(chunk_params, cfg), flight, memory)
+        counts, muon = (functools.partial(f, cfg) for f in (chunk_params, muon_matrices))
+        return memory_plan(cfg, device, counts, flight, memory, muon)
 
     return _PLANS.get(PlanKey.of(cfg, device, memory), build)

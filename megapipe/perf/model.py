@@ -61,6 +61,7 @@ from megapipe.perf.costs import CostModel
 from megapipe.perf.data_parallel import DPPlan, dp_plan, optimizer_plan
 from megapipe.perf.memory_cache import chunk_params
 from megapipe.perf.memory_cache import plan as memory_plan
+from megapipe.perf.muon_costs import with_muon
 from megapipe.perf.pipeline import config_dag
 from megapipe.perf.software import MEGAPIPE, Runtime
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, Action, Placement
@@ -178,6 +179,8 @@ def project(
     dp = dp_plan(cfg, cluster, runtime, shape, held, runtime.grad_bytes or cm.c, experts,
                  embedding)  # fmt: skip
     opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held, experts)
+    chunks = [[stages[place.stage(r, c)] for c in range(place.vpp)] for r in range(p.pp)]
+    opt = with_muon(opt, cfg, cm.dev, chunks)  # train.optimizer=muon: Newton-Schulz
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
     skew = cluster.host.sync_skew(p.tp, cfg.derived.world_size) if cluster.host else 0.0

@@ -36,7 +36,7 @@ from megapipe.parallel.tensor.sharding import ShardSpec, TPInfo
 from megapipe.train.checkpoint_faults import first_failure
 from megapipe.train.checkpoint_files import CheckpointError
 from megapipe.train.checkpoint_metadata import Refused, SafeReader
-from megapipe.train.checkpoint_zero import MOMENTS, logical_pieces, main_weights
+from megapipe.train.checkpoint_zero import logical_pieces, main_weights, state_keys
 from megapipe.train.rng import set_rng_states
 
 Blocks = dict[str, list[tuple[list, torch.Tensor]]]  # key -> [(logical offsets, view)]
@@ -116,12 +116,14 @@ def read_targets(chunks: list[nn.Module], optimizer) -> Targets:
 
 def _zero_state(t: Targets, name, param, shape, spec, tp, optimizer) -> None:
     owned = optimizer.owned_state(param)
-    step = t.scalar(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
-    t.after.append(lambda: optimizer.set_step_count(step))
+    keys, counted = state_keys(owned)
+    if counted:
+        step = t.scalar(f"optim.{name}.step", torch.zeros((), dtype=torch.float32))
+        t.after.append(lambda: optimizer.set_step_count(step))
     if owned is None:
         return
     slot, state = owned
-    for key in MOMENTS:
+    for key in keys:
         local = tuple(param.shape)
         t.add(
             f"optim.{name}.{key}",

@@ -110,6 +110,15 @@ def main_weights(optimizer, load: bool = False) -> dict:
     return optimizer.load_targets() if load else optimizer.main_weights()
 
 
+def state_keys(owned) -> tuple[tuple[str, ...], bool]:
+    """(the flat state keys, whether a step count goes with them) of an `owned_state` answer:
+    AdamW's moments and step, or what else it holds (Muon's momentum buffer, no step count:
+    train/muon_zero.py). Every rank of the stage answers alike for a parameter."""
+    if owned is None or "step" in owned[1]:
+        return MOMENTS, True
+    return tuple(sorted(owned[1])), False
+
+
 def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool, shard=sharded_tensor) -> dict:
     """What this rank writes of the optimizer: its owned moments as ShardedTensors under their
     logical names and shapes (HSDP: the first replica's); the step count (replicated) from
@@ -117,7 +126,8 @@ def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool, shard=shar
     state = {}
     for name, param, shape, spec, tp in _logical(chunks):
         owned = optimizer.owned_state(param)
-        for key in MOMENTS:
+        keys, counted = state_keys(owned)
+        for key in keys:
             pieces = []
             if owned is not None and optimizer.writes_shards:  # HSDP: one replica writes
                 slot, st = owned
@@ -126,6 +136,6 @@ def optimizer_state(chunks: list[nn.Module], optimizer, writer: bool, shard=shar
                     first=expert_offset(param),
                 )  # fmt: skip
             state[f"optim.{name}.{key}"] = shard(pieces, shape, optimizer.stage_group)
-        if writer:
+        if writer and counted:
             state[f"optim.{name}.step"] = optimizer.step_count()
     return state

@@ -12,11 +12,13 @@ import torch
 from megapipe.config import Config
 from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
+from megapipe.config.muon_terms import MuonMatrix
 from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.devices import memory as device_memory
 from megapipe.models.gpt import GPT
 from megapipe.parallel.expert.sharding import EPInfo
 from megapipe.parallel.tensor.sharding import TPInfo
+from megapipe.train.muon import muon_groups
 
 
 def memory_plan(
@@ -27,7 +29,8 @@ def memory_plan(
 ) -> MemoryPlan:
     """config/memory_plan.memory_plan of `cfg` on `device`, parameters from chunk_params;
     `memory`: the device's bytes, which size the LM head's chunks (None: 256 rows)."""
-    return plan_of(cfg, device, functools.partial(chunk_params, cfg), timeline, memory)
+    counts = functools.partial(chunk_params, cfg)
+    return plan_of(cfg, device, counts, timeline, memory, functools.partial(muon_matrices, cfg))
 
 
 def local_memory(device: str = "cuda") -> int | None:
@@ -50,6 +53,14 @@ def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
     """Parameters of the chunk holding `blocks` on `tp_rank` (a tied table's copy included)."""
     return count_params([chunk(cfg, blocks, tp_rank)])
+
+
+def muon_matrices(cfg: Config, blocks: range, tp_rank: int) -> list[MuonMatrix]:
+    """The Muon parameters of the chunk holding `blocks` on `tp_rank` (train/muon.muon_groups):
+    each one's local elements and the whole shapes of its logical matrices."""
+    hidden, _ = muon_groups(chunk(cfg, blocks, tp_rank), 0.0)
+    pairs = zip(hidden["params"], hidden["layouts"], strict=True)
+    return [(p.numel(), layout.logical_shapes()) for p, layout in pairs]
 
 
 def rank_chunks(cfg: Config, pp_rank: int, tp_rank: int) -> list[GPT]:

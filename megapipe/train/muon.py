@@ -22,7 +22,8 @@ weight's logical name and shape and load it under any mesh). Gathering costs one
 of the update per matrix and tp-fold redundant Newton-Schulz FLOPs, but no second round trip
 to scatter the result, which owning each matrix on one tp rank would need. Under dp (zero=0)
 the summed grads are the same on every replica, and so are their updates. ZeRO levels 1-3 cut
-matrices into flat ranges; config/checks.py refuses them with train.optimizer=muon.
+matrices into flat ranges: there each matrix is owned whole by one rank (train/muon_zero.py),
+which runs this arithmetic (`nesterov_update`, `orthogonalised`) for it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class MatrixLayout:
         starts = [sum(self.spec.segments[:i]) for i in range(len(self.spec.segments))]
         return list(zip(starts, self.spec.segments, pieces, strict=True))
 
+    def logical_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The (rows, cols) of each logical matrix, whole (what Newton-Schulz runs on)."""
+        out = []
+        for _, rows, _ in self.matrices():
+            shape = list(self.shape)
+            shape[self.dim] = rows
+            out.append((shape[0], shape[1]))
+        return tuple(out)
+
     def whole(self, local: torch.Tensor) -> torch.Tensor:
         """The logical tensor of `local` (this rank's shard): all-gathered over tp."""
         if self.spec.dim is None or self.tp.size == 1:
@@ -87,20 +97,17 @@ class Muon(torch.optim.Muon):
 
     def _step_one(self, param: torch.Tensor, layout: MatrixLayout, group: dict) -> None:
         """torch's _single_tensor_muon for one parameter, per logical matrix."""
-        grad, lr, momentum = param.grad, group["lr"], group["momentum"]
+        update = self.nesterov_update(param, param.grad, group)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        for piece, mine, adjusted in orthogonalised(update, layout, group):
+            param.narrow(layout.dim, piece.local_lo, piece.length).add_(mine, alpha=-adjusted)
+
+    def nesterov_update(self, param: torch.Tensor, grad: torch.Tensor, group: dict):
+        """`param`'s momentum buffer takes `grad` in; returns the (Nesterov) update."""
+        momentum = group["momentum"]
         buf = self.param_state(param)["momentum_buffer"]
         buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        full, dim = layout.whole(update), layout.dim
-        param.mul_(1 - lr * group["weight_decay"])
-        for start, rows, piece in layout.matrices():
-            matrix = full.narrow(dim, start, rows)
-            ortho = muon_orthogonalize(
-                matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
-            )
-            adjusted = muon_adjusted_lr(lr, group["adjust_lr_fn"], matrix.shape)
-            mine = ortho.narrow(dim, piece.global_lo - start, piece.length)
-            param.narrow(dim, piece.local_lo, piece.length).add_(mine, alpha=-adjusted)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
 
     def param_state(self, param: torch.Tensor) -> dict:
         """The momentum buffer of `param` (zeros if absent, so a load has a target): float32,
@@ -110,6 +117,20 @@ class Muon(torch.optim.Muon):
             dtype = torch.promote_types(param.dtype, torch.float32)
             state["momentum_buffer"] = torch.zeros_like(param, dtype=dtype)
         return state
+
+
+def orthogonalised(update: torch.Tensor, layout: MatrixLayout, group: dict):
+    """(this rank's piece, its rows of the orthogonalised matrix, the adjusted lr) for each
+    logical matrix of `update` (this rank's shard of a parameter's Nesterov update: gathered
+    over tp first, a collective)."""
+    full, dim = layout.whole(update), layout.dim
+    for start, rows, piece in layout.matrices():
+        matrix = full.narrow(dim, start, rows)
+        ortho = muon_orthogonalize(
+            matrix, group["ns_coefficients"], group["ns_steps"], group["eps"]
+        )
+        adjusted = muon_adjusted_lr(group["lr"], group["adjust_lr_fn"], matrix.shape)
+        yield piece, ortho.narrow(dim, piece.global_lo - start, piece.length), adjusted
 
 
 class MuonAdamW(WholeState):

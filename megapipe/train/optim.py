@@ -21,6 +21,7 @@ from megapipe.parallel.data.levels import PLAIN, Sharding
 from megapipe.parallel.data.optimizer_interface import WholeState
 from megapipe.parallel.precision import MainParamOptimizer, grad_of
 from megapipe.train.muon import make_muon, muon_groups
+from megapipe.train.muon_zero import zero_muon
 
 
 class AdamW(WholeState, torch.optim.AdamW):
@@ -60,12 +61,16 @@ def build_optimizer(
     """AdamW over `model`; under a sharded level (`sharding`, parallel/data/levels.py) over
     this rank's shards of `reducers` (one per chunk), whose checkpoints are written over
     `stage_group` (the mesh's dp × cp × tp group of this pp stage). train.optimizer=muon:
-    Muon over the hidden matrices beside that AdamW (train/muon.py)."""
+    Muon over the hidden matrices beside that AdamW (train/muon.py; under a sharded level each
+    matrix owned whole by one rank, train/muon_zero.py)."""
     groups = decay_groups(model, cfg.weight_decay)
     adamw = partial(make_adamw, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     if cfg.optimizer == "muon":
         hidden, rest = muon_groups(model, cfg.weight_decay)
         groups = [hidden, *named_decay_groups(rest, cfg.weight_decay)]
+        owned = zero_muon(sharding, list(reducers), groups, adamw, stage_group, cfg)
+        if owned is not None:  # zero >= 1 with replicas: each matrix owned whole
+            return owned
         adamw = partial(make_muon, cfg=cfg, make_adamw=adamw)
     sharded = sharding.optimizer(list(reducers), groups, adamw, stage_group)
     if sharded is not None:
