@@ -193,3 +193,22 @@ def test_projection_adds_newton_schulz_to_the_optimizer_step():
     flops = newton_schulz_seconds(muon_cfg, dev, blocks)
     dealt = tiny_config([*base, "train.optimizer=muon", "parallel.dp=2", "parallel.zero=1"], "x")
     assert 0 < newton_schulz_seconds(dealt, dev, blocks) < flops
+
+
+@pytest.mark.parametrize("dp,zero", [(1, 0), (4, 0), (4, 1), (8, 3)])
+def test_owner_exchanges_are_priced_at_the_bytes_they_send(tmp_path, dp, zero):
+    """perf/muon_costs.exchange_seconds: on a link of 1 B/s and no latency, the seconds are the
+    bytes a rank sends in the owners' two all-to-alls (train/muon_zero.py): of its 1/n of each
+    hidden matrix's elements (counted on the built model), the (n - 1)/n others own, in
+    float32, twice; nothing without ZeRO."""
+    from megapipe.perf.muon_costs import exchange_seconds
+
+    job, opt = _job(tmp_path, "train.optimizer=muon")
+    elements = sum(p.numel() for g in opt.muon.param_groups for p in g["params"])
+    extra = ["train.optimizer=muon", f"parallel.dp={dp}", f"parallel.zero={zero}"]
+    cfg = tiny_config(["model.arch=llama", "model.tie_embeddings=false", *extra], str(tmp_path))
+    link = type("Link", (), {"latency": 0.0, "bandwidth": 1.0})
+    n = dp if zero else 1
+    sent = 2 * 4 * elements / n * (n - 1) / n
+    blocks = [range(0, cfg.model.n_layers + 2)]
+    assert exchange_seconds(cfg, link, blocks) == pytest.approx(sent, rel=1e-12)

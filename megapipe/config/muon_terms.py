@@ -53,7 +53,7 @@ def most_owned(sizes: Sequence[int], ranks: int) -> int:
 def worst_owned(cfg: Config, matrices: Sequence[MuonMatrix]) -> list[MuonMatrix]:
     """The Muon parameters the worst rank of the shard group steps (the most elements under
     `deal`): all of them without sharding (zero=0, or no replicas)."""
-    ranks = _owners(cfg)
+    ranks = owner_ranks(cfg)
     if ranks == 1:
         return list(matrices)
     owners = deal([n for n, _ in matrices], ranks)
@@ -72,7 +72,7 @@ def muon_optimizer_bytes(
     s = state_layout(cfg)
     rest = optimizer_bytes(n_params - muon, cfg, experts)
     main = _bytes(muon, s.optimizer - 2 * FLOAT32, s.optimizer_shards)  # bf16: main params
-    return rest + main + MOMENTUM_BYTES * most_owned([n for n, _ in matrices], _owners(cfg))
+    return rest + main + MOMENTUM_BYTES * most_owned([n for n, _ in matrices], owner_ranks(cfg))
 
 
 def optimizer_lower_bound(n_params: float, cfg: Config, experts: float = 0) -> float:
@@ -86,7 +86,9 @@ def optimizer_lower_bound(n_params: float, cfg: Config, experts: float = 0) -> f
     return whole - _bytes(n_params, MOMENTUM_BYTES, state_layout(cfg).optimizer_shards)
 
 
-def _owners(cfg: Config) -> int:
+def owner_ranks(cfg: Config) -> int:
+    """The ranks that own Muon matrices: the shard group under ZeRO, else 1 (every rank steps
+    each matrix)."""
     s = state_layout(cfg)
     return s.d if s.optimizer_shards > 1 else 1
 

@@ -58,7 +58,7 @@ from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
 from megapipe.perf.costs import CostModel
-from megapipe.perf.data_parallel import DPPlan, dp_plan, optimizer_plan
+from megapipe.perf.data_parallel import DPPlan, dp_plan, optimizer_plan, reduction_groups
 from megapipe.perf.memory_cache import chunk_params
 from megapipe.perf.memory_cache import plan as memory_plan
 from megapipe.perf.muon_costs import with_muon
@@ -180,7 +180,8 @@ def project(
                  embedding)  # fmt: skip
     opt = optimizer_plan(cfg, cluster, runtime, cm, shape, held, experts)
     chunks = [[stages[place.stage(r, c)] for c in range(place.vpp)] for r in range(p.pp)]
-    opt = with_muon(opt, cfg, cm.dev, chunks)  # train.optimizer=muon: Newton-Schulz
+    shard_link = reduction_groups(cfg, cluster, shape)[0][0][1]
+    opt = with_muon(opt, cfg, cm.dev, chunks, shard_link)  # train.optimizer=muon
     cost = _action_costs(cfg, dag, stage_costs, place, dp, opt)
     delay, extra = _messages(cfg, cluster, runtime, cm, shape, dag, bounds)
     skew = cluster.host.sync_skew(p.tp, cfg.derived.world_size) if cluster.host else 0.0
