@@ -4,13 +4,14 @@ python -m benchmarks.bench schedules [--proofs] [--plots docs] [--cost F=1,B=1,W
 python -m benchmarks.bench train [--layers 4 --d-model 256 ...]
 python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
+python -m benchmarks.bench grad_reduce [--dp 2 --zero 2 3 --microbatches 4 --steps 20]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
 python -m benchmarks.bench fake_startup [--worlds 64,1024,16384 --json F]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
-Seven living benchmarks, and the CPU profile's calibration with its local truth. The others
+Eight living benchmarks, and the CPU profile's calibration with its local truth. The others
 (matmuls, kernels, tp, tp_overlap, cp, data_index, precision, checkpoint, moe, grouped, progress)
 were retired in issue 46: the dated files under docs/benchmarks/ record what each answered and
 the command it ran. The published runs the performance model is checked on are
@@ -36,6 +37,10 @@ SUBCOMMANDS = {
     "zero": (
         "bench_zero",
         "ZeRO levels 1-3 vs zero=0: dp=2 step time and gathers hidden, bytes per rank, comm volume",
+    ),
+    "grad_reduce": (
+        "bench_grad_reduce",
+        "ZeRO 2/3 grads reduced every microbatch vs once a step: step time, bytes, grads held",
     ),
     "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
     "cp_balance": (
