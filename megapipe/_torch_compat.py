@@ -393,6 +393,19 @@ def storage_key(tensor: Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def resize_storage(tensor: Tensor, nbytes: int) -> None:
+    """Resize `tensor`'s storage to `nbytes` (0 frees it; its views stay), through the op FSDP2
+    uses under compile, `inductor::resize_storage_bytes_`: unlike `UntypedStorage.resize_` it
+    is dispatched, so a TorchDispatchMode sees ZeRO-3's frees (train/fake_ranks.py). Works on
+    torch 2.13."""
+    torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)
+
+
+def resize_storage_op():
+    """The op `resize_storage` dispatches, as a TorchDispatchMode sees it. Works on torch 2.13."""
+    return torch.ops.inductor.resize_storage_bytes_.default
+
+
 def real_mode():
     """A context in which no fake mode is active (torch._subclasses.fake_tensor.
     unset_fake_temporarily): the fake-rank run computes the values it knows, the routed experts'

@@ -121,6 +121,23 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
+def test_zero3_rank_holds_its_shard_and_a_few_blocks_of_grads(tmp_path):
+    """ZeRO-3 reducing every microbatch (dp4, 8 layers, 2 microbatches, rank 3: the last
+    shard): the most grad bytes the rank holds at any moment stay within the dry run's grads
+    (its float32 shard plus the two largest consecutive blocks' full grads), under the
+    whole model's float32 grads, and its peak is the plan's within 5%."""
+    from megapipe.train.dry_run import as_json
+
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=4", "--parallel.zero=3",
+                             "--parallel.grad_reduce=microbatch", "--model.n_layers=8",
+                             "--parallel.microbatches=2"])  # fmt: skip
+    (r,) = fake_ranks(cfg, "3")["ranks"]
+    plan = as_json(cfg, "cpu")["ranks"][0]
+    model_grads = 4 * plan["params"]
+    assert 0 < r["most_by_kind"]["grads"] <= plan["grads_bytes"] < model_grads
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
 def test_hsdp_rank_is_the_models(tmp_path):
     """HSDP, dp4 in shard groups of 2 under zero=3 (parallel.dp_shard=2), rank 2: the first of
     the second group, a replica of rank 0's shards. Its dp bytes within 2% of the plan's: the

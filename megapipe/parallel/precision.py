@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapipe._torch_compat import resize_storage
 from megapipe.parallel.data.optimizer_interface import WholeState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -130,13 +131,12 @@ class MainGrads:
     def release(self) -> None:
         """Free the buffer's storage (ZeRO-2 and -3 once the grads are reduce-scattered:
         each rank then holds only its shard); the `main_grad` views stay, storage-less."""
-        self.flat.untyped_storage().resize_(0)
+        resize_storage(self.flat, 0)
 
     def ensure(self) -> None:
         """The buffer allocated again and zeroed, if `release` freed it (before a backward)."""
-        storage = self.flat.untyped_storage()
-        if storage.size() == 0:
-            storage.resize_(self.flat.numel() * self.flat.element_size())
+        if self.flat.untyped_storage().size() == 0:
+            resize_storage(self.flat, self.flat.numel() * self.flat.element_size())
             self.flat.zero_()
 
 

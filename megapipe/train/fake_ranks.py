@@ -34,6 +34,7 @@ from megapipe._torch_compat import (
     fake_tensor_mode,
     flop_counter,
     local_scalar_op,
+    resize_storage_op,
     storage_key,
     unbox_group,
 )
@@ -76,6 +77,7 @@ class Measure(dispatch_mode_base()):
     totals: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     peak: int = 0
     peak_kinds: dict = field(default_factory=dict)
+    most: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # each kind's own peak
     comm: list = field(default_factory=list)
     phase: str = "activations"
     values: Values = field(default_factory=Values)
@@ -87,6 +89,8 @@ class Measure(dispatch_mode_base()):
         if func is local_scalar_op():
             return self.values.scalar(args[0])
         out = self.values.run(func, args, kwargs or {})
+        if func is resize_storage_op():  # ZeRO-3's frees and gathers (_torch_compat.py)
+            self._resized(args[0], int(args[1]))
         if func.namespace == "c10d":
             self._record(func, args)
             if func.overloadpacket.__name__ in P2P:  # delivered at once in a world of one
@@ -101,11 +105,23 @@ class Measure(dispatch_mode_base()):
         if key in self.live:
             return
         self.live[key] = [storage.nbytes(), kind]
-        self.totals[kind] += storage.nbytes()
+        self._add(kind, storage.nbytes())
         weakref.finalize(storage, self._free, key)
+        self._check_peak()
+
+    def _check_peak(self) -> None:
         total = sum(self.totals.values())
         if total > self.peak:
             self.peak, self.peak_kinds = total, dict(self.totals)
+
+    def _resized(self, t: torch.Tensor, nbytes: int) -> None:
+        """A storage freed or allocated again in place: its live bytes follow."""
+        entry = self.live.get(storage_key(t))
+        if entry is None:
+            return self.track(t, self.phase)
+        self._add(entry[1], nbytes - entry[0])
+        entry[0] = nbytes
+        self._check_peak()
 
     def relabel(self, tensors, kind: str) -> None:
         """The live storages of `tensors` are `kind` (weights once built, grads at the step)."""
@@ -113,8 +129,12 @@ class Measure(dispatch_mode_base()):
             entry = self.live.get(storage_key(t))
             if entry is not None and entry[1] != kind:
                 self.totals[entry[1]] -= entry[0]
-                self.totals[kind] += entry[0]
+                self._add(kind, entry[0])
                 entry[1] = kind
+
+    def _add(self, kind: str, nbytes: int) -> None:
+        self.totals[kind] += nbytes
+        self.most[kind] = max(self.most[kind], self.totals[kind])
 
     def _free(self, key: int) -> None:
         nbytes, kind = self.live.pop(key)
@@ -197,6 +217,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "coords": c,
         "peak_bytes": measure.peak,
         "peak_by_kind": measure.peak_kinds,
+        "most_by_kind": measure.most,  # each kind's most at any moment (ZeRO-3's grads)
         "plan_peak_bytes": plan.get((c["pp"], c["tp"])),
         "flops": flops.get_total_flops() // STEPS,
         "plan_flops": plan_flops(cfg, c),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megapipe._torch_compat import resize_storage
 from megapipe.parallel.data.reducer import Bucket
 
 
@@ -31,20 +32,19 @@ class BucketMainGrads:
                 p.main_grad = flat[offset : offset + p.numel()].view_as(p)
                 p.main_grad_span = (flat, offset)
                 offset += p.numel()
-            flat.untyped_storage().resize_(0)
+            resize_storage(flat, 0)
             self.flat.append(flat)
 
     def ensure(self, indices) -> None:
         """Buckets `indices` allocated and zeroed where they have no storage."""
         for i in indices:
             flat = self.flat[i]
-            storage = flat.untyped_storage()
-            if storage.size() == 0:
-                storage.resize_(flat.numel() * flat.element_size())
+            if flat.untyped_storage().size() == 0:
+                resize_storage(flat, flat.numel() * flat.element_size())
                 flat.zero_()
 
     def free(self, i: int) -> None:
-        self.flat[i].untyped_storage().resize_(0)
+        resize_storage(self.flat[i], 0)
 
     def resident_bytes(self) -> int:
         """Bytes of main grads held now (the tests' probe of the no-full-grad claim)."""

@@ -43,7 +43,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from megapipe._torch_compat import queue_backward_callback
+from megapipe._torch_compat import queue_backward_callback, resize_storage
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, pack
@@ -281,11 +281,11 @@ class Zero3Optimizer(Zero2Optimizer):
 
 def _free(full: torch.Tensor) -> None:
     """FSDP's free: the storage goes, the tensor (and its parameter views) stay."""
-    full.untyped_storage().resize_(0)
+    resize_storage(full, 0)
 
 
 def _alloc(full: torch.Tensor) -> None:
-    full.untyped_storage().resize_(full.numel() * full.element_size())
+    resize_storage(full, full.numel() * full.element_size())
 
 
 def _resident(full: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe._torch_compat import resize_storage
 from megapipe.distributed import collectives as C
 from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.fp8_scaling import BLOCK, E4M3, amax_to_scale, to_fp8
@@ -129,7 +130,7 @@ class Fp8Bucket:
             for f in self.forms
         }
         for payload in self.payloads.values():
-            payload.full.untyped_storage().resize_(0)
+            resize_storage(payload.full, 0)
         offset = 0
         for p in params:
             linears[id(p)].fp8_weight = GatheredWeight(self, id(p), offset, tuple(p.shape))
