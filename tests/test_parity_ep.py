@@ -25,6 +25,7 @@ Z2MB = [*Z2, "parallel.grad_reduce=microbatch"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 SP = ["parallel.sequence_parallel=true"]
 SHARED, FULL = ["model.moe_shared_experts=1"], ["recompute.mode=full"]
+HSDP = ["parallel.dp_shard=2"]  # dp 4: two shard groups of 2, replicas of each other
 
 PLAIN = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -57,8 +58,10 @@ CONTEXT = {
     4: [
         ("dp2-ep2-cp2", 2, 1, [*MOE, *EP2, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero1-capacity", 2, 1, [*MOE, *CAP, *EP2, *ZERO, "parallel.cp=2"]),
-        ("dp2-ep2-cp2-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero2-capacity", 2, 1, [*MOE, *CAP, *EP2, *Z2, "parallel.cp=2"]),
+    ],
+    8: [  # HSDP: experts shard over a block's cp ranks (S/ep · cp = 2), two replicas of each
+        ("hsdp-dp4-ep2-cp2-zero3-clip", 4, 1, [*MOE, *EP2, *HSDP, *Z3, *CLIP, "parallel.cp=2"]),
     ],
 }
 PIPELINE = {
