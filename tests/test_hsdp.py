@@ -1,8 +1,9 @@
 """HSDP (parallel.dp_shard) in the config and the models, no process group: its one-line errors,
 the state bytes over the shard group (config/states.py), the two-level reduction's bytes and
 time (config/comm_bytes.py, perf/data_parallel.py) and the planner's choices (perf/space.py).
-Parity with one process is tests/test_zero23.py's (with experts, test_parity_ep.py's); resuming across S, tests/test_reshard.py's;
-the code's bytes against the plan's, tests/test_fake_ranks.py's; the groups, test_mesh.py's."""
+Parity with one process is tests/test_zero23.py's (with experts, test_parity_ep.py's); resuming
+across S, tests/test_reshard.py's; the code's bytes against the plan's,
+tests/test_fake_ranks.py's; the groups, test_mesh.py's."""
 
 from __future__ import annotations
 

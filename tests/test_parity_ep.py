@@ -3,8 +3,8 @@ model as one process does (per-step loss, grad norm and final logical weights, r
 dropless and with a capacity factor, alone and with tp, pp (1F1B and ZB-H1's deferred weight
 grads), cp and zero=1, 2 and 3 (expert shards over the expert-replica group, float32 and bf16
 weights, clipping active in the `clip` cases), and HSDP (parallel.dp_shard: the experts' shards
-over a block's expert replicas, all-reduced across the blocks). Experts are gathered over the ep group to
-compare them whole."""
+over a block's expert replicas, all-reduced across the blocks). Experts are gathered over the ep
+group to compare them whole."""
 
 import pytest
 import torch
