@@ -151,6 +151,22 @@ def test_hsdp_rank_is_the_models(tmp_path):
     assert r["save_bytes"] == 0
 
 
+def test_hsdp_grads_reduced_in_bf16_are_the_models(tmp_path):
+    """HSDP at zero=2 (dp4 in shard groups of 2), rank 2, with the grads reduced in float32 and
+    in bfloat16 (parallel.grad_reduce_dtype): dp bytes within 2% of the plan's, and bfloat16
+    takes off exactly the bytes the plan takes off (half of the reduce-scatter's and of the
+    replicas' all-reduce's; what the plan leaves out is the same in both)."""
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(TINY, [f"--run.dir={tmp_path / dtype}", "--parallel.dp=4",
+                                 "--parallel.zero=2", "--parallel.dp_shard=2",
+                                 f"--parallel.grad_reduce_dtype={dtype}"])  # fmt: skip
+        (got[dtype],) = fake_ranks(cfg, "2")["ranks"]
+        assert_bytes_are_the_plans(got[dtype])
+    measured, plan = ([got[d][k]["dp"] for d in got] for k in ("comm_bytes", "plan_comm_bytes"))
+    assert measured[0] - measured[1] == plan[0] - plan[1] > 0
+
+
 MOE = ["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"]  # Mixtral-style
 MOE_CASES = {
     "dp2_ep2": ["--parallel.dp=2", "--parallel.ep=2"],

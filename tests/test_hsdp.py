@@ -1,8 +1,9 @@
 """HSDP (parallel.dp_shard) in the config and the models, no process group: its one-line errors,
 the state bytes over the shard group (config/states.py), the two-level reduction's bytes and
 time (config/comm_bytes.py, perf/data_parallel.py) and the planner's choices (perf/space.py).
-Parity with one process is tests/test_zero23.py's; resuming across S, tests/test_reshard.py's;
-the code's bytes against the plan's, tests/test_fake_ranks.py's; the groups, test_mesh.py's."""
+Parity with one process is tests/test_zero23.py's (with experts, test_parity_ep.py's); resuming
+across S, tests/test_reshard.py's; the code's bytes against the plan's,
+tests/test_fake_ranks.py's; the groups, test_mesh.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from megapipe.perf import load_cluster
 from megapipe.perf.comm import hsdp_groups
 from megapipe.perf.data_parallel import dp_plan
 from megapipe.perf.software import RUNTIMES
-from megapipe.perf.space import dp_shards
+from megapipe.perf.space import candidates, dp_shards
 from tests.conftest import TINY
 
 DP8 = ["parallel.dp=8", "parallel.zero=3", "train.global_batch=8"]
@@ -79,6 +80,16 @@ def test_dp_bytes_are_the_two_level_reduction(tmp_path):
     assert dp_bytes(plain) == pytest.approx(loss + 4 * params + 4 * params / 8)
 
 
+def test_dp_bytes_follow_grad_reduce_dtype(tmp_path):
+    """parallel.grad_reduce_dtype=bfloat16 sends 2 bytes a grad element in the reduce-scatter
+    and the replicas' all-reduce (parallel/data/zero.py), the weights' gather unchanged."""
+    base = ["parallel.dp=8", "parallel.zero=1", "train.global_batch=8", "parallel.dp_shard=2"]
+    bf16 = cfg_of(tmp_path, *base, "parallel.grad_reduce_dtype=bfloat16")
+    params = 1000
+    got = rank_comm_bytes(bf16, 0, 0, lambda blocks, tp: params)["dp"]
+    assert got == pytest.approx(8.0 + 2 * params + 2 * params / 2 + 4 * params / 2)
+
+
 def test_priced_on_the_shard_and_replicate_links(tmp_path):
     """The shard groups (2 dp ranks, one node) and replicate groups (4, across nodes) the mesh
     makes; the reduction's time adds the shard's all-reduce on the slower link."""
@@ -89,6 +100,22 @@ def test_priced_on_the_shard_and_replicate_links(tmp_path):
     plain, hsdp = cfg_of(tmp_path, *base), cfg_of(tmp_path, *base, "parallel.dp_shard=2")
     times = [dp_plan(c, cluster, rt, (1, 8, 1, 1), [[1e9]], 4).total[0] for c in (plain, hsdp)]
     assert all(t > 0 for t in times) and times[0] != times[1]
+    # in bf16 (parallel.grad_reduce_dtype) both levels carry 2-byte grads in the same buckets
+    bf16 = cfg_of(tmp_path, *base, "parallel.dp_shard=2", "parallel.grad_reduce_dtype=bfloat16")
+    narrow = dp_plan(hsdp, cluster, rt, (1, 8, 1, 1), [[1e9]], 2).total[0]
+    got = dp_plan(bf16, cluster, rt, (1, 8, 1, 1), [[1e9]], 4).total[0]
+    assert got == pytest.approx(narrow, rel=1e-12) and got < times[1]
+
+
+def test_planner_keeps_grad_reduce_dtype_where_grads_are_sharded(tmp_path):
+    """A candidate reduces in the config's parallel.grad_reduce_dtype under zero >= 1; zero=0
+    (which all-reduces float32, config/checks_runtime.py) stays a valid candidate."""
+    cfg = cfg_of(
+        tmp_path, "parallel.dp=2", "parallel.zero=1", "parallel.grad_reduce_dtype=bfloat16"
+    )
+    space = candidates(cfg, 8, 8, {"parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1})
+    made = {c.zero: c.config(cfg).parallel.grad_reduce_dtype for c in space}
+    assert made == {0: "float32", 1: "bfloat16"}
 
 
 def test_planner_tries_all_of_dp_and_one_node():

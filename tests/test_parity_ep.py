@@ -2,8 +2,9 @@
 model as one process does (per-step loss, grad norm and final logical weights, relative 1e-5),
 dropless and with a capacity factor, alone and with tp, pp (1F1B and ZB-H1's deferred weight
 grads), cp and zero=1, 2 and 3 (expert shards over the expert-replica group, float32 and bf16
-weights, clipping active in the `clip` cases). Experts are gathered over the ep group to
-compare them whole."""
+weights, clipping active in the `clip` cases), and HSDP (parallel.dp_shard: the experts' shards
+over a block's expert replicas, all-reduced across the blocks). Experts are gathered over the ep
+group to compare them whole."""
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ Z2MB = [*Z2, "parallel.grad_reduce=microbatch"]
 CLIP = ["train.grad_clip=0.05"]  # the tiny model's grad norm is ~1: every step clips
 SP = ["parallel.sequence_parallel=true"]
 SHARED, FULL = ["model.moe_shared_experts=1"], ["recompute.mode=full"]
+HSDP = ["parallel.dp_shard=2"]  # dp 4: two shard groups of 2, replicas of each other
 
 PLAIN = {  # world -> [(id, dp, tp, overrides)]
     2: [
@@ -57,8 +59,10 @@ CONTEXT = {
     4: [
         ("dp2-ep2-cp2", 2, 1, [*MOE, *EP2, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero1-capacity", 2, 1, [*MOE, *CAP, *EP2, *ZERO, "parallel.cp=2"]),
-        ("dp2-ep2-cp2-zero3-clip", 2, 1, [*MOE, *EP2, *Z3, *CLIP, "parallel.cp=2"]),
         ("dp2-ep2-cp2-zero2-capacity", 2, 1, [*MOE, *CAP, *EP2, *Z2, "parallel.cp=2"]),
+    ],
+    8: [  # HSDP: experts shard over a block's cp ranks (S/ep · cp = 2), two replicas of each
+        ("hsdp-dp4-ep2-cp2-zero3-clip", 4, 1, [*MOE, *EP2, *HSDP, *Z3, *CLIP, "parallel.cp=2"]),
     ],
 }
 PIPELINE = {

@@ -22,6 +22,7 @@ COMMON = [
 ]
 LLAMA_KV1 = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 LLAMA_KV1 += ["model.n_kv_heads=1"]
+MOE = ["model.n_experts=4", "model.top_k=2"]
 
 
 def mesh(dp=1, tp=1, pp=1, cp=1, **more) -> tuple[int, list[str]]:
@@ -46,9 +47,13 @@ PAIRS = {  # id -> (saved under, resumed under, model overrides)
         [],
     ),
     # HSDP both ways (parallel.dp_shard): into shard groups of 2 with replicas, and from them
-    # (each shard's moments written once, by its first replica) into plain dp
+    # (each shard's moments written once, by its first replica; the experts' too) into plain dp
     "dp2-cp2-to-hsdp-dp4-shard2-zero2": (mesh(dp=2, cp=2), mesh(dp=4, zero=2, dp_shard=2), []),
-    "hsdp-zero1-dp4-shard2-to-zero0-dp2": (mesh(dp=4, zero=1, dp_shard=2), mesh(dp=2), []),
+    "hsdp-zero1-dp4-shard2-ep2-to-zero0-dp2-ep2": (
+        mesh(dp=4, zero=1, dp_shard=2, ep=2),
+        mesh(dp=2, ep=2),
+        MOE,
+    ),
     "interleaved-vpp2-to-vpp1": (
         mesh(pp=2, vpp=2, schedule="interleaved_1f1b", microbatches=2),
         mesh(pp=2, microbatches=2),

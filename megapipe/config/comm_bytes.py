@@ -12,8 +12,8 @@ the tensor it hands the collective.
 - all-to-all: its whole buffer, its own share included;
 - point-to-point: what it sends; a receive puts in nothing (its sender counts the bytes).
 Per step: every microbatch's, the reductions once. Sizes are those megapipe's code moves (its
-runtime: float32 grads and pipeline messages, weights gathered in train.params_dtype), or
-the widths a caller passes.
+runtime: float32 pipeline messages and grads, the dp reduction's in parallel.grad_reduce_dtype,
+weights gathered in train.params_dtype), or the widths a caller passes.
 """
 
 from __future__ import annotations
@@ -92,6 +92,13 @@ def tp_head_ops(sequence_parallel: bool, n: int, act: float) -> tuple[list[Op], 
     return f, [("all_reduce", act)]
 
 
+def reduce_width(cfg: Config, grad_bytes: int) -> int:
+    """Bytes per element of the dp × cp grad reduction (and HSDP's replica all-reduce) of
+    `grad_bytes`-byte grads: 2 under parallel.grad_reduce_dtype=bfloat16 (zero >= 1: the
+    reduce-scatter sends and sums in it, parallel/data/zero.py `ShardedGradReducer`)."""
+    return min(grad_bytes, 2) if cfg.parallel.grad_reduce_dtype == "bfloat16" else grad_bytes
+
+
 def grad_reduction_kind(zero: int, n: int) -> str:
     """The dp × cp grad reduction: reduce-scatter from zero=1 on (Rajbhandari et al. 2020 §5),
     else all-reduce."""
@@ -125,19 +132,22 @@ def p2p_message_bytes(cfg: Config, tokens: int, element: int) -> float:
 @dataclass(frozen=True)
 class Widths:
     """Bytes per element of each traffic: tp activations (the compute dtype), pipeline
-    messages, dp grads, gathered weights."""
+    messages, grads (tp's and the tied table's sums), gathered weights, and the dp grad
+    reduction's (`reduce`)."""
 
     act: int
     p2p: int
     grad: int
     param: int
+    reduce: int = GRAD_BYTES
 
     @staticmethod
     def of(cfg: Config) -> Widths:
-        """megapipe's own: float32 pipeline messages (the residual stream) and grads, weights
-        gathered in train.params_dtype."""
+        """megapipe's own: float32 pipeline messages (the residual stream) and grads, the dp
+        reduction in parallel.grad_reduce_dtype, weights gathered in train.params_dtype."""
         act = FLOAT32 if cfg.train.dtype == "float32" else 2
-        return Widths(act, FLOAT32, GRAD_BYTES, PARAM_BYTES[cfg.train.params_dtype])
+        param = PARAM_BYTES[cfg.train.params_dtype]
+        return Widths(act, FLOAT32, GRAD_BYTES, param, reduce_width(cfg, GRAD_BYTES))
 
 
 ChunkParams = Callable[[range, int], int]  # (blocks, tp_rank) -> parameters of that chunk
@@ -236,8 +246,8 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
         groups = [(params, replicas(cfg))]
     total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
     for n_params, n in groups:
-        total += put_in(grad_reduction_kind(p.zero, n), n_params * w.grad, n)
-        total += put_in("all_reduce", n_params * w.grad / max(n, 1), shard_copies(cfg))
+        total += put_in(grad_reduction_kind(p.zero, n), n_params * w.reduce, n)
+        total += put_in("all_reduce", n_params * w.reduce / max(n, 1), shard_copies(cfg))
         gathers = 1 if p.zero in (1, 2) else 0
         total += gathers * put_in("all_gather", n_params * w.param, n)
     return total

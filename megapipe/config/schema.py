@@ -183,8 +183,8 @@ class ParallelConfig:
     # complete, into the float32 shard: FSDP, DeepSpeed; no full-size grads kept;
     # docs/parallelism.md, ZeRO)
     grad_reduce: str = "step"
-    # zero >= 1: the dtype the grad reduce-scatter sends and sums in: float32 | bfloat16
-    # (half the bytes; the shards are widened to float32 after)
+    # zero >= 1: the dtype the grad reduce-scatter (and HSDP's replica all-reduce) sends and
+    # sums in: float32 | bfloat16 (half the bytes; the shards are widened to float32 after)
     grad_reduce_dtype: str = "float32"
     # zero >= 1: HSDP, ZeRO's shards over groups of dp_shard consecutive dp ranks (× cp), the
     # parallel.dp / dp_shard groups replicas that all-reduce their shards (torchtitan's

@@ -16,12 +16,14 @@ dtypes).
   all-gathers of the rank's weights in their dtype (bf16 under train.params_dtype=bfloat16),
   but one of the embedding's, whose backward reads no weight (config/comm_bytes
   .zero3_gathers), prefetched a block ahead, so they run beside the compute
-  (`per_microbatch`); no weight all-gather after the step. The reductions stay float32
-  (`grad_bytes`) at every level. Under train.fp8 the FP8 linears' weights are gathered as
-  1-byte e4m3 payloads (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16
-  gather's bytes, and under rowwise with full recompute once more a microbatch (the forward's
-  cast again inside the backward); their once-a-step amax all-reduces are a few bytes per
-  scale (latency only, not priced, as the linears' own amax all-reduces, perf/fp8_costs.py).
+  (`per_microbatch`); no weight all-gather after the step. The reductions send `grad_bytes`
+  per element at every level (megapipe: float32), 2 under parallel.grad_reduce_dtype=bfloat16
+  (config/comm_bytes.reduce_width; the tied table's swap stays in `grad_bytes`). Under
+  train.fp8 the FP8 linears' weights are gathered as 1-byte e4m3 payloads
+  (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16 gather's bytes, and under
+  rowwise with full recompute once more a microbatch (the forward's cast again inside the
+  backward); their once-a-step amax all-reduces are a few bytes per scale (latency only, not
+  priced, as the linears' own amax all-reduces, perf/fp8_costs.py).
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link
@@ -47,6 +49,7 @@ from megapipe.config import Config
 from megapipe.config.comm_bytes import (
     fp8_gathers,
     grad_reduction_kind,
+    reduce_width,
     tied_grad_bytes,
     zero3_gathers,
 )
@@ -93,14 +96,15 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     rt = resolved_for(runtime, cfg)
     groups, replicate = reduction_groups(cfg, cluster, shape)
     blocks = layers_per_chunk(cfg)
+    width = reduce_width(cfg, grad_bytes)  # parallel.grad_reduce_dtype's
     chunk, last = [], []
     for r, per_chunk in enumerate(held):
         times, lasts = [], []
         for c, params in enumerate(per_chunk):
             e = experts[r][c] if experts and p.ep > 1 else 0
             first = (r, c) == (0, 0)
-            parts = [(params - e) * grad_bytes, e * grad_bytes]
-            priced = [_reduce(cfg, rt, nb, n, link, blocks, first, grad_bytes, replicate)
+            parts = [(params - e) * width, e * width]
+            priced = [_reduce(cfg, rt, nb, n, link, blocks, first, width, replicate)
                       for nb, (n, link) in zip(parts, groups)]  # fmt: skip
             times.append(sum(t for t, _ in priced))
             lasts.append(max(lt for _, lt in priced))

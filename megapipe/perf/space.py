@@ -19,7 +19,7 @@ for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX
 (their builders grow faster than linearly: seconds beyond; the summary counts them). A
 searched key given on the command line is held at its value (even outside these ranges);
 `balance`, `schedule_costs` and the rest keep the config's; so does train.fp8 (`candidates`'
-`fp8s` widens it).
+`fp8s` widens it), and parallel.grad_reduce_dtype under zero >= 1 (zero=0 all-reduces float32).
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ class Candidate:
             cp_comm=self.cp_comm,
             cp_a2a=self.cp_a2a,
             dp_shard=self.dp_shard,
+            # the config's, where the grads are reduce-scattered (zero=0 all-reduces float32)
+            grad_reduce_dtype=base.parallel.grad_reduce_dtype if self.zero else "float32",
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
         train = dataclasses.replace(base.train, fp8=self.fp8)
