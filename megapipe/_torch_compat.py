@@ -401,6 +401,19 @@ def resize_storage(tensor: Tensor, nbytes: int) -> None:
     torch.ops.inductor.resize_storage_bytes_(tensor, nbytes)
 
 
+def released_empty(shape, dtype: torch.dtype, device) -> Tensor:
+    """A tensor of `shape` whose storage is freed (ZeRO-3's weights before their shard is made,
+    models/init.py): allocated, then resized to 0."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    resize_storage(out, 0)
+    return out
+
+
+def is_released(tensor: Tensor) -> bool:
+    """Whether `tensor` has elements but no storage (`released_empty`, ZeRO-3's freed buffers)."""
+    return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+
+
 def resize_storage_op():
     """The op `resize_storage` dispatches, as a TorchDispatchMode sees it. Works on torch 2.13."""
     return torch.ops.inductor.resize_storage_bytes_.default

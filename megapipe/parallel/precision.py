@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megapipe._torch_compat import resize_storage
+from megapipe._torch_compat import is_released, released_empty, resize_storage
 from megapipe.parallel.data.optimizer_interface import WholeState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -85,12 +85,18 @@ class Precision:
             if getattr(module, "keep_float32", False):
                 continue
             for p in module.parameters(recurse=False):
-                p.data = p.data.to(self.weight_dtype)
+                p.data = _cast(p, self.weight_dtype)
         attach_main_grads(model)
         return model
 
 
 FLOAT32 = Precision()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`; storage-less stays storage-less (models/init.DeferredInit's weights,
+    whose values are made in their final dtype)."""
+    return released_empty(t.shape, dtype, t.device) if is_released(t) else t.data.to(dtype)
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -117,15 +123,22 @@ class MainGrads:
     every optimizer and reducer path treats them alike."""
 
     def __init__(self, module: nn.Module) -> None:
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        device = params[0].device if params else torch.device("cpu")
-        self.flat = torch.zeros(sum(p.numel() for p in params), device=device)
-        offset = 0
-        for p in params:
-            p.main_grad = self.flat[offset : offset + p.numel()].view_as(p)
-            p.main_grad_span = (self.flat, offset)
+        self.params = [p for p in module.parameters() if p.requires_grad][::-1]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        n = sum(p.numel() for p in self.params)
+        if any(is_released(p) for p in self.params):  # weights not made yet (ZeRO-3)
+            self.flat = released_empty(n, torch.float32, device)  # bucket_grads.py binds them
+        else:
+            self._bind(torch.zeros(n, device=device))
+        for p in self.params:
             p.main_grad_hooks = []  # called when a backward has added into it (the reducer)
             p.register_post_accumulate_grad_hook(_into_main_grad)
+
+    def _bind(self, flat: torch.Tensor) -> None:
+        self.flat, offset = flat, 0
+        for p in self.params:
+            p.main_grad = flat[offset : offset + p.numel()].view_as(p)
+            p.main_grad_span = (flat, offset)
             offset += p.numel()
 
     def release(self) -> None:

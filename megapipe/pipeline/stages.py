@@ -12,6 +12,7 @@ took; the warm-up's random draws and grads are undone, so training sees what it 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +23,9 @@ import torch
 from megapipe.config import Config
 from megapipe.config.memory_terms import head_grad_in_forward
 from megapipe.config.pipeline_split import rank_blocks
+from megapipe.config.states import reduces_per_microbatch
 from megapipe.models.gpt import GPT, split_weight_grads
+from megapipe.models.init import DeferredInit, materialize_released
 from megapipe.models.moe import set_loss_scale
 from megapipe.parallel.context.variants import cp_variant
 from megapipe.parallel.context.zigzag import CPInfo, cp_info
@@ -48,11 +51,23 @@ class Components:
     ep: EPInfo
     precision: Precision
     fp8: Fp8 = Fp8()
+    deferred_init: bool = False  # ZeRO-3: weights made bucket by bucket (models/init.py)
 
     @staticmethod
     def of(cfg: Config, mesh) -> Components:
         cp = cp_info(mesh, cp_variant(cfg.parallel.cp_comm, mesh), cfg.parallel.cp_balance)
-        return Components(cp, ep_info(mesh), Precision.of(cfg.train), Fp8.of(cfg.train, cp))
+        precision, fp8 = Precision.of(cfg.train), Fp8.of(cfg.train, cp)
+        return Components(cp, ep_info(mesh), precision, fp8, _deferred_init(cfg, mesh))
+
+
+def _deferred_init(cfg: Config, mesh) -> bool:
+    """ZeRO-3 shards the weights (dp × cp replicas), reduces the grads every microbatch (so
+    bf16 weights' main grads live per bucket, parallel/data/bucket_grads.py) and no checkpoint
+    of transformers' fills them whole: each rank then builds its chunks without storage and
+    ZeRO-3 makes each bucket's initial values as it shards it (models/init.DeferredInit)."""
+    replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
+    sharded = cfg.parallel.zero == 3 and replicas and reduces_per_microbatch(cfg)
+    return sharded and not cfg.train.init_from_hf
 
 
 def build_model(
@@ -104,19 +119,27 @@ def build_chunk(cfg: Config, mesh, device, blocks: range | None, parts: Componen
     recompute mode, its weights held as the precision policy says, not compiled."""
     p = cfg.parallel
     tp = tp_info(mesh, p.sequence_parallel, cfg.train.seed, p.tp_overlap)
-    model = GPT(
-        cfg.model,
-        blocks,
-        seed=cfg.train.seed,
-        tp=tp,
-        recompute=cfg.recompute,
-        cp=parts.cp,
-        ep=parts.ep,
-    )
+    deferred = parts.deferred_init
+    with torch.device("meta") if deferred else contextlib.nullcontext():
+        model = GPT(
+            cfg.model,
+            blocks,
+            seed=cfg.train.seed,
+            tp=tp,
+            recompute=cfg.recompute,
+            init=not deferred,
+            cp=parts.cp,
+            ep=parts.ep,
+        )
     set_loss_scale(model, loss_scale(cfg))  # MoE losses join the LM loss's backward
     if model.head is not None:
         model.head.grad_in_forward = head_grad_in_forward(cfg)
-    return parts.fp8.apply(parts.precision.hold(_moved(model, device)))
+    if deferred:  # storage-less parameters; ZeRO-3 fills each bucket as it shards it
+        materialize_released(model, device)
+        model.deferred_init = DeferredInit(model, cfg.train.seed, cfg.model.n_layers)
+    else:
+        model = _moved(model, device)
+    return parts.fp8.apply(parts.precision.hold(model))
 
 
 def _moved(model: GPT, device) -> GPT:

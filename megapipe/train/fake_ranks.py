@@ -101,6 +101,8 @@ class Measure(dispatch_mode_base()):
         return out
 
     def track(self, t: torch.Tensor, kind: str) -> None:
+        if t.device.type == "meta":  # shapes only (models/init.py builds ZeRO-3's on meta)
+            return
         storage, key = t.untyped_storage(), storage_key(t)
         if key in self.live:
             return

@@ -105,9 +105,10 @@ class Zero3Reducer(Zero2Reducer):
         p0 = bucket.params[0]
         full = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=p0.dtype, device=p0.device)
         offset = 0
+        deferred = getattr(self.model, "deferred_init", None)  # built without storage
         for p in bucket.params:
             view = full[offset : offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
+            view.copy_((deferred.value(p) if deferred else p.detach()).reshape(-1))
             p.data = view.view_as(p)
             offset += p.numel()
         self.full.append(full)

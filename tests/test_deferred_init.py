@@ -1,0 +1,39 @@
+"""ZeRO-3's deferred initialisation (models/init.py): a model built on the meta device holds
+no weight storage, and each parameter's value made on demand is the one the eager build
+writes, bit for bit, whatever the architecture."""
+
+import pytest
+import torch
+
+from megapipe.config import load_config
+from megapipe.models.gpt import GPT
+from megapipe.models.init import DeferredInit, materialize_released
+
+ARCHS = {
+    "gpt-tied": [],
+    "llama": ["model.arch=llama", "model.tie_embeddings=false", "model.n_kv_heads=2"],
+    "moe": ["model.n_experts=4", "model.top_k=2"],
+}
+
+
+def _cfg(tmp_path, extra):
+    return load_config("configs/tiny.yaml", [*extra, f"run.dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_deferred_values_are_the_eager_ones(tmp_path, arch):
+    cfg = _cfg(tmp_path, ARCHS[arch])
+    eager = GPT(cfg.model, seed=cfg.train.seed)
+    with torch.device("meta"):
+        lazy = GPT(cfg.model, seed=cfg.train.seed, init=False)
+    materialize_released(lazy, "cpu")
+    values = DeferredInit(lazy, cfg.train.seed, cfg.model.n_layers)
+    named = dict(lazy.named_parameters(remove_duplicate=False))
+    assert named.keys() == dict(eager.named_parameters(remove_duplicate=False)).keys()
+    for name, p in eager.named_parameters():
+        q = named[name]
+        assert q.device.type == "cpu" and q.untyped_storage().nbytes() == 0, name
+        assert torch.equal(values.value(q), p.detach()), name
+    assert len(list(lazy.parameters())) == len(list(eager.parameters()))  # none duplicated
+    for name, buf in eager.named_buffers():
+        assert torch.equal(dict(lazy.named_buffers())[name], buf), name
