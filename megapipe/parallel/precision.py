@@ -126,8 +126,8 @@ class MainGrads:
         self.params = [p for p in module.parameters() if p.requires_grad][::-1]
         device = self.params[0].device if self.params else torch.device("cpu")
         n = sum(p.numel() for p in self.params)
-        if any(is_released(p) for p in self.params):  # weights not made yet (ZeRO-3)
-            self.flat = released_empty(n, torch.float32, device)  # bucket_grads.py binds them
+        if any(is_released(p) for p in self.params):  # weights not made yet: ZeRO-3, whose
+            self.flat = torch.zeros(0, device=device)  # main grads live per bucket (never this)
         else:
             self._bind(torch.zeros(n, device=device))
         for p in self.params:
