@@ -44,7 +44,7 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
   all held until the reducer's finish().
 
-Reducing every microbatch (parallel.grad_reduce=microbatch: `local_grads_transient`) no
+Reducing every microbatch (`reduces_per_microbatch`: zero=3, or grad_reduce=microbatch) no
 full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
 shard sum; at both moments the grads are the shard plus at most two consecutive blocks' float32
 grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight).
@@ -229,9 +229,11 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
 
 
 def reduces_per_microbatch(cfg: Config) -> bool:
-    """parallel.grad_reduce=microbatch: each microbatch's backward reduce-scatters rather than
-    the last one only (parallel/data/zero2.py); zero >= 2."""
-    return cfg.parallel.zero >= 2 and cfg.parallel.grad_reduce == "microbatch"
+    """parallel.grad_reduce resolved: each microbatch's backward reduce-scatters rather than
+    the last one only (parallel/data/zero2.py); zero >= 2, and always at zero=3 (auto: a
+    full-size grad is what ZeRO-3 exists not to hold; step there is refused, checks_runtime)."""
+    p = cfg.parallel
+    return p.zero >= 2 and (p.grad_reduce == "microbatch" or p.zero == 3)
 
 
 def local_grads_transient(cfg: Config) -> bool:
