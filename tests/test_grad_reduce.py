@@ -87,7 +87,8 @@ def test_zero3_70b_plans_under_80_gib_with_the_default_keys(tmp_path):
     """Issue 48's target: with the default keys the dry run's plan of the 70B shape peaks at no
     more than 80 GiB, and no rank's grads (at the activation peak, and while the reduction
     runs) exceed its shard plus two blocks' float32 grads, worked out here from the shape: two
-    consecutive layers, or the last layer and the untied head. Step-wise it planned 534 GiB."""
+    consecutive layers, or the last layer and the untied head (and the 1/64 of them that the
+    reductions in flight receive). Step-wise it planned 534 GiB."""
     from pathlib import Path
 
     from megapipe.config import load_config
@@ -98,7 +99,7 @@ def test_zero3_70b_plans_under_80_gib_with_the_default_keys(tmp_path):
     d, kv = 8192, 8 * 8192 // 64  # kv heads × head_dim
     layer = 2 * d * d + 2 * d * kv + 3 * d * 28672 + 2 * d  # q, o; k, v; SwiGLU; 2 RMSNorms
     head = 32000 * d + d  # the untied table and the final norm
-    two_blocks = 4 * max(2 * layer, layer + head)
+    two_blocks = 4 * max(2 * layer, layer + head) * (1 + 1 / 64)
     plan = as_json(cfg)
     assert plan["max_peak_bytes"] <= 80 * 2**30, plan["max_peak_bytes"] / 2**30
     for rank in plan["ranks"]:

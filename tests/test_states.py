@@ -54,8 +54,8 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
     activations peak are whole (4 B/param); while reducing they add the send buffers and
     shards; zero=3 adds its two largest consecutive blocks, and reducing every microbatch (its
-    default) holds the grad shard plus those blocks' float32 grads at both moments, only the
-    shard while the head runs."""
+    default) holds the grad shard plus those blocks' float32 grads at both moments (while
+    reducing also 1/d of them received), only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
@@ -67,7 +67,8 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
         sizes = [chunk_params(cfg, b, r.tp_rank) for b in blocks]
         pair = max(a + b for a, b in zip(sizes, sizes[1:]))
         if key[1] == 3:  # reduced every microbatch (grad_reduce auto): shard + two blocks
-            assert r.grads == r.reducing == r.step_grads + 4 * pair
+            assert r.grads == r.step_grads + 4 * pair
+            assert r.reducing == r.step_grads + 4 * pair * (1 + 1 / 4)  # d = 4: received shards
             assert r.grads_at_head == r.step_grads
         else:
             assert r.grads == 4 * n and r.grads_at_head is None

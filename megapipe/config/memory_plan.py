@@ -43,6 +43,7 @@ from megapipe.config.schema import Config
 from megapipe.config.states import (
     FLOAT32,
     block_grads_bytes,
+    expert_layout,
     gathered_bytes,
     grads_bytes,
     largest_pair,
@@ -227,8 +228,10 @@ def rank_memory(
     the full-size grads at most at once when they are reduced every microbatch)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     if local_grads_transient(cfg):  # the shard sum, and a block pair's grads at a time
+        d = min(state_layout(cfg).d, expert_layout(cfg).d) if experts else state_layout(cfg).d
         local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair)
-        reducing, persist = local, True  # some grads exist from the first backward on
+        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d)
+        persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
     return RankMemory(
