@@ -186,8 +186,8 @@ def test_zero23_traffic_is_the_codes(gloo_pool):
     """What a step sends at zero 2 and 3 (gloo, dp=2, two microbatches): float32 reduce-scatters
     (grad_bytes: float32 main grads under bf16 weights too), one per bucket per step at zero=2
     (as perf/data_parallel.py prices them), one per bucket per microbatch at zero=3 (it always
-    reduces every microbatch: config/comm_bytes.grad_reductions; the performance model's time
-    still prices one a step), and every weight all-gather in the weights' dtype (param_bytes:
+    reduces every microbatch: config/comm_bytes.grad_reductions, which perf/data_parallel.py
+    prices), and every weight all-gather in the weights' dtype (param_bytes:
     bf16 under bf16 weights): one per bucket after the step at zero=2, at zero=3 each block's
     for its forward and its backward, each microbatch."""
     for params_dtype, zero in ZERO23:
