@@ -183,11 +183,13 @@ ZERO23 = [("bfloat16", 2), ("bfloat16", 3), ("float32", 2), ("float32", 3)]
 
 @pytest.mark.spawn
 def test_zero23_traffic_is_the_codes(gloo_pool):
-    """What perf/data_parallel.py prices at zero 2 and 3 is what a step sends (gloo, dp=2, two
-    microbatches): one float32 reduce-scatter per bucket per step (grad_bytes: float32 main
-    grads under bf16 weights too), and every weight all-gather in the weights' dtype
-    (param_bytes: bf16 under bf16 weights): one per bucket after the step at zero=2, at
-    zero=3 each block's for its forward and its backward, each microbatch."""
+    """What a step sends at zero 2 and 3 (gloo, dp=2, two microbatches): float32 reduce-scatters
+    (grad_bytes: float32 main grads under bf16 weights too), one per bucket per step at zero=2
+    (as perf/data_parallel.py prices them), one per bucket per microbatch at zero=3 (it always
+    reduces every microbatch: config/comm_bytes.grad_reductions, which perf/data_parallel.py
+    prices), and every weight all-gather in the weights' dtype (param_bytes:
+    bf16 under bf16 weights): one per bucket after the step at zero=2, at zero=3 each block's
+    for its forward and its backward, each microbatch."""
     for params_dtype, zero in ZERO23:
         dtypes = [f"train.params_dtype={params_dtype}", f"train.dtype={params_dtype}"]
         overrides = ["parallel.dp=2", "parallel.microbatches=2", f"parallel.zero={zero}", *dtypes]
@@ -195,7 +197,8 @@ def test_zero23_traffic_is_the_codes(gloo_pool):
         for got in gloo_pool(2).run(traffic, overrides):
             sent = {op: sorted(b for o, b in got["calls"] if o == op) for op, _ in got["calls"]}
             padded = sorted(got["padded"])
-            assert sent["reduce_scatter"] == [n * rt.grad_bytes for n in padded], sent
+            sends = sorted(padded * (2 if zero == 3 else 1))  # zero=3: each of 2 microbatches
+            assert sent["reduce_scatter"] == [n * rt.grad_bytes for n in sends], sent
             gathers = [n * rt.param_bytes for n in padded]
             if zero == 2:
                 assert sent["all_gather"] == gathers, sent

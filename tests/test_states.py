@@ -53,7 +53,9 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     """Each (pp, tp) rank's weights, grads held over the step and optimizer bytes are its
     parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
     activations peak are whole (4 B/param); while reducing they add the send buffers and
-    shards; zero=3 adds its two largest consecutive blocks."""
+    shards; zero=3 adds its two largest consecutive blocks, and reducing every microbatch (its
+    default) holds the grad shard plus those blocks' float32 grads at both moments (while
+    reducing also 1/d of them received), only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
@@ -61,17 +63,22 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
         n = r.params
         assert r.weights == s.weight * math.ceil(n / s.weight_shards)
         assert r.step_grads == s.grad * math.ceil(n / s.grad_shards)
-        assert r.grads == 4 * n
-        kept = 0 if key == ("float32", 2) or key == ("float32", 3) else 4 * n
-        send = 0 if key == ("bfloat16", 0) else 4 * n
-        assert r.reducing == kept + send + (4 * math.ceil(n / 4) if key[1] else 0)
+        blocks = [range(b, b + 1) for b in ((0, 1, 2) if r.pp_rank == 0 else (3, 4, 5))]
+        sizes = [chunk_params(cfg, b, r.tp_rank) for b in blocks]
+        pair = max(a + b for a, b in zip(sizes, sizes[1:]))
+        if key[1] == 3:  # reduced every microbatch (grad_reduce auto): shard + two blocks
+            assert r.grads == r.step_grads + 4 * pair
+            assert r.reducing == r.step_grads + 4 * pair * (1 + 1 / 4)  # d = 4: received shards
+            assert r.grads_at_head == r.step_grads
+        else:
+            assert r.grads == 4 * n and r.grads_at_head is None
+            kept = 0 if key == ("float32", 2) else 4 * n
+            send = 0 if key == ("bfloat16", 0) else 4 * n
+            assert r.reducing == kept + send + (4 * math.ceil(n / 4) if key[1] else 0)
         assert r.optimizer == s.optimizer * math.ceil(n / s.optimizer_shards)
         held = s.per_param * n + r.gathered + r.grads - r.step_grads
         assert r.states == pytest.approx(held, abs=s.optimizer + 6)
         assert r.states - r.grads + r.step_grads == state_bytes(n, cfg, r.gathered)
-        blocks = [range(b, b + 1) for b in ((0, 1, 2) if r.pp_rank == 0 else (3, 4, 5))]
-        sizes = [chunk_params(cfg, b, r.tp_rank) for b in blocks]
-        pair = max(a + b for a, b in zip(sizes, sizes[1:]))
         assert r.gathered == (s.weight * pair if key[1] == 3 else 0)
 
 

@@ -1,6 +1,7 @@
 """ZeRO-2 and ZeRO-3 (parallel.zero=2, 3: parallel/data/zero2.py, zero3.py) train the same model
 as one process (loss, grad norm and final logical weights, relative 1e-5) under every mesh
-kind (reducing in the last microbatch, the default, and every microbatch: `mb`): dp,
+kind (zero=2 reducing in the last microbatch, its default, or every microbatch: `z2mb`; zero=3
+always every microbatch, the V schedule with tp and sequence parallelism included): dp,
 dp × tp (sequence parallel, replicated kv heads), dp × cp, dp × pp under 1F1B,
 HSDP (parallel.dp_shard: dp 4 in shard groups of 2, zero 1 to 3) with tp, pp and cp,
 interleaved 1F1B, a zero-bubble schedule with deferred W (ZB-H1) and a V schedule (ZB-V), with
@@ -20,8 +21,7 @@ from tests.test_parity_pp import pp
 from tests.test_zero import CHECKPOINT_MESHES, COMMON, cross_resume_case
 
 Z2, Z3 = ["parallel.zero=2"], ["parallel.zero=3"]
-MB = ["parallel.grad_reduce=microbatch"]  # reduce-scattered every microbatch
-Z2MB, Z3MB = [*Z2, *MB], [*Z3, *MB]
+Z2MB = [*Z2, "parallel.grad_reduce=microbatch"]  # reduce-scattered every microbatch (zero=3's)
 MB2 = ["parallel.microbatches=2"]
 HSDP = ["parallel.dp_shard=2"]  # dp 4: two shard groups of 2, replicas of each other
 SP = ["parallel.sequence_parallel=true"]
@@ -34,9 +34,8 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
         ("z2-dp2", 2, 1, [*Z2, *MB2]),
         ("z2-dp2-clip", 2, 1, [*Z2, *MB2, *CLIP]),
         ("z3-dp2", 2, 1, [*Z3, *MB2]),
-        ("z3-dp2-full-clip", 2, 1, [*Z3, *MB2, *FULL, *CLIP]),
         ("z2mb-dp2-clip", 2, 1, [*Z2MB, "parallel.microbatches=4", *CLIP]),
-        ("z3mb-dp2-full-clip", 2, 1, [*Z3MB, "parallel.microbatches=4", *FULL, *CLIP]),
+        ("z3-dp2-m4-full-clip", 2, 1, [*Z3, "parallel.microbatches=4", *FULL, *CLIP]),
     ],
     4: [
         ("z2-dp2-tp2-sp", 2, 2, [*Z2, *SP, *MB2]),
@@ -44,7 +43,6 @@ PLAIN = {  # world -> [(id, dp, tp, overrides)]
         ("z3-dp2-tp2-sp-full", 2, 2, [*Z3, *SP, *MB2, *FULL]),
         ("z3-dp2-tp2-gqa-sp-clip", 2, 2, [*Z3, *GQA2, *SP, *CLIP]),
         ("z2mb-dp2-tp2-sp-full", 2, 2, [*Z2MB, *SP, *MB2, *FULL]),
-        ("z3mb-dp2-tp2-sp-full", 2, 2, [*Z3MB, *SP, *MB2, *FULL]),
     ],
     8: [("hsdp-z1-dp4-tp2-gqa-sp-clip", 4, 2, ["parallel.zero=1", *HSDP, *GQA2, *SP, *CLIP])],
 }
@@ -61,8 +59,7 @@ PIPELINE = {
         ("z3-dp2-pp2-zb_h2-full", 2, 1, [*Z3, *pp("zb_h2", 2, 4), *FULL]),
         ("z2mb-dp2-pp2-zb_h1", 2, 1, [*Z2MB, *pp("zb_h1", 2, 4)]),
         ("z2mb-dp2-pp2-1f1b", 2, 1, [*Z2MB, *pp("1f1b", 2, 4)]),
-        ("z3mb-dp2-pp2-zb_h1", 2, 1, [*Z3MB, *pp("zb_h1", 2, 4)]),
-        ("z3mb-dp2-pp2-interleaved", 2, 1, [*Z3MB, *pp("interleaved_1f1b", 2, 2, 2)]),
+        ("z2mb-dp2-pp2-zb_v", 2, 1, [*Z2MB, *pp("zb_v", 2, 2, 2)]),
     ],
     8: [
         ("z3-dp2-pp2-tp2-zb_v-gqa-sp", 2, 2, [*Z3, *pp("zb_v", 2, 2, 2), *GQA2, *SP]),
@@ -75,7 +72,7 @@ CONTEXT = {
         ("z3-dp2-cp2-clip", 2, 1, [*Z3, "parallel.cp=2", *MB2, *CLIP]),
         ("z2mb-dp2-cp2", 2, 1, [*Z2MB, "parallel.cp=2", *MB2]),
     ],
-    8: [("hsdp-z3mb-dp4-cp2", 4, 1, [*Z3MB, *HSDP, "parallel.cp=2", *MB2])],
+    8: [("hsdp-z3-dp4-cp2", 4, 1, [*Z3, *HSDP, "parallel.cp=2", *MB2])],
 }
 
 

@@ -172,7 +172,7 @@ def _check_model(cfg: Config) -> None:
 def _check_parallel(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     _one_of("parallel.schedule", p.schedule, tuple(SCHEDULES))
-    _one_of("parallel.grad_reduce", p.grad_reduce, ("step", "microbatch"))
+    _one_of("parallel.grad_reduce", p.grad_reduce, ("auto", "step", "microbatch"))
     _one_of("parallel.grad_reduce_dtype", p.grad_reduce_dtype, ("float32", "bfloat16"))
     check_zero(cfg)
     check_tp_overlap(cfg)

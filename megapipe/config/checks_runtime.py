@@ -35,11 +35,11 @@ def check_zero(cfg: Config) -> None:
         f"parallel.grad_reduce=microbatch with parallel.zero={p.zero}: only the sharded grads "
         "(zero>=2) are reduce-scattered each microbatch; set parallel.zero=2 or 3, or step",
     )
-    require(  # a dp2·pp2·tp2 zb_v run with per-microbatch reduction did not finish
-        p.grad_reduce != "microbatch" or p.pp == 1 or p.tp == 1 or spec.placement != "v",
-        f"parallel.grad_reduce=microbatch with parallel.tp={p.tp} under "
-        f"parallel.schedule={p.schedule} (V placement) is not supported; set "
-        "parallel.grad_reduce=step, parallel.tp=1, or a schedule without V placement",
+    require(
+        p.grad_reduce != "step" or p.zero != 3,
+        "parallel.grad_reduce=step with parallel.zero=3: ZeRO-3 holds no full-size grads, so "
+        "it reduce-scatters every microbatch; set parallel.grad_reduce=auto (or microbatch), "
+        "or parallel.zero=2",
     )
     require(
         p.grad_reduce_dtype == "float32" or p.zero >= 1,

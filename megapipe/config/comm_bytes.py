@@ -30,17 +30,19 @@ from megapipe.config.fp8_weights import (
     weight_granularity,
 )
 from megapipe.config.memory_terms import layer_mode, rank_dims
-from megapipe.config.pipeline_split import placement_of, rank_blocks
+from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
 from megapipe.config.schema import Config
 from megapipe.config.states import (
     FLOAT32,
     GRAD_BYTES,
     PARAM_BYTES,
     expert_replicas,
+    reduces_per_microbatch,
     replicas,
     shard_copies,
     state_layout,
 )
+from megapipe.plan.actions import FORWARD
 
 AXES = ("dp", "tp", "pp", "cp", "ep")
 Op = tuple[str, float]  # (kind, S): all_reduce, reduce_scatter, all_gather, all_to_all, send
@@ -170,6 +172,7 @@ def rank_comm_bytes(
     out["cp"] = p.microbatches * sum(_cp_block(cfg, b, w) for blocks in held for b in blocks)
     out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
+    out["dp"] += _more_reductions(cfg, pp_rank, params, experts, w)
     if p.zero == 3:  # the gathers per block instead of after the step
         out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
         dp_amax, tp_amax = amax_entries(cfg, [b for blocks in held for b in blocks])
@@ -250,6 +253,31 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
         total += put_in("all_reduce", n_params * w.reduce / max(n, 1), shard_copies(cfg))
         gathers = 1 if p.zero in (1, 2) else 0
         total += gathers * put_in("all_gather", n_params * w.param, n)
+    return total
+
+
+def grad_reductions(cfg: Config, pp_rank: int) -> list[int]:
+    """How often each local chunk's grads are reduce-scattered in a step: once, or reducing
+    every microbatch (states.reduces_per_microbatch) at the end of each of the chunk's grad
+    actions: a BW, or Zero Bubble's B and its W each (parallel/data/zero2.py, `_flushing`)."""
+    p = cfg.parallel
+    chunks = len(rank_blocks(cfg, pp_rank))
+    if not reduces_per_microbatch(cfg):
+        return [1] * chunks
+    if p.pp == 1:  # one backward per microbatch (train/replica.py)
+        return [p.microbatches]
+    actions = schedule_of(cfg)[pp_rank]
+    return [sum(a.chunk == c and a.kind != FORWARD for a in actions) for c in range(chunks)]
+
+
+def _more_reductions(cfg: Config, pp_rank: int, params, experts, w: Widths) -> float:
+    """The reduce-scatters beyond `_dp`'s one a step (grad_reductions), per local chunk of
+    `params` (`experts` of them over the expert replicas under parallel.ep)."""
+    total = 0.0
+    for k, n, e in zip(grad_reductions(cfg, pp_rank), params, experts):
+        e = e if cfg.parallel.ep > 1 else 0
+        total += (k - 1) * put_in("reduce_scatter", (n - e) * w.grad, replicas(cfg))
+        total += (k - 1) * put_in("reduce_scatter", e * w.grad, expert_replicas(cfg) if e else 1)
     return total
 
 

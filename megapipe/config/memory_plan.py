@@ -44,6 +44,7 @@ from megapipe.config.schema import Config
 from megapipe.config.states import (
     FLOAT32,
     block_grads_bytes,
+    expert_layout,
     gathered_bytes,
     grads_bytes,
     largest_pair,
@@ -94,6 +95,10 @@ class RankMemory:
     # gather its backward prefetches), in place of the rank's largest pair
     gathered_head: float = 0.0
     host: float = 0.0  # recompute.mode=offload: saved activations in host memory at the peak
+    # grads reduced every microbatch: the shard sums only while the head runs (each grad action
+    # ends with its buckets sent, parallel/data/zero2.py; the fused head's own grads are in its
+    # transient); None: `grads`
+    grads_at_head: float | None = None
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -116,12 +121,18 @@ class RankMemory:
         backward (weights, the grads while reducing, optimizer state; activations freed). The
         transient is added to the activation peak: exact where the head runs at that peak (no
         pipeline; 1F1B's and GPipe's last stage, whose in-flight microbatches are all live at
-        the head's F and B), an upper bound elsewhere."""
-        with_grads = self.grads + self.activations_per_microbatch * self.inflight_with_grads
+        the head's F and B), an upper bound elsewhere; with `grads_at_head` in place of the
+        grads."""
+        live = self.activations_per_microbatch * self.inflight_with_grads
+        with_grads = self.grads + live
+        head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         held = self.weights + self.gathered + self.optimizer
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
-        return max(max(held, at_head) + max(self.activations, with_grads), reducing)
+        top = max(
+            held + max(self.activations, with_grads), at_head + max(self.activations, head_grads)
+        )
+        return max(top, reducing)
 
 
 @dataclass(frozen=True)
@@ -225,8 +236,10 @@ def rank_memory(
     the full-size grads at most at once when they are reduced every microbatch)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     if local_grads_transient(cfg):  # the shard sum, and a block pair's grads at a time
+        d = min(state_layout(cfg).d, expert_layout(cfg).d) if experts else state_layout(cfg).d
         local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair)
-        reducing, persist = local, True  # some grads exist from the first backward on
+        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d)
+        persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
     return RankMemory(
@@ -245,6 +258,7 @@ def rank_memory(
         step_grads=grads_bytes(n, cfg, experts),
         head_transient=head[0],
         gathered_head=head[1],
+        grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,
     )
 
 

@@ -180,9 +180,9 @@ class ParallelConfig:
     zero: int = bounded(0, low=0, high=3)
     # zero >= 2: when grads are reduce-scattered: step (once, in the last microbatch's
     # backward: Megatron) | microbatch (in every microbatch's backward, each bucket as it is
-    # complete, into the float32 shard: FSDP, DeepSpeed; no full-size grads kept;
-    # docs/parallelism.md, ZeRO)
-    grad_reduce: str = "step"
+    # complete, into the float32 shard: FSDP, DeepSpeed; no full-size grads kept) | auto
+    # (microbatch at zero=3, which keeps no full-size grads; step below; docs/parallelism.md)
+    grad_reduce: str = "auto"
     # zero >= 1: the dtype the grad reduce-scatter (and HSDP's replica all-reduce) sends and
     # sums in: float32 | bfloat16 (half the bytes; the shards are widened to float32 after)
     grad_reduce_dtype: str = "float32"

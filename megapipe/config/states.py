@@ -44,10 +44,11 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
   all held until the reducer's finish().
 
-Reducing every microbatch (parallel.grad_reduce=microbatch: `local_grads_transient`) no
+Reducing every microbatch (`reduces_per_microbatch`: zero=3, or grad_reduce=microbatch) no
 full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
 shard sum; at both moments the grads are the shard plus at most two consecutive blocks' float32
-grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight).
+grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight;
+while reducing, their received 1/d shards too).
 zero=2 under bf16 weights keeps its whole main-grad buffer.
 
 Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
@@ -229,9 +230,11 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
 
 
 def reduces_per_microbatch(cfg: Config) -> bool:
-    """parallel.grad_reduce=microbatch: each microbatch's backward reduce-scatters rather than
-    the last one only (parallel/data/zero2.py); zero >= 2."""
-    return cfg.parallel.zero >= 2 and cfg.parallel.grad_reduce == "microbatch"
+    """parallel.grad_reduce resolved: each microbatch's backward reduce-scatters rather than
+    the last one only (parallel/data/zero2.py); zero >= 2, and always at zero=3 (auto: a
+    full-size grad is what ZeRO-3 exists not to hold; step there is refused, checks_runtime)."""
+    p = cfg.parallel
+    return p.zero >= 2 and (p.grad_reduce == "microbatch" or p.zero == 3)
 
 
 def local_grads_transient(cfg: Config) -> bool:
@@ -242,11 +245,13 @@ def local_grads_transient(cfg: Config) -> bool:
     return s.d > 1 and reduces_per_microbatch(cfg) and (s.zero >= 3 or s.weight == FLOAT32)
 
 
-def block_grads_bytes(pair_params: float) -> float:
+def block_grads_bytes(pair_params: float, d: int = 0) -> float:
     """Per-microbatch reduction's full-size grads at most at once: the float32 (main) grads of
     the two consecutive blocks of most parameters (`pair_params`: the block whose backward runs
-    and the one before, whose buckets' send buffers may still be in flight, zero2.IN_FLIGHT)."""
-    return GRAD_BYTES * pair_params
+    and the one before, whose buckets' send buffers may still be in flight, zero2.IN_FLIGHT);
+    with `d` (while reducing), the in-flight reductions' received 1/d shards too (`bucket.shard`,
+    at most a block's)."""
+    return GRAD_BYTES * pair_params * (1 + (1 / d if d else 0))
 
 
 def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0, experts: float = 0) -> float:

@@ -16,8 +16,11 @@ dtypes).
   all-gathers of the rank's weights in their dtype (bf16 under train.params_dtype=bfloat16),
   but one of the embedding's, whose backward reads no weight (config/comm_bytes
   .zero3_gathers), prefetched a block ahead, so they run beside the compute
-  (`per_microbatch`); no weight all-gather after the step. The reductions send `grad_bytes`
-  per element at every level (megapipe: float32), 2 under parallel.grad_reduce_dtype=bfloat16
+  (`per_microbatch`); no weight all-gather after the step. Its grads are reduce-scattered
+  every microbatch (config/states.reduces_per_microbatch; at zero=2 under
+  parallel.grad_reduce=microbatch too): the grad actions' reductions before the last run
+  beside the compute as well (`per_microbatch`). The reductions send `grad_bytes` per element
+  at every level (megapipe: float32), 2 under parallel.grad_reduce_dtype=bfloat16
   (config/comm_bytes.reduce_width; the tied table's swap stays in `grad_bytes`). Under
   train.fp8 the FP8 linears' weights are gathered as 1-byte e4m3 payloads
   (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16 gather's bytes, and under
@@ -49,6 +52,7 @@ from megapipe.config import Config
 from megapipe.config.comm_bytes import (
     fp8_gathers,
     grad_reduction_kind,
+    grad_reductions,
     reduce_width,
     tied_grad_bytes,
     zero3_gathers,
@@ -83,7 +87,7 @@ class DPPlan:
     total: list[float]  # per rank
     tied: float  # the tied embedding's all-reduce between the first and last stage
     # per rank: seconds of the collectives issued every microbatch besides the last one's
-    # reduction (zero=3's weight gathers)
+    # reduction (zero=3's weight gathers; reducing every microbatch, the earlier reductions)
     per_microbatch: list[float]
 
 
@@ -117,7 +121,18 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
         tied = ring_time("all_reduce", tied_grad_bytes(cfg, grad_bytes), 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
     every = _per_microbatch(cfg, rt, groups, held, experts, (place.locate(0)[0], embedding))
+    every = [
+        t + _earlier_reductions(cfg, r, times) for r, (t, times) in enumerate(zip(every, chunk))
+    ]
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
+
+
+def _earlier_reductions(cfg: Config, rank: int, times: list[float]) -> float:
+    """Reducing every microbatch (always at zero=3: config/states.reduces_per_microbatch), the
+    reductions of the rank's grad actions before each chunk's last, each as long as the step's
+    (`times`, HSDP's all-reduce across replicas included: an upper bound), beside the compute
+    (config/comm_bytes.grad_reductions counts them)."""
+    return sum((k - 1) * t for k, t in zip(grad_reductions(cfg, rank), times))
 
 
 def reduction_groups(cfg: Config, cluster: Cluster, shape) -> tuple[list, tuple | None]:

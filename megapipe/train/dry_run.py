@@ -51,8 +51,9 @@ def rank_params(cfg: Config, pp_rank: int, tp_rank: int) -> tuple[int, int]:
 def as_json(cfg: Config, device: str = DEVICE) -> dict:
     """`--dry-run --json`: the model's parameters, per (pp, tp) rank its parameters and bytes of
     weights (zero=3: its shard plus the two consecutive blocks gathered at most at once), grads
-    while activations peak (full-size local grads at every level), grads held over the optimizer
-    step (`grads_step_bytes`: zero>=2 the shard) and while the last backward's reduction runs
+    while activations peak (full-size local grads; reducing every microbatch, as zero=3 does,
+    the shard plus two blocks), grads held over the optimizer step (`grads_step_bytes`:
+    zero>=2 the shard) and while the last backward's reduction runs
     (`grads_reducing_bytes`: local grads kept, send buffers, shards), optimizer state,
     activations at the peak in flight, the LM head's chunk transient on the ranks holding the
     head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), the activations that

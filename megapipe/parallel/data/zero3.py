@@ -21,10 +21,9 @@ So every F and every B (or BW) re-gathers the weights of its blocks, since holdi
 the microbatches in flight would hold the whole stage; full recompute reruns a layer's forward
 inside that layer's backward, while it is gathered; Zero Bubble's deferred W computes
 grad_W = grad_outᵀ · x from the queued activations and reads no weight, so it gathers nothing.
-Gradients (parallel.grad_reduce): by default zero=2's: local full-size grads accumulate over
-microbatches, the last microbatch's reduce-scatter leaves each rank its shard; with
-grad_reduce=microbatch each microbatch's backward reduce-scatters each block's buckets as they
-complete, into the rank's float32 shard sum, and frees the local grads (zero2.py; bf16
+Gradients (parallel.grad_reduce, always per microbatch at zero=3: config/states
+.reduces_per_microbatch): each microbatch's backward reduce-scatters each block's buckets as
+they complete, into the rank's float32 shard sum, and frees the local grads (zero2.py; bf16
 weights' main grads per bucket, bucket_grads.py), so no full-size grad exists.
 bf16 weights (train.params_dtype; FSDP2's MixedPrecisionPolicy with bf16 params and float32
 reduce, Megatron's float32 main params): the master shard, the full buffers and so every
