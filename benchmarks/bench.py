@@ -4,7 +4,7 @@ python -m benchmarks.bench schedules [--proofs] [--plots docs] [--cost F=1,B=1,W
 python -m benchmarks.bench train [--layers 4 --d-model 256 ...]
 python -m benchmarks.bench pipeline [--steps 9 --warmup 2 --out bench_pipeline.json]
 python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 60 --out F.json]
-python -m benchmarks.bench grad_reduce [--dp 2 --zero 2 3 --microbatches 4 --steps 20]
+python -m benchmarks.bench grad_reduce [--dp 2 --microbatches 4 --steps 20]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
 python -m benchmarks.bench fake_startup [--worlds 64,1024,16384 --json F]
@@ -40,7 +40,7 @@ SUBCOMMANDS = {
     ),
     "grad_reduce": (
         "bench_grad_reduce",
-        "ZeRO 2/3 grads reduced every microbatch vs once a step: step time, bytes, grads held",
+        "ZeRO-2 grads reduced every microbatch vs once a step: step time, bytes, grads held",
     ),
     "data": ("bench_data", "corpus preparation MB/s, tokens/s, peak memory vs datasets .map"),
     "cp_balance": (

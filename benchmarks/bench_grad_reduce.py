@@ -1,17 +1,17 @@
 """What reducing the grads every microbatch costs against once a step (parallel.grad_reduce).
 
-    python -m benchmarks.bench grad_reduce [--dp 2 --zero 2 3 --microbatches 4 --steps 20
-                                            --warmup 2 --layers 4 --d-model 256 --out F.json]
+    python -m benchmarks.bench grad_reduce [--dp 2 --microbatches 4 --steps 20 --warmup 2
+                                            --layers 4 --d-model 256 --out F.json]
 
-A gloo world of --dp ranks, one thread each. For each ZeRO level two jobs are built from the
-same seed with train/parallelize.py's `parallelize()`, as train.py does: `step` (Megatron's
+A gloo world of --dp ranks, one thread each. At zero=2 (zero=3 always reduces every microbatch:
+no full-size grads under ZeRO-3) two jobs are built from the same seed with train/parallelize.py's `parallelize()`, as train.py does: `step` (Megatron's
 distributed optimizer: one reduce-scatter per bucket in the last microbatch's backward, full-size
 local grads accumulated until then) and `microbatch` (FSDP, DeepSpeed: every microbatch's
 backward reduce-scatters each bucket as it completes and frees its local grads;
 docs/parallelism.md, "When the grads are reduced"). Every round the jobs step in turn, the order
 rotated, on the same batches; a step is timed between barriers as its slower rank's time.
 
-Reported per level: the median over rounds of microbatch's step time over step's, with its
+Reported: the median over rounds of microbatch's step time over step's, with its
 quartiles; the bytes each mode reduce-scatters per step (megapipe.distributed.collectives'
 COUNTER: step-wise one pass over the grads, per microbatch `--microbatches` passes); the most
 grad bytes a rank holds at any grad arrival (.grad storages, main grads, send buffers and
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         p = Parser(prog="python -m benchmarks.bench grad_reduce")
         add_model_args(p, vocab=512)
         p.add_argument("--dp", type=int, default=2)
-        p.add_argument("--zero", type=int, nargs="+", default=[2, 3], choices=[2, 3])
+        p.add_argument("--zero", type=int, nargs="+", default=[2], choices=[2])
         p.add_argument("--microbatches", type=int, default=4)
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup", type=int, default=2)
