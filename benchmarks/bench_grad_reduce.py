@@ -3,9 +3,10 @@
     python -m benchmarks.bench grad_reduce [--dp 2 --microbatches 4 --steps 20 --warmup 2
                                             --layers 4 --d-model 256 --out F.json]
 
-A gloo world of --dp ranks, one thread each. At zero=2 (zero=3 always reduces every microbatch:
-no full-size grads under ZeRO-3) two jobs are built from the same seed with train/parallelize.py's `parallelize()`, as train.py does: `step` (Megatron's
-distributed optimizer: one reduce-scatter per bucket in the last microbatch's backward, full-size
+A gloo world of --dp ranks, one thread each. At zero=2 (zero=3 always reduces every
+microbatch: no full-size grads under ZeRO-3) two jobs are built from the same seed with
+train/parallelize.py's `parallelize()`, as train.py does: `step` (Megatron's distributed
+optimizer: one reduce-scatter per bucket in the last microbatch's backward, full-size
 local grads accumulated until then) and `microbatch` (FSDP, DeepSpeed: every microbatch's
 backward reduce-scatters each bucket as it completes and frees its local grads;
 docs/parallelism.md, "When the grads are reduced"). Every round the jobs step in turn, the order
