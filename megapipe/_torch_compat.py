@@ -414,6 +414,17 @@ def is_released(tensor: Tensor) -> bool:
     return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
 
 
+def copy_tensor_hooks(src: Tensor, dst: Tensor) -> None:
+    """Register on `dst` the grad hooks registered on `src` (`register_hook` and
+    `register_post_accumulate_grad_hook`, kept by torch in `_backward_hooks` and
+    `_post_accumulate_grad_hooks`): a parameter made anew keeps what its module hooked on the
+    old one (models/init.materialize_released). Works on torch 2.13."""
+    for hook in (getattr(src, "_backward_hooks", None) or {}).values():
+        dst.register_hook(hook)
+    for hook in (getattr(src, "_post_accumulate_grad_hooks", None) or {}).values():
+        dst.register_post_accumulate_grad_hook(hook)
+
+
 def resize_storage_op():
     """The op `resize_storage` dispatches, as a TorchDispatchMode sees it. Works on torch 2.13."""
     return torch.ops.inductor.resize_storage_bytes_.default

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from megapipe._torch_compat import resize_storage
+from megapipe._torch_compat import copy_tensor_hooks, resize_storage
 from megapipe.parallel.expert.sharding import expert_slice
 from megapipe.parallel.tensor.layers import sharded_params
 
@@ -71,6 +71,7 @@ def materialize_released(model: nn.Module, device) -> None:
                 resize_storage(q, 0)  # the parameter's own (a fake tensor's alias would not tell)
                 # the model's own attributes (not a fake tensor's device and mode, train/fake_ranks)
                 q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
+                copy_tensor_hooks(p, q)  # e.g. attention's zeroed key-bias grad
                 made[id(p)] = q
             if p is not None:
                 module._parameters[name] = made[id(p)]
