@@ -57,8 +57,13 @@ PIPELINE = {
         ("z3-dp2-pp2-zb_v-clip", 2, 1, [*Z3, *pp("zb_v", 2, 2, 2), *CLIP]),
         ("z3-dp2-pp2-gpipe", 2, 1, [*Z3, *pp("gpipe", 2, 2)]),
         ("z3-dp2-pp2-zb_h2-full", 2, 1, [*Z3, *pp("zb_h2", 2, 4), *FULL]),
+        # zero=3's per-microbatch reduction under the other schedules it takes (seq1f1b,
+        # dualpipe and pipedream_async are refused with it)
+        ("z3-dp2-pp2-v_half", 2, 1, [*Z3, *pp("v_half", 2, 4, 2)]),
+        ("z3-dp2-pp2-v_min", 2, 1, [*Z3, *pp("v_min", 2, 4, 2)]),
+        ("z3-dp2-pp2-dualpipe_v", 2, 1, [*Z3, *pp("dualpipe_v", 2, 4, 2)]),
+        ("z3-dp2-pp2-zb_auto", 2, 1, [*Z3, *pp("zb_auto", 2, 4)]),
         ("z2mb-dp2-pp2-zb_h1", 2, 1, [*Z2MB, *pp("zb_h1", 2, 4)]),
-        ("z2mb-dp2-pp2-1f1b", 2, 1, [*Z2MB, *pp("1f1b", 2, 4)]),
         ("z2mb-dp2-pp2-zb_v", 2, 1, [*Z2MB, *pp("zb_v", 2, 2, 2)]),
     ],
     8: [
