@@ -18,18 +18,19 @@ ARCHS = {
 }
 
 
-def _cfg(tmp_path, extra):
-    return load_config("configs/tiny.yaml", [*extra, f"run.dir={tmp_path}"])
-
-
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_deferred_values_are_the_eager_ones(tmp_path, arch):
-    cfg = _cfg(tmp_path, ARCHS[arch])
+def _built(tmp_path, arch):
+    """(config, the eager model, the meta-built one without storage, its DeferredInit)."""
+    cfg = load_config("configs/tiny.yaml", [*ARCHS[arch], f"run.dir={tmp_path}"])
     eager = GPT(cfg.model, seed=cfg.train.seed)
     with torch.device("meta"):
         lazy = GPT(cfg.model, seed=cfg.train.seed, init=False)
     materialize_released(lazy, "cpu")
-    values = DeferredInit(lazy, cfg.train.seed, cfg.model.n_layers)
+    return cfg, eager, lazy, DeferredInit(lazy, cfg.train.seed, cfg.model.n_layers)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_deferred_values_are_the_eager_ones(tmp_path, arch):
+    cfg, eager, lazy, values = _built(tmp_path, arch)
     named = dict(lazy.named_parameters(remove_duplicate=False))
     assert named.keys() == dict(eager.named_parameters(remove_duplicate=False)).keys()
     for name, p in eager.named_parameters():
@@ -43,12 +44,7 @@ def test_deferred_values_are_the_eager_ones(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_filled_deferred_model_trains_as_the_eager_one(tmp_path, arch):
-    cfg = _cfg(tmp_path, ARCHS[arch])
-    eager = GPT(cfg.model, seed=cfg.train.seed)
-    with torch.device("meta"):
-        lazy = GPT(cfg.model, seed=cfg.train.seed, init=False)
-    materialize_released(lazy, "cpu")
-    values = DeferredInit(lazy, cfg.train.seed, cfg.model.n_layers)
+    cfg, eager, lazy, values = _built(tmp_path, arch)
     with torch.no_grad():
         for p in lazy.parameters():
             resize_storage(p, p.numel() * p.element_size())
