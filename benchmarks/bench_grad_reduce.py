@@ -44,6 +44,7 @@ from benchmarks.harness import (
 from megapipe.config import load_config
 
 MODES = ("step", "microbatch")
+ZERO = 2  # the level with both modes (zero=3 always reduces every microbatch)
 
 
 def make_config(args, zero: int, mode: str):
@@ -105,10 +106,9 @@ def measure(args) -> dict:
     from megapipe.distributed.mesh import MeshSizes, ParallelMesh
 
     mesh = ParallelMesh(MeshSizes(dp=args.dp))
-    runs = {f"{z}-{m}": Run(args, mesh, z, m) for z in args.zero for m in MODES}
-    data = build_data(
-        runs[f"{args.zero[0]}-step"].cfg.data, runs[f"{args.zero[0]}-step"].cfg.model, 0
-    )
+    runs = {f"{ZERO}-{m}": Run(args, mesh, ZERO, m) for m in MODES}
+    cfg = runs[f"{ZERO}-step"].cfg
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
     names, times, losses, sent = list(runs), defaultdict(list), defaultdict(list), {}
     for i in range(args.warmup + args.steps):
         batch = data.batch(i, args.batch)
@@ -168,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
         p = Parser(prog="python -m benchmarks.bench grad_reduce")
         add_model_args(p, vocab=512)
         p.add_argument("--dp", type=int, default=2)
-        p.add_argument("--zero", type=int, nargs="+", default=[2], choices=[2])
         p.add_argument("--microbatches", type=int, default=4)
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--warmup", type=int, default=2)
@@ -176,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", default=None)
         args = p.parse_args(argv)
         echo_command("grad_reduce", argv)
-        say(f"dp={args.dp}: {len(args.zero) * 2} jobs, {args.warmup + args.steps} rounds")
+        say(f"dp={args.dp}: 2 jobs, {args.warmup + args.steps} rounds")
         ranks = json.loads(json.dumps(spawn(args.dp, measure, args)))
-        text, out = table(ranks, args.zero)
+        text, out = table(ranks, [ZERO])
         print(text)
         if args.out:
             write_json(args.out, {"args": vars(args), "ranks": ranks, "summary": out})

@@ -123,23 +123,20 @@ class MainGrads:
     every optimizer and reducer path treats them alike."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.params = [p for p in module.parameters() if p.requires_grad][::-1]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        n = sum(p.numel() for p in self.params)
-        if any(is_released(p) for p in self.params):  # weights not made yet: ZeRO-3, whose
-            self.flat = torch.zeros(0, device=device)  # main grads live per bucket (never this)
-        else:
-            self._bind(torch.zeros(n, device=device))
-        for p in self.params:
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        device = params[0].device if params else torch.device("cpu")
+        n = sum(p.numel() for p in params)
+        # weights not made yet (ZeRO-3): their main grads live per bucket, never in this one
+        released = any(is_released(p) for p in params)
+        self.flat = torch.zeros(0 if released else n, device=device)
+        offset = 0
+        for p in params:
+            if not released:
+                p.main_grad = self.flat[offset : offset + p.numel()].view_as(p)
+                p.main_grad_span = (self.flat, offset)
+                offset += p.numel()
             p.main_grad_hooks = []  # called when a backward has added into it (the reducer)
             p.register_post_accumulate_grad_hook(_into_main_grad)
-
-    def _bind(self, flat: torch.Tensor) -> None:
-        self.flat, offset = flat, 0
-        for p in self.params:
-            p.main_grad = flat[offset : offset + p.numel()].view_as(p)
-            p.main_grad_span = (flat, offset)
-            offset += p.numel()
 
     def release(self) -> None:
         """Free the buffer's storage (ZeRO-2 and -3 once the grads are reduce-scattered:
