@@ -64,8 +64,8 @@ def materialize_released(model: nn.Module, device) -> None:
     bias, models/routing.py: the only one). DeferredInit then makes their values."""
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in made:
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in made:
                 q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
                 q.requires_grad_(p.requires_grad)
                 resize_storage(q, 0)  # the parameter's own (a fake tensor's alias would not tell)
@@ -73,10 +73,9 @@ def materialize_released(model: nn.Module, device) -> None:
                 q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
                 copy_tensor_hooks(p, q)  # e.g. attention's zeroed key-bias grad
                 made[id(p)] = q
-            if p is not None:
-                module._parameters[name] = made[id(p)]
-        for name, buf in module.named_buffers(recurse=False):
-            module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+            setattr(module, name, made[id(p)])
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
 
 
 class DeferredInit:
