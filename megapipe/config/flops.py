@@ -98,11 +98,20 @@ def matmul_params(cfg: Config) -> int:
     """Parameters that take part in a matmul per token: every layer weight (a MoE layer's
     active experts only) plus the LM head.
 
-    Embedding lookups and norm gains cost no matmul FLOPs.
+    Embedding lookups and norm gains cost no matmul FLOPs. Cached per model (it reads the
+    model's keys alone): the planner asks it of every mesh of one model.
     """
     m = cfg.model
-    layers = sum(layer_matmul_params(cfg, i) for i in range(m.n_layers))
-    return layers + m.d_model * m.vocab_size
+    key = tuple(vars(m).values())
+    if key not in _MATMUL_PARAMS:
+        if len(_MATMUL_PARAMS) >= 256:
+            _MATMUL_PARAMS.clear()
+        layers = sum(layer_matmul_params(cfg, i) for i in range(m.n_layers))
+        _MATMUL_PARAMS[key] = layers + m.d_model * m.vocab_size
+    return _MATMUL_PARAMS[key]
+
+
+_MATMUL_PARAMS: dict[tuple, int] = {}
 
 
 def flops_per_token(cfg: Config, attention_window: float | None = None) -> float:

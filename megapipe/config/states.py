@@ -61,6 +61,7 @@ head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,7 @@ class StateLayout:
         return f"{head}{split}/d B/param, d={self.d}"
 
 
+@functools.lru_cache(maxsize=256)  # the planner's memory model asks it millions of times
 def layout(params_dtype: str, zero: int, d: int) -> StateLayout:
     """The state layout of `params_dtype` weights at ZeRO level `zero` over `d` replicas."""
     weight = PARAM_BYTES[params_dtype]

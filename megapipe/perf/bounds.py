@@ -35,6 +35,7 @@ from megapipe.config.memory_plan import (
     block_role,
     chunk_activations,
     gathered_pair,
+    grads_pair,
     head_gathered,
     live_change,
     rank_head_transient,
@@ -49,7 +50,7 @@ from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.data_parallel import dp_plan, optimizer_plan
 from megapipe.perf.memory_cache import chunk_params
-from megapipe.perf.pipeline import ScheduleKey
+from megapipe.perf.pipeline import ScheduleKey, built_schedule
 from megapipe.perf.software import Runtime
 from megapipe.perf.space import Candidate
 from megapipe.plan.actions import FULL_BACKWARD, WEIGHT_GRAD, Placement
@@ -112,6 +113,7 @@ class Bounds:
         self._bytes: dict[tuple, float] = {}
         self._ids: dict[BlockBytesKey, int] = {}
         self._schedules: dict[tuple, dict] = {}
+        self._grads_from: dict[tuple, list] = {}
 
     @staticmethod
     def group(c: Candidate) -> tuple:
@@ -336,19 +338,23 @@ class Bounds:
                 live = np.cumsum(table[codes[r]])  # sequential, as the running sum
                 inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
                 # from the first BW or W on (memory_plan.peak_inflight's with_grads)
-                made = np.flatnonzero(np.isin(codes[r] // (place.vpp * n_seg), GRAD_KINDS))
-                after = live[made[0] :] if len(made) else live[:0]
+                made = self._first_grads(cfg, n_seg)[r]
+                after = live[made:] if made is not None else live[:0]
                 with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
             head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
+            experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
+            count = functools.partial(self._chunk_params, cfg)
+            seen = set()  # tp ranks holding as many parameters alike hold the same bytes
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
-                count = functools.partial(self._chunk_params, cfg)
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
-                flight = (inflight, with_grads)
-                experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
                 at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
-                coord = (r, tp_rank)
-                total = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head).peak
+                pair = grads_pair(cfg, chunks, tp_rank, count)
+                if (n, gathered, at_head, pair) in seen:
+                    continue
+                seen.add((n, gathered, at_head, pair))
+                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
+                                    experts, at_head, pair).peak  # fmt: skip
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
@@ -364,9 +370,18 @@ class Bounds:
                     [(KIND_INDEX[a.kind] * vpp + a.chunk) * n_seg + a.seg for a in actions],
                     dtype=np.int64,
                 )
-                for _, actions in sorted(key.build().items())
+                for _, actions in sorted(built_schedule(key).items())
             ]
         return self._schedules[key]
+
+    def _first_grads(self, cfg: Config, n_seg: int) -> list[int | None]:
+        """Per rank, the index of its first BW or W action in `_codes` (None: it has none)."""
+        key = (ScheduleKey.of(cfg), n_seg)
+        if key not in self._grads_from:
+            kinds = [c // (cfg.parallel.vpp * n_seg) for c in self._codes(cfg, n_seg)]
+            made = [np.flatnonzero(np.isin(k, GRAD_KINDS)) for k in kinds]
+            self._grads_from[key] = [int(m[0]) if len(m) else None for m in made]
+        return self._grads_from[key]
 
     def _bytes_id(self, cfg: Config) -> int:
         """A small number for cfg's BlockBytesKey (config/memory_plan.py: what a block's bytes

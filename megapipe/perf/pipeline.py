@@ -48,4 +48,12 @@ def config_dag(cfg: Config) -> Dag:
 @functools.lru_cache(maxsize=256)
 def schedule_dag(key: ScheduleKey) -> Dag:
     """compile_schedule of the schedule `key` names, built from the key alone."""
-    return compile_schedule(key.build(), placement(key.schedule, key.pp, key.vpp))
+    return compile_schedule(built_schedule(key), placement(key.schedule, key.pp, key.vpp))
+
+
+@functools.lru_cache(maxsize=256)
+def built_schedule(key: ScheduleKey) -> Schedule:
+    """`key.build()`, cached: the planner's memory bound (perf/bounds.py) and its projection
+    (schedule_dag) ask for the same schedules, and ZB's automatic and the V-shaped
+    controllable-memory builders take a tenth of a second or more each. Read, never mutated."""
+    return key.build()
