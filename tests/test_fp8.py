@@ -149,6 +149,12 @@ def _cfg(**over):
     return load_config("configs/tiny.yaml", args)
 
 
+# deepseek_v3 with whole 128-wide blocks per tp=2 rank in every split latent-attention width
+MLA_BLOCKS = {"model.arch": "deepseek_v3", "model.qk_nope_head_dim": 64, "model.v_head_dim": 64,
+              "model.qk_rope_head_dim": 64, "model.kv_lora_rank": 16, "model.d_ff": 256}  # fmt: skip
+SP = {"parallel.sequence_parallel": "true"}
+
+
 def test_checks():
     """One-line refusals for what an FP8 run cannot be exact under."""
     for over, key in [
@@ -160,11 +166,24 @@ def test_checks():
             | {"parallel.tp_overlap": "true"},
             "tp_overlap",
         ),
-        ({"train.fp8": "tensorwise", "model.arch": "deepseek_v3"}, "model.arch=deepseek_v3"),
+        ({"train.fp8": "blockwise", "parallel.tp": 2, **MLA_BLOCKS} | SP, "8-token chunk"),
     ]:
         with pytest.raises(ConfigError, match=key):
             _cfg(**over)
     assert _cfg(**{"train.fp8": "rowwise"}).train.fp8 == "rowwise"
+
+
+def test_latent_attention_trains_in_fp8(tmp_path):
+    """deepseek_v3's latent attention (models/mla.py) casts all its linears, the replicated
+    down projections too, and the tiny config trains with finite losses."""
+    import train
+
+    over = ["train.fp8=tensorwise", "train.steps=2", f"run.dir={tmp_path}"]
+    cfg = load_config("configs/deepseek_v3_tiny.yaml", over)
+    cast = {n.split(".")[-1] for n, m in build_model(cfg).named_modules() if getattr(m, "fp8", 0)}
+    assert {"q_a", "q_b", "kv_a", "kv_b", "proj"} <= cast
+    losses = [r["loss"] for r in train.run(cfg)]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_kept_layers_and_default():
