@@ -151,7 +151,7 @@ def _cfg(**over):
 
 # deepseek_v3 with whole 128-wide blocks per tp=2 rank in every split latent-attention width
 MLA_BLOCKS = {"model.arch": "deepseek_v3", "model.qk_nope_head_dim": 64, "model.v_head_dim": 64,
-              "model.qk_rope_head_dim": 64, "model.kv_lora_rank": 16, "model.d_ff": 256}  # fmt: skip
+              "model.qk_rope_head_dim": 64, "model.d_ff": 256}  # fmt: skip
 SP = {"parallel.sequence_parallel": "true"}
 
 
