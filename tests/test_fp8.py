@@ -235,13 +235,14 @@ def test_fp8_and_high_precision_runs_resume_each_other(tmp_path):
 
 def test_performance_model_prices_fp8():
     """The linears' GEMMs at the profile's FP8 rate (twice bf16 on H100 and H200) plus the
-    casts: an FP8 step is faster, by less than the 2x of the GEMMs alone; blockwise, emulated,
-    pays the casts at bf16's rate; the A100 has no FP8 tensor cores and refuses in one line."""
+    casts and amax all-reduces: an FP8 step is faster, by less than the 2x of the GEMMs alone;
+    blockwise, emulated, pays the casts at bf16's rate; the A100 has no FP8 tensor cores and
+    refuses in one line."""
     from megapipe.perf.cluster import ClusterError, load_cluster
     from megapipe.perf.model import project
 
-    def step(recipe, gpu="h100"):
-        over = [f"train.fp8={recipe}", "train.dtype=bfloat16", "parallel.tp=2"]
+    def step(recipe, gpu="h100", tp=2):
+        over = [f"train.fp8={recipe}", "train.dtype=bfloat16", f"parallel.tp={tp}"]
         cfg = load_config("configs/gpt2_1.3b.yaml", over)
         return project(cfg, load_cluster(gpu, 8), memory=False).step_time_s
 
@@ -250,7 +251,10 @@ def test_performance_model_prices_fp8():
         assert cluster.fp8_tflops == 1979.0  # the datasheets (989 bf16)
     none, rowwise = step("none"), step("rowwise")
     assert none / 2 < rowwise < none
-    assert step("tensorwise") == rowwise
+    # the same GEMMs and casts; under tp tensorwise all-reduces every operand's amax, rowwise
+    # only those of rows tp splits: twice the latency-bound ops (config/fp8_amax.py)
+    assert step("tensorwise", tp=1) == step("rowwise", tp=1)
+    assert step("tensorwise") > rowwise
     assert step("blockwise") > none
     with pytest.raises(ClusterError, match="a100 has no FP8 tensor cores.*--train.fp8=none"):
         step("rowwise", "a100")
