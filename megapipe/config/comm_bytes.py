@@ -162,8 +162,8 @@ def rank_comm_bytes(
     """Bytes the rank at (pp_rank, tp_rank) puts into one step's ops, per axis (module
     docstring): tp's per block and microbatch, dp's grad reduction and weight gathers, the
     pipeline's sends and the tied table's grads, the cp ring's K/V blocks, ep's all-to-alls,
-    train.fp8's amax all-reduces, and the step's loss sums (latency only: perf prices none of
-    their time)."""
+    train.fp8's amax all-reduces (config/fp8_amax.py), and the step's loss sums (latency
+    only: perf prices none of their time)."""
     w, p = widths or Widths.of(cfg), cfg.parallel
     held = rank_blocks(cfg, pp_rank)
     params = [chunk_params(b, tp_rank) for b in held]
