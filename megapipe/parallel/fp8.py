@@ -75,8 +75,9 @@ def _mm(a, b_t, act: str, weight_like: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fp8Linear:
-    """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp;
-    `ins`, `outs`: tp where the linear splits its input or output features)."""
+    """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp,
+    and tp for a linear whole on every tp rank under SP; `ins`, `outs`: tp where the linear
+    splits its input or output features)."""
 
     recipe: str
     tokens: tuple = ()
