@@ -171,6 +171,9 @@ def test_checks():
         with pytest.raises(ConfigError, match=key):
             _cfg(**over)
     assert _cfg(**{"train.fp8": "rowwise"}).train.fp8 == "rowwise"
+    mla = {"train.fp8": "blockwise", "parallel.tp": 2, **MLA_BLOCKS}  # whole blocks, no SP chunks
+    assert _cfg(**mla).train.fp8 == "blockwise"
+    assert _cfg(**mla, **SP, **{"model.seq_len": 256}).train.fp8 == "blockwise"
 
 
 def test_latent_attention_trains_in_fp8(tmp_path):
