@@ -51,6 +51,7 @@ class ReplicatedLinear(ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, tp: TPInfo = NO_TP) -> None:
         super().__init__(tp)
+        self.tp_splits = "none"  # no features: under SP its tokens (parallel/fp8.py Fp8.apply)
         self._add_param("weight", (out_features, in_features), REPLICATED, tp)
         self.register_parameter("bias", None)
 

@@ -106,19 +106,36 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
     1.07×: the backward's working set, as rank 0's under 1F1B). Under train.fp8 zero=3
     gathers the FP8 weights' 1-byte casts and all-reduces their amax vectors once a step
     (parallel/data/zero3_fp8.py): dp's bytes equal the plan's exactly (config/fp8_weights.py);
-    tp's also hold the linears' own amax all-reduces, which the plan leaves out."""
+    tp's too, with the linears' own amax all-reduces (config/fp8_amax.py)."""
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
                              "--parallel.pp=2", "--parallel.microbatches=2", *extra])  # fmt: skip
     (r,) = fake_ranks(cfg, "4")["ranks"]
     assert r["flops"] == r["plan_flops"]
     if "--train.fp8=rowwise" in extra:
-        assert r["comm_bytes"]["dp"] == r["plan_comm_bytes"]["dp"]
-        # tp also carries the activations' amax all-reduces, which the plan does not price yet
-        assert r["comm_bytes"]["tp"] >= r["plan_comm_bytes"]["tp"]
-        r = {**r, "comm_bytes": {**r["comm_bytes"], "tp": r["plan_comm_bytes"]["tp"]}}
+        for axis in ("dp", "tp"):
+            assert r["comm_bytes"][axis] == r["plan_comm_bytes"][axis], axis
     assert_bytes_are_the_plans(r)
     if peak:
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+MLA = ["--model.arch=deepseek_v3", "--model.q_lora_rank=16", "--model.tie_embeddings=false"]
+
+
+def test_fp8_amax_all_reduces_are_the_plans(tmp_path):
+    """train.fp8's amax all-reduces (config/fp8_amax.py) under tp2 + SP: the tp bytes FP8
+    adds (tensorwise: the weights cast each microbatch, every operand over tp) are the plan's
+    exactly, on deepseek_v3's latent attention, whose down projections see each rank's
+    sequence chunk and share their tokens' amaxes over tp. (Without SP: test_last_stage's
+    zero3_fp8 case, tp exact.)"""
+
+    def tp_bytes(*extra):
+        over = ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA, *extra]
+        (r,) = fake_ranks(load_config(TINY, [f"--run.dir={tmp_path}", *over]), "0")["ranks"]
+        return r["comm_bytes"]["tp"], r["plan_comm_bytes"]["tp"]
+
+    (fp8, fp8_plan), (none, none_plan) = tp_bytes("--train.fp8=tensorwise"), tp_bytes()
+    assert fp8 - none == fp8_plan - none_plan > 0
 
 
 def test_zero3_rank_holds_its_shard_and_a_few_blocks_of_grads(tmp_path):

@@ -149,6 +149,12 @@ def _cfg(**over):
     return load_config("configs/tiny.yaml", args)
 
 
+# deepseek_v3 with whole 128-wide blocks per tp=2 rank in every split latent-attention width
+MLA_BLOCKS = {"model.arch": "deepseek_v3", "model.qk_nope_head_dim": 64, "model.v_head_dim": 64,
+              "model.qk_rope_head_dim": 64, "model.d_ff": 256}  # fmt: skip
+SP = {"parallel.sequence_parallel": "true"}
+
+
 def test_checks():
     """One-line refusals for what an FP8 run cannot be exact under."""
     for over, key in [
@@ -160,11 +166,27 @@ def test_checks():
             | {"parallel.tp_overlap": "true"},
             "tp_overlap",
         ),
-        ({"train.fp8": "tensorwise", "model.arch": "deepseek_v3"}, "model.arch=deepseek_v3"),
+        ({"train.fp8": "blockwise", "parallel.tp": 2, **MLA_BLOCKS} | SP, "8-token chunk"),
     ]:
         with pytest.raises(ConfigError, match=key):
             _cfg(**over)
     assert _cfg(**{"train.fp8": "rowwise"}).train.fp8 == "rowwise"
+    mla = {"train.fp8": "blockwise", "parallel.tp": 2, **MLA_BLOCKS}  # whole blocks, no SP chunks
+    assert _cfg(**mla).train.fp8 == "blockwise"
+    assert _cfg(**mla, **SP, **{"model.seq_len": 256}).train.fp8 == "blockwise"
+
+
+def test_latent_attention_trains_in_fp8(tmp_path):
+    """deepseek_v3's latent attention (models/mla.py) casts all its linears, the replicated
+    down projections too, and the tiny config trains with finite losses."""
+    import train
+
+    over = ["train.fp8=tensorwise", "train.steps=2", f"run.dir={tmp_path}"]
+    cfg = load_config("configs/deepseek_v3_tiny.yaml", over)
+    cast = {n.split(".")[-1] for n, m in build_model(cfg).named_modules() if getattr(m, "fp8", 0)}
+    assert {"q_a", "q_b", "kv_a", "kv_b", "proj"} <= cast
+    losses = [r["loss"] for r in train.run(cfg)]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
 def test_kept_layers_and_default():
@@ -216,13 +238,14 @@ def test_fp8_and_high_precision_runs_resume_each_other(tmp_path):
 
 def test_performance_model_prices_fp8():
     """The linears' GEMMs at the profile's FP8 rate (twice bf16 on H100 and H200) plus the
-    casts: an FP8 step is faster, by less than the 2x of the GEMMs alone; blockwise, emulated,
-    pays the casts at bf16's rate; the A100 has no FP8 tensor cores and refuses in one line."""
+    casts and amax all-reduces: an FP8 step is faster, by less than the 2x of the GEMMs alone;
+    blockwise, emulated, pays the casts at bf16's rate; the A100 has no FP8 tensor cores and
+    refuses in one line."""
     from megapipe.perf.cluster import ClusterError, load_cluster
     from megapipe.perf.model import project
 
-    def step(recipe, gpu="h100"):
-        over = [f"train.fp8={recipe}", "train.dtype=bfloat16", "parallel.tp=2"]
+    def step(recipe, gpu="h100", tp=2):
+        over = [f"train.fp8={recipe}", "train.dtype=bfloat16", f"parallel.tp={tp}"]
         cfg = load_config("configs/gpt2_1.3b.yaml", over)
         return project(cfg, load_cluster(gpu, 8), memory=False).step_time_s
 
@@ -231,7 +254,10 @@ def test_performance_model_prices_fp8():
         assert cluster.fp8_tflops == 1979.0  # the datasheets (989 bf16)
     none, rowwise = step("none"), step("rowwise")
     assert none / 2 < rowwise < none
-    assert step("tensorwise") == rowwise
+    # the same GEMMs and casts; under tp tensorwise all-reduces every operand's amax, rowwise
+    # only those of rows tp splits: twice the latency-bound ops (config/fp8_amax.py)
+    assert step("tensorwise", tp=1) == step("rowwise", tp=1)
+    assert step("tensorwise") > rowwise
     assert step("blockwise") > none
     with pytest.raises(ClusterError, match="a100 has no FP8 tensor cores.*--train.fp8=none"):
         step("rowwise", "a100")

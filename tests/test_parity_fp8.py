@@ -26,6 +26,11 @@ WEIGHT_REL = 1e-3
 MB2 = ["parallel.microbatches=2"]
 SP = ["parallel.sequence_parallel=true"]
 MOE = ["model.n_experts=4", "model.top_k=2"]
+# deepseek_v3's latent attention (models/mla.py), dense: a query LoRA, v_head_dim != the qk
+# width, and the down projections whole on every tp rank, on SP's sequence chunks
+MLA = ["model.arch=deepseek_v3", "model.q_lora_rank=16", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=10",
+       "model.tie_embeddings=false", "model.d_ff=64"]  # fmt: skip
 
 
 def fp8(recipe: str) -> list[str]:
@@ -40,7 +45,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
     2: [
         ("dp2-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2]),
         ("dp2-blockwise", 2, 1, [*fp8("blockwise"), *MB2]),
-        ("tp2-sp-tensorwise", 1, 2, [*fp8("tensorwise"), *SP]),
+        ("tp2-sp-mla-tensorwise", 1, 2, [*fp8("tensorwise"), *SP, *MLA]),
         ("tp2-sp-rowwise", 1, 2, [*fp8("rowwise"), *SP]),
         ("cp2-tensorwise", 1, 1, [*fp8("tensorwise"), "parallel.cp=2"]),
         ("cp2-rowwise", 1, 1, [*fp8("rowwise"), "parallel.cp=2"]),

@@ -69,7 +69,8 @@ def test_sharded_casts_are_the_whole_weights(recipe):
 @pytest.mark.parametrize(
     ("recipe", "extra"),
     [("tensorwise", {}), ("rowwise", {"model.arch": "llama", "train.fp8_keep_bf16": "head,fc2"}),
-     ("blockwise", {"model.d_model": "256", "model.n_heads": "2"})],
+     ("blockwise", {"model.d_model": "256", "model.n_heads": "2"}),
+     ("rowwise", {"model.arch": "deepseek_v3", "model.q_lora_rank": "16"})],
 )  # fmt: skip
 def test_the_config_knows_the_fp8_weights(recipe, extra):
     """config/fp8_weights.py against a built model: each layer's FP8 weights (the gathers'

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
+from megapipe.config.fp8_amax import amax_bytes
 from megapipe.config.fp8_weights import (
     FP8_BYTES,
     SCALE_BYTES,
@@ -161,7 +162,8 @@ def rank_comm_bytes(
     """Bytes the rank at (pp_rank, tp_rank) puts into one step's ops, per axis (module
     docstring): tp's per block and microbatch, dp's grad reduction and weight gathers, the
     pipeline's sends and the tied table's grads, the cp ring's K/V blocks, ep's all-to-alls,
-    and the step's loss sums (latency only: perf prices none of their time)."""
+    train.fp8's amax all-reduces (config/fp8_amax.py), and the step's loss sums (latency
+    only: perf prices none of their time)."""
     w, p = widths or Widths.of(cfg), cfg.parallel
     held = rank_blocks(cfg, pp_rank)
     params = [chunk_params(b, tp_rank) for b in held]
@@ -178,6 +180,8 @@ def rank_comm_bytes(
         dp_amax, tp_amax = amax_entries(cfg, [b for blocks in held for b in blocks])
         out["dp"] += put_in("all_reduce", dp_amax * SCALE_BYTES, p.dp * p.cp)
         out["tp"] += put_in("all_reduce", tp_amax * SCALE_BYTES, p.tp)
+    for axis in ("tp", "cp"):  # train.fp8's amax all-reduces (config/fp8_amax.py)
+        out[axis] += p.microbatches * amax_bytes(cfg, [b for bs in held for b in bs], axis)
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
     return out
 

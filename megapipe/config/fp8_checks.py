@@ -26,11 +26,6 @@ def check_fp8(cfg: Config) -> None:
         f"train.fp8={t.fp8} with parallel.schedule={p.schedule}: sequence segments would scale "
         "each segment apart from the whole sequence; choose another schedule",
     )
-    require(  # latent attention's replicated down projections have no amax group yet
-        cfg.model.arch != "deepseek_v3",
-        f"train.fp8={t.fp8} with model.arch=deepseek_v3 is not built (its latent attention's "
-        "linears have no FP8 path); set --train.fp8=none",
-    )
     if t.fp8 == "blockwise":
         _check_blocks(cfg)
 
@@ -45,14 +40,37 @@ def _check_blocks(cfg: Config) -> None:
     )
     if p.tp == 1:
         return
-    widths = {
-        "the query heads": cfg.model.n_heads * d.head_dim,
-        "the key/value heads": d.n_kv_heads * d.head_dim,
-        "model.d_ff": d.d_ff,
-    }
+    widths = _split_widths(cfg, d)
     for what, width in widths.items():
         require(
             width % (p.tp * BLOCK) == 0,
             f"train.fp8=blockwise with parallel.tp={p.tp}: {what} ({width} features) must split "
             f"into whole {BLOCK}-wide blocks per tp rank; use train.fp8=rowwise or another tp",
         )
+    if cfg.model.arch == "deepseek_v3" and p.sequence_parallel:
+        chunk = cfg.model.seq_len // p.tp
+        require(
+            chunk % BLOCK == 0,
+            f"train.fp8=blockwise with model.arch=deepseek_v3 and sequence parallelism: latent "
+            f"attention's down projections take each tp rank's {chunk}-token chunk, so their "
+            f"weight grad's {BLOCK}-token tiles would cross ranks; set "
+            "--parallel.sequence_parallel=false or use train.fp8=rowwise",
+        )
+
+
+def _split_widths(cfg: Config, d: Derived) -> dict[str, int]:
+    """The features tp splits in a layer's FP8 linears (models/mla.py's up and out projections
+    under deepseek_v3; its down projections are whole on every tp rank)."""
+    m = cfg.model
+    if m.arch == "deepseek_v3":
+        return {
+            "the query heads": m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+            "the latent key/value heads": m.n_heads * (m.qk_nope_head_dim + m.v_head_dim),
+            "the value heads": m.n_heads * m.v_head_dim,
+            "model.d_ff": d.d_ff,
+        }
+    return {
+        "the query heads": m.n_heads * d.head_dim,
+        "the key/value heads": d.n_kv_heads * d.head_dim,
+        "model.d_ff": d.d_ff,
+    }

@@ -21,7 +21,7 @@ BLOCK = 128  # parallel/fp8_scaling.BLOCK
 @dataclass(frozen=True)
 class Fp8Weight:
     """One FP8 linear's weight on a tp rank: (rows, cols) = (out, in) features, and the side
-    tp splits (`out`: column-parallel, `in`: row-parallel)."""
+    tp splits (`out`: column-parallel, `in`: row-parallel, `none`: whole on every tp rank)."""
 
     rows: int
     cols: int
@@ -55,16 +55,30 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     if is_moe_layer(m, block - 1):  # the routed experts stay high precision
         shared = m.moe_shared_experts * expert_ffn(m, d.d_ff) // t
         mlps = {"mlp.shared": shared} if m.moe_shared_experts else {}
-    named = {
+    named = _mla_weights(cfg, h) if m.arch == "deepseek_v3" else {
         "attn.qkv": Fp8Weight((h + 2 * hkv) * d.head_dim, m.d_model, "out"),
         "attn.proj": Fp8Weight(m.d_model, h * d.head_dim, "in"),
-    }
+    }  # fmt: skip
     for name, ff in mlps.items():
         named[f"{name}.fc1"] = Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out")
         named[f"{name}.fc2"] = Fp8Weight(m.d_model, ff, "in")
     keep = {k.strip() for k in cfg.train.fp8_keep_bf16.split(",") if k.strip()}
     prefix = ("layers", str(block - 1))
     return [w for name, w in named.items() if not keep & {*prefix, *name.split(".")}]
+
+
+def _mla_weights(cfg: Config, h: int) -> dict[str, Fp8Weight]:
+    """Latent attention's FP8 linears (models/mla.py) with `h` heads on the tp rank: the down
+    projections whole on every rank (`none`), the up ones column, the output row."""
+    m = cfg.model
+    qk, rq = m.qk_nope_head_dim + m.qk_rope_head_dim, m.q_lora_rank
+    named = {"attn.q_a": Fp8Weight(rq, m.d_model, "none")} if rq else {}
+    return named | {
+        "attn.q_b": Fp8Weight(h * qk, rq or m.d_model, "out"),
+        "attn.kv_a": Fp8Weight(m.kv_lora_rank + m.qk_rope_head_dim, m.d_model, "none"),
+        "attn.kv_b": Fp8Weight(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "out"),
+        "attn.proj": Fp8Weight(m.d_model, h * m.v_head_dim, "in"),
+    }
 
 
 def fp8_params(cfg: Config, blocks: Iterable[int]) -> int:
@@ -83,6 +97,8 @@ def amax_entries(cfg: Config, blocks: Iterable[int]) -> tuple[int, int]:
     for w in (w for b in blocks for w in layer_fp8_weights(cfg, b)):
         fwd, dgrad = w.scales(granularity)
         dp += fwd + (dgrad if forms == 2 else 0)
+        if w.splits == "none":  # whole on every tp rank: no amax shared over tp
+            continue
         if granularity == "tensorwise":
             tp += 1
         elif granularity == "rowwise":

@@ -75,8 +75,9 @@ def _mm(a, b_t, act: str, weight_like: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Fp8Linear:
-    """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp;
-    `ins`, `outs`: tp where the linear splits its input or output features)."""
+    """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp,
+    and tp for a linear whole on every tp rank under SP; `ins`, `outs`: tp where the linear
+    splits its input or output features)."""
 
     recipe: str
     tokens: tuple = ()
@@ -214,10 +215,22 @@ class Fp8:
             splits = getattr(module, "tp_splits", None)
             if splits is None or self.kept(name):
                 continue
-            tp = (module.tp.group,) if module.tp.size > 1 else ()
-            ins, outs = (tp, ()) if splits == "in" else ((), tp)
-            module.fp8 = Fp8Linear(self.recipe, tokens, ins, outs)
+            module.fp8 = Fp8Linear(self.recipe, *_groups(splits, module.tp, tokens))
         return model
+
+
+def _groups(splits: str, tp, tokens: tuple) -> tuple[tuple, tuple, tuple]:
+    """(tokens, ins, outs) of a linear whose features tp splits on side `splits` (`in`, `out`,
+    or `none`: latent attention's down projections, whole on every tp rank, models/mla.py).
+    Those read the layer's input as it stands: under SP each tp rank's sequence chunk (the
+    gather comes after them, in the up projections), so their tokens are split over tp as
+    well as cp, and their activation, grad and weight-grad amaxes are shared over both; with
+    plain tp their inputs and (f's all-reduced) output grads are whole on every rank, and
+    nothing is shared beyond cp."""
+    group = (tp.group,) if tp.size > 1 else ()
+    if splits == "none":
+        return (tokens + group if tp.sp else tokens), (), ()
+    return (tokens, group, ()) if splits == "in" else (tokens, (), group)
 
 
 NO_FP8 = Fp8()

@@ -86,7 +86,7 @@ from megapipe.perf.comm import (
 )
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
-from megapipe.perf.fp8_costs import cast_bytes, fp8_device
+from megapipe.perf.fp8_costs import amax_seconds, cast_bytes, fp8_device
 from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
@@ -136,6 +136,15 @@ class CostModel(MoECosts):
             return 0.0
         ring = ring_time(kind, nbytes, tp, self.tp_link)
         return ring + self.host.tp_sync() if self.host else ring
+
+    @property
+    def _amax_price(self) -> dict:
+        """An all-reduce of n bytes over tp and over cp (perf/fp8_costs.amax_seconds)."""
+        cp = self.cfg.parallel.cp
+        return {
+            "tp": lambda n: self._tp("all_reduce", n),
+            "cp": lambda n: ring_time("all_reduce", n, cp, self.cp_link),
+        }
 
     def _skewed(self, work: Work) -> Work:
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
@@ -317,20 +326,21 @@ class CostModel(MoECosts):
         mlp = slice(3, 5) if moe else slice(2, 4)
         order = [(s[0], s[1], *s[mlp]) for s in (fprop, dgrad, wgrad)]
         tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, *order)
+        amax_f, amax_b = amax_seconds(self.cfg, moe, self._amax_price)  # train.fp8's, else 0
         f = Work(
             compute=sum(fprop)
             + margin_f
             + attn_f
             + dev.mem(elem + params * self.rt.weight_cast_bytes + casts[0])
             + act_f,
-            tp=tp + etp,
-            cp=cp_f,
+            tp=tp + etp + amax_f["tp"],
+            cp=cp_f + amax_f["cp"],
             ep=ep - hide[0],
         )
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1]) + act_b,
-            tp=tp_b + etp,
-            cp=cp_b,
+            tp=tp_b + etp + amax_b["tp"],
+            cp=cp_b + amax_b["cp"],
             ep=ep - hide[1],
         )
         w_bytes = params * self.rt.grad_accum_bytes + casts[2]

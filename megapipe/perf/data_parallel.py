@@ -26,7 +26,7 @@ dtypes).
   (parallel/data/zero3_fp8.py; config/fp8_weights.py), half a bf16 gather's bytes, and under
   rowwise with full recompute once more a microbatch (the forward's cast again inside the
   backward); their once-a-step amax all-reduces are a few bytes per scale (latency only, not
-  priced, as the linears' own amax all-reduces, perf/fp8_costs.py).
+  priced; the linears' own, every microbatch, are: perf/fp8_costs.py).
 - Expert parallelism (parallel.ep > 1): the routed experts' grads are reduced over their
   expert-replica group, the dp/ep · cp ranks holding the same experts (parallel/data/
   reducer.py; Megatron-Core's expert data-parallel group), on that group's link

@@ -10,13 +10,19 @@ FP8 projection in one line rather than price a run that cannot start; the CPU pr
 FP8 at their compute rate (torch's CPU kernel upcasts).
 
 The casts are memory-bound passes: each GEMM's two operands are read for their amax, read
-again and written as 1-byte values (the amax all-reduces are a few bytes per scale: not
-priced). The MoE experts and the head stay in high precision.
+again and written as 1-byte values. The amax all-reduces over tp and cp (config/fp8_amax.py:
+a few bytes per scale, up to one float32 per token under rowwise) are latency-bound rings,
+priced one by one on their axis's link, forward's in F and the backward's in B. The MoE
+experts and the head stay in high precision.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from megapipe.config import Config
+from megapipe.config.flops import is_moe_layer
+from megapipe.config.fp8_amax import layer_amax_ops
 from megapipe.perf.cluster import Cluster, ClusterError
 from megapipe.perf.cost_terms import Device
 
@@ -43,3 +49,19 @@ def cast_bytes(m: float, n: float, k: float, c: int) -> tuple[float, float, floa
     ((m×k)·(k×n), `c`-byte high-precision operands): amax read, cast read, 1-byte write."""
     per = 2 * c + 1
     return (m * k + n * k) * per, (m * n + n * k) * per, (m * n + m * k) * per
+
+
+def amax_seconds(
+    cfg: Config, moe: bool, price: dict[str, Callable[[float], float]]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(F, B) seconds per axis of a layer's amax all-reduces, the first dense (or MoE, `moe`)
+    layer's, each op priced by `price[axis]` (an all-reduce of that many bytes on the axis)."""
+    m, f_s, b_s = cfg.model, dict.fromkeys(price, 0.0), dict.fromkeys(price, 0.0)
+    block = next((b for b in range(1, m.n_layers + 1) if is_moe_layer(m, b - 1) == moe), None)
+    if block is None:
+        return f_s, b_s
+    f, b = layer_amax_ops(cfg, block)
+    for ops, out in ((f, f_s), (b, b_s)):
+        for axis, nbytes in ops:
+            out[axis] += price[axis](nbytes)
+    return f_s, b_s

@@ -1,0 +1,73 @@
+"""The amax all-reduces of train.fp8's linears in one microbatch, per mesh axis: the one source of
+their count and size, which config/comm_bytes.py sums and perf/fp8_costs.py prices.
+
+parallel/fp8.py's `Fp8Linear` casts six operands (each (R, C) with the contraction along C):
+forward x (tokens, in) and W (out, in); backward g (tokens, out), Wᵀ (in, out), and for the
+weight grad gᵀ (out, tokens) and xᵀ (in, tokens). parallel/fp8_scaling.py `amax_of` all-reduces
+(MAX) a float32 amax over each group that splits the elements a scale covers, one op per group:
+- tensorwise, one scale: over every group splitting R or C, 4 bytes each;
+- rowwise, a scale per row: over the groups splitting C, R entries;
+- blockwise (1 x 128 tiles, 128 x 128 blocks): each rank holds whole ones, no op.
+The groups: cp splits the tokens; tp the output features of a column linear, the input ones of a
+row linear, and under sequence parallelism the tokens of a linear whole on every tp rank
+(latent attention's down projections, models/mla.py), which reads each rank's sequence chunk.
+Under zero=3 the weights arrive cast (parallel/data/zero3_fp8.py): W and Wᵀ cast nothing per
+microbatch, their amaxes are the once-a-step `fp8_weights.amax_entries`.
+"""
+
+from __future__ import annotations
+
+from megapipe.config.fp8_weights import SCALE_BYTES, Fp8Weight, layer_fp8_weights
+from megapipe.config.memory_terms import layer_mode, rank_dims
+from megapipe.config.schema import Config
+
+AxisOp = tuple[str, float]  # (mesh axis, bytes) of one MAX all-reduce
+
+
+def _operand_ops(granularity: str, rows: int, row_axes: tuple, col_axes: tuple) -> list[AxisOp]:
+    """One operand's all-reduces: (R, C) = (`rows`, ·), R split over `row_axes`, C over
+    `col_axes` (module docstring)."""
+    if granularity == "tensorwise":
+        return [(axis, SCALE_BYTES) for axis in row_axes + col_axes]
+    if granularity == "rowwise":
+        return [(axis, rows * SCALE_BYTES) for axis in col_axes]
+    return []
+
+
+def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]:
+    """(F, B) all-reduces of one FP8 linear over `tokens` rows (module docstring)."""
+    p = cfg.parallel
+    granularity = {"tensorwise": "tensorwise", "rowwise": "rowwise"}.get(cfg.train.fp8, "")
+    tp = ("tp",) if p.tp > 1 else ()
+    t = ("cp",) if p.cp > 1 else ()
+    t += tp if w.splits == "none" and p.sequence_parallel else ()
+    o, i = (tp if w.splits == "out" else ()), (tp if w.splits == "in" else ())
+    weights = p.zero != 3  # under zero=3 W and Wᵀ come cast
+    f = _operand_ops(granularity, tokens, t, i)
+    b = _operand_ops(granularity, tokens, t, o)
+    if weights:
+        f += _operand_ops(granularity, w.rows, o, i)
+        b += _operand_ops(granularity, w.cols, i, o)
+    b += _operand_ops(granularity, w.rows, o, t) + _operand_ops(granularity, w.cols, i, t)
+    return f, b
+
+
+def layer_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
+    """(F, B) all-reduces of `block`'s FP8 linears in one microbatch ([], [] where it has
+    none); a full-recompute layer runs F again inside B."""
+    x, f, b = rank_dims(cfg), [], []
+    for w in layer_fp8_weights(cfg, block):
+        lf, lb = linear_amax_ops(cfg, w, x.ns if w.splits == "none" else x.n)
+        f, b = f + lf, b + lb
+    return f, b
+
+
+def amax_bytes(cfg: Config, blocks, axis: str) -> float:
+    """Bytes the rank holding `blocks` puts into `axis`'s amax all-reduces in one microbatch
+    (F twice in a full-recompute layer)."""
+    total = 0.0
+    for block in blocks:
+        f, b = layer_amax_ops(cfg, block)
+        again = 1 <= block <= cfg.model.n_layers and layer_mode(cfg.recompute, block - 1) == "full"
+        total += sum(n for a, n in f * (2 if again else 1) + b if a == axis)
+    return total
