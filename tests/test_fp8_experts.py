@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from megapipe.config import load_config
+from megapipe.config.flops import expert_ffn
+from megapipe.config.fp8_weights import expert_deferred_fp8
 from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
 from megapipe.parallel.expert.sharding import NO_EP
 from megapipe.parallel.fp8 import GRANULARITY, RECIPES, Fp8
@@ -107,3 +109,30 @@ def test_kept_experts():
 
     assert cast() and all(n.endswith("experts") for n in cast())
     assert cast("train.fp8_keep_bf16=head,experts") == []
+
+
+@pytest.mark.parametrize("recipe", RECIPES[1:])
+def test_deferred_bytes_are_the_plans(recipe):
+    """What W keeps of the experts' FP8 operands, as config/fp8_weights.expert_deferred_fp8
+    counts it: the one-byte values exactly, the scales exactly (tensorwise, rowwise) or within
+    the plan's bound (blockwise's tiles, a part's last one partial)."""
+    over = ["model.n_experts=3", "model.top_k=1", f"train.fp8={recipe}", "model.arch=llama"]
+    cfg = load_config("configs/tiny.yaml", over)
+    experts = Experts(cfg.model, expert_ffn(cfg.model, cfg.derived.d_ff), NO_TP, NO_EP)
+    torch.nn.init.normal_(experts.w_in, generator=torch.Generator().manual_seed(1))
+    torch.nn.init.normal_(experts.w_out, generator=torch.Generator().manual_seed(2))
+    Fp8(recipe).apply(experts)
+    counts = [200, 0, 57]
+    x = _rand(sum(counts), cfg.model.d_model, seed=3)
+    with defer_weight_grads(experts, "B0"):
+        experts(x, counts).backward(_rand(sum(counts), cfg.model.d_model, seed=4))
+    values = scales = 0
+    for _, (pairs, _, _), _ in experts.wgrad_queue["B0"]:
+        for (qg, sg), (qx, sx), _ in pairs:
+            values, scales = (
+                values + qg.numel() + qx.numel(),
+                scales + 4 * (sg.numel() + sx.numel()),
+            )
+    saved, plan_scales = expert_deferred_fp8(cfg, 1, sum(counts), 2)
+    assert values == saved  # element 2: one byte saved per value
+    assert scales == plan_scales if recipe != "blockwise" else 0 < scales <= plan_scales

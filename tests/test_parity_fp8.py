@@ -53,7 +53,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-ep2-tensorwise", 2, 1, [*fp8("tensorwise"), *MOE, "parallel.ep=2"]),
     ],
     4: [
-        ("dp2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP]),
+        ("dp2-ep2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MOE, "parallel.ep=2"]),
     ],
 }
 
