@@ -17,6 +17,8 @@ from megapipe.parallel.fp8 import GRANULARITY, RECIPES, Fp8
 from megapipe.parallel.fp8_experts import fp8_grouped_linear
 from megapipe.parallel.fp8_scaling import E4M3, E5M2, quantize
 from megapipe.parallel.tensor.sharding import NO_TP
+from megapipe.perf.cluster import load_cluster
+from megapipe.perf.model import project
 from megapipe.pipeline.stages import build_model
 from models.moe import Experts
 from tests.test_fp8 import _close, _rand, _ref_mm
@@ -136,3 +138,17 @@ def test_deferred_bytes_are_the_plans(recipe):
     saved, plan_scales = expert_deferred_fp8(cfg, 1, sum(counts), 2)
     assert values == saved  # element 2: one byte saved per value
     assert scales == plan_scales if recipe != "blockwise" else 0 < scales <= plan_scales
+
+
+def test_performance_model_prices_fp8_experts():
+    """The routed experts' GEMMs at the profile's FP8 rate (perf/fp8_costs.fp8_gemms) unless
+    train.fp8_keep_bf16 keeps them: keeping them costs step time, which FP8 still beats."""
+
+    def step(*over):
+        over = ["train.dtype=bfloat16", "model.n_experts=8", "model.top_k=2", *over]
+        cfg = load_config("configs/gpt2_1.3b.yaml", over)
+        return project(cfg, load_cluster("h100", 8), memory=False).step_time_s
+
+    fp8 = step("train.fp8=rowwise")
+    kept = step("train.fp8=rowwise", "train.fp8_keep_bf16=embed,head,experts")
+    assert fp8 < kept < step()

@@ -83,6 +83,11 @@ def experts_cast(cfg: Config, block: int) -> bool:
     return is_moe_layer(m, block - 1) and not _kept(cfg) & names
 
 
+def experts_fp8(cfg: Config) -> bool:
+    """Whether train.fp8 casts any layer's routed experts (the performance model's MoE layer)."""
+    return any(experts_cast(cfg, b) for b in range(1, cfg.model.n_layers + 1))
+
+
 def expert_deferred_fp8(cfg: Config, block: int, rows: int, element: int) -> tuple[float, float]:
     """(bytes saved, scale bytes added) where Zero Bubble's W keeps `block`'s routed experts'
     FP8 operands (parallel/fp8_experts.py) in place of their `element`-byte inputs and output
