@@ -3,9 +3,9 @@ current (just-in-time) scaling, as NVIDIA's H100 recipes and torchao's float8 tr
 
 `Fp8.of(train, cp)` is the policy, resolved once (pipeline/stages.py Components) and applied to
 a built chunk (`apply`, as torchtitan applies torchao's Float8 converter to a built model): each
-tp linear (models' QKV, attention out, MLP) outside `train.fp8_keep_bf16`
-gets an `Fp8Linear`, which its `_linear` asks, and the routed experts an `Fp8Experts`
-(parallel/fp8_experts.py: a scale per expert, their rows cast per source microbatch). Recipes:
+tp linear (models' QKV, attention out, MLP) outside `train.fp8_keep_bf16` gets an `Fp8Linear`,
+which its `_linear` asks, and the routed experts an `Fp8Experts` (parallel/fp8_experts.py:
+scales per expert, their rows cast per source microbatch). Recipes:
 
 - `tensorwise`: one scale per tensor; `rowwise`: one per row of each matmul operand (per token,
   per output or input channel); both through torch._scaled_mm (_torch_compat.scaled_mm).
@@ -196,7 +196,8 @@ class Fp8:
         return any(part in self.keep for part in name.split("."))
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """`model` with an Fp8Linear on each tp linear not kept (none: left as it is)."""
+        """`model` with an Fp8Linear on each tp linear not kept and an Fp8Experts on the routed
+        experts not kept (none: left as it is)."""
         if not self.on:
             return model
         if self.recipe in EMULATED:
