@@ -152,3 +152,15 @@ def test_performance_model_prices_fp8_experts():
     fp8 = step("train.fp8=rowwise")
     kept = step("train.fp8=rowwise", "train.fp8_keep_bf16=embed,head,experts")
     assert fp8 < kept < step()
+
+
+@pytest.mark.parametrize("recipe", RECIPES[1:])
+def test_padded_tokens_give_the_same_weight_grad(recipe):
+    """The weight grad's contraction zero-padded to 16 tokens (CUDA's kernels) changes nothing
+    but the order of float32 sums."""
+    experts = _experts(recipe)
+    fp8 = experts.fp8_experts
+    x, g = _rand(sum(PARTS), D, seed=8), _rand(sum(PARTS), FF, seed=9)
+    plain, padded = (fp8.weight_grad_operands(x, g, PARTS, E, a) for a in (1, 16))
+    assert all(ops[0][0].shape[1] % 16 == 0 for ops in padded[0])
+    torch.testing.assert_close(fp8.weight_grad(padded), fp8.weight_grad(plain))

@@ -38,6 +38,11 @@ from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
 from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize, quantize_parts
 from megapipe.parallel.precision import main_grad_arrived
 
+# torch._scaled_mm's CUDA kernels take a contraction in whole 16s: the weight grad's, over a
+# part's tokens, is padded to it (torchao's grouped FP8 MoE pads its token groups to 16 too)
+ALIGN = 16
+KERNEL = ("tensorwise", "rowwise")  # parallel/fp8_scaling.fp8_matmul's torch._scaled_mm path
+
 
 @dataclass(frozen=True)
 class Fp8Experts:
@@ -69,12 +74,15 @@ class Fp8Experts:
     def input_grad(self, g, weight, parts) -> torch.Tensor:
         return self._products(g, weight, parts, True, E5M2)  # (N, in)
 
-    def weight_grad_operands(self, x, g, parts, n_experts: int) -> tuple:
-        """Each part's (gᵀ, xᵀ) cast for a contraction over its tokens; the grad's shape, device."""
+    def weight_grad_operands(self, x, g, parts, n_experts: int, align: int | None = None) -> tuple:
+        """Each part's (gᵀ, xᵀ) cast for a contraction over its tokens; the grad's shape, device.
+        `align`: the tokens zero-padded to a multiple (default: ALIGN on CUDA's kernel path)."""
         act = self.granularity[0]
+        if align is None:
+            align = ALIGN if x.device.type == "cuda" and act in KERNEL else 1
         groups = Groups((), self.tokens)
-        qg = quantize_parts([p.t() for p in g.split(parts)], E5M2, act, groups)
-        qx = quantize_parts([p.t() for p in x.split(parts)], E4M3, act, groups)
+        qg = quantize_parts([_pad(p.t(), align) for p in g.split(parts)], E5M2, act, groups)
+        qx = quantize_parts([_pad(p.t(), align) for p in x.split(parts)], E4M3, act, groups)
         shape = (n_experts, g.shape[1], x.shape[1])
         return list(zip(qg, qx, parts, strict=True)), shape, x.device
 
@@ -88,6 +96,13 @@ class Fp8Experts:
             if n:
                 grad[i // per] += fp8_matmul(qg, qx, act, act)
         return grad
+
+
+def _pad(t: torch.Tensor, align: int) -> torch.Tensor:
+    """(features, n) with zero columns up to a multiple of `align` (zeros move no amax and add
+    nothing to a product)."""
+    extra = -t.shape[1] % align
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
