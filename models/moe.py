@@ -45,6 +45,8 @@ from megapipe.parallel.autograd.weight_grad import accumulate
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.dispatch import combine, dispatch
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo, mark_experts
+from megapipe.parallel.fp8_experts import deferred_weight_grad as fp8_deferred_weight_grad
+from megapipe.parallel.fp8_experts import fp8_grouped_linear
 from megapipe.parallel.tensor.layers import REPLICATED, ShardedModule
 from megapipe.parallel.tensor.sharding import NO_TP, TPInfo
 
@@ -77,6 +79,7 @@ class Experts(ShardedModule):
         self._add_experts("w_in", (e, fan, d))
         self._add_experts("w_out", (e, d, ffn))
         self.has_bias = not self.swiglu
+        self.fp8_experts = None  # an Fp8Experts (parallel/fp8_experts.py) under train.fp8
         if self.has_bias:
             self._add_experts("in_bias", (e, fan))
             self._add_experts("out_bias", (e, d))
@@ -89,21 +92,31 @@ class Experts(ShardedModule):
         self.register_parameter(name, nn.Parameter(torch.empty(local)))
         mark_experts(self.ep, getattr(self, name))
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (`counts`) through their expert's FFN."""
+    def forward(self, rows: torch.Tensor, counts: list[int], by_source=None) -> torch.Tensor:
+        """Rows grouped by local expert (`counts`) through their expert's FFN; `by_source`
+        (E/ep, ep): each expert's rows from each ep rank (dispatch), which FP8 casts apart."""
         in_bias = self.in_bias if self.has_bias else None
         out_bias = self.out_bias if self.has_bias else None
-        h = grouped_linear(rows, self.w_in, in_bias, counts, self, "w_in", "in_bias")
+        matmul, groups = grouped_linear, counts
+        if self.fp8_experts is not None:
+            matmul = fp8_grouped_linear
+            groups = counts if by_source is None else by_source.flatten().tolist()
+        h = matmul(rows, self.w_in, in_bias, groups, self, "w_in", "in_bias")
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = gelu_tanh(h)
-        return grouped_linear(h, self.w_out, out_bias, counts, self, "w_out", "out_bias")
+        return matmul(h, self.w_out, out_bias, groups, self, "w_out", "out_bias")
 
     @torch.no_grad()
-    def deferred_weight_grad(self, name: str, x, grad_out, counts) -> None:
-        """A Zero Bubble W action's share: the queued stacked weight grad (weight_grad.py)."""
+    def deferred_weight_grad(self, name: str, *queued) -> None:
+        """A Zero Bubble W action's share: the queued stacked weight grad (weight_grad.py),
+        from (x, grad_out, counts), or under FP8 from (quantized operands, parts)."""
+        if self.fp8_experts is not None:
+            fp8_deferred_weight_grad(self, name, queued[0])
+            return
+        x, grad_out, counts = queued
         param = getattr(self, name)
         grad = stacked_weight_grad(param, x, grad_out, counts)
         if grad is not None:
@@ -229,7 +242,7 @@ class MoE(nn.Module):
             kept = rows_kept.reshape(-1)
             token_of, expert_of, weight = token_of[kept], expert_of[kept], weight[kept]
         grouped, counts, plan = dispatch(flat[token_of], expert_of, self.n_experts, self.ep)
-        out = combine(self.experts(grouped, counts.tolist()), plan, self.ep)
+        out = combine(self.experts(grouped, counts.tolist(), plan.by_source), plan, self.ep)
         out = out * weight.to(out.dtype).unsqueeze(-1)
         return torch.zeros_like(flat).index_add_(0, token_of, out.to(flat.dtype))
 

@@ -162,6 +162,11 @@ def test_checks():
         ({"train.fp8": "blockwise", "parallel.cp": 2, "parallel.dp": 1}, "parallel.cp=2"),
         ({"train.fp8": "blockwise", "parallel.tp": 2}, "128-wide blocks"),
         (
+            {"train.fp8": "blockwise", "parallel.tp": 2, "parallel.sequence_parallel": "true"}
+            | {"model.n_experts": 4, "model.top_k": 2},
+            "token chunks",
+        ),
+        (
             {"train.fp8": "rowwise", "parallel.tp": 2, "parallel.sequence_parallel": "true"}
             | {"parallel.tp_overlap": "true"},
             "tp_overlap",

@@ -3,8 +3,9 @@ trains like one, in the session's gloo pools of 2 and 4 ranks (no spawn of its o
 
 What can be guaranteed: each scale is made from the amax of the same elements on every mesh
 (shared over tp and cp; dp ranks and the one process see the same microbatch rows, the
-reference taking dp × microbatches of them), so the FP8 operands are the one process's as long
-as their high-precision sources are. Those differ by float32 round-off where a split changes the
+reference taking dp × microbatches of them; an expert casts its rows from each ep rank apart,
+parallel/fp8_experts.py), so the FP8 operands are the one process's as long as their
+high-precision sources are. Those differ by float32 round-off where a split changes the
 order of a sum (tp's partial products, dp's grad sums), and an element that round-off moves
 across an fp8 rounding boundary moves by one fp8 step; one element in the ~10⁴ of a tiny
 linear, its effect on the loss ~10⁻⁵ of it. Hence losses within `LOSS_REL` (the issue's 1e-4)
@@ -58,7 +59,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-ep2-tensorwise", 2, 1, [*fp8("tensorwise"), *MOE, "parallel.ep=2"]),
     ],
     4: [
-        ("dp2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP]),
+        ("dp2-ep2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MOE, "parallel.ep=2"]),
     ],
 }
 

@@ -40,6 +40,13 @@ def _check_blocks(cfg: Config) -> None:
     )
     if p.tp == 1:
         return
+    kept = {k.strip() for k in cfg.train.fp8_keep_bf16.split(",")}
+    require(  # each tp rank routes its chunk of the tokens (parallel/fp8_experts.py)
+        not (cfg.model.n_experts and p.sequence_parallel and "experts" not in kept),
+        f"train.fp8=blockwise with parallel.tp={p.tp} and sequence_parallel: the routed "
+        "experts' 128-token tiles would cross the tp ranks' token chunks; add experts to "
+        "train.fp8_keep_bf16 or use train.fp8=rowwise",
+    )
     widths = _split_widths(cfg, d)
     for what, width in widths.items():
         require(

@@ -1,8 +1,11 @@
 """The weights train.fp8 casts, as the config knows them: each layer's FP8 linears on one tp
 rank (parallel/fp8.py `Fp8.apply`: every tp linear whose module name has no part in
-train.fp8_keep_bf16; the embedding and the head by default, the routed experts never), their
-scales, and what zero=3's FP8 gathers move (parallel/data/zero3_fp8.py): the communication
-(config/comm_bytes.py) and memory (config/memory_plan.py) models read them from here.
+train.fp8_keep_bf16; the embedding and the head by default), their scales, and what zero=3's
+FP8 gathers move (parallel/data/zero3_fp8.py): the communication (config/comm_bytes.py) and
+memory (config/memory_plan.py) models read them from here. The routed experts
+(parallel/fp8_experts.py) cast in their matmuls from their high-precision weights, gathered in
+high precision under zero=3, so they are not among the gathered FP8 weights; `experts_cast`
+and `expert_deferred_fp8` count what their casts change (Zero Bubble W's kept operands).
 """
 
 from __future__ import annotations
@@ -62,8 +65,7 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     for name, ff in mlps.items():
         named[f"{name}.fc1"] = Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out")
         named[f"{name}.fc2"] = Fp8Weight(m.d_model, ff, "in")
-    keep = {k.strip() for k in cfg.train.fp8_keep_bf16.split(",") if k.strip()}
-    prefix = ("layers", str(block - 1))
+    keep, prefix = _kept(cfg), ("layers", str(block - 1))
     return [w for name, w in named.items() if not keep & {*prefix, *name.split(".")}]
 
 
@@ -79,6 +81,43 @@ def _mla_weights(cfg: Config, h: int) -> dict[str, Fp8Weight]:
         "attn.kv_b": Fp8Weight(h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "out"),
         "attn.proj": Fp8Weight(m.d_model, h * m.v_head_dim, "in"),
     }
+
+
+def _kept(cfg: Config) -> set[str]:
+    return {k.strip() for k in cfg.train.fp8_keep_bf16.split(",") if k.strip()}
+
+
+def experts_cast(cfg: Config, block: int) -> bool:
+    """Whether train.fp8 casts `block`'s routed experts (Fp8.apply: `layers.i.mlp.experts`
+    unless a part of that name is in train.fp8_keep_bf16)."""
+    m = cfg.model
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers:
+        return False
+    names = {"layers", str(block - 1), "mlp", "experts"}
+    return is_moe_layer(m, block - 1) and not _kept(cfg) & names
+
+
+def experts_fp8(cfg: Config) -> bool:
+    """Whether train.fp8 casts any layer's routed experts (the performance model's MoE layer)."""
+    return any(experts_cast(cfg, b) for b in range(1, cfg.model.n_layers + 1))
+
+
+def expert_deferred_fp8(cfg: Config, block: int, rows: int, element: int) -> tuple[float, float]:
+    """(bytes saved, scale bytes added) where Zero Bubble's W keeps `block`'s routed experts'
+    FP8 operands (parallel/fp8_experts.py) in place of their `element`-byte inputs and output
+    grads over `rows` routed rows: per stacked matmul (in + out)·rows values at one byte; their
+    scales per (expert, source) part, E of them on a rank (E/ep experts × ep sources): two per
+    part tensorwise, in + out per part rowwise, in + out per 128-row tile of a part blockwise
+    (at most rows/128 + E tiles)."""
+    if not experts_cast(cfg, block):
+        return 0.0, 0.0
+    m, granularity = cfg.model, weight_granularity(cfg)
+    f = expert_ffn(m, cfg.derived.d_ff)
+    features = (m.d_model + f * (2 if gated(m.arch) else 1)) + (f + m.d_model)
+    parts = m.n_experts
+    per = {"tensorwise": 0, "rowwise": parts, "block": -(-rows // BLOCK) + parts}[granularity]
+    scales = 2 * 2 * parts if granularity == "tensorwise" else features * per
+    return features * rows * (element - FP8_BYTES), scales * SCALE_BYTES
 
 
 def fp8_params(cfg: Config, blocks: Iterable[int]) -> int:
@@ -146,6 +185,12 @@ def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict)
         f"{len(layers)} layers outside train.fp8_keep_bf16={cfg.train.fp8_keep_bf16}, "
         f"{granularity} scales)"
     ]
+    experts = [b for b in layers if experts_cast(cfg, b)]
+    if experts:
+        lines.append(
+            f"(FP8 routed experts in {len(experts)} layers: each expert's weight cast with its "
+            "own scales, its rows per source ep rank; gathered in high precision under zero=3)"
+        )
     if shards > 1:
         kept = cast_bytes(cfg, blocks, shards)
         lines.append(

@@ -33,6 +33,7 @@ are an upper bound: a dropped row saves nothing):
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
+from megapipe.config.fp8_weights import expert_deferred_fp8
 from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32
 
@@ -81,14 +82,20 @@ def segment_records(cfg: Config, rows_b: int) -> dict[str, float]:
     return {"segment expert records": 2 * rows_b * cfg.model.n_experts * FLOAT32}
 
 
-def moe_deferred(cfg: Config, tokens: int, gathered: int, c: int, tp: int) -> dict[str, float]:
-    """What a MoE layer's MLP keeps from B to W (parallel/autograd/grouped_linear.py): each
-    stacked matmul's input rows and output grads, and the shared experts' linears'."""
+def moe_deferred(
+    cfg: Config, tokens: int, gathered: int, c: int, tp: int, block: int
+) -> dict[str, float]:
+    """What MoE layer `block`'s MLP keeps from B to W (parallel/autograd/grouped_linear.py):
+    each stacked matmul's input rows and output grads (cast to one byte, with scales, under
+    train.fp8: config/fp8_weights.py), and the shared experts' linears'."""
     m = cfg.model
     d, f = m.d_model, expert_ffn(m, cfg.derived.d_ff)
     fan = 2 * f if m.arch != "gpt2" else f
     rows = tokens * m.top_k
     terms = {"expert linear inputs, output grads": rows * (d + f + fan + d) * c}
+    saved, scales = expert_deferred_fp8(cfg, block, rows, c)
+    if saved:
+        terms |= {"expert FP8 cast saving": -saved, "expert FP8 scales": scales}
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
         fan_s = 2 * width if m.arch != "gpt2" else width

@@ -429,7 +429,7 @@ def layer_deferred(
             "linear inputs": x.n * (m.d_model + x.h * x.hd) * c,
             "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + m.d_model) * c,
         }
-        return attention | moe_deferred(cfg, x.ns, x.n, c, cfg.parallel.tp) | fp8
+        return attention | moe_deferred(cfg, x.ns, x.n, c, cfg.parallel.tp, (index or 0) + 1) | fp8
     return {
         "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
         "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + 2 * m.d_model + fc1_out) * c,

@@ -248,6 +248,7 @@ class TrainConfig:
     # rowwise (torch._scaled_mm) | blockwise (DeepSeek-V3's 1x128 / 128x128, emulated)
     fp8: str = "none"
     # the linears train.fp8 leaves in high precision: module-name parts, comma-separated
+    # (`experts`: the routed experts)
     fp8_keep_bf16: str = "embed,head"
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False

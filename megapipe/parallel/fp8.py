@@ -3,8 +3,9 @@ current (just-in-time) scaling, as NVIDIA's H100 recipes and torchao's float8 tr
 
 `Fp8.of(train, cp)` is the policy, resolved once (pipeline/stages.py Components) and applied to
 a built chunk (`apply`, as torchtitan applies torchao's Float8 converter to a built model): each
-tp linear (models' QKV, attention out, MLP; not the MoE experts) outside `train.fp8_keep_bf16`
-gets an `Fp8Linear`, which its `_linear` asks. Recipes:
+tp linear (models' QKV, attention out, MLP) outside `train.fp8_keep_bf16` gets an `Fp8Linear`,
+which its `_linear` asks, and the routed experts an `Fp8Experts` (parallel/fp8_experts.py:
+scales per expert, their rows cast per source microbatch). Recipes:
 
 - `tensorwise`: one scale per tensor; `rowwise`: one per row of each matmul operand (per token,
   per output or input channel); both through torch._scaled_mm (_torch_compat.scaled_mm).
@@ -35,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megapipe._torch_compat import scaled_mm
 from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
-from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, dequantize, quantize
+from megapipe.parallel.fp8_experts import Fp8Experts
+from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize
 from megapipe.parallel.precision import main_grad_arrived
 
 RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
@@ -64,15 +65,6 @@ def describe(recipe: str) -> str:
     )
 
 
-def _mm(a, b_t, act: str, weight_like: str) -> torch.Tensor:
-    """a · b_tᵀ in float32 from quantized operands, each (rows, contraction) with its scale."""
-    (qa, sa), (qb, sb) = a, b_t
-    if act in ("tensorwise", "rowwise"):  # torch's kernel: (M, 1) and (1, N) scales, or ()
-        sb = sb.reshape(1, -1) if sb.dim() else sb
-        return scaled_mm(qa.contiguous(), qb.contiguous().t(), sa, sb)
-    return dequantize(qa, sa, act) @ dequantize(qb, sb, weight_like).t()
-
-
 @dataclass(frozen=True)
 class Fp8Linear:
     """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp,
@@ -97,14 +89,14 @@ class Fp8Linear:
         act, wgt = self.granularity
         qx = quantize(x2, E4M3, act, Groups(self.tokens, self.ins))
         qw = qw or quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
-        return _mm(qx, qw, act, wgt)  # (N, out)
+        return fp8_matmul(qx, qw, act, wgt)  # (N, out)
 
     def input_grad(self, g2, weight, qw_t=None) -> torch.Tensor:
         """g W; `qw_t`: Wᵀ already cast, as `forward`'s `qw`."""
         act, wgt = self.granularity
         qg = quantize(g2, E5M2, act, Groups(self.tokens, self.outs))
         qw_t = qw_t or quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
-        return _mm(qg, qw_t, act, wgt)  # (N, in)
+        return fp8_matmul(qg, qw_t, act, wgt)  # (N, in)
 
     def weight_grad_operands(self, x2, g2) -> tuple:
         """grad_W's operands quantized for a contraction over tokens: (gᵀ, xᵀ) with scales."""
@@ -115,7 +107,7 @@ class Fp8Linear:
 
     def weight_grad(self, operands) -> torch.Tensor:
         act, _ = self.granularity
-        return _mm(operands[0], operands[1], act, act)  # (out, in), float32
+        return fp8_matmul(operands[0], operands[1], act, act)  # (out, in), float32
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -205,13 +197,17 @@ class Fp8:
         return any(part in self.keep for part in name.split("."))
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """`model` with an Fp8Linear on each tp linear not kept (none: left as it is)."""
+        """`model` with an Fp8Linear on each tp linear not kept and an Fp8Experts on the routed
+        experts not kept (none: left as it is)."""
         if not self.on:
             return model
         if self.recipe in EMULATED:
             warnings.warn(describe(self.recipe), stacklevel=2)
         tokens = (self.cp_group,) if self.cp_group is not None else ()
         for name, module in model.named_modules():
+            if hasattr(module, "fp8_experts") and not self.kept(name):  # models/moe.Experts
+                sp = (module.tp.group,) if module.tp.sp else ()  # tp splits tokens under SP
+                module.fp8_experts = Fp8Experts(GRANULARITY[self.recipe], tokens + sp)
             splits = getattr(module, "tp_splits", None)
             if splits is None or self.kept(name):
                 continue

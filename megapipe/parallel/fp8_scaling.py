@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megapipe._torch_compat import scaled_mm
 from megapipe.distributed import collectives as C
 
 E4M3 = torch.float8_e4m3fn  # forward: activations and weights
@@ -77,16 +78,32 @@ def _tiles(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.reshape((r + pr) // rows, rows, (c + pc) // BLOCK, BLOCK)
 
 
+def _local_amax(t: torch.Tensor, granularity: str) -> torch.Tensor:
+    """The amax of `granularity` over this rank's elements (zeros for an empty `t`)."""
+    if t.numel() == 0:  # torch's amax refuses empty reductions; zeros do not move a MAX
+        r, c = t.shape
+        shape = {"tensorwise": (), "rowwise": (r, 1), "tile": (r, -(-c // BLOCK))}
+        blocks = (-(-r // BLOCK), -(-c // BLOCK))
+        return t.new_zeros(shape.get(granularity, blocks), dtype=torch.float32)
+    a = t.detach().abs().float()
+    if granularity == "tensorwise":
+        return a.amax()
+    if granularity == "rowwise":
+        return a.amax(dim=1, keepdim=True)
+    rows = 1 if granularity == "tile" else BLOCK
+    return _tiles(a, rows).amax(dim=(1, 3))
+
+
+def _sharing(granularity: str, groups: Groups) -> tuple:
+    """The groups a scale's amax is shared over: tensorwise both sides, rowwise C's, tiles and
+    blocks none (module docstring)."""
+    return {"tensorwise": groups.rows + groups.cols, "rowwise": groups.cols}.get(granularity, ())
+
+
 def amax_of(t: torch.Tensor, granularity: str, groups: Groups = WHOLE) -> torch.Tensor:
     """The amax each scale of `granularity` is made from, shared over the groups splitting it:
     () tensorwise, (R, 1) rowwise, (R, C/128) tile, (R/128, C/128) block."""
-    a = t.detach().abs().float()
-    if granularity == "tensorwise":
-        return _max_over(a.amax(), groups.rows + groups.cols)
-    if granularity == "rowwise":
-        return _max_over(a.amax(dim=1, keepdim=True), groups.cols)
-    rows = 1 if granularity == "tile" else BLOCK
-    return _tiles(a, rows).amax(dim=(1, 3))
+    return _max_over(_local_amax(t, granularity), _sharing(granularity, groups))
 
 
 def expand(scale: torch.Tensor, shape: torch.Size, granularity: str) -> torch.Tensor:
@@ -111,3 +128,32 @@ def quantize(
 def dequantize(q: torch.Tensor, inv: torch.Tensor, granularity: str) -> torch.Tensor:
     """The float32 values the float8 `q` stands for."""
     return q.float() * expand(inv, q.shape, granularity)
+
+
+def quantize_parts(
+    parts, dtype: torch.dtype, granularity: str, groups: Groups = WHOLE
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`quantize` of each 2-D part with scales of its own (the routed experts' row groups,
+    parallel/fp8_experts.py), every part's amax shared over `groups` in one collective."""
+    local = [_local_amax(p, granularity) for p in parts]
+    sharing = _sharing(granularity, groups)
+    if local and any(g is not None and dist.get_world_size(g) > 1 for g in sharing):
+        flat = _max_over(torch.cat([a.reshape(-1) for a in local]), sharing)
+        local = [a.view_as(b) for a, b in zip(flat.split([b.numel() for b in local]), local)]
+    out = []
+    for p, amax in zip(parts, local, strict=True):
+        scale = amax_to_scale(amax, dtype)
+        q = to_fp8(p.float() * expand(scale, p.shape, granularity), dtype)
+        out.append((q, scale.reciprocal()))
+    return out
+
+
+def fp8_matmul(a, b_t, act: str, weight_like: str) -> torch.Tensor:
+    """a · b_tᵀ in float32 from quantized operands, each (rows, contraction) with its scale,
+    of granularity `act` and `weight_like`: torch._scaled_mm for tensorwise and rowwise scales,
+    dequantized float32 matmul for tiles and blocks (no torch kernel takes them)."""
+    (qa, sa), (qb, sb) = a, b_t
+    if act in ("tensorwise", "rowwise"):  # torch's kernel: (M, 1) and (1, N) scales, or ()
+        sb = sb.reshape(1, -1) if sb.dim() else sb
+        return scaled_mm(qa.contiguous(), qb.contiguous().t(), sa, sb)
+    return dequantize(qa, sa, act) @ dequantize(qb, sb, weight_like).t()

@@ -86,7 +86,7 @@ from megapipe.perf.comm import (
 )
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
-from megapipe.perf.fp8_costs import amax_seconds, cast_bytes, fp8_device
+from megapipe.perf.fp8_costs import amax_seconds, cast_bytes, fp8_device, fp8_gemms
 from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
@@ -312,9 +312,10 @@ class CostModel(MoECosts):
         runs = zip(gemms, self._gemm_batches(len(gemms), moe))
         fprop, dgrad, wgrad = [], [], []
         casts = [0.0, 0.0, 0.0]  # train.fp8's cast passes before F, B, W (perf/fp8_costs.py)
+        cast = fp8_gemms(self.cfg, len(gemms), moe) if self.fp8 else [False] * len(gemms)
         for i, ((m, n, k), b) in enumerate(runs):
             on, elt = dev, self.c
-            if self.fp8 is not None and i < (2 if moe else 4):  # the linears; not the experts
+            if cast[i]:  # an FP8 GEMM (not the router's, nor kept experts')
                 on, elt = self.fp8[0], self.fp8[1] or self.c
                 casts = [a + b * x for a, x in zip(casts, cast_bytes(m, n, k, self.c))]
             fprop.append(on.gemm(m, n, k, b, elt))

@@ -13,7 +13,10 @@ The casts are memory-bound passes: each GEMM's two operands are read for their a
 again and written as 1-byte values. The amax all-reduces over tp and cp (config/fp8_amax.py:
 a few bytes per scale, up to one float32 per token under rowwise) are latency-bound rings,
 priced one by one on their axis's link, forward's in F and the backward's in B. The MoE
-experts and the head stay in high precision.
+layer's GEMMs are FP8 but for the router's (float32): attention's, the shared experts' and,
+unless train.fp8_keep_bf16 keeps them, the routed experts', which megapipe's code runs as a
+loop of per-expert FP8 matmuls (parallel/fp8_experts.py: no grouped FP8 kernel), so its
+runtime prices them ungrouped (perf/software.resolved_for). The head stays in high precision.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
 from megapipe.config.fp8_amax import layer_amax_ops
+from megapipe.config.fp8_weights import experts_fp8
 from megapipe.perf.cluster import Cluster, ClusterError
 from megapipe.perf.cost_terms import Device
 
@@ -42,6 +46,16 @@ def fp8_device(cfg: Config, cluster: Cluster, dev: Device) -> tuple[Device, int]
     if recipe not in KERNEL_RECIPES or cluster.fp8_tflops <= 0:
         return dev, 0  # emulated, or a CPU: the compute dtype's GEMMs (0: the caller's bytes)
     return Device(cluster.fp8_tflops * 1e12, dev.bandwidth, dev.cal), 1
+
+
+def fp8_gemms(cfg: Config, count: int, moe: bool) -> list[bool]:
+    """Which of a layer's `count` GEMMs (perf/costs.gemm_shapes' order) run in FP8: a dense
+    layer's four linears; a MoE layer's all but the router (2), the routed experts (3, 4) only
+    where train.fp8 casts them (module docstring)."""
+    if not moe:
+        return [i < 4 for i in range(count)]
+    experts = experts_fp8(cfg)
+    return [i != 2 and (experts or i not in (3, 4)) for i in range(count)]
 
 
 def cast_bytes(m: float, n: float, k: float, c: int) -> tuple[float, float, float]:

@@ -83,6 +83,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapipe.config import Config
+from megapipe.config.fp8_weights import experts_fp8
 from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
 from megapipe.models.gpt import compiled_linears
 from megapipe.parallel.autograd.grouped_linear import grouped_mm_for
@@ -391,6 +392,7 @@ def resolved_for(runtime: Runtime, cfg: Config, cluster: Cluster | None = None) 
         rt = dataclasses.replace(rt, attention_kernel=attention_kernel(cfg, cluster))
     if cluster is not None and rt.moe_grouped_gemm is None:  # the experts' matmul's own rule
         grouped = grouped_mm_for(cluster.device, cluster.capability, cfg.train.dtype)
+        grouped = grouped and not experts_fp8(cfg)  # FP8 experts: a loop (parallel/fp8_experts)
         rt = dataclasses.replace(rt, moe_grouped_gemm=grouped)
     return rt
 

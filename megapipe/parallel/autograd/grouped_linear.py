@@ -189,7 +189,7 @@ class _GroupedLinear(torch.autograd.Function):
             grad_x = _loop_input_grad(grad_out, weight, counts)
         owner = ctx.owner
         groups = grad_out.split(counts)
-        grad_b = _bias_grad(getattr(owner, ctx.bias_name), groups) if ctx.has_bias else None
+        grad_b = bias_grad(getattr(owner, ctx.bias_name), groups) if ctx.has_bias else None
         key = owner.wgrad_queue.key
         if key is not None:
             owner.wgrad_queue.setdefault(key, []).append((ctx.name, x, grad_out, counts))
@@ -198,7 +198,7 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def _bias_grad(param, groups) -> torch.Tensor | None:
+def bias_grad(param, groups) -> torch.Tensor | None:
     """(E, out) grad of a stacked bias, each expert's rows summed in float32: straight into
     the bias's main grad under bf16 weights (None returned), as parallel/precision.add_bias
     does for the dense row biases (a bf16 sum would round differently per split of rows)."""

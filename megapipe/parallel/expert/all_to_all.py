@@ -73,7 +73,7 @@ def received_counts(counts: torch.Tensor, ep_size: int, group) -> torch.Tensor:
 
 def plan_exchange(counts: torch.Tensor, ep_size: int, group) -> tuple[Layout, torch.Tensor]:
     """The layout of sending rows sorted by expert (`counts` per global expert), and the count
-    per local expert this rank will hold."""
+    (ep, E/ep) this rank will hold from each source for each of its experts."""
     got = received_counts(counts, ep_size, group)  # (source, local expert)
     local = got.shape[1]
     # each received row's key: local expert first, then source; a stable sort keeps row order
@@ -84,7 +84,7 @@ def plan_exchange(counts: torch.Tensor, ep_size: int, group) -> tuple[Layout, to
     inverse[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
     send = counts.view(ep_size, local).sum(1).tolist()
     ex = Layout(send, got.sum(1).tolist(), by_expert, inverse)
-    return ex, got.sum(0)
+    return ex, got
 
 
 def scatter_rows(sorted_rows: torch.Tensor, ex: Layout, group) -> torch.Tensor:

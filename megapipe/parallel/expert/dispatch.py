@@ -23,6 +23,7 @@ class DispatchPlan:
 
     order: torch.Tensor  # the stable sort of the rows by expert id
     extra: object = None  # ep > 1: the all-to-all's layout (all_to_all.Layout)
+    by_source: torch.Tensor | None = None  # ep > 1: (E/ep, ep) rows per local expert and source
 
 
 def dispatch(
@@ -33,8 +34,9 @@ def dispatch(
     counts = torch.bincount(expert_of, minlength=n_experts)
     if ep.size == 1:
         return rows[order], counts, DispatchPlan(order)
-    ex, local_counts = plan_exchange(counts, ep.size, ep.group)
-    return scatter_rows(rows[order], ex, ep.group), local_counts, DispatchPlan(order, ex)
+    ex, got = plan_exchange(counts, ep.size, ep.group)
+    plan = DispatchPlan(order, ex, got.t())
+    return scatter_rows(rows[order], ex, ep.group), got.sum(0), plan
 
 
 def combine(out: torch.Tensor, plan: DispatchPlan, ep: EPInfo) -> torch.Tensor:
