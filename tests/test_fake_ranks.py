@@ -77,9 +77,10 @@ def test_pipeline_json_contract_and_p2p(capsys, tmp_path):
         assert r["comm_bytes"]["dp"] > 0 and r["comm_bytes"]["tp"] > 0
         assert r["comm_bytes"]["pp"] > 0 and r["peak_bytes"] > 0 and r["plan_peak_bytes"] > 0
         assert_bytes_are_the_plans(r)
-    # the last stage's peak (rank 0's, 1.14×, holds its backward's working set, which the dry
-    # run has no term for)
-    assert abs(out["ranks"][1]["peak_bytes"] / out["ranks"][1]["plan_peak_bytes"] - 1) <= 0.05
+    # both stages' peaks, the first's at its first backward after the warm-up (the backward's
+    # working set: config/memory_backward.py)
+    for r in out["ranks"]:
+        assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
 def assert_bytes_are_the_plans(r: dict) -> None:
@@ -103,10 +104,11 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
     """dp2 · tp2 · pp2, the last stage (rank 4): zero=3's gathers per block (the embedding's
     once a microbatch) and the tied table's sharded grads, and Zero Bubble's B/W split: FLOPs
     exact, bytes per axis within 2%; zero=3's peak within 5% of the dry run's (zb_h1's is
-    1.07×: the backward's working set, as rank 0's under 1F1B). Under train.fp8 zero=3
-    gathers the FP8 weights' 1-byte casts and all-reduces their amax vectors once a step
-    (parallel/data/zero3_fp8.py): dp's bytes equal the plan's exactly (config/fp8_weights.py);
-    tp's too, with the linears' own amax all-reduces (config/fp8_amax.py)."""
+    1.07×: W's queued operands beside the backward's working set, not yet in the plan).
+    Under train.fp8 zero=3 gathers the FP8 weights' 1-byte casts and all-reduces their amax
+    vectors once a step (parallel/data/zero3_fp8.py): dp's bytes equal the plan's exactly
+    (config/fp8_weights.py); tp's too, with the linears' own amax all-reduces
+    (config/fp8_amax.py)."""
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
                              "--parallel.pp=2", "--parallel.microbatches=2", *extra])  # fmt: skip
     (r,) = fake_ranks(cfg, "4")["ranks"]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from megapipe.config.flops import held_expert_params, segment_bounds
 from megapipe.config.fp8_weights import cast_bytes, fp8_params
+from megapipe.config.memory_backward import chunk_backward_bytes
 from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.memory_terms import (
     embedding_terms,
@@ -99,6 +100,9 @@ class RankMemory:
     # ends with its buckets sent, parallel/data/zero2.py; the fused head's own grads are in its
     # transient); None: `grads`
     grads_at_head: float | None = None
+    # the largest working set of a layer's backward on top of the activation peak
+    # (config/memory_backward.chunk_backward_bytes over the rank's chunks)
+    backward: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -129,8 +133,10 @@ class RankMemory:
         held = self.weights + self.gathered + self.optimizer
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
+        at_backward = held + self.backward  # a layer backward's working set (memory_backward)
         top = max(
-            held + max(self.activations, with_grads), at_head + max(self.activations, head_grads)
+            at_backward + max(self.activations, with_grads),
+            at_head + max(self.activations, head_grads),
         )
         return max(top, reducing)
 
@@ -179,6 +185,7 @@ def memory_plan(
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
         host = sum(chunk_host_activations(cfg, b, device) for b in held)
         head = rank_head_transient(cfg, held, device, memory)
+        back = max(chunk_backward_bytes(cfg, b, device) for b in held)
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
@@ -188,7 +195,7 @@ def memory_plan(
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
             coord = (pp_rank, tp_rank)
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
-            r = replace(r, host=host * inflight[pp_rank])
+            r = replace(r, host=host * inflight[pp_rank], backward=back)
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
                 r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))

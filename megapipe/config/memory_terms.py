@@ -79,9 +79,10 @@ every term with saved_tensors_hooks):
 Left out, each small or shared by all microbatches: positions (seq/cp int64, one tensor per
 rank), the loss's scalars, bucket padding. The head's chunk of logits (head_chunk_rows · V/tp
 floats, ~1.5 times that at its height under bf16) is transient: config/memory_head.py's term,
-added to the peak of the head's ranks by the memory plan. The fused kernels' workspace, the
-recompute's transient layer, other grads in flight and Seq1F1B's K/V grads waiting for the
-earlier segment's backward are not saved tensors.
+added to the peak of the head's ranks by the memory plan. The fused kernels' workspace and
+Seq1F1B's K/V grads waiting for the earlier segment's backward are not saved tensors; the
+recompute's rerun layer and the grads a layer's backward makes are its working set
+(config/memory_backward.py).
 """
 
 from __future__ import annotations

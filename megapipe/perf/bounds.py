@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from megapipe.config import Config
 from megapipe.config.flops import held_expert_params
+from megapipe.config.memory_backward import chunk_backward_bytes
 from megapipe.config.memory_plan import (
     BlockBytesKey,
     block_activations,
@@ -342,6 +343,7 @@ class Bounds:
                 after = live[made:] if made is not None else live[:0]
                 with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
             head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
+            back = max(chunk_backward_bytes(cfg, blocks, self.device) for blocks in chunks)
             experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
             count = functools.partial(self._chunk_params, cfg)
             seen = set()  # tp ranks holding as many parameters alike hold the same bytes
@@ -353,8 +355,9 @@ class Bounds:
                 if (n, gathered, at_head, pair) in seen:
                     continue
                 seen.add((n, gathered, at_head, pair))
-                total = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
-                                    experts, at_head, pair).peak  # fmt: skip
+                rank = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
+                                   experts, at_head, pair)  # fmt: skip
+                total = replace(rank, backward=back).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where

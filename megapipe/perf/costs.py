@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 
 from megapipe.config import Config
+from megapipe.config.comm_bytes import tp_layer_ops
 from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
 from megapipe.config.memory_terms import (
     attention_path,
@@ -150,29 +151,40 @@ class CostModel(MoECosts):
         """`work` with a measured host's arrival skew at its tp collectives (host.py)."""
         return self.host.skewed(work) if self.host else work
 
-    def _tp_layer(self, x: Shapes) -> float:
-        """One direction's tp collectives of a layer (F or B: the same volume), not overlapped."""
-        p = self.cfg.parallel
-        if p.tp == 1:
-            return 0.0
-        act = x.n * self.cfg.model.d_model * self.c
-        if p.sequence_parallel:
-            return 2 * (self._tp("all_gather", act) + self._tp("reduce_scatter", act))
-        return 2 * self._tp("all_reduce", act)
+    def _tp_ops(self, x: Shapes, moe: bool = False) -> tuple[list, list]:
+        """A layer's tp collectives (F, B) as config/comm_bytes.tp_layer_ops sizes them (the one
+        source of their bytes): gathers and the input grads' sums in the compute dtype, the
+        row-parallel outputs' sums in the runtime's residual dtype; a MoE layer without shared
+        experts has attention's alone (its routed experts are whole on every tp rank)."""
+        p, d = self.cfg.parallel, self.cfg.model.d_model
+        mlp = not moe or self.cfg.model.moe_shared_experts > 0
+        return tp_layer_ops(p.sequence_parallel, x.n * d * self.c, x.n * d * self.r, mlp)
 
-    def _tp_overlapped(self, x: Shapes, fprop, dgrad, wgrad) -> tuple[float, ...]:
+    def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
+        """The F and B seconds of a layer's tp collectives (_tp_ops), not overlapped."""
+        if self.cfg.parallel.tp == 1:
+            return 0.0, 0.0
+        f, b = self._tp_ops(x, moe)
+        return sum(self._tp(*op) for op in f), sum(self._tp(*op) for op in b)
+
+    def _tp_overlapped(self, x: Shapes, fprop, dgrad, wgrad, moe=False) -> tuple[float, ...]:
         """A layer's exposed tp seconds forward and backward, and the seconds the SM margin
         adds to F and W (perf/tp_overlap.py), where parallel.tp_overlap asks for it, with
         sequence parallelism, of a runtime that has it (ours: parallel/tensor/overlap.py);
         else the plain collectives (Megatron-LM's async tp: tp_overlap.async_backward)."""
-        p, act = self.cfg.parallel, x.n * self.cfg.model.d_model * self.c
-        ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
+        p, d = self.cfg.parallel, self.cfg.model.d_model
+        act, res = x.n * d * self.c, x.n * d * self.r
+        mlp = not moe or self.cfg.model.moe_shared_experts > 0
         if p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap:
-            f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, self.rt.tp_overlap_splits)
+            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", res)
+            splits = self.rt.tp_overlap_splits
+            f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
-        tp, ar = self._tp_layer(x), self._tp("all_reduce", act)
-        async_b = async_backward(p.sequence_parallel, ar, ag, rs, dgrad, wgrad)
-        return tp, async_b if self.rt.tp_async_wgrad and p.tp > 1 else tp, 0.0, 0.0
+        tp_f, tp_b = self._tp_layer(x, moe)
+        if not (self.rt.tp_async_wgrad and p.tp > 1):
+            return tp_f, tp_b, 0.0, 0.0
+        ag, rs, ar = (self._tp(k, act) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+        return tp_f, async_backward(p.sequence_parallel, ar, ag, rs, dgrad, wgrad, mlp), 0.0, 0.0
 
     # -- a transformer layer -----------------------------------------------------------------
 
@@ -326,7 +338,7 @@ class CostModel(MoECosts):
         # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
         mlp = slice(3, 5) if moe else slice(2, 4)
         order = [(s[0], s[1], *s[mlp]) for s in (fprop, dgrad, wgrad)]
-        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, *order)
+        tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, *order, moe)
         amax_f, amax_b = amax_seconds(self.cfg, moe, self._amax_price)  # train.fp8's, else 0
         f = Work(
             compute=sum(fprop)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megapipe.config import Config
+from megapipe.config.comm_bytes import p2p_message_bytes
 from megapipe.config.flops import (
     attention_widths,
     flops_per_token,
@@ -343,7 +344,6 @@ def _skew_messages(dag: Dag, stage_costs, skew: float, late: list[float]) -> Non
 def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
     """Per message key: the arrival delay and (blocking p2p) the sender's extra seconds."""
     p, m = cfg.parallel, cfg.model
-    b = cfg.derived.micro_batch_size
     q_full = m.seq_len // p.cp
     delay = [0.0] * len(dag.messages)
     # a runtime that overlaps p2p under interleaving posts the sends and waits at first use
@@ -351,12 +351,11 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
     extra = [0.0] * len(dag.messages) if blocking else None
     for key, (src, dst, seg, _grad) in enumerate(dag.messages):
         q = q_full if len(bounds) == 1 else bounds[seg][1] - bounds[seg][0]
-        nbytes = b * q * m.d_model * (runtime.p2p_bytes or cm.c)
-        # under SP each tp rank sends its sequence shard, and Megatron-LM skips its scatter/
-        # gather (p2p_communication.py: scatter_gather_tensors_in_pipeline and not
-        # sequence_parallel)
+        # config/comm_bytes.py's message: under SP each tp rank sends its sequence shard, and
+        # Megatron-LM skips its scatter/gather (p2p_communication.py:
+        # scatter_gather_tensors_in_pipeline and not sequence_parallel)
+        nbytes = message_bytes(cfg, runtime, cm.c, q)
         sp = p.sequence_parallel and p.tp > 1
-        nbytes /= p.tp if sp else 1
         link = p2p_link(cluster, shape, src, dst)
         if runtime.p2p_scatter_gather and p.tp > 1 and link.name == "network" and not sp:
             t = p2p_time(nbytes / p.tp, link) + ring_time("all_gather", nbytes, p.tp, cm.tp_link)
@@ -367,6 +366,12 @@ def _messages(cfg, cluster, runtime, cm, shape, dag: Dag, bounds):
         else:
             delay[key] = t
     return delay, extra
+
+
+def message_bytes(cfg: Config, runtime: Runtime, c: int, tokens: int) -> float:
+    """One pipeline message of `tokens` per sequence under `runtime` (its p2p element bytes,
+    0: the compute dtype's `c`): config/comm_bytes.p2p_message_bytes, the code's own size."""
+    return p2p_message_bytes(cfg, tokens, runtime.p2p_bytes or c)
 
 
 def place_vpp(cfg: Config) -> int:

@@ -27,11 +27,16 @@ from __future__ import annotations
 
 
 def exposed_tp(tp: int, ag: float, rs: float, fprop: list[float], dgrad: list[float],
-            wgrad: list[float], splits: int) -> tuple[float, float]:  # fmt: skip
+            wgrad: list[float], splits: int, mlp: bool = True) -> tuple[float, float]:  # fmt: skip
     """Exposed seconds of one layer's forward and backward collectives (one all-gather `ag`,
-    one reduce-scatter `rs`); fprop, dgrad, wgrad: the qkv, proj, fc1, fc2 GEMMs' seconds."""
+    one reduce-scatter `rs`); fprop, dgrad, wgrad: the qkv, proj, fc1, fc2 GEMMs' seconds;
+    `mlp` False: attention's alone (a MoE layer whose routed experts are whole on each rank)."""
     qkv, proj, fc1, fc2 = range(4)
     s = splits or tp
+    if not mlp:
+        forward = max(0.0, ag - fprop[qkv] * (tp - 1) / tp)
+        forward += max(rs / s, rs - fprop[proj] * (s - 1) / s)
+        return forward, max(0.0, ag - dgrad[proj] * (tp - 1) / tp) + max(0.0, rs - wgrad[qkv])
 
     def ring(gemm: float) -> float:
         return max(0.0, ag - gemm * (tp - 1) / tp)
@@ -59,15 +64,15 @@ def sm_margin(share: float, fprop: list[float], wgrad: list[float]) -> tuple[flo
 
 
 def async_backward(sp: bool, ar: float, ag: float, rs: float, dgrad: list[float],
-                   wgrad: list[float]) -> float:  # fmt: skip
+                   wgrad: list[float], mlp: bool = True) -> float:  # fmt: skip
     """Exposed seconds of one layer's backward tp collectives under Megatron-LM's asynchronous
     tp communication (module docstring): each column-parallel linear's (qkv, fc1) input grad is
     all-reduced (`ar`), or reduce-scattered under SP (`rs`), launched before its wgrad GEMM and
     waited for after it; under SP that linear's input, saved as its sequence shard, is
     all-gathered again (`ag`) beside its dgrad GEMM. The row-parallel linears' (proj, fc2)
     backward stays blocking: nothing without SP, the grad's all-gather with SP. The SMs NCCL
-    takes from the GEMMs beside it are not priced."""
-    qkv, fc1 = 0, 2
+    takes from the GEMMs beside it are not priced. `mlp` False: attention's alone."""
+    column = (0, 2) if mlp else (0,)  # qkv, fc1
     if not sp:
-        return sum(max(0.0, ar - wgrad[i]) for i in (qkv, fc1))
-    return 2 * ag + sum(max(0.0, ag - dgrad[i]) + max(0.0, rs - wgrad[i]) for i in (qkv, fc1))
+        return sum(max(0.0, ar - wgrad[i]) for i in column)
+    return len(column) * ag + sum(max(0.0, ag - dgrad[i]) + max(0.0, rs - wgrad[i]) for i in column)

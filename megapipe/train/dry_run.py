@@ -56,12 +56,13 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
     zero>=2 the shard) and while the last backward's reduction runs
     (`grads_reducing_bytes`: local grads kept, send buffers, shards), optimizer state,
     activations at the peak in flight, the LM head's chunk transient on the ranks holding the
-    head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), the activations that
+    head (`head_transient_bytes`, config/memory_head.py; 0 elsewhere), the largest working set
+    of a layer's backward (`backward_bytes`, config/memory_backward.py), the activations that
     recompute.mode=offload keeps in host memory (`host_bytes`), and the peak: the larger
-    of the two moments, weights + grads + optimizer + activations + head transient, or weights
-    + grads_reducing + optimizer; and the largest peak. `device`: whose kernels' saved tensors
-    (tests measure CPU runs); the head's chunks are sized by this machine's CUDA device where
-    it has one (train/meta_memory.local_memory), else 256 rows."""
+    of the two moments, weights + grads + optimizer + activations + the larger transient, or
+    weights + grads_reducing + optimizer; and the largest peak. `device`: whose kernels' saved
+    tensors (tests measure CPU runs); the head's chunks are sized by this machine's CUDA device
+    where it has one (train/meta_memory.local_memory), else 256 rows."""
     plan = memory_plan(cfg, device, memory=local_memory(device))
     ranks = [
         {
@@ -75,6 +76,7 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
             "optimizer_bytes": int(r.optimizer),
             "activations_bytes": int(r.activations),
             "head_transient_bytes": int(r.head_transient),
+            "backward_bytes": int(r.backward),  # a layer backward's working set
             "peak_bytes": int(r.peak),
             "host_bytes": int(r.host),  # recompute.mode=offload's activations in host memory
         }

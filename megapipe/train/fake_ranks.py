@@ -210,8 +210,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         mesh = ParallelMesh(sizes)
         measure = Measure(_axes(mesh))
         with fake_tensor_mode():
-            with measure:
-                job, optimizer, results = _steps(cfg, mesh, measure, flops)
+            job, optimizer, results = _steps(cfg, mesh, measure, flops)
             save = save_plan(cfg, job.model, optimizer)  # after the steps, outside their peak
     c = coords(rank, sizes)
     entry = {
@@ -236,17 +235,21 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
 
 def _steps(cfg: Config, mesh: ParallelMesh, measure: Measure, flops):
     """The build and STEPS real steps under `measure`, counted by `flops` (a flop_counter()):
-    (the job, its optimizer, the results)."""
-    job = parallelize(cfg, mesh, "cpu")
-    keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
-    measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
-    measure.phase = "optimizer"
-    optimizer = job.optimizer()
-    measure.phase = "activations"
+    (the job, its optimizer, the results). `measure` is the outer mode in the steps: it sees
+    each op as the code calls it, and FlopCounterMode, which runs ops it has no formula for as
+    their decompositions (silu_backward, gelu_backward: a product of temporaries a device's
+    one kernel never allocates), does so below it, where no storage is counted."""
+    with measure:
+        job = parallelize(cfg, mesh, "cpu")
+        keep_none(job.model)  # the CPU's page-fault caches: a device holds no such buffer
+        measure.relabel([*job.model.parameters(), *job.model.buffers()], "weights")
+        measure.phase = "optimizer"
+        optimizer = job.optimizer()
+        measure.phase = "activations"
+        m = cfg.model
+        batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
     hooks = _Phases(measure, job.model)
-    m = cfg.model
-    batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
-    with flops:
+    with flops, measure:
         results = [job.train_step(optimizer, batch, s, hooks) for s in range(STEPS)]
     return job, optimizer, results
 

@@ -37,7 +37,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megapipe._torch_compat import grouped_mm, has_grouped_mm, is_fake
+from megapipe._torch_compat import grouped_mm, has_grouped_mm, is_fake, quiet_fake_meta_errors
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.autograd.weight_grad import autocast_operands
 from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
@@ -89,7 +89,7 @@ def _probe(device: torch.device, dtype: torch.dtype, fake: bool = False) -> bool
     are small integers, so every product and sum is exact and any correct kernel agrees
     bit for bit. A mismatch or an error: a one-line warning, and the loop for them."""
     try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with torch.no_grad(), torch.autocast(device.type, enabled=False), quiet_fake_meta_errors():
             bad = _mismatch(device, dtype, (0, 3, 0, 2, 0)) or _mismatch(device, dtype, (0, 0))
     except (RuntimeError, NotImplementedError, TypeError) as e:
         bad = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -1,0 +1,145 @@
+"""The backward's working set: what a layer's backward allocates on top of the tensors saved for
+it (config/memory_terms.py) and the grads (config/states.py), at the height of that backward.
+Pure arithmetic, no torch; config/memory_plan.py adds the largest over a rank's chunks to its
+activation peak (RankMemory.backward).
+
+Autograd runs a layer's backward in the reverse order of its forward and frees each node's saved
+tensors as the node ends, so the height comes at the layer's last ops, the MLP's, before much is
+freed. Op by op (models/gpt.py MLP, models/moe.py; parallel/autograd/weight_grad.py _Linear),
+with the notation of config/memory_terms.py (N tokens, Nₛ the sequence-parallel share, f the
+MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's):
+
+  output grad in          the layer's input grad from the block after it, Nₛ·d·r: a pipeline
+                          message received, the head's returned input grad, or the next layer's
+                          input grad (chunk_backward_bytes); under sequence parallelism fc2's
+                          backward all-gathers it, N·d·c, and under bf16 autocast with float32
+                          weights autograd casts it to fc2's bf16 output, N·d·c
+  fc2 (w_out)             grad_out @ W: the input grad N·f·c; its weight grad grad_outᵀ·x,
+                          f·d in the weight's dtype (autocast: the bf16 product f·d·2, then
+                          autograd's float32 cast f·d·4 for the float32 parameter). None under
+                          bf16 weights (fused into the float32 main grad) or a B/W split (queued
+                          for W: parallel/autograd/weight_grad.py)
+  SwiGLU product          silu(gate)·up's backward: both factors' grads, 2·N·f·c, while fc2's
+                          input grad is still held and fc2's input (N·f·c) already freed: the
+                          larger of it and fc2's moment is the height. GELU's backward makes one
+                          N·f·c and frees fc2's input: never above fc2's moment
+  MoE (rows R = Nₛ·k)     the combine's backward first makes the experts' output grads R·d·c,
+                          then w_out as fc2 on the R rows, its stacked weight grad over the
+                          rank's E/ep experts; the shared experts' MLP runs after (lower)
+  full recompute          the first saved tensor unpacked reruns the layer's forward
+                          (torch.utils.checkpoint, non-reentrant, stopping early once all are
+                          made): everything the layer saves at mode "none" is live again, its
+                          input excepted (the checkpoint's own, already counted)
+
+After the MLP, each node frees at least what the next one allocates (fc1's input grad N·d·c
+and attention's N·(H+2Hkv)·hd·c gradients against the MLP's saved N·(d + 2f)·c and more), so
+those moments are lower. The chunk's earlier layers run with the later ones' saved tensors
+freed: chunk_backward_bytes walks them too. Left out: bias grads (d or f floats) and the
+per-token vectors of the router.
+"""
+
+from __future__ import annotations
+
+from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
+from megapipe.config.memory_terms import (
+    compute_bytes,
+    head_terms,
+    layer_mode,
+    layer_terms,
+    rank_dims,
+    residual_bytes,
+    segments,
+    tied_lookup_with_head,
+)
+from megapipe.config.schema import Config, gated
+from megapipe.config.states import FLOAT32, local_grads_transient
+
+
+def weight_grad_bytes(cfg: Config, elements: int) -> float:
+    """A linear's weight grad of `elements` made in its backward (module docstring): none under
+    bf16 weights or a B/W split; the bf16 product and its float32 cast under autocast; else
+    float32."""
+    split = cfg.parallel.schedule in ("zb_h1", "zb_h2", "zb_v", "zb_auto")
+    # reduced every microbatch: the block's grads are the grads term's own (states.py
+    # block_grads_bytes of the pair whose backward runs), not more on top of it
+    if cfg.train.params_dtype != "float32" or split or local_grads_transient(cfg):
+        return 0.0
+    c = compute_bytes(cfg)
+    return elements * (c + FLOAT32 if c != FLOAT32 else FLOAT32)
+
+
+def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str, float]:
+    """The height of layer `index`'s MLP backward above its saved tensors (module docstring),
+    by term; the output grad it receives is the caller's."""
+    m, x, c = cfg.model, rank_dims(cfg, segment), compute_bytes(cfg)
+    p = cfg.parallel
+    terms: dict[str, float] = {}
+    if (p.sequence_parallel and p.tp > 1) or c != residual_bytes(cfg):
+        terms["output grad, gathered or cast"] = x.n * m.d_model * c
+    if is_moe_layer(m, index):
+        rows, f = x.ns * m.top_k, expert_ffn(m, cfg.derived.d_ff)
+        experts = m.n_experts // max(p.ep, 1)
+        terms["experts' output grads"] = rows * m.d_model * c
+        grad_in = rows * f * c
+        wgrad = weight_grad_bytes(cfg, experts * f * m.d_model)
+    else:
+        grad_in = x.n * x.ff * c
+        wgrad = weight_grad_bytes(cfg, x.ff * m.d_model)
+    product = 2 * grad_in if gated(m.arch) else 0.0  # SwiGLU: both factors' grads
+    if product > grad_in + wgrad:
+        terms["SwiGLU product grads"] = product
+    else:
+        terms["fc2 input grad"] = grad_in
+        terms["fc2 weight grad"] = wgrad
+    return terms
+
+
+def layer_backward_terms(
+    cfg: Config, device: str, segment: int | None, index: int
+) -> dict[str, float]:
+    """Layer `index`'s backward working set by term: its MLP's height and, under full
+    recompute, the layer's forward rerun (module docstring)."""
+    terms = mlp_backward_terms(cfg, segment, index)
+    if layer_mode(cfg.recompute, index) == "full":
+        rerun = sum(layer_terms(cfg, "none", device, segment, index).values())
+        x = rank_dims(cfg, segment)
+        held = x.ns * cfg.model.d_model * residual_bytes(cfg)  # the checkpoint's input
+        terms["recomputed layer"] = rerun - held
+    return terms
+
+
+def _head_freed(cfg: Config, device: str, segment: int | None) -> tuple[float, float]:
+    """(bytes of the head's saved tensors freed once its backward ran, the output grad it hands
+    the layer before it that the plan does not already count): the head's input grad where the
+    head made it in forward (head_terms' own, the stream's cast of it aside), its float32
+    weight grad unless a tied lookup in the same graph still adds to it."""
+    terms = head_terms(cfg, device, segment)
+    x, d = rank_dims(cfg, segment), cfg.model.d_model
+    c, r = compute_bytes(cfg), residual_bytes(cfg)
+    if not head_grad_in_forward(cfg):
+        return sum(terms.values()), x.ns * d * r
+    kept = terms["head input grad"]
+    if tied_lookup_with_head(cfg):
+        kept += terms["head weight grad"]
+    return sum(terms.values()) - kept, x.ns * d * r * (r != c)
+
+
+def chunk_backward_bytes(cfg: Config, blocks: range, device: str = "cuda") -> float:
+    """The largest working set of the chunk holding `blocks`, over its layers' backwards (and
+    Seq1F1B segments), net of what the blocks after each layer freed before it ran: the
+    head's saved tensors and the later layers' (at their recompute mode). The chunk's last
+    layer receives its output grad from the head, or from the next stage, Nₛ·d·r."""
+    m, best = cfg.model, 0.0
+    for segment in segments(cfg):
+        x = rank_dims(cfg, segment)
+        freed, incoming = 0.0, x.ns * m.d_model * residual_bytes(cfg)
+        if m.n_layers + 1 in blocks:
+            freed, incoming = _head_freed(cfg, device, segment)
+        for block in reversed([b for b in blocks if 0 < b <= m.n_layers]):
+            index = block - 1
+            work = sum(layer_backward_terms(cfg, device, segment, index).values())
+            best = max(best, incoming + work - freed)
+            mode = layer_mode(cfg.recompute, index)
+            freed += sum(layer_terms(cfg, mode, device, segment, index).values())
+            incoming = x.ns * m.d_model * residual_bytes(cfg)
+    return best
