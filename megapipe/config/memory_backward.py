@@ -53,13 +53,21 @@ from megapipe.config.memory_terms import (
 )
 from megapipe.config.schema import Config, gated
 from megapipe.config.states import FLOAT32, local_grads_transient
+from megapipe.plan.schedules import SCHEDULES
+
+
+def weight_grads_queued(cfg: Config) -> bool:
+    """A B/W split (Zero Bubble's, the V-shaped and DualPipe schedules' under a pipeline): the
+    weight grads are queued for W, not made in the backward."""
+    p = cfg.parallel
+    return p.pp > 1 and SCHEDULES[p.schedule].split_backward
 
 
 def weight_grad_bytes(cfg: Config, elements: int) -> float:
     """A linear's weight grad of `elements` made in its backward (module docstring): none under
     bf16 weights or a B/W split; the bf16 product and its float32 cast under autocast; else
     float32."""
-    split = cfg.parallel.schedule in ("zb_h1", "zb_h2", "zb_v", "zb_auto")
+    split = weight_grads_queued(cfg)
     # reduced every microbatch: the block's grads are the grads term's own (states.py
     # block_grads_bytes of the pair whose backward runs), not more on top of it
     if cfg.train.params_dtype != "float32" or split or local_grads_transient(cfg):

@@ -28,7 +28,7 @@ import numpy as np
 
 from megapipe.config import Config
 from megapipe.config.flops import held_expert_params
-from megapipe.config.memory_backward import chunk_backward_bytes
+from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_plan import (
     BlockBytesKey,
     block_activations,
@@ -45,7 +45,7 @@ from megapipe.config.memory_plan import (
 from megapipe.config.memory_terms import attention_path, segments
 from megapipe.config.muon_terms import optimizer_lower_bound
 from megapipe.config.pipeline_split import partition, placement_of
-from megapipe.config.states import local_grads_bytes, weights_bytes
+from megapipe.config.states import local_grads_bytes, local_grads_transient, weights_bytes
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
@@ -115,6 +115,7 @@ class Bounds:
         self._ids: dict[BlockBytesKey, int] = {}
         self._schedules: dict[tuple, dict] = {}
         self._grads_from: dict[tuple, list] = {}
+        self._backwards: dict[tuple, float] = {}
 
     @staticmethod
     def group(c: Candidate) -> tuple:
@@ -343,7 +344,7 @@ class Bounds:
                 after = live[made:] if made is not None else live[:0]
                 with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
             head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
-            back = max(chunk_backward_bytes(cfg, blocks, self.device) for blocks in chunks)
+            back = max(self._backward(cfg, mesh, blocks) for blocks in chunks)
             experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
             count = functools.partial(self._chunk_params, cfg)
             seen = set()  # tp ranks holding as many parameters alike hold the same bytes
@@ -385,6 +386,16 @@ class Bounds:
             made = [np.flatnonzero(np.isin(k, GRAD_KINDS)) for k in kinds]
             self._grads_from[key] = [int(m[0]) if len(m) else None for m in made]
         return self._grads_from[key]
+
+    def _backward(self, cfg: Config, mesh: int, blocks: range) -> float:
+        """config/memory_backward.chunk_backward_bytes, cached by what it reads besides the
+        block bytes' key (`mesh`: _bytes_id): a B/W split, per-microbatch reduction's grads, ep."""
+        p = cfg.parallel
+        split = weight_grads_queued(cfg)
+        key = (mesh, blocks.start, blocks.stop, split, local_grads_transient(cfg), p.ep)
+        if key not in self._backwards:
+            self._backwards[key] = chunk_backward_bytes(cfg, blocks, self.device)
+        return self._backwards[key]
 
     def _bytes_id(self, cfg: Config) -> int:
         """A small number for cfg's BlockBytesKey (config/memory_plan.py: what a block's bytes
