@@ -39,7 +39,7 @@ from torch import nn
 from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
 from megapipe.parallel.fp8_experts import Fp8Experts
 from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize
-from megapipe.parallel.precision import main_grad_arrived
+from megapipe.parallel.precision import weight_grad_landed
 
 RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 EMULATED = ("blockwise",)  # no torch kernel takes its scales: quantize, dequantize, float32 mm
@@ -156,14 +156,7 @@ def finish_weight_grad(owner: nn.Module, operands) -> torch.Tensor | None:
     """grad_W from its quantized operands: into the float32 main grad under bf16 weights (then
     None), else returned in the weight's dtype. The W action calls it through the linear's
     `deferred_weight_grad` (parallel/autograd/weight_grad.run_weight_grads)."""
-    grad = owner.fp8.weight_grad(operands)
-    weight = owner.weight
-    main = getattr(weight, "main_grad", None)
-    if main is not None:
-        main.add_(grad)
-        main_grad_arrived(weight)
-        return None
-    return grad.to(weight.dtype)
+    return weight_grad_landed(owner.weight, owner.fp8.weight_grad(operands))
 
 
 def deferred_weight_grad(owner: nn.Module, operands) -> None:

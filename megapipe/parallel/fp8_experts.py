@@ -36,7 +36,7 @@ import torch
 from megapipe.parallel.autograd.grouped_linear import bias_grad
 from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
 from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize, quantize_parts
-from megapipe.parallel.precision import main_grad_arrived
+from megapipe.parallel.precision import weight_grad_landed
 
 # torch._scaled_mm's CUDA kernels take a contraction in whole 16s: the weight grad's, over a
 # part's tokens, is padded to it (torchao's grouped FP8 MoE pads its token groups to 16 too)
@@ -151,13 +151,7 @@ def _per_expert(parts, n_experts: int) -> list[int]:
 def finish_weight_grad(param, fp8: Fp8Experts, operands) -> torch.Tensor | None:
     """The stacked weight grad from its quantized operands: into the float32 main grad under
     bf16 weights (then None), else returned in the weight's dtype."""
-    grad = fp8.weight_grad(operands)
-    main = getattr(param, "main_grad", None)
-    if main is not None:
-        main.add_(grad)
-        main_grad_arrived(param)
-        return None
-    return grad.to(param.dtype)
+    return weight_grad_landed(param, fp8.weight_grad(operands))
 
 
 def deferred_weight_grad(owner, name: str, operands) -> None:

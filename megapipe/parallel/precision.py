@@ -167,6 +167,17 @@ def main_grad_arrived(param: torch.Tensor) -> None:
         hook(param)
 
 
+def weight_grad_landed(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """A weight grad made outside autograd (FP8's W): into the float32 main grad under bf16
+    weights (then None), else returned in the weight's dtype for the caller to accumulate."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        return grad.to(param.dtype)
+    main.add_(grad)
+    main_grad_arrived(param)
+    return None
+
+
 def attach_main_grads(module: nn.Module) -> MainGrads | None:
     """`module`'s main grads when its parameters are low precision (None: float32 params)."""
     if all(p.dtype == torch.float32 for p in module.parameters()):
