@@ -21,12 +21,13 @@ import dataclasses
 
 import pytest
 
-from benchmarks.validation import h100_fit
+from benchmarks.validation import h100_fit, published
 from benchmarks.validation import h100_validation as h100
 from benchmarks.validation import table1 as t1
 from benchmarks.validation.cli import main as validation_main
 from megapipe.config import load_config
 from megapipe.perf.cluster import load_cluster
+from megapipe.perf.fp8_costs import cast_bytes
 from megapipe.perf.model import project
 from megapipe.perf.software import (
     MEGAPIPE,
@@ -97,6 +98,45 @@ def test_megatron_core_rows_within_the_held_out_target(results):
     assert len(core) >= 6
     mean, worst = h100.errors(core)
     assert mean <= 0.10 and worst <= 0.20, h100.markdown(core)
+
+
+def test_fp8_rows_held_out_within_target():
+    """Issue 49's target on the published H100 FP8 runs (≤ 10% mean, ≤ 20% max), which no
+    constant saw: their data file is not among the fitted sources."""
+    fp8 = h100.compare_fp8()
+    assert len(fp8) >= 12 and {r.row.precision for r in fp8} == {"fp8"}
+    assert not set(published.FP8_SOURCES) & set(published.H100_SOURCES)
+    assert all(published.measured(r.row).config.train.fp8 == "tensorwise" for r in fp8)
+    mean, worst = h100.errors(fp8)
+    assert mean <= h100.FP8_TARGET_MEAN and worst <= h100.FP8_TARGET_MAX, h100.fp8_markdown(fp8)
+
+
+@pytest.mark.parametrize("after_norm", [False, True])
+def test_delayed_scaling_casts_less_and_once_a_step(after_norm):
+    """Transformer Engine's delayed scaling (perf/fp8_costs.py) moves fewer bytes than
+    megapipe's current scaling for every GEMM, and its weight cast is paid once a step: more
+    microbatches make it cheaper per microbatch, where current scaling pays it every time."""
+    for m, n, k in [(4096, 6144, 4096), (16, 28672, 8192), (8192, 1024, 53248)]:
+        now = cast_bytes(m, n, k, 2)
+        assert now == cast_bytes(m, n, k, 2, "current", after_norm, 64)
+        one = cast_bytes(m, n, k, 2, "delayed", after_norm, 1)
+        many = cast_bytes(m, n, k, 2, "delayed", after_norm, 64)
+        assert sum(many) < sum(one) < sum(now)
+        assert many[1:] == one[1:] and many[0] < one[0]  # only F holds the weight's cast
+
+
+def test_megatron_core_fp8_projection_faster_with_its_casts():
+    """On a published FP8 row, Megatron-Core's runtime with current scaling's casts and amax
+    ops projects a slower step than with its own delayed scaling's."""
+    row = next(r for r in published.load_all(published.FP8_SOURCES) if r.tp > 1 and r.cp > 1)
+    m = published.measured(row)
+    cluster = load_cluster(m.cluster, row.gpus_per_node)
+    rt = h100.runtime_of(row)
+    assert rt.fp8_scaling == "delayed" and MEGAPIPE.fp8_scaling == "current"
+    delayed = project(m.config, cluster, rt, memory=False)
+    current = project(m.config, cluster, dataclasses.replace(rt, fp8_scaling="current"))
+    assert delayed.step_time_s < current.step_time_s
+    assert delayed.breakdown["tp_comm_s"] < current.breakdown["tp_comm_s"]
 
 
 def test_each_row_runs_its_own_runtime_and_switches():
@@ -201,7 +241,7 @@ def test_cli_validate(capsys):
     assert validation_main(["validate"]) == 0
     out = capsys.readouterr().out
     assert "| row | runtime |" in out and "leave-one-out |" in out and "mean |error|" in out
-    assert "not fitted" in out
+    assert "not fitted" in out and "published FP8 runs" in out
     assert validation_main(["validate", "--refit", "--no-loo"]) == 0
     out = capsys.readouterr().out
     assert "fitted again" in out and "leave-one-out |" not in out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.validation import h100_fit, megatron_runs, published_moe, table1
+from benchmarks.validation import h100_fit, megatron_runs, published, published_moe, table1
 from benchmarks.validation import h100_validation as h100
 from megapipe.config import ConfigError
 from megapipe.perf.cluster import ClusterError, load_cluster
@@ -98,6 +98,9 @@ def run_validate(args: argparse.Namespace) -> int:
     )
     loo = None if args.no_loo else h100.leave_one_out(results, cal=cal)
     print(h100.markdown(results, loo))
+    print("\npublished FP8 runs (held out of every fit: "
+          f"benchmarks/validation/data/{published.FP8_SOURCES[0]}):\n")  # fmt: skip
+    print(h100.fp8_markdown(h100.compare_fp8(cal)))
     if args.megapipe:
         beside = h100.beside_megapipe()
         print("\nmegapipe's runtime (bf16 weights) beside megatron_core's, same configs:\n")

@@ -104,6 +104,41 @@ def compare(table: list[published.Row] | None = None, cal: Calibration | None = 
     return out
 
 
+FP8_TARGET_MEAN, FP8_TARGET_MAX = 0.10, 0.20  # on published H100 FP8 runs (issue 49)
+
+
+def compare_fp8(cal: Calibration | None = None) -> list[Result]:
+    """The published FP8 runs (published.FP8_SOURCES), held out of every fit, projected as
+    compare() projects the bf16 ones: train.fp8 on the row's runtime (Megatron-Core's casts and
+    amax reductions are Transformer Engine's delayed scaling: runtime.fp8_scaling)."""
+    return compare(published.load_all(published.FP8_SOURCES), cal)
+
+
+def fp8_markdown(results: list[Result]) -> str:
+    """The FP8 rows as markdown() shows the others, each beside its bf16 twin's measured and
+    projected speedup where the bf16 tables hold the same run (label without "-fp8")."""
+    twins = {r.label: r for r in published.load_all()}
+    lines = [
+        "| row | gpus | tp | pp | cp | dp | vpp | measured tok/s/GPU | projected | error "
+        "| FP8/bf16 measured | projected |",
+        "|---|" + "---:|" * 11,
+    ]
+    for r in results:
+        w, twin = r.row, twins.get(r.row.label.removesuffix("-fp8"))
+        speedup = " | |"
+        if twin is not None and (twin.tp, twin.pp, twin.cp) == (w.tp, w.pp, w.cp):
+            base = compare([twin])[0]
+            speedup = f" {r.measured / base.measured:.2f} | {r.projected / base.projected:.2f} |"
+        lines.append(
+            f"| {w.label} | {w.gpus} | {w.tp} | {w.pp} | {w.cp} | {w.dp} | {w.vpp} "
+            f"| {r.measured:.0f} | {r.projected:.0f} | {r.error:+.1%} |" + speedup
+        )
+    mean, worst = errors(results)
+    lines += ["", f"the {len(results)} FP8 rows, held out: mean |error| {mean:.1%}, max "
+              f"{worst:.1%} (target ≤ {FP8_TARGET_MEAN:.0%}, ≤ {FP8_TARGET_MAX:.0%})"]  # fmt: skip
+    return "\n".join(lines)
+
+
 # Sources whose rows are projected but neither fitted on nor held to the targets, and why.
 FIT_LEFT_OUT = {
     "llm_foundry_h100_bf16.csv": "the source does not pin the software the rows ran: the sweep "

@@ -23,7 +23,7 @@ count where only those are published) and model TFLOP/s per GPU under megapipe's
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from megapipe.config import Config, load_config
@@ -42,7 +42,12 @@ H100_SOURCES = [
 
 ZERO = {"dist_opt": 1, "fsdp_noreshard": 2, "fsdp": 3}
 """A row's `sharding` as a parallel.zero level (module docstring)."""
-DTYPES = {"bf16": "bfloat16"}  # the compute precisions a row may give (FP8 is not priced)
+DTYPES = {"bf16": "bfloat16"}  # a row's high-precision compute dtype
+FP8_RECIPES = {"fp8": "tensorwise"}
+"""A row's FP8 precision as train.fp8: Transformer Engine's delayed scaling keeps one scale per
+tensor (data/nvidia_dgxc_benchmarking_h100_fp8.csv's header), compute otherwise in bf16."""
+FP8_SOURCES = ["nvidia_dgxc_benchmarking_h100_fp8.csv"]
+"""The published H100 FP8 runs: held out of every fit (h100_validation.py)."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +130,8 @@ def load_all(names: list[str] = H100_SOURCES) -> list[Row]:
 
 def row_config(row: Row) -> Config:
     """The megapipe config of one row (module docstring), validated as train.py would."""
-    if row.precision not in DTYPES:
-        raise ValueError(f"{row.source}: {row.label} has precision {row.precision}; only bf16")
+    if row.precision not in DTYPES and row.precision not in FP8_RECIPES:
+        raise ValueError(f"{row.source}: {row.label} has precision {row.precision}; bf16 or fp8")
     schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
     overrides = [
         f"model.arch={row.arch}",
@@ -148,17 +153,24 @@ def row_config(row: Row) -> Config:
         f"parallel.microbatches={row.microbatches}",
         f"parallel.balance={row.balance}",
         f"parallel.sequence_parallel={str(row.sequence_parallel and row.tp > 1).lower()}",
-        f"parallel.tp_overlap={str(row.tp_overlap).lower()}",
+        f"parallel.tp_overlap={str(row.tp_overlap and row.precision in DTYPES).lower()}",
         f"parallel.zero={ZERO[row.sharding]}",
         f"train.global_batch={row.gbs}",
-        f"train.dtype={DTYPES[row.precision]}",
+        f"train.dtype={DTYPES.get(row.precision, 'bfloat16')}",
+        f"train.fp8={FP8_RECIPES.get(row.precision, 'none')}",
         f"train.params_dtype={row.params_dtype}",
         # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
         # so a torchtitan row's compile stays on the Row for the runtime to price
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
         f"recompute.mode={row.recompute}",
     ]
-    return load_config(None, overrides)
+    cfg = load_config(None, overrides)
+    if row.tp_overlap and row.precision in FP8_RECIPES:
+        # megapipe's chunked SP linears have no FP8 path (config/fp8_checks.py refuses the
+        # pair); Transformer Engine's userbuffers overlap ran FP8, so the row keeps it for the
+        # runtime to price
+        cfg = replace(cfg, parallel=replace(cfg.parallel, tp_overlap=True))
+    return cfg
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def load_rows() -> list[MoERow]:
 def why_not(row: MoERow) -> str:
     """Why the model cannot price `row` as it ran ("" when it can: module docstring)."""
     if row.precision not in DTYPES:
-        return f"{row.precision} GEMMs are not priced (bf16 only)"
+        return f"{row.precision}: the MoE projection prices bf16 rows only"
     if row.gpu != "h100":
         return f"no cluster profile describes {row.gpu}"
     if "ASSUMED" in row.notes or "ASSUMPTION" in row.notes:

@@ -87,7 +87,13 @@ from megapipe.perf.comm import (
 )
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Device, Shapes, Work, shapes
 from megapipe.perf.costs_moe import MoECosts
-from megapipe.perf.fp8_costs import amax_seconds, cast_bytes, fp8_device, fp8_gemms
+from megapipe.perf.fp8_costs import (
+    after_norm,
+    amax_seconds,
+    cast_bytes,
+    fp8_device,
+    fp8_gemms,
+)
 from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
 
@@ -325,11 +331,13 @@ class CostModel(MoECosts):
         fprop, dgrad, wgrad = [], [], []
         casts = [0.0, 0.0, 0.0]  # train.fp8's cast passes before F, B, W (perf/fp8_costs.py)
         cast = fp8_gemms(self.cfg, len(gemms), moe) if self.fp8 else [False] * len(gemms)
+        scaling, micro = self.rt.fp8_scaling, self.cfg.parallel.microbatches
         for i, ((m, n, k), b) in enumerate(runs):
             on, elt = dev, self.c
             if cast[i]:  # an FP8 GEMM (not the router's, nor kept experts')
                 on, elt = self.fp8[0], self.fp8[1] or self.c
-                casts = [a + b * x for a, x in zip(casts, cast_bytes(m, n, k, self.c))]
+                passes = cast_bytes(m, n, k, self.c, scaling, after_norm(i, moe), micro)
+                casts = [a + b * x for a, x in zip(casts, passes)]
             fprop.append(on.gemm(m, n, k, b, elt))
             dgrad.append(on.gemm(m, k, n, b, elt))
             wgrad.append(on.gemm(k, n, m, b, elt))
@@ -339,7 +347,7 @@ class CostModel(MoECosts):
         mlp = slice(3, 5) if moe else slice(2, 4)
         order = [(s[0], s[1], *s[mlp]) for s in (fprop, dgrad, wgrad)]
         tp, tp_b, margin_f, margin_w = self._tp_overlapped(x, *order, moe)
-        amax_f, amax_b = amax_seconds(self.cfg, moe, self._amax_price)  # train.fp8's, else 0
+        amax_f, amax_b = amax_seconds(self.cfg, moe, self._amax_price, scaling)  # FP8's, else 0
         f = Work(
             compute=sum(fprop)
             + margin_f

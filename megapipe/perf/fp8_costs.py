@@ -9,10 +9,21 @@ compute dtype), so its GEMMs keep the compute dtype's price. A GPU without FP8 t
 FP8 projection in one line rather than price a run that cannot start; the CPU profiles price
 FP8 at their compute rate (torch's CPU kernel upcasts).
 
-The casts are memory-bound passes: each GEMM's two operands are read for their amax, read
-again and written as 1-byte values. The amax all-reduces over tp and cp (config/fp8_amax.py:
-a few bytes per scale, up to one float32 per token under rowwise) are latency-bound rings,
-priced one by one on their axis's link, forward's in F and the backward's in B. The MoE
+The casts are memory-bound passes, priced as the runtime scales (runtime.fp8_scaling):
+- "current" (megapipe's, parallel/fp8.py: just-in-time scaling): each GEMM's two operands are
+  read for their amax, read again and written as 1-byte values, every microbatch, the weights
+  too. The amax all-reduces over tp and cp (config/fp8_amax.py: a few bytes per scale, up to
+  one float32 per token under rowwise) are latency-bound rings, priced one by one on their
+  axis's link, forward's in F and the backward's in B.
+- "delayed" (Transformer Engine's DelayedScaling, which Megatron-Core's published FP8 runs use:
+  a scale from the amax history of earlier steps). The cast kernel records the amax as it
+  writes, so there is no amax pass; it writes both layouts Hopper's FP8 GEMMs take (TE's
+  cast_transpose: read c bytes, write 1 + 1). The inputs of the linears TE fuses with their
+  norm (LayerNormLinear: QKV and the MLP's first linear) leave the norm already cast, and only
+  their transposed copy is made (read 1, write 1). A weight is cast with its transpose on a
+  step's first microbatch and the others reuse it (TE's `is_first_microbatch` cache). Every
+  amax of a model chunk is reduced in one all-reduce as its forward and its backward end
+  (TE's `reduce_and_update_fp8_tensors`), priced per layer as that op's share. The MoE
 layer's GEMMs are FP8 but for the router's (float32): attention's, the shared experts' and,
 unless train.fp8_keep_bf16 keeps them, the routed experts', which megapipe's code runs as a
 loop of per-expert FP8 matmuls (parallel/fp8_experts.py: no grouped FP8 kernel), so its
@@ -58,24 +69,56 @@ def fp8_gemms(cfg: Config, count: int, moe: bool) -> list[bool]:
     return [i != 2 and (experts or i not in (3, 4)) for i in range(count)]
 
 
-def cast_bytes(m: float, n: float, k: float, c: int) -> tuple[float, float, float]:
+SCALINGS = ("current", "delayed")  # runtime.fp8_scaling (module docstring)
+
+
+def after_norm(gemm: int, moe: bool) -> bool:
+    """Whether a layer's GEMM (perf/costs.gemm_shapes' order) reads its norm's output: QKV, and
+    a dense layer's first MLP linear (a MoE layer's experts read routed rows)."""
+    return gemm == 0 or (gemm == 2 and not moe)
+
+
+def cast_bytes(
+    m: float, n: float, k: float, c: int, scaling: str = "current", norm_input: bool = False,
+    microbatches: int = 1,
+) -> tuple[float, float, float]:  # fmt: skip
     """HBM bytes of the casts before a linear's forward, input-grad and weight-grad GEMMs
-    ((m×k)·(k×n), `c`-byte high-precision operands): amax read, cast read, 1-byte write."""
-    per = 2 * c + 1
-    return (m * k + n * k) * per, (m * n + n * k) * per, (m * n + m * k) * per
+    ((m×k)·(k×n), `c`-byte high-precision operands) as `scaling` casts (module docstring):
+    `norm_input` a linear whose input TE casts in the norm, `microbatches` per step."""
+    if scaling == "current":  # amax read, cast read, 1-byte write, per operand per GEMM
+        per = 2 * c + 1
+        return (m * k + n * k) * per, (m * n + n * k) * per, (m * n + m * k) * per
+    both_layouts = c + 2  # cast_transpose: read c, write 1 + 1
+    x = m * k * (2 if norm_input else both_layouts)
+    weight = n * k * both_layouts / microbatches
+    return x + weight, m * n * both_layouts, 0.0
 
 
 def amax_seconds(
-    cfg: Config, moe: bool, price: dict[str, Callable[[float], float]]
+    cfg: Config, moe: bool, price: dict[str, Callable[[float], float]], scaling: str = "current"
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(F, B) seconds per axis of a layer's amax all-reduces, the first dense (or MoE, `moe`)
-    layer's, each op priced by `price[axis]` (an all-reduce of that many bytes on the axis)."""
+    layer's, each op priced by `price[axis]` (an all-reduce of that many bytes on the axis);
+    under "delayed" scaling the layer's share of its chunk's one batched op per axis."""
     m, f_s, b_s = cfg.model, dict.fromkeys(price, 0.0), dict.fromkeys(price, 0.0)
     block = next((b for b in range(1, m.n_layers + 1) if is_moe_layer(m, b - 1) == moe), None)
     if block is None:
         return f_s, b_s
     f, b = layer_amax_ops(cfg, block)
+    if scaling == "delayed":
+        return _batched(cfg, f, price), _batched(cfg, b, price)
     for ops, out in ((f, f_s), (b, b_s)):
         for axis, nbytes in ops:
             out[axis] += price[axis](nbytes)
     return f_s, b_s
+
+
+def _batched(cfg: Config, ops: list, price: dict) -> dict[str, float]:
+    """A layer's share of one all-reduce per axis holding its chunk's amaxes (`ops` a layer's)."""
+    p = cfg.parallel
+    layers = max(1, cfg.model.n_layers // (p.pp * p.vpp))  # a model chunk's
+    out = dict.fromkeys(price, 0.0)
+    for axis in {axis for axis, _ in ops}:
+        nbytes = layers * sum(n for a, n in ops if a == axis)
+        out[axis] = price[axis](nbytes) / layers
+    return out

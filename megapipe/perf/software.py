@@ -161,6 +161,11 @@ class Runtime:
     # input-grad all-reduce (reduce-scatter under SP) beside their wgrad GEMMs, under SP the
     # input's all-gather again beside the dgrad GEMMs (perf/tp_overlap.async_backward)
     tp_async_wgrad: bool = False
+    # how train.fp8's casts run (perf/fp8_costs.py): "current" (ours, parallel/fp8.py: every
+    # operand's amax taken and cast afresh each microbatch, amaxes all-reduced one by one) or
+    # "delayed" (Transformer Engine's DelayedScaling: casts fused with the norm or with the
+    # transpose, weights cast once a step, one batched amax all-reduce per model chunk)
+    fp8_scaling: str = "current"
 
 
 MEGAPIPE = Runtime(
@@ -270,6 +275,10 @@ MEGATRON_CORE = Runtime(
     # distributed_data_parallel.py: bucketing off on pipeline stages after the first and for
     # model chunks after the first (their reduction is off the critical path)
     dp_bucket_first_only=True,
+    # --fp8-format hybrid with TE's default recipe, DelayedScaling (amax history 1024, "max"),
+    # as NVIDIA's published FP8 recipes set it (NeMo's bf16_with_fp8_mixed; dgxc-benchmarking
+    # llama3.1/configure.sh fp8_amax_history_len=1024); Megatron-Core's --fp8-recipe delayed
+    fp8_scaling="delayed",
 )
 
 # torchtitan (Dec 2024 - mid 2025) as its published H100 benchmarks ran it. Sources: pytorch/
