@@ -56,10 +56,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-zero1-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=1"]),
         ("dp2-zero3-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=3"]),
         ("dp2-zero3-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=3"]),
+        ("dp2-zero3-blockwise", 2, 1, [*fp8("blockwise"), *MB2, "parallel.zero=3"]),
         ("dp2-ep2-tensorwise", 2, 1, [*fp8("tensorwise"), *MOE, "parallel.ep=2"]),
     ],
     4: [
         ("dp2-ep2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MOE, "parallel.ep=2"]),
+        ("dp2-tp2-sp-zero3-rowwise", 2, 2, [*fp8("rowwise"), *SP, *MB2, "parallel.zero=3"]),
     ],
 }
 
