@@ -328,11 +328,12 @@ def local_scalar_op():
     return torch.ops.aten._local_scalar_dense.default
 
 
-def cpu_attention_flops() -> dict:
-    """FlopCounterMode's formulas for the CPU flash-attention ops, which it does not count
-    (it knows the CUDA flash, efficient and cuDNN ones): the same 4·b·h·s_q·s_k·d forward and
-    its backward as for those (aten._scaled_dot_product_flash_attention_for_cpu and
-    _backward). Works on torch 2.13."""
+def uncounted_flops() -> dict:
+    """FlopCounterMode's formulas for the ops megapipe runs that it does not count: the CPU
+    flash-attention ops (it knows the CUDA flash, efficient and cuDNN ones), the same
+    4·b·h·s_q·s_k·d forward and its backward as for those
+    (aten._scaled_dot_product_flash_attention_for_cpu and _backward), and the in-place
+    aten.addmm_. Works on torch 2.13."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     def forward(q, k, v, *args, out_shape=None, **kwargs):
@@ -341,10 +342,16 @@ def cpu_attention_flops() -> dict:
     def backward(dout, q, k, v, *args, out_shape=None, **kwargs):
         return sdpa_backward_flop_count(dout, q, k, v)
 
+    def addmm_in_place(out, a, b, *args, out_shape=None, **kwargs):
+        return 2 * a[0] * a[1] * b[1]  # (m x k)·(k x n): 2 FLOPs a multiply-add
+
     ops = torch.ops.aten
     return {
         ops._scaled_dot_product_flash_attention_for_cpu: forward,
         ops._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+        # in place, as parallel/precision.fused_weight_grad sums a weight grad into its float32
+        # main grad: the same FLOPs as addmm, which alone has a formula
+        ops.addmm_: addmm_in_place,
     }
 
 
@@ -361,7 +368,7 @@ class _NoModules:
 
 
 def flop_counter() -> torch.utils.flop_counter.FlopCounterMode:
-    """FlopCounterMode (with cpu_attention_flops) without its per-module breakdown: its
+    """FlopCounterMode (with uncounted_flops) without its per-module breakdown: its
     ModuleTracker hooks every module's inputs and outputs with register_multi_grad_hook
     (torch/utils/module_tracker.py), whose closures keep the grads they see until all of a
     module's arrive; a pipeline stage's received grads were kept into the next step, bytes no
@@ -369,7 +376,7 @@ def flop_counter() -> torch.utils.flop_counter.FlopCounterMode:
     Works on torch 2.13 (FlopCounterMode.mod_tracker)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping=cpu_attention_flops())
+    counter = FlopCounterMode(display=False, custom_mapping=uncounted_flops())
     counter.mod_tracker = _NoModules()
     return counter
 

@@ -97,8 +97,9 @@ def assert_bytes_are_the_plans(r: dict) -> None:
         (["--parallel.zero=3"], True),
         (["--parallel.zero=1", "--parallel.schedule=zb_h1"], False),
         (["--parallel.zero=3", "--train.fp8=rowwise"], False),
+        (["--parallel.zero=1", "--train.dtype=bfloat16", "--train.params_dtype=bfloat16"], False),
     ],
-    ids=["zero3", "zb_h1", "zero3_fp8"],
+    ids=["zero3", "zb_h1", "zero3_fp8", "bf16_weights"],
 )
 def test_last_stage_is_the_models(tmp_path, extra, peak):
     """dp2 · tp2 · pp2, the last stage (rank 4): zero=3's gathers per block (the embedding's
@@ -119,6 +120,16 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
     assert_bytes_are_the_plans(r)
     if peak:
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+def test_full_recompute_replays_the_dropout_stream_on_fake_tensors(tmp_path):
+    """tp's dropout RNG tracker (parallel/tensor/random.replayable) replays its state for the
+    recompute without a tensor op, which fake tensors would turn into a state torch cannot
+    set: a tp rank under full recompute with dropout steps like one without."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.tp=2", "--model.dropout=0.1",
+                             "--recompute.mode=full"])  # fmt: skip
+    (r,) = fake_ranks(cfg, "1")["ranks"]
+    assert r["stepped"] and r["comm_bytes"]["tp"] == r["plan_comm_bytes"]["tp"]
 
 
 MLA = ["--model.arch=deepseek_v3", "--model.q_lora_rank=16", "--model.tie_embeddings=false"]
@@ -207,6 +218,36 @@ def test_moe_ranks_are_the_plans(tmp_path, case):
     assert r["stepped"] and r["flops"] == r["plan_flops"]
     assert_bytes_are_the_plans(r)
     assert (r["comm_bytes"]["ep"] > 0) == (cfg.parallel.ep > 1)
+
+
+EXACT_CASES = {
+    "tp2_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
+    "tp2_sp_mla": ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA],
+    "tp2_mla_no_q_lora": ["--parallel.tp=2", *MLA, "--model.q_lora_rank=0"],
+    "tp2_sp_moe": ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE],
+    "tp4_gqa_kv2": ["--parallel.tp=4", "--model.arch=llama", "--model.n_kv_heads=2"],
+    "cp2_dp1_moe": ["--parallel.cp=2", *MOE],
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_CASES))
+def test_bytes_per_axis_are_the_plans_exactly(tmp_path, case):
+    """Every axis's bytes equal the plan's to the byte: under SP the once-a-step tp sum of the
+    grads tp ranks hold partial copies of (norm gains, row-linear biases, learned positions,
+    latent attention's down projections, a MoE layer's router and experts; counted on the
+    code's own modules: parallel/tensor/grad_sync.synced_elements), and without SP that of
+    kv heads replicated over fewer than tp ranks; latent attention's three column inputs (the
+    query latent, the kv latent, the rope key) gathered or their grads summed in place of the
+    norm's output; a MoE layer's routed-row counts summed over the ranks holding parts of a
+    sequence; and with dp 1 the replica group's sums on cp, whose group it is. FLOPs exact too
+    (kv heads copied over tp ranks run their projections on each: config/flops._kv_copies),
+    but latent attention's on the CPU, where SDPA's math path takes its values unpadded
+    (config/flops._attention_hardware_flops)."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *EXACT_CASES[case]])
+    (r,) = fake_ranks(cfg, "0")["ranks"]
+    assert r["stepped"] and ("mla" in case or r["flops"] == r["plan_flops"])
+    for axis in AXIS_KEYS:
+        assert r["comm_bytes"][axis] == r["plan_comm_bytes"][axis], axis
 
 
 def test_balanced_answers_of_data_dependent_ops():

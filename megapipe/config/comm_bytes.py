@@ -12,8 +12,9 @@ the tensor it hands the collective.
 - all-to-all: its whole buffer, its own share included;
 - point-to-point: what it sends; a receive puts in nothing (its sender counts the bytes).
 Per step: every microbatch's, the reductions once. Sizes are those megapipe's code moves (its
-runtime: float32 pipeline messages and grads, the dp reduction's in parallel.grad_reduce_dtype,
-weights gathered in train.params_dtype), or the widths a caller passes.
+runtime: pipeline messages in the residual stream's dtype, which is the weights', float32
+grads, the dp reduction's in parallel.grad_reduce_dtype, weights gathered in
+train.params_dtype), or the widths a caller passes.
 """
 
 from __future__ import annotations
@@ -59,21 +60,41 @@ def put_in(kind: str, nbytes: float, n: int) -> float:
 
 
 def tp_layer_ops(
-    sequence_parallel: bool, act: float, residual: float, mlp: bool = True
+    sequence_parallel: bool,
+    act: float,
+    residual: float,
+    mlp: bool = True,
+    attention_inputs: tuple[float, ...] | None = None,
 ) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
     et al. 2022 §4.2.2), `act` the N·d bytes in the compute dtype and `residual` in the
-    residual stream's (megapipe: float32, so the row-parallel outputs are summed as the
-    single-process run adds them): F sums attention's and the MLP's partial outputs (SP:
-    gathers their norms' outputs, reduce-scatters the sums), B sums the column-parallel
-    linears' input grads (SP: gathers the residual's grads, reduce-scatters those). `mlp`
-    False: attention's alone (a MoE layer without shared experts: its routed experts are whole
-    on every tp rank, models/moe.py)."""
-    n = 2 if mlp else 1
-    if sequence_parallel:
-        f = [("all_gather", act), ("reduce_scatter", residual)] * n
-        return f, [("all_gather", residual), ("reduce_scatter", act)] * n
-    return [("all_reduce", residual)] * n, [("all_reduce", act)] * n
+    residual stream's (the row-parallel outputs are summed as the single-process run adds
+    them): F sums attention's and the MLP's partial outputs (SP: gathers each column region's
+    input, reduce-scatters the sums), B sums the column regions' input grads (SP: gathers the
+    residual's grads, reduce-scatters those). `attention_inputs`: the bytes of each input
+    entering attention's column region (default one, `act`: the norm's output; latent
+    attention's are three, attention_column_widths). `mlp` False: attention's alone (a MoE
+    layer without shared experts: its routed experts are whole on every tp rank, models/moe.py)."""
+    regions = [tuple(attention_inputs or (act,))] + ([(act,)] if mlp else [])
+    f, b = [], []
+    for inputs in regions:
+        if sequence_parallel:
+            f += [*(("all_gather", x) for x in inputs), ("reduce_scatter", residual)]
+            b += [("all_gather", residual), *(("reduce_scatter", x) for x in inputs)]
+        else:
+            f.append(("all_reduce", residual))
+            b += [("all_reduce", x) for x in inputs]
+    return f, b
+
+
+def attention_column_widths(m) -> tuple[int, ...]:
+    """The widths of the inputs that enter attention's column region per token: the norm's
+    output (d_model), or under latent attention (models/mla.py) the query latent (or d_model
+    without a query LoRA), the normed kv latent and the shared rope key, each made on the
+    rank's own tokens by the down projections whole on every tp rank."""
+    if m.arch != "deepseek_v3":
+        return (m.d_model,)
+    return (m.q_lora_rank or m.d_model, m.kv_lora_rank, m.qk_rope_head_dim)
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -139,38 +160,52 @@ class Widths:
     reduction's (`reduce`)."""
 
     act: int
-    p2p: int
+    p2p: int  # the residual stream's: the pipeline's messages and the row-parallel sums
     grad: int
     param: int
     reduce: int = GRAD_BYTES
 
     @staticmethod
     def of(cfg: Config) -> Widths:
-        """megapipe's own: float32 pipeline messages (the residual stream) and grads, the dp
-        reduction in parallel.grad_reduce_dtype, weights gathered in train.params_dtype."""
+        """megapipe's own: the residual stream in the weights' dtype (float32 under float32
+        weights, bf16 under bf16 ones: parallel/precision.Precision.weight_dtype) and float32
+        grads, the dp reduction in parallel.grad_reduce_dtype, weights gathered in
+        train.params_dtype."""
         act = FLOAT32 if cfg.train.dtype == "float32" else 2
         param = PARAM_BYTES[cfg.train.params_dtype]
-        return Widths(act, FLOAT32, GRAD_BYTES, param, reduce_width(cfg, GRAD_BYTES))
+        return Widths(act, residual_width(cfg), GRAD_BYTES, param, reduce_width(cfg, GRAD_BYTES))
+
+
+def residual_width(cfg: Config) -> int:
+    """Bytes per element of megapipe's residual stream: the weights' dtype (Widths.of)."""
+    return PARAM_BYTES[cfg.train.params_dtype]
 
 
 ChunkParams = Callable[[range, int], int]  # (blocks, tp_rank) -> parameters of that chunk
 
 
 def rank_comm_bytes(
-    cfg: Config, pp_rank: int, tp_rank: int, chunk_params: ChunkParams, widths: Widths | None = None
+    cfg: Config,
+    pp_rank: int,
+    tp_rank: int,
+    chunk_params: ChunkParams,
+    widths: Widths | None = None,
+    synced_params: ChunkParams | None = None,
 ) -> dict[str, float]:
     """Bytes the rank at (pp_rank, tp_rank) puts into one step's ops, per axis (module
     docstring): tp's per block and microbatch, dp's grad reduction and weight gathers, the
     pipeline's sends and the tied table's grads, the cp ring's K/V blocks, ep's all-to-alls,
     train.fp8's amax all-reduces (config/fp8_amax.py), and the step's loss sums (latency
-    only: perf prices none of their time)."""
+    only: perf prices none of their time). `synced_params` counts a chunk's parameters whose
+    grads tp sums once a step (tp_synced_grads); None: none counted."""
     w, p = widths or Widths.of(cfg), cfg.parallel
     held = rank_blocks(cfg, pp_rank)
     params = [chunk_params(b, tp_rank) for b in held]
     experts = [held_expert_params(cfg, b) for b in held]
     out = dict.fromkeys(AXES, 0.0)
     out["tp"] = p.microbatches * sum(_tp_block(cfg, b, w) for blocks in held for b in blocks)
-    out["tp"] += _sp_expert_grads(cfg, held, sum(experts), w)
+    if synced_params is not None:
+        out["tp"] += tp_synced_grads(cfg, sum(synced_params(b, tp_rank) for b in held), w)
     out["cp"] = p.microbatches * sum(_cp_block(cfg, b, w) for blocks in held for b in blocks)
     out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
@@ -183,6 +218,8 @@ def rank_comm_bytes(
     for axis in ("tp", "cp"):  # train.fp8's amax all-reduces (config/fp8_amax.py)
         out[axis] += p.microbatches * amax_bytes(cfg, [b for bs in held for b in bs], axis)
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
+    if p.dp == 1 and p.cp > 1:  # the replica group is cp's own: its sums run on cp's ranks
+        out["cp"], out["dp"] = out["cp"] + out["dp"], 0.0
     return out
 
 
@@ -195,26 +232,26 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
     if block == 0:
         ops = sum(tp_embedding_ops(sp, nd * w.param), [])
     elif block == cfg.model.n_layers + 1:
-        ops = sum(tp_head_ops(sp, x.n, nd * FLOAT32), [])
+        ops = sum(tp_head_ops(sp, x.n, nd * w.p2p), [])
     else:
         m = cfg.model
         mlp = not is_moe_layer(m, block - 1) or m.moe_shared_experts > 0
-        f, b = tp_layer_ops(sp, nd * w.act, nd * FLOAT32, mlp)
+        inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
+        f, b = tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs)
+        f = [*f, *routing_count_ops(cfg, is_moe_layer(m, block - 1), "tp")]
         again = layer_mode(cfg.recompute, block - 1) == "full"
         ops = f * (2 if again else 1) + b
     return sum(put_in(kind, nbytes, p.tp) for kind, nbytes in ops)
 
 
-def _sp_expert_grads(cfg: Config, held: list[range], experts: int, w: Widths) -> float:
-    """Under SP a MoE layer's router and routed experts, whole on every tp rank, see only the
-    rank's sequence chunk: their grads (`experts` routed parameters on the rank) are summed over
-    tp once a step (parallel/tensor/grad_sync.py; in the same all-reduce as the norm gains,
-    latency-sized and not counted)."""
-    p, m = cfg.parallel, cfg.model
-    if not p.sequence_parallel or p.tp == 1 or m.n_experts == 0:
-        return 0.0
-    routers = moe_layers_in(m, [b for chunk in held for b in chunk]) * m.d_model * m.n_experts
-    return put_in("all_reduce", (experts + routers) * w.grad, p.tp)
+def tp_synced_grads(cfg: Config, elements: int, w: Widths) -> float:
+    """The one all-reduce over tp, once a step, of the grads tp ranks hold partial copies of
+    (parallel/tensor/grad_sync.py), `elements` of them: under SP the parameters whole on every
+    tp rank see only its sequence chunk (norm gains, row-linear biases, learned positions,
+    latent attention's down projections, a MoE layer's router and routed experts), and kv
+    heads replicated over fewer than tp ranks. In float32 (the main grads under bf16 weights);
+    perf prices none of its time (once a step, after the backward)."""
+    return put_in("all_reduce", elements * w.grad, cfg.parallel.tp) if elements else 0.0
 
 
 def _cp_block(cfg: Config, block: int, w: Widths) -> float:
@@ -222,12 +259,27 @@ def _cp_block(cfg: Config, block: int, w: Widths) -> float:
     blocks of 2·N·hkv·hd forward, cp − 1 of K/V with dK/dV backward and the dK/dV that come
     home; the ring variant only (Ulysses' all-to-alls are not counted here)."""
     p, m = cfg.parallel, cfg.model
-    if p.cp == 1 or block in (0, m.n_layers + 1) or p.cp_comm != "ring":
+    if p.cp == 1 or block in (0, m.n_layers + 1):
         return 0.0
+    again = layer_mode(cfg.recompute, block - 1) == "full"
+    ops = routing_count_ops(cfg, is_moe_layer(m, block - 1), "cp")
+    total = sum(put_in(kind, nbytes, p.cp) for kind, nbytes in ops) * (2 if again else 1)
+    if p.cp_comm != "ring":
+        return total
     x = rank_dims(cfg)
     kv = 2 * x.n * x.hkv * x.hd * w.act
-    again = layer_mode(cfg.recompute, block - 1) == "full"
-    return (p.cp - 1) * kv * (2 if again else 1) + (p.cp - 1) * 2 * kv + kv
+    return total + (p.cp - 1) * kv * (2 if again else 1) + (p.cp - 1) * 2 * kv + kv
+
+
+def routing_count_ops(cfg: Config, moe: bool, axis: str) -> list[Op]:
+    """A MoE layer's forward sum, over `axis`, of its routed-row counts per sequence and expert
+    ((b, E) float64: models/moe.py, for capacity and the aux loss's share), where that axis
+    holds parts of the same sequences (tp under SP, cp); none elsewhere."""
+    p = cfg.parallel
+    parts = {"tp": p.tp > 1 and p.sequence_parallel, "cp": p.cp > 1}[axis]
+    if not (moe and parts):
+        return []
+    return [("all_reduce", cfg.derived.micro_batch_size * cfg.model.n_experts * 8)]
 
 
 def _ep_block(cfg: Config, block: int, w: Widths) -> float:

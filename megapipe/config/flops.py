@@ -252,18 +252,32 @@ def _attention_hardware_flops(cfg: Config) -> float:
 
 
 def _replicated_extra(cfg: Config, index: int) -> int:
-    """Matmuls layer `index` runs whole on each tp rank's tokens: latent attention's down
-    projections, and a MoE layer's router and routed experts (models/moe.py: experts whole in
-    every tp rank, on the tokens it holds). Without sequence parallelism each tp rank holds all
-    T, so the tp group runs them tp times (summed over its ranks)."""
+    """Matmul parameters layer `index` runs beyond its own, summed over the tp group: kv heads
+    copied over tp ranks (_kv_copies), and what runs whole on each tp rank's tokens: latent
+    attention's down projections, and a MoE layer's router and routed experts (models/moe.py:
+    experts whole in every tp rank, on the tokens it holds). Without sequence parallelism
+    each tp rank holds all T, so the tp group runs those tp times."""
     p, m = cfg.parallel, cfg.model
-    if p.tp == 1 or p.sequence_parallel:
+    if p.tp == 1:
         return 0
+    extra = _kv_copies(cfg)
+    if p.sequence_parallel:
+        return extra
     whole = down_projection_params(m)
     if is_moe_layer(m, index):
         per_ffn = m.d_model * (3 if gated(m.arch) else 2)
         whole += m.d_model * m.n_experts + m.top_k * per_ffn * expert_ffn(m, cfg.derived.d_ff)
-    return (p.tp - 1) * whole
+    return extra + (p.tp - 1) * whole
+
+
+def _kv_copies(cfg: Config) -> int:
+    """The K and V projection parameters the tp group runs beyond the model's where it has
+    fewer kv heads than tp ranks: each rank holds one kv head, shared by tp / n_kv ranks
+    (models/attention.py), so tp heads' projections run in place of n_kv."""
+    m, d, tp = cfg.model, cfg.derived, cfg.parallel.tp
+    if m.arch == "deepseek_v3" or d.n_kv_heads >= tp:
+        return 0
+    return (tp - d.n_kv_heads) * 2 * m.d_model * d.head_dim
 
 
 def _mtp_hardware_flops(cfg: Config, again: float) -> float:

@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 
 from megapipe.config import Config
-from megapipe.config.comm_bytes import tp_layer_ops
+from megapipe.config.comm_bytes import attention_column_widths, routing_count_ops, tp_layer_ops
 from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
 from megapipe.config.memory_terms import (
     attention_path,
@@ -164,7 +164,9 @@ class CostModel(MoECosts):
         experts has attention's alone (its routed experts are whole on every tp rank)."""
         p, d = self.cfg.parallel, self.cfg.model.d_model
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
-        return tp_layer_ops(p.sequence_parallel, x.n * d * self.c, x.n * d * self.r, mlp)
+        inputs = tuple(x.n * width * self.c for width in attention_column_widths(self.cfg.model))
+        f, b = tp_layer_ops(p.sequence_parallel, x.n * d * self.c, x.n * d * self.r, mlp, inputs)
+        return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
 
     def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
         """The F and B seconds of a layer's tp collectives (_tp_ops), not overlapped."""

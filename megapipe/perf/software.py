@@ -172,11 +172,11 @@ MEGAPIPE = Runtime(
     name="megapipe",
     attention="auto",
     attention_kernel="auto",  # models/attention.py's rule for the profile's GPU (resolved_for)
-    residual_bytes=4,
+    residual_bytes=4,  # float32 weights' residual stream (resolved(): the weights' dtype)
     fused_elementwise=False,
     weight_cast_bytes=6.0,
     grad_accum_bytes=18.0,
-    p2p_bytes=4,
+    p2p_bytes=4,  # likewise
     p2p_scatter_gather=False,
     p2p_blocking=False,
     grad_bytes=GRAD_BYTES,
@@ -447,4 +447,8 @@ def resolved(
         compiled_layers=compiled,
         optimizer_bytes=optimizer,
         param_bytes=PARAM_BYTES[params_dtype],
+        # the residual stream, summed over tp and sent between stages, in the weights' dtype
+        # (config/comm_bytes.residual_width)
+        residual_bytes=PARAM_BYTES[params_dtype],
+        p2p_bytes=PARAM_BYTES[params_dtype],
     )

@@ -49,7 +49,7 @@ from megapipe.train.checkpoint_plan import save_plan, tiling_problems
 from megapipe.train.dry_run import as_json
 from megapipe.train.fake_values import Values, tensors_in
 from megapipe.train.hooks import TrainHooks
-from megapipe.train.meta_memory import chunk_params
+from megapipe.train.meta_memory import chunk_params, tp_synced_params
 from megapipe.train.parallelize import parallelize
 from megapipe.train.step import StepResult
 
@@ -190,14 +190,16 @@ def _grads_of(p: torch.nn.Parameter) -> list[torch.Tensor]:
 
 
 def _axes(mesh: ParallelMesh) -> dict:
-    """Each megapipe group by the axis its traffic is priced on (dp × cp sums: dp)."""
+    """Each megapipe group by the axis its traffic is priced on (dp × cp sums: dp; where dp is
+    1 the replica group is cp's and its traffic cp's, as comm_bytes.rank_comm_bytes counts)."""
     named = {mesh.norm_group: "norm", mesh.stage_group: "stage"}
     named[mesh.dp_cp_group] = "dp"
     named.update({g: a for a, g in mesh.groups.items()})
     if mesh.ep_group is not None:
         named.update({mesh.ep_group: "ep", mesh.expert_replica_group: "dp"})
     hsdp = (mesh.shard_group, mesh.expert_shard_group, mesh.replicate_group)
-    named.update({g: "dp" for g in hsdp if g is not None})  # parallel.dp_shard's groups
+    for g in (g for g in hsdp if g is not None):  # parallel.dp_shard's groups
+        named.setdefault(g, "dp")
     return named
 
 
@@ -267,7 +269,8 @@ def plan_comm_bytes(cfg: Config, c: dict) -> dict[str, int]:
     """The bytes per axis the performance model prices for the rank at coordinates `c`
     (config/comm_bytes.rank_comm_bytes, parameters counted on meta-device chunks)."""
     chunks = functools.partial(chunk_params, cfg)
-    planned = rank_comm_bytes(cfg, c["pp"], c["tp"], chunks)
+    synced = functools.partial(tp_synced_params, cfg)
+    planned = rank_comm_bytes(cfg, c["pp"], c["tp"], chunks, synced_params=synced)
     return {axis: round(n) for axis, n in planned.items()}
 
 

@@ -17,6 +17,7 @@ from megapipe.config.pipeline_split import rank_blocks
 from megapipe.distributed.devices import memory as device_memory
 from megapipe.models.gpt import GPT
 from megapipe.parallel.expert.sharding import EPInfo
+from megapipe.parallel.tensor.grad_sync import synced_elements
 from megapipe.parallel.tensor.sharding import TPInfo
 from megapipe.train.muon import muon_groups
 
@@ -53,6 +54,13 @@ def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
     """Parameters of the chunk holding `blocks` on `tp_rank` (a tied table's copy included)."""
     return count_params([chunk(cfg, blocks, tp_rank)])
+
+
+def tp_synced_params(cfg: Config, blocks: range, tp_rank: int) -> int:
+    """Elements of the chunk holding `blocks` on `tp_rank` whose grads tp sums once a step
+    (parallel/tensor/grad_sync.synced_elements): under SP the parameters whole on every tp
+    rank, and replicated kv heads."""
+    return synced_elements(chunk(cfg, blocks, tp_rank))
 
 
 def muon_matrices(cfg: Config, blocks: range, tp_rank: int) -> list[MuonMatrix]:

@@ -34,6 +34,22 @@ def _kv_buffers(param, spec, tp) -> list[tuple]:
     return out
 
 
+def synced_elements(model: torch.nn.Module) -> int:
+    """Elements sync_tp_partial_grads all-reduces for `model` once its grads exist: each
+    parameter it sums whole, and each replicated kv segment's logical size (its buffer); the
+    same selection, counted from the parameters' shapes (meta-device models too)."""
+    total = 0
+    for _, param, _, spec, module_tp in sharded_params(model):
+        if module_tp.size == 1:
+            continue
+        if spec.dim is None and module_tp.sp:
+            total += param.numel()
+        elif spec.replicated_units(module_tp.size):
+            rest = param.numel() // param.shape[spec.dim]
+            total += sum(seg * rest for seg in spec.segments if seg // spec.unit < module_tp.size)
+    return total
+
+
 def sync_tp_partial_grads(model: torch.nn.Module) -> int:
     """All-reduce over tp (one flat buffer) the partial grads; returns the elements reduced."""
     whole, kv = [], []

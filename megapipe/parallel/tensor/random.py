@@ -70,7 +70,10 @@ def replayable(fn, tp):
     """
     if tp.size == 1 or tp.rng is None:
         return fn
-    tracker, at_forward, calls = tp.rng, tp.rng.state.clone(), [0]
+    # the state as the forward found it: generator states are new tensors, never changed in
+    # place (fork() and run() rebind them), so no copy is needed; a tensor op here would make
+    # a fake tensor under --fake-ranks, which set_rng_state cannot take
+    tracker, at_forward, calls = tp.rng, tp.rng.state, [0]
 
     def run(*args):
         calls[0] += 1
