@@ -61,7 +61,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
     ],
     4: [
         ("dp2-ep2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MOE, "parallel.ep=2"]),
-        ("dp2-tp2-sp-zero3-rowwise", 2, 2, [*fp8("rowwise"), *SP, *MB2, "parallel.zero=3"]),
+        ("dp2-tp2-sp-zero3-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MB2, "parallel.zero=3"]),
     ],
 }
 
