@@ -88,7 +88,10 @@ def test_max_load_of_a_table_and_of_no_rows():
         (["model.n_group=3", "model.topk_group=1", "model.top_k=3"], "model.top_k=3 exceeds"),
         (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim=5 must be even"),
         (["model.arch=llama"], "model.moe_bias_update_rate > 0 needs model.arch=deepseek_v3"),
-        (["parallel.post_validation=true", "parallel.pp=2"], "post_validation"),
+        (
+            ["parallel.schedule=pipedream_async", "parallel.pp=2", "model.tie_embeddings=false"],
+            "needs a flushing schedule: pipedream_async",
+        ),
         (["parallel.cp=2", "model.v_head_dim=20"], "model.v_head_dim=20 > qk_nope_head_dim"),
         (["model.mtp_layers=1", "model.tie_embeddings=true"], "model.tie_embeddings=false"),
     ],
