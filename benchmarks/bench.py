@@ -7,11 +7,12 @@ python -m benchmarks.bench zero [--layers 4 --d-model 256 --seq-len 128 --steps 
 python -m benchmarks.bench grad_reduce [--dp 2 --microbatches 4 --steps 20]
 python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
+python -m benchmarks.bench moe_balance [--steps 300 --seeds 1234,1235 --rate 0.001 --plot F.png]
 python -m benchmarks.bench fake_startup [--worlds 64,1024,16384 --json F]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
-Eight living benchmarks, and the CPU profile's calibration with its local truth. The others
+Nine living benchmarks, and the CPU profile's calibration with its local truth. The others
 (matmuls, kernels, tp, tp_overlap, cp, data_index, precision, checkpoint, moe, grouped, progress)
 were retired in issue 46: the dated files under docs/benchmarks/ record what each answered and
 the command it ran. The published runs the performance model is checked on are
@@ -46,6 +47,10 @@ SUBCOMMANDS = {
     "cp_balance": (
         "bench_cp_balance",
         "attention work per cp rank on packed documents: zigzag vs document-balanced split",
+    ),
+    "moe_balance": (
+        "bench_moe_balance",
+        "aux-loss-free balancing vs the aux loss on Shakespeare: max/mean expert load, val loss",
     ),
     "fake_startup": (
         "bench_fake_startup",

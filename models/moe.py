@@ -200,6 +200,13 @@ class MoE(nn.Module):
         self.stats = StatsSink(cfg.n_experts)
         self._eager = None
 
+    def drop_counts(self) -> None:
+        """Forget this step's statistics and load so far: post-validation's redo
+        (train/post_validation.py) runs the step's forwards and backwards again and counts
+        them afresh."""
+        self.stats.take()
+        self.routing.drop_load()
+
     def keep_eager(self) -> None:
         """Run outside compiled graphs (dispatch's sizes are data-dependent)."""
         self._eager = torch.compiler.disable(self._math)

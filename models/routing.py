@@ -32,6 +32,9 @@ class SoftmaxTopK(nn.Module):
     def count(self, routed: torch.Tensor) -> None:
         """The load is not kept (no bias to balance)."""
 
+    def drop_load(self) -> None:
+        """Nothing kept to drop."""
+
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(probabilities (N, E) for the balance loss, chosen experts (N, k), gates (N, k))."""
         probs = logits.softmax(-1)
@@ -70,6 +73,10 @@ class SigmoidGroupTopK(nn.Module):
         """Add a microbatch's rows per expert (E,) to this step's load (models/moe.py)."""
         routed = routed.detach().to(torch.float64)
         self.load = routed if self.load is None else self.load + routed
+
+    def drop_load(self) -> None:
+        """Forget this step's load so far (post-validation's redo counts it again)."""
+        self.load = None
 
     def take_load(self) -> torch.Tensor:
         """This step's load on this rank (zeros when no backward ran), and start the next."""

@@ -77,6 +77,9 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
     weights = {}
     for chunk in job.engine.chunks:
         weights.update(gather_logical(chunk))
+        for name, buf in chunk.named_buffers():  # deepseek_v3's selection biases
+            if name.endswith("routing.bias"):
+                weights[name] = buf.clone()
     pipe = job.engine.inner if job.post_validated else job.engine  # the Pipeline it wraps
     validator = job.engine.validator if job.post_validated else None
     return {
@@ -86,13 +89,14 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
         "weights": weights,
         "redone": [e.redone for e in validator.evidence] if validator else [],
         "all_reduce_calls": len(calls),
-        "events": [str(e.action) for e in job.engine.events],
-        "actions": [str(a) for a in pipe.actions],
+        "events": [str(e.action) for e in getattr(job.engine, "events", [])],
+        "actions": [str(a) for a in getattr(pipe, "actions", [])],  # none on one process
     }
 
 
 def _poison(job, mesh, what):
-    if what is None or mesh.coord("pp") != what[0]:
+    """`what` (pp rank, value); one process (mesh None) holds every stage's weights."""
+    if what is None or (mesh is not None and mesh.coord("pp") != what[0]):
         return None
     param = next(job.engine.chunks[0].parameters())
     value = what[1]
@@ -197,6 +201,38 @@ def test_with_expert_parallel_shards(gloo_pool):
     assert any(".experts." in name for r in post for name in r["weights"])
     assert_same_training(sync, post)
     assert all(r["redone"] == [True] * STEPS for r in post)
+
+
+# DeepSeek-V3's aux-loss-free bias (train/moe_balance.py) on both stages' MoE layers
+DSV3 = ["model.arch=deepseek_v3", "model.n_experts=6", "model.n_group=3", "model.topk_group=2",
+        "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4",
+        "model.v_head_dim=8", "model.tie_embeddings=false", "model.moe_aux_coef=0",
+        "model.moe_bias_update_rate=0.01"]  # fmt: skip
+
+
+def test_aux_loss_free_bias_is_rolled_back_with_the_weights_as_one_process(gloo_pool):
+    """pp2 post-validated against one process: clipping every step (the first stage's step is
+    redone: its bias restored and stepped again) and an inf on the last stage at step 1 (the
+    first stage's optimistic bias step undone, as one process skips the step): the same losses,
+    weights and selection biases (the load counts are integers: the bias steps exactly)."""
+    overrides = [*_pp("1f1b", 2), *DSV3, "train.grad_clip=0.01"]
+    post = gloo_pool(2).run(pv_case, [*overrides, PV], {1: (1, math.inf)})
+    one = pv_case([x for x in overrides if not x.startswith("parallel.pp")], {1: (0, math.inf)})
+    assert one["skipped"] == [False, True, False, False, False]
+    assert all(r["redone"] == [True] * STEPS for r in post)
+    got = {k: v for r in post for k, v in r["weights"].items()}
+    biases = sorted(k for k in one["weights"] if k.endswith("routing.bias"))
+    assert biases == ["layers.0.mlp.routing.bias", "layers.1.mlp.routing.bias"]
+    assert any(one["weights"][name].abs().sum() > 0 for name in biases)  # it moved (± rate)
+    for name in biases:  # exactly as one process moved it
+        assert torch.equal(got[name], one["weights"][name]), name
+    for r in post:
+        assert r["skipped"] == one["skipped"]
+        fin = [i for i, s in enumerate(one["skipped"]) if not s]
+        for key in ("losses", "norms"):
+            a, b = (torch.tensor([x[key][i] for i in fin]) for x in (r, one))
+            assert_rel_close(a, b, name=key)
+    assert_state_close(got, one["weights"], reach=3e-3 * STEPS)
 
 
 def test_rollback_restores_weights_moments_and_step_counts_bitwise():

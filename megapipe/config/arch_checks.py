@@ -32,7 +32,8 @@ def check_arch(cfg: Config) -> None:
 
 
 def _check_bias_update(cfg: Config) -> None:
-    """Aux-loss-free balancing (train/moe_balance.py) updates once per flushed step."""
+    """Aux-loss-free balancing (train/moe_balance.py) updates once per flushed step (under
+    post-validation with the weights' accept or rollback)."""
     m, p = cfg.model, cfg.parallel
     if m.moe_bias_update_rate == 0:
         return
@@ -42,9 +43,10 @@ def _check_bias_update(cfg: Config) -> None:
         "(the bias is its routing's); set it 0",
     )
     _require(
-        p.schedule != "pipedream_async" and not p.post_validation,
-        "model.moe_bias_update_rate > 0 is not built with pipedream_async or "
-        "parallel.post_validation (one bias step per flushed step); set it 0",
+        p.schedule != "pipedream_async",
+        "model.moe_bias_update_rate > 0 needs a flushing schedule: pipedream_async updates each "
+        "stage per microbatch on stashed weights, with no whole-batch load to step the bias by; "
+        "set parallel.schedule=1f1b or the rate 0",
     )
 
 

@@ -195,7 +195,8 @@ class _Loop:
             ends = d == self.last or (d == done and stopping)
             if d % self.cfg.log.interval == 0 or ends or "val_loss" in record:
                 self.log.log(record)
-            self.log.progress(d, final.loss, record["tokens_per_s"], self.skips.total)
+            tokens_per_s, max_load = record["tokens_per_s"], record.get("moe_max_load")
+            self.log.progress(d, final.loss, tokens_per_s, self.skips.total, max_load)
             self.records.append(record)
             self.skips.count(d, final.skipped, spiked, rolling_back=self.spikes.due)
 

@@ -86,10 +86,15 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(record)
 
-    def progress(self, step: int, loss: float, tokens_per_s: float, skipped: int = 0) -> None:
+    def progress(
+        self, step: int, loss: float, tokens_per_s: float, skipped: int = 0, max_load=None
+    ) -> None:
+        """The console line; `max_load`: the step's moe_max_load (train/moe_metrics.py)."""
         if self.bar is not None:
             self.bar.n = step
             extra = {"skipped": skipped} if skipped else {}
+            if max_load is not None:
+                extra["max_load"] = f"{max_load:.2f}"
             self.bar.set_postfix(
                 loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", **extra, refresh=True
             )

@@ -8,6 +8,10 @@ the replica group (dp × cp: other sequences, and other parts of them; ep ranks 
 and over tp under sequence parallelism (other chunks of the same tokens; without it the tp
 ranks route the same tokens). pp ranks hold other layers. So every rank of every mesh, and one
 process, takes the same step. A skipped step (non-finite, a spike) leaves the bias.
+
+Under parallel.post_validation (Zero Bubble §4, train/post_validation.py) the step is the
+stage's optimistic one; when the global check rolls the weights back, `roll_back` takes the
+bias back too and steps it by the global decision, so it matches one process exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megapipe.models.routing import SigmoidGroupTopK
 class BiasBalancing:
     def __init__(self, routings: list[SigmoidGroupTopK], groups: list) -> None:
         self.routings, self.groups = routings, groups
+        self.last: tuple | None = None  # the last step's (load table, biases before it)
 
     @classmethod
     def of(cls, cfg: Config, model: nn.Module, mesh) -> BiasBalancing | None:
@@ -44,7 +49,23 @@ class BiasBalancing:
         table = torch.stack([r.take_load() for r in self.routings])  # (layers, E) float64
         for group in self.groups:
             table = C.all_reduce(table, group)
-        if skipped:
+        self.last = (table, [r.bias.clone() for r in self.routings])
+        if not skipped:
+            self._update(table)
+
+    @torch.no_grad()
+    def roll_back(self, skipped: bool) -> None:
+        """Post-validation's redo of the last step: the bias back to before it and stepped by
+        the global decision `skipped` (the loads counted since go with the redo,
+        PostValidatedEngine.redo)."""
+        if self.last is None:
             return
+        table, before = self.last
+        for routing, bias in zip(self.routings, before, strict=True):
+            routing.bias.copy_(bias)
+        if not skipped:
+            self._update(table)
+
+    def _update(self, table: torch.Tensor) -> None:
         for routing, load in zip(self.routings, table, strict=True):
             routing.update_bias(load)

@@ -1,7 +1,8 @@
 """The mixture-of-experts figures of a step's metrics.jsonl record (docs/moe.md): `moe_load`
 (rows routed to each expert, per MoE layer, before capacity drops), `moe_dropped` (rows over
 capacity, all layers), `moe_aux` and `moe_z` (the balance and z losses before their coefs,
-averaged over the global batch as the LM loss is, and over the MoE layers).
+averaged over the global batch as the LM loss is, and over the MoE layers), and `moe_max_load`
+(the load imbalance, `max_load`).
 
 Each MoE layer sums its figures over the step's microbatches (models/moe.StatsSink, filled in
 backward, once per microbatch even under recompute); here they are summed over the mesh: dp
@@ -54,4 +55,13 @@ def moe_record(cfg: Config, model: torch.nn.Module, mesh=None) -> dict:
         "moe_dropped": int(table[:, e].sum().round()),
         "moe_aux": float(table[:, e + 1].sum() / tokens / len(indices)),
         "moe_z": float(table[:, e + 2].sum() / tokens / len(indices)),
+        "moe_max_load": max_load(table[:, :e]),
     }
+
+
+def max_load(load: torch.Tensor) -> float:
+    """max over layers and experts of load / the layer's mean load, from `load` (layers, E):
+    each expert's rows of the global batch. 1 is perfect balance; Wang et al. 2024
+    ("Auxiliary-Loss-Free Load Balancing", arXiv 2408.15664 §4.1) log MaxVio = this − 1."""
+    mean = load.mean(-1, keepdim=True).clamp_min(1e-30)  # no rows (no backward ran): 0
+    return float((load / mean).max())

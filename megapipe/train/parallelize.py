@@ -126,9 +126,9 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
         balance = BiasBalancing.of(cfg, chunks[0], mesh)
         return Job(cfg, chunks[0], engine, _slice(cfg, mesh), mesh, balance)
     reducers = chunk_reducers(cfg, mesh, chunks, bucket_mb, sharding)  # dp × cp, per chunk
-    engine = _pipeline(cfg, mesh, chunks, reducers, parts, sharding)  # the pipeline stages
     model = nn.ModuleList(chunks)
-    balance = BiasBalancing.of(cfg, model, mesh)
+    balance = BiasBalancing.of(cfg, model, mesh)  # aux-loss-free bias of this stage's layers
+    engine = _pipeline(cfg, mesh, chunks, reducers, parts, sharding, balance)  # the stages
     return Job(cfg, model, engine, _slice(cfg, mesh), mesh, balance)  # + optimizer()
 
 
@@ -142,13 +142,16 @@ def _sharding(cfg: Config, mesh) -> Sharding:
     return sharding_of(p.zero, replicas, per_microbatch, dtype)
 
 
-def _pipeline(cfg: Config, mesh, chunks, reducers: list, parts: Components, sharding) -> Engine:
+def _pipeline(
+    cfg: Config, mesh, chunks, reducers: list, parts: Components, sharding, balance=None
+) -> Engine:
     """The pipeline engine of cfg's schedule: PipeDream's, else the flushing one, post-validated
-    under parallel.post_validation (Zero Bubble §4: no global reduction before the optimizer)."""
+    under parallel.post_validation (Zero Bubble §4: no global reduction before the optimizer;
+    `balance`, the aux-loss-free bias, rolled back with the weights)."""
     if cfg.parallel.schedule == "pipedream_async":
         return pipeline_of(cfg, mesh, chunks, reducers, parts, sharding, PipeDreamPipeline)
     pipe = pipeline_of(cfg, mesh, chunks, reducers, parts, sharding, Pipeline)
-    return PostValidatedEngine.of(pipe) if cfg.parallel.post_validation else pipe
+    return PostValidatedEngine.of(pipe, balance) if cfg.parallel.post_validation else pipe
 
 
 def _slice(cfg: Config, mesh) -> BatchSlice:

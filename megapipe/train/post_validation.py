@@ -22,6 +22,11 @@ ends its cool-down. Here, instead:
    synchronous path skips a non-finite step), and every stage runs the next iteration's
    forwards and backwards again on the corrected weights.
 
+Aux-loss-free balancing's bias (train/moe_balance.py) steps with the weights: optimistically by
+the stage's own decision, and on a redo back to where it was and again by the global one, its
+loads counted by the redone forwards and backwards afresh; so it follows the same accept or
+rollback as the weights, on every rank alike.
+
 A redo costs one more forward/backward; the paper's argument is that clipping and NaNs are
 rare once training settles. The copies cost weights + AdamW state + grads of the stage, kept
 from one step to the next (the last stage keeps none: its step is always exact).
@@ -40,11 +45,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed.mesh import rank_at
+from megapipe.models.moe import MoE
 from megapipe.pipeline.engine import Pipeline
 from megapipe.pipeline.protocol import StepCore, StepResult
 from megapipe.pipeline.runtime import NO_HOOKS, Hooks
 from megapipe.train.hooks import NO_HOOKS as NO_TRAIN_HOOKS
 from megapipe.train.hooks import TrainHooks
+from megapipe.train.moe_balance import BiasBalancing
 from megapipe.train.optim import lr_at, sum_of_squares
 from megapipe.train.rng import rng_states, set_rng_states
 from megapipe.train.step import clip_and_step, finish_grads
@@ -84,8 +91,8 @@ class Evidence:
 class PostValidator:
     """Post-validation state of one pipeline rank."""
 
-    def __init__(self, mesh, stage_group) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh, stage_group, balance: BiasBalancing | None = None) -> None:
+        self.mesh, self.balance = mesh, balance
         self.pp_rank, self.pp = mesh.coord("pp"), mesh.size("pp")
         self.last = self.pp - 1
         # the ranks holding this stage's grads once (the sharding's norm rule for one stage)
@@ -101,8 +108,9 @@ class PostValidator:
 
     def step(
         self, engine: Pipeline, optimizer, loss: torch.Tensor, step: int, cfg, hooks: TrainHooks
-    ) -> None:
-        """Finish this stage's grads, chain the partial state on, step optimistically."""
+    ) -> bool:
+        """Finish this stage's grads, chain the partial state on, step optimistically. Returns
+        whether this stage skipped (its partial state non-finite): the optimistic decision."""
         # the update's first half (train/step.finish_grads); the tied table's copies summed
         # by a p2p exchange between the first and last stage
         counted, _ = finish_grads(engine)
@@ -126,6 +134,7 @@ class PostValidator:
             pending.sends += [self._send(partial, r) for r in range(self.last)]
         _apply(engine.params(), optimizer, partial, pending.lr, cfg.train.grad_clip, hooks)
         self.pending = pending
+        return not _finite(partial)
 
     def _receive_partial(self) -> torch.Tensor:
         state = torch.empty(STATE, dtype=torch.float64, device=self.device)
@@ -156,6 +165,8 @@ class PostValidator:
         if redo and p.saved is not None:  # the last stage's own step was already exact
             _restore(engine.params(), optimizer, p.saved)
             _apply(engine.params(), optimizer, state, p.lr, clip, hooks)
+        if redo and self.balance is not None:  # the bias as the weights: the global decision
+            self.balance.roll_back(skipped)
         self.evidence.append(
             Evidence(p.step, state[3].item(), seen, first_start, self._seen_after, redo)
         )
@@ -204,10 +215,12 @@ class PostValidatedEngine:
         self._rng: dict | None = None
 
     @classmethod
-    def of(cls, pipe: Pipeline) -> PostValidatedEngine:
+    def of(cls, pipe: Pipeline, balance: BiasBalancing | None = None) -> PostValidatedEngine:
         """`pipe` post-validated (parallel.post_validation under pp > 1): the stage's partial
-        state summed over the group the sharding's norm rule gives one stage."""
-        return cls(pipe, PostValidator(pipe.mesh, pipe.sharding.stage_norm_group(pipe.mesh)))
+        state summed over the group the sharding's norm rule gives one stage; `balance`, the
+        stage's aux-loss-free bias, rolled back with the weights."""
+        group = pipe.sharding.stage_norm_group(pipe.mesh)
+        return cls(pipe, PostValidator(pipe.mesh, group, balance))
 
     # ---- the protocol, as the pipeline's ----------------------------------------------------
 
@@ -290,9 +303,11 @@ class PostValidatedEngine:
             if redo:
                 loss_sum = self.redo(micro, core.tokens)
         loss = core.global_loss(loss_sum)  # this stage's: the chain sums the stages
-        self.validator.step(self.inner, core.optimizer, loss, core.step, core.cfg, core.hooks)
-        nan = float("nan")
-        return StepResult(nan, nan, core.lr, final=False, previous=previous)
+        skipped = self.validator.step(
+            self.inner, core.optimizer, loss, core.step, core.cfg, core.hooks
+        )
+        nan = float("nan")  # `skipped`: the optimistic decision, which the bias steps by
+        return StepResult(nan, nan, core.lr, skipped, final=False, previous=previous)
 
     def settle(self, optimizer, cfg, hooks=NO_TRAIN_HOOKS) -> StepResult | None:
         """Validate the pending step now (rolled back and redone if it must be): its final
@@ -311,6 +326,9 @@ class PostValidatedEngine:
                 reducer.finish()
         for p in self.params():
             p.grad = None
+        for module in self._model.modules():  # MoE figures and loads are counted again
+            if isinstance(module, MoE):
+                module.drop_counts()
         set_rng_states(self._rng, self._model)
         return self._run(micro, loss_scale)
 
