@@ -20,7 +20,7 @@ import transformers
 from megapipe.config import ConfigError
 from megapipe.train.hf_init import INDEX
 from tests.parity import build_mesh
-from tests.util import rel_error
+from tests.util import assert_state_close, rel_error
 
 REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
 # configs/tiny.yaml's shape (d_model 32, 4 heads, 2 layers, vocab 96), head_dim 12 != 32/4
@@ -110,6 +110,58 @@ def test_meshes_read_their_shards_and_start_at_transformers_loss(gloo_pool, dirs
     want = hf_loss(src)
     for rank, got in enumerate(gloo_pool(4).run(first_loss, [f"train.init_from_hf={src}", *mesh])):
         assert abs(got - want) <= REL * want, f"rank {rank}: {got} != {want}"
+
+
+def hf_run(overrides: list[str], steps: int = 3) -> dict:
+    """`steps` steps of the tiny config started from train.init_from_hf under its mesh: the
+    losses and the final weights (whole over tp, the selection biases too) by logical name."""
+    from megapipe.data.loader import build_data
+    from megapipe.parallel.tensor.gather import gather_logical
+    from megapipe.train.parallelize import parallelize
+
+    cfg = tiny(overrides)
+    job = parallelize(cfg, build_mesh(cfg), "cpu")
+    optimizer, data = job.optimizer(), build_data(cfg.data, cfg.model, cfg.train.seed)
+    losses = [
+        job.train_step(optimizer, data.batch(step, cfg.train.global_batch), step).loss
+        for step in range(steps)
+    ]
+    weights = {}
+    with job.full_weights():
+        for chunk in job.engine.chunks:
+            weights.update(gather_logical(chunk))
+            weights.update({n: b.clone() for n, b in chunk.named_buffers() if "routing" in n})
+    return {"losses": losses, "weights": weights}
+
+
+# DeepSeek-V3 from its HF directory with megapipe's own training keys on: two MTP depths (their
+# modules are not in transformers' class: initialized as the run's own) and aux-loss-free
+# balancing, whose bias starts from the directory's e_score_correction_bias
+HF_TRAINING = ["model.mtp_layers=2", "model.mtp_loss_coef=0.5", "model.moe_bias_update_rate=0.01"]
+HF_MESHES = {
+    "tp2-sp-pp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"],
+    "dp2-cp2-ep2": ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2"],
+}
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("mesh", sorted(HF_MESHES))
+def test_a_run_from_hf_trains_like_one_process(gloo_pool, dirs, mesh):
+    """Issue 50's target: started from a DeepSeek-V3 directory with MTP and aux-loss-free
+    balancing on, tp, pp, cp and ep train like one process (losses at rel 1e-5, weights and
+    biases within the parity bound); the bias moved from where the directory put it."""
+    start = [f"train.init_from_hf={dirs['deepseek_v3']}", *HF_TRAINING, "parallel.microbatches=2"]
+    ref = hf_run(start)
+    weights = {}
+    for rank, got in enumerate(gloo_pool(4).run(hf_run, [*start, *HF_MESHES[mesh]])):
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} != {b}"
+        weights.update(got["weights"])
+    assert set(weights) == set(ref["weights"])
+    assert_state_close(weights, ref["weights"])
+    first = hf_run(start, steps=0)["weights"]
+    bias = "layers.1.mlp.routing.bias"
+    assert not torch.equal(ref["weights"][bias], first[bias]) and first[bias].abs().sum() > 0
 
 
 def test_a_conflicting_model_key_is_one_line(dirs):

@@ -4,7 +4,8 @@ Two steps, each done once:
 - `with_hf_model(cfg)`: DIR/config.json (read by transformers' AutoConfig, local files only,
   never `trust_remote_code`) sets the model's architecture keys through models/hf.py's
   config_from_hf. The run's own keys (RUN_KEYS: the training context, dropout, the MoE loss
-  weights and capacity) stay as configured; any other model key that the config sets to a
+  weights and capacity, aux-loss-free balancing's rate, multi-token prediction's depths and
+  weight) stay as configured; any other model key that the config sets to a
   value other than its default and other than config.json's is a one-line ConfigError, so a
   run never silently trains another shape than the one it names.
 - `load_hf_weights(chunks, DIR, model)`: every parameter of this rank's chunks is read from
@@ -35,7 +36,16 @@ from megapipe.models.moe import routing_biases
 from megapipe.parallel.expert.sharding import expert_offset, is_expert
 from megapipe.parallel.tensor.layers import sharded_params
 
-RUN_KEYS = ("seq_len", "dropout", "moe_aux_coef", "moe_z_coef", "moe_capacity_factor")
+RUN_KEYS = (
+    "seq_len",
+    "dropout",
+    "moe_aux_coef",
+    "moe_z_coef",
+    "moe_capacity_factor",
+    "moe_bias_update_rate",
+    "mtp_layers",
+    "mtp_loss_coef",
+)
 # transformers keeps a MoE layer's experts stacked in memory but saves (and the released
 # checkpoints hold) one tensor per expert: stacked name -> the names of expert {j}'s rows,
 # Qwen3-MoE's, then Mixtral's (its conversion_mapping.py); gate_up is [gate | up].
@@ -131,16 +141,26 @@ class HFFiles(contextlib.ExitStack):
         return self.opened[file].get_slice(name)
 
 
+# megapipe's modules that transformers' classes do not hold: multi-token prediction
+# (model.mtp_layers, models/mtp.py) keeps the run's own seeded initialization
+NOT_IN_HF = ("mtp.",)
+
+
 @torch.no_grad()
 def load_hf_weights(chunks, src: str, model: ModelConfig) -> None:
-    """Copy into this rank's chunks their shards of the weights in `src` (module docstring)."""
+    """Copy into this rank's chunks their shards of the weights in `src` (module docstring);
+    NOT_IN_HF's modules keep their initialization."""
     with HFFiles(src) as files:
         for chunk in chunks:
             for name, param, shape, spec, tp in sharded_params(chunk):
+                if name.startswith(NOT_IN_HF):
+                    continue
                 parts = _parts(files, model, name)
                 _check_shapes(src, name, parts, shape)
                 param.copy_(_local(parts, param, shape, spec, tp))
             for name, buf, _ in routing_biases(chunk):  # DeepSeek-V3's selection bias, whole
+                if name.startswith(NOT_IN_HF):
+                    continue
                 (part,) = _parts(files, model, name)
                 _check_shapes(src, name, [part], buf.shape)
                 buf.copy_(part.read(0, 0, buf.shape[0]))
