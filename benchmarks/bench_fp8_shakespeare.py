@@ -12,6 +12,7 @@ blockwise within 3%, no step diverging.
 
     python -m benchmarks.bench fp8_shakespeare [--steps 200 --eval-interval 25]
         [--recipes none,tensorwise,rowwise,blockwise] [--seeds 1234] [--json FILE]
+        [--dtype bfloat16|float32] [--threads 1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ CONFIG = ROOT / "configs" / "shakespeare_tiny.yaml"
 TARGETS = {"tensorwise": 0.02, "rowwise": 0.02, "blockwise": 0.03}  # issue 49's bounds
 
 
-def run_one(recipe: str, seed: int, steps: int, eval_interval: int, run_dir: str) -> dict:
+def run_one(recipe: str, seed: int, args, run_dir: str) -> dict:
     """One train.py run of the quick start under `recipe`; its curve and figures."""
+    steps, eval_interval = args.steps, args.eval_interval
     overrides = [
-        "--train.dtype=bfloat16",
+        f"--train.dtype={args.dtype}",
         f"--train.fp8={recipe}",
         f"--train.steps={steps}",
         f"--train.seed={seed}",
@@ -47,7 +49,7 @@ def run_one(recipe: str, seed: int, steps: int, eval_interval: int, run_dir: str
         f"--run.dir={run_dir}",
     ]
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    env = {**os.environ, **offline}
+    env = {**os.environ, **offline, "OMP_NUM_THREADS": str(args.threads)}
     start = time.perf_counter()
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(CONFIG), *overrides]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -60,6 +62,7 @@ def run_one(recipe: str, seed: int, steps: int, eval_interval: int, run_dir: str
     return {
         "recipe": recipe,
         "seed": seed,
+        "dtype": args.dtype,
         "val": {r["step"]: r["val_loss"] for r in records if "val_loss" in r},
         "skipped": sum(bool(r.get("skipped")) for r in records),
         "nonfinite": sum(not _finite(x) for x in losses),
@@ -110,13 +113,20 @@ def main(argv=None) -> int:
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--recipes", default="none,tensorwise,rowwise,blockwise")
     p.add_argument("--seeds", default="1234")
+    p.add_argument("--dtype", default="bfloat16", help="train.dtype of every run (the baseline's)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--out", default=None, help="keep each run's run.dir under this folder")
     p.add_argument("--json", default=None, help="write the runs here")
     args = p.parse_args(argv)
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for recipe in args.recipes.split(","):
-            with tempfile.TemporaryDirectory() as run_dir:
-                runs.append(run_one(recipe, seed, args.steps, args.eval_interval, run_dir))
+            if args.out:
+                run_dir = os.path.join(args.out, f"{recipe}-{seed}")
+                runs.append(run_one(recipe, seed, args, run_dir))
+            else:
+                with tempfile.TemporaryDirectory() as run_dir:
+                    runs.append(run_one(recipe, seed, args, run_dir))
             print(json.dumps(runs[-1]), flush=True)
     rows = gaps(runs)
     print(report(rows))
