@@ -133,22 +133,37 @@ def test_full_recompute_replays_the_dropout_stream_on_fake_tensors(tmp_path):
 
 
 MLA = ["--model.arch=deepseek_v3", "--model.q_lora_rank=16", "--model.tie_embeddings=false"]
+MOE_SHARED = ["--model.n_experts=4", "--model.top_k=2", "--model.moe_shared_experts=1"]
 
 
-def test_fp8_amax_all_reduces_are_the_plans(tmp_path):
-    """train.fp8's amax all-reduces (config/fp8_amax.py) under tp2 + SP: the tp bytes FP8
-    adds (tensorwise: the weights cast each microbatch, every operand over tp) are the plan's
-    exactly, on deepseek_v3's latent attention, whose down projections see each rank's
-    sequence chunk and share their tokens' amaxes over tp. (Without SP: test_last_stage's
-    zero3_fp8 case, tp exact.)"""
+@pytest.mark.parametrize(
+    ("extra", "axes"),
+    [
+        ([*MLA, "--train.fp8=tensorwise"], ("tp",)),
+        ([*MOE_SHARED, "--train.fp8=tensorwise", "--parallel.cp=2"], ("tp", "cp")),
+        ([*MOE_SHARED, "--train.fp8=rowwise", "--parallel.dp=2", "--parallel.ep=2"], ("tp",)),
+    ],
+    ids=["mla", "moe_cp", "moe_ep_rowwise"],
+)
+def test_fp8_amax_all_reduces_are_the_plans(tmp_path, extra, axes):
+    """train.fp8's amax all-reduces (config/fp8_amax.py) under tp2 + SP: the bytes FP8 adds
+    on each axis are the plan's exactly. deepseek_v3's latent attention (tensorwise: the
+    weights cast each microbatch, every operand over tp), whose down projections see each
+    rank's sequence chunk and share their tokens' amaxes over tp; the routed experts, whose
+    parts share x's, g's and the weight grad's amaxes over the token groups (tp under SP, cp)
+    and, rowwise, the weight grad's per-feature rows; under ep each (expert, source) part
+    casts apart. (Without SP: test_last_stage's zero3_fp8 case, tp exact.)"""
 
-    def tp_bytes(*extra):
-        over = ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA, *extra]
+    def axis_bytes(*over):
+        over = ["--parallel.tp=2", "--parallel.sequence_parallel=true", *over]
         (r,) = fake_ranks(load_config(TINY, [f"--run.dir={tmp_path}", *over]), "0")["ranks"]
-        return r["comm_bytes"]["tp"], r["plan_comm_bytes"]["tp"]
+        return {a: (r["comm_bytes"][a], r["plan_comm_bytes"][a]) for a in axes}
 
-    (fp8, fp8_plan), (none, none_plan) = tp_bytes("--train.fp8=tensorwise"), tp_bytes()
-    assert fp8 - none == fp8_plan - none_plan > 0
+    fp8 = axis_bytes(*extra)
+    none = axis_bytes(*(o for o in extra if not o.startswith("--train.fp8")))
+    for axis in axes:
+        (measured, plan), (measured_none, plan_none) = fp8[axis], none[axis]
+        assert measured - measured_none == plan - plan_none > 0, axis
 
 
 def test_zero3_rank_holds_its_shard_and_a_few_blocks_of_grads(tmp_path):

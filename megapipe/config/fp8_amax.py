@@ -13,13 +13,21 @@ row linear, and under sequence parallelism the tokens of a linear whole on every
 (latent attention's down projections, models/mla.py), which reads each rank's sequence chunk.
 Under zero=3 the weights arrive cast (parallel/data/zero3_fp8.py): W and Wᵀ cast nothing per
 microbatch, their amaxes are the once-a-step `fp8_weights.amax_entries`.
+
+The routed experts (parallel/fp8_experts.py) cast per (expert, source) part, E parts on a rank
+(E/ep experts x ep sources), and `quantize_parts` all-reduces every part's amax of one operand
+in one op per group: per stacked matmul (w_in, w_out) x and g split over the token groups (cp,
+tp under SP; tensorwise only, rowwise's per-token rows are whole), gᵀ and xᵀ over them as their
+contraction (tensorwise 4 bytes, rowwise a feature's row each, per part). Their weights are
+whole on the rank and need no op. The shared experts are dense tp linears, counted above.
 """
 
 from __future__ import annotations
 
-from megapipe.config.fp8_weights import SCALE_BYTES, Fp8Weight, layer_fp8_weights
+from megapipe.config.flops import expert_ffn
+from megapipe.config.fp8_weights import SCALE_BYTES, Fp8Weight, experts_cast, layer_fp8_weights
 from megapipe.config.memory_terms import layer_mode, rank_dims
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, gated
 
 AxisOp = tuple[str, float]  # (mesh axis, bytes) of one MAX all-reduce
 
@@ -34,10 +42,15 @@ def _operand_ops(granularity: str, rows: int, row_axes: tuple, col_axes: tuple) 
     return []
 
 
+def _granularity(cfg: Config) -> str:
+    """The scales that share an amax (tensorwise, rowwise); '' where none does."""
+    return {"tensorwise": "tensorwise", "rowwise": "rowwise"}.get(cfg.train.fp8, "")
+
+
 def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]:
     """(F, B) all-reduces of one FP8 linear over `tokens` rows (module docstring)."""
     p = cfg.parallel
-    granularity = {"tensorwise": "tensorwise", "rowwise": "rowwise"}.get(cfg.train.fp8, "")
+    granularity = _granularity(cfg)
     tp = ("tp",) if p.tp > 1 else ()
     t = ("cp",) if p.cp > 1 else ()
     t += tp if w.splits == "none" and p.sequence_parallel else ()
@@ -52,10 +65,27 @@ def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]
     return f, b
 
 
+def experts_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
+    """(F, B) all-reduces of `block`'s routed experts' FP8 matmuls in one microbatch (module
+    docstring); ([], []) where train.fp8 leaves them in high precision."""
+    if not experts_cast(cfg, block):
+        return [], []
+    m, p, granularity = cfg.model, cfg.parallel, _granularity(cfg)
+    tokens = ("cp",) * (p.cp > 1) + ("tp",) * (p.tp > 1 and p.sequence_parallel)
+    ffn = expert_ffn(m, cfg.derived.d_ff)
+    f, b = [], []
+    for out, ins in ((ffn * (2 if gated(m.arch) else 1), m.d_model), (m.d_model, ffn)):
+        f += _operand_ops(granularity, 1, tokens, ())  # x, a part's rows at a time
+        b += _operand_ops(granularity, 1, tokens, ())  # g
+        b += _operand_ops(granularity, out, (), tokens) + _operand_ops(granularity, ins, (), tokens)
+    parts = m.n_experts  # every part's amaxes in one op
+    return [(a, n * parts) for a, n in f], [(a, n * parts) for a, n in b]
+
+
 def layer_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
-    """(F, B) all-reduces of `block`'s FP8 linears in one microbatch ([], [] where it has
-    none); a full-recompute layer runs F again inside B."""
-    x, f, b = rank_dims(cfg), [], []
+    """(F, B) all-reduces of `block`'s FP8 linears and routed experts in one microbatch ([], []
+    where it has none); a full-recompute layer runs F again inside B."""
+    x, (f, b) = rank_dims(cfg), experts_amax_ops(cfg, block)
     for w in layer_fp8_weights(cfg, block):
         lf, lb = linear_amax_ops(cfg, w, x.ns if w.splits == "none" else x.n)
         f, b = f + lf, b + lb
