@@ -235,14 +235,21 @@ def test_moe_ranks_are_the_plans(tmp_path, case):
     assert (r["comm_bytes"]["ep"] > 0) == (cfg.parallel.ep > 1)
 
 
-EXACT_CASES = {
-    "tp2_sp": ["--parallel.tp=2", "--parallel.sequence_parallel=true"],
-    "tp2_sp_mla": ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA],
-    "tp2_mla_no_q_lora": ["--parallel.tp=2", *MLA, "--model.q_lora_rank=0"],
-    "tp2_sp_moe": ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE],
-    "tp4_gqa_kv2": ["--parallel.tp=4", "--model.arch=llama", "--model.n_kv_heads=2"],
-    "cp2_dp1_moe": ["--parallel.cp=2", *MOE],
-}
+MTP = ["--model.mtp_layers=1", "--model.tie_embeddings=false"]
+EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
+    "tp2_sp": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true"], True),
+    "tp2_sp_mla_mtp": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA, *MTP],
+                       False),
+    "tp2_mla_no_q_lora": ("0", ["--parallel.tp=2", *MLA, "--model.q_lora_rank=0"], False),
+    "tp2_sp_moe": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE], True),
+    "tp4_gqa_kv2": ("0", ["--parallel.tp=4", "--model.arch=llama", "--model.n_kv_heads=2"], True),
+    "cp2_dp1_moe": ("0", ["--parallel.cp=2", *MOE], True),
+    "cp2_dp2_mla": ("1", ["--parallel.cp=2", "--parallel.dp=2", *MLA], False),
+    "cp2_dp2_mtp": ("1", ["--parallel.cp=2", "--parallel.dp=2", "--model.arch=llama", *MTP],
+                    False),
+    "pp2_mtp_last": ("1", ["--parallel.pp=2", "--parallel.microbatches=2", "--model.arch=llama",
+                           *MTP], True),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(EXACT_CASES))
@@ -253,14 +260,19 @@ def test_bytes_per_axis_are_the_plans_exactly(tmp_path, case):
     code's own modules: parallel/tensor/grad_sync.synced_elements), and without SP that of
     kv heads replicated over fewer than tp ranks; latent attention's three column inputs (the
     query latent, the kv latent, the rope key) gathered or their grads summed in place of the
-    norm's output; a MoE layer's routed-row counts summed over the ranks holding parts of a
-    sequence; and with dp 1 the replica group's sums on cp, whose group it is. FLOPs exact too
-    (kv heads copied over tp ranks run their projections on each: config/flops._kv_copies),
-    but latent attention's on the CPU, where SDPA's math path takes its values unpadded
-    (config/flops._attention_hardware_flops)."""
-    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *EXACT_CASES[case]])
-    (r,) = fake_ranks(cfg, "0")["ranks"]
-    assert r["stepped"] and ("mla" in case or r["flops"] == r["plan_flops"])
+    norm's output, and its keys and padded values around the cp ring; a MoE layer's
+    routed-row counts summed over the ranks holding parts of a sequence; the MTP depths' tp
+    ops (lookup, block, shared head), their cp rings and target gathers, and their table's
+    copy swapped between the pipeline's ends; and with dp 1 the replica group's sums on cp,
+    whose group it is. FLOPs exact too (kv heads copied over tp ranks run their projections on
+    each: config/flops._kv_copies), but latent attention's on the CPU, where SDPA's math path
+    takes its values unpadded (config/flops._attention_hardware_flops), and MTP's head under
+    cp, whose rows with a target depend on the rank's zigzag places (the plan takes their
+    mean)."""
+    rank, extra, flops = EXACT_CASES[case]
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *extra])
+    (r,) = fake_ranks(cfg, rank)["ranks"]
+    assert r["stepped"] and (not flops or r["flops"] == r["plan_flops"])
     for axis in AXIS_KEYS:
         assert r["comm_bytes"][axis] == r["plan_comm_bytes"][axis], axis
 

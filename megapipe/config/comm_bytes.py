@@ -232,16 +232,39 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
     if block == 0:
         ops = sum(tp_embedding_ops(sp, nd * w.param), [])
     elif block == cfg.model.n_layers + 1:
-        ops = sum(tp_head_ops(sp, x.n, nd * w.p2p), [])
+        ops = sum(tp_head_ops(sp, x.n, nd * w.p2p), []) + _tp_mtp(cfg, w)
     else:
-        m = cfg.model
-        mlp = not is_moe_layer(m, block - 1) or m.moe_shared_experts > 0
-        inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
-        f, b = tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs)
-        f = [*f, *routing_count_ops(cfg, is_moe_layer(m, block - 1), "tp")]
-        again = layer_mode(cfg.recompute, block - 1) == "full"
-        ops = f * (2 if again else 1) + b
+        ops = _tp_layer(cfg, block - 1, w)
     return sum(put_in(kind, nbytes, p.tp) for kind, nbytes in ops)
+
+
+def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
+    """One microbatch's tp ops of transformer layer `index` (its forward again under full
+    recompute)."""
+    m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
+    nd = x.n * m.d_model
+    mlp = not is_moe_layer(m, index) or m.moe_shared_experts > 0
+    inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
+    f, b = tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs)
+    f = [*f, *routing_count_ops(cfg, is_moe_layer(m, index), "tp")]
+    again = layer_mode(cfg.recompute, index) == "full"
+    return f * (2 if again else 1) + b
+
+
+def _tp_mtp(cfg: Config, w: Widths) -> list[Op]:
+    """The tp ops of the MTP depths beside the head (models/mtp.py), each: the shared
+    embedding's lookup of the tokens k ahead, its block as layer n_layers + k − 1, and the
+    shared head on the positions with a target (T − k of T; its input gathered, or its grad
+    summed, over every position)."""
+    m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
+    nd, ops = x.n * m.d_model, []
+    for k in range(1, m.mtp_layers + 1):
+        ops += sum(tp_embedding_ops(sp, nd * w.param), [])
+        ops += _tp_layer(cfg, m.n_layers + k - 1, w)
+        rows = x.n * (m.seq_len - k) // m.seq_len
+        f, b = tp_head_ops(sp, rows, nd * w.p2p)
+        ops += f + b
+    return ops
 
 
 def tp_synced_grads(cfg: Config, elements: int, w: Widths) -> float:
@@ -255,19 +278,38 @@ def tp_synced_grads(cfg: Config, elements: int, w: Widths) -> float:
 
 
 def _cp_block(cfg: Config, block: int, w: Widths) -> float:
-    """One microbatch's cp ring bytes in a layer block (parallel/context/ring.py): cp − 1 K/V
-    blocks of 2·N·hkv·hd forward, cp − 1 of K/V with dK/dV backward and the dK/dV that come
-    home; the ring variant only (Ulysses' all-to-alls are not counted here)."""
+    """One microbatch's cp bytes in a block: a layer's (_cp_layer), and on the head's block
+    the MTP depths' (models/mtp.py): each depth's block as a layer, and once the targets and
+    their places gathered over cp (int64)."""
     p, m = cfg.parallel, cfg.model
-    if p.cp == 1 or block in (0, m.n_layers + 1):
+    if p.cp == 1 or block == 0:
         return 0.0
-    again = layer_mode(cfg.recompute, block - 1) == "full"
-    ops = routing_count_ops(cfg, is_moe_layer(m, block - 1), "cp")
+    if block < m.n_layers + 1:
+        return _cp_layer(cfg, block - 1, w)
+    if m.mtp_layers == 0:
+        return 0.0
+    x = rank_dims(cfg)
+    # the (B, T/cp) targets and (T/cp,) places of every cp rank, gathered
+    gathers = put_in("all_gather", (x.n + x.n // x.b) * 8 * p.cp, p.cp)
+    return gathers + sum(_cp_layer(cfg, m.n_layers + k - 1, w) for k in range(1, m.mtp_layers + 1))
+
+
+def _cp_layer(cfg: Config, index: int, w: Widths) -> float:
+    """One microbatch's cp bytes in layer `index` (parallel/context/ring.py): cp − 1 K/V
+    blocks forward, cp − 1 of K/V with dK/dV backward and the dK/dV that come home (the ring
+    variant only: Ulysses' all-to-alls are not counted here), K and V of every local kv head
+    (latent attention: each query head's key of nope + rope, its value padded to that width);
+    and a MoE layer's routing counts."""
+    p, m = cfg.parallel, cfg.model
+    again = layer_mode(cfg.recompute, index) == "full"
+    ops = routing_count_ops(cfg, is_moe_layer(m, index), "cp")
     total = sum(put_in(kind, nbytes, p.cp) for kind, nbytes in ops) * (2 if again else 1)
     if p.cp_comm != "ring":
         return total
     x = rank_dims(cfg)
     kv = 2 * x.n * x.hkv * x.hd * w.act
+    if m.arch == "deepseek_v3":
+        kv = 2 * x.n * x.h * (m.qk_nope_head_dim + m.qk_rope_head_dim) * w.act
     return total + (p.cp - 1) * kv * (2 if again else 1) + (p.cp - 1) * 2 * kv + kv
 
 
@@ -386,6 +428,12 @@ def _tied(cfg: Config, pp_rank: int, w: Widths) -> float:
     """tied_grad_bytes on the two ranks that swap them, where they are two."""
     place = placement_of(cfg)
     ends = {place.locate(0)[0], place.locate(place.num_stages - 1)[0]}
-    if not cfg.model.tie_embeddings or len(ends) == 1 or pp_rank not in ends:
+    if not shares_table(cfg.model) or len(ends) == 1 or pp_rank not in ends:
         return 0.0
     return tied_grad_bytes(cfg, w.grad)
+
+
+def shares_table(m) -> bool:
+    """Whether the last stage reads the token table too (a tied head, or MTP's lookups:
+    models/gpt.GPT.shared_table), whose copies pipeline/tied.py keeps equal."""
+    return m.tie_embeddings or m.mtp_layers > 0

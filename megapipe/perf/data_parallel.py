@@ -54,6 +54,7 @@ from megapipe.config.comm_bytes import (
     grad_reduction_kind,
     grad_reductions,
     reduce_width,
+    shares_table,
     tied_grad_bytes,
     zero3_gathers,
 )
@@ -117,7 +118,7 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
     tied = 0.0
     place = placement_of(cfg) if p.pp > 1 else Placement(1, 1)
     last_rank = place.locate(place.num_stages - 1)[0]
-    if m.tie_embeddings and last_rank != 0:
+    if shares_table(m) and last_rank != 0:
         tied = ring_time("all_reduce", tied_grad_bytes(cfg, grad_bytes), 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
     every = _per_microbatch(cfg, rt, groups, held, experts, (place.locate(0)[0], embedding))
