@@ -67,6 +67,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-zero3-dsv3-mtp", 2, 1, [*MB2, "parallel.zero=3", *DSV3, *MTP2]),
         ("pp2-zb_h1-dsv3-mtp", 1, 1, [*pp("zb_h1", 4), *DSV3, *MTP2]),
         ("pp2-interleaved-dsv3-mtp", 1, 1, [*pp("interleaved_1f1b", 4, 2), *DSV3, *MTP2]),
+        ("pp2-zb_v-dsv3-mtp", 1, 1, [*pp("zb_v", 2, 2), *DSV3, *MTP2]),
+        ("pp2-dualpipe-dsv3-mtp", 1, 1, [*pp("dualpipe", 4, 2), *DSV3, *MTP2]),
     ],
     4: [
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),

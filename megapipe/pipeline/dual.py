@@ -28,16 +28,27 @@ def sync_twin_grads(chunks: list[nn.Module], placement: Placement, mesh) -> None
     if placement.style != "dual" or placement.pp == 1:
         return
     grads = [[_grad(p) for p in chunk.parameters()] for chunk in chunks]
-    mine = torch.cat([g.reshape(-1) for gs in grads for g in gs])
-    theirs = swap_with_pp_peer(mine, placement.pp - 1 - mesh.coord("pp"), mesh, TWIN_TAG)
-    # theirs is [twin's chunk 0 | twin's chunk 1] = [copy of my chunk 1 | copy of my chunk 0]
-    sizes = [sum(g.numel() for g in gs) for gs in grads]
-    twin = dict(zip((1, 0), theirs.split(sizes[::-1])))
-    for c, (chunk, gs) in enumerate(zip(chunks, grads)):
-        down, up = (torch.cat([g.reshape(-1) for g in gs]), twin[c])[:: 1 if c == 0 else -1]
-        total = down + up  # the down copy first, on both holders: bitwise-equal copies
+    flat = [torch.cat([g.reshape(-1) for g in gs]) for gs in grads]
+    for chunk, gs, total in zip(chunks, grads, twin_sums(flat, placement, mesh), strict=True):
         for p, piece in zip(chunk.parameters(), total.split([g.numel() for g in gs])):
             set_grad(p, piece.view_as(p).clone())
+
+
+def twin_sums(parts: list[torch.Tensor], placement: Placement, mesh) -> list[torch.Tensor]:
+    """Under dual: each chunk's tensor in `parts` plus its twin's, the same stage's copy on pp
+    rank pp−1−r (its chunk 1−c), summed in one order on both holders (the down copy's first),
+    so both get bitwise the same sums; `parts` itself elsewhere."""
+    if placement.style != "dual" or placement.pp == 1:
+        return parts
+    mine = torch.cat([t.reshape(-1) for t in parts])
+    theirs = swap_with_pp_peer(mine, placement.pp - 1 - mesh.coord("pp"), mesh, TWIN_TAG)
+    # theirs is [twin's chunk 0 | twin's chunk 1] = [copy of my chunk 1 | copy of my chunk 0]
+    twin = dict(zip((1, 0), theirs.split([t.numel() for t in parts][::-1])))
+    out = []
+    for c, t in enumerate(parts):
+        down, up = (t.reshape(-1), twin[c])[:: 1 if c == 0 else -1]
+        out.append((down + up).view_as(t))
+    return out
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -127,7 +127,7 @@ def parallelize(cfg: Config, mesh, device="cpu", bucket_mb: float | None = None)
         return Job(cfg, chunks[0], engine, _slice(cfg, mesh), mesh, balance)
     reducers = chunk_reducers(cfg, mesh, chunks, bucket_mb, sharding)  # dp × cp, per chunk
     model = nn.ModuleList(chunks)
-    balance = BiasBalancing.of(cfg, model, mesh)  # aux-loss-free bias of this stage's layers
+    balance = BiasBalancing.of(cfg, model, mesh, place)  # aux-loss-free bias of the stages
     engine = _pipeline(cfg, mesh, chunks, reducers, parts, sharding, balance)  # the stages
     return Job(cfg, model, engine, _slice(cfg, mesh), mesh, balance)  # + optimizer()
 
