@@ -69,6 +69,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-interleaved-dsv3-mtp", 1, 1, [*pp("interleaved_1f1b", 4, 2), *DSV3, *MTP2]),
         ("pp2-zb_v-dsv3-mtp", 1, 1, [*pp("zb_v", 2, 2), *DSV3, *MTP2]),
         ("pp2-dualpipe-dsv3-mtp", 1, 1, [*pp("dualpipe", 4, 2), *DSV3, *MTP2]),
+        ("tp2-sp-dsv3-mtp-full", 1, 2, [*SP, *DSV3, *MTP2, "recompute.mode=full"]),
+        (
+            "dp2-zero2-dsv3-mtp-selective",
+            2,
+            1,
+            [*MB2, "parallel.zero=2", *DSV3, *MTP2, "recompute.mode=selective"],
+        ),
     ],
     4: [
         ("dp2-tp2-sp-cap", 2, 2, [*SP, *CAP, *MB2]),
