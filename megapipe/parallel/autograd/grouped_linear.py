@@ -40,7 +40,11 @@ import torch.nn.functional as F
 from megapipe._torch_compat import grouped_mm, has_grouped_mm, is_fake, quiet_fake_meta_errors
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.parallel.autograd.weight_grad import autocast_operands
-from megapipe.parallel.precision import fused_weight_grad, main_grad_arrived
+from megapipe.parallel.precision import (
+    fused_weight_grad,
+    main_grad_arrived,
+    weight_grad_landed,
+)
 
 # CUDA compute capability majors of torch's bf16 grouped kernel (CUTLASS, sm90 and sm100: its
 # fast path's _scaled_mm_allowed_device(sm90_only, sm100_only) in aten's GroupedBlas.cpp)
@@ -202,13 +206,7 @@ def bias_grad(param, groups) -> torch.Tensor | None:
     """(E, out) grad of a stacked bias, each expert's rows summed in float32: straight into
     the bias's main grad under bf16 weights (None returned), as parallel/precision.add_bias
     does for the dense row biases (a bf16 sum would round differently per split of rows)."""
-    grad = torch.stack([g.float().sum(0) for g in groups])
-    main = getattr(param, "main_grad", None)
-    if main is None:
-        return grad.to(param.dtype)
-    main.add_(grad)
-    main_grad_arrived(param)
-    return None
+    return weight_grad_landed(param, torch.stack([g.float().sum(0) for g in groups]))
 
 
 def stacked_weight_grad(param, x, grad_out, counts, offs=None) -> torch.Tensor | None:
