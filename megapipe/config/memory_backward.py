@@ -23,6 +23,11 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
                           input grad is still held and fc2's input (N·f·c) already freed: the
                           larger of it and fc2's moment is the height. GELU's backward makes one
                           N·f·c and frees fc2's input: never above fc2's moment
+  B/W split               fc2's input is queued for W, not freed: the activation's backward
+                          holds fc2's input grad and its own grads (N·f·c, SwiGLU 2·N·f·c) above
+                          the saved tensors, and a later layer's B frees its saved tensors but
+                          what it queued (config/memory_terms.layer_deferred: its linears'
+                          inputs and output grads)
   MoE (rows R = Nₛ·k)     the combine's backward first makes the experts' output grads R·d·c,
                           then w_out as fc2 on the R rows, its stacked weight grad over the
                           rank's E/ep experts; the shared experts' MLP runs after (lower)
@@ -44,6 +49,7 @@ from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
 from megapipe.config.memory_terms import (
     compute_bytes,
     head_terms,
+    layer_deferred,
     layer_mode,
     layer_terms,
     rank_dims,
@@ -93,9 +99,11 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
     else:
         grad_in = x.n * x.ff * c
         wgrad = weight_grad_bytes(cfg, x.ff * m.d_model)
-    product = 2 * grad_in if gated(m.arch) else 0.0  # SwiGLU: both factors' grads
-    if product > grad_in + wgrad:
-        terms["SwiGLU product grads"] = product
+    act_grads = (2 if gated(m.arch) else 1) * grad_in  # SwiGLU: both factors' grads
+    # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
+    act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
+    if act > grad_in + wgrad:
+        terms["activation grads" if weight_grads_queued(cfg) else "SwiGLU product grads"] = act
     else:
         terms["fc2 input grad"] = grad_in
         terms["fc2 weight grad"] = wgrad
@@ -149,5 +157,7 @@ def chunk_backward_bytes(cfg: Config, blocks: range, device: str = "cuda") -> fl
             best = max(best, incoming + work - freed)
             mode = layer_mode(cfg.recompute, index)
             freed += sum(layer_terms(cfg, mode, device, segment, index).values())
+            if weight_grads_queued(cfg):  # what W needs stays (module docstring)
+                freed -= sum(layer_deferred(cfg, segment, index).values())
             incoming = x.ns * m.d_model * residual_bytes(cfg)
     return best

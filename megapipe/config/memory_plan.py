@@ -28,13 +28,14 @@ from dataclasses import dataclass, replace
 
 from megapipe.config.flops import held_expert_params, segment_bounds
 from megapipe.config.fp8_weights import cast_bytes, fp8_params
-from megapipe.config.memory_backward import chunk_backward_bytes
+from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.memory_terms import (
     embedding_terms,
     head_deferred,
     head_terms,
     layer_deferred,
+    layer_deferred_params,
     layer_mode,
     layer_terms,
     segments,
@@ -103,6 +104,12 @@ class RankMemory:
     # the largest working set of a layer's backward on top of the activation peak
     # (config/memory_backward.chunk_backward_bytes over the rank's chunks)
     backward: float = 0.0
+    # B/W split with float32 grads: what the B passes make before the first W (the head's and
+    # the embedding's weights, biases, norm gains: all but the layers' deferred linears,
+    # config/memory_terms.layer_deferred_params), and the peak in flight once they exist
+    # (peak_inflight from the first B or BW on)
+    grads_in_b: float = 0.0
+    inflight_with_b_grads: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -130,13 +137,14 @@ class RankMemory:
         live = self.activations_per_microbatch * self.inflight_with_grads
         with_grads = self.grads + live
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
+        with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
         held = self.weights + self.gathered + self.optimizer
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
         at_backward = held + self.backward  # a layer backward's working set (memory_backward)
         top = max(
-            at_backward + max(self.activations, with_grads),
-            at_head + max(self.activations, head_grads),
+            at_backward + max(self.activations, with_grads, with_b),
+            at_head + max(self.activations, head_grads, with_b),
         )
         return max(top, reducing)
 
@@ -178,7 +186,8 @@ def memory_plan(
     parameters (train.optimizer=muon: its state, config/muon_terms.py)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
-    with_grads = peak_inflight(cfg, device, timeline, with_grads=True)
+    with_grads = peak_inflight(cfg, device, timeline, GRADS_MADE)
+    with_b = peak_inflight(cfg, device, timeline, B_GRADS_MADE)
     ranks = []
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
@@ -190,11 +199,12 @@ def memory_plan(
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
             pair = grads_pair(cfg, held, tp_rank, chunk_params)
-            flight = (inflight[pp_rank], with_grads[pp_rank])
+            flight = (inflight[pp_rank], with_grads[pp_rank], with_b[pp_rank])
             experts = sum(held_expert_params(cfg, b) for b in held)
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
             coord = (pp_rank, tp_rank)
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
+            r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
             r = replace(r, host=host * inflight[pp_rank], backward=back)
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
@@ -267,6 +277,26 @@ def rank_memory(
         gathered_head=head[1],
         grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,
     )
+
+
+def rank_deferred_params(cfg: Config, held: list[range]) -> int:
+    """The parameters of the layers in the chunks `held` whose grads W makes under a B/W split
+    (config/memory_terms.layer_deferred_params; MTP's depths in the head's block left out)."""
+    layers = range(1, cfg.model.n_layers + 1)
+    return sum(layer_deferred_params(cfg, b - 1) for blocks in held for b in blocks if b in layers)
+
+
+def with_b_grads(cfg: Config, r: RankMemory, deferred: int, inflight: float) -> RankMemory:
+    """`r` with the grads a B/W split's B passes make before the first W (RankMemory
+    .grads_in_b: all of `r`'s parameters but the `deferred` ones), live with `inflight`
+    microbatches (peak_inflight from the first B or BW on): float32 grads made in backward
+    only (bf16 weights' main grads exist all along; reduced every microbatch, a block's at a
+    time: the grads term's own)."""
+    persist = state_layout(cfg).weight != FLOAT32 or local_grads_transient(cfg)
+    if not weight_grads_queued(cfg) or persist:
+        return r
+    made = local_grads_bytes(r.params - deferred, cfg)
+    return replace(r, grads_in_b=made, inflight_with_b_grads=inflight)
 
 
 def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
@@ -422,14 +452,21 @@ def live_change(kind: str, size: float, kept: float) -> float:
     return -size
 
 
-def rank_peak(events: Iterable[tuple[float, float]], after: float = -math.inf) -> float:
+def rank_peak(
+    events: Iterable[tuple[float, float]],
+    after: float = -math.inf,
+    at: set[float] | None = None,
+) -> float:
     """The peak of the running sum of (time, change) events in time order, frees before
     allocations at equal times (F allocates at its start, the others free at their end);
-    counted from time `after` on."""
+    counted from time `after` on, and only at the times `at` where given (once all of that
+    time's events are in: the live bytes while an action starting then runs)."""
     live = peak = 0.0
-    for time, delta in sorted(events):
+    ordered = sorted(events)
+    for i, (time, delta) in enumerate(ordered):
         live += delta
-        if time >= after:
+        last_at_time = i + 1 == len(ordered) or ordered[i + 1][0] != time
+        if time >= after and (at is None or (time in at and last_at_time)):
             peak = max(peak, live)
     return round(peak, 9)
 
@@ -443,8 +480,18 @@ def unit_timeline(cfg: Config) -> Timeline:
     return out
 
 
+GRADS_MADE = (FULL_BACKWARD, WEIGHT_GRAD)  # every weight's grad exists once one ran
+B_GRADS_MADE = (FULL_BACKWARD, INPUT_GRAD)  # a B/W split's B makes all but the deferred ones
+# the actions whose moments the B grads' peak is taken at: the F, B or BW running (a layer's
+# backward working set and the head's transient are theirs; a W's is its own weight grad)
+B_GRADS_AT = (FORWARD, INPUT_GRAD, FULL_BACKWARD)
+
+
 def peak_inflight(
-    cfg: Config, device: str = "cuda", timeline: Timeline | None = None, with_grads: bool = False
+    cfg: Config,
+    device: str = "cuda",
+    timeline: Timeline | None = None,
+    grads_from: tuple[str, ...] = (),
 ) -> list:
     """Per pp rank, the peak of its live activation bytes over the schedule's `timeline`
     (default unit_timeline), in units of one microbatch through the rank's whole share: how
@@ -456,14 +503,17 @@ def peak_inflight(
     GPipe: all m; ZB-H2 holds more than 1F1B to fill the bubble (Qi et al. 2023 §3), but only
     the deferred weight-grad inputs between B and W.
 
-    `with_grads`: the peak once the rank's first weight grads exist, from the end of its first
-    BW or W on (float32 weights' grads are made by the first backward and dropped after the
-    step); 0 where nothing is live then. 1F1B's steady state holds as many as its warm-up;
+    `grads_from`: the peak once the rank's first weight grads exist, from the end of its first
+    action of those kinds on (GRADS_MADE: every weight's, from the first BW or W; float32
+    weights' grads are made by the first backward and dropped after the step; B_GRADS_MADE:
+    a B/W split's B grads, from the first B or BW, counted while an F, B or BW runs: the
+    moments a backward's working set or the head's transient add to); 0 where nothing is
+    live then. 1F1B's steady state holds as many as its warm-up;
     GPipe one fewer; without a pipeline one microbatch when there is a second.
     """
     p = cfg.parallel
     if p.pp == 1:  # no pipeline: the microbatches run one after another
-        return [1.0 if p.microbatches > 1 or not with_grads else 0.0]
+        return [1.0 if p.microbatches > 1 or not grads_from else 0.0]
     timeline = unit_timeline(cfg) if timeline is None else timeline
     peaks = []
     for rank in range(p.pp):
@@ -473,7 +523,10 @@ def peak_inflight(
                 size[c, k] = segment_activations(cfg, blocks, device, i)
                 kept[c, k] = chunk_deferred(cfg, blocks, i)
         unit = sum(size.values()) or 1.0  # one microbatch through the rank's whole share
-        grads = [end for kind, *_, end in timeline[rank] if kind in (FULL_BACKWARD, WEIGHT_GRAD)]
+        grads = [end for kind, *_, end in timeline[rank] if kind in grads_from]
+        at = None
+        if grads_from == B_GRADS_MADE:
+            at = {start for kind, *_, start, _ in timeline[rank] if kind in B_GRADS_AT}
         peaks.append(
             rank_peak(
                 (
@@ -483,7 +536,8 @@ def peak_inflight(
                     )
                     for kind, c, k, start, end in timeline[rank]
                 ),
-                min(grads, default=math.inf) if with_grads else -math.inf,
+                min(grads, default=math.inf) if grads_from else -math.inf,
+                at,
             )
         )
     return peaks

@@ -90,7 +90,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megapipe.config.flops import head_grad_in_forward, is_moe_layer, segment_bounds
+from megapipe.config.flops import (
+    expert_ffn,
+    head_grad_in_forward,
+    is_moe_layer,
+    segment_bounds,
+)
 from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
@@ -435,6 +440,22 @@ def layer_deferred(
         "linear inputs": x.n * (2 * m.d_model + x.h * x.hd + x.ff) * c,  # qkv, fc1 | proj | fc2
         "linear output grads": x.n * ((x.h + 2 * x.hkv) * x.hd + 2 * m.d_model + fc1_out) * c,
     } | fp8
+
+
+def layer_deferred_params(cfg: Config, index: int) -> int:
+    """The parameters of layer `index` on one tp rank whose grads W makes under a B/W split
+    (layer_deferred's linears: qkv, proj, fc1, fc2; a MoE layer's routed experts, n_experts/ep
+    of them, and its shared ones); its biases and norm gains (and a router's weight) get their
+    grads in B."""
+    m, x = cfg.model, rank_dims(cfg)
+    attention = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
+    attention = mla_weight_elements(cfg, x) if m.arch == "deepseek_v3" else attention
+    fan = 3 if gated(m.arch) else 2
+    if not _moe(cfg, index):
+        return attention + fan * x.ff * m.d_model
+    f = expert_ffn(m, cfg.derived.d_ff)
+    shared = m.moe_shared_experts * f // cfg.parallel.tp
+    return attention + fan * (m.n_experts // max(cfg.parallel.ep, 1) * f + shared) * m.d_model
 
 
 def head_deferred(cfg: Config, segment: int | None = None) -> dict[str, float]:

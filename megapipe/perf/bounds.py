@@ -30,6 +30,9 @@ from megapipe.config import Config
 from megapipe.config.flops import held_expert_params
 from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_plan import (
+    B_GRADS_AT,
+    B_GRADS_MADE,
+    GRADS_MADE,
     BlockBytesKey,
     block_activations,
     block_deferred,
@@ -39,8 +42,10 @@ from megapipe.config.memory_plan import (
     grads_pair,
     head_gathered,
     live_change,
+    rank_deferred_params,
     rank_head_transient,
     rank_memory,
+    with_b_grads,
 )
 from megapipe.config.memory_terms import attention_path, segments
 from megapipe.config.muon_terms import optimizer_lower_bound
@@ -54,11 +59,9 @@ from megapipe.perf.memory_cache import chunk_params
 from megapipe.perf.pipeline import ScheduleKey, built_schedule
 from megapipe.perf.software import Runtime
 from megapipe.perf.space import Candidate
-from megapipe.plan.actions import FULL_BACKWARD, WEIGHT_GRAD, Placement
+from megapipe.plan.actions import FORWARD, Placement
 from megapipe.plan.dag import KIND_INDEX
 from megapipe.plan.schedules import SCHEDULES
-
-GRAD_KINDS = (KIND_INDEX[FULL_BACKWARD], KIND_INDEX[WEIGHT_GRAD])  # the actions making grads
 
 EPS = 1e-9  # relative slack on the bounds: they sum the same floats in another order
 
@@ -327,6 +330,7 @@ class Bounds:
             size = [[self._block_bytes(cfg, mesh, b, i, False) for i in seg_ids] for b in chunks]
             acts = tuple(sum(per_seg) for per_seg in size)
             inflight, with_grads = 1.0, 1.0 if p.microbatches > 1 else 0.0
+            with_b = with_grads
             if codes is not None:
                 unit = sum(x for per_seg in size for x in per_seg) or 1.0
                 table = np.zeros(4 * place.vpp * n_seg)
@@ -339,10 +343,11 @@ class Bounds:
                             table[(index * place.vpp + c) * n_seg + k] = change
                 live = np.cumsum(table[codes[r]])  # sequential, as the running sum
                 inflight = round(max(0.0, float(live.max())) if len(live) else 0.0, 9)
-                # from the first BW or W on (memory_plan.peak_inflight's with_grads)
-                made = self._first_grads(cfg, n_seg)[r]
+                # from the first BW or W on (memory_plan.peak_inflight's GRADS_MADE)
+                made = self._first_grads(cfg, n_seg, GRADS_MADE)[r]
                 after = live[made:] if made is not None else live[:0]
                 with_grads = round(max(0.0, float(after.max())) if len(after) else 0.0, 9)
+                with_b = self._with_b(cfg, n_seg, r, live)
             head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
             back = max(self._backward(cfg, mesh, blocks) for blocks in chunks)
             experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
@@ -358,6 +363,7 @@ class Bounds:
                 seen.add((n, gathered, at_head, pair))
                 rank = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
                                    experts, at_head, pair)  # fmt: skip
+                rank = with_b_grads(cfg, rank, rank_deferred_params(cfg, chunks), with_b)
                 total = replace(rank, backward=back).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
@@ -378,14 +384,33 @@ class Bounds:
             ]
         return self._schedules[key]
 
-    def _first_grads(self, cfg: Config, n_seg: int) -> list[int | None]:
-        """Per rank, the index of its first BW or W action in `_codes` (None: it has none)."""
-        key = (ScheduleKey.of(cfg), n_seg)
+    def _kinds(self, cfg: Config, n_seg: int) -> list[np.ndarray]:
+        """Per rank, its actions' KIND_INDEX in `_codes`' order."""
+        return [c // (cfg.parallel.vpp * n_seg) for c in self._codes(cfg, n_seg)]
+
+    def _first_grads(self, cfg: Config, n_seg: int, made_by: tuple) -> list[int | None]:
+        """Per rank, the index of its first action of the kinds `made_by` in `_codes` (None: it
+        has none)."""
+        key = (ScheduleKey.of(cfg), n_seg, made_by)
         if key not in self._grads_from:
-            kinds = [c // (cfg.parallel.vpp * n_seg) for c in self._codes(cfg, n_seg)]
-            made = [np.flatnonzero(np.isin(k, GRAD_KINDS)) for k in kinds]
+            wanted = [KIND_INDEX[k] for k in made_by]
+            made = [np.flatnonzero(np.isin(k, wanted)) for k in self._kinds(cfg, n_seg)]
             self._grads_from[key] = [int(m[0]) if len(m) else None for m in made]
         return self._grads_from[key]
+
+    def _with_b(self, cfg: Config, n_seg: int, r: int, live: np.ndarray) -> float:
+        """memory_plan.peak_inflight's B_GRADS_MADE on rank `r` from its running sum `live`:
+        the live bytes while each F, B or BW after its first B or BW runs (an F's own part
+        allocated: its index's; a B's still held: the index before)."""
+        made = self._first_grads(cfg, n_seg, B_GRADS_MADE)[r]
+        if made is None:
+            return 0.0
+        kinds = self._kinds(cfg, n_seg)[r][made + 1 :]
+        index = np.arange(made + 1, made + 1 + len(kinds))
+        during = np.where(kinds == KIND_INDEX[FORWARD], index, index - 1)
+        at = np.isin(kinds, [KIND_INDEX[k] for k in B_GRADS_AT])
+        values = live[during[at]]
+        return round(max(0.0, float(values.max())) if len(values) else 0.0, 9)
 
     def _backward(self, cfg: Config, mesh: int, blocks: range) -> float:
         """config/memory_backward.chunk_backward_bytes, cached by what it reads besides the

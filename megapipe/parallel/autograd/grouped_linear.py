@@ -196,7 +196,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad_b = bias_grad(getattr(owner, ctx.bias_name), groups) if ctx.has_bias else None
         key = owner.wgrad_queue.key
         if key is not None:
-            owner.wgrad_queue.setdefault(key, []).append((ctx.name, x, grad_out, counts))
+            owner.wgrad_queue.setdefault(key, []).append((ctx.name, x.detach(), grad_out, counts))
             return grad_x, None, grad_b, None, None, None, None
         grad_w = stacked_weight_grad(getattr(owner, ctx.name), x, grad_out, counts, ctx.offs)
         return grad_x, grad_w, grad_b, None, None, None, None

@@ -94,8 +94,9 @@ def weight_grad_now_or_later(owner: nn.Module, x: torch.Tensor, grad_out: torch.
     weights); else grad_outᵀ · x. The tp linears' backward (this one and the overlapped ones,
     parallel/tensor/overlap.py) all end here."""
     key = owner.wgrad_queue.key
-    if key is not None:
-        owner.wgrad_queue.setdefault(key, []).append((x, grad_out))
+    if key is not None:  # x's values only: its grad_fn would keep the graph, and the stage's
+        # received input and its grad (the leaf AccumulateGrad holds), alive until W
+        owner.wgrad_queue.setdefault(key, []).append((x.detach(), grad_out))
         return None
     weight_param = owner.weight
     main = getattr(weight_param, "main_grad", None)
