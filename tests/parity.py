@@ -170,6 +170,14 @@ def mesh_params(cases: dict, marks=()) -> list:
     ]
 
 
+def rank_microbatches(extra, dp: int) -> str:
+    """The one-process reference's `parallel.microbatches`: dp × the case's, so each of its
+    microbatches holds the rows one dp rank's does (its low-precision grads, casts and scales
+    are then the mesh's; what differs is how the float32 sums add them up)."""
+    m = next((int(x.split("=")[1]) for x in extra if x.startswith("parallel.microbatches=")), 1)
+    return f"parallel.microbatches={dp * m}"
+
+
 def tiny_config(overrides, run_dir: str):
     from megapipe.config import load_config
 

@@ -126,8 +126,7 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_zero_bubble_peaks_are_the_plans(tmp_path, schedule, microbatches):
     """dp2 · tp2 · pp2 under a B/W split, the first and last stage: the peak within 5% of the
-    dry run's, which holds W's
-    queued operands beside the backward's working set (config/memory_backward.py), the grads
+    dry run's, which holds W's queued operands beside the backward's working set (config/memory_backward.py), the grads
     B makes before the first W (memory_plan.RankMemory.grads_in_b), and a runtime that queues
     only the operands' values (parallel/autograd/weight_grad.py). zb_v and zb_auto reschedule
     from the first step's profile (all_gather_object), which fake tensors cannot pickle."""

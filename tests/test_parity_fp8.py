@@ -19,7 +19,7 @@ from functools import cache
 
 import pytest
 
-from tests.parity import LOW_LR, mesh_params, train_case
+from tests.parity import LOW_LR, mesh_params, rank_microbatches, train_case
 from tests.util import assert_state_close
 
 LOSS_REL = 1e-4
@@ -75,8 +75,7 @@ def _reference_overrides(extra: list[str], dp: int) -> tuple[str, ...]:
     """The one-process config of a case: its model and FP8 recipe, and dp × its microbatches,
     so each of its microbatches holds the rows one dp rank's does (tensorwise scales span one)."""
     kept = [x for x in extra if x.startswith(("model.", "train."))]
-    mb = next((int(x.split("=")[1]) for x in extra if "microbatches" in x), 1)
-    return (*kept, f"parallel.microbatches={mb * dp}")
+    return (*kept, rank_microbatches(extra, dp))
 
 
 @pytest.mark.spawn
