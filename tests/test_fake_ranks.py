@@ -122,19 +122,35 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
-@pytest.mark.parametrize("schedule", ["zb_h1", "zb_h2"])
-@pytest.mark.parametrize("microbatches", [2, 4])
+@pytest.mark.parametrize(
+    ("schedule", "microbatches"),
+    [
+        ("zb_h1", 2),
+        ("zb_h1", 4),
+        ("zb_h2", 2),
+        ("zb_h2", 4),
+        ("zb_v", 4),
+        ("zb_auto", 4),
+        ("v_half", 4),
+    ],  # fmt: skip
+)
 def test_zero_bubble_peaks_are_the_plans(tmp_path, schedule, microbatches):
     """dp2 · tp2 · pp2 under a B/W split, the first and last stage: the peak within 5% of the
-    dry run's, which holds W's queued operands beside the backward's working set (config/memory_backward.py), the grads
-    B makes before the first W (memory_plan.RankMemory.grads_in_b), and a runtime that queues
-    only the operands' values (parallel/autograd/weight_grad.py). zb_v and zb_auto reschedule
-    from the first step's profile (all_gather_object), which fake tensors cannot pickle."""
+    dry run's, which holds W's queued operands beside the backward's working set
+    (config/memory_backward.py), the grads B makes before the first W
+    (memory_plan.RankMemory.grads_in_b), and a runtime that queues only the operands' values
+    (parallel/autograd/weight_grad.py). zb_v, zb_auto and v_half are built for unit costs,
+    in the run and the plan (fake_ranks.unit_costs: fake tensors have no time to profile)."""
+    vpp = 2 if schedule in ("zb_v", "v_half") else 1
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",
-                             "--parallel.pp=2", "--parallel.zero=1",
+                             "--parallel.pp=2", "--parallel.zero=1", f"--parallel.vpp={vpp}",
                              f"--parallel.microbatches={microbatches}",
                              f"--parallel.schedule={schedule}"])  # fmt: skip
-    for r in fake_ranks(cfg, "0,4")["ranks"]:
+    assert cfg.parallel.schedule_costs == "profile"  # the default, which fake ranks resolve
+    out = fake_ranks(cfg, "0,4")
+    assert out["p2p_unmatched"] == 0
+    for r in out["ranks"]:
+        assert r["stepped"] and r["flops"] == r["plan_flops"], r["rank"]
         assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05, (r["rank"], r)
 
 

@@ -24,7 +24,7 @@ import functools
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -307,6 +307,7 @@ def match_p2p(ops: dict[int, list[CommOp]]) -> tuple[int, int]:
 
 def fake_ranks(cfg: Config, spec: str) -> dict:
     """`--fake-ranks=SPEC --json`: every named rank run and measured, and the p2p match."""
+    cfg = unit_costs(cfg)
     sizes = MeshSizes.of(cfg)
     ranks = ranks_of(spec, sizes)
     dry = as_json(cfg, "cpu")
@@ -321,6 +322,17 @@ def fake_ranks(cfg: Config, spec: str) -> dict:
     tiling = tiling_problems(saves) if len(ranks) == sizes.world else None
     return {"world": sizes.world, "ranks": entries, "p2p_matched": matched,
             "p2p_unmatched": unmatched, "save_tiling": tiling}  # fmt: skip
+
+
+def unit_costs(cfg: Config) -> Config:
+    """A schedule built for profiled costs (parallel.schedule_costs=profile: zb_v, zb_auto,
+    v_half, v_min rebuilt after the first step from every stage's measured spans) built for
+    unit costs instead, in the run and its plan alike: fake tensors take no time to profile,
+    and their spans could not be gathered (all_gather_object pickles through real bytes)."""
+    p = cfg.parallel
+    if p.schedule_costs != "profile":
+        return cfg
+    return replace(cfg, parallel=replace(p, schedule_costs="unit"))
 
 
 def describe(result: dict) -> str:
