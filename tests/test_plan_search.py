@@ -22,6 +22,7 @@ import math
 import pytest
 import yaml
 
+from benchmarks.validation import h100_validation, picks
 from benchmarks.validation import table1 as t1
 from megapipe.cli import plan as plan_cli
 from megapipe.config import ConfigError, load_config
@@ -123,6 +124,22 @@ def test_table1_rows_best_beats_the_papers_config(row, cached_segments):
     again = project(best.config, cluster)  # independently of the search's own memory plan
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=REL)
     assert again.fits and again.peak_memory_gib <= 80  # the A100 80GB: 81920 MiB
+
+
+SMALL_PUBLISHED = [r for r in h100_validation.rows() if r.gpus <= 16]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", SMALL_PUBLISHED, ids=lambda r: r.label)
+def test_published_meshes_megapipe_can_hold_are_no_faster_than_the_pick(row, cached_segments):
+    """benchmarks/validation/picks.py on the published runs of up to 16 GPUs: the pick under
+    the run's GPUs, model, batch, runtime and memory fits, and projects at least as fast as
+    the published mesh wherever megapipe's own memory (config/states.py) holds that mesh."""
+    p = picks.pick(row)
+    cluster = load_cluster(row.gpu, row.gpus_per_node)
+    again = project(p.pick.config, cluster, h100_validation.runtime_of(row))
+    assert again.fits
+    assert p.ratio <= 1 + REL or not p.published.fits, (p.ratio, p.published.peak_memory_gib)
 
 
 # -- cache keys -----------------------------------------------------------------------------

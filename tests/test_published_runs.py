@@ -1,6 +1,8 @@
 """The published H100/H200 runs (benchmarks/validation/published.py, data/*.csv): every row
 loads into a valid config of the published model's size on the published GPU count."""
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.validation.published import (
@@ -84,3 +86,23 @@ def test_moe_file_rows_are_complete_and_their_mesh_covers_the_gpus():
         assert mesh == int(r["gpus"]), r["label"]
         assert int(r["n_experts"]) > 0 and 0 < int(r["top_k"]) <= int(r["n_experts"])
         assert r["tokens_per_s_per_gpu"] or r["tflops_per_gpu"], r["label"]
+
+
+NVIDIA = ["nvidia_dgxc_benchmarking_h100_bf16.csv", "nvidia_dgxc_benchmarking_v25.04_h100_bf16.csv",
+          "nvidia_dgxc_benchmarking_h100_fp8.csv"]  # fmt: skip
+
+
+def test_nvidia_recipes_reduce_grads_in_bf16_and_a_file_without_the_column_in_float32(tmp_path):
+    """NeMo's recipes set grad_sync_dtype=bf16 / grad_reduce_in_fp32=False (the files' headers):
+    their rows reduce-scatter bf16 grads (parallel.grad_reduce_dtype); a file without the
+    grad_reduce column ran float32, and a value megapipe cannot price is one line."""
+    for name in NVIDIA:
+        for row in load_rows(name):
+            assert row.grad_reduce == "bf16", row.label
+            assert row_config(row).parallel.grad_reduce_dtype == "bfloat16"
+    titan = load_rows("torchtitan_h100_bf16.csv")[0]
+    assert titan.grad_reduce == "float32"
+    assert row_config(titan).parallel.grad_reduce_dtype == "float32"
+    odd = replace(titan, grad_reduce="fp16")
+    with pytest.raises(ValueError, match="grad_reduce fp16; one of float32, bf16"):
+        row_config(odd)

@@ -4,6 +4,7 @@ published runs, kept apart from the model in megapipe/perf/.
 
     python tools/plan.py table1 [--refit] [--no-loo]
     python tools/plan.py validate [--refit] [--no-loo] [--megapipe] [--moe] [--a100]
+    python tools/plan.py validate --picks [--max-gpus N]
 
 `table1` prints the ten rows of Narayanan et al. 2021's Table 1, measured against projected
 hardware TFLOP/s per GPU, with the error per row, mean and max, and the leave-one-out error of
@@ -16,7 +17,9 @@ value); --megapipe adds megapipe's own runtime (bf16 weights) projected on the M
 rows beside Megatron-Core's, and the seconds each of its differing facts adds; --moe instead
 projects the published MoE runs (published_moe.py); --a100 instead projects the other published
 2021-2022 Megatron-LM runs on A100 (megatron_runs.py, held out of every fit), under the
-megatron2021 runtime and under the runtime of each run's code. The fitted values themselves
+megatron2021 runtime and under the runtime of each run's code; --picks instead runs the planner
+on each published H100 run's GPUs and model and prints its pick beside the published mesh
+(picks.py; --max-gpus N: the rows of at most N GPUs). The fitted values themselves
 stay with the model: Table 1's in megapipe/perf/cost_terms.py, the H100's e_max in
 megapipe/perf/clusters/h100.yaml. Bad input is one line on stderr and exit code 2.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.validation import h100_fit, megatron_runs, published, published_moe, table1
+from benchmarks.validation import h100_fit, megatron_runs, picks, published, published_moe, table1
 from benchmarks.validation import h100_validation as h100
 from megapipe.config import ConfigError
 from megapipe.perf.cluster import ClusterError, load_cluster
@@ -55,6 +58,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     check.add_argument("--no-loo", action="store_true", help="skip the leave-one-out fits")
     check.add_argument("--moe", action="store_true", help="the published MoE runs instead")
     check.add_argument("--a100", action="store_true", help="2021-2022 Megatron runs instead")
+    check.add_argument("--picks", action="store_true", help="the planner against each mesh")
+    check.add_argument("--max-gpus", type=int, default=0, help="--picks: rows up to N GPUs")
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         if not (item.startswith("--") and "." in item.split("=")[0] and "=" in item):
@@ -86,6 +91,8 @@ def run_validate(args: argparse.Namespace) -> int:
         return 0
     if args.a100:
         return run_validate_a100()
+    if args.picks:
+        return run_picks(args.max_gpus)
     results = h100.compare()
     cal = h100.refit(results) if args.refit else None
     if cal is not None:
@@ -107,6 +114,15 @@ def run_validate(args: argparse.Namespace) -> int:
         print(h100.beside_markdown(beside))
         print("\nseconds each of megapipe's facts adds (share of megatron_core's step):\n")
         print(h100.attribution_markdown(beside))
+    return 0
+
+
+def run_picks(max_gpus: int) -> int:
+    rows = h100.rows() + published.load_all(published.FP8_SOURCES)
+    rows = [r for r in rows if not max_gpus or r.gpus <= max_gpus]
+    print("the planner's pick beside each published mesh (same GPUs, model, global batch, "
+          "runtime and memory; both projected by the model):\n")  # fmt: skip
+    print(picks.markdown(picks.picks(rows)))
     return 0
 
 

@@ -23,7 +23,7 @@ count where only those are published) and model TFLOP/s per GPU under megapipe's
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from megapipe.config import Config, load_config
@@ -43,6 +43,10 @@ H100_SOURCES = [
 ZERO = {"dist_opt": 1, "fsdp_noreshard": 2, "fsdp": 3}
 """A row's `sharding` as a parallel.zero level (module docstring)."""
 DTYPES = {"bf16": "bfloat16"}  # a row's high-precision compute dtype
+GRAD_REDUCE = {"float32": "float32", "bf16": "bfloat16"}
+"""A row's grad_reduce as parallel.grad_reduce_dtype: the bytes its reduce-scatter sends (the
+bf16 grad buffer Megatron-Core then holds, 2 B a parameter where megapipe keeps float32 main
+grads and a bf16 send copy, is not modelled: the row's memory is megapipe's)."""
 FP8_RECIPES = {"fp8": "tensorwise"}
 """A row's FP8 precision as train.fp8: Transformer Engine's delayed scaling keeps one scale per
 tensor (data/nvidia_dgxc_benchmarking_h100_fp8.csv's header), compute otherwise in bf16."""
@@ -90,6 +94,10 @@ class Row:
     mfu: float | None
     notes: str
     source: str  # the data file's name
+    # the dtype the grads were accumulated and reduced in: float32, or bf16 where the recipe
+    # set it (NeMo's grad_sync_dtype=bf16 / grad_reduce_in_fp32=False: the data file's
+    # header); a data file without the column ran float32 (Megatron-LM's default under bf16)
+    grad_reduce: str = "float32"
 
     @property
     def microbatches(self) -> int:
@@ -113,12 +121,13 @@ def load_rows(path_or_name: Path | str) -> list[Row]:
     with open(path) as f:
         lines = [line for line in f if not line.startswith("#")]
     kinds = {f.name: f.type for f in fields(Row)}
+    optional = {f.name for f in fields(Row) if f.default is not MISSING}
     out = []
     for n, rec in enumerate(csv.DictReader(lines), start=1):
-        missing = [k for k in kinds if k != "source" and rec.get(k) is None]
+        missing = [k for k in kinds if k != "source" and k not in optional and rec.get(k) is None]
         if missing:
             raise ValueError(f"{path.name}: row {n} lacks column(s) {', '.join(missing)}")
-        values = {k: _value(kinds[k], rec[k]) for k in kinds if k != "source"}
+        values = {k: _value(kinds[k], rec[k]) for k in kinds if rec.get(k) is not None}
         out.append(Row(**values, source=path.name))
     return out
 
@@ -132,6 +141,9 @@ def row_config(row: Row) -> Config:
     """The megapipe config of one row (module docstring), validated as train.py would."""
     if row.precision not in DTYPES and row.precision not in FP8_RECIPES:
         raise ValueError(f"{row.source}: {row.label} has precision {row.precision}; bf16 or fp8")
+    if row.grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"{row.source}: {row.label} has grad_reduce {row.grad_reduce}; "
+                         f"one of {', '.join(GRAD_REDUCE)}")  # fmt: skip
     schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
     overrides = [
         f"model.arch={row.arch}",
@@ -155,6 +167,7 @@ def row_config(row: Row) -> Config:
         f"parallel.sequence_parallel={str(row.sequence_parallel and row.tp > 1).lower()}",
         f"parallel.tp_overlap={str(row.tp_overlap and row.precision in DTYPES).lower()}",
         f"parallel.zero={ZERO[row.sharding]}",
+        f"parallel.grad_reduce_dtype={GRAD_REDUCE[row.grad_reduce]}",
         f"train.global_batch={row.gbs}",
         f"train.dtype={DTYPES.get(row.precision, 'bfloat16')}",
         f"train.fp8={FP8_RECIPES.get(row.precision, 'none')}",

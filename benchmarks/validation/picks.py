@@ -1,0 +1,88 @@
+"""The planner against the published meshes: for each published run, the planner's fastest
+configuration (megapipe/perf/search.py) under the run's GPUs, cluster, runtime, model, global
+batch and device memory, beside the mesh the authors ran, both projected by the same model.
+
+The planner searches megapipe's own configurations, so its memory is megapipe's (config/
+states.py): where the published mesh does not fit that memory, the planner cannot pick it, and
+the row says so (`published_fits`) with the plan's peak. The run's own settings the search
+does not vary (precision, FP8, grad reduce dtype, layer balance) are held at the row's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.validation import h100_validation, published
+from megapipe.perf.cluster import load_cluster
+from megapipe.perf.model import Projection, project
+from megapipe.perf.search import Ranked, describe, search
+
+
+@dataclass(frozen=True)
+class Pick:
+    row: published.Row
+    published: Projection  # the authors' mesh, projected with memory
+    pick: Ranked  # the planner's best
+
+    @property
+    def ratio(self) -> float:
+        """The pick's projected step time over the published mesh's: <= 1 is the target."""
+        return self.pick.step_time_s / self.published.step_time_s
+
+    @property
+    def same_mesh(self) -> bool:
+        """The pick is the published mesh (tp, pp, dp, cp, vpp)."""
+        c, r = self.pick.candidate, self.row
+        vpp = c.vpp if c.pp > 1 else 1
+        return (c.tp, c.pp, c.dp, c.cp, vpp) == (r.tp, r.pp, r.dp, r.cp, r.vpp)
+
+
+def pick(row: published.Row) -> Pick:
+    """One row: its published mesh projected and the planner's best (module docstring)."""
+    m = published.measured(row)
+    cluster = load_cluster(m.cluster, row.gpus_per_node)
+    runtime = h100_validation.runtime_of(row)
+    mine = project(m.config, cluster, runtime, memory=True)
+    return Pick(row, mine, search(m.config, row.gpus, cluster, runtime).best)
+
+
+def picks(rows: list[published.Row] | None = None) -> list[Pick]:
+    """Every priced published row (h100_validation.rows, and the FP8 rows), or `rows`."""
+    if rows is None:
+        rows = h100_validation.rows() + published.load_all(published.FP8_SOURCES)
+    return [pick(r) for r in rows]
+
+
+def markdown(results: list[Pick]) -> str:
+    """The comparison per row, and how often and by how much the pick differs."""
+    lines = [
+        "| row | GPUs | published mesh | step s | GiB | fits | planner's pick | step s | GiB "
+        "| pick / published |",
+        "|---|---:|---|---:|---:|---|---|---:|---:|---:|",
+    ]
+    for p in results:
+        r, mine, best = p.row, p.published, p.pick.projection
+        mesh = f"tp{r.tp} pp{r.pp} dp{r.dp} cp{r.cp}" + (f" vp{r.vpp}" if r.vpp > 1 else "")
+        lines.append(
+            f"| {r.label} | {r.gpus} | {mesh} | {mine.step_time_s:.3f} "
+            f"| {mine.peak_memory_gib:.1f} | {'yes' if mine.fits else 'no'} "
+            f"| {'the same mesh: ' if p.same_mesh else ''}{describe(p.pick.candidate)} "
+            f"| {best.step_time_s:.3f} | {best.peak_memory_gib:.1f} | {p.ratio:.3f} |"
+        )
+    differ = [p for p in results if not p.same_mesh]
+    slower = [p for p in results if p.ratio > 1.0]
+    gains = sorted(1.0 - p.ratio for p in differ)
+    lines.append("")
+    lines.append(
+        f"{len(differ)} of {len(results)} picks differ from the published mesh"
+        + (f" (projected {gains[0]:+.1%} to {gains[-1]:+.1%} faster)" if gains else "")
+        + f"; {len(slower)} project slower than it"
+        + (": " + ", ".join(_why_slower(p) for p in slower) if slower else "")
+        + "."
+    )
+    return "\n".join(lines)
+
+
+def _why_slower(p: Pick) -> str:
+    why = "" if p.published.fits else f", its mesh needs {p.published.peak_memory_gib:.1f} GiB"
+    return f"{p.row.label} ({p.ratio - 1:+.1%}{why})"
