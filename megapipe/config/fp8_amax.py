@@ -11,6 +11,8 @@ weight grad gᵀ (out, tokens) and xᵀ (in, tokens). parallel/fp8_scaling.py `a
 The groups: cp splits the tokens; tp the output features of a column linear, the input ones of a
 row linear, and under sequence parallelism the tokens of a linear whole on every tp rank
 (latent attention's down projections, models/mla.py), which reads each rank's sequence chunk.
+MTP's depths (models/mtp.py) run on the head's block: each its projection (whole on every tp
+rank, as a down projection) and its block, as layer n_layers + k − 1 (`block_amax_ops`).
 Under zero=3 the weights arrive cast (parallel/data/zero3_fp8.py): W and Wᵀ cast nothing per
 microbatch, their amaxes are the once-a-step `fp8_weights.amax_entries`.
 
@@ -25,7 +27,13 @@ whole on the rank and need no op. The shared experts are dense tp linears, count
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn
-from megapipe.config.fp8_weights import SCALE_BYTES, Fp8Weight, experts_cast, layer_fp8_weights
+from megapipe.config.fp8_weights import (
+    SCALE_BYTES,
+    Fp8Weight,
+    experts_cast,
+    layer_fp8_weights,
+    mtp_projection,
+)
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.schema import Config, gated
 
@@ -83,21 +91,47 @@ def experts_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp
 
 
 def layer_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
-    """(F, B) all-reduces of `block`'s FP8 linears and routed experts in one microbatch ([], []
-    where it has none); a full-recompute layer runs F again inside B."""
-    x, (f, b) = rank_dims(cfg), experts_amax_ops(cfg, block)
-    for w in layer_fp8_weights(cfg, block):
+    """(F, B) all-reduces of layer `block` − 1's FP8 linears and routed experts in one
+    microbatch ([], [] where it has none; past n_layers an MTP depth's block,
+    fp8_weights.layer_fp8_weights)."""
+    f, b = experts_amax_ops(cfg, block)
+    lf, lb = _linears_ops(cfg, layer_fp8_weights(cfg, block))
+    return f + lf, b + lb
+
+
+def _linears_ops(cfg: Config, weights: list[Fp8Weight]) -> tuple[list[AxisOp], list[AxisOp]]:
+    """(F, B) all-reduces of FP8 linears `weights` over a microbatch's tokens (a linear whole
+    on every tp rank reads the rank's own: its sequence chunk under SP)."""
+    x, f, b = rank_dims(cfg), [], []
+    for w in weights:
         lf, lb = linear_amax_ops(cfg, w, x.ns if w.splits == "none" else x.n)
         f, b = f + lf, b + lb
     return f, b
 
 
+def block_amax_ops(cfg: Config, block: int) -> list[tuple[list, list, bool]]:
+    """(F, B, F again in B) of what the pipeline's `block` runs in FP8: a layer's (again under
+    full recompute); on the head's block each MTP depth's projection and its block (models/
+    mtp.py; its block recomputed as layer n_layers + k − 1 is)."""
+    m = cfg.model
+    if not 1 <= block <= m.n_layers + 1:
+        return []
+    layers = [block] if block <= m.n_layers else []
+    out = []
+    for k in range(1, m.mtp_layers + 1) if block == m.n_layers + 1 else ():
+        out.append((*_linears_ops(cfg, mtp_projection(cfg, k)), False))
+        layers.append(m.n_layers + k)
+    for layer in layers:
+        again = layer_mode(cfg.recompute, layer - 1) == "full"
+        out.append((*layer_amax_ops(cfg, layer), again))
+    return out
+
+
 def amax_bytes(cfg: Config, blocks, axis: str) -> float:
-    """Bytes the rank holding `blocks` puts into `axis`'s amax all-reduces in one microbatch
-    (F twice in a full-recompute layer)."""
+    """Bytes the rank holding the pipeline's `blocks` puts into `axis`'s amax all-reduces in
+    one microbatch (F twice in a full-recompute layer)."""
     total = 0.0
     for block in blocks:
-        f, b = layer_amax_ops(cfg, block)
-        again = 1 <= block <= cfg.model.n_layers and layer_mode(cfg.recompute, block - 1) == "full"
-        total += sum(n for a, n in f * (2 if again else 1) + b if a == axis)
+        for f, b, again in block_amax_ops(cfg, block):
+            total += sum(n for a, n in f * (2 if again else 1) + b if a == axis)
     return total
