@@ -188,6 +188,23 @@ def test_mtp_fp8_linears_are_the_plans(tmp_path, rank, extra):
     assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
 
 
+WIDE = ["--model.d_model=256", "--parallel.microbatches=4", "--train.global_batch=16"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_weight_casts_kept_over_a_step_are_the_plans(tmp_path, recipe):
+    """The FP8 linears' weight casts kept from a step's first forward to its last backward
+    (parallel/fp8_weight_cache.py), tp2 + SP, d_model 256 and 4 microbatches: 1 byte per
+    weight element (2 under rowwise), 5% (10%) of the rank's peak, in the dry run
+    (config/fp8_weights.step_cast_bytes): the peak within 5% of the plan's; each weight's amax
+    all-reduced once a step (rowwise: W's and Wᵀ's), tp's bytes the plan's exactly."""
+    over = [f"--run.dir={tmp_path}", "--parallel.tp=2", "--parallel.sequence_parallel=true"]
+    cfg = load_config(TINY, [*over, *WIDE, f"--train.fp8={recipe}"])
+    (r,) = fake_ranks(cfg, "0")["ranks"]
+    assert r["comm_bytes"]["tp"] == r["plan_comm_bytes"]["tp"]
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
 def test_zero3_rank_holds_its_shard_and_a_few_blocks_of_grads(tmp_path):
     """ZeRO-3 reducing every microbatch (dp4, 8 layers, 2 microbatches, rank 3: the last
     shard): the most grad bytes the rank holds at any moment stay within the dry run's grads

@@ -13,8 +13,12 @@ row linear, and under sequence parallelism the tokens of a linear whole on every
 (latent attention's down projections, models/mla.py), which reads each rank's sequence chunk.
 MTP's depths (models/mtp.py) run on the head's block: each its projection (whole on every tp
 rank, as a down projection) and its block, as layer n_layers + k − 1 (`block_amax_ops`).
-Under zero=3 the weights arrive cast (parallel/data/zero3_fp8.py): W and Wᵀ cast nothing per
-microbatch, their amaxes are the once-a-step `fp8_weights.amax_entries`.
+W and Wᵀ are not cast every microbatch (fp8_weights.weight_casts): the linears keep their
+weight casts over a step (parallel/fp8_weight_cache.py), W's amaxes all-reduced once a step in
+the first forward and, rowwise, Wᵀ's in the first backward (`weight_step_ops`); under zero=3
+the weights arrive cast (parallel/data/zero3_fp8.py), their amaxes the once-a-step
+`fp8_weights.amax_entries`; only pipedream_async, whose weights change between microbatches,
+casts them at every use.
 
 The routed experts (parallel/fp8_experts.py) cast per (expert, source) part, E parts on a rank
 (E/ep experts x ep sources), and `quantize_parts` all-reduces every part's amax of one operand
@@ -30,9 +34,11 @@ from megapipe.config.flops import expert_ffn
 from megapipe.config.fp8_weights import (
     SCALE_BYTES,
     Fp8Weight,
+    block_fp8_weights,
     experts_cast,
     layer_fp8_weights,
     mtp_projection,
+    weight_casts,
 )
 from megapipe.config.memory_terms import layer_mode, rank_dims
 from megapipe.config.schema import Config, gated
@@ -55,21 +61,56 @@ def _granularity(cfg: Config) -> str:
     return {"tensorwise": "tensorwise", "rowwise": "rowwise"}.get(cfg.train.fp8, "")
 
 
-def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]:
-    """(F, B) all-reduces of one FP8 linear over `tokens` rows (module docstring)."""
+def _axes(cfg: Config, w: Fp8Weight) -> tuple[tuple, tuple, tuple]:
+    """(tokens, outs, ins): the axes splitting a linear's tokens, output and input features."""
     p = cfg.parallel
-    granularity = _granularity(cfg)
     tp = ("tp",) if p.tp > 1 else ()
     t = ("cp",) if p.cp > 1 else ()
     t += tp if w.splits == "none" and p.sequence_parallel else ()
-    o, i = (tp if w.splits == "out" else ()), (tp if w.splits == "in" else ())
-    weights = p.zero != 3  # under zero=3 W and Wᵀ come cast
+    return t, (tp if w.splits == "out" else ()), (tp if w.splits == "in" else ())
+
+
+def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]:
+    """(F, B) all-reduces of one FP8 linear over `tokens` rows in a microbatch (module
+    docstring): W's and Wᵀ's only where each use casts them (weight_step_ops)."""
+    granularity = _granularity(cfg)
+    t, o, i = _axes(cfg, w)
     f = _operand_ops(granularity, tokens, t, i)
     b = _operand_ops(granularity, tokens, t, o)
-    if weights:
+    if weight_casts(cfg) == "use":
         f += _operand_ops(granularity, w.rows, o, i)
         b += _operand_ops(granularity, w.cols, i, o)
     b += _operand_ops(granularity, w.rows, o, t) + _operand_ops(granularity, w.cols, i, t)
+    return f, b
+
+
+def weight_step_ops(cfg: Config, w: Fp8Weight) -> tuple[list, list]:
+    """(F, B) all-reduces of one FP8 linear's weight casts kept over a step (parallel/
+    fp8_weight_cache.py), once a step: W's in the first forward, and under rowwise Wᵀ's in
+    the first backward (one tensor scale reads W's transposed); ([], []) where the weights
+    are cast otherwise (fp8_weights.weight_casts)."""
+    if weight_casts(cfg) != "step":
+        return [], []
+    granularity = _granularity(cfg)
+    _, o, i = _axes(cfg, w)
+    f = _operand_ops(granularity, w.rows, o, i)
+    b = _operand_ops(granularity, w.cols, i, o) if granularity == "rowwise" else []
+    return f, b
+
+
+def step_amax_bytes(cfg: Config, blocks, axis: str) -> float:
+    """Bytes the rank holding the pipeline's `blocks` puts into `axis`'s all-reduces of the
+    weight casts kept over a step, once a step (weight_step_ops)."""
+    ops = [weight_step_ops(cfg, w) for b in blocks for w in block_fp8_weights(cfg, b)]
+    return sum(n for f, b in ops for a, n in f + b if a == axis)
+
+
+def layer_step_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
+    """(F, B) once-a-step all-reduces of layer `block` − 1's weight casts (weight_step_ops)."""
+    f, b = [], []
+    for w in layer_fp8_weights(cfg, block):
+        wf, wb = weight_step_ops(cfg, w)
+        f, b = f + wf, b + wb
     return f, b
 
 

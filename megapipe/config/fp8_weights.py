@@ -188,11 +188,35 @@ def cast_bytes(cfg: Config, blocks: Iterable[int], shards: int) -> float:
     """What zero=3's FP8 gathers keep over a step on a rank holding `blocks`, its weights
     sharded `shards` ways: the 1-byte cast of its shard of their FP8 weights (two under
     rowwise) and the float32 inverse scales of every weight, whole on each rank."""
-    granularity = weight_granularity(cfg)
-    if granularity is None or shards <= 1:
+    if weight_granularity(cfg) is None or shards <= 1:
         return 0.0
-    blocks = list(blocks)
-    forms = 2 if granularity == "rowwise" else 1
+    return _kept_casts(cfg, list(blocks), shards)
+
+
+def weight_casts(cfg: Config) -> str:
+    """When the FP8 linears cast their weights: "gathered" (zero=3: its gathers cast the shards
+    once a step, parallel/data/zero3_fp8.py), "use" (pipedream_async, whose optimizer steps
+    between a step's microbatches: at every use), else "step" (at the first use in a step,
+    kept to its end: parallel/fp8_weight_cache.py)."""
+    if cfg.parallel.zero == 3:
+        return "gathered"
+    return "use" if cfg.parallel.schedule == "pipedream_async" else "step"
+
+
+def step_cast_bytes(cfg: Config, blocks: Iterable[int]) -> float:
+    """What the FP8 linears' weight casts kept over a step's forwards and backwards hold on a
+    rank holding `blocks` (parallel/fp8_weight_cache.py): each FP8 weight at one byte (two
+    under rowwise: W's and Wᵀ's casts) and their float32 inverse scales; 0 where the weights
+    are cast otherwise (weight_casts)."""
+    if weight_granularity(cfg) is None or weight_casts(cfg) != "step":
+        return 0.0
+    return _kept_casts(cfg, list(blocks), 1)
+
+
+def _kept_casts(cfg: Config, blocks: list[int], shards: int) -> float:
+    """The 1-byte casts of a 1/`shards` range of `blocks`' FP8 weights (two forms under
+    rowwise) and every weight's inverse scales."""
+    forms = 2 if weight_granularity(cfg) == "rowwise" else 1
     shard = -(-fp8_params(cfg, blocks) // shards)
     return forms * shard * FP8_BYTES + amax_entries(cfg, blocks)[0] * SCALE_BYTES
 
@@ -229,6 +253,12 @@ def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict)
         lines.append(
             f"(FP8 routed experts in {len(experts)} layers: each expert's weight cast with its "
             "own scales, its rows per source ep rank; gathered in high precision under zero=3)"
+        )
+    step = step_cast_bytes(cfg, blocks)
+    if step:
+        lines.append(
+            f"(FP8 weight casts: each weight cast at its first use in a step and kept to the "
+            f"step's last backward, {step:,.0f} bytes with their scales)"
         )
     if shards > 1:
         kept = cast_bytes(cfg, blocks, shards)
