@@ -70,14 +70,18 @@ def _axes(cfg: Config, w: Fp8Weight) -> tuple[tuple, tuple, tuple]:
     return t, (tp if w.splits == "out" else ()), (tp if w.splits == "in" else ())
 
 
-def linear_amax_ops(cfg: Config, w: Fp8Weight, tokens: int) -> tuple[list, list]:
+def linear_amax_ops(
+    cfg: Config, w: Fp8Weight, tokens: int, every_use: bool | None = None
+) -> tuple[list, list]:
     """(F, B) all-reduces of one FP8 linear over `tokens` rows in a microbatch (module
-    docstring): W's and Wᵀ's only where each use casts them (weight_step_ops)."""
+    docstring): W's and Wᵀ's only where each use casts them (weight_step_ops); `every_use`
+    True counts them all the same (Transformer Engine's amax buffer holds the weights' too:
+    perf/fp8_costs.py's delayed scaling)."""
     granularity = _granularity(cfg)
     t, o, i = _axes(cfg, w)
     f = _operand_ops(granularity, tokens, t, i)
     b = _operand_ops(granularity, tokens, t, o)
-    if weight_casts(cfg) == "use":
+    if weight_casts(cfg) == "use" if every_use is None else every_use:
         f += _operand_ops(granularity, w.rows, o, i)
         b += _operand_ops(granularity, w.cols, i, o)
     b += _operand_ops(granularity, w.rows, o, t) + _operand_ops(granularity, w.cols, i, t)
@@ -131,21 +135,25 @@ def experts_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp
     return [(a, n * parts) for a, n in f], [(a, n * parts) for a, n in b]
 
 
-def layer_amax_ops(cfg: Config, block: int) -> tuple[list[AxisOp], list[AxisOp]]:
+def layer_amax_ops(
+    cfg: Config, block: int, every_use: bool | None = None
+) -> tuple[list[AxisOp], list[AxisOp]]:
     """(F, B) all-reduces of layer `block` − 1's FP8 linears and routed experts in one
     microbatch ([], [] where it has none; past n_layers an MTP depth's block,
-    fp8_weights.layer_fp8_weights)."""
+    fp8_weights.layer_fp8_weights); `every_use`: linear_amax_ops'."""
     f, b = experts_amax_ops(cfg, block)
-    lf, lb = _linears_ops(cfg, layer_fp8_weights(cfg, block))
+    lf, lb = _linears_ops(cfg, layer_fp8_weights(cfg, block), every_use)
     return f + lf, b + lb
 
 
-def _linears_ops(cfg: Config, weights: list[Fp8Weight]) -> tuple[list[AxisOp], list[AxisOp]]:
+def _linears_ops(
+    cfg: Config, weights: list[Fp8Weight], every_use: bool | None = None
+) -> tuple[list[AxisOp], list[AxisOp]]:
     """(F, B) all-reduces of FP8 linears `weights` over a microbatch's tokens (a linear whole
     on every tp rank reads the rank's own: its sequence chunk under SP)."""
     x, f, b = rank_dims(cfg), [], []
     for w in weights:
-        lf, lb = linear_amax_ops(cfg, w, x.ns if w.splits == "none" else x.n)
+        lf, lb = linear_amax_ops(cfg, w, x.ns if w.splits == "none" else x.n, every_use)
         f, b = f + lf, b + lb
     return f, b
 
