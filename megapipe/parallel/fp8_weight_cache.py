@@ -67,6 +67,7 @@ class WeightCasts:
             self._open = False
             self._kept.clear()
 
+    @torch.compiler.disable  # bookkeeping, run eagerly: traced, its counter would guard a graph
     def operand(
         self, param: torch.Tensor, form: str, granularity: str, cast: Callable[[str], Operand]
     ) -> Operand:
