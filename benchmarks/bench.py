@@ -9,11 +9,12 @@ python -m benchmarks.bench data [--mb 50 --workers 1,2]
 python -m benchmarks.bench cp_balance [--rows 32 --seqs 1024,2048,4096 --cps 2,4,8]
 python -m benchmarks.bench moe_balance [--steps 300 --seeds 1234,1235 --rate 0.001 --plot F.png]
 python -m benchmarks.bench fp8_shakespeare [--steps 200 --eval-interval 25 --seeds 1234]
+python -m benchmarks.bench fp8_weight_cache [--microbatches 8 --steps 12 --recipes tensorwise]
 python -m benchmarks.bench fake_startup [--worlds 64,1024,16384 --json F]
 python -m benchmarks.bench calibrate [--out megapipe/perf/clusters/cpu.yaml --threads 1 --rounds 5]
 python -m benchmarks.bench local [--steps 10 --rounds 3 --stored-only --json]
 
-Ten living benchmarks, and the CPU profile's calibration with its local truth. The others
+Eleven living benchmarks, and the CPU profile's calibration with its local truth. The others
 (matmuls, kernels, tp, tp_overlap, cp, data_index, precision, checkpoint, moe, grouped, progress)
 were retired in issue 46: the dated files under docs/benchmarks/ record what each answered and
 the command it ran. The published runs the performance model is checked on are
@@ -34,6 +35,10 @@ SUBCOMMANDS = {
     "fp8_shakespeare": (
         "bench_fp8_shakespeare",
         "FP8 recipes vs bf16 on the Shakespeare quick start: validation loss, divergence",
+    ),
+    "fp8_weight_cache": (
+        "bench_fp8_weight_cache",
+        "FP8 weight casts kept over a step vs cast at every use: step time, casts a step",
     ),
     "train": ("bench_train", "training-step tokens/s vs transformers' GPT2LMHeadModel"),
     "pipeline": (

@@ -198,6 +198,45 @@ def test_fp8_amax_all_reduces_are_the_plans(tmp_path, extra, axes):
         assert measured - measured_none == plan - plan_none > 0, axis
 
 
+MTP = ["--model.mtp_layers=1", "--model.tie_embeddings=false"]
+PP2 = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.microbatches=2"]
+
+
+@pytest.mark.parametrize(
+    ("rank", "extra"),
+    [("0", ["--train.fp8=tensorwise"]), ("4", [*PP2, "--train.fp8=rowwise"])],
+    ids=["tensorwise", "pp2_last_stage_rowwise"],
+)
+def test_mtp_fp8_linears_are_the_plans(tmp_path, rank, extra):
+    """Multi-token prediction's depths (models/mtp.py, beside the head: the last stage) under
+    train.fp8 and tp2 + SP: each depth's projection (whole on every tp rank, its amaxes shared
+    over tp's sequence chunks) and its block's linears all-reduce their amaxes as a layer's
+    do (config/fp8_amax.block_amax_ops): tp's bytes are the plan's exactly; the peak within 5%
+    of the dry run's."""
+    over = [f"--run.dir={tmp_path}", "--parallel.tp=2", "--parallel.sequence_parallel=true"]
+    cfg = load_config(TINY, [*over, *MTP, *extra])
+    (r,) = fake_ranks(cfg, rank)["ranks"]
+    assert r["comm_bytes"]["tp"] == r["plan_comm_bytes"]["tp"]
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
+WIDE = ["--model.d_model=256", "--parallel.microbatches=4", "--train.global_batch=16"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_weight_casts_kept_over_a_step_are_the_plans(tmp_path, recipe):
+    """The FP8 linears' weight casts kept from a step's first forward to its last backward
+    (parallel/fp8_weight_cache.py), tp2 + SP, d_model 256 and 4 microbatches: 1 byte per
+    weight element (2 under rowwise), 5% (10%) of the rank's peak, in the dry run
+    (config/fp8_weights.step_cast_bytes): the peak within 5% of the plan's; each weight's amax
+    all-reduced once a step (rowwise: W's and Wᵀ's), tp's bytes the plan's exactly."""
+    over = [f"--run.dir={tmp_path}", "--parallel.tp=2", "--parallel.sequence_parallel=true"]
+    cfg = load_config(TINY, [*over, *WIDE, f"--train.fp8={recipe}"])
+    (r,) = fake_ranks(cfg, "0")["ranks"]
+    assert r["comm_bytes"]["tp"] == r["plan_comm_bytes"]["tp"]
+    assert abs(r["peak_bytes"] / r["plan_peak_bytes"] - 1) <= 0.05
+
+
 def test_zero3_rank_holds_its_shard_and_a_few_blocks_of_grads(tmp_path):
     """ZeRO-3 reducing every microbatch (dp4, 8 layers, 2 microbatches, rank 3: the last
     shard): the most grad bytes the rank holds at any moment stay within the dry run's grads

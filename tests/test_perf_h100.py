@@ -112,17 +112,24 @@ def test_fp8_rows_held_out_within_target():
 
 
 @pytest.mark.parametrize("after_norm", [False, True])
-def test_delayed_scaling_casts_less_and_once_a_step(after_norm):
+def test_delayed_scaling_casts_less_and_weights_once_a_step(after_norm):
     """Transformer Engine's delayed scaling (perf/fp8_costs.py) moves fewer bytes than
-    megapipe's current scaling for every GEMM, and its weight cast is paid once a step: more
-    microbatches make it cheaper per microbatch, where current scaling pays it every time."""
+    megapipe's current scaling for every GEMM; both cast a weight once a step (megapipe's
+    parallel/fp8_weight_cache.py), so more microbatches make F cheaper per microbatch; under
+    current scaling the input grad reads W's cast transposed (a copy each microbatch), or
+    casts Wᵀ once a step too (rowwise: `own_transpose`), or at every use (pipedream_async:
+    1 microbatch and its own transpose)."""
     for m, n, k in [(4096, 6144, 4096), (16, 28672, 8192), (8192, 1024, 53248)]:
-        now = cast_bytes(m, n, k, 2)
-        assert now == cast_bytes(m, n, k, 2, "current", after_norm, 64)
+        now = cast_bytes(m, n, k, 2, "current", after_norm, 1)
+        now_many = cast_bytes(m, n, k, 2, "current", after_norm, 64)
         one = cast_bytes(m, n, k, 2, "delayed", after_norm, 1)
         many = cast_bytes(m, n, k, 2, "delayed", after_norm, 64)
-        assert sum(many) < sum(one) < sum(now)
+        assert sum(many) < sum(one) < sum(now) and sum(many) < sum(now_many) < sum(now)
         assert many[1:] == one[1:] and many[0] < one[0]  # only F holds the weight's cast
+        assert now_many[1:] == now[1:] and now_many[0] < now[0]
+        rowwise = cast_bytes(m, n, k, 2, "current", after_norm, 64, own_transpose=True)
+        every_use = cast_bytes(m, n, k, 2, "current", after_norm, 1, own_transpose=True)
+        assert rowwise[1] < every_use[1] and rowwise[0] == now_many[0]
 
 
 def test_megatron_core_fp8_projection_faster_with_its_casts():

@@ -66,23 +66,36 @@ def test_sharded_casts_are_the_whole_weights(recipe):
     assert len(buckets[0].forms) == (2 if recipe == "rowwise" else 1)
 
 
+MTP = {"model.mtp_layers": "2", "model.tie_embeddings": "false"}
+
+
 @pytest.mark.parametrize(
     ("recipe", "extra"),
     [("tensorwise", {}), ("rowwise", {"model.arch": "llama", "train.fp8_keep_bf16": "head,fc2"}),
      ("blockwise", {"model.d_model": "256", "model.n_heads": "2"}),
-     ("rowwise", {"model.arch": "deepseek_v3", "model.q_lora_rank": "16"})],
+     ("rowwise", {"model.arch": "deepseek_v3", "model.q_lora_rank": "16"}),
+     ("tensorwise", {**MTP, "train.fp8_keep_bf16": "embed,head,1"}),
+     ("rowwise", {**MTP, "model.arch": "deepseek_v3", "model.q_lora_rank": "16"})],
+    ids=["tensorwise", "rowwise_llama", "blockwise", "rowwise_mla", "mtp_kept", "mtp_mla"],
 )  # fmt: skip
 def test_the_config_knows_the_fp8_weights(recipe, extra):
     """config/fp8_weights.py against a built model: each layer's FP8 weights (the gathers'
-    1-byte elements) and the amax entries its casts all-reduce once a step."""
+    1-byte elements) and the amax entries its casts all-reduce once a step; the head's block
+    holds MTP's depths' (their projections and blocks; train.fp8_keep_bf16's parts match
+    `mtp.depths.k.…` as they match `layers.i.…`)."""
     cfg = load_config(TINY, [f"--train.fp8={recipe}", *(f"--{k}={v}" for k, v in extra.items())])
     model = build_model(cfg)
     linears = fp8_linears(model)
-    for block in range(1, cfg.model.n_layers + 1):
-        mine = [m for n, m in model.named_modules() if n.startswith(f"layers.{block - 1}.")]
+    n = cfg.model.n_layers
+    blocks = {b: f"layers.{b - 1}." for b in range(1, n + 1)} | {n + 1: "mtp."}
+    for block, prefix in blocks.items():
+        mine = [m for name, m in model.named_modules() if name.startswith(prefix)]
         weights = [m.weight for m in mine if id(getattr(m, "weight", None)) in linears]
-        assert weights and sum(w.numel() for w in weights) == fp8_params(cfg, [block])
+        assert sum(w.numel() for w in weights) == fp8_params(cfg, [block])
+        assert block <= n or bool(weights) == (cfg.model.mtp_layers > 0)  # the head: MTP's
+        if not weights:
+            continue
         bucket = Fp8Bucket(weights, linears, 0, sum(w.numel() for w in weights), 1)
         entries = sum(c[f].n_scales for c in bucket.casts.values() for f in bucket.forms)
         assert entries == amax_entries(cfg, [block])[0]
-    assert fp8_params(cfg, [0, cfg.model.n_layers + 1]) == 0  # embedding, head: kept
+    assert fp8_params(cfg, [0]) == 0  # the embedding: kept

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
-from megapipe.config.fp8_amax import amax_bytes
+from megapipe.config.fp8_amax import amax_bytes, step_amax_bytes
 from megapipe.config.fp8_weights import (
     FP8_BYTES,
     SCALE_BYTES,
@@ -216,7 +216,9 @@ def rank_comm_bytes(
         out["dp"] += put_in("all_reduce", dp_amax * SCALE_BYTES, p.dp * p.cp)
         out["tp"] += put_in("all_reduce", tp_amax * SCALE_BYTES, p.tp)
     for axis in ("tp", "cp"):  # train.fp8's amax all-reduces (config/fp8_amax.py)
-        out[axis] += p.microbatches * amax_bytes(cfg, [b for bs in held for b in bs], axis)
+        blocks = [b for bs in held for b in bs]
+        out[axis] += p.microbatches * amax_bytes(cfg, blocks, axis)
+        out[axis] += step_amax_bytes(cfg, blocks, axis)  # the weights', once a step
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
     if p.dp == 1 and p.cp > 1:  # the replica group is cp's own: its sums run on cp's ranks
         out["cp"], out["dp"] = out["cp"] + out["dp"], 0.0

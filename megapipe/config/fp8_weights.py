@@ -1,6 +1,7 @@
 """The weights train.fp8 casts, as the config knows them: each layer's FP8 linears on one tp
 rank (parallel/fp8.py `Fp8.apply`: every tp linear whose module name has no part in
-train.fp8_keep_bf16; the embedding and the head by default), their scales, and what zero=3's
+train.fp8_keep_bf16; the embedding and the head by default; on the head's block each MTP
+depth's projection and block, models/mtp.py), their scales, and what zero=3's
 FP8 gathers move (parallel/data/zero3_fp8.py): the communication (config/comm_bytes.py) and
 memory (config/memory_plan.py) models read them from here. The routed experts
 (parallel/fp8_experts.py) cast in their matmuls from their high-precision weights, gathered in
@@ -48,10 +49,12 @@ def weight_granularity(cfg: Config) -> str | None:
 
 
 def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
-    """The FP8 weights of `block` (a layer: 1..n_layers) on one tp rank; [] for the others or
-    with train.fp8=none."""
+    """The FP8 weights of layer `block` − 1 on one tp rank: 1..n_layers the main layers,
+    n_layers + k the block of MTP depth k (models/gpt.build_mtp: the kind of layer
+    n_layers + k − 1); [] for the others or with train.fp8=none. The pipeline's blocks:
+    block_fp8_weights."""
     m, t, d = cfg.model, cfg.parallel.tp, cfg.derived
-    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers:
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
         return []
     h, hkv = m.n_heads // t, max(d.n_kv_heads // t, 1)  # memory_terms.rank_dims' heads
     mlps = {"mlp": d.d_ff // t}
@@ -65,7 +68,42 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     for name, ff in mlps.items():
         named[f"{name}.fc1"] = Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out")
         named[f"{name}.fc2"] = Fp8Weight(m.d_model, ff, "in")
-    keep, prefix = _kept(cfg), ("layers", str(block - 1))
+    return _cast(cfg, _layer_name(cfg, block - 1), named)
+
+
+def mtp_projection(cfg: Config, depth: int) -> list[Fp8Weight]:
+    """MTP depth `depth`'s 2d → d projection (models/mtp.MTPModule.proj, a ReplicatedLinear
+    whole on every tp rank) where train.fp8 casts it, else []."""
+    if weight_granularity(cfg) is None or not 1 <= depth <= cfg.model.mtp_layers:
+        return []
+    d = cfg.model.d_model
+    named = {"proj": Fp8Weight(d, 2 * d, "none")}
+    return _cast(cfg, ("mtp", "depths", str(depth - 1)), named)
+
+
+def block_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
+    """The FP8 weights of the pipeline's `block` (0 the embedding, 1..n_layers the layers,
+    n_layers + 1 the head's, which holds MTP's depths: each its projection and its block)."""
+    m = cfg.model
+    if block != m.n_layers + 1:
+        return layer_fp8_weights(cfg, block)
+    depths = range(1, m.mtp_layers + 1)
+    return [
+        w for k in depths for w in mtp_projection(cfg, k) + layer_fp8_weights(cfg, m.n_layers + k)
+    ]
+
+
+def _layer_name(cfg: Config, index: int) -> tuple[str, ...]:
+    """The module name parts of layer `index` (0-based) in a chunk: a main layer's, or past
+    n_layers an MTP depth's block (models/mtp.MTP.depths)."""
+    n = cfg.model.n_layers
+    return ("layers", str(index)) if index < n else ("mtp", "depths", str(index - n), "block")
+
+
+def _cast(cfg: Config, prefix: tuple[str, ...], named: dict[str, Fp8Weight]) -> list[Fp8Weight]:
+    """The weights of `named` (names under `prefix`) that Fp8.apply casts: those with no name
+    part in train.fp8_keep_bf16."""
+    keep = _kept(cfg)
     return [w for name, w in named.items() if not keep & {*prefix, *name.split(".")}]
 
 
@@ -88,12 +126,13 @@ def _kept(cfg: Config) -> set[str]:
 
 
 def experts_cast(cfg: Config, block: int) -> bool:
-    """Whether train.fp8 casts `block`'s routed experts (Fp8.apply: `layers.i.mlp.experts`
-    unless a part of that name is in train.fp8_keep_bf16)."""
+    """Whether train.fp8 casts layer `block` − 1's routed experts (Fp8.apply: `layers.i.mlp
+    .experts`, an MTP depth's `mtp.depths.k.block.mlp.experts`, unless a part of that name is
+    in train.fp8_keep_bf16)."""
     m = cfg.model
-    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers:
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
         return False
-    names = {"layers", str(block - 1), "mlp", "experts"}
+    names = {*_layer_name(cfg, block - 1), "mlp", "experts"}
     return is_moe_layer(m, block - 1) and not _kept(cfg) & names
 
 
@@ -121,8 +160,8 @@ def expert_deferred_fp8(cfg: Config, block: int, rows: int, element: int) -> tup
 
 
 def fp8_params(cfg: Config, blocks: Iterable[int]) -> int:
-    """Elements of the FP8 weights in `blocks` on one tp rank."""
-    return sum(w.rows * w.cols for b in blocks for w in layer_fp8_weights(cfg, b))
+    """Elements of the FP8 weights in the pipeline's `blocks` on one tp rank."""
+    return sum(w.rows * w.cols for b in blocks for w in block_fp8_weights(cfg, b))
 
 
 def amax_entries(cfg: Config, blocks: Iterable[int]) -> tuple[int, int]:
@@ -133,7 +172,7 @@ def amax_entries(cfg: Config, blocks: Iterable[int]) -> tuple[int, int]:
     granularity = weight_granularity(cfg)
     forms = 2 if granularity == "rowwise" else 1
     dp = tp = 0
-    for w in (w for b in blocks for w in layer_fp8_weights(cfg, b)):
+    for w in (w for b in blocks for w in block_fp8_weights(cfg, b)):
         fwd, dgrad = w.scales(granularity)
         dp += fwd + (dgrad if forms == 2 else 0)
         if w.splits == "none":  # whole on every tp rank: no amax shared over tp
@@ -149,11 +188,35 @@ def cast_bytes(cfg: Config, blocks: Iterable[int], shards: int) -> float:
     """What zero=3's FP8 gathers keep over a step on a rank holding `blocks`, its weights
     sharded `shards` ways: the 1-byte cast of its shard of their FP8 weights (two under
     rowwise) and the float32 inverse scales of every weight, whole on each rank."""
-    granularity = weight_granularity(cfg)
-    if granularity is None or shards <= 1:
+    if weight_granularity(cfg) is None or shards <= 1:
         return 0.0
-    blocks = list(blocks)
-    forms = 2 if granularity == "rowwise" else 1
+    return _kept_casts(cfg, list(blocks), shards)
+
+
+def weight_casts(cfg: Config) -> str:
+    """When the FP8 linears cast their weights: "gathered" (zero=3: its gathers cast the shards
+    once a step, parallel/data/zero3_fp8.py), "use" (pipedream_async, whose optimizer steps
+    between a step's microbatches: at every use), else "step" (at the first use in a step,
+    kept to its end: parallel/fp8_weight_cache.py)."""
+    if cfg.parallel.zero == 3:
+        return "gathered"
+    return "use" if cfg.parallel.schedule == "pipedream_async" else "step"
+
+
+def step_cast_bytes(cfg: Config, blocks: Iterable[int]) -> float:
+    """What the FP8 linears' weight casts kept over a step's forwards and backwards hold on a
+    rank holding `blocks` (parallel/fp8_weight_cache.py): each FP8 weight at one byte (two
+    under rowwise: W's and Wᵀ's casts) and their float32 inverse scales; 0 where the weights
+    are cast otherwise (weight_casts)."""
+    if weight_granularity(cfg) is None or weight_casts(cfg) != "step":
+        return 0.0
+    return _kept_casts(cfg, list(blocks), 1)
+
+
+def _kept_casts(cfg: Config, blocks: list[int], shards: int) -> float:
+    """The 1-byte casts of a 1/`shards` range of `blocks`' FP8 weights (two forms under
+    rowwise) and every weight's inverse scales."""
+    forms = 2 if weight_granularity(cfg) == "rowwise" else 1
     shard = -(-fp8_params(cfg, blocks) // shards)
     return forms * shard * FP8_BYTES + amax_entries(cfg, blocks)[0] * SCALE_BYTES
 
@@ -182,14 +245,20 @@ def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict)
     layers = [b for b in blocks if 1 <= b <= cfg.model.n_layers]
     lines = [
         f"(FP8 weights on pp=0 tp=0: {fp8_params(cfg, blocks):,} elements, the linears of "
-        f"{len(layers)} layers outside train.fp8_keep_bf16={cfg.train.fp8_keep_bf16}, "
-        f"{granularity} scales)"
+        f"{len(layers)} layers{_mtp_note(cfg, blocks)} outside "
+        f"train.fp8_keep_bf16={cfg.train.fp8_keep_bf16}, {granularity} scales)"
     ]
     experts = [b for b in layers if experts_cast(cfg, b)]
     if experts:
         lines.append(
             f"(FP8 routed experts in {len(experts)} layers: each expert's weight cast with its "
             "own scales, its rows per source ep rank; gathered in high precision under zero=3)"
+        )
+    step = step_cast_bytes(cfg, blocks)
+    if step:
+        lines.append(
+            f"(FP8 weight casts: each weight cast at its first use in a step and kept to the "
+            f"step's last backward, {step:,.0f} bytes with their scales)"
         )
     if shards > 1:
         kept = cast_bytes(cfg, blocks, shards)
@@ -206,3 +275,8 @@ def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict)
             "bytes of scales)"
         )
     return lines
+
+
+def _mtp_note(cfg: Config, blocks: list[int]) -> str:
+    depths = cfg.model.mtp_layers if cfg.model.n_layers + 1 in blocks else 0
+    return f" and {depths} MTP depth{'s' if depths > 1 else ''}" if depths else ""

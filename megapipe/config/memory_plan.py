@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from megapipe.config.flops import held_expert_params, segment_bounds
-from megapipe.config.fp8_weights import cast_bytes, fp8_params
+from megapipe.config.fp8_weights import cast_bytes, fp8_params, step_cast_bytes
 from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.memory_terms import (
@@ -110,6 +110,9 @@ class RankMemory:
     # (peak_inflight from the first B or BW on)
     grads_in_b: float = 0.0
     inflight_with_b_grads: float = 0.0
+    # train.fp8's weight casts kept from a step's first forward to its last backward
+    # (config/fp8_weights.step_cast_bytes)
+    casts: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -138,7 +141,7 @@ class RankMemory:
         with_grads = self.grads + live
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
-        held = self.weights + self.gathered + self.optimizer
+        held = self.weights + self.gathered + self.optimizer + self.casts
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
         at_backward = held + self.backward  # a layer backward's working set (memory_backward)
@@ -195,6 +198,7 @@ def memory_plan(
         host = sum(chunk_host_activations(cfg, b, device) for b in held)
         head = rank_head_transient(cfg, held, device, memory)
         back = max(chunk_backward_bytes(cfg, b, device) for b in held)
+        casts = step_cast_bytes(cfg, [b for blocks in held for b in blocks])
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
@@ -205,7 +209,7 @@ def memory_plan(
             coord = (pp_rank, tp_rank)
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
             r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
-            r = replace(r, host=host * inflight[pp_rank], backward=back)
+            r = replace(r, host=host * inflight[pp_rank], backward=back, casts=casts)
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
                 r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))

@@ -21,6 +21,11 @@ splits, cp for the tokens of a sequence. Inside the linear the tokens are whole 
 gathers before the column linear and after the row linear's backward) and dp ranks hold whole
 rows, so every mesh casts as one process does with the same microbatch rows.
 
+A weight is cast once a step: the policy's `WeightCasts` (fp8_weight_cache.py) keeps W's cast
+(and Wᵀ's, where the recipe needs its own) from the step's first microbatch to its end, as
+Transformer Engine reuses its weight casts over a step's microbatches; the bits are those every
+microbatch would make.
+
 Zero Bubble's deferred W keeps the FP8 operands, quantized in B: half the bytes of bf16 ones
 kept to W (the saving Transformer Engine's saved FP8 inputs make), and W then runs no amax
 collective, so it stays free of communication wherever the schedule puts it. The result is the
@@ -31,7 +36,7 @@ are made afresh each step, so checkpoints hold no FP8 state.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,6 +44,7 @@ from torch import nn
 from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
 from megapipe.parallel.fp8_experts import Fp8Experts
 from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize
+from megapipe.parallel.fp8_weight_cache import WeightCasts
 from megapipe.parallel.precision import weight_grad_landed
 
 RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
@@ -69,12 +75,13 @@ def describe(recipe: str) -> str:
 class Fp8Linear:
     """One linear's FP8 matmuls: the recipe and the groups splitting its operands (`tokens`: cp,
     and tp for a linear whole on every tp rank under SP; `ins`, `outs`: tp where the linear
-    splits its input or output features)."""
+    splits its input or output features); `casts`: the policy's once-a-step weight casts."""
 
     recipe: str
     tokens: tuple = ()
     ins: tuple = ()
     outs: tuple = ()
+    casts: WeightCasts | None = field(default=None, compare=False, repr=False)
 
     @property
     def granularity(self) -> tuple[str, str]:
@@ -84,19 +91,35 @@ class Fp8Linear:
         """y = x Wᵀ + b through FP8 matmuls; the weight grad now or queued on `owner`."""
         return _Fp8Linear.apply(x, weight, bias, owner, self)
 
-    def forward(self, x2, weight, qw=None) -> torch.Tensor:
-        """x Wᵀ; `qw`: W already cast (zero=3's FP8 gather, parallel/data/zero3_fp8.py)."""
+    def forward(self, x2, weight, qw=None, param=None) -> torch.Tensor:
+        """x Wᵀ; `qw`: W already cast (zero=3's FP8 gather, parallel/data/zero3_fp8.py), else
+        the step's cast of `param` (the parameter `weight` is, or is autocast's copy of)."""
         act, wgt = self.granularity
         qx = quantize(x2, E4M3, act, Groups(self.tokens, self.ins))
-        qw = qw or quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
+        qw = qw or self.weight_operand(weight, "forward", param)
         return fp8_matmul(qx, qw, act, wgt)  # (N, out)
 
-    def input_grad(self, g2, weight, qw_t=None) -> torch.Tensor:
+    def input_grad(self, g2, weight, qw_t=None, param=None) -> torch.Tensor:
         """g W; `qw_t`: Wᵀ already cast, as `forward`'s `qw`."""
         act, wgt = self.granularity
         qg = quantize(g2, E5M2, act, Groups(self.tokens, self.outs))
-        qw_t = qw_t or quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
+        qw_t = qw_t or self.weight_operand(weight, "dgrad", param)
         return fp8_matmul(qg, qw_t, act, wgt)  # (N, in)
+
+    def weight_operand(self, weight, form: str, param=None) -> tuple:
+        """W cast for the forward (`form` "forward") or Wᵀ for the input grad ("dgrad"), kept
+        over the step where the policy's casts are open (fp8_weight_cache.py)."""
+        if self.casts is None or param is None:
+            return self._cast_weight(weight, form)
+        return self.casts.operand(
+            param, form, self.granularity[1], lambda f: self._cast_weight(weight, f)
+        )
+
+    def _cast_weight(self, weight, form: str) -> tuple:
+        _, wgt = self.granularity
+        if form == "forward":
+            return quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
+        return quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
 
     def weight_grad_operands(self, x2, g2) -> tuple:
         """grad_W's operands quantized for a contraction over tokens: (gᵀ, xᵀ) with scales."""
@@ -116,15 +139,16 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner, fp8):
-        in_dtype = x.dtype
+        in_dtype, param = x.dtype, weight
         gathered = getattr(owner, "fp8_weight", None)  # zero=3 gathered W cast: never read W
         x, cast, bias = autocast_operands(x, None if gathered else weight, bias)
         weight = weight if cast is None else cast
         ctx.save_for_backward(x, weight)
         ctx.owner, ctx.fp8, ctx.has_bias, ctx.in_dtype = owner, fp8, bias is not None, in_dtype
         ctx.gathered, ctx.w_dtype = gathered, _cast_dtype(weight) if gathered else weight.dtype
+        ctx.param = param  # the key of its step's casts (fp8_weight_cache.py)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = fp8.forward(x2, weight, gathered and gathered.operand("forward"))
+        y = fp8.forward(x2, weight, gathered and gathered.operand("forward"), param)
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -136,7 +160,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         qw_t = ctx.gathered and ctx.gathered.operand("dgrad")
-        grad_x = fp8.input_grad(g2, weight, qw_t).to(ctx.in_dtype).reshape(*x.shape)
+        grad_x = fp8.input_grad(g2, weight, qw_t, ctx.param).to(ctx.in_dtype).reshape(*x.shape)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         operands = fp8.weight_grad_operands(x2, g2)
         key = owner.wgrad_queue.key
@@ -169,22 +193,30 @@ def deferred_weight_grad(owner: nn.Module, operands) -> None:
 @dataclass(frozen=True)
 class Fp8:
     """The FP8 policy: `recipe` (train.fp8), the linears kept in high precision (`keep`: module
-    name parts, train.fp8_keep_bf16) and the cp group that splits the tokens."""
+    name parts, train.fp8_keep_bf16), the cp group that splits the tokens, and the weight casts
+    kept over a step (`casts`, fp8_weight_cache.py; the engines open its `step()`)."""
 
     recipe: str = "none"
     keep: tuple[str, ...] = ()
     cp_group: object = None
+    casts: WeightCasts = field(default_factory=WeightCasts, compare=False, repr=False)
 
     @staticmethod
-    def of(train, cp) -> Fp8:
-        """The policy of the config's `train` section on this rank's cp axis (CPInfo)."""
+    def of(train, cp, cache_weights: bool = True) -> Fp8:
+        """The policy of the config's `train` section on this rank's cp axis (CPInfo);
+        `cache_weights` False casts each weight at each use (a benchmark's baseline)."""
         group = cp.group if cp.size > 1 else None
         keep = tuple(k.strip() for k in train.fp8_keep_bf16.split(",") if k.strip())
-        return Fp8(train.fp8, keep, group)
+        return Fp8(train.fp8, keep, group, WeightCasts(cache_weights))
 
     @property
     def on(self) -> bool:
         return self.recipe != "none"
+
+    def step(self):
+        """Within: one step's forwards and backwards, no weight changing; each FP8 weight is
+        cast at its first use and the cast reused (fp8_weight_cache.py), dropped at the end."""
+        return self.casts.step()
 
     def kept(self, name: str) -> bool:
         return any(part in self.keep for part in name.split("."))
@@ -204,7 +236,7 @@ class Fp8:
             splits = getattr(module, "tp_splits", None)
             if splits is None or self.kept(name):
                 continue
-            module.fp8 = Fp8Linear(self.recipe, *_groups(splits, module.tp, tokens))
+            module.fp8 = Fp8Linear(self.recipe, *_groups(splits, module.tp, tokens), self.casts)
         return model
 
 

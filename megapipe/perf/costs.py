@@ -93,6 +93,7 @@ from megapipe.perf.fp8_costs import (
     cast_bytes,
     fp8_device,
     fp8_gemms,
+    weight_cast_terms,
 )
 from megapipe.perf.software import Runtime, resolved_for
 from megapipe.perf.tp_overlap import async_backward, exposed_tp, sm_margin
@@ -333,12 +334,13 @@ class CostModel(MoECosts):
         fprop, dgrad, wgrad = [], [], []
         casts = [0.0, 0.0, 0.0]  # train.fp8's cast passes before F, B, W (perf/fp8_costs.py)
         cast = fp8_gemms(self.cfg, len(gemms), moe) if self.fp8 else [False] * len(gemms)
-        scaling, micro = self.rt.fp8_scaling, self.cfg.parallel.microbatches
+        scaling = self.rt.fp8_scaling
+        micro, apart = weight_cast_terms(self.cfg, scaling)  # a weight's cast kept, Wᵀ's
         for i, ((m, n, k), b) in enumerate(runs):
             on, elt = dev, self.c
             if cast[i]:  # an FP8 GEMM (not the router's, nor kept experts')
                 on, elt = self.fp8[0], self.fp8[1] or self.c
-                passes = cast_bytes(m, n, k, self.c, scaling, after_norm(i, moe), micro)
+                passes = cast_bytes(m, n, k, self.c, scaling, after_norm(i, moe), micro, apart)
                 casts = [a + b * x for a, x in zip(casts, passes)]
             fprop.append(on.gemm(m, n, k, b, elt))
             dgrad.append(on.gemm(m, k, n, b, elt))

@@ -11,10 +11,14 @@ FP8 at their compute rate (torch's CPU kernel upcasts).
 
 The casts are memory-bound passes, priced as the runtime scales (runtime.fp8_scaling):
 - "current" (megapipe's, parallel/fp8.py: just-in-time scaling): each GEMM's two operands are
-  read for their amax, read again and written as 1-byte values, every microbatch, the weights
-  too. The amax all-reduces over tp and cp (config/fp8_amax.py: a few bytes per scale, up to
-  one float32 per token under rowwise) are latency-bound rings, priced one by one on their
-  axis's link, forward's in F and the backward's in B.
+  read for their amax, read again and written as 1-byte values, every microbatch; the weights
+  once a step (parallel/fp8_weight_cache.py: W's cast, and under rowwise Wᵀ's, kept over the
+  step's microbatches; one tensor scale or 128 x 128 blocks read W's cast transposed, which
+  the input grad's GEMM copies into its layout each microbatch: read 1, write 1), at every
+  use only under pipedream_async (its weights change between microbatches). The amax
+  all-reduces over tp and cp (config/fp8_amax.py: a few bytes per scale, up to one float32
+  per token under rowwise) are latency-bound rings, priced one by one on their axis's link,
+  forward's in F and the backward's in B, the weights' once a step (a microbatch's share).
 - "delayed" (Transformer Engine's DelayedScaling, which Megatron-Core's published FP8 runs use:
   a scale from the amax history of earlier steps). The cast kernel records the amax as it
   writes, so there is no amax pass; it writes both layouts Hopper's FP8 GEMMs take (TE's
@@ -36,8 +40,8 @@ from collections.abc import Callable
 
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
-from megapipe.config.fp8_amax import layer_amax_ops
-from megapipe.config.fp8_weights import experts_fp8
+from megapipe.config.fp8_amax import layer_amax_ops, layer_step_amax_ops
+from megapipe.config.fp8_weights import experts_fp8, weight_casts
 from megapipe.perf.cluster import Cluster, ClusterError
 from megapipe.perf.cost_terms import Device
 
@@ -72,6 +76,15 @@ def fp8_gemms(cfg: Config, count: int, moe: bool) -> list[bool]:
 SCALINGS = ("current", "delayed")  # runtime.fp8_scaling (module docstring)
 
 
+def weight_cast_terms(cfg: Config, scaling: str) -> tuple[int, bool]:
+    """(the microbatches a weight's cast serves, whether Wᵀ is cast apart from W) under
+    `scaling` (module docstring): a step's, and apart under rowwise; where megapipe's runtime
+    casts at every use (pipedream_async), 1 and apart."""
+    if scaling == "current" and weight_casts(cfg) == "use":
+        return 1, True
+    return cfg.parallel.microbatches, cfg.train.fp8 == "rowwise"
+
+
 def after_norm(gemm: int, moe: bool) -> bool:
     """Whether a layer's GEMM (perf/costs.gemm_shapes' order) reads its norm's output: QKV, and
     a dense layer's first MLP linear (a MoE layer's experts read routed rows)."""
@@ -80,14 +93,17 @@ def after_norm(gemm: int, moe: bool) -> bool:
 
 def cast_bytes(
     m: float, n: float, k: float, c: int, scaling: str = "current", norm_input: bool = False,
-    microbatches: int = 1,
+    microbatches: int = 1, own_transpose: bool = False,
 ) -> tuple[float, float, float]:  # fmt: skip
     """HBM bytes of the casts before a linear's forward, input-grad and weight-grad GEMMs
     ((m×k)·(k×n), `c`-byte high-precision operands) as `scaling` casts (module docstring):
-    `norm_input` a linear whose input TE casts in the norm, `microbatches` per step."""
+    `norm_input` a linear whose input TE casts in the norm, `microbatches` per step over which
+    a weight's cast is kept (1: cast at every use), `own_transpose` Wᵀ cast apart (rowwise)."""
     if scaling == "current":  # amax read, cast read, 1-byte write, per operand per GEMM
         per = 2 * c + 1
-        return (m * k + n * k) * per, (m * n + n * k) * per, (m * n + m * k) * per
+        weight = n * k * per / microbatches
+        weight_t = weight if own_transpose else n * k * 2  # or W's cast copied transposed
+        return m * k * per + weight, m * n * per + weight_t, (m * n + m * k) * per
     both_layouts = c + 2  # cast_transpose: read c, write 1 + 1
     x = m * k * (2 if norm_input else both_layouts)
     weight = n * k * both_layouts / microbatches
@@ -104,12 +120,17 @@ def amax_seconds(
     block = next((b for b in range(1, m.n_layers + 1) if is_moe_layer(m, b - 1) == moe), None)
     if block is None:
         return f_s, b_s
-    f, b = layer_amax_ops(cfg, block)
-    if scaling == "delayed":
+    if scaling == "delayed":  # TE's amax buffer: the weights' amaxes every microbatch
+        f, b = layer_amax_ops(cfg, block, every_use=cfg.parallel.zero != 3)
         return _batched(cfg, f, price), _batched(cfg, b, price)
-    for ops, out in ((f, f_s), (b, b_s)):
+    f, b = layer_amax_ops(cfg, block)
+    step_f, step_b = layer_step_amax_ops(cfg, block)  # once a step: a microbatch's share
+    share = 1 / cfg.parallel.microbatches
+    for ops, step, out in ((f, step_f, f_s), (b, step_b, b_s)):
         for axis, nbytes in ops:
             out[axis] += price[axis](nbytes)
+        for axis, nbytes in step:
+            out[axis] += price[axis](nbytes) * share
     return f_s, b_s
 
 

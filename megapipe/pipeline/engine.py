@@ -22,6 +22,7 @@ from megapipe.config.flops import segment_bounds
 from megapipe.config.pipeline_split import schedule_of
 from megapipe.parallel.data.levels import Sharding
 from megapipe.parallel.data.reducer import replica_bucket_mb
+from megapipe.parallel.fp8 import NO_FP8, Fp8
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline
 from megapipe.pipeline.dual import counted_chunks, sync_twin_grads
@@ -52,6 +53,7 @@ class Pipeline(SynchronousStep):
     # from the costs measured in this many steps (0: never)
     profile_in: int = 0
     hooks: Hooks = NO_HOOKS  # additions to each action (an observer in tests; PipeDream's own)
+    fp8: Fp8 = NO_FP8  # the FP8 policy the chunks were built with: its weight casts per step
 
     def __post_init__(self) -> None:  # a kind of pipeline sets up its own state here
         return None
@@ -90,9 +92,10 @@ class Pipeline(SynchronousStep):
         engine's, train/post_validation.py). Under `profile` (a schedule built for costs) the
         second call also rebuilds the schedule from its costs."""
         hooks = self.hooks if hooks is None else hooks
-        loss_sum = self.runtime.run(
-            self.actions, micro, loss_scale, self.reducers, self.arrivals, hooks
-        )
+        with self.fp8.step():  # no weight changes until the actions are done
+            loss_sum = self.runtime.run(
+                self.actions, micro, loss_scale, self.reducers, self.arrivals, hooks
+            )
         if self.profile_in:
             self.profile_in -= 1
             if not self.profile_in:
@@ -226,7 +229,7 @@ def pipeline_of(
     place = chunk_placement(cfg)
     runtime = _runtime(cfg, mesh, chunks, place, parts)
     tied = TiedEmbedding(chunks, runtime.stages, place, mesh)
-    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied, sharding)
+    pipe = kind(cfg, mesh, chunks, runtime, reducers, tied, sharding, fp8=parts.fp8)
     pipe.use_schedule(schedule_of(cfg))
     # the second step is profiled: the first pays one-off costs (allocations, lazy init)
     built_for_costs = SCHEDULES[p.schedule].built_for_costs

@@ -173,9 +173,9 @@ def replica(
     parts = parts or Components.of(cfg, mesh)
     sharding = sharding or _sharding(cfg, mesh)
     if mesh is None:
-        return Replica(cfg, model, precision=parts.precision)
+        return Replica(cfg, model, precision=parts.precision, fp8=parts.fp8)
     if mesh.size("dp") * mesh.size("cp") == 1:
-        return Replica(cfg, model, None, mesh, sharding, mesh.progress, parts.precision)
+        return Replica(cfg, model, None, mesh, sharding, mesh.progress, parts.precision, parts.fp8)
     bucket_mb = bucket_mb or replica_bucket_mb(cfg.parallel.dp * cfg.parallel.cp)
     reducer = sharding.reducer(model, mesh, bucket_mb, None, weight_blocks(model))
-    return Replica(cfg, model, reducer, mesh, sharding, mesh.progress, parts.precision)
+    return Replica(cfg, model, reducer, mesh, sharding, mesh.progress, parts.precision, parts.fp8)

@@ -14,6 +14,7 @@ from megapipe.config import Config
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.levels import PLAIN, Sharding
 from megapipe.parallel.data.reducer import GradReducer
+from megapipe.parallel.fp8 import NO_FP8, Fp8
 from megapipe.parallel.precision import FLOAT32, Precision
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline.protocol import SynchronousStep
@@ -29,6 +30,7 @@ class Replica(SynchronousStep):
     sharding: Sharding = PLAIN  # the ZeRO level (parallel/data/levels.py)
     progress: Progress = NO_PROGRESS  # this rank's record (distributed/progress.py)
     precision: Precision = FLOAT32  # the policy the model was built with (autocast)
+    fp8: Fp8 = NO_FP8  # and its FP8 policy: the weight casts kept over a step
 
     @property
     def chunks(self) -> list[nn.Module]:
@@ -59,6 +61,10 @@ class Replica(SynchronousStep):
     ) -> torch.Tensor:
         """Forward and backward of each microbatch; the dp buckets sync during the last
         backward only (gradient accumulation, GPipe §2.2). Returns the summed loss."""
+        with self.fp8.step():  # no weight changes until the last backward is done
+            return self._microbatches(micro, loss_scale)
+
+    def _microbatches(self, micro: list[MicroBatch], loss_scale: float) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, m in enumerate(micro):
             self.progress.doing("F+B", i)
