@@ -122,7 +122,12 @@ def run_picks(max_gpus: int) -> int:
     rows = [r for r in rows if not max_gpus or r.gpus <= max_gpus]
     print("the planner's pick beside each published mesh (same GPUs, model, global batch, "
           "runtime and memory; both projected by the model):\n")  # fmt: skip
-    print(picks.markdown(picks.picks(rows)))
+    print(picks.HEADER, flush=True)
+    results = []
+    for row in rows:  # a row a line as it is searched: the large runs take minutes each
+        results.append(picks.pick(row))
+        print(picks.row_line(results[-1]), flush=True)
+    print("\n" + picks.summary(results))
     return 0
 
 
