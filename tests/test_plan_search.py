@@ -136,6 +136,7 @@ def test_published_meshes_megapipe_can_hold_are_no_faster_than_the_pick(row, cac
     the run's GPUs, model, batch, runtime and memory fits, and projects at least as fast as
     the published mesh wherever megapipe's own memory (config/states.py) holds that mesh."""
     p = picks.pick(row)
+    assert p.pick is not None, p.why
     cluster = load_cluster(row.gpu, row.gpus_per_node)
     again = project(p.pick.config, cluster, h100_validation.runtime_of(row))
     assert again.fits

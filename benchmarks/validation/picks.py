@@ -10,28 +10,35 @@ does not vary (precision, FP8, grad reduce dtype, layer balance) are held at the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from benchmarks.validation import h100_validation, published
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.model import Projection, project
-from megapipe.perf.search import Ranked, describe, search
+from megapipe.perf.search import PlanError, Ranked, describe, search
 
 
 @dataclass(frozen=True)
 class Pick:
     row: published.Row
     published: Projection  # the authors' mesh, projected with memory
-    pick: Ranked  # the planner's best
+    pick: Ranked | None  # the planner's best; None: nothing in its space fits (`why`)
+    why: str = ""
 
     @property
     def ratio(self) -> float:
-        """The pick's projected step time over the published mesh's: <= 1 is the target."""
+        """The pick's projected step time over the published mesh's: <= 1 is the target
+        (infinite when nothing fits)."""
+        if self.pick is None:
+            return math.inf
         return self.pick.step_time_s / self.published.step_time_s
 
     @property
     def same_mesh(self) -> bool:
         """The pick is the published mesh (tp, pp, dp, cp, vpp)."""
+        if self.pick is None:
+            return False
         c, r = self.pick.candidate, self.row
         vpp = c.vpp if c.pp > 1 else 1
         return (c.tp, c.pp, c.dp, c.cp, vpp) == (r.tp, r.pp, r.dp, r.cp, r.vpp)
@@ -43,7 +50,10 @@ def pick(row: published.Row) -> Pick:
     cluster = load_cluster(m.cluster, row.gpus_per_node)
     runtime = h100_validation.runtime_of(row)
     mine = project(m.config, cluster, runtime, memory=True)
-    return Pick(row, mine, search(m.config, row.gpus, cluster, runtime).best)
+    try:
+        return Pick(row, mine, search(m.config, row.gpus, cluster, runtime).best)
+    except PlanError as err:  # nothing in the planner's space fits: said in the row
+        return Pick(row, mine, None, str(err))
 
 
 def picks(rows: list[published.Row] | None = None) -> list[Pick]:
@@ -61,8 +71,12 @@ HEADER = (
 
 def row_line(p: Pick) -> str:
     """One row of the comparison table (HEADER)."""
-    r, mine, best = p.row, p.published, p.pick.projection
+    r, mine = p.row, p.published
     mesh = f"tp{r.tp} pp{r.pp} dp{r.dp} cp{r.cp}" + (f" vp{r.vpp}" if r.vpp > 1 else "")
+    head = f"| {r.label} | {r.gpus} | {mesh} | {mine.step_time_s:.3f} | {mine.peak_memory_gib:.1f} "
+    if p.pick is None:
+        return head + f"| {'yes' if mine.fits else 'no'} | {p.why} | - | - | - |"
+    best = p.pick.projection
     return (
         f"| {r.label} | {r.gpus} | {mesh} | {mine.step_time_s:.3f} "
         f"| {mine.peak_memory_gib:.1f} | {'yes' if mine.fits else 'no'} "
@@ -75,7 +89,7 @@ def summary(results: list[Pick]) -> str:
     """How often and by how much the pick differs, and which project slower."""
     differ = [p for p in results if not p.same_mesh]
     slower = [p for p in results if p.ratio > 1.0]
-    ratios = sorted(p.ratio for p in differ)
+    ratios = sorted(p.ratio for p in differ if p.pick is not None)
     return (
         f"{len(differ)} of {len(results)} picks differ from the published mesh"
         + (f" (step time {ratios[0]:.3f} to {ratios[-1]:.3f} of its)" if ratios else "")
@@ -91,5 +105,7 @@ def markdown(results: list[Pick]) -> str:
 
 
 def _why_slower(p: Pick) -> str:
+    if p.pick is None:
+        return f"{p.row.label} (nothing in the planner's space fits)"
     why = "" if p.published.fits else f", its mesh needs {p.published.peak_memory_gib:.1f} GiB"
     return f"{p.row.label} ({p.ratio - 1:+.1%}{why})"

@@ -50,7 +50,12 @@ from megapipe.config.memory_plan import (
 from megapipe.config.memory_terms import attention_path, segments
 from megapipe.config.muon_terms import optimizer_lower_bound
 from megapipe.config.pipeline_split import partition, placement_of
-from megapipe.config.states import local_grads_bytes, local_grads_transient, weights_bytes
+from megapipe.config.states import (
+    grads_bytes,
+    local_grads_bytes,
+    local_grads_transient,
+    weights_bytes,
+)
 from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
@@ -157,7 +162,11 @@ class Bounds:
         acts = self._activations(plain, everything) if self._acts_bound(cfg) else 0.0
         params = self._params(cfg) / pp  # a rank's mean parameters (tp rank 0)
         experts = held_expert_params(cfg, everything) / pp  # the routed experts' among them
-        memory = _held(params, cfg, experts) + max(local_grads_bytes(params, cfg), acts / pp)
+        # full-size grads wait for the reduction, unless each microbatch's are reduce-scattered
+        # as they are made (zero=3, zero=2 per microbatch): then only the shard is held
+        grads = grads_bytes(params, cfg, experts) if local_grads_transient(cfg) else (
+            local_grads_bytes(params, cfg))  # fmt: skip
+        memory = _held(params, cfg, experts) + max(grads, acts / pp)
         if pipedream:
             return max(busy, chain), memory
         shape = (pp, dp, cp, tp)
