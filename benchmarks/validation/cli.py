@@ -118,13 +118,11 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 def run_picks(max_gpus: int) -> int:
-    rows = h100.rows() + published.load_all(published.FP8_SOURCES)
-    rows = [r for r in rows if not max_gpus or r.gpus <= max_gpus]
     print("the planner's pick beside each published mesh (same GPUs, model, global batch, "
           "runtime and memory; both projected by the model):\n")  # fmt: skip
     print(picks.HEADER, flush=True)
     results = []
-    for row in rows:  # a row a line as it is searched: the large runs take minutes each
+    for row in picks.rows(max_gpus):  # a row a line as searched: large runs take minutes
         results.append(picks.pick(row))
         print(picks.row_line(results[-1]), flush=True)
     print("\n" + picks.summary(results))

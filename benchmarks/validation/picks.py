@@ -56,11 +56,11 @@ def pick(row: published.Row) -> Pick:
         return Pick(row, mine, None, str(err))
 
 
-def picks(rows: list[published.Row] | None = None) -> list[Pick]:
-    """Every priced published row (h100_validation.rows, and the FP8 rows), or `rows`."""
-    if rows is None:
-        rows = h100_validation.rows() + published.load_all(published.FP8_SOURCES)
-    return [pick(r) for r in rows]
+def rows(max_gpus: int = 0) -> list[published.Row]:
+    """Every priced published row (h100_validation.rows, and the FP8 rows), or those of at
+    most `max_gpus` GPUs."""
+    every = h100_validation.rows() + published.load_all(published.FP8_SOURCES)
+    return [r for r in every if not max_gpus or r.gpus <= max_gpus]
 
 
 HEADER = (
@@ -97,11 +97,6 @@ def summary(results: list[Pick]) -> str:
         + (": " + ", ".join(_why_slower(p) for p in slower) if slower else "")
         + "."
     )
-
-
-def markdown(results: list[Pick]) -> str:
-    """The comparison per row, and the summary."""
-    return "\n".join([HEADER, *map(row_line, results), "", summary(results)])
 
 
 def _why_slower(p: Pick) -> str:
