@@ -1,8 +1,8 @@
 """The memory model held to the code: the peak of live storages that `--fake-ranks` measures
 (train/fake_ranks.py) is the dry run's plan within 5%, with the backward's working set
 (config/memory_backward.py) in the plan: full recompute's rerun layer, SwiGLU's product grads,
-a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak)
-and ZeRO-3's gathers. No spawned processes: every rank runs in this one on fake tensors."""
+a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak),
+ZeRO-1's reduction and weight gather, and ZeRO-3's gathers. No spawned processes: every rank runs in this one on fake tensors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ CASES = {
                               "--model.n_layers=4"], "0,1"),
     "llama": (["--model.arch=llama"], "0"),
     "mixtral": (["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"], "0"),
+    # ZeRO-1's states decide the peak: its reduction (the grads sent as they lie, a bf16 send
+    # buffer and shard; parallel/data/zero.py) and the weights' all-gather after the step
+    "zero1_bf16_reduce": (["--parallel.dp=4", "--parallel.zero=1",
+                           "--parallel.grad_reduce_dtype=bfloat16"], "0"),
+    "zero1_bf16_weights": (["--parallel.dp=4", "--parallel.zero=1", "--model.d_model=128",
+                            "--train.global_batch=4", "--train.dtype=bfloat16",
+                            "--train.params_dtype=bfloat16",
+                            "--parallel.grad_reduce_dtype=bfloat16"], "0"),
 }  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     """Each (pp, tp) rank's weights, grads held over the step and optimizer bytes are its
     parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
     activations peak are whole (4 B/param); while reducing they add the send buffers and
-    shards; zero=3 adds its two largest consecutive blocks, and reducing every microbatch (its
+    shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 adds its two largest consecutive blocks, and reducing every microbatch (its
     default) holds the grad shard plus those blocks' float32 grads at both moments (while
     reducing also 1/d of them received), only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
@@ -72,9 +72,14 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
             assert r.grads_at_head == r.step_grads
         else:
             assert r.grads == 4 * n and r.grads_at_head is None
-            kept = 0 if key == ("float32", 2) else 4 * n
-            send = 0 if key == ("bfloat16", 0) else 4 * n
+            # float32 weights' grads become the float32 send buffer's views at zero 1-2;
+            # bf16 weights' main grads are sent in place at zero 0-1 (parallel/data/zero.py)
+            kept = 0 if key in (("float32", 1), ("float32", 2)) else 4 * n
+            send = 0 if key in (("bfloat16", 0), ("bfloat16", 1)) else 4 * n
             assert r.reducing == kept + send + (4 * math.ceil(n / 4) if key[1] else 0)
+        # zero 1-2 gather every bucket's weights (and the shard sent) after the step
+        gather = s.weight * (n + math.ceil(n / 4)) if key[1] in (1, 2) else 0
+        assert r.step_gather == gather
         assert r.optimizer == s.optimizer * math.ceil(n / s.optimizer_shards)
         held = s.per_param * n + r.gathered + r.grads - r.step_grads
         assert r.states == pytest.approx(held, abs=s.optimizer + 6)

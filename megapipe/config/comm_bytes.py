@@ -356,17 +356,18 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     return total
 
 
-def grad_reductions(cfg: Config, pp_rank: int) -> list[int]:
+def grad_reductions(cfg: Config, pp_rank: int, schedule=None) -> list[int]:
     """How often each local chunk's grads are reduce-scattered in a step: once, or reducing
     every microbatch (states.reduces_per_microbatch) at the end of each of the chunk's grad
-    actions: a BW, or Zero Bubble's B and its W each (parallel/data/zero2.py, `_flushing`)."""
+    actions: a BW, or Zero Bubble's B and its W each (parallel/data/zero2.py, `_flushing`).
+    `schedule`: schedule_of(cfg), where the caller asks for every rank (built once)."""
     p = cfg.parallel
     chunks = len(rank_blocks(cfg, pp_rank))
     if not reduces_per_microbatch(cfg):
         return [1] * chunks
     if p.pp == 1:  # one backward per microbatch (train/replica.py)
         return [p.microbatches]
-    actions = schedule_of(cfg)[pp_rank]
+    actions = (schedule or schedule_of(cfg))[pp_rank]
     return [sum(a.chunk == c and a.kind != FORWARD for a in actions) for c in range(chunks)]
 
 

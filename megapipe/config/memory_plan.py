@@ -55,6 +55,7 @@ from megapipe.config.states import (
     optimizer_bytes,
     reduction_bytes,
     state_layout,
+    step_gather_bytes,
     weights_bytes,
 )
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD
@@ -87,6 +88,7 @@ class RankMemory:
     gathered_reducing: float = 0.0
     reducing: float = 0.0  # grads while the last backward's reduction runs (reduction_bytes)
     step_grads: float = 0.0  # grads held over the optimizer step (zero>=2: the shard)
+    step_gather: float = 0.0  # zero 1-2: the weights' all-gather after the step (states.py)
     # peak in flight once the grads exist (peak_inflight's with_grads; bf16 weights' main
     # grads exist all along: = inflight)
     inflight_with_grads: float = 0.0
@@ -132,7 +134,8 @@ class RankMemory:
         """The largest of: the activation peak, with the grads where they exist by then (else
         the most live once they do); on the head's rank the same with the LM head's chunk
         transient added (and zero=3's blocks gathered at the head); and the end of the last
-        backward (weights, the grads while reducing, optimizer state; activations freed). The
+        backward (weights, the grads while reducing, optimizer state; activations freed), and
+        the optimizer step's end (the step's grads and zero 1-2's weight all-gather). The
         transient is added to the activation peak: exact where the head runs at that peak (no
         pipeline; 1F1B's and GPipe's last stage, whose in-flight microbatches are all live at
         the head's F and B), an upper bound elsewhere; with `grads_at_head` in place of the
@@ -149,7 +152,8 @@ class RankMemory:
             at_backward + max(self.activations, with_grads, with_b),
             at_head + max(self.activations, head_grads, with_b),
         )
-        return max(top, reducing)
+        stepping = self.weights + self.optimizer + self.step_grads + self.step_gather
+        return max(top, reducing, stepping)
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,7 @@ def rank_memory(
         gathered_reducing=gathered[1],
         reducing=reducing,
         step_grads=grads_bytes(n, cfg, experts),
+        step_gather=step_gather_bytes(n, cfg, experts),
         head_transient=head[0],
         gathered_head=head[1],
         grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,

@@ -38,11 +38,13 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   blocks (`gathered_bytes`): in forward the running block and the next one, prefetched
   (parallel/data/zero3.py `_pre_forward`), in backward the running block and the one before
   it; the largest such pair of consecutive blocks of a chunk, in the weights' dtype.
-- while the last backward's reduction runs (`reduction_bytes`): the local grads (dropped into
-  the send buffer at zero>=2 under float32 weights, Zero2Reducer._launch; bf16 weights' main
-  grads are one buffer, kept), each bucket's float32 send buffer (a copy, except bf16 weights'
-  all-reduce at zero=0, in place in the main grads) and, zero>=1, its reduce-scattered shard;
-  all held until the reducer's finish().
+- while the last backward's reduction runs (`reduction_bytes`): the local grads (float32
+  weights' go into the send buffer at zero>=1, under a float32 reduction at zero=1:
+  Zero2Reducer._launch, ShardedGradReducer._send_copy; bf16 weights' main grads are kept),
+  each bucket's send buffer in parallel.grad_reduce_dtype at zero>=1 (a copy, except where the
+  main grads are sent in place: bf16 weights' all-reduce at zero=0, and their float32
+  reduce-scatter at zero=1) and, zero>=1, its reduce-scattered shard; all held until the
+  reducer's finish().
 
 Reducing every microbatch (`reduces_per_microbatch`: zero=3, or grad_reduce=microbatch) no
 full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
@@ -51,9 +53,11 @@ grads (`block_grads_bytes`: the running block's, the previous one's send buffers
 while reducing, their received 1/d shards too).
 zero=2 under bf16 weights keeps its whole main-grad buffer.
 
-Left out: the bucket padding (< d elements per bucket), zero>=1's weight all-gather buffers
-between the step and each block's first use (a second copy of the weights, but no grads are
-held then, and grads >= weights per parameter: below the reduction's moment), zero=3's third
+- after the optimizer step, at zero 1-2 (`step_gather_bytes`): the grads of the step (whole at
+  zero=1, the shard at zero=2), and the weights' all-gather buffers, launched for every bucket
+  at once (a second copy of the weights, plus the shard).
+
+Left out: the bucket padding (< d elements per bucket), zero=3's third
 block under full recompute (a layer's recomputed forward prefetches the next block while its
 backward holds the previous one), and what activations are still live at the reduction (the
 head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2).
@@ -189,6 +193,18 @@ def optimizer_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     return _split(n_params, experts, cfg, "optimizer")
 
 
+def step_gather_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
+    """zero 1-2's weight all-gather after the optimizer step (parallel/data/zero.py
+    `gather_params`, zero2.py `_launch_gather`): every bucket's gathered flat and this rank's
+    shard of it, in the weights' dtype, launched at once while the step's grads are still
+    held; 0 without replicas and at zero 0 and 3 (zero=3 gathers a block at a time)."""
+    s, e = state_layout(cfg), expert_layout(cfg)
+    if s.zero not in (1, 2):
+        return 0.0
+    dense = n_params - experts
+    return s.weight * (dense + _bytes(dense, 1, s.d) + experts + _bytes(experts, 1, e.d))
+
+
 def gathered_bytes(chunks: Iterable[Sequence[int]], cfg: Config) -> float:
     """zero=3's gathered weights at most at once on a rank: per chunk (`chunks`: each chunk's
     blocks' parameters on this tp rank, in forward order; a head counts the tied table it
@@ -224,10 +240,16 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     if s.d == 1:
         return local_grads_bytes(n, cfg)
     bf16 = s.weight != FLOAT32
-    kept = 0.0 if s.zero >= 2 and not bf16 else local_grads_bytes(n, cfg)
-    send = 0.0 if s.zero == 0 and bf16 else FLOAT32 * n
+    wire = 2 if s.zero >= 1 and cfg.parallel.grad_reduce_dtype == "bfloat16" else FLOAT32
+    # zero=1 sends as they lie what it can (parallel/data/zero.py): bf16 weights' padded
+    # main grads under a float32 reduction; float32 weights' grads, rebound to the send buffer
+    in_place = s.zero == 1 and bf16 and wire == FLOAT32
+    dropped = s.zero >= 1 and not bf16 and (s.zero >= 2 or wire == FLOAT32)
+    kept = 0.0 if dropped else local_grads_bytes(n, cfg)
+    send = 0.0 if in_place or (s.zero == 0 and bf16) else wire * n
     e = expert_layout(cfg).d
-    shard = _bytes(n - experts, GRAD_BYTES, s.d) + _bytes(experts, GRAD_BYTES, e)
+    held = wire if s.zero == 1 else GRAD_BYTES  # zero=1 writes its shard into the grads as is
+    shard = _bytes(n - experts, held, s.d) + _bytes(experts, held, e)
     return kept + send + (shard if s.zero >= 1 else 0.0)
 
 

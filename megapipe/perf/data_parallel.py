@@ -59,10 +59,11 @@ from megapipe.config.comm_bytes import (
     zero3_gathers,
 )
 from megapipe.config.fp8_weights import FP8_BYTES, fp8_params
-from megapipe.config.pipeline_split import placement_of, rank_blocks
+from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
 from megapipe.config.states import (
     expert_layout,
     expert_replicas,
+    reduces_per_microbatch,
     replicas,
     shard_copies,
     shard_dp,
@@ -122,18 +123,21 @@ def dp_plan(cfg: Config, cluster: Cluster, runtime: Runtime, shape, held, grad_b
         tied = ring_time("all_reduce", tied_grad_bytes(cfg, grad_bytes), 2,
                          p2p_link(cluster, shape, 0, last_rank))  # fmt: skip
     every = _per_microbatch(cfg, rt, groups, held, experts, (place.locate(0)[0], embedding))
+    # the schedule once for every rank (a pipeline reducing every microbatch counts its actions)
+    schedule = schedule_of(cfg) if p.pp > 1 and reduces_per_microbatch(cfg) else None
     every = [
-        t + _earlier_reductions(cfg, r, times) for r, (t, times) in enumerate(zip(every, chunk))
+        t + _earlier_reductions(cfg, r, times, schedule)
+        for r, (t, times) in enumerate(zip(every, chunk))
     ]
     return DPPlan(chunk, last, [sum(t) for t in chunk], tied, every)
 
 
-def _earlier_reductions(cfg: Config, rank: int, times: list[float]) -> float:
+def _earlier_reductions(cfg: Config, rank: int, times: list[float], schedule=None) -> float:
     """Reducing every microbatch (always at zero=3: config/states.reduces_per_microbatch), the
     reductions of the rank's grad actions before each chunk's last, each as long as the step's
     (`times`, HSDP's all-reduce across replicas included: an upper bound), beside the compute
     (config/comm_bytes.grad_reductions counts them)."""
-    return sum((k - 1) * t for k, t in zip(grad_reductions(cfg, rank), times))
+    return sum((k - 1) * t for k, t in zip(grad_reductions(cfg, rank, schedule), times))
 
 
 def reduction_groups(cfg: Config, cluster: Cluster, shape) -> tuple[list, tuple | None]:

@@ -80,6 +80,7 @@ differ in facts about the code, none fitted:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megapipe.config import Config
@@ -417,6 +418,7 @@ def attention_kernel(cfg: Config, cluster: Cluster) -> str:
     )
 
 
+@functools.lru_cache(maxsize=256)  # a search asks it for every candidate (Runtime is frozen)
 def resolved(
     runtime: Runtime,
     dtype: str,

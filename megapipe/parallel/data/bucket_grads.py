@@ -1,7 +1,11 @@
-"""bf16 weights under ZeRO-3 reducing every microbatch (parallel.grad_reduce=microbatch): the
-float32 main grads live per bucket, allocated as the bucket's block starts its backward and
-freed once the bucket is sent, so no full-size grad buffer exists (FSDP2 frees each unsharded
-grad after its reduce-scatter, Zhao et al. 2023 §3.3).
+"""bf16 weights' float32 main grads, one buffer per bucket.
+
+- ZeRO-3 reducing every microbatch (parallel.grad_reduce=microbatch): allocated as the bucket's
+  block starts its backward and freed once the bucket is sent, so no full-size grad buffer
+  exists (FSDP2 frees each unsharded grad after its reduce-scatter, Zhao et al. 2023 §3.3).
+- ZeRO-1 (parallel/data/zero.py): resident, each padded to a multiple of the replicas, so the
+  bucket's reduce-scatter reads its main grads in place with no send buffer (Megatron-Core's
+  grad buffer, `param_and_grad_buffer.py`, pads each bucket for the same reason).
 
 The model's one main-grad buffer (parallel/precision.MainGrads, Megatron-Core's grad buffer,
 float32 for every weight) is freed for good; each parameter's `main_grad` and `main_grad_span`
@@ -18,21 +22,26 @@ from megapipe.parallel.data.reducer import Bucket
 
 
 class BucketMainGrads:
-    """One float32 main-grad buffer per bucket of low-precision weights; storage only while a
-    backward (or Zero Bubble's W) adds into it and until the bucket is sent."""
+    """One float32 main-grad buffer per bucket of low-precision weights, of `numels[i]`
+    elements (default: the bucket's; more pads its tail with zeros). Not `resident`: storage
+    only while a backward (or Zero Bubble's W) adds into it and until the bucket is sent."""
 
-    def __init__(self, buckets: list[Bucket], whole) -> None:
+    def __init__(
+        self, buckets: list[Bucket], whole, numels: list[int] | None = None, resident=False
+    ) -> None:
         whole.release()  # the model's buffer: never allocated again
         self.flat: list[torch.Tensor] = []
-        for bucket in buckets:
+        for i, bucket in enumerate(buckets):
             p0 = bucket.params[0]
-            flat = torch.zeros(bucket.numel, dtype=torch.float32, device=p0.device)
+            n = numels[i] if numels else bucket.numel
+            flat = torch.zeros(n, dtype=torch.float32, device=p0.device)
             offset = 0
             for p in bucket.params:
                 p.main_grad = flat[offset : offset + p.numel()].view_as(p)
                 p.main_grad_span = (flat, offset)
                 offset += p.numel()
-            resize_storage(flat, 0)
+            if not resident:
+                resize_storage(flat, 0)
             self.flat.append(flat)
 
     def ensure(self, indices) -> None:

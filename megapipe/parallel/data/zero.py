@@ -12,7 +12,13 @@ main params of its shard only, written back into the weights' shard and all-gath
 weight 2 + main grad 4 + (main param 4 + moments 8)/R, Megatron's 6 + 12/d.
 
 The reduce-scatter replaces `GradReducer`'s all-reduce, launched from the same hooks while the
-last backward runs. `finish()` leaves each parameter's full-size `.grad` holding the summed
+last backward runs. No full-size copy of the grads is made for it where the grads can be sent as
+they lie (Megatron-Core's `param_and_grad_buffer.py` reduce-scatters its grad buffer in place):
+bf16 weights' main grads are one float32 buffer per bucket, padded to R·S elements
+(`BucketMainGrads`), reduce-scattered in place when the reduction is float32 (a bf16 one sends
+a bf16 copy, half the bytes); float32 weights' grads are rebound, at launch, to views of the
+float32 send buffer they were copied into, so the two are never held at once.
+`finish()` leaves each parameter's full-size `.grad` holding the summed
 gradient on this rank's shard and zeros elsewhere. The later sums over other axes are linear and
 elementwise (tp partial grads, the tied embedding's two copies), and they line up shard for
 shard because the bucket layouts agree across the ranks they sum over: tp ranks hold local
@@ -32,14 +38,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megapipe.distributed import collectives as C
+from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, GradReducer
-from megapipe.parallel.precision import grad_of, set_grad, zero_main_grads
+from megapipe.parallel.precision import grad_of, main_grad_span, set_grad, zero_main_grads
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (the GPU machine's) have these
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -70,6 +78,9 @@ class ShardedGradReducer(GradReducer):
     reduce_dtype: torch.dtype = torch.float32
     per_microbatch: bool = False  # parallel.grad_reduce=microbatch (zero2.py)
     replicate_group: object = None  # HSDP: the replicas of this rank's shards (None: none)
+    # the grads are sent as they lie (module docstring); Zero2Reducer: copied, since it zeroes or
+    # frees the main grads once a bucket is sent
+    in_place: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +90,23 @@ class ShardedGradReducer(GradReducer):
             self.expert_size = dist.get_world_size(self.expert_group)
             self.expert_index = dist.get_rank(self.expert_group)
         self.slots = [self._slots(b) for b in self.buckets]
+        self.padded_grads = self._padded_main_grads() if self.in_place else None
+
+    def padded_numel(self, bucket: Bucket) -> int:
+        """`bucket`'s flat size padded to a multiple of its group's size."""
+        lo, hi = self.shard_range(bucket)
+        return self.size_of(bucket) * (hi - lo)
+
+    def _padded_main_grads(self) -> BucketMainGrads | None:
+        """bf16 weights: the model's main grads rebound to one padded buffer per bucket, when
+        the buckets hold every parameter that has one (else left as they are)."""
+        whole = getattr(self.model, "main_grads", None)
+        with_main = {id(p) for p in self.model.parameters() if hasattr(p, "main_grad_span")}
+        in_buckets = {id(p) for b in self.buckets for p in b.params}
+        if whole is None or not with_main or with_main != in_buckets:
+            return None
+        numels = [self.padded_numel(b) for b in self.buckets]
+        return BucketMainGrads(self.buckets, whole, numels, resident=True)
 
     def size_of(self, bucket: Bucket) -> int:
         """The ranks sharing `bucket`'s shards (its group's size)."""
@@ -126,11 +154,9 @@ class ShardedGradReducer(GradReducer):
 
     def _launch(self, bucket: Bucket, in_backward: bool) -> None:
         lo, hi = self.shard_range(bucket)
-        grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p)
-                 for p in bucket.params]  # fmt: skip
-        flat = torch.zeros(self.size_of(bucket) * (hi - lo), dtype=self.reduce_dtype,
-                           device=grads[0].device)  # fmt: skip
-        torch.cat([g.detach().to(flat.dtype).flatten() for g in grads], out=flat[: bucket.numel])
+        flat = self._padded_span(bucket)
+        if flat is None or flat.dtype != self.reduce_dtype:  # sent as a copy
+            flat = self._send_copy(bucket)
         bucket.flat, bucket.shard = flat, flat.new_empty(hi - lo)
         C.count("reduce_scatter", flat)
         group = self.group_of(bucket)
@@ -138,16 +164,49 @@ class ShardedGradReducer(GradReducer):
         bucket.launched_in_backward = in_backward
         self.next_launch += 1
 
+    def _padded_span(self, bucket: Bucket) -> torch.Tensor | None:
+        """The bucket's padded main-grad buffer (`BucketMainGrads`), else None."""
+        if self.padded_grads is None or main_grad_span(bucket.params) is None:
+            return None
+        flat, start = bucket.params[0].main_grad_span
+        return flat if start == 0 and flat.numel() == self.padded_numel(bucket) else None
+
+    def _send_copy(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's grads copied into a padded send buffer of the reduce dtype. Float32
+        weights' grads become views of a float32 one at once (the copy is the grads now)."""
+        flat = torch.zeros(self.padded_numel(bucket), dtype=self.reduce_dtype,
+                           device=bucket.params[0].device)  # fmt: skip
+        sizes = [p.numel() for p in bucket.params]
+        for p, chunk in zip(bucket.params, flat[: bucket.numel].split(sizes)):
+            if grad_of(p) is not None:  # cast as copied: no converted copy of each grad
+                chunk.copy_(grad_of(p).detach().view(-1))
+        if self.in_place and flat.dtype == torch.float32 and self._padded_span(bucket) is None:
+            self._bind_grads(bucket, flat)
+        return flat
+
+    def _bind_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        sizes = [p.numel() for p in bucket.params]
+        for p, chunk in zip(bucket.params, flat[: bucket.numel].split(sizes)):
+            if not hasattr(p, "main_grad"):
+                p.grad = chunk.view_as(p)
+
     def _write_back(self, bucket: Bucket) -> None:
-        """The send buffer becomes the bucket's grads: this rank's summed shard, zeros around."""
+        """The bucket's grads become this rank's summed shard, zeros around, written into the
+        grads where they lie (no widened copy of the send buffer); the send buffer goes."""
         lo, hi = self.shard_range(bucket)
         shard = self.replicate(bucket.shard)  # HSDP: over the replicas too
-        bucket.flat = bucket.flat.float()  # a bf16 reduction's sums, widened
-        bucket.flat.zero_()[lo:hi].copy_(shard)
-        sizes = [p.numel() for p in bucket.params]
-        for p, chunk in zip(bucket.params, bucket.flat[: bucket.numel].split(sizes)):
-            set_grad(p, chunk.view_as(p))
-        bucket.shard = None
+        padded = self._padded_span(bucket)
+        if padded is not None:
+            padded.zero_()[lo:hi].copy_(shard)
+        else:
+            for p in bucket.params:
+                if grad_of(p) is None:  # a parameter no backward reached
+                    set_grad(p, torch.zeros_like(p, dtype=torch.float32))
+                grad_of(p).zero_()
+            for s in self._slots(bucket):
+                piece = shard[s.shard_lo : s.shard_lo + s.hi - s.lo]
+                grad_of(s.param).view(-1)[s.lo : s.hi].copy_(piece)
+        bucket.flat, bucket.shard = None, None
 
     @torch.no_grad()
     def gather_params(self, main: dict | None = None, dtype: torch.dtype | None = None) -> list:

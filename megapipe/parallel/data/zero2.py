@@ -34,6 +34,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -145,6 +146,8 @@ class OverlappedGatherReducer(ShardedGradReducer):
 
 class Zero2Reducer(OverlappedGatherReducer):
     """Grads reduce-scattered into shards; nothing full-size is kept (module docstring)."""
+
+    in_place: ClassVar[bool] = False  # the main grads are zeroed or freed once a bucket is sent
 
     def __post_init__(self) -> None:
         super().__post_init__()
