@@ -2,7 +2,8 @@
 (train/fake_ranks.py) is the dry run's plan within 5%, with the backward's working set
 (config/memory_backward.py) in the plan: full recompute's rerun layer, SwiGLU's product grads,
 a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak),
-ZeRO-1's reduction and weight gather, and ZeRO-3's gathers. No spawned processes: every rank runs in this one on fake tensors."""
+ZeRO-1's reduction and weight gather, and ZeRO-3's gathers. No spawned processes: every rank
+runs in this one on fake tensors."""
 
 from __future__ import annotations
 

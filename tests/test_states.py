@@ -53,9 +53,10 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     """Each (pp, tp) rank's weights, grads held over the step and optimizer bytes are its
     parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
     activations peak are whole (4 B/param); while reducing they add the send buffers and
-    shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 adds its two largest consecutive blocks, and reducing every microbatch (its
-    default) holds the grad shard plus those blocks' float32 grads at both moments (while
-    reducing also 1/d of them received), only the shard while the head runs."""
+    shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 adds its two
+    largest consecutive blocks, and reducing every microbatch (its default) holds the grad
+    shard plus those blocks' float32 grads at both moments (while reducing also 1/d of them
+    received), only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
