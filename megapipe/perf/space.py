@@ -6,7 +6,8 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
 selective / full (recompute.layers as the config has it), sequence parallelism on or off under
-tp > 1, zero 0 or 1 under dp·cp > 1, under zero >= 1 and dp > 1 HSDP's dp_shard (`dp_shards`),
+tp > 1, zero 0, 1 or 3 under dp·cp > 1 (`ZEROS`), under zero >= 1 and dp > 1 HSDP's dp_shard
+(`dp_shards`),
 under cp > 1 the cp attention (parallel.cp_comm ring,
 a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing cp and those
 heads: parallel/context/), for a mixture of experts every ep dividing both dp and
@@ -36,6 +37,12 @@ from megapipe.plan.schedules import SCHEDULES
 
 VPP_MAX = 8  # chunks per rank tried for interleaving (the paper's runs use 2 to 4)
 SEGMENTS = (2, 4, 8)  # Seq1F1B segments per microbatch
+# ZeRO levels searched under replicas. zero=2 (parallel.zero=2 holds it) is left out: reducing
+# once a step (its default grad_reduce) it holds zero=1's full-size grads at the activation peak
+# and runs its collectives, so it only lowers the state held over the optimizer step. zero=3
+# is in: its per-block gathers replace the all-gather after the step and its grads are
+# reduce-scattered as they are made (MPT-70B on 64 H100s ran at zero=3: llm-foundry's table).
+ZEROS = (0, 1, 3)
 ZB_MEMORY = ("1p", "2p")  # zb_auto's memory limits (Qi et al. 2023: ZB-1p, ZB-2p)
 CP_MIN_TOKENS = 128  # cp only while every cp rank keeps at least this many tokens
 # A schedule built for costs (zb_v, zb_auto) is not built above this pp·m·vpp nor above this
@@ -210,7 +217,7 @@ def candidates(
                 shapes = structures(base, pp, f)
                 recs = ("none", "selective", "full")
                 sps = (False, True) if tp > 1 else (False,)
-                zeros = (0, 1) if dp * cp > 1 else (0,)
+                zeros = ZEROS if dp * cp > 1 else (0,)
                 eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
                 for mb, rec, sp, zero, ep, (comm, a2a), fp8 in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
