@@ -159,8 +159,9 @@ def _notes(cfg: Config) -> list[str]:
         "too (2), the weights too (3, plus two consecutive blocks gathered: the running one and "
         "the prefetched one); grads at the peak are the full-size local ones the microbatches "
         "accumulate into (the reduction runs in the last backward; zero>=2 keeps only the shard "
-        "after it); the peak is the larger of the activation peak and the last backward's "
-        "reduction (local grads, send buffers and shards held at once); "
+        "after it); the peak is the largest of the activation peak, the last backward's "
+        "reduction (local grads, send buffers and shards held at once) and, at zero 1-2, the "
+        "optimizer step's end (its grads beside the weights' all-gather buffers); "
         "activations: what the model's "
         f"ops save for backward for one microbatch through the rank's chunks on {DEVICE} "
         f"(structure of Korthikanti et al. 2022; attention: {attention}), times {flight})",
