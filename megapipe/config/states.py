@@ -59,8 +59,12 @@ zero=2 under bf16 weights keeps its whole main-grad buffer.
 
 Left out: the bucket padding (< d elements per bucket), zero=3's third
 block under full recompute (a layer's recomputed forward prefetches the next block while its
-backward holds the previous one), and what activations are still live at the reduction (the
-head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2).
+backward holds the previous one), what activations are still live at the reduction (the
+head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2), and one bucket's grads
+beside its send buffer as the buffer is made, where the grads then go into it (float32
+weights at zero>=1; the bucket size is the reducer's, parallel/data/reducer.py): a bucket is
+25 MB or more, so on a model of one bucket it is the whole grads (configs/tiny.yaml at dp4,
+zero=2: the measured peak is 1.22x the plan's).
 """
 
 from __future__ import annotations
