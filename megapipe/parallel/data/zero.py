@@ -17,7 +17,8 @@ they lie (Megatron-Core's `param_and_grad_buffer.py` reduce-scatters its grad bu
 bf16 weights' main grads are one float32 buffer per bucket, padded to R·S elements
 (`BucketMainGrads`), reduce-scattered in place when the reduction is float32 (a bf16 one sends
 a bf16 copy, half the bytes); float32 weights' grads are rebound, at launch, to views of the
-float32 send buffer they were copied into, so the two are never held at once.
+float32 send buffer they were copied into, so the two are held at once for the bucket being
+copied only.
 `finish()` leaves each parameter's full-size `.grad` holding the summed
 gradient on this rank's shard and zeros elsewhere. The later sums over other axes are linear and
 elementwise (tp partial grads, the tied embedding's two copies), and they line up shard for
