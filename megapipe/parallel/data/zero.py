@@ -91,6 +91,7 @@ class ShardedGradReducer(GradReducer):
             self.expert_size = dist.get_world_size(self.expert_group)
             self.expert_index = dist.get_rank(self.expert_group)
         self.slots = [self._slots(b) for b in self.buckets]
+        self.slots_by_bucket = {id(b): s for b, s in zip(self.buckets, self.slots)}
         self.padded_grads = self._padded_main_grads() if self.in_place else None
 
     def padded_numel(self, bucket: Bucket) -> int:
@@ -181,7 +182,7 @@ class ShardedGradReducer(GradReducer):
         for p, chunk in zip(bucket.params, flat[: bucket.numel].split(sizes)):
             if grad_of(p) is not None:  # cast as copied: no converted copy of each grad
                 chunk.copy_(grad_of(p).detach().view(-1))
-        if self.in_place and flat.dtype == torch.float32 and self._padded_span(bucket) is None:
+        if self.in_place and flat.dtype == torch.float32:  # main grads are left as they are
             self._bind_grads(bucket, flat)
         return flat
 
@@ -204,7 +205,7 @@ class ShardedGradReducer(GradReducer):
                 if grad_of(p) is None:  # a parameter no backward reached
                     set_grad(p, torch.zeros_like(p, dtype=torch.float32))
                 grad_of(p).zero_()
-            for s in self._slots(bucket):
+            for s in self.slots_by_bucket[id(bucket)]:
                 piece = shard[s.shard_lo : s.shard_lo + s.hi - s.lo]
                 grad_of(s.param).view(-1)[s.lo : s.hi].copy_(piece)
         bucket.flat, bucket.shard = None, None
