@@ -47,7 +47,7 @@ from benchmarks.harness import (
     write_json,
 )
 from megapipe.config import load_config
-from megapipe.parallel.data.reducer import DEFAULT_BUCKET_MB
+from megapipe.config.states import DEFAULT_BUCKET_MB
 from megapipe.train.hooks import TrainHooks
 
 FP32 = 4

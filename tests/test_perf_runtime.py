@@ -339,7 +339,7 @@ def test_dp_bucket_size_is_the_codes():
     dp · cp) are the ones the projection prices (runtime.bucket_bytes of MEGAPIPE): 25 MB up to
     6 replicas, then 1M float32 grads per replica (Megatron-Core's rule); the weights' gather
     buckets hold the same parameters in the weights' dtype."""
-    from megapipe.parallel.data.reducer import replica_bucket_mb
+    from megapipe.config.states import replica_bucket_mb
     from megapipe.perf.software import bucket_bytes
 
     for n in (1, 2, 4, 6, 7, 8, 64, 512, 2048):

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from megapipe.config import load_config
-from megapipe.config.states import layout, state_bytes
+from megapipe.config.states import layout, reduction_bytes, replica_bucket_mb, state_bytes
 from megapipe.train.meta_memory import chunk_params, memory_plan
 from tests.conftest import TINY
 
@@ -75,9 +75,14 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
             assert r.grads == 4 * n and r.grads_at_head is None
             # float32 weights' grads become the float32 send buffer's views at zero 1-2;
             # bf16 weights' main grads are sent in place at zero 0-1 (parallel/data/zero.py)
-            kept = 0 if key in (("float32", 1), ("float32", 2)) else 4 * n
             send = 0 if key in (("bfloat16", 0), ("bfloat16", 1)) else 4 * n
-            assert r.reducing == kept + send + (4 * math.ceil(n / 4) if key[1] else 0)
+            shard = 4 * math.ceil(n / 4) if key[1] else 0
+            if key in (("float32", 1), ("float32", 2)):  # grads dropped once copied: the
+                # moment their one bucket (less than a bucket's bytes here) is copied
+                assert replica_bucket_mb(4) * 2**20 / 4 > n
+                assert r.reducing == 4 * n + send
+            else:
+                assert r.reducing == 4 * n + send + shard
         # zero 1-2 gather every bucket's weights (and the shard sent) after the step
         gather = s.weight * (n + math.ceil(n / 4)) if key[1] in (1, 2) else 0
         assert r.step_gather == gather
@@ -86,6 +91,27 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
         assert r.states == pytest.approx(held, abs=s.optimizer + 6)
         assert r.states - r.grads + r.step_grads == state_bytes(n, cfg, r.gathered)
         assert r.gathered == (s.weight * pair if key[1] == 3 else 0)
+
+
+@pytest.mark.parametrize(("zero", "dp"), [(1, 4), (2, 4), (2, 64)])
+def test_a_bucket_being_copied_is_held_beside_its_send_buffer(tmp_path, zero, dp):
+    """Float32 weights' grads dropped once copied into their send buffer (zero 1-2, float32
+    reduction): while a bucket is copied its grads and the send buffer are both live, so the
+    reduction holds one bucket's grads (25 MB, or 1M parameters a replica past dp 6) beyond
+    its end state; on a rank with fewer parameters than a bucket, all of them."""
+    cfg = config(tmp_path, "float32", zero, f"parallel.dp={dp}", f"train.global_batch={dp}")
+    shard = lambda n: 4 * math.ceil(n / dp)  # noqa: E731
+    bucket = max(25 * 2**20, 4e6 * dp) / 4  # float32 grads in a bucket
+    for n in (1_000, 10**9):  # the last bucket copied, every shard before it received
+        b = min(n, bucket)
+        assert reduction_bytes(n, cfg) == pytest.approx(4 * n + 4 * b + shard(n) * (1 - b / n))
+    cfg.parallel.grad_reduce_dtype = "bfloat16"  # zero=1 keeps its float32 grads: no drop
+    n = 10**9
+    if zero == 1:
+        assert reduction_bytes(n, cfg) == 4 * n + 2 * n + 2 * n / dp
+    else:
+        want = 4 * bucket + 2 * n + 4 * n / dp * (1 - bucket / n)
+        assert reduction_bytes(n, cfg) == pytest.approx(want)
 
 
 def test_zero3_gathers_the_largest_block(tmp_path):

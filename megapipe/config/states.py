@@ -39,8 +39,9 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
   (parallel/data/zero3.py `_pre_forward`), in backward the running block and the one before
   it; the largest such pair of consecutive blocks of a chunk, in the weights' dtype.
 - while the last backward's reduction runs (`reduction_bytes`): the local grads (float32
-  weights' go into the send buffer at zero>=1, under a float32 reduction at zero=1:
-  Zero2Reducer._launch, ShardedGradReducer._send_copy; bf16 weights' main grads are kept),
+  weights' go into the send buffer at zero>=1, under a float32 reduction at zero=1, dropped
+  as copied: ShardedGradReducer._copy_in; the bucket being copied is held twice for that
+  moment, `packing_bytes`, at most when the last bucket is; bf16 weights' main grads are kept),
   each bucket's send buffer in parallel.grad_reduce_dtype at zero>=1 (a copy, except where the
   main grads are sent in place: bf16 weights' all-reduce at zero=0, and their float32
   reduce-scatter at zero=1) and, zero>=1, its reduce-scattered shard; all held until the
@@ -60,11 +61,10 @@ zero=2 under bf16 weights keeps its whole main-grad buffer.
 Left out: the bucket padding (< d elements per bucket), zero=3's third
 block under full recompute (a layer's recomputed forward prefetches the next block while its
 backward holds the previous one), what activations are still live at the reduction (the
-head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2), and one bucket's grads
-beside its send buffer as the buffer is made, where the grads then go into it (float32
-weights at zero>=1; the bucket size is the reducer's, parallel/data/reducer.py): a bucket is
-25 MB or more, so on a model of one bucket it is the whole grads (configs/tiny.yaml at dp4,
-zero=2: the measured peak is 1.22x the plan's).
+head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2), a bucket's overshoot
+past `replica_bucket_mb` (it closes after the parameter that fills it; a table larger than a
+bucket is one), and, reducing every microbatch, the bucket being copied beside its send buffer
+(at most a bucket; a block's whole grads where one bucket holds a block).
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ from megapipe.config.schema import Config
 FLOAT32 = 4  # float32 elements: main grads, main params, AdamW moments, the residual stream
 PARAM_BYTES = {"float32": 4, "bfloat16": 2}  # a weight, by train.params_dtype
 GRAD_BYTES = FLOAT32  # grads (main grads under bf16 weights) are float32 whatever the weights
+DEFAULT_BUCKET_MB = 25.0  # dp buckets' floor (parallel/data/reducer.py): DDP's bucket_cap_mb
+# Parameters per bucket per replica above the floor: Megatron-Core's DistributedDataParallelConfig
+# bucket_size default max(40M, 1M · dp) parameters ("larger DP sizes need larger buckets to
+# ensure collectives do not become latency-bound"): a ring's 2(n−1) steps each pay the link's
+# latency, so at dp = 512 a 25 MB bucket spends more on latency than on bytes.
+BUCKET_PARAMS_PER_REPLICA = 1e6
 ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq
 MAIN_PARAM_BYTES = FLOAT32  # the optimizer's float32 copy of a weight held in bf16
 
@@ -249,12 +255,32 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     # main grads under a float32 reduction; float32 weights' grads, rebound to the send buffer
     in_place = s.zero == 1 and bf16 and wire == FLOAT32
     dropped = s.zero >= 1 and not bf16 and (s.zero >= 2 or wire == FLOAT32)
-    kept = 0.0 if dropped else local_grads_bytes(n, cfg)
     send = 0.0 if in_place or (s.zero == 0 and bf16) else wire * n
     e = expert_layout(cfg).d
     held = wire if s.zero == 1 else GRAD_BYTES  # zero=1 writes its shard into the grads as is
     shard = _bytes(n - experts, held, s.d) + _bytes(experts, held, e)
-    return kept + send + (shard if s.zero >= 1 else 0.0)
+    if dropped and n:  # at its largest as the last bucket is copied: the shards before it received
+        packing = packing_bytes(n, cfg)
+        return packing + send + shard * (1 - packing / (GRAD_BYTES * n))
+    return local_grads_bytes(n, cfg) + send + (shard if s.zero >= 1 else 0.0)
+
+
+def replica_bucket_mb(replicas: int) -> float:
+    """MB of float32 grads per dp bucket over `replicas` ranks (dp · cp): DEFAULT_BUCKET_MB, or
+    BUCKET_PARAMS_PER_REPLICA float32 grads per replica where that is more (dp · cp > 6)."""
+    return max(DEFAULT_BUCKET_MB, BUCKET_PARAMS_PER_REPLICA * 4 * replicas / 2**20)
+
+
+def packing_bytes(n_params: float, cfg: Config) -> float:
+    """The grads of the bucket being copied into its send buffer, where they are dropped once
+    copied (`reduction_bytes`' dropped case): both are live for that moment, so the reduction
+    holds one bucket's grads more than its end state (parallel/data/zero.py `_send_copy`;
+    FSDP2's reduce-scatter copy-in has the same moment). A bucket is replica_bucket_mb of
+    float32 grads, at most the rank's grads; it closes after the parameter that fills it, so
+    a parameter larger than the bucket overshoots it, and expert and dense weights' buckets
+    are apart, smaller (left out: the module docstring)."""
+    p = cfg.parallel
+    return GRAD_BYTES * min(n_params, replica_bucket_mb(p.dp * p.cp) * 2**20 / GRAD_BYTES)
 
 
 def reduces_per_microbatch(cfg: Config) -> bool:

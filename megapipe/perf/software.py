@@ -85,11 +85,16 @@ from dataclasses import dataclass
 
 from megapipe.config import Config
 from megapipe.config.fp8_weights import experts_fp8
-from megapipe.config.states import FLOAT32, GRAD_BYTES, PARAM_BYTES
+from megapipe.config.states import (
+    BUCKET_PARAMS_PER_REPLICA,
+    DEFAULT_BUCKET_MB,
+    FLOAT32,
+    GRAD_BYTES,
+    PARAM_BYTES,
+)
 from megapipe.models.gpt import compiled_linears
 from megapipe.parallel.autograd.grouped_linear import grouped_mm_for
 from megapipe.parallel.context.kernel_choice import attention_kernel_for
-from megapipe.parallel.data.reducer import BUCKET_PARAMS_PER_REPLICA, DEFAULT_BUCKET_MB
 from megapipe.parallel.tensor.overlap import TP_COMM_OVERLAP
 from megapipe.perf.cluster import Cluster
 from megapipe.train.optim import device_adamw_kind

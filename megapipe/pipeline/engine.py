@@ -20,8 +20,8 @@ from torch import nn
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
 from megapipe.config.pipeline_split import schedule_of
+from megapipe.config.states import replica_bucket_mb
 from megapipe.parallel.data.levels import Sharding
-from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.parallel.fp8 import NO_FP8, Fp8
 from megapipe.parallel.tensor.grad_sync import grads_counted_once
 from megapipe.pipeline import timeline

@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from megapipe.config import Config
-from megapipe.config.states import reduces_per_microbatch
+from megapipe.config.states import reduces_per_microbatch, replica_bucket_mb
 from megapipe.distributed.progress import NO_PROGRESS, Progress
 from megapipe.parallel.data.levels import Sharding, full_weights, sharding_of
-from megapipe.parallel.data.reducer import replica_bucket_mb
 from megapipe.pipeline.engine import Pipeline, chunk_reducers, pipeline_of
 from megapipe.pipeline.pipedream import PipeDreamPipeline
 from megapipe.pipeline.protocol import Engine

@@ -26,22 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.config.states import DEFAULT_BUCKET_MB
 from megapipe.distributed import collectives as C
 from megapipe.parallel.expert.sharding import is_expert
 from megapipe.parallel.precision import grad_of, main_grad_span, set_grad
-
-DEFAULT_BUCKET_MB = 25.0  # the floor: PyTorch DDP's bucket_cap_mb
-# Parameters per bucket per replica above the floor: Megatron-Core's DistributedDataParallelConfig
-# bucket_size default max(40M, 1M · dp) parameters ("larger DP sizes need larger buckets to
-# ensure collectives do not become latency-bound"): a ring's 2(n−1) steps each pay the link's
-# latency, so at dp = 512 a 25 MB bucket spends more on latency than on bytes.
-BUCKET_PARAMS_PER_REPLICA = 1e6
-
-
-def replica_bucket_mb(replicas: int) -> float:
-    """MB of float32 grads per bucket over `replicas` ranks (dp · cp): DEFAULT_BUCKET_MB, or
-    BUCKET_PARAMS_PER_REPLICA float32 grads per replica where that is more (dp · cp > 6)."""
-    return max(DEFAULT_BUCKET_MB, BUCKET_PARAMS_PER_REPLICA * 4 * replicas / 2**20)
 
 
 @dataclass

@@ -176,20 +176,27 @@ class ShardedGradReducer(GradReducer):
     def _send_copy(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's grads copied into a padded send buffer of the reduce dtype. Float32
         weights' grads become views of a float32 one at once (the copy is the grads now)."""
-        flat = torch.zeros(self.padded_numel(bucket), dtype=self.reduce_dtype,
-                           device=bucket.params[0].device)  # fmt: skip
-        sizes = [p.numel() for p in bucket.params]
-        for p, chunk in zip(bucket.params, flat[: bucket.numel].split(sizes)):
-            if grad_of(p) is not None:  # cast as copied: no converted copy of each grad
-                chunk.copy_(grad_of(p).detach().view(-1))
-        if self.in_place and flat.dtype == torch.float32:  # main grads are left as they are
-            self._bind_grads(bucket, flat)
-        return flat
+        bucket.flat = torch.zeros(self.padded_numel(bucket), dtype=self.reduce_dtype,
+                                  device=bucket.params[0].device)  # fmt: skip
+        self._copy_in(bucket, bucket.flat)
+        return bucket.flat
 
-    def _bind_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
+    def _copy_in(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """`bucket`'s grads into its send buffer `flat`, each cast as copied (no converted copy
+        of each grad). A weight's own grad (main grads are left as they are) is dropped once
+        copied at zero 2-3 (sent: the shard is what is kept) and under a float32 reduction
+        becomes a view of the send buffer (the copy is the grad now); until then both are
+        held (config/states.packing_bytes)."""
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, flat[: bucket.numel].split(sizes)):
-            if not hasattr(p, "main_grad"):
+            if grad_of(p) is None:
+                continue
+            chunk.copy_(grad_of(p).detach().view(-1))
+            if hasattr(p, "main_grad"):
+                continue
+            if not self.in_place:
+                p.grad = None
+            elif flat.dtype == torch.float32:
                 p.grad = chunk.view_as(p)
 
     def _write_back(self, bucket: Bucket) -> None:
