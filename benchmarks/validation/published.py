@@ -47,6 +47,13 @@ GRAD_REDUCE = {"float32": "float32", "bf16": "bfloat16"}
 """A row's grad_reduce as parallel.grad_reduce_dtype: the bytes its reduce-scatter sends (the
 bf16 grad buffer Megatron-Core then holds, 2 B a parameter where megapipe keeps float32 main
 grads and a bf16 send copy, is not modelled: the row's memory is megapipe's)."""
+FSDP_BF16_GATHERS = ("llm_foundry", "torchtitan")
+"""Runtimes whose FSDP mixed precision (param_dtype bf16, reduce_dtype float32: the data files'
+headers) casts each float32 shard to bf16 before its all-gather, so the weights gathered and
+computed on are bf16: at zero=3 megapipe runs such a row with bf16 weights
+(`weights_dtype`), whose gathers are bf16 and whose optimizer steps the float32 main params
+(parallel/data/zero3.py), 2/d bytes a parameter more than FSDP (the bf16 master shard). Under
+float32 weights megapipe would gather float32 and keep autocast's bf16 copy of every layer."""
 FP8_RECIPES = {"fp8": "tensorwise"}
 """A row's FP8 precision as train.fp8: Transformer Engine's delayed scaling keeps one scale per
 tensor (data/nvidia_dgxc_benchmarking_h100_fp8.csv's header), compute otherwise in bf16."""
@@ -171,7 +178,7 @@ def row_config(row: Row) -> Config:
         f"train.global_batch={row.gbs}",
         f"train.dtype={DTYPES.get(row.precision, 'bfloat16')}",
         f"train.fp8={FP8_RECIPES.get(row.precision, 'none')}",
-        f"train.params_dtype={row.params_dtype}",
+        f"train.params_dtype={weights_dtype(row)}",
         # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
         # so a torchtitan row's compile stays on the Row for the runtime to price
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
@@ -184,6 +191,13 @@ def row_config(row: Row) -> Config:
         # runtime to price
         cfg = replace(cfg, parallel=replace(cfg.parallel, tp_overlap=True))
     return cfg
+
+
+def weights_dtype(row: Row) -> str:
+    """train.params_dtype for `row`: its weights' dtype as published, or bfloat16 where its
+    FSDP gathers bf16 casts of float32 shards (FSDP_BF16_GATHERS)."""
+    cast = row.runtime in FSDP_BF16_GATHERS and ZERO.get(row.sharding) == 3
+    return "bfloat16" if cast and row.precision in DTYPES else row.params_dtype
 
 
 @dataclass(frozen=True)
