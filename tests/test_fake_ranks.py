@@ -320,6 +320,14 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
                     False),
     "pp2_mtp_last": ("1", ["--parallel.pp=2", "--parallel.microbatches=2", "--model.arch=llama",
                            *MTP], True),
+    # full recompute reruns a layer's forward but a dense layer's MLP output sum (torch's
+    # non-reentrant checkpoint stops after the last save): with and without SP, and MoE
+    "tp2_sp_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                          "--recompute.mode=full"], True),
+    "tp2_full_first": ("0", ["--parallel.tp=2", "--recompute.mode=full",
+                             "--recompute.layers=1"], False),
+    "tp2_sp_moe_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE,
+                              "--recompute.mode=full"], True),
 }  # fmt: skip
 
 
@@ -335,8 +343,11 @@ def test_bytes_per_axis_are_the_plans_exactly(tmp_path, case):
     routed-row counts summed over the ranks holding parts of a sequence; the MTP depths' tp
     ops (lookup, block, shared head), their cp rings and target gathers, and their table's
     copy swapped between the pipeline's ends; and with dp 1 the replica group's sums on cp,
-    whose group it is. FLOPs exact too (kv heads copied over tp ranks run their projections on
-    each: config/flops._kv_copies), but latent attention's on the CPU, where SDPA's math path
+    whose group it is; under full recompute the forward's ops again but a dense layer's last
+    (the row linear's sum comes after its saves, where the checkpoint stops; with dropout its
+    mask is saved after it: test_full_recompute_replays_the_dropout_stream_on_fake_tensors).
+    FLOPs exact too (kv heads copied over tp ranks run their projections on each:
+    config/flops._kv_copies), but latent attention's on the CPU, where SDPA's math path
     takes its values unpadded (config/flops._attention_hardware_flops), and MTP's head under
     cp, whose rows with a target depend on the rank's zigzag places (the plan takes their
     mean)."""

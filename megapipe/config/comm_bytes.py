@@ -241,16 +241,20 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
 
 
 def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
-    """One microbatch's tp ops of transformer layer `index` (its forward again under full
-    recompute)."""
+    """One microbatch's tp ops of transformer layer `index`, and under full recompute its
+    forward again but, on a dense layer without dropout, the MLP output's sum: the recompute
+    is torch's non-reentrant checkpoint (parallel/recompute.py), which stops once the last
+    tensor backward needs is recomputed, and the row linear's collective comes after its
+    saves (the residual dropout's mask, saved after it, needs it rerun)."""
     m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
-    nd = x.n * m.d_model
-    mlp = not is_moe_layer(m, index) or m.moe_shared_experts > 0
+    nd, moe = x.n * m.d_model, is_moe_layer(m, index)
+    mlp = not moe or m.moe_shared_experts > 0
     inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
     f, b = tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs)
-    f = [*f, *routing_count_ops(cfg, is_moe_layer(m, index), "tp")]
-    again = layer_mode(cfg.recompute, index) == "full"
-    return f * (2 if again else 1) + b
+    f = [*f, *routing_count_ops(cfg, moe, "tp")]
+    if layer_mode(cfg.recompute, index) != "full":
+        return f + b
+    return f + (f if moe or m.dropout > 0 else f[:-1]) + b
 
 
 def _tp_mtp(cfg: Config, w: Widths) -> list[Op]:

@@ -195,6 +195,18 @@ class CostModel(MoECosts):
         ag, rs, ar = (self._tp(k, act) for k in ("all_gather", "reduce_scatter", "all_reduce"))
         return tp_f, async_backward(p.sequence_parallel, ar, ag, rs, dgrad, wgrad, mlp), 0.0, 0.0
 
+    def _recomputed(self, f: Work, x: Shapes, moe: bool) -> Work:
+        """A full-recompute layer's forward again in its backward: all of `f`, or where the
+        runtime's recompute stops at the last save (Runtime.recompute_stops_early) a dense
+        layer's without dropout without its plain MLP output sum (config/comm_bytes._tp_layer)."""
+        p = self.cfg.parallel
+        overlapped = p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap
+        rerun = moe or self.cfg.model.dropout > 0 or p.tp == 1 or overlapped
+        if not self.rt.recompute_stops_early or rerun:
+            return f
+        last = self._tp_ops(x, moe)[0][-1]
+        return Work(f.compute, max(f.tp - self._tp(*last), 0.0), f.cp, f.ep)
+
     # -- a transformer layer -----------------------------------------------------------------
 
     def _layer_params(self, x: Shapes, moe: bool = False) -> float:
@@ -372,7 +384,7 @@ class CostModel(MoECosts):
         w = Work(compute=sum(wgrad) + margin_w + dev.mem(w_bytes))
         f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
-            b = b + f
+            b = b + self._recomputed(f, x, moe)
         elif mode == "selective" and self.rt.selective_recompute == "op":
             # torchtitan's per-op policy: every op's output saved (attention's too) but every
             # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops

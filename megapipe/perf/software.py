@@ -75,6 +75,10 @@ differ in facts about the code, none fitted:
                   here): only what a step's transfer outlasts its chunk's matmul is exposed
                   (costs.CostModel._tp_overlapped, perf/tp_overlap.py). Megatron 2021 had no
                   such overlap.
+  full recompute  ours reruns a layer's forward under torch's non-reentrant checkpoint, which
+                  stops at the last saved tensor: a dense layer's MLP output sum over tp is
+                  not rerun without dropout (tests/test_fake_ranks.py counts it); Megatron's
+                  reruns it all.
 """
 
 from __future__ import annotations
@@ -131,6 +135,10 @@ class Runtime:
     p2p_overlap: bool = False  # interleaved schedules' sends overlap compute (else p2p_blocking)
     dp_bucket_first_only: bool = False  # only the first stage's first chunk bucketed (dp_plan)
     dp_bucket_per_block: bool = False  # one bucket per layer (FSDP's unit), not dp_bucket_mb
+    # full recompute stops once the last saved tensor is back (torch's non-reentrant
+    # checkpoint), so a dense layer's MLP output sum over tp is not rerun (Megatron's
+    # CheckpointFunction reruns the whole forward)
+    recompute_stops_early: bool = False
     # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core),
     # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops) or
     # "mlpwi" (MaxText's save_dot_except_mlpwi: the MLP input matmul, the attention core and
@@ -176,6 +184,7 @@ class Runtime:
 
 MEGAPIPE = Runtime(
     name="megapipe",
+    recompute_stops_early=True,  # parallel/recompute.py: use_reentrant=False
     attention="auto",
     attention_kernel="auto",  # models/attention.py's rule for the profile's GPU (resolved_for)
     residual_bytes=4,  # float32 weights' residual stream (resolved(): the weights' dtype)
