@@ -359,6 +359,16 @@ def test_bytes_per_axis_are_the_plans_exactly(tmp_path, case):
         assert r["comm_bytes"][axis] == r["plan_comm_bytes"][axis], axis
 
 
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_ep_bytes_are_the_plans_exactly(tmp_path, mode):
+    """A MoE layer's ep all-to-alls to the byte: forward the rows-per-expert counts, dispatch
+    and combine, backward their transposes, and under full recompute the forward's again."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.ep=2", *MOE,
+                             f"--recompute.mode={mode}"])  # fmt: skip
+    (r,) = fake_ranks(cfg, "0")["ranks"]
+    assert r["stepped"] and r["comm_bytes"]["ep"] == r["plan_comm_bytes"]["ep"] > 0
+
+
 def test_balanced_answers_of_data_dependent_ops():
     """bincount's counts are the even shares (the remainder to the first bins) and `.tolist()`
     reads them, also through ops on them; a boolean mask keeps every element."""

@@ -331,14 +331,17 @@ def routing_count_ops(cfg: Config, moe: bool, axis: str) -> list[Op]:
 
 
 def _ep_block(cfg: Config, block: int, w: Widths) -> float:
-    """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): dispatch and
-    combine of the N·k rows forward, their transposes backward, each all-to-all the rank's
-    N·k·d buffer, N the tokens the rank holds (N/tp under SP); the head's block, its MTP
-    depths' MoE layers."""
+    """One microbatch's ep bytes in a MoE layer (parallel/expert/all_to_all.py): forward, the
+    rows per expert exchanged (int64 (E,) counts: `received_counts`), then dispatch and combine
+    of the N·k rows; backward their transposes; each row all-to-all the rank's N·k·d buffer, N
+    the tokens the rank holds (N/tp under SP). Full recompute runs the forward's again. On
+    the head's block, its MTP depths' MoE layers."""
     p, m = cfg.parallel, cfg.model
     held = rank_dims(cfg).n / (p.tp if p.sequence_parallel else 1)
-    rows = held * m.top_k
-    return moe_layers_in(m, [block]) * 4 * put_in("all_to_all", rows * m.d_model * w.act, p.ep)
+    rows = put_in("all_to_all", held * m.top_k * m.d_model * w.act, p.ep)
+    forward = put_in("all_to_all", m.n_experts * 8, p.ep) + 2 * rows
+    again = layer_mode(cfg.recompute, block - 1) == "full"
+    return moe_layers_in(m, [block]) * (forward * (2 if again else 1) + 2 * rows)
 
 
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
