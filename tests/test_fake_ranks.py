@@ -325,7 +325,8 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     "tp2_sp_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                           "--recompute.mode=full"], True),
     "tp2_full_first": ("0", ["--parallel.tp=2", "--recompute.mode=full",
-                             "--recompute.layers=1"], False),
+                             "--recompute.layers=1"], True),  # FLOPs: layer 0's forward again
+    "selective_first": ("0", ["--recompute.mode=selective", "--recompute.layers=1"], True),
     "tp2_sp_moe_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE,
                               "--recompute.mode=full"], True),
 }  # fmt: skip

@@ -31,9 +31,9 @@ from megapipe.config.fp8_weights import (
     fp8_params,
     weight_granularity,
 )
-from megapipe.config.memory_terms import layer_mode, rank_dims
+from megapipe.config.memory_terms import rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, layer_mode
 from megapipe.config.states import (
     FLOAT32,
     GRAD_BYTES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 
-from megapipe.config.schema import Config, Derived, ModelConfig, gated
+from megapipe.config.schema import Config, Derived, ModelConfig, gated, layer_mode
 from megapipe.plan.seq1f1b import balanced_segments
 
 
@@ -220,19 +220,25 @@ def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
     (_mtp_hardware_flops). These are hardware FLOPs; the model FLOPs of MFU stay
     flops_per_token's."""
     m = cfg.model
-    again = {"full": 1.0, "selective": 0.0}.get(cfg.recompute.mode, 0.0)
     head = (6.0 if head_grad_in_forward(cfg) else 8.0) * m.d_model * m.vocab_size
     total = 0.0
     for block in (b for chunk in blocks for b in chunk):
         if block == m.n_layers + 1:
-            total += head + _mtp_hardware_flops(cfg, again)
+            total += head + _mtp_hardware_flops(cfg)
         elif block > 0:
-            n = layer_matmul_params(cfg, block - 1) + _replicated_extra(cfg, block - 1)
-            total += (6.0 + 2.0 * again) * n + _attention_hardware_flops(cfg)
+            total += _layer_hardware_flops(cfg, block - 1)
     return total
 
 
-def _attention_hardware_flops(cfg: Config) -> float:
+def _layer_hardware_flops(cfg: Config, index: int) -> float:
+    """Layer `index`'s matmuls (6·N, and 2·N again under its full recompute: recompute.layers
+    names the layers, schema.layer_mode) and attention core."""
+    again = 2.0 if layer_mode(cfg.recompute, index) == "full" else 0.0
+    n = layer_matmul_params(cfg, index) + _replicated_extra(cfg, index)
+    return (6.0 + again) * n + _attention_hardware_flops(cfg, index)
+
+
+def _attention_hardware_flops(cfg: Config, index: int) -> float:
     """A layer's attention core per token: forward 2·T·(qk + v), the flash backward
     2·T·(3·qk + 2·v) (torch.utils.flop_counter's sdpa counts: scores recomputed, then dP, dV,
     dQ, dK), widths per attention_widths; recompute's forward again. Latent attention's values
@@ -240,7 +246,7 @@ def _attention_hardware_flops(cfg: Config) -> float:
     under cp (models/mla.py), so v counts as qk there; on the CPU without cp SDPA's math path
     takes them unpadded and does 2·T·qk less (no recompute of the scores)."""
     m = cfg.model
-    redo = cfg.recompute.mode in ("full", "selective")
+    redo = layer_mode(cfg.recompute, index) in ("full", "selective")
     if m.arch != "deepseek_v3":
         attention = 4.0 * m.d_model * m.seq_len * _ring_share(cfg)
         return 3.5 * attention + (attention if redo else 0.0)
@@ -280,7 +286,7 @@ def _kv_copies(cfg: Config) -> int:
     return (tp - d.n_kv_heads) * 2 * m.d_model * d.head_dim
 
 
-def _mtp_hardware_flops(cfg: Config, again: float) -> float:
+def _mtp_hardware_flops(cfg: Config) -> float:
     """MTP's depths per token (models/mtp.py): the projection (whole on each tp rank), the block
     as a layer, and the shared head on the T − k positions with a target, 8·d·V there (its
     grads are made in backward)."""
@@ -288,10 +294,8 @@ def _mtp_hardware_flops(cfg: Config, again: float) -> float:
     total = 0.0
     for k in range(1, m.mtp_layers + 1):
         proj = 2 * m.d_model**2 * (1 if p.sequence_parallel else p.tp)
-        block = layer_matmul_params(cfg, m.n_layers + k - 1)
-        block += _replicated_extra(cfg, m.n_layers + k - 1)
         head = 8.0 * m.d_model * m.vocab_size * (m.seq_len - k) / m.seq_len
-        total += 6.0 * proj + (6.0 + 2.0 * again) * block + _attention_hardware_flops(cfg) + head
+        total += 6.0 * proj + _layer_hardware_flops(cfg, m.n_layers + k - 1) + head
     return total
 
 

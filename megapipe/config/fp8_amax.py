@@ -40,8 +40,8 @@ from megapipe.config.fp8_weights import (
     mtp_projection,
     weight_casts,
 )
-from megapipe.config.memory_terms import layer_mode, rank_dims
-from megapipe.config.schema import Config, gated
+from megapipe.config.memory_terms import rank_dims
+from megapipe.config.schema import Config, gated, layer_mode
 
 AxisOp = tuple[str, float]  # (mesh axis, bytes) of one MAX all-reduce
 

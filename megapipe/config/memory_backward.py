@@ -50,14 +50,13 @@ from megapipe.config.memory_terms import (
     compute_bytes,
     head_terms,
     layer_deferred,
-    layer_mode,
     layer_terms,
     rank_dims,
     residual_bytes,
     segments,
     tied_lookup_with_head,
 )
-from megapipe.config.schema import Config, gated
+from megapipe.config.schema import Config, gated, layer_mode
 from megapipe.config.states import FLOAT32, local_grads_transient
 from megapipe.plan.schedules import SCHEDULES
 

@@ -36,13 +36,12 @@ from megapipe.config.memory_terms import (
     head_terms,
     layer_deferred,
     layer_deferred_params,
-    layer_mode,
     layer_terms,
     segments,
 )
 from megapipe.config.muon_terms import MuonMatrix, is_muon, muon_optimizer_bytes
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_costs, schedule_of
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, layer_mode
 from megapipe.config.states import (
     FLOAT32,
     block_grads_bytes,

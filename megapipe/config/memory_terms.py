@@ -99,7 +99,7 @@ from megapipe.config.flops import (
 from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
-from megapipe.config.schema import Config, RecomputeConfig, gated
+from megapipe.config.schema import Config, gated
 from megapipe.config.states import FLOAT32, PARAM_BYTES
 
 INDEX = 8  # int64 token ids and targets
@@ -143,16 +143,6 @@ def head_chunks(tokens: int, rows: int) -> tuple[tuple[int, int], ...]:
 def compute_bytes(cfg: Config) -> int:
     """Bytes of an element the matmuls read and write: bf16 under autocast, else float32."""
     return 2 if cfg.train.dtype == "bfloat16" else FLOAT32
-
-
-def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
-    """The recompute mode for transformer layer `layer_index` (0-based, global): recompute.mode
-    for the first recompute.layers layers (recompute.offload_layers for offload; 0: all),
-    "none" after them."""
-    first = cfg.offload_layers if cfg.mode == "offload" else cfg.layers
-    if first and layer_index >= first:
-        return "none"
-    return cfg.mode
 
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:

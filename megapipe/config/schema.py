@@ -215,6 +215,16 @@ class RecomputeConfig:
     offload_layers: int = bounded(0, low=0, note="0: all")
 
 
+def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
+    """The recompute mode for transformer layer `layer_index` (0-based, global): recompute.mode
+    for the first recompute.layers layers (recompute.offload_layers for offload; 0: all),
+    "none" after them."""
+    first = cfg.offload_layers if cfg.mode == "offload" else cfg.layers
+    if first and layer_index >= first:
+        return "none"
+    return cfg.mode
+
+
 @dataclass
 class TrainConfig:
     steps: int = bounded(10, low=1)  # optimizer steps; the LR schedule spans them

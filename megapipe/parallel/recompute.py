@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megapipe.config.memory_terms import layer_mode
+from megapipe.config.schema import layer_mode
 
 __all__ = ["ActivationOffload", "layer_mode", "maybe_checkpoint"]  # layer_mode: for the model
 

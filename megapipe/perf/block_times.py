@@ -16,7 +16,7 @@ from collections import Counter
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.memory_terms import layer_mode
+from megapipe.config.schema import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Work, shapes

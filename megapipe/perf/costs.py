@@ -74,8 +74,7 @@ from megapipe.config.memory_terms import (
     head_grad_in_forward,
     tied_lookup_with_head,
 )
-from megapipe.config.schema import gated
-from megapipe.parallel.recompute import layer_mode
+from megapipe.config.schema import gated, layer_mode
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import (
     all_to_all_time,

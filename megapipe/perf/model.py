@@ -53,8 +53,8 @@ from megapipe.config.flops import (
     matmul_params,
     segment_bounds,
 )
-from megapipe.config.memory_terms import layer_mode
 from megapipe.config.pipeline_split import partition, placement_of
+from megapipe.config.schema import layer_mode
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
