@@ -1,7 +1,8 @@
 """The memory model held to the code: the peak of live storages that `--fake-ranks` measures
 (train/fake_ranks.py) is the dry run's plan within 5%, with the backward's working set
 (config/memory_backward.py) in the plan: full recompute's rerun layer, SwiGLU's product grads,
-a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak),
+a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak,
+making the grads as it goes),
 ZeRO-1's reduction and weight gather, and ZeRO-3's gathers. No spawned processes: every rank
 runs in this one on fake tensors."""
 
@@ -19,6 +20,11 @@ CASES = {
     "gpt2_pp2_full": ([*PP2, "--recompute.mode=full"], "0,1"),
     "gpt2_pp2_interleaved": ([*PP2, "--parallel.schedule=interleaved_1f1b", "--parallel.vpp=2",
                               "--model.n_layers=4"], "0,1"),
+    # recompute.layers=1: stage 0's first backward reruns layer 0 beside layer 1's grads, just
+    # made, and both microbatches in flight (memory_backward.chunk_first_backward_bytes)
+    "gpt2_pp2_full_first_layer": (["--parallel.pp=2", "--parallel.microbatches=2",
+                                   "--model.n_layers=4", "--recompute.mode=full",
+                                   "--recompute.layers=1"], "0"),
     "llama": (["--model.arch=llama"], "0"),
     "mixtral": (["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"], "0"),
     # ZeRO-1's states decide the peak: its reduction (the grads sent as they lie, a bf16 send

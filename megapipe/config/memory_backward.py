@@ -45,6 +45,8 @@ per-token vectors of the router.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
 from megapipe.config.memory_terms import (
     compute_bytes,
@@ -144,7 +146,25 @@ def chunk_backward_bytes(cfg: Config, blocks: range, device: str = "cuda") -> fl
     Seq1F1B segments), net of what the blocks after each layer freed before it ran: the
     head's saved tensors and the later layers' (at their recompute mode). The chunk's last
     layer receives its output grad from the head, or from the next stage, Nₛ·d·r."""
-    m, best = cfg.model, 0.0
+    return max((net for _, net in _layer_backwards(cfg, blocks, device)), default=0.0)
+
+
+def chunk_first_backward_bytes(
+    cfg: Config, blocks: range, device: str, grad_bytes: Callable[[int], float]
+) -> float:
+    """chunk_backward_bytes in the step's first backward where that backward makes the grads
+    (float32 weights reducing once a step): each layer's working set with the grads of the
+    chunk's blocks after it (`grad_bytes` of a block), made in that backward before it ran,
+    while every microbatch in flight is still held."""
+    moments = _layer_backwards(cfg, blocks, device)
+    return max((net + sum(grad_bytes(b) for b in blocks if b > block) for block, net in moments),
+               default=0.0)  # fmt: skip
+
+
+def _layer_backwards(cfg: Config, blocks: range, device: str) -> Iterator[tuple[int, float]]:
+    """(block, its layer backward's working set net of what the chunk's later blocks freed)
+    for each layer of the chunk holding `blocks`, last first, in each Seq1F1B segment."""
+    m = cfg.model
     for segment in segments(cfg):
         x = rank_dims(cfg, segment)
         freed, incoming = 0.0, x.ns * m.d_model * residual_bytes(cfg)
@@ -153,10 +173,9 @@ def chunk_backward_bytes(cfg: Config, blocks: range, device: str = "cuda") -> fl
         for block in reversed([b for b in blocks if 0 < b <= m.n_layers]):
             index = block - 1
             work = sum(layer_backward_terms(cfg, device, segment, index).values())
-            best = max(best, incoming + work - freed)
+            yield block, incoming + work - freed
             mode = layer_mode(cfg.recompute, index)
             freed += sum(layer_terms(cfg, mode, device, segment, index).values())
             if weight_grads_queued(cfg):  # what W needs stays (module docstring)
                 freed -= sum(layer_deferred(cfg, segment, index).values())
             incoming = x.ns * m.d_model * residual_bytes(cfg)
-    return best

@@ -26,9 +26,13 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from megapipe.config.flops import held_expert_params, segment_bounds
+from megapipe.config.flops import head_grad_in_forward, held_expert_params, segment_bounds
 from megapipe.config.fp8_weights import cast_bytes, fp8_params, step_cast_bytes
-from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
+from megapipe.config.memory_backward import (
+    chunk_backward_bytes,
+    chunk_first_backward_bytes,
+    weight_grads_queued,
+)
 from megapipe.config.memory_head import head_transient_bytes
 from megapipe.config.memory_terms import (
     embedding_terms,
@@ -44,6 +48,7 @@ from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_c
 from megapipe.config.schema import Config, layer_mode
 from megapipe.config.states import (
     FLOAT32,
+    GRAD_BYTES,
     block_grads_bytes,
     expert_layout,
     gathered_bytes,
@@ -105,6 +110,9 @@ class RankMemory:
     # the largest working set of a layer's backward on top of the activation peak
     # (config/memory_backward.chunk_backward_bytes over the rank's chunks)
     backward: float = 0.0
+    # the same in the step's first backward, where float32 grads are made: with the grads of
+    # the chunk's later blocks, beside every microbatch in flight (chunk_first_backward_bytes)
+    backward_first: float = 0.0
     # B/W split with float32 grads: what the B passes make before the first W (the head's and
     # the embedding's weights, biases, norm gains: all but the layers' deferred linears,
     # config/memory_terms.layer_deferred_params), and the peak in flight once they exist
@@ -150,6 +158,7 @@ class RankMemory:
         top = max(
             at_backward + max(self.activations, with_grads, with_b),
             at_head + max(self.activations, head_grads, with_b),
+            held + self.backward_first + self.activations,
         )
         stepping = self.weights + self.optimizer + self.step_grads + self.step_gather
         return max(top, reducing, stepping)
@@ -213,6 +222,7 @@ def memory_plan(
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
             r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
             r = replace(r, host=host * inflight[pp_rank], backward=back, casts=casts)
+            r = replace(r, backward_first=first_backward(cfg, held, tp_rank, chunk_params, device))
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
                 r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))
@@ -285,6 +295,24 @@ def rank_memory(
         gathered_head=head[1],
         grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,
     )
+
+
+def first_backward(
+    cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, device: str
+) -> float:
+    """RankMemory.backward_first of the rank holding the chunks `held`: where its first
+    backward makes float32 grads (float32 weights, reduced once a step, no B/W split, whose B
+    makes only some: with_b_grads), else 0 (bf16 main grads exist all along: `grads`)."""
+    made = state_layout(cfg).weight == FLOAT32 and not local_grads_transient(cfg)
+    if not made or weight_grads_queued(cfg):
+        return 0.0
+    head = cfg.model.n_layers + 1  # its grads made in forward are the head terms' own
+
+    def grads(block: int) -> float:
+        made = block != head or not head_grad_in_forward(cfg)
+        return GRAD_BYTES * chunk_params(range(block, block + 1), tp_rank) * made
+
+    return max(chunk_first_backward_bytes(cfg, b, device, grads) for b in held)
 
 
 def rank_deferred_params(cfg: Config, held: list[range]) -> int:
