@@ -242,10 +242,7 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
 
 def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     """One microbatch's tp ops of transformer layer `index`, and under full recompute its
-    forward again but, on a dense layer without dropout, the MLP output's sum: the recompute
-    is torch's non-reentrant checkpoint (parallel/recompute.py), which stops once the last
-    tensor backward needs is recomputed, and the row linear's collective comes after its
-    saves (the residual dropout's mask, saved after it, needs it rerun)."""
+    forward again (but its last, `recompute_skips_output_sum`)."""
     m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
@@ -254,7 +251,16 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
-    return f + (f if moe or m.dropout > 0 else f[:-1]) + b
+    return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b
+
+
+def recompute_skips_output_sum(cfg: Config, moe: bool) -> bool:
+    """Full recompute leaves out a layer's last tp op, its MLP output's sum: the recompute is
+    torch's non-reentrant checkpoint (parallel/recompute.py), which stops once the last tensor
+    backward needs is recomputed, and a dense layer's row-linear sum comes after its saves.
+    Rerun on a MoE layer (the experts' saves come after it) and under dropout (the residual
+    dropout's mask is saved after it)."""
+    return not moe and cfg.model.dropout == 0
 
 
 def _tp_mtp(cfg: Config, w: Widths) -> list[Op]:

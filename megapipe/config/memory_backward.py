@@ -156,9 +156,11 @@ def chunk_first_backward_bytes(
     (float32 weights reducing once a step): each layer's working set with the grads of the
     chunk's blocks after it (`grad_bytes` of a block), made in that backward before it ran,
     while every microbatch in flight is still held."""
+    made_before, total = {}, 0.0  # each block's later blocks' grads, summed once
+    for block in reversed(blocks):
+        made_before[block], total = total, total + grad_bytes(block)
     moments = _layer_backwards(cfg, blocks, device)
-    return max((net + sum(grad_bytes(b) for b in blocks if b > block) for block, net in moments),
-               default=0.0)  # fmt: skip
+    return max((net + made_before[block] for block, net in moments), default=0.0)
 
 
 def _layer_backwards(cfg: Config, blocks: range, device: str) -> Iterator[tuple[int, float]]:

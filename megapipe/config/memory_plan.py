@@ -303,14 +303,16 @@ def first_backward(
     """RankMemory.backward_first of the rank holding the chunks `held`: where its first
     backward makes float32 grads (float32 weights, reduced once a step, no B/W split, whose B
     makes only some: with_b_grads), else 0 (bf16 main grads exist all along: `grads`)."""
-    made = state_layout(cfg).weight == FLOAT32 and not local_grads_transient(cfg)
-    if not made or weight_grads_queued(cfg):
+    made_in_backward = state_layout(cfg).weight == FLOAT32 and not local_grads_transient(cfg)
+    if not made_in_backward or weight_grads_queued(cfg):
         return 0.0
     head = cfg.model.n_layers + 1  # its grads made in forward are the head terms' own
+    head_counted = head_grad_in_forward(cfg)
 
     def grads(block: int) -> float:
-        made = block != head or not head_grad_in_forward(cfg)
-        return GRAD_BYTES * chunk_params(range(block, block + 1), tp_rank) * made
+        if block == head and head_counted:
+            return 0.0
+        return GRAD_BYTES * chunk_params(range(block, block + 1), tp_rank)
 
     return max(chunk_first_backward_bytes(cfg, b, device, grads) for b in held)
 

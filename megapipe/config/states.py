@@ -274,7 +274,7 @@ def replica_bucket_mb(replicas: int) -> float:
 def packing_bytes(n_params: float, cfg: Config) -> float:
     """The grads of the bucket being copied into its send buffer, where they are dropped once
     copied (`reduction_bytes`' dropped case): both are live for that moment, so the reduction
-    holds one bucket's grads more than its end state (parallel/data/zero.py `_send_copy`;
+    holds one bucket's grads more than its end state (parallel/data/zero.py `_copy_in`;
     FSDP2's reduce-scatter copy-in has the same moment). A bucket is replica_bucket_mb of
     float32 grads, at most the rank's grads; it closes after the parameter that fills it, so
     a parameter larger than the bucket overshoots it, and expert and dense weights' buckets

@@ -65,7 +65,12 @@ from __future__ import annotations
 import math
 
 from megapipe.config import Config
-from megapipe.config.comm_bytes import attention_column_widths, routing_count_ops, tp_layer_ops
+from megapipe.config.comm_bytes import (
+    attention_column_widths,
+    recompute_skips_output_sum,
+    routing_count_ops,
+    tp_layer_ops,
+)
 from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
 from megapipe.config.memory_terms import (
     attention_path,
@@ -196,12 +201,12 @@ class CostModel(MoECosts):
 
     def _recomputed(self, f: Work, x: Shapes, moe: bool) -> Work:
         """A full-recompute layer's forward again in its backward: all of `f`, or where the
-        runtime's recompute stops at the last save (Runtime.recompute_stops_early) a dense
-        layer's without dropout without its plain MLP output sum (config/comm_bytes._tp_layer)."""
+        runtime's recompute stops at the last save (Runtime.recompute_stops_early) without the
+        plain MLP output sum it skips (config/comm_bytes.recompute_skips_output_sum)."""
         p = self.cfg.parallel
         overlapped = p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap
-        rerun = moe or self.cfg.model.dropout > 0 or p.tp == 1 or overlapped
-        if not self.rt.recompute_stops_early or rerun:
+        skips = self.rt.recompute_stops_early and recompute_skips_output_sum(self.cfg, moe)
+        if not skips or p.tp == 1 or overlapped:
             return f
         last = self._tp_ops(x, moe)[0][-1]
         return Work(f.compute, max(f.tp - self._tp(*last), 0.0), f.cp, f.ep)
