@@ -329,6 +329,14 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     "selective_first": ("0", ["--recompute.mode=selective", "--recompute.layers=1"], True),
     "tp2_sp_moe_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE,
                               "--recompute.mode=full"], True),
+    # parallel.tp_overlap's ring: tp − 1 sends of a chunk per SP collective, the row linear's
+    # rerun under full recompute (its sum runs before its saves), FP8's tensor amaxes over the
+    # pieces' tp ranks
+    "tp4_sp_overlap": ("0", ["--parallel.tp=4", "--parallel.sequence_parallel=true",
+                             "--parallel.tp_overlap=true"], True),
+    "tp2_sp_overlap_fp8_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                      "--parallel.tp_overlap=true", "--train.fp8=tensorwise",
+                                      "--recompute.mode=full"], True),
 }  # fmt: skip
 
 
@@ -346,7 +354,8 @@ def test_bytes_per_axis_are_the_plans_exactly(tmp_path, case):
     copy swapped between the pipeline's ends; and with dp 1 the replica group's sums on cp,
     whose group it is; under full recompute the forward's ops again but a dense layer's last
     (the row linear's sum comes after its saves, where the checkpoint stops; with dropout its
-    mask is saved after it: test_full_recompute_replays_the_dropout_stream_on_fake_tensors).
+    mask is saved after it: test_full_recompute_replays_the_dropout_stream_on_fake_tensors;
+    under tp_overlap the ring sums before the save); the tp ring's chunk sends.
     FLOPs exact too (kv heads copied over tp ranks run their projections on each:
     config/flops._kv_copies), but latent attention's on the CPU, where SDPA's math path
     takes its values unpadded (config/flops._attention_hardware_flops), and MTP's head under

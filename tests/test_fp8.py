@@ -166,11 +166,6 @@ def test_checks():
             | {"model.n_experts": 4, "model.top_k": 2},
             "token chunks",
         ),
-        (
-            {"train.fp8": "rowwise", "parallel.tp": 2, "parallel.sequence_parallel": "true"}
-            | {"parallel.tp_overlap": "true"},
-            "tp_overlap",
-        ),
         ({"train.fp8": "blockwise", "parallel.tp": 2, **MLA_BLOCKS} | SP, "8-token chunk"),
     ]:
         with pytest.raises(ConfigError, match=key):

@@ -26,6 +26,7 @@ LOSS_REL = 1e-4
 WEIGHT_REL = 1e-3
 MB2 = ["parallel.microbatches=2"]
 SP = ["parallel.sequence_parallel=true"]
+OVERLAP = ["parallel.tp_overlap=true"]  # the ring's chunked linears (parallel/fp8_overlap.py)
 MOE = ["model.n_experts=4", "model.top_k=2"]
 # deepseek_v3's latent attention (models/mla.py), dense: a query LoRA, v_head_dim != the qk
 # width, and the down projections whole on every tp rank, on SP's sequence chunks
@@ -48,6 +49,8 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("dp2-blockwise", 2, 1, [*fp8("blockwise"), *MB2]),
         ("tp2-sp-mla-tensorwise", 1, 2, [*fp8("tensorwise"), *SP, *MLA]),
         ("tp2-sp-rowwise", 1, 2, [*fp8("rowwise"), *SP]),
+        ("tp2-sp-overlap-tensorwise", 1, 2, [*fp8("tensorwise"), *SP, *OVERLAP]),
+        ("tp2-sp-overlap-rowwise", 1, 2, [*fp8("rowwise"), *SP, *OVERLAP, *MB2]),
         ("cp2-tensorwise", 1, 1, [*fp8("tensorwise"), "parallel.cp=2"]),
         ("cp2-rowwise", 1, 1, [*fp8("rowwise"), "parallel.cp=2"]),
         ("pp2-1f1b-rowwise", 1, 1, [*fp8("rowwise"), *pp("1f1b", 4)]),
@@ -62,6 +65,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
     4: [
         ("dp2-ep2-tp2-sp-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MOE, "parallel.ep=2"]),
         ("dp2-tp2-sp-zero3-tensorwise", 2, 2, [*fp8("tensorwise"), *SP, *MB2, "parallel.zero=3"]),
+        (
+            "pp2-tp2-sp-overlap-zb_h1-rowwise",
+            1,
+            2,
+            [*fp8("rowwise"), *SP, *OVERLAP, *pp("zb_h1", 4)],
+        ),  # fmt: skip
     ],
 }
 

@@ -90,3 +90,68 @@ def test_overlapped_linears_match_the_plain_sp_path_in_tp_ring_steps(gloo_pool, 
         assert {n for _, n in got["lapped"]} == {chunk}, got["lapped"]
         if defer:
             assert got["before_w"] == [None, None] and got["w_matmuls"] == 2
+
+
+def _fp8_run(recipe: str, overlap: bool, defer: bool, d: int) -> dict:
+    """The column and the row linear apart, in FP8 (parallel/fp8.py's policy on the pair), each
+    on an input and an output weight of its own: both paths then cast the same bits (a
+    chained pair would cast the column's output, whose round-off differs between the paths,
+    and an element that crosses an fp8 rounding step moves by a whole step)."""
+    from megapipe.parallel.autograd.weight_grad import defer_weight_grads, run_weight_grads
+    from megapipe.parallel.fp8 import Fp8
+    from megapipe.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    tp, _ = _pair(overlap)
+    model = torch.nn.ModuleDict(
+        {
+            "col": ColumnParallelLinear(d, [d, d], bias=True, tp=tp, unit=2),
+            "row": RowParallelLinear([d, d], d, bias=False, tp=tp, unit=2),
+        }  # fmt: skip
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.values():
+            for name, shape in m.logical_shapes.items():
+                full = torch.randn(*shape, generator=gen)
+                getattr(m, name).copy_(m.shard_specs[name].shard(full, tp))
+    Fp8(recipe).apply(model)
+    col_x = torch.randn(B, T, d, generator=gen).chunk(tp.size, 1)[tp.rank].clone()
+    col_w = torch.randn(B, T, 2 * d, generator=gen)[..., _cols(tp, d)]
+    row_x = torch.randn(B, T, 2 * d, generator=gen)[..., _cols(tp, d)].clone()
+    row_w = torch.randn(B, T, d, generator=gen).chunk(tp.size, 1)[tp.rank]
+    col_x.requires_grad_(), row_x.requires_grad_()
+    with defer_weight_grads(model, "b0" if defer else None):
+        y_col, y_row = model["col"](col_x), model["row"](row_x)
+        ((y_col * col_w).sum() + (y_row * row_w).sum()).backward()
+    if defer:
+        assert run_weight_grads(model, "b0") == 2
+    out = {"y_col": y_col.detach(), "y_row": y_row.detach(), "col_x.grad": col_x.grad}
+    out["row_x.grad"] = row_x.grad
+    out.update({f"{k}.{n}": p.grad for k in ("col", "row") for n, p in model[k].named_parameters()})
+    return out
+
+
+def _cols(tp, d: int) -> list[int]:
+    """This rank's features of a [d, d] segmented column output (each segment split over tp)."""
+    per = d // tp.size
+    return [s * d + tp.rank * per + i for s in range(2) for i in range(per)]
+
+
+def fp8_overlap_case(recipe: str, defer: bool, d: int) -> dict:
+    plain, lapped = _fp8_run(recipe, False, defer, d), _fp8_run(recipe, True, defer, d)
+    return {k: rel_error(lapped[k], plain[k]) for k in plain}
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("defer", [False, True], ids=["bw", "deferred-w"])
+def test_fp8_overlapped_linears_cast_as_the_plain_sp_path(gloo_pool, tp, recipe, defer):
+    """train.fp8 under tp_overlap (parallel/fp8_overlap.py): outputs and grads of each linear
+    within float32 reassociation of the non-overlapped FP8 path, which the FP8 parity tests
+    hold to one process (tensorwise scales shared over the ring's pieces; blockwise at whole
+    128-wide blocks per rank)."""
+    d = 128 * tp if recipe == "blockwise" else 8
+    for rank, errors in enumerate(gloo_pool(tp).run(fp8_overlap_case, recipe, defer, d)):
+        for name, err in errors.items():
+            assert err <= PARITY_REL, f"rank {rank} {name}: rel {err:.2e}"

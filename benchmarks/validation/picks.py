@@ -5,19 +5,16 @@ batch and device memory, beside the mesh the authors ran, both projected by the 
 The planner searches megapipe's own configurations, so its memory is megapipe's (config/
 states.py): where the published mesh does not fit that memory, the planner cannot pick it, and
 the row says so (`published_fits`) with the plan's peak. The run's own settings the search
-does not vary (precision, FP8, grad reduce dtype, layer balance) are held at the row's, as
-megapipe runs them (`megapipe_config`: an FP8 row's tp comm overlap is off, since megapipe's FP8
-linears have no chunked tp-overlap path, config/fp8_checks.py), for the published mesh too.
+does not vary (precision, FP8, tp comm overlap, grad reduce dtype, layer balance) are held at
+the row's, for the published mesh too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 from benchmarks.validation import h100_validation, published
-from megapipe.config import Config
 from megapipe.perf.cluster import load_cluster
 from megapipe.perf.model import Projection, project
 from megapipe.perf.search import PlanError, Ranked, describe, search
@@ -53,19 +50,12 @@ def pick(row: published.Row) -> Pick:
     m = published.measured(row)
     cluster = load_cluster(m.cluster, row.gpus_per_node)
     runtime = h100_validation.runtime_of(row)
-    base = megapipe_config(m.config)
+    base = m.config
     mine = project(base, cluster, runtime, memory=True)
     try:
         return Pick(row, mine, search(base, row.gpus, cluster, runtime).best)
     except PlanError as err:  # nothing in the planner's space fits: said in the row
         return Pick(row, mine, None, str(err))
-
-
-def megapipe_config(cfg: Config) -> Config:
-    """The row's config as megapipe can run it: FP8 without tp comm overlap (module docstring)."""
-    if cfg.train.fp8 == "none" or not cfg.parallel.tp_overlap:
-        return cfg
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_overlap=False))
 
 
 def rows(max_gpus: int = 0) -> list[published.Row]:

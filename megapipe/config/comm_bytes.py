@@ -33,7 +33,7 @@ from megapipe.config.fp8_weights import (
 )
 from megapipe.config.memory_terms import rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
-from megapipe.config.schema import Config, layer_mode
+from megapipe.config.schema import Config, layer_mode, tp_ring
 from megapipe.config.states import (
     FLOAT32,
     GRAD_BYTES,
@@ -247,20 +247,32 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
     inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
-    f, b = tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs)
+    f, b = (ring_ops(cfg, ops) for ops in tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs))
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
     return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b
 
 
+def ring_ops(cfg: Config, ops: list[Op]) -> list[Op]:
+    """A layer's SP gathers and reduce-scatters as parallel.tp_overlap runs them (parallel/
+    tensor/overlap.py): tp − 1 ring sends of one S/tp chunk each, (tp − 1)/tp · S a rank (a
+    reduce-scatter's input S is never handed over whole, an all-gather's shard travels on);
+    `ops` as they are without the overlap."""
+    if not tp_ring(cfg.parallel):
+        return ops
+    n, ring = cfg.parallel.tp, ("all_gather", "reduce_scatter")
+    return [("send", s * (n - 1) / n) if kind in ring else (kind, s) for kind, s in ops]
+
+
 def recompute_skips_output_sum(cfg: Config, moe: bool) -> bool:
     """Full recompute leaves out a layer's last tp op, its MLP output's sum: the recompute is
     torch's non-reentrant checkpoint (parallel/recompute.py), which stops once the last tensor
     backward needs is recomputed, and a dense layer's row-linear sum comes after its saves.
-    Rerun on a MoE layer (the experts' saves come after it) and under dropout (the residual
-    dropout's mask is saved after it)."""
-    return not moe and cfg.model.dropout == 0
+    Rerun on a MoE layer (the experts' saves come after it), under dropout (the residual
+    dropout's mask is saved after it) and under parallel.tp_overlap's ring (the row linear's
+    autograd function saves its input after its ring has summed, `ring_ops`)."""
+    return not moe and cfg.model.dropout == 0 and not tp_ring(cfg.parallel)
 
 
 def _tp_mtp(cfg: Config, w: Widths) -> list[Op]:

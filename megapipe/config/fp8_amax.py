@@ -10,7 +10,9 @@ weight grad gᵀ (out, tokens) and xᵀ (in, tokens). parallel/fp8_scaling.py `a
 - blockwise (1 x 128 tiles, 128 x 128 blocks): each rank holds whole ones, no op.
 The groups: cp splits the tokens; tp the output features of a column linear, the input ones of a
 row linear, and under sequence parallelism the tokens of a linear whole on every tp rank
-(latent attention's down projections, models/mla.py), which reads each rank's sequence chunk.
+(latent attention's down projections, models/mla.py), which reads each rank's sequence chunk,
+and under parallel.tp_overlap those of the operands the tp ring gathers piece by piece (the
+column linear's x, the row linear's g: parallel/fp8_overlap.py).
 MTP's depths (models/mtp.py) run on the head's block: each its projection (whole on every tp
 rank, as a down projection) and its block, as layer n_layers + k − 1 (`block_amax_ops`).
 W and Wᵀ are not cast every microbatch (fp8_weights.weight_casts): the linears keep their
@@ -41,7 +43,7 @@ from megapipe.config.fp8_weights import (
     weight_casts,
 )
 from megapipe.config.memory_terms import rank_dims
-from megapipe.config.schema import Config, gated, layer_mode
+from megapipe.config.schema import Config, gated, layer_mode, tp_ring
 
 AxisOp = tuple[str, float]  # (mesh axis, bytes) of one MAX all-reduce
 
@@ -70,6 +72,13 @@ def _axes(cfg: Config, w: Fp8Weight) -> tuple[tuple, tuple, tuple]:
     return t, (tp if w.splits == "out" else ()), (tp if w.splits == "in" else ())
 
 
+def _ring_pieces(cfg: Config) -> tuple:
+    """("tp",) where parallel.tp_overlap's ring gathers the column linears' input and the row
+    linears' output grad piece by piece (parallel/fp8_overlap.py): those operands' tokens are
+    split over tp when cast, else ()."""
+    return ("tp",) if tp_ring(cfg.parallel) else ()
+
+
 def linear_amax_ops(
     cfg: Config, w: Fp8Weight, tokens: int, every_use: bool | None = None
 ) -> tuple[list, list]:
@@ -79,8 +88,9 @@ def linear_amax_ops(
     perf/fp8_costs.py's delayed scaling)."""
     granularity = _granularity(cfg)
     t, o, i = _axes(cfg, w)
-    f = _operand_ops(granularity, tokens, t, i)
-    b = _operand_ops(granularity, tokens, t, o)
+    ring = _ring_pieces(cfg)  # the operand a tp ring gathers: its pieces share a tensor scale
+    f = _operand_ops(granularity, tokens, t + (ring if w.splits == "out" else ()), i)
+    b = _operand_ops(granularity, tokens, t + (ring if w.splits == "in" else ()), o)
     if weight_casts(cfg) == "use" if every_use is None else every_use:
         f += _operand_ops(granularity, w.rows, o, i)
         b += _operand_ops(granularity, w.cols, i, o)

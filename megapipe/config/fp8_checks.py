@@ -17,11 +17,6 @@ def check_fp8(cfg: Config) -> None:
     if t.fp8 == "none":
         return
     require(
-        not p.tp_overlap,
-        f"train.fp8={t.fp8} with parallel.tp_overlap=true: the chunked SP linears have no FP8 "
-        "path; set --parallel.tp_overlap=false",
-    )
-    require(
         not (SCHEDULES[p.schedule].segmented and p.pp > 1),
         f"train.fp8={t.fp8} with parallel.schedule={p.schedule}: sequence segments would scale "
         "each segment apart from the whole sequence; choose another schedule",

@@ -225,6 +225,12 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
     return cfg.mode
 
 
+def tp_ring(p: ParallelConfig) -> bool:
+    """The tp linears' SP collectives run as parallel.tp_overlap's ring of chunks beside their
+    matmuls (parallel/tensor/overlap.py): tp > 1 under sequence parallelism."""
+    return p.tp > 1 and p.sequence_parallel and p.tp_overlap
+
+
 @dataclass
 class TrainConfig:
     steps: int = bounded(10, low=1)  # optimizer steps; the LR schedule spans them

@@ -36,6 +36,7 @@ are made afresh each step, so checkpoints hold no FP8 state.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,15 @@ from torch import nn
 
 from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
 from megapipe.parallel.fp8_experts import Fp8Experts
-from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, fp8_matmul, quantize
+from megapipe.parallel.fp8_scaling import (
+    E4M3,
+    E5M2,
+    Groups,
+    amax_of,
+    fp8_matmul,
+    quantize,
+    quantize_with,
+)
 from megapipe.parallel.fp8_weight_cache import WeightCasts
 from megapipe.parallel.precision import weight_grad_landed
 
@@ -101,10 +110,28 @@ class Fp8Linear:
 
     def input_grad(self, g2, weight, qw_t=None, param=None) -> torch.Tensor:
         """g W; `qw_t`: Wᵀ already cast, as `forward`'s `qw`."""
-        act, wgt = self.granularity
-        qg = quantize(g2, E5M2, act, Groups(self.tokens, self.outs))
         qw_t = qw_t or self.weight_operand(weight, "dgrad", param)
-        return fp8_matmul(qg, qw_t, act, wgt)  # (N, in)
+        return self.matmul(self.quantized_grad(g2), qw_t)  # (N, in)
+
+    def quantized_grad(self, g2) -> tuple:
+        """The output grad (N, out) cast for grad_x's contraction over the output features."""
+        return quantize(g2, E5M2, self.granularity[0], Groups(self.tokens, self.outs))
+
+    def matmul(self, a, w) -> torch.Tensor:
+        """a · wᵀ, float32, from an activation-like and a weight-like quantized operand."""
+        return fp8_matmul(a, w, *self.granularity)
+
+    def piece_caster(self, local2, dtype, cols: tuple, split) -> Callable:
+        """Casts each row piece of the tensor a tp ring gathers from every rank's `local2` (rows
+        split over `split`; `cols`: the groups splitting its columns) exactly as the gathered
+        whole would be cast (parallel/fp8_overlap.py): a tensorwise scale from one amax shared
+        over the pieces' ranks, taken here before the ring; row-local scales (rowwise, tiles)
+        from each piece's own rows."""
+        act, _ = self.granularity
+        if act == "tensorwise":
+            amax = amax_of(local2, act, Groups(self.tokens + (split,), cols))
+            return lambda piece: quantize_with(piece, dtype, act, amax)
+        return lambda piece: quantize(piece, dtype, act, Groups(self.tokens, cols))
 
     def weight_operand(self, weight, form: str, param=None) -> tuple:
         """W cast for the forward (`form` "forward") or Wᵀ for the input grad ("dgrad"), kept
@@ -139,16 +166,10 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner, fp8):
-        in_dtype, param = x.dtype, weight
-        gathered = getattr(owner, "fp8_weight", None)  # zero=3 gathered W cast: never read W
-        x, cast, bias = autocast_operands(x, None if gathered else weight, bias)
-        weight = weight if cast is None else cast
+        x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
         ctx.save_for_backward(x, weight)
-        ctx.owner, ctx.fp8, ctx.has_bias, ctx.in_dtype = owner, fp8, bias is not None, in_dtype
-        ctx.gathered, ctx.w_dtype = gathered, _cast_dtype(weight) if gathered else weight.dtype
-        ctx.param = param  # the key of its step's casts (fp8_weight_cache.py)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = fp8.forward(x2, weight, gathered and gathered.operand("forward"), param)
+        y = fp8.forward(x2, weight, weight_cast(ctx, weight, "forward"))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -159,15 +180,42 @@ class _Fp8Linear(torch.autograd.Function):
         fp8, owner = ctx.fp8, ctx.owner
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        qw_t = ctx.gathered and ctx.gathered.operand("dgrad")
-        grad_x = fp8.input_grad(g2, weight, qw_t, ctx.param).to(ctx.in_dtype).reshape(*x.shape)
+        qw_t = weight_cast(ctx, weight, "dgrad")
+        grad_x = fp8.input_grad(g2, weight, qw_t).to(ctx.in_dtype).reshape(*x.shape)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        operands = fp8.weight_grad_operands(x2, g2)
-        key = owner.wgrad_queue.key
-        if key is not None:  # W later: the FP8 operands kept, not x and g
-            owner.wgrad_queue.setdefault(key, []).append((operands,))  # run_weight_grads: not 2
-            return grad_x, None, grad_b, None, None
-        return grad_x, finish_weight_grad(owner, operands), grad_b, None, None
+        grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(x2, g2))
+        return grad_x, grad_w, grad_b, None, None
+
+
+def fp8_operands(ctx, x, weight, bias, owner: nn.Module, fp8: Fp8Linear) -> tuple:
+    """(x, W, b) in autocast's dtype, and on `ctx` what an FP8 linear's backward reads: its
+    owner, policy, the input's dtype, zero=3's gathered FP8 W (then W's storage is never read),
+    W's compute dtype and the parameter keying the step's casts (fp8_weight_cache.py)."""
+    in_dtype, param = x.dtype, weight
+    gathered = getattr(owner, "fp8_weight", None)
+    x, cast, bias = autocast_operands(x, None if gathered else weight, bias)
+    weight = weight if cast is None else cast
+    ctx.owner, ctx.fp8, ctx.has_bias, ctx.in_dtype = owner, fp8, bias is not None, in_dtype
+    ctx.gathered, ctx.w_dtype = gathered, _cast_dtype(weight) if gathered else weight.dtype
+    ctx.param = param
+    return x, weight, bias
+
+
+def weight_cast(ctx, weight, form: str) -> tuple:
+    """W cast for the forward (`form` "forward") or Wᵀ for grad_x ("dgrad"): zero=3's gathered
+    cast, else the step's (Fp8Linear.weight_operand); `ctx` as fp8_operands set it."""
+    gathered = ctx.gathered and ctx.gathered.operand(form)
+    return gathered or ctx.fp8.weight_operand(weight, form, ctx.param)
+
+
+def weight_grad_or_queue(owner: nn.Module, operands) -> torch.Tensor | None:
+    """grad_W now (finish_weight_grad), or under a Zero Bubble B key its quantized operands
+    queued for W (the FP8 operands kept, not x and g): then None."""
+    key = owner.wgrad_queue.key
+    if key is not None:
+        owner.wgrad_queue.setdefault(key, []).append((operands,))  # run_weight_grads: not 2
+        return None
+    return finish_weight_grad(owner, operands)
 
 
 def _cast_dtype(weight: torch.Tensor) -> torch.dtype:

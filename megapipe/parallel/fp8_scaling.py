@@ -120,7 +120,15 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 `t`, dequantization scale) of the 2-D `t` (module docstring); the scale has the
     shape amax_of gives and dequantizes as `q.float() * expand(scale)`."""
-    scale = amax_to_scale(amax_of(t, granularity, groups), dtype)
+    return quantize_with(t, dtype, granularity, amax_of(t, granularity, groups))
+
+
+def quantize_with(
+    t: torch.Tensor, dtype: torch.dtype, granularity: str, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` with the amax already taken (amax_of): a piece of a larger tensor cast with
+    the scales of the whole (parallel/fp8_overlap.py's ring pieces)."""
+    scale = amax_to_scale(amax, dtype)
     q = to_fp8(t.float() * expand(scale, t.shape, granularity), dtype)
     return q, scale.reciprocal()
 
@@ -140,12 +148,7 @@ def quantize_parts(
     if local and any(g is not None and dist.get_world_size(g) > 1 for g in sharing):
         flat = _max_over(torch.cat([a.reshape(-1) for a in local]), sharing)
         local = [a.view_as(b) for a, b in zip(flat.split([b.numel() for b in local]), local)]
-    out = []
-    for p, amax in zip(parts, local, strict=True):
-        scale = amax_to_scale(amax, dtype)
-        q = to_fp8(p.float() * expand(scale, p.shape, granularity), dtype)
-        out.append((q, scale.reciprocal()))
-    return out
+    return [quantize_with(p, dtype, granularity, a) for p, a in zip(parts, local, strict=True)]
 
 
 def fp8_matmul(a, b_t, act: str, weight_like: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
 from megapipe.parallel.fp8 import deferred_weight_grad
+from megapipe.parallel.fp8_overlap import fp8_gather_linear, fp8_linear_scatter
 from megapipe.parallel.precision import add_bias
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.overlap import gather_linear, linear_scatter
@@ -132,7 +133,8 @@ class ColumnParallelLinear(ParallelLinear):
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         if self._overlapped():  # (B, T/tp, in) -> (B, T, out/tp), the gather on the ring
-            y = gather_linear(x, self.weight, self.bias, self)
+            ring = gather_linear if self.fp8 is None else fp8_gather_linear
+            y = ring(x, self.weight, self.bias, self)
         else:
             y = self._linear(enter_column(x, self.tp), self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
@@ -164,7 +166,8 @@ class RowParallelLinear(ParallelLinear):
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         if self._overlapped():  # (B, T, in/tp) -> (B, T/tp, out), the scatter on the ring
-            y = linear_scatter(x, self.weight, self)
+            ring = linear_scatter if self.fp8 is None else fp8_linear_scatter
+            y = ring(x, self.weight, self)
         else:
             y = exit_row(self._linear(x, None), self.tp)
         return y if self.bias is None else add_bias(y, self.bias)
