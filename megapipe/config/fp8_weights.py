@@ -71,6 +71,13 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     return _cast(cfg, _layer_name(cfg, block - 1), named)
 
 
+def dense_mlp_cast(cfg: Config, index: int) -> bool:
+    """Layer `index`'s dense MLP (fc1, fc2) runs in FP8: train.fp8 on, not kept, not MoE."""
+    if weight_granularity(cfg) is None or is_moe_layer(cfg.model, index):
+        return False
+    return bool(_cast(cfg, _layer_name(cfg, index), {"mlp.fc2": Fp8Weight(0, 0, "in")}))
+
+
 def mtp_projection(cfg: Config, depth: int) -> list[Fp8Weight]:
     """MTP depth `depth`'s 2d → d projection (models/mtp.MTPModule.proj, a ReplicatedLinear
     whole on every tp rank) where train.fp8 casts it, else []."""

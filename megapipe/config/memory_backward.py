@@ -14,6 +14,9 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
                           input grad (chunk_backward_bytes); under sequence parallelism fc2's
                           backward all-gathers it, N·d·c, and under bf16 autocast with float32
                           weights autograd casts it to fc2's bf16 output, N·d·c
+  FP8 fc2 (train.fp8)     after the input grad, the weight grad's cast of fc2's input xᵀ:
+                          a float32 copy scaled and clamped in place, then its one-byte cast,
+                          (4 + 1)·N·f (parallel/fp8_scaling.quantize_with)
   fc2 (w_out)             grad_out @ W: the input grad N·f·c; its weight grad grad_outᵀ·x,
                           f·d in the weight's dtype (autocast: the bf16 product f·d·2, then
                           autograd's float32 cast f·d·4 for the float32 parameter). None under
@@ -48,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
+from megapipe.config.fp8_weights import FP8_BYTES, dense_mlp_cast
 from megapipe.config.memory_terms import (
     compute_bytes,
     head_terms,
@@ -103,11 +107,13 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
     act_grads = (2 if gated(m.arch) else 1) * grad_in  # SwiGLU: both factors' grads
     # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
     act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
-    if act > grad_in + wgrad:
+    fc2 = {"fc2 input grad": grad_in, "fc2 weight grad": wgrad}
+    if dense_mlp_cast(cfg, index):  # fp8_scaling.quantize_with: a float32 copy, then the cast
+        fc2["fc2 input's FP8 cast (weight grad)"] = (FLOAT32 + FP8_BYTES) * x.n * x.ff
+    if act > sum(fc2.values()):
         terms["activation grads" if weight_grads_queued(cfg) else "SwiGLU product grads"] = act
     else:
-        terms["fc2 input grad"] = grad_in
-        terms["fc2 weight grad"] = wgrad
+        terms.update(fc2)
     return terms
 
 

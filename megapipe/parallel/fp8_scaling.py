@@ -55,10 +55,11 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.finfo(dtype).max / amax.double().clamp(min=EPS)).float()
 
 
-def to_fp8(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t` cast to `dtype`, saturating at its largest finite value (torchao's rule)."""
+def to_fp8(t: torch.Tensor, dtype: torch.dtype, scratch: bool = False) -> torch.Tensor:
+    """`t` cast to `dtype`, saturating at its largest finite value (torchao's rule); `scratch`:
+    `t` is the caller's own temporary, clamped in place."""
     top = torch.finfo(dtype).max
-    return t.clamp(min=-top, max=top).to(dtype)
+    return (t.clamp_ if scratch else t.clamp)(min=-top, max=top).to(dtype)
 
 
 def _max_over(amax: torch.Tensor, groups: tuple) -> torch.Tensor:
@@ -85,13 +86,11 @@ def _local_amax(t: torch.Tensor, granularity: str) -> torch.Tensor:
         shape = {"tensorwise": (), "rowwise": (r, 1), "tile": (r, -(-c // BLOCK))}
         blocks = (-(-r // BLOCK), -(-c // BLOCK))
         return t.new_zeros(shape.get(granularity, blocks), dtype=torch.float32)
-    a = t.detach().abs().float()
-    if granularity == "tensorwise":
-        return a.amax()
-    if granularity == "rowwise":
-        return a.amax(dim=1, keepdim=True)
-    rows = 1 if granularity == "tile" else BLOCK
-    return _tiles(a, rows).amax(dim=(1, 3))
+    # max(max, −min): |t|'s max without an |t| copy of the operand (exact in any float dtype)
+    a, dims = t.detach(), {"rowwise": {"dim": 1, "keepdim": True}}.get(granularity, {})
+    if granularity in ("tile", "block"):
+        a, dims = _tiles(a, 1 if granularity == "tile" else BLOCK), {"dim": (1, 3)}
+    return torch.maximum(a.amax(**dims), -a.amin(**dims)).float()
 
 
 def _sharing(granularity: str, groups: Groups) -> tuple:
@@ -129,8 +128,10 @@ def quantize_with(
     """`quantize` with the amax already taken (amax_of): a piece of a larger tensor cast with
     the scales of the whole (parallel/fp8_overlap.py's ring pieces)."""
     scale = amax_to_scale(amax, dtype)
-    q = to_fp8(t.float() * expand(scale, t.shape, granularity), dtype)
-    return q, scale.reciprocal()
+    full = expand(scale, t.shape, granularity)
+    values = t.float()  # float32 operands scale into a new tensor, narrower ones in their copy
+    values = values * full if values is t else values.mul_(full)
+    return to_fp8(values, dtype, scratch=True), scale.reciprocal()
 
 
 def dequantize(q: torch.Tensor, inv: torch.Tensor, granularity: str) -> torch.Tensor:
