@@ -3,7 +3,7 @@
 (config/memory_backward.py) in the plan: full recompute's rerun layer, SwiGLU's product grads,
 a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak,
 making the grads as it goes),
-ZeRO-1's reduction and weight gather, and ZeRO-3's gathers. No spawned processes: every rank
+ZeRO-1's reduction and weight gather, ZeRO-3's gathers, and FP8's weight-grad casts. No spawned processes: every rank
 runs in this one on fake tensors."""
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ CASES = {
                             "--train.global_batch=4", "--train.dtype=bfloat16",
                             "--train.params_dtype=bfloat16",
                             "--parallel.grad_reduce_dtype=bfloat16"], "0"),
+    # train.fp8: fc2's backward casts its input for the weight grad (a float32 copy, then the
+    # one-byte cast: memory_backward.mlp_backward_terms), with and without the layer rerun
+    "fp8_tensorwise_full": (["--train.fp8=tensorwise", "--recompute.mode=full"], "0"),
+    "fp8_rowwise_llama": (["--train.fp8=rowwise", "--model.arch=llama", "--model.d_model=128",
+                           "--model.seq_len=64"], "0"),
+    "fp8_tp2_sp_overlap": (["--train.fp8=tensorwise", "--parallel.tp=2",
+                            "--parallel.sequence_parallel=true", "--parallel.tp_overlap=true"],
+                           "0"),
 }  # fmt: skip
 
 
