@@ -2,9 +2,8 @@
 (train/fake_ranks.py) is the dry run's plan within 5%, with the backward's working set
 (config/memory_backward.py) in the plan: full recompute's rerun layer, SwiGLU's product grads,
 a MoE layer's expert grads, pipelined ranks (whose first backward follows their warm-up's peak,
-making the grads as it goes),
-ZeRO-1's reduction and weight gather, ZeRO-3's gathers, and FP8's weight-grad casts. No spawned processes: every rank
-runs in this one on fake tensors."""
+making the grads as it goes), ZeRO-1's reduction and weight gather, ZeRO-3's gathers, and FP8's
+weight-grad casts. No spawned processes: every rank runs in this one on fake tensors."""
 
 from __future__ import annotations
 
