@@ -334,6 +334,9 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     # pieces' tp ranks
     "tp4_sp_overlap": ("0", ["--parallel.tp=4", "--parallel.sequence_parallel=true",
                              "--parallel.tp_overlap=true"], True),
+    # the grad norm's sum on the world's group, which is dp's without tp or pp: ZeRO, ep
+    "dp2_zero1": ("0", ["--parallel.dp=2", "--parallel.zero=1"], True),
+    "dp2_ep2_moe": ("0", ["--parallel.dp=2", "--parallel.ep=2", *MOE], True),
     "tp2_sp_overlap_fp8_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                       "--parallel.tp_overlap=true", "--train.fp8=tensorwise",
                                       "--recompute.mode=full"], True),

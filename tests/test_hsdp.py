@@ -75,7 +75,7 @@ def test_dp_bytes_are_the_two_level_reduction(tmp_path):
     def dp_bytes(cfg):
         return rank_comm_bytes(cfg, 0, 0, lambda blocks, tp: params)["dp"]
 
-    loss = 8.0  # the step's float64 loss, all-reduced over dp
+    loss = 8.0 + 4.0  # the step's float64 loss and float32 grad-norm sum, over dp (the world)
     assert dp_bytes(hsdp) == pytest.approx(loss + 4 * params + 4 * params / 2 + 4 * params / 2)
     assert dp_bytes(plain) == pytest.approx(loss + 4 * params + 4 * params / 8)
 
@@ -87,7 +87,7 @@ def test_dp_bytes_follow_grad_reduce_dtype(tmp_path):
     bf16 = cfg_of(tmp_path, *base, "parallel.grad_reduce_dtype=bfloat16")
     params = 1000
     got = rank_comm_bytes(bf16, 0, 0, lambda blocks, tp: params)["dp"]
-    assert got == pytest.approx(8.0 + 2 * params + 2 * params / 2 + 4 * params / 2)
+    assert got == pytest.approx(8.0 + 4.0 + 2 * params + 2 * params / 2 + 4 * params / 2)
 
 
 def test_priced_on_the_shard_and_replicate_links(tmp_path):

@@ -49,6 +49,7 @@ from megapipe.plan.actions import FORWARD
 AXES = ("dp", "tp", "pp", "cp", "ep")
 Op = tuple[str, float]  # (kind, S): all_reduce, reduce_scatter, all_gather, all_to_all, send
 LOSS_BYTES = 8  # the step's summed loss, float64, all-reduced over dp × cp and over pp
+NORM_BYTES = 4  # the squared grad norm, float32 (train/optim.global_grad_norm)
 
 
 def put_in(kind: str, nbytes: float, n: int) -> float:
@@ -365,7 +366,8 @@ def _ep_block(cfg: Config, block: int, w: Widths) -> float:
 def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     """The grad reduction of the rank's `params` (`experts` of them over the expert replicas)
     and the weights' gathers: after the step at zero 1 and 2, at zero=3 each block's twice a
-    microbatch (perf/data_parallel.py); and the step's loss over dp × cp. Under HSDP the
+    microbatch (perf/data_parallel.py); the step's loss over dp × cp (and its grad norm, where
+    that group is the world's). Under HSDP the
     reduce-scatters and gathers run in the shard groups and each shard is then all-reduced
     over its dp/dp_shard replicas, once a step (parallel/data/zero.py)."""
     p = cfg.parallel
@@ -373,6 +375,10 @@ def _dp(cfg: Config, params: int, experts: int, w: Widths) -> float:
     if p.ep == 1:
         groups = [(params, replicas(cfg))]
     total = put_in("all_reduce", LOSS_BYTES, p.dp * p.cp)
+    if p.tp == 1 and p.pp == 1 and (p.zero > 0 or p.ep > 1):
+        # the grad norm's sum runs on the world's group where each grad is whole on one of its
+        # replicas only (parallel/data/levels.spread), here the dp × cp group itself
+        total += put_in("all_reduce", NORM_BYTES, p.dp * p.cp)
     for n_params, n in groups:
         total += put_in(grad_reduction_kind(p.zero, n), n_params * w.reduce, n)
         total += put_in("all_reduce", n_params * w.reduce / max(n, 1), shard_copies(cfg))
