@@ -12,7 +12,9 @@ linear, its effect on the loss ~10⁻⁵ of it. Hence losses within `LOSS_REL` (
 and weights within `WEIGHT_REL` of their norm after 3 steps (AdamW's reach): a flipped element's
 grad error is one fp8 step of one product, while a wrong scale (an amax not shared) or a
 dropped deferred W is off by a whole fp8 step in every element of a tensor or by ~lr per
-element, ~100%.
+element, ~100%. The estimate is the tiny width's: from d_model 64 on, tp's round-off flips an
+element somewhere (layer 0's fc2 input at 128) and the flip moves every later cast, so the tp
+and cp cases stay at d_model 32 (docs/precision.md, Exact under parallelism).
 """
 
 from functools import cache
