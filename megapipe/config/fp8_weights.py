@@ -75,7 +75,7 @@ def dense_mlp_cast(cfg: Config, index: int) -> bool:
     """Layer `index`'s dense MLP (fc1, fc2) runs in FP8: train.fp8 on, not kept, not MoE."""
     if weight_granularity(cfg) is None or is_moe_layer(cfg.model, index):
         return False
-    return bool(_cast(cfg, _layer_name(cfg, index), {"mlp.fc2": Fp8Weight(0, 0, "in")}))
+    return not _kept(cfg) & {*_layer_name(cfg, index), "mlp", "fc2"}
 
 
 def mtp_projection(cfg: Config, depth: int) -> list[Fp8Weight]:

@@ -100,17 +100,16 @@ class Fp8Linear:
         """y = x Wᵀ + b through FP8 matmuls; the weight grad now or queued on `owner`."""
         return _Fp8Linear.apply(x, weight, bias, owner, self)
 
-    def forward(self, x2, weight, qw=None, param=None) -> torch.Tensor:
-        """x Wᵀ; `qw`: W already cast (zero=3's FP8 gather, parallel/data/zero3_fp8.py), else
-        the step's cast of `param` (the parameter `weight` is, or is autocast's copy of)."""
-        act, wgt = self.granularity
-        qx = quantize(x2, E4M3, act, Groups(self.tokens, self.ins))
-        qw = qw or self.weight_operand(weight, "forward", param)
-        return fp8_matmul(qx, qw, act, wgt)  # (N, out)
+    def forward(self, x2, qw) -> torch.Tensor:
+        """x Wᵀ from W's cast `qw` (weight_cast)."""
+        return self.matmul(self.quantized_input(x2), qw)  # (N, out)
 
-    def input_grad(self, g2, weight, qw_t=None, param=None) -> torch.Tensor:
-        """g W; `qw_t`: Wᵀ already cast, as `forward`'s `qw`."""
-        qw_t = qw_t or self.weight_operand(weight, "dgrad", param)
+    def quantized_input(self, x2) -> tuple:
+        """The input (N, in) cast for the forward's contraction over the input features."""
+        return quantize(x2, E4M3, self.granularity[0], Groups(self.tokens, self.ins))
+
+    def input_grad(self, g2, qw_t) -> torch.Tensor:
+        """g W from Wᵀ's cast `qw_t` (weight_cast)."""
         return self.matmul(self.quantized_grad(g2), qw_t)  # (N, in)
 
     def quantized_grad(self, g2) -> tuple:
@@ -169,7 +168,7 @@ class _Fp8Linear(torch.autograd.Function):
         x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        y = fp8.forward(x2, weight, weight_cast(ctx, weight, "forward"))
+        y = fp8.forward(x2, weight_cast(ctx, weight, "forward"))
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -181,7 +180,7 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         qw_t = weight_cast(ctx, weight, "dgrad")
-        grad_x = fp8.input_grad(g2, weight, qw_t).to(ctx.in_dtype).reshape(*x.shape)
+        grad_x = fp8.input_grad(g2, qw_t).to(ctx.in_dtype).reshape(*x.shape)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
         grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(x2, g2))
         return grad_x, grad_w, grad_b, None, None

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megapipe.parallel.fp8 import fp8_operands, weight_cast, weight_grad_or_queue
-from megapipe.parallel.fp8_scaling import E4M3, E5M2, Groups, quantize
+from megapipe.parallel.fp8_scaling import E4M3, E5M2
 from megapipe.parallel.tensor.mappings import SEQ_DIM
 from megapipe.parallel.tensor.overlap import ring_gather, ring_reduce_scatter
 
@@ -94,8 +94,7 @@ class _Fp8LinearScatter(torch.autograd.Function):
     def forward(ctx, x, weight, owner):
         fp8, tp = owner.fp8, owner.tp
         x, weight, _ = fp8_operands(ctx, x, weight, None, owner, fp8)
-        act, batch = fp8.granularity[0], x.shape[0]
-        qx = quantize(_flat(x), E4M3, act, Groups(fp8.tokens, fp8.ins))
+        batch, qx = x.shape[0], fp8.quantized_input(_flat(x))
         qw = weight_cast(ctx, weight, "forward")
 
         def part(c):  # chunk c's partial of y: (B, T/tp, out)
