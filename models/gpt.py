@@ -26,7 +26,12 @@ from megapipe.models.mtp import MTP, MTPModule
 from megapipe.parallel.context.zigzag import NO_CP, CPInfo
 from megapipe.parallel.expert.sharding import NO_EP, EPInfo
 from megapipe.parallel.precision import Precision
-from megapipe.parallel.recompute import ActivationOffload, layer_mode, maybe_checkpoint
+from megapipe.parallel.recompute import (
+    ActivationOffload,
+    layer_mode,
+    maybe_checkpoint,
+    selective_parts,
+)
 from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_entropy
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -151,10 +156,13 @@ class TransformerLayer(nn.Module):
         cp: CPInfo = NO_CP,
         index: int = 0,
         ep: EPInfo = NO_EP,
+        parts: frozenset[str] = frozenset({"core_attn"}),
     ) -> None:
+        """`recompute`: this layer's mode (schema.layer_mode); `parts`: what "selective"
+        reruns (recompute.modules: core_attn, mlp)."""
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
-        selective = recompute == "selective"
+        selective = recompute == "selective" and "core_attn" in parts
         window = cfg.sliding_window if index >= cfg.max_window_layers else 0
         if cfg.arch == "deepseek_v3":  # multi-head latent attention
             self.attn = MLA(cfg, tp, selective, cp)
@@ -164,6 +172,10 @@ class TransformerLayer(nn.Module):
         self.mlp = make_mlp(cfg, d, tp, cp, ep, index)
         self.drop = nn.Dropout(cfg.dropout)
         self.full_recompute = recompute == "full"
+        # selective's mlp part: norm2 and the dense MLP rerun in backward from the residual
+        # (their activations are d_ff wide: the largest a dense layer keeps)
+        dense = not isinstance(self.mlp, MoE)
+        self.mlp_recompute = recompute == "selective" and "mlp" in parts and dense
         self.offload = ActivationOffload(self) if recompute == "offload" else None
         self.tp = tp
 
@@ -177,7 +189,11 @@ class TransformerLayer(nn.Module):
         x = x + self._dropout(h)  # (B, T[/tp], d)
         if isinstance(self.mlp, MoE):  # a Seq1F1B segment's routing reads earlier segments'
             return x + self._dropout(self.mlp(self.norm2(x), segment))
-        return x + self._dropout(self.mlp(self.norm2(x)))
+        mlp = replayable(self._mlp, self.tp)
+        return x + self._dropout(maybe_checkpoint(self.mlp_recompute, mlp, x))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm2(x))
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         with sp_rng(self.tp):
@@ -259,7 +275,8 @@ def build_mtp(cfg: ModelConfig, d: Derived, tp: TPInfo, recompute, cp: CPInfo, e
     modules = []
     for k in range(cfg.mtp_layers):
         index = cfg.n_layers + k
-        block = TransformerLayer(cfg, d, tp, layer_mode(recompute, index), cp, index, ep)
+        mode, parts = layer_mode(recompute, index), selective_parts(recompute, index)
+        block = TransformerLayer(cfg, d, tp, mode, cp, index, ep, parts)
         proj = ReplicatedLinear(2 * cfg.d_model, cfg.d_model, tp)
         modules.append(MTPModule(cfg, block, proj, tp))
     return MTP(cfg, modules, tp, cp)
@@ -302,8 +319,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict()  # keyed by global layer index: names stay logical
         for b in self.blocks:
             if 1 <= b <= cfg.n_layers:
-                mode = layer_mode(recompute, b - 1)
-                layer = TransformerLayer(cfg, derived, tp, mode, cp, b - 1, ep)
+                mode, parts = layer_mode(recompute, b - 1), selective_parts(recompute, b - 1)
+                layer = TransformerLayer(cfg, derived, tp, mode, cp, b - 1, ep, parts)
                 self.layers[str(b - 1)] = layer
         if init:  # False for shape-only models (dry run on the meta device)
             init_parameters(self, seed, cfg.n_layers)

@@ -44,6 +44,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("parallel.microbatches=3", "train.global_batch=8 must be divisible by"),
         ("parallel.schedule=foo", "parallel.schedule='foo' is not one of"),
         ("recompute.mode=some", "recompute.mode='some' is not one of"),
+        ("recompute.modules=core_attn,moe", "'moe' is not one of core_attn, mlp"),
         ("train.stop_at_step=99", "train.stop_at_step=99 must be in"),
         ("data.source=memmap", "data.source=memmap needs data.path"),
         ("train.dtype=float16", "train.dtype='float16' is not one of"),

@@ -42,6 +42,13 @@ CASES = {
     "fp8_tp2_sp_overlap": (["--train.fp8=tensorwise", "--parallel.tp=2",
                             "--parallel.sequence_parallel=true", "--parallel.tp_overlap=true"],
                            "0"),
+    # recompute.modules=mlp: the residual kept, norm2 and the MLP rerun in backward beside its
+    # grads (memory_backward: "recomputed MLP")
+    "llama_bf16_mlp_recompute": (["--model.arch=llama", "--train.dtype=bfloat16",
+                                  "--model.d_model=128", "--recompute.mode=selective",
+                                  "--recompute.modules=core_attn,mlp"], "0"),
+    "gpt2_pp2_mlp_recompute": ([*PP2, "--recompute.mode=selective", "--recompute.modules=mlp"],
+                               "0,1"),
 }  # fmt: skip
 
 

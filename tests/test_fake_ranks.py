@@ -337,6 +337,18 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     # the grad norm's sum on the world's group, which is dp's without tp or pp: ZeRO, ep
     "dp2_zero1": ("0", ["--parallel.dp=2", "--parallel.zero=1"], True),
     "dp2_ep2_moe": ("0", ["--parallel.dp=2", "--parallel.ep=2", *MOE], True),
+    # recompute.modules=mlp reruns norm2 and the MLP: under SP its input's gather (fc2's sum
+    # comes after its saves) and its FLOPs (fc1 and fc2: fc2 saves after its matmul); under the
+    # ring the row linear's sends too, and FP8's tensorwise amaxes of fc1 and fc2 again
+    "tp2_sp_mlp_recompute": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                   "--recompute.mode=selective",
+                                   "--recompute.modules=core_attn,mlp"], True),
+    "tp2_sp_overlap_fp8_mlp_recompute": ("0", ["--parallel.tp=2",
+                                               "--parallel.sequence_parallel=true",
+                                               "--parallel.tp_overlap=true", "--model.arch=llama",
+                                               "--train.fp8=tensorwise",
+                                               "--recompute.mode=selective",
+                                               "--recompute.modules=mlp"], True),
     "tp2_sp_overlap_fp8_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                       "--parallel.tp_overlap=true", "--train.fp8=tensorwise",
                                       "--recompute.mode=full"], True),

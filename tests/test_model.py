@@ -52,12 +52,22 @@ def test_stage_forward_composes_to_whole_model(tiny_cfg):
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_OVERRIDES))
-@pytest.mark.parametrize("mode, layers", [("full", 0), ("selective", 0), ("full", 1)])
-def test_recompute_gives_same_gradients(tiny_cfg, arch, mode, layers):
+@pytest.mark.parametrize(
+    "mode, layers, modules",
+    [
+        ("full", 0, ""),
+        ("selective", 0, "core_attn"),
+        ("full", 1, ""),
+        ("selective", 0, "mlp"),
+        ("selective", 1, "core_attn,mlp"),
+    ],
+)
+def test_recompute_gives_same_gradients(tiny_cfg, arch, mode, layers, modules):
     cfg = tiny_cfg(*ARCH_OVERRIDES[arch], "model.dropout=0.1")
     batch = _tokens(cfg, 4)
     grads = {}
-    for name, rc in (("none", RecomputeConfig()), (mode, RecomputeConfig(mode, layers))):
+    rerun = RecomputeConfig(mode, layers, modules=modules or "core_attn")
+    for name, rc in (("none", RecomputeConfig()), (mode, rerun)):
         model = GPT(cfg.model, seed=1, recompute=rc)
         torch.manual_seed(0)  # same dropout masks; recompute must replay them
         model(batch[:, :-1], batch[:, 1:]).backward()
@@ -70,8 +80,11 @@ def test_recompute_stores_less_for_backward(tiny_cfg):
     cfg = tiny_cfg("model.n_layers=4")
     batch = _tokens(cfg, 4)
     saved = {}
-    for mode in ("none", "selective", "full"):
-        model = GPT(cfg.model, seed=1, recompute=RecomputeConfig(mode))
+    modes = {"none": ("none", ""), "selective": ("selective", "core_attn"), "full": ("full", "")}
+    modes |= {"mlp": ("selective", "mlp"), "both": ("selective", "core_attn,mlp")}
+    for name, (mode, modules) in modes.items():
+        rc = RecomputeConfig(mode, modules=modules or "core_attn")
+        model = GPT(cfg.model, seed=1, recompute=rc)
         total = [0]
 
         def pack(t, total=total):
@@ -80,8 +93,9 @@ def test_recompute_stores_less_for_backward(tiny_cfg):
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(batch[:, :-1], batch[:, 1:])
-        saved[mode] = total[0]
-    assert saved["full"] < saved["selective"] < saved["none"]
+        saved[name] = total[0]
+    assert saved["full"] < saved["both"] < saved["selective"] < saved["none"]
+    assert saved["both"] < saved["mlp"] < saved["none"]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_OVERRIDES))

@@ -98,6 +98,12 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
             1,
             [*pp("zb_h1", 2, 2), *LLAMA, "recompute.mode=selective"],
         ),
+        (
+            "zb_h1-m2-llama-mlp-recompute",
+            1,
+            1,
+            [*pp("zb_h1", 2, 2), *LLAMA, "recompute.mode=selective", "recompute.modules=mlp"],
+        ),
         ("1f1b-m2-balance-llama3", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=llama3"]),
         ("1f1b-m2-balance-cost", 1, 1, [*pp("1f1b", 2, 2), *L4, "parallel.balance=cost"]),
         ("gpipe-m2-layout-uneven", 1, 1, [*pp("gpipe", 2, 2), *L4, "parallel.balance=E,t|t,t,t,L"]),

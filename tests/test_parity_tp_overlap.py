@@ -21,6 +21,7 @@ LLAMA = ["model.arch=llama", "model.tie_embeddings=false", "model.d_ff=64"]
 GQA2 = [*LLAMA, "model.n_kv_heads=2"]
 OV = ["parallel.sequence_parallel=true", "parallel.tp_overlap=true"]
 FULL, SEL = ["recompute.mode=full"], ["recompute.mode=selective"]
+MLP_REDO = ["recompute.mode=selective", "recompute.modules=core_attn,mlp"]  # norm2 + MLP rerun
 MB2 = ["parallel.microbatches=2"]
 
 
@@ -34,6 +35,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2-llama-gqa-full", 1, 2, [*OV, *GQA2, *FULL]),
         ("tp2-gpt2-selective-mb2", 1, 2, [*OV, *SEL, *MB2]),
         ("tp2-bf16", 1, 2, [*OV, *BF16]),
+        ("tp2-llama-mlp-recompute-mb2", 1, 2, [*OV, *LLAMA, *MLP_REDO, *MB2]),
     ],
     4: [
         ("tp4-gpt2-full", 1, 4, [*OV, *FULL]),
@@ -44,6 +46,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         # ring attention rounds differently: parity.LOW_LR, as tests/test_parity_cp.py
         ("cp2-tp2-gqa", 1, 2, [*OV, "parallel.cp=2", *GQA2, LOW_LR]),
         ("pp2-tp2-zb_h1-bf16", 1, 2, [*OV, *pp("zb_h1", 4), *BF16]),
+        ("pp2-tp2-zb_h1-mlp-recompute", 1, 2, [*OV, *pp("zb_h1", 4), *MLP_REDO]),
         # Seq1F1B's segments: each linear sees a segment, split over tp (LOW_LR: per-segment
         # sums, as tests/test_parity_seq1f1b.py)
         ("pp2-tp2-seq1f1b", 1, 2, [*OV, *pp("seq1f1b", 2), "parallel.seq_segments=2", LOW_LR]),

@@ -33,7 +33,7 @@ from megapipe.config.checks_runtime import (
 from megapipe.config.checks_runtime import require as _require
 from megapipe.config.fp8_checks import FP8_RECIPES, check_fp8
 from megapipe.config.pipeline_split import check_partition
-from megapipe.config.schema import Bounds, Config, ConfigError, bounds_of
+from megapipe.config.schema import RECOMPUTE_MODULES, Bounds, Config, ConfigError, bounds_of
 from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
@@ -346,6 +346,12 @@ def _check_muon(cfg: Config) -> None:
 def _check_rest(cfg: Config) -> None:
     r = cfg.recompute
     _one_of("recompute.mode", r.mode, RECOMPUTE_MODES)
+    for part in r.modules.split(","):
+        _require(
+            part.strip() in RECOMPUTE_MODULES,
+            f"recompute.modules={r.modules!r}: {part.strip()!r} is not one of "
+            f"{', '.join(RECOMPUTE_MODULES)} (a comma list)",
+        )
     _require(
         0 <= r.layers <= cfg.model.n_layers,
         f"recompute.layers={r.layers} must be in [0, model.n_layers={cfg.model.n_layers}]",

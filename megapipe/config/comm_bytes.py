@@ -33,7 +33,7 @@ from megapipe.config.fp8_weights import (
 )
 from megapipe.config.memory_terms import rank_dims
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
-from megapipe.config.schema import Config, layer_mode, tp_ring
+from megapipe.config.schema import Config, layer_mode, reruns_mlp, tp_ring
 from megapipe.config.states import (
     FLOAT32,
     GRAD_BYTES,
@@ -243,13 +243,19 @@ def _tp_block(cfg: Config, block: int, w: Widths) -> float:
 
 def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     """One microbatch's tp ops of transformer layer `index`, and under full recompute its
-    forward again (but its last, `recompute_skips_output_sum`)."""
+    forward again (but its last, `recompute_skips_output_sum`), under recompute.modules=mlp
+    its MLP's."""
     m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
     inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
     f, b = (ring_ops(cfg, ops) for ops in tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs))
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
+    if reruns_mlp(cfg.recompute, index) and not moe:
+        # the MLP checkpoint's rerun: its input's gather (SP), then fc2's sum only where the
+        # ring's autograd function saves after summing (the rerun stops at fc2's saves)
+        mlp_f = f[-(2 if sp else 1) :]
+        return f + (mlp_f if tp_ring(cfg.parallel) else mlp_f[:-1]) + b
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
     return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b

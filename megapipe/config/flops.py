@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import functools
 
-from megapipe.config.schema import Config, Derived, ModelConfig, gated, layer_mode
+from megapipe.config.schema import (
+    Config,
+    Derived,
+    ModelConfig,
+    gated,
+    layer_mode,
+    reruns_core,
+    reruns_mlp,
+)
 from megapipe.plan.seq1f1b import balanced_segments
 
 
@@ -232,10 +240,26 @@ def hardware_flops_per_token(cfg: Config, blocks: list[range]) -> float:
 
 def _layer_hardware_flops(cfg: Config, index: int) -> float:
     """Layer `index`'s matmuls (6·N, and 2·N again under its full recompute: recompute.layers
-    names the layers, schema.layer_mode) and attention core."""
+    names the layers, schema.layer_mode; under recompute.modules=mlp the MLP's 2·N_mlp again)
+    and attention core."""
     again = 2.0 if layer_mode(cfg.recompute, index) == "full" else 0.0
     n = layer_matmul_params(cfg, index) + _replicated_extra(cfg, index)
-    return (6.0 + again) * n + _attention_hardware_flops(cfg, index)
+    return (
+        (6.0 + again) * n
+        + 2.0 * mlp_rerun_params(cfg, index)
+        + _attention_hardware_flops(cfg, index)
+    )
+
+
+def mlp_rerun_params(cfg: Config, index: int) -> int:
+    """The MLP parameters backward runs again in layer `index` under recompute.modules=mlp (a
+    dense layer's), else 0: fc1 and fc2 both. torch's non-reentrant checkpoint stops once the
+    last saved tensor is back, but fc2 (an autograd Function) saves its input after its matmul
+    ran (FlopCounterMode counts it)."""
+    m = cfg.model
+    if not reruns_mlp(cfg.recompute, index) or is_moe_layer(m, index):
+        return 0
+    return m.d_model * cfg.derived.d_ff * (3 if gated(m.arch) else 2)
 
 
 def _attention_hardware_flops(cfg: Config, index: int) -> float:
@@ -246,7 +270,7 @@ def _attention_hardware_flops(cfg: Config, index: int) -> float:
     under cp (models/mla.py), so v counts as qk there; on the CPU without cp SDPA's math path
     takes them unpadded and does 2·T·qk less (no recompute of the scores)."""
     m = cfg.model
-    redo = layer_mode(cfg.recompute, index) in ("full", "selective")
+    redo = reruns_core(cfg.recompute, index)
     if m.arch != "deepseek_v3":
         attention = 4.0 * m.d_model * m.seq_len * _ring_share(cfg)
         return 3.5 * attention + (attention if redo else 0.0)

@@ -37,13 +37,14 @@ from megapipe.config.fp8_weights import (
     SCALE_BYTES,
     Fp8Weight,
     block_fp8_weights,
+    dense_mlp_fp8_weights,
     experts_cast,
     layer_fp8_weights,
     mtp_projection,
     weight_casts,
 )
 from megapipe.config.memory_terms import rank_dims
-from megapipe.config.schema import Config, gated, layer_mode, tp_ring
+from megapipe.config.schema import Config, gated, layer_mode, reruns_mlp, tp_ring
 
 AxisOp = tuple[str, float]  # (mesh axis, bytes) of one MAX all-reduce
 
@@ -183,6 +184,8 @@ def block_amax_ops(cfg: Config, block: int) -> list[tuple[list, list, bool]]:
     for layer in layers:
         again = layer_mode(cfg.recompute, layer - 1) == "full"
         out.append((*layer_amax_ops(cfg, layer), again))
+        if reruns_mlp(cfg.recompute, layer - 1):  # the MLP checkpoint's rerun: fc1's, fc2's F
+            out.append((_linears_ops(cfg, dense_mlp_fp8_weights(cfg, layer))[0], [], False))
     return out
 
 

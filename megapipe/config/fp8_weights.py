@@ -66,9 +66,29 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
         "attn.proj": Fp8Weight(m.d_model, h * d.head_dim, "in"),
     }  # fmt: skip
     for name, ff in mlps.items():
-        named[f"{name}.fc1"] = Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out")
-        named[f"{name}.fc2"] = Fp8Weight(m.d_model, ff, "in")
+        named |= _mlp_weights(cfg, name, ff)
     return _cast(cfg, _layer_name(cfg, block - 1), named)
+
+
+def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:
+    """An MLP's fc1 (column) and fc2 (row) of `ff` features on the tp rank, under `name`."""
+    m = cfg.model
+    return {
+        f"{name}.fc1": Fp8Weight(ff * (2 if gated(m.arch) else 1), m.d_model, "out"),
+        f"{name}.fc2": Fp8Weight(m.d_model, ff, "in"),
+    }
+
+
+def dense_mlp_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
+    """The FP8 weights of layer `block` − 1's dense MLP (fc1, fc2; [] in a MoE layer, past
+    the layers or with train.fp8 off): what recompute.modules=mlp reruns."""
+    m = cfg.model
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
+        return []
+    if is_moe_layer(m, block - 1):
+        return []
+    mlp = _mlp_weights(cfg, "mlp", cfg.derived.d_ff // cfg.parallel.tp)
+    return _cast(cfg, _layer_name(cfg, block - 1), mlp)
 
 
 def dense_mlp_cast(cfg: Config, index: int) -> bool:

@@ -38,6 +38,9 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
                           (torch.utils.checkpoint, non-reentrant, stopping early once all are
                           made): everything the layer saves at mode "none" is live again, its
                           input excepted (the checkpoint's own, already counted)
+  MLP recompute           (recompute.modules=mlp) the same for norm2 and the dense MLP: what
+                          they save at mode "none" (memory_terms.dense_mlp_terms), less the
+                          residual the checkpoint keeps
 
 After the MLP, each node frees at least what the next one allocates (fc1's input grad N·d·c
 and attention's N·(H+2Hkv)·hd·c gradients against the MLP's saved N·(d + 2f)·c and more), so
@@ -54,6 +57,7 @@ from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
 from megapipe.config.fp8_weights import FP8_BYTES, dense_mlp_cast
 from megapipe.config.memory_terms import (
     compute_bytes,
+    dense_mlp_terms,
     head_terms,
     layer_deferred,
     layer_terms,
@@ -62,7 +66,7 @@ from megapipe.config.memory_terms import (
     segments,
     tied_lookup_with_head,
 )
-from megapipe.config.schema import Config, gated, layer_mode
+from megapipe.config.schema import Config, gated, layer_mode, reruns_mlp
 from megapipe.config.states import FLOAT32, local_grads_transient
 from megapipe.plan.schedules import SCHEDULES
 
@@ -123,11 +127,13 @@ def layer_backward_terms(
     """Layer `index`'s backward working set by term: its MLP's height and, under full
     recompute, the layer's forward rerun (module docstring)."""
     terms = mlp_backward_terms(cfg, segment, index)
+    x = rank_dims(cfg, segment)
+    held = x.ns * cfg.model.d_model * residual_bytes(cfg)  # the checkpoint's input
     if layer_mode(cfg.recompute, index) == "full":
         rerun = sum(layer_terms(cfg, "none", device, segment, index).values())
-        x = rank_dims(cfg, segment)
-        held = x.ns * cfg.model.d_model * residual_bytes(cfg)  # the checkpoint's input
         terms["recomputed layer"] = rerun - held
+    elif reruns_mlp(cfg.recompute, index) and not is_moe_layer(cfg.model, index):
+        terms["recomputed MLP"] = sum(dense_mlp_terms(cfg, x, device).values()) - held
     return terms
 
 

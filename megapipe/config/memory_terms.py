@@ -99,7 +99,7 @@ from megapipe.config.flops import (
 from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
-from megapipe.config.schema import Config, gated
+from megapipe.config.schema import Config, gated, recompute_modules
 from megapipe.config.states import FLOAT32, PARAM_BYTES
 
 INDEX = 8  # int64 token ids and targets
@@ -271,23 +271,31 @@ def layer_terms(
         if segmented and _moe(cfg, index):
             terms |= segment_records(cfg, x.b)
         return terms | ({"segment k, v store": store} if segmented else {})
-    terms: dict[str, float] = {}
-    for name, value in _norm(cfg, x.ns, device).items():
-        terms[f"norm1 {name}"] = terms[f"norm2 {name}"] = value
+    parts = _selective_parts(cfg, mode)
+    core = "selective" if "core_attn" in parts else "none"  # the attention core's mode
+    rerun_mlp = "mlp" in parts and not _moe(cfg, index)
+    terms = {f"norm1 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
-        terms |= mla_terms(cfg, x, mode, device, compute_bytes(cfg))
+        terms |= mla_terms(cfg, x, core, device, compute_bytes(cfg))
     else:
         terms["qkv input"] = x.n * m.d_model * compute_bytes(cfg)
-        terms |= _attention_terms(cfg, x, mode, device, store)
+        terms |= _attention_terms(cfg, x, core, device, store)
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
+        terms |= {f"norm2 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
         terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
+    elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
+        terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
-        terms["fc1 input"] = x.n * m.d_model * compute_bytes(cfg)
-        terms |= _mlp_terms(cfg, x)
-    terms |= _dropout_and_cast_terms(cfg, x, device, _moe(cfg, index))
+        terms |= dense_mlp_terms(cfg, x, device)
+    terms |= _dropout_and_cast_terms(cfg, x, device)
     return terms
+
+
+def _selective_parts(cfg: Config, mode: str) -> frozenset[str]:
+    """What a layer at recompute `mode` reruns under "selective" (recompute.modules)."""
+    return recompute_modules(cfg.recompute) if mode == "selective" else frozenset()
 
 
 def _moe(cfg: Config, index: int | None) -> bool:
@@ -378,6 +386,19 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
     return terms
 
 
+def dense_mlp_terms(cfg: Config, x: RankDims, device: str = "cuda") -> dict[str, float]:
+    """What norm2 and a dense MLP save: the norm's tensors, fc1's input, the activation's, fc2's
+    input and autocast's bf16 copies of fc1's and fc2's weights (what recompute.modules=mlp
+    reruns in backward)."""
+    m, c = cfg.model, compute_bytes(cfg)
+    terms = {f"norm2 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
+    terms["fc1 input"] = x.n * m.d_model * c
+    terms |= _mlp_terms(cfg, x)
+    if c != FLOAT32 and cfg.train.params_dtype == "float32":
+        terms["MLP bf16 weight copies"] = (3 if gated(m.arch) else 2) * x.ff * m.d_model * c
+    return terms
+
+
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The dense MLP's activation and fc2's input."""
     c, llama = compute_bytes(cfg), gated(cfg.model.arch)
@@ -390,10 +411,9 @@ def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     return terms
 
 
-def _dropout_and_cast_terms(
-    cfg: Config, x: RankDims, device: str, moe: bool = False
-) -> dict[str, float]:
-    """The residual dropouts' masks and autocast's bf16 copies of the linear weights."""
+def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
+    """The residual dropouts' masks and autocast's bf16 copies of the attention's weights (a
+    dense MLP's: dense_mlp_terms; a MoE layer's: config/memory_moe.py)."""
     m, c, llama = cfg.model, compute_bytes(cfg), gated(cfg.model.arch)
     terms: dict[str, float] = {}
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
@@ -403,8 +423,7 @@ def _dropout_and_cast_terms(
     if c != FLOAT32 and cfg.train.params_dtype == "float32":
         qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
         qkvo = mla_weight_elements(cfg, x) if m.arch == "deepseek_v3" else qkvo
-        ff = 0 if moe else x.ff  # a MoE layer's: config/memory_moe.py
-        terms["bf16 weight copies"] = (qkvo + (3 if llama else 2) * ff * m.d_model) * c
+        terms["bf16 weight copies"] = qkvo * c
     return terms
 
 

@@ -208,11 +208,16 @@ class ParallelConfig:
 
 @dataclass
 class RecomputeConfig:
-    # none | full (whole layers) | selective (attention) | offload (saved activations to host)
+    # none | full (whole layers) | selective (recompute.modules) | offload (saved activations
+    # to host)
     mode: str = "none"
     layers: int = bounded(0, low=0, note="0: all")  # full/selective: the first N layers; 0: all
     # offload: only the first N layers move their saved activations to host memory; 0: all
     offload_layers: int = bounded(0, low=0, note="0: all")
+    # selective: what it reruns, a comma list of core_attn (the attention core, Korthikanti et
+    # al. 2022 §5) and mlp (a dense layer's norm2 and MLP; Megatron-Core's mlp and layernorm
+    # modules, MaxText's save_dot_except_mlpwi); parallel/recompute.py
+    modules: str = "core_attn"
 
 
 def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
@@ -223,6 +228,36 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
     if first and layer_index >= first:
         return "none"
     return cfg.mode
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""What recompute.mode=selective can rerun (recompute.modules)."""
+
+
+def selective_parts(cfg: RecomputeConfig, layer_index: int) -> frozenset[str]:
+    """The parts of layer `layer_index` that selective recompute reruns: recompute.modules
+    where layer_mode is "selective", else none (full reruns the whole layer)."""
+    if layer_mode(cfg, layer_index) != "selective":
+        return frozenset()
+    return recompute_modules(cfg)
+
+
+def recompute_modules(cfg: RecomputeConfig) -> frozenset[str]:
+    """recompute.modules as a set."""
+    return frozenset(part.strip() for part in cfg.modules.split(",") if part.strip())
+
+
+def reruns_core(cfg: RecomputeConfig, layer_index: int) -> bool:
+    """Backward reruns layer `layer_index`'s attention core: full, or selective with core_attn."""
+    return layer_mode(cfg, layer_index) == "full" or "core_attn" in selective_parts(
+        cfg, layer_index
+    )
+
+
+def reruns_mlp(cfg: RecomputeConfig, layer_index: int) -> bool:
+    """Selective recompute reruns layer `layer_index`'s norm2 and dense MLP (a MoE layer keeps
+    its experts' activations: recompute.modules names no moe part)."""
+    return "mlp" in selective_parts(cfg, layer_index)
 
 
 def tp_ring(p: ParallelConfig) -> bool:

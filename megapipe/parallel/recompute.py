@@ -1,7 +1,12 @@
 """Activation recompute (Chen et al. 2016; GPipe §2.3; Korthikanti et al. 2022) and offload.
 
-`full` keeps only each layer's input and reruns the layer in backward; `selective` reruns only
-the attention core (softmax(QKᵀ)V), the part whose activations grow with T² but cost few FLOPs.
+`full` keeps only each layer's input and reruns the layer in backward; `selective` reruns the
+parts recompute.modules names: `core_attn`, the attention core (softmax(QKᵀ)V), whose
+activations grow with T² but cost few FLOPs; `mlp`, a dense layer's norm2 and MLP from the
+residual they read (Megatron-Core's `--recompute-modules mlp layernorm`; MaxText's
+save_dot_except_mlpwi policy keeps the same dots), whose d_ff-wide activations are the largest
+a dense layer keeps. torch's non-reentrant checkpoint stops its rerun once the last saved
+tensor is back, so fc2's input comes back and fc2 itself does not run again.
 `layers=N` limits either mode to the first N transformer layers. The RNG state is replayed so
 dropout masks, and hence gradients, equal those of `none`.
 
@@ -21,9 +26,10 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megapipe.config.schema import layer_mode
+from megapipe.config.schema import layer_mode, selective_parts
 
-__all__ = ["ActivationOffload", "layer_mode", "maybe_checkpoint"]  # layer_mode: for the model
+# layer_mode, selective_parts: for the model
+__all__ = ["ActivationOffload", "layer_mode", "maybe_checkpoint", "selective_parts"]
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable, *args):

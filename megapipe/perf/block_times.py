@@ -16,7 +16,7 @@ from collections import Counter
 
 from megapipe.config import Config
 from megapipe.config.flops import segment_bounds
-from megapipe.config.schema import layer_mode
+from megapipe.config.schema import layer_mode, recompute_modules
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link
 from megapipe.perf.cost_terms import ZERO, BlockCosts, Calibration, Work, shapes
@@ -42,7 +42,7 @@ class BlockTimes:
         and the same links for the tp and cp groups (what CostModel reads of pp and dp)."""
         p = cfg.parallel
         mesh = (p.tp, p.cp, p.cp_comm, p.cp_a2a, p.pp, p.dp, p.microbatches, p.sequence_parallel,
-                cfg.recompute.mode, cfg.train.fp8)  # fmt: skip
+                cfg.recompute.mode, cfg.recompute.modules, cfg.train.fp8)  # fmt: skip
         if mesh not in self._plains:
             shape = (p.pp, p.dp, p.cp, p.tp)
             links = (group_link(self.cluster, shape, ("tp",)),
@@ -117,7 +117,8 @@ class BlockTimes:
             flops = 4.0 * x.hd * x.pairs * x.b * x.h
             best = dev.peak * dev.cal.gemm
             bwd_flops = (2.5 if cm.attention in ("fused", "ring", "hybrid") else 2.0) * flops
-            again = 1 if mode in ("full", "selective") else 0
+            core = mode == "selective" and "core_attn" in recompute_modules(cfg.recompute)
+            again = 1 if mode == "full" or core else 0
             excess = (fwd - flops / best) * (1 + again) + (bwd - bwd_flops / best)
             first = dataclasses.replace(x, q=end - start, n=x.b * (end - start))
             gemms = cm.gemm_shapes(first)
@@ -150,7 +151,8 @@ def block_key(cfg: Config, *extra) -> tuple:
     tied_lookup_with_head)."""
     p, mbs = cfg.parallel, cfg.derived.micro_batch_size
     cp = (p.cp, p.cp_comm, p.cp_a2a)
-    return (p.tp, *cp, mbs, p.sequence_parallel, cfg.recompute.mode, cfg.train.fp8, *extra,
+    rec = (cfg.recompute.mode, cfg.recompute.modules)
+    return (p.tp, *cp, mbs, p.sequence_parallel, *rec, cfg.train.fp8, *extra,
             p.pp == 1)  # fmt: skip
 
 

@@ -79,7 +79,7 @@ from megapipe.config.memory_terms import (
     head_grad_in_forward,
     tied_lookup_with_head,
 )
-from megapipe.config.schema import gated, layer_mode
+from megapipe.config.schema import gated, layer_mode, recompute_modules, tp_ring
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import (
     all_to_all_time,
@@ -276,9 +276,7 @@ class CostModel(MoECosts):
         mask = 1 if self.dropout else 0
         # autocast runs norms in float32 and the linear casts, unless both are fused (ours:
         # compiled together, runtime.resolved)
-        norm_out = c if fused and not self.rt.autocast_casts else 4
-        cast = x.n * d * (4 + c) if self.rt.autocast_casts else 0
-        norm = region * (r + norm_out) + cast
+        norm = self._norm_bytes(x)
         # ours compiled: the residual dropout under SP stays eager (models/gpt.compile_math)
         eager_dropout = (
             self.rt.compiled_layers and self.dropout and self.cfg.parallel.sequence_parallel
@@ -288,13 +286,25 @@ class CostModel(MoECosts):
         else:
             residual = region * (c + 2 * r) + (region * (2 * c + mask) if self.dropout else 0)
             residual += 0 if self.llama else region * 2 * c  # row-parallel bias after the sum
+        act = self._activation_bytes(x)
         if self.llama:
-            act = x.n * x.ff * (3 if fused else 5) * c  # silu(gate) · up
             act += x.n * (x.h + x.hkv) * x.hd * c * (2 if fused else 6)  # RoPE on q, k
-        else:
-            act = x.n * x.ff * 2 * c  # GeLU
         relayout = 0 if fused else x.n * (x.h + 2 * x.hkv + x.h) * x.hd * 2 * c  # to/from heads
         return 2 * norm + 2 * residual + act + relayout
+
+    def _norm_bytes(self, x: Shapes) -> float:
+        """HBM bytes of one norm's forward over the layer's rows (with autocast's cast of its
+        output for the linear after it, unless fused)."""
+        d, c, r = self.cfg.model.d_model, self.c, self.r
+        norm_out = c if self.rt.fused_elementwise and not self.rt.autocast_casts else 4
+        cast = x.n * d * (4 + c) if self.rt.autocast_casts else 0
+        return x.ns * d * (r + norm_out) + cast
+
+    def _activation_bytes(self, x: Shapes) -> float:
+        """HBM bytes of the MLP's activation forward: GeLU, or SwiGLU's silu(gate) · up."""
+        if self.llama:
+            return x.n * x.ff * (3 if self.rt.fused_elementwise else 5) * self.c
+        return x.n * x.ff * 2 * self.c
 
     def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
         """Exposed ring (or Ulysses all-to-all) seconds of a layer's forward and backward
@@ -396,9 +406,26 @@ class CostModel(MoECosts):
         elif mode == "selective" and self.rt.selective_recompute == "mlpwi":
             b = b + Work(compute=fprop[2] + attn_f + dev.mem(elem) + act_f, cp=cp_f)
         elif mode == "selective":
-            b = b + Work(compute=attn_f, cp=cp_f)
+            parts = recompute_modules(self.cfg.recompute)
+            if "core_attn" in parts:
+                b = b + Work(compute=attn_f, cp=cp_f)
+            if "mlp" in parts and not moe:
+                b = b + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
         out = self._cache[key] = BlockCosts(f, b, w)
         return out
+
+    def _mlp_rerun(self, x: Shapes, gemms: float) -> Work:
+        """recompute.modules=mlp's rerun in backward (parallel/recompute.py): norm2, fc1, the
+        activation and fc2 (`gemms`: their forward seconds), with the MLP input's SP gather
+        and, under the ring, fc2's reduce-scatter (config/comm_bytes._tp_layer's ops), hidden
+        behind the GEMMs as in the forward where the ring overlaps them."""
+        p = self.cfg.parallel
+        compute = gemms + self.dev.mem(self._norm_bytes(x) + self._activation_bytes(x))
+        if p.tp == 1 or (tp_ring(p) and self.rt.tp_comm_overlap):
+            return Work(compute=compute)
+        mlp_ops = self._tp_ops(x)[0][-(2 if p.sequence_parallel else 1) :]
+        rerun = mlp_ops if tp_ring(p) else mlp_ops[:-1]
+        return Work(compute=compute, tp=sum(self._tp(*op) for op in rerun))
 
     # -- embedding and head ------------------------------------------------------------------
 

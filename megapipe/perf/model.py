@@ -51,10 +51,11 @@ from megapipe.config.flops import (
     flops_per_token,
     held_expert_params,
     matmul_params,
+    mlp_rerun_params,
     segment_bounds,
 )
 from megapipe.config.pipeline_split import partition, placement_of
-from megapipe.config.schema import layer_mode
+from megapipe.config.schema import layer_mode, reruns_core
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.comm import group_link, p2p_link, p2p_time, ring_time
 from megapipe.perf.cost_terms import CALIBRATION, Calibration, Work
@@ -108,15 +109,17 @@ class Projection:
 
 def recompute_flops_per_token(cfg: Config) -> float:
     """Forward FLOPs per token the recompute adds: full reruns a layer (2·N_layer + 4·d·T),
-    selective the attention core (4·d·T; 2·(H·qk + H·v)·T under latent attention, its
-    widths config/flops.attention_widths), for each layer recompute.layers covers."""
+    selective's core_attn the attention core (4·d·T; 2·(H·qk + H·v)·T under latent attention,
+    its widths config/flops.attention_widths), its mlp a dense MLP (2·N_mlp), for each layer
+    recompute.layers covers."""
     m = cfg.model
     layer_fwd = 2.0 * (matmul_params(cfg) - m.d_model * m.vocab_size) / m.n_layers
     attn_fwd = 2.0 * sum(attention_widths(m, cfg.derived)) * m.seq_len
     total = 0.0
     for i in range(m.n_layers):
-        mode = layer_mode(cfg.recompute, i)
-        total += layer_fwd + attn_fwd if mode == "full" else attn_fwd if mode == "selective" else 0
+        full = layer_mode(cfg.recompute, i) == "full"
+        total += layer_fwd if full else 2.0 * mlp_rerun_params(cfg, i)
+        total += attn_fwd if reruns_core(cfg.recompute, i) else 0.0
     return total
 
 
