@@ -343,6 +343,10 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     "tp2_sp_mlp_recompute": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                                    "--recompute.mode=selective",
                                    "--recompute.modules=core_attn,mlp"], True),
+    # bf16 autocast: the rerun gathers norm2's float32 output (the stream's dtype)
+    "tp2_sp_bf16_mlp_recompute": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
+                                        "--train.dtype=bfloat16", "--recompute.mode=selective",
+                                        "--recompute.modules=mlp"], True),
     "tp2_sp_overlap_fp8_mlp_recompute": ("0", ["--parallel.tp=2",
                                                "--parallel.sequence_parallel=true",
                                                "--parallel.tp_overlap=true", "--model.arch=llama",

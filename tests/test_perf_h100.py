@@ -257,18 +257,27 @@ def test_cli_validate(capsys):
 
 @pytest.mark.parametrize("runtime", [TORCHTITAN, RUNTIMES["maxtext"]], ids=lambda r: r.name)
 def test_selective_policies_rerun_what_they_say(runtime):
-    """torchtitan's per-op policy and MaxText's save_dot_except_mlpwi rerun more than the
-    attention core and less than the whole layer; the attention policy reruns the core."""
+    """torchtitan's per-op policy and MaxText's save_dot_except_mlpwi (recompute.modules
+    core_attn,mlp) rerun more than the attention core and less than the whole layer; the
+    attention policy reruns the core, and with recompute.modules core_attn,mlp also the MLP
+    (both its GEMMs: more than MaxText's, which saves fc2's output)."""
     cluster = load_cluster("h100")
     base = ["parallel.dp=8", "parallel.microbatches=1", "train.global_batch=8", "parallel.tp=1",
             "parallel.sequence_parallel=false", "parallel.zero=3"]  # fmt: skip
     steps = {}
-    for mode in ("none", "selective", "full"):
-        cfg = _llama70b([*base, f"recompute.mode={mode}"])
+    for mode, modules in (("none", ""), ("selective", "core_attn"),
+                          ("selective", "core_attn,mlp"), ("full", "")):  # fmt: skip
+        cfg = _llama70b(
+            [*base, f"recompute.mode={mode}", f"recompute.modules={modules or 'core_attn'}"]
+        )
         for rt in (runtime, dataclasses.replace(runtime, selective_recompute="attention")):
-            steps[mode, rt.selective_recompute] = project(cfg, cluster, rt, memory=False)
-    own = steps["selective", runtime.selective_recompute].breakdown["compute_s"]
-    core = steps["selective", "attention"].breakdown["compute_s"]
-    none = steps["none", "attention"].breakdown["compute_s"]
-    full = steps["full", "attention"].breakdown["compute_s"]
-    assert none < core < own < full
+            step = project(cfg, cluster, rt, memory=False).breakdown["compute_s"]
+            steps[mode, modules, rt.selective_recompute] = step
+    policy = runtime.selective_recompute
+    own = steps["selective", "core_attn" if policy == "op" else "core_attn,mlp", policy]
+    core = steps["selective", "core_attn", "attention"]
+    mlp = steps["selective", "core_attn,mlp", "attention"]
+    none, full = steps["none", "", "attention"], steps["full", "", "attention"]
+    assert none < core < own < full and core < mlp < full
+    if policy == "mlpwi":
+        assert own < mlp

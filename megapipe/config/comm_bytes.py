@@ -252,13 +252,27 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     f, b = (ring_ops(cfg, ops) for ops in tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs))
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:
-        # the MLP checkpoint's rerun: its input's gather (SP), then fc2's sum only where the
-        # ring's autograd function saves after summing (the rerun stops at fc2's saves)
-        mlp_f = f[-(2 if sp else 1) :]
-        return f + (mlp_f if tp_ring(cfg.parallel) else mlp_f[:-1]) + b
+        return f + ring_ops(cfg, mlp_rerun_ops(cfg, nd * w.p2p, nd * w.act)) + b
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
     return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b
+
+
+def mlp_rerun_ops(cfg: Config, residual: float, act: float) -> list[Op]:
+    """The tp ops of recompute.modules=mlp's rerun (parallel/recompute.py) under SP, before
+    ring_ops (`residual`, `act`: N·d bytes in the stream's and the compute dtype): the
+    gather of norm2's output, in the residual stream's dtype (float32 under float32
+    weights and bf16 autocast, measured on the fake backend) where the plain SP path gathers
+    it before fc1 casts it; under the ring, which casts before it gathers, in the compute
+    dtype, and with fc2's reduce-scatter, whose autograd function saves after summing (the
+    rerun stops at fc2's saves). Without SP nothing: the input's f is an identity, the output's
+    sum comes after the saves. (The forward's plain-path gather is in the stream's dtype and
+    its sum in the compute dtype, tp_layer_ops the other way round: per layer the two agree.)"""
+    if not cfg.parallel.sequence_parallel:
+        return []
+    if not tp_ring(cfg.parallel):
+        return [("all_gather", residual)]
+    return [("all_gather", act), ("reduce_scatter", act)]
 
 
 def ring_ops(cfg: Config, ops: list[Op]) -> list[Op]:

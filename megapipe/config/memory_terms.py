@@ -53,6 +53,9 @@ every term with saved_tensors_hooks):
                                     the linears; float32 saves the parameter itself: nothing;
                                     nor bf16 weights, train.params_dtype=bfloat16: no cast)
           full recompute: only the layer input, Nₛ·d·r. Residual adds save nothing.
+          recompute.modules=mlp (a dense layer): norm2's, fc1's, the activation's and fc2's
+          terms and the MLP's weight copies (dense_mlp_terms) give way to the residual norm2
+          reads, Nₛ·d·r, which the checkpoint keeps.
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
   head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
           .linear_cross_entropy) keeps the head input N·d·c, the float32 row max and sum of

@@ -139,7 +139,8 @@ class Bounds:
         zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
         cp = (c.cp, c.cp_comm, c.cp_a2a)
-        return (c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
+        rec = (c.recompute, c.recompute_modules)
+        return (c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, *rec, segs,
                 c.fp8)  # fmt: skip
 
     # -- the group bound -------------------------------------------------------------------
@@ -152,7 +153,7 @@ class Bounds:
         optimizer's mean step. Memory: the mean over pp ranks of the states and one
         microbatch's activations. `pipedream`: a group that steps inside its backwards (no
         dp or optimizer after the pipeline)."""
-        tp, cp, _, _, pp, dp, mb, sp, rec, segs, _, _, _, _ = self.group(c)
+        tp, cp, pp, dp, mb = c.tp, c.cp, c.pp, c.dp, c.microbatches
         cfg = c.config(self.base, check=False)
         plain, cm = self.times.plain(cfg)
         everything = range(0, cfg.model.n_layers + 2)

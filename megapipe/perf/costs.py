@@ -67,6 +67,7 @@ import math
 from megapipe.config import Config
 from megapipe.config.comm_bytes import (
     attention_column_widths,
+    mlp_rerun_ops,
     recompute_skips_output_sum,
     routing_count_ops,
     tp_layer_ops,
@@ -403,28 +404,29 @@ class CostModel(MoECosts):
             # torchtitan's per-op policy: every op's output saved (attention's too) but every
             # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops
             b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
-        elif mode == "selective" and self.rt.selective_recompute == "mlpwi":
-            b = b + Work(compute=fprop[2] + attn_f + dev.mem(elem) + act_f, cp=cp_f)
         elif mode == "selective":
             parts = recompute_modules(self.cfg.recompute)
             if "core_attn" in parts:
                 b = b + Work(compute=attn_f, cp=cp_f)
-            if "mlp" in parts and not moe:
+            if "mlp" in parts and not moe and self.rt.selective_recompute == "mlpwi":
+                # MaxText's save_dot_except_mlpwi: fc1's dot and every element-wise op again,
+                # fc2's output saved
+                b = b + Work(compute=fprop[2] + dev.mem(elem) + act_f)
+            elif "mlp" in parts and not moe:
                 b = b + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
         out = self._cache[key] = BlockCosts(f, b, w)
         return out
 
     def _mlp_rerun(self, x: Shapes, gemms: float) -> Work:
         """recompute.modules=mlp's rerun in backward (parallel/recompute.py): norm2, fc1, the
-        activation and fc2 (`gemms`: their forward seconds), with the MLP input's SP gather
-        and, under the ring, fc2's reduce-scatter (config/comm_bytes._tp_layer's ops), hidden
-        behind the GEMMs as in the forward where the ring overlaps them."""
-        p = self.cfg.parallel
+        activation and fc2 (`gemms`: their forward seconds), with its tp ops
+        (config/comm_bytes.mlp_rerun_ops), hidden behind the GEMMs as in the forward where
+        the ring overlaps them."""
+        p, d = self.cfg.parallel, self.cfg.model.d_model
         compute = gemms + self.dev.mem(self._norm_bytes(x) + self._activation_bytes(x))
         if p.tp == 1 or (tp_ring(p) and self.rt.tp_comm_overlap):
             return Work(compute=compute)
-        mlp_ops = self._tp_ops(x)[0][-(2 if p.sequence_parallel else 1) :]
-        rerun = mlp_ops if tp_ring(p) else mlp_ops[:-1]
+        rerun = mlp_rerun_ops(self.cfg, x.n * d * self.r, x.n * d * self.c)
         return Work(compute=compute, tp=sum(self._tp(*op) for op in rerun))
 
     # -- embedding and head ------------------------------------------------------------------

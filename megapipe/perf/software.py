@@ -139,10 +139,11 @@ class Runtime:
     # checkpoint), so a dense layer's MLP output sum over tp is not rerun (Megatron's
     # CheckpointFunction reruns the whole forward)
     recompute_stops_early: bool = False
-    # what recompute.mode=selective reruns: "attention" (Korthikanti et al. 2022: the core),
-    # "op" (torchtitan's per-op policy: every second matmul and the elementwise ops) or
-    # "mlpwi" (MaxText's save_dot_except_mlpwi: the MLP input matmul, the attention core and
-    # the elementwise ops)
+    # how recompute.mode=selective reruns: "attention" (recompute.modules as our code reruns
+    # them: the attention core, Korthikanti et al. 2022, and the MLP), "op" (torchtitan's per-op
+    # policy: every second matmul and the elementwise ops, whatever the modules) or "mlpwi"
+    # (MaxText's save_dot_except_mlpwi, recompute.modules core_attn,mlp: the MLP input matmul,
+    # the attention core and the elementwise ops)
     selective_recompute: str = "attention"
     # HBM bytes per logit of the whole-logits cross entropy (forward, backward): Table 1's
     # float32 log-softmax (the constants were fitted with it); not used by our fused head
