@@ -189,8 +189,9 @@ class TransformerLayer(nn.Module):
         x = x + self._dropout(h)  # (B, T[/tp], d)
         if isinstance(self.mlp, MoE):  # a Seq1F1B segment's routing reads earlier segments'
             return x + self._dropout(self.mlp(self.norm2(x), segment))
-        mlp = replayable(self._mlp, self.tp)
-        return x + self._dropout(maybe_checkpoint(self.mlp_recompute, mlp, x))
+        if self.mlp_recompute:  # norm2 and the MLP rerun in backward from the residual
+            return x + self._dropout(maybe_checkpoint(True, self._mlp, x))
+        return x + self._dropout(self._mlp(x))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm2(x))

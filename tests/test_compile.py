@@ -47,6 +47,8 @@ ONE_PROCESS = {
     "dropout-full-recompute": ["model.dropout=0.1", "recompute.mode=full"],
     # RoPE, SwiGLU, grouped-query heads, the selective checkpoint inside the compiled graph
     "llama-gqa-selective": [*LLAMA, "model.n_kv_heads=2", "recompute.mode=selective"],
+    # the MLP's checkpoint (norm2 and the MLP rerun) inside the compiled graph
+    "llama-mlp-recompute": [*LLAMA, "recompute.mode=selective", "recompute.modules=mlp"],
     # document masking: per-row RoPE positions and the dense mask inside the compiled graph
     "llama-document-mask": [*LLAMA, "data.document_mask=true", "model.vocab_size=8"],
 }
