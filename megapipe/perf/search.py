@@ -61,7 +61,6 @@ SEARCHED = {
     "parallel.ep": 1,
     "parallel.dp_shard": 0,
     "recompute.mode": "none",
-    "recompute.modules": "core_attn",
 }
 
 

@@ -5,8 +5,8 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 (1, or up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
-selective (of the attention core, or of it and the MLP: `SELECTIVE`) / full (recompute.layers
-as the config has it), sequence parallelism on or off under
+selective (what the config's recompute.modules names) / full (recompute.layers as the config
+has it), sequence parallelism on or off under
 tp > 1, zero 0, 1 or 3 under dp·cp > 1 (`ZEROS`), under zero >= 1 and dp > 1 HSDP's dp_shard
 (`dp_shards`),
 under cp > 1 the cp attention (parallel.cp_comm ring,
@@ -45,8 +45,6 @@ SEGMENTS = (2, 4, 8)  # Seq1F1B segments per microbatch
 # reduce-scattered as they are made (MPT-70B on 64 H100s ran at zero=3: llm-foundry's table).
 ZEROS = (0, 1, 3)
 RECOMPUTES = ("none", "selective", "full")
-# what selective reruns (recompute.modules): the attention core, or with it norm2 and the MLP
-SELECTIVE = ("core_attn", "core_attn,mlp")
 ZB_MEMORY = ("1p", "2p")  # zb_auto's memory limits (Qi et al. 2023: ZB-1p, ZB-2p)
 CP_MIN_TOKENS = 128  # cp only while every cp rank keeps at least this many tokens
 # A schedule built for costs (zb_v, zb_auto) is not built above this pp·m·vpp nor above this
@@ -228,8 +226,10 @@ def candidates(
                     continue
                 ms = [gbs // (dp * b) for b in _divisors(gbs // dp)]
                 shapes = structures(base, pp, f)
+                # selective reruns the config's recompute.modules (held: searching the MLP's
+                # rerun too would add a third of the space for a slower twin of each point)
                 recs = [(r, "") for r in ("none", "full")] + [
-                    ("selective", mods) for mods in _pick(f, "recompute.modules", SELECTIVE)
+                    ("selective", mods) for mods in _pick(f, "recompute.modules", ("",))
                 ]
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = ZEROS if dp * cp > 1 else (0,)
