@@ -186,8 +186,7 @@ def row_config(row: Row) -> Config:
         # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
         # so a torchtitan row's compile stays on the Row for the runtime to price
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
-        "recompute.mode={}".format(*RECOMPUTE.get(row.recompute, (row.recompute,))),
-        "recompute.modules={}".format(RECOMPUTE.get(row.recompute, ("", "core_attn"))[1]),
+        *recompute_overrides(row.recompute),
     ]
     cfg = load_config(None, overrides)
     if row.tp_overlap and row.precision in FP8_RECIPES:
@@ -196,6 +195,13 @@ def row_config(row: Row) -> Config:
         # runtime to price
         cfg = replace(cfg, parallel=replace(cfg.parallel, tp_overlap=True))
     return cfg
+
+
+def recompute_overrides(recompute: str) -> list[str]:
+    """recompute.mode and recompute.modules for a row's `recompute` (RECOMPUTE, else a mode
+    with the default modules)."""
+    mode, modules = RECOMPUTE.get(recompute, (recompute, "core_attn"))
+    return [f"recompute.mode={mode}", f"recompute.modules={modules}"]
 
 
 def weights_dtype(row: Row) -> str:

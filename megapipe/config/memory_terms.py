@@ -274,7 +274,7 @@ def layer_terms(
         if segmented and _moe(cfg, index):
             terms |= segment_records(cfg, x.b)
         return terms | ({"segment k, v store": store} if segmented else {})
-    parts = _selective_parts(cfg, mode)
+    parts = recompute_modules(cfg.recompute) if mode == "selective" else frozenset()
     core = "selective" if "core_attn" in parts else "none"  # the attention core's mode
     rerun_mlp = "mlp" in parts and not _moe(cfg, index)
     terms = {f"norm1 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
@@ -294,11 +294,6 @@ def layer_terms(
         terms |= dense_mlp_terms(cfg, x, device)
     terms |= _dropout_and_cast_terms(cfg, x, device)
     return terms
-
-
-def _selective_parts(cfg: Config, mode: str) -> frozenset[str]:
-    """What a layer at recompute `mode` reruns under "selective" (recompute.modules)."""
-    return recompute_modules(cfg.recompute) if mode == "selective" else frozenset()
 
 
 def _moe(cfg: Config, index: int | None) -> bool:

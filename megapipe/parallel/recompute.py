@@ -6,7 +6,8 @@ activations grow with T² but cost few FLOPs; `mlp`, a dense layer's norm2 and M
 residual they read (Megatron-Core's `--recompute-modules mlp layernorm`; MaxText's
 save_dot_except_mlpwi policy keeps the same dots), whose d_ff-wide activations are the largest
 a dense layer keeps. torch's non-reentrant checkpoint stops its rerun once the last saved
-tensor is back, so fc2's input comes back and fc2 itself does not run again.
+tensor is back, but fc2 saves its input after its matmul ran: both MLP matmuls run again
+(config/flops.mlp_rerun_params), fc2's tp sum does not (config/comm_bytes.mlp_rerun_ops).
 `layers=N` limits either mode to the first N transformer layers. The RNG state is replayed so
 dropout masks, and hence gradients, equal those of `none`.
 

@@ -139,8 +139,7 @@ class Bounds:
         zero)."""
         segs = c.seq_segments if c.pp > 1 and SCHEDULES[c.schedule].segmented else 1
         cp = (c.cp, c.cp_comm, c.cp_a2a)
-        rec = (c.recompute, c.recompute_modules)
-        return (c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, *rec, segs,
+        return (c.tp, *cp, c.pp, c.dp, c.microbatches, c.sequence_parallel, c.recompute, segs,
                 c.fp8)  # fmt: skip
 
     # -- the group bound -------------------------------------------------------------------

@@ -388,7 +388,7 @@ def describe(c: Candidate) -> str:
     parts = [f"tp={c.tp}", f"pp={c.pp}", f"dp={c.dp}", f"cp={c.cp}"]
     if c.pp > 1:
         parts += [f"vpp={c.vpp}", f"schedule={c.schedule_label.replace(' ', ':')}"]
-    parts += [f"microbatches={c.microbatches}", f"recompute={c.recompute_label}",
+    parts += [f"microbatches={c.microbatches}", f"recompute={c.recompute}",
               f"sp={int(c.sequence_parallel)}", f"zero={c.zero}"]  # fmt: skip
     if c.ep > 1:
         parts.append(f"ep={c.ep}")
@@ -424,7 +424,7 @@ def markdown(result: SearchResult) -> str:
         parts = " | ".join(f"{p.breakdown[k] / p.step_time_s:.0%}" for k, _ in BREAKDOWN)
         lines.append(
             f"| {i} | {c.tp} | {c.pp} | {c.dp} | {c.cp} | {c.vpp if c.pp > 1 else '-'} "
-            f"| {c.schedule_label} | {c.microbatches} | {mbs} | {c.recompute_label} "
+            f"| {c.schedule_label} | {c.microbatches} | {mbs} | {c.recompute} "
             f"| {'on' if c.sequence_parallel else '-'} | {c.zero} | {p.step_time_s:.3g} "
             f"| {p.tflops_per_gpu:.1f} | {p.mfu:.1%} | {p.bubble_fraction:.1%} "
             f"| {p.peak_memory_gib:.1f} | {parts} |"

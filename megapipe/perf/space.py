@@ -5,8 +5,8 @@ The space (`candidates`): tp among the divisors of the node size (tp ≤ gpus-pe
 (1, or up to seq_len/128 where the config rules allow it: seq_len divisible by 2·cp, no
 dropout), pp with pp ≤ n_layers, dp = N/(tp·cp·pp) dividing the global batch, every micro-batch
 size b dividing global_batch/dp (microbatches m = global_batch/(dp·b)), recompute none /
-selective (what the config's recompute.modules names) / full (recompute.layers as the config
-has it), sequence parallelism on or off under
+selective / full (recompute.layers and recompute.modules as the config has them: the MLP's
+rerun is searched by giving recompute.modules=core_attn,mlp), sequence parallelism on or off under
 tp > 1, zero 0, 1 or 3 under dp·cp > 1 (`ZEROS`), under zero >= 1 and dp > 1 HSDP's dp_shard
 (`dp_shards`),
 under cp > 1 the cp attention (parallel.cp_comm ring,
@@ -44,7 +44,6 @@ SEGMENTS = (2, 4, 8)  # Seq1F1B segments per microbatch
 # is in: its per-block gathers replace the all-gather after the step and its grads are
 # reduce-scattered as they are made (MPT-70B on 64 H100s ran at zero=3: llm-foundry's table).
 ZEROS = (0, 1, 3)
-RECOMPUTES = ("none", "selective", "full")
 ZB_MEMORY = ("1p", "2p")  # zb_auto's memory limits (Qi et al. 2023: ZB-1p, ZB-2p)
 CP_MIN_TOKENS = 128  # cp only while every cp rank keeps at least this many tokens
 # A schedule built for costs (zb_v, zb_auto) is not built above this pp·m·vpp nor above this
@@ -78,7 +77,6 @@ class Candidate:
     cp_a2a: int = 1
     fp8: str = "none"  # train.fp8
     dp_shard: int = 0  # parallel.dp_shard (HSDP; 0: dp)
-    recompute_modules: str = ""  # recompute.modules under selective ("": the config's)
 
     def config(self, base: Config, check: bool = True) -> Config:
         """`base` with this candidate's keys (validated: a ConfigError when a rule breaks)."""
@@ -102,20 +100,12 @@ class Candidate:
             # the config's, where the grads are reduce-scattered (zero=0 all-reduces float32)
             grad_reduce_dtype=base.parallel.grad_reduce_dtype if self.zero else "float32",
         )
-        modules = self.recompute_modules or base.recompute.modules
-        rec = dataclasses.replace(base.recompute, mode=self.recompute, modules=modules)
+        rec = dataclasses.replace(base.recompute, mode=self.recompute)
         train = dataclasses.replace(base.train, fp8=self.fp8)
         cfg = dataclasses.replace(base, parallel=par, recompute=rec, train=train)
         if check:
             validate(cfg)
         return cfg
-
-    @property
-    def recompute_label(self) -> str:
-        """recompute.mode, with what selective reruns beyond the attention core."""
-        if self.recompute == "selective" and self.recompute_modules not in ("", "core_attn"):
-            return f"selective({self.recompute_modules})"
-        return self.recompute
 
     @property
     def schedule_label(self) -> str:
@@ -226,17 +216,13 @@ def candidates(
                     continue
                 ms = [gbs // (dp * b) for b in _divisors(gbs // dp)]
                 shapes = structures(base, pp, f)
-                # selective reruns the config's recompute.modules (held: searching the MLP's
-                # rerun too would add a third of the space for a slower twin of each point)
-                recs = [(r, "") for r in ("none", "full")] + [
-                    ("selective", mods) for mods in _pick(f, "recompute.modules", ("",))
-                ]
+                recs = ("none", "selective", "full")
                 sps = (False, True) if tp > 1 else (False,)
                 zeros = ZEROS if dp * cp > 1 else (0,)
                 eps = [e for e in _divisors(dp) if m.n_experts and m.n_experts % e == 0] or [1]
-                for mb, (rec, mods), sp, zero, ep, (comm, a2a), fp8 in itertools.product(
+                for mb, rec, sp, zero, ep, (comm, a2a), fp8 in itertools.product(
                     _pick(f, "parallel.microbatches", ms),
-                    [r for r in recs if r[0] in _pick(f, "recompute.mode", RECOMPUTES)],
+                    _pick(f, "recompute.mode", recs),
                     _pick(f, "parallel.sequence_parallel", sps),
                     _pick(f, "parallel.zero", zeros),
                     _pick(f, "parallel.ep", eps),
@@ -245,7 +231,7 @@ def candidates(
                 ):
                     for shard in dp_shards(dp, zero, tp * cp, gpus_per_node, f):
                         out += [Candidate(tp, pp, dp, cp, vpp, name, mb, sp, zero, rec, k, mem,
-                                          ep, comm, a2a, fp8, shard, mods)
+                                          ep, comm, a2a, fp8, shard)
                                 for name, vpp, k, mem in shapes]  # fmt: skip
     return out
 
