@@ -209,6 +209,10 @@ class Attention(nn.Module):
         if self.rope is not None:
             cos, sin = self.rope.tables(positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope is not None or self.q_norm is not None:
+            # q and k are new tensors: v, a view, would keep the whole qkv output alive for
+            # backward ((H+2·Hkv)/tp heads) where its own copy keeps Hkv/tp
+            v = v.contiguous()
         if segment is not None:  # Seq1F1B: prepend earlier segments' K/V
             k, v = segment.extend(self, k, v)  # (B, Hkv/tp, S, hd), S = this segment's end
         p = self.dropout if self.training else 0.0

@@ -159,7 +159,7 @@ class TransformerLayer(nn.Module):
         parts: frozenset[str] = frozenset({"core_attn"}),
     ) -> None:
         """`recompute`: this layer's mode (schema.layer_mode); `parts`: what "selective"
-        reruns (recompute.modules: core_attn, mlp)."""
+        reruns (recompute.modules: core_attn, mlp, layernorm)."""
         super().__init__()
         self.norm1 = make_norm(cfg, tp)
         selective = recompute == "selective" and "core_attn" in parts
@@ -176,6 +176,9 @@ class TransformerLayer(nn.Module):
         # (their activations are d_ff wide: the largest a dense layer keeps)
         dense = not isinstance(self.mlp, MoE)
         self.mlp_recompute = recompute == "selective" and "mlp" in parts and dense
+        # selective's layernorm part: a norm keeps its input alone (not its float32 copy and
+        # normalised x) and reruns in backward: elementwise work for N·d bytes a norm
+        self.norm_recompute = recompute == "selective" and "layernorm" in parts
         self.offload = ActivationOffload(self) if recompute == "offload" else None
         self.tp = tp
 
@@ -185,16 +188,19 @@ class TransformerLayer(nn.Module):
             return maybe_checkpoint(self.full_recompute, fn, x, positions, segment, documents)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment, documents=None):
-        h = self.attn(self.norm1(x), positions, segment, documents)
+        h = self.attn(self._norm(self.norm1, x), positions, segment, documents)
         x = x + self._dropout(h)  # (B, T[/tp], d)
         if isinstance(self.mlp, MoE):  # a Seq1F1B segment's routing reads earlier segments'
-            return x + self._dropout(self.mlp(self.norm2(x), segment))
+            return x + self._dropout(self.mlp(self._norm(self.norm2, x), segment))
         if self.mlp_recompute:  # norm2 and the MLP rerun in backward from the residual
             return x + self._dropout(maybe_checkpoint(True, self._mlp, x))
-        return x + self._dropout(self._mlp(x))
+        return x + self._dropout(self.mlp(self._norm(self.norm2, x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm2(x))
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return maybe_checkpoint(self.norm_recompute, norm, x)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         with sp_rng(self.tp):

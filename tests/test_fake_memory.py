@@ -49,6 +49,11 @@ CASES = {
                                   "--recompute.modules=core_attn,mlp"], "0"),
     "gpt2_pp2_mlp_recompute": ([*PP2, "--recompute.mode=selective", "--recompute.modules=mlp"],
                                "0,1"),
+    # recompute.modules=layernorm under bf16 weights: each norm keeps its bf16 input alone
+    "llama_bf16_weights_layernorm": (["--model.arch=llama", "--train.dtype=bfloat16",
+                                      "--train.params_dtype=bfloat16", "--model.d_model=128",
+                                      "--recompute.mode=selective",
+                                      "--recompute.modules=core_attn,layernorm"], "0"),
 }  # fmt: skip
 
 

@@ -131,6 +131,16 @@ ONE_PROCESS = {
                               "train.dtype=bfloat16"],
     "moe-shared-selective-dropout": [*MOE, "model.moe_shared_experts=2",
                                      "recompute.mode=selective", "model.dropout=0.1"],
+    # recompute.modules=layernorm: each norm keeps its input alone (with mlp: norm2 inside
+    # the MLP's checkpoint)
+    "llama-bf16-weights-layernorm": ["model.arch=llama", "model.n_kv_heads=2",
+                                     "train.dtype=bfloat16", "train.params_dtype=bfloat16",
+                                     "recompute.mode=selective",
+                                     "recompute.modules=core_attn,layernorm"],
+    "layernorm-mlp-dropout": ["model.dropout=0.1", "recompute.mode=selective",
+                              "recompute.modules=layernorm,mlp"],
+    "moe-llama-layernorm": [*MOE, "model.arch=llama", "recompute.mode=selective",
+                            "recompute.modules=layernorm"],
 }  # fmt: skip
 TWO_RANKS = {
     "tp2": ["parallel.tp=2"],

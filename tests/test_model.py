@@ -60,6 +60,8 @@ def test_stage_forward_composes_to_whole_model(tiny_cfg):
         ("full", 1, ""),
         ("selective", 0, "mlp"),
         ("selective", 1, "core_attn,mlp"),
+        ("selective", 0, "layernorm"),
+        ("selective", 1, "core_attn,mlp,layernorm"),
     ],
 )
 def test_recompute_gives_same_gradients(tiny_cfg, arch, mode, layers, modules):
@@ -82,6 +84,7 @@ def test_recompute_stores_less_for_backward(tiny_cfg):
     saved = {}
     modes = {"none": ("none", ""), "selective": ("selective", "core_attn"), "full": ("full", "")}
     modes |= {"mlp": ("selective", "mlp"), "both": ("selective", "core_attn,mlp")}
+    modes |= {"norms": ("selective", "layernorm")}
     for name, (mode, modules) in modes.items():
         rc = RecomputeConfig(mode, modules=modules or "core_attn")
         model = GPT(cfg.model, seed=1, recompute=rc)
@@ -96,6 +99,7 @@ def test_recompute_stores_less_for_backward(tiny_cfg):
         saved[name] = total[0]
     assert saved["full"] < saved["both"] < saved["selective"] < saved["none"]
     assert saved["both"] < saved["mlp"] < saved["none"]
+    assert saved["norms"] < saved["none"]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_OVERRIDES))

@@ -54,10 +54,10 @@ computed on are bf16: at zero=3 megapipe runs such a row with bf16 weights
 (`weights_dtype`), whose gathers are bf16 and whose optimizer steps the float32 main params
 (parallel/data/zero3.py), 2/d bytes a parameter more than FSDP (the bf16 master shard). Under
 float32 weights megapipe would gather float32 and keep autocast's bf16 copy of every layer."""
-RECOMPUTE = {"selective_mlp": ("selective", "core_attn,mlp")}
+RECOMPUTE = {"selective_mlp": ("selective", "core_attn,mlp,layernorm")}
 """A row's `recompute` as recompute.mode and recompute.modules where it is not a mode: a policy
-that also reruns the MLP input matmuls (MaxText's save_dot_except_mlpwi; Megatron-Core's
---recompute-modules core_attn mlp)."""
+that saves dots alone and so also reruns the MLP input matmuls and the norms (MaxText's
+save_dot_except_mlpwi; Megatron-Core's --recompute-modules core_attn mlp layernorm)."""
 FP8_RECIPES = {"fp8": "tensorwise"}
 """A row's FP8 precision as train.fp8: Transformer Engine's delayed scaling keeps one scale per
 tensor (data/nvidia_dgxc_benchmarking_h100_fp8.csv's header), compute otherwise in bf16."""

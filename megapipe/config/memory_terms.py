@@ -32,8 +32,9 @@ every term with saved_tensors_hooks):
           qkv, fc1 linear inputs    2 · N·d·c         (gathered over tp under SP)
           attention inputs          q|k|v, N·(H+2·Hkv)·hd·c (the fused qkv output: SDPA's
                                     q, k, v are views of it; ring attention and selective
-                                    recompute keep as much); RoPE adds its rotated q and k,
-                                    N·(H+Hkv)·hd·c, and cos, sin 2·q·hd·4
+                                    recompute keep as much); with RoPE as many elements: its
+                                    rotated q and k and v's own copy (the qkv output freed),
+                                    and cos, sin 2·q·hd·4
           attention core            fused kernel (flash / memory-efficient / CPU flash): the
                                     log-sum-exp b·H·q·4, its output is the proj input; ring
                                     attention (cp > 1): log-sum-exp + its own output N·H·hd·c
@@ -55,7 +56,8 @@ every term with saved_tensors_hooks):
           full recompute: only the layer input, Nₛ·d·r. Residual adds save nothing.
           recompute.modules=mlp (a dense layer): norm2's, fc1's, the activation's and fc2's
           terms and the MLP's weight copies (dense_mlp_terms) give way to the residual norm2
-          reads, Nₛ·d·r, which the checkpoint keeps.
+          reads, Nₛ·d·r, which the checkpoint keeps. recompute.modules=layernorm: each norm's
+          terms give way to its input, Nₛ·d·r, which its checkpoint keeps (norm_terms).
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
   head    final norm as above; the fused, chunked head + loss (parallel/tensor/cross_entropy
           .linear_cross_entropy) keeps the head input N·d·c, the float32 row max and sum of
@@ -250,6 +252,16 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
     return {"input": tokens * d * r, "stats": 2 * tokens * r}
 
 
+def norm_terms(
+    cfg: Config, name: str, tokens: int, device: str = "cuda", rerun: bool = False
+) -> dict[str, float]:
+    """Norm `name`'s saved tensors (_norm) on `tokens` rows; `rerun` (recompute.modules has
+    layernorm): the checkpoint keeps its input alone, in the stream's dtype."""
+    if rerun:
+        return {f"{name} input (recompute)": tokens * cfg.model.d_model * residual_bytes(cfg)}
+    return {f"{name} {key}": value for key, value in _norm(cfg, tokens, device).items()}
+
+
 def layer_terms(
     cfg: Config,
     mode: str | None = None,
@@ -277,7 +289,8 @@ def layer_terms(
     parts = recompute_modules(cfg.recompute) if mode == "selective" else frozenset()
     core = "selective" if "core_attn" in parts else "none"  # the attention core's mode
     rerun_mlp = "mlp" in parts and not _moe(cfg, index)
-    terms = {f"norm1 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
+    rerun_norms = "layernorm" in parts
+    terms = norm_terms(cfg, "norm1", x.ns, device, rerun_norms)
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
         terms |= mla_terms(cfg, x, core, device, compute_bytes(cfg))
     else:
@@ -286,12 +299,12 @@ def layer_terms(
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
-        terms |= {f"norm2 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
+        terms |= norm_terms(cfg, "norm2", x.ns, device, rerun_norms)
         terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
     elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
-        terms |= dense_mlp_terms(cfg, x, device)
+        terms |= dense_mlp_terms(cfg, x, device, rerun_norms)
     terms |= _dropout_and_cast_terms(cfg, x, device)
     return terms
 
@@ -306,9 +319,10 @@ def _moe(cfg: Config, index: int | None) -> bool:
 
 def _segment_store(cfg: Config, x: RankDims) -> float:
     """Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
-    segments after it: the qkv output they view, and RoPE's k, whatever else is kept."""
-    llama = cfg.model.arch != "gpt2"
-    return x.n * ((x.h + 2 * x.hkv) * x.hd + (x.hkv * x.hd if llama else 0)) * compute_bytes(cfg)
+    segments after it, whatever else is kept: the qkv output they view, or (RoPE) the rotated
+    k and v's own copy."""
+    heads = 2 * x.hkv if cfg.model.arch != "gpt2" else x.h + 2 * x.hkv
+    return x.n * heads * x.hd * compute_bytes(cfg)
 
 
 def _attention_terms(
@@ -320,8 +334,8 @@ def _attention_terms(
     m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch != "gpt2"
     path = attention_path(cfg, device)
     terms: dict[str, float] = {}
+    # qkv's views, or RoPE's q, k and v's own copy (models/attention.py frees the qkv output)
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
-    rope = x.n * (x.h + x.hkv) * x.hd * c if llama else 0
     # a dense (b, 1, q, kv) mask, except in the ring's kernels (ring, hybrid): ids per block
     documents = cfg.data.document_mask and path not in ("ring", "hybrid")
     if llama:  # per row under document masking: positions restart per document
@@ -333,7 +347,7 @@ def _attention_terms(
     if mode == "selective" or path == "fused":
         # q, k, v: views of qkv or RoPE's q, k (selective: the checkpoint's inputs; fused: the
         # kernel's, whose output is the proj input) and the segments' concatenated K/V
-        terms["q, k, v"] = qkv + rope + (2 * x.b * x.hkv * x.kv * x.hd * c if earlier else 0)
+        terms["q, k, v"] = qkv + (2 * x.b * x.hkv * x.kv * x.hd * c if earlier else 0)
         if mode != "selective":
             terms["attention lse"] = lse
             if documents:  # the fused kernel keeps the boolean mask as a bias in c
@@ -384,12 +398,14 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
     return terms
 
 
-def dense_mlp_terms(cfg: Config, x: RankDims, device: str = "cuda") -> dict[str, float]:
-    """What norm2 and a dense MLP save: the norm's tensors, fc1's input, the activation's, fc2's
-    input and autocast's bf16 copies of fc1's and fc2's weights (what recompute.modules=mlp
-    reruns in backward)."""
+def dense_mlp_terms(
+    cfg: Config, x: RankDims, device: str = "cuda", rerun_norm: bool = False
+) -> dict[str, float]:
+    """What norm2 and a dense MLP save: the norm's tensors (its input alone where it reruns:
+    `rerun_norm`), fc1's input, the activation's, fc2's input and autocast's bf16 copies of
+    fc1's and fc2's weights (what recompute.modules=mlp reruns in backward)."""
     m, c = cfg.model, compute_bytes(cfg)
-    terms = {f"norm2 {name}": value for name, value in _norm(cfg, x.ns, device).items()}
+    terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
     terms["fc1 input"] = x.n * m.d_model * c
     terms |= _mlp_terms(cfg, x)
     if c != FLOAT32 and cfg.train.params_dtype == "float32":

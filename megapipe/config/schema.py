@@ -215,8 +215,9 @@ class RecomputeConfig:
     # offload: only the first N layers move their saved activations to host memory; 0: all
     offload_layers: int = bounded(0, low=0, note="0: all")
     # selective: what it reruns, a comma list of core_attn (the attention core, Korthikanti et
-    # al. 2022 §5) and mlp (a dense layer's norm2 and MLP; Megatron-Core's mlp and layernorm
-    # modules, MaxText's save_dot_except_mlpwi); parallel/recompute.py
+    # al. 2022 §5), mlp (a dense layer's norm2 and MLP; Megatron-Core's mlp and layernorm
+    # modules) and layernorm (the layer's norms, keeping their input alone; Megatron-Core's
+    # layernorm module; MaxText's save_dot_except_mlpwi is all three); parallel/recompute.py
     modules: str = "core_attn"
 
 
@@ -230,7 +231,7 @@ def layer_mode(cfg: RecomputeConfig, layer_index: int) -> str:
     return cfg.mode
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 """What recompute.mode=selective can rerun (recompute.modules)."""
 
 
@@ -258,6 +259,12 @@ def reruns_mlp(cfg: RecomputeConfig, layer_index: int) -> bool:
     """Selective recompute reruns layer `layer_index`'s norm2 and dense MLP (a MoE layer keeps
     its experts' activations: recompute.modules names no moe part)."""
     return "mlp" in selective_parts(cfg, layer_index)
+
+
+def reruns_norms(cfg: RecomputeConfig, layer_index: int) -> bool:
+    """Selective recompute reruns layer `layer_index`'s norms in backward from their inputs
+    (norm2 inside the MLP's checkpoint where the MLP reruns)."""
+    return "layernorm" in selective_parts(cfg, layer_index)
 
 
 def tp_ring(p: ParallelConfig) -> bool:

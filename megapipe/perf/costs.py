@@ -406,14 +406,18 @@ class CostModel(MoECosts):
             b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
         elif mode == "selective":
             parts = recompute_modules(self.cfg.recompute)
+            mlp = "mlp" in parts and not moe
             if "core_attn" in parts:
                 b = b + Work(compute=attn_f, cp=cp_f)
-            if "mlp" in parts and not moe and self.rt.selective_recompute == "mlpwi":
-                # MaxText's save_dot_except_mlpwi: fc1's dot and every element-wise op again,
-                # fc2's output saved
+            if mlp and self.rt.selective_recompute == "mlpwi":
+                # MaxText's save_dot_except_mlpwi: fc1's dot and every element-wise op again
+                # (the norms' too), fc2's output saved
                 b = b + Work(compute=fprop[2] + dev.mem(elem) + act_f)
-            elif "mlp" in parts and not moe:
+            elif mlp:
                 b = b + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
+            if "layernorm" in parts and not (mlp and self.rt.selective_recompute == "mlpwi"):
+                # each norm's forward again (norm2's is in the MLP's rerun where it reruns)
+                b = b + Work(compute=dev.mem((1 if mlp else 2) * self._norm_bytes(x)))
         out = self._cache[key] = BlockCosts(f, b, w)
         return out
 
