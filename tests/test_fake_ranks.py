@@ -309,8 +309,10 @@ def test_moe_ranks_are_the_plans(tmp_path, case):
 MTP = ["--model.mtp_layers=1", "--model.tie_embeddings=false"]
 EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     "tp2_sp": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true"], True),
-    "tp2_sp_mla_mtp": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA, *MTP],
-                       False),
+    # bf16 autocast on float32 weights: the norms' float32 outputs gathered (their grads summed)
+    # as they are, the row outputs summed in bf16; latent attention's rope key in bf16
+    "tp2_sp_mla_mtp": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MLA, *MTP,
+                             "--train.dtype=bfloat16"], False),
     "tp2_mla_no_q_lora": ("0", ["--parallel.tp=2", *MLA, "--model.q_lora_rank=0"], False),
     "tp2_sp_moe": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE], True),
     "tp4_gqa_kv2": ("0", ["--parallel.tp=4", "--model.arch=llama", "--model.n_kv_heads=2"], True),
@@ -324,16 +326,16 @@ EXACT_CASES = {  # id -> (rank, overrides, FLOPs compared too)
     # non-reentrant checkpoint stops after the last save): with and without SP, and MoE
     "tp2_sp_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true",
                           "--recompute.mode=full"], True),
-    "tp2_full_first": ("0", ["--parallel.tp=2", "--recompute.mode=full",
-                             "--recompute.layers=1"], True),  # FLOPs: layer 0's forward again
+    "tp2_full_first": ("0", ["--parallel.tp=2", "--recompute.mode=full", "--recompute.layers=1",
+                             "--train.dtype=bfloat16"], True),  # FLOPs: layer 0's forward again
     "selective_first": ("0", ["--recompute.mode=selective", "--recompute.layers=1"], True),
     "tp2_sp_moe_full": ("0", ["--parallel.tp=2", "--parallel.sequence_parallel=true", *MOE,
                               "--recompute.mode=full"], True),
     # parallel.tp_overlap's ring: tp − 1 sends of a chunk per SP collective, the row linear's
     # rerun under full recompute (its sum runs before its saves), FP8's tensor amaxes over the
-    # pieces' tp ranks
+    # pieces' tp ranks; under bf16 autocast every piece cast before it is sent
     "tp4_sp_overlap": ("0", ["--parallel.tp=4", "--parallel.sequence_parallel=true",
-                             "--parallel.tp_overlap=true"], True),
+                             "--parallel.tp_overlap=true", "--train.dtype=bfloat16"], True),
     # the grad norm's sum on the world's group, which is dp's without tp or pp: ZeRO, ep
     "dp2_zero1": ("0", ["--parallel.dp=2", "--parallel.zero=1"], True),
     "dp2_ep2_moe": ("0", ["--parallel.dp=2", "--parallel.ep=2", *MOE], True),

@@ -62,40 +62,53 @@ def put_in(kind: str, nbytes: float, n: int) -> float:
 
 def tp_layer_ops(
     sequence_parallel: bool,
-    act: float,
-    residual: float,
+    column_in: float,
+    row_out: float,
     mlp: bool = True,
     attention_inputs: tuple[float, ...] | None = None,
 ) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
-    et al. 2022 §4.2.2), `act` the N·d bytes in the compute dtype and `residual` in the
-    residual stream's (the row-parallel outputs are summed as the single-process run adds
-    them): F sums attention's and the MLP's partial outputs (SP: gathers each column region's
-    input, reduce-scatters the sums), B sums the column regions' input grads (SP: gathers the
-    residual's grads, reduce-scatters those). `attention_inputs`: the bytes of each input
-    entering attention's column region (default one, `act`: the norm's output; latent
-    attention's are three, attention_column_widths). `mlp` False: attention's alone (a MoE
-    layer without shared experts: its routed experts are whole on every tp rank, models/moe.py)."""
-    regions = [tuple(attention_inputs or (act,))] + ([(act,)] if mlp else [])
+    et al. 2022 §4.2.2). `column_in`: the N·d bytes of a norm's output entering a column
+    region as it travels (the residual stream's dtype, where the linear casts after the
+    gather; the compute dtype under the tp ring, which casts first: layer_widths); `row_out`:
+    a row-parallel matmul's N·d output in the compute dtype, summed before the bias and the
+    residual add. F sums attention's and the MLP's partial outputs (SP: gathers each column
+    region's input, reduce-scatters the sums), B sums the column regions' input grads (SP:
+    gathers the output grads, reduce-scatters those), each in its forward tensor's dtype.
+    `attention_inputs`: the bytes of each input entering attention's column region (default
+    one, `column_in`; latent attention's are three, attention_column_inputs). `mlp` False:
+    attention's alone (a MoE layer without shared experts: its routed experts are whole on
+    every tp rank, models/moe.py)."""
+    regions = [tuple(attention_inputs or (column_in,))] + ([(column_in,)] if mlp else [])
     f, b = [], []
     for inputs in regions:
         if sequence_parallel:
-            f += [*(("all_gather", x) for x in inputs), ("reduce_scatter", residual)]
-            b += [("all_gather", residual), *(("reduce_scatter", x) for x in inputs)]
+            f += [*(("all_gather", x) for x in inputs), ("reduce_scatter", row_out)]
+            b += [("all_gather", row_out), *(("reduce_scatter", x) for x in inputs)]
         else:
-            f.append(("all_reduce", residual))
+            f.append(("all_reduce", row_out))
             b += [("all_reduce", x) for x in inputs]
     return f, b
 
 
-def attention_column_widths(m) -> tuple[int, ...]:
-    """The widths of the inputs that enter attention's column region per token: the norm's
-    output (d_model), or under latent attention (models/mla.py) the query latent (or d_model
-    without a query LoRA), the normed kv latent and the shared rope key, each made on the
-    rank's own tokens by the down projections whole on every tp rank."""
+def attention_column_inputs(m, column: int, act: int) -> tuple[int, ...]:
+    """Bytes per token of each input that enters attention's column region, `column` bytes an
+    element for a norm's output and `act` for a projection's: the norm's output (d_model), or
+    under latent attention (models/mla.py) the query latent after its norm (or norm1's output,
+    d_model, without a query LoRA), the normed kv latent and the shared rope key (a
+    projection's output in the compute dtype), each made on the rank's own tokens by the down
+    projections whole on every tp rank."""
     if m.arch != "deepseek_v3":
-        return (m.d_model,)
-    return (m.q_lora_rank or m.d_model, m.kv_lora_rank, m.qk_rope_head_dim)
+        return (m.d_model * column,)
+    q = m.q_lora_rank or m.d_model
+    return (q * column, m.kv_lora_rank * column, m.qk_rope_head_dim * act)
+
+
+def column_in_width(cfg: Config, w: Widths) -> int:
+    """Bytes an element of a norm's output travels in to a column-parallel region: the
+    residual stream's (the linear casts it after the gather), the compute dtype's under the
+    tp ring (parallel/tensor/overlap.py casts it first)."""
+    return w.act if tp_ring(cfg.parallel) else w.p2p
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -248,8 +261,10 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
-    inputs = tuple(x.n * width * w.act for width in attention_column_widths(m))
-    f, b = (ring_ops(cfg, ops) for ops in tp_layer_ops(sp, nd * w.act, nd * w.p2p, mlp, inputs))
+    column = column_in_width(cfg, w)
+    inputs = tuple(x.n * each for each in attention_column_inputs(m, column, w.act))
+    ops = tp_layer_ops(sp, nd * column, nd * w.act, mlp, inputs)
+    f, b = (ring_ops(cfg, each) for each in ops)
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:
         return f + ring_ops(cfg, mlp_rerun_ops(cfg, nd * w.p2p, nd * w.act)) + b
@@ -266,8 +281,7 @@ def mlp_rerun_ops(cfg: Config, residual: float, act: float) -> list[Op]:
     it before fc1 casts it; under the ring, which casts before it gathers, in the compute
     dtype, and with fc2's reduce-scatter, whose autograd function saves after summing (the
     rerun stops at fc2's saves). Without SP nothing: the input's f is an identity, the output's
-    sum comes after the saves. (The forward's plain-path gather is in the stream's dtype and
-    its sum in the compute dtype, tp_layer_ops the other way round: per layer the two agree.)"""
+    sum comes after the saves (tp_layer_ops: the forward's own)."""
     if not cfg.parallel.sequence_parallel:
         return []
     if not tp_ring(cfg.parallel):

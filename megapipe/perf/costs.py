@@ -66,7 +66,7 @@ import math
 
 from megapipe.config import Config
 from megapipe.config.comm_bytes import (
-    attention_column_widths,
+    attention_column_inputs,
     mlp_rerun_ops,
     recompute_skips_output_sum,
     routing_count_ops,
@@ -165,13 +165,14 @@ class CostModel(MoECosts):
 
     def _tp_ops(self, x: Shapes, moe: bool = False) -> tuple[list, list]:
         """A layer's tp collectives (F, B) as config/comm_bytes.tp_layer_ops sizes them (the one
-        source of their bytes): gathers and the input grads' sums in the compute dtype, the
-        row-parallel outputs' sums in the runtime's residual dtype; a MoE layer without shared
-        experts has attention's alone (its routed experts are whole on every tp rank)."""
-        p, d = self.cfg.parallel, self.cfg.model.d_model
+        source of their bytes): the norms' outputs gathered and their grads summed in the
+        runtime's residual dtype, the row-parallel outputs and their grads in the compute
+        dtype; a MoE layer without shared experts has attention's alone (its routed experts
+        are whole on every tp rank)."""
+        p, d, c, r = self.cfg.parallel, self.cfg.model.d_model, self.c, self.r
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
-        inputs = tuple(x.n * width * self.c for width in attention_column_widths(self.cfg.model))
-        f, b = tp_layer_ops(p.sequence_parallel, x.n * d * self.c, x.n * d * self.r, mlp, inputs)
+        inputs = tuple(x.n * each for each in attention_column_inputs(self.cfg.model, r, c))
+        f, b = tp_layer_ops(p.sequence_parallel, x.n * d * r, x.n * d * c, mlp, inputs)
         return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
 
     def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
@@ -187,10 +188,11 @@ class CostModel(MoECosts):
         sequence parallelism, of a runtime that has it (ours: parallel/tensor/overlap.py);
         else the plain collectives (Megatron-LM's async tp: tp_overlap.async_backward)."""
         p, d = self.cfg.parallel, self.cfg.model.d_model
-        act, res = x.n * d * self.c, x.n * d * self.r
+        act = x.n * d * self.c
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
         if p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap:
-            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", res)
+            # the ring casts each input before it sends (parallel/tensor/overlap.py)
+            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
             splits = self.rt.tp_overlap_splits
             f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
