@@ -53,9 +53,15 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     n_layers + k the block of MTP depth k (models/gpt.build_mtp: the kind of layer
     n_layers + k − 1); [] for the others or with train.fp8=none. The pipeline's blocks:
     block_fp8_weights."""
-    m, t, d = cfg.model, cfg.parallel.tp, cfg.derived
+    m = cfg.model
     if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
         return []
+    return _cast(cfg, _layer_name(cfg, block - 1), _layer_named(cfg, block))
+
+
+def _layer_named(cfg: Config, block: int) -> dict[str, Fp8Weight]:
+    """Layer `block` − 1's linears train.fp8 would cast, by module name under the layer."""
+    m, t, d = cfg.model, cfg.parallel.tp, cfg.derived
     h, hkv = m.n_heads // t, max(d.n_kv_heads // t, 1)  # memory_terms.rank_dims' heads
     mlps = {"mlp": d.d_ff // t}
     if is_moe_layer(m, block - 1):  # the routed experts stay high precision
@@ -67,7 +73,19 @@ def layer_fp8_weights(cfg: Config, block: int) -> list[Fp8Weight]:
     }  # fmt: skip
     for name, ff in mlps.items():
         named |= _mlp_weights(cfg, name, ff)
-    return _cast(cfg, _layer_name(cfg, block - 1), named)
+    return named
+
+
+def saved_cast_elements(cfg: Config, index: int | None, part: str) -> int:
+    """Elements of layer `index`'s (None: a main layer's) weights whose casts autocast makes
+    and its FP8 linears keep for backward (parallel/fp8.fp8_operands; a high-precision linear
+    keeps the parameter and casts it again: weight_grad.save_operands), of `part`: "attn",
+    or "mlp" (the dense MLP, or a MoE layer's shared experts)."""
+    block, m = (index or 0) + 1, cfg.model
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
+        return 0
+    named = {n: w for n, w in _layer_named(cfg, block).items() if n.split(".")[0] == part}
+    return sum(w.rows * w.cols for w in _cast(cfg, _layer_name(cfg, block - 1), named))
 
 
 def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:

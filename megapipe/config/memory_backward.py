@@ -17,7 +17,10 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
   FP8 fc2 (train.fp8)     after the input grad, the weight grad's cast of fc2's input xᵀ:
                           a float32 copy scaled and clamped in place, then its one-byte cast,
                           (4 + 1)·N·f (parallel/fp8_scaling.quantize_with)
-  fc2 (w_out)             grad_out @ W: the input grad N·f·c; its weight grad grad_outᵀ·x,
+  fc2 (w_out)             W cast again for backward (a high-precision linear under float32
+                          weights and bf16 autocast keeps the parameter: weight_grad
+                          .save_operands), f·d·c; grad_out @ W: the input grad N·f·c; its
+                          weight grad grad_outᵀ·x,
                           f·d in the weight's dtype (autocast: the bf16 product f·d·2, then
                           autograd's float32 cast f·d·4 for the float32 parameter). None under
                           bf16 weights (fused into the float32 main grad) or a B/W split (queued
@@ -54,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
-from megapipe.config.fp8_weights import FP8_BYTES, dense_mlp_cast
+from megapipe.config.fp8_weights import FP8_BYTES, dense_mlp_cast, experts_cast
 from megapipe.config.memory_terms import (
     compute_bytes,
     dense_mlp_terms,
@@ -103,15 +106,18 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
         rows, f = x.ns * m.top_k, expert_ffn(m, cfg.derived.d_ff)
         experts = m.n_experts // max(p.ep, 1)
         terms["experts' output grads"] = rows * m.d_model * c
-        grad_in = rows * f * c
-        wgrad = weight_grad_bytes(cfg, experts * f * m.d_model)
+        grad_in, weight = rows * f * c, experts * f * m.d_model
+        recast = not experts_cast(cfg, index + 1)
     else:
-        grad_in = x.n * x.ff * c
-        wgrad = weight_grad_bytes(cfg, x.ff * m.d_model)
+        grad_in, weight = x.n * x.ff * c, x.ff * m.d_model
+        recast = not dense_mlp_cast(cfg, index)
+    wgrad = weight_grad_bytes(cfg, weight)
     act_grads = (2 if gated(m.arch) else 1) * grad_in  # SwiGLU: both factors' grads
     # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
     act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
     fc2 = {"fc2 input grad": grad_in, "fc2 weight grad": wgrad}
+    if recast and c != FLOAT32 and cfg.train.params_dtype == "float32":
+        fc2["fc2 weight cast again"] = weight * c  # weight_grad.saved_operands
     if dense_mlp_cast(cfg, index):  # fp8_scaling.quantize_with: a float32 copy, then the cast
         fc2["fc2 input's FP8 cast (weight grad)"] = (FLOAT32 + FP8_BYTES) * x.n * x.ff
     if act > sum(fc2.values()):

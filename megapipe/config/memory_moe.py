@@ -26,14 +26,17 @@ are an upper bound: a dropped row saves nothing):
                                     (gated, in the residual's float32, summed per token)
   shared experts                    the dense MLP's terms at width S·f/tp (S shared experts)
                                     (fc1's input is the router's, unless cast or gathered)
-  bf16 weight copies                under float32 weights and bf16 autocast, every expert's
-                                    weights cast (the stacked matmul casts the whole stack)
+  bf16 weight copies                under float32 weights and bf16 autocast, where the
+                                    experts run in FP8 every expert's weights cast (the
+                                    stacked matmul casts the whole stack), and the shared
+                                    experts' where they do (high-precision linears keep the
+                                    parameter and cast it again in backward)
 """
 
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
-from megapipe.config.fp8_weights import expert_deferred_fp8
+from megapipe.config.fp8_weights import expert_deferred_fp8, experts_cast, saved_cast_elements
 from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32
 
@@ -41,12 +44,20 @@ INDEX = 8  # int64 indices
 
 
 def moe_terms(
-    cfg: Config, tokens: int, gathered: int, rows_b: int, c: int, tp: int, segmented: bool = False
+    cfg: Config,
+    tokens: int,
+    gathered: int,
+    rows_b: int,
+    c: int,
+    tp: int,
+    segmented: bool = False,
+    index: int | None = None,
 ) -> dict[str, float]:
-    """A MoE layer's MLP terms for `tokens` (Nₛ) rows of `rows_b` sequences on this rank;
-    `gathered` (N) rows enter the shared experts' column linear (its SP all-gather), whose
-    width is split over `tp`; `c` the compute dtype's bytes; `segmented`: a Seq1F1B segment,
-    whose shares are made in backward from the records (`segment_records`)."""
+    """Layer `index`'s (None: a MoE layer's) MLP terms for `tokens` (Nₛ) rows of `rows_b`
+    sequences on this rank; `gathered` (N) rows enter the shared experts' column linear (its
+    SP all-gather), whose width is split over `tp`; `c` the compute dtype's bytes;
+    `segmented`: a Seq1F1B segment, whose shares are made in backward from the records
+    (`segment_records`)."""
     m = cfg.model
     d, e, k = m.d_model, m.n_experts, m.top_k
     f = expert_ffn(m, cfg.derived.d_ff)
@@ -69,11 +80,17 @@ def moe_terms(
         copied = c != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
         terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
-    if c != FLOAT32 and cfg.train.params_dtype == "float32":
-        shared = m.moe_shared_experts * f // tp
-        fan = 3 if llama else 2
-        terms["expert bf16 weight copies"] = fan * (e * f + shared) * d * c
+    if c != FLOAT32 and cfg.train.params_dtype == "float32":  # FP8 linears keep their casts
+        block = (index if index is not None else _first_moe(cfg)) + 1
+        routed = (3 if llama else 2) * e * f * d if experts_cast(cfg, block) else 0
+        copies = (routed + saved_cast_elements(cfg, block - 1, "mlp")) * c
+        terms |= {"expert bf16 weight copies": copies} if copies else {}
     return terms
+
+
+def _first_moe(cfg: Config) -> int:
+    """The index of the model's first MoE layer."""
+    return next(i for i in range(cfg.model.n_layers) if is_moe_layer(cfg.model, i))
 
 
 def segment_records(cfg: Config, rows_b: int) -> dict[str, float]:

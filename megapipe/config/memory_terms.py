@@ -50,9 +50,11 @@ every term with saved_tensors_hooks):
                                                        native_dropout keeps a bool mask; on
                                                        the CPU the noise tensor, in the
                                                        dtype of what is dropped)
-          bf16 weight copies        2 · the layer's linear weights (autocast's casts, saved by
-                                    the linears; float32 saves the parameter itself: nothing;
-                                    nor bf16 weights, train.params_dtype=bfloat16: no cast)
+          bf16 weight copies        2 · the weights of the layer's FP8 linears (train.fp8:
+                                    autocast's casts, which they keep for backward). The
+                                    other linears keep the parameter itself and cast it again
+                                    in backward (weight_grad.save_operands): nothing; nor
+                                    bf16 weights, train.params_dtype=bfloat16: no cast
           full recompute: only the layer input, Nₛ·d·r. Residual adds save nothing.
           recompute.modules=mlp (a dense layer): norm2's, fc1's, the activation's and fc2's
           terms and the MLP's weight copies (dense_mlp_terms) give way to the residual norm2
@@ -101,7 +103,7 @@ from megapipe.config.flops import (
     is_moe_layer,
     segment_bounds,
 )
-from megapipe.config.fp8_weights import deferred_fp8
+from megapipe.config.fp8_weights import deferred_fp8, saved_cast_elements
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
@@ -300,12 +302,12 @@ def layer_terms(
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
         terms |= norm_terms(cfg, "norm2", x.ns, device, rerun_norms)
-        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
+        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented, index)
     elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
-        terms |= dense_mlp_terms(cfg, x, device, rerun_norms)
-    terms |= _dropout_and_cast_terms(cfg, x, device)
+        terms |= dense_mlp_terms(cfg, x, device, rerun_norms, index)
+    terms |= _dropout_and_cast_terms(cfg, x, device, index)
     return terms
 
 
@@ -399,17 +401,23 @@ def _a2a_terms(cfg: Config, x: RankDims, device: str, documents: bool) -> dict[s
 
 
 def dense_mlp_terms(
-    cfg: Config, x: RankDims, device: str = "cuda", rerun_norm: bool = False
+    cfg: Config,
+    x: RankDims,
+    device: str = "cuda",
+    rerun_norm: bool = False,
+    index: int | None = None,
 ) -> dict[str, float]:
-    """What norm2 and a dense MLP save: the norm's tensors (its input alone where it reruns:
-    `rerun_norm`), fc1's input, the activation's, fc2's input and autocast's bf16 copies of
-    fc1's and fc2's weights (what recompute.modules=mlp reruns in backward)."""
+    """What norm2 and layer `index`'s dense MLP save: the norm's tensors (its input alone
+    where it reruns: `rerun_norm`), fc1's input, the activation's, fc2's input and, where fc1
+    and fc2 run in FP8, autocast's bf16 copies of their weights (what recompute.modules=mlp
+    reruns in backward)."""
     m, c = cfg.model, compute_bytes(cfg)
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
     terms["fc1 input"] = x.n * m.d_model * c
     terms |= _mlp_terms(cfg, x)
-    if c != FLOAT32 and cfg.train.params_dtype == "float32":
-        terms["MLP bf16 weight copies"] = (3 if gated(m.arch) else 2) * x.ff * m.d_model * c
+    if c != FLOAT32 and cfg.train.params_dtype == "float32":  # FP8 linears keep their casts
+        copies = saved_cast_elements(cfg, index, "mlp") * c
+        terms |= {"MLP bf16 weight copies": copies} if copies else {}
     return terms
 
 
@@ -425,19 +433,23 @@ def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     return terms
 
 
-def _dropout_and_cast_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
-    """The residual dropouts' masks and autocast's bf16 copies of the attention's weights (a
-    dense MLP's: dense_mlp_terms; a MoE layer's: config/memory_moe.py)."""
+def _dropout_and_cast_terms(
+    cfg: Config, x: RankDims, device: str, index: int | None = None
+) -> dict[str, float]:
+    """The residual dropouts' masks and autocast's bf16 copies of layer `index`'s attention
+    weights where its linears run in FP8 (a dense MLP's: dense_mlp_terms; a MoE layer's:
+    config/memory_moe.py)."""
     m, c, llama = cfg.model, compute_bytes(cfg), gated(cfg.model.arch)
     terms: dict[str, float] = {}
     if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
         dropped = residual_bytes(cfg) if not llama else c
         terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)
-    # autocast's bf16 copies of the linear weights, saved by the linears (bf16 weights: none)
+    # autocast's bf16 copies of the FP8 linears' weights, which keep them for backward (the
+    # others keep the parameter and cast it again: weight_grad.save_operands; bf16 weights:
+    # no cast)
     if c != FLOAT32 and cfg.train.params_dtype == "float32":
-        qkvo = ((x.h + 2 * x.hkv) * x.hd + x.h * x.hd) * m.d_model
-        qkvo = mla_weight_elements(cfg, x) if m.arch == "deepseek_v3" else qkvo
-        terms["bf16 weight copies"] = qkvo * c
+        copies = saved_cast_elements(cfg, index, "attn") * c
+        terms |= {"bf16 weight copies": copies} if copies else {}
     return terms
 
 

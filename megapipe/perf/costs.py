@@ -391,8 +391,12 @@ class CostModel(MoECosts):
             cp=cp_f + amax_f["cp"],
             ep=ep - hide[0],
         )
+        # ours casts each high-precision linear's weight again for its backward (FP8 linears
+        # keep their casts)
+        recast = params * self.rt.weight_cast_bytes if self.rt.backward_weight_casts else 0.0
+        recast = 0.0 if self.fp8 else recast
         b = Work(
-            compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1]) + act_b,
+            compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1] + recast) + act_b,
             tp=tp_b + etp + amax_b["tp"],
             cp=cp_b + amax_b["cp"],
             ep=ep - hide[1],

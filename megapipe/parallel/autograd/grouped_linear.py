@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from megapipe._torch_compat import grouped_mm, has_grouped_mm, is_fake, quiet_fake_meta_errors
 from megapipe.distributed.devices import capability as device_capability
-from megapipe.parallel.autograd.weight_grad import autocast_operands
+from megapipe.parallel.autograd.weight_grad import autocast_operands, save_operands, saved_operands
 from megapipe.parallel.precision import (
     fused_weight_grad,
     main_grad_arrived,
@@ -161,10 +161,11 @@ def _loop_weight_grad(x, grad_out, counts):
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, counts, owner, name, bias_name):
+        param = weight
         x, weight, bias = autocast_operands(x, weight, bias)
         grouped = weight.is_contiguous() and grouped_mm_ok(x, weight.shape[1], len(counts))
         x = x.contiguous() if grouped else x
-        ctx.save_for_backward(x, weight)
+        save_operands(ctx, x, param, weight)
         ctx.counts, ctx.owner, ctx.name, ctx.has_bias = counts, owner, name, bias is not None
         ctx.bias_name, ctx.grouped = bias_name, grouped
         # the groups' offsets on the device, made once for forward and backward (a host copy)
@@ -184,7 +185,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         grad_out, counts = grad_out.to(weight.dtype), ctx.counts
         if ctx.grouped:
             grad_out = grad_out.contiguous()  # an expanded grad has no leading stride

@@ -68,20 +68,36 @@ def autocast_operands(*tensors):
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
+def save_operands(ctx, x: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor) -> None:
+    """A linear's saves for backward: its input `x` and its weight as the parameter itself,
+    not autocast's `cast` of it (a compute-dtype copy of every linear's weights per
+    microbatch in flight), which backward makes again (saved_operands): the bytes of
+    one weight's cast per linear's backward, and under ZeRO-3 the parameter's storage is the
+    gathered block's, gathered again for the backward (parallel/data/zero3.py)."""
+    ctx.save_for_backward(x, weight)
+    ctx.compute_dtype = cast.dtype
+
+
+def saved_operands(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, the weight in the compute dtype) that save_operands kept."""
+    x, weight = ctx.saved_tensors
+    return x, weight.to(ctx.compute_dtype)
+
+
 class _Linear(torch.autograd.Function):
     """y = x Wᵀ + b; backward: grad_x and grad_b now, grad_W now or queued on `owner`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
-        x, weight, bias = autocast_operands(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        x, cast, bias = autocast_operands(x, weight, bias)
+        save_operands(ctx, x, weight, cast)
         ctx.owner, ctx.has_bias = owner, bias is not None
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x, weight, bias)
+            return F.linear(x, cast, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         grad_out = grad_out.to(weight.dtype)
         grad_x = grad_out @ weight  # (..., in)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None

@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.distributed import collectives as C
-from megapipe.parallel.autograd.weight_grad import autocast_operands, weight_grad_now_or_later
+from megapipe.parallel.autograd.weight_grad import (
+    autocast_operands,
+    save_operands,
+    saved_operands,
+    weight_grad_now_or_later,
+)
 from megapipe.parallel.tensor.mappings import SEQ_DIM
 from megapipe.parallel.tensor.sharding import TPInfo
 
@@ -99,16 +104,16 @@ class _GatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
-        x, weight, bias = autocast_operands(x, weight, bias)
+        x, cast, bias = autocast_operands(x, weight, bias)
         with torch.autocast(x.device.type, enabled=False):
-            pieces, outs = ring_gather(x, owner.tp, lambda p: F.linear(p, weight, bias))
-        ctx.save_for_backward(torch.cat(pieces, SEQ_DIM), weight)  # (B, T, in): kept for W
+            pieces, outs = ring_gather(x, owner.tp, lambda p: F.linear(p, cast, bias))
+        save_operands(ctx, torch.cat(pieces, SEQ_DIM), weight, cast)  # (B, T, in): kept for W
         ctx.owner, ctx.has_bias = owner, bias is not None
         return torch.cat(outs, SEQ_DIM)  # (B, T, out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         grad_out = grad_out.to(weight.dtype)  # (B, T, out/tp)
         chunks = grad_out.chunk(ctx.owner.tp.size, SEQ_DIM)
         grad_x = ring_reduce_scatter(ctx.owner.tp, lambda c: chunks[c] @ weight)
@@ -123,17 +128,17 @@ class _LinearScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, owner):
-        x, weight = autocast_operands(x, weight)
+        x, cast = autocast_operands(x, weight)
         chunks = x.chunk(owner.tp.size, SEQ_DIM)  # x: (B, T, in/tp)
         with torch.autocast(x.device.type, enabled=False):
-            y = ring_reduce_scatter(owner.tp, lambda c: F.linear(chunks[c], weight))
-        ctx.save_for_backward(x, weight)
+            y = ring_reduce_scatter(owner.tp, lambda c: F.linear(chunks[c], cast))
+        save_operands(ctx, x, weight, cast)
         ctx.owner = owner
         return y  # (B, T/tp, out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = saved_operands(ctx)
         grad_out = grad_out.to(weight.dtype)  # (B, T/tp, out)
         pieces, grad_x = ring_gather(grad_out, ctx.owner.tp, lambda g: g @ weight)
         grad_w = weight_grad_now_or_later(ctx.owner, x, torch.cat(pieces, SEQ_DIM))
