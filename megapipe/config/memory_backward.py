@@ -19,8 +19,10 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
                           (4 + 1)·N·f (parallel/fp8_scaling.quantize_with)
   fc2 (w_out)             W cast again for backward (a high-precision linear under float32
                           weights and bf16 autocast keeps the parameter: weight_grad
-                          .save_operands), f·d·c; grad_out @ W: the input grad N·f·c; its
-                          weight grad grad_outᵀ·x,
+                          .save_operands), f·d·c, freed as the backward returns, before
+                          autograd's float32 cast of a weight grad made there (then below
+                          it: counted only where W is not made); grad_out @ W: the input
+                          grad N·f·c; its weight grad grad_outᵀ·x,
                           f·d in the weight's dtype (autocast: the bf16 product f·d·2, then
                           autograd's float32 cast f·d·4 for the float32 parameter). None under
                           bf16 weights (fused into the float32 main grad) or a B/W split (queued
@@ -116,8 +118,10 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
     # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
     act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
     fc2 = {"fc2 input grad": grad_in, "fc2 weight grad": wgrad}
-    if recast and c != FLOAT32 and cfg.train.params_dtype == "float32":
-        fc2["fc2 weight cast again"] = weight * c  # weight_grad.saved_operands
+    if recast and not wgrad and c != FLOAT32 and cfg.train.params_dtype == "float32":
+        # W cast again (weight_grad.saved_operands), freed as its backward returns: beside a
+        # weight grad made here it is below that grad's float32 cast, which comes after
+        fc2["fc2 weight cast again"] = weight * c
     if dense_mlp_cast(cfg, index):  # fp8_scaling.quantize_with: a float32 copy, then the cast
         fc2["fc2 input's FP8 cast (weight grad)"] = (FLOAT32 + FP8_BYTES) * x.n * x.ff
     if act > sum(fc2.values()):
