@@ -127,15 +127,19 @@ def test_zero3_gathers_the_largest_block(tmp_path):
     assert first.gathered == 2 * (table + layer)
 
 
-def test_bf16_weights_save_no_weight_copies(tmp_path):
-    """Under bf16 autocast with float32 weights the linears save autocast's bf16 copies of their
-    weights; bf16 weights are saved as they are (the parameter): activations shrink by them, less
-    the float32 copies of each LayerNorm's gain and bias that CUDA's autocast makes of bf16
-    weights (2 per layer and the final norm; config/memory_terms._norm)."""
+def test_only_fp8_linears_save_weight_copies(tmp_path):
+    """Under bf16 autocast with float32 weights a linear keeps its parameter and casts it again
+    in backward (parallel/autograd/weight_grad.save_operands), as bf16 weights are saved as
+    they are: activations differ only by the float32 copies of each LayerNorm's gain and bias
+    that CUDA's autocast makes of bf16 weights (2 per layer and the final norm;
+    config/memory_terms._norm). FP8 linears keep autocast's bf16 casts of their weights."""
     f32 = config(tmp_path, "float32", 0, "train.dtype=bfloat16")
     bf16 = config(tmp_path, "bfloat16", 0, "train.dtype=bfloat16")
     a, b = memory_plan(f32).rank(0), memory_plan(bf16).rank(0)
     layers, m = f32.model.n_layers, f32.model
-    copies = layers * 2 * (4 * m.d_model * m.d_model + 2 * m.d_model * f32.derived.d_ff)
     gains = (2 * layers + 1) * 2 * m.d_model * 4
-    assert a.activations_per_microbatch - b.activations_per_microbatch == copies - gains
+    assert a.activations_per_microbatch - b.activations_per_microbatch == -gains
+    fp8 = config(tmp_path, "float32", 0, "train.dtype=bfloat16", "train.fp8=tensorwise")
+    copies = layers * 2 * (4 * m.d_model * m.d_model + 2 * m.d_model * f32.derived.d_ff)
+    saved = memory_plan(fp8).rank(0).activations_per_microbatch - a.activations_per_microbatch
+    assert saved == copies
