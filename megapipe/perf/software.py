@@ -124,8 +124,8 @@ class Runtime:
     dp_bucket_mb: float  # 0: one buffer
     optimizer_bytes: float  # HBM bytes per parameter of the optimizer step
     autocast_casts: bool = True  # the norm outputs cast for the next linear (resolved())
-    # each high-precision linear casts its weight again in its backward (resolved(): ours
-    # keeps the parameter, not autocast's cast: parallel/autograd/weight_grad.save_operands)
+    # each high-precision linear casts its weight again in its backward (ours keeps the
+    # parameter, not autocast's cast: parallel/autograd/weight_grad.save_operands)
     backward_weight_casts: bool = False
     adamw: str = ""  # ours: the AdamW kind the code runs on CUDA; "": optimizer_bytes as given
     param_bytes: int = 4  # bytes per weight element in zero>=1's all-gather (resolved())
@@ -194,6 +194,7 @@ MEGAPIPE = Runtime(
     residual_bytes=4,  # float32 weights' residual stream (resolved(): the weights' dtype)
     fused_elementwise=False,
     weight_cast_bytes=6.0,
+    backward_weight_casts=True,  # parallel/autograd/weight_grad.save_operands
     grad_accum_bytes=18.0,
     p2p_bytes=4,  # likewise
     p2p_scatter_gather=False,
@@ -461,7 +462,6 @@ def resolved(
     return dataclasses.replace(
         runtime,
         weight_cast_bytes=weight_cast_bytes(params_dtype, compute),
-        backward_weight_casts=True,
         grad_accum_bytes=grad_accum_bytes(params_dtype, compute),
         autocast_casts=dtype != "float32" and not linears_compiled,
         fused_elementwise=compiled,
