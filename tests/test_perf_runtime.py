@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.validation import published
 from benchmarks.validation.h100_validation import megapipe_config
@@ -64,11 +65,28 @@ def test_adamw_kind_is_the_codes():
     assert optim.adamw_kind([{"params": [meta]}]) == optim.device_adamw_kind("meta") == "foreach"
 
 
-def saved_weight_copies(params_dtype: torch.dtype) -> list[torch.Tensor]:
-    """The tensors a linear of `params_dtype` weights saves under bf16 autocast that have its
-    weight's shape and are not the weight itself."""
+class WeightCasts(TorchDispatchMode):
+    """Counts the casts of a tensor of `shape` to bf16 from another dtype that ops make."""
+
+    def __init__(self, shape: torch.Size) -> None:
+        super().__init__()
+        self.shape, self.made = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.ops.aten._to_copy.default and source is not None:
+            same = source.shape == self.shape and out.dtype == torch.bfloat16
+            self.made += int(same and source.dtype != torch.bfloat16)
+        return out
+
+
+def weight_casts(params_dtype: torch.dtype) -> tuple[int, int, int]:
+    """A linear of `params_dtype` weights under bf16 autocast: its weight's bf16 casts made in
+    forward, in backward, and the tensors it saves that have the weight's shape and are not
+    the weight itself."""
     layer = ColumnParallelLinear(16, 8, False).to(params_dtype)
-    saved = []
+    w, saved = layer.weight, []
 
     def pack(t):
         saved.append(t)
@@ -76,22 +94,26 @@ def saved_weight_copies(params_dtype: torch.dtype) -> list[torch.Tensor]:
 
     x = torch.randn(4, 16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast("bfloat16", "cpu"):
-        y = layer(x)
-    y.float().sum().backward()
-    w = layer.weight
+        with WeightCasts(w.shape) as forward:
+            y = layer(x)
+    with WeightCasts(w.shape) as backward:
+        y.float().sum().backward()
     copies = [t for t in saved if t.shape == w.shape and t.data_ptr() != w.data_ptr()]
     assert w.grad.dtype == params_dtype  # a weight's grad is kept in its own dtype
-    return copies
+    return forward.made, backward.made, len(copies)
 
 
 @pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
 def test_weight_casts_are_what_autocast_makes(params_dtype):
-    copies = saved_weight_copies(getattr(torch, params_dtype))
-    made = sum(t.numel() * t.element_size() for t in copies) / (16 * 8)
+    """The runtime's per-forward weight cast (read in the weight's dtype, a bf16 copy written)
+    is the one the linear makes; it keeps the parameter, not the copy, and casts it again in
+    backward (parallel/autograd/weight_grad.save_operands), which the runtime prices too."""
+    forward, backward, copies = weight_casts(getattr(torch, params_dtype))
     cast = weight_cast_bytes(params_dtype, 2)
-    assert (made > 0) == (cast > 0)
-    if made:  # the copy written is bf16 (2 B), from a weight read in its own dtype
-        assert made == 2 and cast == 2 + torch.finfo(getattr(torch, params_dtype)).bits // 8
+    assert copies == 0 and forward <= 1 and (forward > 0) == (cast > 0)
+    assert backward == (forward if MEGAPIPE.backward_weight_casts else 0)
+    if forward:
+        assert cast == 2 + torch.finfo(getattr(torch, params_dtype)).bits // 8
 
 
 def test_resolved_runtime_by_dtypes():
@@ -244,16 +266,19 @@ def test_tp_comm_overlap_is_the_codes():
 
 
 def _tp_costs(runtime_name: str, *extra):
-    """(layer F, its forward GEMMs' seconds, the projection's tp_comm_s) at tp=8 with SP."""
+    """(layer F, its forward GEMMs' seconds, the projection's tp_comm_s) at tp=8 with SP, bf16
+    weights: the plain path's collectives move the bytes the ring's do (the ring casts each
+    piece to the compute dtype; the plain gather sends the residual stream's dtype)."""
     from megapipe.perf.cost_terms import CALIBRATION, shapes
     from megapipe.perf.costs import CostModel
     from megapipe.perf.software import RUNTIMES
 
     cfg = load_config(os.path.join(ROOT, "configs", "gpt2_1.3b.yaml"), [
         "parallel.tp=8", "parallel.sequence_parallel=true", "train.dtype=bfloat16",
-        "parallel.dp=1", "parallel.pp=1", "parallel.microbatches=1", "train.global_batch=8", *extra,
+        "train.params_dtype=bfloat16", "parallel.dp=1", "parallel.pp=1", "parallel.microbatches=1", "train.global_batch=8", *extra,
     ])  # fmt: skip
-    h100, runtime = load_cluster("h100"), RUNTIMES[runtime_name]
+    t = cfg.train
+    h100, runtime = load_cluster("h100"), resolved(RUNTIMES[runtime_name], t.dtype, t.params_dtype)
     cm = CostModel(cfg, h100, runtime, CALIBRATION)
     gemm_s = sum(cm.dev.gemm(m, n, k, 1, cm.c) for m, n, k in cm.gemm_shapes(shapes(cfg, None)))
     step = project(cfg, h100, runtime, memory=False).breakdown["tp_comm_s"]
