@@ -93,9 +93,9 @@ def weight_casts(params_dtype: torch.dtype) -> tuple[int, int, int]:
         return t
 
     x = torch.randn(4, 16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast("bfloat16", "cpu"):
-        with WeightCasts(w.shape) as forward:
-            y = layer(x)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, autocast("bfloat16", "cpu"), WeightCasts(w.shape) as forward:
+        y = layer(x)
     with WeightCasts(w.shape) as backward:
         y.float().sum().backward()
     copies = [t for t in saved if t.shape == w.shape and t.data_ptr() != w.data_ptr()]
@@ -275,7 +275,8 @@ def _tp_costs(runtime_name: str, *extra):
 
     cfg = load_config(os.path.join(ROOT, "configs", "gpt2_1.3b.yaml"), [
         "parallel.tp=8", "parallel.sequence_parallel=true", "train.dtype=bfloat16",
-        "train.params_dtype=bfloat16", "parallel.dp=1", "parallel.pp=1", "parallel.microbatches=1", "train.global_batch=8", *extra,
+        "train.params_dtype=bfloat16", "parallel.dp=1", "parallel.pp=1",
+        "parallel.microbatches=1", "train.global_batch=8", *extra,
     ])  # fmt: skip
     t = cfg.train
     h100, runtime = load_cluster("h100"), resolved(RUNTIMES[runtime_name], t.dtype, t.params_dtype)
