@@ -159,6 +159,53 @@ def rng_case() -> dict:
             "default_untouched": float(torch.equal(replicated, unforked))}  # fmt: skip
 
 
+def sp_gather_dtype_case() -> dict:
+    """A column linear under SP and bf16 autocast on a float32 stream: its input gathered in
+    bf16 (cast first) against the float32 gather cast after (enter_column without a dtype):
+    output, input grad and weight grad bitwise equal; the dtypes each way gathered and summed."""
+    from megapipe.distributed import collectives as C
+    from megapipe.parallel.tensor.layers import ColumnParallelLinear
+    from megapipe.parallel.tensor.mappings import enter_column
+
+    tp, sent = _tp(True), []
+    col = ColumnParallelLinear(8, [8, 8], bias=True, tp=tp, unit=2)
+    _load(col, {"weight": _randn(16, 8, seed=12), "bias": _randn(16, seed=13)}, tp)
+    x, weight = _randn(2, 8, 8, seed=14), _randn(2, 8, 16 // tp.size, seed=15)
+    gather, scatter = C.all_gather, C.reduce_scatter
+
+    def recorded(fn, kind):
+        def run(t, *args, **kwargs):
+            sent.append((kind, t.dtype))
+            return fn(t, *args, **kwargs)
+
+        return run
+
+    results = []
+    for math in (col, lambda t: col._linear(enter_column(t, tp), col.bias)):
+        col.weight.grad, local, sent[:] = None, _local_seq(x, tp), []
+        C.all_gather, C.reduce_scatter = recorded(gather, "ag"), recorded(scatter, "rs")
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = math(local)
+            (y.float() * weight).sum().backward()
+        finally:
+            C.all_gather, C.reduce_scatter = gather, scatter
+        results.append((y, local.grad, col.weight.grad, list(sent)))
+    (first, after) = results
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(first[:3], after[:3], strict=True)),
+        "cast_first": first[3], "cast_after": after[3],
+    }  # fmt: skip
+
+
+def test_sp_gathers_the_compute_dtype_with_the_same_values(gloo_pool):
+    """parallel/tensor/mappings._GatherFromSeq's dtype: half the bytes, the same bits."""
+    for rank, got in enumerate(gloo_pool(2).run(sp_gather_dtype_case)):
+        assert got["bitwise"], rank
+        assert got["cast_first"] == [("ag", torch.bfloat16), ("rs", torch.float32)], rank
+        assert got["cast_after"] == [("ag", torch.float32), ("rs", torch.float32)], rank
+
+
 CASES = [
     ("linear", linear_case, (False,)),
     ("linear-sp", linear_case, (True,)),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from megapipe.config.flops import held_expert_params, is_moe_layer, moe_layers_in
 from megapipe.config.fp8_amax import amax_bytes, step_amax_bytes
@@ -28,6 +29,7 @@ from megapipe.config.fp8_weights import (
     FP8_BYTES,
     SCALE_BYTES,
     amax_entries,
+    casts_linear,
     fp8_params,
     weight_granularity,
 )
@@ -62,53 +64,74 @@ def put_in(kind: str, nbytes: float, n: int) -> float:
 
 def tp_layer_ops(
     sequence_parallel: bool,
-    column_in: float,
     row_out: float,
-    mlp: bool = True,
-    attention_inputs: tuple[float, ...] | None = None,
+    attention_inputs: tuple[tuple[float, float], ...],
+    mlp_input: tuple[float, float] | None = None,
 ) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
-    et al. 2022 §4.2.2). `column_in`: the N·d bytes of a norm's output entering a column
-    region as it travels (the residual stream's dtype, where the linear casts after the
-    gather; the compute dtype under the tp ring, which casts first: layer_widths); `row_out`:
-    a row-parallel matmul's N·d output in the compute dtype, summed before the bias and the
-    residual add. F sums attention's and the MLP's partial outputs (SP: gathers each column
-    region's input, reduce-scatters the sums), B sums the column regions' input grads (SP:
-    gathers the output grads, reduce-scatters those), each in its forward tensor's dtype.
-    `attention_inputs`: the bytes of each input entering attention's column region (default
-    one, `column_in`; latent attention's are three, attention_column_inputs). `mlp` False:
-    attention's alone (a MoE layer without shared experts: its routed experts are whole on
-    every tp rank, models/moe.py)."""
-    regions = [tuple(attention_inputs or (column_in,))] + ([(column_in,)] if mlp else [])
+    et al. 2022 §4.2.2). Each input entering a column region is (sent, summed): the bytes SP
+    gathers of it in F and those its grad is summed in over tp in B (column_input_widths;
+    attention's are attention_column_inputs, the MLP's `mlp_input`, None in a MoE layer
+    without shared experts: its routed experts are whole on every tp rank, models/moe.py);
+    `row_out`: a row-parallel matmul's N·d output in the compute dtype, summed before the
+    bias and the residual add, its grad gathered under SP in the same. F sums attention's
+    and the MLP's partial outputs (SP: gathers each region's inputs, reduce-scatters the
+    sums), B sums the regions' input grads (SP: gathers the output grads, reduce-scatters
+    the input grads)."""
+    regions = [attention_inputs] + ([(mlp_input,)] if mlp_input else [])
     f, b = [], []
     for inputs in regions:
         if sequence_parallel:
-            f += [*(("all_gather", x) for x in inputs), ("reduce_scatter", row_out)]
-            b += [("all_gather", row_out), *(("reduce_scatter", x) for x in inputs)]
+            f += [*(("all_gather", sent) for sent, _ in inputs), ("reduce_scatter", row_out)]
+            b += [("all_gather", row_out), *(("reduce_scatter", summed) for _, summed in inputs)]
         else:
             f.append(("all_reduce", row_out))
-            b += [("all_reduce", x) for x in inputs]
+            b += [("all_reduce", summed) for _, summed in inputs]
     return f, b
 
 
-def attention_column_inputs(m, column: int, act: int) -> tuple[int, ...]:
-    """Bytes per token of each input that enters attention's column region, `column` bytes an
-    element for a norm's output and `act` for a projection's: the norm's output (d_model), or
-    under latent attention (models/mla.py) the query latent after its norm (or norm1's output,
-    d_model, without a query LoRA), the normed kv latent and the shared rope key (a
-    projection's output in the compute dtype), each made on the rank's own tokens by the down
-    projections whole on every tp rank."""
+ColumnWidths = Callable[[str], tuple[int, int]]  # a column linear's name -> (sent, summed) bytes
+
+
+def attention_column_inputs(m, widths: ColumnWidths, act: int) -> tuple[tuple[int, int], ...]:
+    """(sent, summed) bytes per token of each input that enters attention's column region:
+    a norm's output as `widths` gives it for the linear it enters (column_input_widths), a
+    projection's in the compute dtype's `act` bytes both ways. The norm's output (d_model)
+    enters qkv, or under latent attention (models/mla.py) the query latent after its norm
+    (or norm1's output, d_model, without a query LoRA) enters q_b, the normed kv latent
+    kv_b, and the shared rope key (a projection's output) is gathered on its own, each made
+    on the rank's own tokens by the down projections whole on every tp rank."""
     if m.arch != "deepseek_v3":
-        return (m.d_model * column,)
-    q = m.q_lora_rank or m.d_model
-    return (q * column, m.kv_lora_rank * column, m.qk_rope_head_dim * act)
+        return (_per_token(m.d_model, widths("attn.qkv")),)
+    q, rope = m.q_lora_rank or m.d_model, m.qk_rope_head_dim * act
+    return (
+        _per_token(q, widths("attn.q_b")),
+        _per_token(m.kv_lora_rank, widths("attn.kv_b")),
+        (rope, rope),
+    )
 
 
-def column_in_width(cfg: Config, w: Widths) -> int:
-    """Bytes an element of a norm's output travels in to a column-parallel region: the
-    residual stream's (the linear casts it after the gather), the compute dtype's under the
-    tp ring (parallel/tensor/overlap.py casts it first)."""
-    return w.act if tp_ring(cfg.parallel) else w.p2p
+def _per_token(features: int, widths: tuple[int, int]) -> tuple[int, int]:
+    return features * widths[0], features * widths[1]
+
+
+def column_input_widths(cfg: Config, index: int | None, name: str, act: int, residual: int):
+    """(sent, summed): bytes an element of a norm's output (the residual stream's, `residual`
+    bytes) travels in to the column-parallel linear `name` of layer `index` (None: a main
+    layer's) under SP, and bytes its grad is summed in over tp. Plain: gathered in the
+    linear's compute dtype, `act`, cast first (ColumnParallelLinear._gather_dtype; an FP8
+    linear's in the stream's), the grad summed in the input's own dtype. The tp ring
+    (parallel/tensor/overlap.py) casts before it sends and sums the grads it makes, both in
+    `act`."""
+    if tp_ring(cfg.parallel):
+        return act, act
+    return (residual if casts_linear(cfg, index, name) else act), residual
+
+
+def mlp_column(moe: bool) -> str:
+    """The name of the column linear an MLP's input enters: fc1, or in a MoE layer its
+    shared experts' (fp8_weights._layer_named)."""
+    return "mlp.shared.fc1" if moe else "mlp.fc1"
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -261,31 +284,30 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     m, x, sp = cfg.model, rank_dims(cfg), cfg.parallel.sequence_parallel
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
-    column = column_in_width(cfg, w)
-    inputs = tuple(x.n * each for each in attention_column_inputs(m, column, w.act))
-    ops = tp_layer_ops(sp, nd * column, nd * w.act, mlp, inputs)
+    widths = partial(column_input_widths, cfg, index, act=w.act, residual=w.p2p)
+    inputs = tuple(_per_token(x.n, each) for each in attention_column_inputs(m, widths, w.act))
+    mlp_in = _per_token(nd, widths(mlp_column(moe))) if mlp else None
+    ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in)
     f, b = (ring_ops(cfg, each) for each in ops)
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:
-        return f + ring_ops(cfg, mlp_rerun_ops(cfg, nd * w.p2p, nd * w.act)) + b
+        return f + ring_ops(cfg, mlp_rerun_ops(cfg, mlp_in[0], nd * w.act)) + b
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
     return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b
 
 
-def mlp_rerun_ops(cfg: Config, residual: float, act: float) -> list[Op]:
+def mlp_rerun_ops(cfg: Config, sent: float, act: float) -> list[Op]:
     """The tp ops of recompute.modules=mlp's rerun (parallel/recompute.py) under SP, before
-    ring_ops (`residual`, `act`: N·d bytes in the stream's and the compute dtype): the
-    gather of norm2's output, in the residual stream's dtype (float32 under float32
-    weights and bf16 autocast, measured on the fake backend) where the plain SP path gathers
-    it before fc1 casts it; under the ring, which casts before it gathers, in the compute
-    dtype, and with fc2's reduce-scatter, whose autograd function saves after summing (the
-    rerun stops at fc2's saves). Without SP nothing: the input's f is an identity, the output's
-    sum comes after the saves (tp_layer_ops: the forward's own)."""
+    ring_ops: the gather of norm2's output, `sent` bytes as the forward's
+    (column_input_widths), and under the ring (`act`: N·d bytes in the compute dtype)
+    fc2's reduce-scatter too, whose autograd function saves after summing (the rerun stops
+    at fc2's saves). Without SP nothing: the input's f is an identity, the output's sum comes
+    after the saves (tp_layer_ops: the forward's own)."""
     if not cfg.parallel.sequence_parallel:
         return []
     if not tp_ring(cfg.parallel):
-        return [("all_gather", residual)]
+        return [("all_gather", sent)]
     return [("all_gather", act), ("reduce_scatter", act)]
 
 

@@ -88,6 +88,16 @@ def saved_cast_elements(cfg: Config, index: int | None, part: str) -> int:
     return sum(w.rows * w.cols for w in _cast(cfg, _layer_name(cfg, block - 1), named))
 
 
+def casts_linear(cfg: Config, index: int | None, name: str) -> bool:
+    """Whether train.fp8 casts the linear `name` ("attn.qkv", "mlp.fc1", "mlp.shared.fc1",
+    "attn.q_b", ...) of layer `index` (None: a main layer's)."""
+    block, m = (index or 0) + 1, cfg.model
+    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
+        return False
+    named = {n: w for n, w in _layer_named(cfg, block).items() if n == name}
+    return bool(_cast(cfg, _layer_name(cfg, block - 1), named))
+
+
 def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:
     """An MLP's fc1 (column) and fc2 (row) of `ff` features on the tp rank, under `name`."""
     m = cfg.model

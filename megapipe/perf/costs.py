@@ -63,10 +63,13 @@ each way.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from megapipe.config import Config
 from megapipe.config.comm_bytes import (
     attention_column_inputs,
+    column_input_widths,
+    mlp_column,
     mlp_rerun_ops,
     recompute_skips_output_sum,
     routing_count_ops,
@@ -169,11 +172,26 @@ class CostModel(MoECosts):
         runtime's residual dtype, the row-parallel outputs and their grads in the compute
         dtype; a MoE layer without shared experts has attention's alone (its routed experts
         are whole on every tp rank)."""
-        p, d, c, r = self.cfg.parallel, self.cfg.model.d_model, self.c, self.r
+        p, d, c = self.cfg.parallel, self.cfg.model.d_model, self.c
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
-        inputs = tuple(x.n * each for each in attention_column_inputs(self.cfg.model, r, c))
-        f, b = tp_layer_ops(p.sequence_parallel, x.n * d * r, x.n * d * c, mlp, inputs)
+        widths = partial(self._column_widths, moe=moe)
+        inputs = attention_column_inputs(self.cfg.model, widths, c)
+        mlp_in = widths(mlp_column(moe)) if mlp else None
+        f, b = tp_layer_ops(
+            p.sequence_parallel,
+            x.n * d * c,
+            tuple((x.n * sent, x.n * summed) for sent, summed in inputs),
+            (x.n * d * mlp_in[0], x.n * d * mlp_in[1]) if mlp_in else None,
+        )
         return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
+
+    def _column_widths(self, name: str, moe: bool) -> tuple[int, int]:
+        """(sent, summed) bytes an element of a norm's output enters the column linear `name`
+        in and has its grad summed in (config/comm_bytes.column_input_widths), in the first
+        layer of its kind (MoE or dense): the layers this model prices as one."""
+        m = self.cfg.model
+        index = next((i for i in range(m.n_layers) if is_moe_layer(m, i) == moe), None)
+        return column_input_widths(self.cfg, index, name, self.c, self.r)
 
     def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
         """The F and B seconds of a layer's tp collectives (_tp_ops), not overlapped."""
@@ -297,10 +315,12 @@ class CostModel(MoECosts):
 
     def _norm_bytes(self, x: Shapes) -> float:
         """HBM bytes of one norm's forward over the layer's rows (with autocast's cast of its
-        output for the linear after it, unless fused)."""
+        output for the linear after it, unless fused: of the rank's own tokens where the cast
+        comes before SP's gather, config/comm_bytes.column_input_widths)."""
         d, c, r = self.cfg.model.d_model, self.c, self.r
         norm_out = c if self.rt.fused_elementwise and not self.rt.autocast_casts else 4
-        cast = x.n * d * (4 + c) if self.rt.autocast_casts else 0
+        cast_first = self._column_widths(mlp_column(False), False)[0] == c
+        cast = (x.ns if cast_first else x.n) * d * (4 + c) if self.rt.autocast_casts else 0
         return x.ns * d * (r + norm_out) + cast
 
     def _activation_bytes(self, x: Shapes) -> float:
@@ -436,7 +456,8 @@ class CostModel(MoECosts):
         compute = gemms + self.dev.mem(self._norm_bytes(x) + self._activation_bytes(x))
         if p.tp == 1 or (tp_ring(p) and self.rt.tp_comm_overlap):
             return Work(compute=compute)
-        rerun = mlp_rerun_ops(self.cfg, x.n * d * self.r, x.n * d * self.c)
+        sent = x.n * d * self._column_widths(mlp_column(False), False)[0]
+        rerun = mlp_rerun_ops(self.cfg, sent, x.n * d * self.c)
         return Work(compute=compute, tp=sum(self._tp(*op) for op in rerun))
 
     # -- embedding and head ------------------------------------------------------------------

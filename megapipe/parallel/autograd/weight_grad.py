@@ -59,12 +59,18 @@ def defer_weight_grads(model: nn.Module, key):
             q.key = before
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear computes `x` in: autocast's where it is on (bf16 on the GPU path),
+    else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def autocast_operands(*tensors):
-    """The dtype F.linear would compute in under autocast (bf16 on the GPU path), else as is."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
+    """The tensors in the dtype F.linear would compute in under autocast, else as they are."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
         return tensors
-    dtype = torch.get_autocast_dtype(device)
+    dtype = compute_dtype(tensors[0])
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 

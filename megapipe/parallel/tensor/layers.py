@@ -21,7 +21,7 @@ from torch import nn
 
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
-from megapipe.parallel.autograd.weight_grad import WeightGradQueue, linear
+from megapipe.parallel.autograd.weight_grad import WeightGradQueue, compute_dtype, linear
 from megapipe.parallel.fp8 import deferred_weight_grad
 from megapipe.parallel.fp8_overlap import fp8_gather_linear, fp8_linear_scatter
 from megapipe.parallel.precision import add_bias
@@ -136,8 +136,16 @@ class ColumnParallelLinear(ParallelLinear):
             ring = gather_linear if self.fp8 is None else fp8_gather_linear
             y = ring(x, self.weight, self.bias, self)
         else:
-            y = self._linear(enter_column(x, self.tp), self.bias)
+            y = self._linear(enter_column(x, self.tp, self._gather_dtype(x)), self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
+
+    def _gather_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype SP's all-gather sends this linear's input in: the one its matmul computes
+        in, where autocast casts it (the same values, half a float32 stream's bytes, as the tp
+        ring sends: overlap.py); None (the stream's) for an FP8 linear, whose input grad comes
+        back in its input's dtype (parallel/fp8.fp8_operands): cast first, it would be rounded
+        to bf16 before the sum."""
+        return None if self.fp8 is not None else compute_dtype(x)
 
 
 class RowParallelLinear(ParallelLinear):

@@ -61,16 +61,21 @@ class _GatherFromTP(torch.autograd.Function):
 
 
 class _GatherFromSeq(torch.autograd.Function):
-    """SP's f: all-gather the sequence fwd / reduce-scatter it bwd (column-linear input)."""
+    """SP's f: all-gather the sequence fwd / reduce-scatter it bwd (column-linear input).
+    `dtype`: cast to it before the gather (the linear's compute dtype: half a float32 stream's
+    bytes, and the cast made on this rank's tokens alone); the grads are summed in the input's
+    own dtype, as autograd's cast after the gather would have them, so both ways are bitwise
+    those of casting after it."""
 
     @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return C.all_gather(x, SEQ_DIM, tp.group)
+    def forward(ctx, x, tp, dtype):
+        ctx.tp, ctx.in_dtype = tp, x.dtype
+        return C.all_gather(x if dtype is None else x.to(dtype), SEQ_DIM, tp.group)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.reduce_scatter(grad, SEQ_DIM, ctx.tp.group), None
+        grad = C.reduce_scatter(grad.to(ctx.in_dtype), SEQ_DIM, ctx.tp.group)
+        return grad, None, None
 
 
 class _ReduceScatterToSeq(torch.autograd.Function):
@@ -98,17 +103,18 @@ def gather_from_tp(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return x if tp.size == 1 else _GatherFromTP.apply(x, tp)
 
 
-def gather_from_seq(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherFromSeq.apply(x, tp)
+def gather_from_seq(x: torch.Tensor, tp: TPInfo, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x if tp.size == 1 else _GatherFromSeq.apply(x, tp, dtype)
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceScatterToSeq.apply(x, tp)
 
 
-def enter_column(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """The input of a column-parallel region: SP's all-gather, else f."""
-    return gather_from_seq(x, tp) if tp.sp else copy_to_tp(x, tp)
+def enter_column(x: torch.Tensor, tp: TPInfo, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The input of a column-parallel region: SP's all-gather (in `dtype`, where given:
+    _GatherFromSeq), else f."""
+    return gather_from_seq(x, tp, dtype) if tp.sp else copy_to_tp(x, tp)
 
 
 def exit_row(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
