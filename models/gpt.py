@@ -200,7 +200,7 @@ class TransformerLayer(nn.Module):
         return self.mlp(self.norm2(x))
 
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return maybe_checkpoint(self.norm_recompute, norm, x)
+        return maybe_checkpoint(self.norm_recompute, norm, x, random=False)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         with sp_rng(self.tp):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.schema import Config, gated
+from megapipe.config.states import FLOAT32, compute_bytes
 
 FP8_BYTES = 1  # e4m3, gathered bit-cast to uint8
 SCALE_BYTES = 4  # float32 amax and scale
@@ -96,6 +97,21 @@ def casts_linear(cfg: Config, index: int | None, name: str) -> bool:
         return False
     named = {n: w for n, w in _layer_named(cfg, block).items() if n == name}
     return bool(_cast(cfg, _layer_name(cfg, block - 1), named))
+
+
+def casts_weights(cfg: Config) -> bool:
+    """Autocast casts float32 weights to a narrower compute dtype for every matmul."""
+    return compute_bytes(cfg) != FLOAT32 and cfg.train.params_dtype == "float32"
+
+
+def kept_weight_casts(cfg: Config, index: int | None, part: str, elements: int = 0) -> float:
+    """Bytes of autocast's weight casts that layer `index`'s `part` keeps for backward: its
+    FP8 linears' (saved_cast_elements; a high-precision linear keeps the parameter and casts
+    it again: weight_grad.save_operands), and `elements` more of the caller's (a MoE layer's
+    cast routed experts); 0 where no cast is made (bf16 weights, float32 compute)."""
+    if not casts_weights(cfg):
+        return 0.0
+    return (saved_cast_elements(cfg, index, part) + elements) * compute_bytes(cfg)
 
 
 def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:

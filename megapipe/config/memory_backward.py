@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from megapipe.config.flops import expert_ffn, head_grad_in_forward, is_moe_layer
-from megapipe.config.fp8_weights import FP8_BYTES, dense_mlp_cast, experts_cast
+from megapipe.config.fp8_weights import FP8_BYTES, casts_weights, dense_mlp_cast, experts_cast
 from megapipe.config.memory_terms import (
     compute_bytes,
     dense_mlp_terms,
@@ -118,7 +118,7 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
     # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
     act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
     fc2 = {"fc2 input grad": grad_in, "fc2 weight grad": wgrad}
-    if recast and not wgrad and c != FLOAT32 and cfg.train.params_dtype == "float32":
+    if recast and not wgrad and casts_weights(cfg):
         # W cast again (weight_grad.saved_operands), freed as its backward returns: beside a
         # weight grad made here it is below that grad's float32 cast, which comes after
         fc2["fc2 weight cast again"] = weight * c

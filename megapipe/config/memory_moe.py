@@ -36,9 +36,9 @@ are an upper bound: a dropped row saves nothing):
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
-from megapipe.config.fp8_weights import expert_deferred_fp8, experts_cast, saved_cast_elements
+from megapipe.config.fp8_weights import expert_deferred_fp8, experts_cast, kept_weight_casts
 from megapipe.config.schema import Config
-from megapipe.config.states import FLOAT32
+from megapipe.config.states import FLOAT32, compute_bytes
 
 INDEX = 8  # int64 indices
 
@@ -80,11 +80,10 @@ def moe_terms(
         copied = c != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
         terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
-    if c != FLOAT32 and cfg.train.params_dtype == "float32":  # FP8 linears keep their casts
-        block = (index if index is not None else _first_moe(cfg)) + 1
-        routed = (3 if llama else 2) * e * f * d if experts_cast(cfg, block) else 0
-        copies = (routed + saved_cast_elements(cfg, block - 1, "mlp")) * c
-        terms |= {"expert bf16 weight copies": copies} if copies else {}
+    block = (index if index is not None else _first_moe(cfg)) + 1
+    routed = (3 if llama else 2) * e * f * d if experts_cast(cfg, block) else 0
+    copies = kept_weight_casts(cfg, block - 1, "mlp", routed)
+    terms |= {"expert bf16 weight copies": copies} if copies else {}
     return terms
 
 
@@ -134,8 +133,7 @@ def moe_summary(cfg: Config) -> dict[str, int]:
     tokens = d.micro_batch_size * m.seq_len // p.cp
     if p.sequence_parallel:
         tokens //= p.tp
-    c = 2 if cfg.train.dtype == "bfloat16" else FLOAT32
-    terms = moe_terms(cfg, tokens, tokens, d.micro_batch_size, c, p.tp)
+    terms = moe_terms(cfg, tokens, tokens, d.micro_batch_size, compute_bytes(cfg), p.tp)
     return {
         "moe_layers": layers,
         "expert_params": layers * m.n_experts * per_expert,

@@ -103,11 +103,11 @@ from megapipe.config.flops import (
     is_moe_layer,
     segment_bounds,
 )
-from megapipe.config.fp8_weights import deferred_fp8, saved_cast_elements
+from megapipe.config.fp8_weights import deferred_fp8, kept_weight_casts
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
-from megapipe.config.states import FLOAT32, PARAM_BYTES
+from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes
 
 INDEX = 8  # int64 token ids and targets
 
@@ -145,11 +145,6 @@ def head_chunks(tokens: int, rows: int) -> tuple[tuple[int, int], ...]:
     """(tokens, how many chunks of them) of the head's walk: ⌈tokens/rows⌉, the last the rest."""
     k = -(-tokens // rows)
     return (rows, k - 1), (tokens - (k - 1) * rows, 1)
-
-
-def compute_bytes(cfg: Config) -> int:
-    """Bytes of an element the matmuls read and write: bf16 under autocast, else float32."""
-    return 2 if cfg.train.dtype == "bfloat16" else FLOAT32
 
 
 def attention_path(cfg: Config, device: str = "cuda") -> str:
@@ -415,9 +410,8 @@ def dense_mlp_terms(
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
     terms["fc1 input"] = x.n * m.d_model * c
     terms |= _mlp_terms(cfg, x)
-    if c != FLOAT32 and cfg.train.params_dtype == "float32":  # FP8 linears keep their casts
-        copies = saved_cast_elements(cfg, index, "mlp") * c
-        terms |= {"MLP bf16 weight copies": copies} if copies else {}
+    copies = kept_weight_casts(cfg, index, "mlp")
+    terms |= {"MLP bf16 weight copies": copies} if copies else {}
     return terms
 
 
@@ -447,9 +441,8 @@ def _dropout_and_cast_terms(
     # autocast's bf16 copies of the FP8 linears' weights, which keep them for backward (the
     # others keep the parameter and cast it again: weight_grad.save_operands; bf16 weights:
     # no cast)
-    if c != FLOAT32 and cfg.train.params_dtype == "float32":
-        copies = saved_cast_elements(cfg, index, "attn") * c
-        terms |= {"bf16 weight copies": copies} if copies else {}
+    copies = kept_weight_casts(cfg, index, "attn")
+    terms |= {"bf16 weight copies": copies} if copies else {}
     return terms
 
 

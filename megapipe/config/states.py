@@ -89,6 +89,11 @@ ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq
 MAIN_PARAM_BYTES = FLOAT32  # the optimizer's float32 copy of a weight held in bf16
 
 
+def compute_bytes(cfg) -> int:
+    """Bytes of an element the matmuls read and write: bf16 under autocast, else float32."""
+    return 2 if cfg.train.dtype == "bfloat16" else FLOAT32
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """Bytes per parameter of each kind of state, and how many ways each is split."""

@@ -36,11 +36,12 @@ from megapipe.config.schema import layer_mode, selective_parts
 __all__ = ["ActivationOffload", "layer_mode", "maybe_checkpoint", "selective_parts"]
 
 
-def maybe_checkpoint(enabled: bool, fn: Callable, *args):
-    """fn(*args), storing only its inputs for backward when `enabled`."""
+def maybe_checkpoint(enabled: bool, fn: Callable, *args, random: bool = True):
+    """fn(*args), storing only its inputs for backward when `enabled`; `random` False for an
+    `fn` that draws no random numbers (a norm), whose rerun needs no RNG state stashed."""
     if not enabled:
         return fn(*args)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=random)
 
 
 class ActivationOffload:
