@@ -23,7 +23,7 @@ count where only those are published) and model TFLOP/s per GPU under megapipe's
 from __future__ import annotations
 
 import csv
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from megapipe.config import Config, load_config
@@ -176,7 +176,7 @@ def row_config(row: Row) -> Config:
         f"parallel.microbatches={row.microbatches}",
         f"parallel.balance={row.balance}",
         f"parallel.sequence_parallel={str(row.sequence_parallel and row.tp > 1).lower()}",
-        f"parallel.tp_overlap={str(row.tp_overlap and row.precision in DTYPES).lower()}",
+        f"parallel.tp_overlap={str(row.tp_overlap).lower()}",
         f"parallel.zero={ZERO[row.sharding]}",
         f"parallel.grad_reduce_dtype={GRAD_REDUCE[row.grad_reduce]}",
         f"train.global_batch={row.gbs}",
@@ -188,13 +188,7 @@ def row_config(row: Row) -> Config:
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
         *recompute_overrides(row.recompute),
     ]
-    cfg = load_config(None, overrides)
-    if row.tp_overlap and row.precision in FP8_RECIPES:
-        # megapipe's chunked SP linears have no FP8 path (config/fp8_checks.py refuses the
-        # pair); Transformer Engine's userbuffers overlap ran FP8, so the row keeps it for the
-        # runtime to price
-        cfg = replace(cfg, parallel=replace(cfg.parallel, tp_overlap=True))
-    return cfg
+    return load_config(None, overrides)
 
 
 def recompute_overrides(recompute: str) -> list[str]:
