@@ -34,6 +34,8 @@ from benchmarks.validation import published
 from benchmarks.validation.h100_validation import megapipe_config
 from megapipe.config import load_config
 from megapipe.distributed import collectives as C
+from megapipe.parallel.fp8 import Fp8Linear
+from megapipe.parallel.fp8_weight_cache import WeightCasts as StepCasts
 from megapipe.parallel.precision import autocast
 from megapipe.parallel.tensor.layers import ColumnParallelLinear
 from megapipe.perf.cluster import load_cluster
@@ -81,11 +83,12 @@ class WeightCasts(TorchDispatchMode):
         return out
 
 
-def weight_casts(params_dtype: torch.dtype) -> tuple[int, int, int]:
-    """A linear of `params_dtype` weights under bf16 autocast: its weight's bf16 casts made in
-    forward, in backward, and the tensors it saves that have the weight's shape and are not
-    the weight itself."""
+def weight_casts(params_dtype: torch.dtype, fp8=None) -> tuple[int, int, int]:
+    """A linear of `params_dtype` weights under bf16 autocast (an FP8 one where `fp8`, a
+    parallel/fp8.Fp8Linear, is given): its weight's bf16 casts made in forward, in backward,
+    and the tensors it saves that have the weight's shape and are not the weight itself."""
     layer = ColumnParallelLinear(16, 8, False).to(params_dtype)
+    layer.fp8 = fp8
     w, saved = layer.weight, []
 
     def pack(t):
@@ -114,6 +117,18 @@ def test_weight_casts_are_what_autocast_makes(params_dtype):
     assert backward == (forward if MEGAPIPE.backward_weight_casts else 0)
     if forward:
         assert cast == 2 + torch.finfo(getattr(torch, params_dtype)).bits // 8
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_linears_keep_the_parameter(recipe):
+    """An FP8 linear saves its parameter too (parallel/fp8.weight_cast), not autocast's copy:
+    outside a step its backward casts again for Wᵀ's FP8 cast; within a step
+    (fp8_weight_cache.WeightCasts) only where that cast is not W's read transposed (rowwise)."""
+    assert weight_casts(torch.float32, Fp8Linear(recipe)) == (1, 1, 0)
+    cache = StepCasts()
+    with cache.step():
+        made = weight_casts(torch.float32, Fp8Linear(recipe, casts=cache))
+    assert made == (1, int(recipe == "rowwise"), 0)
 
 
 def test_resolved_runtime_by_dtypes():

@@ -77,18 +77,6 @@ def _layer_named(cfg: Config, block: int) -> dict[str, Fp8Weight]:
     return named
 
 
-def saved_cast_elements(cfg: Config, index: int | None, part: str) -> int:
-    """Elements of layer `index`'s (None: a main layer's) weights whose casts autocast makes
-    and its FP8 linears keep for backward (parallel/fp8.fp8_operands; a high-precision linear
-    keeps the parameter and casts it again: weight_grad.save_operands), of `part`: "attn",
-    or "mlp" (the dense MLP, or a MoE layer's shared experts)."""
-    block, m = (index or 0) + 1, cfg.model
-    if weight_granularity(cfg) is None or not 1 <= block <= m.n_layers + m.mtp_layers:
-        return 0
-    named = {n: w for n, w in _layer_named(cfg, block).items() if n.split(".")[0] == part}
-    return sum(w.rows * w.cols for w in _cast(cfg, _layer_name(cfg, block - 1), named))
-
-
 def casts_linear(cfg: Config, index: int | None, name: str) -> bool:
     """Whether train.fp8 casts the linear `name` ("attn.qkv", "mlp.fc1", "mlp.shared.fc1",
     "attn.q_b", ...) of layer `index` (None: a main layer's)."""
@@ -102,16 +90,6 @@ def casts_linear(cfg: Config, index: int | None, name: str) -> bool:
 def casts_weights(cfg: Config) -> bool:
     """Autocast casts float32 weights to a narrower compute dtype for every matmul."""
     return compute_bytes(cfg) != FLOAT32 and cfg.train.params_dtype == "float32"
-
-
-def kept_weight_casts(cfg: Config, index: int | None, part: str, elements: int = 0) -> float:
-    """Bytes of autocast's weight casts that layer `index`'s `part` keeps for backward: its
-    FP8 linears' (saved_cast_elements; a high-precision linear keeps the parameter and casts
-    it again: weight_grad.save_operands), and `elements` more of the caller's (a MoE layer's
-    cast routed experts); 0 where no cast is made (bf16 weights, float32 compute)."""
-    if not casts_weights(cfg):
-        return 0.0
-    return (saved_cast_elements(cfg, index, part) + elements) * compute_bytes(cfg)
 
 
 def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:

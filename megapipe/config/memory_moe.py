@@ -28,15 +28,15 @@ are an upper bound: a dropped row saves nothing):
                                     (fc1's input is the router's, unless cast or gathered)
   bf16 weight copies                under float32 weights and bf16 autocast, where the
                                     experts run in FP8 every expert's weights cast (the
-                                    stacked matmul casts the whole stack), and the shared
-                                    experts' where they do (high-precision linears keep the
-                                    parameter and cast it again in backward)
+                                    stacked matmul casts the whole stack); every other linear
+                                    keeps the parameter and casts it again in backward
+                                    (weight_grad.save_operands, fp8.weight_cast)
 """
 
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
-from megapipe.config.fp8_weights import expert_deferred_fp8, experts_cast, kept_weight_casts
+from megapipe.config.fp8_weights import casts_weights, expert_deferred_fp8, experts_cast
 from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32, compute_bytes
 
@@ -80,10 +80,11 @@ def moe_terms(
         copied = c != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
         terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
+    # the FP8 experts' stacked matmul keeps autocast's casts of the whole stack (every other
+    # linear keeps the parameter and casts it again: weight_grad.save_operands, fp8.weight_cast)
     block = (index if index is not None else _first_moe(cfg)) + 1
-    routed = (3 if llama else 2) * e * f * d if experts_cast(cfg, block) else 0
-    copies = kept_weight_casts(cfg, block - 1, "mlp", routed)
-    terms |= {"expert bf16 weight copies": copies} if copies else {}
+    if experts_cast(cfg, block) and casts_weights(cfg):
+        terms["expert bf16 weight copies"] = (3 if llama else 2) * e * f * d * c
     return terms
 
 

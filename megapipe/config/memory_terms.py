@@ -50,14 +50,13 @@ every term with saved_tensors_hooks):
                                                        native_dropout keeps a bool mask; on
                                                        the CPU the noise tensor, in the
                                                        dtype of what is dropped)
-          bf16 weight copies        2 · the weights of the layer's FP8 linears (train.fp8:
-                                    autocast's casts, which they keep for backward). The
-                                    other linears keep the parameter itself and cast it again
-                                    in backward (weight_grad.save_operands): nothing; nor
-                                    bf16 weights, train.params_dtype=bfloat16: no cast
+          weights                   nothing: every linear keeps the parameter itself, not
+                                    autocast's cast, and casts it again in backward
+                                    (weight_grad.save_operands; an FP8 linear where its
+                                    backward makes a cast from it: fp8.weight_cast)
           full recompute: only the layer input, Nₛ·d·r. Residual adds save nothing.
           recompute.modules=mlp (a dense layer): norm2's, fc1's, the activation's and fc2's
-          terms and the MLP's weight copies (dense_mlp_terms) give way to the residual norm2
+          terms (dense_mlp_terms) give way to the residual norm2
           reads, Nₛ·d·r, which the checkpoint keeps. recompute.modules=layernorm: each norm's
           terms give way to its input, Nₛ·d·r, which its checkpoint keeps (norm_terms).
   embed   token ids N·8; under tp the local ids N·8 and the out-of-range mask N·1; dropout mask
@@ -103,7 +102,7 @@ from megapipe.config.flops import (
     is_moe_layer,
     segment_bounds,
 )
-from megapipe.config.fp8_weights import deferred_fp8, kept_weight_casts
+from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
@@ -302,7 +301,7 @@ def layer_terms(
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
         terms |= dense_mlp_terms(cfg, x, device, rerun_norms, index)
-    terms |= _dropout_and_cast_terms(cfg, x, device, index)
+    terms |= _dropout_terms(cfg, x, device)
     return terms
 
 
@@ -403,15 +402,12 @@ def dense_mlp_terms(
     index: int | None = None,
 ) -> dict[str, float]:
     """What norm2 and layer `index`'s dense MLP save: the norm's tensors (its input alone
-    where it reruns: `rerun_norm`), fc1's input, the activation's, fc2's input and, where fc1
-    and fc2 run in FP8, autocast's bf16 copies of their weights (what recompute.modules=mlp
-    reruns in backward)."""
+    where it reruns: `rerun_norm`), fc1's input, the activation's and fc2's input (what
+    recompute.modules=mlp reruns in backward)."""
     m, c = cfg.model, compute_bytes(cfg)
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
     terms["fc1 input"] = x.n * m.d_model * c
     terms |= _mlp_terms(cfg, x)
-    copies = kept_weight_casts(cfg, index, "mlp")
-    terms |= {"MLP bf16 weight copies": copies} if copies else {}
     return terms
 
 
@@ -427,23 +423,14 @@ def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     return terms
 
 
-def _dropout_and_cast_terms(
-    cfg: Config, x: RankDims, device: str, index: int | None = None
-) -> dict[str, float]:
-    """The residual dropouts' masks and autocast's bf16 copies of layer `index`'s attention
-    weights where its linears run in FP8 (a dense MLP's: dense_mlp_terms; a MoE layer's:
-    config/memory_moe.py)."""
-    m, c, llama = cfg.model, compute_bytes(cfg), gated(cfg.model.arch)
-    terms: dict[str, float] = {}
-    if m.dropout > 0:  # after proj and fc2; with a bias (gpt2) the output is the bias's dtype
-        dropped = residual_bytes(cfg) if not llama else c
-        terms["residual dropout masks"] = 2 * x.ns * m.d_model * _mask_bytes(device, dropped)
-    # autocast's bf16 copies of the FP8 linears' weights, which keep them for backward (the
-    # others keep the parameter and cast it again: weight_grad.save_operands; bf16 weights:
-    # no cast)
-    copies = kept_weight_casts(cfg, index, "attn")
-    terms |= {"bf16 weight copies": copies} if copies else {}
-    return terms
+def _dropout_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
+    """The residual dropouts' masks (after proj and fc2; with a bias, gpt2, the output is in
+    the bias's dtype)."""
+    m, llama = cfg.model, gated(cfg.model.arch)
+    if m.dropout <= 0:
+        return {}
+    dropped = residual_bytes(cfg) if not llama else compute_bytes(cfg)
+    return {"residual dropout masks": 2 * x.ns * m.d_model * _mask_bytes(device, dropped)}
 
 
 def layer_deferred(

@@ -132,14 +132,17 @@ class Fp8Linear:
             return lambda piece: quantize_with(piece, dtype, act, amax)
         return lambda piece: quantize(piece, dtype, act, Groups(self.tokens, cols))
 
-    def weight_operand(self, weight, form: str, param=None) -> tuple:
+    def weight_operand(self, weight, form: str, param=None, dtype=None) -> tuple:
         """W cast for the forward (`form` "forward") or Wᵀ for the input grad ("dgrad"), kept
-        over the step where the policy's casts are open (fp8_weight_cache.py)."""
+        over the step where the policy's casts are open (fp8_weight_cache.py); `dtype`: the
+        one `weight` is cast to first where a cast is made (autocast's, weight_cast)."""
+
+        def cast(f):
+            return self._cast_weight(weight if dtype is None else weight.to(dtype), f)
+
         if self.casts is None or param is None:
-            return self._cast_weight(weight, form)
-        return self.casts.operand(
-            param, form, self.granularity[1], lambda f: self._cast_weight(weight, f)
-        )
+            return cast(form)
+        return self.casts.operand(param, form, self.granularity[1], cast)
 
     def _cast_weight(self, weight, form: str) -> tuple:
         _, wgt = self.granularity
@@ -166,7 +169,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, owner, fp8):
         x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, ctx.param)  # the parameter, not autocast's copy: weight_cast
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         y = fp8.forward(x2, weight_cast(ctx, weight, "forward"))
         if bias is not None:
@@ -202,9 +205,12 @@ def fp8_operands(ctx, x, weight, bias, owner: nn.Module, fp8: Fp8Linear) -> tupl
 
 def weight_cast(ctx, weight, form: str) -> tuple:
     """W cast for the forward (`form` "forward") or Wᵀ for grad_x ("dgrad"): zero=3's gathered
-    cast, else the step's (Fp8Linear.weight_operand); `ctx` as fp8_operands set it."""
+    cast, else the step's (Fp8Linear.weight_operand); `ctx` as fp8_operands set it. `weight`:
+    autocast's copy in the forward; in backward the parameter the linear saved (a copy kept
+    per microbatch in flight would hold its stage's weights again), cast to the compute dtype
+    again only where a cast is made from it (the step's dgrad cast, made once)."""
     gathered = ctx.gathered and ctx.gathered.operand(form)
-    return gathered or ctx.fp8.weight_operand(weight, form, ctx.param)
+    return gathered or ctx.fp8.weight_operand(weight, form, ctx.param, ctx.w_dtype)
 
 
 def weight_grad_or_queue(owner: nn.Module, operands) -> torch.Tensor | None:

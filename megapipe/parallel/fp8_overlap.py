@@ -66,7 +66,7 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
         with torch.autocast(x.device.type, enabled=False):
             pieces, outs = ring_gather(x, tp, product)
-        ctx.save_for_backward(torch.cat(pieces, SEQ_DIM), weight)  # (B, T, in): kept for W
+        ctx.save_for_backward(torch.cat(pieces, SEQ_DIM), ctx.param)  # (B, T, in): for W
         return torch.cat(outs, SEQ_DIM)
 
     @staticmethod
@@ -103,7 +103,7 @@ class _Fp8LinearScatter(torch.autograd.Function):
 
         with torch.autocast(x.device.type, enabled=False):
             y = ring_reduce_scatter(tp, part)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, ctx.param)  # the parameter: fp8.weight_cast
         return y
 
     @staticmethod

@@ -411,8 +411,8 @@ class CostModel(MoECosts):
             cp=cp_f + amax_f["cp"],
             ep=ep - hide[0],
         )
-        # ours casts each high-precision linear's weight again for its backward (FP8 linears
-        # keep their casts)
+        # ours casts each high-precision linear's weight again for its backward (an FP8
+        # linear only where it makes the step's Wᵀ cast from it: rowwise, once a step)
         recast = params * self.rt.weight_cast_bytes if self.rt.backward_weight_casts else 0.0
         recast = 0.0 if self.fp8 else recast
         b = Work(
