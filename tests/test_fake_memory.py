@@ -39,6 +39,11 @@ CASES = {
     "fp8_tensorwise_full": (["--train.fp8=tensorwise", "--recompute.mode=full"], "0"),
     "fp8_rowwise_llama": (["--train.fp8=rowwise", "--model.arch=llama", "--model.d_model=128",
                            "--model.seq_len=64"], "0"),
+    # FP8 experts under bf16 autocast keep the float32 stack, not its cast, per microbatch in
+    # flight, and cast it again for the input grad (memory_backward: "fc2 weight cast again")
+    "fp8_moe_pp2_bf16": ([*PP2, "--train.fp8=rowwise", "--train.dtype=bfloat16",
+                          "--model.arch=llama", "--model.n_experts=8", "--model.top_k=2",
+                          "--model.d_model=128", "--model.seq_len=64"], "0"),
     "fp8_tp2_sp_overlap": (["--train.fp8=tensorwise", "--parallel.tp=2",
                             "--parallel.sequence_parallel=true", "--parallel.tp_overlap=true"],
                            "0"),

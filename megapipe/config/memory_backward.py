@@ -109,7 +109,7 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
         experts = m.n_experts // max(p.ep, 1)
         terms["experts' output grads"] = rows * m.d_model * c
         grad_in, weight = rows * f * c, experts * f * m.d_model
-        recast = not experts_cast(cfg, index + 1)
+        recast = True
     else:
         grad_in, weight = x.n * x.ff * c, x.ff * m.d_model
         recast = not dense_mlp_cast(cfg, index)
@@ -118,9 +118,14 @@ def mlp_backward_terms(cfg: Config, segment: int | None, index: int) -> dict[str
     # fc2's input freed at fc2's backward, unless queued for W (it then stays beside both)
     act = act_grads + (grad_in if weight_grads_queued(cfg) else 0.0)
     fc2 = {"fc2 input grad": grad_in, "fc2 weight grad": wgrad}
-    if recast and not wgrad and casts_weights(cfg):
+    # FP8 experts cast the stack again for the input grad, whose casts of it (a float32
+    # scaled copy, then its FP8 values: fp8_scaling.quantize_with) come above the weight
+    # grad's moment (parallel/fp8_experts.py)
+    fp8_stack = is_moe_layer(m, index) and experts_cast(cfg, index + 1)
+    if recast and (not wgrad or fp8_stack) and casts_weights(cfg):
         # W cast again (weight_grad.saved_operands), freed as its backward returns: beside a
-        # weight grad made here it is below that grad's float32 cast, which comes after
+        # high-precision weight grad made here it is below that grad's float32 cast, which
+        # comes after
         fc2["fc2 weight cast again"] = weight * c
     if dense_mlp_cast(cfg, index):  # fp8_scaling.quantize_with: a float32 copy, then the cast
         fc2["fc2 input's FP8 cast (weight grad)"] = (FLOAT32 + FP8_BYTES) * x.n * x.ff

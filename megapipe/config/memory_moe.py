@@ -26,17 +26,14 @@ are an upper bound: a dropped row saves nothing):
                                     (gated, in the residual's float32, summed per token)
   shared experts                    the dense MLP's terms at width S·f/tp (S shared experts)
                                     (fc1's input is the router's, unless cast or gathered)
-  bf16 weight copies                under float32 weights and bf16 autocast, where the
-                                    experts run in FP8 every expert's weights cast (the
-                                    stacked matmul casts the whole stack); every other linear
-                                    keeps the parameter and casts it again in backward
-                                    (weight_grad.save_operands, fp8.weight_cast)
+  weights                           nothing: the stacks are kept as they are and cast again
+                                    in backward (weight_grad.save_operands; FP8 experts too)
 """
 
 from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
-from megapipe.config.fp8_weights import casts_weights, expert_deferred_fp8, experts_cast
+from megapipe.config.fp8_weights import expert_deferred_fp8
 from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32, compute_bytes
 
@@ -51,9 +48,8 @@ def moe_terms(
     c: int,
     tp: int,
     segmented: bool = False,
-    index: int | None = None,
 ) -> dict[str, float]:
-    """Layer `index`'s (None: a MoE layer's) MLP terms for `tokens` (Nₛ) rows of `rows_b`
+    """A MoE layer's MLP terms for `tokens` (Nₛ) rows of `rows_b`
     sequences on this rank; `gathered` (N) rows enter the shared experts' column linear (its
     SP all-gather), whose width is split over `tp`; `c` the compute dtype's bytes;
     `segmented`: a Seq1F1B segment, whose shares are made in backward from the records
@@ -80,17 +76,7 @@ def moe_terms(
         copied = c != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
         terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
-    # the FP8 experts' stacked matmul keeps autocast's casts of the whole stack (every other
-    # linear keeps the parameter and casts it again: weight_grad.save_operands, fp8.weight_cast)
-    block = (index if index is not None else _first_moe(cfg)) + 1
-    if experts_cast(cfg, block) and casts_weights(cfg):
-        terms["expert bf16 weight copies"] = (3 if llama else 2) * e * f * d * c
     return terms
-
-
-def _first_moe(cfg: Config) -> int:
-    """The index of the model's first MoE layer."""
-    return next(i for i in range(cfg.model.n_layers) if is_moe_layer(cfg.model, i))
 
 
 def segment_records(cfg: Config, rows_b: int) -> dict[str, float]:

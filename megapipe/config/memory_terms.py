@@ -296,7 +296,7 @@ def layer_terms(
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
         terms |= norm_terms(cfg, "norm2", x.ns, device, rerun_norms)
-        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented, index)
+        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
     elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:

@@ -112,11 +112,13 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, parts, owner, name, bias_name):
-        in_dtype = x.dtype
+        in_dtype, param = x.dtype, weight
         x, weight, bias = autocast_operands(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        # the stack itself, not autocast's copy (one per microbatch in flight): cast again in
+        # backward, as the high-precision experts do (weight_grad.save_operands)
+        ctx.save_for_backward(x, param)
         ctx.parts, ctx.owner, ctx.name, ctx.bias_name = parts, owner, name, bias_name
-        ctx.has_bias, ctx.in_dtype = bias is not None, in_dtype
+        ctx.has_bias, ctx.in_dtype, ctx.w_dtype = bias is not None, in_dtype, weight.dtype
         y = owner.fp8_experts.forward(x, weight, parts)  # (N, out) float32
         if bias is not None:  # each row its expert's bias, in float32
             rows = torch.tensor(_per_expert(parts, weight.shape[0]), device=x.device)
@@ -126,14 +128,15 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        owner, parts, fp8 = ctx.owner, ctx.parts, ctx.owner.fp8_experts
+        owner, parts, fp8, n = ctx.owner, ctx.parts, ctx.owner.fp8_experts, weight.shape[0]
         g = grad_out.contiguous()
-        grad_x = fp8.input_grad(g, weight, parts).to(ctx.in_dtype)
+        # the stack cast again, freed before the weight grad is made
+        grad_x = fp8.input_grad(g, weight.to(ctx.w_dtype), parts).to(ctx.in_dtype)
         grad_b = None
         if ctx.has_bias:
-            groups = g.split(_per_expert(parts, weight.shape[0]))
+            groups = g.split(_per_expert(parts, n))
             grad_b = bias_grad(getattr(owner, ctx.bias_name), groups)
-        operands = fp8.weight_grad_operands(x, g, parts, weight.shape[0])
+        operands = fp8.weight_grad_operands(x, g, parts, n)
         key = owner.wgrad_queue.key
         if key is not None:  # W later: the FP8 operands kept, not x and g
             owner.wgrad_queue.setdefault(key, []).append((ctx.name, operands, parts))
