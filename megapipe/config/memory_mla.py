@@ -58,7 +58,7 @@ def mla_terms(cfg: Config, x, mode: str, device: str, c: int) -> dict[str, float
 
 
 def mla_weight_elements(cfg: Config, x) -> int:
-    """The attention's linear weights on one tp rank (autocast's bf16 copies): the down
+    """The attention's linear weights on one tp rank (their elements): the down
     projections whole, the up and output projections' H/tp heads."""
     m = cfg.model
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
