@@ -102,17 +102,18 @@ def attention_column_inputs(m, widths: ColumnWidths, act: int) -> tuple[tuple[in
     kv_b, and the shared rope key (a projection's output) is gathered on its own, each made
     on the rank's own tokens by the down projections whole on every tp rank."""
     if m.arch != "deepseek_v3":
-        return (_per_token(m.d_model, widths("attn.qkv")),)
+        return (_scaled(m.d_model, widths("attn.qkv")),)
     q, rope = m.q_lora_rank or m.d_model, m.qk_rope_head_dim * act
     return (
-        _per_token(q, widths("attn.q_b")),
-        _per_token(m.kv_lora_rank, widths("attn.kv_b")),
+        _scaled(q, widths("attn.q_b")),
+        _scaled(m.kv_lora_rank, widths("attn.kv_b")),
         (rope, rope),
     )
 
 
-def _per_token(features: int, widths: tuple[int, int]) -> tuple[int, int]:
-    return features * widths[0], features * widths[1]
+def _scaled(k: int, pair: tuple[int, int]) -> tuple[int, int]:
+    """A (sent, summed) pair of bytes times `k` (elements, or tokens)."""
+    return k * pair[0], k * pair[1]
 
 
 def column_input_widths(cfg: Config, index: int | None, name: str, act: int, residual: int):
@@ -285,8 +286,8 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
     widths = partial(column_input_widths, cfg, index, act=w.act, residual=w.p2p)
-    inputs = tuple(_per_token(x.n, each) for each in attention_column_inputs(m, widths, w.act))
-    mlp_in = _per_token(nd, widths(mlp_column(moe))) if mlp else None
+    inputs = tuple(_scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
+    mlp_in = _scaled(nd, widths(mlp_column(moe))) if mlp else None
     ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in)
     f, b = (ring_ops(cfg, each) for each in ops)
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
