@@ -31,6 +31,7 @@ from megapipe.config.fp8_weights import (
     amax_entries,
     casts_linear,
     fp8_params,
+    ring_payloads,
     weight_granularity,
 )
 from megapipe.config.memory_terms import rank_dims
@@ -123,9 +124,9 @@ def column_input_widths(cfg: Config, index: int | None, name: str, act: int, res
     linear's compute dtype, `act`, cast first (ColumnParallelLinear._gather_dtype; an FP8
     linear's in the stream's), the grad summed in the input's own dtype. The tp ring
     (parallel/tensor/overlap.py) casts before it sends and sums the grads it makes, both in
-    `act`."""
+    `act`, but for an FP8 linear's tensorwise payloads (fp8_weights.ring_payloads)."""
     if tp_ring(cfg.parallel):
-        return act, act
+        return (FP8_BYTES if ring_payloads(cfg, index, name) else act), act
     return (residual if casts_linear(cfg, index, name) else act), residual
 
 
@@ -309,7 +310,7 @@ def mlp_rerun_ops(cfg: Config, sent: float, act: float) -> list[Op]:
         return []
     if not tp_ring(cfg.parallel):
         return [("all_gather", sent)]
-    return [("all_gather", act), ("reduce_scatter", act)]
+    return [("all_gather", sent), ("reduce_scatter", act)]
 
 
 def ring_ops(cfg: Config, ops: list[Op]) -> list[Op]:

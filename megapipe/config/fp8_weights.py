@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from megapipe.config.flops import expert_ffn, is_moe_layer
-from megapipe.config.schema import Config, gated
+from megapipe.config.schema import Config, gated, tp_ring
 from megapipe.config.states import FLOAT32, compute_bytes
 
 FP8_BYTES = 1  # e4m3, gathered bit-cast to uint8
@@ -90,6 +90,14 @@ def casts_linear(cfg: Config, index: int | None, name: str) -> bool:
 def casts_weights(cfg: Config) -> bool:
     """Autocast casts float32 weights to a narrower compute dtype for every matmul."""
     return compute_bytes(cfg) != FLOAT32 and cfg.train.params_dtype == "float32"
+
+
+def ring_payloads(cfg: Config, index: int | None, name: str) -> bool:
+    """The tp ring gathers the column linear `name`'s input as FP8 payloads, one byte an
+    element (parallel/fp8_overlap.py: tensorwise scales, which its grad_W's xᵀ shares), and
+    the linear keeps them for backward."""
+    ring = tp_ring(cfg.parallel) and cfg.train.fp8 == "tensorwise"
+    return ring and casts_linear(cfg, index, name)
 
 
 def _mlp_weights(cfg: Config, name: str, ff: int) -> dict[str, Fp8Weight]:

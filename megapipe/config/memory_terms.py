@@ -102,7 +102,7 @@ from megapipe.config.flops import (
     is_moe_layer,
     segment_bounds,
 )
-from megapipe.config.fp8_weights import deferred_fp8
+from megapipe.config.fp8_weights import FP8_BYTES, deferred_fp8, ring_payloads
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
@@ -290,7 +290,7 @@ def layer_terms(
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
         terms |= mla_terms(cfg, x, core, device, compute_bytes(cfg))
     else:
-        terms["qkv input"] = x.n * m.d_model * compute_bytes(cfg)
+        terms["qkv input"] = x.n * m.d_model * column_input_bytes(cfg, index, "attn.qkv")
         terms |= _attention_terms(cfg, x, core, device, store)
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
@@ -404,11 +404,17 @@ def dense_mlp_terms(
     """What norm2 and layer `index`'s dense MLP save: the norm's tensors (its input alone
     where it reruns: `rerun_norm`), fc1's input, the activation's and fc2's input (what
     recompute.modules=mlp reruns in backward)."""
-    m, c = cfg.model, compute_bytes(cfg)
+    m = cfg.model
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
-    terms["fc1 input"] = x.n * m.d_model * c
+    terms["fc1 input"] = x.n * m.d_model * column_input_bytes(cfg, index, "mlp.fc1")
     terms |= _mlp_terms(cfg, x)
     return terms
+
+
+def column_input_bytes(cfg: Config, index: int | None, name: str) -> int:
+    """Bytes an element of the input the column linear `name` keeps for backward: the compute
+    dtype's, one under the tp ring's FP8 payloads (fp8_weights.ring_payloads)."""
+    return FP8_BYTES if ring_payloads(cfg, index, name) else compute_bytes(cfg)
 
 
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:

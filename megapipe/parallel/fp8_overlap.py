@@ -2,23 +2,26 @@
 with `parallel.tp_overlap`): tensor/overlap.py's chunked decomposition (Wang et al., ASPLOS
 2023) around parallel/fp8.py's FP8 matmuls, casting every element as one process does.
 
-- The ring moves high-precision pieces, as the bf16 path does, and each piece is cast where it
-  lands. A cast needs the scales of the whole tensor it belongs to, so a tensorwise scale's
-  amax is shared over tp (besides cp) before the ring starts (one scalar all-reduce; the
-  gathered tensor's amax is the MAX of its pieces'), and the row-local scales (rowwise: a
-  token's row; blockwise: a token's 1 x 128 tiles) come from each piece's own rows. The
-  matmuls then see the FP8 operands the non-overlapped path (SP's gather, then _Fp8Linear)
-  makes, and its float32 products.
+- A cast needs the scales of the whole tensor it belongs to, so a tensorwise scale's amax is
+  shared over tp (besides cp) before the ring starts (one scalar all-reduce; the gathered
+  tensor's amax is the MAX of its pieces'), and the row-local scales (rowwise: a token's row;
+  blockwise: a token's 1 x 128 tiles) come from each piece's own rows. The matmuls then see
+  the FP8 operands the non-overlapped path (SP's gather, then _Fp8Linear) makes, and its
+  float32 products.
+- Under tensorwise scales the column linear's ring moves its input's FP8 payloads (bit-cast
+  to uint8: gloo sends no float8), cast once before the ring, half the bytes of bf16 pieces,
+  as Transformer Engine's FP8 userbuffers do; it keeps the gathered payloads for grad_W,
+  whose xᵀ cast is their transpose (one scale either way). Rowwise and blockwise pieces move
+  in high precision and are cast where they land: grad_W's casts of them run their scales
+  along the other dimension and need the high-precision source.
 - Where the ring scatters products (the column linear's grad_x, the row linear's output), the
   whole local operand is cast once, as the non-overlapped path casts it, and each ring step
   multiplies its sequence chunk's rows of the cast (with the matching rows of row-local
   scales): the same products, summed over tp in the ring's order.
 - grad_W is the non-overlapped path's: the column linear keeps the gathered input its ring
-  delivered and the row linear the gathered output grad, high precision, and casts them for
-  the contraction over tokens in backward (or queues the cast operands for a Zero Bubble W,
-  parallel/fp8.weight_grad_or_queue). Gathering FP8 payloads instead (half the ring's bytes,
-  as Transformer Engine's FP8 userbuffers do) would leave grad_W's rowwise and blockwise
-  casts, whose scales run along the other dimension, without their high-precision source.
+  delivered (FP8 payloads under tensorwise) and the row linear the gathered output grad, high
+  precision, and casts them for the contraction over tokens in backward (or queues the cast
+  operands for a Zero Bubble W, parallel/fp8.weight_grad_or_queue).
 """
 
 from __future__ import annotations
@@ -58,14 +61,23 @@ class _Fp8GatherLinear(torch.autograd.Function):
         x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
         cast = fp8.piece_caster(_flat(x), E4M3, fp8.ins, tp.group)
         qw = weight_cast(ctx, weight, "forward")
+        payloads = fp8.granularity[0] == "tensorwise"
+        inv = None
+        if payloads:  # cast once here, the payloads travel (module docstring)
+            q, inv = cast(_flat(x))
+            sent = q.view(torch.uint8).reshape(x.shape)
+        else:
+            sent = x
 
         def product(piece):  # (B, T/tp, in) -> (B, T/tp, out/tp)
-            y = fp8.matmul(cast(_flat(piece)), qw)
+            flat = (_flat(piece).view(E4M3), inv) if payloads else cast(_flat(piece))
+            y = fp8.matmul(flat, qw)
             y = y if bias is None else y + bias.float()
             return y.to(x.dtype).reshape(*piece.shape[:-1], y.shape[-1])
 
         with torch.autocast(x.device.type, enabled=False):
-            pieces, outs = ring_gather(x, tp, product)
+            pieces, outs = ring_gather(sent, tp, product)
+        ctx.inv = inv  # the payloads' scale (a scalar), or None: high-precision pieces
         ctx.save_for_backward(torch.cat(pieces, SEQ_DIM), ctx.param)  # (B, T, in): for W
         return torch.cat(outs, SEQ_DIM)
 
@@ -82,7 +94,8 @@ class _Fp8GatherLinear(torch.autograd.Function):
 
         grad_x = ring_reduce_scatter(tp, part)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(_flat(x), g2))
+        qx = None if ctx.inv is None else (_flat(x).view(E4M3), ctx.inv)
+        grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(_flat(x), g2, qx))
         return grad_x, grad_w, grad_b, None
 
 

@@ -209,10 +209,13 @@ class CostModel(MoECosts):
         act = x.n * d * self.c
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
         if p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap:
-            # the ring casts each input before it sends (parallel/tensor/overlap.py)
-            ag, rs = self._tp("all_gather", act), self._tp("reduce_scatter", act)
+            # the ring casts each input before it sends (parallel/tensor/overlap.py; FP8
+            # payloads under tensorwise: config/comm_bytes.column_input_widths)
+            sent = x.n * d * self._column_widths(mlp_column(moe), moe)[0]
+            ag, rs = self._tp("all_gather", sent), self._tp("reduce_scatter", act)
+            ag_grad = self._tp("all_gather", act)
             splits = self.rt.tp_overlap_splits
-            f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp)
+            f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp, ag_grad)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
         tp_f, tp_b = self._tp_layer(x, moe)
         if not (self.rt.tp_async_wgrad and p.tp > 1):

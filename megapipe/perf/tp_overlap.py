@@ -27,28 +27,32 @@ from __future__ import annotations
 
 
 def exposed_tp(tp: int, ag: float, rs: float, fprop: list[float], dgrad: list[float],
-            wgrad: list[float], splits: int, mlp: bool = True) -> tuple[float, float]:  # fmt: skip
-    """Exposed seconds of one layer's forward and backward collectives (one all-gather `ag`,
-    one reduce-scatter `rs`); fprop, dgrad, wgrad: the qkv, proj, fc1, fc2 GEMMs' seconds;
-    `mlp` False: attention's alone (a MoE layer whose routed experts are whole on each rank)."""
+            wgrad: list[float], splits: int, mlp: bool = True,
+            ag_grad: float | None = None) -> tuple[float, float]:  # fmt: skip
+    """Exposed seconds of one layer's forward and backward collectives (one all-gather `ag` of
+    a column linear's input, `ag_grad` of a row linear's output grad, default `ag`; one
+    reduce-scatter `rs`); fprop, dgrad, wgrad: the qkv, proj, fc1, fc2 GEMMs' seconds; `mlp`
+    False: attention's alone (a MoE layer whose routed experts are whole on each rank)."""
     qkv, proj, fc1, fc2 = range(4)
     s = splits or tp
+    ag_grad = ag if ag_grad is None else ag_grad
     if not mlp:
         forward = max(0.0, ag - fprop[qkv] * (tp - 1) / tp)
         forward += max(rs / s, rs - fprop[proj] * (s - 1) / s)
-        return forward, max(0.0, ag - dgrad[proj] * (tp - 1) / tp) + max(0.0, rs - wgrad[qkv])
+        back = max(0.0, ag_grad - dgrad[proj] * (tp - 1) / tp)
+        return forward, back + max(0.0, rs - wgrad[qkv])
 
-    def ring(gemm: float) -> float:
-        return max(0.0, ag - gemm * (tp - 1) / tp)
+    def ring(gemm: float, gathered: float = ag) -> float:
+        return max(0.0, gathered - gemm * (tp - 1) / tp)
 
     def pipeline(gemm: float) -> float:
         return max(rs / s, rs - gemm * (s - 1) / s)
 
     forward = ring(fprop[qkv]) + pipeline(fprop[proj]) + ring(fprop[fc1]) + pipeline(fprop[fc2])
     backward = (
-        ring(dgrad[fc2])
+        ring(dgrad[fc2], ag_grad)
         + max(0.0, rs - wgrad[fc1])  # bulk: fc1's input grad beside its wgrad
-        + ring(dgrad[proj])
+        + ring(dgrad[proj], ag_grad)
         + max(0.0, rs - wgrad[qkv])
     )
     return forward, backward
