@@ -68,6 +68,7 @@ def tp_layer_ops(
     row_out: float,
     attention_inputs: tuple[tuple[float, float], ...],
     mlp_input: tuple[float, float] | None = None,
+    row_grads: tuple[float, float] | None = None,
 ) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
     et al. 2022 §4.2.2). Each input entering a column region is (sent, summed): the bytes SP
@@ -75,16 +76,18 @@ def tp_layer_ops(
     attention's are attention_column_inputs, the MLP's `mlp_input`, None in a MoE layer
     without shared experts: its routed experts are whole on every tp rank, models/moe.py);
     `row_out`: a row-parallel matmul's N·d output in the compute dtype, summed before the
-    bias and the residual add, its grad gathered under SP in the same. F sums attention's
-    and the MLP's partial outputs (SP: gathers each region's inputs, reduce-scatters the
-    sums), B sums the regions' input grads (SP: gathers the output grads, reduce-scatters
-    the input grads)."""
+    bias and the residual add, its grad gathered under SP in the same (`row_grads`: the
+    bytes of attention's and the MLP's output grad gathers where they differ,
+    row_grad_width). F sums attention's and the MLP's partial outputs (SP: gathers each
+    region's inputs, reduce-scatters the sums), B sums the regions' input grads (SP: gathers
+    the output grads, reduce-scatters the input grads)."""
     regions = [attention_inputs] + ([(mlp_input,)] if mlp_input else [])
+    grads = row_grads or (row_out, row_out)
     f, b = [], []
-    for inputs in regions:
+    for inputs, grad in zip(regions, grads, strict=False):
         if sequence_parallel:
             f += [*(("all_gather", sent) for sent, _ in inputs), ("reduce_scatter", row_out)]
-            b += [("all_gather", row_out), *(("reduce_scatter", summed) for _, summed in inputs)]
+            b += [("all_gather", grad), *(("reduce_scatter", summed) for _, summed in inputs)]
         else:
             f.append(("all_reduce", row_out))
             b += [("all_reduce", summed) for _, summed in inputs]
@@ -128,6 +131,13 @@ def column_input_widths(cfg: Config, index: int | None, name: str, act: int, res
     if tp_ring(cfg.parallel):
         return (FP8_BYTES if ring_payloads(cfg, index, name) else act), act
     return (residual if casts_linear(cfg, index, name) else act), residual
+
+
+def row_grad_width(cfg: Config, index: int | None, name: str, act: int) -> int:
+    """Bytes an element of the row-parallel linear `name`'s output grad is gathered in under
+    SP: the compute dtype's, one where the tp ring moves it as FP8 payloads
+    (fp8_weights.ring_payloads)."""
+    return FP8_BYTES if ring_payloads(cfg, index, name) else act
 
 
 def mlp_column(moe: bool) -> str:
@@ -289,7 +299,9 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     widths = partial(column_input_widths, cfg, index, act=w.act, residual=w.p2p)
     inputs = tuple(_scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
     mlp_in = _scaled(nd, widths(mlp_column(moe))) if mlp else None
-    ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in)
+    row = "mlp.shared.fc2" if moe else "mlp.fc2"
+    grads = tuple(nd * row_grad_width(cfg, index, n, w.act) for n in ("attn.proj", row))
+    ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in, grads)
     f, b = (ring_ops(cfg, each) for each in ops)
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:

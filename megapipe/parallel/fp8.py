@@ -150,12 +150,15 @@ class Fp8Linear:
             return quantize(weight, E4M3, wgt, Groups(self.outs, self.ins))
         return quantize(weight.t(), E4M3, wgt, Groups(self.ins, self.outs))
 
-    def weight_grad_operands(self, x2, g2, qx=None) -> tuple:
+    def weight_grad_operands(self, x2, g2, qx=None, qg=None) -> tuple:
         """grad_W's operands quantized for a contraction over tokens: (gᵀ, xᵀ) with scales;
-        `qx`: x already cast with one tensorwise scale (the tp ring's FP8 payloads,
-        fp8_overlap.py), whose transpose is xᵀ's cast."""
+        `qx`, `qg`: x or g already cast with one tensorwise scale (the tp ring's FP8
+        payloads, fp8_overlap.py), whose transpose is xᵀ's or gᵀ's cast."""
         act, _ = self.granularity
-        qg = quantize(g2.t(), E5M2, act, Groups(self.outs, self.tokens))
+        if qg is None:
+            qg = quantize(g2.t(), E5M2, act, Groups(self.outs, self.tokens))
+        else:
+            qg = (qg[0].t(), qg[1])
         if qx is not None:
             return qg, (qx[0].t(), qx[1])
         return qg, quantize(x2.t(), E4M3, act, Groups(self.ins, self.tokens))

@@ -8,12 +8,13 @@ with `parallel.tp_overlap`): tensor/overlap.py's chunked decomposition (Wang et 
   blockwise: a token's 1 x 128 tiles) come from each piece's own rows. The matmuls then see
   the FP8 operands the non-overlapped path (SP's gather, then _Fp8Linear) makes, and its
   float32 products.
-- Under tensorwise scales the column linear's ring moves its input's FP8 payloads (bit-cast
-  to uint8: gloo sends no float8), cast once before the ring, half the bytes of bf16 pieces,
-  as Transformer Engine's FP8 userbuffers do; it keeps the gathered payloads for grad_W,
-  whose xᵀ cast is their transpose (one scale either way). Rowwise and blockwise pieces move
-  in high precision and are cast where they land: grad_W's casts of them run their scales
-  along the other dimension and need the high-precision source.
+- Under tensorwise scales the ring moves FP8 payloads (bit-cast to uint8: gloo sends no
+  float8), cast once before the ring, half the bytes of bf16 pieces, as Transformer Engine's
+  FP8 userbuffers gather (`payloads`): the column linear's input, kept gathered for grad_W,
+  whose xᵀ cast is its transpose (one scale either way), and the row linear's output grad,
+  whose gᵀ cast likewise. Rowwise and blockwise pieces move in high precision and are cast
+  where they land: grad_W's casts of them run their scales along the other dimension and
+  need the high-precision source.
 - Where the ring scatters products (the column linear's grad_x, the row linear's output), the
   whole local operand is cast once, as the non-overlapped path casts it, and each ring step
   multiplies its sequence chunk's rows of the cast (with the matching rows of row-local
@@ -61,16 +62,10 @@ class _Fp8GatherLinear(torch.autograd.Function):
         x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
         cast = fp8.piece_caster(_flat(x), E4M3, fp8.ins, tp.group)
         qw = weight_cast(ctx, weight, "forward")
-        payloads = fp8.granularity[0] == "tensorwise"
-        inv = None
-        if payloads:  # cast once here, the payloads travel (module docstring)
-            q, inv = cast(_flat(x))
-            sent = q.view(torch.uint8).reshape(x.shape)
-        else:
-            sent = x
+        sent, inv = payloads(fp8, cast, x)
 
         def product(piece):  # (B, T/tp, in) -> (B, T/tp, out/tp)
-            flat = (_flat(piece).view(E4M3), inv) if payloads else cast(_flat(piece))
+            flat = (_flat(piece).view(E4M3), inv) if inv is not None else cast(_flat(piece))
             y = fp8.matmul(flat, qw)
             y = y if bias is None else y + bias.float()
             return y.to(x.dtype).reshape(*piece.shape[:-1], y.shape[-1])
@@ -125,15 +120,28 @@ class _Fp8LinearScatter(torch.autograd.Function):
         fp8, owner = ctx.fp8, ctx.owner
         cast = fp8.piece_caster(_flat(grad_out), E5M2, fp8.outs, owner.tp.group)
         qw_t = weight_cast(ctx, weight, "dgrad")
+        sent, inv = payloads(fp8, cast, grad_out)
 
         def rows(piece):  # (B, T/tp, out) -> grad_x's rows (B, T/tp, in/tp)
-            out = fp8.matmul(cast(_flat(piece)), qw_t).to(ctx.in_dtype)
+            flat = (_flat(piece).view(E5M2), inv) if inv is not None else cast(_flat(piece))
+            out = fp8.matmul(flat, qw_t).to(ctx.in_dtype)
             return out.reshape(*piece.shape[:-1], out.shape[-1])
 
-        pieces, grad_x = ring_gather(grad_out, owner.tp, rows)
+        pieces, grad_x = ring_gather(sent, owner.tp, rows)
         g2 = _flat(torch.cat(pieces, SEQ_DIM))
-        grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(_flat(x), g2))
+        qg = None if inv is None else (g2.view(E5M2), inv)
+        grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(_flat(x), g2, qg=qg))
         return torch.cat(grad_x, SEQ_DIM), grad_w, None
+
+
+def payloads(fp8, cast, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the ring sends of `local`: under tensorwise scales its cast, once, as uint8
+    payloads (gloo sends no float8), and the one scale they share; else `local` itself, cast
+    piece by piece where it lands (module docstring), and None."""
+    if fp8.granularity[0] != "tensorwise":
+        return local, None
+    q, inv = cast(_flat(local))
+    return q.view(torch.uint8).reshape(local.shape), inv
 
 
 def fp8_gather_linear(x, weight, bias, owner: nn.Module) -> torch.Tensor:

@@ -73,9 +73,11 @@ from megapipe.config.comm_bytes import (
     mlp_rerun_ops,
     recompute_skips_output_sum,
     routing_count_ops,
+    row_grad_width,
     tp_layer_ops,
 )
 from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
+from megapipe.config.fp8_weights import ring_payloads
 from megapipe.config.memory_terms import (
     attention_path,
     head_chunk_rows,
@@ -189,9 +191,16 @@ class CostModel(MoECosts):
         """(sent, summed) bytes an element of a norm's output enters the column linear `name`
         in and has its grad summed in (config/comm_bytes.column_input_widths), in the first
         layer of its kind (MoE or dense): the layers this model prices as one."""
+        index = self._first_of_kind(moe)
+        sent, summed = column_input_widths(self.cfg, index, name, self.c, self.r)
+        if ring_payloads(self.cfg, index, name) and not self.rt.fp8_ring_payloads:
+            sent = self.c  # high-precision pieces (Runtime.fp8_ring_payloads)
+        return sent, summed
+
+    def _first_of_kind(self, moe: bool) -> int | None:
+        """The index of the model's first MoE (or dense) layer: the layers priced as one."""
         m = self.cfg.model
-        index = next((i for i in range(m.n_layers) if is_moe_layer(m, i) == moe), None)
-        return column_input_widths(self.cfg, index, name, self.c, self.r)
+        return next((i for i in range(m.n_layers) if is_moe_layer(m, i) == moe), None)
 
     def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
         """The F and B seconds of a layer's tp collectives (_tp_ops), not overlapped."""
@@ -213,7 +222,10 @@ class CostModel(MoECosts):
             # payloads under tensorwise: config/comm_bytes.column_input_widths)
             sent = x.n * d * self._column_widths(mlp_column(moe), moe)[0]
             ag, rs = self._tp("all_gather", sent), self._tp("reduce_scatter", act)
-            ag_grad = self._tp("all_gather", act)
+            index, name = self._first_of_kind(moe), "mlp.shared.fc2" if moe else "mlp.fc2"
+            row = row_grad_width(self.cfg, index, name, self.c)
+            row = row if self.rt.fp8_ring_payloads else self.c
+            ag_grad = self._tp("all_gather", x.n * d * row)
             splits = self.rt.tp_overlap_splits
             f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp, ag_grad)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)

@@ -184,6 +184,14 @@ class Runtime:
     # "delayed" (Transformer Engine's DelayedScaling: casts fused with the norm or with the
     # transpose, weights cast once a step, one batched amax all-reduce per model chunk)
     fp8_scaling: str = "current"
+    # the tp ring gathers tensorwise FP8 operands as one-byte payloads, the column linears'
+    # inputs and the row linears' output grads (ours: parallel/fp8_overlap.payloads).
+    # Transformer Engine's userbuffers gather FP8 as well (initialize_ub: "AllGather buffers
+    # use fp8 when using fp8 recipe"), but its rows are priced in high precision: with
+    # payloads the held-out FP8 rows project 8.7% mean / 20.5% max, faster than measured at
+    # scale, which points at a cost the FP8 model misses there (docs/benchmarks/
+    # 2026-12-01-sp-gather-and-fp8-saves-cpu.md)
+    fp8_ring_payloads: bool = False
 
 
 MEGAPIPE = Runtime(
@@ -195,6 +203,7 @@ MEGAPIPE = Runtime(
     fused_elementwise=False,
     weight_cast_bytes=6.0,
     backward_weight_casts=True,  # parallel/autograd/weight_grad.save_operands
+    fp8_ring_payloads=True,  # parallel/fp8_overlap.payloads
     grad_accum_bytes=18.0,
     p2p_bytes=4,  # likewise
     p2p_scatter_gather=False,
