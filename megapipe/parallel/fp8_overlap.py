@@ -20,9 +20,9 @@ with `parallel.tp_overlap`): tensor/overlap.py's chunked decomposition (Wang et 
   multiplies its sequence chunk's rows of the cast (with the matching rows of row-local
   scales): the same products, summed over tp in the ring's order.
 - grad_W is the non-overlapped path's: the column linear keeps the gathered input its ring
-  delivered (FP8 payloads under tensorwise) and the row linear the gathered output grad, high
-  precision, and casts them for the contraction over tokens in backward (or queues the cast
-  operands for a Zero Bubble W, parallel/fp8.weight_grad_or_queue).
+  delivered and the row linear takes the output grad its backward ring gathers, each cast
+  for the contraction over tokens in backward (under tensorwise the payloads read
+  transposed), or queued so for a Zero Bubble W (parallel/fp8.weight_grad_or_queue).
 """
 
 from __future__ import annotations
