@@ -79,3 +79,29 @@ def test_zero3_plan_bounds_the_measured_peak(tmp_path):
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.zero=3"])
     (r,) = fake_ranks(cfg, "0")["ranks"]
     assert r["most_by_kind"]["grads"] > 0 and r["peak_bytes"] <= r["plan_peak_bytes"]
+
+
+SP2 = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.fp8=tensorwise"]
+ARCHS = {
+    "dense": [],
+    "mla": ["--model.arch=deepseek_v3"],
+    "shared_experts": ["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2",
+                       "--model.moe_shared_experts=1"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_ring_payloads_save_what_the_plan_says(tmp_path, arch):
+    """Under tensorwise FP8 the tp ring keeps each column linear's input as its one-byte
+    payloads (parallel/fp8_overlap.payloads): qkv's and fc1's, latent attention's q_b and
+    kv_b, the shared experts' fc1 (config/tp_widths.column_input_bytes). The peak the ring
+    saves against plain SP is the plan's saving, up to the payloads' scales (bytes)."""
+
+    def peaks(extra):
+        cfg = load_config(TINY, [f"--run.dir={tmp_path}", *SP2, *ARCHS[arch], *extra])
+        (r,) = fake_ranks(cfg, "0")["ranks"]
+        return r["peak_bytes"], r["plan_peak_bytes"]
+
+    (ring, ring_plan), (plain, plain_plan) = peaks(["--parallel.tp_overlap=true"]), peaks([])
+    saved, planned = plain - ring, plain_plan - ring_plan
+    assert saved > 0 and abs(planned - saved) <= 0.05 * saved, (saved, planned)

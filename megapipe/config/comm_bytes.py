@@ -29,9 +29,7 @@ from megapipe.config.fp8_weights import (
     FP8_BYTES,
     SCALE_BYTES,
     amax_entries,
-    casts_linear,
     fp8_params,
-    ring_payloads,
     weight_granularity,
 )
 from megapipe.config.memory_terms import rank_dims
@@ -46,6 +44,14 @@ from megapipe.config.states import (
     replicas,
     shard_copies,
     state_layout,
+)
+from megapipe.config.tp_widths import (
+    attention_column_inputs,
+    column_input_widths,
+    mlp_column,
+    mlp_row,
+    row_grad_width,
+    scaled,
 )
 from megapipe.plan.actions import FORWARD
 
@@ -92,58 +98,6 @@ def tp_layer_ops(
             f.append(("all_reduce", row_out))
             b += [("all_reduce", summed) for _, summed in inputs]
     return f, b
-
-
-ColumnWidths = Callable[[str], tuple[int, int]]  # a column linear's name -> (sent, summed) bytes
-
-
-def attention_column_inputs(m, widths: ColumnWidths, act: int) -> tuple[tuple[int, int], ...]:
-    """(sent, summed) bytes per token of each input that enters attention's column region:
-    a norm's output as `widths` gives it for the linear it enters (column_input_widths), a
-    projection's in the compute dtype's `act` bytes both ways. The norm's output (d_model)
-    enters qkv, or under latent attention (models/mla.py) the query latent after its norm
-    (or norm1's output, d_model, without a query LoRA) enters q_b, the normed kv latent
-    kv_b, and the shared rope key (a projection's output) is gathered on its own, each made
-    on the rank's own tokens by the down projections whole on every tp rank."""
-    if m.arch != "deepseek_v3":
-        return (_scaled(m.d_model, widths("attn.qkv")),)
-    q, rope = m.q_lora_rank or m.d_model, m.qk_rope_head_dim * act
-    return (
-        _scaled(q, widths("attn.q_b")),
-        _scaled(m.kv_lora_rank, widths("attn.kv_b")),
-        (rope, rope),
-    )
-
-
-def _scaled(k: int, pair: tuple[int, int]) -> tuple[int, int]:
-    """A (sent, summed) pair of bytes times `k` (elements, or tokens)."""
-    return k * pair[0], k * pair[1]
-
-
-def column_input_widths(cfg: Config, index: int | None, name: str, act: int, residual: int):
-    """(sent, summed): bytes an element of a norm's output (the residual stream's, `residual`
-    bytes) travels in to the column-parallel linear `name` of layer `index` (None: a main
-    layer's) under SP, and bytes its grad is summed in over tp. Plain: gathered in the
-    linear's compute dtype, `act`, cast first (ColumnParallelLinear._gather_dtype; an FP8
-    linear's in the stream's), the grad summed in the input's own dtype. The tp ring
-    (parallel/tensor/overlap.py) casts before it sends and sums the grads it makes, both in
-    `act`, but for an FP8 linear's tensorwise payloads (fp8_weights.ring_payloads)."""
-    if tp_ring(cfg.parallel):
-        return (FP8_BYTES if ring_payloads(cfg, index, name) else act), act
-    return (residual if casts_linear(cfg, index, name) else act), residual
-
-
-def row_grad_width(cfg: Config, index: int | None, name: str, act: int) -> int:
-    """Bytes an element of the row-parallel linear `name`'s output grad is gathered in under
-    SP: the compute dtype's, one where the tp ring moves it as FP8 payloads
-    (fp8_weights.ring_payloads)."""
-    return FP8_BYTES if ring_payloads(cfg, index, name) else act
-
-
-def mlp_column(moe: bool) -> str:
-    """The name of the column linear an MLP's input enters: fc1, or in a MoE layer its
-    shared experts' (fp8_weights._layer_named)."""
-    return "mlp.shared.fc1" if moe else "mlp.fc1"
 
 
 def tp_embedding_ops(sequence_parallel: bool, out: float) -> tuple[list[Op], list[Op]]:
@@ -297,10 +251,9 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     nd, moe = x.n * m.d_model, is_moe_layer(m, index)
     mlp = not moe or m.moe_shared_experts > 0
     widths = partial(column_input_widths, cfg, index, act=w.act, residual=w.p2p)
-    inputs = tuple(_scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
-    mlp_in = _scaled(nd, widths(mlp_column(moe))) if mlp else None
-    row = "mlp.shared.fc2" if moe else "mlp.fc2"
-    grads = tuple(nd * row_grad_width(cfg, index, n, w.act) for n in ("attn.proj", row))
+    inputs = tuple(scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
+    mlp_in = scaled(nd, widths(mlp_column(moe))) if mlp else None
+    grads = tuple(nd * row_grad_width(cfg, index, n, w.act) for n in ("attn.proj", mlp_row(moe)))
     ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in, grads)
     f, b = (ring_ops(cfg, each) for each in ops)
     f = [*f, *routing_count_ops(cfg, moe, "tp")]

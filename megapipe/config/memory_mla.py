@@ -26,13 +26,15 @@ probabilities as memory_terms' math path prices them.
 from __future__ import annotations
 
 from megapipe.config.schema import Config
+from megapipe.config.states import compute_bytes
+from megapipe.config.tp_widths import column_input_bytes
 
 FLOAT32 = 4
 
 
-def mla_terms(cfg: Config, x, mode: str, device: str, c: int) -> dict[str, float]:
-    """The attention terms of one deepseek_v3 layer (module docstring); `x` a RankDims."""
-    m, p = cfg.model, cfg.parallel
+def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict[str, float]:
+    """The attention terms of deepseek_v3 layer `index` (module docstring); `x` a RankDims."""
+    m, p, c = cfg.model, cfg.parallel, compute_bytes(cfg)
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     padded = v < qk and (device == "cuda" or p.cp > 1)
     # unpadded, the kernel's v is a view of kv_b's output [k_nope | v] and keeps all of it
@@ -42,7 +44,7 @@ def mla_terms(cfg: Config, x, mode: str, device: str, c: int) -> dict[str, float
     terms = {
         "down projection inputs": downs * x.ns * m.d_model * c,
         "latent norms": x.ns * (ranks * FLOAT32 + downs * FLOAT32),
-        "up projection inputs": x.n * (ranks + (0 if m.q_lora_rank else m.d_model)) * c,
+        "up projection inputs": x.n * _up_input_bytes(cfg, index),
         "rope cos, sin": 2 * x.q * m.qk_rope_head_dim * FLOAT32,
         "q, k, v": x.n * x.h * (2 * qk + v_kernel) * c,
     }
@@ -55,6 +57,15 @@ def mla_terms(cfg: Config, x, mode: str, device: str, c: int) -> dict[str, float
             terms["attention probs"] = scores * FLOAT32 * 3
     terms["proj input"] = x.n * x.h * v * c
     return terms
+
+
+def _up_input_bytes(cfg: Config, index: int | None) -> int:
+    """Bytes a token of the up projections' inputs is kept in: the query latent (or the layer
+    input without a query LoRA) q_b reads and the kv latent kv_b reads, each in the compute
+    dtype or as the tp ring's FP8 payloads (config/tp_widths.column_input_bytes)."""
+    m = cfg.model
+    q = (m.q_lora_rank or m.d_model) * column_input_bytes(cfg, index, "attn.q_b")
+    return q + m.kv_lora_rank * column_input_bytes(cfg, index, "attn.kv_b")
 
 
 def mla_weight_elements(cfg: Config, x) -> int:

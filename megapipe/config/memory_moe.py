@@ -36,6 +36,7 @@ from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
 from megapipe.config.fp8_weights import expert_deferred_fp8
 from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32, compute_bytes
+from megapipe.config.tp_widths import column_input_bytes
 
 INDEX = 8  # int64 indices
 
@@ -48,8 +49,9 @@ def moe_terms(
     c: int,
     tp: int,
     segmented: bool = False,
+    index: int | None = None,
 ) -> dict[str, float]:
-    """A MoE layer's MLP terms for `tokens` (Nₛ) rows of `rows_b`
+    """MoE layer `index`'s MLP terms for `tokens` (Nₛ) rows of `rows_b`
     sequences on this rank; `gathered` (N) rows enter the shared experts' column linear (its
     SP all-gather), whose width is split over `tp`; `c` the compute dtype's bytes;
     `segmented`: a Seq1F1B segment, whose shares are made in backward from the records
@@ -72,10 +74,12 @@ def moe_terms(
         terms |= segment_records(cfg, rows_b)
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
-        # its fc1 input: the router's float32 input itself, unless cast or SP-gathered
-        copied = c != FLOAT32 or gathered != tokens
+        # its fc1 input: the router's float32 input itself, unless cast, SP-gathered or kept
+        # as the tp ring's FP8 payloads (config/tp_widths.column_input_bytes)
+        kept = column_input_bytes(cfg, index, "mlp.shared.fc1")
+        copied = kept != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
-        terms["shared experts"] = (gathered * d * c if copied else 0) + hidden
+        terms["shared experts"] = (gathered * d * kept if copied else 0) + hidden
     return terms
 
 

@@ -102,11 +102,12 @@ from megapipe.config.flops import (
     is_moe_layer,
     segment_bounds,
 )
-from megapipe.config.fp8_weights import FP8_BYTES, deferred_fp8, ring_payloads
+from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
 from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes
+from megapipe.config.tp_widths import column_input_bytes
 
 INDEX = 8  # int64 token ids and targets
 
@@ -288,7 +289,7 @@ def layer_terms(
     rerun_norms = "layernorm" in parts
     terms = norm_terms(cfg, "norm1", x.ns, device, rerun_norms)
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
-        terms |= mla_terms(cfg, x, core, device, compute_bytes(cfg))
+        terms |= mla_terms(cfg, x, core, device, index)
     else:
         terms["qkv input"] = x.n * m.d_model * column_input_bytes(cfg, index, "attn.qkv")
         terms |= _attention_terms(cfg, x, core, device, store)
@@ -296,7 +297,7 @@ def layer_terms(
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
         terms |= norm_terms(cfg, "norm2", x.ns, device, rerun_norms)
-        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented)
+        terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented, index)
     elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
@@ -409,12 +410,6 @@ def dense_mlp_terms(
     terms["fc1 input"] = x.n * m.d_model * column_input_bytes(cfg, index, "mlp.fc1")
     terms |= _mlp_terms(cfg, x)
     return terms
-
-
-def column_input_bytes(cfg: Config, index: int | None, name: str) -> int:
-    """Bytes an element of the input the column linear `name` keeps for backward: the compute
-    dtype's, one under the tp ring's FP8 payloads (fp8_weights.ring_payloads)."""
-    return FP8_BYTES if ring_payloads(cfg, index, name) else compute_bytes(cfg)
 
 
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:

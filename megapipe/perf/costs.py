@@ -67,13 +67,9 @@ from functools import partial
 
 from megapipe.config import Config
 from megapipe.config.comm_bytes import (
-    attention_column_inputs,
-    column_input_widths,
-    mlp_column,
     mlp_rerun_ops,
     recompute_skips_output_sum,
     routing_count_ops,
-    row_grad_width,
     tp_layer_ops,
 )
 from megapipe.config.flops import attention_params, down_projection_params, is_moe_layer
@@ -86,6 +82,14 @@ from megapipe.config.memory_terms import (
     tied_lookup_with_head,
 )
 from megapipe.config.schema import gated, layer_mode, recompute_modules, tp_ring
+from megapipe.config.tp_widths import (
+    attention_column_inputs,
+    casts_before_gather,
+    column_input_widths,
+    mlp_column,
+    mlp_row,
+    row_grad_width,
+)
 from megapipe.perf.cluster import Cluster, Link
 from megapipe.perf.comm import (
     all_to_all_time,
@@ -142,6 +146,9 @@ class CostModel(MoECosts):
             self.attention = attention_path(cfg, cluster.device)
         else:
             self.attention = attention_path(cfg, cluster.device) if p.cp > 1 else runtime.attention
+        # the first MoE and dense layers' indices: the layers this model prices as one
+        self._first = {k: next((i for i in range(m.n_layers) if is_moe_layer(m, i) == k), None)
+                       for k in (False, True)}  # fmt: skip
         self._cache: dict = {}
 
     # -- collectives -------------------------------------------------------------------------
@@ -170,37 +177,43 @@ class CostModel(MoECosts):
 
     def _tp_ops(self, x: Shapes, moe: bool = False) -> tuple[list, list]:
         """A layer's tp collectives (F, B) as config/comm_bytes.tp_layer_ops sizes them (the one
-        source of their bytes): the norms' outputs gathered and their grads summed in the
-        runtime's residual dtype, the row-parallel outputs and their grads in the compute
-        dtype; a MoE layer without shared experts has attention's alone (its routed experts
-        are whole on every tp rank)."""
-        p, d, c = self.cfg.parallel, self.cfg.model.d_model, self.c
+        source of their bytes): each column input as it is gathered and its grad summed
+        (_column_widths), the row-parallel outputs in the compute dtype and their grads as
+        gathered (_row_grad_width); a MoE layer without shared experts has attention's alone
+        (its routed experts are whole on every tp rank)."""
+        p, nd = self.cfg.parallel, x.n * self.cfg.model.d_model
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
         widths = partial(self._column_widths, moe=moe)
-        inputs = attention_column_inputs(self.cfg.model, widths, c)
+        inputs = attention_column_inputs(self.cfg.model, widths, self.c)
         mlp_in = widths(mlp_column(moe)) if mlp else None
         f, b = tp_layer_ops(
             p.sequence_parallel,
-            x.n * d * c,
+            nd * self.c,
             tuple((x.n * sent, x.n * summed) for sent, summed in inputs),
-            (x.n * d * mlp_in[0], x.n * d * mlp_in[1]) if mlp_in else None,
+            (nd * mlp_in[0], nd * mlp_in[1]) if mlp_in else None,
+            tuple(nd * self._row_grad_width(n, moe) for n in ("attn.proj", mlp_row(moe))),
         )
         return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
 
     def _column_widths(self, name: str, moe: bool) -> tuple[int, int]:
         """(sent, summed) bytes an element of a norm's output enters the column linear `name`
-        in and has its grad summed in (config/comm_bytes.column_input_widths), in the first
-        layer of its kind (MoE or dense): the layers this model prices as one."""
-        index = self._first_of_kind(moe)
-        sent, summed = column_input_widths(self.cfg, index, name, self.c, self.r)
-        if ring_payloads(self.cfg, index, name) and not self.rt.fp8_ring_payloads:
-            sent = self.c  # high-precision pieces (Runtime.fp8_ring_payloads)
-        return sent, summed
+        in and has its grad summed in (config/tp_widths.column_input_widths), in the first
+        layer of its kind (MoE or dense)."""
+        sent, summed = column_input_widths(self.cfg, self._first[moe], name, self.c, self.r)
+        return self._ring_width(name, moe, sent), summed
 
-    def _first_of_kind(self, moe: bool) -> int | None:
-        """The index of the model's first MoE (or dense) layer: the layers priced as one."""
-        m = self.cfg.model
-        return next((i for i in range(m.n_layers) if is_moe_layer(m, i) == moe), None)
+    def _row_grad_width(self, name: str, moe: bool) -> int:
+        """Bytes an element of the row linear `name`'s output grad is gathered in
+        (config/tp_widths.row_grad_width), in the first layer of its kind."""
+        width = row_grad_width(self.cfg, self._first[moe], name, self.c)
+        return self._ring_width(name, moe, width)
+
+    def _ring_width(self, name: str, moe: bool, width: int) -> int:
+        """`width`, or the compute dtype's where the code's FP8 ring payloads are not the
+        runtime's (Runtime.fp8_ring_payloads: it moves high-precision pieces)."""
+        if ring_payloads(self.cfg, self._first[moe], name) and not self.rt.fp8_ring_payloads:
+            return self.c
+        return width
 
     def _tp_layer(self, x: Shapes, moe: bool = False) -> tuple[float, float]:
         """The F and B seconds of a layer's tp collectives (_tp_ops), not overlapped."""
@@ -219,13 +232,10 @@ class CostModel(MoECosts):
         mlp = not moe or self.cfg.model.moe_shared_experts > 0
         if p.tp > 1 and p.sequence_parallel and p.tp_overlap and self.rt.tp_comm_overlap:
             # the ring casts each input before it sends (parallel/tensor/overlap.py; FP8
-            # payloads under tensorwise: config/comm_bytes.column_input_widths)
+            # payloads under tensorwise: config/tp_widths.column_input_widths)
             sent = x.n * d * self._column_widths(mlp_column(moe), moe)[0]
             ag, rs = self._tp("all_gather", sent), self._tp("reduce_scatter", act)
-            index, name = self._first_of_kind(moe), "mlp.shared.fc2" if moe else "mlp.fc2"
-            row = row_grad_width(self.cfg, index, name, self.c)
-            row = row if self.rt.fp8_ring_payloads else self.c
-            ag_grad = self._tp("all_gather", x.n * d * row)
+            ag_grad = self._tp("all_gather", x.n * d * self._row_grad_width(mlp_row(moe), moe))
             splits = self.rt.tp_overlap_splits
             f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp, ag_grad)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
@@ -331,10 +341,10 @@ class CostModel(MoECosts):
     def _norm_bytes(self, x: Shapes) -> float:
         """HBM bytes of one norm's forward over the layer's rows (with autocast's cast of its
         output for the linear after it, unless fused: of the rank's own tokens where the cast
-        comes before SP's gather, config/comm_bytes.column_input_widths)."""
+        comes before SP's gather, config/tp_widths.casts_before_gather)."""
         d, c, r = self.cfg.model.d_model, self.c, self.r
         norm_out = c if self.rt.fused_elementwise and not self.rt.autocast_casts else 4
-        cast_first = self._column_widths(mlp_column(False), False)[0] == c
+        cast_first = casts_before_gather(self.cfg, self._first[False], mlp_column(False))
         cast = (x.ns if cast_first else x.n) * d * (4 + c) if self.rt.autocast_casts else 0
         return x.ns * d * (r + norm_out) + cast
 
