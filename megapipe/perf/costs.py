@@ -403,22 +403,8 @@ class CostModel(MoECosts):
         act = None if self.llama or not self.host else self.host.gelu(x.n * x.ff, self.c)
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
-        gemms = self.gemm_shapes(x, moe)
-        runs = zip(gemms, self._gemm_batches(len(gemms), moe))
-        fprop, dgrad, wgrad = [], [], []
-        casts = [0.0, 0.0, 0.0]  # train.fp8's cast passes before F, B, W (perf/fp8_costs.py)
-        cast = fp8_gemms(self.cfg, len(gemms), moe) if self.fp8 else [False] * len(gemms)
+        fprop, dgrad, wgrad, casts = self._gemm_seconds(x, moe)
         scaling = self.rt.fp8_scaling
-        micro, apart = weight_cast_terms(self.cfg, scaling)  # a weight's cast kept, Wᵀ's
-        for i, ((m, n, k), b) in enumerate(runs):
-            on, elt = dev, self.c
-            if cast[i]:  # an FP8 GEMM (not the router's, nor kept experts')
-                on, elt = self.fp8[0], self.fp8[1] or self.c
-                passes = cast_bytes(m, n, k, self.c, scaling, after_norm(i, moe), micro, apart)
-                casts = [a + b * x for a, x in zip(casts, passes)]
-            fprop.append(on.gemm(m, n, k, b, elt))
-            dgrad.append(on.gemm(m, k, n, b, elt))
-            wgrad.append(on.gemm(k, n, m, b, elt))
         etp, hide = self._expert_tp(x, moe), self._shared_hidden(moe, ep, fprop, dgrad, wgrad)
         # under tp overlap a MoE layer's MLP collectives are priced beside its routed experts'
         # GEMMs (the router's skipped): qkv, proj, fc1, fc2 in the order tp_overlap reads
@@ -451,26 +437,55 @@ class CostModel(MoECosts):
         f, b = self._skewed(f), self._skewed(b)
         if mode == "full":
             b = b + self._recomputed(f, x, moe)
-        elif mode == "selective" and self.rt.selective_recompute == "op":
-            # torchtitan's per-op policy: every op's output saved (attention's too) but every
-            # second matmul's, so backward reruns half the forward GEMMs and the elementwise ops
-            b = b + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
         elif mode == "selective":
-            parts = recompute_modules(self.cfg.recompute)
-            mlp = "mlp" in parts and not moe
-            if "core_attn" in parts:
-                b = b + Work(compute=attn_f, cp=cp_f)
-            if mlp and self.rt.selective_recompute == "mlpwi":
-                # MaxText's save_dot_except_mlpwi: fc1's dot and every element-wise op again
-                # (the norms' too), fc2's output saved
-                b = b + Work(compute=fprop[2] + dev.mem(elem) + act_f)
-            elif mlp:
-                b = b + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
-            if "layernorm" in parts and not (mlp and self.rt.selective_recompute == "mlpwi"):
-                # each norm's forward again (norm2's is in the MLP's rerun where it reruns)
-                b = b + Work(compute=dev.mem((1 if mlp else 2) * self._norm_bytes(x)))
+            b = self._with_selective_rerun(b, x, moe, fprop, elem, act_f, (attn_f, cp_f))
         out = self._cache[key] = BlockCosts(f, b, w)
         return out
+
+    def _gemm_seconds(self, x: Shapes, moe: bool) -> tuple[list, list, list, list]:
+        """Each of a layer's GEMMs' F, B and W seconds (gemm_shapes, batched as the runtime
+        runs them), on the FP8 device where train.fp8 casts it, and the cast passes that feed
+        them before F, B and W (perf/fp8_costs.py)."""
+        gemms = self.gemm_shapes(x, moe)
+        runs = zip(gemms, self._gemm_batches(len(gemms), moe))
+        fprop, dgrad, wgrad = [], [], []
+        casts = [0.0, 0.0, 0.0]
+        cast = fp8_gemms(self.cfg, len(gemms), moe) if self.fp8 else [False] * len(gemms)
+        scaling = self.rt.fp8_scaling
+        micro, apart = weight_cast_terms(self.cfg, scaling)  # a weight's cast kept, Wᵀ's
+        for i, ((m, n, k), b) in enumerate(runs):
+            on, elt = self.dev, self.c
+            if cast[i]:  # an FP8 GEMM (not the router's, nor kept experts')
+                on, elt = self.fp8[0], self.fp8[1] or self.c
+                passes = cast_bytes(m, n, k, self.c, scaling, after_norm(i, moe), micro, apart)
+                casts = [a + b * x for a, x in zip(casts, passes)]
+            fprop.append(on.gemm(m, n, k, b, elt))
+            dgrad.append(on.gemm(m, k, n, b, elt))
+            wgrad.append(on.gemm(k, n, m, b, elt))
+        return fprop, dgrad, wgrad, casts
+
+    def _with_selective_rerun(self, b: Work, x: Shapes, moe, fprop, elem, act_f, attention):
+        """A layer's backward `b` with what recompute.mode=selective reruns in it: under
+        torchtitan's per-op policy every second matmul and the element-wise ops; else the
+        modules named (`attention`: the core's forward seconds and its exposed cp seconds)."""
+        dev, rerun = self.dev, b
+        if self.rt.selective_recompute == "op":
+            # every op's output saved (attention's too) but every second matmul's
+            return rerun + Work(compute=sum(fprop[1::2]) + dev.mem(elem) + act_f)
+        parts = recompute_modules(self.cfg.recompute)
+        mlp = "mlp" in parts and not moe
+        if "core_attn" in parts:
+            rerun = rerun + Work(compute=attention[0], cp=attention[1])
+        if mlp and self.rt.selective_recompute == "mlpwi":
+            # MaxText's save_dot_except_mlpwi: fc1's dot and every element-wise op again
+            # (the norms' too), fc2's output saved
+            rerun = rerun + Work(compute=fprop[2] + dev.mem(elem) + act_f)
+        elif mlp:
+            rerun = rerun + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
+        if "layernorm" in parts and not (mlp and self.rt.selective_recompute == "mlpwi"):
+            # each norm's forward again (norm2's is in the MLP's rerun where it reruns)
+            rerun = rerun + Work(compute=dev.mem((1 if mlp else 2) * self._norm_bytes(x)))
+        return rerun
 
     def _mlp_rerun(self, x: Shapes, gemms: float) -> Work:
         """recompute.modules=mlp's rerun in backward (parallel/recompute.py): norm2, fc1, the
