@@ -202,8 +202,54 @@ def test_sp_gathers_the_compute_dtype_with_the_same_values(gloo_pool):
     """parallel/tensor/mappings._GatherFromSeq's dtype: half the bytes, the same bits."""
     for rank, got in enumerate(gloo_pool(2).run(sp_gather_dtype_case)):
         assert got["bitwise"], rank
-        assert got["cast_first"] == [("ag", torch.bfloat16), ("rs", torch.float32)], rank
-        assert got["cast_after"] == [("ag", torch.float32), ("rs", torch.float32)], rank
+        # the forward's gather, backward's gather of the kept shard (sharded_input.py), the
+        # grads' reduce-scatter
+        bf16, f32 = torch.bfloat16, torch.float32
+        assert got["cast_first"] == [("ag", bf16), ("ag", bf16), ("rs", f32)], rank
+        assert got["cast_after"] == [("ag", f32), ("ag", bf16), ("rs", f32)], rank
+
+
+def sp_saved_shard_case() -> dict:
+    """A column linear under SP, high precision and FP8: what its backward keeps of the input
+    (the saved tensors' elements) and its output and grads, with the sequence shard kept
+    (parallel/tensor/sharded_input.py) and with the gathered input kept."""
+    from megapipe.parallel.fp8 import Fp8Linear
+    from megapipe.parallel.tensor.layers import ColumnParallelLinear
+
+    tp = _tp(True)
+    x, weight = _randn(2, 8, 8, seed=14), _randn(2, 8, 16 // tp.size, seed=15)
+    got = {}
+    for fp8 in (None, "tensorwise"):
+        col = ColumnParallelLinear(8, [8, 8], bias=False, tp=tp, unit=2)
+        _load(col, {"weight": _randn(16, 8, seed=12)}, tp)
+        col.fp8 = None if fp8 is None else Fp8Linear(fp8, outs=(tp.group,))
+        runs = []
+        for shard in (col.input_shard, None):
+            col.input_shard, col.weight.grad, local = shard, None, _local_seq(x, tp)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel()) or t, lambda t: t
+            ):
+                y = col(local)
+            (y * weight).sum().backward()
+            runs.append((y, local.grad, col.weight.grad, max(saved)))
+        kept, whole = runs
+        got[fp8] = {
+            "bitwise": all(torch.equal(a, b) for a, b in zip(kept[:3], whole[:3], strict=True)),
+            "saved": (kept[3], whole[3]),
+        }
+    return got
+
+
+def test_sp_column_linear_keeps_its_input_shard_with_the_same_values(gloo_pool):
+    """Under SP a column linear saves its rank's shard of the gathered input, 1/tp of it, and
+    backward gathers it again: output, input grad and weight grad bitwise those of keeping the
+    gathered input, high precision and FP8."""
+    for rank, got in enumerate(gloo_pool(2).run(sp_saved_shard_case)):
+        for fp8, case in got.items():
+            assert case["bitwise"], (rank, fp8)
+            kept, whole = case["saved"]
+            assert (kept, whole) == (2 * 4 * 8, 2 * 8 * 8), (rank, fp8, case)
 
 
 CASES = [

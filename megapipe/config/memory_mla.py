@@ -7,8 +7,9 @@ kv_lora_rank (DeepSeek-V3 §2.1.1, eq. 1-11):
 
   down projections' inputs   (1 + [Rq > 0]) · Nₛ·d·c   (q_a and kv_a each save their input)
   q / kv latent norms        RMSNorm on Rq and Rkv: the float32 input and rstd, Nₛ·(R·4 + 4)
-  up projections' inputs     N·(Rq + Rkv)·c            (the normalised latents; gathered over
-                                                       tp under SP), d instead of Rq without a
+  up projections' inputs     Nₛ·(Rq + Rkv)·c           (the normalised latents; under SP the
+                                                       shard, gathered again in backward; the
+                                                       tp ring keeps N), d instead of Rq without a
                                                        query LoRA (q reads the layer input)
   rope cos, sin              2·q·rope·4                (decoupled RoPE: multiplies save them)
   q, k, v (fused kernel)     N·H·(2·qk + v')·c         (v' = qk where the values are zero-padded
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from megapipe.config.schema import Config
 from megapipe.config.states import compute_bytes
-from megapipe.config.tp_widths import column_input_bytes
+from megapipe.config.tp_widths import column_input_bytes, kept_rows
 
 FLOAT32 = 4
 
@@ -44,7 +45,7 @@ def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict
     terms = {
         "down projection inputs": downs * x.ns * m.d_model * c,
         "latent norms": x.ns * (ranks * FLOAT32 + downs * FLOAT32),
-        "up projection inputs": x.n * _up_input_bytes(cfg, index),
+        "up projection inputs": kept_rows(cfg, x) * _up_input_bytes(cfg, index),
         "rope cos, sin": 2 * x.q * m.qk_rope_head_dim * FLOAT32,
         "q, k, v": x.n * x.h * (2 * qk + v_kernel) * c,
     }

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
 from megapipe.config.fp8_weights import expert_deferred_fp8
-from megapipe.config.schema import Config
+from megapipe.config.schema import Config, tp_ring
 from megapipe.config.states import FLOAT32, compute_bytes
 from megapipe.config.tp_widths import column_input_bytes
 
@@ -74,12 +74,13 @@ def moe_terms(
         terms |= segment_records(cfg, rows_b)
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
-        # its fc1 input: the router's float32 input itself, unless cast, SP-gathered or kept
-        # as the tp ring's FP8 payloads (config/tp_widths.column_input_bytes)
+        # its fc1 input: the router's float32 input itself, unless cast, SP's shard kept
+        # (or the tp ring's gathered rows, as FP8 payloads under tensorwise: tp_widths)
         kept = column_input_bytes(cfg, index, "mlp.shared.fc1")
+        rows = gathered if tp_ring(cfg.parallel) else tokens  # tp_widths.kept_rows
         copied = kept != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
-        terms["shared experts"] = (gathered * d * kept if copied else 0) + hidden
+        terms["shared experts"] = (rows * d * kept if copied else 0) + hidden
     return terms
 
 

@@ -29,7 +29,10 @@ every term with saved_tensors_hooks):
                                                        and gain/bias copies: _norm; RMSNorm:
                                                        its float32 input, rstd Nₛ·4 and the
                                                        normalised x, Nₛ·d·r, kept by ·weight)
-          qkv, fc1 linear inputs    2 · N·d·c         (gathered over tp under SP)
+          qkv, fc1 linear inputs    2 · Nₛ·d·c        (under SP the rank's shard, gathered
+                                                       again in backward: sharded_input.py;
+                                                       the tp ring keeps N·d·c, one byte an
+                                                       element as FP8 payloads)
           attention inputs          q|k|v, N·(H+2·Hkv)·hd·c (the fused qkv output: SDPA's
                                     q, k, v are views of it; ring attention and selective
                                     recompute keep as much); with RoPE as many elements: its
@@ -107,7 +110,7 @@ from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
 from megapipe.config.schema import Config, gated, recompute_modules
 from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes
-from megapipe.config.tp_widths import column_input_bytes
+from megapipe.config.tp_widths import column_input_bytes, kept_rows
 
 INDEX = 8  # int64 token ids and targets
 
@@ -291,7 +294,9 @@ def layer_terms(
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
         terms |= mla_terms(cfg, x, core, device, index)
     else:
-        terms["qkv input"] = x.n * m.d_model * column_input_bytes(cfg, index, "attn.qkv")
+        terms["qkv input"] = (
+            kept_rows(cfg, x) * m.d_model * column_input_bytes(cfg, index, "attn.qkv")
+        )
         terms |= _attention_terms(cfg, x, core, device, store)
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
@@ -407,7 +412,7 @@ def dense_mlp_terms(
     recompute.modules=mlp reruns in backward)."""
     m = cfg.model
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
-    terms["fc1 input"] = x.n * m.d_model * column_input_bytes(cfg, index, "mlp.fc1")
+    terms["fc1 input"] = kept_rows(cfg, x) * m.d_model * column_input_bytes(cfg, index, "mlp.fc1")
     terms |= _mlp_terms(cfg, x)
     return terms
 

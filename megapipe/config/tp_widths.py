@@ -8,6 +8,9 @@ and the time model (perf/costs.py), so the three price the same widths the code 
   plain SP     cast to the compute dtype before the gather (ColumnParallelLinear._gather_dtype),
                but an FP8 linear's input, gathered in the stream's dtype; grads summed in the
                input's own dtype
+  kept         under plain SP a column linear keeps its input's sequence shard for backward and
+               gathers it again there, in the compute dtype (parallel/tensor/sharded_input.py);
+               the tp ring keeps what it gathered
   tp ring      cast before it sends, grads summed in the compute dtype; under tensorwise FP8
                the column inputs and the row output grads travel as one-byte payloads, and the
                column linear keeps its payloads (parallel/fp8_overlap.payloads)
@@ -44,6 +47,27 @@ def column_input_bytes(cfg: Config, index: int | None, name: str) -> int:
     """Bytes an element of the input the column linear `name` keeps for backward: the compute
     dtype's, one under the tp ring's FP8 payloads (fp8_weights.ring_payloads)."""
     return FP8_BYTES if ring_payloads(cfg, index, name) else compute_bytes(cfg)
+
+
+def kept_rows(cfg: Config, x) -> int:
+    """Rows of a column linear's input kept for backward (`x` a RankDims): the rank's
+    sequence shard Nₛ under plain SP (parallel/tensor/sharded_input.py), what it gathered (N)
+    under the tp ring; N = Nₛ without SP."""
+    return x.n if tp_ring(cfg.parallel) else x.ns
+
+
+def regathered(cfg: Config, m, ring: bool | None = None) -> tuple[int, int]:
+    """Elements per token backward gathers again over tp under plain SP (kept_rows), in the
+    compute dtype: attention's column linears' inputs (qkv's, or latent attention's q_b and
+    kv_b) and the MLP's (fc1's, or the shared experts'; a MoE layer without them: none, the
+    caller's); (0, 0) elsewhere. `ring`: whether the tp ring runs (default: the config's
+    parallel.tp_overlap; a runtime without one gathers plainly, Megatron-LM's SP linear too)."""
+    p = cfg.parallel
+    if not (p.sequence_parallel and p.tp > 1) or (tp_ring(p) if ring is None else ring):
+        return 0, 0
+    if m.arch != "deepseek_v3":
+        return m.d_model, m.d_model
+    return (m.q_lora_rank or m.d_model) + m.kv_lora_rank, m.d_model
 
 
 def row_grad_width(cfg: Config, index: int | None, name: str, act: int) -> int:

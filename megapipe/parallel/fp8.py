@@ -42,7 +42,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megapipe.parallel.autograd.weight_grad import accumulate, autocast_operands
+from megapipe.parallel.autograd.weight_grad import (
+    accumulate,
+    autocast_operands,
+    keep_input,
+    kept_input,
+)
 from megapipe.parallel.fp8_experts import Fp8Experts
 from megapipe.parallel.fp8_scaling import (
     E4M3,
@@ -175,7 +180,8 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, owner, fp8):
         x, weight, bias = fp8_operands(ctx, x, weight, bias, owner, fp8)
-        ctx.save_for_backward(x, ctx.param)  # the parameter, not autocast's copy: weight_cast
+        # the parameter, not autocast's copy (weight_cast); under SP the input's shard
+        ctx.save_for_backward(keep_input(ctx, x, owner), ctx.param)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         y = fp8.forward(x2, weight_cast(ctx, weight, "forward"))
         if bias is not None:
@@ -185,7 +191,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        fp8, owner = ctx.fp8, ctx.owner
+        x, fp8, owner = kept_input(ctx, x), ctx.fp8, ctx.owner
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         qw_t = weight_cast(ctx, weight, "dgrad")

@@ -88,6 +88,7 @@ from megapipe.config.tp_widths import (
     column_input_widths,
     mlp_column,
     mlp_row,
+    regathered,
     row_grad_width,
 )
 from megapipe.perf.cluster import Cluster, Link
@@ -149,6 +150,7 @@ class CostModel(MoECosts):
         # the first MoE and dense layers' indices: the layers this model prices as one
         self._first = {k: next((i for i in range(m.n_layers) if is_moe_layer(m, i) == k), None)
                        for k in (False, True)}  # fmt: skip
+        self._ring = tp_ring(p) and rt.tp_comm_overlap  # the tp ring runs (tp_overlap.py)
         self._cache: dict = {}
 
     # -- collectives -------------------------------------------------------------------------
@@ -192,6 +194,7 @@ class CostModel(MoECosts):
             tuple((x.n * sent, x.n * summed) for sent, summed in inputs),
             (nd * mlp_in[0], nd * mlp_in[1]) if mlp_in else None,
             tuple(nd * self._row_grad_width(n, moe) for n in ("attn.proj", mlp_row(moe))),
+            tuple(x.n * k * self.c for k in regathered(self.cfg, self.cfg.model, self._ring)),
         )
         return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
 

@@ -74,20 +74,34 @@ def autocast_operands(*tensors):
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def save_operands(ctx, x: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor) -> None:
-    """A linear's saves for backward: its input `x` and its weight as the parameter itself,
+def save_operands(ctx, x: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor, owner=None):
+    """A linear's saves for backward: its input `x` (under SP only its sequence shard, where
+    `owner` has an `input_shard`: keep_input) and its weight as the parameter itself,
     not autocast's `cast` of it (a compute-dtype copy of every linear's weights per
     microbatch in flight), which backward makes again (saved_operands): the bytes of
     one weight's cast per linear's backward, and under ZeRO-3 the parameter's storage is the
     gathered block's, gathered again for the backward (parallel/data/zero3.py)."""
-    ctx.save_for_backward(x, weight)
+    ctx.save_for_backward(keep_input(ctx, x, owner), weight)
     ctx.compute_dtype = cast.dtype
 
 
 def saved_operands(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, the weight in the compute dtype) that save_operands kept."""
     x, weight = ctx.saved_tensors
-    return x, weight.to(ctx.compute_dtype)
+    return kept_input(ctx, x), weight.to(ctx.compute_dtype)
+
+
+def keep_input(ctx, x: torch.Tensor, owner) -> torch.Tensor:
+    """What a linear saves of its input `x`: x, or the sequence shard `owner.input_shard`
+    packs of it (parallel/tensor/sharded_input.py), which kept_input gathers again."""
+    ctx.input_shard = getattr(owner, "input_shard", None)
+    return x if ctx.input_shard is None else ctx.input_shard.pack(x)
+
+
+def kept_input(ctx, saved: torch.Tensor) -> torch.Tensor:
+    """The input keep_input saved, whole again."""
+    shard = getattr(ctx, "input_shard", None)
+    return saved if shard is None else shard.unpack(saved)
 
 
 class _Linear(torch.autograd.Function):
@@ -96,7 +110,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
         x, cast, bias = autocast_operands(x, weight, bias)
-        save_operands(ctx, x, weight, cast)
+        save_operands(ctx, x, weight, cast, owner)
         ctx.owner, ctx.has_bias = owner, bias is not None
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, cast, bias)

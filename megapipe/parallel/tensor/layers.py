@@ -27,6 +27,7 @@ from megapipe.parallel.fp8_overlap import fp8_gather_linear, fp8_linear_scatter
 from megapipe.parallel.precision import add_bias
 from megapipe.parallel.tensor.mappings import enter_column, exit_row, gather_from_tp
 from megapipe.parallel.tensor.overlap import gather_linear, linear_scatter
+from megapipe.parallel.tensor.sharded_input import sharded_input
 from megapipe.parallel.tensor.sharding import NO_TP, REPLICATED, ShardSpec, TPInfo
 
 
@@ -122,6 +123,7 @@ class ColumnParallelLinear(ParallelLinear):
     ) -> None:
         super().__init__(tp)
         self.tp_splits = "out"  # the features tp splits: FP8 shares their amax (fp8.py)
+        self.input_shard = sharded_input(tp)  # under SP its input's shard is saved
         segments = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         self.gather_output = gather_output
         spec = ShardSpec(dim=0, segments=segments, unit=unit, pad=pad)
