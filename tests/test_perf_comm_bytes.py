@@ -47,6 +47,7 @@ def _layer_tp_bytes(cfg, moe: bool = False) -> float:
     cm = Recording(cfg, load_cluster("h100"), MEGAPIPE, CALIBRATION)
     f, b = cm._tp_layer(shapes(cfg), moe)
     assert f > 0 and b > 0
+    cm._regathers(shapes(cfg), moe, [0.0] * 4)  # SP's inputs gathered again, priced apart
     return sum(put_in(kind, n, cfg.parallel.tp) for kind, n in cm.ops)
 
 

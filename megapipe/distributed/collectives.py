@@ -9,6 +9,8 @@ benchmarks and tests count bytes per layer with it (docs/benchmarks/2026-11-26-t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,23 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = torch.cat(parts, dim=dim)
     count("all_gather", out)
     return out
+
+
+def all_gather_start(x: torch.Tensor, dim: int, group) -> Callable[[], torch.Tensor]:
+    """all_gather launched now, asynchronously; the function returned waits for it and gives
+    the concatenation, so the caller computes in between (Megatron-LM's SP linear gathers its
+    input again beside the input grad's matmul)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(parts, x, group=group, async_op=True)
+
+    def gathered() -> torch.Tensor:
+        work.wait()
+        out = torch.cat(parts, dim=dim)
+        count("all_gather", out)
+        return out
+
+    return gathered
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:

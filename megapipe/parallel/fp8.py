@@ -190,13 +190,16 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        x, fp8, owner = kept_input(ctx, x), ctx.fp8, ctx.owner
+        saved, weight = ctx.saved_tensors
+        gathered = kept_input(ctx, saved)  # under SP gathered again beside grad_x's matmul
+        fp8, owner = ctx.fp8, ctx.owner
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         qw_t = weight_cast(ctx, weight, "dgrad")
-        grad_x = fp8.input_grad(g2, qw_t).to(ctx.in_dtype).reshape(*x.shape)
+        grad_x = fp8.input_grad(g2, qw_t).to(ctx.in_dtype)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
+        x = gathered()
+        grad_x = grad_x.reshape(*x.shape)
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(x2, g2))
         return grad_x, grad_w, grad_b, None, None
 

@@ -194,8 +194,7 @@ class CostModel(MoECosts):
             tuple((x.n * sent, x.n * summed) for sent, summed in inputs),
             (nd * mlp_in[0], nd * mlp_in[1]) if mlp_in else None,
             tuple(nd * self._row_grad_width(n, moe) for n in ("attn.proj", mlp_row(moe))),
-            tuple(x.n * k * self.c for k in regathered(self.cfg, self.cfg.model, self._ring)),
-        )
+        )  # SP's inputs gathered again in backward: _regathers, beside the dgrad GEMMs
         return [*f, *routing_count_ops(self.cfg, moe, "tp")], b
 
     def _column_widths(self, name: str, moe: bool) -> tuple[int, int]:
@@ -244,9 +243,20 @@ class CostModel(MoECosts):
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
         tp_f, tp_b = self._tp_layer(x, moe)
         if not (self.rt.tp_async_wgrad and p.tp > 1):
-            return tp_f, tp_b, 0.0, 0.0
+            return tp_f, tp_b + self._regathers(x, moe, dgrad), 0.0, 0.0
         ag, rs, ar = (self._tp(k, act) for k in ("all_gather", "reduce_scatter", "all_reduce"))
         return tp_f, async_backward(p.sequence_parallel, ar, ag, rs, dgrad, wgrad, mlp), 0.0, 0.0
+
+    def _regathers(self, x: Shapes, moe: bool, dgrad) -> float:
+        """Exposed seconds of SP's column inputs gathered again in backward (config/tp_widths
+        .regathered; parallel/tensor/sharded_input.py): launched before each column linear's
+        input-grad GEMM (`dgrad`: qkv, proj, fc1, fc2) and waited for after it, as
+        Megatron-LM's SP linear does, so only what a gather outlasts its GEMM shows."""
+        att, mlp = regathered(self.cfg, self.cfg.model, self._ring)
+        if moe and self.cfg.model.moe_shared_experts == 0:
+            mlp = 0
+        pairs = ((att, dgrad[0]), (mlp, dgrad[2]))
+        return sum(max(0.0, self._tp("all_gather", x.n * k * self.c) - t) for k, t in pairs if k)
 
     def _recomputed(self, f: Work, x: Shapes, moe: bool) -> Work:
         """A full-recompute layer's forward again in its backward: all of `f`, or where the

@@ -19,6 +19,7 @@ a context variable, which autograd's backward thread (one per CUDA device) would
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,7 @@ def save_operands(ctx, x: torch.Tensor, weight: torch.Tensor, cast: torch.Tensor
 def saved_operands(ctx) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, the weight in the compute dtype) that save_operands kept."""
     x, weight = ctx.saved_tensors
-    return kept_input(ctx, x), weight.to(ctx.compute_dtype)
+    return kept_input(ctx, x)(), weight.to(ctx.compute_dtype)
 
 
 def keep_input(ctx, x: torch.Tensor, owner) -> torch.Tensor:
@@ -98,10 +99,12 @@ def keep_input(ctx, x: torch.Tensor, owner) -> torch.Tensor:
     return x if ctx.input_shard is None else ctx.input_shard.pack(x)
 
 
-def kept_input(ctx, saved: torch.Tensor) -> torch.Tensor:
-    """The input keep_input saved, whole again."""
+def kept_input(ctx, saved: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function giving the input keep_input saved, whole again: a sequence shard's gather is
+    launched now and waited for when it is called, so the caller's input-grad matmul runs
+    beside it."""
     shard = getattr(ctx, "input_shard", None)
-    return saved if shard is None else shard.unpack(saved)
+    return (lambda: saved) if shard is None else shard.unpack(saved)
 
 
 class _Linear(torch.autograd.Function):
@@ -117,11 +120,13 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = saved_operands(ctx)
+        x, weight = ctx.saved_tensors
+        gathered = kept_input(ctx, x)  # under SP gathered again beside grad_x's matmul
+        weight = weight.to(ctx.compute_dtype)
         grad_out = grad_out.to(weight.dtype)
         grad_x = grad_out @ weight  # (..., in)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, weight_grad_now_or_later(ctx.owner, x, grad_out), grad_b, None
+        return grad_x, weight_grad_now_or_later(ctx.owner, gathered(), grad_out), grad_b, None
 
 
 def weight_grad_now_or_later(owner: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):

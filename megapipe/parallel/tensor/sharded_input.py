@@ -14,6 +14,8 @@ keeps its gathered pieces instead: its weight grad reads them as the ring sent t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megapipe.distributed import collectives as C
@@ -24,7 +26,8 @@ from megapipe.parallel.tensor.sharding import TPInfo
 class ShardedInput:
     """What a column linear under SP saves of its gathered input (`pack`: this rank's
     sequence shard, a copy, so the gathered tensor is freed) and what its backward reads
-    (`unpack`: the shards all-gathered again over tp)."""
+    (`unpack`: the shards all-gathered again over tp, launched at once and waited for by the
+    function returned, after the input grad's matmul)."""
 
     def __init__(self, tp: TPInfo) -> None:
         self.tp = tp
@@ -33,8 +36,8 @@ class ShardedInput:
         n = x.shape[SEQ_DIM] // self.tp.size
         return x.narrow(SEQ_DIM, self.tp.rank * n, n).clone()
 
-    def unpack(self, shard: torch.Tensor) -> torch.Tensor:
-        return C.all_gather(shard, SEQ_DIM, self.tp.group)
+    def unpack(self, shard: torch.Tensor) -> Callable[[], torch.Tensor]:
+        return C.all_gather_start(shard, SEQ_DIM, self.tp.group)
 
 
 def sharded_input(tp: TPInfo) -> ShardedInput | None:
