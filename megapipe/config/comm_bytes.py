@@ -76,7 +76,6 @@ def tp_layer_ops(
     attention_inputs: tuple[tuple[float, float], ...],
     mlp_input: tuple[float, float] | None = None,
     row_grads: tuple[float, float] | None = None,
-    regathered: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[list, list]:
     """(F, B) of a transformer layer's tp collectives (Shoeybi et al. 2019 §3; SP: Korthikanti
     et al. 2022 §4.2.2). Each input entering a column region is (sent, summed): the bytes SP
@@ -88,16 +87,15 @@ def tp_layer_ops(
     bytes of attention's and the MLP's output grad gathers where they differ,
     row_grad_width). F sums attention's and the MLP's partial outputs (SP: gathers each
     region's inputs, reduce-scatters the sums), B sums the regions' input grads (SP: gathers
-    the output grads and, `regathered` bytes per region, the inputs' kept shards,
-    tp_widths.regathered; reduce-scatters the input grads)."""
+    the output grads, reduce-scatters the input grads; the kept input shards gathered again,
+    tp_widths.regathered, are the caller's)."""
     regions = [attention_inputs] + ([(mlp_input,)] if mlp_input else [])
     grads = row_grads or (row_out, row_out)
     f, b = [], []
-    for inputs, grad, kept in zip(regions, grads, regathered, strict=False):
+    for inputs, grad in zip(regions, grads, strict=False):
         if sequence_parallel:
             f += [*(("all_gather", sent) for sent, _ in inputs), ("reduce_scatter", row_out)]
-            again = [("all_gather", kept)] if kept else []
-            b += [("all_gather", grad), *again, *(("reduce_scatter", s) for _, s in inputs)]
+            b += [("all_gather", grad), *(("reduce_scatter", summed) for _, summed in inputs)]
         else:
             f.append(("all_reduce", row_out))
             b += [("all_reduce", summed) for _, summed in inputs]
@@ -258,9 +256,10 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     inputs = tuple(scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
     mlp_in = scaled(nd, widths(mlp_column(moe))) if mlp else None
     grads = tuple(nd * row_grad_width(cfg, index, n, w.act) for n in ("attn.proj", mlp_row(moe)))
-    again = tuple(x.n * k * w.act for k in regathered(cfg, m))
-    ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in, grads, again)
+    again = tuple(x.n * k * w.act for k in regathered(cfg, index))
+    ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in, grads)
     f, b = (ring_ops(cfg, each) for each in ops)
+    b = [*b, *(("all_gather", each) for each in again if each)]  # plain on the ring too
     f = [*f, *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:
         return f + ring_ops(cfg, mlp_rerun_ops(cfg, mlp_in[0], nd * w.act)) + b

@@ -45,7 +45,7 @@ def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict
     terms = {
         "down projection inputs": downs * x.ns * m.d_model * c,
         "latent norms": x.ns * (ranks * FLOAT32 + downs * FLOAT32),
-        "up projection inputs": kept_rows(cfg, x) * _up_input_bytes(cfg, index),
+        "up projection inputs": _up_input_bytes(cfg, x, index),
         "rope cos, sin": 2 * x.q * m.qk_rope_head_dim * FLOAT32,
         "q, k, v": x.n * x.h * (2 * qk + v_kernel) * c,
     }
@@ -60,13 +60,17 @@ def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict
     return terms
 
 
-def _up_input_bytes(cfg: Config, index: int | None) -> int:
-    """Bytes a token of the up projections' inputs is kept in: the query latent (or the layer
-    input without a query LoRA) q_b reads and the kv latent kv_b reads, each in the compute
-    dtype or as the tp ring's FP8 payloads (config/tp_widths.column_input_bytes)."""
+def _up_input_bytes(cfg: Config, x, index: int | None) -> int:
+    """Bytes the up projections keep of their inputs: the query latent (or the layer input
+    without a query LoRA) q_b reads and the kv latent kv_b reads, each the rows it keeps
+    (config/tp_widths.kept_rows) in the compute dtype or as the tp ring's FP8 payloads
+    (column_input_bytes)."""
     m = cfg.model
-    q = (m.q_lora_rank or m.d_model) * column_input_bytes(cfg, index, "attn.q_b")
-    return q + m.kv_lora_rank * column_input_bytes(cfg, index, "attn.kv_b")
+    widths = {"attn.q_b": m.q_lora_rank or m.d_model, "attn.kv_b": m.kv_lora_rank}
+    return sum(
+        kept_rows(cfg, x, index, name) * k * column_input_bytes(cfg, index, name)
+        for name, k in widths.items()
+    )
 
 
 def mla_weight_elements(cfg: Config, x) -> int:

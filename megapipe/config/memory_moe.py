@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
 from megapipe.config.fp8_weights import expert_deferred_fp8
-from megapipe.config.schema import Config, tp_ring
+from megapipe.config.schema import Config
 from megapipe.config.states import FLOAT32, compute_bytes
-from megapipe.config.tp_widths import column_input_bytes
+from megapipe.config.tp_widths import column_input_bytes, keeps_shard
 
 INDEX = 8  # int64 indices
 
@@ -77,7 +77,7 @@ def moe_terms(
         # its fc1 input: the router's float32 input itself, unless cast, SP's shard kept
         # (or the tp ring's gathered rows, as FP8 payloads under tensorwise: tp_widths)
         kept = column_input_bytes(cfg, index, "mlp.shared.fc1")
-        rows = gathered if tp_ring(cfg.parallel) else tokens  # tp_widths.kept_rows
+        rows = tokens if keeps_shard(cfg, index, "mlp.shared.fc1") else gathered
         copied = kept != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (4 if llama else 2)
         terms["shared experts"] = (rows * d * kept if copied else 0) + hidden

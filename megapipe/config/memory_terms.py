@@ -294,9 +294,8 @@ def layer_terms(
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
         terms |= mla_terms(cfg, x, core, device, index)
     else:
-        terms["qkv input"] = (
-            kept_rows(cfg, x) * m.d_model * column_input_bytes(cfg, index, "attn.qkv")
-        )
+        kept = column_input_bytes(cfg, index, "attn.qkv")
+        terms["qkv input"] = kept_rows(cfg, x, index, "attn.qkv") * m.d_model * kept
         terms |= _attention_terms(cfg, x, core, device, store)
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
@@ -412,7 +411,8 @@ def dense_mlp_terms(
     recompute.modules=mlp reruns in backward)."""
     m = cfg.model
     terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
-    terms["fc1 input"] = kept_rows(cfg, x) * m.d_model * column_input_bytes(cfg, index, "mlp.fc1")
+    kept = column_input_bytes(cfg, index, "mlp.fc1")
+    terms["fc1 input"] = kept_rows(cfg, x, index, "mlp.fc1") * m.d_model * kept
     terms |= _mlp_terms(cfg, x)
     return terms
 

@@ -8,9 +8,9 @@ and the time model (perf/costs.py), so the three price the same widths the code 
   plain SP     cast to the compute dtype before the gather (ColumnParallelLinear._gather_dtype),
                but an FP8 linear's input, gathered in the stream's dtype; grads summed in the
                input's own dtype
-  kept         under plain SP a column linear keeps its input's sequence shard for backward and
+  kept         under SP a column linear keeps its input's sequence shard for backward and
                gathers it again there, in the compute dtype (parallel/tensor/sharded_input.py);
-               the tp ring keeps what it gathered
+               an FP8 linear on the tp ring keeps what the ring gathered
   tp ring      cast before it sends, grads summed in the compute dtype; under tensorwise FP8
                the column inputs and the row output grads travel as one-byte payloads, and the
                column linear keeps its payloads (parallel/fp8_overlap.payloads)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from megapipe.config.flops import is_moe_layer
 from megapipe.config.fp8_weights import FP8_BYTES, casts_linear, ring_payloads
 from megapipe.config.schema import Config, tp_ring
 from megapipe.config.states import compute_bytes
@@ -49,25 +50,37 @@ def column_input_bytes(cfg: Config, index: int | None, name: str) -> int:
     return FP8_BYTES if ring_payloads(cfg, index, name) else compute_bytes(cfg)
 
 
-def kept_rows(cfg: Config, x) -> int:
-    """Rows of a column linear's input kept for backward (`x` a RankDims): the rank's
-    sequence shard Nₛ under plain SP (parallel/tensor/sharded_input.py), what it gathered (N)
-    under the tp ring; N = Nₛ without SP."""
-    return x.n if tp_ring(cfg.parallel) else x.ns
-
-
-def regathered(cfg: Config, m, ring: bool | None = None) -> tuple[int, int]:
-    """Elements per token backward gathers again over tp under plain SP (kept_rows), in the
-    compute dtype: attention's column linears' inputs (qkv's, or latent attention's q_b and
-    kv_b) and the MLP's (fc1's, or the shared experts'; a MoE layer without them: none, the
-    caller's); (0, 0) elsewhere. `ring`: whether the tp ring runs (default: the config's
-    parallel.tp_overlap; a runtime without one gathers plainly, Megatron-LM's SP linear too)."""
+def keeps_shard(cfg: Config, index: int | None, name: str, ring: bool | None = None) -> bool:
+    """Whether the column linear `name` of layer `index` keeps its input's sequence shard for
+    backward and gathers it again there (parallel/tensor/sharded_input.py): under SP, but an
+    FP8 linear on the tp ring (`ring`: whether it runs; default the config's), which keeps
+    what the ring gathered."""
     p = cfg.parallel
-    if not (p.sequence_parallel and p.tp > 1) or (tp_ring(p) if ring is None else ring):
-        return 0, 0
-    if m.arch != "deepseek_v3":
-        return m.d_model, m.d_model
-    return (m.q_lora_rank or m.d_model) + m.kv_lora_rank, m.d_model
+    ring = tp_ring(p) if ring is None else ring
+    return p.sequence_parallel and p.tp > 1 and not (ring and casts_linear(cfg, index, name))
+
+
+def kept_rows(cfg: Config, x, index: int | None, name: str) -> int:
+    """Rows of the column linear `name`'s input kept for backward (`x` a RankDims): the rank's
+    sequence shard Nₛ (keeps_shard), else all N it multiplies (N = Nₛ without SP)."""
+    return x.ns if keeps_shard(cfg, index, name) else x.n
+
+
+def regathered(cfg: Config, index: int | None, ring: bool | None = None) -> tuple[int, int]:
+    """Elements per token layer `index`'s backward gathers again over tp (keeps_shard), in the
+    compute dtype: attention's column linears' inputs (qkv's, or latent attention's q_b and
+    kv_b) and the MLP's (fc1's, or the shared experts'; a MoE layer without them: none).
+    `ring`: whether the tp ring runs (default: the config's parallel.tp_overlap;
+    a runtime without one gathers plainly, Megatron-LM's SP linear too)."""
+    m = cfg.model
+    moe = index is not None and is_moe_layer(m, index)
+    if m.arch == "deepseek_v3":
+        attention = {"attn.q_b": m.q_lora_rank or m.d_model, "attn.kv_b": m.kv_lora_rank}
+    else:
+        attention = {"attn.qkv": m.d_model}
+    att = sum(k for n, k in attention.items() if keeps_shard(cfg, index, n, ring))
+    column = not moe or m.moe_shared_experts > 0  # routed experts are whole on every tp rank
+    return att, m.d_model if column and keeps_shard(cfg, index, mlp_column(moe), ring) else 0
 
 
 def row_grad_width(cfg: Config, index: int | None, name: str, act: int) -> int:

@@ -240,6 +240,8 @@ class CostModel(MoECosts):
             ag_grad = self._tp("all_gather", x.n * d * self._row_grad_width(mlp_row(moe), moe))
             splits = self.rt.tp_overlap_splits
             f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp, ag_grad)
+            if self.rt.ring_regathers:  # after the backward ring, nothing beside them
+                b += self._regathers(x, moe, (0.0,) * 4)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
         tp_f, tp_b = self._tp_layer(x, moe)
         if not (self.rt.tp_async_wgrad and p.tp > 1):
@@ -252,9 +254,7 @@ class CostModel(MoECosts):
         .regathered; parallel/tensor/sharded_input.py): launched before each column linear's
         input-grad GEMM (`dgrad`: qkv, proj, fc1, fc2) and waited for after it, as
         Megatron-LM's SP linear does, so only what a gather outlasts its GEMM shows."""
-        att, mlp = regathered(self.cfg, self.cfg.model, self._ring)
-        if moe and self.cfg.model.moe_shared_experts == 0:
-            mlp = 0
+        att, mlp = regathered(self.cfg, self._first[moe], self._ring)
         pairs = ((att, dgrad[0]), (mlp, dgrad[2]))
         return sum(max(0.0, self._tp("all_gather", x.n * k * self.c) - t) for k, t in pairs if k)
 

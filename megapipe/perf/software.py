@@ -192,6 +192,10 @@ class Runtime:
     # scale, which points at a cost the FP8 model misses there (docs/benchmarks/
     # 2026-12-01-sp-gather-and-fp8-saves-cpu.md)
     fp8_ring_payloads: bool = False
+    # the tp ring's column linears keep their input's shard and gather it again after their
+    # backward ring (parallel/tensor/overlap.py), priced exposed; False: not priced
+    # (Transformer Engine keeps the shard too, and overlaps that gather with the dgrad GEMM)
+    ring_regathers: bool = False
 
 
 MEGAPIPE = Runtime(
@@ -204,6 +208,7 @@ MEGAPIPE = Runtime(
     weight_cast_bytes=6.0,
     backward_weight_casts=True,  # parallel/autograd/weight_grad.save_operands
     fp8_ring_payloads=True,  # parallel/fp8_overlap.payloads
+    ring_regathers=True,  # parallel/tensor/overlap.py
     grad_accum_bytes=18.0,
     p2p_bytes=4,  # likewise
     p2p_scatter_gather=False,

@@ -21,12 +21,11 @@ reassociation). The ring is dist.batch_isend_irecv (NCCL and gloo alike), every 
 `ring_send` by distributed/collectives.COUNTER.
 
 Weight grads (deferred to a Zero Bubble W or not, fused into the float32 main grad under bf16
-weights: parallel/autograd/weight_grad.weight_grad_now_or_later): the column linear KEEPS the
-gathered input its ring delivered, and the row linear the gathered output grad its backward ring
-delivered, rather than re-gathering them for W. They are the tensors the non-overlapped path
-saves (its `_Linear` saves the all-gather's output), so memory is unchanged, and a W action stays
-a local matmul: re-gathering would add a tp all-gather per deferred W, exposed there with nothing
-to hide it.
+weights: parallel/autograd/weight_grad.weight_grad_now_or_later): the column linear keeps only
+its own sequence shard of the input, as the non-overlapped path does (sharded_input.py), and
+gathers it again once its backward ring has run; the row linear keeps the gathered output grad
+its backward ring delivered. A deferred W takes the gathered tensors with it, so it stays a
+local matmul.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from megapipe.parallel.autograd.weight_grad import (
     weight_grad_now_or_later,
 )
 from megapipe.parallel.tensor.mappings import SEQ_DIM
+from megapipe.parallel.tensor.sharded_input import ShardedInput
 from megapipe.parallel.tensor.sharding import TPInfo
 
 TP_COMM_OVERLAP = True  # the runtime can overlap SP's collectives (perf/software.py reads it)
@@ -106,18 +106,20 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, owner):
         x, cast, bias = autocast_operands(x, weight, bias)
         with torch.autocast(x.device.type, enabled=False):
-            pieces, outs = ring_gather(x, owner.tp, lambda p: F.linear(p, cast, bias))
-        save_operands(ctx, torch.cat(pieces, SEQ_DIM), weight, cast)  # (B, T, in): kept for W
-        ctx.owner, ctx.has_bias = owner, bias is not None
+            _, outs = ring_gather(x, owner.tp, lambda p: F.linear(p, cast, bias))
+        save_operands(ctx, x, weight, cast)  # (B, T/tp, in): this rank's shard, the cast one
+        ctx.owner, ctx.has_bias, ctx.input_shard = owner, bias is not None, ShardedInput(owner.tp)
         return torch.cat(outs, SEQ_DIM)  # (B, T, out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = saved_operands(ctx)
+        shard, weight = ctx.saved_tensors
+        weight = weight.to(ctx.compute_dtype)
         grad_out = grad_out.to(weight.dtype)  # (B, T, out/tp)
         chunks = grad_out.chunk(ctx.owner.tp.size, SEQ_DIM)
         grad_x = ring_reduce_scatter(ctx.owner.tp, lambda c: chunks[c] @ weight)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        x = ctx.input_shard.unpack(shard)()  # (B, T, in), once the ring is done with the group
         grad_w = weight_grad_now_or_later(ctx.owner, x, grad_out)
         return grad_x, grad_w, grad_b, None  # grad_x: (B, T/tp, in)
 
