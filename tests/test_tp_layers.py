@@ -2,6 +2,8 @@
 spawned gloo workers (tp = 2 and 4, with and without sequence parallelism). Each case computes
 the reference and the sharded result on every rank and returns relative errors by name."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,6 +208,16 @@ def test_sp_gathers_the_compute_dtype_with_the_same_values(gloo_pool):
         assert got["cast_after"] == [("ag", torch.float32), ("rs", torch.float32)], rank
 
 
+def _noted(sizes: list[int], t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor pack hook that notes each saved tensor's elements."""
+    sizes.append(t.numel())
+    return t
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def sp_saved_shard_case() -> dict:
     """A column linear under SP, high precision and FP8: what its backward keeps of the input
     (the saved tensors' elements) and its output and grads, with the sequence shard kept
@@ -223,10 +235,8 @@ def sp_saved_shard_case() -> dict:
         runs = []
         for shard in (col.input_shard, None):
             col.input_shard, col.weight.grad, local = shard, None, _local_seq(x, tp)
-            saved = []
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: saved.append(t.numel()) or t, lambda t: t
-            ):
+            saved: list[int] = []
+            with torch.autograd.graph.saved_tensors_hooks(partial(_noted, saved), _as_is):
                 y = col(local)
             (y * weight).sum().backward()
             runs.append((y, local.grad, col.weight.grad, max(saved)))
