@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from megapipe.config.schema import Config
 from megapipe.config.states import compute_bytes
-from megapipe.config.tp_widths import column_input_bytes, kept_rows
+from megapipe.config.tp_widths import attention_columns, column_input_bytes, kept_rows
 
 FLOAT32 = 4
 
@@ -65,11 +65,9 @@ def _up_input_bytes(cfg: Config, x, index: int | None) -> int:
     without a query LoRA) q_b reads and the kv latent kv_b reads, each the rows it keeps
     (config/tp_widths.kept_rows) in the compute dtype or as the tp ring's FP8 payloads
     (column_input_bytes)."""
-    m = cfg.model
-    widths = {"attn.q_b": m.q_lora_rank or m.d_model, "attn.kv_b": m.kv_lora_rank}
     return sum(
         kept_rows(cfg, x, index, name) * k * column_input_bytes(cfg, index, name)
-        for name, k in widths.items()
+        for name, k in attention_columns(cfg.model).items()
     )
 
 

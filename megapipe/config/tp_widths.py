@@ -74,11 +74,7 @@ def regathered(cfg: Config, index: int | None, ring: bool | None = None) -> tupl
     a runtime without one gathers plainly, Megatron-LM's SP linear too)."""
     m = cfg.model
     moe = index is not None and is_moe_layer(m, index)
-    if m.arch == "deepseek_v3":
-        attention = {"attn.q_b": m.q_lora_rank or m.d_model, "attn.kv_b": m.kv_lora_rank}
-    else:
-        attention = {"attn.qkv": m.d_model}
-    att = sum(k for n, k in attention.items() if keeps_shard(cfg, index, n, ring))
+    att = sum(k for n, k in attention_columns(m).items() if keeps_shard(cfg, index, n, ring))
     column = not moe or m.moe_shared_experts > 0  # routed experts are whole on every tp rank
     return att, m.d_model if column and keeps_shard(cfg, index, mlp_column(moe), ring) else 0
 
@@ -109,14 +105,20 @@ def attention_column_inputs(m, widths: ColumnWidths, act: int) -> tuple[tuple[in
     (or norm1's output, d_model, without a query LoRA) enters q_b, the normed kv latent
     kv_b, and the shared rope key (a projection's output) is gathered on its own, each made
     on the rank's own tokens by the down projections whole on every tp rank."""
+    inputs = tuple(scaled(k, widths(name)) for name, k in attention_columns(m).items())
     if m.arch != "deepseek_v3":
-        return (scaled(m.d_model, widths("attn.qkv")),)
-    q, rope = m.q_lora_rank or m.d_model, m.qk_rope_head_dim * act
-    return (
-        scaled(q, widths("attn.q_b")),
-        scaled(m.kv_lora_rank, widths("attn.kv_b")),
-        (rope, rope),
-    )
+        return inputs
+    rope = m.qk_rope_head_dim * act
+    return (*inputs, (rope, rope))
+
+
+def attention_columns(m) -> dict[str, int]:
+    """Attention's column linears by name, each with its input's elements per token: qkv on
+    the norm's output (d_model), or under latent attention (models/mla.py) q_b on the query
+    latent (d_model without a query LoRA) and kv_b on the kv latent."""
+    if m.arch != "deepseek_v3":
+        return {"attn.qkv": m.d_model}
+    return {"attn.q_b": m.q_lora_rank or m.d_model, "attn.kv_b": m.kv_lora_rank}
 
 
 def scaled(k: int, pair: tuple[int, int]) -> tuple[int, int]:

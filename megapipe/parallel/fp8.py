@@ -195,11 +195,9 @@ class _Fp8Linear(torch.autograd.Function):
         fp8, owner = ctx.fp8, ctx.owner
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         qw_t = weight_cast(ctx, weight, "dgrad")
-        grad_x = fp8.input_grad(g2, qw_t).to(ctx.in_dtype)
+        grad_x = fp8.input_grad(g2, qw_t).to(ctx.in_dtype).reshape(*grad_out.shape[:-1], -1)
         grad_b = g2.sum(0).to(ctx.w_dtype) if ctx.has_bias else None
-        x = gathered()
-        grad_x = grad_x.reshape(*x.shape)
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        x2 = gathered().flatten(0, -2)  # (N, in)
         grad_w = weight_grad_or_queue(owner, fp8.weight_grad_operands(x2, g2))
         return grad_x, grad_w, grad_b, None, None
 

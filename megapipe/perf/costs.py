@@ -240,7 +240,7 @@ class CostModel(MoECosts):
             ag_grad = self._tp("all_gather", x.n * d * self._row_grad_width(mlp_row(moe), moe))
             splits = self.rt.tp_overlap_splits
             f, b = exposed_tp(p.tp, ag, rs, fprop, dgrad, wgrad, splits, mlp, ag_grad)
-            if self.rt.ring_regathers:  # after the backward ring, nothing beside them
+            if self.rt.ring_regathers:  # a plain gather before the backward ring
                 b += self._regathers(x, moe, (0.0,) * 4)
             return f, b, *sm_margin(self.rt.tp_overlap_sm_share, fprop, wgrad)
         tp_f, tp_b = self._tp_layer(x, moe)

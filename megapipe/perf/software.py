@@ -192,7 +192,7 @@ class Runtime:
     # scale, which points at a cost the FP8 model misses there (docs/benchmarks/
     # 2026-12-01-sp-gather-and-fp8-saves-cpu.md)
     fp8_ring_payloads: bool = False
-    # the tp ring's column linears keep their input's shard and gather it again after their
+    # the tp ring's column linears keep their input's shard and gather it again before their
     # backward ring (parallel/tensor/overlap.py), priced exposed; False: not priced
     # (Transformer Engine keeps the shard too, and overlaps that gather with the dgrad GEMM)
     ring_regathers: bool = False

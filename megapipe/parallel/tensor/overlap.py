@@ -23,9 +23,9 @@ reassociation). The ring is dist.batch_isend_irecv (NCCL and gloo alike), every 
 Weight grads (deferred to a Zero Bubble W or not, fused into the float32 main grad under bf16
 weights: parallel/autograd/weight_grad.weight_grad_now_or_later): the column linear keeps only
 its own sequence shard of the input, as the non-overlapped path does (sharded_input.py), and
-gathers it again once its backward ring has run; the row linear keeps the gathered output grad
-its backward ring delivered. A deferred W takes the gathered tensors with it, so it stays a
-local matmul.
+gathers it again (a plain all-gather) before its backward ring; the row linear keeps the
+gathered output grad its backward ring delivered. A deferred W takes the gathered tensors with
+it, so it stays a local matmul.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from megapipe.parallel.autograd.weight_grad import (
     weight_grad_now_or_later,
 )
 from megapipe.parallel.tensor.mappings import SEQ_DIM
-from megapipe.parallel.tensor.sharded_input import ShardedInput
 from megapipe.parallel.tensor.sharding import TPInfo
 
 TP_COMM_OVERLAP = True  # the runtime can overlap SP's collectives (perf/software.py reads it)
@@ -100,7 +99,7 @@ def ring_reduce_scatter(tp: TPInfo, part):
 
 class _GatherLinear(torch.autograd.Function):
     """SP's all-gather then y = x Aᵀ + b, chunk by chunk on the ring; backward: grad_x's
-    reduce-scatter chunk by chunk, grad_W from the kept gathered input (now or in W)."""
+    reduce-scatter chunk by chunk, grad_W from the kept shard gathered again (now or in W)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
@@ -108,18 +107,17 @@ class _GatherLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             _, outs = ring_gather(x, owner.tp, lambda p: F.linear(p, cast, bias))
         save_operands(ctx, x, weight, cast)  # (B, T/tp, in): this rank's shard, the cast one
-        ctx.owner, ctx.has_bias, ctx.input_shard = owner, bias is not None, ShardedInput(owner.tp)
+        ctx.owner, ctx.has_bias = owner, bias is not None
+        ctx.input_shard = owner.input_shard  # saved_operands gathers the shards again
         return torch.cat(outs, SEQ_DIM)  # (B, T, out/tp)
 
     @staticmethod
     def backward(ctx, grad_out):
-        shard, weight = ctx.saved_tensors
-        weight = weight.to(ctx.compute_dtype)
+        x, weight = saved_operands(ctx)  # x: (B, T, in)
         grad_out = grad_out.to(weight.dtype)  # (B, T, out/tp)
         chunks = grad_out.chunk(ctx.owner.tp.size, SEQ_DIM)
         grad_x = ring_reduce_scatter(ctx.owner.tp, lambda c: chunks[c] @ weight)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        x = ctx.input_shard.unpack(shard)()  # (B, T, in), once the ring is done with the group
         grad_w = weight_grad_now_or_later(ctx.owner, x, grad_out)
         return grad_x, grad_w, grad_b, None  # grad_x: (B, T/tp, in)
 

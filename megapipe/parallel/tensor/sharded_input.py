@@ -9,7 +9,7 @@ layer (qkv and fc1, latent attention's q_b and kv_b, the shared experts' fc1) at
 one more all-gather of it per microbatch in backward. The values gathered again are the ones
 the forward gathered (the same shards, in the same order), so forward and backward are
 bitwise as if the gathered tensor had been kept. The tp ring (parallel.tp_overlap, overlap.py)
-keeps the shard too and gathers it once its backward ring is done; an FP8 linear on the ring
+keeps the shard too and gathers it again before its backward ring; an FP8 linear on the ring
 keeps what the ring gathered (parallel/fp8_overlap.py: under tensorwise its one-byte payloads).
 """
 
@@ -42,7 +42,7 @@ class ShardedInput:
 
 
 def sharded_input(tp: TPInfo) -> ShardedInput | None:
-    """The ShardedInput of a column linear's own autograd functions on `tp` (weight_grad
-    ._Linear, fp8._Fp8Linear): under plain SP; else None (the input is kept as it is; the
-    ring's functions keep their own, overlap.py)."""
-    return ShardedInput(tp) if tp.sp and not tp.overlap else None
+    """The ShardedInput of a column linear on `tp`: under SP (the plain path's autograd
+    functions pack the gathered input, the ring's keeps the shard it holds), else None (the
+    input is kept as it is)."""
+    return ShardedInput(tp) if tp.sp else None
