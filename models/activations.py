@@ -54,3 +54,38 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _sigmoid_form(x)
     return _GeluTanhCPU.apply(x)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate)·up from fc1's [gate | up] output, keeping that output alone: autograd would
+    also keep silu(gate), half as much again (Shazeer 2020's GLU variants; Megatron-Core's
+    fused bias_swiglu keeps its input alone too). Backward makes silu(gate) again, straight into
+    the up half of the grad, then the gate half in place: the same kernels as autograd's
+    (mul, silu_backward), so the grads are bitwise its, with no buffer beyond the grad."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        torch.ops.aten.silu.out(gate, out=grad_up)
+        grad_up.mul_(grad)  # grad · silu(gate)
+        torch.mul(grad, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_h
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up for fc1's output h = [gate | up] (last dim), keeping h alone for backward;
+    the plain expression inside torch.compile (inductor fuses it) or without autograd."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(h)

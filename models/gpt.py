@@ -17,7 +17,7 @@ from torch import nn
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.schema import gated
-from megapipe.models.activations import gelu_tanh
+from megapipe.models.activations import gelu_tanh, swiglu
 from megapipe.models.attention import Attention
 from megapipe.models.init import init_parameters
 from megapipe.models.mla import MLA, ReplicatedLinear
@@ -73,8 +73,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (B, T, d_ff/tp) or (B, T, 2·d_ff/tp)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = gelu_tanh(h)
         return self.fc2(h)
@@ -176,9 +175,8 @@ class TransformerLayer(nn.Module):
         # (their activations are d_ff wide: the largest a dense layer keeps)
         dense = not isinstance(self.mlp, MoE)
         self.mlp_recompute = recompute == "selective" and "mlp" in parts and dense
-        # selective's layernorm part: a norm keeps its input alone (not its float32 copy and
-        # normalised x) and reruns in backward: elementwise work for N·d bytes a norm
-        self.norm_recompute = recompute == "selective" and "layernorm" in parts
+        # selective's layernorm part needs nothing here: every norm keeps its input alone and
+        # reruns in its backward (parallel/autograd/rerun.py)
         self.offload = ActivationOffload(self) if recompute == "offload" else None
         self.tp = tp
 
@@ -188,19 +186,16 @@ class TransformerLayer(nn.Module):
             return maybe_checkpoint(self.full_recompute, fn, x, positions, segment, documents)
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, segment, documents=None):
-        h = self.attn(self._norm(self.norm1, x), positions, segment, documents)
+        h = self.attn(self.norm1(x), positions, segment, documents)
         x = x + self._dropout(h)  # (B, T[/tp], d)
         if isinstance(self.mlp, MoE):  # a Seq1F1B segment's routing reads earlier segments'
-            return x + self._dropout(self.mlp(self._norm(self.norm2, x), segment))
+            return x + self._dropout(self.mlp(self.norm2(x), segment))
         if self.mlp_recompute:  # norm2 and the MLP rerun in backward from the residual
             return x + self._dropout(maybe_checkpoint(True, self._mlp, x))
-        return x + self._dropout(self.mlp(self._norm(self.norm2, x)))
+        return x + self._dropout(self.mlp(self.norm2(x)))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.norm2(x))
-
-    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return maybe_checkpoint(self.norm_recompute, norm, x, random=False)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         with sp_rng(self.tp):

@@ -38,7 +38,7 @@ from megapipe.config import ModelConfig
 from megapipe.config.flops import expert_ffn
 from megapipe.config.schema import gated
 from megapipe.distributed import collectives as C
-from megapipe.models.activations import gelu_tanh
+from megapipe.models.activations import gelu_tanh, swiglu
 from megapipe.models.routing import make_routing
 from megapipe.parallel.autograd.grouped_linear import grouped_linear, stacked_weight_grad
 from megapipe.parallel.autograd.weight_grad import accumulate
@@ -103,8 +103,7 @@ class Experts(ShardedModule):
             groups = counts if by_source is None else by_source.flatten().tolist()
         h = matmul(rows, self.w_in, in_bias, groups, self, "w_in", "in_bias")
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h)
         else:
             h = gelu_tanh(h)
         return matmul(h, self.w_out, out_bias, groups, self, "w_out", "out_bias")

@@ -442,18 +442,19 @@ def test_head_transient_bytes_is_what_the_head_allocates(pipeline, dtype):
 
 @pytest.mark.parametrize(("mesh", "layout"), CASES)
 def test_the_cases_plan_alike_on_cuda(mesh, layout):
-    """What train.py prints (the CUDA kernels' plan) is what the CPU run is held to; under
-    bf16 weights but for the activations (and so the peak): CUDA's autocast runs LayerNorm in
-    float32 (config/memory_terms._norm), keeping float32 copies the CPU's bf16 LayerNorm does
-    not; and the backward's working set, net of the head's saved tensors it frees first."""
+    """What train.py prints (the CUDA kernels' plan) is what the CPU run is held to. The saved
+    tensors are the same on both: CUDA's autocast runs LayerNorm in float32 where the CPU's
+    runs it in bf16, but either keeps its input alone (config/memory_terms._norm). Under bf16
+    weights the backward's working set differs (net of the head's saved tensors it frees
+    first), and so may the peak."""
     cfg = config(mesh, layout)
     cuda, cpu = as_json(cfg), as_json(cfg, "cpu")
     if layout[0] == "float32":
         assert cuda == cpu
         return
     for a, b in zip(cuda["ranks"], cpu["ranks"]):
-        assert a["activations_bytes"] > b["activations_bytes"]
-        device_kernels = ("activations_bytes", "peak_bytes", "backward_bytes")
+        assert a["activations_bytes"] == b["activations_bytes"]
+        device_kernels = ("peak_bytes", "backward_bytes")
         assert {k: v for k, v in a.items() if k not in device_kernels} == {
             k: v for k, v in b.items() if k not in device_kernels
         }

@@ -99,7 +99,9 @@ def test_recompute_stores_less_for_backward(tiny_cfg):
         saved[name] = total[0]
     assert saved["full"] < saved["both"] < saved["selective"] < saved["none"]
     assert saved["both"] < saved["mlp"] < saved["none"]
-    assert saved["norms"] < saved["none"]
+    # every norm keeps its input alone and reruns in backward (parallel/autograd/rerun.py):
+    # Megatron-Core's layernorm module has nothing left to save
+    assert saved["norms"] == saved["none"]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCH_OVERRIDES))

@@ -27,7 +27,8 @@ MLP width on this tp rank, c the compute dtype's bytes, r the residual stream's)
                           autograd's float32 cast f·d·4 for the float32 parameter). None under
                           bf16 weights (fused into the float32 main grad) or a B/W split (queued
                           for W: parallel/autograd/weight_grad.py)
-  SwiGLU product          silu(gate)·up's backward: both factors' grads, 2·N·f·c, while fc2's
+  SwiGLU product          silu(gate)·up's backward: the grad of fc1's [gate | up] output,
+                          2·N·f·c, written in place (models/activations.swiglu), while fc2's
                           input grad is still held and fc2's input (N·f·c) already freed: the
                           larger of it and fc2's moment is the height. GELU's backward makes one
                           N·f·c and frees fc2's input: never above fc2's moment

@@ -44,7 +44,7 @@ def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict
     ranks = m.kv_lora_rank + m.q_lora_rank
     terms = {
         "down projection inputs": downs * x.ns * m.d_model * c,
-        "latent norms": x.ns * (ranks * FLOAT32 + downs * FLOAT32),
+        "latent norms": x.ns * ranks * c,  # their inputs alone (memory_terms._norm)
         "up projection inputs": _up_input_bytes(cfg, x, index),
         "rope cos, sin": 2 * x.q * m.qk_rope_head_dim * FLOAT32,
         "q, k, v": x.n * x.h * (2 * qk + v_kernel) * c,

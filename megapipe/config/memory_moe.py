@@ -21,7 +21,7 @@ are an upper bound: a dropped row saves nothing):
                                     token and sort indices 2·R·8; under a capacity factor the
                                     kept rows' bool mask R·1 (their gates' index)
   expert hidden                     R·f·c (GELU input) + R·f·c (w_out input); SwiGLU
-                                    3·R·f·c + R·f·c
+                                    2·R·f·c (fc1's output alone) + R·f·c
   combine                           R·d·c (the experts' outputs) + R·c (their gates) + R·d·4
                                     (gated, in the residual's float32, summed per token)
   shared experts                    the dense MLP's terms at width S·f/tp (S shared experts)
@@ -67,7 +67,7 @@ def moe_terms(
         "router": (tokens * (d + 2 * e + 1) + shares) * FLOAT32,
         "top-k": tokens * k * (FLOAT32 + INDEX) + tokens * FLOAT32,
         "dispatch buffers": rows * d * c + 2 * rows * INDEX + (rows if capped else 0),
-        "expert hidden": rows * f * c * (4 if llama else 2),
+        "expert hidden": rows * f * c * (3 if llama else 2),
         "combine": rows * d * c + rows * c + rows * d * FLOAT32,
     }
     if segmented:
@@ -79,7 +79,7 @@ def moe_terms(
         kept = column_input_bytes(cfg, index, "mlp.shared.fc1")
         rows = tokens if keeps_shard(cfg, index, "mlp.shared.fc1") else gathered
         copied = kept != FLOAT32 or gathered != tokens
-        hidden = gathered * width * c * (4 if llama else 2)
+        hidden = gathered * width * c * (3 if llama else 2)
         terms["shared experts"] = (rows * d * kept if copied else 0) + hidden
     return terms
 

@@ -24,11 +24,8 @@ every term with saved_tensors_hooks):
   under train.params_dtype=bfloat16: no float32 master copy in the model); log-sum-exp and
   loss are float32.
 
-  layer   norm1, norm2 input        2 · Nₛ·d·r        (bf16 stream on CUDA: autocast's float32
-          LayerNorm mean + rstd     2 · 2·Nₛ·r         layer_norm keeps a float32 copy, stats
-                                                       and gain/bias copies: _norm; RMSNorm:
-                                                       its float32 input, rstd Nₛ·4 and the
-                                                       normalised x, Nₛ·d·r, kept by ·weight)
+  layer   norm1, norm2 input        2 · Nₛ·d·r        (nothing else: each norm reruns its
+                                                       forward in backward: _norm)
           qkv, fc1 linear inputs    2 · Nₛ·d·c        (under SP the rank's shard, gathered
                                                        again in backward: sharded_input.py;
                                                        the tp ring keeps N·d·c, one byte an
@@ -47,8 +44,8 @@ every term with saved_tensors_hooks):
                                     mask and the dropped probabilities, where cₘ is 4 on the
                                     CPU (it upcasts) and c on CUDA; selective keeps none
           proj, fc2 linear inputs   N·H·hd·c + N·d_ff·c
-          GELU input                N·d_ff·c          (SwiGLU: fc1's 2·N·d_ff·c output and
-                                                       silu(gate), N·d_ff·c)
+          GELU input                N·d_ff·c          (SwiGLU: fc1's 2·N·d_ff·c output
+                                                       alone; silu(gate) is made again)
           residual dropout masks    2 · Nₛ·d·mask     (dropout > 0; mask 1 B on CUDA, where
                                                        native_dropout keeps a bool mask; on
                                                        the CPU the noise tensor, in the
@@ -234,22 +231,11 @@ def residual_bytes(cfg: Config) -> int:
 
 
 def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
-    """A norm on `tokens` rows of the residual stream (r = residual_bytes).
-
-    LayerNorm keeps its input, mean and rstd. With a float32 stream all are float32. With a
-    bf16 stream (bf16 weights) CUDA's autocast runs layer_norm in float32 (it is on autocast's
-    float32 list), so it keeps float32 copies of the input and the gain and bias (2·d·4) and
-    float32 statistics; the CPU's autocast leaves layer_norm alone: the bf16 input and bf16
-    statistics (measured, tests/test_memory_model.py).
-    RMSNorm (models: computed on x.float(), then .to(x.dtype) · weight) keeps the float32 input
-    (x itself, or its float32 copy under bf16 weights), the float32 rstd, and the normalised x
-    the product reads, in the stream's dtype."""
-    d, r = cfg.model.d_model, residual_bytes(cfg)
-    if gated(cfg.model.arch):
-        return {"input": tokens * d * FLOAT32, "stats": tokens * FLOAT32, "x̂": tokens * d * r}
-    if r != FLOAT32 and device == "cuda":  # autocast's float32 layer_norm
-        return {"input": tokens * d * FLOAT32, "stats": 2 * tokens * FLOAT32, "gain": 2 * d * 4}
-    return {"input": tokens * d * r, "stats": 2 * tokens * r}
+    """A norm on `tokens` rows of the residual stream keeps its input alone, in the stream's
+    dtype (r = residual_bytes): LayerNorm and RMSNorm rerun their forward in backward
+    (parallel/autograd/rerun.py), so neither autocast's float32 copy nor the statistics nor
+    RMSNorm's normalised x outlive the forward. `device` is the caller's: the same on both."""
+    return {"input": tokens * cfg.model.d_model * residual_bytes(cfg)}
 
 
 def norm_terms(
@@ -421,8 +407,8 @@ def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The dense MLP's activation and fc2's input."""
     c, llama = compute_bytes(cfg), gated(cfg.model.arch)
     terms = {}
-    if llama:  # SwiGLU: fc1's [gate | up] output (silu's and the product's input), silu(gate)
-        terms["swiglu"] = 3 * x.n * x.ff * c
+    if llama:  # SwiGLU: fc1's [gate | up] output alone (models/activations.swiglu)
+        terms["swiglu"] = 2 * x.n * x.ff * c
     else:
         terms["gelu input"] = x.n * x.ff * c
     terms["fc2 input"] = x.n * x.ff * c

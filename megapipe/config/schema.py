@@ -216,8 +216,8 @@ class RecomputeConfig:
     offload_layers: int = bounded(0, low=0, note="0: all")
     # selective: what it reruns, a comma list of core_attn (the attention core, Korthikanti et
     # al. 2022 §5), mlp (a dense layer's norm2 and MLP; Megatron-Core's mlp and layernorm
-    # modules) and layernorm (the layer's norms, keeping their input alone; Megatron-Core's
-    # layernorm module; MaxText's save_dot_except_mlpwi is all three); parallel/recompute.py
+    # modules) and layernorm (Megatron-Core's module: what every norm does anyway, keeping its
+    # input alone; MaxText's save_dot_except_mlpwi is all three); parallel/recompute.py
     modules: str = "core_attn"
 
 

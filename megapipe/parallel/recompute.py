@@ -8,9 +8,8 @@ save_dot_except_mlpwi policy keeps the same dots), whose d_ff-wide activations a
 a dense layer keeps. torch's non-reentrant checkpoint stops its rerun once the last saved
 tensor is back, but fc2 saves its input after its matmul ran: both MLP matmuls run again
 (config/flops.mlp_rerun_params), fc2's tp sum does not (config/comm_bytes.mlp_rerun_ops);
-`layernorm`, each norm of the layer from its input (Megatron-Core's `layernorm` module): an
-RMSNorm otherwise keeps a float32 copy of its input and the normalised x beside it (two to
-three times the input under a bf16 stream), and its rerun is element-wise work alone.
+`layernorm` (Megatron-Core's module of that name) asks what every norm already does: it keeps
+its input alone and reruns in backward (parallel/autograd/rerun.py), so it adds nothing.
 `layers=N` limits either mode to the first N transformer layers. The RNG state is replayed so
 dropout masks, and hence gradients, equal those of `none`.
 

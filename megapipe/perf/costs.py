@@ -355,11 +355,15 @@ class CostModel(MoECosts):
         """HBM bytes of one norm's forward over the layer's rows (with autocast's cast of its
         output for the linear after it, unless fused: of the rank's own tokens where the cast
         comes before SP's gather, config/tp_widths.casts_before_gather)."""
-        d, c, r = self.cfg.model.d_model, self.c, self.r
-        norm_out = c if self.rt.fused_elementwise and not self.rt.autocast_casts else 4
+        d, c = self.cfg.model.d_model, self.c
         cast_first = casts_before_gather(self.cfg, self._first[False], mlp_column(False))
         cast = (x.ns if cast_first else x.n) * d * (4 + c) if self.rt.autocast_casts else 0
-        return x.ns * d * (r + norm_out) + cast
+        return self._norm_pass_bytes(x) + cast
+
+    def _norm_pass_bytes(self, x: Shapes) -> float:
+        """HBM bytes of one norm's own pass: its input read, its output written."""
+        norm_out = self.c if self.rt.fused_elementwise and not self.rt.autocast_casts else 4
+        return x.ns * self.cfg.model.d_model * (self.r + norm_out)
 
     def _activation_bytes(self, x: Shapes) -> float:
         """HBM bytes of the MLP's activation forward: GeLU, or SwiGLU's silu(gate) · up."""
@@ -439,8 +443,10 @@ class CostModel(MoECosts):
         # linear only where it makes the step's Wᵀ cast from it: rowwise, once a step)
         recast = params * self.rt.weight_cast_bytes if self.rt.backward_weight_casts else 0.0
         recast = 0.0 if self.fp8 else recast
+        # ours reruns each norm's forward in its backward (Runtime.norm_reruns)
+        rerun = 2 * self._norm_pass_bytes(x) if self.rt.norm_reruns else 0.0
         b = Work(
-            compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1] + recast) + act_b,
+            compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1] + recast + rerun) + act_b,
             tp=tp_b + etp + amax_b["tp"],
             cp=cp_b + amax_b["cp"],
             ep=ep - hide[1],
@@ -495,8 +501,10 @@ class CostModel(MoECosts):
             rerun = rerun + Work(compute=fprop[2] + dev.mem(elem) + act_f)
         elif mlp:
             rerun = rerun + self._mlp_rerun(x, fprop[2] + fprop[3] + act_f)
-        if "layernorm" in parts and not (mlp and self.rt.selective_recompute == "mlpwi"):
-            # each norm's forward again (norm2's is in the MLP's rerun where it reruns)
+        mlpwi = mlp and self.rt.selective_recompute == "mlpwi"
+        if "layernorm" in parts and not mlpwi and not self.rt.norm_reruns:
+            # each norm's forward again (norm2's is in the MLP's rerun where it reruns; ours
+            # reruns every norm whatever the modules: priced in layer())
             rerun = rerun + Work(compute=dev.mem((1 if mlp else 2) * self._norm_bytes(x)))
         return rerun
 

@@ -196,6 +196,9 @@ class Runtime:
     # backward ring (parallel/tensor/overlap.py), priced exposed; False: not priced
     # (Transformer Engine keeps the shard too, and overlaps that gather with the dgrad GEMM)
     ring_regathers: bool = False
+    # each norm keeps its input alone and reruns its forward in backward (ours eager:
+    # parallel/autograd/rerun.py); compiled, inductor chooses for the whole layer
+    norm_reruns: bool = False
 
 
 MEGAPIPE = Runtime(
@@ -209,6 +212,7 @@ MEGAPIPE = Runtime(
     backward_weight_casts=True,  # parallel/autograd/weight_grad.save_operands
     fp8_ring_payloads=True,  # parallel/fp8_overlap.payloads
     ring_regathers=True,  # parallel/tensor/overlap.py
+    norm_reruns=True,  # parallel/autograd/rerun.py (resolved(): eager only)
     grad_accum_bytes=18.0,
     p2p_bytes=4,  # likewise
     p2p_scatter_gather=False,
@@ -480,6 +484,7 @@ def resolved(
         autocast_casts=dtype != "float32" and not linears_compiled,
         fused_elementwise=compiled,
         compiled_layers=compiled,
+        norm_reruns=not compiled,
         optimizer_bytes=optimizer,
         param_bytes=PARAM_BYTES[params_dtype],
         # the residual stream, summed over tp and sent between stages, in the weights' dtype

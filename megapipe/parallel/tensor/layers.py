@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.parallel.autograd.kept_buffers import KeptBuffers
+from megapipe.parallel.autograd.rerun import rerun_in_backward
 from megapipe.parallel.autograd.tied_lookup import tied_lookup
 from megapipe.parallel.autograd.weight_grad import WeightGradQueue, compute_dtype, linear
 from megapipe.parallel.fp8 import deferred_weight_grad
@@ -235,7 +236,11 @@ class LayerNorm(ShardedModule):
         self._add_param("bias", (dim,), REPLICATED, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        # keeps x alone, not autocast's float32 copy and statistics (autograd/rerun.py)
+        return rerun_in_backward(self._norm, x, self.weight, self.bias)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, self.eps)
 
 
 class RMSNorm(ShardedModule):
@@ -247,7 +252,11 @@ class RMSNorm(ShardedModule):
         self._add_param("weight", (dim,), REPLICATED, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+        # keeps x alone, not its float32 copy, rstd and x̂ (autograd/rerun.py)
+        return rerun_in_backward(self._norm, x, self.weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * weight
 
 
 def sharded_params(model: nn.Module):
