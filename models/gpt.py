@@ -72,10 +72,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (B, T, d_ff/tp) or (B, T, 2·d_ff/tp)
-        if self.swiglu:
-            h = swiglu(h)
-        else:
-            h = gelu_tanh(h)
+        h = swiglu(h) if self.swiglu else gelu_tanh(h)
         return self.fc2(h)
 
     def linears(self) -> tuple[nn.Module, ...]:

@@ -102,10 +102,7 @@ class Experts(ShardedModule):
             matmul = fp8_grouped_linear
             groups = counts if by_source is None else by_source.flatten().tolist()
         h = matmul(rows, self.w_in, in_bias, groups, self, "w_in", "in_bias")
-        if self.swiglu:
-            h = swiglu(h)
-        else:
-            h = gelu_tanh(h)
+        h = swiglu(h) if self.swiglu else gelu_tanh(h)
         return matmul(h, self.w_out, out_bias, groups, self, "w_out", "out_bias")
 
     @torch.no_grad()
