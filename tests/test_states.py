@@ -131,15 +131,17 @@ def test_linears_save_no_weight_copies(tmp_path):
     """Under bf16 autocast with float32 weights a linear keeps its parameter and casts it again
     in backward (parallel/autograd/weight_grad.save_operands; an FP8 one where it makes a cast
     from it: parallel/fp8.weight_cast), as bf16 weights are saved as they are: activations
-    differ only by the norms' inputs (2 per layer and the final norm; config/memory_terms
-    ._norm), kept in the residual stream's dtype, the weights' (4 bytes against 2), and FP8
-    changes none of the activations a microbatch keeps on this dense model."""
+    differ only by what the LayerNorms keep (2 per layer and the final norm; config/
+    memory_terms._norm): their inputs in the residual stream's dtype, the weights' (4 bytes
+    against 2), and on the float32 stream their float32 mean and rstd (on a bf16 stream they
+    rerun in backward instead). FP8 changes none of the activations a microbatch keeps on
+    this dense model."""
     f32 = config(tmp_path, "float32", 0, "train.dtype=bfloat16")
     bf16 = config(tmp_path, "bfloat16", 0, "train.dtype=bfloat16")
     a, b = memory_plan(f32).rank(0), memory_plan(bf16).rank(0)
     layers, m = f32.model.n_layers, f32.model
     tokens = f32.derived.micro_batch_size * m.seq_len
-    norm_inputs = (2 * layers + 1) * tokens * m.d_model * (4 - 2)
-    assert a.activations_per_microbatch - b.activations_per_microbatch == norm_inputs
+    norms = (2 * layers + 1) * tokens * (m.d_model * (4 - 2) + 2 * 4)
+    assert a.activations_per_microbatch - b.activations_per_microbatch == norms
     fp8 = config(tmp_path, "float32", 0, "train.dtype=bfloat16", "train.fp8=tensorwise")
     assert memory_plan(fp8).rank(0).activations_per_microbatch == a.activations_per_microbatch

@@ -24,8 +24,10 @@ every term with saved_tensors_hooks):
   under train.params_dtype=bfloat16: no float32 master copy in the model); log-sum-exp and
   loss are float32.
 
-  layer   norm1, norm2 input        2 · Nₛ·d·r        (nothing else: each norm reruns its
-                                                       forward in backward: _norm)
+  layer   norm1, norm2 input        2 · Nₛ·d·r        (nothing else where the norm reruns its
+                                                       forward in backward: _norm; LayerNorm
+                                                       on a float32 stream: mean and rstd
+                                                       2 · 2·Nₛ·4)
           qkv, fc1 linear inputs    2 · Nₛ·d·c        (under SP the rank's shard, gathered
                                                        again in backward: sharded_input.py;
                                                        the tp ring keeps N·d·c, one byte an
@@ -231,20 +233,20 @@ def residual_bytes(cfg: Config) -> int:
 
 
 def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
-    """A norm on `tokens` rows of the residual stream keeps its input alone, in the stream's
-    dtype (r = residual_bytes): LayerNorm and RMSNorm rerun their forward in backward
-    (parallel/autograd/rerun.py), so neither autocast's float32 copy nor the statistics nor
-    RMSNorm's normalised x outlive the forward. `device` is the caller's: the same on both."""
-    return {"input": tokens * cfg.model.d_model * residual_bytes(cfg)}
+    """A norm on `tokens` rows of the residual stream keeps its input, in the stream's dtype
+    (r = residual_bytes). RMSNorm, and LayerNorm on a low-precision stream, rerun their forward
+    in backward (parallel/autograd/rerun.py), so neither autocast's float32 copy nor the
+    statistics nor RMSNorm's normalised x outlive the forward; LayerNorm on a float32 stream
+    keeps its input itself and its float32 mean and rstd. The same on every `device`."""
+    d, r = cfg.model.d_model, residual_bytes(cfg)
+    if gated(cfg.model.arch) or r != FLOAT32:
+        return {"input": tokens * d * r}
+    return {"input": tokens * d * r, "stats": 2 * tokens * FLOAT32}
 
 
-def norm_terms(
-    cfg: Config, name: str, tokens: int, device: str = "cuda", rerun: bool = False
-) -> dict[str, float]:
-    """Norm `name`'s saved tensors (_norm) on `tokens` rows; `rerun` (recompute.modules has
-    layernorm): the checkpoint keeps its input alone, in the stream's dtype."""
-    if rerun:
-        return {f"{name} input (recompute)": tokens * cfg.model.d_model * residual_bytes(cfg)}
+def norm_terms(cfg: Config, name: str, tokens: int, device: str = "cuda") -> dict[str, float]:
+    """Norm `name`'s saved tensors (_norm) on `tokens` rows (recompute.modules=layernorm
+    changes nothing: the norms keep no more than it would)."""
     return {f"{name} {key}": value for key, value in _norm(cfg, tokens, device).items()}
 
 
@@ -275,8 +277,7 @@ def layer_terms(
     parts = recompute_modules(cfg.recompute) if mode == "selective" else frozenset()
     core = "selective" if "core_attn" in parts else "none"  # the attention core's mode
     rerun_mlp = "mlp" in parts and not _moe(cfg, index)
-    rerun_norms = "layernorm" in parts
-    terms = norm_terms(cfg, "norm1", x.ns, device, rerun_norms)
+    terms = norm_terms(cfg, "norm1", x.ns, device)
     if m.arch == "deepseek_v3":  # latent attention (config/memory_mla.py)
         terms |= mla_terms(cfg, x, core, device, index)
     else:
@@ -286,12 +287,12 @@ def layer_terms(
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
         c, tp = compute_bytes(cfg), cfg.parallel.tp
-        terms |= norm_terms(cfg, "norm2", x.ns, device, rerun_norms)
+        terms |= norm_terms(cfg, "norm2", x.ns, device)
         terms |= moe_terms(cfg, x.ns, x.n, x.b, c, tp, segmented, index)
     elif rerun_mlp:  # the checkpoint keeps the residual norm2 reads: the rest is rerun
         terms["MLP input (recompute)"] = x.ns * m.d_model * residual_bytes(cfg)
     else:
-        terms |= dense_mlp_terms(cfg, x, device, rerun_norms, index)
+        terms |= dense_mlp_terms(cfg, x, device, index)
     terms |= _dropout_terms(cfg, x, device)
     return terms
 
@@ -389,14 +390,12 @@ def dense_mlp_terms(
     cfg: Config,
     x: RankDims,
     device: str = "cuda",
-    rerun_norm: bool = False,
     index: int | None = None,
 ) -> dict[str, float]:
-    """What norm2 and layer `index`'s dense MLP save: the norm's tensors (its input alone
-    where it reruns: `rerun_norm`), fc1's input, the activation's and fc2's input (what
-    recompute.modules=mlp reruns in backward)."""
+    """What norm2 and layer `index`'s dense MLP save: the norm's tensors, fc1's input, the
+    activation's and fc2's input (what recompute.modules=mlp reruns in backward)."""
     m = cfg.model
-    terms = norm_terms(cfg, "norm2", x.ns, device, rerun_norm)
+    terms = norm_terms(cfg, "norm2", x.ns, device)
     kept = column_input_bytes(cfg, index, "mlp.fc1")
     terms["fc1 input"] = kept_rows(cfg, x, index, "mlp.fc1") * m.d_model * kept
     terms |= _mlp_terms(cfg, x)

@@ -261,12 +261,6 @@ def reruns_mlp(cfg: RecomputeConfig, layer_index: int) -> bool:
     return "mlp" in selective_parts(cfg, layer_index)
 
 
-def reruns_norms(cfg: RecomputeConfig, layer_index: int) -> bool:
-    """Selective recompute reruns layer `layer_index`'s norms in backward from their inputs
-    (norm2 inside the MLP's checkpoint where the MLP reruns)."""
-    return "layernorm" in selective_parts(cfg, layer_index)
-
-
 def tp_ring(p: ParallelConfig) -> bool:
     """The tp linears' SP collectives run as parallel.tp_overlap's ring of chunks beside their
     matmuls (parallel/tensor/overlap.py): tp > 1 under sequence parallelism."""

@@ -82,6 +82,7 @@ from megapipe.config.memory_terms import (
     tied_lookup_with_head,
 )
 from megapipe.config.schema import gated, layer_mode, recompute_modules, tp_ring
+from megapipe.config.states import FLOAT32
 from megapipe.config.tp_widths import (
     attention_column_inputs,
     casts_before_gather,
@@ -443,8 +444,10 @@ class CostModel(MoECosts):
         # linear only where it makes the step's Wᵀ cast from it: rowwise, once a step)
         recast = params * self.rt.weight_cast_bytes if self.rt.backward_weight_casts else 0.0
         recast = 0.0 if self.fp8 else recast
-        # ours reruns each norm's forward in its backward (Runtime.norm_reruns)
-        rerun = 2 * self._norm_pass_bytes(x) if self.rt.norm_reruns else 0.0
+        # ours reruns each RMSNorm's forward in its backward, and LayerNorm's on a bf16
+        # stream (Runtime.norm_reruns; models' norms: parallel/tensor/layers.py)
+        reruns = self.rt.norm_reruns and (self.llama or self.r != FLOAT32)
+        rerun = 2 * self._norm_pass_bytes(x) if reruns else 0.0
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1] + recast + rerun) + act_b,
             tp=tp_b + etp + amax_b["tp"],

@@ -236,7 +236,10 @@ class LayerNorm(ShardedModule):
         self._add_param("bias", (dim,), REPLICATED, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # keeps x alone, not autocast's float32 copy and statistics (autograd/rerun.py)
+        if x.dtype == torch.float32:  # autograd keeps x itself and two floats a row
+            return self._norm(x, self.weight, self.bias)
+        # a low-precision stream: keeps x alone, not CUDA autocast's float32 copy of it and
+        # the statistics (autograd/rerun.py)
         return rerun_in_backward(self._norm, x, self.weight, self.bias)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
