@@ -34,6 +34,16 @@ CASES = {
                             "--train.global_batch=4", "--train.dtype=bfloat16",
                             "--train.params_dtype=bfloat16",
                             "--parallel.grad_reduce_dtype=bfloat16"], "0"),
+    # train.main_grads_dtype=bfloat16: 2-byte main grads, reduced in place (zero=1 sends them
+    # as they lie, zero=0 all-reduces them), the optimizer's float32 copy for the step alone
+    "zero1_bf16_main_grads": (["--parallel.dp=4", "--parallel.zero=1", "--model.d_model=128",
+                               "--train.global_batch=4", "--train.dtype=bfloat16",
+                               "--train.params_dtype=bfloat16",
+                               "--train.main_grads_dtype=bfloat16",
+                               "--parallel.grad_reduce_dtype=bfloat16"], "0"),
+    "zero0_bf16_main_grads": (["--parallel.dp=4", "--model.d_model=128", "--train.global_batch=4",
+                               "--train.dtype=bfloat16", "--train.params_dtype=bfloat16",
+                               "--train.main_grads_dtype=bfloat16"], "0"),
     # train.fp8: fc2's backward casts its input for the weight grad (a float32 copy, then the
     # one-byte cast: memory_backward.mlp_backward_terms), with and without the layer rerun
     "fp8_tensorwise_full": (["--train.fp8=tensorwise", "--recompute.mode=full"], "0"),

@@ -252,3 +252,62 @@ def test_bf16_weights_one_process(tmp_path):
         # half its ulp, 2^-8): what the float32 main params are for
         assert not torch.equal(main, before[name].float()), name
         assert {t.dtype for t in optimizer.state[p].values()} == {torch.float32}, name
+
+
+BF16_GRADS = ["train.main_grads_dtype=bfloat16"]
+BF16_WIRE = ["parallel.grad_reduce_dtype=bfloat16"]  # zero >= 1 (zero=0 all-reduces in place)
+GRAD_CASES = {  # bf16 main grads (Megatron-Core's grad_reduce_in_fp32=False)
+    2: [
+        ("dp2", 2, 1, MB2),
+        ("dp2-zero1", 2, 1, [*MB2, "parallel.zero=1", *BF16_WIRE]),
+        ("dp2-zero2", 2, 1, [*MB2, *Z2, *BF16_WIRE]),
+        ("dp2-zero3", 2, 1, [*MB2, *Z3, *BF16_WIRE]),
+        ("pp2-zb_h1", 1, 1, pp("zb_h1", 4)),
+    ],
+    4: [
+        ("dp2-pp2-1f1b-zero1-clip", 2, 1, [*pp("1f1b", 2), "parallel.zero=1", *BF16_WIRE, *CLIP]),
+        ("dp2-tp2-sp-zero3", 2, 2, [*MB2, *Z3, *SP, *BF16_WIRE]),
+    ],
+}
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(GRAD_CASES))
+def test_bf16_main_grads_train_like_one_process(gloo_pool, world, dp, tp, extra):
+    """train.main_grads_dtype=bfloat16: the grads are summed in bf16 over the microbatches and
+    the replicas, so a split changes the order of bf16 sums (each rounds to 2^-8 relative): the
+    bound is that of the splits above, BF16_SPLIT_REL, against one process of the same bf16
+    main grads. A grad path lost is off by ~100%, and float32 main grads in the one process
+    differ by bf16 round-off only, so the run is also checked to hold its grads in bf16."""
+    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
+    results = gloo_pool(world).run(train_case, [*BF16, *BF16_GRADS, *extra, *mesh])
+    ref = reference((*_reference_overrides(extra, dp), "train.main_grads_dtype=bfloat16"))
+    weights = {}
+    for got in results:
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= LOSS_REL * abs(b), f"step {step}: loss {a} != {b}"
+        assert got["dp_spread"] == 0.0, "dp replicas differ"
+        weights.update(got["weights"])
+    assert_state_close(weights, ref["weights"], rel=BF16_SPLIT_REL, reach=ref["adam_reach"])
+
+
+def test_bf16_main_grads_are_bf16(tiny_cfg):
+    """The model's main grads are bf16 under train.main_grads_dtype=bfloat16, accumulate a
+    backward there, and the optimizer steps float32 main params from a float32 copy."""
+    from megapipe.models.gpt import GPT
+    from megapipe.parallel.precision import MainParamOptimizer, Precision, grad_of
+
+    cfg = tiny_cfg(*BF16, "train.main_grads_dtype=bfloat16")
+    model = Precision.of(cfg.train).hold(GPT(cfg.model, seed=1))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    grads = [grad_of(p) for p in model.parameters()]
+    assert {g.dtype for g in grads} == {torch.bfloat16} and all(g.abs().sum() > 0 for g in grads)
+    opt = MainParamOptimizer([{"params": list(model.parameters())}],
+                             lambda groups: torch.optim.AdamW(groups, lr=1e-2))  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(m.grad is None for _, m in opt.main_of.values())

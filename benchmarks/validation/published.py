@@ -44,9 +44,10 @@ ZERO = {"dist_opt": 1, "fsdp_noreshard": 2, "fsdp": 3}
 """A row's `sharding` as a parallel.zero level (module docstring)."""
 DTYPES = {"bf16": "bfloat16"}  # a row's high-precision compute dtype
 GRAD_REDUCE = {"float32": "float32", "bf16": "bfloat16"}
-"""A row's grad_reduce as parallel.grad_reduce_dtype: the bytes its reduce-scatter sends (the
-bf16 grad buffer Megatron-Core then holds, 2 B a parameter where megapipe keeps float32 main
-grads and a bf16 send copy, is not modelled: the row's memory is megapipe's)."""
+"""A row's grad_reduce as parallel.grad_reduce_dtype, the bytes its reduce-scatter sends, and
+under bf16 weights as train.main_grads_dtype too: Megatron-Core's bf16 grad buffer
+(grad_reduce_in_fp32=False) accumulates and reduces the grads in bf16, 2 B a parameter, as
+megapipe's bf16 main grads do (parallel/precision.py)."""
 FSDP_BF16_GATHERS = ("llm_foundry", "torchtitan")
 """Runtimes whose FSDP mixed precision (param_dtype bf16, reduce_dtype float32: the data files'
 headers) casts each float32 shard to bf16 before its all-gather, so the weights gathered and
@@ -183,12 +184,19 @@ def row_config(row: Row) -> Config:
         f"train.dtype={DTYPES.get(row.precision, 'bfloat16')}",
         f"train.fp8={FP8_RECIPES.get(row.precision, 'none')}",
         f"train.params_dtype={weights_dtype(row)}",
+        f"train.main_grads_dtype={main_grads_dtype(row)}",
         # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
         # so a torchtitan row's compile stays on the Row for the runtime to price
         f"train.compile={str(row.compile and ZERO[row.sharding] < 3).lower()}",
         *recompute_overrides(row.recompute),
     ]
     return load_config(None, overrides)
+
+
+def main_grads_dtype(row: Row) -> str:
+    """train.main_grads_dtype of a row (GRAD_REDUCE): its grad_reduce under bf16 weights; float32
+    weights have no main grads."""
+    return GRAD_REDUCE[row.grad_reduce] if weights_dtype(row) == "bfloat16" else "float32"
 
 
 def recompute_overrides(recompute: str) -> list[str]:

@@ -313,6 +313,7 @@ def _check_train(cfg: Config) -> None:
     )
     _one_of("train.dtype", t.dtype, DTYPES)
     _one_of("train.params_dtype", t.params_dtype, DTYPES)
+    _one_of("train.main_grads_dtype", t.main_grads_dtype, DTYPES)
     check_params_dtype(cfg)
     _check_muon(cfg)
     check_fp8(cfg)

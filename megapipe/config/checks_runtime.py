@@ -161,11 +161,22 @@ def check_params_dtype(cfg: Config) -> None:
     """bf16 weights (parallel/precision.py): bf16 compute, and one optimizer step per step."""
     t, p = cfg.train, cfg.parallel
     if t.params_dtype == "float32":
+        require(
+            t.main_grads_dtype == "float32",
+            "train.main_grads_dtype=bfloat16 with train.params_dtype=float32: float32 weights "
+            "have no main grads; set train.params_dtype=bfloat16 (or main_grads_dtype=float32)",
+        )
         return
     require(
         t.dtype == "bfloat16",
         f"train.params_dtype=bfloat16 with train.dtype={t.dtype}: bf16 weights compute in "
         "bf16; set train.dtype=bfloat16 (or train.params_dtype=float32)",
+    )
+    require(
+        t.main_grads_dtype == "float32" or p.zero == 0 or p.grad_reduce_dtype == "bfloat16",
+        f"train.main_grads_dtype=bfloat16 with parallel.zero={p.zero} and "
+        "parallel.grad_reduce_dtype=float32: bf16 main grads are reduce-scattered in bf16 "
+        "(Megatron-Core's grad_reduce_in_fp32=False); set parallel.grad_reduce_dtype=bfloat16",
     )
     require(
         not (p.pp > 1 and p.schedule == "pipedream_async") and not p.post_validation,

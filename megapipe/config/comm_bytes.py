@@ -40,6 +40,7 @@ from megapipe.config.states import (
     GRAD_BYTES,
     PARAM_BYTES,
     expert_replicas,
+    main_grad_bytes,
     reduces_per_microbatch,
     replicas,
     shard_copies,
@@ -174,11 +175,11 @@ class Widths:
     def of(cfg: Config) -> Widths:
         """megapipe's own: the residual stream in the weights' dtype (float32 under float32
         weights, bf16 under bf16 ones: parallel/precision.Precision.weight_dtype) and float32
-        grads, the dp reduction in parallel.grad_reduce_dtype, weights gathered in
-        train.params_dtype."""
+        grads (train.main_grads_dtype's under bf16 weights), the dp reduction in
+        parallel.grad_reduce_dtype, weights gathered in train.params_dtype."""
         act = FLOAT32 if cfg.train.dtype == "float32" else 2
-        param = PARAM_BYTES[cfg.train.params_dtype]
-        return Widths(act, residual_width(cfg), GRAD_BYTES, param, reduce_width(cfg, GRAD_BYTES))
+        param, grad = PARAM_BYTES[cfg.train.params_dtype], main_grad_bytes(cfg)
+        return Widths(act, residual_width(cfg), grad, param, reduce_width(cfg, grad))
 
 
 def residual_width(cfg: Config) -> int:

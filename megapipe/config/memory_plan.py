@@ -56,11 +56,13 @@ from megapipe.config.states import (
     largest_pair,
     local_grads_bytes,
     local_grads_transient,
+    main_grad_bytes,
     optimizer_bytes,
     reduction_bytes,
     state_layout,
     step_gather_bytes,
     weights_bytes,
+    widened_grads_bytes,
 )
 from megapipe.plan.actions import FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD
 from megapipe.plan.simulate import simulate
@@ -93,6 +95,8 @@ class RankMemory:
     reducing: float = 0.0  # grads while the last backward's reduction runs (reduction_bytes)
     step_grads: float = 0.0  # grads held over the optimizer step (zero>=2: the shard)
     step_gather: float = 0.0  # zero 1-2: the weights' all-gather after the step (states.py)
+    # bf16 main grads: their float32 copy the optimizer steps, freed before the gather
+    step_widened: float = 0.0
     # peak in flight once the grads exist (peak_inflight's with_grads; bf16 weights' main
     # grads exist all along: = inflight)
     inflight_with_grads: float = 0.0
@@ -160,7 +164,8 @@ class RankMemory:
             at_head + max(self.activations, head_grads, with_b),
             held + self.backward_first + self.activations,
         )
-        stepping = self.weights + self.optimizer + self.step_grads + self.step_gather
+        after = max(self.step_widened, self.step_gather)  # the step, then the gather
+        stepping = self.weights + self.optimizer + self.step_grads + after
         return max(top, reducing, stepping)
 
 
@@ -271,8 +276,9 @@ def rank_memory(
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
     if local_grads_transient(cfg):  # the shard sum, and a block pair's grads at a time
         d = min(state_layout(cfg).d, expert_layout(cfg).d) if experts else state_layout(cfg).d
-        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair)
-        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d)
+        grad = main_grad_bytes(cfg)
+        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, 0, grad)
+        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d, grad)
         persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
@@ -291,6 +297,7 @@ def rank_memory(
         reducing=reducing,
         step_grads=grads_bytes(n, cfg, experts),
         step_gather=step_gather_bytes(n, cfg, experts),
+        step_widened=widened_grads_bytes(n, cfg, experts),
         head_transient=head[0],
         gathered_head=head[1],
         grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,

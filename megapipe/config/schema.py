@@ -296,6 +296,10 @@ class TrainConfig:
     # float32 | bfloat16: weights held in bf16 (with train.dtype=bfloat16), float32 main grads
     # and main params in the optimizer (Megatron --bf16; docs/parallelism.md, Precision)
     params_dtype: str = "float32"
+    # bf16 weights' main grads: float32 | bfloat16 (half the bytes, accumulated over the
+    # microbatches and reduced in bf16: Megatron-Core's grad_reduce_in_fp32=False; the
+    # optimizer widens its shard to float32 for the step: parallel/precision.py)
+    main_grads_dtype: str = "float32"
     # FP8 matmuls in the linears (parallel/fp8.py; docs/precision.md): none | tensorwise |
     # rowwise (torch._scaled_mm) | blockwise (DeepSeek-V3's 1x128 / 128x128, emulated)
     fp8: str = "none"

@@ -138,11 +138,37 @@ class StateLayout:
 
 
 @functools.lru_cache(maxsize=256)  # the planner's memory model asks it millions of times
-def layout(params_dtype: str, zero: int, d: int) -> StateLayout:
-    """The state layout of `params_dtype` weights at ZeRO level `zero` over `d` replicas."""
+def layout(params_dtype: str, zero: int, d: int, main_grads: str = "float32") -> StateLayout:
+    """The state layout of `params_dtype` weights at ZeRO level `zero` over `d` replicas, bf16
+    weights' main grads in `main_grads` (train.main_grads_dtype): held whole at zero 0-1; the
+    shards zero>=2 keeps are float32 sums whatever the main grads."""
     weight = PARAM_BYTES[params_dtype]
     optimizer = ADAM_BYTES + (MAIN_PARAM_BYTES if weight != FLOAT32 else 0)
-    return StateLayout(weight, GRAD_BYTES, optimizer, d, zero if d > 1 else 0)
+    level = zero if d > 1 else 0
+    grad = PARAM_BYTES[main_grads] if weight != FLOAT32 and level <= 1 else GRAD_BYTES
+    return StateLayout(weight, grad, optimizer, d, level)
+
+
+def main_grad_bytes(cfg: Config) -> int:
+    """Bytes of a full-size local (main) grad element: float32, or 2 under bf16 weights with
+    train.main_grads_dtype=bfloat16 (parallel/precision.MainGrads)."""
+    if cfg.train.params_dtype == "float32":
+        return GRAD_BYTES
+    return PARAM_BYTES[cfg.train.main_grads_dtype]
+
+
+def widened_grads_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
+    """bf16 main grads at zero 0-1: the float32 copy of the grads the optimizer steps, made
+    for the step alone (precision.widened): whole at zero=0, the owned 1/d at zero=1;
+    else 0."""
+    s = state_layout(cfg)
+    if main_grad_bytes(cfg) == GRAD_BYTES or s.zero >= 2:
+        return 0.0
+    e = expert_layout(cfg)
+    shards = s.optimizer_shards
+    return _bytes(n_params - experts, FLOAT32, shards) + (
+        _bytes(experts, FLOAT32, e.optimizer_shards) if experts else 0
+    )
 
 
 def shard_dp(cfg: Config) -> int:
@@ -170,12 +196,14 @@ def expert_replicas(cfg: Config) -> int:
 
 
 def state_layout(cfg: Config) -> StateLayout:
-    return layout(cfg.train.params_dtype, cfg.parallel.zero, replicas(cfg))
+    t = cfg.train
+    return layout(t.params_dtype, cfg.parallel.zero, replicas(cfg), t.main_grads_dtype)
 
 
 def expert_layout(cfg: Config) -> StateLayout:
     """The routed experts' layout: as `state_layout`, over the expert replicas."""
-    return layout(cfg.train.params_dtype, cfg.parallel.zero, expert_replicas(cfg))
+    t = cfg.train
+    return layout(t.params_dtype, cfg.parallel.zero, expert_replicas(cfg), t.main_grads_dtype)
 
 
 def _bytes(n_params: float, per: int, shards: int) -> float:
@@ -244,7 +272,7 @@ def largest_pair(chunks: Iterable[Sequence[int]]) -> float:
 def local_grads_bytes(n_params: float, cfg: Config) -> float:
     """The full-size (main) grads backward accumulates into over the microbatches, before the
     reduction: what every level holds while activations peak (module docstring)."""
-    return GRAD_BYTES * n_params
+    return main_grad_bytes(cfg) * n_params
 
 
 def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
@@ -254,11 +282,12 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     s, n = state_layout(cfg), n_params
     if s.d == 1:
         return local_grads_bytes(n, cfg)
-    bf16 = s.weight != FLOAT32
+    bf16, main = s.weight != FLOAT32, main_grad_bytes(cfg)
     wire = 2 if s.zero >= 1 and cfg.parallel.grad_reduce_dtype == "bfloat16" else FLOAT32
     # zero=1 sends as they lie what it can (parallel/data/zero.py): bf16 weights' padded
-    # main grads under a float32 reduction; float32 weights' grads, rebound to the send buffer
-    in_place = s.zero == 1 and bf16 and wire == FLOAT32
+    # main grads under a reduction in their dtype; float32 weights' grads, rebound to the
+    # send buffer
+    in_place = s.zero == 1 and bf16 and wire == main
     dropped = s.zero >= 1 and not bf16 and (s.zero >= 2 or wire == FLOAT32)
     send = 0.0 if in_place or (s.zero == 0 and bf16) else wire * n
     e = expert_layout(cfg).d
@@ -304,13 +333,13 @@ def local_grads_transient(cfg: Config) -> bool:
     return s.d > 1 and reduces_per_microbatch(cfg) and (s.zero >= 3 or s.weight == FLOAT32)
 
 
-def block_grads_bytes(pair_params: float, d: int = 0) -> float:
+def block_grads_bytes(pair_params: float, d: int = 0, grad: int = GRAD_BYTES) -> float:
     """Per-microbatch reduction's full-size grads at most at once: the float32 (main) grads of
     the two consecutive blocks of most parameters (`pair_params`: the block whose backward runs
     and the one before, whose buckets' send buffers may still be in flight, zero2.IN_FLIGHT);
     with `d` (while reducing), the in-flight reductions' received 1/d shards too (`bucket.shard`,
-    at most a block's)."""
-    return GRAD_BYTES * pair_params * (1 + (1 / d if d else 0))
+    at most a block's); `grad` bytes an element (main_grad_bytes)."""
+    return grad * pair_params * (1 + (1 / d if d else 0))
 
 
 def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0, experts: float = 0) -> float:

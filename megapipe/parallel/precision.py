@@ -54,11 +54,12 @@ class Precision:
 
     compute: str = "float32"
     weights: str = "float32"
+    grads: str = "float32"  # the main grads' (train.main_grads_dtype)
 
     @staticmethod
     def of(train) -> Precision:
-        """The policy of the config's `train` section: where its two keys are read."""
-        return Precision(train.dtype, train.params_dtype)
+        """The policy of the config's `train` section: where its three keys are read."""
+        return Precision(train.dtype, train.params_dtype, train.main_grads_dtype)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -86,7 +87,7 @@ class Precision:
                 continue
             for p in module.parameters(recurse=False):
                 p.data = _cast(p, self.weight_dtype)
-        attach_main_grads(model)
+        attach_main_grads(model, DTYPES[self.grads])
         return model
 
 
@@ -106,6 +107,15 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     return main if main is not None else param.grad
 
 
+def widened(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """`grad` as the float32 main params step it: itself, or a float32 copy of a bf16 main
+    grad (train.main_grads_dtype; Megatron-Core's optimizer copies its bf16 grad shard into
+    the float32 main params' grads the same way)."""
+    if grad is None or grad.dtype == torch.float32:
+        return grad
+    return grad.float()
+
+
 def set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Replace `param`'s gradient by `grad`: written into its main grad (whose storage the
     buckets and the optimizer view) where it has one, else bound to `.grad`."""
@@ -122,13 +132,13 @@ class MainGrads:
     zero_main_grads); the few kept in float32 (an MoE router, models/moe.py) have one too, so
     every optimizer and reducer path treats them alike."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.float32) -> None:
         params = [p for p in module.parameters() if p.requires_grad][::-1]
         device = params[0].device if params else torch.device("cpu")
         n = sum(p.numel() for p in params)
         # weights not made yet (ZeRO-3): their main grads live per bucket, never in this one
         released = any(is_released(p) for p in params)
-        self.flat = torch.zeros(0 if released else n, device=device)
+        self.flat = torch.zeros(0 if released else n, dtype=dtype, device=device)
         offset = 0
         for p in params:
             if not released:
@@ -178,11 +188,12 @@ def weight_grad_landed(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor 
     return None
 
 
-def attach_main_grads(module: nn.Module) -> MainGrads | None:
-    """`module`'s main grads when its parameters are low precision (None: float32 params)."""
+def attach_main_grads(module: nn.Module, dtype: torch.dtype = torch.float32) -> MainGrads | None:
+    """`module`'s main grads, in `dtype`, when its parameters are low precision (None:
+    float32 params)."""
     if all(p.dtype == torch.float32 for p in module.parameters()):
         return None
-    main = MainGrads(module)
+    main = MainGrads(module, dtype)
     module.main_grads = main
     return main
 
@@ -216,7 +227,12 @@ def main_grad_span(params: list[torch.Tensor]) -> torch.Tensor | None:
 def fused_weight_grad(main: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     """main += grad_outᵀ · x with float32 output and accumulation (Megatron's
     gradient-accumulation fusion): no bf16 weight grad is made and rounded. On CUDA torch's
-    bf16 matmul with a float32 output; elsewhere the operands are widened (exact products)."""
+    bf16 matmul with a float32 output; elsewhere the operands are widened (exact products).
+    A bf16 main grad (train.main_grads_dtype) takes the bf16 matmul's accumulating product,
+    rounded once per microbatch, as Megatron-Core's bf16 grad buffer does."""
+    if main.dtype != torch.float32:
+        main.addmm_(grad_out.t().to(main.dtype), x.to(main.dtype))
+        return
     if grad_out.device.type == "cuda":
         try:  # torch's mm with out_dtype (newer releases); else widened as below
             main.add_(torch.mm(grad_out.t(), x, out_dtype=torch.float32))
@@ -264,7 +280,8 @@ class MainParamOptimizer(WholeState):
             mains = []
             for p in g["params"]:
                 m = p.detach().to(torch.float32, copy=True)
-                m.grad = grad_of(p)
+                grad = grad_of(p)  # the float32 main grad itself; a bf16 one is widened at step
+                m.grad = grad if grad is None or grad.dtype == torch.float32 else None
                 self.main_of[id(p)] = (p, m)
                 mains.append(m)
             main_groups.append({**g, "params": mains})
@@ -280,7 +297,12 @@ class MainParamOptimizer(WholeState):
 
     @torch.no_grad()
     def step(self) -> None:
+        copies = [(p, m) for p, m in self.main_of.values() if m.grad is None]
+        for p, m in copies:  # bf16 main grads: float32 copies for the step alone
+            m.grad = widened(grad_of(p))
         self.inner.step()
+        for _, m in copies:
+            m.grad = None
         self.write_back()
 
     @torch.no_grad()

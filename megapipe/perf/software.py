@@ -106,6 +106,7 @@ from megapipe.train.optim import device_adamw_kind
 ADAMW_BYTES = {"fused": 28.0, "foreach": 80.0}  # HBM bytes per float32 parameter of one step
 NORM_CLIP_BYTES = 12.0  # the global grad norm reads the grads (4), the clip rescales them (8)
 WRITE_BACK_BYTES = float(FLOAT32 + PARAM_BYTES["bfloat16"])  # main param -> bf16 weight
+WIDEN_BYTES = float(PARAM_BYTES["bfloat16"] + FLOAT32)  # a bf16 main grad's float32 copy
 
 
 @dataclass(frozen=True)
@@ -417,15 +418,16 @@ def weight_cast_bytes(params_dtype: str, compute: int) -> float:
     return float(weight + compute) if weight != compute else 0.0
 
 
-def grad_accum_bytes(params_dtype: str, compute: int) -> float:
+def grad_accum_bytes(params_dtype: str, compute: int, main_grads: str = "float32") -> float:
     """Bytes per parameter per microbatch to add a weight grad (in the compute dtype) into the
     grad kept over the step: float32 weights' .grad takes it cast to float32 first (autograd
     accumulates in the parameter's dtype), then reads both and writes the sum; bf16 weights'
-    float32 main grad takes it in place (read it, read and write the main grad)."""
+    main grad (float32, or `main_grads`) takes it in place (read it, read and write the main
+    grad)."""
     if params_dtype == "float32":
         cast = compute + FLOAT32 if compute != FLOAT32 else 0
         return float(cast + 3 * GRAD_BYTES)
-    return float(compute + 2 * GRAD_BYTES)
+    return float(compute + 2 * PARAM_BYTES[main_grads])
 
 
 def resolved_for(runtime: Runtime, cfg: Config, cluster: Cluster | None = None) -> Runtime:
@@ -434,7 +436,8 @@ def resolved_for(runtime: Runtime, cfg: Config, cluster: Cluster | None = None) 
     does an unset (None) grouped experts' GEMM."""
     compiled = cfg.train.compile
     linears = compiled_linears(cfg)
-    rt = resolved(runtime, cfg.train.dtype, cfg.train.params_dtype, compiled, linears)
+    t = cfg.train
+    rt = resolved(runtime, t.dtype, t.params_dtype, compiled, linears, t.main_grads_dtype)
     if cluster is not None and rt.attention_kernel == "auto":
         rt = dataclasses.replace(rt, attention_kernel=attention_kernel(cfg, cluster))
     if cluster is not None and rt.moe_grouped_gemm is None:  # the experts' matmul's own rule
@@ -462,6 +465,7 @@ def resolved(
     params_dtype: str = "float32",
     compiled: bool = False,
     linears_compiled: bool = False,
+    main_grads: str = "float32",
 ) -> Runtime:
     """`runtime` as it runs a config of train.dtype `dtype` and train.params_dtype
     `params_dtype` (idempotent). Ours: the weight casts and grad accumulation of the weights'
@@ -477,10 +481,14 @@ def resolved(
     optimizer = ADAMW_BYTES[runtime.adamw] + NORM_CLIP_BYTES
     if params_dtype != "float32":
         optimizer += WRITE_BACK_BYTES
+    if params_dtype != "float32" and main_grads != "float32":
+        optimizer += WIDEN_BYTES
     return dataclasses.replace(
         runtime,
         weight_cast_bytes=weight_cast_bytes(params_dtype, compute),
-        grad_accum_bytes=grad_accum_bytes(params_dtype, compute),
+        grad_accum_bytes=grad_accum_bytes(params_dtype, compute, main_grads),
+        # the dp reduction's grads: bf16 weights' main grads in train.main_grads_dtype
+        grad_bytes=PARAM_BYTES[main_grads] if params_dtype != "float32" else GRAD_BYTES,
         autocast_casts=dtype != "float32" and not linears_compiled,
         fused_elementwise=compiled,
         compiled_layers=compiled,

@@ -1,4 +1,4 @@
-"""bf16 weights' float32 main grads, one buffer per bucket.
+"""bf16 weights' main grads (float32, or train.main_grads_dtype's), one buffer per bucket.
 
 - ZeRO-3 reducing every microbatch (parallel.grad_reduce=microbatch): allocated as the bucket's
   block starts its backward and freed once the bucket is sent, so no full-size grad buffer
@@ -22,7 +22,8 @@ from megapipe.parallel.data.reducer import Bucket
 
 
 class BucketMainGrads:
-    """One float32 main-grad buffer per bucket of low-precision weights, of `numels[i]`
+    """One main-grad buffer per bucket of low-precision weights, in the model's main-grad
+    dtype (`whole`'s), of `numels[i]`
     elements (default: the bucket's; more pads its tail with zeros). Not `resident`: storage
     only while a backward (or Zero Bubble's W) adds into it and until the bucket is sent."""
 
@@ -34,7 +35,7 @@ class BucketMainGrads:
         for i, bucket in enumerate(buckets):
             p0 = bucket.params[0]
             n = numels[i] if numels else bucket.numel
-            flat = torch.zeros(n, dtype=torch.float32, device=p0.device)
+            flat = torch.zeros(n, dtype=whole.flat.dtype, device=p0.device)
             offset = 0
             for p in bucket.params:
                 p.main_grad = flat[offset : offset + p.numel()].view_as(p)

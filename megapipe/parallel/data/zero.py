@@ -48,7 +48,13 @@ from torch import nn
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, GradReducer
-from megapipe.parallel.precision import grad_of, main_grad_span, set_grad, zero_main_grads
+from megapipe.parallel.precision import (
+    grad_of,
+    main_grad_span,
+    set_grad,
+    widened,
+    zero_main_grads,
+)
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (the GPU machine's) have these
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -306,10 +312,16 @@ class ShardedOptimizer:
         return self.inner.state
 
     def step(self) -> None:
+        copies = []  # bf16 main grads' float32 copies: for the step alone, gone before the gather
         for s, view in zip(self.slots, self.views):
             grad = grad_of(s.param)
-            view.grad = None if grad is None else grad.view(-1)[s.lo : s.hi]
+            piece = None if grad is None else grad.view(-1)[s.lo : s.hi]
+            view.grad = widened(piece)
+            if view.grad is not piece:
+                copies.append(view)
         self.inner.step()
+        for view in copies:
+            view.grad = None
         self._round_into_weights()
         for r in self.reducers:
             r.gather_params()
