@@ -10,7 +10,9 @@ the weights (zero=3, P_os+g+p, as FSDP / torchtitan's FSDP2). Per parameter:
   float32        4       4                 moments 8                        16     4+4+8/d  10
   bfloat16       2       4 (float32)       main param 4 + moments 8 = 12    18     2+4+12/d  9
 
-(Megatron-Core's mixed-precision layout: bf16 weights, float32 main grads accumulated in place,
+(train.main_grads_dtype=bfloat16 makes the main grad 2 bytes while it is whole, zero 0-1;
+zero>=2's shards stay float32 sums. Megatron-Core's mixed-precision layout: bf16 weights,
+float32 main grads accumulated in place,
 float32 main params and AdamW moments in the distributed optimizer, written back to bf16 after
 each step: 6 + 12/d.) zero=2 divides the grad too, zero=3 the weight as well: bf16 at d=4 gives
 2 + 16/4 = 6 and 18/4 = 4.5. With d = 1 there is nothing to shard: any zero level holds the

@@ -23,6 +23,12 @@ bf16 weights (their shard under zero=3). Under zero>=2 the buffer lives only fro
 forward to its reduce-scatter (`MainGrads.release` / `ensure`), as Megatron-Core's grad buffer
 would if it were sharded: what is held over the step is each rank's float32 shard.
 Reductions, the grad norm and the clip read `grad_of(p)`: the main grad where there is one.
+
+`train.main_grads_dtype: bfloat16` makes the main grads bf16 (Megatron-Core's
+`grad_reduce_in_fp32=False`, whose grad buffer is then bf16): half the bytes, each microbatch's
+weight grad added by a bf16 matmul accumulating into it, the reduction in bf16. The optimizer
+steps a float32 copy of them (`widened`), made for its step alone, as Megatron-Core's
+distributed optimizer copies its bf16 grad shard into the float32 main params' grads.
 """
 
 from __future__ import annotations
