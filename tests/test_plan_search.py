@@ -319,3 +319,30 @@ def test_planner_searches_cp_comm_and_cp_a2a_only_under_cp():
     assert cp_comms(base, 2, 8, {}) == [("ring", 1), ("hybrid", 2), ("hybrid", 4)]  # 4 heads
     assert cp_comms(base, 1, 8, {"parallel.cp_comm": "hybrid"}) == [("hybrid", 2), ("hybrid", 4)]
     assert cp_comms(base, 1, 8, {"parallel.cp_a2a": 4}) == [("hybrid", 4)]
+
+
+def test_cached_and_exact_memory_tell_every_memory_key_apart():
+    """A plan cached per PlanKey and the search's exact memory (Bounds.memory) are the dry
+    run's (train/meta_memory, nothing cached) for configs that differ only in what FP8 casts
+    and keeps (train.fp8, parallel.tp_overlap), the main grads' dtype or offload: a key that
+    left one out would hand one config the other's plan, as it did for FP8 twins of a row."""
+    from megapipe.train.meta_memory import memory_plan
+
+    base = ["model.arch=llama", "model.d_model=128", "model.n_layers=4", "model.n_heads=4",
+            "model.seq_len=64", "parallel.pp=2", "parallel.microbatches=4", "parallel.tp=4",
+            "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.zero=1",
+            "train.dtype=bfloat16", "train.params_dtype=bfloat16",
+            "parallel.grad_reduce_dtype=bfloat16"]  # fmt: skip
+    variants = [[], ["train.fp8=tensorwise"], ["train.fp8=tensorwise", "parallel.tp_overlap=true"],
+                ["train.main_grads_dtype=bfloat16"], ["recompute.mode=offload"]]  # fmt: skip
+    cluster = small_cluster()
+    peaks = []
+    for extra in variants:  # one process, one cache: each later config meets the earlier keys
+        cfg = load_config(TINY, [*base, *extra])
+        exact = memory_plan(cfg, "cuda", memory=cluster.hbm_bytes).max
+        assert perf_memory.plan(cfg, "cuda", cluster.hbm_bytes).max == pytest.approx(exact)
+        bounds = Bounds(load_config(TINY, base), cluster, plan_search.MEGAPIPE,
+                        plan_search.CALIBRATION)  # fmt: skip
+        assert bounds.memory(cfg)[0] == pytest.approx(exact, rel=REL), extra
+        peaks.append(exact)
+    assert len(set(peaks)) == len(peaks)  # each key changes the plan

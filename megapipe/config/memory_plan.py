@@ -212,10 +212,8 @@ def memory_plan(
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
-        host = sum(chunk_host_activations(cfg, b, device) for b in held)
         head = rank_head_transient(cfg, held, device, memory)
         back = max(chunk_backward_bytes(cfg, b, device) for b in held)
-        casts = step_cast_bytes(cfg, [b for blocks in held for b in blocks])
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
@@ -226,13 +224,33 @@ def memory_plan(
             coord = (pp_rank, tp_rank)
             r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
             r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
-            r = replace(r, host=host * inflight[pp_rank], backward=back, casts=casts)
-            r = replace(r, backward_first=first_backward(cfg, held, tp_rank, chunk_params, device))
+            extra = rank_extras(cfg, held, tp_rank, chunk_params, device, inflight[pp_rank])
+            r = replace(r, backward=back, **extra)
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
                 r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))
             ranks.append(r)
     return MemoryPlan(tuple(ranks), device)
+
+
+def rank_extras(
+    cfg: Config,
+    held: list[range],
+    tp_rank: int,
+    chunk_params: ChunkParams,
+    device: str,
+    inflight: float,
+) -> dict[str, float]:
+    """A rank's RankMemory fields beyond rank_memory's, for the rank holding the chunks `held`
+    at `tp_rank` with `inflight` microbatches at most: the offloaded activations in host
+    memory, FP8's weight casts kept over the step and the first backward's working set. Every
+    caller that completes a rank's memory (memory_plan, perf/bounds.Bounds.memory) asks here."""
+    host = sum(chunk_host_activations(cfg, b, device) for b in held)
+    return {
+        "host": host * inflight,
+        "casts": step_cast_bytes(cfg, [b for blocks in held for b in blocks]),
+        "backward_first": first_backward(cfg, held, tp_rank, chunk_params, device),
+    }
 
 
 def rank_head_transient(
@@ -400,14 +418,17 @@ class BlockBytesKey:
     sequence_parallel: bool
     segments: tuple[tuple[int, int], ...]
     pipeline: bool
+    # FP8 (train.fp8, fp8_keep_bf16): what its linears and experts keep; under the tp ring
+    # (parallel.tp_overlap) its column inputs as one-byte payloads (config/tp_widths)
+    fp8: tuple[str, str, bool] = ("none", "", False)
 
     @staticmethod
     def of(cfg: Config) -> BlockBytesKey:
-        p = cfg.parallel
+        p, t = cfg.parallel, cfg.train
         return BlockBytesKey(
-            _values(cfg.model), cfg.train.dtype, cfg.train.params_dtype, _values(cfg.recompute),
+            _values(cfg.model), t.dtype, t.params_dtype, _values(cfg.recompute),
             cfg.derived.micro_batch_size, p.tp, p.cp, (p.cp_comm, p.cp_a2a), p.sequence_parallel,
-            tuple(segment_bounds(cfg)), p.pp > 1,
+            tuple(segment_bounds(cfg)), p.pp > 1, (t.fp8, t.fp8_keep_bf16, p.tp_overlap),
         )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ from megapipe.config.memory_plan import (
     head_gathered,
     live_change,
     rank_deferred_params,
+    rank_extras,
     rank_head_transient,
     rank_memory,
     with_b_grads,
@@ -367,13 +368,14 @@ class Bounds:
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
                 pair = grads_pair(cfg, chunks, tp_rank, count)
-                if (n, gathered, at_head, pair) in seen:
+                extra = rank_extras(cfg, chunks, tp_rank, count, self.device, inflight)
+                if (n, gathered, at_head, pair, *extra.values()) in seen:
                     continue
-                seen.add((n, gathered, at_head, pair))
+                seen.add((n, gathered, at_head, pair, *extra.values()))
                 rank = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
                                    experts, at_head, pair)  # fmt: skip
                 rank = with_b_grads(cfg, rank, rank_deferred_params(cfg, chunks), with_b)
-                total = replace(rank, backward=back).peak
+                total = replace(rank, backward=back, **extra).peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where

@@ -159,6 +159,9 @@ class PlanKey:
     device: str
     memory: float | None = None
     optimizer: str = "adamw"  # train.optimizer: Muon's state differs (config/muon_terms.py)
+    # what the linears keep and cast (train.fp8, fp8_keep_bf16) and the main grads' bytes
+    fp8: tuple[str, str] = ("none", "")
+    main_grads_dtype: str = "float32"
 
     @staticmethod
     def of(cfg: Config, device: str, memory: float | None = None) -> PlanKey:
@@ -167,7 +170,7 @@ class PlanKey:
         )
         t = cfg.train
         keys = (t.global_batch, t.dtype, t.params_dtype, device, memory, t.optimizer)
-        return PlanKey(*sections, *keys)
+        return PlanKey(*sections, *keys, (t.fp8, t.fp8_keep_bf16), t.main_grads_dtype)
 
 
 _PLANS = BoundedCache(4096)
