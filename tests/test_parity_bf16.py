@@ -105,18 +105,25 @@ def _reference_overrides(extra: list[str], dp: int) -> tuple[str, ...]:
     return (*(x for x in extra if x.startswith(kept)), rank_microbatches(extra, dp))
 
 
-@pytest.mark.spawn
-@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
-def test_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra):
-    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
-    results = gloo_pool(world).run(train_case, [*BF16, *extra, *mesh])
-    ref = reference(_reference_overrides(extra, dp))
+def _losses_alike(results: list[dict], ref: dict) -> dict:
+    """Every rank's per-step losses within LOSS_REL of the one process's and its dp replicas
+    alike; the ranks' weights, merged."""
     weights = {}
     for got in results:
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
             assert abs(a - b) <= LOSS_REL * abs(b), f"step {step}: loss {a} != {b}"
         assert got["dp_spread"] == 0.0, "dp replicas differ"
         weights.update(got["weights"])
+    return weights
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
+def test_bf16_weights_train_like_one_process(gloo_pool, world, dp, tp, extra):
+    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
+    results = gloo_pool(world).run(train_case, [*BF16, *extra, *mesh])
+    ref = reference(_reference_overrides(extra, dp))
+    weights = _losses_alike(results, ref)
     assert {w.dtype for w in weights.values()} == {ref["weights"]["embed.tok.weight"].dtype}
     splits = ("parallel.cp", "parallel.sequence", "parallel.seq_segments")  # Seq1F1B's merge
     split = any(x.startswith(splits) for x in extra) or tp > 1
@@ -282,12 +289,7 @@ def test_bf16_main_grads_train_like_one_process(gloo_pool, world, dp, tp, extra)
     mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}"]
     results = gloo_pool(world).run(train_case, [*BF16, *BF16_GRADS, *extra, *mesh])
     ref = reference((*_reference_overrides(extra, dp), "train.main_grads_dtype=bfloat16"))
-    weights = {}
-    for got in results:
-        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-            assert abs(a - b) <= LOSS_REL * abs(b), f"step {step}: loss {a} != {b}"
-        assert got["dp_spread"] == 0.0, "dp replicas differ"
-        weights.update(got["weights"])
+    weights = _losses_alike(results, ref)
     assert_state_close(weights, ref["weights"], rel=BF16_SPLIT_REL, reach=ref["adam_reach"])
 
 
