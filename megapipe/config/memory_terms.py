@@ -239,9 +239,15 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
     statistics nor RMSNorm's normalised x outlive the forward; LayerNorm on a float32 stream
     keeps its input itself and its float32 mean and rstd. The same on every `device`."""
     d, r = cfg.model.d_model, residual_bytes(cfg)
-    if gated(cfg.model.arch) or r != FLOAT32:
+    if norm_reruns(cfg):
         return {"input": tokens * d * r}
     return {"input": tokens * d * r, "stats": 2 * tokens * FLOAT32}
+
+
+def norm_reruns(cfg: Config) -> bool:
+    """The model's norms rerun their forward in backward (parallel/tensor/layers.py): RMSNorm
+    always, LayerNorm on a low-precision residual stream."""
+    return gated(cfg.model.arch) or residual_bytes(cfg) != FLOAT32
 
 
 def norm_terms(cfg: Config, name: str, tokens: int, device: str = "cuda") -> dict[str, float]:

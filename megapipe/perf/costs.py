@@ -79,10 +79,10 @@ from megapipe.config.memory_terms import (
     head_chunk_rows,
     head_chunks,
     head_grad_in_forward,
+    norm_reruns,
     tied_lookup_with_head,
 )
 from megapipe.config.schema import gated, layer_mode, recompute_modules, tp_ring
-from megapipe.config.states import FLOAT32
 from megapipe.config.tp_widths import (
     attention_column_inputs,
     casts_before_gather,
@@ -446,7 +446,7 @@ class CostModel(MoECosts):
         recast = 0.0 if self.fp8 else recast
         # ours reruns each RMSNorm's forward in its backward, and LayerNorm's on a bf16
         # stream (Runtime.norm_reruns; models' norms: parallel/tensor/layers.py)
-        reruns = self.rt.norm_reruns and (self.llama or self.r != FLOAT32)
+        reruns = self.rt.norm_reruns and norm_reruns(self.cfg)
         rerun = 2 * self._norm_pass_bytes(x) if reruns else 0.0
         b = Work(
             compute=sum(dgrad) + attn_b + dev.mem(2 * elem + casts[1] + recast + rerun) + act_b,
