@@ -198,6 +198,30 @@ def test_fp8_amax_all_reduces_are_the_plans(tmp_path, extra, axes):
         assert measured - measured_none == plan - plan_none > 0, axis
 
 
+RING = ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.tp_overlap=true"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--train.fp8=tensorwise"],
+        ["--train.fp8=rowwise", "--recompute.mode=full"],
+        MLA,
+        [*MLA, "--train.fp8=tensorwise"],
+        ["--model.arch=llama", *MOE_SHARED, "--train.fp8=tensorwise"],
+    ],
+    ids=["fp8_tensorwise", "fp8_rowwise_full", "mla", "mla_fp8", "shared_experts_fp8"],
+)
+def test_tp_ring_bytes_are_the_plans(tmp_path, extra):
+    """The tp ring's bytes (parallel/tensor/overlap.py, fp8_overlap.py) are the plan's exactly:
+    its sends, each column linear's kept shard gathered again in backward (under tensorwise
+    FP8 as its one-byte payloads: config/tp_widths.regathered), and latent attention's rope
+    key, which enters its column region through SP's plain all-gather, not the ring."""
+    over = [f"--run.dir={tmp_path}", *RING, *extra]
+    (r,) = fake_ranks(load_config(TINY, over), "0")["ranks"]
+    assert r["comm_bytes"]["tp"] == r["plan_comm_bytes"]["tp"] > 0
+
+
 MTP = ["--model.mtp_layers=1", "--model.tie_embeddings=false"]
 PP2 = ["--parallel.pp=2", "--parallel.dp=2", "--parallel.microbatches=2"]
 

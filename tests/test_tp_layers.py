@@ -2,6 +2,7 @@
 spawned gloo workers (tp = 2 and 4, with and without sequence parallelism). Each case computes
 the reference and the sharded result on every rank and returns relative errors by name."""
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -257,6 +258,53 @@ def test_sp_column_linear_keeps_its_input_shard_with_the_same_values(gloo_pool):
             assert case["bitwise"], (rank, fp8)
             kept, whole = case["saved"]
             assert (kept, whole) == (2 * 4 * 8, 2 * 8 * 8), (rank, fp8, case)
+
+
+def ring_saved_shard_case() -> dict:
+    """A column linear on the tp ring (parallel.tp_overlap), high precision and FP8: the
+    saved tensors (elements, dtype) and its output and grads' relative error against the same
+    linear without the ring (SP's plain gather)."""
+    from megapipe.parallel.fp8 import Fp8Linear
+    from megapipe.parallel.tensor.layers import ColumnParallelLinear
+
+    x, weight = _randn(3, 8, 8, seed=14), _randn(3, 8, 16 // 2, seed=15)
+    got = {}
+    for fp8 in (None, "tensorwise", "rowwise"):
+        runs = []
+        for ring in (True, False):
+            tp = replace(_tp(True), overlap=ring)
+            col = ColumnParallelLinear(8, [8, 8], bias=False, tp=tp, unit=2)
+            _load(col, {"weight": _randn(16, 8, seed=12)}, tp)
+            col.fp8 = None if fp8 is None else Fp8Linear(fp8, outs=(tp.group,))
+            local, saved = _local_seq(x, tp), []
+            with torch.autograd.graph.saved_tensors_hooks(partial(_kept, saved), _as_is):
+                y = col(local)
+            (y * weight).sum().backward()
+            runs.append(((y, local.grad, col.weight.grad), saved))
+        (ring_out, saved), (plain_out, _) = runs
+        errors = [rel_error(a, b) for a, b in zip(ring_out, plain_out, strict=True)]
+        got[fp8] = {"saved": saved, "error": max(errors)}
+    return got
+
+
+def _kept(kept: list, t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor pack hook that notes each saved tensor's (elements, dtype)."""
+    kept.append((t.numel(), t.dtype))
+    return t
+
+
+def test_ring_column_linear_keeps_its_own_piece(gloo_pool):
+    """On the tp ring a column linear keeps only this rank's piece of what its ring sends,
+    1/tp of the gathered input, and gathers it again in backward (parallel/tensor/overlap.py,
+    parallel/fp8_overlap.py): under tensorwise FP8 its one-byte payloads, else the
+    high-precision shard. Output and grads are the plain SP path's to PARITY_REL."""
+    shard = 3 * 4 * 8  # (B, T/tp, in)
+    for rank, got in enumerate(gloo_pool(2).run(ring_saved_shard_case)):
+        for fp8, case in got.items():
+            assert case["error"] <= PARITY_REL, (rank, fp8, case["error"])
+            inputs = [(n, dtype) for n, dtype in case["saved"] if n != 8 * 8]  # not the weight
+            dtype = torch.uint8 if fp8 == "tensorwise" else torch.float32
+            assert inputs == [(shard, dtype)], (rank, fp8, case["saved"])
 
 
 CASES = [

@@ -255,18 +255,30 @@ def _tp_layer(cfg: Config, index: int, w: Widths) -> list[Op]:
     mlp = not moe or m.moe_shared_experts > 0
     widths = partial(column_input_widths, cfg, index, act=w.act, residual=w.p2p)
     inputs = tuple(scaled(x.n, each) for each in attention_column_inputs(m, widths, w.act))
+    inputs, plain = _rope_key_apart(cfg, inputs)
     mlp_in = scaled(nd, widths(mlp_column(moe))) if mlp else None
     grads = tuple(nd * row_grad_width(cfg, index, n, w.act) for n in ("attn.proj", mlp_row(moe)))
-    again = tuple(x.n * k * w.act for k in regathered(cfg, index))
+    again = tuple(x.n * k for k in regathered(cfg, index, w.act))
     ops = tp_layer_ops(sp, nd * w.act, inputs, mlp_in, grads)
     f, b = (ring_ops(cfg, each) for each in ops)
-    b = [*b, *(("all_gather", each) for each in again if each)]  # plain on the ring too
-    f = [*f, *routing_count_ops(cfg, moe, "tp")]
+    b = [*b, *plain[1], *(("all_gather", each) for each in again if each)]  # plain on the ring
+    f = [*f, *plain[0], *routing_count_ops(cfg, moe, "tp")]
     if reruns_mlp(cfg.recompute, index) and not moe:
         return f + ring_ops(cfg, mlp_rerun_ops(cfg, mlp_in[0], nd * w.act)) + b
     if layer_mode(cfg.recompute, index) != "full":
         return f + b
     return f + (f[:-1] if recompute_skips_output_sum(cfg, moe) else f) + b
+
+
+def _rope_key_apart(cfg: Config, inputs: tuple) -> tuple[tuple, tuple[list[Op], list[Op]]]:
+    """Under the tp ring, latent attention's shared rope key (the last of its column inputs,
+    attention_column_inputs) is not a linear's input: it enters its column region through
+    SP's own all-gather and its grad leaves through SP's reduce-scatter (models/mla.py
+    enter_column), which the ring does not run. (inputs the ring gathers, (F, B) plain ops)."""
+    if not (tp_ring(cfg.parallel) and cfg.model.arch == "deepseek_v3"):
+        return inputs, ([], [])
+    *ring, (sent, summed) = inputs
+    return tuple(ring), ([("all_gather", sent)], [("reduce_scatter", summed)])
 
 
 def mlp_rerun_ops(cfg: Config, sent: float, act: float) -> list[Op]:

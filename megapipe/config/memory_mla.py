@@ -6,11 +6,11 @@ the compute dtype's bytes); qk = qk_nope + qk_rope, v = v_head_dim, Rq = q_lora_
 kv_lora_rank (DeepSeek-V3 §2.1.1, eq. 1-11):
 
   down projections' inputs   (1 + [Rq > 0]) · Nₛ·d·c   (q_a and kv_a each save their input)
-  q / kv latent norms        RMSNorm on Rq and Rkv: the float32 input and rstd, Nₛ·(R·4 + 4)
+  q / kv latent norms        Nₛ·(Rq + Rkv)·c           (their inputs alone: memory_terms._norm)
   up projections' inputs     Nₛ·(Rq + Rkv)·c           (the normalised latents; under SP the
-                                                       shard, gathered again in backward; the
-                                                       tp ring keeps N), d instead of Rq without a
-                                                       query LoRA (q reads the layer input)
+                                                       shard, gathered again in backward),
+                                                       d instead of Rq without a query LoRA
+                                                       (q reads the layer input)
   rope cos, sin              2·q·rope·4                (decoupled RoPE: multiplies save them)
   q, k, v (fused kernel)     N·H·(2·qk + v')·c         (v' = qk where the values are zero-padded
                                                        to the key width: a GPU or cp; else
@@ -66,7 +66,7 @@ def _up_input_bytes(cfg: Config, x, index: int | None) -> int:
     (config/tp_widths.kept_rows) in the compute dtype or as the tp ring's FP8 payloads
     (column_input_bytes)."""
     return sum(
-        kept_rows(cfg, x, index, name) * k * column_input_bytes(cfg, index, name)
+        kept_rows(cfg, x) * k * column_input_bytes(cfg, index, name)
         for name, k in attention_columns(cfg.model).items()
     )
 

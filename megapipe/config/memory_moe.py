@@ -77,7 +77,7 @@ def moe_terms(
         # its fc1 input: the router's float32 input itself, unless cast, SP's shard kept
         # (or the tp ring's gathered rows, as FP8 payloads under tensorwise: tp_widths)
         kept = column_input_bytes(cfg, index, "mlp.shared.fc1")
-        rows = tokens if keeps_shard(cfg, index, "mlp.shared.fc1") else gathered
+        rows = tokens if keeps_shard(cfg) else gathered
         copied = kept != FLOAT32 or gathered != tokens
         hidden = gathered * width * c * (3 if llama else 2)
         terms["shared experts"] = (rows * d * kept if copied else 0) + hidden

@@ -30,8 +30,8 @@ every term with saved_tensors_hooks):
                                                        2 · 2·Nₛ·4)
           qkv, fc1 linear inputs    2 · Nₛ·d·c        (under SP the rank's shard, gathered
                                                        again in backward: sharded_input.py;
-                                                       the tp ring keeps N·d·c, one byte an
-                                                       element as FP8 payloads)
+                                                       one byte an element as the tp ring's
+                                                       FP8 payloads)
           attention inputs          q|k|v, N·(H+2·Hkv)·hd·c (the fused qkv output: SDPA's
                                     q, k, v are views of it; ring attention and selective
                                     recompute keep as much); with RoPE as many elements: its
@@ -288,7 +288,7 @@ def layer_terms(
         terms |= mla_terms(cfg, x, core, device, index)
     else:
         kept = column_input_bytes(cfg, index, "attn.qkv")
-        terms["qkv input"] = kept_rows(cfg, x, index, "attn.qkv") * m.d_model * kept
+        terms["qkv input"] = kept_rows(cfg, x) * m.d_model * kept
         terms |= _attention_terms(cfg, x, core, device, store)
         terms["proj input"] = x.n * x.h * x.hd * compute_bytes(cfg)
     if _moe(cfg, index):  # a mixture-of-experts MLP (config/memory_moe.py)
@@ -403,7 +403,7 @@ def dense_mlp_terms(
     m = cfg.model
     terms = norm_terms(cfg, "norm2", x.ns, device)
     kept = column_input_bytes(cfg, index, "mlp.fc1")
-    terms["fc1 input"] = kept_rows(cfg, x, index, "mlp.fc1") * m.d_model * kept
+    terms["fc1 input"] = kept_rows(cfg, x) * m.d_model * kept
     terms |= _mlp_terms(cfg, x)
     return terms
 

@@ -9,11 +9,11 @@ and the time model (perf/costs.py), so the three price the same widths the code 
                but an FP8 linear's input, gathered in the stream's dtype; grads summed in the
                input's own dtype
   kept         under SP a column linear keeps its input's sequence shard for backward and
-               gathers it again there, in the compute dtype (parallel/tensor/sharded_input.py);
-               an FP8 linear on the tp ring keeps what the ring gathered
+               gathers it again there, in the width it was sent in
+               (parallel/tensor/sharded_input.py)
   tp ring      cast before it sends, grads summed in the compute dtype; under tensorwise FP8
                the column inputs and the row output grads travel as one-byte payloads, and the
-               column linear keeps its payloads (parallel/fp8_overlap.payloads)
+               column linear keeps its own payloads (parallel/fp8_overlap.payloads)
 """
 
 from __future__ import annotations
@@ -50,33 +50,41 @@ def column_input_bytes(cfg: Config, index: int | None, name: str) -> int:
     return FP8_BYTES if ring_payloads(cfg, index, name) else compute_bytes(cfg)
 
 
-def keeps_shard(cfg: Config, index: int | None, name: str, ring: bool | None = None) -> bool:
-    """Whether the column linear `name` of layer `index` keeps its input's sequence shard for
-    backward and gathers it again there (parallel/tensor/sharded_input.py): under SP, but an
-    FP8 linear on the tp ring (`ring`: whether it runs; default the config's), which keeps
-    what the ring gathered."""
+def keeps_shard(cfg: Config) -> bool:
+    """Whether a column linear keeps only its input's sequence shard for backward and gathers
+    it again there (parallel/tensor/sharded_input.py; on the tp ring, overlap.py and
+    fp8_overlap.py alike): under SP."""
     p = cfg.parallel
-    ring = tp_ring(p) if ring is None else ring
-    return p.sequence_parallel and p.tp > 1 and not (ring and casts_linear(cfg, index, name))
+    return p.sequence_parallel and p.tp > 1
 
 
-def kept_rows(cfg: Config, x, index: int | None, name: str) -> int:
-    """Rows of the column linear `name`'s input kept for backward (`x` a RankDims): the rank's
+def kept_rows(cfg: Config, x) -> int:
+    """Rows of a column linear's input kept for backward (`x` a RankDims): the rank's
     sequence shard Nₛ (keeps_shard), else all N it multiplies (N = Nₛ without SP)."""
-    return x.ns if keeps_shard(cfg, index, name) else x.n
+    return x.ns if keeps_shard(cfg) else x.n
 
 
-def regathered(cfg: Config, index: int | None, ring: bool | None = None) -> tuple[int, int]:
-    """Elements per token layer `index`'s backward gathers again over tp (keeps_shard), in the
-    compute dtype: attention's column linears' inputs (qkv's, or latent attention's q_b and
-    kv_b) and the MLP's (fc1's, or the shared experts'; a MoE layer without them: none).
-    `ring`: whether the tp ring runs (default: the config's parallel.tp_overlap;
-    a runtime without one gathers plainly, Megatron-LM's SP linear too)."""
+def regathered(
+    cfg: Config, index: int | None, act: int, ring: bool | None = None
+) -> tuple[int, int]:
+    """Bytes per token layer `index`'s backward gathers again over tp (keeps_shard): attention's
+    column linears' inputs (qkv's, or latent attention's q_b and kv_b) and the MLP's (fc1's,
+    or the shared experts'; a MoE layer without them: none), each in the width it was kept
+    in: `act` bytes (the compute dtype's), one as the tp ring's FP8 payloads. `ring`: whether
+    the tp ring runs (default: the config's parallel.tp_overlap; a runtime without one
+    gathers plainly, Megatron-LM's SP linear too)."""
+    if not keeps_shard(cfg):
+        return 0, 0
     m = cfg.model
+    ring = tp_ring(cfg.parallel) if ring is None else ring
     moe = index is not None and is_moe_layer(m, index)
-    att = sum(k for n, k in attention_columns(m).items() if keeps_shard(cfg, index, n, ring))
+
+    def width(name: str) -> int:
+        return FP8_BYTES if ring and ring_payloads(cfg, index, name) else act
+
+    att = sum(k * width(n) for n, k in attention_columns(m).items())
     column = not moe or m.moe_shared_experts > 0  # routed experts are whole on every tp rank
-    return att, m.d_model if column and keeps_shard(cfg, index, mlp_column(moe), ring) else 0
+    return att, m.d_model * width(mlp_column(moe)) if column else 0
 
 
 def row_grad_width(cfg: Config, index: int | None, name: str, act: int) -> int:

@@ -10,19 +10,23 @@ with `parallel.tp_overlap`): tensor/overlap.py's chunked decomposition (Wang et 
   float32 products.
 - Under tensorwise scales the ring moves FP8 payloads (bit-cast to uint8: gloo sends no
   float8), cast once before the ring, half the bytes of bf16 pieces, as Transformer Engine's
-  FP8 userbuffers gather (`payloads`): the column linear's input, kept gathered for grad_W,
-  whose xᵀ cast is its transpose (one scale either way), and the row linear's output grad,
-  whose gᵀ cast likewise. Rowwise and blockwise pieces move in high precision and are cast
+  FP8 userbuffers gather (`payloads`): the column linear's input, whose xᵀ cast for grad_W is
+  its transpose (one scale either way), and the row linear's output grad, whose gᵀ cast
+  likewise. Rowwise and blockwise pieces move in high precision and are cast
   where they land: grad_W's casts of them run their scales along the other dimension and
   need the high-precision source.
 - Where the ring scatters products (the column linear's grad_x, the row linear's output), the
   whole local operand is cast once, as the non-overlapped path casts it, and each ring step
   multiplies its sequence chunk's rows of the cast (with the matching rows of row-local
   scales): the same products, summed over tp in the ring's order.
-- grad_W is the non-overlapped path's: the column linear keeps the gathered input its ring
-  delivered and the row linear takes the output grad its backward ring gathers, each cast
-  for the contraction over tokens in backward (under tensorwise the payloads read
-  transposed), or queued so for a Zero Bubble W (parallel/fp8.weight_grad_or_queue).
+- grad_W is the non-overlapped path's: the column linear keeps only its own piece of what
+  its ring sends (under tensorwise the payloads, else the high-precision shard) and gathers
+  the pieces again in backward, a plain all-gather before its backward ring as the
+  high-precision ring does (Korthikanti et al. 2022 §4.2.2; parallel/tensor/sharded_input.py):
+  the tensor its forward ring delivered, bit for bit, at 1/tp of the memory. The row linear
+  takes the output grad its backward ring gathers. Each is cast for the contraction over
+  tokens in backward (under tensorwise the payloads read transposed), or queued so for a Zero
+  Bubble W (parallel/fp8.weight_grad_or_queue).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megapipe.parallel.autograd.weight_grad import kept_input
 from megapipe.parallel.fp8 import fp8_operands, weight_cast, weight_grad_or_queue
 from megapipe.parallel.fp8_scaling import E4M3, E5M2
 from megapipe.parallel.tensor.mappings import SEQ_DIM
@@ -54,7 +59,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 class _Fp8GatherLinear(torch.autograd.Function):
     """SP's all-gather then y = x Wᵀ + b in FP8, piece by piece on the ring; backward: grad_x's
-    reduce-scatter chunk by chunk over the cast output grad, grad_W from the kept input."""
+    reduce-scatter chunk by chunk over the cast output grad, grad_W from the kept piece
+    gathered again."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, owner):
@@ -71,14 +77,16 @@ class _Fp8GatherLinear(torch.autograd.Function):
             return y.to(x.dtype).reshape(*piece.shape[:-1], y.shape[-1])
 
         with torch.autocast(x.device.type, enabled=False):
-            pieces, outs = ring_gather(sent, tp, product)
+            _, outs = ring_gather(sent, tp, product)
         ctx.inv = inv  # the payloads' scale (a scalar), or None: high-precision pieces
-        ctx.save_for_backward(torch.cat(pieces, SEQ_DIM), ctx.param)  # (B, T, in): for W
+        ctx.input_shard = owner.input_shard  # the rank's own piece, gathered again for W
+        ctx.save_for_backward(sent, ctx.param)  # (B, T/tp, in)
         return torch.cat(outs, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        sent, weight = ctx.saved_tensors
+        x = kept_input(ctx, sent)()  # (B, T, in): the pieces the forward's ring delivered
         fp8, owner = ctx.fp8, ctx.owner
         g2, batch, tp = _flat(grad_out), grad_out.shape[0], owner.tp
         qg, qw_t = fp8.quantized_grad(g2), weight_cast(ctx, weight, "dgrad")

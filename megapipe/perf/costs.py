@@ -255,9 +255,9 @@ class CostModel(MoECosts):
         .regathered; parallel/tensor/sharded_input.py): launched before each column linear's
         input-grad GEMM (`dgrad`: qkv, proj, fc1, fc2) and waited for after it, as
         Megatron-LM's SP linear does, so only what a gather outlasts its GEMM shows."""
-        att, mlp = regathered(self.cfg, self._first[moe], self._ring)
+        att, mlp = regathered(self.cfg, self._first[moe], self.c, self._ring)
         pairs = ((att, dgrad[0]), (mlp, dgrad[2]))
-        return sum(max(0.0, self._tp("all_gather", x.n * k * self.c) - t) for k, t in pairs if k)
+        return sum(max(0.0, self._tp("all_gather", x.n * k) - t) for k, t in pairs if k)
 
     def _recomputed(self, f: Work, x: Shapes, moe: bool) -> Work:
         """A full-recompute layer's forward again in its backward: all of `f`, or where the

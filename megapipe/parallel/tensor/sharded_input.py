@@ -10,7 +10,8 @@ one more all-gather of it per microbatch in backward. The values gathered again 
 the forward gathered (the same shards, in the same order), so forward and backward are
 bitwise as if the gathered tensor had been kept. The tp ring (parallel.tp_overlap, overlap.py)
 keeps the shard too and gathers it again before its backward ring; an FP8 linear on the ring
-keeps what the ring gathered (parallel/fp8_overlap.py: under tensorwise its one-byte payloads).
+keeps its own piece of what the ring sends (parallel/fp8_overlap.py: under tensorwise its
+one-byte payloads) and gathers that again.
 """
 
 from __future__ import annotations
