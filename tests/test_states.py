@@ -53,10 +53,11 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     """Each (pp, tp) rank's weights, grads held over the step and optimizer bytes are its
     parameters times the layout's bytes (sharded parts rounded up per rank); the grads while
     activations peak are whole (4 B/param); while reducing they add the send buffers and
-    shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 adds its two
-    largest consecutive blocks, and reducing every microbatch (its default) holds the grad
-    shard plus those blocks' float32 grads at both moments (while reducing also 1/d of them
-    received), only the shard while the head runs."""
+    shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 reduces
+    every microbatch (its default): each of a stage's three blocks is a bucket of its own (the
+    25 MB floor), so at its first block's backward the rank holds the grad shard, that block's
+    float32 grads and the other two's float32 send buffers in flight (config/grad_buckets.py),
+    while reducing also 1/d of those two received; only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
@@ -66,10 +67,11 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
         assert r.step_grads == s.grad * math.ceil(n / s.grad_shards)
         blocks = [range(b, b + 1) for b in ((0, 1, 2) if r.pp_rank == 0 else (3, 4, 5))]
         sizes = [chunk_params(cfg, b, r.tp_rank) for b in blocks]
-        pair = max(a + b for a, b in zip(sizes, sizes[1:]))
-        if key[1] == 3:  # reduced every microbatch (grad_reduce auto): shard + two blocks
-            assert r.grads == r.step_grads + 4 * pair
-            assert r.reducing == r.step_grads + 4 * pair * (1 + 1 / 4)  # d = 4: received shards
+        pair = max(a + b for a, b in zip(sizes, sizes[1:]))  # zero=3's gathered blocks
+        if key[1] == 3:  # reduced every microbatch (grad_reduce auto): shard + three blocks
+            made, flight = sizes[0], sizes[1] + sizes[2]
+            assert r.grads == r.step_grads + 4 * (made + flight)
+            assert r.reducing == r.step_grads + 4 * made + 4 * flight * (1 + 1 / 4)  # d = 4
             assert r.grads_at_head == r.step_grads
         else:
             assert r.grads == 4 * n and r.grads_at_head is None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from megapipe.config.flops import head_grad_in_forward, held_expert_params, segment_bounds
 from megapipe.config.fp8_weights import cast_bytes, fp8_params, step_cast_bytes
+from megapipe.config.grad_buckets import ChunkUnits, grads_at_once
 from megapipe.config.memory_backward import (
     chunk_backward_bytes,
     chunk_first_backward_bytes,
@@ -59,6 +60,7 @@ from megapipe.config.states import (
     main_grad_bytes,
     optimizer_bytes,
     reduction_bytes,
+    send_width,
     state_layout,
     step_gather_bytes,
     weights_bytes,
@@ -197,13 +199,15 @@ def memory_plan(
     timeline: Timeline | None = None,
     memory: float | None = None,
     matrices: MuonMatrices | None = None,
+    units: ChunkUnits | None = None,
 ) -> MemoryPlan:
     """Per (pp, tp) rank: weights, grads, optimizer state, activations per microbatch, peak
     in-flight microbatches and the peak (RankMemory), for a job running on `device`, with
     `chunk_params` counting a chunk's parameters, the schedule's `timeline` (default:
     unit_timeline) and `memory` bytes of device memory (the LM head's chunk size,
     config/memory_terms.head_chunk_rows: None, 256 rows). `matrices` lists a chunk's Muon
-    parameters (train.optimizer=muon: its state, config/muon_terms.py)."""
+    parameters (train.optimizer=muon: its state, config/muon_terms.py), `units` a chunk's
+    weight units (config/grad_buckets.py; default: each block one parameter)."""
     p = cfg.parallel
     inflight = peak_inflight(cfg, device, timeline)
     with_grads = peak_inflight(cfg, device, timeline, GRADS_MADE)
@@ -217,7 +221,7 @@ def memory_plan(
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
-            pair = grads_pair(cfg, held, tp_rank, chunk_params)
+            pair = grads_at_once(cfg, held, tp_rank, units or blocks_as_units(chunk_params))
             flight = (inflight[pp_rank], with_grads[pp_rank], with_b[pp_rank])
             experts = sum(held_expert_params(cfg, b) for b in held)
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
@@ -281,7 +285,7 @@ def rank_memory(
     inflight: tuple,
     experts: int = 0,
     head: tuple[float, float] = (0.0, 0.0),
-    pair: float = 0.0,
+    pair: tuple[float, float] = (0.0, 0.0),
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
     bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
@@ -289,14 +293,14 @@ def rank_memory(
     once the grads exist); `experts` of the `n` are routed experts' (their state sharded over
     the expert replicas: config/states.expert_replicas); `head` the LM head's chunk transient
     where the rank holds it and zero=3's bytes gathered then (rank_head_transient,
-    head_gathered); `pair` the parameters of its two largest consecutive blocks (grads_pair:
-    the full-size grads at most at once when they are reduced every microbatch)."""
+    head_gathered); `pair` the parameters whose full-size grads are made and in flight at
+    most at once when they are reduced every microbatch (config/grad_buckets.grads_at_once)."""
     persist = state_layout(cfg).weight != FLOAT32  # bf16 weights: main grads made at build
-    if local_grads_transient(cfg):  # the shard sum, and a block pair's grads at a time
+    if local_grads_transient(cfg):  # the shard sum, and a unit's grads and buckets in flight
         d = min(state_layout(cfg).d, expert_layout(cfg).d) if experts else state_layout(cfg).d
-        grad = main_grad_bytes(cfg)
-        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, 0, grad)
-        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d, grad)
+        grad, wire = main_grad_bytes(cfg), send_width(cfg)
+        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, 0, grad, wire)
+        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d, grad, wire)
         persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
@@ -378,14 +382,14 @@ def rank_gathered(cfg: Config, held: list[range], tp_rank: int, chunk_params: Ch
     return largest_pair(held_bytes) + kept
 
 
-def grads_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):
-    """The parameters of the two largest consecutive blocks of a chunk on the rank holding
-    `held`, where grads are reduced every microbatch (config/states.local_grads_transient);
-    else 0, without counting them."""
-    if not local_grads_transient(cfg):
-        return 0.0
-    blocks = [[chunk_params(range(b, b + 1), tp_rank) for b in chunk] for chunk in held]
-    return largest_pair(blocks)
+def blocks_as_units(chunk_params: ChunkParams) -> ChunkUnits:
+    """Each block of a chunk as one weight unit of one parameter (config/grad_buckets.py),
+    for callers that count parameters only: a bucket then holds whole blocks."""
+
+    def units(blocks: range, tp_rank: int) -> tuple[list[tuple[int, ...]], None]:
+        return [(chunk_params(range(b, b + 1), tp_rank),) for b in blocks], None
+
+    return units
 
 
 def gathered_pair(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams):

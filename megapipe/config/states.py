@@ -51,9 +51,10 @@ moments the memory plan (config/memory_plan.py) takes the larger of:
 
 Reducing every microbatch (`reduces_per_microbatch`: zero=3, or grad_reduce=microbatch) no
 full-size grads are kept: each bucket's local grads go when it is sent, into the rank's float32
-shard sum; at both moments the grads are the shard plus at most two consecutive blocks' float32
-grads (`block_grads_bytes`: the running block's, the previous one's send buffers in flight;
-while reducing, their received 1/d shards too).
+shard sum; at both moments the grads are the shard plus the grads made and not yet sent and
+the send buffers of at most IN_FLIGHT buckets (`block_grads_bytes` of config/grad_buckets
+.grads_at_once, from the buckets as the reducer lays them out; while reducing, their received
+1/d shards too).
 zero=2 under bf16 weights keeps its whole main-grad buffer.
 
 - after the optimizer step, at zero 1-2 (`step_gather_bytes`): the grads of the step (whole at
@@ -65,8 +66,8 @@ block under full recompute (a layer's recomputed forward prefetches the next blo
 backward holds the previous one), what activations are still live at the reduction (the
 head's kept grad buffers: 2.6% of the measured peak at zero=1 on dp2), a bucket's overshoot
 past `replica_bucket_mb` (it closes after the parameter that fills it; a table larger than a
-bucket is one), and, reducing every microbatch, the bucket being copied beside its send buffer
-(at most a bucket; a block's whole grads where one bucket holds a block).
+bucket is one) at the last backward's reduction, and, reducing every microbatch, the bucket
+being copied beside its send buffer (at most a bucket).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ DEFAULT_BUCKET_MB = 25.0  # dp buckets' floor (parallel/data/reducer.py): DDP's 
 # ensure collectives do not become latency-bound"): a ring's 2(n−1) steps each pay the link's
 # latency, so at dp = 512 a 25 MB bucket spends more on latency than on bytes.
 BUCKET_PARAMS_PER_REPLICA = 1e6
+# per-microbatch reductions in flight at once (parallel/data/zero2.py): FSDP2's reduce-scatter
+# overlaps the next block's backward by one (its reduce_scatter_state holds the previous one)
+IN_FLIGHT = 2
 ADAM_BYTES = 2 * FLOAT32  # AdamW's exp_avg and exp_avg_sq
 MAIN_PARAM_BYTES = FLOAT32  # the optimizer's float32 copy of a weight held in bf16
 
@@ -277,6 +281,13 @@ def local_grads_bytes(n_params: float, cfg: Config) -> float:
     return main_grad_bytes(cfg) * n_params
 
 
+def send_width(cfg: Config) -> int:
+    """Bytes an element of a dp × cp reduction's send buffer: parallel.grad_reduce_dtype's
+    from zero=1 on, else float32."""
+    bf16 = state_layout(cfg).zero >= 1 and cfg.parallel.grad_reduce_dtype == "bfloat16"
+    return 2 if bf16 else FLOAT32
+
+
 def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     """The grads while the last backward's dp × cp reduction runs (module docstring): the local
     grads kept, the float32 send buffers and the reduce-scattered shards (the `experts`' over
@@ -284,8 +295,7 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
     s, n = state_layout(cfg), n_params
     if s.d == 1:
         return local_grads_bytes(n, cfg)
-    bf16, main = s.weight != FLOAT32, main_grad_bytes(cfg)
-    wire = 2 if s.zero >= 1 and cfg.parallel.grad_reduce_dtype == "bfloat16" else FLOAT32
+    bf16, main, wire = s.weight != FLOAT32, main_grad_bytes(cfg), send_width(cfg)
     # zero=1 sends as they lie what it can (parallel/data/zero.py): bf16 weights' padded
     # main grads under a reduction in their dtype; float32 weights' grads, rebound to the
     # send buffer
@@ -299,6 +309,29 @@ def reduction_bytes(n_params: float, cfg: Config, experts: float = 0) -> float:
         packing = packing_bytes(n, cfg)
         return packing + send + shard * (1 - packing / (GRAD_BYTES * n))
     return local_grads_bytes(n, cfg) + send + (shard if s.zero >= 1 else 0.0)
+
+
+def bucket_runs(
+    sizes: Sequence[int], limit_bytes: float, alone: Sequence[bool] = (), kinds: Sequence = ()
+) -> list[range]:
+    """Consecutive runs of items (`sizes`: each one's elements, as float32 grads) of about
+    `limit_bytes` each, as dp buckets pack parameters (parallel/data/reducer.pack): a run
+    closes with the item that fills it (a larger item overshoots it), an item marked in
+    `alone` is a run of its own, and a new run starts where `kinds` changes."""
+    out, start, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and kinds and kinds[i] != kinds[i - 1]:
+            out.append(range(start, i))
+            start, size = i, 0
+        if alone and alone[i]:
+            out += [range(start, i), range(i, i + 1)] if i > start else [range(i, i + 1)]
+            start, size = i + 1, 0
+            continue
+        size += n * GRAD_BYTES
+        if size >= limit_bytes:
+            out.append(range(start, i + 1))
+            start, size = i + 1, 0
+    return out + [range(start, len(sizes))] if start < len(sizes) else out
 
 
 def replica_bucket_mb(replicas: int) -> float:
@@ -335,13 +368,15 @@ def local_grads_transient(cfg: Config) -> bool:
     return s.d > 1 and reduces_per_microbatch(cfg) and (s.zero >= 3 or s.weight == FLOAT32)
 
 
-def block_grads_bytes(pair_params: float, d: int = 0, grad: int = GRAD_BYTES) -> float:
-    """Per-microbatch reduction's full-size grads at most at once: the float32 (main) grads of
-    the two consecutive blocks of most parameters (`pair_params`: the block whose backward runs
-    and the one before, whose buckets' send buffers may still be in flight, zero2.IN_FLIGHT);
-    with `d` (while reducing), the in-flight reductions' received 1/d shards too (`bucket.shard`,
-    at most a block's); `grad` bytes an element (main_grad_bytes)."""
-    return grad * pair_params * (1 + (1 / d if d else 0))
+def block_grads_bytes(at_once: tuple[float, float], d: int = 0, grad: int = GRAD_BYTES,
+                      wire: int = FLOAT32) -> float:  # fmt: skip
+    """Per-microbatch reduction's full-size grads at most at once (`at_once`: config/
+    grad_buckets.grads_at_once's parameters): the (main) grads made and not yet sent, `grad`
+    bytes an element (main_grad_bytes), and the send buffers of the reductions in flight,
+    `wire` bytes (send_width); with `d` (while reducing), their received 1/d shards too
+    (`bucket.shard`)."""
+    made, flight = at_once
+    return grad * made + wire * flight * (1 + (1 / d if d else 0))
 
 
 def state_bytes(n_params: float, cfg: Config, gathered: float = 0.0, experts: float = 0) -> float:

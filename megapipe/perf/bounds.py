@@ -28,6 +28,7 @@ import numpy as np
 
 from megapipe.config import Config
 from megapipe.config.flops import held_expert_params
+from megapipe.config.grad_buckets import grads_at_once
 from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_plan import (
     B_GRADS_AT,
@@ -39,7 +40,6 @@ from megapipe.config.memory_plan import (
     block_role,
     chunk_activations,
     gathered_pair,
-    grads_pair,
     head_gathered,
     live_change,
     rank_deferred_params,
@@ -61,7 +61,7 @@ from megapipe.perf.block_times import BlockTimes, segment_key, segmented
 from megapipe.perf.cluster import Cluster
 from megapipe.perf.cost_terms import Calibration
 from megapipe.perf.data_parallel import dp_plan, optimizer_plan
-from megapipe.perf.memory_cache import chunk_params
+from megapipe.perf.memory_cache import chunk_params, chunk_units
 from megapipe.perf.pipeline import ScheduleKey, built_schedule
 from megapipe.perf.software import Runtime
 from megapipe.perf.space import Candidate
@@ -367,7 +367,7 @@ class Bounds:
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
-                pair = grads_pair(cfg, chunks, tp_rank, count)
+                pair = grads_at_once(cfg, chunks, tp_rank, functools.partial(chunk_units, cfg))
                 extra = rank_extras(cfg, chunks, tp_rank, count, self.device, inflight)
                 if (n, gathered, at_head, pair, *extra.values()) in seen:
                     continue

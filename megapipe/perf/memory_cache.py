@@ -22,6 +22,7 @@ from typing import Any
 
 from megapipe.config import Config
 from megapipe.config.flops import is_moe_layer
+from megapipe.config.grad_buckets import HeadWeight, Unit
 from megapipe.config.memory_plan import MemoryPlan, Timeline, memory_plan
 from megapipe.config.muon_terms import MuonMatrix
 from megapipe.config.pipeline_split import schedule_costs
@@ -124,6 +125,27 @@ def muon_matrices(cfg: Config, blocks: range, tp_rank: int) -> list[MuonMatrix]:
     return out
 
 
+def chunk_units(cfg: Config, blocks: range, tp_rank: int) -> tuple[list[Unit], HeadWeight | None]:
+    """train/meta_memory.chunk_units of `blocks`: a chunk holding both ends (whose head may
+    read the embedding's table) counted once per ChunkKey, any other from its blocks' units,
+    each counted once per ChunkKey and layer kind (as _block_params)."""
+    head = cfg.model.n_layers + 1
+    if 0 in blocks and head in blocks:
+        key = (ChunkKey.of(cfg, blocks, tp_rank), "units")
+        return _COUNTS.get(key, lambda: train_memory.chunk_units(cfg, blocks, tp_rank))
+    out, weight = [], None
+    for b in blocks:
+        layer = 1 <= b < head
+        kind = is_moe_layer(cfg.model, b - 1) if layer else b
+        one = range(b, b + 1)
+        key = (ChunkKey.of(cfg, one, tp_rank), kind, "units")
+        units, at = _COUNTS.get(key, lambda one=one: train_memory.chunk_units(cfg, one, tp_rank))
+        if at is not None:  # the head's block: its units after those before it
+            weight = HeadWeight(at.unit + len(out), at.index, at.head + len(out))
+        out += units
+    return out, weight
+
+
 def timeline(cfg: Config) -> Timeline:
     """The timeline config/memory_plan.unit_timeline replays (plan/simulate.simulate of the
     schedule with its schedule_costs), from the cached Dag. The same floats: the Dag's pass
@@ -182,7 +204,9 @@ def plan(cfg: Config, device: str = "cuda", memory: float | None = None) -> Memo
 
     def build() -> MemoryPlan:
         flight = timeline(cfg) if cfg.parallel.pp > 1 else None
-        counts, muon = (functools.partial(f, cfg) for f in (chunk_params, muon_matrices))
-        return memory_plan(cfg, device, counts, flight, memory, muon)
+        counts, muon, units = (
+            functools.partial(f, cfg) for f in (chunk_params, muon_matrices, chunk_units)
+        )
+        return memory_plan(cfg, device, counts, flight, memory, muon, units)
 
     return _PLANS.get(PlanKey.of(cfg, device, memory), build)

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from megapipe.config import Config
+from megapipe.config.grad_buckets import HeadWeight, Unit
 from megapipe.config.memory_plan import MemoryPlan, Timeline
 from megapipe.config.memory_plan import memory_plan as plan_of
 from megapipe.config.muon_terms import MuonMatrix
@@ -19,6 +20,7 @@ from megapipe.models.gpt import GPT
 from megapipe.parallel.expert.sharding import EPInfo
 from megapipe.parallel.tensor.grad_sync import synced_elements
 from megapipe.parallel.tensor.sharding import TPInfo
+from megapipe.pipeline.stages import weight_blocks
 from megapipe.train.muon import muon_groups
 
 
@@ -30,8 +32,9 @@ def memory_plan(
 ) -> MemoryPlan:
     """config/memory_plan.memory_plan of `cfg` on `device`, parameters from chunk_params;
     `memory`: the device's bytes, which size the LM head's chunks (None: 256 rows)."""
-    counts = functools.partial(chunk_params, cfg)
-    return plan_of(cfg, device, counts, timeline, memory, functools.partial(muon_matrices, cfg))
+    counts, units = functools.partial(chunk_params, cfg), functools.partial(chunk_units, cfg)
+    muon = functools.partial(muon_matrices, cfg)
+    return plan_of(cfg, device, counts, timeline, memory, muon, units)
 
 
 def local_memory(device: str = "cuda") -> int | None:
@@ -54,6 +57,25 @@ def chunk(cfg: Config, blocks: range, tp_rank: int) -> GPT:
 def chunk_params(cfg: Config, blocks: range, tp_rank: int) -> int:
     """Parameters of the chunk holding `blocks` on `tp_rank` (a tied table's copy included)."""
     return count_params([chunk(cfg, blocks, tp_rank)])
+
+
+def chunk_units(cfg: Config, blocks: range, tp_rank: int) -> tuple[list[Unit], HeadWeight | None]:
+    """The weight units of the chunk holding `blocks` on `tp_rank` (config/grad_buckets.py):
+    each unit's own parameters' elements in backward order, a parameter the first reader's in
+    forward order (parallel/data/zero3.Zero3Reducer._pack), and where its head's weight is."""
+    model, seen, out = chunk(cfg, blocks, tp_rank), set(), []
+    units = weight_blocks(model)
+    head = model.head
+    weight = None if head is None else head.out.weight if head.out is not None else model.tied_table
+    found = None
+    for k, unit in enumerate(units):
+        own = [p for p in unit.forward if id(p) not in seen][::-1]
+        seen.update(id(p) for p in own)
+        out.append(tuple(p.numel() for p in own))
+        at = [i for i, p in enumerate(own) if p is weight]
+        found = (k, at[0]) if at else found
+    heads = [k for k, unit in enumerate(units) if unit.module is head]
+    return out, HeadWeight(*found, heads[0]) if found and heads else None
 
 
 def tp_synced_params(cfg: Config, blocks: range, tp_rank: int) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.config.states import DEFAULT_BUCKET_MB
+from megapipe.config.states import DEFAULT_BUCKET_MB, bucket_runs
 from megapipe.distributed import collectives as C
 from megapipe.parallel.expert.sharding import is_expert
 from megapipe.parallel.precision import grad_of, main_grad_span, set_grad
@@ -152,21 +152,11 @@ class GradReducer:
 
 
 def pack(params: list[nn.Parameter], limit_bytes: float, alone: set[int], kind=None) -> list:
-    """Consecutive float32 buckets of about `limit_bytes`; a parameter in `alone` (by id) gets
-    a bucket of its own, so its place in the flat index space is the same on every rank; where
-    `kind(p)` changes (expert or dense weights) a new bucket starts."""
-    out, current, size = [], [], 0
-    for p in params:
-        if current and kind is not None and kind(p) != kind(current[-1]):
-            out.append(current)
-            current, size = [], 0
-        if id(p) in alone:
-            out += [current, [p]] if current else [[p]]
-            current, size = [], 0
-            continue
-        current.append(p)
-        size += p.numel() * 4
-        if size >= limit_bytes:
-            out.append(current)
-            current, size = [], 0
-    return out + [current] if current else out
+    """Consecutive float32 buckets of about `limit_bytes` (config/states.bucket_runs, which the
+    memory model lays out alike); a parameter in `alone` (by id) gets a bucket of its own, so
+    its place in the flat index space is the same on every rank; where `kind(p)` changes
+    (expert or dense weights) a new bucket starts."""
+    kinds = [kind(p) for p in params] if kind is not None else ()
+    sizes, apart = [p.numel() for p in params], [id(p) in alone for p in params]
+    runs = bucket_runs(sizes, limit_bytes, apart, kinds)
+    return [params[r.start : r.stop] for r in runs]

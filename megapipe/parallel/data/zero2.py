@@ -39,6 +39,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from megapipe.config.states import IN_FLIGHT
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.reducer import Bucket
 from megapipe.parallel.data.zero import (
@@ -48,10 +49,6 @@ from megapipe.parallel.data.zero import (
     _all_gather,
     widest,
 )
-
-# per-microbatch reductions in flight at once: FSDP2's reduce-scatter overlaps the next
-# block's backward by one (its reduce_scatter_state holds the previous one)
-IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)

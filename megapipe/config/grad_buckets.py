@@ -1,0 +1,134 @@
+"""The full-size grads a rank holds at once where they are reduced every microbatch
+(config/states.local_grads_transient: zero=3, or zero=2 with float32 weights under
+parallel.grad_reduce=microbatch), from its dp buckets as its reducer lays them out and
+launches them. Pure arithmetic: each chunk's weight units and their parameters' elements come
+from the caller (`ChunkUnits`: train/meta_memory.py on a meta-device chunk, perf/memory_cache.py
+the same counts cached).
+
+A chunk's reducer (parallel/data/reducer.py, zero2.py, zero3.py) packs its parameters in
+backward order into buckets of replica_bucket_mb (config/states.bucket_runs): at zero=3 each
+weight unit's own parameters apart (the embedding, each layer, the head; a parameter belongs to
+the first unit in forward order that reads it), else across units. In a grad action, each
+bucket is launched, in order, once the backward has made all its grads: its grads go into a
+send buffer (a copy in the reduce dtype; zero=3's main grads are freed, float32 grads dropped)
+and at most states.IN_FLIGHT reductions run at once, the oldest settled to launch another.
+Each grad action ends with every bucket sent and settled, so nothing carries from one to the
+next.
+
+When unit k's backward starts, the rank holds:
+- made: the grads of every bucket some unit from k on reads (zero=3 under bf16 weights
+  allocates a bucket's main grads at the backward start of the first unit that reads it,
+  `Zero3Reducer._grads_for`; float32 grads are made by autograd as the backward goes, at most
+  as many) and that no unit before k completes: a bucket is launched after the backward of
+  the first unit in forward order holding its parameters;
+- in flight: the send buffers of the last IN_FLIGHT buckets launched before it.
+The most of those over the chunk's units, grads in the main-grad dtype and send buffers in the
+reduce dtype, is what the memory plan adds to the grad shards (config/states.block_grads_bytes).
+Left out: the MTP modules' reads of the shared table and head (their buckets counted from the
+MTP's own backward), and a bucket's split where expert and dense weights or float32 routers
+meet (parallel.ep's buckets hold one kind).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megapipe.config.flops import head_grad_in_forward
+from megapipe.config.schema import Config
+from megapipe.config.states import (
+    FLOAT32,
+    IN_FLIGHT,
+    bucket_runs,
+    local_grads_transient,
+    main_grad_bytes,
+    replica_bucket_mb,
+    send_width,
+    state_layout,
+)
+
+Unit = tuple[int, ...]  # a weight unit's own parameters' elements, in backward order
+
+
+@dataclass(frozen=True)
+class HeadWeight:
+    """Where the LM head's matmul weight (its own, or the tied table) lies in a chunk's units:
+    the unit holding it, its place in that unit's backward order, and the head's unit."""
+
+    unit: int
+    index: int
+    head: int
+
+
+# (blocks, tp_rank) -> the weight units of the chunk holding `blocks` on that tp rank, in
+# forward order (pipeline/stages.weight_blocks), and its head's weight (None: no head)
+ChunkUnits = Callable[[range, int], tuple[list[Unit], HeadWeight | None]]
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """A dp bucket: its parameters, the last unit in forward order reading any of them (its
+    backward makes their grads first) and the first holding any (its backward completes it);
+    `made` of its parameters count as grads made (module docstring)."""
+
+    params: int
+    reader: int
+    done: int
+    made: int
+
+
+def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -> list[GradBucket]:
+    """The chunk's dp buckets in launch order (module docstring)."""
+    p = cfg.parallel
+    limit = replica_bucket_mb(p.dp * p.cp) * 2**20
+    last = len(units) - 1
+    # (elements, unit, is the head's weight) in backward order
+    order = [(n, k, head is not None and (k, i) == (head.unit, head.index))
+             for k in range(last, -1, -1) for i, n in enumerate(units[k])]  # fmt: skip
+    runs, start = [], 0  # zero=3: each unit's own buckets; else the chunk's together
+    for k in range(last, -1, -1):
+        runs.append(range(start, start + len(units[k])))
+        start += len(units[k])
+    if state_layout(cfg).zero < 3:
+        runs = [range(len(order))]
+    apart = _head_grad_apart(cfg)
+    out = []
+    for run in runs:
+        items = [order[i] for i in run]
+        for r in bucket_runs([n for n, _, _ in items], limit):
+            part = items[r.start : r.stop]
+            params = sum(n for n, _, _ in part)
+            reader = max(head.head if is_head else k for _, k, is_head in part)
+            kept = sum(n for n, _, is_head in part if is_head and apart)
+            out.append(GradBucket(params, reader, min(k for _, k, _ in part), params - kept))
+    return out
+
+
+def _head_grad_apart(cfg: Config) -> bool:
+    """The head's weight grad is counted with its activations, not as a grad made: where the
+    fused head makes it in forward (config/memory_terms.head_terms keeps it) and float32
+    weights take that tensor as their grad. Under bf16 weights it is added into a main grad of
+    its own at the head's backward."""
+    return head_grad_in_forward(cfg) and state_layout(cfg).weight == FLOAT32
+
+
+def grads_at_once(
+    cfg: Config, held: list[range], tp_rank: int, units: ChunkUnits
+) -> tuple[float, float]:
+    """(made, in flight): the parameters whose grads the rank holding `held` keeps at once
+    where grads are reduced every microbatch, at the unit's backward start where they weigh
+    most (module docstring); (0, 0) elsewhere."""
+    if not local_grads_transient(cfg):
+        return 0.0, 0.0
+    grad, wire = main_grad_bytes(cfg), send_width(cfg)
+    best = (0.0, 0.0)
+    for blocks in held:
+        own, head = units(blocks, tp_rank)
+        buckets = chunk_buckets(cfg, own, head)
+        for k in range(len(own) - 1, -1, -1):
+            made = sum(b.made for b in buckets if b.reader >= k >= b.done)
+            sent = [b.params for b in buckets if b.done > k]  # launched, in launch order
+            pair = (float(made), float(sum(sent[-IN_FLIGHT:])))
+            if grad * pair[0] + wire * pair[1] > grad * best[0] + wire * best[1]:
+                best = pair
+    return best
