@@ -21,9 +21,13 @@ When unit k's backward starts, the rank holds:
   `Zero3Reducer._grads_for`; float32 grads are made by autograd as the backward goes, at most
   as many) and that no unit before k completes: a bucket is launched after the backward of
   the first unit in forward order holding its parameters;
-- in flight: the send buffers of the last IN_FLIGHT buckets launched before it.
-The most of those over the chunk's units, grads in the main-grad dtype and send buffers in the
-reduce dtype, is what the memory plan adds to the grad shards (config/states.block_grads_bytes).
+- in flight: the send buffers of the last IN_FLIGHT buckets launched before it;
+- freed: the activations the microbatch in backward saved in the units after k, released by
+  their backward (autograd frees a node's saved tensors once it has run).
+The plan adds the grads (main-grad dtype) and send buffers (reduce dtype) to the grad shards
+(config/states.block_grads_bytes) and takes the freed bytes off the activations in flight
+(RankMemory.freed_at_grads), at the unit where the sum weighs most: the activation peak and the
+grads' do not come at once, as the grads grow while the backward frees what it read.
 Left out: the MTP modules' reads of the shared table and head (their buckets counted from the
 MTP's own backward), and a bucket's split where expert and dense weights or float32 routers
 meet (parallel.ep's buckets hold one kind).
@@ -31,10 +35,11 @@ meet (parallel.ep's buckets hold one kind).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megapipe.config.flops import head_grad_in_forward
+from megapipe.config.flops import head_grad_in_forward, segment_bounds
 from megapipe.config.schema import Config
 from megapipe.config.states import (
     FLOAT32,
@@ -69,7 +74,8 @@ ChunkUnits = Callable[[range, int], tuple[list[Unit], HeadWeight | None]]
 class GradBucket:
     """A dp bucket: its parameters, the last unit in forward order reading any of them (its
     backward makes their grads first) and the first holding any (its backward completes it);
-    `made` of its parameters count as grads made (module docstring)."""
+    `made` of its parameters count as grads made (the rest is the head's activation:
+    _head_grad_apart)."""
 
     params: int
     reader: int
@@ -104,31 +110,62 @@ def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -
     return out
 
 
+def is_layer(cfg: Config, block: int) -> bool:
+    """Block `block` is a transformer layer (not the embedding, the head or MTP's)."""
+    return 1 <= block <= cfg.model.n_layers
+
+
 def _head_grad_apart(cfg: Config) -> bool:
-    """The head's weight grad is counted with its activations, not as a grad made: where the
-    fused head makes it in forward (config/memory_terms.head_terms keeps it) and float32
-    weights take that tensor as their grad. Under bf16 weights it is added into a main grad of
-    its own at the head's backward."""
+    """The head's weight grad is counted with its activations (which grads_at_once does not
+    take as freed), not as a grad made (`GradBucket.made`): where the fused head makes it in
+    forward (config/memory_terms.head_terms keeps it) and float32 weights take that tensor as
+    their grad. Under bf16 weights it is added into a main grad of its own at the head's
+    backward."""
     return head_grad_in_forward(cfg) and state_layout(cfg).weight == FLOAT32
 
 
 def grads_at_once(
-    cfg: Config, held: list[range], tp_rank: int, units: ChunkUnits
-) -> tuple[float, float]:
-    """(made, in flight): the parameters whose grads the rank holding `held` keeps at once
-    where grads are reduced every microbatch, at the unit's backward start where they weigh
-    most (module docstring); (0, 0) elsewhere."""
+    cfg: Config,
+    held: list[range],
+    tp_rank: int,
+    units: ChunkUnits,
+    activations: Callable[[int], float] | None = None,
+) -> tuple[float, float, float]:
+    """(made, in flight, freed): the parameters whose grads the rank holding `held` keeps at
+    once where grads are reduced every microbatch, at the unit's backward start where they
+    weigh most beside the activations still saved (module docstring), and the bytes the
+    microbatch in backward has freed by then: what `activations` (block -> one microbatch's
+    saved bytes) gives for the chunk's later transformer layers (the head keeps its buffers
+    for the next microbatch), none under Seq1F1B (a segment frees only its own); (0, 0, 0)
+    elsewhere."""
     if not local_grads_transient(cfg):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     grad, wire = main_grad_bytes(cfg), send_width(cfg)
-    best = (0.0, 0.0)
+    frees = activations is not None and len(segment_bounds(cfg)) == 1
+    best, most = (0.0, 0.0, 0.0), -math.inf
     for blocks in held:
         own, head = units(blocks, tp_rank)
         buckets = chunk_buckets(cfg, own, head)
+        # the head's freed: its kept buffers live on (parallel/tensor/kept_buffers.py)
+        saved = [activations(b) if frees and is_layer(cfg, b) else 0.0 for b in blocks]
         for k in range(len(own) - 1, -1, -1):
-            made = sum(b.made for b in buckets if b.reader >= k >= b.done)
             sent = [b.params for b in buckets if b.done > k]  # launched, in launch order
-            pair = (float(made), float(sum(sent[-IN_FLIGHT:])))
-            if grad * pair[0] + wire * pair[1] > grad * best[0] + wire * best[1]:
-                best = pair
+            flight = float(sum(sent[-IN_FLIGHT:]))
+            for first, freed in _moments(cfg, k):
+                made = sum(b.made for b in buckets if b.reader >= first and k >= b.done)
+                at = (float(made), flight, float(sum(saved[freed:])))
+                weight = grad * at[0] + wire * at[1] - at[2]
+                if weight > most:
+                    best, most = at, weight
     return best
+
+
+def _moments(cfg: Config, k: int) -> tuple[tuple[int, int], ...]:
+    """The moments of unit k's backward where its grads weigh most, each as (the first unit
+    whose reads count as made, the first unit whose activations are freed). bf16 weights at
+    zero=3: its start, every bucket it reads allocated, its own activations still saved.
+    Float32 grads, which autograd makes linear by linear as it frees what each read: its start
+    (the grads of the units after it) and its end (its own too, its activations freed)."""
+    if state_layout(cfg).zero >= 3 and state_layout(cfg).weight != FLOAT32:
+        return ((k, k + 1),)
+    return ((k + 1, k + 1), (k, k))

@@ -128,6 +128,9 @@ class RankMemory:
     # train.fp8's weight casts kept from a step's first forward to its last backward
     # (config/fp8_weights.step_cast_bytes)
     casts: float = 0.0
+    # grads reduced every microbatch: the activations the microbatch in backward has freed
+    # where its grads and send buffers weigh most (config/grad_buckets.grads_at_once)
+    freed_at_grads: float = 0.0
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -154,7 +157,7 @@ class RankMemory:
         the head's F and B), an upper bound elsewhere; with `grads_at_head` in place of the
         grads."""
         live = self.activations_per_microbatch * self.inflight_with_grads
-        with_grads = self.grads + live
+        with_grads = self.grads + live - self.freed_at_grads
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
         held = self.weights + self.gathered + self.optimizer + self.casts
@@ -213,6 +216,10 @@ def memory_plan(
     with_grads = peak_inflight(cfg, device, timeline, GRADS_MADE)
     with_b = peak_inflight(cfg, device, timeline, B_GRADS_MADE)
     ranks = []
+
+    def saved(block: int) -> float:
+        return chunk_activations(cfg, range(block, block + 1), device)
+
     for pp_rank in range(p.pp):
         held = rank_blocks(cfg, pp_rank)
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
@@ -221,7 +228,7 @@ def memory_plan(
         for tp_rank in range(p.tp):
             n = sum(chunk_params(b, tp_rank) for b in held)
             gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
-            pair = grads_at_once(cfg, held, tp_rank, units or blocks_as_units(chunk_params))
+            pair = grads_at_once(cfg, held, tp_rank, units or blocks_as_units(chunk_params), saved)
             flight = (inflight[pp_rank], with_grads[pp_rank], with_b[pp_rank])
             experts = sum(held_expert_params(cfg, b) for b in held)
             at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
@@ -285,7 +292,7 @@ def rank_memory(
     inflight: tuple,
     experts: int = 0,
     head: tuple[float, float] = (0.0, 0.0),
-    pair: tuple[float, float] = (0.0, 0.0),
+    pair: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> RankMemory:
     """The RankMemory of the rank at `coord` (pp, tp) holding `n` parameters, `gathered` zero=3
     bytes (at most at once; while the last backward reduces: its chunks' first blocks), `acts`
@@ -299,8 +306,8 @@ def rank_memory(
     if local_grads_transient(cfg):  # the shard sum, and a unit's grads and buckets in flight
         d = min(state_layout(cfg).d, expert_layout(cfg).d) if experts else state_layout(cfg).d
         grad, wire = main_grad_bytes(cfg), send_width(cfg)
-        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, 0, grad, wire)
-        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair, d, grad, wire)
+        local = grads_bytes(n, cfg, experts) + block_grads_bytes(pair[:2], 0, grad, wire)
+        reducing = grads_bytes(n, cfg, experts) + block_grads_bytes(pair[:2], d, grad, wire)
         persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
@@ -323,6 +330,7 @@ def rank_memory(
         head_transient=head[0],
         gathered_head=head[1],
         grads_at_head=grads_bytes(n, cfg, experts) if local_grads_transient(cfg) else None,
+        freed_at_grads=pair[2],
     )
 
 

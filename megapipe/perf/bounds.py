@@ -362,12 +362,17 @@ class Bounds:
             back = max(self._backward(cfg, mesh, blocks) for blocks in chunks)
             experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
             count = functools.partial(self._chunk_params, cfg)
+            units = functools.partial(chunk_units, cfg)
+
+            def saved(block: int) -> float:
+                return self._activations(cfg, range(block, block + 1))
+
             seen = set()  # tp ranks holding as many parameters alike hold the same bytes
             for tp_rank in range(p.tp):
                 n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
                 gathered = gathered_pair(cfg, chunks, tp_rank, count)
                 at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
-                pair = grads_at_once(cfg, chunks, tp_rank, functools.partial(chunk_units, cfg))
+                pair = grads_at_once(cfg, chunks, tp_rank, units, saved)
                 extra = rank_extras(cfg, chunks, tp_rank, count, self.device, inflight)
                 if (n, gathered, at_head, pair, *extra.values()) in seen:
                     continue
