@@ -22,8 +22,11 @@ When unit k's backward starts, the rank holds:
   as many) and that no unit before k completes: a bucket is launched after the backward of
   the first unit in forward order holding its parameters;
 - in flight: the send buffers of the last IN_FLIGHT buckets launched before it;
-- freed: the activations the microbatch in backward saved in the units after k, released by
-  their backward (autograd frees a node's saved tensors once it has run).
+- freed: the activations the microbatch in backward saved in the transformer layers after k,
+  released by their backward (autograd frees a node's saved tensors once it has run; the head
+  keeps its buffers for the next microbatch).
+Float32 grads also weigh at k's end, its own grads made and its own activations freed
+(_moments).
 The plan adds the grads (main-grad dtype) and send buffers (reduce dtype) to the grad shards
 (config/states.block_grads_bytes) and takes the freed bytes off the activations in flight
 (RankMemory.freed_at_grads), at the unit where the sum weighs most: the activation peak and the
