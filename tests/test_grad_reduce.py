@@ -21,6 +21,7 @@ def peak_grads_case(overrides: list[str]) -> dict:
     import tempfile
 
     from megapipe.data.loader import build_data
+    from megapipe.train.dry_run import as_json
     from megapipe.train.parallelize import parallelize
     from tests.parity import build_mesh
 
@@ -51,34 +52,16 @@ def peak_grads_case(overrides: list[str]) -> dict:
     data = build_data(cfg.data, cfg.model, cfg.train.seed)
     job.train_step(optimizer, data.batch(0, cfg.train.global_batch), 0)
     block = max(sum(p.numel() for p in b.forward) for b in reducer.blocks) * 4
-    plan = most_grads_planned(cfg)
+    plan = as_json(cfg, "cpu")["ranks"][0]["grads_bytes"]  # the dry run's grads at the peak
     model_bytes = sum(p.numel() for p in params) * 4
     return {"peak": peak[0], "block": block, "model": model_bytes, "plan": plan}
-
-
-def most_grads_planned(cfg) -> float:
-    """The most grad bytes the memory plan holds at once on rank 0 (config/grad_buckets
-    .grads_at_once over its blocks, not weighed against the activations then saved), with
-    the grad shard."""
-    from functools import partial
-
-    from megapipe.config.grad_buckets import grads_at_once
-    from megapipe.config.pipeline_split import rank_blocks
-    from megapipe.config.states import block_grads_bytes, grads_bytes, main_grad_bytes, send_width
-    from megapipe.train.meta_memory import chunk_params, chunk_units
-
-    held = rank_blocks(cfg, 0)
-    n = sum(chunk_params(cfg, b, 0) for b in held)
-    made, flight, _ = grads_at_once(cfg, held, 0, partial(chunk_units, cfg))
-    widths = (main_grad_bytes(cfg), send_width(cfg))
-    return grads_bytes(n, cfg) + block_grads_bytes((made, flight), 0, *widths)
 
 
 @pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
 def test_zero3_holds_a_few_blocks_of_grads(gloo_pool, params_dtype):
     """zero=3 with the default keys reduces every microbatch: at most two blocks' local grads
     and two buckets in flight (zero2.IN_FLIGHT, each at most a block) beside the shard sums at
-    any arrival, within the most the plan holds (config/grad_buckets.py: an upper bound);
+    any arrival, within the dry run's grads (config/states.block_grads_bytes: an upper bound);
     zero=2's default, step-wise, holds the whole model's."""
     dtype = [f"train.params_dtype={params_dtype}", f"train.dtype={params_dtype}"]
     for zero in (3, 2):

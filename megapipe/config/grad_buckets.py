@@ -27,10 +27,11 @@ When unit k's backward starts, the rank holds:
   keeps its buffers for the next microbatch).
 Float32 grads also weigh at k's end, its own grads made and its own activations freed
 (_moments).
-The plan adds the grads (main-grad dtype) and send buffers (reduce dtype) to the grad shards
-(config/states.block_grads_bytes) and takes the freed bytes off the activations in flight
-(RankMemory.freed_at_grads), at the unit where the sum weighs most: the activation peak and the
-grads' do not come at once, as the grads grow while the backward frees what it read.
+The plan adds the most grads (main-grad dtype) and send buffers (reduce dtype) to the grad
+shards (config/states.block_grads_bytes); beside the activations it takes off what the
+backward has freed at the moment where grads and saved activations weigh most together
+(RankMemory.freed_at_grads): the activation peak and the grads' do not come at once, as the
+grads grow while the backward frees what it read.
 Left out: the MTP modules' reads of the shared table and head (their buckets counted from the
 MTP's own backward), and a bucket's split where expert and dense weights or float32 routers
 meet (parallel.ep's buckets hold one kind).
@@ -38,7 +39,6 @@ meet (parallel.ep's buckets hold one kind).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -135,32 +135,30 @@ def grads_at_once(
     activations: Callable[[int], float] | None = None,
 ) -> tuple[float, float, float]:
     """(made, in flight, freed): the parameters whose grads the rank holding `held` keeps at
-    once where grads are reduced every microbatch, at the unit's backward start where they
-    weigh most beside the activations still saved (module docstring), and the bytes the
-    microbatch in backward has freed by then: what `activations` (block -> one microbatch's
-    saved bytes) gives for the chunk's later transformer layers (the head keeps its buffers
-    for the next microbatch), none under Seq1F1B (a segment frees only its own); (0, 0, 0)
-    elsewhere."""
+    most at once where grads are reduced every microbatch (module docstring), and the bytes by
+    which the most grads beside every activation saved overstate the most they weigh beside
+    the activations still saved at a unit's moment: what the backward has freed there (by
+    `activations`: block -> one microbatch's saved bytes; the chunk's later transformer layers,
+    the head keeping its buffers for the next microbatch; none under Seq1F1B, where a segment
+    frees only its own); (0, 0, 0) elsewhere."""
     if not local_grads_transient(cfg):
         return 0.0, 0.0, 0.0
     grad, wire = main_grad_bytes(cfg), send_width(cfg)
     frees = activations is not None and len(segment_bounds(cfg)) == 1
-    best, most = (0.0, 0.0, 0.0), -math.inf
+    most, peak = (0.0, 0.0), 0.0  # the most grads; the most grads less what is freed
     for blocks in held:
         own, head = units(blocks, tp_rank)
         buckets = chunk_buckets(cfg, own, head)
-        # the head's freed: its kept buffers live on (parallel/tensor/kept_buffers.py)
         saved = [activations(b) if frees and is_layer(cfg, b) else 0.0 for b in blocks]
         for k in range(len(own) - 1, -1, -1):
             sent = [b.params for b in buckets if b.done > k]  # launched, in launch order
             flight = float(sum(sent[-IN_FLIGHT:]))
             for first, freed in _moments(cfg, k):
-                made = sum(b.made for b in buckets if b.reader >= first and k >= b.done)
-                at = (float(made), flight, float(sum(saved[freed:])))
-                weight = grad * at[0] + wire * at[1] - at[2]
-                if weight > most:
-                    best, most = at, weight
-    return best
+                made = float(sum(b.made for b in buckets if b.reader >= first and k >= b.done))
+                if grad * made + wire * flight > grad * most[0] + wire * most[1]:
+                    most = (made, flight)
+                peak = max(peak, grad * made + wire * flight - sum(saved[freed:]))
+    return most[0], most[1], grad * most[0] + wire * most[1] - peak
 
 
 def _moments(cfg: Config, k: int) -> tuple[tuple[int, int], ...]:
