@@ -56,9 +56,9 @@ def test_the_plan_holds_the_layout_per_rank(tmp_path, key):
     shards; after the step zero 1-2 hold the weights' all-gather buffers; zero=3 reduces
     every microbatch (its default): each of a stage's three blocks is a bucket of its own (the
     25 MB floor), so at a block's backward the rank holds the grad shard, that block's float32
-    grads and the next two blocks' float32 send buffers in flight (config/grad_buckets.py:
-    the block where they weigh most beside the activations not yet freed), while reducing also
-    1/d of those two received; only the shard while the head runs."""
+    grads and the next two blocks' float32 send buffers in flight (config/grad_buckets.py: at
+    most, at a block's start or, float32, its end), while reducing also 1/d of those two
+    received; only the shard while the head runs."""
     mesh = ["parallel.dp=2", "parallel.cp=2", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"]
     cfg = config(tmp_path, *key, *mesh, "parallel.microbatches=2", "train.global_batch=8")
     s = layout(*key, d=4)
