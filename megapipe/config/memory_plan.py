@@ -128,8 +128,9 @@ class RankMemory:
     # train.fp8's weight casts kept from a step's first forward to its last backward
     # (config/fp8_weights.step_cast_bytes)
     casts: float = 0.0
-    # grads reduced every microbatch: what the most grads beside every activation overstate
-    # the most grads and activations live at once (config/grad_buckets.grads_at_once)
+    # grads reduced every microbatch: by how much `grads` beside every saved activation
+    # overstates the most of both live at once, the backward having freed some by the time
+    # the grads are made (config/grad_buckets.grads_at_once)
     freed_at_grads: float = 0.0
 
     @property
