@@ -149,16 +149,50 @@ def grads_at_once(
     for blocks in held:
         own, head = units(blocks, tp_rank)
         buckets = chunk_buckets(cfg, own, head)
+        n = len(own)
         saved = [activations(b) if frees and is_layer(cfg, b) else 0.0 for b in blocks]
-        for k in range(len(own) - 1, -1, -1):
-            sent = [b.params for b in buckets if b.done > k]  # launched, in launch order
-            flight = float(sum(sent[-IN_FLIGHT:]))
+        tail = _suffix_sums(saved + [0.0] * (n + 1 - len(saved)))  # tail[j]: units j on
+        at, after = _spans(buckets, n)
+        launched = 0  # buckets launched before unit k's backward: a prefix of launch order
+        for k in range(n - 1, -1, -1):
+            while launched < len(buckets) and buckets[launched].done > k:
+                launched += 1
+            flight = float(sum(b.params for b in buckets[max(0, launched - IN_FLIGHT) : launched]))
             for first, freed in _moments(cfg, k):
-                made = float(sum(b.made for b in buckets if b.reader >= first and k >= b.done))
+                made = at[k] if first == k else after[k]
                 if grad * made + wire * flight > grad * most[0] + wire * most[1]:
                     most = (made, flight)
-                peak = max(peak, grad * made + wire * flight - sum(saved[freed:]))
+                peak = max(peak, grad * made + wire * flight - tail[freed])
     return most[0], most[1], grad * most[0] + wire * most[1] - peak
+
+
+def _spans(buckets: list[GradBucket], n: int) -> tuple[list[float], list[float]]:
+    """Per unit k: the made parameters of the buckets not yet launched that some unit from k on
+    reads (done <= k <= reader), and of those some unit after k reads (done <= k < reader)."""
+    at, after = [0.0] * (n + 1), [0.0] * (n + 1)
+    for b in buckets:
+        at[b.done] += b.made
+        at[b.reader + 1] -= b.made
+        if b.reader > b.done:
+            after[b.done] += b.made
+            after[b.reader] -= b.made
+    return _prefix(at)[:n], _prefix(after)[:n]
+
+
+def _prefix(deltas: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for x in deltas:
+        total += x
+        out.append(total)
+    return out
+
+
+def _suffix_sums(values: list[float]) -> list[float]:
+    out, total = [0.0] * (len(values) + 1), 0.0
+    for i in range(len(values) - 1, -1, -1):
+        total += values[i]
+        out[i] = total
+    return out
 
 
 def _moments(cfg: Config, k: int) -> tuple[tuple[int, int], ...]:
