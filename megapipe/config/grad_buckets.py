@@ -39,6 +39,7 @@ meet (parallel.ep's buckets hold one kind).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -89,7 +90,16 @@ class GradBucket:
 def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -> list[GradBucket]:
     """The chunk's dp buckets in launch order (module docstring)."""
     p = cfg.parallel
-    limit = replica_bucket_mb(p.dp * p.cp) * 2**20
+    apart = _head_grad_apart(cfg)
+    return _buckets(tuple(units), head, state_layout(cfg).zero >= 3, p.dp * p.cp, apart)
+
+
+@functools.lru_cache(maxsize=4096)
+def _buckets(
+    units: tuple[Unit, ...], head: HeadWeight | None, per_unit: bool, replicas: int, apart: bool
+) -> list[GradBucket]:
+    """chunk_buckets of what it reads (a search asks for the same chunks many times)."""
+    limit = replica_bucket_mb(replicas) * 2**20
     last = len(units) - 1
     # (elements, unit, is the head's weight) in backward order
     order = [(n, k, head is not None and (k, i) == (head.unit, head.index))
@@ -98,9 +108,8 @@ def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -
     for k in range(last, -1, -1):
         runs.append(range(start, start + len(units[k])))
         start += len(units[k])
-    if state_layout(cfg).zero < 3:
+    if not per_unit:
         runs = [range(len(order))]
-    apart = _head_grad_apart(cfg)
     out = []
     for run in runs:
         items = [order[i] for i in run]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from megapipe.config import Config
-from megapipe.config.flops import held_expert_params
+from megapipe.config.flops import held_expert_params, is_moe_layer
 from megapipe.config.grad_buckets import grads_at_once
 from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_plan import (
@@ -120,6 +120,7 @@ class Bounds:
         self._states: dict[tuple, tuple] = {}
         self._acts: dict[tuple, float] = {}
         self._counts: dict[tuple, int] = {}
+        self._unit_counts: dict[tuple, tuple] = {}  # chunk_units by chunk shape
         self._bytes: dict[tuple, float] = {}
         self._ids: dict[BlockBytesKey, int] = {}
         self._schedules: dict[tuple, dict] = {}
@@ -189,6 +190,17 @@ class Bounds:
         head = self._chunk_params(cfg, range(n_layers + 1, n_layers + 2), 0)
         ends = embed + head if cfg.parallel.pp > 1 else max(embed, head)
         return float(n_layers * layer + ends)
+
+    def _units(self, cfg: Config, blocks: range, tp_rank: int):
+        """perf/memory_cache.chunk_units, cached by what it depends on here (the model is
+        fixed): tp, sp, ep, the chunk's shape and which of its layers are MoE layers."""
+        p, n_layers = cfg.parallel, cfg.model.n_layers
+        moe = tuple(is_moe_layer(cfg.model, b - 1) for b in blocks if 1 <= b <= n_layers)
+        ends = (0 in blocks, n_layers + 1 in blocks)
+        key = (p.tp, p.sequence_parallel, p.ep, *ends, len(blocks), tp_rank, moe)
+        if key not in self._unit_counts:
+            self._unit_counts[key] = chunk_units(cfg, blocks, tp_rank)
+        return self._unit_counts[key]
 
     def _chunk_params(self, cfg: Config, blocks: range, tp_rank: int) -> int:
         """perf/memory_cache.chunk_params, cached by what it depends on here (the model is fixed):
@@ -362,10 +374,13 @@ class Bounds:
             back = max(self._backward(cfg, mesh, blocks) for blocks in chunks)
             experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
             count = functools.partial(self._chunk_params, cfg)
-            units = functools.partial(chunk_units, cfg)
+            units = functools.partial(self._units, cfg)
 
-            def saved(block: int) -> float:
-                return self._activations(cfg, range(block, block + 1))
+            def saved(block: int) -> float:  # _activations' per-role bytes of one block
+                key = (mesh, block_role(cfg, block))
+                if key not in self._acts:
+                    self._acts[key] = chunk_activations(cfg, range(block, block + 1), self.device)
+                return self._acts[key]
 
             seen = set()  # tp ranks holding as many parameters alike hold the same bytes
             for tp_rank in range(p.tp):
