@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from megapipe.config.flops import head_grad_in_forward, segment_bounds
 from megapipe.config.schema import Config
@@ -87,7 +88,9 @@ class GradBucket:
     made: int
 
 
-def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -> list[GradBucket]:
+def chunk_buckets(
+    cfg: Config, units: Sequence[Unit], head: HeadWeight | None
+) -> tuple[GradBucket, ...]:
     """The chunk's dp buckets in launch order (module docstring)."""
     p = cfg.parallel
     apart = _head_grad_apart(cfg)
@@ -97,19 +100,17 @@ def chunk_buckets(cfg: Config, units: Sequence[Unit], head: HeadWeight | None) -
 @functools.lru_cache(maxsize=4096)
 def _buckets(
     units: tuple[Unit, ...], head: HeadWeight | None, per_unit: bool, replicas: int, apart: bool
-) -> list[GradBucket]:
+) -> tuple[GradBucket, ...]:
     """chunk_buckets of what it reads (a search asks for the same chunks many times)."""
     limit = replica_bucket_mb(replicas) * 2**20
     last = len(units) - 1
     # (elements, unit, is the head's weight) in backward order
     order = [(n, k, head is not None and (k, i) == (head.unit, head.index))
              for k in range(last, -1, -1) for i, n in enumerate(units[k])]  # fmt: skip
-    runs, start = [], 0  # zero=3: each unit's own buckets; else the chunk's together
-    for k in range(last, -1, -1):
-        runs.append(range(start, start + len(units[k])))
-        start += len(units[k])
-    if not per_unit:
-        runs = [range(len(order))]
+    ends = list(accumulate(len(units[k]) for k in range(last, -1, -1)))
+    # zero=3: each unit's own buckets; else the chunk's together
+    runs = [range(e - len(units[last - i]), e) for i, e in enumerate(ends)]
+    runs = runs if per_unit else [range(len(order))]
     out = []
     for run in runs:
         items = [order[i] for i in run]
@@ -119,7 +120,7 @@ def _buckets(
             reader = max(head.head if is_head else k for _, k, is_head in part)
             kept = sum(n for n, _, is_head in part if is_head and apart)
             out.append(GradBucket(params, reader, min(k for _, k, _ in part), params - kept))
-    return out
+    return tuple(out)
 
 
 def is_layer(cfg: Config, block: int) -> bool:
@@ -160,7 +161,8 @@ def grads_at_once(
         buckets = chunk_buckets(cfg, own, head)
         n = len(own)
         saved = [activations(b) if frees and is_layer(cfg, b) else 0.0 for b in blocks]
-        tail = _suffix_sums(saved + [0.0] * (n + 1 - len(saved)))  # tail[j]: units j on
+        padded = saved + [0.0] * (n + 1 - len(saved))
+        tail = [*list(accumulate(reversed(padded)))[::-1], 0.0]  # tail[j]: units j on
         at, after = _spans(buckets, n)
         launched = 0  # buckets launched before unit k's backward: a prefix of launch order
         for k in range(n - 1, -1, -1):
@@ -175,7 +177,7 @@ def grads_at_once(
     return most[0], most[1], grad * most[0] + wire * most[1] - peak
 
 
-def _spans(buckets: list[GradBucket], n: int) -> tuple[list[float], list[float]]:
+def _spans(buckets: Sequence[GradBucket], n: int) -> tuple[list[float], list[float]]:
     """Per unit k: the made parameters of the buckets not yet launched that some unit from k on
     reads (done <= k <= reader), and of those some unit after k reads (done <= k < reader)."""
     at, after = [0.0] * (n + 1), [0.0] * (n + 1)
@@ -185,23 +187,7 @@ def _spans(buckets: list[GradBucket], n: int) -> tuple[list[float], list[float]]
         if b.reader > b.done:
             after[b.done] += b.made
             after[b.reader] -= b.made
-    return _prefix(at)[:n], _prefix(after)[:n]
-
-
-def _prefix(deltas: list[float]) -> list[float]:
-    out, total = [], 0.0
-    for x in deltas:
-        total += x
-        out.append(total)
-    return out
-
-
-def _suffix_sums(values: list[float]) -> list[float]:
-    out, total = [0.0] * (len(values) + 1), 0.0
-    for i in range(len(values) - 1, -1, -1):
-        total += values[i]
-        out[i] = total
-    return out
+    return list(accumulate(at))[:n], list(accumulate(after))[:n]
 
 
 def _moments(cfg: Config, k: int) -> tuple[tuple[int, int], ...]:
