@@ -1,5 +1,6 @@
-"""GPT-2's tanh GeLU (Hendrycks & Gimpel 2016, eq. for the tanh approximation), computed as
-x·σ(2u) on the CPU.
+"""The MLPs' activations (config/archs.Arch.mlp): SwiGLU, squared ReLU, and GPT-2's tanh GeLU
+(Hendrycks & Gimpel 2016, eq. for the tanh approximation), the last computed as x·σ(2u) on
+the CPU.
 
 gelu(x) = ½·x·(1 + tanh u), u = √(2/π)·(x + 0.044715·x³), and ½·(1 + tanh u) = σ(2u) exactly, so
 gelu(x) = x·σ(z) with z = 2√(2/π)·x·(1 + 0.044715·x²). The same function; only the rounding
@@ -89,3 +90,9 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
     return _SwiGLU.apply(h)
+
+
+def relu2(h: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, relu(h)² (So et al. 2021, Primer; Nemotron-4's MLP). Autograd keeps
+    relu's output once: its own backward and the square's read the same tensor."""
+    return F.relu(h).square()

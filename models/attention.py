@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
+from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.distributed.devices import capability as device_capability
 from megapipe.models.qk_norm import qk_norms
 from megapipe.models.rope import Rope
@@ -41,8 +42,13 @@ except (ImportError, AttributeError):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, T, hd) by position; pairs are (i, i + hd/2) as in HF's rotate_half."""
-    half = x.shape[-1] // 2
+    """Rotate (B, H, T, hd) by position; pairs are (i, i + r/2) as in HF's rotate_half, over
+    the first r = cos.shape[-1] dims (partial RoPE: the rest pass through, as transformers'
+    Nemotron and GPT-NeoX)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    half = r // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
 
@@ -163,11 +169,13 @@ class Attention(nn.Module):
     ):
         super().__init__()
         hd = cfg.head_dim or cfg.d_model // cfg.n_heads
-        bias = cfg.arch == "gpt2"
+        arch = arch_of(cfg.arch)
+        bias = arch.biases
         self.head_dim, self.dropout, self.selective, self.tp = hd, cfg.dropout, selective, tp
         self.cp, self.window = cp, window  # window: sliding_window on this layer, or 0
         self._eager_core = None  # keep_core_eager's torch.compiler.disable'd core
-        self.rope = Rope(cfg, hd) if cfg.arch != "gpt2" else None  # models/rope.py
+        # models/rope.py: the first rotary_dims(cfg, hd) dims of each head
+        self.rope = Rope(cfg, rotary_dims(cfg, hd)) if arch.rope else None
         q_dim, kv_dim = cfg.n_heads * hd, n_kv_heads * hd
         self.qkv = ColumnParallelLinear(cfg.d_model, [q_dim, kv_dim, kv_dim], bias, tp, unit=hd)
         self.proj = RowParallelLinear(q_dim, cfg.d_model, bias, tp, unit=hd)

@@ -16,8 +16,8 @@ from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
 from megapipe.config.flops import expert_ffn, is_moe_layer
-from megapipe.config.schema import gated
-from megapipe.models.activations import gelu_tanh, swiglu
+from megapipe.config.archs import arch_of
+from megapipe.models.activations import gelu_tanh, relu2, swiglu
 from megapipe.models.attention import Attention
 from megapipe.models.init import init_parameters
 from megapipe.models.mla import MLA, ReplicatedLinear
@@ -36,6 +36,7 @@ from megapipe.parallel.tensor.cross_entropy import HeadBuffers, linear_cross_ent
 from megapipe.parallel.tensor.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    LayerNorm1P,
     ReplicatedEmbedding,
     RMSNorm,
     RowParallelLinear,
@@ -53,27 +54,32 @@ def sp_rng(tp: TPInfo) -> contextlib.AbstractContextManager:
     return sharded_rng(tp) if tp.sp else contextlib.nullcontext()
 
 
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "layernorm1p": LayerNorm1P}
+
+
 def make_norm(cfg: ModelConfig, tp: TPInfo) -> nn.Module:
-    if gated(cfg.arch):
-        return RMSNorm(cfg.d_model, cfg.norm_eps, tp)
-    return LayerNorm(cfg.d_model, cfg.norm_eps, tp)
+    """The arch's norm (config/archs.Arch.norm)."""
+    return NORMS[arch_of(cfg.arch).norm](cfg.d_model, cfg.norm_eps, tp)
+
+
+ACTIVATIONS = {"gelu": gelu_tanh, "swiglu": swiglu, "relu2": relu2}  # config/archs.Arch.mlp
 
 
 class MLP(nn.Module):
-    """GPT-2: fc2(gelu_tanh(fc1 x)). Llama: fc2(silu(gate x) · up x) with fc1 = [gate | up]."""
+    """GPT-2: fc2(gelu_tanh(fc1 x)). Llama: fc2(silu(gate x) · up x) with fc1 = [gate | up].
+    Nemotron: fc2(relu(fc1 x)²)."""
 
     def __init__(self, cfg: ModelConfig, d_ff: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.swiglu = gated(cfg.arch)
-        bias = not self.swiglu
-        fc1_out = [d_ff, d_ff] if self.swiglu else d_ff
-        self.fc1 = ColumnParallelLinear(cfg.d_model, fc1_out, bias, tp)
-        self.fc2 = RowParallelLinear(d_ff, cfg.d_model, bias, tp)
+        arch = arch_of(cfg.arch)
+        self.activation = ACTIVATIONS[arch.mlp]
+        fc1_out = [d_ff, d_ff] if arch.gated else d_ff
+        self.fc1 = ColumnParallelLinear(cfg.d_model, fc1_out, arch.biases, tp)
+        self.fc2 = RowParallelLinear(d_ff, cfg.d_model, arch.biases, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)  # (B, T, d_ff/tp) or (B, T, 2·d_ff/tp)
-        h = swiglu(h) if self.swiglu else gelu_tanh(h)
-        return self.fc2(h)
+        return self.fc2(self.activation(h))
 
     def linears(self) -> tuple[nn.Module, ...]:
         return (self.fc1, self.fc2)
@@ -99,7 +105,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo = NO_TP, table_only: bool = False) -> None:
         super().__init__()
         self.tok = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp)
-        learned_pos = cfg.arch == "gpt2" and not table_only
+        learned_pos = arch_of(cfg.arch).learned_positions and not table_only
         self.pos = ReplicatedEmbedding(cfg.seq_len, cfg.d_model, tp) if learned_pos else None
         self.drop = nn.Dropout(cfg.dropout)
         self.tp = tp

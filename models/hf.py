@@ -1,5 +1,6 @@
-"""Import and export of Hugging Face GPT-2, Llama, Mixtral, Qwen3 and Qwen3-MoE causal LMs (the
-whole model, tp=1; Qwen3's tables and configs in models/hf_qwen3.py).
+"""Import and export of Hugging Face GPT-2, Llama, Mixtral, Qwen3, Qwen3-MoE and Nemotron causal
+LMs (the whole model, tp=1; Qwen3's and Nemotron's tables and configs in models/hf_qwen3.py and
+models/hf_nemotron.py).
 
 Weights move by name through one table per architecture: our logical name -> the HF names whose
 tensors it holds. A fused tensor of ours (q|k|v, gate|up) is the row-wise concatenation of several
@@ -18,6 +19,12 @@ from megapipe.config import Config, ModelConfig
 from megapipe.config.flops import expert_ffn
 from megapipe.models import hf_deepseek
 from megapipe.models.gpt import GPT
+from megapipe.models.hf_nemotron import (
+    NEMOTRON_LAYER,
+    NEMOTRON_TOP,
+    nemotron_config,
+    nemotron_hf_config,
+)
 from megapipe.models.hf_qwen3 import (
     QWEN3_EXPERTS,
     QWEN3_QK_NORMS,
@@ -75,6 +82,7 @@ TABLES = {
     "mixtral": (LLAMA_TOP, MIXTRAL_LAYER, "model.layers."),
     "qwen3": (LLAMA_TOP, QWEN3_LAYER, "model.layers."),
     "qwen3_moe": (LLAMA_TOP, QWEN3_LAYER | QWEN3_EXPERTS, "model.layers."),
+    "nemotron": (NEMOTRON_TOP, NEMOTRON_LAYER, "model.layers."),
 }
 GPT2_CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
 GPT2_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -120,9 +128,11 @@ def config_from_hf(hf) -> ModelConfig:
         return hf_deepseek.config_from_hf(hf)
     if kind in QWEN3_TYPES:
         return qwen3_config(hf, _llama_config(hf, any_head_dim=True))
+    if kind == "nemotron":
+        return nemotron_config(hf, _llama_layout(hf, any_head_dim=True, partial_rope=True))
     raise ValueError(
         f"HF model_type {kind!r} is not supported; use a gpt2, llama, mixtral, qwen3, "
-        "qwen3_moe or deepseek_v3 model"
+        "qwen3_moe, nemotron or deepseek_v3 model"
     )
 
 
@@ -162,9 +172,19 @@ def _gpt2_config(hf) -> ModelConfig:
 
 
 def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
     _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
+    return _llama_layout(hf, any_head_dim, norm_eps=hf.rms_norm_eps)
+
+
+def _llama_layout(
+    hf, any_head_dim: bool, norm_eps: float = 1e-5, partial_rope: bool = False
+) -> ModelConfig:
+    """The fields of Llama's layout (its shapes, RoPE, no biases); `partial_rope`: the caller
+    reads partial_rotary_factor itself (else one below 1 is refused)."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if partial_rope:
+        rope.pop("partial_rotary_factor", None)
+    scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
     _require(not getattr(hf, "attention_bias", False), "HF attention_bias=True is unsupported")
     _require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
     _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
@@ -185,7 +205,7 @@ def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
         seq_len=hf.max_position_embeddings,  # sets no weights for llama; crops the sampling context
         tie_embeddings=bool(hf.tie_word_embeddings),
         dropout=0.0,
-        norm_eps=hf.rms_norm_eps,
+        norm_eps=norm_eps,
         rope_theta=float(theta),
         **scaling,
     )
@@ -239,13 +259,18 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             **common,
         )
     _require(
-        cfg.arch in ("llama", "qwen3", "deepseek_v3"), f"model.arch={cfg.arch!r} has no HF export"
+        cfg.arch in ("llama", "qwen3", "deepseek_v3", "nemotron"),
+        f"model.arch={cfg.arch!r} has no HF export",
     )
     _require(
         cfg.arch == "qwen3" or not cfg.sliding_window,
         "model.sliding_window: only the qwen3 export carries it; set it 0",
     )
     _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
+    _require(
+        cfg.arch == "nemotron" or cfg.partial_rotary_factor == 1.0,
+        "model.partial_rotary_factor: only the nemotron export carries it; set it 1",
+    )
     common |= {
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -262,6 +287,8 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         return hf_deepseek.hf_config(cfg, common | {"intermediate_size": d.d_ff})
     if cfg.arch == "qwen3":
         return qwen3_hf_config(cfg, expert_ffn(cfg, d.d_ff), d.d_ff, common)
+    if cfg.arch == "nemotron":
+        return nemotron_hf_config(cfg, d.d_ff, common)
     if cfg.n_experts:
         return _mixtral_hf_config(cfg, d, common)
     return LlamaConfig(intermediate_size=d.d_ff, attention_bias=False, mlp_bias=False, **common)

@@ -3,7 +3,8 @@
 Drawing each logical tensor from its own generator keyed by its name makes the weights
 independent of which blocks a stage builds and of the tensor-parallel split.
 Scheme: GPT-2 (Radford et al. 2019, §2.3): N(0, 0.02), residual output projections scaled by
-1/sqrt(2·n_layers); norms start at 1, biases at 0.
+1/sqrt(2·n_layers); norms start at 1, biases at 0, and a zero-centred gain (LayerNorm1P's,
+which scales by 1 + weight) at 0.
 
 Deferred initialisation (`DeferredInit`, ZeRO-3): a model built on the meta device gets
 parameters of its real shapes, dtypes and device but no storage, and each one's initial value
@@ -39,10 +40,13 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def logical_init(seed: int, name: str, shape: tuple[int, ...], n_layers: int) -> torch.Tensor:
-    """The full (unsharded) initial value of parameter `name`."""
+def logical_init(
+    seed: int, name: str, shape: tuple[int, ...], n_layers: int, zero_centred: bool = False
+) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter `name`; `zero_centred`: a gain held as
+    its offset from 1 (parallel/tensor/layers.LayerNorm1P)."""
     leaf = name.rsplit(".", 2)
-    if name.endswith("bias"):
+    if name.endswith("bias") or zero_centred:
         return torch.zeros(shape)
     if "norm" in leaf[-2]:
         return torch.ones(shape)
@@ -51,10 +55,15 @@ def logical_init(seed: int, name: str, shape: tuple[int, ...], n_layers: int) ->
     return torch.randn(shape, generator=gen) * std
 
 
+def _initial(seed: int, name: str, shape, n_layers: int, param) -> torch.Tensor:
+    """logical_init of `param`, zero-centred where its module marked it so."""
+    return logical_init(seed, name, shape, n_layers, getattr(param, "zero_centred", False))
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, n_layers: int) -> None:
     for name, param, shape, spec, tp in sharded_params(model):
-        value = spec.shard(logical_init(seed, name, shape, n_layers), tp)
+        value = spec.shard(_initial(seed, name, shape, n_layers, param), tp)
         param.copy_(expert_slice(value, param))  # ep: this rank's experts
 
 
@@ -96,5 +105,5 @@ class DeferredInit:
     def value(self, param: torch.Tensor) -> torch.Tensor:
         """`param`'s initial value on this rank (its tp shard and experts), in its dtype."""
         name, shape, spec, tp = self.specs[id(param)]
-        value = spec.shard(logical_init(self.seed, name, shape, self.n_layers), tp)
+        value = spec.shard(_initial(self.seed, name, shape, self.n_layers, param), tp)
         return expert_slice(value, param).to(param.dtype)

@@ -259,16 +259,33 @@ def deepseek_model():
     return model
 
 
+def nemotron_model():
+    """Nemotron-4's layout: LayerNorm1P (offsets and biases perturbed from 0), relu², RoPE on
+    half of each head."""
+    torch.manual_seed(5)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    shape = {k: SHAPE[k] for k in keys} | dict(intermediate_size=48, rope_parameters=rope)
+    model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**shape))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
 ARCHS = [
     (gpt2_model, "1GB"),
     (mixtral_model, "1GB"),
     (mixtral_model, "20KB"),
     (deepseek_model, "1GB"),
+    (nemotron_model, "20KB"),
 ]
 
 
 @pytest.mark.parametrize(
-    "make, shard", ARCHS, ids=["gpt2", "mixtral", "mixtral-sharded", "deepseek_v3"]
+    "make, shard", ARCHS, ids=["gpt2", "mixtral", "mixtral-sharded", "deepseek_v3", "nemotron"]
 )
 def test_other_archs_start_at_transformers_loss(make, shard, tmp_path):
     src = random_dir(make(), tmp_path, shard)

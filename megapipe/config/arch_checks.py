@@ -1,9 +1,10 @@
-"""The architecture-specific model checks (qwen3's head_dim, deepseek_v3's latent
-attention, routing, aux-loss-free balancing and multi-token prediction): config/checks.py's
-`_check_model` runs `check_arch` after the keys every arch shares."""
+"""The architecture-specific model checks (RoPE's head dims, nemotron's dense MLP,
+deepseek_v3's latent attention, routing, aux-loss-free balancing and multi-token prediction):
+config/checks.py's `_check_model` runs `check_arch` after the keys every arch shares."""
 
 from __future__ import annotations
 
+from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.checks_runtime import require as _require
 from megapipe.config.schema import Config, ModelConfig
 
@@ -15,19 +16,46 @@ def check_arch(cfg: Config) -> None:
     _check_rope(m)
     if m.arch == "deepseek_v3":
         _check_deepseek(m, cfg.parallel.cp)
-    if m.arch != "gpt2" and m.head_dim:
+    _require(
+        m.arch != "nemotron" or m.n_experts == 0,
+        "model.arch=nemotron is dense (Nemotron-4); set model.n_experts=0, or use llama or "
+        "deepseek_v3 for a mixture of experts",
+    )
+    _check_head_dim(m)
+
+
+def _check_head_dim(m: ModelConfig) -> None:
+    """RoPE turns pairs of dims: the rotated part of a head (model.partial_rotary_factor of
+    it) must be even and not empty."""
+    if not arch_of(m.arch).rope:
+        _require(
+            not m.head_dim or m.head_dim * m.n_heads == m.d_model,
+            f"model.head_dim: {m.arch} needs d_model / n_heads; set it 0",
+        )
+        _require(
+            m.partial_rotary_factor == 1.0,
+            f"model.partial_rotary_factor: {m.arch} has no RoPE; set it 1",
+        )
+        return
+    _require(
+        m.partial_rotary_factor == 1.0 or m.arch != "deepseek_v3",
+        "model.partial_rotary_factor: deepseek_v3 rotates its own qk_rope_head_dim; set it 1",
+    )
+    head_dim = m.head_dim or m.d_model // m.n_heads
+    if m.head_dim:
         _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim}: RoPE needs it even")
-    elif m.arch != "gpt2":
-        head_dim = m.d_model // m.n_heads
+    else:
         _require(
             head_dim % 2 == 0,
             f"model.d_model={m.d_model} / model.n_heads={m.n_heads} gives head dim {head_dim}, "
-            "but llama's RoPE needs an even head dim: make model.d_model a multiple of "
+            f"but {m.arch}'s RoPE needs an even head dim: make model.d_model a multiple of "
             f"2·model.n_heads={2 * m.n_heads}",
         )
+    rotated = rotary_dims(m, head_dim)
     _require(
-        m.arch != "gpt2" or not m.head_dim or m.head_dim * m.n_heads == m.d_model,
-        "model.head_dim: gpt2 needs d_model / n_heads; set it 0",
+        rotated % 2 == 0 and rotated > 0,
+        f"model.partial_rotary_factor={m.partial_rotary_factor} rotates {rotated} of the head's "
+        f"{head_dim} dims, but RoPE turns pairs: pick a fraction that rotates an even number",
     )
 
 
@@ -61,7 +89,9 @@ def _check_rope(m: ModelConfig) -> None:
                 f"model.{key} is read only under model.rope_type=yarn; set rope_type or unset it",
             )
         return
-    _require(m.arch != "gpt2", "model.rope_type=yarn: gpt2 has no RoPE; use llama, qwen3, ...")
+    _require(
+        arch_of(m.arch).rope, f"model.rope_type=yarn: {m.arch} has no RoPE; use llama, qwen3, ..."
+    )
     _require(
         m.original_max_position_embeddings > 0,
         "model.rope_type=yarn needs model.original_max_position_embeddings (the pretrained "

@@ -30,6 +30,7 @@ from megapipe.config.checks_runtime import (
     check_tp_overlap,
     check_zero,
 )
+from megapipe.config.archs import ARCHS as ARCH_TRAITS
 from megapipe.config.checks_runtime import require as _require
 from megapipe.config.fp8_checks import FP8_RECIPES, check_fp8
 from megapipe.config.pipeline_split import check_partition
@@ -38,7 +39,7 @@ from megapipe.plan.schedules import SCHEDULES
 from megapipe.plan.simulate import Costs
 from megapipe.plan.zb_auto import memory_limit as zb_memory_limit
 
-ARCHS = ("gpt2", "llama", "qwen3", "deepseek_v3")
+ARCHS = tuple(ARCH_TRAITS)  # config/archs.py
 RECOMPUTE_MODES = ("none", "full", "selective", "offload")
 DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py, train/muon.py

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+from megapipe.config.archs import arch_of
 from megapipe.config.schema import (
     Config,
     Derived,
@@ -51,7 +52,7 @@ def held_expert_params(cfg: Config, blocks: range) -> int:
     if m.n_experts == 0:
         return 0
     f, d = expert_ffn(m, cfg.derived.d_ff), m.d_model
-    one = f * d * (3 if gated(m.arch) else 2) + (f + d if m.arch == "gpt2" else 0)
+    one = f * d * (3 if gated(m.arch) else 2) + (f + d if arch_of(m.arch).biases else 0)
     return moe_layers_in(m, blocks) * m.n_experts // p.ep * one
 
 
@@ -178,7 +179,7 @@ def block_costs_from_flops(cfg: Config) -> list[float]:
     if m.arch == "deepseek_v3":
         attention = 6.0 * sum(attention_widths(m, cfg.derived)) * m.seq_len
     layers = [6.0 * layer_matmul_params(cfg, i) + attention for i in range(m.n_layers)]
-    embed = 4.0 * d * (2 if m.arch == "gpt2" else 1)  # GPT-2 adds learned positions
+    embed = 4.0 * d * (2 if arch_of(m.arch).learned_positions else 1)  # GPT-2 adds positions
     head = 6.0 * d * vocab + 10.0 * vocab + 10.0 * d + mtp_flops_per_token(cfg, m.seq_len)
     return [embed, *layers, head]
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
 from megapipe.config.fp8_weights import expert_deferred_fp8
-from megapipe.config.schema import Config
+from megapipe.config.archs import arch_of
+from megapipe.config.schema import Config, gated
 from megapipe.config.states import FLOAT32, compute_bytes
 from megapipe.config.tp_widths import column_input_bytes, keeps_shard
 
@@ -60,7 +61,7 @@ def moe_terms(
     d, e, k = m.d_model, m.n_experts, m.top_k
     f = expert_ffn(m, cfg.derived.d_ff)
     rows = tokens * k
-    llama = m.arch != "gpt2"
+    llama = gated(m.arch)
     shares = 0 if segmented else rows_b * e
     capped = m.moe_capacity_factor > 0
     terms = {
@@ -98,7 +99,7 @@ def moe_deferred(
     train.fp8: config/fp8_weights.py), and the shared experts' linears'."""
     m = cfg.model
     d, f = m.d_model, expert_ffn(m, cfg.derived.d_ff)
-    fan = 2 * f if m.arch != "gpt2" else f
+    fan = 2 * f if gated(m.arch) else f
     rows = tokens * m.top_k
     terms = {"expert linear inputs, output grads": rows * (d + f + fan + d) * c}
     saved, scales = expert_deferred_fp8(cfg, block, rows, c)
@@ -106,7 +107,7 @@ def moe_deferred(
         terms |= {"expert FP8 cast saving": -saved, "expert FP8 scales": scales}
     if m.moe_shared_experts:
         width = m.moe_shared_experts * f // tp
-        fan_s = 2 * width if m.arch != "gpt2" else width
+        fan_s = 2 * width if gated(m.arch) else width
         terms["shared linear inputs, output grads"] = gathered * (d + width + fan_s + d) * c
     return terms
 
@@ -118,8 +119,8 @@ def moe_summary(cfg: Config) -> dict[str, int]:
     and indices, the combined outputs: `moe_terms`' "dispatch buffers" and "combine")."""
     m, d, p = cfg.model, cfg.derived, cfg.parallel
     f = expert_ffn(m, d.d_ff)
-    per_expert = m.d_model * f * (3 if m.arch != "gpt2" else 2)
-    if m.arch == "gpt2":
+    per_expert = m.d_model * f * (3 if gated(m.arch) else 2)
+    if arch_of(m.arch).biases:
         per_expert += f + m.d_model  # the stacked biases
     layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
     tokens = d.micro_batch_size * m.seq_len // p.cp

@@ -107,6 +107,7 @@ from megapipe.config.flops import (
 from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
+from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.schema import Config, gated, recompute_modules
 from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes
 from megapipe.config.tp_widths import column_input_bytes, kept_rows
@@ -247,7 +248,7 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
 def norm_reruns(cfg: Config) -> bool:
     """The model's norms rerun their forward in backward (parallel/tensor/layers.py): RMSNorm
     always, LayerNorm on a low-precision residual stream."""
-    return gated(cfg.model.arch) or residual_bytes(cfg) != FLOAT32
+    return arch_of(cfg.model.arch).rms or residual_bytes(cfg) != FLOAT32
 
 
 def norm_terms(cfg: Config, name: str, tokens: int, device: str = "cuda") -> dict[str, float]:
@@ -315,7 +316,7 @@ def _segment_store(cfg: Config, x: RankDims) -> float:
     """Seq1F1B's store (parallel/autograd/segment_kv.py) holds each segment's k, v for the
     segments after it, whatever else is kept: the qkv output they view, or (RoPE) the rotated
     k and v's own copy."""
-    heads = 2 * x.hkv if cfg.model.arch != "gpt2" else x.h + 2 * x.hkv
+    heads = 2 * x.hkv if arch_of(cfg.model.arch).rope else x.h + 2 * x.hkv
     return x.n * heads * x.hd * compute_bytes(cfg)
 
 
@@ -325,15 +326,16 @@ def _attention_terms(
     """What the attention saves, RoPE's included, by the core that runs (attention_path) under
     recompute `mode` ("none" or "selective"); `store`: the Seq1F1B segment store's bytes (None
     unsegmented), counted here where the math path's copies leave qkv to it alone."""
-    m, c, llama = cfg.model, compute_bytes(cfg), cfg.model.arch != "gpt2"
+    m, c, rope = cfg.model, compute_bytes(cfg), arch_of(cfg.model.arch).rope
     path = attention_path(cfg, device)
     terms: dict[str, float] = {}
     # qkv's views, or RoPE's q, k and v's own copy (models/attention.py frees the qkv output)
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
     # a dense (b, 1, q, kv) mask, except in the ring's kernels (ring, hybrid): ids per block
     documents = cfg.data.document_mask and path not in ("ring", "hybrid")
-    if llama:  # per row under document masking: positions restart per document
-        terms["rope cos, sin"] = 2 * (x.b if cfg.data.document_mask else 1) * x.q * x.hd * FLOAT32
+    if rope:  # per row under document masking: positions restart per document
+        rows = x.b if cfg.data.document_mask else 1
+        terms["rope cos, sin"] = 2 * rows * x.q * rotary_dims(m, x.hd) * FLOAT32
     if path in ("a2a", "hybrid") and mode != "selective":
         return terms | _a2a_terms(cfg, x, device, documents)
     earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask
@@ -410,10 +412,12 @@ def dense_mlp_terms(
 
 def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
     """The dense MLP's activation and fc2's input."""
-    c, llama = compute_bytes(cfg), gated(cfg.model.arch)
+    c, mlp = compute_bytes(cfg), arch_of(cfg.model.arch).mlp
     terms = {}
-    if llama:  # SwiGLU: fc1's [gate | up] output alone (models/activations.swiglu)
+    if mlp == "swiglu":  # fc1's [gate | up] output alone (models/activations.swiglu)
         terms["swiglu"] = 2 * x.n * x.ff * c
+    elif mlp == "relu2":  # relu's output, which the square reads too (activations.relu2)
+        terms["relu output"] = x.n * x.ff * c
     else:
         terms["gelu input"] = x.n * x.ff * c
     terms["fc2 input"] = x.n * x.ff * c
@@ -423,10 +427,10 @@ def _mlp_terms(cfg: Config, x: RankDims) -> dict[str, float]:
 def _dropout_terms(cfg: Config, x: RankDims, device: str) -> dict[str, float]:
     """The residual dropouts' masks (after proj and fc2; with a bias, gpt2, the output is in
     the bias's dtype)."""
-    m, llama = cfg.model, gated(cfg.model.arch)
+    m, biases = cfg.model, arch_of(cfg.model.arch).biases
     if m.dropout <= 0:
         return {}
-    dropped = residual_bytes(cfg) if not llama else compute_bytes(cfg)
+    dropped = residual_bytes(cfg) if biases else compute_bytes(cfg)
     return {"residual dropout masks": 2 * x.ns * m.d_model * _mask_bytes(device, dropped)}
 
 

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from megapipe.config.archs import arch_of
+
 
 class ConfigError(ValueError):
     """A bad config: the message is one line naming the key and the fix."""
@@ -65,7 +67,8 @@ def bounds_of(f: dataclasses.Field) -> Bounds | None:
 class ModelConfig:
     # gpt2: LayerNorm, tanh-GELU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, no
     # biases; qwen3: llama with QK-norm (an RMSNorm over head_dim on each q and k head before
-    # RoPE); deepseek_v3: llama's with latent attention and DeepSeek-V3's routing (docs/moe.md)
+    # RoPE); deepseek_v3: llama's with latent attention and DeepSeek-V3's routing (docs/moe.md);
+    # nemotron: LayerNorm1p, squared ReLU, partial RoPE, no biases (config/archs.py)
     arch: str = "gpt2"
     n_layers: int = bounded(2, low=1)  # transformer layers
     d_model: int = bounded(64, low=1)  # hidden size
@@ -83,6 +86,9 @@ class ModelConfig:
     dropout: float = bounded(0.0, low=0, high=1, high_open=True)
     norm_eps: float = bounded(1e-5, low=0, low_open=True)  # LayerNorm / RMSNorm epsilon
     rope_theta: float = bounded(10000.0, low=0, low_open=True)  # RoPE base (llama)
+    # the fraction of each head's dims RoPE rotates, the first ones (transformers' name; 0.5 in
+    # Nemotron-4); the rest pass through unrotated
+    partial_rotary_factor: float = bounded(1.0, low=0, high=1, low_open=True)
     # RoPE's frequencies (models/rope.py): default | yarn (YaRN's context extension, Peng et al.
     # 2023; transformers' rope_parameters rope_type, with the keys below under their names)
     rope_type: str = "default"
@@ -453,8 +459,8 @@ class Derived:
 
 
 def gated(arch: str) -> bool:
-    """RMSNorm and SwiGLU MLPs (llama's family) rather than GPT-2's LayerNorm and GELU."""
-    return arch in ("llama", "qwen3", "deepseek_v3")
+    """A SwiGLU MLP (llama's family: config/archs.py), three matrices rather than two."""
+    return arch_of(arch).gated
 
 
 def default_d_ff(arch: str, d_model: int) -> int:

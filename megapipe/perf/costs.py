@@ -82,7 +82,8 @@ from megapipe.config.memory_terms import (
     norm_reruns,
     tied_lookup_with_head,
 )
-from megapipe.config.schema import gated, layer_mode, recompute_modules, tp_ring
+from megapipe.config.archs import arch_of, rotary_dims
+from megapipe.config.schema import layer_mode, recompute_modules, tp_ring
 from megapipe.config.tp_widths import (
     attention_column_inputs,
     casts_before_gather,
@@ -142,7 +143,7 @@ class CostModel(MoECosts):
         self.ep_link: Link = ep_link(cluster, self.shape, p.ep)
         self.c = 2 if cfg.train.dtype == "bfloat16" else 4
         self.r = runtime.residual_bytes or self.c  # 0: the compute dtype's
-        self.llama = gated(m.arch)  # RMSNorm, SwiGLU, RoPE, no biases
+        self.arch = arch_of(m.arch)  # norm, MLP, positions, biases (config/archs.py)
         self.dropout = m.dropout > 0
         if runtime.attention == "auto":
             self.attention = attention_path(cfg, cluster.device)
@@ -281,7 +282,7 @@ class CostModel(MoECosts):
         """(m, n, k) of a layer's GEMMs: qkv, the output projection, fc1 (or gate|up), fc2; a
         MoE layer's router, experts (the rank's N·k routed rows) and shared experts instead of
         fc1 and fc2 (module doc)."""
-        d, g = self.cfg.model.d_model, 2 if self.llama else 1
+        d, g = self.cfg.model.d_model, 2 if self.arch.gated else 1
         attn = [(x.n, (x.h + 2 * x.hkv) * x.hd, d), (x.n, d, x.h * x.hd)]
         if self.cfg.model.arch == "deepseek_v3":
             attn = self._mla_shapes(x)
@@ -345,10 +346,11 @@ class CostModel(MoECosts):
             residual = region * (c + 2 * r + mask)
         else:
             residual = region * (c + 2 * r) + (region * (2 * c + mask) if self.dropout else 0)
-            residual += 0 if self.llama else region * 2 * c  # row-parallel bias after the sum
+            residual += region * 2 * c if self.arch.biases else 0  # row-parallel bias after the sum
         act = self._activation_bytes(x)
-        if self.llama:
-            act += x.n * (x.h + x.hkv) * x.hd * c * (2 if fused else 6)  # RoPE on q, k
+        if self.arch.rope:  # RoPE on q, k: the rotated dims
+            rotated = rotary_dims(self.cfg.model, x.hd)
+            act += x.n * (x.h + x.hkv) * rotated * c * (2 if fused else 6)
         relayout = 0 if fused else x.n * (x.h + 2 * x.hkv + x.h) * x.hd * 2 * c  # to/from heads
         return 2 * norm + 2 * residual + act + relayout
 
@@ -367,9 +369,12 @@ class CostModel(MoECosts):
         return x.ns * self.cfg.model.d_model * (self.r + norm_out)
 
     def _activation_bytes(self, x: Shapes) -> float:
-        """HBM bytes of the MLP's activation forward: GeLU, or SwiGLU's silu(gate) · up."""
-        if self.llama:
+        """HBM bytes of the MLP's activation forward: GeLU, SwiGLU's silu(gate) · up, or
+        squared ReLU (relu, then its square, unless fused)."""
+        if self.arch.gated:
             return x.n * x.ff * (3 if self.rt.fused_elementwise else 5) * self.c
+        if self.arch.mlp == "relu2" and not self.rt.fused_elementwise:
+            return x.n * x.ff * 4 * self.c
         return x.n * x.ff * 2 * self.c
 
     def _cp_exposed(self, x: Shapes, attn_fwd: float, attn_bwd: float) -> tuple[float, float]:
@@ -418,7 +423,8 @@ class CostModel(MoECosts):
         cp_f, cp_b = self._cp_exposed(x, attn_f, attn_b)
         elem = self._elementwise(x)
         act_f = act_b = 0.0
-        act = None if self.llama or not self.host else self.host.gelu(x.n * x.ff, self.c)
+        gelu = self.arch.mlp == "gelu" and self.host
+        act = self.host.gelu(x.n * x.ff, self.c) if gelu else None
         if act is not None:  # a measured profile prices GeLU per element, not per byte
             elem, act_f, act_b = elem - act[0], act[1], act[2]
         fprop, dgrad, wgrad, casts = self._gemm_seconds(x, moe)
@@ -534,7 +540,7 @@ class CostModel(MoECosts):
         w = 4 if self.rt.weight_cast_bytes else self.c  # the table: float32 weights or not
         out = x.n * m.d_model * w
         fwd = 2 * out  # gather the rows, write them
-        if m.arch == "gpt2":
+        if self.arch.learned_positions:
             fwd += 3 * x.ns * m.d_model * w  # learned positions added
         if self.dropout:
             fwd += x.ns * m.d_model * (2 * w + 1)

@@ -18,7 +18,7 @@ class MoECosts:
 
     def _mlp_params(self, x: Shapes, moe: bool) -> float:
         """This rank's MLP weights: the dense MLP's, or its experts', router and shared MLP."""
-        m, d, gates = self.cfg.model, self.cfg.model.d_model, 3 if self.llama else 2
+        m, d, gates = self.cfg.model, self.cfg.model.d_model, 3 if self.arch.gated else 2
         if not moe:
             return d * x.ff * gates
         ffn = expert_ffn(m, self.cfg.derived.d_ff)
@@ -52,7 +52,7 @@ class MoECosts:
     def _moe_shapes(self, x: Shapes) -> list[tuple[float, int, int]]:
         """A MoE layer's GEMMs after attention: the router, the routed experts (one local
         expert's share of the rows unless grouped: _gemm_batches) and the shared experts."""
-        m, d, g = self.cfg.model, self.cfg.model.d_model, 2 if self.llama else 1
+        m, d, g = self.cfg.model, self.cfg.model.d_model, 2 if self.arch.gated else 1
         ffn, tokens = expert_ffn(m, self.cfg.derived.d_ff), self._moe_tokens(x)
         rows, width = tokens * m.top_k * self._etp, ffn // self._etp
         if not self.rt.moe_grouped_gemm:

@@ -246,6 +246,20 @@ class LayerNorm(ShardedModule):
         return F.layer_norm(x, x.shape[-1:], weight, bias, self.eps)
 
 
+class LayerNorm1P(LayerNorm):
+    """LayerNorm whose gain is held zero-centred: it scales by 1 + weight, and `weight` starts
+    at 0 (its `zero_centred` mark, read by models/init.py). Nemotron-4's norm (Megatron's apply_layernorm_1p,
+    transformers' NemotronLayerNorm1P): a gain near 1 held as its small offset keeps more of
+    its bits in low precision."""
+
+    def __init__(self, dim: int, eps: float, tp: TPInfo = NO_TP) -> None:
+        super().__init__(dim, eps, tp)
+        self.weight.zero_centred = True
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], weight + 1.0, bias, self.eps)
+
+
 class RMSNorm(ShardedModule):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 like Llama's reference."""
 

@@ -1,0 +1,121 @@
+"""HF Nemotron (transformers' NemotronForCausalLM, Nemotron-4's layout) import and export:
+logits equal both ways with partial RoPE, LayerNorm1P's zero-centred gains and squared ReLU;
+each of those traits is read (dropping one changes the logits); one-line refusals."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import transformers
+
+from megapipe.config import ModelConfig
+from megapipe.config.checks import validate
+from megapipe.config.load import load_config
+from megapipe.models.gpt import GPT
+from megapipe.models.hf import from_hf, to_hf
+from tests.util import rel_error
+
+REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
+VOCAB, SEQ = 100, 32
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+
+
+def rope(fraction: float) -> dict:
+    return {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": fraction}
+
+
+def nemotron(fraction: float = 0.5, tie: bool = False, **kw):
+    """A small random Nemotron; every weight perturbed (the norms' offsets and biases too, which
+    start at 0) so that a mixed-up name shows."""
+    torch.manual_seed(0)
+    fields = BASE | {"tie_word_embeddings": tie, "rope_parameters": rope(fraction)} | kw
+    model = transformers.NemotronForCausalLM(transformers.NemotronConfig(**fields))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model.eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fraction,tie", [(0.5, False), (0.25, True), (1.0, False)])
+def test_nemotron_logits_both_ways(fraction, tie, tmp_path):
+    hf = nemotron(fraction, tie)
+    gpt = from_hf(hf)
+    assert (gpt.cfg.arch, gpt.cfg.partial_rotary_factor) == ("nemotron", fraction)
+    ids = tokens()
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert rel_error(gpt(ids), want) <= REL
+        to_hf(gpt, str(tmp_path))
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        assert type(reloaded) is transformers.NemotronForCausalLM
+        assert reloaded.config.rope_parameters["partial_rotary_factor"] == fraction
+        assert rel_error(reloaded(ids).logits, want) <= REL
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"partial_rotary_factor": 1.0}, {"arch": "gpt2", "partial_rotary_factor": 1.0}],
+    ids=["whole-rope", "gpt2"],
+)
+def test_each_nemotron_trait_is_read(change):
+    """The same weights with RoPE on the whole head, or as gpt2 (LayerNorm's plain gain, GeLU,
+    learned positions from their init), give other logits."""
+    gpt = from_hf(nemotron())
+    other = GPT(ModelConfig(**(vars(gpt.cfg) | change)))
+    other.load_state_dict(gpt.state_dict(), strict=False)
+    with torch.no_grad():
+        ids = tokens()
+        assert rel_error(other(ids), gpt(ids)) > 1e-3
+
+
+def test_layernorm1p_gains_start_at_zero_and_scale_by_one_plus():
+    """A fresh nemotron's norms hold w = 0 (gain 1); the forward uses 1 + w."""
+    gpt = GPT(ModelConfig(arch="nemotron", d_model=32, n_heads=4, partial_rotary_factor=0.5))
+    norm = gpt.layers["0"].norm1
+    assert torch.equal(norm.weight, torch.zeros(32))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        norm.weight.fill_(0.5)
+        want = torch.nn.functional.layer_norm(x, (32,), torch.full((32,), 1.5), norm.bias)
+        assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
+     ({"mlp_bias": True}, "mlp_bias")],
+)  # fmt: skip
+def test_unsupported_nemotron_fields_are_one_line(kw, key):
+    with pytest.raises(ValueError, match=key) as err:
+        from_hf(nemotron(**kw))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.partial_rotary_factor=0.2"], "model.partial_rotary_factor=0.2 rotates 3"),
+        (["model.n_experts=4"], "model.arch=nemotron is dense"),
+    ],
+)
+def test_nemotron_config_refusals_are_one_line(overrides, key):
+    base = ["model.arch=nemotron", "model.d_model=64", "model.n_heads=4"]
+    with pytest.raises(Exception, match=key) as err:
+        validate(load_config(None, base + overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_partial_rotary_factor_needs_rope():
+    with pytest.raises(Exception, match="gpt2 has no RoPE") as err:
+        validate(load_config(None, ["model.partial_rotary_factor=0.5"]))
+    assert "\n" not in str(err.value)
