@@ -46,8 +46,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     the first r = cos.shape[-1] dims (partial RoPE: the rest pass through, as transformers'
     Nemotron and GPT-NeoX)."""
     r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    if r < x.shape[-1]:  # in x's memory layout, as the whole rotation's output: the core's
+        out = torch.empty_like(x)  # output follows q's, and proj reads it without a copy
+        out[..., :r] = apply_rope(x[..., :r], cos, sin)
+        out[..., r:] = x[..., r:]
+        return out
     half = r // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

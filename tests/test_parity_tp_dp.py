@@ -22,6 +22,10 @@ MB2 = ["parallel.microbatches=2"]
 # QK-norm gains (models/qk_norm.py): replicated, their grads summed over tp; head_dim 24 != 64/4
 QWEN3 = ["model.arch=qwen3", "model.tie_embeddings=false", "model.d_ff=64", "model.head_dim=24"]
 WINDOW = ["model.sliding_window=5", "model.max_window_layers=1"]  # layer 1 slides over 5 keys
+# Nemotron-4's layout (config/archs.py): LayerNorm1P's gains and biases replicated over tp,
+# relu², RoPE on half of each head
+NEMOTRON = ["model.arch=nemotron", "model.tie_embeddings=false", "model.d_ff=64",
+            "model.partial_rotary_factor=0.5", "model.n_kv_heads=2"]  # fmt: skip
 V97 = ["model.vocab_size=97"]  # no tp > 1 divides it: padded rows
 # Muon (train/muon.py): tp gathers each matrix; q | k | v and gate | up orthogonalised apart;
 # under ZeRO each matrix owned whole by one rank (train/muon_zero.py): buckets of 0.01 MB cut
@@ -43,6 +47,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp2-llama-kv1", 1, 2, [*LLAMA, "model.n_kv_heads=1", LOW_LR]),
         ("tp2-v97-sp", 1, 2, [*V97, *SP]),
         ("tp2-qwen3-window", 1, 2, [*QWEN3, *WINDOW]),
+        ("tp2-nemotron-sp", 1, 2, [*NEMOTRON, *SP]),
         ("tp2-muon", 1, 2, MUON),
         ("dp2-zero1-muon", 2, 1, [*MUON, "parallel.zero=1"]),
     ],
@@ -61,6 +66,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("tp4-v97-untied", 1, 4, [*V97, *LLAMA, LOW_LR]),
         ("dp2-tp2-v97-sp", 2, 2, [*V97, *SP]),
         ("tp4-qwen3-gqa-kv-replicated-sp", 1, 4, [*QWEN3, "model.n_kv_heads=2", *SP]),
+        ("dp2-tp2-nemotron-full", 2, 2, [*NEMOTRON, *FULL, *MB2]),
         # zero=0's Muon under dp is every replica's same update: dp2-tp2 runs it under zero=2
         ("dp2-tp2-zero2-muon", 2, 2, [*MUON, "parallel.zero=2"]),
         ("dp4-zero3-muon", 4, 1, [*MUON, "parallel.zero=3", "parallel.grad_reduce=microbatch"]),

@@ -247,8 +247,8 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
 
 def norm_reruns(cfg: Config) -> bool:
     """The model's norms rerun their forward in backward (parallel/tensor/layers.py): RMSNorm
-    always, LayerNorm on a low-precision residual stream."""
-    return arch_of(cfg.model.arch).rms or residual_bytes(cfg) != FLOAT32
+    and LayerNorm1P always, LayerNorm on a low-precision residual stream."""
+    return arch_of(cfg.model.arch).norm != "layernorm" or residual_bytes(cfg) != FLOAT32
 
 
 def norm_terms(cfg: Config, name: str, tokens: int, device: str = "cuda") -> dict[str, float]:

@@ -256,6 +256,10 @@ class LayerNorm1P(LayerNorm):
         super().__init__(dim, eps, tp)
         self.weight.zero_centred = True
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # keeps x alone in any dtype: 1 + w is made again in backward, not kept beside it
+        return rerun_in_backward(self._norm, x, self.weight, self.bias)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], weight + 1.0, bias, self.eps)
 
