@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import Config, Derived, ModelConfig, RecomputeConfig
-from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.archs import arch_of
+from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.models.activations import gelu_tanh, relu2, swiglu
 from megapipe.models.attention import Attention
 from megapipe.models.init import init_parameters

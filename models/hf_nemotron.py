@@ -46,8 +46,12 @@ def nemotron_config(hf, base: ModelConfig) -> ModelConfig:
     _require(hf.hidden_act == "relu2", f"HF hidden_act={hf.hidden_act!r} unsupported (relu2)")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     whole = head_dim * hf.num_attention_heads == hf.hidden_size
-    fields = {"arch": "nemotron", "norm_eps": float(hf.norm_eps), "head_dim": 0 if whole else head_dim}
-    return ModelConfig(**(vars(base) | fields | {"partial_rotary_factor": partial_rotary_factor(hf)}))
+    fields = {"arch": "nemotron", "norm_eps": float(hf.norm_eps), "head_dim": head_dim}
+    fields |= {
+        "head_dim": 0 if whole else head_dim,
+        "partial_rotary_factor": partial_rotary_factor(hf),
+    }
+    return ModelConfig(**(vars(base) | fields))
 
 
 def nemotron_hf_config(cfg: ModelConfig, d_ff: int, common: dict):

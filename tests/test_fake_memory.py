@@ -27,6 +27,9 @@ CASES = {
                                    "--recompute.layers=1"], "0"),
     "llama": (["--model.arch=llama"], "0"),
     "mixtral": (["--model.arch=llama", "--model.n_experts=4", "--model.top_k=2"], "0"),
+    # Nemotron-4's layout: LayerNorm1P, relu², RoPE on half a head, tp 2 with SP
+    "nemotron_tp2_sp": (["--model.arch=nemotron", "--model.partial_rotary_factor=0.5",
+                         "--parallel.tp=2", "--parallel.sequence_parallel=true"], "0,1"),
     # ZeRO-1's states decide the peak: its reduction (the grads sent as they lie, a bf16 send
     # buffer and shard; parallel/data/zero.py) and the weights' all-gather after the step
     "zero1_bf16_reduce": (["--parallel.dp=4", "--parallel.zero=1",

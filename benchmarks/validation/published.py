@@ -9,8 +9,9 @@ sequence parallelism, tp overlap, torch.compile, layer balance), the runtime tha
 (`megatron_core`, `torchtitan` or another named code base) and the figures as published:
 seconds per step, tokens/s per GPU, model TFLOP/s per GPU, MFU (empty where not published).
 
-`row_config` maps a row onto megapipe's keys: model.arch llama (RMSNorm, SwiGLU, RoPE, GQA) or
-gpt2; parallel.microbatches = gbs / (dp · mbs); parallel.schedule interleaved_1f1b when vpp > 1
+`row_config` maps a row onto megapipe's keys: model.arch llama (RMSNorm, SwiGLU, RoPE, GQA),
+nemotron (Nemotron-4's LayerNorm1p, squared ReLU, partial RoPE) or gpt2;
+parallel.microbatches = gbs / (dp · mbs); parallel.schedule interleaved_1f1b when vpp > 1
 (Megatron's interleaved 1F1B, Narayanan et al. 2021 §2.2.2), else 1f1b; the sharding as a
 parallel.zero level (Megatron's distributed optimizer shards the optimizer state: ZeRO-1;
 PyTorch FSDP2 shards weights, grads and state: ZeRO-3; Llama 3's FSDP that keeps the weights
@@ -110,6 +111,9 @@ class Row:
     # set it (NeMo's grad_sync_dtype=bf16 / grad_reduce_in_fp32=False: the data file's
     # header); a data file without the column ran float32 (Megatron-LM's default under bf16)
     grad_reduce: str = "float32"
+    # the fraction of each head RoPE turns (Nemotron-4's recipes: rotary_percentage 0.5); a
+    # data file without the column turns whole heads
+    partial_rotary_factor: float = 1.0
 
     @property
     def microbatches(self) -> int:
@@ -168,6 +172,7 @@ def row_config(row: Row) -> Config:
         f"model.seq_len={row.seq_len}",
         f"model.tie_embeddings={str(row.tied).lower()}",
         f"model.dropout={row.dropout}",
+        f"model.partial_rotary_factor={row.partial_rotary_factor}",
         f"parallel.tp={row.tp}",
         f"parallel.pp={row.pp}",
         f"parallel.cp={row.cp}",

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from megapipe.config.arch_checks import check_arch
+from megapipe.config.archs import ARCHS as ARCH_TRAITS
 from megapipe.config.blend import parse_blend
 from megapipe.config.checks_runtime import (
     check_context_parallel,
@@ -30,7 +31,6 @@ from megapipe.config.checks_runtime import (
     check_tp_overlap,
     check_zero,
 )
-from megapipe.config.archs import ARCHS as ARCH_TRAITS
 from megapipe.config.checks_runtime import require as _require
 from megapipe.config.fp8_checks import FP8_RECIPES, check_fp8
 from megapipe.config.pipeline_split import check_partition

@@ -32,9 +32,9 @@ are an upper bound: a dropped row saves nothing):
 
 from __future__ import annotations
 
+from megapipe.config.archs import arch_of
 from megapipe.config.flops import expert_ffn, is_moe_layer, matmul_params
 from megapipe.config.fp8_weights import expert_deferred_fp8
-from megapipe.config.archs import arch_of
 from megapipe.config.schema import Config, gated
 from megapipe.config.states import FLOAT32, compute_bytes
 from megapipe.config.tp_widths import column_input_bytes, keeps_shard

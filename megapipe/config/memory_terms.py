@@ -98,6 +98,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.flops import (
     expert_ffn,
     head_grad_in_forward,
@@ -107,7 +108,6 @@ from megapipe.config.flops import (
 from megapipe.config.fp8_weights import deferred_fp8
 from megapipe.config.memory_mla import mla_terms, mla_weight_elements
 from megapipe.config.memory_moe import moe_deferred, moe_terms, segment_records
-from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.schema import Config, gated, recompute_modules
 from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes
 from megapipe.config.tp_widths import column_input_bytes, kept_rows

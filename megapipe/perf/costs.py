@@ -66,6 +66,7 @@ import math
 from functools import partial
 
 from megapipe.config import Config
+from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.comm_bytes import (
     mlp_rerun_ops,
     recompute_skips_output_sum,
@@ -82,7 +83,6 @@ from megapipe.config.memory_terms import (
     norm_reruns,
     tied_lookup_with_head,
 )
-from megapipe.config.archs import arch_of, rotary_dims
 from megapipe.config.schema import layer_mode, recompute_modules, tp_ring
 from megapipe.config.tp_widths import (
     attention_column_inputs,

@@ -248,9 +248,9 @@ class LayerNorm(ShardedModule):
 
 class LayerNorm1P(LayerNorm):
     """LayerNorm whose gain is held zero-centred: it scales by 1 + weight, and `weight` starts
-    at 0 (its `zero_centred` mark, read by models/init.py). Nemotron-4's norm (Megatron's apply_layernorm_1p,
-    transformers' NemotronLayerNorm1P): a gain near 1 held as its small offset keeps more of
-    its bits in low precision."""
+    at 0 (its `zero_centred` mark, read by models/init.py). Nemotron-4's norm (Megatron's
+    apply_layernorm_1p, transformers' NemotronLayerNorm1P): a gain near 1 held as its small
+    offset keeps more of its bits in low precision."""
 
     def __init__(self, dim: int, eps: float, tp: TPInfo = NO_TP) -> None:
         super().__init__(dim, eps, tp)

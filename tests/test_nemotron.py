@@ -1,6 +1,8 @@
-"""HF Nemotron (transformers' NemotronForCausalLM, Nemotron-4's layout) import and export:
-logits equal both ways with partial RoPE, LayerNorm1P's zero-centred gains and squared ReLU;
-each of those traits is read (dropping one changes the logits); one-line refusals."""
+"""model.arch=nemotron (Nemotron-4's layout, config/archs.py) and its HF twin (transformers'
+NemotronForCausalLM): logits equal both ways with partial RoPE, LayerNorm1P's zero-centred
+gains and squared ReLU; each of those traits is read (dropping one changes the logits); a
+fake tp2 rank's FLOPs are the plan's and the dry run's parameters the model's; one-line
+refusals. (Parity with one process: test_parity_tp_dp; saved bytes: test_memory_model.)"""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from megapipe.config.checks import validate
 from megapipe.config.load import load_config
 from megapipe.models.gpt import GPT
 from megapipe.models.hf import from_hf, to_hf
+from megapipe.train.dry_run import as_json
+from megapipe.train.fake_ranks import fake_ranks
+from tests.conftest import TINY
 from tests.util import rel_error
 
 REL = 1e-5  # fp32 round-off of one forward (design.md's parity bound)
@@ -119,3 +124,28 @@ def test_partial_rotary_factor_needs_rope():
     with pytest.raises(Exception, match="gpt2 has no RoPE") as err:
         validate(load_config(None, ["model.partial_rotary_factor=0.5"]))
     assert "\n" not in str(err.value)
+
+
+NEMOTRON = ["--model.arch=nemotron", "--model.partial_rotary_factor=0.5", "--model.n_kv_heads=2",
+            "--model.tie_embeddings=false"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh", [["--parallel.tp=2"], ["--parallel.pp=2"]], ids=["tp2", "pp2"])
+def test_fake_rank_flops_are_the_plans(mesh, tmp_path):
+    """relu²'s MLP (two matrices, no biases) and no position table: FlopCounterMode's count on
+    each rank equals config/flops.py's."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *NEMOTRON, *mesh])
+    out = fake_ranks(cfg, "all")
+    assert len(out["ranks"]) == 2
+    for r in out["ranks"]:
+        assert r["flops"] == r["plan_flops"] > 0, r["rank"]
+
+
+def test_dry_run_params_are_the_models(tmp_path):
+    """The norms' biases counted, no linear biases, no position table."""
+    cfg = load_config(TINY, [f"--run.dir={tmp_path}", *NEMOTRON])
+    built = GPT(cfg.model, seed=1)
+    assert as_json(cfg)["params"] == sum(p.numel() for p in built.parameters())
+    names = [n for n, _ in built.named_parameters()]
+    assert not any(n.endswith("bias") and ".norm" not in f".{n}" for n in names)
+    assert "embed.pos.weight" not in names
