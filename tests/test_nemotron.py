@@ -120,12 +120,6 @@ def test_nemotron_config_refusals_are_one_line(overrides, key):
     assert "\n" not in str(err.value)
 
 
-def test_partial_rotary_factor_needs_rope():
-    with pytest.raises(Exception, match="gpt2 has no RoPE") as err:
-        validate(load_config(None, ["model.partial_rotary_factor=0.5"]))
-    assert "\n" not in str(err.value)
-
-
 NEMOTRON = ["--model.arch=nemotron", "--model.partial_rotary_factor=0.5", "--model.n_kv_heads=2",
             "--model.tie_embeddings=false"]  # fmt: skip
 

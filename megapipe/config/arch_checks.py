@@ -26,17 +26,13 @@ def check_arch(cfg: Config) -> None:
 
 def _check_head_dim(m: ModelConfig) -> None:
     """RoPE turns pairs of dims: the rotated part of a head (model.partial_rotary_factor of
-    it) must be even and not empty."""
+    it) must be even (none at all leaves the head without positions, NoPE)."""
     if not arch_of(m.arch).rope:
         _require(
             not m.head_dim or m.head_dim * m.n_heads == m.d_model,
             f"model.head_dim: {m.arch} needs d_model / n_heads; set it 0",
         )
-        _require(
-            m.partial_rotary_factor == 1.0,
-            f"model.partial_rotary_factor: {m.arch} has no RoPE; set it 1",
-        )
-        return
+        return  # model.partial_rotary_factor unread, as the other archs' own keys
     _require(
         m.partial_rotary_factor == 1.0 or m.arch != "deepseek_v3",
         "model.partial_rotary_factor: deepseek_v3 rotates its own qk_rope_head_dim; set it 1",
@@ -53,7 +49,7 @@ def _check_head_dim(m: ModelConfig) -> None:
         )
     rotated = rotary_dims(m, head_dim)
     _require(
-        rotated % 2 == 0 and rotated > 0,
+        rotated % 2 == 0,
         f"model.partial_rotary_factor={m.partial_rotary_factor} rotates {rotated} of the head's "
         f"{head_dim} dims, but RoPE turns pairs: pick a fraction that rotates an even number",
     )
