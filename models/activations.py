@@ -92,7 +92,27 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(h)
 
 
+class _ReLU2(torch.autograd.Function):
+    """relu(h)², keeping relu's output r alone (autograd keeps it too, once). Backward makes
+    2·r·grad in one buffer, where autograd's pow and threshold backward make two more of the
+    same width: that is the MLP's widest transient in backward (config/memory_backward.py).
+    2·r·g rounds as autograd's g·(2·r) does (doubling is exact), and is 0 where h <= 0."""
+
+    @staticmethod
+    def forward(ctx, h):
+        r = F.relu(h)
+        ctx.save_for_backward(r)
+        return r * r
+
+    @staticmethod
+    def backward(ctx, grad):
+        (r,) = ctx.saved_tensors
+        return torch.mul(grad, r).mul_(2.0)
+
+
 def relu2(h: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU, relu(h)² (So et al. 2021, Primer; Nemotron-4's MLP). Autograd keeps
-    relu's output once: its own backward and the square's read the same tensor."""
-    return F.relu(h).square()
+    """Squared ReLU, relu(h)² (So et al. 2021, Primer; Nemotron-4's MLP), keeping relu's output
+    alone; the plain expression inside torch.compile (inductor fuses it) or without autograd."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return F.relu(h).square()
+    return _ReLU2.apply(h)

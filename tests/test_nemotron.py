@@ -143,3 +143,24 @@ def test_dry_run_params_are_the_models(tmp_path):
     names = [n for n, _ in built.named_parameters()]
     assert not any(n.endswith("bias") and ".norm" not in f".{n}" for n in names)
     assert "embed.pos.weight" not in names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_grads_are_autograds_and_it_keeps_relus_output_alone(dtype):
+    """models/activations.relu2: output and input grad bitwise autograd's relu(h).square(),
+    with one saved tensor of h's size (relu's output)."""
+    from megapipe.models.activations import relu2
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(16, 96, generator=gen).to(dtype)
+    h[0, :4] = 0.0  # relu's kink
+    g = torch.randn(16, 96, generator=gen).to(dtype)
+    plain = h.clone().requires_grad_()
+    torch.nn.functional.relu(plain).square().backward(g)
+    ours, saved = h.clone().requires_grad_(), []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = relu2(ours)
+    y.backward(g)
+    assert torch.equal(y.detach(), torch.nn.functional.relu(h).square())
+    assert torch.equal(ours.grad, plain.grad)
+    assert [t.shape for t in saved] == [h.shape]
