@@ -3,7 +3,12 @@
 model.rope_type: default | yarn.
 
 `Rope` is built once per attention layer from the model config and the rotated width, and gives
-the cos/sin tables of a step's positions (models/attention.py, models/mla.py).
+the cos/sin tables of a step's positions (models/attention.py, models/mla.py). Positions shared
+by every row (the run's T/cp positions, or a Seq1F1B segment's slice of them) give tables made
+once per process and read by every layer, chunk and microbatch (`SharedTables`), as Megatron-Core
+caches its rotary frequencies (RotaryEmbedding.forward's lru_cache): autograd keeps the one pair
+where each layer's own would be kept for every microbatch in flight. Per-row positions
+(document masking) differ per microbatch and are made per call.
 
 YaRN (Sec. 3.2, "NTK-by-parts"; Sec. 3.4, the temperature), with s = model.rope_factor and
 L = model.original_max_position_embeddings, the context the model was pretrained on:
@@ -26,6 +31,7 @@ L = model.original_max_position_embeddings, the context the model was pretrained
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -72,12 +78,43 @@ def yarn_inv_freq(m: ModelConfig, dim: int) -> torch.Tensor:
     return theta / s * (1 - keep) + theta * keep
 
 
+class SharedTables:
+    """cos, sin per (positions, RoPE) made once and handed to every caller: keyed by the
+    positions' base tensor (held here, so its identity stays its own), their place in it and
+    the RoPE's own key; the newest `size` entries are kept (a run has one, or one per Seq1F1B
+    segment, plus validation's and generation's)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, positions: torch.Tensor, rope_key: tuple, make) -> tuple:
+        base = positions if positions._base is None else positions._base
+        key = (id(base), positions.storage_offset(), tuple(positions.shape),
+               positions.stride(), positions.device, rope_key)  # fmt: skip
+        if key not in self.entries:
+            tables = make(positions)
+            for t in tables:  # activation offload leaves them in place (parallel/recompute.py)
+                t.kept_in_place = True
+            self.entries[key] = (base, tables)
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        return self.entries[key][1]
+
+
+SHARED_TABLES = SharedTables()
+
+
 class Rope:
     """The RoPE of one attention layer: `tables(positions)` gives its cos, sin."""
 
     def __init__(self, m: ModelConfig, dim: int) -> None:
         self.cfg, self.dim = m, dim
         self.scale = attention_factor(m)
+        # what the tables depend on besides the positions
+        rope = (m.rope_type, m.rope_theta, m.rope_factor, m.original_max_position_embeddings)
+        self.key = (dim, self.scale, *rope, m.beta_fast, m.beta_slow)
 
     def inv_freq(self) -> torch.Tensor:
         """(dim/2,) float32; made per call, as plain tensors of the caller's mode (fake, meta)."""
@@ -88,8 +125,15 @@ class Rope:
         )
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (T, dim) for positions (T,), or (b, 1, T, dim) for per-row
-        positions (b, T) (document masking restarts them per document) (RoPE eq. 34)."""
+        """cos, sin of shape (T, dim) for positions (T,), made once and shared (module
+        docstring; made anew inside a compiled graph), or (b, 1, T, dim) for per-row positions
+        (b, T) (document masking restarts them per document) (RoPE eq. 34)."""
+        made_apart = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+        if positions.dim() > 1 or made_apart:
+            return self._tables(positions)
+        return SHARED_TABLES.get(positions, self.key, self._tables)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq()  # ([b,] T, dim/2)
         angles = torch.cat([angles, angles], dim=-1)  # (T, dim): HF Llama's rotate-half layout
         if angles.dim() == 3:  # (b, T, dim) -> (b, 1, T, dim): one row's positions, all heads

@@ -34,6 +34,7 @@ from megapipe.config.memory_terms import (
     embedding_terms,
     head_terms,
     layer_terms,
+    rope_table_bytes,
     segments,
 )
 from megapipe.config.pipeline_split import placement_of, schedule_costs, schedule_of
@@ -311,14 +312,32 @@ def measure_blocks(overrides: list[str]) -> dict[str, tuple[int, float]]:
         if cfg.data.document_mask:
             documents = document_ids(torch.randint(m.vocab_size, (b, m.seq_len)), m.vocab_size - 1)
             positions = chunk.cp.shard(document_positions(documents))
+        # RoPE's shared tables are kept from step to step, not per layer and microbatch:
+        # the plan's buffers (rope_table_bytes), checked apart
+        tables = shared_rope_tables(chunk, positions)
+        if name == "layer":
+            stored = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tables}
+            assert sum(stored.values()) == rope_table_bytes(cfg), name
         live = LiveSaved(
-            chunk, exclude=[positions] + ([documents] if cfg.data.document_mask else [])
+            chunk,
+            exclude=[positions, *tables] + ([documents] if cfg.data.document_mask else []),
         )
         with live.hooks(), autocast(cfg.train.dtype, "cpu"):
             y = chunk(x, targets=targets, positions=positions, documents=documents)
         out[name] = (live.peak, sum(terms.values()))
         y.float().sum().backward()  # tp/cp collectives in backward: keep the ranks in step
     return out
+
+
+def shared_rope_tables(chunk: torch.nn.Module, positions: torch.Tensor) -> list[torch.Tensor]:
+    """The cos, sin tables the chunk's attention layers share for `positions` (made now if
+    not yet: models/rope.SharedTables); none for per-row positions (document masking)."""
+    from megapipe.models.rope import Rope
+
+    ropes = [r for mod in chunk.modules() for r in vars(mod).values() if isinstance(r, Rope)]
+    if positions.dim() > 1:
+        return []
+    return [t for rope in ropes for t in rope.tables(positions)]
 
 
 # ---- tests --------------------------------------------------------------------------------

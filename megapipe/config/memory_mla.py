@@ -11,7 +11,8 @@ kv_lora_rank (DeepSeek-V3 §2.1.1, eq. 1-11):
                                                        shard, gathered again in backward),
                                                        d instead of Rq without a query LoRA
                                                        (q reads the layer input)
-  rope cos, sin              2·q·rope·4                (decoupled RoPE: multiplies save them)
+  rope cos, sin              2·b·q·rope·4              (document masking's per-row tables; else
+                                                       shared: memory_terms.rope_table_bytes)
   q, k, v (fused kernel)     N·H·(2·qk + v')·c         (v' = qk where the values are zero-padded
                                                        to the key width: a GPU or cp; else
                                                        nope + v: v is a view of kv_b's output)
@@ -46,9 +47,10 @@ def mla_terms(cfg: Config, x, mode: str, device: str, index: int | None) -> dict
         "down projection inputs": downs * x.ns * m.d_model * c,
         "latent norms": x.ns * ranks * c,  # their inputs alone (memory_terms._norm)
         "up projection inputs": _up_input_bytes(cfg, x, index),
-        "rope cos, sin": 2 * x.q * m.qk_rope_head_dim * FLOAT32,
         "q, k, v": x.n * x.h * (2 * qk + v_kernel) * c,
     }
+    if cfg.data.document_mask:  # per-row tables, else shared (memory_terms.rope_table_bytes)
+        terms["rope cos, sin"] = 2 * x.b * x.q * m.qk_rope_head_dim * FLOAT32
     if mode != "selective":
         terms["attention lse"] = x.b * x.h * x.q * FLOAT32
         if padded:

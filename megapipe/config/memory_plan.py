@@ -42,6 +42,7 @@ from megapipe.config.memory_terms import (
     layer_deferred,
     layer_deferred_params,
     layer_terms,
+    rope_table_bytes,
     segments,
 )
 from megapipe.config.muon_terms import MuonMatrix, is_muon, muon_optimizer_bytes
@@ -128,6 +129,9 @@ class RankMemory:
     # train.fp8's weight casts kept from a step's first forward to its last backward
     # (config/fp8_weights.step_cast_bytes)
     casts: float = 0.0
+    # tensors kept from step to step that are not state: RoPE's shared cos, sin tables
+    # (config/memory_terms.rope_table_bytes) on a rank holding a layer
+    buffers: float = 0.0
     # grads reduced every microbatch: by how much `grads` beside every saved activation
     # overstates the most of both live at once, the backward having freed some by the time
     # the grads are made (config/grad_buckets.grads_at_once)
@@ -161,7 +165,7 @@ class RankMemory:
         with_grads = self.grads + live - self.freed_at_grads
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
-        held = self.weights + self.gathered + self.optimizer + self.casts
+        held = self.weights + self.gathered + self.optimizer + self.casts + self.buffers
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
         at_backward = held + self.backward  # a layer backward's working set (memory_backward)
@@ -171,7 +175,7 @@ class RankMemory:
             held + self.backward_first + self.activations,
         )
         after = max(self.step_widened, self.step_gather)  # the step, then the gather
-        stepping = self.weights + self.optimizer + self.step_grads + after
+        stepping = self.weights + self.optimizer + self.step_grads + after + self.buffers
         return max(top, reducing, stepping)
 
 
@@ -255,14 +259,23 @@ def rank_extras(
 ) -> dict[str, float]:
     """A rank's RankMemory fields beyond rank_memory's, for the rank holding the chunks `held`
     at `tp_rank` with `inflight` microbatches at most: the offloaded activations in host
-    memory, FP8's weight casts kept over the step and the first backward's working set. Every
+    memory, FP8's weight casts kept over the step, RoPE's shared tables and the first
+    backward's working set. Every
     caller that completes a rank's memory (memory_plan, perf/bounds.Bounds.memory) asks here."""
     host = sum(chunk_host_activations(cfg, b, device) for b in held)
     return {
         "host": host * inflight,
         "casts": step_cast_bytes(cfg, [b for blocks in held for b in blocks]),
+        "buffers": rope_table_bytes(cfg) if _attends(cfg, held) else 0.0,
         "backward_first": first_backward(cfg, held, tp_rank, chunk_params, device),
     }
+
+
+def _attends(cfg: Config, held: list[range]) -> bool:
+    """The chunks `held` run attention: a transformer layer, or the head's MTP depths."""
+    m = cfg.model
+    return any(1 <= b <= m.n_layers or (b == m.n_layers + 1 and m.mtp_layers) for bs in held
+               for b in bs)  # fmt: skip
 
 
 def rank_head_transient(

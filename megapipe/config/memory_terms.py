@@ -245,6 +245,18 @@ def _norm(cfg: Config, tokens: int, device: str = "cuda") -> dict[str, float]:
     return {"input": tokens * d * r, "stats": 2 * tokens * FLOAT32}
 
 
+def rope_table_bytes(cfg: Config) -> float:
+    """RoPE's cos and sin for positions every row shares, made once per process and read by
+    every layer, chunk and microbatch (models/rope.SharedTables): 2·(T/cp)·r·4 on a rank
+    holding a layer, r the rotated dims (deepseek_v3: qk_rope_head_dim); 0 without RoPE and
+    under document masking, whose per-row tables each layer keeps (layer_terms)."""
+    m = cfg.model
+    if not arch_of(m.arch).rope or cfg.data.document_mask:
+        return 0.0
+    r = m.qk_rope_head_dim if m.arch == "deepseek_v3" else rotary_dims(m, cfg.derived.head_dim)
+    return 2 * (m.seq_len // cfg.parallel.cp) * r * FLOAT32
+
+
 def norm_reruns(cfg: Config) -> bool:
     """The model's norms rerun their forward in backward (parallel/tensor/layers.py): RMSNorm
     and LayerNorm1P always, LayerNorm on a low-precision residual stream."""
@@ -333,9 +345,9 @@ def _attention_terms(
     qkv = x.n * (x.h + 2 * x.hkv) * x.hd * c
     # a dense (b, 1, q, kv) mask, except in the ring's kernels (ring, hybrid): ids per block
     documents = cfg.data.document_mask and path not in ("ring", "hybrid")
-    if rope:  # per row under document masking: positions restart per document
-        rows = x.b if cfg.data.document_mask else 1
-        terms["rope cos, sin"] = 2 * rows * x.q * rotary_dims(m, x.hd) * FLOAT32
+    if rope and cfg.data.document_mask:  # per row: positions restart per document (else the
+        # tables every row shares, made once: rope_table_bytes)
+        terms["rope cos, sin"] = 2 * x.b * x.q * rotary_dims(m, x.hd) * FLOAT32
     if path in ("a2a", "hybrid") and mode != "selective":
         return terms | _a2a_terms(cfg, x, device, documents)
     earlier = x.kv > x.q  # a Seq1F1B segment after the first: K/V concatenated, a causal mask

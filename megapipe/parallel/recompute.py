@@ -60,8 +60,10 @@ class ActivationOffload:
         return any(p.untyped_storage().data_ptr() == ptr for p in self.module.parameters())
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.numel() == 0 or self._weight(tensor):
-            return (None, tensor)  # a weight (or a view of one): kept where it is
+        if tensor.numel() == 0 or self._weight(tensor) or getattr(tensor, "kept_in_place", False):
+            # a weight (or a view of one), or a tensor shared by every layer (RoPE's tables,
+            # models/rope.SharedTables): kept where it is
+            return (None, tensor)
         if tensor.device.type != "cuda":
             return (None, tensor.detach().clone())  # the host is this device: a plain copy
         side = self._side_stream(tensor.device)
