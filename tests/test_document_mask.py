@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megapipe.config import load_config
 from megapipe.config.flops import document_window, flops_per_token
-from megapipe.config.memory_terms import layer_terms
+from megapipe.config.memory_terms import layer_terms, rope_table_bytes
 from megapipe.models import attention
 from megapipe.models.attention import attention_core
 from megapipe.models.gpt import GPT
@@ -191,13 +191,18 @@ def test_flops_count_the_full_window_unless_told_the_documents():
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_memory_model_counts_the_dense_mask_and_per_row_rope(device):
+    """Document masking keeps the kernel's mask and RoPE tables per row in every layer; shared
+    positions keep one pair of tables on the rank (memory_terms.rope_table_bytes)."""
     base, docs = [*LLAMA, "train.global_batch=4"], ["data.document_mask=true"]
     off = layer_terms(config(*base), None, device)
     on = layer_terms(config(*base, *docs), None, device)
     b, T = 4, 16
     assert on["document mask"] == b * T * T * 4  # float32: the kernel keeps the mask as bias
-    assert on["rope cos, sin"] == b * off["rope cos, sin"]
-    assert sum(on.values()) - sum(off.values()) == b * T * T * 4 + (b - 1) * off["rope cos, sin"]
+    # per-row tables in every layer, where shared positions' tables are the rank's buffers
+    shared = rope_table_bytes(config(*base))
+    assert "rope cos, sin" not in off and rope_table_bytes(config(*base, *docs)) == 0
+    assert on["rope cos, sin"] == b * shared > 0
+    assert sum(on.values()) - sum(off.values()) == b * T * T * 4 + b * shared
     ring = layer_terms(config(*base, *docs, "parallel.cp=2"), None, device)
     assert "document mask" not in ring  # rebuilt per block from the ids, never saved
     gqa = layer_terms(config(*base, *docs, "model.n_kv_heads=2"), None, device)

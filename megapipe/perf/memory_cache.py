@@ -169,8 +169,9 @@ def _timeline(key: ScheduleKey, costs: Costs) -> Timeline:
 @dataclass(frozen=True)
 class PlanKey:
     """What a memory plan reads of its config: the model, parallel and recompute sections, the
-    global batch (the micro-batch size), the compute and weights' dtypes; the device whose
-    kernels it counts and its memory (the LM head's chunk size)."""
+    global batch (the micro-batch size), the compute and weights' dtypes, document masking
+    (per-row masks and RoPE tables); the device whose kernels it counts and its memory (the LM
+    head's chunk size)."""
 
     model: tuple
     parallel: tuple
@@ -184,6 +185,7 @@ class PlanKey:
     # what the linears keep and cast (train.fp8, fp8_keep_bf16) and the main grads' bytes
     fp8: tuple[str, str] = ("none", "")
     main_grads_dtype: str = "float32"
+    document_mask: bool = False
 
     @staticmethod
     def of(cfg: Config, device: str, memory: float | None = None) -> PlanKey:
@@ -192,7 +194,8 @@ class PlanKey:
         )
         t = cfg.train
         keys = (t.global_batch, t.dtype, t.params_dtype, device, memory, t.optimizer)
-        return PlanKey(*sections, *keys, (t.fp8, t.fp8_keep_bf16), t.main_grads_dtype)
+        fp8 = (t.fp8, t.fp8_keep_bf16)
+        return PlanKey(*sections, *keys, fp8, t.main_grads_dtype, cfg.data.document_mask)
 
 
 _PLANS = BoundedCache(4096)
