@@ -17,7 +17,10 @@ c = bytes of the compute dtype, r = bytes of the residual stream (the head's inp
       R·V·4 (6 B per logit), then the float32 probabilities, their bf16 copy R·V·2 and the
       chunk's bf16 weight-grad product V·d·2 at once. Backward adds the input grad N·d·2 and
       the float32 weight grad V·d·4; as it returns, the input grad cast to the stream's dtype
-      (N·d·r, float32 weights) and the weight grad to the weights' (V·d·2, bf16 weights).
+      (N·d·r). Under bf16 weights the chunk's weight grad goes into the main grad instead
+      (no V·d product, float32 grad or cast of it): the chunk's input scaled by the loss's
+      grad R·d·2 and what the fused add makes (`_into_main`: CUDA's float32 product V·d·4,
+      the CPU's widened operands R·(V + d)·4, nothing into a bf16 main grad).
   grads made in forward (config/memory_terms.head_grad_in_forward): forward holds the chunk as
       backward does, but the input and weight grads are saved (head_terms) and the head's
       input in the compute dtype (its bf16 copy N·d·2 under float32 weights) is not, so it is
@@ -39,9 +42,10 @@ from megapipe.config.memory_terms import (
     rank_dims,
     residual_bytes,
     segments,
+    tied_lookup_with_head,
 )
 from megapipe.config.schema import Config
-from megapipe.config.states import FLOAT32
+from megapipe.config.states import FLOAT32, main_grad_bytes
 
 
 def head_transient_bytes(cfg: Config, device: str = "cuda", memory: float | None = None) -> float:
@@ -72,4 +76,20 @@ def _transient(cfg: Config, device: str, memory: float | None, segment: int | No
     if early:  # the head input's bf16 copy is not saved here
         return max(chunk + x.n * d * c * (r != c), returned)
     forward = cast + logits * (c + FLOAT32)
+    if r != FLOAT32 and not tied_lookup_with_head(cfg):  # bf16 weights: each chunk's weight
+        # grad into the head weight's main grad (a tied table's lookup in the same graph takes
+        # the grad back from the head instead: parallel/autograd/tied_lookup.py)
+        into = logits * (c + FLOAT32) + rows * d * c + _into_main(cfg, device, rows, x.vocab)
+        return max(forward, into + x.n * d * c)
     return max(forward, chunk + grads, cast + grads + returned)
+
+
+def _into_main(cfg: Config, device: str, rows: int, vocab: int) -> float:
+    """What parallel/precision.fused_weight_grad makes to add one chunk's (V, rows)·(rows, d)
+    weight grad into the main grad: a bf16 main grad adds the bf16 product in place; a
+    float32 one takes CUDA's float32-output matmul (V·d·4), or on the CPU the operands
+    widened (rows·(V + d)·4)."""
+    d = cfg.model.d_model
+    if main_grad_bytes(cfg) != FLOAT32:
+        return 0.0
+    return vocab * d * FLOAT32 if device == "cuda" else rows * (vocab + d) * FLOAT32
