@@ -446,7 +446,9 @@ def test_the_cases_plan_alike_on_cuda(mesh, layout):
     tensors are the same on both: CUDA's autocast runs LayerNorm in float32 where the CPU's
     runs it in bf16, but either keeps its input alone (config/memory_terms._norm). Under bf16
     weights the backward's working set differs (net of the head's saved tensors it frees
-    first), and so may the peak."""
+    first), and so does the head's: its chunk's weight grad goes into the float32 main grad
+    through CUDA's float32 product, or the CPU's widened operands (memory_head._into_main);
+    so may the peak."""
     cfg = config(mesh, layout)
     cuda, cpu = as_json(cfg), as_json(cfg, "cpu")
     if layout[0] == "float32":
@@ -454,7 +456,7 @@ def test_the_cases_plan_alike_on_cuda(mesh, layout):
         return
     for a, b in zip(cuda["ranks"], cpu["ranks"]):
         assert a["activations_bytes"] == b["activations_bytes"]
-        device_kernels = ("peak_bytes", "backward_bytes")
+        device_kernels = ("peak_bytes", "backward_bytes", "head_transient_bytes")
         assert {k: v for k, v in a.items() if k not in device_kernels} == {
             k: v for k, v in b.items() if k not in device_kernels
         }

@@ -14,9 +14,10 @@ a2a where the heads per tp rank divide by cp, hybrid with every cp_a2a dividing 
 heads: parallel/context/), for a mixture of experts every ep dividing both dp and
 model.n_experts (distributed/mesh.py takes ep from dp), and under pp > 1 every registered schedule
 (plan/schedules.SCHEDULES) with the chunk counts its rule allows (vpp up to VPP_MAX and
-pp·vpp ≤ n_layers), Seq1F1B's segments (SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and
-the defaults of any other option. Left out: pipedream_async (its asynchronous updates do not
-train the model one process trains, and it cannot tie embeddings under pp) and schedules built
+pp·vpp ≤ n_layers, and one layer a chunk: `one_layer_chunks`), Seq1F1B's segments
+(SEGMENTS), zb_auto's memory limits (ZB_MEMORY) and the defaults of any other option. Left
+out: pipedream_async (its asynchronous updates do not train the model one process trains,
+and it cannot tie embeddings under pp) and schedules built
 for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX_PP of pp
 (their builders grow faster than linearly: seconds beyond; the summary counts them). A
 searched key given on the command line is held at its value (even outside these ranges);
@@ -143,6 +144,7 @@ def structures(base: Config, pp: int, fixed: dict[str, Any]) -> list[tuple[str, 
         least, most = spec.chunks
         top = min(most or VPP_MAX, VPP_MAX)
         vpps = [v for v in range(least, max(top, least) + 1) if pp * v <= n_layers]
+        vpps += one_layer_chunks(n_layers, pp, top, most)
         segs = SEGMENTS if spec.segmented else (1,)
         mems = ZB_MEMORY if "memory" in spec.options else ("1p",)
         for vpp in _pick(f, "parallel.vpp", vpps):
@@ -150,6 +152,15 @@ def structures(base: Config, pp: int, fixed: dict[str, Any]) -> list[tuple[str, 
                 for mem in _pick(f, "parallel.zb_memory", mems):
                     out.append((name, vpp, k, mem))
     return out
+
+
+def one_layer_chunks(n_layers: int, pp: int, top: int, most: int | None) -> list[int]:
+    """vpp = n_layers / pp, one layer a chunk, where it lies past VPP_MAX's range (`top`) and
+    the schedule's `most` chunks: what NeMo's recipes run for GPT-3 175B and Nemotron-4 340B
+    (96 layers, pp 8, vp 12) and Qwen3-30B-A3B (48, pp 2, vp 24); [] otherwise."""
+    per_stage, rest = divmod(n_layers, pp)
+    fits = not most or per_stage <= most
+    return [per_stage] if rest == 0 and per_stage > top and fits else []
 
 
 def cp_comms(base: Config, tp: int, cp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
