@@ -306,6 +306,7 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg, self.cp = cfg, cp
+        self._positions: tuple | None = None  # (length, device), this rank's default positions
         n_blocks = cfg.n_layers + 2
         self.blocks = blocks if blocks is not None else range(n_blocks)
         if not (0 <= self.blocks.start < self.blocks.stop <= n_blocks and self.blocks.step == 1):
@@ -359,6 +360,15 @@ class GPT(nn.Module):
             return (TIED_EMBEDDING,)
         return ()
 
+    def default_positions(self, length: int, device) -> torch.Tensor:
+        """This rank's positions of a `length`-token sequence (cp.positions), one tensor for
+        every call at that length: RoPE's tables for it are then made once
+        (models/rope.SharedTables), not per microbatch."""
+        key = (length, torch.device(device))
+        if self._positions is None or self._positions[0] != key:
+            self._positions = (key, self.cp.positions(length, device))
+        return self._positions[1]
+
     def forward(
         self, x: torch.Tensor, targets=None, positions=None, segment=None, documents=None
     ) -> torch.Tensor:
@@ -371,7 +381,7 @@ class GPT(nn.Module):
         rows' document ids (before any cp slice) and `positions` (B, T/cp) each token's
         position in its document, this rank's slice of them."""
         if positions is None:
-            positions = self.cp.positions(x.shape[1] * self.cp.size, x.device)
+            positions = self.default_positions(x.shape[1] * self.cp.size, x.device)
         table = self.tied_table
         if self.holds_tied_ends:
             x, table = self.embed(x, positions, with_table=True)  # one grad for the table
