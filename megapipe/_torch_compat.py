@@ -45,7 +45,8 @@ def storage_use_count(tensor: Tensor) -> int:
 
 def view_base(tensor: Tensor) -> Tensor | None:
     """The tensor `tensor` is a view of (None: not a view; Tensor._base). Used to leave a
-    view's storage alone when freeing a sent output (parallel/autograd/outputs.py).
+    view's storage alone when freeing a sent output (parallel/autograd/outputs.py), and to key
+    RoPE's shared tables by the positions a view slices (models/rope.SharedTables).
     Works on torch 2.13."""
     return tensor._base
 

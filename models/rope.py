@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 import torch
 
+from megapipe._torch_compat import view_base
 from megapipe.config import ModelConfig
 
 
@@ -89,7 +90,8 @@ class SharedTables:
         self.entries: OrderedDict[tuple, tuple] = OrderedDict()
 
     def get(self, positions: torch.Tensor, rope_key: tuple, make) -> tuple:
-        base = positions if positions._base is None else positions._base
+        base = view_base(positions)
+        base = positions if base is None else base
         key = (id(base), positions.storage_offset(), tuple(positions.shape),
                positions.stride(), positions.device, rope_key)  # fmt: skip
         if key not in self.entries:
