@@ -22,8 +22,9 @@ for a transient of O(chunk·V). The weight grad is done in backward, never defer
 Bubble W (it would need the logits a third time). Under bf16 weights each chunk's share goes
 straight into the weight's main grad (precision.fused_weight_grad: Megatron's gradient
 accumulation fusion for its output layer), with the loss's grad folded into the chunk's (rows, d)
-input: no weight-sized buffer, bf16 product or cast of it exists (V/tp·d·8 bytes fewer at the
-head's height).
+input: no bf16 product, float32 grad or cast of the weight's size exists of its own (at the
+head's height V/tp·d·6 bytes fewer into a bf16 main grad, V/tp·d·2 on CUDA into a float32 one,
+whose float32-output product remains: config/memory_head.py).
 
 `grad_in_forward=True` drops that extra matmul (the idea of Liger Kernel's fused linear cross
 entropy, Hsu et al. 2024): the loss is the last op of the graph, so its grad w.r.t. the logits
