@@ -129,7 +129,8 @@ def config_from_hf(hf) -> ModelConfig:
     if kind in QWEN3_TYPES:
         return qwen3_config(hf, _llama_config(hf, any_head_dim=True))
     if kind == "nemotron":
-        return nemotron_config(hf, _llama_layout(hf, any_head_dim=True, partial_rope=True))
+        base = _llama_layout(hf, True, float(hf.norm_eps), partial_rope=True)
+        return nemotron_config(hf, base)
     raise ValueError(
         f"HF model_type {kind!r} is not supported; use a gpt2, llama, mixtral, qwen3, "
         "qwen3_moe, nemotron or deepseek_v3 model"
@@ -177,7 +178,7 @@ def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
 
 
 def _llama_layout(
-    hf, any_head_dim: bool, norm_eps: float = 1e-5, partial_rope: bool = False
+    hf, any_head_dim: bool, norm_eps: float, partial_rope: bool = False
 ) -> ModelConfig:
     """The fields of Llama's layout (its shapes, RoPE, no biases); `partial_rope`: the caller
     reads partial_rotary_factor itself (else one below 1 is refused)."""

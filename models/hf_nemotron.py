@@ -11,6 +11,7 @@ model cannot compute is a one-line ValueError naming the HF field.
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
+from megapipe.models.hf_qwen3 import head_dim_field
 
 NEMOTRON_TOP = {
     "embed.tok.weight": ("model.embed_tokens.weight",),
@@ -44,14 +45,10 @@ def partial_rotary_factor(hf) -> float:
 def nemotron_config(hf, base: ModelConfig) -> ModelConfig:
     """The ModelConfig of an HF NemotronConfig; `base`: its llama-layout fields."""
     _require(hf.hidden_act == "relu2", f"HF hidden_act={hf.hidden_act!r} unsupported (relu2)")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    whole = head_dim * hf.num_attention_heads == hf.hidden_size
-    fields = {"arch": "nemotron", "norm_eps": float(hf.norm_eps), "head_dim": head_dim}
-    fields |= {
-        "head_dim": 0 if whole else head_dim,
-        "partial_rotary_factor": partial_rotary_factor(hf),
-    }
-    return ModelConfig(**(vars(base) | fields))
+    fields = {"arch": "nemotron", "head_dim": head_dim_field(hf)}
+    return ModelConfig(
+        **(vars(base) | fields | {"partial_rotary_factor": partial_rotary_factor(hf)})
+    )
 
 
 def nemotron_hf_config(cfg: ModelConfig, d_ff: int, common: dict):

@@ -32,7 +32,7 @@ def _require(ok: bool, message: str) -> None:
 
 def qwen3_config(hf, base: ModelConfig) -> ModelConfig:
     """The ModelConfig of an HF Qwen3Config or Qwen3MoeConfig; `base`: its llama fields."""
-    fields = vars(base) | {"arch": "qwen3", "head_dim": _head_dim(hf)} | _window_fields(hf)
+    fields = vars(base) | {"arch": "qwen3", "head_dim": head_dim_field(hf)} | _window_fields(hf)
     if hf.model_type == "qwen3_moe":
         fields |= _moe_fields(hf)
     return ModelConfig(**fields)
@@ -56,7 +56,7 @@ def _window_fields(hf) -> dict:
     return {"sliding_window": window, "max_window_layers": first}
 
 
-def _head_dim(hf) -> int:
+def head_dim_field(hf) -> int:
     """model.head_dim: 0 where it is hidden_size / num_attention_heads (the default)."""
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     return 0 if head_dim * hf.num_attention_heads == hf.hidden_size else head_dim
