@@ -14,6 +14,8 @@ def check_fp8(cfg: Config) -> None:
     """train.fp8's value, and the settings it cannot be exact under."""
     t, p = cfg.train, cfg.parallel
     require(t.fp8 in FP8_RECIPES, f"train.fp8={t.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+    if t.fp8_params:
+        _check_fp8_params(cfg)
     if t.fp8 == "none":
         return
     require(
@@ -23,6 +25,35 @@ def check_fp8(cfg: Config) -> None:
     )
     if t.fp8 == "blockwise":
         _check_blocks(cfg)
+
+
+def _check_fp8_params(cfg: Config) -> None:
+    """train.fp8_params: FP8 weights whose high-precision copy is the distributed optimizer's
+    float32 main shard (parallel/data/fp8_params.py)."""
+    t, p = cfg.train, cfg.parallel
+    name = "train.fp8_params=true"
+    require(t.fp8 != "none", f"{name} holds the FP8 linears' casts: set train.fp8 (tensorwise, "
+            "rowwise or blockwise) or train.fp8_params=false")  # fmt: skip
+    require(
+        t.params_dtype == "bfloat16",
+        f"{name} keeps the high-precision weights as float32 main params: set "
+        "train.params_dtype=bfloat16",
+    )
+    require(
+        p.zero >= 1 and p.dp * p.cp > 1,
+        f"{name} needs the distributed optimizer's main params: parallel.zero 1-3 with "
+        f"dp x cp > 1 (here zero={p.zero}, dp x cp={p.dp * p.cp})",
+    )
+    require(
+        t.optimizer == "adamw",
+        f"{name} with train.optimizer={t.optimizer}: Muon steps whole matrices from the weights; "
+        "use train.optimizer=adamw",
+    )
+    require(
+        not p.post_validation,
+        f"{name} with parallel.post_validation: its rollback restores the bf16 weights, which "
+        "FP8 weights do not hold; set one of them false",
+    )
 
 
 def _check_blocks(cfg: Config) -> None:

@@ -312,6 +312,10 @@ class TrainConfig:
     # the linears train.fp8 leaves in high precision: module-name parts, comma-separated
     # (`experts`: the routed experts)
     fp8_keep_bf16: str = "embed,head"
+    # the FP8 linears' weights held only as their e4m3 casts between steps, the optimizer's
+    # float32 main params their high-precision copy, all-gathered in 1 byte after the step
+    # (Megatron-Core --fp8-param-gather, NeMo fp8_params; parallel.zero 1-2, zero=3 does it)
+    fp8_params: bool = False
     # torch.compile each transformer layer (inductor: C++ on the CPU, Triton on CUDA)
     compile: bool = False
     grad_clip: float = bounded(1.0, low=0, note="0: off")  # global grad-norm clip; 0: off

@@ -138,7 +138,7 @@ def _sharding(cfg: Config, mesh) -> Sharding:
     replicas = mesh is not None and mesh.size("dp") * mesh.size("cp") > 1
     per_microbatch = reduces_per_microbatch(cfg)  # parallel.grad_reduce resolved
     dtype = getattr(torch, p.grad_reduce_dtype)
-    return sharding_of(p.zero, replicas, per_microbatch, dtype)
+    return sharding_of(p.zero, replicas, per_microbatch, dtype, cfg.train.fp8_params)
 
 
 def _pipeline(

@@ -49,6 +49,7 @@ class Sharding:
     optimizer_kind: type[ShardedOptimizer] | None  # None: the plain optimizer (optim.py)
     per_microbatch: bool = False  # parallel.grad_reduce=microbatch (zero >= 2: zero2.py)
     reduce_dtype: torch.dtype = torch.float32  # parallel.grad_reduce_dtype (zero >= 1)
+    fp8_params: bool = False  # train.fp8_params at zero 1-2 (fp8_params.py; zero=3 casts anyway)
 
     @property
     def grads_as_shards(self) -> bool:
@@ -87,6 +88,7 @@ class Sharding:
             reduce_dtype=self.reduce_dtype,
             per_microbatch=self.per_microbatch,
             replicate_group=mesh.replicate_group,
+            fp8_params=self.fp8_params,
         )
 
     def optimizer(self, reducers: list, groups: list[dict], make, stage_group=None):
@@ -132,16 +134,22 @@ PLAIN = LEVELS[0]
 
 
 def sharding_of(
-    level: int, replicas: bool, per_microbatch: bool = False, reduce_dtype=torch.float32
+    level: int,
+    replicas: bool,
+    per_microbatch: bool = False,
+    reduce_dtype=torch.float32,
+    fp8_params: bool = False,
 ) -> Sharding:
     """The strategy of ZeRO `level` (the config's); without dp × cp `replicas` nothing is
     sharded, whatever the level. `per_microbatch` (zero >= 2) and `reduce_dtype` (zero >= 1):
-    how the sharded levels reduce (parallel.grad_reduce, parallel.grad_reduce_dtype)."""
+    how the sharded levels reduce (parallel.grad_reduce, parallel.grad_reduce_dtype);
+    `fp8_params` (train.fp8_params): zero 1-2 hold the FP8 linears' weights cast."""
     base = LEVELS[level if replicas else 0]
     if not base.level:
         return base
     mode = per_microbatch and base.level >= 2
-    return replace(base, per_microbatch=mode, reduce_dtype=reduce_dtype)
+    held = fp8_params and base.level <= 2
+    return replace(base, per_microbatch=mode, reduce_dtype=reduce_dtype, fp8_params=held)
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ class GradReducer:
         params = [p for p in self.model.parameters() if p.requires_grad][::-1]
         alone = {id(p) for p in self.own_bucket}
         kind = self.expert_kind()
-        packed = pack(params, self.bucket_mb * 2**20, alone, kind)
+        packed = pack(params, self.bucket_mb * 2**20, alone, self.pack_kind(kind))
         self.buckets = [Bucket(b, experts=bool(kind and kind(b[0]))) for b in packed]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.hooks = [self._hook(p) for p in params]
@@ -75,6 +75,11 @@ class GradReducer:
     def expert_kind(self):
         """`pack`'s kind: expert weights apart from dense ones (parallel.ep > 1), else None."""
         return is_expert if self.expert_group is not None else None
+
+    def pack_kind(self, kind):
+        """`pack`'s kind: where it changes a new bucket starts (a level that keeps more kinds
+        apart says so: zero2.py)."""
+        return kind
 
     def _hook(self, param: nn.Parameter):
         """Count `param`'s arrival after each backward: when its main grad is added into (bf16

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe._torch_compat import is_released
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.bucket_grads import BucketMainGrads
 from megapipe.parallel.data.reducer import Bucket, GradReducer
@@ -253,6 +254,14 @@ class ShardedGradReducer(GradReducer):
         return out
 
 
+def _float_copy(param: nn.Parameter) -> torch.Tensor:
+    """A float32 copy of `param`; zeros of its shape where its storage is freed (an FP8 weight
+    held cast: a load writes every element)."""
+    if is_released(param):
+        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    return param.detach().float()
+
+
 def widest(params) -> torch.dtype:
     """The dtype a flat buffer of `params` is gathered in: a bucket holding a float32 weight
     (an MoE router) among bf16 ones goes in float32, so the router is never rounded."""
@@ -302,6 +311,9 @@ class ShardedOptimizer:
             shard_groups[group_of[id(s.param)]]["params"].append(view)
         # a rank that owns nothing (more replicas than elements) still needs an optimizer
         self.inner = make([g for g in shard_groups if g["params"]] or [{"params": [_EMPTY]}])
+        for r in reducers:  # train.fp8_params: FP8 weights cast from the main params from now
+            if hasattr(r, "hold_fp8"):
+                r.hold_fp8(self.main)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -330,8 +342,8 @@ class ShardedOptimizer:
     def _round_into_weights(self) -> None:
         """bf16 weights: each owned range of the weights takes its float32 main param, rounded;
         the all-gather after (`gather_params`, overlapped at zero >= 1) spreads them."""
-        for s in self.slots:
-            if id(s.param) in self.main:
+        for s in self.slots:  # FP8 weights held cast have no bf16 storage (fp8_params.py)
+            if id(s.param) in self.main and not is_released(s.param):
                 s.param.detach().view(-1)[s.lo : s.hi].copy_(self.main[id(s.param)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -368,7 +380,7 @@ class ShardedOptimizer:
         weights into (restore_main then keeps the owned shards); else {}."""
         if not self.low:
             return {}
-        return {id(p): p.detach().float() for r in self.reducers for p in r.model.parameters()}
+        return {id(p): _float_copy(p) for r in self.reducers for p in r.model.parameters()}
 
     @torch.no_grad()
     def restore_main(self, full: dict[int, torch.Tensor]) -> None:

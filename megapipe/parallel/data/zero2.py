@@ -41,7 +41,9 @@ from torch import nn
 
 from megapipe.config.states import IN_FLIGHT
 from megapipe.distributed import collectives as C
+from megapipe.parallel.data.fp8_params import HeldFp8Weights
 from megapipe.parallel.data.reducer import Bucket
+from megapipe.parallel.data.zero3_fp8 import fp8_linears
 from megapipe.parallel.data.zero import (
     ShardedGradReducer,
     ShardedOptimizer,
@@ -68,9 +70,12 @@ class OverlappedGatherReducer(ShardedGradReducer):
     blocks: tuple[WeightBlock, ...] = ()
     pending: dict = field(default_factory=dict)  # bucket index -> (gathered flat, work)
     waited_s: float = 0.0  # seconds spent waiting for weight gathers (the exposed part)
+    fp8_params: bool = False  # train.fp8_params: the FP8 linears' weights held cast (fp8_params.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.held = HeldFp8Weights(self) if self.fp8_params else None
+        self.main_shards: dict[int, torch.Tensor] = {}
         self.rebucket()
         self.index_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self.slot_of = {
@@ -81,6 +86,13 @@ class OverlappedGatherReducer(ShardedGradReducer):
     def rebucket(self) -> None:
         """A level that lays its buckets out otherwise does it here (zero3.py)."""
         return None
+
+    def pack_kind(self, kind):
+        """train.fp8_params: the FP8 linears' weights in buckets of their own, gathered cast."""
+        if not self.fp8_params:
+            return kind
+        fp8 = fp8_linears(self.model)
+        return lambda p: (bool(kind and kind(p)), id(p) in fp8)
 
     def buckets_of(self, params) -> list[int]:
         """The indices of the buckets holding `params`, in forward (descending) order."""
@@ -102,9 +114,40 @@ class OverlappedGatherReducer(ShardedGradReducer):
         A gather still pending from the step before (a bucket no block read) lands first."""
         self.wait_params()
         for i in reversed(range(len(self.buckets))):
-            self.pending[i] = self._launch_gather(self.buckets[i], self.slots[i])
+            self.pending[i] = self._gather_bucket(i)
         if not self.blocks:  # nothing would wait on first use
             self.wait_params()
+
+    def hold_fp8(self, main: dict[int, torch.Tensor]) -> None:
+        """train.fp8_params: the FP8 buckets gathered cast from `main` ({id(param): this rank's
+        float32 main shard}, the optimizer's), then their bf16 weights freed (fp8_params.py)."""
+        if self.held is None:
+            return
+        self.main_shards = main
+        self.wait_params()
+        for i, bucket in enumerate(self.buckets):
+            if self.held.bucket_holds(bucket):
+                self.pending[i] = self._gather_bucket(i)
+        self.wait_params()
+        self.held.release()
+
+    def _gather_bucket(self, i: int):
+        """Bucket `i`'s gather launched: (its gathered flat, work), or for FP8 weights held
+        cast (None, their payloads' works)."""
+        bucket, slots = self.buckets[i], self.slots[i]
+        if self.held is None or not self.held.bucket_holds(bucket):
+            return self._launch_gather(bucket, slots)
+        lo, hi = self.shard_range(bucket)
+        owned = torch.zeros(hi - lo, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+        for s in slots:  # rounded as the bf16 weight would be (ShardedOptimizer._round_into_weights)
+            owned[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(self.main_shards[id(s.param)])
+        group = self.group_of(bucket)
+
+        def gather(full, shard):
+            C.count("all_gather", full)
+            return _all_gather(full, shard, group=group, async_op=True)
+
+        return None, self.held.launch(i, owned, gather)
 
     def _launch_gather(self, bucket: Bucket, slots: list[Slot]):
         lo, hi = self.shard_range(bucket)
@@ -122,8 +165,11 @@ class OverlappedGatherReducer(ShardedGradReducer):
             return
         full, work = self.pending.pop(i)
         began = time.perf_counter()
-        work.wait()
+        for each in work if full is None else [work]:  # FP8 weights held cast: their payloads'
+            each.wait()
         self.waited_s += time.perf_counter() - began
+        if full is None:
+            return
         bucket = self.buckets[i]
         sizes = [p.numel() for p in bucket.params]
         for p, chunk in zip(bucket.params, full[: bucket.numel].split(sizes)):

@@ -149,10 +149,12 @@ class Fp8Bucket:
         """This rank's 1-byte cast of its range (`master`), cast now if stale."""
         payload = self.payloads[form]
         if payload.shard is None:
-            payload.shard, payload.scales = self._cast(form, master, group)
+            payload.shard, payload.scales = self.cast_shard(form, master, group)
         return payload.shard
 
-    def _cast(self, form: str, master: torch.Tensor, group):
+    def cast_shard(self, form: str, master: torch.Tensor, group):
+        """(this rank's 1-byte cast of its range `master`, each weight's inverse scales), the
+        amax shared over `group` and tp (`_shared`)."""
         (values,) = autocast_operands(master)  # the dtype the linear would cast W to
         amax = self._shared(self.local_amax(form, values), form, group)
         return self.cast(form, values, amax)

@@ -1,0 +1,103 @@
+"""FP8 weights under the distributed optimizer (train.fp8_params, parallel/data/fp8_params.py).
+
+Holding an FP8 linear's weight as its cast alone changes what is stored, not what is computed:
+the cast each rank gathers is the one the linear makes from the bf16 weight (the owned float32
+main shard rounded to bf16, its scales' amax shared over the shard group and tp). So a run with
+train.fp8_params takes the same steps as the run without, bit for bit: the same losses, the
+same main params, on every mesh and recipe. A wrong amax group, a stale payload or a weight
+left out of the rounding changes them at once. That run trains like one FP8 process
+(tests/test_parity_fp8.py), so this one does too. The checkpoint path (whole float32 main
+params written, read back into the shards and cast again) is taken between two steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe.config import ConfigError
+from tests.parity import LOW_LR, mesh_params
+
+BF16 = ["train.params_dtype=bfloat16", "train.dtype=bfloat16", LOW_LR]
+# no clip: its norm sums squares over shards that the FP8 buckets lay out otherwise
+NO_CLIP = ["train.grad_clip=0"]
+MB2 = ["parallel.microbatches=2"]
+SP = ["parallel.sequence_parallel=true"]
+CASES = {  # world -> [(id, dp, tp, overrides)]
+    2: [
+        ("dp2-zero1-tensorwise", 2, 1, ["train.fp8=tensorwise", "parallel.zero=1", *MB2]),
+        ("dp2-zero1-rowwise", 2, 1, ["train.fp8=rowwise", "parallel.zero=1", *MB2]),
+        ("dp2-zero2-blockwise", 2, 1, ["train.fp8=blockwise", "parallel.zero=2", *MB2]),
+    ],
+    4: [
+        ("dp2-tp2-sp-zero1-tensorwise", 2, 2, ["train.fp8=tensorwise", "parallel.zero=1", *SP]),
+        ("dp2-tp2-sp-zero2-rowwise", 2, 2, ["train.fp8=rowwise", "parallel.zero=2", *SP]),
+    ],
+}
+
+
+def held_case(overrides: list[str], steps: int = 3) -> dict:
+    """`steps` steps, the checkpoint's round trip of the main params before the last: losses,
+    the whole float32 main params by parameter order, and the bytes the weights hold."""
+    import tempfile
+
+    from megapipe.data.loader import build_data
+    from megapipe.train.parallelize import parallelize
+    from tests.parity import build_mesh, tiny_config
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    mesh = build_mesh(cfg)
+    torch.manual_seed(cfg.train.seed)
+    job = parallelize(cfg, mesh, "cpu", 0.01)
+    optimizer = job.optimizer()
+    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    params = [p for chunk in job.engine.chunks for p in chunk.parameters()]
+    losses = []
+    for step in range(steps):
+        if step == steps - 1:  # a checkpoint's read: whole main params back into the shards
+            targets = optimizer.load_targets()
+            for key, whole in optimizer.main_weights().items():
+                targets[key].copy_(whole)
+            optimizer.restore_main(targets)
+        batch = data.batch(step, cfg.train.global_batch)
+        losses.append(job.train_step(optimizer, batch, step).loss)
+    mains = optimizer.main_weights()
+    return {
+        "losses": losses,
+        "mains": [mains[id(p)] for p in params],
+        "weight_bytes": sum(p.untyped_storage().nbytes() for p in params),
+        "held": sum(p.untyped_storage().nbytes() == 0 for p in params),
+    }
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("world,dp,tp,extra", mesh_params(CASES))
+def test_fp8_weights_take_the_same_steps(gloo_pool, world, dp, tp, extra):
+    mesh = [f"parallel.dp={dp}", f"parallel.tp={tp}", *BF16, *NO_CLIP, *extra]
+    plain = gloo_pool(world).run(held_case, mesh)
+    held = gloo_pool(world).run(held_case, [*mesh, "train.fp8_params=true"])
+    for a, b in zip(held, plain):
+        assert a["losses"] == b["losses"]
+        for x, y in zip(a["mains"], b["mains"], strict=True):
+            assert torch.equal(x, y)
+        # each layer's FP8 linears (QKV, out, fc1, fc2) hold no bf16 weight
+        assert b["held"] == 0 and a["held"] == 4 * 2
+        assert a["weight_bytes"] < b["weight_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides,names",
+    [
+        (["train.fp8_params=true", *BF16, "parallel.zero=1"], "train.fp8"),
+        (["train.fp8_params=true", "train.fp8=tensorwise", "parallel.zero=1"], "params_dtype"),
+        (["train.fp8_params=true", "train.fp8=tensorwise", *BF16], "parallel.zero"),
+        (
+            ["train.fp8_params=true", "train.fp8=tensorwise", *BF16, "parallel.zero=1",
+             "parallel.dp=2", "train.optimizer=muon"],
+            "train.optimizer",
+        ),  # fmt: skip
+    ],
+)
+def test_fp8_weights_refuse_what_they_cannot_hold(tiny_cfg, overrides, names):
+    with pytest.raises(ConfigError, match=names):
+        tiny_cfg(*overrides)
