@@ -92,8 +92,14 @@ def test_fp8_weights_take_the_same_steps(gloo_pool, world, dp, tp, extra):
         (["train.fp8_params=true", "train.fp8=tensorwise", "parallel.zero=1"], "params_dtype"),
         (["train.fp8_params=true", "train.fp8=tensorwise", *BF16], "parallel.zero"),
         (
-            ["train.fp8_params=true", "train.fp8=tensorwise", *BF16, "parallel.zero=1",
-             "parallel.dp=2", "train.optimizer=muon"],
+            [
+                "train.fp8_params=true",
+                "train.fp8=tensorwise",
+                *BF16,
+                "parallel.zero=1",
+                "parallel.dp=2",
+                "train.optimizer=muon",
+            ],
             "train.optimizer",
         ),  # fmt: skip
     ],

@@ -43,7 +43,6 @@ from megapipe.config.states import IN_FLIGHT
 from megapipe.distributed import collectives as C
 from megapipe.parallel.data.fp8_params import HeldFp8Weights
 from megapipe.parallel.data.reducer import Bucket
-from megapipe.parallel.data.zero3_fp8 import fp8_linears
 from megapipe.parallel.data.zero import (
     ShardedGradReducer,
     ShardedOptimizer,
@@ -51,6 +50,7 @@ from megapipe.parallel.data.zero import (
     _all_gather,
     widest,
 )
+from megapipe.parallel.data.zero3_fp8 import fp8_linears
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class OverlappedGatherReducer(ShardedGradReducer):
             return self._launch_gather(bucket, slots)
         lo, hi = self.shard_range(bucket)
         owned = torch.zeros(hi - lo, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
-        for s in slots:  # rounded as the bf16 weight would be (ShardedOptimizer._round_into_weights)
+        for s in slots:  # rounded as the bf16 weight is (ShardedOptimizer._round_into_weights)
             owned[s.shard_lo : s.shard_lo + s.hi - s.lo].copy_(self.main_shards[id(s.param)])
         group = self.group_of(bucket)
 
