@@ -45,6 +45,12 @@ CASES = {
                                "--train.params_dtype=bfloat16",
                                "--train.main_grads_dtype=bfloat16",
                                "--parallel.grad_reduce_dtype=bfloat16"], "0"),
+    # train.fp8_params: the FP8 linears' weights held as their casts, gathered in 1 byte after
+    # the step in buckets of their own (parallel/data/fp8_params.py)
+    "zero1_fp8_params": (["--parallel.dp=4", "--parallel.zero=1", "--model.d_model=128",
+                          "--train.global_batch=4", "--train.dtype=bfloat16",
+                          "--train.params_dtype=bfloat16", "--train.fp8=tensorwise",
+                          "--train.fp8_params=true"], "0"),
     "zero0_bf16_main_grads": (["--parallel.dp=4", "--model.d_model=128", "--train.global_batch=4",
                                "--train.dtype=bfloat16", "--train.params_dtype=bfloat16",
                                "--train.main_grads_dtype=bfloat16"], "0"),

@@ -98,8 +98,18 @@ def assert_bytes_are_the_plans(r: dict) -> None:
         (["--parallel.zero=1", "--parallel.schedule=zb_h1"], True),
         (["--parallel.zero=3", "--train.fp8=rowwise"], False),
         (["--parallel.zero=1", "--train.dtype=bfloat16", "--train.params_dtype=bfloat16"], False),
+        (
+            [
+                "--parallel.zero=1",
+                "--train.dtype=bfloat16",
+                "--train.params_dtype=bfloat16",
+                "--train.fp8=rowwise",
+                "--train.fp8_params=true",
+            ],
+            True,
+        ),  # fmt: skip
     ],
-    ids=["zero3", "zb_h1", "zero3_fp8", "bf16_weights"],
+    ids=["zero3", "zb_h1", "zero3_fp8", "bf16_weights", "fp8_params"],
 )
 def test_last_stage_is_the_models(tmp_path, extra, peak):
     """dp2 · tp2 · pp2, the last stage (rank 4): zero=3's gathers per block (the embedding's
@@ -107,7 +117,8 @@ def test_last_stage_is_the_models(tmp_path, extra, peak):
     exact, bytes per axis within 2%; zero=3's and zb_h1's peaks within 5% of the dry run's
     (zb_h1's at the second B in the head, the first's W queued and B's grads made).
     Under train.fp8 zero=3 gathers the FP8 weights' 1-byte casts and all-reduces their amax
-    vectors once a step (parallel/data/zero3_fp8.py): dp's bytes equal the plan's exactly
+    vectors once a step (parallel/data/zero3_fp8.py), as zero=1 does after its step under
+    train.fp8_params (parallel/data/fp8_params.py): dp's bytes equal the plan's exactly
     (config/fp8_weights.py); tp's too, with the linears' own amax all-reduces
     (config/fp8_amax.py)."""
     cfg = load_config(TINY, [f"--run.dir={tmp_path}", "--parallel.dp=2", "--parallel.tp=2",

@@ -188,6 +188,7 @@ def row_config(row: Row) -> Config:
         f"train.global_batch={row.gbs}",
         f"train.dtype={DTYPES.get(row.precision, 'bfloat16')}",
         f"train.fp8={FP8_RECIPES.get(row.precision, 'none')}",
+        f"train.fp8_params={str(fp8_params(row)).lower()}",
         f"train.params_dtype={weights_dtype(row)}",
         f"train.main_grads_dtype={main_grads_dtype(row)}",
         # megapipe refuses compile under ZeRO-3 (its own runtime's limit); FSDP2 + compile ran,
@@ -196,6 +197,14 @@ def row_config(row: Row) -> Config:
         *recompute_overrides(row.recompute),
     ]
     return load_config(None, overrides)
+
+
+def fp8_params(row: Row) -> bool:
+    """train.fp8_params of a row: the FP8 recipes hold their weights in FP8 under the
+    distributed optimizer (fp8_params=true, the FP8 data file's header), which megapipe does
+    at zero 1-2 with replicas and bf16 weights (parallel/data/fp8_params.py)."""
+    sharded = ZERO[row.sharding] >= 1 and row.dp * row.cp > 1
+    return row.precision in FP8_RECIPES and sharded and weights_dtype(row) == "bfloat16"
 
 
 def main_grads_dtype(row: Row) -> str:

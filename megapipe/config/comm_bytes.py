@@ -30,6 +30,7 @@ from megapipe.config.fp8_weights import (
     SCALE_BYTES,
     amax_entries,
     fp8_params,
+    weight_casts,
     weight_granularity,
 )
 from megapipe.config.memory_terms import rank_dims
@@ -216,13 +217,15 @@ def rank_comm_bytes(
     out["ep"] = p.microbatches * sum(_ep_block(cfg, b, w) for blocks in held for b in blocks)
     out["dp"] = _dp(cfg, sum(params), sum(experts), w)
     out["dp"] += _more_reductions(cfg, pp_rank, params, experts, w)
+    blocks = [b for bs in held for b in bs]
     if p.zero == 3:  # the gathers per block instead of after the step
         out["dp"] += _zero3(cfg, held, tp_rank, chunk_params, w)
-        dp_amax, tp_amax = amax_entries(cfg, [b for blocks in held for b in blocks])
+    if p.zero == 3 or weight_casts(cfg) == "held":  # shards cast once a step: their amaxes
+        dp_amax, tp_amax = amax_entries(cfg, blocks)
         out["dp"] += put_in("all_reduce", dp_amax * SCALE_BYTES, p.dp * p.cp)
         out["tp"] += put_in("all_reduce", tp_amax * SCALE_BYTES, p.tp)
+    out["dp"] += _held_gather(cfg, blocks, w)
     for axis in ("tp", "cp"):  # train.fp8's amax all-reduces (config/fp8_amax.py)
-        blocks = [b for bs in held for b in bs]
         out[axis] += p.microbatches * amax_bytes(cfg, blocks, axis)
         out[axis] += step_amax_bytes(cfg, blocks, axis)  # the weights', once a step
     out["pp"] = _pp(cfg, pp_rank, w) + _tied(cfg, pp_rank, w)
@@ -451,6 +454,17 @@ def _more_reductions(cfg: Config, pp_rank: int, params, experts, w: Widths) -> f
         total += (k - 1) * put_in("reduce_scatter", (n - e) * w.grad, replicas(cfg))
         total += (k - 1) * put_in("reduce_scatter", e * w.grad, expert_replicas(cfg) if e else 1)
     return total
+
+
+def _held_gather(cfg: Config, blocks: list[int], w: Widths) -> float:
+    """train.fp8_params at zero 1-2 (weight_casts "held"): the gather after the step moves
+    `blocks`' FP8 weights as 1-byte casts (two under rowwise: parallel/data/fp8_params.py)
+    where `_dp` counted them in the weights' dtype; else 0."""
+    if weight_casts(cfg) != "held":
+        return 0.0
+    n, forms = fp8_params(cfg, blocks), 2 if weight_granularity(cfg) == "rowwise" else 1
+    moved = put_in("all_gather", forms * n * FP8_BYTES, replicas(cfg))
+    return moved - put_in("all_gather", n * w.param, replicas(cfg))
 
 
 def _zero3(cfg: Config, held: list[range], tp_rank: int, chunk_params: ChunkParams, w) -> float:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from megapipe.config.flops import expert_ffn, is_moe_layer
 from megapipe.config.schema import Config, gated, tp_ring
-from megapipe.config.states import FLOAT32, compute_bytes
+from megapipe.config.states import FLOAT32, PARAM_BYTES, compute_bytes, replicas
 
 FP8_BYTES = 1  # e4m3, gathered bit-cast to uint8
 SCALE_BYTES = 4  # float32 amax and scale
@@ -252,12 +252,30 @@ def cast_bytes(cfg: Config, blocks: Iterable[int], shards: int) -> float:
 
 def weight_casts(cfg: Config) -> str:
     """When the FP8 linears cast their weights: "gathered" (zero=3: its gathers cast the shards
-    once a step, parallel/data/zero3_fp8.py), "use" (pipedream_async, whose optimizer steps
-    between a step's microbatches: at every use), else "step" (at the first use in a step,
-    kept to its end: parallel/fp8_weight_cache.py)."""
+    once a step, parallel/data/zero3_fp8.py), "held" (train.fp8_params at zero 1-2: cast from
+    the main params after the step and held as the weights, parallel/data/fp8_params.py),
+    "use" (pipedream_async, whose optimizer steps between a step's microbatches: at every
+    use), else "step" (at the first use in a step, kept to its end:
+    parallel/fp8_weight_cache.py)."""
     if cfg.parallel.zero == 3:
         return "gathered"
+    if cfg.train.fp8_params and cfg.parallel.zero in (1, 2) and replicas(cfg) > 1:
+        return "held"
     return "use" if cfg.parallel.schedule == "pipedream_async" else "step"
+
+
+def held_weight_bytes(cfg: Config, blocks: Iterable[int]) -> tuple[float, float]:
+    """train.fp8_params (weight_casts "held"): what holding `blocks`' FP8 weights as their
+    casts changes on a rank, (its weights, zero 1-2's gather after the step): each weight's
+    bf16 bytes out and its 1-byte casts (two under rowwise) and scales in; the gather fills
+    the held casts from a 1-byte shard per form instead of a bf16 flat and shard; else 0."""
+    if weight_granularity(cfg) is None or weight_casts(cfg) != "held":
+        return 0.0, 0.0
+    blocks = list(blocks)
+    n, d = fp8_params(cfg, blocks), replicas(cfg)
+    forms = 2 if weight_granularity(cfg) == "rowwise" else 1
+    bf16, shard = PARAM_BYTES[cfg.train.params_dtype], -(-n // d)
+    return _kept_casts(cfg, blocks, 1) - bf16 * n, forms * shard * FP8_BYTES - bf16 * (n + shard)
 
 
 def step_cast_bytes(cfg: Config, blocks: Iterable[int]) -> float:

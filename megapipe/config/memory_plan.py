@@ -27,7 +27,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from megapipe.config.flops import head_grad_in_forward, held_expert_params, segment_bounds
-from megapipe.config.fp8_weights import cast_bytes, fp8_params, step_cast_bytes
+from megapipe.config.fp8_weights import (
+    cast_bytes,
+    fp8_params,
+    held_weight_bytes,
+    step_cast_bytes,
+    weight_casts,
+)
 from megapipe.config.grad_buckets import ChunkUnits, grads_at_once
 from megapipe.config.memory_backward import (
     chunk_backward_bytes,
@@ -129,6 +135,10 @@ class RankMemory:
     # train.fp8's weight casts kept from a step's first forward to its last backward
     # (config/fp8_weights.step_cast_bytes)
     casts: float = 0.0
+    # train.fp8_params: by how much holding the FP8 weights as their casts changes `weights`
+    # and `step_gather` (config/fp8_weights.held_weight_bytes; both <= 0)
+    held_casts: float = 0.0
+    held_gather: float = 0.0
     # tensors kept from step to step that are not state: RoPE's shared cos, sin tables
     # (config/memory_terms.rope_table_bytes) on a rank holding a layer
     buffers: float = 0.0
@@ -165,7 +175,8 @@ class RankMemory:
         with_grads = self.grads + live - self.freed_at_grads
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
-        held = self.weights + self.gathered + self.optimizer + self.casts + self.buffers
+        weights = self.weights + self.held_casts
+        held = weights + self.gathered + self.optimizer + self.casts + self.buffers
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient
         at_backward = held + self.backward  # a layer backward's working set (memory_backward)
@@ -174,8 +185,8 @@ class RankMemory:
             at_head + max(self.activations, head_grads, with_b),
             held + self.backward_first + self.activations,
         )
-        after = max(self.step_widened, self.step_gather)  # the step, then the gather
-        stepping = self.weights + self.optimizer + self.step_grads + after + self.buffers
+        after = max(self.step_widened, self.step_gather + self.held_gather)  # step, then gather
+        stepping = weights + self.optimizer + self.step_grads + after + self.buffers
         return max(top, reducing, stepping)
 
 
@@ -263,9 +274,13 @@ def rank_extras(
     backward's working set. Every
     caller that completes a rank's memory (memory_plan, perf/bounds.Bounds.memory) asks here."""
     host = sum(chunk_host_activations(cfg, b, device) for b in held)
+    blocks = [b for bs in held for b in bs]
+    held_casts, held_gather = held_weight_bytes(cfg, blocks)
     return {
         "host": host * inflight,
-        "casts": step_cast_bytes(cfg, [b for blocks in held for b in blocks]),
+        "casts": step_cast_bytes(cfg, blocks),
+        "held_casts": held_casts,
+        "held_gather": held_gather,
         "buffers": rope_table_bytes(cfg) if _attends(cfg, held) else 0.0,
         "backward_first": first_backward(cfg, held, tp_rank, chunk_params, device),
     }
@@ -325,6 +340,8 @@ def rank_memory(
         persist = True  # some grads exist from the first backward on
     else:
         local, reducing = local_grads_bytes(n, cfg), reduction_bytes(n, cfg, experts)
+    if weight_casts(cfg) == "held":  # FP8 weights' buckets, a layer's each, launch as that
+        reducing += sum(acts)  # layer's last backward ends: the rest of it still live beside
     return RankMemory(
         pp_rank=coord[0],
         tp_rank=coord[1],

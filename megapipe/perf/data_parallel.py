@@ -58,7 +58,7 @@ from megapipe.config.comm_bytes import (
     tied_grad_bytes,
     zero3_gathers,
 )
-from megapipe.config.fp8_weights import FP8_BYTES, fp8_params
+from megapipe.config.fp8_weights import FP8_BYTES, fp8_params, weight_casts, weight_granularity
 from megapipe.config.pipeline_split import placement_of, rank_blocks, schedule_of
 from megapipe.config.states import (
     expert_layout,
@@ -213,6 +213,18 @@ class OptPlan:
     gather: float
 
 
+def _gathered_bytes(cfg: Config, rt: Runtime, rank: int, chunks) -> float:
+    """Bytes of zero 1-2's weight gather after the step for the `chunks` (parameters each) of
+    pp rank `rank`: in the gather's dtype, but train.fp8_params' FP8 weights as 1-byte casts
+    (two under rowwise: parallel/data/fp8_params.py; config/comm_bytes._held_gather)."""
+    total = sum(chunks) * rt.param_bytes
+    if weight_casts(cfg) != "held":
+        return total
+    forms = 2 if weight_granularity(cfg) == "rowwise" else 1
+    fp8 = sum(fp8_params(cfg, bs) for bs in rank_blocks(cfg, rank)[: len(chunks)])
+    return total - fp8 * (rt.param_bytes - forms * FP8_BYTES)
+
+
 def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostModel, shape, held,
                    experts=None):  # fmt: skip
     """The optimizer step after the reduction (module docstring): an OptPlan. `experts` (as
@@ -240,7 +252,7 @@ def optimizer_plan(cfg: Config, cluster: Cluster, runtime: Runtime, cm: CostMode
             # forwards wait for their inputs)
             held = [held[0][:1]]
         blocks = layers_per_chunk(cfg)
-        first = [sum(ps) * rt.param_bytes for ps in held]
+        first = [_gathered_bytes(cfg, rt, r, ps) for r, ps in enumerate(held)]
         if rt.dp_bucket_per_block and rt.param_gather_overlap:
             first = [b / blocks for b in first]  # the first block's gather, the rest behind it
         gather = max(ring_time("all_gather", min(b, bucket or b), n, link) for b in first)

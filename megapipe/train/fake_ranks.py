@@ -79,6 +79,7 @@ class Measure(dispatch_mode_base()):
     peak_kinds: dict = field(default_factory=dict)
     most: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # each kind's own peak
     comm: list = field(default_factory=list)
+    built: int = 0  # ops of the build (train.fp8_params' first gather): once a run, not a step
     phase: str = "activations"
     values: Values = field(default_factory=Values)
 
@@ -224,7 +225,7 @@ def run_rank(cfg: Config, rank: int, plan: dict) -> tuple[dict, list[CommOp]]:
         "plan_peak_bytes": plan.get((c["pp"], c["tp"])),
         "flops": flops.get_total_flops() // STEPS,
         "plan_flops": plan_flops(cfg, c),
-        "comm_bytes": _per_axis(measure.comm),
+        "comm_bytes": _per_axis(measure.comm[measure.built :]),
         "plan_comm_bytes": plan_comm_bytes(cfg, c),
         "stepped": all(isinstance(r, StepResult) for r in results),
         "save_bytes": save["bytes"],
@@ -250,6 +251,7 @@ def _steps(cfg: Config, mesh: ParallelMesh, measure: Measure, flops):
         measure.phase = "activations"
         m = cfg.model
         batch = torch.randint(0, m.vocab_size, (cfg.train.global_batch, m.seq_len + 1))
+        measure.built = len(measure.comm)
     hooks = _Phases(measure, job.model)
     with flops, measure:
         results = [job.train_step(optimizer, batch, s, hooks) for s in range(STEPS)]
