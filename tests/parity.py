@@ -198,6 +198,22 @@ def build_mesh(cfg):
     return ParallelMesh(MeshSizes.of(cfg))
 
 
+def built_case(overrides: list[str], bucket_mb: float = 0.01):
+    """(cfg, mesh, job, optimizer, data) of the tiny config under `overrides`, wired by
+    train.py's `parallelize()` on this worker's world, seeded as train.py seeds."""
+    import tempfile
+
+    from megapipe.data.loader import build_data
+    from megapipe.train.parallelize import parallelize
+
+    cfg = tiny_config(overrides, tempfile.mkdtemp())
+    mesh = build_mesh(cfg)
+    torch.manual_seed(cfg.train.seed)
+    job = parallelize(cfg, mesh, "cpu", bucket_mb)
+    optimizer = job.optimizer()
+    return cfg, mesh, job, optimizer, build_data(cfg.data, cfg.model, cfg.train.seed)
+
+
 def train_case(
     overrides: list[str],
     steps: int = 3,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapipe.config import ConfigError
-from tests.parity import LOW_LR, mesh_params
+from tests.parity import LOW_LR, built_case, mesh_params
 
 BF16 = ["train.params_dtype=bfloat16", "train.dtype=bfloat16", LOW_LR]
 # no clip: its norm sums squares over shards that the FP8 buckets lay out otherwise
@@ -39,18 +39,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
 def held_case(overrides: list[str], steps: int = 3) -> dict:
     """`steps` steps, the checkpoint's round trip of the main params before the last: losses,
     the whole float32 main params by parameter order, and the bytes the weights hold."""
-    import tempfile
-
-    from megapipe.data.loader import build_data
-    from megapipe.train.parallelize import parallelize
-    from tests.parity import build_mesh, tiny_config
-
-    cfg = tiny_config(overrides, tempfile.mkdtemp())
-    mesh = build_mesh(cfg)
-    torch.manual_seed(cfg.train.seed)
-    job = parallelize(cfg, mesh, "cpu", 0.01)
-    optimizer = job.optimizer()
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    cfg, _, job, optimizer, data = built_case(overrides)
     params = [p for chunk in job.engine.chunks for p in chunk.parameters()]
     losses = []
     for step in range(steps):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 
 import pytest
 import torch
 
 from megapipe.cli import schedule as schedule_cli
 from megapipe.config import ConfigError
-from tests.parity import build_mesh, tiny_config
+from tests.parity import built_case, tiny_config
 from tests.util import assert_rel_close, assert_state_close
 
 STEPS = 5
@@ -41,16 +40,9 @@ def pv_case(overrides: list[str], poison: dict | None = None) -> dict:
     number of all_reduce calls made inside train steps."""
     import torch.distributed as dist
 
-    from megapipe.data.loader import build_data
     from megapipe.parallel.tensor.gather import gather_logical
-    from megapipe.train.parallelize import parallelize
 
-    cfg = tiny_config(overrides, tempfile.mkdtemp())
-    mesh = build_mesh(cfg)
-    torch.manual_seed(cfg.train.seed)
-    job = parallelize(cfg, mesh, "cpu", 0.01)
-    optimizer = job.optimizer()
-    data = build_data(cfg.data, cfg.model, cfg.train.seed)
+    cfg, mesh, job, optimizer, data = built_case(overrides)
     finals, calls = [], []
     real = dist.all_reduce
 
