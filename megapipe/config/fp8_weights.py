@@ -335,6 +335,14 @@ def fp8_summary(cfg: Config, blocks: Iterable[int], shards: int, deferred: dict)
             f"(FP8 weight casts: each weight cast at its first use in a step and kept to the "
             f"step's last backward, {step:,.0f} bytes with their scales)"
         )
+    held, _ = held_weight_bytes(cfg, blocks)
+    if held:
+        lines.append(
+            "(FP8 weights held cast, train.fp8_params: those weights are their 1-byte casts "
+            f"and scales, {_kept_casts(cfg, blocks, 1):,.0f} bytes ({-held:,.0f} less than in "
+            f"{cfg.train.params_dtype}); zero={cfg.parallel.zero} gathers them in 1 byte "
+            "after the step)"
+        )
     if shards > 1:
         kept = cast_bytes(cfg, blocks, shards)
         lines.append(

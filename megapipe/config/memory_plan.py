@@ -157,8 +157,13 @@ class RankMemory:
         return self.activations_per_microbatch * self.inflight
 
     @property
+    def weights_held(self) -> float:
+        """The weights as held between steps: under train.fp8_params the FP8 ones as casts."""
+        return self.weights + self.held_casts
+
+    @property
     def states(self) -> float:
-        return self.weights + self.gathered + self.grads + self.optimizer
+        return self.weights_held + self.gathered + self.grads + self.optimizer
 
     @property
     def peak(self) -> float:
@@ -175,7 +180,7 @@ class RankMemory:
         with_grads = self.grads + live - self.freed_at_grads
         head_grads = with_grads if self.grads_at_head is None else self.grads_at_head + live
         with_b = self.grads_in_b + self.activations_per_microbatch * self.inflight_with_b_grads
-        weights = self.weights + self.held_casts
+        weights = self.weights_held
         held = weights + self.gathered + self.optimizer + self.casts + self.buffers
         reducing = held - self.gathered + self.gathered_reducing + self.reducing
         at_head = held - self.gathered + self.gathered_head + self.head_transient

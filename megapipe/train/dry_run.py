@@ -69,7 +69,7 @@ def as_json(cfg: Config, device: str = DEVICE) -> dict:
             "pp": r.pp_rank,
             "tp": r.tp_rank,
             "params": r.params,
-            "weights_bytes": int(r.weights + r.gathered),
+            "weights_bytes": int(r.weights_held + r.gathered),
             "grads_bytes": int(r.grads),
             "grads_step_bytes": int(r.step_grads),
             "grads_reducing_bytes": int(r.reducing),
@@ -196,7 +196,7 @@ def _rank_line(cfg: Config, r: RankMemory) -> str:
     held = " | ".join(stage_text(c.blocks, cfg.model.n_layers + 1) for c in chunks)
     return (
         f"pp={r.pp_rank} tp={r.tp_rank}: {r.params:,} parameters, {layers} layers "
-        f"(chunks: {held}); weights {_size(r.weights + r.gathered)}, grads {_size(r.grads)}, "
+        f"(chunks: {held}); weights {_size(r.weights_held + r.gathered)}, grads {_size(r.grads)}, "
         f"optimizer {_size(r.optimizer)} (zero={cfg.parallel.zero}; states {_layout(cfg)}), "
         f"activations ~{_size(r.activations_per_microbatch)} per microbatch, peak in flight "
         f"{_amount(r.inflight)} microbatches"
