@@ -32,6 +32,7 @@ from megapipe.models.hf_qwen3 import (
     qwen3_config,
     qwen3_hf_config,
 )
+from megapipe.models.hf_require import require
 from megapipe.models.rope import hf_rope_parameters, rope_fields
 
 # Ours -> HF names, outside and inside a transformer layer (`layers.{i}.` <-> prefix + `{i}.`).
@@ -107,11 +108,6 @@ def hf_names(arch: str, name: str) -> tuple[tuple[str, ...], bool]:
     ), arch == "gpt2" and leaf in GPT2_CONV1D
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 # ---------------------------------------------------------------- import
 
 
@@ -139,8 +135,8 @@ def config_from_hf(hf) -> ModelConfig:
 
 def _mixtral_config(hf) -> ModelConfig:
     """Llama's fields, every layer's MLP a dropless mixture of experts (models/moe.py)."""
-    _require(hf.sliding_window is None, "HF sliding_window is unsupported; set it None")
-    _require(not hf.router_jitter_noise, "HF router_jitter_noise != 0 is unsupported")
+    require(hf.sliding_window is None, "HF sliding_window is unsupported; set it None")
+    require(not hf.router_jitter_noise, "HF router_jitter_noise != 0 is unsupported")
     base = _llama_config(hf)
     moe = {"n_experts": hf.num_local_experts, "top_k": hf.num_experts_per_tok, "moe_every": 1}
     moe |= {"moe_ffn": hf.intermediate_size, "moe_aux_coef": float(hf.router_aux_loss_coef)}
@@ -149,14 +145,14 @@ def _mixtral_config(hf) -> ModelConfig:
 
 def _gpt2_config(hf) -> ModelConfig:
     act = hf.activation_function
-    _require(act in GPT2_TANH_GELUS, f"HF activation_function={act!r} unsupported (tanh GELU only)")
-    _require(hf.scale_attn_weights, "HF scale_attn_weights=False is unsupported")
-    _require(
+    require(act in GPT2_TANH_GELUS, f"HF activation_function={act!r} unsupported (tanh GELU only)")
+    require(hf.scale_attn_weights, "HF scale_attn_weights=False is unsupported")
+    require(
         not hf.scale_attn_by_inverse_layer_idx, "HF scale_attn_by_inverse_layer_idx unsupported"
     )
-    _require(not hf.add_cross_attention, "HF add_cross_attention=True is unsupported")
+    require(not hf.add_cross_attention, "HF add_cross_attention=True is unsupported")
     drops = {hf.resid_pdrop, hf.embd_pdrop, hf.attn_pdrop}
-    _require(len(drops) == 1, "HF resid_pdrop, embd_pdrop, attn_pdrop must be equal (one dropout)")
+    require(len(drops) == 1, "HF resid_pdrop, embd_pdrop, attn_pdrop must be equal (one dropout)")
     return ModelConfig(
         arch="gpt2",
         n_layers=hf.n_layer,
@@ -173,7 +169,7 @@ def _gpt2_config(hf) -> ModelConfig:
 
 
 def _llama_config(hf, any_head_dim: bool = False) -> ModelConfig:
-    _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
+    require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
     return _llama_layout(hf, any_head_dim, norm_eps=hf.rms_norm_eps)
 
 
@@ -186,11 +182,11 @@ def _llama_layout(
     if partial_rope:
         rope.pop("partial_rotary_factor", None)
     scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
-    _require(not getattr(hf, "attention_bias", False), "HF attention_bias=True is unsupported")
-    _require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
-    _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
+    require(not getattr(hf, "attention_bias", False), "HF attention_bias=True is unsupported")
+    require(not getattr(hf, "mlp_bias", False), "HF mlp_bias=True is unsupported")
+    require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    _require(
+    require(
         any_head_dim or head_dim * hf.num_attention_heads == hf.hidden_size,
         f"HF head_dim={head_dim} must be hidden_size / num_attention_heads",
     )
@@ -215,7 +211,7 @@ def _llama_layout(
 @torch.no_grad()
 def from_hf(model) -> GPT:
     """A GPT with the config and weights of an HF GPT2LMHeadModel or LlamaForCausalLM."""
-    _require(
+    require(
         hasattr(model, "lm_head"), f"{type(model).__name__} has no lm_head; pass a *ForCausalLM"
     )
     cfg = config_from_hf(model.config)
@@ -227,7 +223,7 @@ def from_hf(model) -> GPT:
         names, transpose = hf_names(table_of(cfg), name)
         parts = [hf_state[n].t() if transpose else hf_state[n] for n in names]
         value = torch.cat(parts, dim=0)
-        _require(
+        require(
             value.shape == param.shape, f"HF {names} has shape {value.shape}, not {param.shape}"
         )
         param.copy_(value)
@@ -245,7 +241,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings}
     common |= {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": None}
     if cfg.arch == "gpt2":
-        _require(d.n_kv_heads == cfg.n_heads, "model.n_kv_heads != n_heads: GPT-2 has no GQA")
+        require(d.n_kv_heads == cfg.n_heads, "model.n_kv_heads != n_heads: GPT-2 has no GQA")
         return GPT2Config(
             n_positions=cfg.seq_len,
             n_embd=cfg.d_model,
@@ -259,16 +255,16 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             layer_norm_epsilon=cfg.norm_eps,
             **common,
         )
-    _require(
+    require(
         cfg.arch in ("llama", "qwen3", "deepseek_v3", "nemotron"),
         f"model.arch={cfg.arch!r} has no HF export",
     )
-    _require(
+    require(
         cfg.arch == "qwen3" or not cfg.sliding_window,
         "model.sliding_window: only the qwen3 export carries it; set it 0",
     )
-    _require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
-    _require(
+    require(cfg.dropout == 0.0, "model.dropout != 0: HF Llama has no residual dropout; set it 0")
+    require(
         cfg.arch == "nemotron" or cfg.partial_rotary_factor == 1.0,
         "model.partial_rotary_factor: only the nemotron export carries it; set it 1",
     )
@@ -300,10 +296,10 @@ def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
     experts (what Mixtral computes); `common`: the llama family's keys."""
     from transformers import MixtralConfig
 
-    _require(cfg.moe_every == 1, "model.moe_every != 1: every Mixtral layer is MoE; set it 1")
-    _require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Mixtral has none; set 0")
-    _require(cfg.norm_topk_prob, "model.norm_topk_prob=false: Mixtral renormalises; set it true")
-    _require(
+    require(cfg.moe_every == 1, "model.moe_every != 1: every Mixtral layer is MoE; set it 1")
+    require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Mixtral has none; set 0")
+    require(cfg.norm_topk_prob, "model.norm_topk_prob=false: Mixtral renormalises; set it true")
+    require(
         cfg.moe_capacity_factor == 0,
         "model.moe_capacity_factor > 0: Mixtral routes dropless; set it 0 to export",
     )
@@ -320,8 +316,8 @@ def _mixtral_hf_config(cfg: ModelConfig, d, common: dict):
 
 def _check_whole(gpt: GPT) -> None:
     n_blocks = gpt.cfg.n_layers + 2
-    _require(gpt.blocks == range(n_blocks), f"to_hf needs all {n_blocks} blocks, not {gpt.blocks}")
-    _require(gpt.embed.tok.tp.size == 1, "to_hf needs the tp=1 model; gather the shards first")
+    require(gpt.blocks == range(n_blocks), f"to_hf needs all {n_blocks} blocks, not {gpt.blocks}")
+    require(gpt.embed.tok.tp.size == 1, "to_hf needs the tp=1 model; gather the shards first")
 
 
 @torch.no_grad()
@@ -344,9 +340,9 @@ def to_hf(gpt: GPT, out_dir: str, eos_id: int | None = None):
         sizes = [hf_params[n].shape[-1 if transpose else 0] for n in names]
         for n, part in zip(names, value.split(sizes, dim=0), strict=True):
             part = part.t() if transpose else part
-            _require(part.shape == hf_params[n].shape, f"{name} does not fit HF {n}")
+            require(part.shape == hf_params[n].shape, f"{name} does not fit HF {n}")
             hf_params[n].copy_(part)
             written.add(n)
-    _require(written == set(hf_params), f"HF weights not written: {set(hf_params) - written}")
+    require(written == set(hf_params), f"HF weights not written: {set(hf_params) - written}")
     model.eval().save_pretrained(out_dir)
     return model

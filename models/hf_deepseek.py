@@ -18,6 +18,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models.gpt import GPT
+from megapipe.models.hf_require import require
 from megapipe.models.rope import rope_fields
 
 TOP = {
@@ -43,11 +44,6 @@ LAYER = {
     "mlp.shared.fc1.weight": tuple(f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up")),
     "mlp.shared.fc2.weight": ("mlp.shared_experts.down_proj.weight",),
 }
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def hf_names(cfg: ModelConfig, name: str) -> tuple[str, ...]:
@@ -85,10 +81,10 @@ def config_from_hf(hf) -> ModelConfig:
     """The ModelConfig of an HF DeepseekV3Config; what is not built raises ValueError."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     scaling = rope_fields(rope, hf.max_position_embeddings)  # models/rope.py: default, yarn
-    _require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
-    _require(not hf.attention_bias, "HF attention_bias=True is unsupported")
-    _require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
-    _require(
+    require(hf.hidden_act in ("silu", "swish"), f"HF hidden_act={hf.hidden_act!r} unsupported")
+    require(not hf.attention_bias, "HF attention_bias=True is unsupported")
+    require(not hf.attention_dropout, "HF attention_dropout != 0 is unsupported")
+    require(
         hf.num_key_value_heads == hf.num_attention_heads,
         "HF num_key_value_heads must equal num_attention_heads (MLA has no GQA)",
     )
@@ -112,9 +108,9 @@ def hf_config(cfg: ModelConfig, common: dict):
     """DeepseekV3Config of a deepseek_v3 ModelConfig; `common`: the llama family's keys."""
     from transformers import DeepseekV3Config
 
-    _require(cfg.dropout == 0.0, "model.dropout != 0: HF DeepSeek-V3 has no dropout; set it 0")
-    _require(cfg.moe_every == 1, "model.moe_every != 1: HF DeepSeek-V3 has none; set it 1")
-    _require(cfg.moe_capacity_factor == 0, "model.moe_capacity_factor > 0: HF routes dropless")
+    require(cfg.dropout == 0.0, "model.dropout != 0: HF DeepSeek-V3 has no dropout; set it 0")
+    require(cfg.moe_every == 1, "model.moe_every != 1: HF DeepSeek-V3 has none; set it 1")
+    require(cfg.moe_capacity_factor == 0, "model.moe_capacity_factor > 0: HF routes dropless")
     keys = {k: v for k, v in common.items() if k not in ("num_key_value_heads", "head_dim")}
     return DeepseekV3Config(
         num_key_value_heads=cfg.n_heads, q_lora_rank=cfg.q_lora_rank or None,
@@ -147,7 +143,7 @@ def load_hf(gpt: GPT, model) -> GPT:
         value = torch.cat([hf_state[n] for n in names], dim=0)
         order = rope_rows(cfg, name, value.shape[0]) if interleaved else None
         value = value if order is None else value[order]
-        _require(
+        require(
             value.shape == tensor.shape, f"HF {names} has shape {value.shape}, not {tensor.shape}"
         )
         tensor.copy_(value)
@@ -163,8 +159,8 @@ def write_hf(gpt: GPT, model) -> None:
         names = hf_names(gpt.cfg, name)
         parts = tensor.detach().float().split([hf[n].shape[0] for n in names], dim=0)
         for n, part in zip(names, parts, strict=True):
-            _require(part.shape == hf[n].shape, f"{name} does not fit HF {n}")
+            require(part.shape == hf[n].shape, f"{name} does not fit HF {n}")
             hf[n].copy_(part)
             written.add(n)
     missing = {n for n, p in model.named_parameters() if n not in written and p.numel()}
-    _require(not missing, f"HF weights not written: {missing}")
+    require(not missing, f"HF weights not written: {missing}")

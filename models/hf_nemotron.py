@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megapipe.config import ModelConfig
 from megapipe.models.hf_qwen3 import head_dim_field
+from megapipe.models.hf_require import require
 
 NEMOTRON_TOP = {
     "embed.tok.weight": ("model.embed_tokens.weight",),
@@ -31,11 +32,6 @@ NEMOTRON_LAYER = {
 }
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def partial_rotary_factor(hf) -> float:
     """The fraction of each head RoPE turns: rope_parameters' key, else the config's own."""
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -44,7 +40,7 @@ def partial_rotary_factor(hf) -> float:
 
 def nemotron_config(hf, base: ModelConfig) -> ModelConfig:
     """The ModelConfig of an HF NemotronConfig; `base`: its llama-layout fields."""
-    _require(hf.hidden_act == "relu2", f"HF hidden_act={hf.hidden_act!r} unsupported (relu2)")
+    require(hf.hidden_act == "relu2", f"HF hidden_act={hf.hidden_act!r} unsupported (relu2)")
     fields = {"arch": "nemotron", "head_dim": head_dim_field(hf)}
     return ModelConfig(
         **(vars(base) | fields | {"partial_rotary_factor": partial_rotary_factor(hf)})

@@ -12,6 +12,7 @@ our model cannot compute is a one-line ValueError naming the HF field.
 from __future__ import annotations
 
 from megapipe.config import ModelConfig
+from megapipe.models.hf_require import require
 
 QWEN3_QK_NORMS = {
     "attn.q_norm.weight": ("self_attn.q_norm.weight",),
@@ -23,11 +24,6 @@ QWEN3_EXPERTS = {  # a sparse layer's MLP; its dense layers keep the llama MLP n
     "mlp.experts.w_out": ("mlp.experts.down_proj",),
 }
 QWEN3_TYPES = ("qwen3", "qwen3_moe")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def qwen3_config(hf, base: ModelConfig) -> ModelConfig:
@@ -49,7 +45,7 @@ def _window_fields(hf) -> dict:
         return {"sliding_window": window, "max_window_layers": 0}
     kinds = list(hf.layer_types)
     first = kinds.index("sliding_attention") if "sliding_attention" in kinds else len(kinds)
-    _require(
+    require(
         set(kinds[first:]) == {"sliding_attention"} or first == len(kinds),
         f"HF layer_types {kinds} unsupported: model.max_window_layers slides the last layers only",
     )
@@ -63,7 +59,7 @@ def head_dim_field(hf) -> int:
 
 
 def _moe_fields(hf) -> dict:
-    _require(
+    require(
         not hf.mlp_only_layers,
         f"HF mlp_only_layers={list(hf.mlp_only_layers)} unsupported (model.moe_every places "
         "every decoder_sparse_step-th layer only); set it []",
@@ -88,12 +84,12 @@ def qwen3_hf_config(cfg: ModelConfig, expert_ffn: int, d_ff: int, common: dict):
     if not cfg.n_experts:
         layers = {"max_window_layers": cfg.max_window_layers} if cfg.sliding_window else {}
         return Qwen3Config(intermediate_size=d_ff, **full, **layers, **common)
-    _require(
+    require(
         not cfg.sliding_window or cfg.max_window_layers == 0,
         "model.max_window_layers > 0: Qwen3-MoE slides every layer; set it 0 to export",
     )
-    _require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Qwen3-MoE has none; set 0")
-    _require(
+    require(cfg.moe_shared_experts == 0, "model.moe_shared_experts: Qwen3-MoE has none; set 0")
+    require(
         cfg.moe_capacity_factor == 0,
         "model.moe_capacity_factor > 0: Qwen3-MoE routes dropless; set it 0 to export",
     )
