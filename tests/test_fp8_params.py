@@ -96,3 +96,36 @@ def test_fp8_weights_take_the_same_steps(gloo_pool, world, dp, tp, extra):
 def test_fp8_weights_refuse_what_they_cannot_hold(tiny_cfg, overrides, names):
     with pytest.raises(ConfigError, match=names):
         tiny_cfg(*overrides)
+
+
+def run_losses(overrides: list[str], run_dir: str) -> list[float]:
+    """train.run on this rank (a pool worker): each step's loss."""
+    import train
+    from tests.parity import tiny_config
+
+    return [r["loss"] for r in train.run(tiny_config(overrides, run_dir))]
+
+
+@pytest.mark.spawn
+def test_fp8_weights_resume_and_are_resumed(gloo_pool, tmp_path):
+    """train.py's loop under dp2 zero=1 (evaluation, checkpoints, the end's hooks): a run with FP8
+    weights stopped at its step-2 checkpoint and resumed repeats the straight run bit for bit,
+    and so does a run without them resumed from that checkpoint (it holds the float32 main
+    params, no FP8 state), and the other way round."""
+    import shutil
+
+    pool = gloo_pool(2)
+    common = ["parallel.dp=2", "parallel.zero=1", "train.fp8=tensorwise", *BF16, *NO_CLIP,
+              "train.steps=4", "train.warmup=1", "log.progress=false", "checkpoint.interval=2",
+              "train.eval_interval=2"]  # fmt: skip
+    held, stop = ["train.fp8_params=true"], ["train.stop_at_step=2"]
+
+    def run(where: str, *extra: str) -> list[float]:
+        return pool.run(run_losses, [*common, *extra], str(tmp_path / where))[0]
+
+    full = run("full", *held)
+    first = run("split", *held, *stop)
+    shutil.copytree(tmp_path / "split", tmp_path / "to_plain")
+    assert first + run("split", *held) == full
+    assert first + run("to_plain") == full
+    assert run("from_plain", *stop) + run("from_plain", *held) == full
