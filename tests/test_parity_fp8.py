@@ -41,8 +41,9 @@ def fp8(recipe: str) -> list[str]:
     return [f"train.fp8={recipe}", LOW_LR]
 
 
-def pp(schedule: str, m: int) -> list[str]:
-    return [f"parallel.schedule={schedule}", "parallel.pp=2", f"parallel.microbatches={m}"]
+def pp(schedule: str, m: int, vpp: int = 1) -> list[str]:
+    return [f"parallel.schedule={schedule}", "parallel.pp=2", f"parallel.microbatches={m}",
+            f"parallel.vpp={vpp}"]  # fmt: skip
 
 
 CASES = {  # world -> [(id, dp, tp, overrides)]
@@ -58,6 +59,13 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-1f1b-rowwise", 1, 1, [*fp8("rowwise"), *pp("1f1b", 4)]),
         ("pp2-zb_h1-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("zb_h1", 4)]),
         ("pp2-zb_h1-blockwise", 1, 1, [*fp8("blockwise"), *pp("zb_h1", 4)]),
+        ("pp2-gpipe-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("gpipe", 4)]),
+        ("pp2-interleaved-rowwise", 1, 1, [*fp8("rowwise"), *pp("interleaved_1f1b", 4, 2)]),
+        ("pp2-zb_h2-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("zb_h2", 4)]),
+        ("pp2-zb_v-rowwise", 1, 1, [*fp8("rowwise"), *pp("zb_v", 2, 2)]),
+        ("pp2-v_half-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("v_half", 4, 2)]),
+        ("pp2-dualpipe-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("dualpipe", 4, 2)]),
+        ("pp2-dualpipe_v-rowwise", 1, 1, [*fp8("rowwise"), *pp("dualpipe_v", 4, 2)]),
         ("dp2-zero1-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=1"]),
         ("dp2-zero3-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=3"]),
         ("dp2-zero3-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=3"]),
