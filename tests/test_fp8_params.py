@@ -129,3 +129,20 @@ def test_fp8_weights_resume_and_are_resumed(gloo_pool, tmp_path):
     assert first + run("split", *held) == full
     assert first + run("to_plain") == full
     assert run("from_plain", *stop) + run("from_plain", *held) == full
+
+
+def test_the_planner_holds_fp8_weights_where_a_candidate_can(tiny_cfg):
+    """A config with train.fp8_params: the planner's candidates keep it where they hold FP8
+    weights under the distributed optimizer, drop it elsewhere (zero=0, no replicas, FP8 off),
+    and every candidate the rules allow stays in the space."""
+    from megapipe.perf.space import candidates
+
+    base = tiny_cfg(*BF16, "train.fp8=tensorwise", "train.fp8_params=true",
+                    "parallel.dp=2", "parallel.zero=1")  # fmt: skip
+    fixed = {"parallel.tp": 1, "parallel.cp": 1, "parallel.pp": 1}
+    every = candidates(base, 2, 2, fixed, fp8s=("none", "tensorwise"))
+    configs = [c.config(base) for c in every]  # none refused
+    assert {c.parallel.zero for c in configs} >= {0, 1}
+    for c in configs:
+        sharded = c.parallel.zero >= 1 and c.parallel.dp * c.parallel.cp > 1
+        assert c.train.fp8_params == (sharded and c.train.fp8 != "none")

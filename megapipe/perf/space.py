@@ -22,7 +22,8 @@ for costs (zb_v, zb_auto) above COSTS_BUILT_MAX of pp·m·vpp or COSTS_BUILT_MAX
 (their builders grow faster than linearly: seconds beyond; the summary counts them). A
 searched key given on the command line is held at its value (even outside these ranges);
 `balance`, `schedule_costs` and the rest keep the config's; so does train.fp8 (`candidates`'
-`fp8s` widens it), and parallel.grad_reduce_dtype under zero >= 1 (zero=0 all-reduces float32).
+`fp8s` widens it), train.fp8_params where the candidate can hold FP8 weights (FP8, zero >= 1,
+dp·cp > 1), and parallel.grad_reduce_dtype under zero >= 1 (zero=0 all-reduces float32).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class Candidate:
             grad_reduce_dtype=base.parallel.grad_reduce_dtype if self.zero else "float32",
         )
         rec = dataclasses.replace(base.recompute, mode=self.recompute)
-        train = dataclasses.replace(base.train, fp8=self.fp8)
+        # train.fp8_params where the candidate can hold FP8 weights (zero >= 1 with replicas)
+        held = base.train.fp8_params and self.fp8 != "none" and self.zero and self.dp * self.cp > 1
+        train = dataclasses.replace(base.train, fp8=self.fp8, fp8_params=bool(held))
         cfg = dataclasses.replace(base, parallel=par, recompute=rec, train=train)
         if check:
             validate(cfg)
