@@ -246,23 +246,47 @@ def memory_plan(
         acts = tuple(chunk_activations(cfg, b, device) for b in held)
         head = rank_head_transient(cfg, held, device, memory)
         back = max(chunk_backward_bytes(cfg, b, device) for b in held)
+        flight = (inflight[pp_rank], with_grads[pp_rank], with_b[pp_rank])
         for tp_rank in range(p.tp):
-            n = sum(chunk_params(b, tp_rank) for b in held)
-            gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
-            pair = grads_at_once(cfg, held, tp_rank, units or blocks_as_units(chunk_params), saved)
-            flight = (inflight[pp_rank], with_grads[pp_rank], with_b[pp_rank])
-            experts = sum(held_expert_params(cfg, b) for b in held)
-            at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
-            coord = (pp_rank, tp_rank)
-            r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
-            r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
-            extra = rank_extras(cfg, held, tp_rank, chunk_params, device, inflight[pp_rank])
-            r = replace(r, backward=back, **extra)
+            r = complete_rank(
+                cfg, (pp_rank, tp_rank), held, chunk_params,
+                (units or blocks_as_units(chunk_params), saved),
+                (acts, flight, head, back), device,
+            )  # fmt: skip
             if matrices is not None and is_muon(cfg):
                 mine = [m for b in held for m in matrices(b, tp_rank)]
-                r = replace(r, optimizer=muon_optimizer_bytes(n, mine, cfg, experts))
+                experts = sum(held_expert_params(cfg, b) for b in held)
+                r = replace(r, optimizer=muon_optimizer_bytes(r.params, mine, cfg, experts))
             ranks.append(r)
     return MemoryPlan(tuple(ranks), device)
+
+
+def complete_rank(
+    cfg: Config,
+    coord: tuple[int, int],
+    held: list[range],
+    chunk_params: ChunkParams,
+    grads: tuple,
+    stage: tuple,
+    device: str,
+) -> RankMemory:
+    """The RankMemory of the rank at `coord` (pp, tp) holding the chunks `held`, counting a
+    chunk's parameters with `chunk_params`; `grads`: (a chunk's weight units, a block's saved
+    bytes) for grads_at_once; `stage`: what its tp ranks share, (activations per chunk for one
+    microbatch, the microbatches in flight (peak, once the grads exist, once B's do), the LM
+    head's transient, the largest backward working set). Every caller that plans a rank's
+    memory (memory_plan, perf/bounds.Bounds.memory) builds it here."""
+    tp_rank = coord[1]
+    acts, flight, head, back = stage
+    n = sum(chunk_params(b, tp_rank) for b in held)
+    gathered = gathered_pair(cfg, held, tp_rank, chunk_params)
+    pair = grads_at_once(cfg, held, tp_rank, *grads)
+    experts = sum(held_expert_params(cfg, b) for b in held)
+    at_head = (head, head_gathered(cfg, held, tp_rank, chunk_params) if head else 0.0)
+    r = rank_memory(cfg, coord, n, gathered, acts, flight, experts, at_head, pair)
+    r = with_b_grads(cfg, r, rank_deferred_params(cfg, held), flight[2])
+    extra = rank_extras(cfg, held, tp_rank, chunk_params, device, flight[0])
+    return replace(r, backward=back, **extra)
 
 
 def rank_extras(

@@ -22,13 +22,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from megapipe.config import Config
 from megapipe.config.flops import held_expert_params, is_moe_layer
-from megapipe.config.grad_buckets import grads_at_once
 from megapipe.config.memory_backward import chunk_backward_bytes, weight_grads_queued
 from megapipe.config.memory_plan import (
     B_GRADS_AT,
@@ -39,14 +38,9 @@ from megapipe.config.memory_plan import (
     block_deferred,
     block_role,
     chunk_activations,
-    gathered_pair,
-    head_gathered,
+    complete_rank,
     live_change,
-    rank_deferred_params,
-    rank_extras,
     rank_head_transient,
-    rank_memory,
-    with_b_grads,
 )
 from megapipe.config.memory_terms import attention_path, segments
 from megapipe.config.muon_terms import optimizer_lower_bound
@@ -372,7 +366,6 @@ class Bounds:
                 with_b = self._with_b(cfg, n_seg, r, live)
             head = rank_head_transient(cfg, chunks, self.device, self.cluster.hbm_bytes)
             back = max(self._backward(cfg, mesh, blocks) for blocks in chunks)
-            experts = sum(held_expert_params(cfg, blocks) for blocks in chunks)
             count = functools.partial(self._chunk_params, cfg)
             units = functools.partial(self._units, cfg)
 
@@ -382,20 +375,12 @@ class Bounds:
                     self._acts[key] = chunk_activations(cfg, range(block, block + 1), self.device)
                 return self._acts[key]
 
-            seen = set()  # tp ranks holding as many parameters alike hold the same bytes
+            stage = (acts, (inflight, with_grads, with_b), head, back)
             for tp_rank in range(p.tp):
-                n = sum(self._chunk_params(cfg, blocks, tp_rank) for blocks in chunks)
-                gathered = gathered_pair(cfg, chunks, tp_rank, count)
-                at_head = (head, head_gathered(cfg, chunks, tp_rank, count) if head else 0.0)
-                pair = grads_at_once(cfg, chunks, tp_rank, units, saved)
-                extra = rank_extras(cfg, chunks, tp_rank, count, self.device, inflight)
-                if (n, gathered, at_head, pair, *extra.values()) in seen:
-                    continue
-                seen.add((n, gathered, at_head, pair, *extra.values()))
-                rank = rank_memory(cfg, (r, tp_rank), n, gathered, acts, (inflight, with_grads),
-                                   experts, at_head, pair)  # fmt: skip
-                rank = with_b_grads(cfg, rank, rank_deferred_params(cfg, chunks), with_b)
-                total = replace(rank, backward=back, **extra).peak
+                rank = complete_rank(
+                    cfg, (r, tp_rank), chunks, count, (units, saved), stage, self.device
+                )
+                total = rank.peak
                 if total > best:
                     best, where = total, (r, tp_rank)
         return best, where
