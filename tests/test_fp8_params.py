@@ -79,7 +79,10 @@ def test_fp8_weights_take_the_same_steps(gloo_pool, world, dp, tp, extra):
     [
         (["train.fp8_params=true", *BF16, "parallel.zero=1"], "train.fp8"),
         (["train.fp8_params=true", "train.fp8=tensorwise", "parallel.zero=1"], "params_dtype"),
-        (["train.fp8_params=true", "train.fp8=tensorwise", *BF16], "parallel.zero"),
+        (
+            ["train.fp8_params=true", "train.fp8=tensorwise", *BF16, "parallel.dp=2"],
+            "parallel.zero",
+        ),
         (
             [
                 "train.fp8_params=true",
@@ -146,3 +149,22 @@ def test_the_planner_holds_fp8_weights_where_a_candidate_can(tiny_cfg):
     for c in configs:
         sharded = c.parallel.zero >= 1 and c.parallel.dp * c.parallel.cp > 1
         assert c.train.fp8_params == (sharded and c.train.fp8 != "none")
+
+
+def test_search_takes_fp8_recipes(capsys, tmp_path):
+    """`tools/plan.py search --fp8 none,tensorwise`: both recipes ranked (the table's fp8
+    column), FP8 weights held where the candidate can (`+params`); an unknown recipe is one
+    line."""
+    from megapipe.cli import plan as plan_cli
+
+    base = ["--config", "configs/tiny.yaml", "--gpus", "2", "--gpu", "h100",
+            "--out", str(tmp_path / "best.yaml"), "--top", "400", "--train.fp8=tensorwise",
+            "--train.fp8_params=true", *(f"--{o}" for o in BF16)]  # fmt: skip
+    assert plan_cli.main(["search", *base, "--fp8", "none,tensorwise"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    fp8 = {(r[11], r[12]) for r in rows if len(r) > 12 and r[1].strip().isdigit()}
+    assert {("0", "-"), ("0", "tensorwise"), ("1", "tensorwise+params"), ("1", "-")} <= fp8
+    assert ("1", "tensorwise") not in fp8 and ("0", "tensorwise+params") not in fp8
+    assert plan_cli.main(["search", *base, "--fp8", "fp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fp8" in err and "tensorwise" in err

@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from megapipe.config import ConfigError, load_config
+from megapipe.config.fp8_checks import FP8_RECIPES
 from megapipe.perf import search as plan_search
 from megapipe.perf.cluster import ClusterError, cluster_names, load_cluster
 from megapipe.perf.model import project
@@ -109,6 +110,11 @@ def add_search_parser(sub) -> None:
     s.add_argument("--top", type=int, default=plan_search.TOP, help="rows to print")
     s.add_argument("--out", help="where to write the best config (default runs/plan/...)")
     s.add_argument(
+        "--fp8", default=None,
+        help="train.fp8 recipes to search, comma-separated (e.g. none,tensorwise,rowwise); "
+        "default: the config's",
+    )  # fmt: skip
+    s.add_argument(
         "--memory-margin", type=float, default=0.0,
         help="GiB per GPU kept free (CUDA context, NCCL buffers, fragmentation); default 0",
     )  # fmt: skip
@@ -139,6 +145,17 @@ def write_plan(result: plan_search.SearchResult, path: str, command: str) -> Non
     os.replace(tmp, path)
 
 
+def fp8_recipes(listed: str | None) -> tuple[str, ...] | None:
+    """--fp8's recipes (None: the config's train.fp8, held)."""
+    if listed is None:
+        return None
+    recipes = tuple(r.strip() for r in listed.split(",") if r.strip())
+    unknown = [r for r in recipes if r not in FP8_RECIPES]
+    if unknown or not recipes:
+        raise UsageError(f"--fp8 {listed!r}: list recipes among {', '.join(FP8_RECIPES)}")
+    return recipes
+
+
 def run_search(args: argparse.Namespace, overrides: list[str], argv: list[str]) -> int:
     cluster = load_cluster(args.gpu, args.gpus_per_node)
     if args.runtime not in RUNTIMES:
@@ -154,7 +171,7 @@ def run_search(args: argparse.Namespace, overrides: list[str], argv: list[str]) 
     cluster = dataclasses.replace(cluster, hbm_gib=cluster.hbm_gib - args.memory_margin)
     base, fixed = plan_search.base_config(args.config, overrides)
     result = plan_search.search(base, args.gpus, cluster, RUNTIMES[args.runtime],
-                                fixed=fixed, top=args.top)  # fmt: skip
+                                fixed=fixed, top=args.top, fp8s=fp8_recipes(args.fp8))  # fmt: skip
     command = "python tools/plan.py " + " ".join(argv)
     print(
         f"`{command}`: {args.gpus} x {cluster.gpu} ({cluster.gpus_per_node} per node, "

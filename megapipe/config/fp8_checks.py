@@ -39,10 +39,11 @@ def _check_fp8_params(cfg: Config) -> None:
         f"{name} keeps the high-precision weights as float32 main params: set "
         "train.params_dtype=bfloat16",
     )
-    require(
-        p.zero >= 1 and p.dp * p.cp > 1,
-        f"{name} needs the distributed optimizer's main params: parallel.zero 1-3 with "
-        f"dp x cp > 1 (here zero={p.zero}, dp x cp={p.dp * p.cp})",
+    require(  # without replicas nothing is sharded, whatever the level: nothing held either
+        p.zero >= 1 or p.dp * p.cp == 1,
+        f"{name} with parallel.zero=0 over dp x cp={p.dp * p.cp}: FP8 weights are cast from the "
+        "distributed optimizer's main params; set parallel.zero=1 (or 2; zero=3 does this "
+        "already)",
     )
     require(
         t.optimizer == "adamw",

@@ -168,13 +168,15 @@ def search(
     cal: Calibration = CALIBRATION,
     fixed: dict[str, Any] | None = None,
     top: int = TOP,
+    fp8s: tuple[str, ...] | None = None,
 ) -> SearchResult:
     """The `top` fastest candidates that pass the config rules and fit in the GPU's memory,
-    best first (module docstring). PlanError when there are none."""
+    best first (module docstring); `fp8s`: the train.fp8 recipes searched (None: the
+    config's). PlanError when there are none."""
     began, cpu = time.perf_counter(), time.process_time()
     fixed = fixed or {}
     check_world(gpus, fixed)
-    space = candidates(base, gpus, cluster.gpus_per_node, fixed)
+    space = candidates(base, gpus, cluster.gpus_per_node, fixed, fp8s=fp8s)
     state = _SearchState(base, cluster, runtime, cal, Bounds(base, cluster, runtime, cal), top)
     state.counts["candidates"] = len(space)
     state.seed(space)
@@ -390,6 +392,8 @@ def describe(c: Candidate) -> str:
         parts += [f"vpp={c.vpp}", f"schedule={c.schedule_label.replace(' ', ':')}"]
     parts += [f"microbatches={c.microbatches}", f"recompute={c.recompute}",
               f"sp={int(c.sequence_parallel)}", f"zero={c.zero}"]  # fmt: skip
+    if c.fp8 != "none":
+        parts.append(f"fp8={c.fp8}")
     if c.ep > 1:
         parts.append(f"ep={c.ep}")
     if c.dp_shard:
@@ -413,10 +417,11 @@ def markdown(result: SearchResult) -> str:
     """The ranking as a markdown table: mesh, schedule, memory, throughput and the breakdown
     (share of the step on the busiest pp rank)."""
     head = (
-        "| # | tp | pp | dp | cp | vpp | schedule | m | mbs | recompute | sp | zero | step s "
+        "| # | tp | pp | dp | cp | vpp | schedule | m | mbs | recompute | sp | zero | fp8 | step s "
         "| TFLOP/s | MFU | bubble | GiB | " + " | ".join(name for _, name in BREAKDOWN) + " |"
     )
-    rule = "|" + "---:|" * 6 + "---|" + "---:|" * 2 + "---|" + "---:|" * (8 + len(BREAKDOWN))
+    rule = "|" + "---:|" * 6 + "---|" + "---:|" * 2 + "---|" + "---:|" * 2 + "---|"
+    rule += "---:|" * (6 + len(BREAKDOWN))
     lines = [head, rule]
     for i, r in enumerate(result.ranked, 1):
         c, p = r.candidate, r.projection
@@ -425,11 +430,19 @@ def markdown(result: SearchResult) -> str:
         lines.append(
             f"| {i} | {c.tp} | {c.pp} | {c.dp} | {c.cp} | {c.vpp if c.pp > 1 else '-'} "
             f"| {c.schedule_label} | {c.microbatches} | {mbs} | {c.recompute} "
-            f"| {'on' if c.sequence_parallel else '-'} | {c.zero} | {p.step_time_s:.3g} "
+            f"| {'on' if c.sequence_parallel else '-'} | {c.zero} | {_fp8_label(r.config)} "
+            f"| {p.step_time_s:.3g} "
             f"| {p.tflops_per_gpu:.1f} | {p.mfu:.1%} | {p.bubble_fraction:.1%} "
             f"| {p.peak_memory_gib:.1f} | {parts} |"
         )
     return "\n".join(lines)
+
+
+def _fp8_label(cfg: Config) -> str:
+    """train.fp8's recipe, with `+params` where the candidate holds FP8 weights; `-`: none."""
+    if cfg.train.fp8 == "none":
+        return "-"
+    return cfg.train.fp8 + ("+params" if cfg.train.fp8_params else "")
 
 
 def summary(result: SearchResult) -> str:
