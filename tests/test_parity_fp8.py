@@ -67,6 +67,7 @@ CASES = {  # world -> [(id, dp, tp, overrides)]
         ("pp2-dualpipe-tensorwise", 1, 1, [*fp8("tensorwise"), *pp("dualpipe", 4, 2)]),
         ("pp2-dualpipe_v-rowwise", 1, 1, [*fp8("rowwise"), *pp("dualpipe_v", 4, 2)]),
         ("dp2-zero1-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=1"]),
+        ("dp2-zero2-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=2"]),
         ("dp2-zero3-tensorwise", 2, 1, [*fp8("tensorwise"), *MB2, "parallel.zero=3"]),
         ("dp2-zero3-rowwise", 2, 1, [*fp8("rowwise"), *MB2, "parallel.zero=3"]),
         ("dp2-zero3-blockwise", 2, 1, [*fp8("blockwise"), *MB2, "parallel.zero=3"]),
