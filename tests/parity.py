@@ -223,6 +223,7 @@ def train_case(
     grad_error: tuple[str, float] | None = None,
     grad_noise: float = 0.0,
     noise_seed: int = 0,
+    output_noise: bool = False,
 ) -> dict:
     """Train `steps` steps of the tiny config under its mesh, wired by the same `parallelize()` that
     train.py runs: per-step losses and grad norms, the final weights by logical name (this
@@ -232,7 +233,8 @@ def train_case(
     tests/util.py's bounds. `grad_error` (name, r): a planted bug, that parameter's grad off by
     a relative r (seeded noise), for tests that show the bounds still fail. `grad_noise` r:
     every parameter's grad perturbed by r of its RMS (seeded noise), the round-off twin of
-    reference_case."""
+    reference_case. `output_noise`: every tp linear's output perturbed too (_perturb_outputs),
+    the round-off of the sums a mesh orders otherwise before an FP8 cast."""
     import tempfile
 
     from megapipe.data.loader import build_data
@@ -247,6 +249,8 @@ def train_case(
     try:  # float64: every tensor the run makes without naming a dtype
         job = parallelize(cfg, mesh, "cpu", bucket_mb)
         _plant(job, init, grad_error, grad_noise, noise_seed)
+        if output_noise:
+            _perturb_outputs(job, seed=noise_seed)
         optimizer = job.optimizer()
         data = build_data(cfg.data, cfg.model, cfg.train.seed)
         losses, norms = [], []
@@ -284,6 +288,24 @@ def _plant(job, init, grad_error, grad_noise: float = 0.0, noise_seed: int = 0) 
     if grad_noise:
         for seed, param in enumerate(named.values()):
             _perturb(param, grad_noise, seed=1 + seed + 1000 * noise_seed, fresh=True)
+
+
+def _perturb_outputs(job, seed: int) -> None:
+    """Every tp linear's output y = x Wᵀ perturbed by u·√in of its RMS (seeded N(0, 1) noise,
+    fresh each call): the random-walk size of float32 summation's error over the `in` products
+    of each output (roundoff_noise's rule), which another order of the same sums (tp's partial
+    products, cp's merges) leaves before the next FP8 cast."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+
+    def hook(module, args, out):
+        r = FLOAT32_EPS * args[0].shape[-1] ** 0.5
+        z = torch.randn(out.shape, generator=gen).to(out.dtype)
+        return out + r * out.detach().float().pow(2).mean().sqrt().to(out.dtype) * z
+
+    for chunk in job.engine.chunks:
+        for module in chunk.modules():
+            if getattr(module, "tp_splits", None) is not None:
+                module.register_forward_hook(hook)
 
 
 def _perturb(param, r: float, seed: int, fresh: bool) -> None:
